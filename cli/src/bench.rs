@@ -1,0 +1,235 @@
+//! `flotilla bench fanout`: the cost of the script runtime per `agent()` call.
+//!
+//! In one process, against one coordinator and one in-process echo worker, it alternates two
+//! runs of N no-op agents:
+//! - **script**: a workflow script that fans out N `agent()` calls with `Promise.all`;
+//! - **baseline**: the same N calls pushed straight into a run engine by Rust code, without
+//!   the script runtime (same dispatcher, worker, journal and store).
+//!
+//! `script_overhead_us` = (median script time − median baseline time) / N, in microseconds.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use flotilla_coordinator::run::{self, EngineInit};
+use flotilla_coordinator::script::{HostReply, ScriptEnd, ScriptOp, ScriptShared};
+use flotilla_coordinator::store::records::WorkflowInfo;
+use flotilla_coordinator::workflows::NoWorkflows;
+use flotilla_coordinator::{LaunchRequest, RunSettings, RunStatus};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::embedded::Embedded;
+use crate::{config, fail};
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchKind,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchKind {
+    /// Fan out N no-op echo agents from a script vs. straight through the dispatcher.
+    Fanout(FanoutArgs),
+}
+
+#[derive(Debug, Args)]
+struct FanoutArgs {
+    /// Agent calls per run.
+    #[arg(long, default_value_t = 10_000)]
+    calls: u64,
+    /// Agents at once (worker slots and the run's cap).
+    #[arg(long, default_value_t = 64)]
+    concurrency: u32,
+    /// Measured rounds of each kind (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Object store for the runs' journals (memory:// keeps disk speed out of it).
+    #[arg(long, default_value = "memory://")]
+    store: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct FanoutReport {
+    calls: u64,
+    concurrency: u32,
+    rounds: u32,
+    store: String,
+    calls_per_s: f64,
+    baseline_calls_per_s: f64,
+    script_overhead_us: f64,
+    script_ms: Vec<f64>,
+    baseline_ms: Vec<f64>,
+}
+
+pub async fn run(args: BenchArgs) -> i32 {
+    match args.what {
+        BenchKind::Fanout(a) => match fanout(&a).await {
+            Ok(r) => {
+                if a.json {
+                    println!("{}", serde_json::to_string(&r).unwrap_or_default());
+                } else {
+                    println!(
+                        "fanout of {} calls (concurrency {}, {} rounds, median):\n  script   {:>10.0} calls/s\n  baseline {:>10.0} calls/s\n  script overhead {:.2} µs per agent() call",
+                        r.calls,
+                        r.concurrency,
+                        r.rounds,
+                        r.calls_per_s,
+                        r.baseline_calls_per_s,
+                        r.script_overhead_us
+                    );
+                }
+                0
+            }
+            Err(e) => fail(1, e),
+        },
+    }
+}
+
+fn settings(calls: u64, concurrency: u32) -> RunSettings {
+    RunSettings {
+        backend: "echo".into(),
+        concurrency,
+        max_agents: calls.max(1),
+        stagger_ms: 0,
+        ..RunSettings::default()
+    }
+}
+
+const SCRIPT: &str = "export const meta = { name: 'bench-fanout', description: 'N no-op agents at once' };\n\
+const n = args.n;\n\
+const calls = [];\n\
+for (let i = 0; i < n; i++) calls.push(agent('bench ' + i));\n\
+const results = await Promise.all(calls);\n\
+return results.length;\n";
+
+async fn script_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Duration, String> {
+    let start = Instant::now();
+    let handle = e
+        .coordinator
+        .launch(LaunchRequest {
+            source: SCRIPT.into(),
+            origin: Some("bench".into()),
+            args: Some(serde_json::json!({ "n": calls })),
+            settings: settings(calls, concurrency),
+            resume_from: None,
+            resolver: Arc::new(NoWorkflows),
+        })
+        .await
+        .map_err(|r| format!("bench script was refused: {r}"))?;
+    let report = handle.wait().await;
+    let took = start.elapsed();
+    if report.status != RunStatus::Completed || report.result != serde_json::json!(calls) {
+        return Err(format!(
+            "bench script run ended {} with result {} ({:?})",
+            report.status.as_str(),
+            report.result,
+            report.error
+        ));
+    }
+    Ok(took)
+}
+
+async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Duration, String> {
+    let start = Instant::now();
+    let (ops_tx, ops_rx) = mpsc::unbounded_channel();
+    let (reply_tx, mut reply_rx) = mpsc::unbounded_channel();
+    let init = EngineInit {
+        run_id: flotilla_coordinator::coordinator::new_run_id(),
+        workflow: WorkflowInfo {
+            name: "bench-baseline".into(),
+            description: "N no-op agents without a script".into(),
+        },
+        phases: Vec::new(),
+        settings: settings(calls, concurrency),
+        store: e.coordinator.store().clone(),
+        generation: 1,
+        dispatch: e.coordinator.dispatch().clone(),
+        resolver: Arc::new(NoWorkflows),
+        resume: None,
+        shared: Arc::new(ScriptShared::default()),
+        script_path: None,
+        parent_run_id: None,
+        write_result: false,
+    };
+    let handle = run::start(
+        init,
+        ops_rx,
+        Box::new(move |r: HostReply| {
+            let _ = reply_tx.send(r);
+        }),
+    );
+    for i in 0..calls {
+        let _ = ops_tx.send(ScriptOp::Agent {
+            id: i + 1,
+            prompt: format!("bench {i}"),
+            opts_json: "{}".into(),
+            group: String::new(),
+            child: String::new(),
+        });
+    }
+    let mut done = 0u64;
+    while done < calls {
+        match reply_rx.recv().await {
+            Some(HostReply::Agent { result: Ok(_), .. }) => done += 1,
+            Some(HostReply::Agent { result: Err(e), .. }) => {
+                return Err(format!("baseline call failed: {}", e.message));
+            }
+            Some(_) => {}
+            None => return Err("baseline engine ended early".into()),
+        }
+    }
+    let _ = ops_tx.send(ScriptOp::Finished(ScriptEnd::Returned(Some(
+        calls.to_string(),
+    ))));
+    let report = handle.wait().await;
+    let took = start.elapsed();
+    if report.status != RunStatus::Completed {
+        return Err(format!("baseline run ended {}", report.status.as_str()));
+    }
+    Ok(took)
+}
+
+fn median(v: &[Duration]) -> Duration {
+    let mut s = v.to_vec();
+    s.sort();
+    s[s.len() / 2]
+}
+
+async fn fanout(a: &FanoutArgs) -> Result<FanoutReport, String> {
+    if a.calls == 0 || a.rounds == 0 || a.concurrency == 0 {
+        return Err("--calls, --rounds and --concurrency must be at least 1".into());
+    }
+    let url = config::store_url(Some(a.store.clone()));
+    let workspace = std::env::temp_dir().join("flotilla-bench-workspace");
+    let e = Embedded::start(&url, a.concurrency, workspace, None).map_err(|e| e.to_string())?;
+    // Warm up both paths (thread pools, allocator, QuickJS).
+    let warm = a.calls.min(500);
+    script_round(&e, warm, a.concurrency).await?;
+    baseline_round(&e, warm, a.concurrency).await?;
+    let mut script = Vec::new();
+    let mut baseline = Vec::new();
+    for _ in 0..a.rounds {
+        baseline.push(baseline_round(&e, a.calls, a.concurrency).await?);
+        script.push(script_round(&e, a.calls, a.concurrency).await?);
+    }
+    e.shutdown();
+    let (s, b) = (median(&script), median(&baseline));
+    let n = a.calls as f64;
+    Ok(FanoutReport {
+        calls: a.calls,
+        concurrency: a.concurrency,
+        rounds: a.rounds,
+        store: url,
+        calls_per_s: n / s.as_secs_f64(),
+        baseline_calls_per_s: n / b.as_secs_f64(),
+        script_overhead_us: (s.as_secs_f64() - b.as_secs_f64()) * 1e6 / n,
+        script_ms: script.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
+        baseline_ms: baseline.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
+    })
+}

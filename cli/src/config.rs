@@ -1,0 +1,345 @@
+//! Run configuration: a TOML file, then `FLOTILLA_*` environment variables, then flags.
+//!
+//! Every run setting has a flag (`--stall-timeout 300ms`), an environment variable
+//! (`FLOTILLA_STALL_TIMEOUT=300ms`) and a config key (`stall_timeout = "300ms"`). Durations
+//! accept `300ms`, `5s`, `3m` (or plain milliseconds).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Args;
+use flotilla_coordinator::{ReplayMode, RunSettings};
+use serde::Deserialize;
+
+/// Settings flags shared by commands that start runs.
+#[derive(Debug, Args, Default)]
+pub struct SettingFlags {
+    /// Agent backend: echo (deterministic) or exec (a command per agent).
+    #[arg(long, env = "FLOTILLA_BACKEND")]
+    pub backend: Option<String>,
+    /// Command the exec backend runs per agent (`sh -c CMD`; prompt on stdin).
+    #[arg(long, env = "FLOTILLA_EXEC_CMD", value_name = "CMD")]
+    pub exec_cmd: Option<String>,
+    /// Default model for agents that name none.
+    #[arg(long, env = "FLOTILLA_MODEL")]
+    pub model: Option<String>,
+    /// Object store URL: file:///path (default: the user data directory) or memory://.
+    #[arg(long, env = "FLOTILLA_STORE")]
+    pub store: Option<String>,
+    /// Replay rule on resume: content (default) or prefix (Claude Code's ordered prefix).
+    #[arg(long, env = "FLOTILLA_REPLAY")]
+    pub replay: Option<String>,
+    /// Agents of the run that run at once (default 16).
+    #[arg(long, env = "FLOTILLA_CONCURRENCY")]
+    pub concurrency: Option<u32>,
+    /// Restart an attempt with no progress for this long (default 180s).
+    #[arg(long, env = "FLOTILLA_STALL_TIMEOUT", value_name = "DUR")]
+    pub stall_timeout: Option<String>,
+    /// Attempts per agent, stall restarts included (default 6).
+    #[arg(long, env = "FLOTILLA_ATTEMPTS")]
+    pub attempts: Option<u32>,
+    /// Structured-output submissions per agent (default 5).
+    #[arg(long, env = "FLOTILLA_SCHEMA_ATTEMPTS")]
+    pub schema_attempts: Option<u32>,
+    /// agent() calls per run (default 1000).
+    #[arg(long, env = "FLOTILLA_MAX_AGENTS")]
+    pub max_agents: Option<u64>,
+    /// Output-token budget of the run (`budget.total`).
+    #[arg(long, env = "FLOTILLA_BUDGET", value_name = "TOKENS")]
+    pub budget: Option<u64>,
+    /// Prefix-cache stagger cap (default 5000ms; 0 turns it off).
+    #[arg(long, env = "FLOTILLA_STAGGER", value_name = "DUR")]
+    pub stagger: Option<String>,
+    /// Memory limit of the script, in MiB (default 512).
+    #[arg(long, env = "FLOTILLA_SCRIPT_MEMORY", value_name = "MIB")]
+    pub script_memory: Option<u64>,
+    /// CPU time the script may use between awaits (default 10s).
+    #[arg(long, env = "FLOTILLA_SCRIPT_CPU", value_name = "DUR")]
+    pub script_cpu: Option<String>,
+    /// Directory searched first for saved workflows (repeatable).
+    #[arg(long = "workflows-dir", value_name = "DIR")]
+    pub workflows_dirs: Vec<PathBuf>,
+    /// Root of the agents' working directories.
+    #[arg(long, env = "FLOTILLA_WORKSPACE", value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
+}
+
+/// The TOML config file. Every field is optional; flags and environment win.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// Agent backend (`echo`, `exec`).
+    pub backend: Option<String>,
+    /// Command of the exec backend.
+    pub exec_cmd: Option<String>,
+    /// Default model.
+    pub model: Option<String>,
+    /// Object store URL.
+    pub store: Option<String>,
+    /// Replay rule on resume (`content`, `prefix`).
+    pub replay: Option<String>,
+    /// Agents of a run that run at once.
+    pub concurrency: Option<u32>,
+    /// Stall timeout (`300ms`, `3m`).
+    pub stall_timeout: Option<String>,
+    /// Attempts per agent.
+    pub attempts: Option<u32>,
+    /// Structured-output submissions per agent.
+    pub schema_attempts: Option<u32>,
+    /// agent() calls per run.
+    pub max_agents: Option<u64>,
+    /// Output-token budget per run.
+    pub budget: Option<u64>,
+    /// Prefix-cache stagger cap.
+    pub stagger: Option<String>,
+    /// Script memory limit in MiB.
+    pub script_memory: Option<u64>,
+    /// Script CPU limit between awaits.
+    pub script_cpu: Option<String>,
+    /// Saved-workflow directories searched first.
+    #[serde(default)]
+    pub workflows_dirs: Vec<PathBuf>,
+    /// Root of the agents' working directories.
+    pub workspace: Option<PathBuf>,
+}
+
+/// Everything `flotilla run` needs, validated.
+#[derive(Debug, Clone)]
+pub struct ResolvedRun {
+    pub source: String,
+    pub origin: String,
+    pub args: Option<serde_json::Value>,
+    pub settings: RunSettings,
+    pub resume: Option<String>,
+    pub store_url: String,
+    pub workspace: PathBuf,
+    pub exec_cmd: Option<String>,
+    pub workflows_dirs: Vec<PathBuf>,
+    pub cwd: PathBuf,
+}
+
+/// Parses a duration: `300ms`, `5s`, `3m`, `1h`, or a plain number of milliseconds.
+pub fn parse_duration(what: &str, s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if let Ok(ms) = s.parse::<u64>() {
+        return Ok(Duration::from_millis(ms));
+    }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{what} {s:?} is not a duration ({e}); use e.g. 300ms, 5s or 3m"))
+}
+
+fn read_config(path: Option<&Path>) -> Result<ConfigFile, String> {
+    let Some(path) = path else {
+        return Ok(ConfigFile::default());
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("config file {} is invalid: {e}", path.display()))
+}
+
+/// The default store: `file://` under the user's data directory.
+pub fn default_store() -> String {
+    let base = dirs::data_dir()
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .unwrap_or_else(std::env::temp_dir);
+    format!("file://{}", base.join("flotilla").display())
+}
+
+/// Turns a store flag into a URL; a bare path becomes `file://` (made absolute).
+pub fn store_url(flag: Option<String>) -> String {
+    match flag {
+        None => default_store(),
+        Some(s) if s.contains("://") => s,
+        Some(path) => {
+            let p = PathBuf::from(&path);
+            let abs = if p.is_absolute() {
+                p
+            } else {
+                std::env::current_dir().unwrap_or_default().join(p)
+            };
+            format!("file://{}", abs.display())
+        }
+    }
+}
+
+/// Merges file, environment and flags into run settings.
+pub fn settings_from(
+    flags: &SettingFlags,
+    file: &ConfigFile,
+) -> Result<(RunSettings, Option<String>, Option<String>, Option<PathBuf>), String> {
+    let mut s = RunSettings::default();
+    let pick_s = |f: &Option<String>, c: &Option<String>| f.clone().or_else(|| c.clone());
+    if let Some(b) = pick_s(&flags.backend, &file.backend) {
+        s.backend = b;
+    }
+    if let Some(m) = pick_s(&flags.model, &file.model) {
+        s.model = m;
+    }
+    if let Some(r) = pick_s(&flags.replay, &file.replay) {
+        s.replay = r.parse::<ReplayMode>()?;
+    }
+    if let Some(v) = flags.concurrency.or(file.concurrency) {
+        s.concurrency = v;
+    }
+    if let Some(v) = pick_s(&flags.stall_timeout, &file.stall_timeout) {
+        s.stall_timeout_ms = parse_duration("--stall-timeout", &v)?.as_millis() as u64;
+    }
+    if let Some(v) = flags.attempts.or(file.attempts) {
+        s.attempts = v;
+    }
+    if let Some(v) = flags.schema_attempts.or(file.schema_attempts) {
+        s.schema_attempts = v;
+    }
+    if let Some(v) = flags.max_agents.or(file.max_agents) {
+        s.max_agents = v;
+    }
+    if let Some(v) = flags.budget.or(file.budget) {
+        s.budget_tokens = Some(v);
+    }
+    if let Some(v) = pick_s(&flags.stagger, &file.stagger) {
+        s.stagger_ms = parse_duration("--stagger", &v)?.as_millis() as u64;
+    }
+    if let Some(v) = flags.script_memory.or(file.script_memory) {
+        s.script_memory_mb = v;
+    }
+    if let Some(v) = pick_s(&flags.script_cpu, &file.script_cpu) {
+        s.script_cpu_ms = parse_duration("--script-cpu", &v)?.as_millis() as u64;
+    }
+    match s.backend.as_str() {
+        "echo" | "exec" => {}
+        other => {
+            return Err(format!(
+                "unknown backend {other:?}: use --backend echo or --backend exec"
+            ));
+        }
+    }
+    let exec_cmd = pick_s(&flags.exec_cmd, &file.exec_cmd);
+    if s.backend == "exec" && exec_cmd.as_deref().is_none_or(|c| c.trim().is_empty()) {
+        return Err(
+            "--backend exec needs --exec-cmd CMD: the command each agent runs (prompt on stdin, result on stdout)"
+                .into(),
+        );
+    }
+    s.validate()?;
+    let store = pick_s(&flags.store, &file.store);
+    let workspace = flags.workspace.clone().or_else(|| file.workspace.clone());
+    Ok((s, exec_cmd, store, workspace))
+}
+
+/// Reads the script, args and settings of `flotilla run`.
+pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, String> {
+    let file = read_config(args.config.as_deref())?;
+    let (settings, exec_cmd, store, workspace) = settings_from(&args.settings, &file)?;
+    let store_url = store_url(store);
+    let cwd =
+        std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
+    let mut workflows_dirs = args.settings.workflows_dirs.clone();
+    workflows_dirs.extend(file.workflows_dirs.iter().cloned());
+
+    let json_args =
+        match (&args.args, &args.args_file) {
+            (Some(text), _) => Some(serde_json::from_str(text).map_err(|e| {
+                format!("--args is not valid JSON ({e}); pass e.g. --args '{{\"dir\":\"src\"}}'")
+            })?),
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read --args-file {}: {e}", path.display()))?;
+                Some(serde_json::from_str(&text).map_err(|e| {
+                    format!("--args-file {} is not valid JSON: {e}", path.display())
+                })?)
+            }
+            (None, None) => None,
+        };
+
+    let path = PathBuf::from(&args.script);
+    let (source, origin) =
+        if path.exists() || args.script.ends_with(".js") || args.script.contains('/') {
+            let source = std::fs::read_to_string(&path)
+                .map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
+            (source, path.display().to_string())
+        } else {
+            // A saved workflow's name.
+            let resolver =
+                flotilla_coordinator::workflows::DirResolver::standard(&cwd, &workflows_dirs);
+            let found = flotilla_coordinator::workflows::WorkflowResolver::resolve(
+                &resolver,
+                &flotilla_coordinator::workflows::WorkflowRef::Name(args.script.clone()),
+            )?;
+            (found.source, found.origin)
+        };
+    let workspace = workspace.unwrap_or_else(|| {
+        dirs::data_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("flotilla")
+            .join("workspaces")
+    });
+    Ok(ResolvedRun {
+        source,
+        origin,
+        args: json_args,
+        settings,
+        resume: args.resume.clone(),
+        store_url,
+        workspace,
+        exec_cmd,
+        workflows_dirs,
+        cwd,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_accept_units_and_plain_milliseconds() {
+        assert_eq!(
+            parse_duration("x", "300ms").unwrap(),
+            Duration::from_millis(300)
+        );
+        assert_eq!(parse_duration("x", "5s").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse_duration("x", "3m").unwrap(), Duration::from_secs(180));
+        assert_eq!(
+            parse_duration("x", "250").unwrap(),
+            Duration::from_millis(250)
+        );
+        assert!(
+            parse_duration("--stall-timeout", "soon")
+                .unwrap_err()
+                .contains("--stall-timeout")
+        );
+    }
+
+    #[test]
+    fn flags_override_the_config_file() {
+        let flags = SettingFlags {
+            concurrency: Some(4),
+            stall_timeout: Some("300ms".into()),
+            ..SettingFlags::default()
+        };
+        let file: ConfigFile =
+            toml::from_str("concurrency = 9\nattempts = 3\nstagger = \"0\"").unwrap();
+        let (s, _, _, _) = settings_from(&flags, &file).unwrap();
+        assert_eq!(s.concurrency, 4);
+        assert_eq!(s.attempts, 3);
+        assert_eq!(s.stagger_ms, 0);
+        assert_eq!(s.stall_timeout_ms, 300);
+        assert!(toml::from_str::<ConfigFile>("concurency = 1").is_err());
+    }
+
+    #[test]
+    fn exec_needs_a_command_and_unknown_backends_are_named() {
+        let flags = SettingFlags {
+            backend: Some("exec".into()),
+            ..SettingFlags::default()
+        };
+        let e = settings_from(&flags, &ConfigFile::default()).unwrap_err();
+        assert!(e.contains("--exec-cmd"), "{e}");
+        let flags = SettingFlags {
+            backend: Some("gpt".into()),
+            ..SettingFlags::default()
+        };
+        let e = settings_from(&flags, &ConfigFile::default()).unwrap_err();
+        assert!(e.contains("unknown backend \"gpt\""), "{e}");
+    }
+}

@@ -1,0 +1,108 @@
+//! The embedded mode: coordinator and one in-process worker in this process, leases in
+//! memory, storage from a URL (the local disk by default).
+//!
+//! The worker is attached through the same link messages a remote worker uses.
+
+use std::sync::Arc;
+
+use flotilla_coordinator::lease::memory::MemoryLeaseStore;
+use flotilla_coordinator::store;
+use flotilla_coordinator::workflows::DirResolver;
+use flotilla_coordinator::{Coordinator, LaunchRequest, Report};
+use flotilla_worker::backend::{echo::Echo, exec::Exec};
+use flotilla_worker::{AgentBackend, Worker, WorkerOptions, link_pair};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ResolvedRun;
+use crate::progress;
+
+/// A coordinator with an in-process worker.
+pub struct Embedded {
+    pub coordinator: Coordinator,
+    cancel: CancellationToken,
+}
+
+impl Embedded {
+    /// Starts a coordinator on `store_url` and one worker with `slots` slots.
+    pub fn start(
+        store_url: &str,
+        slots: u32,
+        workspace: std::path::PathBuf,
+        exec_cmd: Option<&str>,
+    ) -> anyhow::Result<Embedded> {
+        let store = store::open(store_url)?;
+        let coordinator = Coordinator::new(store, MemoryLeaseStore::new());
+        let mut backends: Vec<Arc<dyn AgentBackend>> = vec![Arc::new(Echo)];
+        if let Some(cmd) = exec_cmd {
+            backends.push(Arc::new(Exec::new(cmd)));
+        }
+        let worker = Worker::new(
+            WorkerOptions {
+                name: "local".into(),
+                slots,
+                workspace,
+                labels: Default::default(),
+            },
+            backends,
+        );
+        let (link, end) = link_pair();
+        coordinator.dispatch().attach(end);
+        let cancel = CancellationToken::new();
+        tokio::spawn(worker.run(link, cancel.child_token()));
+        Ok(Embedded {
+            coordinator,
+            cancel,
+        })
+    }
+
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+        self.coordinator.shutdown();
+    }
+}
+
+/// Runs one workflow to its end, showing progress, and returns its report.
+pub async fn run(r: ResolvedRun, mode: progress::Mode) -> anyhow::Result<Report> {
+    let embedded = Embedded::start(
+        &r.store_url,
+        r.settings.concurrency,
+        r.workspace.clone(),
+        r.exec_cmd.as_deref(),
+    )?;
+    let resolver = Arc::new(DirResolver::standard(&r.cwd, &r.workflows_dirs));
+    let launched = embedded
+        .coordinator
+        .launch(LaunchRequest {
+            source: r.source,
+            origin: Some(r.origin),
+            args: r.args,
+            settings: r.settings,
+            resume_from: r.resume,
+            resolver,
+        })
+        .await;
+    let handle = match launched {
+        Ok(h) => h,
+        Err(rejected) => {
+            embedded.shutdown();
+            let id = flotilla_coordinator::coordinator::new_run_id();
+            return Ok(Report::rejected(&id, rejected.workflow, rejected.message));
+        }
+    };
+    let view = progress::start(mode, handle.snapshot.clone());
+    let stopper = handle.stopper();
+    let interrupts = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("stopping the run (press Ctrl-C again to quit at once)");
+            let _ = stopper.send(flotilla_coordinator::run::Control::Stop);
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        }
+    });
+    let report = handle.wait().await;
+    interrupts.abort();
+    view.finish().await;
+    embedded.shutdown();
+    Ok(report)
+}

@@ -1,0 +1,177 @@
+//! `flotilla`: the command line.
+//!
+//! `flotilla run SCRIPT` runs a workflow in this process (the embedded mode: coordinator and
+//! an in-process worker, leases in memory, storage on the local disk). `runs` and `show` read
+//! stored runs; `bench` measures the runtime.
+//!
+//! Settings come from, in increasing precedence: a TOML file (`--config`), `FLOTILLA_*`
+//! environment variables, flags. See [`config`].
+
+mod bench;
+mod config;
+mod embedded;
+mod progress;
+mod stored;
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use flotilla_coordinator::{Report, RunStatus};
+
+/// Run dynamic workflows (Claude Code `Workflow` scripts) locally or on a fleet.
+#[derive(Debug, Parser)]
+#[command(name = "flotilla", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a workflow script in this process and print its result.
+    Run(RunArgs),
+    /// List stored runs.
+    Runs(ListArgs),
+    /// Print the report of a stored run.
+    Show(ShowArgs),
+    /// Measure the runtime (see `flotilla bench fanout --help`).
+    Bench(bench::BenchArgs),
+}
+
+/// Flags of `flotilla run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Script file to run (or the name of a saved workflow).
+    pub script: String,
+    /// `args` for the script, as JSON.
+    #[arg(long, conflicts_with = "args_file")]
+    pub args: Option<String>,
+    /// Read `args` from a JSON file.
+    #[arg(long, value_name = "FILE")]
+    pub args_file: Option<PathBuf>,
+    /// Print one JSON report on stdout instead of the result.
+    #[arg(long)]
+    pub json: bool,
+    /// Resume from an earlier run: completed calls are served from it (W51).
+    #[arg(long, value_name = "RUN_ID")]
+    pub resume: Option<String>,
+    #[command(flatten)]
+    pub settings: config::SettingFlags,
+    /// TOML config file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct ListArgs {
+    /// Object store URL (file:///path or memory://).
+    #[arg(long, env = "FLOTILLA_STORE")]
+    store: Option<String>,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct ShowArgs {
+    run_id: String,
+    /// Object store URL (file:///path or memory://).
+    #[arg(long, env = "FLOTILLA_STORE")]
+    store: Option<String>,
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("flotilla")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = rt.block_on(async move {
+        match cli.command {
+            Command::Run(args) => run(args).await,
+            Command::Runs(args) => stored::list(args.store, args.json).await,
+            Command::Show(args) => stored::show(args.store, &args.run_id, args.json).await,
+            Command::Bench(args) => bench::run(args).await,
+        }
+    });
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    ExitCode::from(code.clamp(0, 255) as u8)
+}
+
+/// Prints an error the way every command does, and returns the exit status.
+pub fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
+    eprintln!("error: {message}");
+    code
+}
+
+async fn run(args: RunArgs) -> i32 {
+    let resolved = match config::resolve_run(&args) {
+        Ok(r) => r,
+        Err(e) => return fail(2, e),
+    };
+    let json = args.json;
+    let bars = !json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    let lines = !json && !bars;
+    let report = match embedded::run(resolved, progress::Mode::pick(bars, lines)).await {
+        Ok(r) => r,
+        Err(e) => return fail(1, format!("{e:#}")),
+    };
+    print_report(&report, json)
+}
+
+/// Prints a finished run: the JSON report, or the result plus a summary line.
+fn print_report(report: &Report, json: bool) -> i32 {
+    let mut out = std::io::stdout().lock();
+    if json {
+        match serde_json::to_string_pretty(report) {
+            Ok(s) => {
+                let _ = writeln!(out, "{s}");
+            }
+            Err(e) => return fail(1, format!("cannot encode the report: {e}")),
+        }
+        return report.status.exit_code();
+    }
+    match report.status {
+        RunStatus::Rejected => {
+            eprintln!(
+                "error: {}",
+                report.error.as_deref().unwrap_or("the launch was refused")
+            );
+        }
+        _ => {
+            match &report.result {
+                serde_json::Value::Null => {}
+                serde_json::Value::String(s) => {
+                    let _ = writeln!(out, "{s}");
+                }
+                other => {
+                    let _ = writeln!(
+                        out,
+                        "{}",
+                        serde_json::to_string_pretty(other).unwrap_or_default()
+                    );
+                }
+            }
+            let _ = out.flush();
+            progress::summary(report);
+        }
+    }
+    report.status.exit_code()
+}

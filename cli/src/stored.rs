@@ -1,0 +1,131 @@
+//! `flotilla runs` and `flotilla show`: reading stored runs.
+
+use std::io::Write;
+
+use flotilla_coordinator::{history, store};
+
+use crate::{config, fail};
+
+pub async fn list(store_flag: Option<String>, json: bool) -> i32 {
+    let url = config::store_url(store_flag);
+    let store = match store::open(&url) {
+        Ok(s) => s,
+        Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    let runs = match history::list_runs(&store).await {
+        Ok(r) => r,
+        Err(e) => return fail(1, format!("cannot list runs in {url}: {e}")),
+    };
+    let mut out = std::io::stdout().lock();
+    if json {
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&runs).unwrap_or_default()
+        );
+        return 0;
+    }
+    if runs.is_empty() {
+        eprintln!("no runs in {url}");
+        return 0;
+    }
+    let _ = writeln!(
+        out,
+        "{:<18} {:<10} {:<7} {:<21} WORKFLOW",
+        "RUN", "STATUS", "AGENTS", "CREATED"
+    );
+    for r in runs {
+        let _ = writeln!(
+            out,
+            "{:<18} {:<10} {:<7} {:<21} {}",
+            r.run_id,
+            r.status.as_str(),
+            r.agents,
+            r.created,
+            r.workflow
+        );
+    }
+    0
+}
+
+pub async fn show(store_flag: Option<String>, run: &str, json: bool) -> i32 {
+    let url = config::store_url(store_flag);
+    let store = match store::open(&url) {
+        Ok(s) => s,
+        Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    let report = match history::load_report(&store, run).await {
+        Ok(r) => r,
+        Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    if json {
+        let _ = writeln!(
+            std::io::stdout().lock(),
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+        return 0;
+    }
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "run       {}", report.run_id);
+    let _ = writeln!(
+        out,
+        "workflow  {} — {}",
+        report.workflow.name, report.workflow.description
+    );
+    let _ = writeln!(out, "status    {}", report.status.as_str());
+    if let Some(p) = &report.parent_run_id {
+        let _ = writeln!(out, "resumed   from {p}");
+    }
+    if let Some(e) = &report.error {
+        let _ = writeln!(out, "error     {e}");
+    }
+    let u = &report.usage;
+    let _ = writeln!(
+        out,
+        "agents    {} ({} dispatched, {} cached, {} errors, {} attempts)",
+        u.agents, u.dispatched, u.cached, u.errors, u.attempts
+    );
+    let _ = writeln!(
+        out,
+        "tokens    {} in / {} out",
+        u.input_tokens, u.output_tokens
+    );
+    let _ = writeln!(out, "duration  {} ms", u.duration_ms);
+    for g in &report.groups {
+        let title = if g.title.is_empty() {
+            "(no phase)"
+        } else {
+            &g.title
+        };
+        let _ = writeln!(out, "\n[{title}]");
+        for a in report.agents.iter().filter(|a| a.group == g.title) {
+            let _ = writeln!(
+                out,
+                "  {:<9} {:<50} attempts {}{}{}",
+                a.status,
+                a.label,
+                a.attempts,
+                if a.cached { " cached" } else { "" },
+                a.error
+                    .as_ref()
+                    .map(|e| format!(" — {e}"))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    for l in &report.logs {
+        let _ = writeln!(out, "log: {l}");
+    }
+    for f in &report.failures {
+        let _ = writeln!(out, "failure: {f}");
+    }
+    if !report.result.is_null() {
+        let _ = writeln!(
+            out,
+            "\nresult:\n{}",
+            serde_json::to_string_pretty(&report.result).unwrap_or_default()
+        );
+    }
+    0
+}

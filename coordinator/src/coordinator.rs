@@ -1,0 +1,256 @@
+//! The coordinator service: launches runs and owns the dispatcher.
+//!
+//! [`Coordinator::launch`] checks a script before anything is stored — `meta`, module loading,
+//! determinism, syntax, settings, the resume source — so a refused launch leaves no trace and
+//! says why (W46). Then it stores the manifest and the script, starts the script thread and the
+//! run engine, and returns a [`RunHandle`].
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use flotilla_proto::ErrorKind;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::lease::LeaseStore;
+use crate::run::resume::{ResumeError, ResumeSource};
+use crate::run::{self, EngineInit, RunHandle};
+use crate::sched::{self, DispatchHandle};
+use crate::script::{self, ScriptInput, ScriptLimits, ScriptShared, runtime, source};
+use crate::settings::RunSettings;
+use crate::store::records::{Manifest, WorkflowInfo};
+use crate::store::{Store, keys};
+use crate::workflows::WorkflowResolver;
+
+/// A launch that was refused; nothing was stored.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct Rejected {
+    pub message: String,
+    pub kind: ErrorKind,
+    /// The workflow's name and description, when its `meta` could be read.
+    pub workflow: WorkflowInfo,
+}
+
+impl Rejected {
+    fn invalid(message: impl Into<String>, workflow: WorkflowInfo) -> Self {
+        Rejected {
+            message: message.into(),
+            kind: ErrorKind::Invalid,
+            workflow,
+        }
+    }
+}
+
+/// What to run.
+pub struct LaunchRequest {
+    /// The script's source text.
+    pub source: String,
+    /// Where it came from (a path or a saved workflow's name), for display.
+    pub origin: Option<String>,
+    /// `args` (W34); `None` is `undefined`.
+    pub args: Option<Value>,
+    pub settings: RunSettings,
+    /// Run to resume from (W51).
+    pub resume_from: Option<String>,
+    pub resolver: Arc<dyn WorkflowResolver>,
+}
+
+/// The coordinator.
+pub struct Coordinator {
+    store: Store,
+    dispatch: DispatchHandle,
+    leases: Arc<dyn LeaseStore>,
+    cancel: CancellationToken,
+    generation: u64,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Coordinator {
+    /// Starts a coordinator over a store and a lease store.
+    pub fn new(store: Store, leases: Arc<dyn LeaseStore>) -> Self {
+        let cancel = CancellationToken::new();
+        let dispatch = sched::spawn(leases.clone(), cancel.child_token());
+        Coordinator {
+            store,
+            dispatch,
+            leases,
+            cancel,
+            generation: 1,
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn dispatch(&self) -> &DispatchHandle {
+        &self.dispatch
+    }
+
+    pub fn leases(&self) -> &Arc<dyn LeaseStore> {
+        &self.leases
+    }
+
+    /// Stops the dispatcher and every worker link.
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Checks and starts a run.
+    pub async fn launch(&self, req: LaunchRequest) -> Result<RunHandle, Rejected> {
+        let prepared = source::prepare(&req.source)
+            .map_err(|e| Rejected::invalid(e.to_string(), WorkflowInfo::default()))?;
+        let workflow = WorkflowInfo {
+            name: prepared.meta.name.clone(),
+            description: prepared.meta.description.clone(),
+        };
+        req.settings.validate().map_err(|e| {
+            Rejected::invalid(format!("invalid run settings: {e}"), workflow.clone())
+        })?;
+        let body = script::runnable_body(&prepared);
+        runtime::check_syntax(&body).map_err(|e| Rejected::invalid(e.message, workflow.clone()))?;
+        let args_json = match &req.args {
+            None => None,
+            Some(v) => Some(serde_json::to_string(v).map_err(|e| {
+                Rejected::invalid(format!("args cannot be encoded: {e}"), workflow.clone())
+            })?),
+        };
+        let resume = match &req.resume_from {
+            None => None,
+            Some(parent) => match ResumeSource::load(&self.store, parent).await {
+                Ok((_, src)) => Some(src),
+                Err(e @ (ResumeError::NoSuchRun { .. } | ResumeError::NoResults { .. })) => {
+                    return Err(Rejected {
+                        message: e.to_string(),
+                        kind: ErrorKind::NotFound,
+                        workflow,
+                    });
+                }
+                Err(ResumeError::Store(e)) => {
+                    return Err(Rejected {
+                        message: format!("cannot read the run to resume: {e}"),
+                        kind: e.kind(),
+                        workflow,
+                    });
+                }
+            },
+        };
+
+        let run_id = new_run_id();
+        let manifest = Manifest {
+            run_id: run_id.clone(),
+            workflow: workflow.clone(),
+            script_sha256: hex::encode(Sha256::digest(req.source.as_bytes())),
+            script_origin: req.origin.clone(),
+            args: req.args.clone(),
+            settings: req.settings.clone(),
+            created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            parent_run_id: req.resume_from.clone(),
+            generation: self.generation,
+            flotilla_version: env!("CARGO_PKG_VERSION").into(),
+        };
+        let store_err = |e: crate::store::Error| Rejected {
+            message: format!("cannot store the run: {e}"),
+            kind: e.kind(),
+            workflow: workflow.clone(),
+        };
+        self.store
+            .put_create(&keys::script(&run_id), Bytes::from(req.source.clone()))
+            .await
+            .map_err(store_err)?;
+        let manifest_body = serde_json::to_vec_pretty(&manifest).map_err(|e| {
+            Rejected::invalid(format!("cannot encode the manifest: {e}"), workflow.clone())
+        })?;
+        self.store
+            .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
+            .await
+            .map_err(store_err)?;
+
+        let shared = Arc::new(ScriptShared::default());
+        let (ops_tx, ops_rx) = mpsc::unbounded_channel();
+        let input = ScriptInput {
+            body,
+            args_json,
+            budget_total: req.settings.budget_tokens,
+            limits: ScriptLimits {
+                memory_bytes: (req.settings.script_memory_mb as usize) << 20,
+                cpu: std::time::Duration::from_millis(req.settings.script_cpu_ms),
+                ..ScriptLimits::default()
+            },
+        };
+        let (reply_tx, _thread) =
+            runtime::spawn(input, ops_tx, shared.clone()).map_err(|e| Rejected {
+                message: format!("cannot start the script thread: {e}"),
+                kind: ErrorKind::Internal,
+                workflow: workflow.clone(),
+            })?;
+        let phases = prepared
+            .meta
+            .phases
+            .iter()
+            .map(|p| p.title.clone())
+            .collect();
+        let init = EngineInit {
+            run_id,
+            workflow,
+            phases,
+            settings: req.settings,
+            store: self.store.clone(),
+            generation: self.generation,
+            dispatch: self.dispatch.clone(),
+            resolver: req.resolver,
+            resume,
+            shared,
+            script_path: Some(self.store.display_path(&keys::script(&manifest.run_id))),
+            parent_run_id: req.resume_from,
+            write_result: true,
+        };
+        Ok(run::start(
+            init,
+            ops_rx,
+            Box::new(move |r| {
+                let _ = reply_tx.send(r);
+            }),
+        ))
+    }
+}
+
+/// A new run id: `wf_` + 8 hex + `-` + 3 hex, like Claude Code's (W45).
+pub fn new_run_id() -> String {
+    let mut b = [0u8; 6];
+    if getrandom::fill(&mut b).is_err() {
+        // Fall back to the clock and pid; ids only need to be unique, not secret.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let mixed = t ^ (u128::from(std::process::id()) << 64);
+        b.copy_from_slice(&mixed.to_le_bytes()[..6]);
+    }
+    let h = hex::encode(b);
+    format!("wf_{}-{}", &h[..8], &h[8..11])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_ids_have_the_claude_code_shape() {
+        let id = new_run_id();
+        assert_eq!(id.len(), 3 + 8 + 1 + 3, "{id}");
+        assert!(id.starts_with("wf_"));
+        assert_eq!(&id[11..12], "-");
+        assert_ne!(id, new_run_id());
+    }
+}

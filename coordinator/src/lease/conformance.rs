@@ -1,0 +1,137 @@
+//! The contract of `LeaseStore`, as one suite every implementation runs.
+//!
+//! Time passes through `tokio::time::sleep`, so the memory store runs it on a paused clock and
+//! a real store (etcd) runs it in real time. TTLs are long enough for etcd's minimum.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use super::{Error, LeaseStore, WatchEvent};
+
+const TTL: Duration = Duration::from_secs(3);
+
+/// Runs every check against one store. Keys are namespaced per call so the suite can run
+/// against a shared server.
+pub async fn run_all(store: &dyn LeaseStore) {
+    let ns = format!("/conformance/{}", std::process::id());
+    keys_live_while_the_lease_is_kept_alive(store, &ns).await;
+    expiry_deletes_every_key_and_is_watched(store, &ns).await;
+    revoke_deletes_at_once(store, &ns).await;
+    revisions_never_decrease(store, &ns).await;
+    campaign_has_one_holder(store, &ns).await;
+    writes_under_a_dead_lease_are_refused(store, &ns).await;
+}
+
+async fn keys_live_while_the_lease_is_kept_alive(store: &dyn LeaseStore, ns: &str) {
+    let lease = store.grant(TTL).await.unwrap();
+    let key = format!("{ns}/alive/a");
+    store.put(&key, b"1".to_vec(), Some(lease)).await.unwrap();
+    for _ in 0..4 {
+        tokio::time::sleep(TTL / 2).await;
+        store.keep_alive(lease).await.unwrap();
+    }
+    let kv = store
+        .get(&key)
+        .await
+        .unwrap()
+        .expect("kept-alive key is still there");
+    assert_eq!(kv.value, b"1");
+    assert_eq!(kv.lease, Some(lease));
+    store.revoke(lease).await.unwrap();
+}
+
+async fn expiry_deletes_every_key_and_is_watched(store: &dyn LeaseStore, ns: &str) {
+    let prefix = format!("{ns}/expiry/");
+    let mut watch = store.watch(&prefix).await.unwrap();
+    let lease = store.grant(TTL).await.unwrap();
+    for k in ["a", "b"] {
+        store
+            .put(&format!("{prefix}{k}"), k.as_bytes().to_vec(), Some(lease))
+            .await
+            .unwrap();
+    }
+    // Not before the TTL.
+    tokio::time::sleep(TTL / 2).await;
+    assert_eq!(store.list(&prefix).await.unwrap().len(), 2);
+    // Well after it (etcd may take a second longer than the TTL).
+    tokio::time::sleep(TTL * 2).await;
+    assert!(store.list(&prefix).await.unwrap().is_empty());
+    let mut deleted = Vec::new();
+    while deleted.len() < 2 {
+        match tokio::time::timeout(Duration::from_secs(10), watch.recv()).await {
+            Ok(Some(WatchEvent::Delete { key, .. })) => deleted.push(key),
+            Ok(Some(WatchEvent::Put(_))) => {}
+            other => panic!("watch ended before both deletions: {other:?}"),
+        }
+    }
+    deleted.sort();
+    assert_eq!(deleted, vec![format!("{prefix}a"), format!("{prefix}b")]);
+    assert_eq!(store.keep_alive(lease).await, Err(Error::LeaseGone(lease)));
+}
+
+async fn revoke_deletes_at_once(store: &dyn LeaseStore, ns: &str) {
+    let lease = store.grant(TTL).await.unwrap();
+    let key = format!("{ns}/revoke/a");
+    store.put(&key, b"x".to_vec(), Some(lease)).await.unwrap();
+    store.revoke(lease).await.unwrap();
+    assert!(store.get(&key).await.unwrap().is_none());
+}
+
+async fn revisions_never_decrease(store: &dyn LeaseStore, ns: &str) {
+    let key = format!("{ns}/rev/a");
+    let mut last = 0;
+    for i in 0..5u8 {
+        let rev = store.put(&key, vec![i], None).await.unwrap();
+        assert!(rev > last, "revision {rev} after {last}");
+        last = rev;
+    }
+    let other = store
+        .put(&format!("{ns}/rev/b"), vec![], None)
+        .await
+        .unwrap();
+    assert!(other > last);
+    assert_eq!(store.get(&key).await.unwrap().unwrap().mod_revision, last);
+    assert!(store.delete(&key).await.unwrap());
+    assert!(!store.delete(&key).await.unwrap());
+    store.delete(&format!("{ns}/rev/b")).await.unwrap();
+}
+
+async fn campaign_has_one_holder(store: &dyn LeaseStore, ns: &str) {
+    let key = format!("{ns}/owner");
+    let a = store.grant(TTL).await.unwrap();
+    let b = store.grant(TTL).await.unwrap();
+    assert!(
+        store
+            .campaign(&key, b"a".to_vec(), a)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        store
+            .campaign(&key, b"b".to_vec(), b)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    store.revoke(a).await.unwrap();
+    assert!(
+        store
+            .campaign(&key, b"b".to_vec(), b)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert_eq!(store.get(&key).await.unwrap().unwrap().value, b"b");
+    store.revoke(b).await.unwrap();
+}
+
+async fn writes_under_a_dead_lease_are_refused(store: &dyn LeaseStore, ns: &str) {
+    let lease = store.grant(TTL).await.unwrap();
+    store.revoke(lease).await.unwrap();
+    let res = store
+        .put(&format!("{ns}/dead/a"), vec![], Some(lease))
+        .await;
+    assert_eq!(res, Err(Error::LeaseGone(lease)));
+}

@@ -1,0 +1,107 @@
+//! The `LeaseStore` seam: leases with a TTL, keys attached to leases, revisions as fencing
+//! tokens, and a watch that reports keys as they vanish.
+//!
+//! Contract (checked by [`conformance`] against every implementation):
+//! - a lease never expires before its TTL has passed since its grant or its last keep-alive;
+//! - when a lease expires or is revoked, every key attached to it is deleted at once, and
+//!   watchers of a matching prefix see each deletion;
+//! - revisions never decrease: every write gets a revision greater than every earlier one, so
+//!   a key's revision is a fencing token;
+//! - `campaign` creates a key only if it is absent: at most one holder at a time.
+//!
+//! Implementations: [`memory::MemoryLeaseStore`] (embedded mode; time from tokio's clock, so
+//! tests can pause and advance it). The etcd implementation comes with the fleet.
+
+pub mod memory;
+
+#[cfg(test)]
+pub(crate) mod conformance;
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+/// A lease id.
+pub type LeaseId = i64;
+/// A store revision (fencing token).
+pub type Revision = i64;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Error {
+    #[error("lease {0} does not exist or has expired")]
+    LeaseGone(LeaseId),
+    #[error("lease store unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl Error {
+    pub fn kind(&self) -> flotilla_proto::ErrorKind {
+        match self {
+            Error::LeaseGone(_) => flotilla_proto::ErrorKind::Fenced,
+            Error::Unavailable(_) => flotilla_proto::ErrorKind::Unavailable,
+        }
+    }
+}
+
+/// A key with its value and revisions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    pub key: String,
+    pub value: Vec<u8>,
+    /// Revision of the last write of this key.
+    pub mod_revision: Revision,
+    pub lease: Option<LeaseId>,
+}
+
+/// What a watch reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchEvent {
+    Put(KeyValue),
+    Delete { key: String, revision: Revision },
+}
+
+/// The lease seam.
+#[async_trait::async_trait]
+pub trait LeaseStore: Send + Sync + 'static {
+    /// Grants a lease that lives `ttl` unless kept alive.
+    async fn grant(&self, ttl: Duration) -> Result<LeaseId, Error>;
+    /// Renews a lease for another TTL.
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), Error>;
+    /// Ends a lease now, deleting its keys.
+    async fn revoke(&self, lease: LeaseId) -> Result<(), Error>;
+    /// Writes a key, optionally attached to a lease; returns its new revision.
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    ) -> Result<Revision, Error>;
+    /// Creates a key under a lease only if it does not exist; `None` when someone holds it.
+    async fn campaign(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: LeaseId,
+    ) -> Result<Option<Revision>, Error>;
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, Error>;
+    /// Every key under a prefix, in key order.
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, Error>;
+    /// Deletes a key; returns whether it existed.
+    async fn delete(&self, key: &str) -> Result<bool, Error>;
+    /// Reports puts and deletes of keys under a prefix from now on.
+    async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error>;
+}
+
+/// The etcd key layout (design.md, "etcd keys").
+pub mod keys {
+    pub fn worker(worker: &str) -> String {
+        format!("/flotilla/workers/{worker}")
+    }
+    pub const WORKERS: &str = "/flotilla/workers/";
+    pub fn attempt(run: &str, call: u64) -> String {
+        format!("/flotilla/attempts/{run}/{call}")
+    }
+    pub fn run_owner(run: &str) -> String {
+        format!("/flotilla/runs/{run}/owner")
+    }
+}

@@ -1,0 +1,26 @@
+//! `flotilla-coordinator`: runs workflow scripts and owns their runs.
+//!
+//! - [`script`]: the QuickJS runtime on its own thread, static reading of scripts.
+//! - [`run`]: one engine per run: calls, keys, resume, journal, report.
+//! - [`sched`]: the dispatcher: queues, limits, stagger, stalls, usage-limit waits, fencing.
+//! - [`store`]: object storage layout and the group-committed journal.
+//! - [`lease`]: the `LeaseStore` seam (memory now; etcd with the fleet).
+//! - [`coordinator`]: launching runs.
+//!
+//! Start reading at [`coordinator::Coordinator::launch`], then [`run::RunEngine::run`].
+
+pub mod coordinator;
+pub mod history;
+pub mod lease;
+pub mod report;
+pub mod run;
+pub mod sched;
+pub mod script;
+pub mod settings;
+pub mod spec;
+pub mod store;
+pub mod workflows;
+
+pub use coordinator::{Coordinator, LaunchRequest, Rejected};
+pub use report::{Report, RunStatus};
+pub use settings::{ReplayMode, RunSettings};

@@ -1,0 +1,141 @@
+//! The run report: what `flotilla run --json` prints, what `result.json` stores, and what
+//! `flotilla show` reads back. It is also the per-agent census (W81): every accepted `agent()`
+//! call with its status, attempts and the error that made it `null` or throw.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::store::records::WorkflowInfo;
+
+/// How a run ended (or stands).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Pending,
+    Running,
+    Completed,
+    Failed,
+    Stopped,
+    /// The launch was refused (syntax or `meta` error, bad args, nothing to resume).
+    Rejected,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Pending => "pending",
+            RunStatus::Running => "running",
+            RunStatus::Completed => "completed",
+            RunStatus::Failed => "failed",
+            RunStatus::Stopped => "stopped",
+            RunStatus::Rejected => "rejected",
+        }
+    }
+
+    /// Process exit status for a run that ended this way.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            RunStatus::Completed => 0,
+            RunStatus::Rejected => 2,
+            _ => 1,
+        }
+    }
+
+    pub fn is_final(self) -> bool {
+        !matches!(self, RunStatus::Pending | RunStatus::Running)
+    }
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    pub run_id: String,
+    pub status: RunStatus,
+    pub result: Value,
+    pub error: Option<String>,
+    pub workflow: WorkflowInfo,
+    pub usage: ReportUsage,
+    pub agents: Vec<AgentReport>,
+    pub groups: Vec<GroupReport>,
+    pub logs: Vec<String>,
+    pub failures: Vec<String>,
+    pub script_path: Option<String>,
+    #[serde(default)]
+    pub parent_run_id: Option<String>,
+    #[serde(default)]
+    pub store: Option<String>,
+}
+
+/// Run-wide counters.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ReportUsage {
+    /// Accepted `agent()` calls.
+    pub agents: u64,
+    /// Calls sent to a backend at least once (not served by resume).
+    pub dispatched: u64,
+    /// Calls served from the resume source.
+    pub cached: u64,
+    /// Backend sessions started (restarts included).
+    pub attempts: u64,
+    /// Calls that resolved `null` or threw.
+    pub errors: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    #[serde(default)]
+    pub cost_usd: f64,
+    pub duration_ms: u64,
+}
+
+/// One accepted `agent()` call.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AgentReport {
+    pub label: String,
+    pub group: String,
+    /// `completed`, `failed` or `cancelled`.
+    pub status: String,
+    pub attempts: u32,
+    pub cached: bool,
+    /// When it took a worker slot (served, for a cached call), ms since the run started.
+    pub start_ms: Option<u64>,
+    /// When its slot was freed, ms since the run started.
+    pub end_ms: Option<u64>,
+    pub error: Option<String>,
+    #[serde(default)]
+    pub index: u64,
+    #[serde(default)]
+    pub key: String,
+    #[serde(default)]
+    pub model: String,
+    #[serde(default)]
+    pub input_tokens: u64,
+    #[serde(default)]
+    pub output_tokens: u64,
+}
+
+/// A progress group, in display order (declared `meta.phases` first).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GroupReport {
+    pub title: String,
+    pub agents: Vec<String>,
+}
+
+impl Report {
+    /// The report of a launch that was refused before anything ran.
+    pub fn rejected(run_id: &str, workflow: WorkflowInfo, error: String) -> Report {
+        Report {
+            run_id: run_id.to_owned(),
+            status: RunStatus::Rejected,
+            result: Value::Null,
+            error: Some(error),
+            workflow,
+            usage: ReportUsage::default(),
+            agents: Vec::new(),
+            groups: Vec::new(),
+            logs: Vec::new(),
+            failures: Vec::new(),
+            script_path: None,
+            parent_run_id: None,
+            store: None,
+        }
+    }
+}

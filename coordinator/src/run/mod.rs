@@ -1,0 +1,1078 @@
+//! The run engine: one actor per run that owns its state.
+//!
+//! It takes [`ScriptOp`]s from the script thread (or from a benchmark driver), turns each
+//! `agent()` into a call — checking the agent cap, options, schema (W15) and budget, computing
+//! the call key, serving it from the resume source when it can — and submits the rest to the
+//! dispatcher. It follows every call through [`CallEvent`]s, journals completed results and
+//! settles the script's promises.
+//!
+//! Invariants:
+//! - a result reaches the script only after the journal segment holding it is durable;
+//! - every accepted call ends `completed`, `failed` or `cancelled` in the report;
+//! - the report counts `agents = dispatched + cached + (calls rejected before dispatch)`.
+//!
+//! Start at [`RunEngine::run`].
+
+pub mod resume;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+
+use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus};
+use crate::sched::{
+    CallEvent, CallFailure, CallResult, DispatchHandle, Retry, RunRegistration, Ticket,
+};
+use crate::script::{self, HostError, HostReply, ScriptEnd, ScriptOp, ScriptShared, source};
+use crate::settings::{ReplayMode, RunSettings};
+use crate::spec::{CallSpec, call_key};
+use crate::store::journal::{EventLog, Journal, JournalAck};
+use crate::store::records::{CallRecord, EventRecord, RunEvent, UsageRecord, WorkflowInfo};
+use crate::store::{Store, keys};
+use crate::workflows::{WorkflowRef, WorkflowResolver};
+use resume::ResumeSource;
+
+/// How often the live snapshot is refreshed while something changes.
+const SNAPSHOT_EVERY: Duration = Duration::from_millis(100);
+/// How long a stopped run waits for its script thread before it finishes anyway.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Requests from outside the run.
+#[derive(Debug)]
+pub enum Control {
+    /// Stop the whole run (W55): nothing counts as failed, pending promises never settle.
+    Stop,
+}
+
+/// Live view of a run for progress displays.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub run_id: String,
+    pub workflow: WorkflowInfo,
+    pub status: Option<RunStatus>,
+    pub elapsed_ms: u64,
+    pub groups: Vec<GroupProgress>,
+    pub logs: Vec<String>,
+    pub agents: u64,
+    pub done: u64,
+    pub failed: u64,
+    pub running: u64,
+    pub cached: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// A usage-limit wait in progress, if any.
+    pub waiting: Option<String>,
+}
+
+/// Progress of one group.
+#[derive(Debug, Clone, Default)]
+pub struct GroupProgress {
+    pub title: String,
+    pub total: u64,
+    pub done: u64,
+    pub failed: u64,
+    pub running: u64,
+    pub output_tokens: u64,
+}
+
+/// Handle of a launched run.
+#[derive(Debug)]
+pub struct RunHandle {
+    pub run_id: String,
+    pub snapshot: watch::Receiver<Arc<Snapshot>>,
+    control: mpsc::UnboundedSender<Control>,
+    report: oneshot::Receiver<Report>,
+}
+
+impl RunHandle {
+    pub fn stop(&self) {
+        let _ = self.control.send(Control::Stop);
+    }
+
+    /// A sender that can stop the run from elsewhere.
+    pub fn stopper(&self) -> mpsc::UnboundedSender<Control> {
+        self.control.clone()
+    }
+
+    /// Waits for the run to end.
+    pub async fn wait(self) -> Report {
+        match self.report.await {
+            Ok(r) => r,
+            Err(_) => Report::rejected(
+                &self.run_id,
+                WorkflowInfo::default(),
+                "the run engine ended without a report (a bug)".into(),
+            ),
+        }
+    }
+}
+
+/// Where replies to the script go.
+pub type ReplySink = Box<dyn Fn(HostReply) + Send>;
+
+/// Everything a run engine starts from.
+pub struct EngineInit {
+    pub run_id: String,
+    pub workflow: WorkflowInfo,
+    pub phases: Vec<String>,
+    pub settings: RunSettings,
+    pub store: Store,
+    pub generation: u64,
+    pub dispatch: DispatchHandle,
+    pub resolver: Arc<dyn WorkflowResolver>,
+    pub resume: Option<ResumeSource>,
+    pub shared: Arc<ScriptShared>,
+    pub script_path: Option<String>,
+    pub parent_run_id: Option<String>,
+    /// Write `result.json` at the end (off for benchmarks).
+    pub write_result: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Status {
+    Queued,
+    Running,
+    /// Completed by the backend (or served by resume), waiting for the journal.
+    Journaling,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+struct Call {
+    script_id: u64,
+    key: String,
+    label: String,
+    group: String,
+    model: String,
+    status: Status,
+    cached: bool,
+    cached_from: Option<String>,
+    attempts: u32,
+    start_ms: Option<u64>,
+    end_ms: Option<u64>,
+    error: Option<String>,
+    usage: UsageRecord,
+    live_tokens: u64,
+    worker: Option<Arc<str>>,
+    result: Option<Value>,
+    chunks: HashMap<u32, u32>,
+}
+
+/// The engine of one run.
+pub struct RunEngine {
+    init: EngineInit,
+    run: Arc<str>,
+    started: Instant,
+    reply: ReplySink,
+    calls: Vec<Call>,
+    occurrences: HashMap<String, u32>,
+    prefix_intact: bool,
+    groups: Vec<String>,
+    logs: Vec<String>,
+    failures: Vec<String>,
+    usage: UsageRecord,
+    attempts_total: u64,
+    schema_checks: HashMap<String, Result<(), String>>,
+    journal: Option<Journal>,
+    journal_task: Option<tokio::task::JoinHandle<()>>,
+    events: EventLog,
+    status: RunStatus,
+    error: Option<String>,
+    result: Value,
+    stopping: bool,
+    waiting: Option<String>,
+    snapshot: watch::Sender<Arc<Snapshot>>,
+    dirty: bool,
+    transcripts: tokio_util::task::TaskTracker,
+    transcript_slots: Arc<tokio::sync::Semaphore>,
+}
+
+/// Starts a run engine. Script ops come in on `ops`; replies go out through `reply`.
+pub fn start(
+    init: EngineInit,
+    ops: mpsc::UnboundedReceiver<ScriptOp>,
+    reply: ReplySink,
+) -> RunHandle {
+    let run_id = init.run_id.clone();
+    let (snap_tx, snap_rx) = watch::channel(Arc::new(Snapshot {
+        run_id: run_id.clone(),
+        workflow: init.workflow.clone(),
+        status: Some(RunStatus::Running),
+        ..Snapshot::default()
+    }));
+    let (control_tx, control_rx) = mpsc::unbounded_channel();
+    let (report_tx, report_rx) = oneshot::channel();
+    let engine = RunEngine::new(init, reply, snap_tx);
+    tokio::spawn(async move {
+        let report = engine.run(ops, control_rx).await;
+        let _ = report_tx.send(report);
+    });
+    RunHandle {
+        run_id,
+        snapshot: snap_rx,
+        control: control_tx,
+        report: report_rx,
+    }
+}
+
+impl RunEngine {
+    fn new(init: EngineInit, reply: ReplySink, snapshot: watch::Sender<Arc<Snapshot>>) -> Self {
+        let run: Arc<str> = Arc::from(init.run_id.as_str());
+        let events = EventLog::spawn(init.store.clone(), init.run_id.clone(), init.generation);
+        let groups = init.phases.clone();
+        RunEngine {
+            run,
+            started: Instant::now(),
+            reply,
+            calls: Vec::new(),
+            occurrences: HashMap::new(),
+            prefix_intact: true,
+            groups,
+            logs: Vec::new(),
+            failures: Vec::new(),
+            usage: UsageRecord::default(),
+            attempts_total: 0,
+            schema_checks: HashMap::new(),
+            journal: None,
+            journal_task: None,
+            events,
+            status: RunStatus::Running,
+            error: None,
+            result: Value::Null,
+            stopping: false,
+            waiting: None,
+            snapshot,
+            dirty: true,
+            transcripts: tokio_util::task::TaskTracker::new(),
+            transcript_slots: Arc::new(tokio::sync::Semaphore::new(32)),
+            init,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    fn event(&mut self, event: RunEvent) {
+        self.dirty = true;
+        self.events.push(EventRecord {
+            t: self.now_ms(),
+            event,
+        });
+    }
+
+    /// Runs until the script ends (or the run is stopped) and returns the report.
+    pub async fn run(
+        mut self,
+        mut ops: mpsc::UnboundedReceiver<ScriptOp>,
+        mut control: mpsc::UnboundedReceiver<Control>,
+    ) -> Report {
+        let (call_tx, mut call_rx) = mpsc::unbounded_channel();
+        let (ack_tx, mut ack_rx) = mpsc::unbounded_channel();
+        let (journal, journal_task) = Journal::spawn(
+            self.init.store.clone(),
+            self.init.run_id.clone(),
+            self.init.generation,
+            ack_tx,
+        );
+        self.journal = Some(journal);
+        self.journal_task = Some(journal_task);
+        self.init.dispatch.register(RunRegistration {
+            run_id: self.run.clone(),
+            concurrency: self.init.settings.concurrency as usize,
+            stall_timeout: Duration::from_millis(self.init.settings.stall_timeout_ms),
+            max_attempts: self.init.settings.attempts,
+            stagger: Duration::from_millis(self.init.settings.stagger_ms),
+            budget_total: self.init.settings.budget_tokens,
+            shared: self.init.shared.clone(),
+            events: call_tx,
+        });
+        self.event(RunEvent::Status {
+            status: "running".into(),
+            error: None,
+        });
+        for g in self.groups.clone() {
+            self.event(RunEvent::Group { title: g });
+        }
+
+        let mut tick = tokio::time::interval(SNAPSHOT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut stop_deadline: Option<Instant> = None;
+        let end: ScriptEnd = loop {
+            tokio::select! {
+                biased;
+                ack = ack_rx.recv() => {
+                    if let Some(ack) = ack { self.on_ack(ack); }
+                }
+                ev = call_rx.recv() => {
+                    if let Some(ev) = ev { self.on_call_event(ev); }
+                }
+                op = ops.recv() => match op {
+                    Some(ScriptOp::Finished(end)) => break end,
+                    Some(op) => self.on_op(op),
+                    None => break ScriptEnd::Failed(script::ScriptFailure {
+                        kind: script::FailureKind::Internal,
+                        message: "the script thread ended without a result".into(),
+                        line: None,
+                    }),
+                },
+                c = control.recv(), if stop_deadline.is_none() => {
+                    if let Some(Control::Stop) = c {
+                        self.begin_stop();
+                        stop_deadline = Some(Instant::now() + STOP_GRACE);
+                    }
+                }
+                _ = tick.tick() => {
+                    if stop_deadline.is_some_and(|d| Instant::now() >= d) {
+                        break ScriptEnd::Failed(script::ScriptFailure {
+                            kind: script::FailureKind::Stopped,
+                            message: "the run was stopped".into(),
+                            line: None,
+                        });
+                    }
+                    self.publish();
+                }
+            }
+        };
+        self.finish(end, &mut ack_rx).await
+    }
+
+    fn begin_stop(&mut self) {
+        if self.stopping {
+            return;
+        }
+        self.stopping = true;
+        self.init.shared.stop.store(true, Ordering::Relaxed);
+        (self.reply)(HostReply::Stop);
+        self.init.dispatch.close_run(&self.run);
+        let now = self.now_ms();
+        for c in &mut self.calls {
+            if matches!(c.status, Status::Queued | Status::Running) {
+                c.status = Status::Cancelled;
+                c.end_ms.get_or_insert(now);
+            }
+        }
+    }
+
+    fn reject(&self, id: u64, code: &'static str, message: impl Into<String>) {
+        (self.reply)(HostReply::Agent {
+            id,
+            result: Err(HostError::new(code, message)),
+        });
+    }
+
+    fn ensure_group(&mut self, title: &str) {
+        if !self.groups.iter().any(|g| g == title) {
+            self.groups.push(title.to_owned());
+            self.event(RunEvent::Group {
+                title: title.to_owned(),
+            });
+        }
+    }
+
+    fn on_op(&mut self, op: ScriptOp) {
+        match op {
+            ScriptOp::Agent {
+                id,
+                prompt,
+                opts_json,
+                group,
+                child: _,
+            } => self.on_agent(id, prompt, &opts_json, group),
+            ScriptOp::Phase(title) => self.ensure_group(&title),
+            ScriptOp::Log(line) => {
+                self.logs.push(line.clone());
+                self.event(RunEvent::Log { line });
+            }
+            ScriptOp::Failure(line) => {
+                self.failures.push(line.clone());
+                self.event(RunEvent::Failure { line });
+            }
+            ScriptOp::ResolveWorkflow { id, reference } => {
+                let result = WorkflowRef::from_json(&reference)
+                    .and_then(|r| self.init.resolver.resolve(&r))
+                    .and_then(|found| {
+                        let prepared = source::prepare(&found.source)
+                            .map_err(|e| format!("workflow {:?} cannot run: {e}", found.name))?;
+                        Ok((found.name, script::runnable_body(&prepared)))
+                    })
+                    .map_err(|e| HostError::new("WORKFLOW_NOT_FOUND", e));
+                (self.reply)(HostReply::Workflow { id, result });
+            }
+            ScriptOp::Finished(_) => {}
+        }
+    }
+
+    fn on_agent(&mut self, id: u64, prompt: String, opts_json: &str, group: String) {
+        if self.stopping {
+            return;
+        }
+        let max = self.init.settings.max_agents;
+        if self.calls.len() as u64 >= max {
+            self.reject(
+                id,
+                "AGENT_CAP",
+                format!(
+                    "agent cap reached: this run already started {max} agents (the limit per run, set with --max-agents); \
+                     a loop over budget.remaining() never ends without a budget — cap the iterations or set --budget"
+                ),
+            );
+            return;
+        }
+        let spec = match CallSpec::parse(
+            prompt,
+            opts_json,
+            &self.init.settings.backend,
+            &self.init.settings.model,
+        ) {
+            Ok(s) => s,
+            Err(e) => {
+                self.reject(id, "INVALID_OPTION", e);
+                return;
+            }
+        };
+        if let Some(schema) = &spec.schema {
+            let text = schema.to_string();
+            let check = self
+                .schema_checks
+                .entry(text)
+                .or_insert_with(|| flotilla_proto::schema::preflight(schema))
+                .clone();
+            if let Err(e) = check {
+                self.reject(
+                    id,
+                    "SCHEMA_INVALID",
+                    format!("agent() schema rejected before start: {e}"),
+                );
+                return;
+            }
+        }
+        if let Some(total) = self.init.settings.budget_tokens {
+            let spent = self.init.shared.spent.load(Ordering::Relaxed);
+            if spent >= total {
+                self.reject(
+                    id,
+                    "BUDGET_EXCEEDED",
+                    format!(
+                        "token budget exceeded ({spent} / {total} output tokens); in-flight agents will complete and their results are kept"
+                    ),
+                );
+                return;
+            }
+        }
+
+        let index = self.calls.len() as u64;
+        let content = spec.content_hash();
+        let occ = self.occurrences.entry(content.clone()).or_insert(0);
+        let key = call_key(&content, *occ);
+        *occ += 1;
+        self.ensure_group(&group);
+        let now = self.now_ms();
+
+        // Resume: served from the source run when the replay rule allows.
+        let cached = self
+            .init
+            .resume
+            .as_ref()
+            .and_then(|src| match self.init.settings.replay {
+                ReplayMode::Content => src.by_key(&key).cloned(),
+                ReplayMode::Prefix => {
+                    if !self.prefix_intact {
+                        return None;
+                    }
+                    match src.at_index(index) {
+                        Some(r) if r.key == key => Some(r.clone()),
+                        _ => None,
+                    }
+                }
+            });
+        if self.init.resume.is_some()
+            && self.init.settings.replay == ReplayMode::Prefix
+            && cached.is_none()
+        {
+            self.prefix_intact = false;
+        }
+
+        let mut call = Call {
+            script_id: id,
+            key: key.clone(),
+            label: spec.label.clone(),
+            group: group.clone(),
+            model: spec.model.clone(),
+            status: Status::Queued,
+            cached: false,
+            cached_from: None,
+            attempts: 0,
+            start_ms: None,
+            end_ms: None,
+            error: None,
+            usage: UsageRecord::default(),
+            live_tokens: 0,
+            worker: None,
+            result: None,
+            chunks: HashMap::new(),
+        };
+        if let Some(record) = cached {
+            call.cached = true;
+            call.cached_from = Some(
+                record
+                    .cached_from
+                    .clone()
+                    .or_else(|| self.init.resume.as_ref().map(|s| s.run_id.clone()))
+                    .unwrap_or_default(),
+            );
+            call.status = Status::Journaling;
+            call.start_ms = Some(now);
+            call.end_ms = Some(now);
+            call.result = record.result.clone();
+            self.calls.push(call);
+            self.journal_call(index);
+            self.event(RunEvent::Call {
+                index,
+                label: spec.label,
+                group,
+                state: "cached".into(),
+                attempt: None,
+                detail: None,
+            });
+            return;
+        }
+        self.calls.push(call);
+        self.event(RunEvent::Call {
+            index,
+            label: spec.label.clone(),
+            group: group.clone(),
+            state: "queued".into(),
+            attempt: None,
+            detail: None,
+        });
+        let schema_attempts = self.init.settings.schema_attempts;
+        let task = flotilla_proto::v1::TaskSpec {
+            prompt: spec.prompt.clone(),
+            backend: spec.backend.clone(),
+            model: spec.model.clone(),
+            effort: spec.effort.clone(),
+            agent_type: spec.agent_type.clone(),
+            schema_json: spec.schema.as_ref().map(Value::to_string),
+            isolation: spec.isolation.clone(),
+            cwd: spec.cwd.clone(),
+            tools: spec.tools.clone(),
+            timeout_ms: spec.timeout_ms,
+            label: spec.label.clone(),
+            group,
+            schema_attempts,
+            options_json: Value::Object(spec.options.clone()).to_string(),
+        };
+        self.init.dispatch.submit(
+            &self.run,
+            Ticket {
+                call: index,
+                key,
+                task,
+                prefix_group: spec.prefix_group(),
+            },
+        );
+    }
+
+    fn journal_call(&mut self, index: u64) {
+        let Some(c) = self.calls.get(index as usize) else {
+            return;
+        };
+        let record = CallRecord {
+            index,
+            key: c.key.clone(),
+            label: c.label.clone(),
+            group: c.group.clone(),
+            result: c.result.clone(),
+            payload: None,
+            usage: c.usage,
+            attempts: c.attempts,
+            cached_from: c.cached_from.clone(),
+            worker: c.worker.as_ref().map(|w| w.to_string()),
+        };
+        let queued = self.journal.as_ref().is_some_and(|j| j.append(record));
+        if !queued {
+            self.on_ack(JournalAck::Failed {
+                indices: vec![index],
+                error: "the journal writer is gone".into(),
+            });
+        }
+    }
+
+    fn on_ack(&mut self, ack: JournalAck) {
+        match ack {
+            JournalAck::Durable(indices) => {
+                for index in indices {
+                    let Some(c) = self.calls.get_mut(index as usize) else {
+                        continue;
+                    };
+                    if c.status != Status::Journaling {
+                        continue;
+                    }
+                    c.status = Status::Completed;
+                    let json = c
+                        .result
+                        .as_ref()
+                        .map_or_else(|| "null".to_owned(), Value::to_string);
+                    let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());
+                    if !self.stopping {
+                        (self.reply)(HostReply::Agent {
+                            id,
+                            result: Ok(json),
+                        });
+                    }
+                    self.event(RunEvent::Call {
+                        index,
+                        label,
+                        group,
+                        state: "completed".into(),
+                        attempt: None,
+                        detail: None,
+                    });
+                }
+            }
+            JournalAck::Failed { indices, error } => {
+                // Results that cannot be stored are never handed to the script: the run fails
+                // rather than pretend they are durable.
+                tracing::error!(run = %self.run, error = %error, "cannot store completed calls");
+                if self.error.is_none() {
+                    self.error = Some(format!(
+                        "cannot store completed agent results ({} calls): {error}",
+                        indices.len()
+                    ));
+                }
+                self.begin_stop();
+                self.status = RunStatus::Failed;
+            }
+        }
+    }
+
+    fn on_call_event(&mut self, ev: CallEvent) {
+        self.dirty = true;
+        let now = self.now_ms();
+        match ev {
+            CallEvent::Started {
+                call,
+                attempt,
+                worker,
+            } => {
+                self.attempts_total += 1;
+                let Some(c) = self.calls.get_mut(call as usize) else {
+                    return;
+                };
+                if c.status == Status::Queued {
+                    c.status = Status::Running;
+                }
+                c.attempts = c.attempts.max(attempt);
+                c.start_ms.get_or_insert(now);
+                c.worker = Some(worker.clone());
+                c.live_tokens = 0;
+                let (label, group) = (c.label.clone(), c.group.clone());
+                self.event(RunEvent::Call {
+                    index: call,
+                    label,
+                    group,
+                    state: "running".into(),
+                    attempt: Some(attempt),
+                    detail: Some(worker.to_string()),
+                });
+            }
+            CallEvent::Progress {
+                call,
+                output_tokens,
+                ..
+            } => {
+                if let Some(c) = self.calls.get_mut(call as usize) {
+                    c.live_tokens = c.live_tokens.max(output_tokens);
+                }
+                if self.waiting.is_some() {
+                    self.waiting = None;
+                }
+            }
+            CallEvent::Transcript {
+                call,
+                attempt,
+                events,
+            } => self.store_transcript(call, attempt, events),
+            CallEvent::Usage { call, usage, .. } => {
+                let u = UsageRecord::from(&usage);
+                self.usage.add(&u);
+                self.init
+                    .shared
+                    .spent
+                    .fetch_add(u.output_tokens, Ordering::Relaxed);
+                if let Some(c) = self.calls.get_mut(call as usize) {
+                    c.usage.add(&u);
+                }
+            }
+            CallEvent::Retrying {
+                call,
+                attempt,
+                retry,
+                counted,
+            } => {
+                let Some(c) = self.calls.get(call as usize) else {
+                    return;
+                };
+                let (label, group) = (c.label.clone(), c.group.clone());
+                let max = self.init.settings.attempts;
+                let (line, state) = match &retry {
+                    Retry::Stalled { after } => (
+                        format!(
+                            "[stall] agent \"{label}\" stalled (no progress) after {} — retrying ({counted}/{})",
+                            human(*after),
+                            max.saturating_sub(1)
+                        ),
+                        "stalled",
+                    ),
+                    Retry::RateLimited { wait } => {
+                        self.waiting = Some(format!(
+                            "usage limit: agent \"{label}\" waits {} before retrying",
+                            human(*wait)
+                        ));
+                        (
+                            format!(
+                                "[limit] agent \"{label}\" is rate limited; waiting {} (the run continues)",
+                                human(*wait)
+                            ),
+                            "waiting",
+                        )
+                    }
+                    Retry::Transient { message } => (
+                        format!(
+                            "[retry] agent \"{label}\" attempt {attempt} failed: {message} — retrying ({counted}/{})",
+                            max.saturating_sub(1)
+                        ),
+                        "retrying",
+                    ),
+                };
+                if let Some(c) = self.calls.get_mut(call as usize)
+                    && c.status == Status::Running
+                {
+                    c.status = Status::Queued;
+                }
+                self.logs.push(line.clone());
+                self.event(RunEvent::Log { line });
+                self.event(RunEvent::Call {
+                    index: call,
+                    label,
+                    group,
+                    state: state.into(),
+                    attempt: Some(attempt),
+                    detail: None,
+                });
+            }
+            CallEvent::Finished { call, result } => self.on_finished(call, result, now),
+        }
+    }
+
+    fn on_finished(&mut self, call: u64, result: CallResult, now: u64) {
+        let stopping = self.stopping;
+        let Some(c) = self.calls.get_mut(call as usize) else {
+            return;
+        };
+        if !matches!(c.status, Status::Queued | Status::Running) {
+            return;
+        }
+        c.end_ms = Some(now);
+        match result {
+            CallResult::Completed(done) => {
+                let value = match done.json {
+                    Some(json) => serde_json::from_str(&json).unwrap_or(Value::String(json)),
+                    None => Value::String(done.text),
+                };
+                c.result = Some(value);
+                c.status = Status::Journaling;
+                self.journal_call(call);
+            }
+            CallResult::Failed { failure, message } => {
+                c.status = Status::Failed;
+                c.error = Some(message.clone());
+                let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());
+                if !stopping {
+                    match failure {
+                        CallFailure::Terminal => {
+                            (self.reply)(HostReply::Agent {
+                                id,
+                                result: Ok("null".into()),
+                            });
+                            let line = format!("agent \"{label}\" failed: {message}");
+                            self.failures.push(line.clone());
+                            self.event(RunEvent::Failure { line });
+                        }
+                        CallFailure::Schema => self.reject(id, "SCHEMA_FAILED", message.clone()),
+                        CallFailure::Invalid => self.reject(id, "INVALID_AGENT", message.clone()),
+                        CallFailure::Stalled => self.reject(id, "STALLED", message.clone()),
+                        CallFailure::Budget => self.reject(id, "BUDGET_EXCEEDED", message.clone()),
+                    }
+                }
+                self.event(RunEvent::Call {
+                    index: call,
+                    label,
+                    group,
+                    state: "failed".into(),
+                    attempt: None,
+                    detail: Some(message),
+                });
+            }
+        }
+    }
+
+    fn store_transcript(&mut self, call: u64, attempt: u32, events: Vec<String>) {
+        let Some(c) = self.calls.get_mut(call as usize) else {
+            return;
+        };
+        let chunk = c.chunks.entry(attempt).or_insert(0);
+        let key = keys::transcript_chunk(&self.init.run_id, call, attempt, *chunk);
+        *chunk += 1;
+        let mut body = Vec::new();
+        for e in events {
+            body.extend_from_slice(e.as_bytes());
+            body.push(b'\n');
+        }
+        let store = self.init.store.clone();
+        let slots = self.transcript_slots.clone();
+        self.transcripts.spawn(async move {
+            let _permit = slots.acquire_owned().await;
+            if let Err(e) = store.put_create(&key, Bytes::from(body)).await {
+                tracing::warn!(%key, error = %e, "cannot store a transcript chunk");
+            }
+        });
+    }
+
+    async fn finish(
+        mut self,
+        end: ScriptEnd,
+        ack_rx: &mut mpsc::UnboundedReceiver<JournalAck>,
+    ) -> Report {
+        match end {
+            ScriptEnd::Returned(json) => {
+                if self.status != RunStatus::Failed {
+                    self.status = if self.stopping {
+                        RunStatus::Stopped
+                    } else {
+                        RunStatus::Completed
+                    };
+                }
+                self.result = json
+                    .as_deref()
+                    .and_then(|j| serde_json::from_str(j).ok())
+                    .unwrap_or(Value::Null);
+            }
+            ScriptEnd::Failed(f) => {
+                if self.status != RunStatus::Failed {
+                    self.status = if f.kind == script::FailureKind::Stopped && self.stopping {
+                        RunStatus::Stopped
+                    } else {
+                        RunStatus::Failed
+                    };
+                }
+                if self.error.is_none() && self.status == RunStatus::Failed {
+                    self.error = Some(f.message);
+                }
+            }
+        }
+        // Whatever is still queued or running is cancelled: the script no longer waits for it.
+        self.init.dispatch.close_run(&self.run);
+        let now = self.now_ms();
+        for c in &mut self.calls {
+            if matches!(c.status, Status::Queued | Status::Running) {
+                c.status = Status::Cancelled;
+                c.end_ms.get_or_insert(now);
+            }
+        }
+        // Let the journal finish what it has: results completed after the script ended are
+        // still worth keeping for a resume.
+        self.journal = None;
+        if let Some(task) = self.journal_task.take() {
+            let _ = task.await;
+        }
+        while let Ok(ack) = ack_rx.try_recv() {
+            if let JournalAck::Durable(indices) = ack {
+                for i in indices {
+                    if let Some(c) = self.calls.get_mut(i as usize)
+                        && c.status == Status::Journaling
+                    {
+                        c.status = Status::Completed;
+                    }
+                }
+            }
+        }
+        for c in &mut self.calls {
+            if c.status == Status::Journaling {
+                c.status = Status::Failed;
+                c.error = Some("the result could not be stored".into());
+            }
+        }
+        self.transcripts.close();
+        self.transcripts.wait().await;
+        let status = self.status;
+        let error = self.error.clone();
+        self.event(RunEvent::Status {
+            status: status.as_str().into(),
+            error,
+        });
+        self.events.close().await;
+        let report = self.report();
+        if self.init.write_result {
+            match serde_json::to_vec_pretty(&report) {
+                Ok(body) => {
+                    if let Err(e) = self
+                        .init
+                        .store
+                        .put_overwrite(&keys::result(&self.init.run_id), Bytes::from(body))
+                        .await
+                    {
+                        tracing::error!(run = %self.run, error = %e, "cannot store the run report");
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "cannot encode the run report"),
+            }
+        }
+        self.publish();
+        report
+    }
+
+    fn publish(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        self.dirty = false;
+        let mut groups: Vec<GroupProgress> = self
+            .groups
+            .iter()
+            .map(|t| GroupProgress {
+                title: t.clone(),
+                ..GroupProgress::default()
+            })
+            .collect();
+        let mut snap = Snapshot {
+            run_id: self.init.run_id.clone(),
+            workflow: self.init.workflow.clone(),
+            status: Some(self.status),
+            elapsed_ms: self.now_ms(),
+            logs: self.logs.clone(),
+            input_tokens: self.usage.input_tokens,
+            output_tokens: self.usage.output_tokens,
+            waiting: self.waiting.clone(),
+            ..Snapshot::default()
+        };
+        for c in &self.calls {
+            snap.agents += 1;
+            let g = match groups.iter_mut().position(|g| g.title == c.group) {
+                Some(i) => &mut groups[i],
+                None => continue,
+            };
+            g.total += 1;
+            g.output_tokens += c.usage.output_tokens.max(c.live_tokens);
+            match c.status {
+                Status::Completed | Status::Journaling => {
+                    g.done += 1;
+                    snap.done += 1;
+                }
+                Status::Failed | Status::Cancelled => {
+                    g.failed += 1;
+                    snap.failed += 1;
+                }
+                Status::Running => {
+                    g.running += 1;
+                    snap.running += 1;
+                }
+                Status::Queued => {}
+            }
+            if c.cached {
+                snap.cached += 1;
+            }
+        }
+        snap.groups = groups;
+        let _ = self.snapshot.send(Arc::new(snap));
+    }
+
+    fn report(&self) -> Report {
+        let mut usage = ReportUsage {
+            agents: self.calls.len() as u64,
+            attempts: self.attempts_total,
+            input_tokens: self.usage.input_tokens,
+            output_tokens: self.usage.output_tokens,
+            cost_usd: self.usage.cost_usd,
+            duration_ms: self.now_ms(),
+            ..ReportUsage::default()
+        };
+        let mut agents = Vec::with_capacity(self.calls.len());
+        for (i, c) in self.calls.iter().enumerate() {
+            if c.cached {
+                usage.cached += 1;
+            } else if c.attempts > 0 {
+                usage.dispatched += 1;
+            }
+            let status = match c.status {
+                Status::Completed => "completed",
+                Status::Failed => "failed",
+                Status::Cancelled | Status::Queued | Status::Running | Status::Journaling => {
+                    "cancelled"
+                }
+            };
+            if c.status == Status::Failed {
+                usage.errors += 1;
+            }
+            agents.push(AgentReport {
+                label: c.label.clone(),
+                group: c.group.clone(),
+                status: status.into(),
+                attempts: c.attempts,
+                cached: c.cached,
+                start_ms: c.start_ms,
+                end_ms: c.end_ms,
+                error: c.error.clone(),
+                index: i as u64,
+                key: c.key.clone(),
+                model: c.model.clone(),
+                input_tokens: c.usage.input_tokens,
+                output_tokens: c.usage.output_tokens,
+            });
+        }
+        let groups = self
+            .groups
+            .iter()
+            .map(|t| GroupReport {
+                title: t.clone(),
+                agents: self
+                    .calls
+                    .iter()
+                    .filter(|c| &c.group == t)
+                    .map(|c| c.label.clone())
+                    .collect(),
+            })
+            .collect();
+        Report {
+            run_id: self.init.run_id.clone(),
+            status: self.status,
+            result: self.result.clone(),
+            error: self.error.clone(),
+            workflow: self.init.workflow.clone(),
+            usage,
+            agents,
+            groups,
+            logs: self.logs.clone(),
+            failures: self.failures.clone(),
+            script_path: self.init.script_path.clone(),
+            parent_run_id: self.init.parent_run_id.clone(),
+            store: Some(self.init.store.url.clone()),
+        }
+    }
+}
+
+fn human(d: Duration) -> String {
+    if d.as_millis() < 1000 {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}

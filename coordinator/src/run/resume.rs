@@ -1,0 +1,90 @@
+//! The resume source: the completed calls of an earlier run, by key and by start order.
+
+use std::collections::HashMap;
+
+use crate::store::records::{CallRecord, Manifest};
+use crate::store::{self, Store, journal, keys};
+
+/// Completed calls of the run being resumed.
+#[derive(Debug, Clone, Default)]
+pub struct ResumeSource {
+    pub run_id: String,
+    by_key: HashMap<String, CallRecord>,
+    by_index: HashMap<u64, CallRecord>,
+}
+
+/// Why a run cannot be resumed.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    #[error("nothing to resume: no run {run} in {store}")]
+    NoSuchRun { run: String, store: String },
+    #[error("nothing to resume: run {run} has no completed agent results")]
+    NoResults { run: String },
+    #[error(transparent)]
+    Store(#[from] store::Error),
+}
+
+impl ResumeSource {
+    /// Loads a run's manifest and completed calls.
+    pub async fn load(store: &Store, run: &str) -> Result<(Manifest, ResumeSource), ResumeError> {
+        let valid = run.starts_with("wf_")
+            && run.len() > 3
+            && run[3..]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-');
+        let no_run = || ResumeError::NoSuchRun {
+            run: run.to_owned(),
+            store: store.url.clone(),
+        };
+        if !valid {
+            return Err(no_run());
+        }
+        let Some(body) = store.get(&keys::manifest(run)).await? else {
+            return Err(no_run());
+        };
+        let manifest: Manifest =
+            serde_json::from_slice(&body).map_err(|e| store::Error::Corrupt {
+                key: keys::manifest(run).to_string(),
+                reason: e.to_string(),
+            })?;
+        let records = journal::read_calls(store, run).await?;
+        if records.is_empty() {
+            return Err(ResumeError::NoResults {
+                run: run.to_owned(),
+            });
+        }
+        Ok((manifest, ResumeSource::from_records(run, records)))
+    }
+
+    pub fn from_records(run: &str, records: Vec<CallRecord>) -> ResumeSource {
+        let mut by_key = HashMap::new();
+        let mut by_index = HashMap::new();
+        for r in records {
+            by_index.insert(r.index, r.clone());
+            by_key.insert(r.key.clone(), r);
+        }
+        ResumeSource {
+            run_id: run.to_owned(),
+            by_key,
+            by_index,
+        }
+    }
+
+    /// Content-keyed lookup.
+    pub fn by_key(&self, key: &str) -> Option<&CallRecord> {
+        self.by_key.get(key)
+    }
+
+    /// The completed call that started `index`-th in the source run.
+    pub fn at_index(&self, index: u64) -> Option<&CallRecord> {
+        self.by_index.get(&index)
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+}

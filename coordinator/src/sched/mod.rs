@@ -1,0 +1,1089 @@
+//! The dispatcher: one actor that puts the calls of every run onto worker slots.
+//!
+//! Runs register with their limits; the run engine submits one [`Ticket`] per call and gets
+//! [`CallEvent`]s back. Workers attach through a [`CoordinatorEnd`] (in-process) — the same
+//! messages a remote worker sends over gRPC — announce their slots in `Hello`, and receive
+//! assignments only against free slots.
+//!
+//! What the dispatcher decides:
+//! - **order**: runs take turns (round robin) so one big run cannot starve another; within a
+//!   run, calls go in submission order; a restarted call goes to the front;
+//! - **limits**: per-run concurrency (W38), worker slots, the run's token budget at dispatch
+//!   time (W35);
+//! - **prefix stagger** (W60): the first call of a prefix group goes alone; the others of the
+//!   group wait until its response begins or the hold cap passes;
+//! - **usage-limit waits** (W59): a rate-limited attempt makes its call wait `retry_after`
+//!   and closes the backend/model gate for everyone until then; the wait is not a failure;
+//! - **stalls** (W58): an attempt with no progress for the stall timeout (tool calls in
+//!   flight excepted) is cancelled and restarted, up to the attempt limit;
+//! - **fencing**: only the outcome of a call's current attempt on its current worker is
+//!   accepted; anything else is dropped (its usage is still counted).
+//!
+//! Invariant: each call ends with at most one `Finished` event, and every assignment's slot is
+//! returned when its worker reports the outcome (or the worker goes away).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use flotilla_proto::link::CoordinatorEnd;
+use flotilla_proto::v1::{
+    self, CoordinatorMessage, FailureKind, ProgressKind, WorkerMessage, coordinator_message,
+    outcome, worker_message,
+};
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::time::{DelayQueue, delay_queue};
+
+use crate::lease::{self, LeaseStore};
+use crate::script::ScriptShared;
+
+/// How long a warm prefix group stays warm after its last dispatch (the prompt cache TTL).
+const WARM_FOR: Duration = Duration::from_secs(300);
+/// TTL of a worker's liveness lease.
+pub const WORKER_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// The limits and channels of one run.
+#[derive(Debug, Clone)]
+pub struct RunRegistration {
+    pub run_id: Arc<str>,
+    pub concurrency: usize,
+    pub stall_timeout: Duration,
+    pub max_attempts: u32,
+    pub stagger: Duration,
+    pub budget_total: Option<u64>,
+    /// Spent output tokens (shared with the script's `budget.spent()`).
+    pub shared: Arc<ScriptShared>,
+    pub events: mpsc::UnboundedSender<CallEvent>,
+}
+
+/// One call to run.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    pub call: u64,
+    pub key: String,
+    pub task: v1::TaskSpec,
+    pub prefix_group: u64,
+}
+
+/// Why a call is being tried again.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Retry {
+    /// No progress for the stall timeout.
+    Stalled { after: Duration },
+    /// Usage or rate limit: waits, does not count as an attempt.
+    RateLimited { wait: Duration },
+    /// A transient failure (or a lost worker).
+    Transient { message: String },
+}
+
+/// How a call ended, as the script will see it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallResult {
+    Completed(v1::Completed),
+    Failed {
+        failure: CallFailure,
+        message: String,
+    },
+}
+
+/// Classified final failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallFailure {
+    /// A terminal error: the call resolves to `null` (W23).
+    Terminal,
+    /// Structured output never validated: rejects (W14).
+    Schema,
+    /// The task cannot run as asked: rejects (W24).
+    Invalid,
+    /// Every attempt stalled: rejects (W58).
+    Stalled,
+    /// The token budget was exhausted before dispatch: rejects (W35).
+    Budget,
+}
+
+/// What happens to a call, reported to its run.
+#[derive(Debug, Clone)]
+pub enum CallEvent {
+    /// An attempt took a worker slot.
+    Started {
+        call: u64,
+        attempt: u32,
+        worker: Arc<str>,
+    },
+    Progress {
+        call: u64,
+        attempt: u32,
+        output_tokens: u64,
+    },
+    Transcript {
+        call: u64,
+        attempt: u32,
+        events: Vec<String>,
+    },
+    /// Usage of an attempt that ended (current or not).
+    Usage {
+        call: u64,
+        attempt: u32,
+        usage: v1::Usage,
+    },
+    Retrying {
+        call: u64,
+        attempt: u32,
+        retry: Retry,
+        /// Attempts counted against the limit so far.
+        counted: u32,
+    },
+    Finished {
+        call: u64,
+        result: CallResult,
+    },
+}
+
+enum Msg {
+    Register(RunRegistration),
+    Submit { run: Arc<str>, ticket: Ticket },
+    Cancel { run: Arc<str>, call: u64 },
+    CloseRun { run: Arc<str> },
+    Attach(CoordinatorEnd),
+    FromWorker { worker: u64, msg: WorkerMessage },
+    WorkerClosed { worker: u64 },
+    Stats(tokio::sync::oneshot::Sender<Stats>),
+}
+
+/// Counters for tests and metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    pub workers: usize,
+    pub slots: u32,
+    pub busy: u32,
+    pub queued: usize,
+    pub running: usize,
+}
+
+/// Cheap handle to the dispatcher.
+#[derive(Clone)]
+pub struct DispatchHandle {
+    tx: mpsc::UnboundedSender<Msg>,
+}
+
+impl std::fmt::Debug for DispatchHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatchHandle").finish_non_exhaustive()
+    }
+}
+
+impl DispatchHandle {
+    pub fn register(&self, reg: RunRegistration) {
+        let _ = self.tx.send(Msg::Register(reg));
+    }
+    pub fn submit(&self, run: &Arc<str>, ticket: Ticket) {
+        let _ = self.tx.send(Msg::Submit {
+            run: run.clone(),
+            ticket,
+        });
+    }
+    pub fn cancel(&self, run: &Arc<str>, call: u64) {
+        let _ = self.tx.send(Msg::Cancel {
+            run: run.clone(),
+            call,
+        });
+    }
+    /// Cancels everything of a run and forgets it.
+    pub fn close_run(&self, run: &Arc<str>) {
+        let _ = self.tx.send(Msg::CloseRun { run: run.clone() });
+    }
+    /// Attaches a worker link (an in-process worker, or a gRPC stream bridged to channels).
+    pub fn attach(&self, end: CoordinatorEnd) {
+        let _ = self.tx.send(Msg::Attach(end));
+    }
+    pub async fn stats(&self) -> Option<Stats> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(Msg::Stats(tx)).ok()?;
+        rx.await.ok()
+    }
+}
+
+type CallId = (Arc<str>, u64);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Queued,
+    Held,
+    Waiting,
+    Running,
+}
+
+struct CallState {
+    ticket: Ticket,
+    phase: Phase,
+    attempt: u32,
+    counted: u32,
+    worker: Option<u64>,
+    last_progress: Instant,
+    in_tool: bool,
+    captured: Option<String>,
+    stall_key: Option<delay_queue::Key>,
+}
+
+struct RunState {
+    reg: RunRegistration,
+    running: usize,
+    queue: VecDeque<u64>,
+}
+
+struct WorkerState {
+    name: Arc<str>,
+    tx: mpsc::UnboundedSender<CoordinatorMessage>,
+    ready: bool,
+    slots: u32,
+    busy: u32,
+    backends: HashSet<String>,
+    models: HashSet<String>,
+    running: HashSet<CallId>,
+    alive: CancellationToken,
+}
+
+#[derive(Default)]
+struct PrefixState {
+    leader: Option<u64>,
+    since: Option<Instant>,
+    open_until: Option<Instant>,
+    held: Vec<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Timer {
+    Stall(Arc<str>, u64, u32),
+    Hold(Arc<str>, u64),
+    Gate(String),
+    Retry(Arc<str>, u64),
+}
+
+/// Starts the dispatcher. Worker liveness leases go to `leases`.
+pub fn spawn(leases: Arc<dyn LeaseStore>, cancel: CancellationToken) -> DispatchHandle {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let handle = DispatchHandle { tx: tx.clone() };
+    let d = Dispatcher {
+        tx,
+        leases,
+        runs: HashMap::new(),
+        rr: VecDeque::new(),
+        calls: HashMap::new(),
+        workers: HashMap::new(),
+        next_worker: 0,
+        prefixes: HashMap::new(),
+        gates: HashMap::new(),
+        gated: HashMap::new(),
+        timers: DelayQueue::new(),
+    };
+    tokio::spawn(d.run(rx, cancel));
+    handle
+}
+
+struct Dispatcher {
+    tx: mpsc::UnboundedSender<Msg>,
+    leases: Arc<dyn LeaseStore>,
+    runs: HashMap<Arc<str>, RunState>,
+    rr: VecDeque<Arc<str>>,
+    calls: HashMap<CallId, CallState>,
+    workers: HashMap<u64, WorkerState>,
+    next_worker: u64,
+    prefixes: HashMap<(Arc<str>, u64), PrefixState>,
+    gates: HashMap<String, Instant>,
+    gated: HashMap<String, Vec<CallId>>,
+    timers: DelayQueue<Timer>,
+}
+
+fn gate_of(task: &v1::TaskSpec) -> String {
+    format!("{}/{}", task.backend, task.model)
+}
+
+impl Dispatcher {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Msg>, cancel: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                msg = rx.recv() => match msg {
+                    Some(msg) => self.handle(msg),
+                    None => break,
+                },
+                Some(expired) = self.timers.next(), if !self.timers.is_empty() => {
+                    self.timer(expired.into_inner());
+                }
+            }
+            self.pump();
+        }
+        for w in self.workers.values() {
+            w.alive.cancel();
+        }
+    }
+
+    fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Register(reg) => {
+                let id = reg.run_id.clone();
+                self.runs.insert(
+                    id.clone(),
+                    RunState {
+                        reg,
+                        running: 0,
+                        queue: VecDeque::new(),
+                    },
+                );
+                self.rr.push_back(id);
+            }
+            Msg::Submit { run, ticket } => {
+                let Some(r) = self.runs.get_mut(&run) else {
+                    return;
+                };
+                r.queue.push_back(ticket.call);
+                self.calls.insert(
+                    (run, ticket.call),
+                    CallState {
+                        ticket,
+                        phase: Phase::Queued,
+                        attempt: 0,
+                        counted: 0,
+                        worker: None,
+                        last_progress: Instant::now(),
+                        in_tool: false,
+                        captured: None,
+                        stall_key: None,
+                    },
+                );
+            }
+            Msg::Cancel { run, call } => self.cancel_call(&(run, call), "cancelled by the run"),
+            Msg::CloseRun { run } => {
+                let ids: Vec<CallId> = self
+                    .calls
+                    .keys()
+                    .filter(|(r, _)| *r == run)
+                    .cloned()
+                    .collect();
+                for id in ids {
+                    self.cancel_call(&id, "the run ended");
+                }
+                self.runs.remove(&run);
+                self.rr.retain(|r| *r != run);
+                self.prefixes.retain(|(r, _), _| *r != run);
+            }
+            Msg::Attach(end) => self.attach(end),
+            Msg::FromWorker { worker, msg } => self.on_worker(worker, msg),
+            Msg::WorkerClosed { worker } => self.worker_gone(worker),
+            Msg::Stats(reply) => {
+                let _ = reply.send(Stats {
+                    workers: self.workers.values().filter(|w| w.ready).count(),
+                    slots: self.workers.values().map(|w| w.slots).sum(),
+                    busy: self.workers.values().map(|w| w.busy).sum(),
+                    queued: self.runs.values().map(|r| r.queue.len()).sum(),
+                    running: self.runs.values().map(|r| r.running).sum(),
+                });
+            }
+        }
+    }
+
+    fn attach(&mut self, end: CoordinatorEnd) {
+        let id = self.next_worker;
+        self.next_worker += 1;
+        let CoordinatorEnd { tx, mut rx } = end;
+        let alive = CancellationToken::new();
+        self.workers.insert(
+            id,
+            WorkerState {
+                name: Arc::from(format!("worker-{id}")),
+                tx,
+                ready: false,
+                slots: 0,
+                busy: 0,
+                backends: HashSet::new(),
+                models: HashSet::new(),
+                running: HashSet::new(),
+                alive: alive.clone(),
+            },
+        );
+        let inbox = self.tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = alive.cancelled() => break,
+                    msg = rx.recv() => match msg {
+                        Some(msg) => {
+                            if inbox.send(Msg::FromWorker { worker: id, msg }).is_err() {
+                                return;
+                            }
+                        }
+                        None => break,
+                    },
+                }
+            }
+            let _ = inbox.send(Msg::WorkerClosed { worker: id });
+        });
+    }
+
+    fn on_worker(&mut self, worker: u64, msg: WorkerMessage) {
+        let Some(msg) = msg.msg else { return };
+        match msg {
+            worker_message::Msg::Hello(h) => self.hello(worker, h),
+            worker_message::Msg::Progress(p) => self.progress(worker, p),
+            worker_message::Msg::Transcript(t) => {
+                let id: CallId = (Arc::from(t.run_id.as_str()), t.call);
+                if let Some(r) = self.runs.get(&id.0) {
+                    let _ = r.reg.events.send(CallEvent::Transcript {
+                        call: t.call,
+                        attempt: t.attempt,
+                        events: t.events,
+                    });
+                }
+            }
+            worker_message::Msg::Outcome(o) => self.outcome(worker, o),
+        }
+    }
+
+    fn hello(&mut self, worker: u64, h: v1::Hello) {
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if !flotilla_proto::protocol_compatible(&h.protocol_version) {
+            tracing::warn!(worker = %h.name, version = %h.protocol_version,
+                "refusing a worker that speaks protocol {} (this coordinator speaks {})",
+                h.protocol_version, flotilla_proto::PROTOCOL_VERSION);
+            w.alive.cancel();
+            self.workers.remove(&worker);
+            return;
+        }
+        if !h.name.is_empty() {
+            w.name = Arc::from(format!("{}#{worker}", h.name));
+        }
+        w.slots = h.slots;
+        w.backends = h.backends.into_iter().collect();
+        w.models = h.models.into_iter().collect();
+        w.ready = true;
+        let _ = w.tx.send(CoordinatorMessage {
+            msg: Some(coordinator_message::Msg::Welcome(v1::Welcome {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.to_owned(),
+                worker_id: w.name.to_string(),
+                coordinator: "embedded".into(),
+            })),
+        });
+        tracing::debug!(worker = %w.name, slots = w.slots, "worker ready");
+        // Liveness: a lease per worker, kept alive while its link is up.
+        let leases = self.leases.clone();
+        let alive = w.alive.clone();
+        let name = w.name.clone();
+        tokio::spawn(async move {
+            let Ok(lease) = leases.grant(WORKER_LEASE_TTL).await else {
+                return;
+            };
+            let _ = leases
+                .put(&lease::keys::worker(&name), b"{}".to_vec(), Some(lease))
+                .await;
+            loop {
+                tokio::select! {
+                    _ = alive.cancelled() => break,
+                    _ = tokio::time::sleep(WORKER_LEASE_TTL / 3) => {
+                        if leases.keep_alive(lease).await.is_err() {
+                            tracing::warn!(worker = %name, "worker lease lapsed");
+                            break;
+                        }
+                    }
+                }
+            }
+            let _ = leases.revoke(lease).await;
+        });
+    }
+
+    fn progress(&mut self, worker: u64, p: v1::Progress) {
+        let id: CallId = (Arc::from(p.run_id.as_str()), p.call);
+        let Some(c) = self.calls.get_mut(&id) else {
+            return;
+        };
+        if c.phase != Phase::Running || c.attempt != p.attempt || c.worker != Some(worker) {
+            return;
+        }
+        c.last_progress = Instant::now();
+        let kind = ProgressKind::try_from(p.kind).unwrap_or(ProgressKind::Unspecified);
+        match kind {
+            ProgressKind::ToolStarted => c.in_tool = true,
+            ProgressKind::ToolFinished => c.in_tool = false,
+            ProgressKind::StructuredCaptured => c.captured = Some(p.detail),
+            _ => {}
+        }
+        let began = matches!(
+            kind,
+            ProgressKind::ResponseStarted | ProgressKind::Output | ProgressKind::StructuredCaptured
+        );
+        let group = c.ticket.prefix_group;
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Progress {
+                call: id.1,
+                attempt: p.attempt,
+                output_tokens: p.output_tokens,
+            });
+        }
+        if began {
+            self.open_prefix(&id.0, group, Some(id.1), true);
+        }
+    }
+
+    /// Lets the held calls of a prefix group go. `warm`: the leader's response began.
+    fn open_prefix(&mut self, run: &Arc<str>, group: u64, leader: Option<u64>, warm: bool) {
+        let Some(p) = self.prefixes.get_mut(&(run.clone(), group)) else {
+            return;
+        };
+        if leader.is_some() && p.leader != leader {
+            return;
+        }
+        if warm {
+            p.open_until = Some(Instant::now() + WARM_FOR);
+        }
+        let held = std::mem::take(&mut p.held);
+        if let Some(r) = self.runs.get_mut(run) {
+            for call in held.into_iter().rev() {
+                if let Some(c) = self.calls.get_mut(&(run.clone(), call))
+                    && c.phase == Phase::Held
+                {
+                    c.phase = Phase::Queued;
+                    r.queue.push_front(call);
+                }
+            }
+        }
+    }
+
+    fn outcome(&mut self, worker: u64, o: v1::Outcome) {
+        let id: CallId = (Arc::from(o.run_id.as_str()), o.call);
+        if let Some(w) = self.workers.get_mut(&worker)
+            && w.running.remove(&id)
+        {
+            w.busy = w.busy.saturating_sub(1);
+        }
+        let usage = o.usage.unwrap_or_default();
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Usage {
+                call: o.call,
+                attempt: o.attempt,
+                usage,
+            });
+        }
+        let current = self.calls.get(&id).is_some_and(|c| {
+            c.phase == Phase::Running && c.attempt == o.attempt && c.worker == Some(worker)
+        });
+        if !current {
+            tracing::debug!(run = %id.0, call = id.1, attempt = o.attempt, "dropping the outcome of an attempt that is no longer current");
+            return;
+        }
+        self.leave_running(&id);
+        match o.result {
+            Some(outcome::Result::Completed(done)) => {
+                self.finish(&id, CallResult::Completed(done));
+            }
+            Some(outcome::Result::Failure(f)) => {
+                let kind = FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal);
+                match kind {
+                    FailureKind::RateLimited => {
+                        let wait = Duration::from_millis(f.retry_after_ms.max(1));
+                        self.wait_rate_limit(&id, wait, o.attempt);
+                    }
+                    FailureKind::Retryable | FailureKind::Cancelled | FailureKind::Unspecified => {
+                        self.retry_or_fail(&id, Retry::Transient { message: f.message });
+                    }
+                    FailureKind::Terminal => self.fail(&id, CallFailure::Terminal, f.message),
+                    FailureKind::Timeout => self.fail(&id, CallFailure::Terminal, f.message),
+                    FailureKind::Schema => self.fail(&id, CallFailure::Schema, f.message),
+                    FailureKind::Invalid => self.fail(&id, CallFailure::Invalid, f.message),
+                }
+            }
+            None => self.retry_or_fail(
+                &id,
+                Retry::Transient {
+                    message: "the worker sent an outcome without a result".into(),
+                },
+            ),
+        }
+    }
+
+    /// Bookkeeping when a call's current attempt stops running.
+    fn leave_running(&mut self, id: &CallId) {
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        if c.phase != Phase::Running {
+            return;
+        }
+        if let Some(key) = c.stall_key.take() {
+            self.timers.remove(&key);
+        }
+        c.phase = Phase::Queued;
+        c.in_tool = false;
+        let group = c.ticket.prefix_group;
+        if let Some(r) = self.runs.get_mut(&id.0) {
+            r.running = r.running.saturating_sub(1);
+        }
+        // A leader that ends without its response beginning hands the lead on.
+        let leader_ended = self
+            .prefixes
+            .get(&(id.0.clone(), group))
+            .is_some_and(|p| p.leader == Some(id.1));
+        if leader_ended {
+            if let Some(p) = self.prefixes.get_mut(&(id.0.clone(), group)) {
+                p.leader = None;
+                p.since = None;
+            }
+            self.open_prefix(&id.0, group, None, false);
+        }
+    }
+
+    fn finish(&mut self, id: &CallId, result: CallResult) {
+        if let Some(c) = self.calls.remove(id)
+            && let Some(key) = c.stall_key
+        {
+            self.timers.remove(&key);
+        }
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r
+                .reg
+                .events
+                .send(CallEvent::Finished { call: id.1, result });
+        }
+    }
+
+    fn fail(&mut self, id: &CallId, failure: CallFailure, message: String) {
+        self.finish(id, CallResult::Failed { failure, message });
+    }
+
+    fn wait_rate_limit(&mut self, id: &CallId, wait: Duration, attempt: u32) {
+        let until = Instant::now() + wait;
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        c.phase = Phase::Waiting;
+        let gate = gate_of(&c.ticket.task);
+        let counted = c.counted;
+        let e = self.gates.entry(gate.clone()).or_insert(until);
+        if *e < until {
+            *e = until;
+        }
+        self.timers
+            .insert_at(Timer::Retry(id.0.clone(), id.1), until);
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Retrying {
+                call: id.1,
+                attempt,
+                retry: Retry::RateLimited { wait },
+                counted,
+            });
+        }
+    }
+
+    /// Counts a failed attempt; starts another one or fails the call at the limit.
+    fn retry_or_fail(&mut self, id: &CallId, retry: Retry) {
+        let Some(r) = self.runs.get(&id.0) else {
+            self.calls.remove(id);
+            return;
+        };
+        let max = r.reg.max_attempts;
+        let stall_timeout = r.reg.stall_timeout;
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        c.counted += 1;
+        let (counted, attempt) = (c.counted, c.attempt);
+        if counted >= max {
+            let (failure, message) = match &retry {
+                Retry::Stalled { .. } => (
+                    CallFailure::Stalled,
+                    format!(
+                        "agent stalled on all {max} attempts (no progress for {}ms each)",
+                        stall_timeout.as_millis()
+                    ),
+                ),
+                Retry::Transient { message } => (
+                    CallFailure::Terminal,
+                    format!("agent failed on all {max} attempts; last error: {message}"),
+                ),
+                Retry::RateLimited { .. } => (CallFailure::Terminal, "rate limited".into()),
+            };
+            self.fail(id, failure, message);
+            return;
+        }
+        let _ = r.reg.events.send(CallEvent::Retrying {
+            call: id.1,
+            attempt,
+            retry: retry.clone(),
+            counted,
+        });
+        match retry {
+            Retry::Stalled { .. } => {
+                // Same prompt, fresh transcript, at once and ahead of the queue.
+                c.phase = Phase::Queued;
+                if let Some(r) = self.runs.get_mut(&id.0) {
+                    r.queue.push_front(id.1);
+                }
+            }
+            _ => {
+                let backoff = Duration::from_millis((100u64 << counted.min(6)).min(5_000));
+                c.phase = Phase::Waiting;
+                self.timers
+                    .insert_at(Timer::Retry(id.0.clone(), id.1), Instant::now() + backoff);
+            }
+        }
+    }
+
+    fn cancel_call(&mut self, id: &CallId, reason: &str) {
+        let Some(c) = self.calls.get(id) else {
+            return;
+        };
+        if c.phase == Phase::Running {
+            self.send_cancel(id, reason);
+            self.leave_running(id);
+        }
+        if let Some(c) = self.calls.remove(id)
+            && let Some(key) = c.stall_key
+        {
+            self.timers.remove(&key);
+        }
+    }
+
+    fn send_cancel(&self, id: &CallId, reason: &str) {
+        let Some(c) = self.calls.get(id) else { return };
+        if let Some(w) = c.worker.and_then(|w| self.workers.get(&w)) {
+            let _ = w.tx.send(CoordinatorMessage {
+                msg: Some(coordinator_message::Msg::Cancel(v1::Cancel {
+                    run_id: id.0.to_string(),
+                    call: id.1,
+                    attempt: c.attempt,
+                    reason: reason.to_owned(),
+                })),
+            });
+        }
+    }
+
+    fn worker_gone(&mut self, worker: u64) {
+        let Some(w) = self.workers.remove(&worker) else {
+            return;
+        };
+        w.alive.cancel();
+        tracing::info!(worker = %w.name, lost_attempts = w.running.len(), "worker detached");
+        for id in w.running {
+            let current = self
+                .calls
+                .get(&id)
+                .is_some_and(|c| c.phase == Phase::Running && c.worker == Some(worker));
+            if current {
+                self.leave_running(&id);
+                self.retry_or_fail(
+                    &id,
+                    Retry::Transient {
+                        message: format!("worker {} went away", w.name),
+                    },
+                );
+            }
+        }
+    }
+
+    fn timer(&mut self, t: Timer) {
+        match t {
+            Timer::Stall(run, call, attempt) => {
+                let id: CallId = (run, call);
+                let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
+                    return;
+                };
+                let Some(c) = self.calls.get_mut(&id) else {
+                    return;
+                };
+                c.stall_key = None;
+                if c.phase != Phase::Running || c.attempt != attempt {
+                    return;
+                }
+                let now = Instant::now();
+                let quiet = now.saturating_duration_since(c.last_progress);
+                if c.in_tool || quiet < stall {
+                    let at = if c.in_tool {
+                        now + stall
+                    } else {
+                        c.last_progress + stall
+                    };
+                    c.stall_key = Some(
+                        self.timers
+                            .insert_at(Timer::Stall(id.0.clone(), call, attempt), at),
+                    );
+                    return;
+                }
+                let captured = c.captured.take();
+                self.send_cancel(&id, "stalled");
+                self.leave_running(&id);
+                if let Some(json) = captured {
+                    // W58: a stall after a valid structured output counts as success.
+                    self.finish(
+                        &id,
+                        CallResult::Completed(v1::Completed {
+                            text: json.clone(),
+                            json: Some(json),
+                        }),
+                    );
+                } else {
+                    self.retry_or_fail(&id, Retry::Stalled { after: quiet });
+                }
+            }
+            Timer::Hold(run, group) => {
+                let open = self
+                    .prefixes
+                    .get(&(run.clone(), group))
+                    .is_some_and(|p| p.leader.is_some());
+                if open {
+                    self.open_prefix(&run, group, None, false);
+                    if let Some(p) = self.prefixes.get_mut(&(run.clone(), group)) {
+                        // The cap passed: the group goes unheld until the leader changes.
+                        p.open_until = Some(Instant::now() + WARM_FOR);
+                    }
+                }
+            }
+            Timer::Gate(gate) => self.release_gate(&gate),
+            Timer::Retry(run, call) => {
+                let id: CallId = (run, call);
+                if let Some(c) = self.calls.get_mut(&id)
+                    && c.phase == Phase::Waiting
+                {
+                    c.phase = Phase::Queued;
+                    if let Some(r) = self.runs.get_mut(&id.0) {
+                        r.queue.push_front(call);
+                    }
+                }
+                let gate = self.calls.get(&id).map(|c| gate_of(&c.ticket.task));
+                if let Some(g) = gate {
+                    self.release_gate(&g);
+                }
+            }
+        }
+    }
+
+    fn release_gate(&mut self, gate: &str) {
+        if let Some(until) = self.gates.get(gate) {
+            if *until > Instant::now() {
+                self.timers.insert_at(Timer::Gate(gate.to_owned()), *until);
+                return;
+            }
+            self.gates.remove(gate);
+        }
+        for id in self
+            .gated
+            .remove(gate)
+            .unwrap_or_default()
+            .into_iter()
+            .rev()
+        {
+            if let Some(c) = self.calls.get_mut(&id)
+                && c.phase == Phase::Held
+            {
+                c.phase = Phase::Queued;
+                if let Some(r) = self.runs.get_mut(&id.0) {
+                    r.queue.push_front(id.1);
+                }
+            }
+        }
+    }
+
+    /// Dispatches as much as slots, limits and holds allow.
+    fn pump(&mut self) {
+        let mut blocked: HashSet<Arc<str>> = HashSet::new();
+        let mut turns = 0usize;
+        loop {
+            if !self.workers.values().any(|w| w.ready && w.busy < w.slots) {
+                return;
+            }
+            // Next run in round-robin order that can take a call.
+            let n = self.rr.len();
+            let mut picked = None;
+            for _ in 0..n {
+                let Some(run) = self.rr.pop_front() else {
+                    break;
+                };
+                self.rr.push_back(run.clone());
+                if blocked.contains(&run) {
+                    continue;
+                }
+                if let Some(r) = self.runs.get(&run)
+                    && !r.queue.is_empty()
+                    && r.running < r.reg.concurrency
+                {
+                    picked = Some(run);
+                    break;
+                }
+            }
+            let Some(run) = picked else { return };
+            turns += 1;
+            if turns > 1_000_000 {
+                tracing::error!("dispatcher pump made no progress; stopping this round");
+                return;
+            }
+            let Some(call) = self.runs.get_mut(&run).and_then(|r| r.queue.pop_front()) else {
+                continue;
+            };
+            let id: CallId = (run.clone(), call);
+            match self.place(&id) {
+                Placement::Dispatched | Placement::Parked | Placement::Gone => {}
+                Placement::NoWorker => {
+                    if let Some(r) = self.runs.get_mut(&run) {
+                        r.queue.push_front(call);
+                    }
+                    blocked.insert(run);
+                }
+            }
+        }
+    }
+
+    fn place(&mut self, id: &CallId) -> Placement {
+        let Some(r) = self.runs.get(&id.0) else {
+            return Placement::Gone;
+        };
+        let (stagger, total, shared) = (r.reg.stagger, r.reg.budget_total, r.reg.shared.clone());
+        let Some(c) = self.calls.get(id) else {
+            return Placement::Gone;
+        };
+        if c.phase != Phase::Queued {
+            return Placement::Gone;
+        }
+        // Budget at dispatch (W35); restarts of an admitted call are not new spending.
+        if c.attempt == 0
+            && let Some(total) = total
+        {
+            let spent = shared.spent.load(Ordering::Relaxed);
+            if spent >= total {
+                self.fail(
+                    id,
+                    CallFailure::Budget,
+                    format!("token budget exceeded ({spent} / {total} output tokens); in-flight agents will complete and their results are kept"),
+                );
+                return Placement::Parked;
+            }
+        }
+        // Usage-limit gate of the backend/model.
+        let gate = gate_of(&c.ticket.task);
+        if let Some(until) = self.gates.get(&gate)
+            && *until > Instant::now()
+        {
+            let until = *until;
+            if let Some(c) = self.calls.get_mut(id) {
+                c.phase = Phase::Held;
+            }
+            let list = self.gated.entry(gate.clone()).or_default();
+            if list.is_empty() {
+                self.timers.insert_at(Timer::Gate(gate), until);
+            }
+            list.push(id.clone());
+            return Placement::Parked;
+        }
+        // Prefix stagger.
+        let group = c.ticket.prefix_group;
+        let mut lead = false;
+        if !stagger.is_zero() {
+            let now = Instant::now();
+            let p = self.prefixes.entry((id.0.clone(), group)).or_default();
+            let open = p.open_until.is_some_and(|t| t > now);
+            if !open {
+                match p.leader {
+                    None => lead = true,
+                    Some(leader) if leader == id.1 => {}
+                    Some(_) => {
+                        p.held.push(id.1);
+                        if let Some(c) = self.calls.get_mut(id) {
+                            c.phase = Phase::Held;
+                        }
+                        return Placement::Parked;
+                    }
+                }
+            }
+        }
+        // A worker with the backend (and model, when it lists models) and a free slot.
+        let task = &c.ticket.task;
+        let worker = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                w.ready
+                    && w.busy < w.slots
+                    && (w.backends.is_empty() || w.backends.contains(&task.backend))
+                    && (w.models.is_empty()
+                        || task.model.is_empty()
+                        || w.models.contains(&task.model))
+            })
+            .max_by_key(|(wid, w)| (w.slots - w.busy, std::cmp::Reverse(**wid)))
+            .map(|(wid, _)| *wid);
+        let Some(wid) = worker else {
+            return Placement::NoWorker;
+        };
+        if lead {
+            let p = self.prefixes.entry((id.0.clone(), group)).or_default();
+            p.leader = Some(id.1);
+            p.since = Some(Instant::now());
+            self.timers
+                .insert_at(Timer::Hold(id.0.clone(), group), Instant::now() + stagger);
+        }
+        self.assign(id, wid);
+        Placement::Dispatched
+    }
+
+    fn assign(&mut self, id: &CallId, wid: u64) {
+        let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
+            return;
+        };
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return;
+        };
+        c.attempt += 1;
+        c.phase = Phase::Running;
+        c.worker = Some(wid);
+        c.last_progress = Instant::now();
+        c.captured = None;
+        c.in_tool = false;
+        c.stall_key = Some(self.timers.insert_at(
+            Timer::Stall(id.0.clone(), id.1, c.attempt),
+            Instant::now() + stall,
+        ));
+        w.busy += 1;
+        w.running.insert(id.clone());
+        let assignment = v1::Assignment {
+            run_id: id.0.to_string(),
+            call: id.1,
+            attempt: c.attempt,
+            call_key: c.ticket.key.clone(),
+            task: Some(c.ticket.task.clone()),
+            trace_context: HashMap::new(),
+            fence: i64::from(c.attempt),
+        };
+        let attempt = c.attempt;
+        let name = w.name.clone();
+        let sent =
+            w.tx.send(CoordinatorMessage {
+                msg: Some(coordinator_message::Msg::Assign(assignment)),
+            })
+            .is_ok();
+        if let Some(r) = self.runs.get_mut(&id.0) {
+            r.running += 1;
+            let _ = r.reg.events.send(CallEvent::Started {
+                call: id.1,
+                attempt,
+                worker: name,
+            });
+        }
+        if !sent {
+            // The link is gone; its closing will requeue this attempt.
+            let _ = self.tx.send(Msg::WorkerClosed { worker: wid });
+        }
+    }
+}
+
+enum Placement {
+    Dispatched,
+    /// Held, gated or failed: not in the queue any more, nothing to retry now.
+    Parked,
+    /// No worker can take it now; it goes back to the front.
+    NoWorker,
+    Gone,
+}

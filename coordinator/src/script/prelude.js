@@ -1,0 +1,225 @@
+// The JavaScript half of the workflow globals. It runs once per run, before the script, in a
+// bare QuickJS realm that has no I/O. `__host` is installed by the Rust side (runtime.rs) and
+// is removed from the global object here, so scripts cannot reach it.
+//
+// What lives here: argument checking of agent(), the combinators parallel() and pipeline()
+// (pure promise code: W28–W30), phase(), log(), budget, args, workflow() (W36), and the
+// determinism guard (W07). What the host does: everything that touches run state.
+(function (host) {
+  'use strict';
+  const MAX_ITEMS = 4096;
+  const RealDate = Date;
+  const realEval = eval;
+  const JSONstringify = JSON.stringify;
+  const JSONparse = JSON.parse;
+
+  function describe(e) {
+    if (e instanceof Error) return e.message ? e.name + ': ' + e.message : e.name;
+    if (e === null) return 'null';
+    if (e === undefined) return 'undefined';
+    if (typeof e === 'object') {
+      try { return JSONstringify(e); } catch (_) { return String(e); }
+    }
+    return String(e);
+  }
+
+  function shortDescribe(e) {
+    if (e instanceof Error && e.message) return e.message;
+    return describe(e);
+  }
+
+  function makeError(message, code) {
+    const e = new Error(message);
+    if (code) e.code = code;
+    return e;
+  }
+  host.setErrorFactory(makeError);
+
+  function text(args) {
+    return Array.prototype.map.call(args, function (m) {
+      if (typeof m === 'string') return m;
+      if (m === undefined) return 'undefined';
+      if (typeof m === 'object' && m !== null) {
+        try { return JSONstringify(m); } catch (_) { return String(m); }
+      }
+      return String(m);
+    }).join(' ');
+  }
+
+  function isBudgetError(e) {
+    return e instanceof Error && e.code === 'BUDGET_EXCEEDED';
+  }
+
+  // --- combinators -------------------------------------------------------------------------
+
+  function parallel(thunks) {
+    if (!Array.isArray(thunks)) {
+      throw new TypeError('parallel() takes an array of functions, e.g. parallel(items.map(x => () => agent(...))); got ' + (thunks === null ? 'null' : typeof thunks));
+    }
+    if (thunks.length > MAX_ITEMS) {
+      throw new RangeError('parallel() accepts at most ' + MAX_ITEMS + ' items, got ' + thunks.length + '; split the list into batches');
+    }
+    let dropped = 0;
+    const slots = thunks.map(function (t, i) {
+      const fail = function (e) {
+        if (isBudgetError(e)) dropped++;
+        host.failure('parallel[' + i + '] failed: ' + shortDescribe(e));
+        return null;
+      };
+      let p;
+      try {
+        p = typeof t === 'function' ? t() : t;
+      } catch (e) {
+        return fail(e);
+      }
+      return Promise.resolve(p).then(undefined, fail);
+    });
+    return Promise.all(slots).then(function (results) {
+      if (dropped > 0) host.log(dropped + (dropped === 1 ? ' slot' : ' slots') + ' dropped — token budget exceeded');
+      return results;
+    });
+  }
+
+  function pipeline(items) {
+    const stages = Array.prototype.slice.call(arguments, 1);
+    if (!Array.isArray(items)) {
+      throw new TypeError('pipeline() takes an array of items as its first argument, then one function per stage; got ' + (items === null ? 'null' : typeof items));
+    }
+    if (items.length > MAX_ITEMS) {
+      throw new RangeError('pipeline() accepts at most ' + MAX_ITEMS + ' items, got ' + items.length + '; split the list into batches');
+    }
+    for (let s = 0; s < stages.length; s++) {
+      if (typeof stages[s] !== 'function') {
+        throw new TypeError('pipeline() stage ' + (s + 1) + ' is not a function (got ' + typeof stages[s] + ')');
+      }
+    }
+    let dropped = 0;
+    async function chain(item, i) {
+      let prev = item;
+      for (let s = 0; s < stages.length; s++) {
+        try {
+          prev = await stages[s](prev, item, i);
+        } catch (e) {
+          if (isBudgetError(e)) dropped++;
+          host.failure('pipeline[' + i + '] failed at stage ' + (s + 1) + ': ' + shortDescribe(e));
+          return null;
+        }
+      }
+      return prev;
+    }
+    const chains = [];
+    for (let i = 0; i < items.length; i++) chains.push(chain(items[i], i));
+    return Promise.all(chains).then(function (results) {
+      if (dropped > 0) host.log(dropped + (dropped === 1 ? ' slot' : ' slots') + ' dropped — token budget exceeded');
+      return results;
+    });
+  }
+
+  // --- per-workflow globals ----------------------------------------------------------------
+
+  // One scope per workflow: the top-level script, or a child started by workflow().
+  function makeScope(child) {
+    const scope = { phase: '' };
+
+    function agent(prompt, opts) {
+      if (typeof prompt !== 'string') {
+        return Promise.reject(new TypeError('agent() needs a prompt string as its first argument, got ' + (prompt === null ? 'null' : typeof prompt)));
+      }
+      let optsJson = '{}';
+      if (opts !== undefined && opts !== null) {
+        if (typeof opts !== 'object' || Array.isArray(opts)) {
+          return Promise.reject(new TypeError('agent() options must be an object, got ' + (Array.isArray(opts) ? 'an array' : typeof opts)));
+        }
+        try {
+          optsJson = JSONstringify(opts);
+        } catch (e) {
+          return Promise.reject(new TypeError('agent() options must be plain data (JSON): ' + shortDescribe(e)));
+        }
+      }
+      let group;
+      if (child !== null) group = '▸ ' + child;
+      else if (opts && typeof opts.phase === 'string') group = opts.phase;
+      else group = scope.phase;
+      return host.agent(prompt, optsJson, group, child === null ? '' : child);
+    }
+
+    function phase(title) {
+      scope.phase = String(title);
+      if (child === null) host.phase(scope.phase);
+    }
+
+    function log() {
+      host.log(text(arguments));
+    }
+
+    return { agent: agent, phase: phase, log: log };
+  }
+
+  const budgetTotal = host.budgetTotal() == null ? null : host.budgetTotal();
+  const budget = Object.freeze({
+    total: budgetTotal,
+    spent: function () { return host.spent(); },
+    remaining: function () {
+      if (budgetTotal === null) return Infinity;
+      return Math.max(0, budgetTotal - host.spent());
+    },
+  });
+
+  const top = makeScope(null);
+
+  function workflow(nameOrRef, childArgs) {
+    let ref;
+    if (typeof nameOrRef === 'string') ref = nameOrRef;
+    else if (nameOrRef && typeof nameOrRef === 'object' && typeof nameOrRef.scriptPath === 'string') ref = { scriptPath: nameOrRef.scriptPath };
+    else return Promise.reject(new TypeError('workflow() takes a saved workflow name or { scriptPath }'));
+    return host.resolveWorkflow(JSONstringify(ref)).then(function (found) {
+      const scope = makeScope(found.name);
+      let fn;
+      try {
+        fn = realEval('(async function (agent, parallel, pipeline, phase, log, workflow, args, budget) {' + found.body + '\n})');
+      } catch (e) {
+        throw makeError('workflow "' + found.name + '" has a syntax error: ' + shortDescribe(e), 'WORKFLOW_SYNTAX');
+      }
+      const nested = function () {
+        return Promise.reject(makeError('workflow() cannot be nested: "' + found.name + '" was started by workflow(), so it cannot start another workflow', 'WORKFLOW_NESTED'));
+      };
+      return fn(scope.agent, parallel, pipeline, scope.phase, scope.log, nested, childArgs, budget);
+    });
+  }
+
+  // --- determinism guard (W07) -------------------------------------------------------------
+
+  function refuse(what, hint) {
+    throw makeError(what + ' is not allowed in workflow scripts: it would break resume, because a relaunched run must repeat the same agent() calls; ' + hint, 'NONDETERMINISTIC');
+  }
+  function GuardedDate() {
+    if (!new.target) refuse('Date()', 'pass timestamps in through args');
+    if (arguments.length === 0) refuse('new Date() without an argument', 'pass timestamps in through args (new Date(x) with an argument works)');
+    return Reflect.construct(RealDate, Array.prototype.slice.call(arguments), new.target);
+  }
+  GuardedDate.prototype = RealDate.prototype;
+  GuardedDate.UTC = RealDate.UTC;
+  GuardedDate.parse = RealDate.parse;
+  GuardedDate.now = function now() { refuse('Date.now()', 'pass timestamps in through args'); };
+  Object.defineProperty(RealDate.prototype, 'constructor', { value: GuardedDate, writable: true, configurable: true });
+  Object.defineProperty(globalThis, 'Date', { value: GuardedDate, writable: true, configurable: true });
+  Math.random = function random() { refuse('Math.random()', 'derive variety from the item index instead'); };
+
+  // --- install -----------------------------------------------------------------------------
+
+  const argsJson = host.argsJson();
+  const globals = {
+    agent: top.agent,
+    parallel: parallel,
+    pipeline: pipeline,
+    phase: top.phase,
+    log: top.log,
+    workflow: workflow,
+    args: argsJson == null ? undefined : JSONparse(argsJson),
+    budget: budget,
+  };
+  for (const name in globals) {
+    Object.defineProperty(globalThis, name, { value: globals[name], writable: true, configurable: true, enumerable: false });
+  }
+  delete globalThis.__host;
+})(globalThis.__host);

@@ -1,0 +1,777 @@
+//! The JS thread: one QuickJS runtime and context per run, driven by a plain loop.
+//!
+//! The script body is wrapped in an async function and called. From then on the thread
+//! alternates between running QuickJS jobs and blocking on [`HostReply`]s: every `agent()` or
+//! `workflow()` call becomes a [`ScriptOp`] for the run engine plus a pending promise here,
+//! settled when the engine replies. The thread never touches the network, storage or the
+//! clock (except for its own CPU-time accounting).
+//!
+//! Limits: a memory limit (QuickJS allocator), a CPU-time limit per slice (a slice is the code
+//! run between two waits for the host, measured as thread CPU time through the interrupt
+//! handler), a stack limit. A promise that can never settle (nothing in flight, no jobs) ends
+//! the run instead of hanging it.
+//!
+//! Invariant: the run ends with exactly one [`ScriptOp::Finished`].
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::time::Duration;
+
+use rquickjs::context::EvalOptions;
+use rquickjs::function::Rest;
+use rquickjs::{
+    CatchResultExt, CaughtError, Context, Ctx, Function, Object, Promise, Runtime, Value,
+};
+use tokio::sync::mpsc;
+
+const PRELUDE: &str = include_str!("prelude.js");
+/// File name scripts are compiled under; errors and stacks refer to it.
+pub const SCRIPT_FILE: &str = "script.js";
+
+/// Resource limits of one run's script.
+#[derive(Debug, Clone, Copy)]
+pub struct ScriptLimits {
+    /// Heap limit of the QuickJS runtime.
+    pub memory_bytes: usize,
+    /// CPU time the script may use between two waits for the host.
+    pub cpu: Duration,
+    /// Stack limit of the QuickJS interpreter.
+    pub stack_bytes: usize,
+}
+
+impl Default for ScriptLimits {
+    fn default() -> Self {
+        ScriptLimits {
+            memory_bytes: 512 << 20,
+            cpu: Duration::from_secs(10),
+            stack_bytes: 4 << 20,
+        }
+    }
+}
+
+/// What the JS thread needs to run a script.
+#[derive(Debug, Clone)]
+pub struct ScriptInput {
+    /// The prepared body (`source::prepare`), `export` already blanked out.
+    pub body: String,
+    /// `args` as JSON, or `None` for `undefined`.
+    pub args_json: Option<String>,
+    /// `budget.total` in output tokens.
+    pub budget_total: Option<u64>,
+    pub limits: ScriptLimits,
+}
+
+/// State shared between the JS thread and the run engine.
+#[derive(Debug, Default)]
+pub struct ScriptShared {
+    /// Output tokens spent by the run so far (`budget.spent()`).
+    pub spent: AtomicU64,
+    /// Set to interrupt running JS (stop).
+    pub stop: AtomicBool,
+}
+
+/// A request from the script to the run engine.
+#[derive(Debug)]
+pub enum ScriptOp {
+    /// `agent(prompt, opts)`: `opts_json` is the options object as JSON.
+    Agent {
+        id: u64,
+        prompt: String,
+        opts_json: String,
+        group: String,
+        /// Name of the child workflow making the call, or empty for the top-level script.
+        child: String,
+    },
+    Phase(String),
+    Log(String),
+    /// A failure line from `parallel()` / `pipeline()`.
+    Failure(String),
+    /// `workflow(ref)`: `reference` is a JSON string (a name) or `{ "scriptPath": ... }`.
+    ResolveWorkflow {
+        id: u64,
+        reference: String,
+    },
+    /// The script ended.
+    Finished(ScriptEnd),
+}
+
+/// The engine's answer to a pending promise, or a stop.
+#[derive(Debug)]
+pub enum HostReply {
+    /// Settles an `agent()` promise: resolved with the JSON value, or rejected.
+    Agent {
+        id: u64,
+        result: Result<String, HostError>,
+    },
+    /// Settles a `workflow()` resolution: the child's name and prepared body.
+    Workflow {
+        id: u64,
+        result: Result<(String, String), HostError>,
+    },
+    /// Ends the script now (run stopped); pending promises are never settled (W24).
+    Stop,
+}
+
+/// A rejection: a JS `Error` with `message` and a machine-readable `code`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostError {
+    pub message: String,
+    pub code: &'static str,
+}
+
+impl HostError {
+    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        HostError {
+            message: message.into(),
+            code,
+        }
+    }
+}
+
+/// How a script ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScriptEnd {
+    /// It returned; the value as JSON (`None`: `undefined`).
+    Returned(Option<String>),
+    Failed(ScriptFailure),
+}
+
+/// Why a script failed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScriptFailure {
+    pub kind: FailureKind,
+    pub message: String,
+    /// Line of the script the failure points at, when known.
+    pub line: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The body could not be compiled.
+    Syntax,
+    /// An uncaught exception (including a rejected `agent()` that was awaited).
+    Thrown,
+    CpuLimit,
+    MemoryLimit,
+    /// Awaiting something that can never settle.
+    Deadlock,
+    /// The return value cannot be turned into JSON.
+    ResultNotJson,
+    /// The run was stopped from outside.
+    Stopped,
+    /// The runtime itself failed (a bug).
+    Internal,
+}
+
+impl std::fmt::Display for ScriptFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Checks that a prepared body compiles, without running anything.
+pub fn check_syntax(body: &str) -> Result<(), ScriptFailure> {
+    let internal = |e: rquickjs::Error| ScriptFailure {
+        kind: FailureKind::Internal,
+        message: format!("cannot start the script engine: {e}"),
+        line: None,
+    };
+    let rt = Runtime::new().map_err(internal)?;
+    rt.set_memory_limit(64 << 20);
+    let ctx = Context::full(&rt).map_err(internal)?;
+    ctx.with(|ctx| {
+        let compiled: rquickjs::Result<Value> = ctx.eval_with_options(wrap(body), eval_opts());
+        match compiled.catch(&ctx) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(failure_from(&ctx, FailureKind::Syntax, e, None)),
+        }
+    })
+}
+
+fn wrap(body: &str) -> String {
+    // The prefix shares line 1 with the body so line numbers stay those of the file.
+    format!("(async function () {{{body}\n}})")
+}
+
+fn eval_opts() -> EvalOptions {
+    let mut opts = EvalOptions::default();
+    opts.global = true;
+    opts.strict = false;
+    opts.filename = Some(SCRIPT_FILE.to_owned());
+    opts
+}
+
+/// Runs a script on a new thread. Ops go to `ops`; replies come back through the returned
+/// sender. The thread ends after sending [`ScriptOp::Finished`].
+pub fn spawn(
+    input: ScriptInput,
+    ops: mpsc::UnboundedSender<ScriptOp>,
+    shared: Arc<ScriptShared>,
+) -> std::io::Result<(std_mpsc::Sender<HostReply>, std::thread::JoinHandle<()>)> {
+    let (reply_tx, reply_rx) = std_mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name("flotilla-js".into())
+        .stack_size(input.limits.stack_bytes + (8 << 20))
+        .spawn(move || {
+            let end = run(&input, &ops, &reply_rx, &shared);
+            let _ = ops.send(ScriptOp::Finished(end));
+        })?;
+    Ok((reply_tx, handle))
+}
+
+/// Why the interrupt handler stopped JS.
+const TRIP_NONE: u8 = 0;
+const TRIP_CPU: u8 = 1;
+const TRIP_STOP: u8 = 2;
+
+struct Meter {
+    slice_start_ns: AtomicU64,
+    limit_ns: u64,
+    tripped: AtomicU8,
+}
+
+impl Meter {
+    fn start_slice(&self) {
+        self.slice_start_ns
+            .store(thread_cpu_ns(), Ordering::Relaxed);
+    }
+}
+
+fn thread_cpu_ns() -> u64 {
+    use nix::time::{ClockId, clock_gettime};
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
+struct Pending<'js> {
+    resolve: Function<'js>,
+    reject: Function<'js>,
+}
+
+struct Host<'js> {
+    next_id: u64,
+    pending: HashMap<u64, Pending<'js>>,
+    error_factory: Option<Function<'js>>,
+}
+
+fn run(
+    input: &ScriptInput,
+    ops: &mpsc::UnboundedSender<ScriptOp>,
+    replies: &std_mpsc::Receiver<HostReply>,
+    shared: &Arc<ScriptShared>,
+) -> ScriptEnd {
+    let internal = |e: rquickjs::Error| {
+        ScriptEnd::Failed(ScriptFailure {
+            kind: FailureKind::Internal,
+            message: format!("cannot start the script engine: {e}"),
+            line: None,
+        })
+    };
+    let rt = match Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => return internal(e),
+    };
+    rt.set_memory_limit(input.limits.memory_bytes);
+    rt.set_max_stack_size(input.limits.stack_bytes);
+    let meter = Arc::new(Meter {
+        slice_start_ns: AtomicU64::new(thread_cpu_ns()),
+        limit_ns: input.limits.cpu.as_nanos() as u64,
+        tripped: AtomicU8::new(TRIP_NONE),
+    });
+    {
+        let meter = meter.clone();
+        let shared = shared.clone();
+        rt.set_interrupt_handler(Some(Box::new(move || {
+            if shared.stop.load(Ordering::Relaxed) {
+                meter.tripped.store(TRIP_STOP, Ordering::Relaxed);
+                return true;
+            }
+            let used = thread_cpu_ns().saturating_sub(meter.slice_start_ns.load(Ordering::Relaxed));
+            if used > meter.limit_ns {
+                meter.tripped.store(TRIP_CPU, Ordering::Relaxed);
+                return true;
+            }
+            false
+        })));
+    }
+    let ctx = match Context::full(&rt) {
+        Ok(ctx) => ctx,
+        Err(e) => return internal(e),
+    };
+    let end = ctx.with(|ctx| {
+        let host = Rc::new(RefCell::new(Host {
+            next_id: 0,
+            pending: HashMap::new(),
+            error_factory: None,
+        }));
+        let end = drive(&ctx, input, ops, replies, shared, &meter, &host);
+        // Drop every JS value we hold before the context goes away.
+        let mut h = host.borrow_mut();
+        h.pending.clear();
+        h.error_factory = None;
+        end
+    });
+    drop(ctx);
+    rt.run_gc();
+    end
+}
+
+fn drive<'js>(
+    ctx: &Ctx<'js>,
+    input: &ScriptInput,
+    ops: &mpsc::UnboundedSender<ScriptOp>,
+    replies: &std_mpsc::Receiver<HostReply>,
+    shared: &Arc<ScriptShared>,
+    meter: &Meter,
+    host: &Rc<RefCell<Host<'js>>>,
+) -> ScriptEnd {
+    let limits = input.limits;
+    let fail = |kind, message: String, line| {
+        ScriptEnd::Failed(ScriptFailure {
+            kind,
+            message,
+            line,
+        })
+    };
+    if let Err(e) = install_host(ctx, input, ops, shared, host) {
+        return fail(
+            FailureKind::Internal,
+            format!("cannot install the workflow globals: {e}"),
+            None,
+        );
+    }
+    meter.start_slice();
+    let prelude: rquickjs::Result<Value> = ctx.eval_with_options(PRELUDE, {
+        let mut o = eval_opts();
+        o.filename = Some("prelude.js".into());
+        o
+    });
+    if let Err(e) = prelude.catch(ctx) {
+        return fail(
+            FailureKind::Internal,
+            format!("the workflow prelude failed: {e}"),
+            None,
+        );
+    }
+
+    meter.start_slice();
+    let main: rquickjs::Result<Function> = ctx.eval_with_options(wrap(&input.body), eval_opts());
+    let main = match main.catch(ctx) {
+        Ok(f) => f,
+        Err(e) => return ScriptEnd::Failed(failure_from(ctx, FailureKind::Syntax, e, Some(meter))),
+    };
+    let called: rquickjs::Result<Promise> = main.call(());
+    let promise = match called.catch(ctx) {
+        Ok(p) => p,
+        Err(e) => return ScriptEnd::Failed(classify(ctx, e, meter, limits)),
+    };
+    if let Some(end) = tripped(meter, limits) {
+        return end;
+    }
+
+    loop {
+        // Run every job that is ready: promise continuations of the script.
+        while ctx.execute_pending_job() {
+            if let Some(end) = tripped(meter, limits) {
+                return end;
+            }
+        }
+        if let Some(end) = tripped(meter, limits) {
+            return end;
+        }
+        match promise.state() {
+            rquickjs::promise::PromiseState::Resolved => {
+                let value: rquickjs::Result<Value> =
+                    promise.result().unwrap_or(Err(rquickjs::Error::Unknown));
+                return match value.catch(ctx) {
+                    Ok(v) => match ctx.json_stringify(v).catch(ctx) {
+                        Ok(s) => ScriptEnd::Returned(s.and_then(|s| s.to_string().ok())),
+                        Err(e) => fail(
+                            FailureKind::ResultNotJson,
+                            format!(
+                                "the script's return value cannot be turned into JSON ({}); return plain data",
+                                caught_message(&e)
+                            ),
+                            None,
+                        ),
+                    },
+                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits)),
+                };
+            }
+            rquickjs::promise::PromiseState::Rejected => {
+                let value: rquickjs::Result<Value> =
+                    promise.result().unwrap_or(Err(rquickjs::Error::Unknown));
+                return match value.catch(ctx) {
+                    Ok(_) => fail(
+                        FailureKind::Internal,
+                        "the script's promise rejected without a reason".into(),
+                        None,
+                    ),
+                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits)),
+                };
+            }
+            rquickjs::promise::PromiseState::Pending => {}
+        }
+        if host.borrow().pending.is_empty() {
+            return fail(
+                FailureKind::Deadlock,
+                "the script is waiting on a promise that can never settle: no agent() or workflow() call is in flight (a promise that is never resolved?)".into(),
+                None,
+            );
+        }
+        // Wait for the host, then apply everything that has arrived.
+        let Ok(first) = replies.recv() else {
+            return fail(
+                FailureKind::Stopped,
+                "the run engine went away".into(),
+                None,
+            );
+        };
+        meter.start_slice();
+        let mut next = Some(first);
+        while let Some(reply) = next {
+            if matches!(reply, HostReply::Stop) {
+                return fail(FailureKind::Stopped, "the run was stopped".into(), None);
+            }
+            if let Err(e) = settle(ctx, host, reply) {
+                return fail(
+                    FailureKind::Internal,
+                    format!("cannot settle a promise: {e}"),
+                    None,
+                );
+            }
+            next = replies.try_recv().ok();
+        }
+    }
+}
+
+fn tripped(meter: &Meter, limits: ScriptLimits) -> Option<ScriptEnd> {
+    match meter.tripped.load(Ordering::Relaxed) {
+        TRIP_CPU => Some(ScriptEnd::Failed(cpu_failure(limits))),
+        TRIP_STOP => Some(ScriptEnd::Failed(ScriptFailure {
+            kind: FailureKind::Stopped,
+            message: "the run was stopped".into(),
+            line: None,
+        })),
+        _ => None,
+    }
+}
+
+fn cpu_failure(limits: ScriptLimits) -> ScriptFailure {
+    ScriptFailure {
+        kind: FailureKind::CpuLimit,
+        message: format!(
+            "the script ran for more than {} of CPU time without waiting for an agent (a runaway loop?); \
+             the limit between awaits is set with --script-cpu",
+            human(limits.cpu)
+        ),
+        line: None,
+    }
+}
+
+fn human(d: Duration) -> String {
+    if d.as_millis() < 1000 {
+        format!("{}ms", d.as_millis())
+    } else if d.subsec_millis() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
+fn settle<'js>(
+    ctx: &Ctx<'js>,
+    host: &Rc<RefCell<Host<'js>>>,
+    reply: HostReply,
+) -> rquickjs::Result<()> {
+    let (id, outcome): (u64, Result<Value<'js>, HostError>) = match reply {
+        HostReply::Agent { id, result } => {
+            let v = match result {
+                Ok(json) => Ok(ctx.json_parse(json)?),
+                Err(e) => Err(e),
+            };
+            (id, v)
+        }
+        HostReply::Workflow { id, result } => {
+            let v = match result {
+                Ok((name, body)) => {
+                    let o = Object::new(ctx.clone())?;
+                    o.set("name", name)?;
+                    o.set("body", body)?;
+                    Ok(o.into_value())
+                }
+                Err(e) => Err(e),
+            };
+            (id, v)
+        }
+        HostReply::Stop => return Ok(()),
+    };
+    let Some(p) = host.borrow_mut().pending.remove(&id) else {
+        return Ok(());
+    };
+    match outcome {
+        Ok(v) => p.resolve.call::<_, ()>((v,)),
+        Err(e) => {
+            let err = make_error(ctx, host, &e)?;
+            p.reject.call::<_, ()>((err,))
+        }
+    }
+}
+
+fn make_error<'js>(
+    ctx: &Ctx<'js>,
+    host: &Rc<RefCell<Host<'js>>>,
+    e: &HostError,
+) -> rquickjs::Result<Value<'js>> {
+    let factory = host.borrow().error_factory.clone();
+    match factory {
+        Some(f) => f.call((e.message.as_str(), e.code)),
+        None => Ok(rquickjs::String::from_str(ctx.clone(), &e.message)?.into_value()),
+    }
+}
+
+fn new_pending<'js>(
+    ctx: &Ctx<'js>,
+    host: &Rc<RefCell<Host<'js>>>,
+) -> rquickjs::Result<(u64, Promise<'js>)> {
+    let (promise, resolve, reject) = ctx.promise()?;
+    let mut h = host.borrow_mut();
+    h.next_id += 1;
+    let id = h.next_id;
+    h.pending.insert(id, Pending { resolve, reject });
+    Ok((id, promise))
+}
+
+fn install_host<'js>(
+    ctx: &Ctx<'js>,
+    input: &ScriptInput,
+    ops: &mpsc::UnboundedSender<ScriptOp>,
+    shared: &Arc<ScriptShared>,
+    host: &Rc<RefCell<Host<'js>>>,
+) -> rquickjs::Result<()> {
+    let h = Object::new(ctx.clone())?;
+
+    let hs = host.clone();
+    h.set(
+        "setErrorFactory",
+        Function::new(ctx.clone(), move |f: Function<'js>| {
+            hs.borrow_mut().error_factory = Some(f);
+        })?,
+    )?;
+
+    let (hs, tx) = (host.clone(), ops.clone());
+    h.set(
+        "agent",
+        Function::new(
+            ctx.clone(),
+            move |ctx: Ctx<'js>,
+                  prompt: String,
+                  opts_json: String,
+                  group: String,
+                  child: String|
+                  -> rquickjs::Result<Promise<'js>> {
+                let (id, promise) = new_pending(&ctx, &hs)?;
+                if tx
+                    .send(ScriptOp::Agent {
+                        id,
+                        prompt,
+                        opts_json,
+                        group,
+                        child,
+                    })
+                    .is_err()
+                {
+                    hs.borrow_mut().pending.remove(&id);
+                }
+                Ok(promise)
+            },
+        )?,
+    )?;
+
+    let (hs, tx) = (host.clone(), ops.clone());
+    h.set(
+        "resolveWorkflow",
+        Function::new(
+            ctx.clone(),
+            move |ctx: Ctx<'js>, reference: String| -> rquickjs::Result<Promise<'js>> {
+                let (id, promise) = new_pending(&ctx, &hs)?;
+                if tx
+                    .send(ScriptOp::ResolveWorkflow { id, reference })
+                    .is_err()
+                {
+                    hs.borrow_mut().pending.remove(&id);
+                }
+                Ok(promise)
+            },
+        )?,
+    )?;
+
+    let tx = ops.clone();
+    h.set(
+        "phase",
+        Function::new(ctx.clone(), move |title: String| {
+            let _ = tx.send(ScriptOp::Phase(title));
+        })?,
+    )?;
+    let tx = ops.clone();
+    h.set(
+        "log",
+        Function::new(ctx.clone(), move |line: String| {
+            let _ = tx.send(ScriptOp::Log(line));
+        })?,
+    )?;
+    let tx = ops.clone();
+    h.set(
+        "failure",
+        Function::new(ctx.clone(), move |line: String| {
+            let _ = tx.send(ScriptOp::Failure(line));
+        })?,
+    )?;
+
+    let total = input.budget_total;
+    h.set(
+        "budgetTotal",
+        Function::new(ctx.clone(), move |_rest: Rest<Value<'js>>| {
+            total.map(|t| t as f64)
+        })?,
+    )?;
+    let sh = shared.clone();
+    h.set(
+        "spent",
+        Function::new(ctx.clone(), move || sh.spent.load(Ordering::Relaxed) as f64)?,
+    )?;
+    let args = input.args_json.clone();
+    h.set(
+        "argsJson",
+        Function::new(ctx.clone(), move || args.clone())?,
+    )?;
+
+    ctx.globals().set("__host", h)?;
+    Ok(())
+}
+
+fn caught_message(e: &CaughtError<'_>) -> String {
+    match e {
+        CaughtError::Exception(ex) => ex.message().unwrap_or_else(|| "unknown error".into()),
+        CaughtError::Value(v) => format!("{v:?}"),
+        CaughtError::Error(e) => e.to_string(),
+    }
+}
+
+/// Turns an uncaught JS error into a failure, recognizing the limits that were hit.
+fn classify<'js>(
+    ctx: &Ctx<'js>,
+    e: CaughtError<'js>,
+    meter: &Meter,
+    limits: ScriptLimits,
+) -> ScriptFailure {
+    if let Some(ScriptEnd::Failed(f)) = tripped(meter, limits) {
+        return f;
+    }
+    let oom = match &e {
+        CaughtError::Value(v) => v.is_null() || v.is_undefined(),
+        CaughtError::Exception(ex) => ex.message().is_some_and(|m| m.contains("out of memory")),
+        CaughtError::Error(rquickjs::Error::Allocation) => true,
+        CaughtError::Error(_) => false,
+    };
+    if oom {
+        return ScriptFailure {
+            kind: FailureKind::MemoryLimit,
+            message: format!(
+                "the script ran out of memory: it used more than the limit of {} MiB (set with --script-memory)",
+                limits.memory_bytes >> 20
+            ),
+            line: None,
+        };
+    }
+    if let CaughtError::Exception(ex) = &e
+        && ex.message().is_some_and(|m| m.contains("stack overflow"))
+    {
+        return ScriptFailure {
+            kind: FailureKind::Thrown,
+            message: "the script overflowed its stack (unbounded recursion?)".into(),
+            line: line_of(ex.stack().as_deref()),
+        };
+    }
+    failure_from(ctx, FailureKind::Thrown, e, Some(meter))
+}
+
+fn failure_from<'js>(
+    _ctx: &Ctx<'js>,
+    kind: FailureKind,
+    e: CaughtError<'js>,
+    _meter: Option<&Meter>,
+) -> ScriptFailure {
+    match e {
+        CaughtError::Exception(ex) => {
+            let name = ex
+                .as_object()
+                .get::<_, Option<String>>("name")
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| "Error".into());
+            let message = ex.message().unwrap_or_default();
+            let line = line_of(ex.stack().as_deref()).or_else(|| {
+                ex.as_object()
+                    .get::<_, Option<u32>>("lineNumber")
+                    .ok()
+                    .flatten()
+            });
+            let what = if message.is_empty() {
+                name.clone()
+            } else {
+                format!("{name}: {message}")
+            };
+            let text = match (kind, line) {
+                (FailureKind::Syntax, Some(l)) => format!("syntax error at line {l}: {what}"),
+                (FailureKind::Syntax, None) => format!("syntax error: {what}"),
+                (_, Some(l)) => format!("the script threw at line {l}: {what}"),
+                (_, None) => format!("the script threw: {what}"),
+            };
+            ScriptFailure {
+                kind,
+                message: text,
+                line,
+            }
+        }
+        CaughtError::Value(v) => {
+            let shown = v
+                .as_string()
+                .and_then(|s| s.to_string().ok())
+                .map(|s| format!("{s:?}"))
+                .or_else(|| v.as_number().map(|n| n.to_string()))
+                .unwrap_or_else(|| v.type_name().to_owned());
+            ScriptFailure {
+                kind,
+                message: format!("the script threw a non-Error value: {shown}"),
+                line: None,
+            }
+        }
+        CaughtError::Error(e) => ScriptFailure {
+            kind: FailureKind::Internal,
+            message: format!("script engine error: {e}"),
+            line: None,
+        },
+    }
+}
+
+/// Finds the first `script.js:LINE` in a QuickJS stack trace.
+fn line_of(stack: Option<&str>) -> Option<u32> {
+    let stack = stack?;
+    let needle = format!("{SCRIPT_FILE}:");
+    let mut rest = stack;
+    while let Some(pos) = rest.find(&needle) {
+        let after = &rest[pos + needle.len()..];
+        let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+        if let Ok(n) = digits.parse() {
+            return Some(n);
+        }
+        rest = after;
+    }
+    None
+}

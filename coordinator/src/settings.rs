@@ -1,0 +1,108 @@
+//! Run settings: the knobs of one run (spec/echo-backend.md, "Run settings that tests set").
+//! Every field is an ordinary run option: a CLI flag, a config key and a launch-request field.
+//! They are stored in the run's manifest, so a resumed or reopened run knows how it ran.
+
+use serde::{Deserialize, Serialize};
+
+/// How a resumed run reuses the results of its source run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplayMode {
+    /// Every call whose content key has a completed result in the source is served from it,
+    /// whatever the order (fixes W77, W86).
+    #[default]
+    Content,
+    /// Claude Code's ordered-prefix rule (W51): calls are matched in start order; the first
+    /// call that differs or has no completed result, and every call after it, runs again.
+    Prefix,
+}
+
+impl std::str::FromStr for ReplayMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "content" => Ok(ReplayMode::Content),
+            "prefix" => Ok(ReplayMode::Prefix),
+            other => Err(format!(
+                "unknown replay mode {other:?}: use content or prefix"
+            )),
+        }
+    }
+}
+
+/// The settings of one run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RunSettings {
+    /// Backend that runs the agents (`echo`, `exec`, ...).
+    pub backend: String,
+    /// Model used when `agent()` names none (empty: the backend's default).
+    pub model: String,
+    /// Agents of this run that run at once; more calls queue (W38).
+    pub concurrency: u32,
+    /// An attempt with no progress for this long is restarted (W58).
+    pub stall_timeout_ms: u64,
+    /// Attempts per agent, counting stall restarts and retries (W58).
+    pub attempts: u32,
+    /// Structured-output submissions per attempt before the call rejects (W14).
+    pub schema_attempts: u32,
+    /// `agent()` calls per run, nested workflows included (W40).
+    pub max_agents: u64,
+    /// Output-token budget of the run (`budget.total`, W35); `None`: no budget.
+    pub budget_tokens: Option<u64>,
+    /// Longest hold of the prefix-cache stagger (W60); 0 turns it off.
+    pub stagger_ms: u64,
+    /// Replay rule when the run resumes another.
+    pub replay: ReplayMode,
+    /// Memory limit of the script runtime, in MiB.
+    pub script_memory_mb: u64,
+    /// CPU time the script may use between two awaits, in milliseconds.
+    pub script_cpu_ms: u64,
+}
+
+impl Default for RunSettings {
+    fn default() -> Self {
+        RunSettings {
+            backend: "echo".into(),
+            model: String::new(),
+            concurrency: 16,
+            stall_timeout_ms: 180_000,
+            attempts: 6,
+            schema_attempts: 5,
+            max_agents: 1000,
+            budget_tokens: None,
+            stagger_ms: 5000,
+            replay: ReplayMode::Content,
+            script_memory_mb: 512,
+            script_cpu_ms: 10_000,
+        }
+    }
+}
+
+impl RunSettings {
+    /// Checks the settings; the error names the setting and the fix.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.concurrency == 0 {
+            return Err("concurrency must be at least 1".into());
+        }
+        if self.attempts == 0 {
+            return Err("attempts must be at least 1".into());
+        }
+        if self.schema_attempts == 0 {
+            return Err("schema attempts must be at least 1".into());
+        }
+        if self.stall_timeout_ms == 0 {
+            return Err("the stall timeout must be longer than 0".into());
+        }
+        if self.script_memory_mb < 8 {
+            return Err("the script memory limit must be at least 8 MiB".into());
+        }
+        if self.script_cpu_ms == 0 {
+            return Err("the script CPU limit must be longer than 0".into());
+        }
+        if self.backend.is_empty() {
+            return Err("a backend must be named (e.g. echo or exec)".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,301 @@
+//! The call spec of one `agent()` call: its options, normalized, and its identity.
+//!
+//! - [`CallSpec::parse`] reads the options object a script passed. Known options are checked
+//!   (a bad value rejects the call with a message naming the option); unknown options are
+//!   ignored, so scripts written for Claude Code keep running (W22).
+//! - [`CallSpec::content_hash`] hashes everything that decides what the agent does — prompt,
+//!   backend, model, effort, agent type, schema, isolation, cwd, tools, timeout — and leaves
+//!   out display-only options (`label`, `phase`). The call key is that hash plus the number
+//!   of earlier calls with the same hash in the run ([`call_key`]), so identical calls in one
+//!   run stay distinct.
+//! - [`CallSpec::prefix_group`] is what two calls must share to share a prompt-cache prefix
+//!   (W60): everything above except the prompt.
+
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+/// Version tag of call keys; bump it only with a migration for stored journals.
+pub const KEY_VERSION: &str = "v1";
+/// Characters of the prompt used for a default label.
+pub const LABEL_CHARS: usize = 60;
+const EFFORTS: [&str; 5] = ["low", "medium", "high", "xhigh", "max"];
+
+/// The normalized options of one call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallSpec {
+    pub prompt: String,
+    pub label: String,
+    pub backend: String,
+    pub model: String,
+    pub effort: String,
+    pub agent_type: String,
+    pub schema: Option<Value>,
+    pub isolation: String,
+    pub cwd: String,
+    pub tools: Vec<String>,
+    pub timeout_ms: u64,
+    /// The options object as given, unknown options included.
+    pub options: Map<String, Value>,
+}
+
+impl CallSpec {
+    /// Reads a call's options. `backend` and `default_model` come from the run settings.
+    pub fn parse(
+        prompt: String,
+        opts_json: &str,
+        backend: &str,
+        default_model: &str,
+    ) -> Result<CallSpec, String> {
+        let options: Map<String, Value> = match serde_json::from_str(opts_json) {
+            Ok(Value::Object(m)) => m,
+            Ok(_) | Err(_) => return Err("agent() options must be an object".into()),
+        };
+        let string = |name: &str| -> Result<Option<String>, String> {
+            match options.get(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(other) => Err(format!(
+                    "agent() option `{name}` must be a string, got {}",
+                    json_kind(other)
+                )),
+            }
+        };
+        let label = string("label")?
+            .filter(|l| !l.trim().is_empty())
+            .unwrap_or_else(|| default_label(&prompt));
+        let model = string("model")?
+            .filter(|m| !m.is_empty() && m != "inherit")
+            .unwrap_or_else(|| default_model.to_owned());
+        let effort = string("effort")?.unwrap_or_default();
+        if !effort.is_empty() && !EFFORTS.contains(&effort.as_str()) {
+            return Err(format!(
+                "agent() option `effort` must be one of {}, got {effort:?}",
+                EFFORTS.join(", ")
+            ));
+        }
+        let agent_type = string("agentType")?.unwrap_or_default();
+        let isolation = string("isolation")?.unwrap_or_default();
+        match isolation.as_str() {
+            "" | "worktree" => {}
+            "remote" => {
+                return Err(
+                    "agent() option isolation: 'remote' is unavailable; use 'worktree' or leave it out"
+                        .into(),
+                );
+            }
+            other => {
+                return Err(format!(
+                    "agent() option `isolation` must be 'worktree', got {other:?}"
+                ));
+            }
+        }
+        let cwd = string("cwd")?.unwrap_or_default();
+        let tools = match options.get("tools") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => {
+                let mut tools = Vec::with_capacity(items.len());
+                for item in items {
+                    match item {
+                        Value::String(s) => tools.push(s.clone()),
+                        other => {
+                            return Err(format!(
+                                "agent() option `tools` must be a list of tool names, found {}",
+                                json_kind(other)
+                            ));
+                        }
+                    }
+                }
+                tools
+            }
+            Some(other) => {
+                return Err(format!(
+                    "agent() option `tools` must be a list of tool names, got {}",
+                    json_kind(other)
+                ));
+            }
+        };
+        let timeout_ms = match options.get("timeout") {
+            None | Some(Value::Null) => 0,
+            Some(Value::Number(n)) => match n.as_f64() {
+                Some(ms) if ms > 0.0 && ms.is_finite() => ms.round() as u64,
+                _ => {
+                    return Err(
+                        "agent() option `timeout` must be a positive number of milliseconds or a duration like '5m'"
+                            .into(),
+                    );
+                }
+            },
+            Some(Value::String(s)) => humantime::parse_duration(s)
+                .map(|d| d.as_millis() as u64)
+                .map_err(|e| {
+                    format!("agent() option `timeout` {s:?} is not a duration ({e}); use e.g. '90s' or '5m'")
+                })?,
+            Some(other) => {
+                return Err(format!(
+                    "agent() option `timeout` must be milliseconds or a duration string, got {}",
+                    json_kind(other)
+                ));
+            }
+        };
+        let schema = match options.get("schema") {
+            None | Some(Value::Null) => None,
+            Some(s) => Some(s.clone()),
+        };
+        Ok(CallSpec {
+            prompt,
+            label,
+            backend: backend.to_owned(),
+            model,
+            effort,
+            agent_type,
+            schema,
+            isolation,
+            cwd,
+            tools,
+            timeout_ms,
+            options,
+        })
+    }
+
+    fn identity_without_prompt(&self) -> Value {
+        let mut tools = self.tools.clone();
+        tools.sort();
+        serde_json::json!({
+            "backend": self.backend,
+            "model": self.model,
+            "effort": self.effort,
+            "agentType": self.agent_type,
+            "schema": self.schema.as_ref().map(canonical),
+            "isolation": self.isolation,
+            "cwd": self.cwd,
+            "tools": tools,
+            "timeout": self.timeout_ms,
+        })
+    }
+
+    /// Hash of everything that decides what the agent does (not `label`, not `phase`).
+    pub fn content_hash(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(KEY_VERSION.as_bytes());
+        h.update([0]);
+        h.update(self.prompt.as_bytes());
+        h.update([0]);
+        h.update(self.identity_without_prompt().to_string().as_bytes());
+        hex::encode(&h.finalize()[..16])
+    }
+
+    /// Hash of what calls must share to share a prompt-cache prefix (W60).
+    pub fn prefix_group(&self) -> u64 {
+        let digest = Sha256::digest(self.identity_without_prompt().to_string().as_bytes());
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(bytes)
+    }
+}
+
+/// The call key of the `occurrence`-th (0-based) call with this content hash in a run.
+pub fn call_key(content_hash: &str, occurrence: u32) -> String {
+    format!("{KEY_VERSION}:{content_hash}:{occurrence}")
+}
+
+/// The default label: the first [`LABEL_CHARS`] characters of the prompt, whitespace collapsed.
+pub fn default_label(prompt: &str) -> String {
+    let collapsed = prompt.split_whitespace().collect::<Vec<_>>().join(" ");
+    collapsed.chars().take(LABEL_CHARS).collect()
+}
+
+/// JSON with object keys sorted at every level, so equal schemas hash equally.
+fn canonical(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<_> = m.keys().collect();
+            keys.sort();
+            let mut out = Map::new();
+            for k in keys {
+                out.insert(k.clone(), canonical(&m[k]));
+            }
+            Value::Object(out)
+        }
+        Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
+        other => other.clone(),
+    }
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(prompt: &str, opts: &str) -> CallSpec {
+        CallSpec::parse(prompt.into(), opts, "echo", "").unwrap()
+    }
+
+    #[test]
+    fn display_options_do_not_change_identity() {
+        let a = spec("review x", r#"{"label": "one", "phase": "Scan"}"#);
+        let b = spec(
+            "review x",
+            r#"{"label": "two", "phase": "Other", "unknownOption": 3}"#,
+        );
+        assert_eq!(a.content_hash(), b.content_hash());
+        let c = spec("review x", r#"{"model": "opus"}"#);
+        assert_ne!(a.content_hash(), c.content_hash());
+        let d = spec("review y", "{}");
+        assert_ne!(a.content_hash(), d.content_hash());
+        assert_eq!(a.prefix_group(), d.prefix_group());
+        assert_ne!(a.prefix_group(), c.prefix_group());
+    }
+
+    #[test]
+    fn schema_key_order_does_not_matter() {
+        let a = spec(
+            "p",
+            r#"{"schema": {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}}"#,
+        );
+        let b = spec(
+            "p",
+            r#"{"schema": {"properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "type": "object"}}"#,
+        );
+        assert_eq!(a.content_hash(), b.content_hash());
+    }
+
+    #[test]
+    fn bad_values_of_known_options_are_refused_by_name() {
+        let e = CallSpec::parse("p".into(), r#"{"effort": "fast"}"#, "echo", "").unwrap_err();
+        assert!(e.contains("`effort`"), "{e}");
+        let e = CallSpec::parse("p".into(), r#"{"isolation": "remote"}"#, "echo", "").unwrap_err();
+        assert!(e.contains("unavailable"), "{e}");
+        let e = CallSpec::parse("p".into(), r#"{"tools": "Bash"}"#, "echo", "").unwrap_err();
+        assert!(e.contains("`tools`"), "{e}");
+        let e = CallSpec::parse("p".into(), r#"{"model": 3}"#, "echo", "").unwrap_err();
+        assert!(e.contains("`model`"), "{e}");
+        assert_eq!(spec("p", r#"{"timeout": "2s"}"#).timeout_ms, 2000);
+        assert_eq!(spec("p", r#"{"timeout": 150}"#).timeout_ms, 150);
+    }
+
+    #[test]
+    fn default_label_collapses_whitespace_and_truncates() {
+        assert_eq!(default_label("  find\n\n bugs\tin  x "), "find bugs in x");
+        let long = "a ".repeat(100);
+        assert_eq!(default_label(&long).chars().count(), LABEL_CHARS);
+        assert_eq!(spec("hello world", "{}").label, "hello world");
+        assert_eq!(spec("hello", r#"{"label": "mine"}"#).label, "mine");
+    }
+
+    #[test]
+    fn keys_carry_version_and_occurrence() {
+        let h = spec("p", "{}").content_hash();
+        assert_eq!(call_key(&h, 0), format!("v1:{h}:0"));
+        assert_ne!(call_key(&h, 0), call_key(&h, 1));
+    }
+}

@@ -1,0 +1,261 @@
+//! Group-committed writers of a run's calls and events.
+//!
+//! [`Journal`] takes completed calls and writes every call that arrives while the previous
+//! write is in flight into one create-only segment (`runs/{run}/calls/{gen}-{seq}.jsonl`), then
+//! acknowledges the whole batch. The run engine hands a result to the script only after its
+//! acknowledgement: **a result the script has seen is durable.** One PUT per batch instead of
+//! one per call keeps fan-outs of thousands of calls cheap on S3.
+//!
+//! [`EventLog`] batches run events by time (flushing at least every [`EVENT_FLUSH`]) into
+//! `runs/{run}/events/{gen}-{seq}.jsonl`; events are for display and diagnosis, so they are not
+//! on the result path.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::records::{CallRecord, EventRecord};
+use super::{Store, keys};
+
+/// Results whose JSON is larger than this are stored once under `payloads/`.
+pub const PAYLOAD_THRESHOLD: usize = 256 * 1024;
+/// Most calls per segment.
+const MAX_BATCH: usize = 4096;
+/// Longest time an event waits before it is written.
+pub const EVENT_FLUSH: Duration = Duration::from_millis(250);
+
+/// Acknowledgement of a journal write.
+#[derive(Debug)]
+pub enum JournalAck {
+    /// These call indices are durable.
+    Durable(Vec<u64>),
+    /// The write failed for good (storage retries exhausted).
+    Failed { indices: Vec<u64>, error: String },
+}
+
+/// Handle of a run's call journal writer.
+#[derive(Debug, Clone)]
+pub struct Journal {
+    tx: mpsc::UnboundedSender<CallRecord>,
+}
+
+impl Journal {
+    /// Starts the writer; acknowledgements arrive on `acks`.
+    pub fn spawn(
+        store: Store,
+        run: String,
+        generation: u64,
+        acks: mpsc::UnboundedSender<JournalAck>,
+    ) -> (Journal, JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(journal_loop(store, run, generation, rx, acks));
+        (Journal { tx }, task)
+    }
+
+    /// Queues a completed call; its acknowledgement follows once it is durable.
+    pub fn append(&self, record: CallRecord) -> bool {
+        self.tx.send(record).is_ok()
+    }
+}
+
+async fn journal_loop(
+    store: Store,
+    run: String,
+    generation: u64,
+    mut rx: mpsc::UnboundedReceiver<CallRecord>,
+    acks: mpsc::UnboundedSender<JournalAck>,
+) {
+    let mut seq = 0u64;
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        let indices: Vec<u64> = batch.iter().map(|r| r.index).collect();
+        match write_segment(&store, &run, generation, seq, batch).await {
+            Ok(()) => {
+                let _ = acks.send(JournalAck::Durable(indices));
+            }
+            Err(e) => {
+                tracing::error!(run = %run, error = %e, "journal write failed");
+                let _ = acks.send(JournalAck::Failed {
+                    indices,
+                    error: e.to_string(),
+                });
+            }
+        }
+        seq += 1;
+    }
+}
+
+async fn write_segment(
+    store: &Store,
+    run: &str,
+    generation: u64,
+    seq: u64,
+    batch: Vec<CallRecord>,
+) -> Result<(), super::Error> {
+    let mut body = Vec::with_capacity(batch.len() * 256);
+    for mut record in batch {
+        if let Some(result) = &record.result {
+            let json = result.to_string();
+            if json.len() > PAYLOAD_THRESHOLD {
+                let sha = hex::encode(Sha256::digest(json.as_bytes()));
+                store
+                    .put_create(&keys::payload(&sha), Bytes::from(json))
+                    .await?;
+                record.result = None;
+                record.payload = Some(sha);
+            }
+        }
+        let line = serde_json::to_vec(&record).map_err(|e| super::Error::Corrupt {
+            key: keys::calls_dir(run).to_string(),
+            reason: e.to_string(),
+        })?;
+        body.extend_from_slice(&line);
+        body.push(b'\n');
+    }
+    store
+        .put_create(
+            &keys::calls_segment(run, generation, seq),
+            Bytes::from(body),
+        )
+        .await
+}
+
+/// Reads every completed call of a run, resolving payload references.
+pub async fn read_calls(store: &Store, run: &str) -> Result<Vec<CallRecord>, super::Error> {
+    let mut out = Vec::new();
+    for key in store.list_objects(&keys::calls_dir(run)).await? {
+        let Some(bytes) = store.get(&key).await? else {
+            continue;
+        };
+        for (n, line) in bytes.split(|b| *b == b'\n').enumerate() {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let mut record: CallRecord =
+                serde_json::from_slice(line).map_err(|e| super::Error::Corrupt {
+                    key: format!("{key} line {}", n + 1),
+                    reason: e.to_string(),
+                })?;
+            if let (None, Some(sha)) = (&record.result, &record.payload) {
+                let pkey = keys::payload(sha);
+                let body = store
+                    .get(&pkey)
+                    .await?
+                    .ok_or_else(|| super::Error::Corrupt {
+                        key: pkey.to_string(),
+                        reason: "payload referenced by a call record is missing".into(),
+                    })?;
+                record.result =
+                    Some(
+                        serde_json::from_slice(&body).map_err(|e| super::Error::Corrupt {
+                            key: pkey.to_string(),
+                            reason: e.to_string(),
+                        })?,
+                    );
+            }
+            out.push(record);
+        }
+    }
+    Ok(out)
+}
+
+/// Handle of a run's event writer.
+#[derive(Debug)]
+pub struct EventLog {
+    tx: Option<mpsc::UnboundedSender<EventRecord>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl EventLog {
+    pub fn spawn(store: Store, run: String, generation: u64) -> EventLog {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(event_loop(store, run, generation, rx));
+        EventLog {
+            tx: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn push(&self, event: EventRecord) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(event);
+        }
+    }
+
+    /// Writes what is buffered and stops the writer.
+    pub async fn close(&mut self) {
+        self.tx = None;
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+async fn event_loop(
+    store: Store,
+    run: String,
+    generation: u64,
+    mut rx: mpsc::UnboundedReceiver<EventRecord>,
+) {
+    let mut seq = 0u64;
+    let mut open = true;
+    while open {
+        let Some(first) = rx.recv().await else { break };
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + EVENT_FLUSH;
+        while batch.len() < 10_000 {
+            tokio::select! {
+                next = rx.recv() => match next {
+                    Some(e) => batch.push(e),
+                    None => { open = false; break; }
+                },
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        let mut body = Vec::new();
+        for e in &batch {
+            if let Ok(line) = serde_json::to_vec(e) {
+                body.extend_from_slice(&line);
+                body.push(b'\n');
+            }
+        }
+        if let Err(e) = store
+            .put_create(
+                &keys::events_segment(&run, generation, seq),
+                Bytes::from(body),
+            )
+            .await
+        {
+            tracing::warn!(run = %run, error = %e, "cannot write run events");
+        }
+        seq += 1;
+    }
+}
+
+/// Reads a run's events in order.
+pub async fn read_events(store: &Store, run: &str) -> Result<Vec<EventRecord>, super::Error> {
+    let mut out = Vec::new();
+    for key in store.list_objects(&keys::events_dir(run)).await? {
+        let Some(bytes) = store.get(&key).await? else {
+            continue;
+        };
+        for line in bytes.split(|b| *b == b'\n') {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            if let Ok(e) = serde_json::from_slice(line) {
+                out.push(e);
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,89 @@
+//! Every object key Flotilla writes, in one place (design.md, "Storage layout").
+//!
+//! ```text
+//! runs/{run}/run.json                      manifest
+//! runs/{run}/script.js
+//! runs/{run}/calls/{gen}-{seq}.jsonl       completed calls, one create-only segment per batch
+//! runs/{run}/events/{gen}-{seq}.jsonl      run events, batched
+//! runs/{run}/transcripts/{call}/{attempt}/{chunk}.jsonl
+//! runs/{run}/result.json                   the final report
+//! payloads/{sha256}                        large results, stored once by content hash
+//! workflows/{name}.js                      workflows saved on the server
+//! ```
+//!
+//! Segment names carry the writer's generation, zero-padded so that listing order is
+//! write order and a later generation sorts after an earlier one.
+
+use object_store::path::Path;
+
+pub fn runs() -> Path {
+    Path::from("runs")
+}
+
+pub fn run_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}"))
+}
+
+pub fn manifest(run: &str) -> Path {
+    Path::from(format!("runs/{run}/run.json"))
+}
+
+pub fn script(run: &str) -> Path {
+    Path::from(format!("runs/{run}/script.js"))
+}
+
+pub fn calls_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/calls"))
+}
+
+pub fn calls_segment(run: &str, generation: u64, seq: u64) -> Path {
+    Path::from(format!("runs/{run}/calls/{generation:06}-{seq:08}.jsonl"))
+}
+
+pub fn events_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/events"))
+}
+
+pub fn events_segment(run: &str, generation: u64, seq: u64) -> Path {
+    Path::from(format!("runs/{run}/events/{generation:06}-{seq:08}.jsonl"))
+}
+
+pub fn transcript_dir(run: &str, call: u64, attempt: u32) -> Path {
+    Path::from(format!("runs/{run}/transcripts/{call}/{attempt}"))
+}
+
+pub fn transcript_chunk(run: &str, call: u64, attempt: u32, chunk: u32) -> Path {
+    Path::from(format!(
+        "runs/{run}/transcripts/{call}/{attempt}/{chunk:06}.jsonl"
+    ))
+}
+
+pub fn result(run: &str) -> Path {
+    Path::from(format!("runs/{run}/result.json"))
+}
+
+pub fn payload(sha256_hex: &str) -> Path {
+    Path::from(format!("payloads/{sha256_hex}"))
+}
+
+pub fn saved_workflow(name: &str) -> Path {
+    Path::from(format!("workflows/{name}.js"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_sort_in_write_order() {
+        let a = calls_segment("wf_1", 1, 9);
+        let b = calls_segment("wf_1", 1, 10);
+        let c = calls_segment("wf_1", 2, 0);
+        assert!(a.as_ref() < b.as_ref() && b.as_ref() < c.as_ref());
+        assert_eq!(manifest("wf_1").as_ref(), "runs/wf_1/run.json");
+        assert_eq!(
+            transcript_chunk("wf_1", 3, 2, 0).as_ref(),
+            "runs/wf_1/transcripts/3/2/000000.jsonl"
+        );
+    }
+}

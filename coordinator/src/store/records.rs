@@ -1,0 +1,141 @@
+//! The JSON shapes Flotilla stores: the run manifest, completed-call records and run events.
+//! They are read back by resume, `show` and (later) other coordinators, so fields are only
+//! ever added, and readers ignore fields they do not know.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::settings::RunSettings;
+
+/// `runs/{run}/run.json`: everything needed to reopen or resume a run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    pub run_id: String,
+    pub workflow: WorkflowInfo,
+    pub script_sha256: String,
+    /// Where the script came from (a path or a saved workflow's name), for display.
+    #[serde(default)]
+    pub script_origin: Option<String>,
+    #[serde(default)]
+    pub args: Option<Value>,
+    pub settings: RunSettings,
+    /// RFC 3339 time the run was created.
+    pub created: String,
+    #[serde(default)]
+    pub parent_run_id: Option<String>,
+    /// Owner generation that writes this run's segments.
+    pub generation: u64,
+    pub flotilla_version: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkflowInfo {
+    pub name: String,
+    pub description: String,
+}
+
+/// Token and cost counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct UsageRecord {
+    #[serde(default)]
+    pub input_tokens: u64,
+    #[serde(default)]
+    pub output_tokens: u64,
+    #[serde(default)]
+    pub cache_read_tokens: u64,
+    #[serde(default)]
+    pub cache_write_tokens: u64,
+    #[serde(default)]
+    pub cost_usd: f64,
+    #[serde(default)]
+    pub tool_calls: u64,
+}
+
+impl UsageRecord {
+    pub fn add(&mut self, other: &UsageRecord) {
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+        self.cache_read_tokens += other.cache_read_tokens;
+        self.cache_write_tokens += other.cache_write_tokens;
+        self.cost_usd += other.cost_usd;
+        self.tool_calls += other.tool_calls;
+    }
+}
+
+impl From<&flotilla_proto::v1::Usage> for UsageRecord {
+    fn from(u: &flotilla_proto::v1::Usage) -> Self {
+        UsageRecord {
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            cache_read_tokens: u.cache_read_tokens,
+            cache_write_tokens: u.cache_write_tokens,
+            cost_usd: u.cost_usd,
+            tool_calls: u64::from(u.tool_calls),
+        }
+    }
+}
+
+/// One line of `runs/{run}/calls/*.jsonl`: an `agent()` call that completed with a value.
+/// Calls that resolved `null` or rejected are not journaled, so they always run again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CallRecord {
+    /// Start order of the call in its run (0-based): the order of `agent()` calls.
+    pub index: u64,
+    /// Content key: a hash of the normalized call spec plus its occurrence number.
+    pub key: String,
+    pub label: String,
+    pub group: String,
+    /// The value handed to the script (a string for text results), unless it is in `payload`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// sha256 of a large result stored under `payloads/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    #[serde(default)]
+    pub usage: UsageRecord,
+    pub attempts: u32,
+    /// The run this result was first produced in, when it was served from a resume source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_from: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+}
+
+/// One line of `runs/{run}/events/*.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EventRecord {
+    /// Milliseconds since the run started.
+    pub t: u64,
+    #[serde(flatten)]
+    pub event: RunEvent,
+}
+
+/// Things that happen in a run, in the order they happen.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RunEvent {
+    Status {
+        status: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+    Group {
+        title: String,
+    },
+    Log {
+        line: String,
+    },
+    Failure {
+        line: String,
+    },
+    Call {
+        index: u64,
+        label: String,
+        group: String,
+        state: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attempt: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        detail: Option<String>,
+    },
+}

@@ -1,0 +1,281 @@
+//! Finding saved workflows for `workflow(name)` and `workflow({ scriptPath })` (W36, W62–W63).
+//!
+//! A [`WorkflowResolver`] turns a reference into a script's source. [`DirResolver`] searches, in
+//! order: extra directories given on the command line, then `.flotilla/workflows/` and
+//! `.claude/workflows/` in every directory from the working directory up to the repository
+//! root (closest first), then the personal directories (`$XDG_CONFIG_HOME/flotilla/workflows`
+//! and `~/.claude/workflows`, or `$CLAUDE_CONFIG_DIR/workflows`). A name matches a script
+//! whose literal `meta.name` is that name; the file stem is the fallback. Files whose `meta`
+//! cannot be read statically are not offered (W03).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::script::source;
+
+/// A reference from a script: a saved workflow's name, or a path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkflowRef {
+    Name(String),
+    Path(String),
+}
+
+impl WorkflowRef {
+    /// Reads the JSON the prelude sends: a string, or `{ "scriptPath": ... }`.
+    pub fn from_json(text: &str) -> Result<WorkflowRef, String> {
+        match serde_json::from_str::<Value>(text) {
+            Ok(Value::String(name)) => Ok(WorkflowRef::Name(name)),
+            Ok(Value::Object(m)) => match m.get("scriptPath") {
+                Some(Value::String(p)) => Ok(WorkflowRef::Path(p.clone())),
+                _ => Err("workflow() takes a saved workflow name or { scriptPath }".into()),
+            },
+            _ => Err("workflow() takes a saved workflow name or { scriptPath }".into()),
+        }
+    }
+}
+
+/// A workflow found for a reference.
+#[derive(Debug, Clone)]
+pub struct FoundWorkflow {
+    pub name: String,
+    pub source: String,
+    pub origin: String,
+}
+
+/// Resolves workflow references of a run.
+pub trait WorkflowResolver: Send + Sync + 'static {
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String>;
+}
+
+/// A resolver that knows no workflows (used by benchmarks and tests).
+#[derive(Debug, Default)]
+pub struct NoWorkflows;
+
+impl WorkflowResolver for NoWorkflows {
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
+        Err(match reference {
+            WorkflowRef::Name(n) => {
+                format!("unknown workflow {n:?}: no saved workflows are available here")
+            }
+            WorkflowRef::Path(p) => {
+                format!("cannot read workflow script {p:?}: no files are available here")
+            }
+        })
+    }
+}
+
+/// The file-system resolver of the CLI.
+#[derive(Debug, Clone)]
+pub struct DirResolver {
+    /// Directories searched in order; the first match wins.
+    pub dirs: Vec<PathBuf>,
+    /// Base for relative `scriptPath`s.
+    pub cwd: PathBuf,
+}
+
+impl DirResolver {
+    /// The standard search path for a working directory, after `extra` directories.
+    pub fn standard(cwd: &Path, extra: &[PathBuf]) -> DirResolver {
+        let mut dirs: Vec<PathBuf> = extra.iter().map(|d| absolute(cwd, d)).collect();
+        let mut dir = Some(cwd.to_path_buf());
+        while let Some(d) = dir {
+            dirs.push(d.join(".flotilla").join("workflows"));
+            dirs.push(d.join(".claude").join("workflows"));
+            if d.join(".git").exists() {
+                break;
+            }
+            dir = d.parent().map(Path::to_path_buf);
+        }
+        if let Some(cfg) = std::env::var_os("XDG_CONFIG_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
+        {
+            dirs.push(cfg.join("flotilla").join("workflows"));
+        }
+        if let Some(claude) = std::env::var_os("CLAUDE_CONFIG_DIR") {
+            dirs.push(PathBuf::from(claude).join("workflows"));
+        } else if let Some(home) = std::env::var_os("HOME") {
+            dirs.push(PathBuf::from(home).join(".claude").join("workflows"));
+        }
+        DirResolver {
+            dirs,
+            cwd: cwd.to_path_buf(),
+        }
+    }
+
+    /// Every `.js` file in the search path with its statically read meta (or why not).
+    pub fn list(&self) -> Vec<(PathBuf, Result<source::Meta, String>)> {
+        let mut out = Vec::new();
+        for dir in &self.dirs {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            let mut files: Vec<PathBuf> = entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|e| e == "js"))
+                .collect();
+            files.sort();
+            for f in files {
+                let meta = std::fs::read_to_string(&f)
+                    .map_err(|e| format!("cannot read: {e}"))
+                    .and_then(|s| source::read_meta(&s).map_err(|e| e.to_string()));
+                out.push((f, meta));
+            }
+        }
+        out
+    }
+}
+
+fn absolute(base: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+impl WorkflowResolver for DirResolver {
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
+        match reference {
+            WorkflowRef::Path(p) => {
+                let path = absolute(&self.cwd, Path::new(p));
+                let source = std::fs::read_to_string(&path)
+                    .map_err(|e| format!("cannot read workflow script {}: {e}", path.display()))?;
+                let meta = source::read_meta(&source)
+                    .map_err(|e| format!("workflow script {}: {e}", path.display()))?;
+                Ok(FoundWorkflow {
+                    name: meta.name,
+                    source,
+                    origin: path.display().to_string(),
+                })
+            }
+            WorkflowRef::Name(name) => {
+                if name.is_empty()
+                    || name.contains('/')
+                    || name.contains('\\')
+                    || name.contains("..")
+                {
+                    return Err(format!("{name:?} is not a workflow name"));
+                }
+                let name = name.strip_prefix('/').unwrap_or(name);
+                let mut by_stem = None;
+                for (path, meta) in self.list() {
+                    let Ok(meta) = meta else { continue };
+                    if meta.name == name {
+                        return read_found(&path, meta.name);
+                    }
+                    if by_stem.is_none() && path.file_stem().is_some_and(|s| s == name) {
+                        by_stem = Some((path, meta.name));
+                    }
+                }
+                if let Some((path, meta_name)) = by_stem {
+                    return read_found(&path, meta_name);
+                }
+                Err(format!(
+                    "unknown workflow {name:?}: no saved workflow has that name (searched {}); \
+                     save it in .flotilla/workflows/ or pass --workflows-dir",
+                    self.dirs
+                        .iter()
+                        .map(|d| d.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            }
+        }
+    }
+}
+
+fn read_found(path: &Path, name: String) -> Result<FoundWorkflow, String> {
+    let source = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read workflow script {}: {e}", path.display()))?;
+    Ok(FoundWorkflow {
+        name,
+        source,
+        origin: path.display().to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, file: &str, name: &str) {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(
+            dir.join(file),
+            format!("export const meta = {{ name: '{name}', description: 'd' }};\nreturn 1;\n"),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn closest_directory_wins_and_meta_name_beats_file_stem() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        std::fs::create_dir(root.join(".git")).unwrap();
+        let sub = root.join("a/b");
+        write(&root.join(".claude/workflows"), "x.js", "triage");
+        write(&sub.join(".flotilla/workflows"), "y.js", "triage");
+        write(
+            &root.join(".flotilla/workflows"),
+            "other.js",
+            "named-differently",
+        );
+        let r = DirResolver {
+            dirs: DirResolver::standard(&sub, &[]).dirs[..6].to_vec(),
+            cwd: sub.clone(),
+        };
+        let found = r.resolve(&WorkflowRef::Name("triage".into())).unwrap();
+        assert!(
+            found.origin.ends_with("a/b/.flotilla/workflows/y.js"),
+            "{}",
+            found.origin
+        );
+        let by_stem = r.resolve(&WorkflowRef::Name("other".into())).unwrap();
+        assert_eq!(by_stem.name, "named-differently");
+        let e = r.resolve(&WorkflowRef::Name("nope".into())).unwrap_err();
+        assert!(e.contains("unknown workflow \"nope\""), "{e}");
+        assert!(r.resolve(&WorkflowRef::Name("../x".into())).is_err());
+    }
+
+    #[test]
+    fn non_literal_meta_is_not_offered() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("wf");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("bad.js"),
+            "export const meta = { name: x, description: 'd' };",
+        )
+        .unwrap();
+        let r = DirResolver {
+            dirs: vec![dir],
+            cwd: tmp.path().into(),
+        };
+        assert!(r.resolve(&WorkflowRef::Name("bad".into())).is_err());
+        let listed = r.list();
+        assert_eq!(listed.len(), 1);
+        assert!(
+            listed[0]
+                .1
+                .as_ref()
+                .unwrap_err()
+                .contains("variable reference")
+        );
+    }
+
+    #[test]
+    fn references_are_read_from_prelude_json() {
+        assert_eq!(
+            WorkflowRef::from_json("\"a\"").unwrap(),
+            WorkflowRef::Name("a".into())
+        );
+        assert_eq!(
+            WorkflowRef::from_json(r#"{"scriptPath": "x.js"}"#).unwrap(),
+            WorkflowRef::Path("x.js".into())
+        );
+        assert!(WorkflowRef::from_json("3").is_err());
+    }
+}

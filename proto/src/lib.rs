@@ -1,0 +1,98 @@
+//! `flotilla-proto`: everything both ends of a Flotilla connection must agree on.
+//!
+//! - [`v1`]: the generated protocol (`proto/flotilla.proto`): the worker stream messages and
+//!   the `WorkerService`. The embedded mode passes the same messages over in-process channels.
+//! - [`schema`]: the JSON Schema rules of structured results (W13–W15): preflight of a schema
+//!   before any agent starts, and validation of a submission. The coordinator preflights, the
+//!   worker validates each submission; both use this module so they cannot disagree.
+//! - [`ErrorKind`]: the small classification every crate's errors map to, and the one place
+//!   where a kind becomes an exit status or (later) a `tonic::Code`.
+//!
+//! Start with `proto/flotilla.proto`.
+
+pub mod link;
+pub mod schema;
+
+/// Generated protocol types, version 1.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("flotilla.v1");
+}
+
+/// Version of the worker protocol spoken by this build. The coordinator refuses a worker
+/// whose major version differs.
+pub const PROTOCOL_VERSION: &str = "1.0";
+
+/// Returns true when a peer speaking `theirs` can talk to this build.
+pub fn protocol_compatible(theirs: &str) -> bool {
+    let major = |v: &str| v.split('.').next().map(str::to_owned);
+    major(theirs).is_some() && major(theirs) == major(PROTOCOL_VERSION)
+}
+
+/// The coarse class of an error, shared by every crate: it decides retries, exit statuses and
+/// (for the network API) status codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The thing asked for does not exist (a run, a saved workflow).
+    NotFound,
+    /// It exists but is in a state that forbids the request.
+    Conflict,
+    /// A dependency is down; retrying later can succeed.
+    Unavailable,
+    /// The caller's lease or attempt is no longer current.
+    Fenced,
+    /// The request itself is wrong (bad script, bad flag, bad option).
+    Invalid,
+    /// A bug or an unexpected failure.
+    Internal,
+}
+
+impl ErrorKind {
+    /// Whether retrying the same request later can succeed.
+    pub fn is_retryable(self) -> bool {
+        matches!(self, ErrorKind::Unavailable)
+    }
+
+    /// The process exit status a CLI command uses for an error of this kind: 2 for requests
+    /// that were refused as given, 1 otherwise.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            ErrorKind::Invalid | ErrorKind::NotFound => 2,
+            _ => 1,
+        }
+    }
+
+    /// The gRPC status code of this kind.
+    pub fn grpc_code(self) -> tonic::Code {
+        match self {
+            ErrorKind::NotFound => tonic::Code::NotFound,
+            ErrorKind::Conflict => tonic::Code::FailedPrecondition,
+            ErrorKind::Unavailable => tonic::Code::Unavailable,
+            ErrorKind::Fenced => tonic::Code::Aborted,
+            ErrorKind::Invalid => tonic::Code::InvalidArgument,
+            ErrorKind::Internal => tonic::Code::Internal,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_major_must_match() {
+        assert!(protocol_compatible("1.0"));
+        assert!(protocol_compatible("1.7"));
+        assert!(!protocol_compatible("2.0"));
+        assert!(!protocol_compatible(""));
+    }
+
+    #[test]
+    fn refused_requests_exit_with_two() {
+        assert_eq!(ErrorKind::Invalid.exit_code(), 2);
+        assert_eq!(ErrorKind::NotFound.exit_code(), 2);
+        assert_eq!(ErrorKind::Internal.exit_code(), 1);
+        assert!(ErrorKind::Unavailable.is_retryable());
+        assert!(!ErrorKind::Invalid.is_retryable());
+    }
+}

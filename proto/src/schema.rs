@@ -1,0 +1,243 @@
+//! JSON Schema rules for structured agent results (W13–W15).
+//!
+//! - [`preflight`] runs before any agent starts: the schema must be valid JSON Schema, its root
+//!   must be an object schema, and it must not contradict itself in a way that can be proved
+//!   statically (a `required` key that `additionalProperties: false` rules out, a minimum above
+//!   its maximum, an empty `enum`). A call whose schema fails preflight rejects and no agent
+//!   starts.
+//! - [`Validator`] checks one submission and explains every failure in one line, which is what
+//!   a model (or the echo backend) sees before it resubmits.
+//!
+//! Invariant: a schema that passes [`preflight`] always compiles into a [`Validator`].
+
+use serde_json::Value;
+
+/// Checks a schema before an agent is started. The error names the problem and where it is.
+pub fn preflight(schema: &Value) -> Result<(), String> {
+    let Value::Object(root) = schema else {
+        return Err(format!(
+            "schema must be a JSON Schema object like {{ type: 'object', properties: {{...}} }}, got {}",
+            kind_of(schema)
+        ));
+    };
+    if let Err(e) = jsonschema::meta::validate(schema) {
+        let at = e.instance_path().to_string();
+        let at = if at.is_empty() {
+            "the root".to_owned()
+        } else {
+            at
+        };
+        return Err(format!("schema is not valid JSON Schema: {e} (at {at})"));
+    }
+    match root.get("type") {
+        Some(Value::String(t)) if t == "object" => {}
+        Some(other) => {
+            return Err(format!(
+                "schema root must have type 'object' (the agent answers with an object), found type {other}"
+            ));
+        }
+        None => {
+            return Err(
+                "schema root must have type 'object' (the agent answers with an object): add type: 'object'"
+                    .to_owned(),
+            );
+        }
+    }
+    contradictions(schema, "#")?;
+    Validator::new(schema).map(|_| ())
+}
+
+/// A compiled schema.
+pub struct Validator {
+    inner: jsonschema::Validator,
+}
+
+impl std::fmt::Debug for Validator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Validator").finish_non_exhaustive()
+    }
+}
+
+impl Validator {
+    /// Compiles a schema (no preflight).
+    pub fn new(schema: &Value) -> Result<Self, String> {
+        jsonschema::validator_for(schema)
+            .map(|inner| Validator { inner })
+            .map_err(|e| format!("schema cannot be compiled: {e}"))
+    }
+
+    /// Validates one submission; the error lists up to three failures with their locations.
+    pub fn validate(&self, instance: &Value) -> Result<(), String> {
+        let mut problems = Vec::new();
+        let mut total = 0usize;
+        for error in self.inner.iter_errors(instance) {
+            total += 1;
+            if problems.len() < 3 {
+                let path = error.instance_path().to_string();
+                let path = if path.is_empty() {
+                    "/".to_owned()
+                } else {
+                    path
+                };
+                problems.push(format!("at {path}: {error}"));
+            }
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let mut message = problems.join("; ");
+        if total > problems.len() {
+            message.push_str(&format!(" (and {} more)", total - problems.len()));
+        }
+        Err(message)
+    }
+}
+
+fn kind_of(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Walks every subschema and reports the first self-contradiction that can be proved.
+fn contradictions(schema: &Value, at: &str) -> Result<(), String> {
+    let Value::Object(map) = schema else {
+        return Ok(());
+    };
+    if map.get("additionalProperties") == Some(&Value::Bool(false))
+        && !map.contains_key("patternProperties")
+    {
+        let props = map.get("properties").and_then(Value::as_object);
+        if let Some(Value::Array(required)) = map.get("required") {
+            for key in required.iter().filter_map(Value::as_str) {
+                if !props.is_some_and(|p| p.contains_key(key)) {
+                    return Err(format!(
+                        "schema contradicts itself at {at}: '{key}' is required but additionalProperties: false rules it out (it is not in properties); add '{key}' to properties or drop it from required"
+                    ));
+                }
+            }
+        }
+    }
+    for (low, high) in [
+        ("minimum", "maximum"),
+        ("minLength", "maxLength"),
+        ("minItems", "maxItems"),
+        ("minProperties", "maxProperties"),
+        ("minContains", "maxContains"),
+    ] {
+        if let (Some(lo), Some(hi)) = (
+            map.get(low).and_then(Value::as_f64),
+            map.get(high).and_then(Value::as_f64),
+        ) && lo > hi
+        {
+            return Err(format!(
+                "schema contradicts itself at {at}: {low} {lo} is above {high} {hi}, so no value can match"
+            ));
+        }
+    }
+    if let Some(Value::Array(members)) = map.get("enum")
+        && members.is_empty()
+    {
+        return Err(format!(
+            "schema contradicts itself at {at}: enum is empty, so no value can match"
+        ));
+    }
+    if let Some(Value::Object(props)) = map.get("properties") {
+        for (name, sub) in props {
+            contradictions(sub, &format!("{at}/properties/{name}"))?;
+        }
+    }
+    for key in ["items", "additionalProperties", "not", "contains"] {
+        if let Some(sub) = map.get(key) {
+            contradictions(sub, &format!("{at}/{key}"))?;
+        }
+    }
+    for key in ["anyOf", "oneOf", "allOf", "prefixItems"] {
+        if let Some(Value::Array(subs)) = map.get(key) {
+            for (i, sub) in subs.iter().enumerate() {
+                contradictions(sub, &format!("{at}/{key}/{i}"))?;
+            }
+        }
+    }
+    for key in ["$defs", "definitions"] {
+        if let Some(Value::Object(defs)) = map.get(key) {
+            for (name, sub) in defs {
+                contradictions(sub, &format!("{at}/{key}/{name}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn accepts_an_object_schema() {
+        let s =
+            json!({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]});
+        preflight(&s).unwrap();
+    }
+
+    #[test]
+    fn rejects_required_key_ruled_out_by_additional_properties() {
+        let s = json!({"type": "object", "properties": {"a": {"type": "string"}},
+                        "required": ["a", "b"], "additionalProperties": false});
+        let e = preflight(&s).unwrap_err();
+        assert!(e.contains("'b' is required"), "{e}");
+        assert!(e.contains("additionalProperties: false"), "{e}");
+    }
+
+    #[test]
+    fn required_key_outside_properties_is_fine_when_extra_keys_are_allowed() {
+        let s = json!({"type": "object", "properties": {}, "required": ["b"]});
+        preflight(&s).unwrap();
+    }
+
+    #[test]
+    fn rejects_nested_contradictions_with_their_location() {
+        let s = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 2}}});
+        let e = preflight(&s).unwrap_err();
+        assert!(e.contains("#/properties/n"), "{e}");
+        let s = json!({"type": "object", "properties": {"l": {"type": "array", "items": {"enum": []}}}});
+        let e = preflight(&s).unwrap_err();
+        assert!(e.contains("enum is empty"), "{e}");
+    }
+
+    #[test]
+    fn rejects_invalid_json_schema() {
+        let s = json!({"type": "object", "properties": {"a": {"type": "strnig"}}});
+        let e = preflight(&s).unwrap_err();
+        assert!(e.contains("not valid JSON Schema"), "{e}");
+        let e = preflight(&json!("object")).unwrap_err();
+        assert!(e.contains("got a string"), "{e}");
+    }
+
+    #[test]
+    fn rejects_non_object_root() {
+        let e = preflight(&json!({"type": "array", "items": {}})).unwrap_err();
+        assert!(e.contains("type 'object'"), "{e}");
+        let e = preflight(&json!({"properties": {}})).unwrap_err();
+        assert!(e.contains("add type: 'object'"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_the_failing_location() {
+        let v = Validator::new(
+            &json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+        )
+        .unwrap();
+        v.validate(&json!({"n": 3})).unwrap();
+        let e = v.validate(&json!({"n": "x"})).unwrap_err();
+        assert!(e.contains("/n"), "{e}");
+        let e = v.validate(&json!({})).unwrap_err();
+        assert!(e.contains("required"), "{e}");
+    }
+}

@@ -1,0 +1,250 @@
+//! The `exec` backend: any command as an agent.
+//!
+//! Each attempt runs `sh -c CMD` in the call's working directory, in a new process group.
+//! The prompt arrives on stdin (then stdin is closed); the call's options arrive in
+//! environment variables (`FLOTILLA_*`, see [`Exec::env_for`]). Stdout is the result — parsed
+//! as JSON and validated when the call has a schema. Stderr lines go to the transcript. Any
+//! output counts as progress for the stall watchdog. A non-zero exit is a terminal failure
+//! (the call resolves to `null`); exit status 75 (`EX_TEMPFAIL`) asks for a retry.
+//!
+//! Invariant: when an attempt ends — normally, cancelled, or stalled — the whole process group
+//! is killed, so nothing the command started outlives it.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use flotilla_proto::v1::{FailureKind, ProgressKind, Usage};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+
+use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task, chars};
+
+/// Exit status a command uses to ask for another attempt.
+pub const EXIT_RETRY: i32 = 75;
+
+/// The exec backend.
+#[derive(Debug, Clone)]
+pub struct Exec {
+    command: String,
+}
+
+impl Exec {
+    /// `command` is run with `sh -c`.
+    pub fn new(command: impl Into<String>) -> Self {
+        Exec {
+            command: command.into(),
+        }
+    }
+
+    /// The environment a command sees for a task.
+    pub fn env_for(task: &Task, workdir: &std::path::Path) -> Vec<(String, String)> {
+        let s = &task.spec;
+        vec![
+            ("FLOTILLA_RUN_ID".into(), task.run_id.clone()),
+            ("FLOTILLA_CALL".into(), task.call.to_string()),
+            ("FLOTILLA_CALL_KEY".into(), task.call_key.clone()),
+            ("FLOTILLA_ATTEMPT".into(), task.attempt.to_string()),
+            ("FLOTILLA_LABEL".into(), s.label.clone()),
+            ("FLOTILLA_GROUP".into(), s.group.clone()),
+            ("FLOTILLA_MODEL".into(), s.model.clone()),
+            ("FLOTILLA_EFFORT".into(), s.effort.clone()),
+            ("FLOTILLA_AGENT_TYPE".into(), s.agent_type.clone()),
+            ("FLOTILLA_ISOLATION".into(), s.isolation.clone()),
+            ("FLOTILLA_TOOLS".into(), s.tools.join(",")),
+            (
+                "FLOTILLA_SCHEMA".into(),
+                s.schema_json.clone().unwrap_or_default(),
+            ),
+            ("FLOTILLA_OPTIONS".into(), s.options_json.clone()),
+            ("FLOTILLA_WORKDIR".into(), workdir.display().to_string()),
+        ]
+    }
+}
+
+/// Kills a process group, ignoring a group that is already gone.
+fn kill_group(pgid: Option<u32>) {
+    if let Some(id) = pgid.and_then(|id| i32::try_from(id).ok()) {
+        let _ = killpg(Pid::from_raw(id), Signal::SIGKILL);
+    }
+}
+
+#[async_trait::async_trait]
+impl AgentBackend for Exec {
+    fn name(&self) -> &'static str {
+        "exec"
+    }
+
+    async fn run(
+        &self,
+        task: &Task,
+        events: &Events,
+        cancel: CancellationToken,
+    ) -> Result<Output, Error> {
+        let workdir = task.workdir()?;
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(&self.command)
+            .current_dir(&workdir)
+            .envs(Self::env_for(task, &workdir))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| {
+            Error::new(
+                FailureKind::Terminal,
+                format!("cannot start exec command {:?}: {e}", self.command),
+            )
+        })?;
+        let pgid = child.id();
+        events.transcript(
+            json!({"type": "init", "backend": "exec", "command": self.command,
+            "workdir": workdir.display().to_string(), "pid": pgid, "attempt": task.attempt}),
+        );
+
+        // Feed the prompt and close stdin, without blocking on a command that never reads it.
+        if let Some(mut stdin) = child.stdin.take() {
+            let prompt = task.spec.prompt.clone().into_bytes();
+            tokio::spawn(async move {
+                let _ = stdin.write_all(&prompt).await;
+                let _ = stdin.shutdown().await;
+            });
+        }
+        let mut stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "exec command has no stdout pipe"))?;
+        let stderr = child
+            .stderr
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "exec command has no stderr pipe"))?;
+
+        let out_events = events.clone();
+        let stdout_task = tokio::spawn(async move {
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 8192];
+            loop {
+                match stdout.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        buf.extend_from_slice(&chunk[..n]);
+                        out_events.progress(ProgressKind::Output, 0);
+                    }
+                }
+            }
+            buf
+        });
+        let err_events = events.clone();
+        let stderr_task = tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            let mut last = String::new();
+            while let Ok(Some(line)) = lines.next_line().await {
+                err_events.progress(ProgressKind::Output, 0);
+                err_events.transcript(json!({"type": "stderr", "text": line}));
+                last = line;
+            }
+            last
+        });
+
+        let status = tokio::select! {
+            status = child.wait() => status,
+            _ = cancel.cancelled() => {
+                kill_group(pgid);
+                let _ = child.wait().await;
+                stdout_task.abort();
+                stderr_task.abort();
+                events.transcript(json!({"type": "result", "is_error": true, "error": "cancelled"}));
+                return Err(Error::cancelled("the command's process group was killed"));
+            }
+        };
+        // The command is done: whatever it left running in its group goes too, which also
+        // closes pipes a straggler might hold open.
+        kill_group(pgid);
+        let status = status.map_err(|e| {
+            Error::new(
+                FailureKind::Terminal,
+                format!("cannot wait for exec command: {e}"),
+            )
+        })?;
+        let stdout = tokio::time::timeout(Duration::from_secs(5), stdout_task)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let last_stderr = tokio::time::timeout(Duration::from_secs(5), stderr_task)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let text = String::from_utf8_lossy(&stdout).into_owned();
+
+        if !status.success() {
+            let code = status
+                .code()
+                .map_or_else(|| "a signal".to_owned(), |c| format!("status {c}"));
+            let detail = if last_stderr.is_empty() {
+                String::new()
+            } else {
+                format!(": {last_stderr}")
+            };
+            let kind = if status.code() == Some(EXIT_RETRY) {
+                FailureKind::Retryable
+            } else {
+                FailureKind::Terminal
+            };
+            events.transcript(json!({"type": "result", "is_error": true, "exit": status.code()}));
+            return Err(Error::new(
+                kind,
+                format!("exec command exited with {code}{detail}"),
+            ));
+        }
+
+        let text = text
+            .strip_suffix("\r\n")
+            .or_else(|| text.strip_suffix('\n'))
+            .unwrap_or(&text)
+            .to_owned();
+        let usage = Usage {
+            input_tokens: chars(&task.spec.prompt),
+            output_tokens: chars(&text),
+            ..Usage::default()
+        };
+        events.transcript(json!({"type": "assistant_text", "text": text}));
+        let Some(schema) = &task.schema else {
+            events.transcript(json!({"type": "result", "is_error": false, "exit": 0}));
+            return Ok(Output {
+                text,
+                json: None,
+                usage,
+            });
+        };
+        let parsed: Value = serde_json::from_str(text.trim()).map_err(|e| {
+            Error::new(
+                FailureKind::Schema,
+                format!("exec output is not JSON, but the call has a schema: {e}"),
+            )
+        })?;
+        // One submission per attempt: a command cannot read validation feedback.
+        let mut submissions = Submissions::new(schema, 1)?;
+        match submissions.submit(parsed)? {
+            Submitted::Accepted(value) => {
+                events.structured_captured(&value);
+                events.transcript(json!({"type": "result", "is_error": false, "exit": 0}));
+                Ok(Output {
+                    text,
+                    json: Some(value),
+                    usage,
+                })
+            }
+            Submitted::Retry(problem) => Err(Error::new(
+                FailureKind::Schema,
+                format!("exec output does not match the schema {problem}"),
+            )),
+        }
+    }
+}

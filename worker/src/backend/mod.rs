@@ -1,0 +1,254 @@
+//! The `AgentBackend` seam: run one attempt of one `agent()` call.
+//!
+//! A backend receives a [`Task`], reports progress and transcript events through [`Events`]
+//! while it works, and returns an [`Output`] or a classified [`Error`]. It must return soon
+//! after its cancel token fires (and leave no process behind). Structured results go through
+//! [`Submissions`], which validates each submission against the task's schema and counts them
+//! (W13–W14), so every backend shares one retry rule.
+//!
+//! Implementations: [`echo::Echo`] (deterministic, `spec/echo-backend.md`) and
+//! [`exec::Exec`] (any command). Real model backends plug in the same way.
+
+pub mod echo;
+pub mod exec;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_proto::schema::Validator;
+use flotilla_proto::v1::{self, FailureKind, ProgressKind};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::workspace::Workspace;
+
+/// One attempt as a backend sees it.
+#[derive(Debug, Clone)]
+pub struct Task {
+    pub run_id: String,
+    pub call: u64,
+    pub attempt: u32,
+    pub call_key: String,
+    pub spec: v1::TaskSpec,
+    /// Parsed `spec.schema_json`, when the task asks for a structured result.
+    pub schema: Option<Value>,
+    pub workspace: Workspace,
+}
+
+impl Task {
+    /// The directory the agent works in, created on first use. Confined to the worker's
+    /// workspace root.
+    pub fn workdir(&self) -> Result<PathBuf, Error> {
+        self.workspace
+            .dir_for(&self.run_id, self.call, &self.spec.cwd)
+            .map_err(|e| Error::new(FailureKind::Invalid, e))
+    }
+}
+
+/// What a successful attempt produced.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Output {
+    pub text: String,
+    pub json: Option<Value>,
+    pub usage: v1::Usage,
+}
+
+/// A classified failure of one attempt.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct Error {
+    pub kind: FailureKind,
+    pub message: String,
+    pub retry_after: Option<Duration>,
+    pub usage: v1::Usage,
+}
+
+impl Error {
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        Error {
+            kind,
+            message: message.into(),
+            retry_after: None,
+            usage: v1::Usage::default(),
+        }
+    }
+
+    pub fn cancelled(reason: &str) -> Self {
+        Error::new(FailureKind::Cancelled, format!("cancelled: {reason}"))
+    }
+
+    pub fn rate_limited(retry_after: Duration, message: impl Into<String>) -> Self {
+        Error {
+            retry_after: Some(retry_after),
+            ..Error::new(FailureKind::RateLimited, message)
+        }
+    }
+}
+
+/// The backend seam.
+#[async_trait::async_trait]
+pub trait AgentBackend: Send + Sync + 'static {
+    /// The name tasks use to pick this backend (`echo`, `exec`, ...).
+    fn name(&self) -> &'static str;
+
+    /// Models this backend can run; empty means any model name is accepted.
+    fn models(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Runs one attempt. Must return soon after `cancel` fires.
+    async fn run(
+        &self,
+        task: &Task,
+        events: &Events,
+        cancel: CancellationToken,
+    ) -> Result<Output, Error>;
+}
+
+/// Where a running attempt sends progress and transcript events.
+#[derive(Clone)]
+pub struct Events {
+    inner: Arc<dyn EventSink>,
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Events").finish_non_exhaustive()
+    }
+}
+
+/// Receiver of one attempt's events (the worker's link, or a test's buffer).
+pub trait EventSink: Send + Sync {
+    fn progress(&self, kind: ProgressKind, output_tokens: u64, detail: String);
+    fn transcript(&self, event: Value);
+}
+
+impl Events {
+    pub fn new(sink: Arc<dyn EventSink>) -> Self {
+        Events { inner: sink }
+    }
+
+    /// Reports progress; any progress resets the coordinator's stall timer.
+    pub fn progress(&self, kind: ProgressKind, output_tokens: u64) {
+        self.inner.progress(kind, output_tokens, String::new());
+    }
+
+    /// Reports that a valid structured output was captured.
+    pub fn structured_captured(&self, value: &Value) {
+        self.inner
+            .progress(ProgressKind::StructuredCaptured, 0, value.to_string());
+    }
+
+    /// Appends one normalized event to the attempt's transcript.
+    pub fn transcript(&self, event: Value) {
+        self.inner.transcript(event);
+    }
+}
+
+/// Counts and validates the structured-output submissions of one attempt.
+#[derive(Debug)]
+pub struct Submissions {
+    validator: Validator,
+    limit: u32,
+    made: u32,
+    last_error: Option<String>,
+}
+
+/// What happened to one submission.
+#[derive(Debug, PartialEq)]
+pub enum Submitted {
+    /// Valid: this is the result.
+    Accepted(Value),
+    /// Invalid, and the agent may try again; the message is the validation feedback.
+    Retry(String),
+}
+
+impl Submissions {
+    /// Compiles the schema; `limit` is the number of submissions allowed (at least 1).
+    pub fn new(schema: &Value, limit: u32) -> Result<Self, Error> {
+        let validator = Validator::new(schema).map_err(|e| Error::new(FailureKind::Invalid, e))?;
+        Ok(Submissions {
+            validator,
+            limit: limit.max(1),
+            made: 0,
+            last_error: None,
+        })
+    }
+
+    /// Validates one submission. Fails with a `Schema` error once the limit is used up.
+    pub fn submit(&mut self, value: Value) -> Result<Submitted, Error> {
+        self.made += 1;
+        match self.validator.validate(&value) {
+            Ok(()) => Ok(Submitted::Accepted(value)),
+            Err(problem) => {
+                self.last_error = Some(problem.clone());
+                if self.made >= self.limit {
+                    Err(self.exhausted())
+                } else {
+                    Ok(Submitted::Retry(problem))
+                }
+            }
+        }
+    }
+
+    /// Submissions made so far.
+    pub fn made(&self) -> u32 {
+        self.made
+    }
+
+    /// The error for an agent that stopped without a valid submission.
+    pub fn exhausted(&self) -> Error {
+        let message = match &self.last_error {
+            Some(last) if self.made >= self.limit => format!(
+                "structured output retry cap ({}) exceeded: the last submission failed validation {last}",
+                self.limit
+            ),
+            Some(last) => format!(
+                "the agent finished without a valid structured output after {} submission(s); last failure {last}",
+                self.made
+            ),
+            None => "the agent finished without submitting a structured output".to_owned(),
+        };
+        Error::new(FailureKind::Schema, message)
+    }
+}
+
+/// Counts characters (Unicode scalar values), the echo backend's token unit.
+pub(crate) fn chars(s: &str) -> u64 {
+    s.chars().count() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn submissions_stop_at_the_limit_with_the_last_failure() {
+        let schema =
+            json!({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]});
+        let mut s = Submissions::new(&schema, 3).unwrap();
+        assert!(matches!(s.submit(json!({})).unwrap(), Submitted::Retry(_)));
+        assert!(matches!(s.submit(json!({})).unwrap(), Submitted::Retry(_)));
+        let e = s.submit(json!({})).unwrap_err();
+        assert_eq!(e.kind, FailureKind::Schema);
+        assert!(e.message.contains("retry cap (3)"), "{}", e.message);
+        assert!(e.message.contains("required"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_valid_submission_is_accepted() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+        let mut s = Submissions::new(&schema, 5).unwrap();
+        assert!(matches!(
+            s.submit(json!({"a": 1})).unwrap(),
+            Submitted::Retry(_)
+        ));
+        assert_eq!(
+            s.submit(json!({"a": "x"})).unwrap(),
+            Submitted::Accepted(json!({"a": "x"}))
+        );
+        assert_eq!(s.made(), 2);
+    }
+}

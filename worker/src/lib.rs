@@ -1,0 +1,17 @@
+//! `flotilla-worker`: runs agent attempts for a coordinator.
+//!
+//! - [`backend`]: the `AgentBackend` seam and its implementations (`echo`, `exec`).
+//! - [`worker`]: the loop that serves one link to a coordinator: `Hello`, assignments against
+//!   free slots, progress and transcript events, one outcome per assignment, cancels.
+//! - [`workspace`]: per-call working directories confined to the workspace root.
+//!
+//! **Architecture invariant:** a worker talks only to its coordinator link — never to etcd or
+//! object storage. Start reading at [`worker::Worker::run`].
+
+pub mod backend;
+pub mod worker;
+pub mod workspace;
+
+pub use backend::{AgentBackend, Error, Events, Output, Task};
+pub use flotilla_proto::link::{CoordinatorEnd, Link, link_pair};
+pub use worker::{Worker, WorkerOptions};
