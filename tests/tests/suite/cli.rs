@@ -1,0 +1,72 @@
+//! Command-line behaviour: bad input, `runs`, `show`.
+
+use flotilla_tests::Env;
+
+#[test]
+fn bad_flags_and_bad_args_are_usage_errors() {
+    let env = Env::new();
+    let s = env.script("x", "return args;");
+    let s = s.to_str().unwrap();
+    let out = env.flotilla(&["run", s, "--args", "{not json"]);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.contains("--args is not valid JSON"),
+        "{}",
+        out.stderr
+    );
+    let out = env.flotilla(&["run", s, "--concurrency", "lots"]);
+    assert_eq!(out.code, 2);
+    let out = env.flotilla(&["run", s, "--stall-timeout", "soon"]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("--stall-timeout"), "{}", out.stderr);
+    let out = env.flotilla(&["run", s, "--backend", "exec"]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("--exec-cmd"), "{}", out.stderr);
+    let out = env.flotilla(&["run", "missing.js"]);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.contains("cannot read script missing.js"),
+        "{}",
+        out.stderr
+    );
+    let out = env.flotilla(&["run", s, "--replay", "sideways"]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("unknown replay mode"), "{}", out.stderr);
+}
+
+#[test]
+fn runs_lists_and_show_reopens_stored_runs() {
+    let env = Env::new();
+    let s = env.script("listed", "log('hi');\nreturn await agent('p');");
+    let (code, r) = env.run(&s, &[]);
+    assert_eq!(code, 0);
+    let id = r["run_id"].as_str().unwrap();
+    let runs = env.flotilla(&["runs", "--json"]).json();
+    assert_eq!(runs[0]["run_id"], id);
+    assert_eq!(runs[0]["status"], "completed");
+    assert_eq!(runs[0]["workflow"], "listed");
+    let shown = env.flotilla(&["show", id, "--json"]);
+    assert_eq!(shown.code, 0);
+    assert_eq!(shown.json(), r, "show prints the stored report");
+    let text = env.flotilla(&["show", id]);
+    assert!(
+        text.stdout.contains("completed") && text.stdout.contains("log: hi"),
+        "{}",
+        text.stdout
+    );
+    let missing = env.flotilla(&["show", "wf_deadbeef-000"]);
+    assert_eq!(missing.code, 2);
+    assert!(missing.stderr.contains("not found"), "{}", missing.stderr);
+}
+
+#[test]
+fn plain_output_prints_the_result_and_a_summary() {
+    let env = Env::new();
+    let s = env.script("plain", "log('note');\nreturn { a: await agent('x') };");
+    let out = env.flotilla(&["run", s.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(v, serde_json::json!({"a": "x"}));
+    assert!(out.stderr.contains("log: note"), "{}", out.stderr);
+    assert!(out.stderr.contains("completed in"), "{}", out.stderr);
+}

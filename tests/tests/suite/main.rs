@@ -1,0 +1,12 @@
+//! The integration suite: one test binary, one module per area of the spec.
+//! Every test drives the built `flotilla` binary and checks results and counters of its
+//! `--json` report.
+
+mod agent;
+mod cli;
+mod combinators;
+mod exec;
+mod limits;
+mod resume;
+mod script;
+mod stall;
