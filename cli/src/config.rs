@@ -342,4 +342,16 @@ mod tests {
         let e = settings_from(&flags, &ConfigFile::default()).unwrap_err();
         assert!(e.contains("unknown backend \"gpt\""), "{e}");
     }
+
+    #[test]
+    fn the_sample_config_in_deploy_is_valid() {
+        let file: ConfigFile =
+            toml::from_str(include_str!("../../deploy/flotilla.example.toml")).unwrap();
+        let (s, _, _, _) = settings_from(&SettingFlags::default(), &file).unwrap();
+        assert_eq!(
+            s,
+            RunSettings::default(),
+            "the sample documents the defaults"
+        );
+    }
 }

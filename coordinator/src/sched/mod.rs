@@ -1087,3 +1087,241 @@ enum Placement {
     NoWorker,
     Gone,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::memory::MemoryLeaseStore;
+    use flotilla_proto::link::{Link, link_pair};
+
+    struct FakeWorker {
+        link: Link,
+    }
+
+    impl FakeWorker {
+        fn attach(d: &DispatchHandle, slots: u32) -> FakeWorker {
+            let (link, end) = link_pair();
+            d.attach(end);
+            let w = FakeWorker { link };
+            w.send(worker_message::Msg::Hello(v1::Hello {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+                name: "fake".into(),
+                backends: vec!["echo".into()],
+                slots,
+                ..v1::Hello::default()
+            }));
+            w
+        }
+
+        fn send(&self, msg: worker_message::Msg) {
+            self.link.tx.send(WorkerMessage { msg: Some(msg) }).unwrap();
+        }
+
+        /// Next assignment or cancel (skipping the welcome).
+        async fn next(&mut self) -> coordinator_message::Msg {
+            loop {
+                let m = tokio::time::timeout(Duration::from_secs(60), self.link.rx.recv())
+                    .await
+                    .expect("a message from the dispatcher")
+                    .expect("link open")
+                    .msg
+                    .unwrap();
+                if !matches!(m, coordinator_message::Msg::Welcome(_)) {
+                    return m;
+                }
+            }
+        }
+
+        async fn assignment(&mut self) -> v1::Assignment {
+            match self.next().await {
+                coordinator_message::Msg::Assign(a) => a,
+                other => panic!("expected an assignment, got {other:?}"),
+            }
+        }
+
+        fn complete(&self, a: &v1::Assignment, text: &str) {
+            self.send(worker_message::Msg::Outcome(v1::Outcome {
+                run_id: a.run_id.clone(),
+                call: a.call,
+                attempt: a.attempt,
+                result: Some(outcome::Result::Completed(v1::Completed {
+                    text: text.into(),
+                    json: None,
+                })),
+                usage: Some(v1::Usage {
+                    output_tokens: 1,
+                    ..v1::Usage::default()
+                }),
+                fence: a.fence,
+            }));
+        }
+
+        async fn no_message_for(&mut self, d: Duration) {
+            if let Ok(Some(m)) = tokio::time::timeout(d, self.link.rx.recv()).await {
+                panic!("unexpected message {m:?}");
+            }
+        }
+    }
+
+    fn register(
+        d: &DispatchHandle,
+        run: &str,
+        concurrency: usize,
+        stall: Duration,
+    ) -> (Arc<str>, mpsc::UnboundedReceiver<CallEvent>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id: Arc<str> = Arc::from(run);
+        d.register(RunRegistration {
+            run_id: id.clone(),
+            concurrency,
+            stall_timeout: stall,
+            max_attempts: 3,
+            stagger: Duration::ZERO,
+            budget_total: None,
+            shared: Arc::new(ScriptShared::default()),
+            events: tx,
+        });
+        (id, rx)
+    }
+
+    fn ticket(call: u64) -> Ticket {
+        Ticket {
+            call,
+            key: format!("k{call}"),
+            task: v1::TaskSpec {
+                prompt: format!("p{call}"),
+                backend: "echo".into(),
+                ..v1::TaskSpec::default()
+            },
+            prefix_group: 1,
+        }
+    }
+
+    async fn finished(rx: &mut mpsc::UnboundedReceiver<CallEvent>) -> Vec<(u64, CallResult)> {
+        let mut out = Vec::new();
+        while let Ok(ev) = rx.try_recv() {
+            if let CallEvent::Finished { call, result } = ev {
+                out.push((call, result));
+            }
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_outcome_of_a_stalled_attempt_is_never_accepted() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut w = FakeWorker::attach(&d, 4);
+        let (run, mut events) = register(&d, "wf_fence", 4, Duration::from_millis(300));
+        d.submit(&run, ticket(0));
+        let first = w.assignment().await;
+        assert_eq!(first.attempt, 1);
+        // No progress: the watchdog cancels attempt 1 and starts attempt 2.
+        match w.next().await {
+            coordinator_message::Msg::Cancel(c) => assert_eq!(c.attempt, 1),
+            other => panic!("expected a cancel, got {other:?}"),
+        }
+        let second = w.assignment().await;
+        assert_eq!(second.attempt, 2);
+        // The stalled attempt answers late: dropped.
+        w.complete(&first, "stale");
+        w.complete(&second, "fresh");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let done = finished(&mut events).await;
+        assert_eq!(done.len(), 1, "exactly one accepted result: {done:?}");
+        assert_eq!(
+            done[0].1,
+            CallResult::Completed(v1::Completed {
+                text: "fresh".into(),
+                json: None
+            })
+        );
+        // Usage of both attempts is still counted.
+        w.no_message_for(Duration::from_millis(500)).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn assignments_never_exceed_free_slots_or_the_run_cap() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut w = FakeWorker::attach(&d, 2);
+        let (run, mut events) = register(&d, "wf_slots", 10, Duration::from_secs(60));
+        for i in 0..5 {
+            d.submit(&run, ticket(i));
+        }
+        let a = w.assignment().await;
+        let b = w.assignment().await;
+        w.no_message_for(Duration::from_millis(100)).await;
+        w.complete(&a, "a");
+        let c = w.assignment().await;
+        assert_eq!(c.call, 2, "submission order");
+        w.no_message_for(Duration::from_millis(100)).await;
+        w.complete(&b, "b");
+        w.complete(&c, "c");
+        let d1 = w.assignment().await;
+        let d2 = w.assignment().await;
+        w.complete(&d1, "d");
+        w.complete(&d2, "e");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(finished(&mut events).await.len(), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_worker_s_attempts_restart_elsewhere() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut first = FakeWorker::attach(&d, 1);
+        let (run, mut events) = register(&d, "wf_lost", 4, Duration::from_secs(60));
+        d.submit(&run, ticket(0));
+        let a = first.assignment().await;
+        assert_eq!(a.attempt, 1);
+        let mut second = FakeWorker::attach(&d, 1);
+        drop(first);
+        let b = second.assignment().await;
+        assert_eq!((b.call, b.attempt), (0, 2));
+        second.complete(&b, "done");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let done = finished(&mut events).await;
+        assert_eq!(done.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn runs_take_turns() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut w = FakeWorker::attach(&d, 1);
+        let (a, _ea) = register(&d, "wf_a", 10, Duration::from_secs(60));
+        let (b, _eb) = register(&d, "wf_b", 10, Duration::from_secs(60));
+        for i in 0..3 {
+            d.submit(&a, ticket(i));
+        }
+        for i in 0..3 {
+            d.submit(&b, ticket(i));
+        }
+        let mut order = Vec::new();
+        for _ in 0..6 {
+            let x = w.assignment().await;
+            order.push(x.run_id.clone());
+            w.complete(&x, "ok");
+        }
+        let switches = order.windows(2).filter(|p| p[0] != p[1]).count();
+        assert!(switches >= 4, "runs alternate: {order:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_with_another_protocol_major_is_refused() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let (mut link, end) = link_pair();
+        d.attach(end);
+        link.tx
+            .send(WorkerMessage {
+                msg: Some(worker_message::Msg::Hello(v1::Hello {
+                    protocol_version: "9.0".into(),
+                    slots: 4,
+                    ..v1::Hello::default()
+                })),
+            })
+            .unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), link.rx.recv())
+            .await
+            .unwrap();
+        assert!(got.is_none(), "the link is closed without a welcome");
+        assert_eq!(d.stats().await.unwrap().workers, 0);
+    }
+}

@@ -775,3 +775,133 @@ fn line_of(stack: Option<&str>) -> Option<u32> {
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs a body, answering every `agent()` with its prompt (or a rejection for prompts
+    /// starting with `reject:`), and returns how the script ended plus the ops it sent.
+    fn run_script(body: &str, limits: ScriptLimits) -> (ScriptEnd, Vec<String>) {
+        let (ops_tx, mut ops_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(ScriptShared::default());
+        let input = ScriptInput {
+            body: body.to_owned(),
+            args_json: Some("{\"n\":3}".into()),
+            budget_total: Some(100),
+            limits,
+        };
+        let (reply, thread) = spawn(input, ops_tx, shared).unwrap();
+        let mut seen = Vec::new();
+        loop {
+            match ops_rx.blocking_recv().expect("ops until Finished") {
+                ScriptOp::Agent { id, prompt, .. } => {
+                    seen.push(format!("agent:{prompt}"));
+                    let result = match prompt.strip_prefix("reject:") {
+                        Some(m) => Err(HostError::new("TEST", m)),
+                        None => Ok(serde_json::to_string(&prompt).unwrap()),
+                    };
+                    reply.send(HostReply::Agent { id, result }).unwrap();
+                }
+                ScriptOp::Log(l) => seen.push(format!("log:{l}")),
+                ScriptOp::Phase(p) => seen.push(format!("phase:{p}")),
+                ScriptOp::Failure(f) => seen.push(format!("failure:{f}")),
+                ScriptOp::ResolveWorkflow { id, .. } => {
+                    reply
+                        .send(HostReply::Workflow {
+                            id,
+                            result: Err(HostError::new("NF", "none")),
+                        })
+                        .unwrap();
+                }
+                ScriptOp::Finished(end) => {
+                    thread.join().unwrap();
+                    return (end, seen);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn agent_calls_resolve_through_host_replies_in_order() {
+        let (end, seen) = run_script(
+            "phase('A'); const r = await parallel([() => agent('x'), () => agent('reject:no'), () => agent('y')]);\nlog('n=' + args.n);\nreturn r;",
+            ScriptLimits::default(),
+        );
+        assert_eq!(end, ScriptEnd::Returned(Some("[\"x\",null,\"y\"]".into())));
+        assert_eq!(
+            seen,
+            vec![
+                "phase:A",
+                "agent:x",
+                "agent:reject:no",
+                "agent:y",
+                "failure:parallel[1] failed: no",
+                "log:n=3"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_runaway_loop_hits_the_cpu_limit_and_the_thread_ends() {
+        let limits = ScriptLimits {
+            cpu: Duration::from_millis(200),
+            ..ScriptLimits::default()
+        };
+        let (end, _) = run_script("await agent('a');\nfor (;;) {}", limits);
+        match end {
+            ScriptEnd::Failed(f) => assert_eq!(f.kind, FailureKind::CpuLimit, "{f}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn uncaught_errors_carry_their_line_and_results_must_be_json() {
+        let (end, _) = run_script("\n\nnull.x;", ScriptLimits::default());
+        match end {
+            ScriptEnd::Failed(f) => {
+                assert_eq!(f.kind, FailureKind::Thrown);
+                assert_eq!(f.line, Some(3), "{f}");
+                assert!(f.message.contains("TypeError"), "{f}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let (end, _) = run_script("return 10n;", ScriptLimits::default());
+        assert!(
+            matches!(
+                end,
+                ScriptEnd::Failed(ScriptFailure {
+                    kind: FailureKind::ResultNotJson,
+                    ..
+                })
+            ),
+            "{end:?}"
+        );
+        let (end, _) = run_script("return undefined;", ScriptLimits::default());
+        assert_eq!(end, ScriptEnd::Returned(None));
+    }
+
+    #[test]
+    fn syntax_is_checked_without_running_anything() {
+        assert!(check_syntax("return 1;").is_ok());
+        assert!(
+            check_syntax("while (true) {}").is_ok(),
+            "compiling does not run the body"
+        );
+        let e = check_syntax("\nlet = ;").unwrap_err();
+        assert_eq!(e.kind, FailureKind::Syntax);
+        assert!(e.message.starts_with("syntax error at line 2"), "{e}");
+    }
+
+    #[test]
+    fn budget_and_determinism_guard_are_installed() {
+        let (end, _) = run_script(
+            "let why = ''; try { Math.random(); } catch (e) { why = e.code; }\nreturn [budget.total, budget.remaining(), why, new Date(5).getTime()];",
+            ScriptLimits::default(),
+        );
+        assert_eq!(
+            end,
+            ScriptEnd::Returned(Some("[100,100,\"NONDETERMINISTIC\",5]".into()))
+        );
+    }
+}
