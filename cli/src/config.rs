@@ -162,11 +162,17 @@ pub fn store_url(flag: Option<String>) -> String {
     }
 }
 
+/// Settings merged from file, environment and flags, plus the embedded-mode knobs.
+#[derive(Debug, Clone)]
+pub struct Merged {
+    pub settings: RunSettings,
+    pub exec_cmd: Option<String>,
+    pub store: Option<String>,
+    pub workspace: Option<PathBuf>,
+}
+
 /// Merges file, environment and flags into run settings.
-pub fn settings_from(
-    flags: &SettingFlags,
-    file: &ConfigFile,
-) -> Result<(RunSettings, Option<String>, Option<String>, Option<PathBuf>), String> {
+pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, String> {
     let mut s = RunSettings::default();
     let pick_s = |f: &Option<String>, c: &Option<String>| f.clone().or_else(|| c.clone());
     if let Some(b) = pick_s(&flags.backend, &file.backend) {
@@ -221,15 +227,23 @@ pub fn settings_from(
         );
     }
     s.validate()?;
-    let store = pick_s(&flags.store, &file.store);
-    let workspace = flags.workspace.clone().or_else(|| file.workspace.clone());
-    Ok((s, exec_cmd, store, workspace))
+    Ok(Merged {
+        settings: s,
+        exec_cmd,
+        store: pick_s(&flags.store, &file.store),
+        workspace: flags.workspace.clone().or_else(|| file.workspace.clone()),
+    })
 }
 
 /// Reads the script, args and settings of `flotilla run`.
 pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, String> {
     let file = read_config(args.config.as_deref())?;
-    let (settings, exec_cmd, store, workspace) = settings_from(&args.settings, &file)?;
+    let Merged {
+        settings,
+        exec_cmd,
+        store,
+        workspace,
+    } = settings_from(&args.settings, &file)?;
     let store_url = store_url(store);
     let cwd =
         std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
@@ -319,7 +333,7 @@ mod tests {
         };
         let file: ConfigFile =
             toml::from_str("concurrency = 9\nattempts = 3\nstagger = \"0\"").unwrap();
-        let (s, _, _, _) = settings_from(&flags, &file).unwrap();
+        let s = settings_from(&flags, &file).unwrap().settings;
         assert_eq!(s.concurrency, 4);
         assert_eq!(s.attempts, 3);
         assert_eq!(s.stagger_ms, 0);
@@ -347,7 +361,9 @@ mod tests {
     fn the_sample_config_in_deploy_is_valid() {
         let file: ConfigFile =
             toml::from_str(include_str!("../../deploy/flotilla.example.toml")).unwrap();
-        let (s, _, _, _) = settings_from(&SettingFlags::default(), &file).unwrap();
+        let s = settings_from(&SettingFlags::default(), &file)
+            .unwrap()
+            .settings;
         assert_eq!(
             s,
             RunSettings::default(),

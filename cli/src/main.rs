@@ -31,7 +31,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a workflow script in this process and print its result.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List stored runs.
     Runs(ListArgs),
     /// Print the report of a stored run.
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
     };
     let code = rt.block_on(async move {
         match cli.command {
-            Command::Run(args) => run(args).await,
+            Command::Run(args) => run(*args).await,
             Command::Runs(args) => stored::list(args.store, args.json).await,
             Command::Show(args) => stored::show(args.store, &args.run_id, args.json).await,
             Command::Bench(args) => bench::run(args).await,

@@ -43,9 +43,20 @@ pub struct FoundWorkflow {
     pub origin: String,
 }
 
-/// Resolves workflow references of a run.
+/// Agent types every run knows, like Claude Code's built-in subagent types (W21).
+pub const BUILTIN_AGENT_TYPES: [&str; 3] = ["general-purpose", "Explore", "Plan"];
+
+/// Resolves workflow references of a run, and knows which agent types exist.
 pub trait WorkflowResolver: Send + Sync + 'static {
     fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String>;
+
+    /// The `agentType` names a call may use: the built-ins plus custom agents.
+    fn agent_types(&self) -> Vec<String> {
+        BUILTIN_AGENT_TYPES
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect()
+    }
 }
 
 /// A resolver that knows no workflows (used by benchmarks and tests).
@@ -70,6 +81,8 @@ impl WorkflowResolver for NoWorkflows {
 pub struct DirResolver {
     /// Directories searched in order; the first match wins.
     pub dirs: Vec<PathBuf>,
+    /// Directories of custom agent definitions (`*.md`, name from the front matter).
+    pub agent_dirs: Vec<PathBuf>,
     /// Base for relative `scriptPath`s.
     pub cwd: PathBuf,
 }
@@ -78,10 +91,13 @@ impl DirResolver {
     /// The standard search path for a working directory, after `extra` directories.
     pub fn standard(cwd: &Path, extra: &[PathBuf]) -> DirResolver {
         let mut dirs: Vec<PathBuf> = extra.iter().map(|d| absolute(cwd, d)).collect();
+        let mut agent_dirs = Vec::new();
         let mut dir = Some(cwd.to_path_buf());
         while let Some(d) = dir {
             dirs.push(d.join(".flotilla").join("workflows"));
             dirs.push(d.join(".claude").join("workflows"));
+            agent_dirs.push(d.join(".flotilla").join("agents"));
+            agent_dirs.push(d.join(".claude").join("agents"));
             if d.join(".git").exists() {
                 break;
             }
@@ -93,13 +109,16 @@ impl DirResolver {
         {
             dirs.push(cfg.join("flotilla").join("workflows"));
         }
-        if let Some(claude) = std::env::var_os("CLAUDE_CONFIG_DIR") {
-            dirs.push(PathBuf::from(claude).join("workflows"));
-        } else if let Some(home) = std::env::var_os("HOME") {
-            dirs.push(PathBuf::from(home).join(".claude").join("workflows"));
+        let claude_home = std::env::var_os("CLAUDE_CONFIG_DIR")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".claude")));
+        if let Some(claude) = claude_home {
+            dirs.push(claude.join("workflows"));
+            agent_dirs.push(claude.join("agents"));
         }
         DirResolver {
             dirs,
+            agent_dirs,
             cwd: cwd.to_path_buf(),
         }
     }
@@ -128,6 +147,27 @@ impl DirResolver {
     }
 }
 
+/// The `name:` of a Markdown agent definition's front matter, or the file stem.
+fn agent_name(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut lines = text.lines();
+    if lines.next().map(str::trim) == Some("---") {
+        for line in lines {
+            let line = line.trim();
+            if line == "---" {
+                break;
+            }
+            if let Some(v) = line.strip_prefix("name:") {
+                let v = v.trim().trim_matches(|c| c == '"' || c == '\'');
+                if !v.is_empty() {
+                    return Some(v.to_owned());
+                }
+            }
+        }
+    }
+    path.file_stem().map(|s| s.to_string_lossy().into_owned())
+}
+
 fn absolute(base: &Path, p: &Path) -> PathBuf {
     if p.is_absolute() {
         p.to_path_buf()
@@ -137,6 +177,27 @@ fn absolute(base: &Path, p: &Path) -> PathBuf {
 }
 
 impl WorkflowResolver for DirResolver {
+    fn agent_types(&self) -> Vec<String> {
+        let mut out: Vec<String> = BUILTIN_AGENT_TYPES
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        for dir in &self.agent_dirs {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for path in entries.filter_map(Result::ok).map(|e| e.path()) {
+                if path.extension().is_some_and(|e| e == "md")
+                    && let Some(name) = agent_name(&path)
+                    && !out.contains(&name)
+                {
+                    out.push(name);
+                }
+            }
+        }
+        out
+    }
+
     fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
         match reference {
             WorkflowRef::Path(p) => {
@@ -225,6 +286,7 @@ mod tests {
         );
         let r = DirResolver {
             dirs: DirResolver::standard(&sub, &[]).dirs[..6].to_vec(),
+            agent_dirs: Vec::new(),
             cwd: sub.clone(),
         };
         let found = r.resolve(&WorkflowRef::Name("triage".into())).unwrap();
@@ -252,6 +314,7 @@ mod tests {
         .unwrap();
         let r = DirResolver {
             dirs: vec![dir],
+            agent_dirs: Vec::new(),
             cwd: tmp.path().into(),
         };
         assert!(r.resolve(&WorkflowRef::Name("bad".into())).is_err());
@@ -264,6 +327,34 @@ mod tests {
                 .unwrap_err()
                 .contains("variable reference")
         );
+    }
+
+    #[test]
+    fn agent_types_are_the_builtins_plus_custom_definitions() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join(".claude/agents");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("sec.md"),
+            "---\nname: security-reviewer\ndescription: x\n---\nbody",
+        )
+        .unwrap();
+        std::fs::write(dir.join("plain.md"), "no front matter").unwrap();
+        let r = DirResolver {
+            dirs: Vec::new(),
+            agent_dirs: vec![dir],
+            cwd: tmp.path().into(),
+        };
+        let types = r.agent_types();
+        for t in [
+            "general-purpose",
+            "Explore",
+            "Plan",
+            "security-reviewer",
+            "plain",
+        ] {
+            assert!(types.contains(&t.to_owned()), "{types:?}");
+        }
     }
 
     #[test]

@@ -180,6 +180,7 @@ pub struct RunEngine {
     usage: UsageRecord,
     attempts_total: u64,
     schema_checks: HashMap<String, Result<(), String>>,
+    agent_types: Option<Vec<String>>,
     journal: Option<Journal>,
     journal_task: Option<tokio::task::JoinHandle<()>>,
     events: EventLog,
@@ -240,6 +241,7 @@ impl RunEngine {
             usage: UsageRecord::default(),
             attempts_total: 0,
             schema_checks: HashMap::new(),
+            agent_types: None,
             journal: None,
             journal_task: None,
             events,
@@ -305,15 +307,19 @@ impl RunEngine {
         let mut tick = tokio::time::interval(SNAPSHOT_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut stop_deadline: Option<Instant> = None;
+        // A closed channel stays ready forever; stop polling it once it has closed.
+        let (mut acks_open, mut calls_open) = (true, true);
         let end: ScriptEnd = loop {
             tokio::select! {
                 biased;
-                ack = ack_rx.recv() => {
-                    if let Some(ack) = ack { self.on_ack(ack); }
-                }
-                ev = call_rx.recv() => {
-                    if let Some(ev) = ev { self.on_call_event(ev); }
-                }
+                ack = ack_rx.recv(), if acks_open => match ack {
+                    Some(ack) => self.on_ack(ack),
+                    None => acks_open = false,
+                },
+                ev = call_rx.recv(), if calls_open => match ev {
+                    Some(ev) => self.on_call_event(ev),
+                    None => calls_open = false,
+                },
                 op = ops.recv() => match op {
                     Some(ScriptOp::Finished(end)) => break end,
                     Some(op) => self.on_op(op),
@@ -438,6 +444,23 @@ impl RunEngine {
                 return;
             }
         };
+        if !spec.agent_type.is_empty() {
+            let known = self
+                .agent_types
+                .get_or_insert_with(|| self.init.resolver.agent_types());
+            if !known.contains(&spec.agent_type) {
+                let list = known.join(", ");
+                self.reject(
+                    id,
+                    "UNKNOWN_AGENT_TYPE",
+                    format!(
+                        "unknown agentType {:?}: the available agent types are {list} (custom agents live in .claude/agents/*.md)",
+                        spec.agent_type
+                    ),
+                );
+                return;
+            }
+        }
         if let Some(schema) = &spec.schema {
             let text = schema.to_string();
             let check = self
@@ -1074,5 +1097,178 @@ fn human(d: Duration) -> String {
         format!("{}ms", d.as_millis())
     } else {
         format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::memory::MemoryLeaseStore;
+    use crate::store::faulty::FaultyStore;
+    use crate::workflows::NoWorkflows;
+    use flotilla_worker::backend::echo::Echo;
+    use flotilla_worker::{Worker, WorkerOptions, link_pair};
+    use object_store::memory::InMemory;
+    use tokio_util::sync::CancellationToken;
+
+    struct Harness {
+        store: Store,
+        faulty: Arc<FaultyStore>,
+        dispatch: DispatchHandle,
+        _workspace: tempfile::TempDir,
+    }
+
+    fn harness() -> Harness {
+        let faulty = FaultyStore::new(Arc::new(InMemory::new()));
+        let store = Store {
+            url: "memory://".into(),
+            inner: faulty.clone(),
+            local_root: None,
+        };
+        let dispatch = crate::sched::spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let workspace = tempfile::tempdir().unwrap();
+        let worker = Worker::new(
+            WorkerOptions {
+                name: "test".into(),
+                slots: 4,
+                workspace: workspace.path().into(),
+                labels: HashMap::new(),
+            },
+            vec![Arc::new(Echo)],
+        );
+        let (link, end) = link_pair();
+        dispatch.attach(end);
+        tokio::spawn(worker.run(link, CancellationToken::new()));
+        Harness {
+            store,
+            faulty,
+            dispatch,
+            _workspace: workspace,
+        }
+    }
+
+    fn engine(
+        h: &Harness,
+        run_id: &str,
+    ) -> (
+        mpsc::UnboundedSender<ScriptOp>,
+        mpsc::UnboundedReceiver<HostReply>,
+        RunHandle,
+    ) {
+        let (ops_tx, ops_rx) = mpsc::unbounded_channel();
+        let (rep_tx, rep_rx) = mpsc::unbounded_channel();
+        let init = EngineInit {
+            run_id: run_id.into(),
+            workflow: WorkflowInfo::default(),
+            phases: Vec::new(),
+            settings: RunSettings {
+                stagger_ms: 0,
+                ..RunSettings::default()
+            },
+            store: h.store.clone(),
+            generation: 1,
+            dispatch: h.dispatch.clone(),
+            resolver: Arc::new(NoWorkflows),
+            resume: None,
+            shared: Arc::new(ScriptShared::default()),
+            script_path: None,
+            parent_run_id: None,
+            write_result: true,
+        };
+        let handle = start(
+            init,
+            ops_rx,
+            Box::new(move |r| {
+                let _ = rep_tx.send(r);
+            }),
+        );
+        (ops_tx, rep_rx, handle)
+    }
+
+    fn agent_op(id: u64, prompt: &str) -> ScriptOp {
+        ScriptOp::Agent {
+            id,
+            prompt: prompt.into(),
+            opts_json: "{}".into(),
+            group: String::new(),
+            child: String::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_result_reaches_the_script_only_after_its_journal_segment_is_durable() {
+        let h = harness();
+        let run = "wf_journal-001";
+        h.faulty.hold_writes(&format!("runs/{run}/calls/"));
+        let (ops, mut replies, handle) = engine(&h, run);
+        ops.send(agent_op(1, "hello")).unwrap();
+        // The echo agent answers at once; its journal write is held.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while h.faulty.held() == 0 {
+            assert!(Instant::now() < deadline, "the journal write never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), replies.recv())
+                .await
+                .is_err(),
+            "the script must not see a result that is not stored"
+        );
+        h.faulty.release();
+        match tokio::time::timeout(Duration::from_secs(10), replies.recv()).await {
+            Ok(Some(HostReply::Agent {
+                id: 1,
+                result: Ok(json),
+            })) => assert_eq!(json, "\"hello\""),
+            other => panic!("expected the result after the write, got {other:?}"),
+        }
+        let stored = crate::store::journal::read_calls(&h.store, run)
+            .await
+            .unwrap();
+        assert_eq!(stored.len(), 1);
+        assert_eq!(stored[0].result, Some(Value::String("hello".into())));
+        ops.send(ScriptOp::Finished(ScriptEnd::Returned(None)))
+            .unwrap();
+        assert_eq!(handle.wait().await.status, RunStatus::Completed);
+    }
+
+    #[tokio::test]
+    async fn a_storage_outage_delays_results_and_loses_none() {
+        let h = harness();
+        let run = "wf_outage-001";
+        h.faulty.fail_writes(&format!("runs/{run}/calls/"));
+        let (ops, mut replies, handle) = engine(&h, run);
+        for i in 0..5 {
+            ops.send(agent_op(i + 1, &format!("item {i}"))).unwrap();
+        }
+        assert!(
+            tokio::time::timeout(Duration::from_millis(400), replies.recv())
+                .await
+                .is_err()
+        );
+        h.faulty.release();
+        let mut got = Vec::new();
+        while got.len() < 5 {
+            match tokio::time::timeout(Duration::from_secs(15), replies.recv()).await {
+                Ok(Some(HostReply::Agent { id, result: Ok(_) })) => got.push(id),
+                other => panic!("expected results after the outage, got {other:?}"),
+            }
+        }
+        got.sort_unstable();
+        assert_eq!(got, vec![1, 2, 3, 4, 5]);
+        ops.send(ScriptOp::Finished(ScriptEnd::Returned(None)))
+            .unwrap();
+        let report = handle.wait().await;
+        assert_eq!(report.status, RunStatus::Completed);
+        let stored = crate::store::journal::read_calls(&h.store, run)
+            .await
+            .unwrap();
+        let mut indices: Vec<u64> = stored.iter().map(|c| c.index).collect();
+        indices.sort_unstable();
+        assert_eq!(
+            indices,
+            vec![0, 1, 2, 3, 4],
+            "each call journaled exactly once"
+        );
     }
 }

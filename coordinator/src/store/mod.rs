@@ -11,6 +11,7 @@
 //! Every write retries transient errors with backoff; a create-only write that finds its
 //! object already there counts as done (a retried write is idempotent).
 
+pub mod faulty;
 pub mod journal;
 pub mod keys;
 pub mod records;

@@ -70,3 +70,52 @@ fn plain_output_prints_the_result_and_a_summary() {
     assert!(out.stderr.contains("log: note"), "{}", out.stderr);
     assert!(out.stderr.contains("completed in"), "{}", out.stderr);
 }
+
+#[test]
+fn transcripts_and_journal_are_stored_per_call_and_attempt() {
+    let env = Env::new();
+    let s = env.script("stored", "return await agent('remember me [[stall:1]]');");
+    let (code, r) = env.run(&s, &["--stall-timeout", "300ms"]);
+    assert_eq!(code, 0, "{r}");
+    let run = env
+        .path()
+        .join("store/runs")
+        .join(r["run_id"].as_str().unwrap());
+    let attempt2 = std::fs::read_to_string(run.join("transcripts/0/2/000000.jsonl")).unwrap();
+    assert!(
+        attempt2.contains("\"type\":\"init\"") && attempt2.contains("remember me"),
+        "{attempt2}"
+    );
+    let journal: String = std::fs::read_dir(run.join("calls"))
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect();
+    let lines: Vec<serde_json::Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["result"], "remember me [[stall:1]]");
+    assert_eq!(lines[0]["attempts"], 2);
+    assert!(run.join("run.json").exists() && run.join("result.json").exists());
+}
+
+#[test]
+fn large_results_are_stored_once_as_payloads_and_resume_reads_them() {
+    let env = Env::new();
+    let s = env.script(
+        "big",
+        "const r = await agent('x'.repeat(300000)); return r.length;",
+    );
+    let (code, r) = env.run(&s, &[]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 300000);
+    let payloads = std::fs::read_dir(env.path().join("store/payloads"))
+        .unwrap()
+        .count();
+    assert_eq!(payloads, 1);
+    let (code, again) = env.run(&s, &["--resume", r["run_id"].as_str().unwrap()]);
+    assert_eq!(code, 0, "{again}");
+    assert_eq!(again["result"], 300000);
+    assert_eq!(again["usage"]["cached"], 1);
+}

@@ -92,3 +92,89 @@ fn a_stalled_command_and_everything_it_started_are_killed() {
         assert!(!alive(pid), "process {pid} survived its attempt");
     }
 }
+
+#[test]
+fn ctrl_c_stops_the_run_and_kills_running_agents() {
+    let env = Env::new();
+    let pids = env.path().join("pids");
+    std::fs::create_dir_all(&pids).unwrap();
+    let cmd = format!(
+        "sleep 300 & echo $! >> {dir}/children; wait",
+        dir = pids.display()
+    );
+    let script = env.script(
+        "stoppable",
+        "return await parallel([() => agent('a'), () => agent('b')]);",
+    );
+    let child = std::process::Command::new(&env.bin)
+        .args([
+            "run",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            &cmd,
+        ])
+        .current_dir(env.path())
+        .env("FLOTILLA_STORE", env.store_url())
+        .env("FLOTILLA_WORKSPACE", env.workspace())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until both agents run.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let n = std::fs::read_to_string(pids.join("children"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0);
+        if n == 2 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "agents never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["status"], "stopped");
+    assert!(
+        r["agents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|a| a["status"] == "cancelled"),
+        "{r}"
+    );
+    assert_eq!(
+        r["usage"]["errors"], 0,
+        "stopping a run marks no agent failed (W55)"
+    );
+    for pid in std::fs::read_to_string(pids.join("children"))
+        .unwrap()
+        .lines()
+    {
+        assert!(
+            !alive(pid.trim().parse().unwrap()),
+            "agent process {pid} outlived the stop"
+        );
+    }
+    // The stored run says so too.
+    let shown = env
+        .flotilla(&["show", r["run_id"].as_str().unwrap(), "--json"])
+        .json();
+    assert_eq!(shown["status"], "stopped");
+}

@@ -2,6 +2,8 @@
 //! Every test drives the built `flotilla` binary and checks results and counters of its
 //! `--json` report.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod agent;
 mod cli;
 mod combinators;
@@ -9,4 +11,5 @@ mod exec;
 mod limits;
 mod resume;
 mod script;
+mod spec_extra;
 mod stall;
