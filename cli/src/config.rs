@@ -20,9 +20,12 @@ pub struct SettingFlags {
     /// Command the exec backend runs per agent (`sh -c CMD`; prompt on stdin).
     #[arg(long, env = "FLOTILLA_EXEC_CMD", value_name = "CMD")]
     pub exec_cmd: Option<String>,
-    /// Default model for agents that name none.
+    /// Default model for agents that name none (else $CLAUDE_CODE_SUBAGENT_MODEL).
     #[arg(long, env = "FLOTILLA_MODEL")]
     pub model: Option<String>,
+    /// Use --model for every agent, whatever it asks for (also CLAUDE_CODE_SUBAGENT_MODEL_FORCE=1).
+    #[arg(long)]
+    pub force_model: bool,
     /// Object store URL: file:///path (default: the user data directory) or memory://.
     #[arg(long, env = "FLOTILLA_STORE")]
     pub store: Option<String>,
@@ -74,6 +77,8 @@ pub struct ConfigFile {
     pub exec_cmd: Option<String>,
     /// Default model.
     pub model: Option<String>,
+    /// Use `model` for every agent.
+    pub force_model: Option<bool>,
     /// Object store URL.
     pub store: Option<String>,
     /// Replay rule on resume (`content`, `prefix`).
@@ -178,9 +183,17 @@ pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, 
     if let Some(b) = pick_s(&flags.backend, &file.backend) {
         s.backend = b;
     }
-    if let Some(m) = pick_s(&flags.model, &file.model) {
+    // W18: --model / FLOTILLA_MODEL / config, else Claude Code's CLAUDE_CODE_SUBAGENT_MODEL.
+    if let Some(m) = pick_s(&flags.model, &file.model).or_else(|| {
+        std::env::var("CLAUDE_CODE_SUBAGENT_MODEL")
+            .ok()
+            .filter(|m| !m.is_empty())
+    }) {
         s.model = m;
     }
+    s.force_model = flags.force_model
+        || file.force_model.unwrap_or(false)
+        || std::env::var("CLAUDE_CODE_SUBAGENT_MODEL_FORCE").is_ok_and(|v| v == "1" || v == "true");
     if let Some(r) = pick_s(&flags.replay, &file.replay) {
         s.replay = r.parse::<ReplayMode>()?;
     }

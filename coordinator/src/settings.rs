@@ -36,8 +36,11 @@ impl std::str::FromStr for ReplayMode {
 pub struct RunSettings {
     /// Backend that runs the agents (`echo`, `exec`, ...).
     pub backend: String,
-    /// Model used when `agent()` names none (empty: the backend's default).
+    /// Model used when `agent()` and its agent type name none (empty: the backend's default).
     pub model: String,
+    /// Use `model` for every call, whatever the call or its agent type asks for
+    /// (`CLAUDE_CODE_SUBAGENT_MODEL_FORCE=1`).
+    pub force_model: bool,
     /// Agents of this run that run at once; more calls queue (W38).
     pub concurrency: u32,
     /// An attempt with no progress for this long is restarted (W58).
@@ -65,6 +68,7 @@ impl Default for RunSettings {
         RunSettings {
             backend: "echo".into(),
             model: String::new(),
+            force_model: false,
             concurrency: 16,
             stall_timeout_ms: 180_000,
             attempts: 6,

@@ -46,16 +46,31 @@ pub struct FoundWorkflow {
 /// Agent types every run knows, like Claude Code's built-in subagent types (W21).
 pub const BUILTIN_AGENT_TYPES: [&str; 3] = ["general-purpose", "Explore", "Plan"];
 
+/// An agent type a call may name with `agentType`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentType {
+    pub name: String,
+    /// The type's own model (`model:` in its definition), used when the call names none (W18).
+    pub model: Option<String>,
+}
+
+fn builtins() -> Vec<AgentType> {
+    BUILTIN_AGENT_TYPES
+        .iter()
+        .map(|n| AgentType {
+            name: (*n).to_owned(),
+            model: None,
+        })
+        .collect()
+}
+
 /// Resolves workflow references of a run, and knows which agent types exist.
 pub trait WorkflowResolver: Send + Sync + 'static {
     fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String>;
 
     /// The `agentType` names a call may use: the built-ins plus custom agents.
-    fn agent_types(&self) -> Vec<String> {
-        BUILTIN_AGENT_TYPES
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect()
+    fn agent_types(&self) -> Vec<AgentType> {
+        builtins()
     }
 }
 
@@ -147,9 +162,12 @@ impl DirResolver {
     }
 }
 
-/// The `name:` of a Markdown agent definition's front matter, or the file stem.
-fn agent_name(path: &Path) -> Option<String> {
+/// Reads a Markdown agent definition: `name:` and `model:` of its front matter (the name
+/// falls back to the file stem).
+fn agent_definition(path: &Path) -> Option<AgentType> {
     let text = std::fs::read_to_string(path).ok()?;
+    let mut name = None;
+    let mut model = None;
     let mut lines = text.lines();
     if lines.next().map(str::trim) == Some("---") {
         for line in lines {
@@ -157,15 +175,19 @@ fn agent_name(path: &Path) -> Option<String> {
             if line == "---" {
                 break;
             }
-            if let Some(v) = line.strip_prefix("name:") {
+            let value = |v: &str| {
                 let v = v.trim().trim_matches(|c| c == '"' || c == '\'');
-                if !v.is_empty() {
-                    return Some(v.to_owned());
-                }
+                (!v.is_empty()).then(|| v.to_owned())
+            };
+            if let Some(v) = line.strip_prefix("name:") {
+                name = value(v);
+            } else if let Some(v) = line.strip_prefix("model:") {
+                model = value(v).filter(|m| m != "inherit");
             }
         }
     }
-    path.file_stem().map(|s| s.to_string_lossy().into_owned())
+    let name = name.or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()))?;
+    Some(AgentType { name, model })
 }
 
 fn absolute(base: &Path, p: &Path) -> PathBuf {
@@ -177,21 +199,22 @@ fn absolute(base: &Path, p: &Path) -> PathBuf {
 }
 
 impl WorkflowResolver for DirResolver {
-    fn agent_types(&self) -> Vec<String> {
-        let mut out: Vec<String> = BUILTIN_AGENT_TYPES
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect();
+    fn agent_types(&self) -> Vec<AgentType> {
+        let mut out = builtins();
+        // Closest directory first: the first definition of a name wins.
         for dir in &self.agent_dirs {
             let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
             };
-            for path in entries.filter_map(Result::ok).map(|e| e.path()) {
+            let mut paths: Vec<PathBuf> =
+                entries.filter_map(Result::ok).map(|e| e.path()).collect();
+            paths.sort();
+            for path in paths {
                 if path.extension().is_some_and(|e| e == "md")
-                    && let Some(name) = agent_name(&path)
-                    && !out.contains(&name)
+                    && let Some(t) = agent_definition(&path)
+                    && !out.iter().any(|o| o.name == t.name)
                 {
-                    out.push(name);
+                    out.push(t);
                 }
             }
         }
@@ -336,7 +359,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(
             dir.join("sec.md"),
-            "---\nname: security-reviewer\ndescription: x\n---\nbody",
+            "---\nname: security-reviewer\nmodel: opus\n---\nbody",
         )
         .unwrap();
         std::fs::write(dir.join("plain.md"), "no front matter").unwrap();
@@ -353,8 +376,13 @@ mod tests {
             "security-reviewer",
             "plain",
         ] {
-            assert!(types.contains(&t.to_owned()), "{types:?}");
+            assert!(types.iter().any(|a| a.name == t), "{types:?}");
         }
+        let sec = types
+            .iter()
+            .find(|a| a.name == "security-reviewer")
+            .unwrap();
+        assert_eq!(sec.model.as_deref(), Some("opus"));
     }
 
     #[test]

@@ -112,6 +112,11 @@ impl Env {
 
     /// Runs `flotilla` with `args` in the environment's directory, with its store.
     pub fn flotilla(&self, args: &[&str]) -> Output {
+        self.flotilla_with_env(args, &[])
+    }
+
+    /// Like [`Env::flotilla`], with extra environment variables.
+    pub fn flotilla_with_env(&self, args: &[&str], vars: &[(&str, &str)]) -> Output {
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
             .current_dir(self.path())
@@ -120,7 +125,11 @@ impl Env {
             .env("HOME", self.path())
             .env_remove("XDG_CONFIG_HOME")
             .env_remove("CLAUDE_CONFIG_DIR")
+            .env_remove("CLAUDE_CODE_SUBAGENT_MODEL")
+            .env_remove("CLAUDE_CODE_SUBAGENT_MODEL_FORCE")
             .env_remove("FLOTILLA_CONFIG");
+        // The caller's variables win over the defaults above.
+        cmd.envs(vars.iter().copied());
         run_with_timeout(cmd, COMMAND_TIMEOUT)
     }
 

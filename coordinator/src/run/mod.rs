@@ -180,7 +180,7 @@ pub struct RunEngine {
     usage: UsageRecord,
     attempts_total: u64,
     schema_checks: HashMap<String, Result<(), String>>,
-    agent_types: Option<Vec<String>>,
+    agent_types: Option<Vec<crate::workflows::AgentType>>,
     journal: Option<Journal>,
     journal_task: Option<tokio::task::JoinHandle<()>>,
     events: EventLog,
@@ -432,34 +432,45 @@ impl RunEngine {
             );
             return;
         }
-        let spec = match CallSpec::parse(
-            prompt,
-            opts_json,
-            &self.init.settings.backend,
-            &self.init.settings.model,
-        ) {
+        let mut spec = match CallSpec::parse(prompt, opts_json, &self.init.settings.backend, "") {
             Ok(s) => s,
             Err(e) => {
                 self.reject(id, "INVALID_OPTION", e);
                 return;
             }
         };
+        let mut type_model = None;
         if !spec.agent_type.is_empty() {
             let known = self
                 .agent_types
                 .get_or_insert_with(|| self.init.resolver.agent_types());
-            if !known.contains(&spec.agent_type) {
-                let list = known.join(", ");
-                self.reject(
-                    id,
-                    "UNKNOWN_AGENT_TYPE",
-                    format!(
-                        "unknown agentType {:?}: the available agent types are {list} (custom agents live in .claude/agents/*.md)",
-                        spec.agent_type
-                    ),
-                );
-                return;
+            match known.iter().find(|t| t.name == spec.agent_type) {
+                Some(t) => type_model = t.model.clone(),
+                None => {
+                    let list = known
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    self.reject(
+                        id,
+                        "UNKNOWN_AGENT_TYPE",
+                        format!(
+                            "unknown agentType {:?}: the available agent types are {list} (custom agents live in .claude/agents/*.md)",
+                            spec.agent_type
+                        ),
+                    );
+                    return;
+                }
             }
+        }
+        // Model resolution (W18): the call's model, then the agent type's, then the run's;
+        // a forced run model wins over all of them.
+        let run_model = &self.init.settings.model;
+        if self.init.settings.force_model && !run_model.is_empty() {
+            spec.model = run_model.clone();
+        } else if spec.model.is_empty() {
+            spec.model = type_model.unwrap_or_else(|| run_model.clone());
         }
         if let Some(schema) = &spec.schema {
             let text = schema.to_string();

@@ -189,3 +189,74 @@ fn w24_uncaught_rejection_fails_the_run_and_non_string_prompt_rejects() {
         "{r}"
     );
 }
+
+#[test]
+fn w18_model_resolution_call_then_agent_type_then_run_then_forced() {
+    let env = Env::new();
+    env.file(
+        ".claude/agents/reviewer.md",
+        "---\nname: reviewer\nmodel: opus\ndescription: reviews\n---\nYou review.\n",
+    );
+    let s = env.script(
+        "models",
+        "await agent('a', { label: 'call', model: 'haiku', agentType: 'reviewer' });\n\
+         await agent('b', { label: 'type', agentType: 'reviewer' });\n\
+         await agent('c', { label: 'run' });\n\
+         await agent('d', { label: 'inherit', model: 'inherit' });\n\
+         return null;",
+    );
+    let model = |r: &serde_json::Value, l: &str| agent(r, l)["model"].as_str().unwrap().to_owned();
+    let out = env.flotilla_with_env(
+        &["run", s.to_str().unwrap(), "--json"],
+        &[("CLAUDE_CODE_SUBAGENT_MODEL", "sonnet")],
+    );
+    let r = out.json();
+    assert_eq!(out.code, 0, "{r}");
+    assert_eq!(
+        [
+            model(&r, "call"),
+            model(&r, "type"),
+            model(&r, "run"),
+            model(&r, "inherit")
+        ],
+        ["haiku", "opus", "sonnet", "sonnet"]
+    );
+    let out = env.flotilla_with_env(
+        &["run", s.to_str().unwrap(), "--json", "--model", "fable"],
+        &[("CLAUDE_CODE_SUBAGENT_MODEL_FORCE", "1")],
+    );
+    let r = out.json();
+    for l in ["call", "type", "run", "inherit"] {
+        assert_eq!(model(&r, l), "fable", "forced: {r}");
+    }
+    // An unknown type lists the known ones, custom ones included.
+    let (code, r) = env.run_body(
+        "try { await agent('x', { agentType: 'nope' }); } catch (e) { return e.message; }",
+        &[],
+    );
+    assert_eq!(code, 0);
+    let m = r["result"].as_str().unwrap();
+    assert!(
+        m.contains("\"nope\"") && m.contains("general-purpose") && m.contains("reviewer"),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_saved_workflow_runs_by_name() {
+    let env = Env::new();
+    env.file(
+        ".flotilla/workflows/greet.js",
+        "export const meta = { name: 'greet', description: 'says hi' };\nreturn await agent('hi ' + args.who);\n",
+    );
+    let out = env.flotilla(&["run", "greet", "--json", "--args", "{\"who\":\"you\"}"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.json()["result"], "hi you");
+    let out = env.flotilla(&["run", "no-such-workflow", "--json"]);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.contains("unknown workflow \"no-such-workflow\""),
+        "{}",
+        out.stderr
+    );
+}
