@@ -212,3 +212,32 @@ pub fn agent<'a>(report: &'a Value, label: &str) -> &'a Value {
         .find(|a| a["label"] == label)
         .unwrap_or_else(|| panic!("no agent labelled {label:?} in {report}"))
 }
+
+/// The report's failure lines.
+pub fn failures(report: &Value) -> Vec<String> {
+    report["failures"]
+        .as_array()
+        .expect("report.failures is an array")
+        .iter()
+        .map(|f| f.as_str().expect("a failure line is a string").to_owned())
+        .collect()
+}
+
+/// Largest number of agents whose `[start_ms, end_ms)` windows overlap.
+pub fn max_overlap(report: &Value) -> usize {
+    let mut edges = Vec::new();
+    for a in agents(report) {
+        let start = a["start_ms"].as_u64().expect("start_ms");
+        let end = a["end_ms"].as_u64().expect("end_ms");
+        edges.push((start, 1i32));
+        edges.push((end, -1i32));
+    }
+    // Ends sort before starts at the same instant: a slot freed and taken at once is not overlap.
+    edges.sort_by_key(|&(t, d)| (t, d));
+    let (mut cur, mut max) = (0i32, 0i32);
+    for (_, d) in edges {
+        cur += d;
+        max = max.max(cur);
+    }
+    usize::try_from(max).unwrap_or(0)
+}

@@ -1,28 +1,8 @@
 //! W38–W40 and the runtime's own limits: concurrency, agent cap, CPU, memory, deadlock,
 //! prefix stagger.
 
-use flotilla_tests::{Env, agents, usage};
+use flotilla_tests::{Env, agents, max_overlap, usage};
 use serde_json::json;
-
-/// Largest number of agents whose [start, end) windows overlap.
-fn max_overlap(r: &serde_json::Value) -> usize {
-    let mut edges = Vec::new();
-    for a in agents(r) {
-        let (s, e) = (
-            a["start_ms"].as_u64().unwrap(),
-            a["end_ms"].as_u64().unwrap(),
-        );
-        edges.push((s, 1i32));
-        edges.push((e, -1i32));
-    }
-    edges.sort_by_key(|&(t, d)| (t, d));
-    let (mut cur, mut max) = (0i32, 0i32);
-    for (_, d) in edges {
-        cur += d;
-        max = max.max(cur);
-    }
-    max as usize
-}
 
 #[test]
 fn w38_concurrency_cap_queues_the_rest() {

@@ -3,38 +3,8 @@
 //! of `workflow()` children, budget accounting of structured results, `fill(schema)` rules and
 //! the counting of the echo backend's control markers.
 
-use flotilla_tests::{Env, agent, agents, usage};
-use serde_json::{Value, json};
-
-/// Largest number of agents whose [start, end) windows overlap.
-fn max_overlap(r: &Value) -> usize {
-    let mut edges = Vec::new();
-    for a in agents(r) {
-        let (s, e) = (
-            a["start_ms"].as_u64().expect("start_ms"),
-            a["end_ms"].as_u64().expect("end_ms"),
-        );
-        edges.push((s, 1i32));
-        edges.push((e, -1i32));
-    }
-    edges.sort_by_key(|&(t, d)| (t, d));
-    let (mut cur, mut max) = (0i32, 0i32);
-    for (_, d) in edges {
-        cur += d;
-        max = max.max(cur);
-    }
-    max as usize
-}
-
-/// The report's failure lines.
-fn failures(r: &Value) -> Vec<String> {
-    r["failures"]
-        .as_array()
-        .expect("report.failures is an array")
-        .iter()
-        .map(|f| f.as_str().expect("a failure line is a string").to_owned())
-        .collect()
-}
+use flotilla_tests::{Env, agent, agents, failures, max_overlap, usage};
+use serde_json::json;
 
 // ---------------------------------------------------------------------------------------------
 // Section 1: script format.
