@@ -4,6 +4,13 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Longest stall timeout accepted.
+pub const MAX_STALL_TIMEOUT_MS: u64 = 7 * 24 * 3600 * 1000;
+/// Longest prefix-stagger cap accepted.
+pub const MAX_STAGGER_MS: u64 = 3600 * 1000;
+/// Longest CPU slice a script may be given.
+pub const MAX_SCRIPT_CPU_MS: u64 = 3600 * 1000;
+
 /// How a resumed run reuses the results of its source run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -97,6 +104,15 @@ impl RunSettings {
         }
         if self.stall_timeout_ms == 0 {
             return Err("the stall timeout must be longer than 0".into());
+        }
+        if self.stall_timeout_ms > MAX_STALL_TIMEOUT_MS {
+            return Err("the stall timeout must be at most 7 days".into());
+        }
+        if self.stagger_ms > MAX_STAGGER_MS {
+            return Err("the stagger cap must be at most 1 hour (0 turns it off)".into());
+        }
+        if self.script_cpu_ms > MAX_SCRIPT_CPU_MS {
+            return Err("the script CPU limit must be at most 1 hour".into());
         }
         if self.script_memory_mb < 8 {
             return Err("the script memory limit must be at least 8 MiB".into());

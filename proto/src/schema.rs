@@ -44,6 +44,17 @@ pub fn preflight(schema: &Value) -> Result<(), String> {
         }
     }
     contradictions(schema, "#")?;
+    // W13: the root is { type: 'object', properties }, with required ⊆ properties.
+    if let Some(Value::Array(required)) = root.get("required") {
+        let props = root.get("properties").and_then(Value::as_object);
+        for key in required.iter().filter_map(Value::as_str) {
+            if !props.is_some_and(|p| p.contains_key(key)) {
+                return Err(format!(
+                    "schema root requires '{key}' but does not define it in properties; add '{key}' to properties"
+                ));
+            }
+        }
+    }
     Validator::new(schema).map(|_| ())
 }
 
@@ -196,8 +207,13 @@ mod tests {
     }
 
     #[test]
-    fn required_key_outside_properties_is_fine_when_extra_keys_are_allowed() {
+    fn root_required_keys_must_be_defined_in_properties() {
         let s = json!({"type": "object", "properties": {}, "required": ["b"]});
+        let e = preflight(&s).unwrap_err();
+        assert!(e.contains("'b'") && e.contains("properties"), "{e}");
+        // Nested objects may require keys they allow through additionalProperties.
+        let s =
+            json!({"type": "object", "properties": {"o": {"type": "object", "required": ["x"]}}});
         preflight(&s).unwrap();
     }
 

@@ -203,14 +203,22 @@ async fn run_attempt(
                     workspace,
                 };
                 if spec.timeout_ms > 0 {
+                    // On timeout the attempt is cancelled the normal way, so the backend kills
+                    // what it started before the outcome is sent.
                     let limit = Duration::from_millis(spec.timeout_ms);
-                    let token = cancel.clone();
-                    match tokio::time::timeout(limit, backend.run(&task, &events, token)).await {
-                        Ok(r) => r,
-                        Err(_) => Err(Error::new(
-                            FailureKind::Timeout,
-                            format!("agent timed out after {}", humanize(limit)),
-                        )),
+                    let token = cancel.child_token();
+                    let run = backend.run(&task, &events, token.clone());
+                    tokio::pin!(run);
+                    tokio::select! {
+                        r = &mut run => r,
+                        _ = tokio::time::sleep(limit) => {
+                            token.cancel();
+                            let _ = run.await;
+                            Err(Error::new(
+                                FailureKind::Timeout,
+                                format!("agent timed out after {}", humanize(limit)),
+                            ))
+                        }
                     }
                 } else {
                     backend.run(&task, &events, cancel.clone()).await

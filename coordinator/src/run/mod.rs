@@ -58,7 +58,7 @@ pub struct Snapshot {
     pub status: Option<RunStatus>,
     pub elapsed_ms: u64,
     pub groups: Vec<GroupProgress>,
-    pub logs: Vec<String>,
+    pub logs: Arc<Vec<String>>,
     pub agents: u64,
     pub done: u64,
     pub failed: u64,
@@ -175,7 +175,11 @@ pub struct RunEngine {
     occurrences: HashMap<String, u32>,
     prefix_intact: bool,
     groups: Vec<String>,
+    /// Position of each group title in `groups`.
+    group_index: HashMap<String, usize>,
     logs: Vec<String>,
+    /// The logs as last published (cloned only when they change).
+    published_logs: Arc<Vec<String>>,
     failures: Vec<String>,
     usage: UsageRecord,
     attempts_total: u64,
@@ -227,7 +231,14 @@ impl RunEngine {
     fn new(init: EngineInit, reply: ReplySink, snapshot: watch::Sender<Arc<Snapshot>>) -> Self {
         let run: Arc<str> = Arc::from(init.run_id.as_str());
         let events = EventLog::spawn(init.store.clone(), init.run_id.clone(), init.generation);
-        let groups = init.phases.clone();
+        let mut groups: Vec<String> = Vec::new();
+        let mut group_index = HashMap::new();
+        for p in &init.phases {
+            if !group_index.contains_key(p) {
+                group_index.insert(p.clone(), groups.len());
+                groups.push(p.clone());
+            }
+        }
         RunEngine {
             run,
             started: Instant::now(),
@@ -236,7 +247,9 @@ impl RunEngine {
             occurrences: HashMap::new(),
             prefix_intact: true,
             groups,
+            group_index,
             logs: Vec::new(),
+            published_logs: Arc::new(Vec::new()),
             failures: Vec::new(),
             usage: UsageRecord::default(),
             attempts_total: 0,
@@ -308,7 +321,7 @@ impl RunEngine {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut stop_deadline: Option<Instant> = None;
         // A closed channel stays ready forever; stop polling it once it has closed.
-        let (mut acks_open, mut calls_open) = (true, true);
+        let (mut acks_open, mut calls_open, mut control_open) = (true, true, true);
         let end: ScriptEnd = loop {
             tokio::select! {
                 biased;
@@ -329,12 +342,14 @@ impl RunEngine {
                         line: None,
                     }),
                 },
-                c = control.recv(), if stop_deadline.is_none() => {
-                    if let Some(Control::Stop) = c {
+                c = control.recv(), if control_open && stop_deadline.is_none() => match c {
+                    Some(Control::Stop) => {
                         self.begin_stop();
                         stop_deadline = Some(Instant::now() + STOP_GRACE);
                     }
-                }
+                    // Nobody can stop the run any more; it goes on to its end.
+                    None => control_open = false,
+                },
                 _ = tick.tick() => {
                     if stop_deadline.is_some_and(|d| Instant::now() >= d) {
                         break ScriptEnd::Failed(script::ScriptFailure {
@@ -375,7 +390,8 @@ impl RunEngine {
     }
 
     fn ensure_group(&mut self, title: &str) {
-        if !self.groups.iter().any(|g| g == title) {
+        if !self.group_index.contains_key(title) {
+            self.group_index.insert(title.to_owned(), self.groups.len());
             self.groups.push(title.to_owned());
             self.event(RunEvent::Group {
                 title: title.to_owned(),
@@ -610,7 +626,12 @@ impl RunEngine {
                 call: index,
                 key,
                 task,
-                prefix_group: spec.prefix_group(),
+                // Worktree agents never share a prefix (each has its own directory, W60).
+                prefix_group: if spec.isolation == "worktree" {
+                    index.wrapping_add(1) << 32 ^ spec.prefix_group()
+                } else {
+                    spec.prefix_group()
+                },
             },
         );
     }
@@ -992,7 +1013,12 @@ impl RunEngine {
             workflow: self.init.workflow.clone(),
             status: Some(self.status),
             elapsed_ms: self.now_ms(),
-            logs: self.logs.clone(),
+            logs: {
+                if self.published_logs.len() != self.logs.len() {
+                    self.published_logs = Arc::new(self.logs.clone());
+                }
+                self.published_logs.clone()
+            },
             input_tokens: self.usage.input_tokens,
             output_tokens: self.usage.output_tokens,
             waiting: self.waiting.clone(),
@@ -1000,9 +1026,12 @@ impl RunEngine {
         };
         for c in &self.calls {
             snap.agents += 1;
-            let g = match groups.iter_mut().position(|g| g.title == c.group) {
-                Some(i) => &mut groups[i],
-                None => continue,
+            let Some(g) = self
+                .group_index
+                .get(&c.group)
+                .and_then(|&i| groups.get_mut(i))
+            else {
+                continue;
             };
             g.total += 1;
             g.output_tokens += c.usage.output_tokens.max(c.live_tokens);
@@ -1072,19 +1101,23 @@ impl RunEngine {
                 output_tokens: c.usage.output_tokens,
             });
         }
-        let groups = self
+        let mut groups: Vec<GroupReport> = self
             .groups
             .iter()
             .map(|t| GroupReport {
                 title: t.clone(),
-                agents: self
-                    .calls
-                    .iter()
-                    .filter(|c| &c.group == t)
-                    .map(|c| c.label.clone())
-                    .collect(),
+                agents: Vec::new(),
             })
             .collect();
+        for c in &self.calls {
+            if let Some(g) = self
+                .group_index
+                .get(&c.group)
+                .and_then(|&i| groups.get_mut(i))
+            {
+                g.agents.push(c.label.clone());
+            }
+        }
         Report {
             run_id: self.init.run_id.clone(),
             status: self.status,

@@ -43,6 +43,12 @@ use crate::script::ScriptShared;
 
 /// How long a warm prefix group stays warm after its last dispatch (the prompt cache TTL).
 const WARM_FOR: Duration = Duration::from_secs(300);
+/// Shortest wait after a usage or rate limit (a backend saying "retry after 0" must not spin).
+const MIN_LIMIT_WAIT: Duration = Duration::from_millis(50);
+/// Longest reset a call waits for (W59); a later reset fails the call.
+const MAX_LIMIT_WAIT: Duration = Duration::from_secs(24 * 3600);
+/// Usage-limit waits one call may go through before it fails.
+const MAX_LIMIT_WAITS: u32 = 100;
 /// TTL of a worker's liveness lease.
 pub const WORKER_LEASE_TTL: Duration = Duration::from_secs(10);
 
@@ -227,6 +233,8 @@ struct CallState {
     in_tool: bool,
     captured: Option<String>,
     stall_key: Option<delay_queue::Key>,
+    /// Usage-limit waits so far (not counted as attempts).
+    limit_waits: u32,
 }
 
 struct RunState {
@@ -243,7 +251,8 @@ struct WorkerState {
     busy: u32,
     backends: HashSet<String>,
     models: HashSet<String>,
-    running: HashSet<CallId>,
+    /// Assignments this worker holds a slot for: (run, call, attempt).
+    running: HashSet<(Arc<str>, u64, u32)>,
     alive: CancellationToken,
 }
 
@@ -258,7 +267,8 @@ struct PrefixState {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Timer {
     Stall(Arc<str>, u64, u32),
-    Hold(Arc<str>, u64),
+    /// The hold cap of a prefix group's leader: (run, group, leader call).
+    Hold(Arc<str>, u64, u64),
     Gate(String),
     Retry(Arc<str>, u64),
 }
@@ -353,6 +363,7 @@ impl Dispatcher {
                         in_tool: false,
                         captured: None,
                         stall_key: None,
+                        limit_waits: 0,
                     },
                 );
             }
@@ -556,7 +567,7 @@ impl Dispatcher {
     fn outcome(&mut self, worker: u64, o: v1::Outcome) {
         let id: CallId = (Arc::from(o.run_id.as_str()), o.call);
         if let Some(w) = self.workers.get_mut(&worker)
-            && w.running.remove(&id)
+            && w.running.remove(&(id.0.clone(), id.1, o.attempt))
         {
             w.busy = w.busy.saturating_sub(1);
         }
@@ -584,8 +595,28 @@ impl Dispatcher {
                 let kind = FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal);
                 match kind {
                     FailureKind::RateLimited => {
-                        let wait = Duration::from_millis(f.retry_after_ms.max(1));
-                        self.wait_rate_limit(&id, wait, o.attempt);
+                        let waits = self.calls.get_mut(&id).map_or(0, |c| {
+                            c.limit_waits += 1;
+                            c.limit_waits
+                        });
+                        let wait = Duration::from_millis(f.retry_after_ms).max(MIN_LIMIT_WAIT);
+                        if wait > MAX_LIMIT_WAIT {
+                            self.fail(&id, CallFailure::Terminal, format!(
+                                "usage limit: the backend resets in {}s, more than the 24 h a call waits ({})",
+                                wait.as_secs(), f.message
+                            ));
+                        } else if waits > MAX_LIMIT_WAITS {
+                            self.fail(
+                                &id,
+                                CallFailure::Terminal,
+                                format!(
+                                    "usage limit: still limited after {MAX_LIMIT_WAITS} waits ({})",
+                                    f.message
+                                ),
+                            );
+                        } else {
+                            self.wait_rate_limit(&id, wait, o.attempt);
+                        }
                     }
                     FailureKind::Retryable | FailureKind::Cancelled | FailureKind::Unspecified => {
                         self.retry_or_fail(&id, Retry::Transient { message: f.message });
@@ -767,7 +798,8 @@ impl Dispatcher {
         };
         w.alive.cancel();
         tracing::info!(worker = %w.name, lost_attempts = w.running.len(), "worker detached");
-        for id in w.running {
+        for (run, call, _) in w.running {
+            let id: CallId = (run, call);
             let current = self
                 .calls
                 .get(&id)
@@ -828,17 +860,14 @@ impl Dispatcher {
                     self.retry_or_fail(&id, Retry::Stalled { after: quiet });
                 }
             }
-            Timer::Hold(run, group) => {
-                let open = self
+            Timer::Hold(run, group, leader) => {
+                // The cap passed while this leader's response has not begun: let the group go.
+                let current = self
                     .prefixes
                     .get(&(run.clone(), group))
-                    .is_some_and(|p| p.leader.is_some());
-                if open {
-                    self.open_prefix(&run, group, None, false);
-                    if let Some(p) = self.prefixes.get_mut(&(run.clone(), group)) {
-                        // The cap passed: the group goes unheld until the leader changes.
-                        p.open_until = Some(Instant::now() + WARM_FOR);
-                    }
+                    .is_some_and(|p| p.leader == Some(leader));
+                if current {
+                    self.open_prefix(&run, group, Some(leader), false);
                 }
             }
             Timer::Gate(gate) => self.release_gate(&gate),
@@ -982,7 +1011,10 @@ impl Dispatcher {
         if !stagger.is_zero() {
             let now = Instant::now();
             let p = self.prefixes.entry((id.0.clone(), group)).or_default();
-            let open = p.open_until.is_some_and(|t| t > now);
+            // Open when the leader's response began recently (warm cache), or when the hold
+            // cap has passed for the current leader.
+            let open = p.open_until.is_some_and(|t| t > now)
+                || p.since.is_some_and(|since| since + stagger <= now);
             if !open {
                 match p.leader {
                     None => lead = true,
@@ -1019,8 +1051,10 @@ impl Dispatcher {
             let p = self.prefixes.entry((id.0.clone(), group)).or_default();
             p.leader = Some(id.1);
             p.since = Some(Instant::now());
-            self.timers
-                .insert_at(Timer::Hold(id.0.clone(), group), Instant::now() + stagger);
+            self.timers.insert_at(
+                Timer::Hold(id.0.clone(), group, id.1),
+                Instant::now() + stagger,
+            );
         }
         self.assign(id, wid);
         Placement::Dispatched
@@ -1047,7 +1081,7 @@ impl Dispatcher {
             Instant::now() + stall,
         ));
         w.busy += 1;
-        w.running.insert(id.clone());
+        w.running.insert((id.0.clone(), id.1, c.attempt));
         let assignment = v1::Assignment {
             run_id: id.0.to_string(),
             call: id.1,
@@ -1323,5 +1357,41 @@ mod tests {
             .unwrap();
         assert!(got.is_none(), "the link is closed without a welcome");
         assert_eq!(d.stats().await.unwrap().workers, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_stagger_cap_holds_for_the_current_leader_however_long_it_runs() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut w = FakeWorker::attach(&d, 8);
+        let (tx, _events) = mpsc::unbounded_channel();
+        let run: Arc<str> = Arc::from("wf_stagger");
+        d.register(RunRegistration {
+            run_id: run.clone(),
+            concurrency: 8,
+            stall_timeout: Duration::from_secs(3600),
+            max_attempts: 3,
+            stagger: Duration::from_secs(1),
+            budget_total: None,
+            shared: Arc::new(ScriptShared::default()),
+            events: tx,
+        });
+        d.submit(&run, ticket(0));
+        let leader = w.assignment().await;
+        assert_eq!(leader.call, 0);
+        d.submit(&run, ticket(1));
+        let started = Instant::now();
+        let held = w.assignment().await;
+        assert_eq!(held.call, 1);
+        assert!(
+            started.elapsed() >= Duration::from_secs(1),
+            "held until the cap"
+        );
+        // Long after the cap, the leader still has not answered: new calls go at once.
+        tokio::time::sleep(Duration::from_secs(400)).await;
+        d.submit(&run, ticket(2));
+        let at = Instant::now();
+        let late = w.assignment().await;
+        assert_eq!(late.call, 2);
+        assert!(at.elapsed() < Duration::from_millis(10), "not held again");
     }
 }

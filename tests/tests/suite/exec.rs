@@ -178,3 +178,36 @@ fn ctrl_c_stops_the_run_and_kills_running_agents() {
         .json();
     assert_eq!(shown["status"], "stopped");
 }
+
+#[test]
+fn an_agent_timeout_kills_the_command_and_its_children() {
+    let env = Env::new();
+    let pids = env.path().join("pids");
+    std::fs::create_dir_all(&pids).unwrap();
+    let cmd = format!(
+        "sleep 300 & echo $! >> {dir}/children; wait",
+        dir = pids.display()
+    );
+    let (code, r) = env.run_body(
+        "return await agent('slow', { label: 't', timeout: '300ms' });",
+        &["--backend", "exec", "--exec-cmd", &cmd],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], serde_json::Value::Null);
+    assert!(
+        agent(&r, "t")["error"]
+            .as_str()
+            .unwrap()
+            .contains("timed out after 300ms"),
+        "{r}"
+    );
+    for pid in std::fs::read_to_string(pids.join("children"))
+        .unwrap()
+        .lines()
+    {
+        assert!(
+            !alive(pid.trim().parse().unwrap()),
+            "process {pid} outlived the timeout"
+        );
+    }
+}

@@ -135,3 +135,51 @@ fn w60_prefix_stagger_holds_matching_agents_until_the_first_responds() {
         json!(["lead [[sleep:300]]", "b", "c", "other"])
     );
 }
+
+#[test]
+fn stall_restarts_give_their_slots_back() {
+    let env = Env::new();
+    let (code, r) = env.run_body(
+        "await parallel([0, 1, 2].map(i => () => agent('stalls once ' + i + ' [[stall:1]]')));\n\
+         return await parallel([0, 1, 2, 3].map(i => () => agent('after ' + i + ' [[sleep:400]]', { label: 'after ' + i })));",
+        &["--concurrency", "4", "--stall-timeout", "200ms"],
+    );
+    assert_eq!(code, 0, "{r}");
+    let after: Vec<&serde_json::Value> = agents(&r)
+        .iter()
+        .filter(|a| a["label"].as_str().unwrap().starts_with("after"))
+        .collect();
+    let last_start = after
+        .iter()
+        .map(|a| a["start_ms"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    let first_end = after
+        .iter()
+        .map(|a| a["end_ms"].as_u64().unwrap())
+        .min()
+        .unwrap();
+    assert!(
+        last_start < first_end,
+        "all four ran at once on four slots: {r}"
+    );
+}
+
+#[test]
+fn absurd_durations_and_array_sizes_are_refused_not_fatal() {
+    let env = Env::new();
+    let s = env.script("d", "return 1;");
+    let out = env.flotilla(&["run", s.to_str().unwrap(), "--stall-timeout", "1000d"]);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.contains("stall timeout must be at most"),
+        "{}",
+        out.stderr
+    );
+    let (code, r) = env.run_body(
+        "try { await agent('x', { schema: { type: 'object', properties: { a: { type: 'array', minItems: 1e12 } } } }); } catch (e) { return e.code; }",
+        &[],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "INVALID_AGENT");
+}

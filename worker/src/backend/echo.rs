@@ -153,6 +153,16 @@ impl AgentBackend for Echo {
         };
 
         let mut submissions = Submissions::new(schema, task.spec.schema_attempts)?;
+        if let Some(n) = largest_min_items(schema)
+            && n > MAX_FILL_ITEMS
+        {
+            return Err(Error::new(
+                FailureKind::Invalid,
+                format!(
+                    "the echo backend fills at most {MAX_FILL_ITEMS} array items, but the schema asks for minItems {n}"
+                ),
+            ));
+        }
         let filled = fill(schema, prompt);
         loop {
             let number = submissions.made() + 1;
@@ -216,6 +226,21 @@ async fn sleep_with_keepalive(
         if tokio::time::Instant::now() < deadline {
             events.progress(ProgressKind::Keepalive, 0);
         }
+    }
+}
+
+/// Largest array the echo backend builds for a `minItems`.
+pub const MAX_FILL_ITEMS: u64 = 100_000;
+
+/// The largest `minItems` anywhere in a schema.
+fn largest_min_items(schema: &Value) -> Option<u64> {
+    match schema {
+        Value::Object(m) => {
+            let own = m.get("minItems").and_then(Value::as_u64);
+            m.values().filter_map(largest_min_items).chain(own).max()
+        }
+        Value::Array(items) => items.iter().filter_map(largest_min_items).max(),
+        _ => None,
     }
 }
 

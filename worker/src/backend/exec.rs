@@ -65,6 +65,15 @@ impl Exec {
     }
 }
 
+/// Kills the attempt's process group when dropped.
+struct GroupGuard(Option<u32>);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        kill_group(self.0);
+    }
+}
+
 /// Kills a process group, ignoring a group that is already gone.
 fn kill_group(pgid: Option<u32>) {
     if let Some(id) = pgid.and_then(|id| i32::try_from(id).ok()) {
@@ -102,6 +111,8 @@ impl AgentBackend for Exec {
             )
         })?;
         let pgid = child.id();
+        // Whatever way this attempt ends — even if its future is dropped — the group dies.
+        let _group = GroupGuard(pgid);
         events.transcript(
             json!({"type": "init", "backend": "exec", "command": self.command,
             "workdir": workdir.display().to_string(), "pid": pgid, "attempt": task.attempt}),
@@ -125,19 +136,21 @@ impl AgentBackend for Exec {
             .ok_or_else(|| Error::new(FailureKind::Terminal, "exec command has no stderr pipe"))?;
 
         let out_events = events.clone();
+        let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = collected.clone();
         let stdout_task = tokio::spawn(async move {
-            let mut buf = Vec::new();
             let mut chunk = [0u8; 8192];
             loop {
                 match stdout.read(&mut chunk).await {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
-                        buf.extend_from_slice(&chunk[..n]);
+                        sink.lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .extend_from_slice(&chunk[..n]);
                         out_events.progress(ProgressKind::Output, 0);
                     }
                 }
             }
-            buf
         });
         let err_events = events.clone();
         let stderr_task = tokio::spawn(async move {
@@ -171,11 +184,20 @@ impl AgentBackend for Exec {
                 format!("cannot wait for exec command: {e}"),
             )
         })?;
-        let stdout = tokio::time::timeout(Duration::from_secs(5), stdout_task)
+        // A process outside the group may still hold stdout open; what the command wrote
+        // before it exited is its answer either way.
+        if tokio::time::timeout(Duration::from_secs(5), stdout_task)
             .await
-            .ok()
-            .and_then(Result::ok)
-            .unwrap_or_default();
+            .is_err()
+        {
+            events.transcript(json!({"type": "stderr",
+                "text": "flotilla: stdout stayed open after the command exited (a background process outside its group?); using what was written"}));
+        }
+        let stdout = std::mem::take(
+            &mut *collected
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
         let last_stderr = tokio::time::timeout(Duration::from_secs(5), stderr_task)
             .await
             .ok()
