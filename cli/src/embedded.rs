@@ -48,7 +48,8 @@ impl Embedded {
         let (link, end) = link_pair();
         coordinator.dispatch().attach(end);
         let cancel = CancellationToken::new();
-        tokio::spawn(worker.run(link, cancel.child_token()));
+        let token = cancel.child_token();
+        tokio::spawn(async move { worker.run(link, token).await });
         Ok(Embedded {
             coordinator,
             cancel,

@@ -8,8 +8,10 @@
 //! environment variables, flags. See [`config`].
 
 mod bench;
+mod certs;
 mod config;
 mod embedded;
+mod fleet;
 mod progress;
 mod stored;
 
@@ -38,6 +40,22 @@ enum Command {
     Show(ShowArgs),
     /// Measure the runtime (see `flotilla bench fanout --help`).
     Bench(bench::BenchArgs),
+    /// Make a development CA and certificates for mTLS.
+    Certs(certs::CertsArgs),
+    /// Run a coordinator: workers attach to it, clients launch runs on it.
+    Coordinator(fleet::CoordinatorArgs),
+    /// Run a worker attached to a coordinator.
+    Worker(fleet::WorkerArgs),
+    /// Start a run on a coordinator and return at once with its id and session URL.
+    Launch(Box<fleet::LaunchArgs>),
+    /// Wait for a run on a coordinator to end and print its report.
+    Wait(fleet::RunRefArgs),
+    /// Show a running run's progress.
+    Status(fleet::RunRefArgs),
+    /// Stop a run on a coordinator.
+    Stop(fleet::RunRefArgs),
+    /// List the workers attached to a coordinator.
+    Workers(fleet::WorkersArgs),
 }
 
 /// Flags of `flotilla run`.
@@ -69,6 +87,11 @@ struct ListArgs {
     /// Object store URL (file:///path or memory://).
     #[arg(long, env = "FLOTILLA_STORE")]
     store: Option<String>,
+    /// List the runs of a coordinator instead of a local store.
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    coordinator: Option<String>,
+    #[command(flatten)]
+    tls: fleet::TlsArgs,
     #[arg(long)]
     json: bool,
 }
@@ -85,6 +108,7 @@ struct ShowArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    flotilla_proto::tls::install_crypto_provider();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG")
@@ -106,9 +130,26 @@ fn main() -> ExitCode {
     let code = rt.block_on(async move {
         match cli.command {
             Command::Run(args) => run(*args).await,
-            Command::Runs(args) => stored::list(args.store, args.json).await,
+            Command::Runs(args) => match args.coordinator {
+                Some(coordinator) => {
+                    let remote = fleet::ClientArgs {
+                        coordinator,
+                        tls: args.tls,
+                    };
+                    fleet::list_remote(remote, args.json).await
+                }
+                None => stored::list(args.store, args.json).await,
+            },
             Command::Show(args) => stored::show(args.store, &args.run_id, args.json).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Certs(args) => certs::run(args),
+            Command::Coordinator(args) => fleet::coordinator(args).await,
+            Command::Worker(args) => fleet::worker(args).await,
+            Command::Launch(args) => fleet::launch(*args).await,
+            Command::Wait(args) => fleet::wait(args).await,
+            Command::Status(args) => fleet::status(args).await,
+            Command::Stop(args) => fleet::stop(args).await,
+            Command::Workers(args) => fleet::workers(args).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
@@ -137,7 +178,7 @@ async fn run(args: RunArgs) -> i32 {
 }
 
 /// Prints a finished run: the JSON report, or the result plus a summary line.
-fn print_report(report: &Report, json: bool) -> i32 {
+pub fn print_report(report: &Report, json: bool) -> i32 {
     let mut out = std::io::stdout().lock();
     if json {
         match serde_json::to_string_pretty(report) {

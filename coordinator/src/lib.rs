@@ -16,6 +16,7 @@ pub mod report;
 pub mod run;
 pub mod sched;
 pub mod script;
+pub mod server;
 pub mod settings;
 pub mod spec;
 pub mod store;

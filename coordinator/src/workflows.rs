@@ -91,6 +91,59 @@ impl WorkflowResolver for NoWorkflows {
     }
 }
 
+/// Workflows and agent types a client carried with its launch, so a remote run resolves
+/// `workflow(name)` exactly as the client would locally (and again on resume).
+#[derive(Debug, Clone, Default)]
+pub struct CarriedWorkflows {
+    pub workflows: Vec<FoundWorkflow>,
+    pub agent_types: Vec<AgentType>,
+}
+
+impl WorkflowResolver for CarriedWorkflows {
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
+        match reference {
+            WorkflowRef::Name(name) => {
+                let name = name.strip_prefix('/').unwrap_or(name);
+                self.workflows
+                    .iter()
+                    .find(|w| w.name == name)
+                    .cloned()
+                    .ok_or_else(|| {
+                        format!(
+                            "unknown workflow {name:?}: the launch carried no saved workflow of that name; \
+                             save it in .flotilla/workflows/ where you launch from"
+                        )
+                    })
+            }
+            WorkflowRef::Path(p) => self
+                .workflows
+                .iter()
+                .find(|w| {
+                    w.origin == *p
+                        || w.origin
+                            .ends_with(&format!("/{}", p.trim_start_matches("./")))
+                })
+                .cloned()
+                .ok_or_else(|| {
+                    format!(
+                        "workflow({{ scriptPath: {p:?} }}) cannot be read on the coordinator; \
+                         save the workflow in .flotilla/workflows/ and call it by name"
+                    )
+                }),
+        }
+    }
+
+    fn agent_types(&self) -> Vec<AgentType> {
+        let mut out = builtins();
+        for t in &self.agent_types {
+            if !out.iter().any(|o| o.name == t.name) {
+                out.push(t.clone());
+            }
+        }
+        out
+    }
+}
+
 /// The file-system resolver of the CLI.
 #[derive(Debug, Clone)]
 pub struct DirResolver {

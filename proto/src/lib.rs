@@ -12,6 +12,7 @@
 
 pub mod link;
 pub mod schema;
+pub mod tls;
 
 /// Generated protocol types, version 1.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]

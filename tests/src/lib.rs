@@ -8,6 +8,8 @@
 //! The binary is `$FLOTILLA_BIN`, or `target/<profile>/flotilla` next to the test executable
 //! (cargo builds it for the `flotilla` package's own integration tests).
 
+pub mod cluster;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -9,6 +9,7 @@
 //! object storage. Start reading at [`worker::Worker::run`].
 
 pub mod backend;
+pub mod remote;
 pub mod worker;
 pub mod workspace;
 

@@ -73,7 +73,7 @@ impl Worker {
     }
 
     /// Serves one link until it closes or `cancel` fires.
-    pub async fn run(self, link: Link, cancel: CancellationToken) {
+    pub async fn run(&self, link: Link, cancel: CancellationToken) {
         let Link { tx, mut rx } = link;
         let mut models: Vec<String> = self.backends.values().flat_map(|b| b.models()).collect();
         models.sort();

@@ -1182,7 +1182,7 @@ mod tests {
         );
         let (link, end) = link_pair();
         dispatch.attach(end);
-        tokio::spawn(worker.run(link, CancellationToken::new()));
+        tokio::spawn(async move { worker.run(link, CancellationToken::new()).await });
         Harness {
             store,
             faulty,

@@ -158,6 +158,17 @@ enum Msg {
     FromWorker { worker: u64, msg: WorkerMessage },
     WorkerClosed { worker: u64 },
     Stats(tokio::sync::oneshot::Sender<Stats>),
+    Workers(tokio::sync::oneshot::Sender<Vec<WorkerView>>),
+}
+
+/// One attached worker, as `flotilla workers` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerView {
+    pub name: String,
+    pub slots: u32,
+    pub busy: u32,
+    pub backends: Vec<String>,
+    pub models: Vec<String>,
 }
 
 /// Counters for tests and metrics.
@@ -206,6 +217,15 @@ impl DispatchHandle {
     pub fn attach(&self, end: CoordinatorEnd) {
         let _ = self.tx.send(Msg::Attach(end));
     }
+    /// The attached, ready workers.
+    pub async fn workers(&self) -> Vec<WorkerView> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(Msg::Workers(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
     pub async fn stats(&self) -> Option<Stats> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.tx.send(Msg::Stats(tx)).ok()?;
@@ -385,6 +405,28 @@ impl Dispatcher {
             Msg::Attach(end) => self.attach(end),
             Msg::FromWorker { worker, msg } => self.on_worker(worker, msg),
             Msg::WorkerClosed { worker } => self.worker_gone(worker),
+            Msg::Workers(reply) => {
+                let mut out: Vec<WorkerView> = self
+                    .workers
+                    .values()
+                    .filter(|w| w.ready)
+                    .map(|w| {
+                        let mut backends: Vec<String> = w.backends.iter().cloned().collect();
+                        backends.sort();
+                        let mut models: Vec<String> = w.models.iter().cloned().collect();
+                        models.sort();
+                        WorkerView {
+                            name: w.name.to_string(),
+                            slots: w.slots,
+                            busy: w.busy,
+                            backends,
+                            models,
+                        }
+                    })
+                    .collect();
+                out.sort_by(|a, b| a.name.cmp(&b.name));
+                let _ = reply.send(out);
+            }
             Msg::Stats(reply) => {
                 let _ = reply.send(Stats {
                     workers: self.workers.values().filter(|w| w.ready).count(),
@@ -583,7 +625,7 @@ impl Dispatcher {
             c.phase == Phase::Running && c.attempt == o.attempt && c.worker == Some(worker)
         });
         if !current {
-            tracing::debug!(run = %id.0, call = id.1, attempt = o.attempt, "dropping the outcome of an attempt that is no longer current");
+            tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, "dropping the outcome of an attempt that is no longer current (fenced)");
             return;
         }
         self.leave_running(&id);

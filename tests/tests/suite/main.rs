@@ -6,6 +6,7 @@
 
 mod agent;
 mod cli;
+mod cluster;
 mod combinators;
 mod exec;
 mod limits;

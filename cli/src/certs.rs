@@ -1,0 +1,198 @@
+//! `flotilla certs`: a development CA and certificates for mTLS.
+//!
+//! `init` writes `ca.crt` and `ca.key`; `issue` writes `NAME.crt` and `NAME.key`, signed by
+//! that CA, with the name in the subject CN and the role (`coordinator`, `worker`, `client`)
+//! in the subject OU — which is what the coordinator reads to decide who may do what. Keys are
+//! written readable by their owner only. Existing files are never overwritten without
+//! `--force`.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand};
+use flotilla_proto::tls::Role;
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+};
+
+use crate::fail;
+
+#[derive(Debug, Args)]
+pub struct CertsArgs {
+    #[command(subcommand)]
+    command: CertsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum CertsCommand {
+    /// Create a development CA (ca.crt, ca.key) in a directory.
+    Init {
+        #[arg(long, default_value = "pki")]
+        dir: PathBuf,
+        /// Days the CA is valid.
+        #[arg(long, default_value_t = 3650)]
+        days: u32,
+        /// Replace existing files.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Issue a certificate signed by the CA in the directory.
+    Issue {
+        #[arg(long, default_value = "pki")]
+        dir: PathBuf,
+        /// Name of the holder (certificate CN; a worker's name).
+        #[arg(long)]
+        name: String,
+        /// What the holder may do: coordinator, worker or client.
+        #[arg(long)]
+        role: String,
+        /// Host names and IP addresses the certificate is valid for (servers; repeatable).
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+        /// Days the certificate is valid.
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+pub fn run(args: CertsArgs) -> i32 {
+    let res = match args.command {
+        CertsCommand::Init { dir, days, force } => init(&dir, days, force),
+        CertsCommand::Issue {
+            dir,
+            name,
+            role,
+            hosts,
+            days,
+            force,
+        } => role
+            .parse::<Role>()
+            .and_then(|role| issue(&dir, &name, role, &hosts, days, force)),
+    };
+    match res {
+        Ok(msg) => {
+            println!("{msg}");
+            0
+        }
+        Err(e) => fail(2, e),
+    }
+}
+
+fn validity(params: &mut CertificateParams, days: u32) {
+    let now = time::OffsetDateTime::now_utc();
+    // An hour of slack for clocks that disagree a little.
+    params.not_before = now - std::time::Duration::from_secs(3600);
+    params.not_after = now + std::time::Duration::from_secs(u64::from(days) * 86_400);
+}
+
+fn write_new(path: &Path, body: &str, private: bool, force: bool) -> Result<(), String> {
+    if path.exists() && !force {
+        return Err(format!(
+            "{} already exists; pass --force to replace it",
+            path.display()
+        ));
+    }
+    std::fs::write(path, body).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    if private {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| format!("cannot restrict {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn init(dir: &Path, days: u32, force: bool) -> Result<String, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let key = KeyPair::generate().map_err(|e| format!("cannot generate a key: {e}"))?;
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, "Flotilla development CA");
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    validity(&mut params, days);
+    let ca = CertifiedIssuer::self_signed(params, key)
+        .map_err(|e| format!("cannot create the CA certificate: {e}"))?;
+    write_new(&dir.join("ca.crt"), &ca.pem(), false, force)?;
+    write_new(&dir.join("ca.key"), &ca.key().serialize_pem(), true, force)?;
+    Ok(format!("wrote {0}/ca.crt and {0}/ca.key", dir.display()))
+}
+
+fn issue(
+    dir: &Path,
+    name: &str,
+    role: Role,
+    hosts: &[String],
+    days: u32,
+    force: bool,
+) -> Result<String, String> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err(format!(
+            "{name:?} is not a usable name: use letters, digits, '-', '_' and '.'"
+        ));
+    }
+    let read = |f: &str| {
+        std::fs::read_to_string(dir.join(f)).map_err(|e| {
+            format!(
+                "cannot read {}: {e}; create the CA first with `flotilla certs init --dir {}`",
+                dir.join(f).display(),
+                dir.display()
+            )
+        })
+    };
+    let ca_key = KeyPair::from_pem(&read("ca.key")?)
+        .map_err(|e| format!("ca.key is not a private key: {e}"))?;
+    let issuer = Issuer::from_ca_cert_pem(&read("ca.crt")?, ca_key)
+        .map_err(|e| format!("ca.crt is not a CA certificate: {e}"))?;
+    let mut sans: Vec<String> = hosts.to_vec();
+    if sans.is_empty() {
+        sans = match role {
+            Role::Coordinator => vec!["localhost".into(), "127.0.0.1".into()],
+            _ => vec![name.to_owned()],
+        };
+    }
+    let mut params = CertificateParams::new(sans).map_err(|e| format!("bad --host: {e}"))?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, name);
+    dn.push(DnType::OrganizationalUnitName, role.as_str());
+    params.distinguished_name = dn;
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    params.extended_key_usages = match role {
+        Role::Coordinator => vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
+        _ => vec![ExtendedKeyUsagePurpose::ClientAuth],
+    };
+    params.use_authority_key_identifier_extension = true;
+    validity(&mut params, days);
+    let key = KeyPair::generate().map_err(|e| format!("cannot generate a key: {e}"))?;
+    let cert = params
+        .signed_by(&key, &issuer)
+        .map_err(|e| format!("cannot sign the certificate: {e}"))?;
+    write_new(&dir.join(format!("{name}.crt")), &cert.pem(), false, force)?;
+    write_new(
+        &dir.join(format!("{name}.key")),
+        &key.serialize_pem(),
+        true,
+        force,
+    )?;
+    Ok(format!(
+        "wrote {0}/{name}.crt and {0}/{name}.key (role {1})",
+        dir.display(),
+        role.as_str()
+    ))
+}

@@ -1,0 +1,587 @@
+//! Fleet commands: `coordinator`, `worker`, and the client commands `launch`, `wait`,
+//! `status`, `stop`, `workers` that talk to a coordinator over gRPC + mTLS.
+//!
+//! Identity: `--tls-dir DIR` with `--name NAME` picks `DIR/NAME.crt`, `DIR/NAME.key` and
+//! `DIR/ca.crt` (defaults: `coordinator` for the coordinator, the host name for a worker,
+//! `client` for client commands); `--cert/--key/--ca` name files directly. `--insecure` turns
+//! TLS off and is accepted only on loopback addresses.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use flotilla_coordinator::lease::memory::MemoryLeaseStore;
+use flotilla_coordinator::server::{self, RunRegistry, ServerOptions, SnapshotView};
+use flotilla_coordinator::workflows::{DirResolver, WorkflowResolver};
+use flotilla_coordinator::{Coordinator, Report, store};
+use flotilla_proto::tls::TlsFiles;
+use flotilla_proto::v1::client_service_client::ClientServiceClient;
+use flotilla_proto::v1::{self};
+use flotilla_worker::backend::{echo::Echo, exec::Exec};
+use flotilla_worker::{AgentBackend, Worker, WorkerOptions};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use crate::{config, fail, print_report};
+
+/// Identity flags shared by every fleet command.
+#[derive(Debug, Args, Clone, Default)]
+pub struct TlsArgs {
+    /// Directory with ca.crt and NAME.crt/NAME.key (from `flotilla certs`).
+    #[arg(long, env = "FLOTILLA_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// Which identity in --tls-dir to use.
+    #[arg(long, env = "FLOTILLA_NAME")]
+    pub name: Option<String>,
+    /// Certificate file (instead of --tls-dir/--name).
+    #[arg(long, env = "FLOTILLA_CERT")]
+    pub cert: Option<PathBuf>,
+    /// Private key file.
+    #[arg(long, env = "FLOTILLA_KEY")]
+    pub key: Option<PathBuf>,
+    /// CA certificate file.
+    #[arg(long, env = "FLOTILLA_CA")]
+    pub ca: Option<PathBuf>,
+    /// Plain text without TLS (loopback development only).
+    #[arg(long, env = "FLOTILLA_INSECURE")]
+    pub insecure: bool,
+}
+
+impl TlsArgs {
+    /// The identity files, or `None` with --insecure on a loopback address.
+    pub fn files(
+        &self,
+        default_name: &str,
+        addr_is_loopback: bool,
+    ) -> Result<Option<TlsFiles>, String> {
+        if self.insecure {
+            if !addr_is_loopback {
+                return Err("--insecure is allowed only on loopback addresses (127.0.0.1, ::1, localhost); use --tls-dir elsewhere".into());
+            }
+            eprintln!(
+                "warning: --insecure: no TLS, no authentication; anyone on this machine can connect"
+            );
+            return Ok(None);
+        }
+        let name = self.name.clone().unwrap_or_else(|| default_name.to_owned());
+        let from_dir = self.tls_dir.as_ref().map(|d| TlsFiles::in_dir(d, &name));
+        let pick = |given: &Option<PathBuf>, from: Option<PathBuf>, flag: &str| {
+            given.clone().or(from).ok_or_else(|| {
+                format!("no {flag}: pass --tls-dir DIR (from `flotilla certs`) or --{flag}, or --insecure for loopback development")
+            })
+        };
+        Ok(Some(TlsFiles {
+            ca: pick(&self.ca, from_dir.as_ref().map(|f| f.ca.clone()), "ca")?,
+            cert: pick(
+                &self.cert,
+                from_dir.as_ref().map(|f| f.cert.clone()),
+                "cert",
+            )?,
+            key: pick(&self.key, from_dir.as_ref().map(|f| f.key.clone()), "key")?,
+        }))
+    }
+}
+
+fn loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h == "localhost"
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+fn host_of(url: &str) -> String {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    match authority.rsplit_once(':') {
+        Some((h, _)) => h.to_owned(),
+        None => authority.to_owned(),
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "worker".into())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+// ---- coordinator ---------------------------------------------------------------------------
+
+#[derive(Debug, Args)]
+pub struct CoordinatorArgs {
+    /// gRPC address for workers and clients.
+    #[arg(long, env = "FLOTILLA_LISTEN", default_value = "127.0.0.1:7443")]
+    listen: SocketAddr,
+    /// Address of the session pages (session URLs point here).
+    #[arg(long, env = "FLOTILLA_HTTP", default_value = "127.0.0.1:7080")]
+    http: SocketAddr,
+    /// Object store URL (file:///path, memory://).
+    #[arg(long, env = "FLOTILLA_STORE")]
+    store: Option<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+pub async fn coordinator(a: CoordinatorArgs) -> i32 {
+    let tls = match a.tls.files("coordinator", a.listen.ip().is_loopback()) {
+        Ok(t) => t,
+        Err(e) => return fail(2, e),
+    };
+    let url = config::store_url(a.store);
+    let store = match store::open(&url) {
+        Ok(s) => s,
+        Err(e) => return fail(2, e),
+    };
+    let coordinator = Arc::new(Coordinator::new(store, MemoryLeaseStore::new()));
+    let registry = Arc::new(RunRegistry::default());
+    let cancel = CancellationToken::new();
+    let opts = ServerOptions {
+        listen: a.listen,
+        tls,
+        session_base: format!("http://{}", a.http),
+    };
+    eprintln!(
+        "flotilla coordinator listening on {} ({}), store {url}",
+        a.listen,
+        if opts.tls.is_some() {
+            "mTLS"
+        } else {
+            "insecure"
+        }
+    );
+    let serving = tokio::spawn(server::serve(
+        coordinator.clone(),
+        registry,
+        opts,
+        cancel.clone(),
+    ));
+    tokio::select! {
+        _ = shutdown_signal() => {
+            cancel.cancel();
+        }
+        r = serving => {
+            coordinator.shutdown();
+            return match r {
+                Ok(Ok(())) => 0,
+                Ok(Err(e)) => fail(1, e),
+                Err(e) => fail(1, e),
+            };
+        }
+    }
+    coordinator.shutdown();
+    0
+}
+
+// ---- worker -------------------------------------------------------------------------------
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// Coordinator address (https://host:port).
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    coordinator: String,
+    /// Backends this worker offers (echo, exec); repeatable.
+    #[arg(
+        long = "backend",
+        env = "FLOTILLA_BACKENDS",
+        value_delimiter = ',',
+        default_value = "echo"
+    )]
+    backends: Vec<String>,
+    /// Command of the exec backend.
+    #[arg(long, env = "FLOTILLA_EXEC_CMD")]
+    exec_cmd: Option<String>,
+    /// Attempts this worker runs at once.
+    #[arg(long, env = "FLOTILLA_SLOTS", default_value_t = 16)]
+    slots: u32,
+    /// Root of the agents' working directories.
+    #[arg(long, env = "FLOTILLA_WORKSPACE")]
+    workspace: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+pub async fn worker(a: WorkerArgs) -> i32 {
+    let name = a.tls.name.clone().unwrap_or_else(hostname);
+    let tls = match a.tls.files(&name, loopback_host(&host_of(&a.coordinator))) {
+        Ok(t) => t,
+        Err(e) => return fail(2, e),
+    };
+    if a.slots == 0 {
+        return fail(2, "--slots must be at least 1");
+    }
+    let mut backends: Vec<Arc<dyn AgentBackend>> = Vec::new();
+    for b in &a.backends {
+        match b.as_str() {
+            "echo" => backends.push(Arc::new(Echo)),
+            "exec" => match &a.exec_cmd {
+                Some(cmd) => backends.push(Arc::new(Exec::new(cmd.clone()))),
+                None => return fail(2, "--backend exec needs --exec-cmd CMD"),
+            },
+            other => {
+                return fail(
+                    2,
+                    format!("unknown backend {other:?}: this worker offers echo and exec"),
+                );
+            }
+        }
+    }
+    let workspace = a.workspace.unwrap_or_else(|| {
+        dirs::data_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("flotilla")
+            .join("workspaces")
+    });
+    let worker = Worker::new(
+        WorkerOptions {
+            name: name.clone(),
+            slots: a.slots,
+            workspace,
+            labels: Default::default(),
+        },
+        backends,
+    );
+    let cancel = CancellationToken::new();
+    eprintln!(
+        "flotilla worker {name}: {} slots, coordinator {}",
+        a.slots, a.coordinator
+    );
+    let opts = flotilla_worker::remote::RemoteOptions {
+        endpoint: a.coordinator,
+        tls,
+    };
+    let serving = flotilla_worker::remote::serve(worker, opts, cancel.clone());
+    tokio::pin!(serving);
+    tokio::select! {
+        _ = shutdown_signal() => {
+            cancel.cancel();
+            let _ = serving.await;
+            0
+        }
+        r = &mut serving => match r {
+            Ok(()) => 0,
+            Err(e) => fail(1, e),
+        },
+    }
+}
+
+// ---- clients ------------------------------------------------------------------------------
+
+/// Where the coordinator is and who we are.
+#[derive(Debug, Args, Clone)]
+pub struct ClientArgs {
+    /// Coordinator address (https://host:port).
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    pub coordinator: String,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+impl ClientArgs {
+    pub fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
+        let tls = self
+            .tls
+            .files("client", loopback_host(&host_of(&self.coordinator)))?;
+        let channel = flotilla_proto::tls::channel(&self.coordinator, tls.as_ref())?;
+        Ok(ClientServiceClient::new(channel))
+    }
+}
+
+/// A status error as a user reads it, with its exit code.
+fn rpc_error(s: &tonic::Status) -> (i32, String) {
+    let code = match s.code() {
+        tonic::Code::NotFound | tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition => 2,
+        _ => 1,
+    };
+    let msg = match s.code() {
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+            format!("the coordinator refused this client: {}", s.message())
+        }
+        tonic::Code::Unavailable
+        | tonic::Code::Unknown
+        | tonic::Code::Internal
+        | tonic::Code::Cancelled => flotilla_proto::tls::explain(s),
+        _ => s.message().to_owned(),
+    };
+    (code, msg)
+}
+
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    #[command(flatten)]
+    run: crate::RunArgs,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+pub async fn launch(a: LaunchArgs) -> i32 {
+    let resolved = match config::resolve_run(&a.run) {
+        Ok(r) => r,
+        Err(e) => return fail(2, e),
+    };
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    let dirs = DirResolver::standard(&resolved.cwd, &resolved.workflows_dirs);
+    let workflows = dirs
+        .list()
+        .into_iter()
+        .filter_map(|(path, meta)| {
+            let meta = meta.ok()?;
+            let source = std::fs::read_to_string(&path).ok()?;
+            Some(v1::SavedWorkflow {
+                name: meta.name,
+                source,
+                origin: path.display().to_string(),
+            })
+        })
+        .collect();
+    let agent_types = dirs
+        .agent_types()
+        .into_iter()
+        .map(|t| (t.name, t.model.unwrap_or_default()))
+        .collect();
+    let settings_json = match serde_json::to_string(&resolved.settings) {
+        Ok(s) => s,
+        Err(e) => return fail(1, e),
+    };
+    let req = v1::LaunchRequest {
+        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        script: resolved.source,
+        origin: resolved.origin,
+        args_json: resolved.args.map(|v| v.to_string()),
+        settings_json,
+        resume_from: resolved.resume.unwrap_or_default(),
+        workflows,
+        agent_types,
+    };
+    let reply = match client.launch(req).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => {
+            let (code, msg) = rpc_error(&s);
+            return fail(code, msg);
+        }
+    };
+    if reply.status == "rejected" {
+        if a.run.json {
+            println!("{}", reply.report_json);
+        }
+        return fail(2, reply.error);
+    }
+    if a.run.json {
+        println!(
+            "{}",
+            serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status})
+        );
+    } else {
+        println!("run {}  session {}", reply.run_id, reply.session_url);
+    }
+    0
+}
+
+#[derive(Debug, Args)]
+pub struct RunRefArgs {
+    run_id: String,
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+pub async fn wait(a: RunRefArgs) -> i32 {
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client.wait(v1::RunRef { run_id: a.run_id }).await {
+        Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
+            Ok(report) => print_report(&report, a.json),
+            Err(e) => fail(
+                1,
+                format!("the coordinator sent a report this client cannot read: {e}"),
+            ),
+        },
+        Err(s) => {
+            let (code, msg) = rpc_error(&s);
+            fail(code, msg)
+        }
+    }
+}
+
+pub async fn status(a: RunRefArgs) -> i32 {
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .status(v1::RunRef {
+            run_id: a.run_id.clone(),
+        })
+        .await
+    {
+        Ok(r) => {
+            let r = r.into_inner();
+            if a.json {
+                println!("{}", r.snapshot_json);
+                return 0;
+            }
+            match serde_json::from_str::<SnapshotView>(&r.snapshot_json) {
+                Ok(s) => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = writeln!(
+                        out,
+                        "{} {} · {}/{} agents done · {} running · {} failed · {} tokens · {} ms",
+                        s.run_id,
+                        s.status.map_or("running", |st| st.as_str()),
+                        s.done,
+                        s.agents,
+                        s.running,
+                        s.failed,
+                        s.output_tokens,
+                        s.elapsed_ms
+                    );
+                    for (title, done, total) in &s.groups {
+                        let _ = writeln!(
+                            out,
+                            "  [{}] {done}/{total}",
+                            if title.is_empty() {
+                                "(no phase)"
+                            } else {
+                                title
+                            }
+                        );
+                    }
+                    0
+                }
+                Err(e) => fail(1, e),
+            }
+        }
+        Err(s) => {
+            let (code, msg) = rpc_error(&s);
+            fail(code, msg)
+        }
+    }
+}
+
+pub async fn stop(a: RunRefArgs) -> i32 {
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .stop(v1::RunRef {
+            run_id: a.run_id.clone(),
+        })
+        .await
+    {
+        Ok(_) => {
+            eprintln!("stopping {}", a.run_id);
+            0
+        }
+        Err(s) => {
+            let (code, msg) = rpc_error(&s);
+            fail(code, msg)
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct WorkersArgs {
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+pub async fn workers(a: WorkersArgs) -> i32 {
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client.list_workers(v1::ListWorkersRequest {}).await {
+        Ok(r) => {
+            let workers = r.into_inner().workers;
+            if a.json {
+                let v: Vec<serde_json::Value> = workers
+                    .iter()
+                    .map(|w| serde_json::json!({"name": w.name, "slots": w.slots, "busy": w.busy, "backends": w.backends, "models": w.models}))
+                    .collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else if workers.is_empty() {
+                eprintln!("no workers attached");
+            } else {
+                println!("{:<32} {:>5} {:>5}  BACKENDS", "WORKER", "SLOTS", "BUSY");
+                for w in workers {
+                    println!(
+                        "{:<32} {:>5} {:>5}  {}",
+                        w.name,
+                        w.slots,
+                        w.busy,
+                        w.backends.join(",")
+                    );
+                }
+            }
+            0
+        }
+        Err(s) => {
+            let (code, msg) = rpc_error(&s);
+            fail(code, msg)
+        }
+    }
+}
+
+/// `flotilla runs --coordinator URL`: the coordinator's store, listed by the coordinator.
+pub async fn list_remote(remote: ClientArgs, json: bool) -> i32 {
+    let mut client = match remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client.list_runs(v1::ListRunsRequest {}).await {
+        Ok(r) => {
+            let text = r.into_inner().runs_json;
+            if json {
+                println!("{text}");
+                return 0;
+            }
+            let runs: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap_or_default();
+            println!(
+                "{:<18} {:<10} {:<7} {:<21} WORKFLOW",
+                "RUN", "STATUS", "AGENTS", "CREATED"
+            );
+            for r in runs {
+                println!(
+                    "{:<18} {:<10} {:<7} {:<21} {}",
+                    r["run_id"].as_str().unwrap_or(""),
+                    r["status"].as_str().unwrap_or(""),
+                    r["agents"],
+                    r["created"].as_str().unwrap_or(""),
+                    r["workflow"].as_str().unwrap_or("")
+                );
+            }
+            0
+        }
+        Err(s) => {
+            let (code, msg) = rpc_error(&s);
+            fail(code, msg)
+        }
+    }
+}

@@ -1,0 +1,464 @@
+//! The coordinator's network face: the gRPC `WorkerService` and `ClientService` over mTLS.
+//!
+//! - A worker's `Attach` stream is bridged onto the same channels an in-process worker uses
+//!   ([`CoordinatorEnd`]), so the dispatcher cannot tell them apart. The worker's name is its
+//!   certificate's CN; only `worker` certificates may attach.
+//! - Clients (`client` or `coordinator` certificates) launch runs, wait for them, read status,
+//!   stop them and list runs and workers. Runs live in a [`RunRegistry`]; a run that is not in
+//!   memory (finished earlier, or run by another coordinator) is read back from storage.
+//!
+//! Without TLS (`--insecure`, loopback only) every peer is trusted; that mode exists for local
+//! development and prints a warning where it is chosen.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use flotilla_proto::link::CoordinatorEnd;
+use flotilla_proto::tls::{self, Role, TlsFiles};
+use flotilla_proto::v1::client_service_server::{ClientService, ClientServiceServer};
+use flotilla_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
+use flotilla_proto::v1::{self, CoordinatorMessage, WorkerMessage, worker_message};
+use futures::Stream;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::coordinator::Coordinator;
+use crate::report::{Report, RunStatus};
+use crate::run::{Control, RunHandle, Snapshot};
+use crate::settings::RunSettings;
+use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
+use crate::{LaunchRequest, history};
+
+/// How the coordinator listens.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    pub listen: SocketAddr,
+    /// `None`: plain text (development only).
+    pub tls: Option<TlsFiles>,
+    /// Base of session URLs (`http://host:port`).
+    pub session_base: String,
+}
+
+/// The runs this coordinator is running (or has finished since it started).
+#[derive(Default)]
+pub struct RunRegistry {
+    runs: Mutex<HashMap<String, RunEntry>>,
+}
+
+impl std::fmt::Debug for RunRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunRegistry").finish_non_exhaustive()
+    }
+}
+
+struct RunEntry {
+    snapshot: watch::Receiver<Arc<Snapshot>>,
+    stopper: mpsc::UnboundedSender<Control>,
+    report: watch::Receiver<Option<Arc<Report>>>,
+}
+
+impl RunRegistry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunEntry>> {
+        self.runs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Tracks a launched run until it ends.
+    pub fn track(&self, handle: RunHandle) {
+        let (report_tx, report_rx) = watch::channel(None);
+        let entry = RunEntry {
+            snapshot: handle.snapshot.clone(),
+            stopper: handle.stopper(),
+            report: report_rx,
+        };
+        self.lock().insert(handle.run_id.clone(), entry);
+        tokio::spawn(async move {
+            let report = handle.wait().await;
+            let _ = report_tx.send(Some(Arc::new(report)));
+        });
+    }
+}
+
+/// Serves both services until `cancel` fires.
+pub async fn serve(
+    coordinator: Arc<Coordinator>,
+    registry: Arc<RunRegistry>,
+    opts: ServerOptions,
+    cancel: CancellationToken,
+) -> Result<(), String> {
+    let secure = opts.tls.is_some();
+    let workers = WorkerSvc {
+        coordinator: coordinator.clone(),
+        secure,
+    };
+    let clients = ClientSvc {
+        coordinator,
+        registry,
+        secure,
+        session_base: opts.session_base.clone(),
+    };
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(files) = &opts.tls {
+        let config = files.server_config().map_err(|e| e.to_string())?;
+        builder = builder
+            .tls_config(config)
+            .map_err(|e| format!("invalid TLS configuration: {e}"))?;
+    }
+    builder
+        .add_service(WorkerServiceServer::new(workers))
+        .add_service(ClientServiceServer::new(clients))
+        .serve_with_shutdown(opts.listen, cancel.cancelled_owned())
+        .await
+        .map_err(|e| format!("cannot serve on {}: {e}", opts.listen))
+}
+
+fn check_version(theirs: &str) -> Result<(), Status> {
+    if flotilla_proto::protocol_compatible(theirs) {
+        Ok(())
+    } else {
+        Err(Status::failed_precondition(format!(
+            "protocol version {theirs:?} is not compatible with this coordinator's {}; upgrade the older side",
+            flotilla_proto::PROTOCOL_VERSION
+        )))
+    }
+}
+
+struct WorkerSvc {
+    coordinator: Arc<Coordinator>,
+    secure: bool,
+}
+
+type StreamOf<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkerService for WorkerSvc {
+    type AttachStream = StreamOf<CoordinatorMessage>;
+
+    async fn attach(
+        &self,
+        req: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let name = if self.secure {
+            Some(tls::require_role(&req, &[Role::Worker], "attach as a worker")?.name)
+        } else {
+            None
+        };
+        let mut inbound = req.into_inner();
+        // The first message must be a compatible Hello.
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("the worker closed its stream before Hello"))?;
+        let Some(worker_message::Msg::Hello(mut hello)) = first.msg else {
+            return Err(Status::invalid_argument(
+                "a worker stream must start with Hello",
+            ));
+        };
+        check_version(&hello.protocol_version)?;
+        if let Some(name) = name {
+            // A worker is known by its certificate, whatever it calls itself.
+            hello.name = name;
+        }
+        tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");
+        let (to_worker_tx, to_worker_rx) = mpsc::unbounded_channel();
+        let (from_worker_tx, from_worker_rx) = mpsc::unbounded_channel();
+        let _ = from_worker_tx.send(WorkerMessage {
+            msg: Some(worker_message::Msg::Hello(hello)),
+        });
+        self.coordinator.dispatch().attach(CoordinatorEnd {
+            tx: to_worker_tx,
+            rx: from_worker_rx,
+        });
+        tokio::spawn(async move {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(msg)) => {
+                        if from_worker_tx.send(msg).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::info!(error = %e, "worker stream ended");
+                        break;
+                    }
+                }
+            }
+            // Dropping the sender tells the dispatcher the worker is gone.
+        });
+        let out = UnboundedReceiverStream::new(to_worker_rx).map(Ok);
+        Ok(Response::new(Box::pin(out)))
+    }
+}
+
+struct ClientSvc {
+    coordinator: Arc<Coordinator>,
+    registry: Arc<RunRegistry>,
+    secure: bool,
+    session_base: String,
+}
+
+impl ClientSvc {
+    fn authorize<T>(&self, req: &Request<T>, what: &str) -> Result<(), Status> {
+        if self.secure {
+            tls::require_role(req, &[Role::Client, Role::Coordinator], what)?;
+        }
+        Ok(())
+    }
+
+    fn session_url(&self, run: &str) -> String {
+        format!("{}/runs/{run}", self.session_base.trim_end_matches('/'))
+    }
+
+    async fn stored_report(&self, run: &str) -> Result<Report, Status> {
+        history::load_report(self.coordinator.store(), run)
+            .await
+            .map_err(|e| match e.kind() {
+                flotilla_proto::ErrorKind::NotFound => {
+                    Status::not_found(format!("no run {run} on this coordinator or in its store"))
+                }
+                _ => Status::unavailable(format!("cannot read run {run}: {e}")),
+            })
+    }
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
+    serde_json::to_string(v).map_err(|e| Status::internal(format!("cannot encode: {e}")))
+}
+
+#[tonic::async_trait]
+impl ClientService for ClientSvc {
+    async fn launch(
+        &self,
+        req: Request<v1::LaunchRequest>,
+    ) -> Result<Response<v1::LaunchReply>, Status> {
+        self.authorize(&req, "launch runs")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        let settings: RunSettings = serde_json::from_str(&r.settings_json)
+            .map_err(|e| Status::invalid_argument(format!("run settings are not valid: {e}")))?;
+        let args =
+            match &r.args_json {
+                None => None,
+                Some(text) => Some(serde_json::from_str(text).map_err(|e| {
+                    Status::invalid_argument(format!("args are not valid JSON: {e}"))
+                })?),
+            };
+        let resolver = CarriedWorkflows {
+            workflows: r
+                .workflows
+                .into_iter()
+                .map(|w| FoundWorkflow {
+                    name: w.name,
+                    source: w.source,
+                    origin: w.origin,
+                })
+                .collect(),
+            agent_types: r
+                .agent_types
+                .into_iter()
+                .map(|(name, model)| AgentType {
+                    name,
+                    model: (!model.is_empty()).then_some(model),
+                })
+                .collect(),
+        };
+        let launched = self
+            .coordinator
+            .launch(LaunchRequest {
+                source: r.script,
+                origin: (!r.origin.is_empty()).then_some(r.origin),
+                args,
+                settings,
+                resume_from: (!r.resume_from.is_empty()).then_some(r.resume_from),
+                resolver: Arc::new(resolver),
+            })
+            .await;
+        match launched {
+            Ok(handle) => {
+                let run_id = handle.run_id.clone();
+                self.registry.track(handle);
+                Ok(Response::new(v1::LaunchReply {
+                    session_url: self.session_url(&run_id),
+                    run_id,
+                    status: "running".into(),
+                    error: String::new(),
+                    report_json: String::new(),
+                }))
+            }
+            Err(rejected) => {
+                let id = crate::coordinator::new_run_id();
+                let report =
+                    Report::rejected(&id, rejected.workflow.clone(), rejected.message.clone());
+                Ok(Response::new(v1::LaunchReply {
+                    run_id: id,
+                    session_url: String::new(),
+                    status: "rejected".into(),
+                    error: rejected.message,
+                    report_json: to_json(&report)?,
+                }))
+            }
+        }
+    }
+
+    async fn wait(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let run = req.into_inner().run_id;
+        let rx = self.registry.lock().get(&run).map(|e| e.report.clone());
+        let report = match rx {
+            Some(mut rx) => loop {
+                if let Some(r) = rx.borrow_and_update().clone() {
+                    break (*r).clone();
+                }
+                if rx.changed().await.is_err() {
+                    return Err(Status::internal("the run ended without a report"));
+                }
+            },
+            None => {
+                let report = self.stored_report(&run).await?;
+                if !report.status.is_final() {
+                    return Err(Status::failed_precondition(format!(
+                        "run {run} is not running on this coordinator and has not finished; its owner may have died (resume it with --resume {run})"
+                    )));
+                }
+                report
+            }
+        };
+        Ok(Response::new(v1::ReportReply {
+            report_json: to_json(&report)?,
+            finished: true,
+        }))
+    }
+
+    async fn report(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let run = req.into_inner().run_id;
+        let done = self
+            .registry
+            .lock()
+            .get(&run)
+            .map(|e| e.report.borrow().clone());
+        let report = match done {
+            Some(Some(r)) => (*r).clone(),
+            _ => self.stored_report(&run).await?,
+        };
+        Ok(Response::new(v1::ReportReply {
+            finished: report.status.is_final(),
+            report_json: to_json(&report)?,
+        }))
+    }
+
+    async fn status(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StatusReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let run = req.into_inner().run_id;
+        let entry = self
+            .registry
+            .lock()
+            .get(&run)
+            .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().is_some()));
+        let (snap, finished) = entry.ok_or_else(|| {
+            Status::not_found(format!(
+                "run {run} is not running on this coordinator; see `flotilla show {run}`"
+            ))
+        })?;
+        Ok(Response::new(v1::StatusReply {
+            snapshot_json: to_json(&SnapshotView::from(&*snap))?,
+            finished,
+        }))
+    }
+
+    async fn stop(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StopReply>, Status> {
+        self.authorize(&req, "stop runs")?;
+        let run = req.into_inner().run_id;
+        let stopper = self.registry.lock().get(&run).map(|e| e.stopper.clone());
+        let stopped = stopper.is_some_and(|s| s.send(Control::Stop).is_ok());
+        if !stopped {
+            return Err(Status::not_found(format!(
+                "run {run} is not running on this coordinator"
+            )));
+        }
+        Ok(Response::new(v1::StopReply { stopped }))
+    }
+
+    async fn list_runs(
+        &self,
+        req: Request<v1::ListRunsRequest>,
+    ) -> Result<Response<v1::ListRunsReply>, Status> {
+        self.authorize(&req, "list runs")?;
+        let runs = history::list_runs(self.coordinator.store())
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot list runs: {e}")))?;
+        Ok(Response::new(v1::ListRunsReply {
+            runs_json: to_json(&runs)?,
+        }))
+    }
+
+    async fn list_workers(
+        &self,
+        req: Request<v1::ListWorkersRequest>,
+    ) -> Result<Response<v1::ListWorkersReply>, Status> {
+        self.authorize(&req, "list workers")?;
+        let workers = self
+            .coordinator
+            .dispatch()
+            .workers()
+            .await
+            .into_iter()
+            .map(|w| v1::WorkerInfo {
+                name: w.name,
+                slots: w.slots,
+                busy: w.busy,
+                backends: w.backends,
+                models: w.models,
+                labels: HashMap::new(),
+            })
+            .collect();
+        Ok(Response::new(v1::ListWorkersReply { workers }))
+    }
+}
+
+/// The parts of a live snapshot a client shows.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotView {
+    pub run_id: String,
+    pub workflow: String,
+    pub status: Option<RunStatus>,
+    pub elapsed_ms: u64,
+    pub agents: u64,
+    pub done: u64,
+    pub failed: u64,
+    pub running: u64,
+    pub cached: u64,
+    pub output_tokens: u64,
+    pub logs: Vec<String>,
+    pub groups: Vec<(String, u64, u64)>,
+}
+
+impl From<&Snapshot> for SnapshotView {
+    fn from(s: &Snapshot) -> Self {
+        SnapshotView {
+            run_id: s.run_id.clone(),
+            workflow: s.workflow.name.clone(),
+            status: s.status,
+            elapsed_ms: s.elapsed_ms,
+            agents: s.agents,
+            done: s.done,
+            failed: s.failed,
+            running: s.running,
+            cached: s.cached,
+            output_tokens: s.output_tokens,
+            logs: s.logs.iter().cloned().collect(),
+            groups: s
+                .groups
+                .iter()
+                .map(|g| (g.title.clone(), g.done + g.failed, g.total))
+                .collect(),
+        }
+    }
+}

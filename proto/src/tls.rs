@@ -1,0 +1,289 @@
+//! mTLS identities: loading certificates, building tonic TLS configs, and reading who a peer
+//! is from its certificate.
+//!
+//! A Flotilla certificate names its holder in the subject CN and its role in the subject OU
+//! (`coordinator`, `worker` or `client`); `flotilla certs` makes them. The coordinator accepts
+//! only clients that present a certificate signed by its CA (client auth required), and each
+//! service checks the role: only `worker` certificates may attach as workers, only `client`
+//! (or `coordinator`) certificates may launch.
+//!
+//! The workspace uses one rustls crypto provider, ring; [`install_crypto_provider`] must run
+//! before any TLS config is built (every binary's `main` calls it).
+
+use std::path::{Path, PathBuf};
+
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+/// Installs ring as the process-wide rustls provider (idempotent).
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// What a certificate allows its holder to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Coordinator,
+    Worker,
+    Client,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Coordinator => "coordinator",
+            Role::Worker => "worker",
+            Role::Client => "client",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "coordinator" => Ok(Role::Coordinator),
+            "worker" => Ok(Role::Worker),
+            "client" => Ok(Role::Client),
+            other => Err(format!(
+                "unknown role {other:?}: use coordinator, worker or client"
+            )),
+        }
+    }
+}
+
+/// A TLS problem, with the file and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read {what} {path}: {source}; {hint}")]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+        hint: String,
+    },
+}
+
+/// The CA, certificate and key files of one identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl TlsFiles {
+    /// The files `flotilla certs` writes for `name` into `dir`.
+    pub fn in_dir(dir: &Path, name: &str) -> TlsFiles {
+        TlsFiles {
+            ca: dir.join("ca.crt"),
+            cert: dir.join(format!("{name}.crt")),
+            key: dir.join(format!("{name}.key")),
+        }
+    }
+
+    fn read(&self, what: &'static str, path: &Path) -> Result<Vec<u8>, Error> {
+        std::fs::read(path).map_err(|source| Error::Read {
+            what,
+            path: path.to_owned(),
+            source,
+            hint: match what {
+                "CA certificate" => {
+                    "create a development CA with `flotilla certs init --dir DIR`".to_owned()
+                }
+                _ => "issue one with `flotilla certs issue --dir DIR --name NAME --role ROLE`, or pass --cert/--key".to_owned(),
+            },
+        })
+    }
+
+    fn identity(&self) -> Result<Identity, Error> {
+        let cert = self.read("certificate", &self.cert)?;
+        let key = self.read("private key", &self.key)?;
+        Ok(Identity::from_pem(cert, key))
+    }
+
+    fn ca_cert(&self) -> Result<Certificate, Error> {
+        Ok(Certificate::from_pem(
+            self.read("CA certificate", &self.ca)?,
+        ))
+    }
+
+    /// Server side: our identity, and client certificates required, signed by our CA.
+    pub fn server_config(&self) -> Result<ServerTlsConfig, Error> {
+        Ok(ServerTlsConfig::new()
+            .identity(self.identity()?)
+            .client_ca_root(self.ca_cert()?))
+    }
+
+    /// Client side: trust our CA, present our identity, expect the server to be `domain`.
+    pub fn client_config(&self, domain: &str) -> Result<ClientTlsConfig, Error> {
+        Ok(ClientTlsConfig::new()
+            .ca_certificate(self.ca_cert()?)
+            .identity(self.identity()?)
+            .domain_name(domain))
+    }
+}
+
+/// Who is calling: the CN and role of the certificate it presented.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    pub name: String,
+    pub role: Role,
+}
+
+/// Reads the peer's identity from its leaf certificate (DER).
+pub fn peer_from_der(der: &[u8]) -> Result<Peer, String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| format!("the client certificate cannot be parsed: {e}"))?;
+    let subject = cert.subject();
+    let name = subject
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .map(str::to_owned)
+        .ok_or("the client certificate has no common name (CN)")?;
+    let role = subject
+        .iter_organizational_unit()
+        .next()
+        .and_then(|ou| ou.as_str().ok())
+        .ok_or("the client certificate carries no Flotilla role (OU); issue it with `flotilla certs issue --role ...`")?
+        .parse::<Role>()?;
+    Ok(Peer { name, role })
+}
+
+/// The peer of a request; `Unauthenticated` when it presented no usable certificate.
+pub fn peer_of<T>(req: &tonic::Request<T>) -> Result<Peer, tonic::Status> {
+    let certs = req.peer_certs().ok_or_else(|| {
+        tonic::Status::unauthenticated(
+            "no client certificate: connect with a certificate signed by the coordinator's CA (--tls-dir)",
+        )
+    })?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| tonic::Status::unauthenticated("no client certificate was presented"))?;
+    peer_from_der(leaf.as_ref()).map_err(tonic::Status::unauthenticated)
+}
+
+/// Checks that the peer has one of `allowed` roles.
+pub fn require_role<T>(
+    req: &tonic::Request<T>,
+    allowed: &[Role],
+    what: &str,
+) -> Result<Peer, tonic::Status> {
+    let peer = peer_of(req)?;
+    if allowed.contains(&peer.role) {
+        Ok(peer)
+    } else {
+        Err(tonic::Status::permission_denied(format!(
+            "certificate {:?} has role {} and may not {what} (needs {})",
+            peer.name,
+            peer.role.as_str(),
+            allowed
+                .iter()
+                .map(|r| r.as_str())
+                .collect::<Vec<_>>()
+                .join(" or ")
+        )))
+    }
+}
+
+/// A lazily connecting channel to a coordinator at `endpoint` (`https://host:port`, or
+/// `http://` without TLS). The server name checked against its certificate is the host part.
+pub fn channel(
+    endpoint: &str,
+    tls: Option<&TlsFiles>,
+) -> Result<tonic::transport::Channel, String> {
+    use std::time::Duration;
+    let mut ep = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
+        .map_err(|_| format!("invalid coordinator address {endpoint:?}: use https://host:port"))?
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true);
+    let scheme_https = endpoint.starts_with("https://");
+    match tls {
+        Some(files) => {
+            if !scheme_https {
+                return Err(format!(
+                    "coordinator address {endpoint:?} is not https://; TLS needs https:// (or pass --insecure for plain text on loopback)"
+                ));
+            }
+            let host = ep
+                .uri()
+                .host()
+                .map(str::to_owned)
+                .ok_or_else(|| format!("coordinator address {endpoint:?} has no host"))?;
+            ep = ep
+                .tls_config(files.client_config(&host).map_err(|e| e.to_string())?)
+                .map_err(|e| format!("invalid TLS configuration for {endpoint}: {e}"))?;
+        }
+        None => {
+            if scheme_https {
+                return Err(format!(
+                    "coordinator address {endpoint:?} is https:// but no certificate was given; pass --tls-dir"
+                ));
+            }
+        }
+    }
+    Ok(ep.connect_lazy())
+}
+
+/// Every message in an error's source chain, joined: transport errors hide their cause
+/// (a refused connection, a rejected certificate) several sources deep.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let text = s.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
+/// Whether a failed call means the TLS handshake was refused (a certificate the other side
+/// does not trust, or no certificate), as opposed to the peer being unreachable.
+pub fn is_tls_rejection(status: &tonic::Status) -> bool {
+    let chain = error_chain(status).to_ascii_lowercase();
+    chain.contains("certificate")
+        || chain.contains("alert")
+        || chain.contains("unknownca")
+        || chain.contains("handshake")
+}
+
+/// Whether a failed call looks like the server hanging up right after the TLS handshake,
+/// which is how TLS 1.3 reports a client certificate the server does not accept (the client
+/// finishes its side of the handshake before the server checks the certificate).
+pub fn looks_like_rejected_client_cert(status: &tonic::Status) -> bool {
+    let chain = error_chain(status).to_ascii_lowercase();
+    chain.contains("operation was canceled")
+        || chain.contains("connection closed")
+        || chain.contains("broken pipe")
+        || chain.contains("connection reset")
+}
+
+/// A user-facing explanation of a failed call to a coordinator.
+pub fn explain(status: &tonic::Status) -> String {
+    let chain = error_chain(status);
+    let lower = chain.to_ascii_lowercase();
+    if is_tls_rejection(status) || looks_like_rejected_client_cert(status) {
+        format!(
+            "the TLS handshake failed — the certificate is not signed by the CA the other side trusts, or none was sent ({chain})"
+        )
+    } else if lower.contains("h2 protocol error")
+        || lower.contains("http2 error")
+        || lower.contains("frame with invalid size")
+    {
+        format!(
+            "the coordinator did not speak the expected protocol — it probably uses TLS: connect with https:// and --tls-dir ({chain})"
+        )
+    } else if lower.contains("connection refused")
+        || lower.contains("dns error")
+        || lower.contains("timed out")
+    {
+        format!("cannot reach the coordinator ({chain})")
+    } else {
+        chain
+    }
+}

@@ -1,0 +1,290 @@
+//! A fleet on loopback: a coordinator and workers as child processes, with a fresh dev CA.
+//!
+//! Ports are picked free by binding port 0. Every child writes its own log file under the
+//! cluster's directory (`coordinator.log`, `worker-N.log`) and is killed when the cluster is
+//! dropped, so a failing test leaves nothing running.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::{Output, binary, run_with_timeout};
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Runs a command to completion, panicking on failure.
+fn must(cmd: &mut Command) {
+    let out = cmd.output().expect("run command");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The fleet.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub bin: PathBuf,
+    pub port: u16,
+    coordinator: Option<Child>,
+    workers: Vec<Option<Child>>,
+}
+
+impl Cluster {
+    /// A CA, a coordinator on a free port with a file store, and `workers` workers with
+    /// `slots` slots each.
+    pub fn start(workers: usize, slots: u32) -> Cluster {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let bin = binary();
+        let pki = dir.path().join("pki");
+        must(
+            Command::new(&bin)
+                .args(["certs", "init", "--dir"])
+                .arg(&pki),
+        );
+        must(
+            Command::new(&bin)
+                .args([
+                    "certs",
+                    "issue",
+                    "--role",
+                    "coordinator",
+                    "--name",
+                    "coordinator",
+                    "--host",
+                    "127.0.0.1",
+                    "--dir",
+                ])
+                .arg(&pki),
+        );
+        must(
+            Command::new(&bin)
+                .args([
+                    "certs", "issue", "--role", "client", "--name", "client", "--dir",
+                ])
+                .arg(&pki),
+        );
+        for i in 0..workers {
+            must(
+                Command::new(&bin)
+                    .args([
+                        "certs",
+                        "issue",
+                        "--role",
+                        "worker",
+                        "--name",
+                        &format!("worker-{i}"),
+                        "--dir",
+                    ])
+                    .arg(&pki),
+            );
+        }
+        let mut c = Cluster {
+            dir,
+            bin,
+            port: free_port(),
+            coordinator: None,
+            workers: Vec::new(),
+        };
+        c.start_coordinator();
+        for i in 0..workers {
+            c.start_worker(i, slots);
+        }
+        c.wait_for_workers(workers);
+        c
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn pki(&self) -> PathBuf {
+        self.path().join("pki")
+    }
+
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    pub fn store_url(&self) -> String {
+        format!("file://{}", self.path().join("store").display())
+    }
+
+    fn log(&self, name: &str) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.path().join(format!("{name}.log")))
+            .expect("log file")
+    }
+
+    pub fn start_coordinator(&mut self) {
+        let log = self.log("coordinator");
+        let child = Command::new(&self.bin)
+            .args([
+                "coordinator",
+                "--listen",
+                &format!("127.0.0.1:{}", self.port),
+                "--store",
+                &self.store_url(),
+                "--tls-dir",
+            ])
+            .arg(self.pki())
+            .env("FLOTILLA_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start coordinator");
+        self.coordinator = Some(child);
+    }
+
+    pub fn start_worker(&mut self, i: usize, slots: u32) {
+        let log = self.log(&format!("worker-{i}"));
+        let ws = self.path().join(format!("ws-{i}"));
+        let child = Command::new(&self.bin)
+            .args([
+                "worker",
+                "--coordinator",
+                &self.url(),
+                "--name",
+                &format!("worker-{i}"),
+                "--slots",
+                &slots.to_string(),
+                "--tls-dir",
+            ])
+            .arg(self.pki())
+            .arg("--workspace")
+            .arg(ws)
+            .env("FLOTILLA_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start worker");
+        if self.workers.len() <= i {
+            self.workers.resize_with(i + 1, || None);
+        }
+        self.workers[i] = Some(child);
+    }
+
+    /// The pid of worker `i`.
+    pub fn worker_pid(&self, i: usize) -> u32 {
+        self.workers[i].as_ref().expect("worker running").id()
+    }
+
+    /// Sends a signal to worker `i` (`-9`, `-STOP`, `-CONT`, ...).
+    pub fn signal_worker(&mut self, i: usize, signal: &str) {
+        let pid = self.worker_pid(i).to_string();
+        must(Command::new("kill").args([signal, &pid]));
+        if signal == "-9"
+            && let Some(mut c) = self.workers[i].take()
+        {
+            let _ = c.wait();
+        }
+    }
+
+    /// A client command against this coordinator (client identity).
+    pub fn client(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .args([
+                "--coordinator",
+                &self.url(),
+                "--name",
+                "client",
+                "--tls-dir",
+            ])
+            .arg(self.pki())
+            .current_dir(self.path());
+        run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
+    }
+
+    /// Waits until `n` workers are attached.
+    pub fn wait_for_workers(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = self.client(&["workers", "--json"]);
+            if out.code == 0
+                && serde_json::from_str::<Value>(&out.stdout)
+                    .ok()
+                    .and_then(|v| v.as_array().map(Vec::len))
+                    == Some(n)
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{n} workers never attached; last answer {out:?}; coordinator log:\n{}",
+                std::fs::read_to_string(self.path().join("coordinator.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Writes a script and launches it; returns the run id.
+    pub fn launch(&self, name: &str, body: &str, extra: &[&str]) -> String {
+        let script = self.path().join(format!("{name}.js"));
+        std::fs::write(
+            &script,
+            format!(
+                "export const meta = {{ name: '{name}', description: 'cluster test' }};\n{body}\n"
+            ),
+        )
+        .expect("write script");
+        let mut args = vec!["launch", script.to_str().expect("utf-8"), "--json"];
+        args.extend_from_slice(extra);
+        let out = self.client(&args);
+        assert_eq!(out.code, 0, "launch failed: {out:?}");
+        out.json()["run_id"].as_str().expect("run_id").to_owned()
+    }
+
+    /// `flotilla wait RUN --json`.
+    pub fn wait(&self, run: &str) -> (i32, Value) {
+        let out = self.client(&["wait", run, "--json"]);
+        let code = out.code;
+        (code, out.json())
+    }
+
+    /// Every completed-call record of a run in the coordinator's store.
+    pub fn journal(&self, run: &str) -> Vec<Value> {
+        let dir = self.path().join("store/runs").join(run).join("calls");
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
+            .unwrap_or_default();
+        files.sort();
+        files
+            .iter()
+            .flat_map(|f| {
+                std::fs::read_to_string(f)
+                    .unwrap_or_default()
+                    .lines()
+                    .map(|l| serde_json::from_str(l).expect("journal line is JSON"))
+                    .collect::<Vec<Value>>()
+            })
+            .collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for c in self
+            .workers
+            .iter_mut()
+            .flatten()
+            .chain(self.coordinator.iter_mut())
+        {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

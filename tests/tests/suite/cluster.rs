@@ -1,0 +1,257 @@
+//! The fleet: a coordinator and workers as separate processes over mTLS.
+//! (Module name `cluster`: nextest runs these one at a time, see .config/nextest.toml.)
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use flotilla_tests::cluster::Cluster;
+use flotilla_tests::{Env, agents, usage};
+use serde_json::Value;
+
+/// Each journaled call index appears exactly once: no result accepted twice.
+fn assert_one_result_per_call(c: &Cluster, run: &str, calls: usize) {
+    let journal = c.journal(run);
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    for rec in &journal {
+        *seen.entry(rec["index"].as_u64().unwrap()).or_default() += 1;
+    }
+    assert_eq!(seen.len(), calls, "every call journaled");
+    assert!(
+        seen.values().all(|n| *n == 1),
+        "a call was accepted twice: {seen:?}"
+    );
+}
+
+#[test]
+fn fan_out_over_three_workers_matches_the_embedded_run() {
+    let c = Cluster::start(3, 8);
+    let body = "const r = await parallel(Array.from({ length: 200 }, (_, i) => () => agent('item ' + i, { label: 'a' + i })));\n\
+                return { n: r.filter(Boolean).length, first: r[0], last: r[199] };";
+    let run = c.launch("fanout", body, &["--stagger", "0", "--concurrency", "24"]);
+    let (code, fleet) = c.wait(&run);
+    assert_eq!(code, 0, "{fleet}");
+    let env = Env::new();
+    let (code, local) = env.run_body(body, &["--concurrency", "24"]);
+    assert_eq!(code, 0);
+    assert_eq!(fleet["result"], local["result"]);
+    for counter in [
+        "agents",
+        "dispatched",
+        "cached",
+        "attempts",
+        "errors",
+        "input_tokens",
+        "output_tokens",
+    ] {
+        assert_eq!(usage(&fleet, counter), usage(&local, counter), "{counter}");
+    }
+    let labels = |r: &Value| {
+        agents(r)
+            .iter()
+            .map(|a| (a["label"].clone(), a["status"].clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(labels(&fleet), labels(&local));
+    assert_one_result_per_call(&c, &run, 200);
+    // The work was spread over the workers.
+    let coordinator_log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
+    assert!(
+        coordinator_log.contains("worker attached"),
+        "{coordinator_log}"
+    );
+}
+
+#[test]
+fn a_killed_worker_s_calls_finish_on_the_others() {
+    let mut c = Cluster::start(3, 4);
+    let run = c.launch(
+        "kill",
+        "return (await parallel(Array.from({ length: 24 }, (_, i) => () => agent('slow ' + i + ' [[sleep:1500]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "12"],
+    );
+    // Let the attempts start everywhere, then kill a worker in the middle of them.
+    std::thread::sleep(Duration::from_millis(700));
+    c.signal_worker(0, "-9");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 24, "every call completed");
+    assert!(
+        usage(&r, "attempts") > 24,
+        "some calls were restarted: {}",
+        r["usage"]
+    );
+    assert_one_result_per_call(&c, &run, 24);
+}
+
+#[test]
+fn certificates_decide_who_may_attach_and_launch() {
+    let c = Cluster::start(1, 2);
+    let bin = &c.bin;
+    let other = c.path().join("other");
+    for args in [
+        vec!["certs", "init", "--dir", other.to_str().unwrap()],
+        vec![
+            "certs",
+            "issue",
+            "--dir",
+            other.to_str().unwrap(),
+            "--name",
+            "intruder",
+            "--role",
+            "worker",
+        ],
+    ] {
+        assert!(
+            std::process::Command::new(bin)
+                .args(&args)
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    let pki = c.pki();
+    let run = |args: Vec<String>| {
+        let mut cmd = std::process::Command::new(bin);
+        cmd.args(args);
+        flotilla_tests::run_with_timeout(cmd, Duration::from_secs(60))
+    };
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    // A worker whose certificate comes from another CA.
+    let out = run(vec![
+        "worker".into(),
+        "--coordinator".into(),
+        c.url(),
+        "--ca".into(),
+        s(&pki.join("ca.crt")),
+        "--cert".into(),
+        s(&other.join("intruder.crt")),
+        "--key".into(),
+        s(&other.join("intruder.key")),
+    ]);
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr.contains("refused this worker") && out.stderr.contains("certificate"),
+        "{}",
+        out.stderr
+    );
+    // A client certificate used to attach as a worker.
+    let out = run(vec![
+        "worker".into(),
+        "--coordinator".into(),
+        c.url(),
+        "--tls-dir".into(),
+        s(&pki),
+        "--name".into(),
+        "client".into(),
+    ]);
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr
+            .contains("role client and may not attach as a worker"),
+        "{}",
+        out.stderr
+    );
+    // A client with no certificate at all cannot even start.
+    let out = run(vec!["workers".into(), "--coordinator".into(), c.url()]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("--tls-dir"), "{}", out.stderr);
+    // A worker certificate cannot launch or list.
+    let out = run(vec![
+        "workers".into(),
+        "--coordinator".into(),
+        c.url(),
+        "--tls-dir".into(),
+        s(&pki),
+        "--name".into(),
+        "worker-0".into(),
+    ]);
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr.contains("role worker and may not list workers"),
+        "{}",
+        out.stderr
+    );
+    // The rightful worker is still the only one attached.
+    let listed = c.client(&["workers", "--json"]).json();
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert!(
+        listed[0]["name"].as_str().unwrap().starts_with("worker-0"),
+        "{listed}"
+    );
+}
+
+#[test]
+fn launch_returns_at_once_and_status_stop_and_runs_work_remotely() {
+    let c = Cluster::start(1, 2);
+    let started = Instant::now();
+    let run = c.launch(
+        "long",
+        "return await agent('slow [[sleep:30000]]');",
+        &["--stagger", "0"],
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "launch returns without waiting for the run"
+    );
+    let status = c.client(&["status", &run, "--json"]);
+    assert_eq!(status.code, 0, "{status:?}");
+    assert_eq!(status.json()["run_id"], run.as_str());
+    let stop = c.client(&["stop", &run]);
+    assert_eq!(stop.code, 0, "{stop:?}");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 1);
+    assert_eq!(r["status"], "stopped");
+    let runs = c.client(&["runs", "--json"]).json();
+    assert!(
+        runs.as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["run_id"] == run.as_str() && x["status"] == "stopped"),
+        "{runs}"
+    );
+    // A rejected launch says why and exits 2.
+    let script = c.path().join("bad.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: x, description: 'y' };",
+    )
+    .unwrap();
+    let out = c.client(&["launch", script.to_str().unwrap()]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("variable reference"), "{}", out.stderr);
+    let missing = c.client(&["wait", "wf_00000000-000"]);
+    assert_eq!(missing.code, 2, "{missing:?}");
+}
+
+#[test]
+fn a_frozen_worker_s_late_outcomes_are_fenced_off() {
+    let mut c = Cluster::start(2, 4);
+    let run = c.launch(
+        "frozen",
+        "return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('job ' + i + ' [[sleep:1500]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "1s"],
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    c.signal_worker(0, "-STOP");
+    // Its attempts stall and restart on worker 1; then it wakes up and answers late.
+    std::thread::sleep(Duration::from_millis(4000));
+    c.signal_worker(0, "-CONT");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 8);
+    assert_one_result_per_call(&c, &run, 8);
+    // Give the woken worker a moment to send its stale outcomes, then check they were refused.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
+        if log.contains("no longer current (fenced)") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no late outcome was fenced off:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_one_result_per_call(&c, &run, 8);
+}

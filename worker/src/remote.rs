@@ -1,0 +1,148 @@
+//! A worker attached to a remote coordinator over gRPC (mTLS unless `--insecure`).
+//!
+//! [`serve`] connects, opens the `Attach` stream and bridges it onto a [`Link`], then runs the
+//! [`Worker`] on it. When the stream breaks, the worker's attempts end (the coordinator has
+//! already restarted them elsewhere once their lease lapses) and the worker reconnects with
+//! exponential backoff, up to [`MAX_BACKOFF`] between tries, until `cancel` fires.
+
+use std::time::Duration;
+
+use flotilla_proto::link::Link;
+use flotilla_proto::tls::TlsFiles;
+use flotilla_proto::v1::worker_service_client::WorkerServiceClient;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use crate::Worker;
+
+/// Hang-ups right after the TLS handshake, in a row, that mean the certificate is refused.
+const REJECTED_AFTER: u32 = 3;
+
+/// Longest wait between reconnection attempts.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Where and how to reach the coordinator.
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    /// `https://host:port` (or `http://` with no TLS).
+    pub endpoint: String,
+    /// `None`: plain text.
+    pub tls: Option<TlsFiles>,
+}
+
+/// Errors that end the worker instead of a retry.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Connect(String),
+    #[error("the coordinator refused this worker: {0}")]
+    Refused(String),
+}
+
+/// Serves the coordinator until `cancel` fires or the coordinator refuses this worker.
+pub async fn serve(
+    worker: Worker,
+    opts: RemoteOptions,
+    cancel: CancellationToken,
+) -> Result<(), Error> {
+    let channel =
+        flotilla_proto::tls::channel(&opts.endpoint, opts.tls.as_ref()).map_err(Error::Connect)?;
+    let mut backoff = Duration::from_millis(100);
+    let mut hangups = 0u32;
+    while !cancel.is_cancelled() {
+        match attach_once(&worker, channel.clone(), &cancel).await {
+            Ok(()) => {
+                backoff = Duration::from_millis(100);
+                hangups = 0;
+            }
+            Err(status) => {
+                let refused = matches!(
+                    status.code(),
+                    tonic::Code::PermissionDenied
+                        | tonic::Code::Unauthenticated
+                        | tonic::Code::FailedPrecondition
+                );
+                if refused {
+                    return Err(Error::Refused(status.message().to_owned()));
+                }
+                if flotilla_proto::tls::is_tls_rejection(&status) {
+                    return Err(Error::Refused(flotilla_proto::tls::explain(&status)));
+                }
+                // A server that hangs up right after the handshake, again and again, is refusing
+                // our certificate (TLS 1.3 reports it that way); a coordinator that is merely
+                // restarting refuses the TCP connection instead.
+                if opts.tls.is_some()
+                    && flotilla_proto::tls::looks_like_rejected_client_cert(&status)
+                {
+                    hangups += 1;
+                    if hangups >= REJECTED_AFTER {
+                        return Err(Error::Refused(flotilla_proto::tls::explain(&status)));
+                    }
+                } else {
+                    hangups = 0;
+                }
+                tracing::warn!(endpoint = %opts.endpoint, error = %flotilla_proto::tls::explain(&status), retry_in = ?backoff, "cannot reach the coordinator");
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+    Ok(())
+}
+
+/// One connection: runs the worker until the stream ends.
+async fn attach_once(
+    worker: &Worker,
+    channel: Channel,
+    cancel: &CancellationToken,
+) -> Result<(), tonic::Status> {
+    let mut client = WorkerServiceClient::new(channel);
+    let (out_tx, out_rx) = mpsc::unbounded_channel();
+    let (in_tx, in_rx) = mpsc::unbounded_channel();
+    let link = Link {
+        tx: out_tx,
+        rx: in_rx,
+    };
+    let conn = cancel.child_token();
+    // The worker sends Hello first; the call only returns once the coordinator answers, so
+    // the worker must already be running.
+    let run = {
+        let conn = conn.clone();
+        async move { worker.run(link, conn).await }
+    };
+    let call = async move {
+        let mut inbound = client
+            .attach(UnboundedReceiverStream::new(out_rx))
+            .await?
+            .into_inner();
+        tracing::info!("attached to the coordinator");
+        while let Some(msg) = inbound.next().await {
+            match msg {
+                Ok(m) => {
+                    if in_tx.send(m).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    };
+    tokio::pin!(run);
+    tokio::pin!(call);
+    tokio::select! {
+        r = &mut call => {
+            // The link is gone: end the worker's attempts and wait for it.
+            conn.cancel();
+            run.await;
+            r
+        }
+        () = &mut run => Ok(()),
+    }
+}
