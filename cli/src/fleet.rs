@@ -12,6 +12,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
+use flotilla_coordinator::lease::LeaseStore;
+use flotilla_coordinator::lease::etcd::EtcdLeaseStore;
 use flotilla_coordinator::lease::memory::MemoryLeaseStore;
 use flotilla_coordinator::server::{self, RunRegistry, ServerOptions, SnapshotView};
 use flotilla_coordinator::workflows::{DirResolver, WorkflowResolver};
@@ -137,8 +139,56 @@ pub struct CoordinatorArgs {
     /// Object store URL (file:///path, memory://).
     #[arg(long, env = "FLOTILLA_STORE")]
     store: Option<String>,
+    /// etcd endpoints for leases (http://host:2379 or https://; comma-separated). Without it,
+    /// leases live in this process's memory.
+    #[arg(long, env = "FLOTILLA_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// CA, certificate and key for an https:// etcd (default: the coordinator's own files).
+    #[arg(long, env = "FLOTILLA_ETCD_CA")]
+    etcd_ca: Option<PathBuf>,
+    #[arg(long, env = "FLOTILLA_ETCD_CERT")]
+    etcd_cert: Option<PathBuf>,
+    #[arg(long, env = "FLOTILLA_ETCD_KEY")]
+    etcd_key: Option<PathBuf>,
     #[command(flatten)]
     tls: TlsArgs,
+}
+
+async fn lease_store(
+    a: &CoordinatorArgs,
+    own: Option<&TlsFiles>,
+) -> Result<Arc<dyn LeaseStore>, String> {
+    if a.etcd.is_empty() {
+        return Ok(MemoryLeaseStore::new());
+    }
+    let https = a.etcd.iter().any(|e| e.starts_with("https://"));
+    let tls = if https {
+        let files = TlsFiles {
+            ca: a
+                .etcd_ca
+                .clone()
+                .or_else(|| own.map(|f| f.ca.clone()))
+                .ok_or("an https:// etcd needs --etcd-ca (or the coordinator's --tls-dir)")?,
+            cert: a
+                .etcd_cert
+                .clone()
+                .or_else(|| own.map(|f| f.cert.clone()))
+                .ok_or("an https:// etcd needs --etcd-cert")?,
+            key: a
+                .etcd_key
+                .clone()
+                .or_else(|| own.map(|f| f.key.clone()))
+                .ok_or("an https:// etcd needs --etcd-key")?,
+        };
+        let host = host_of(&a.etcd[0]);
+        Some(files.client_config(&host).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    let store = EtcdLeaseStore::connect(&a.etcd, tls)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(Arc::new(store))
 }
 
 pub async fn coordinator(a: CoordinatorArgs) -> i32 {
@@ -146,12 +196,16 @@ pub async fn coordinator(a: CoordinatorArgs) -> i32 {
         Ok(t) => t,
         Err(e) => return fail(2, e),
     };
-    let url = config::store_url(a.store);
+    let url = config::store_url(a.store.clone());
     let store = match store::open(&url) {
         Ok(s) => s,
         Err(e) => return fail(2, e),
     };
-    let coordinator = Arc::new(Coordinator::new(store, MemoryLeaseStore::new()));
+    let leases = match lease_store(&a, tls.as_ref()).await {
+        Ok(l) => l,
+        Err(e) => return fail(1, e),
+    };
+    let coordinator = Arc::new(Coordinator::new(store, leases));
     let registry = Arc::new(RunRegistry::default());
     let cancel = CancellationToken::new();
     let opts = ServerOptions {
@@ -159,14 +213,19 @@ pub async fn coordinator(a: CoordinatorArgs) -> i32 {
         tls,
         session_base: format!("http://{}", a.http),
     };
+    let leases_at = if a.etcd.is_empty() {
+        "in memory".to_owned()
+    } else {
+        format!("in etcd at {}", a.etcd.join(","))
+    };
     eprintln!(
-        "flotilla coordinator listening on {} ({}), store {url}",
+        "flotilla coordinator listening on {} ({}), store {url}, leases {leases_at}",
         a.listen,
         if opts.tls.is_some() {
             "mTLS"
         } else {
             "insecure"
-        }
+        },
     );
     let serving = tokio::spawn(server::serve(
         coordinator.clone(),

@@ -37,12 +37,19 @@ pub struct Cluster {
     pub port: u16,
     coordinator: Option<Child>,
     workers: Vec<Option<Child>>,
+    /// etcd endpoint for the coordinator's leases, if any.
+    pub etcd: Option<String>,
 }
 
 impl Cluster {
     /// A CA, a coordinator on a free port with a file store, and `workers` workers with
     /// `slots` slots each.
     pub fn start(workers: usize, slots: u32) -> Cluster {
+        Self::start_with(workers, slots, None)
+    }
+
+    /// Like [`Cluster::start`], with the coordinator's leases in etcd.
+    pub fn start_with(workers: usize, slots: u32, etcd: Option<String>) -> Cluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let bin = binary();
         let pki = dir.path().join("pki");
@@ -94,6 +101,7 @@ impl Cluster {
             port: free_port(),
             coordinator: None,
             workers: Vec::new(),
+            etcd,
         };
         c.start_coordinator();
         for i in 0..workers {
@@ -129,16 +137,20 @@ impl Cluster {
 
     pub fn start_coordinator(&mut self) {
         let log = self.log("coordinator");
-        let child = Command::new(&self.bin)
-            .args([
-                "coordinator",
-                "--listen",
-                &format!("127.0.0.1:{}", self.port),
-                "--store",
-                &self.store_url(),
-                "--tls-dir",
-            ])
-            .arg(self.pki())
+        let mut cmd = Command::new(&self.bin);
+        cmd.args([
+            "coordinator",
+            "--listen",
+            &format!("127.0.0.1:{}", self.port),
+            "--store",
+            &self.store_url(),
+            "--tls-dir",
+        ])
+        .arg(self.pki());
+        if let Some(etcd) = &self.etcd {
+            cmd.args(["--etcd", etcd]);
+        }
+        let child = cmd
             .env("FLOTILLA_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))

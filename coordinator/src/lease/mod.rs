@@ -12,6 +12,7 @@
 //! Implementations: [`memory::MemoryLeaseStore`] (embedded mode; time from tokio's clock, so
 //! tests can pause and advance it). The etcd implementation comes with the fleet.
 
+pub mod etcd;
 pub mod memory;
 
 #[cfg(test)]

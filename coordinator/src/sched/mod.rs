@@ -328,6 +328,53 @@ struct Dispatcher {
     timers: DelayQueue<Timer>,
 }
 
+/// Holds a worker's liveness lease and its registration key while the worker is attached.
+/// A lease store that is briefly down (an etcd restart) is retried; a lease that lapsed in the
+/// meantime is granted anew and the registration written again.
+async fn worker_lease(
+    leases: Arc<dyn LeaseStore>,
+    alive: CancellationToken,
+    name: Arc<str>,
+    info: Vec<u8>,
+) {
+    let key = lease::keys::worker(&name);
+    let mut lease: Option<lease::LeaseId> = None;
+    loop {
+        if lease.is_none() {
+            match leases.grant(WORKER_LEASE_TTL).await {
+                Ok(id) => match leases.put(&key, info.clone(), Some(id)).await {
+                    Ok(_) => lease = Some(id),
+                    Err(e) => {
+                        tracing::warn!(worker = %name, error = %e, "cannot register the worker")
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(worker = %name, error = %e, "cannot grant the worker's lease")
+                }
+            }
+        } else if let Some(id) = lease {
+            match leases.keep_alive(id).await {
+                Ok(()) => {}
+                Err(lease::Error::LeaseGone(_)) => {
+                    tracing::warn!(worker = %name, "the worker's lease lapsed; granting a new one");
+                    lease = None;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(worker = %name, error = %e, "cannot renew the worker's lease; retrying")
+                }
+            }
+        }
+        tokio::select! {
+            _ = alive.cancelled() => break,
+            _ = tokio::time::sleep(WORKER_LEASE_TTL / 3) => {}
+        }
+    }
+    if let Some(id) = lease {
+        let _ = leases.revoke(id).await;
+    }
+}
+
 fn gate_of(task: &v1::TaskSpec) -> String {
     format!("{}/{}", task.backend, task.model)
 }
@@ -527,26 +574,13 @@ impl Dispatcher {
         let leases = self.leases.clone();
         let alive = w.alive.clone();
         let name = w.name.clone();
-        tokio::spawn(async move {
-            let Ok(lease) = leases.grant(WORKER_LEASE_TTL).await else {
-                return;
-            };
-            let _ = leases
-                .put(&lease::keys::worker(&name), b"{}".to_vec(), Some(lease))
-                .await;
-            loop {
-                tokio::select! {
-                    _ = alive.cancelled() => break,
-                    _ = tokio::time::sleep(WORKER_LEASE_TTL / 3) => {
-                        if leases.keep_alive(lease).await.is_err() {
-                            tracing::warn!(worker = %name, "worker lease lapsed");
-                            break;
-                        }
-                    }
-                }
-            }
-            let _ = leases.revoke(lease).await;
-        });
+        let info = serde_json::json!({
+            "slots": w.slots,
+            "backends": w.backends.iter().collect::<Vec<_>>(),
+        })
+        .to_string()
+        .into_bytes();
+        tokio::spawn(worker_lease(leases, alive, name, info));
     }
 
     fn progress(&mut self, worker: u64, p: v1::Progress) {

@@ -255,3 +255,52 @@ fn a_frozen_worker_s_late_outcomes_are_fenced_off() {
     }
     assert_one_result_per_call(&c, &run, 8);
 }
+
+#[test]
+fn worker_leases_live_in_etcd_and_a_restart_of_etcd_does_not_fail_the_run() {
+    let mut etcd = flotilla_tests::services::Etcd::start();
+    let c = Cluster::start_with(2, 4, Some(etcd.endpoint()));
+    // The workers are registered in etcd under their leases.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let listed = std::process::Command::new("etcdctl")
+            .args([
+                "--endpoints",
+                &etcd.endpoint(),
+                "get",
+                "--prefix",
+                "--keys-only",
+                "/flotilla/workers/",
+            ])
+            .env("ETCDCTL_API", "3")
+            .output()
+            .unwrap();
+        let keys = String::from_utf8_lossy(&listed.stdout).into_owned();
+        if keys
+            .lines()
+            .filter(|l| l.starts_with("/flotilla/workers/"))
+            .count()
+            == 2
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "workers not registered in etcd: {keys:?} {}; coordinator log:\n{}",
+            String::from_utf8_lossy(&listed.stderr),
+            std::fs::read_to_string(c.path().join("coordinator.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let run = c.launch(
+        "etcd-restart",
+        "return (await parallel(Array.from({ length: 12 }, (_, i) => () => agent('job ' + i + ' [[sleep:800]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "4"],
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    etcd.restart();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 12);
+    assert_one_result_per_call(&c, &run, 12);
+}

@@ -1,0 +1,267 @@
+//! `LeaseStore` on etcd (v3 API through `etcd-client`), optionally over TLS.
+//!
+//! Leases are etcd leases (TTL in whole seconds, at least one); keys under a lease are etcd
+//! keys put with that lease; revisions are etcd revisions; `campaign` is a transaction that
+//! puts only while the key's create revision is 0; `watch` is an etcd prefix watch. Renewals
+//! reuse one keep-alive stream per lease.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream,
+    LeaseKeeper, PutOptions, TlsOptions, Txn, TxnOp, WatchOptions,
+};
+use tokio::sync::{Mutex, mpsc};
+
+use super::{Error, KeyValue, LeaseId, LeaseStore, Revision, WatchEvent};
+
+/// The etcd lease store.
+pub struct EtcdLeaseStore {
+    client: Client,
+    keepers: Mutex<HashMap<LeaseId, (LeaseKeeper, LeaseKeepAliveStream)>>,
+}
+
+impl std::fmt::Debug for EtcdLeaseStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdLeaseStore").finish_non_exhaustive()
+    }
+}
+
+fn unavailable(e: etcd_client::Error) -> Error {
+    Error::Unavailable(e.to_string())
+}
+
+fn lease_error(id: LeaseId, e: etcd_client::Error) -> Error {
+    let text = e.to_string();
+    if text.contains("lease not found") {
+        Error::LeaseGone(id)
+    } else {
+        Error::Unavailable(text)
+    }
+}
+
+fn kv_of(kv: &etcd_client::KeyValue) -> KeyValue {
+    KeyValue {
+        key: String::from_utf8_lossy(kv.key()).into_owned(),
+        value: kv.value().to_vec(),
+        mod_revision: kv.mod_revision(),
+        lease: (kv.lease() != 0).then_some(kv.lease()),
+    }
+}
+
+impl EtcdLeaseStore {
+    /// Connects to etcd at `endpoints` (`http://host:port`, or `https://` with `tls`).
+    pub async fn connect(endpoints: &[String], tls: Option<TlsOptions>) -> Result<Self, Error> {
+        let mut opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(10))
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5));
+        if let Some(tls) = tls {
+            opts = opts.with_tls(tls);
+        }
+        let client = Client::connect(endpoints, Some(opts)).await.map_err(|e| {
+            Error::Unavailable(format!(
+                "cannot connect to etcd at {}: {e}; is etcd running there (and --etcd-tls-dir right for https://)?",
+                endpoints.join(",")
+            ))
+        })?;
+        let store = EtcdLeaseStore {
+            client,
+            keepers: Mutex::new(HashMap::new()),
+        };
+        // The first request is where an unreachable etcd or a refused TLS identity shows up;
+        // fail at startup with the address in the message.
+        store.get("/flotilla/ping").await.map_err(|e| {
+            Error::Unavailable(format!(
+                "cannot reach etcd at {}: {e}; is etcd running there (and are its TLS files right)?",
+                endpoints.join(",")
+            ))
+        })?;
+        Ok(store)
+    }
+}
+
+#[async_trait::async_trait]
+impl LeaseStore for EtcdLeaseStore {
+    async fn grant(&self, ttl: Duration) -> Result<LeaseId, Error> {
+        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let resp = self
+            .client
+            .clone()
+            .lease_grant(secs, None)
+            .await
+            .map_err(unavailable)?;
+        Ok(resp.id())
+    }
+
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), Error> {
+        let mut keepers = self.keepers.lock().await;
+        let (keeper, stream) = match keepers.entry(lease) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let pair = self
+                    .client
+                    .clone()
+                    .lease_keep_alive(lease)
+                    .await
+                    .map_err(|err| lease_error(lease, err))?;
+                e.insert(pair)
+            }
+        };
+        let renewed = async {
+            keeper.keep_alive().await?;
+            stream.message().await
+        }
+        .await;
+        match renewed {
+            Ok(Some(resp)) if resp.ttl() > 0 => Ok(()),
+            Ok(_) => {
+                keepers.remove(&lease);
+                Err(Error::LeaseGone(lease))
+            }
+            Err(e) => {
+                keepers.remove(&lease);
+                Err(lease_error(lease, e))
+            }
+        }
+    }
+
+    async fn revoke(&self, lease: LeaseId) -> Result<(), Error> {
+        self.keepers.lock().await.remove(&lease);
+        self.client
+            .clone()
+            .lease_revoke(lease)
+            .await
+            .map(|_| ())
+            .map_err(|e| lease_error(lease, e))
+    }
+
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    ) -> Result<Revision, Error> {
+        let opts = lease.map(|l| PutOptions::new().with_lease(l));
+        let resp = self
+            .client
+            .clone()
+            .put(key, value, opts)
+            .await
+            .map_err(|e| lease_error(lease.unwrap_or_default(), e))?;
+        resp.header()
+            .map(|h| h.revision())
+            .ok_or_else(|| Error::Unavailable("etcd answered a put without a header".into()))
+    }
+
+    async fn campaign(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: LeaseId,
+    ) -> Result<Option<Revision>, Error> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key,
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let resp = self
+            .client
+            .clone()
+            .txn(txn)
+            .await
+            .map_err(|e| lease_error(lease, e))?;
+        if !resp.succeeded() {
+            return Ok(None);
+        }
+        Ok(resp.header().map(|h| h.revision()))
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, Error> {
+        let resp = self
+            .client
+            .clone()
+            .get(key, None)
+            .await
+            .map_err(unavailable)?;
+        Ok(resp.kvs().first().map(kv_of))
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, Error> {
+        let resp = self
+            .client
+            .clone()
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(unavailable)?;
+        let mut out: Vec<KeyValue> = resp.kvs().iter().map(kv_of).collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, Error> {
+        let resp = self
+            .client
+            .clone()
+            .delete(key, None)
+            .await
+            .map_err(unavailable)?;
+        Ok(resp.deleted() > 0)
+    }
+
+    async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error> {
+        let mut stream = self
+            .client
+            .clone()
+            .watch(prefix, Some(WatchOptions::new().with_prefix()))
+            .await
+            .map_err(unavailable)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok(Some(resp)) = stream.message().await {
+                let revision = resp.header().map_or(0, |h| h.revision());
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let event = match ev.event_type() {
+                        EventType::Put => WatchEvent::Put(kv_of(kv)),
+                        EventType::Delete => WatchEvent::Delete {
+                            key: String::from_utf8_lossy(kv.key()).into_owned(),
+                            revision: kv.mod_revision().max(revision),
+                        },
+                    };
+                    if tx.send(event).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_tests::services::Etcd;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_store_passes_the_conformance_suite() {
+        let etcd = Etcd::start();
+        let store = EtcdLeaseStore::connect(&[etcd.endpoint()], None)
+            .await
+            .unwrap();
+        crate::lease::conformance::run_all(&store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_missing_etcd_is_a_clear_error() {
+        let port = flotilla_tests::cluster::free_port();
+        let err = EtcdLeaseStore::connect(&[format!("http://127.0.0.1:{port}")], None)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("etcd"), "{err}");
+    }
+}
