@@ -201,6 +201,9 @@ pub async fn coordinator(a: CoordinatorArgs) -> i32 {
         Ok(s) => s,
         Err(e) => return fail(2, e),
     };
+    if let Err(e) = store.check().await {
+        return fail(1, format!("the store does not answer: {e}"));
+    }
     let leases = match lease_store(&a, tls.as_ref()).await {
         Ok(l) => l,
         Err(e) => return fail(1, e),

@@ -39,6 +39,8 @@ pub struct Cluster {
     workers: Vec<Option<Child>>,
     /// etcd endpoint for the coordinator's leases, if any.
     pub etcd: Option<String>,
+    /// Store URL and environment of the coordinator (default: a file store in the dir).
+    pub store: Option<(String, Vec<(String, String)>)>,
 }
 
 impl Cluster {
@@ -50,6 +52,17 @@ impl Cluster {
 
     /// Like [`Cluster::start`], with the coordinator's leases in etcd.
     pub fn start_with(workers: usize, slots: u32, etcd: Option<String>) -> Cluster {
+        Self::start_full(workers, slots, etcd, None)
+    }
+
+    /// Like [`Cluster::start`], with leases in etcd and/or another store (URL plus the
+    /// environment the coordinator needs for it, e.g. `AWS_*`).
+    pub fn start_full(
+        workers: usize,
+        slots: u32,
+        etcd: Option<String>,
+        store: Option<(String, Vec<(String, String)>)>,
+    ) -> Cluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let bin = binary();
         let pki = dir.path().join("pki");
@@ -102,6 +115,7 @@ impl Cluster {
             coordinator: None,
             workers: Vec::new(),
             etcd,
+            store,
         };
         c.start_coordinator();
         for i in 0..workers {
@@ -124,7 +138,10 @@ impl Cluster {
     }
 
     pub fn store_url(&self) -> String {
-        format!("file://{}", self.path().join("store").display())
+        match &self.store {
+            Some((url, _)) => url.clone(),
+            None => format!("file://{}", self.path().join("store").display()),
+        }
     }
 
     fn log(&self, name: &str) -> std::fs::File {
@@ -149,6 +166,9 @@ impl Cluster {
         .arg(self.pki());
         if let Some(etcd) = &self.etcd {
             cmd.args(["--etcd", etcd]);
+        }
+        if let Some((_, env)) = &self.store {
+            cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
         let child = cmd
             .env("FLOTILLA_LOG", "info")
@@ -187,6 +207,11 @@ impl Cluster {
             self.workers.resize_with(i + 1, || None);
         }
         self.workers[i] = Some(child);
+    }
+
+    /// Takes the coordinator process out of the cluster (to kill or restart it).
+    pub fn take_coordinator(&mut self) -> Option<Child> {
+        self.coordinator.take()
     }
 
     /// The pid of worker `i`.

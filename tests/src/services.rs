@@ -138,3 +138,96 @@ impl Drop for Etcd {
         self.kill();
     }
 }
+
+/// An S3-compatible server (moto) on a free loopback port, with one bucket.
+pub struct S3 {
+    pub port: u16,
+    pub bucket: String,
+    child: Option<Child>,
+    _dir: tempfile::TempDir,
+}
+
+fn moto_server() -> PathBuf {
+    if let Some(p) = std::env::var_os("FLOTILLA_MOTO_SERVER") {
+        return PathBuf::from(p);
+    }
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(".venv-svc/bin/moto_server");
+    if venv.is_file() {
+        return venv;
+    }
+    find(
+        "moto_server",
+        "python3 -m venv .venv-svc && .venv-svc/bin/pip install 'moto[server]==5.2.5'",
+    )
+}
+
+fn http(port: u16, method: &str, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    Some(body)
+}
+
+impl S3 {
+    /// Starts moto and creates the bucket `runs`.
+    pub fn start() -> S3 {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let log = std::fs::File::create(dir.path().join("moto.log")).expect("moto log");
+        let child = Command::new(moto_server())
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start moto_server");
+        let s3 = S3 {
+            port,
+            bucket: "runs".into(),
+            child: Some(child),
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http(port, "GET", "/").is_none_or(|b| !b.starts_with("HTTP/1.1 200")) {
+            assert!(Instant::now() < deadline, "moto did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let created = http(port, "PUT", "/runs").unwrap_or_default();
+        assert!(
+            created.starts_with("HTTP/1.1 200"),
+            "cannot create the bucket: {created}"
+        );
+        s3
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The `AWS_*` variables a client of this server needs.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL".into(), self.endpoint()),
+            ("AWS_ACCESS_KEY_ID".into(), "test".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "testtesttest".into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+            ("AWS_ALLOW_HTTP".into(), "true".into()),
+        ]
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -42,7 +42,9 @@ impl std::fmt::Debug for Store {
 /// Errors of the storage layer.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("unsupported store URL {url:?}: use file:///absolute/path or memory://")]
+    #[error(
+        "unsupported store URL {url:?}: use file:///absolute/path, s3://bucket/prefix or memory://"
+    )]
     BadUrl { url: String },
     #[error("cannot open store {url}: {source}")]
     Open {
@@ -101,7 +103,77 @@ pub fn open(url: &str) -> Result<Store, Error> {
             local_root: Some(path.into()),
         });
     }
+    if let Some(rest) = url.strip_prefix("s3://") {
+        return open_s3(url, rest);
+    }
     Err(Error::BadUrl { url: url.into() })
+}
+
+/// `s3://bucket[/prefix]`, configured from the usual `AWS_*` variables (`AWS_ACCESS_KEY_ID`,
+/// `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` or
+/// `AWS_ENDPOINT` for S3-compatible servers, `AWS_ALLOW_HTTP`). Path-style requests; an
+/// `http://` endpoint allows plain HTTP.
+fn open_s3(url: &str, rest: &str) -> Result<Store, Error> {
+    use object_store::aws::AmazonS3Builder;
+    let (bucket, prefix) = match rest.split_once('/') {
+        Some((b, p)) => (b, p.trim_matches('/')),
+        None => (rest, ""),
+    };
+    if bucket.is_empty() {
+        return Err(Error::BadUrl { url: url.into() });
+    }
+    let mut builder = AmazonS3Builder::from_env()
+        .with_bucket_name(bucket)
+        .with_virtual_hosted_style_request(false)
+        .with_client_options(
+            object_store::ClientOptions::new()
+                .with_timeout(std::time::Duration::from_secs(30))
+                .with_connect_timeout(std::time::Duration::from_secs(5)),
+        );
+    let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
+        .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
+        .or_else(|_| std::env::var("AWS_ENDPOINT"))
+        .ok();
+    if let Some(ep) = &endpoint {
+        builder = builder.with_endpoint(ep.clone());
+        if ep.starts_with("http://") {
+            builder = builder.with_allow_http(true);
+        }
+    }
+    if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+        builder = builder.with_region("us-east-1");
+    } else if let Ok(region) = std::env::var("AWS_REGION") {
+        builder = builder.with_region(region);
+    }
+    let s3 = builder.build().map_err(|e| Error::Open {
+        url: url.into(),
+        source: Box::new(e),
+    })?;
+    let inner: Arc<dyn ObjectStore> = if prefix.is_empty() {
+        Arc::new(s3)
+    } else {
+        Arc::new(object_store::prefix::PrefixStore::new(s3, prefix))
+    };
+    Ok(Store {
+        url: url.into(),
+        inner,
+        local_root: None,
+    })
+}
+
+impl Store {
+    /// Checks that the store answers (a missing bucket or wrong keys show up here, at startup,
+    /// instead of at the first completed agent).
+    pub async fn check(&self) -> Result<(), Error> {
+        self.inner
+            .list_with_delimiter(Some(&keys::runs()))
+            .await
+            .map(|_| ())
+            .map_err(|source| Error::Storage {
+                key: format!("{} (listing runs/)", self.url),
+                source,
+            })
+    }
 }
 
 /// How long transient storage errors are retried before a write gives up.
@@ -241,5 +313,64 @@ impl Store {
             Some(root) => root.join(key.as_ref()).display().to_string(),
             None => format!("{}/{}", self.url.trim_end_matches('/'), key),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_tests::services::S3;
+
+    #[allow(unsafe_code)]
+    fn set_env(vars: &[(String, String)]) {
+        for (k, v) in vars {
+            // SAFETY: this test binary sets these variables before any other thread reads them
+            // (the only test that touches AWS_* variables).
+            unsafe { std::env::set_var(k, v) };
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn s3_store_writes_once_lists_and_reads_back() {
+        flotilla_proto::tls::install_crypto_provider();
+        let s3 = S3::start();
+        set_env(&s3.env());
+        let store = open(&format!("s3://{}/team-a", s3.bucket)).unwrap();
+        store.check().await.unwrap();
+        let key = keys::calls_segment("wf_s3test-001", 1, 0);
+        store
+            .put_create(&key, Bytes::from_static(b"{\"a\":1}\n"))
+            .await
+            .unwrap();
+        // A create-only write that finds its object counts as done, and does not overwrite.
+        store
+            .put_create(&key, Bytes::from_static(b"other"))
+            .await
+            .unwrap();
+        assert_eq!(
+            store.get(&key).await.unwrap().unwrap(),
+            Bytes::from_static(b"{\"a\":1}\n")
+        );
+        assert_eq!(
+            store
+                .list_objects(&keys::calls_dir("wf_s3test-001"))
+                .await
+                .unwrap(),
+            vec![key.clone()]
+        );
+        assert_eq!(store.list_prefixes(&keys::runs()).await.unwrap().len(), 1);
+        assert!(
+            store
+                .get(&keys::result("wf_nope-000"))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        // The prefix keeps teams apart.
+        let other = open(&format!("s3://{}/team-b", s3.bucket)).unwrap();
+        assert!(other.list_prefixes(&keys::runs()).await.unwrap().is_empty());
+        // A missing bucket is an error at check time.
+        let missing = open("s3://no-such-bucket").unwrap();
+        assert!(missing.check().await.is_err());
     }
 }

@@ -304,3 +304,66 @@ fn worker_leases_live_in_etcd_and_a_restart_of_etcd_does_not_fail_the_run() {
     assert_eq!(r["result"], 12);
     assert_one_result_per_call(&c, &run, 12);
 }
+
+#[test]
+fn runs_live_in_s3_and_any_coordinator_reads_them_back() {
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/fleet", s3.bucket);
+    let mut c = Cluster::start_full(2, 4, None, Some((url.clone(), s3.env())));
+    let run = c.launch(
+        "s3",
+        "const r = await parallel(Array.from({ length: 30 }, (_, i) => () => agent('item ' + i)));\nreturn r.length;",
+        &["--stagger", "0"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 30);
+    // Restart the coordinator: the finished run is read back from S3.
+    if let Some(mut old) = c.take_coordinator() {
+        let _ = old.kill();
+        let _ = old.wait();
+    }
+    c.start_coordinator();
+    c.wait_for_workers(2);
+    let (code, again) = c.wait(&run);
+    assert_eq!(code, 0, "{again}");
+    assert_eq!(again["result"], 30);
+    assert_eq!(again["usage"], r["usage"]);
+    // Resume through the new coordinator: everything is served from the journal in S3.
+    let resumed = c.launch(
+        "s3",
+        "const r = await parallel(Array.from({ length: 30 }, (_, i) => () => agent('item ' + i)));\nreturn r.length;",
+        &["--stagger", "0", "--resume", &run],
+    );
+    let (code, rr) = c.wait(&resumed);
+    assert_eq!(code, 0, "{rr}");
+    assert_eq!(rr["usage"]["cached"], 30);
+    assert_eq!(rr["usage"]["dispatched"], 0);
+}
+
+#[test]
+fn a_coordinator_with_a_store_that_does_not_answer_says_so() {
+    let s3 = flotilla_tests::services::S3::start();
+    let mut env = s3.env();
+    // Nothing listens here.
+    env[0].1 = format!("http://127.0.0.1:{}", flotilla_tests::cluster::free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(flotilla_tests::binary());
+    cmd.args([
+        "coordinator",
+        "--insecure",
+        "--listen",
+        &format!("127.0.0.1:{}", flotilla_tests::cluster::free_port()),
+        "--store",
+        "s3://runs/x",
+    ])
+    .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+    .current_dir(dir.path());
+    let out = flotilla_tests::run_with_timeout(cmd, Duration::from_secs(120));
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        out.stderr.contains("the store does not answer"),
+        "{}",
+        out.stderr
+    );
+}
