@@ -37,6 +37,16 @@ enum BenchKind {
 
 #[derive(Debug, Args)]
 struct FanoutArgs {
+    /// Run the fan-out through a coordinator and worker processes over mTLS instead of in
+    /// this process: with memory leases and storage, and with etcd + an S3 server (moto).
+    #[arg(long)]
+    distributed: bool,
+    /// Worker processes for --distributed.
+    #[arg(long, default_value_t = 2)]
+    workers: u32,
+    /// Skip the etcd + S3 measurement of --distributed.
+    #[arg(long)]
+    no_durable: bool,
     /// Agent calls per run.
     #[arg(long, default_value_t = 10_000)]
     calls: u64,
@@ -69,6 +79,20 @@ struct FanoutReport {
 
 pub async fn run(args: BenchArgs) -> i32 {
     match args.what {
+        BenchKind::Fanout(a) if a.distributed => {
+            match crate::bench_fleet::fanout(a.calls, a.concurrency, a.workers, !a.no_durable).await
+            {
+                Ok(r) => {
+                    if a.json {
+                        println!("{}", serde_json::to_string(&r).unwrap_or_default());
+                    } else {
+                        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+                    }
+                    0
+                }
+                Err(e) => fail(1, e),
+            }
+        }
         BenchKind::Fanout(a) => match fanout(&a).await {
             Ok(r) => {
                 if a.json {
@@ -101,7 +125,7 @@ fn settings(calls: u64, concurrency: u32) -> RunSettings {
     }
 }
 
-const SCRIPT: &str = "export const meta = { name: 'bench-fanout', description: 'N no-op agents at once' };\n\
+pub const SCRIPT: &str = "export const meta = { name: 'bench-fanout', description: 'N no-op agents at once' };\n\
 const n = args.n;\n\
 const calls = [];\n\
 for (let i = 0; i < n; i++) calls.push(agent('bench ' + i));\n\

@@ -103,7 +103,7 @@ fn write_new(path: &Path, body: &str, private: bool, force: bool) -> Result<(), 
     Ok(())
 }
 
-fn init(dir: &Path, days: u32, force: bool) -> Result<String, String> {
+pub fn init(dir: &Path, days: u32, force: bool) -> Result<String, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let key = KeyPair::generate().map_err(|e| format!("cannot generate a key: {e}"))?;
     let mut params = CertificateParams::default();
@@ -124,7 +124,7 @@ fn init(dir: &Path, days: u32, force: bool) -> Result<String, String> {
     Ok(format!("wrote {0}/ca.crt and {0}/ca.key", dir.display()))
 }
 
-fn issue(
+pub fn issue(
     dir: &Path,
     name: &str,
     role: Role,

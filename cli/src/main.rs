@@ -8,6 +8,7 @@
 //! environment variables, flags. See [`config`].
 
 mod bench;
+mod bench_fleet;
 mod certs;
 mod config;
 mod embedded;

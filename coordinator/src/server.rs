@@ -234,6 +234,13 @@ fn to_json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
 
 #[tonic::async_trait]
 impl ClientService for ClientSvc {
+    async fn ping(&self, req: Request<v1::PingRequest>) -> Result<Response<v1::PingReply>, Status> {
+        self.authorize(&req, "ping")?;
+        Ok(Response::new(v1::PingReply {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        }))
+    }
+
     async fn launch(
         &self,
         req: Request<v1::LaunchRequest>,

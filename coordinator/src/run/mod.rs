@@ -32,7 +32,7 @@ use crate::sched::{
 use crate::script::{self, HostError, HostReply, ScriptEnd, ScriptOp, ScriptShared, source};
 use crate::settings::{ReplayMode, RunSettings};
 use crate::spec::{CallSpec, call_key};
-use crate::store::journal::{EventLog, Journal, JournalAck};
+use crate::store::journal::{EventLog, Journal, JournalAck, TranscriptLine, TranscriptLog};
 use crate::store::records::{CallRecord, EventRecord, RunEvent, UsageRecord, WorkflowInfo};
 use crate::store::{Store, keys};
 use crate::workflows::{WorkflowRef, WorkflowResolver};
@@ -162,7 +162,6 @@ struct Call {
     live_tokens: u64,
     worker: Option<Arc<str>>,
     result: Option<Value>,
-    chunks: HashMap<u32, u32>,
 }
 
 /// The engine of one run.
@@ -195,8 +194,7 @@ pub struct RunEngine {
     waiting: Option<String>,
     snapshot: watch::Sender<Arc<Snapshot>>,
     dirty: bool,
-    transcripts: tokio_util::task::TaskTracker,
-    transcript_slots: Arc<tokio::sync::Semaphore>,
+    transcripts: TranscriptLog,
 }
 
 /// Starts a run engine. Script ops come in on `ops`; replies go out through `reply`.
@@ -265,8 +263,11 @@ impl RunEngine {
             waiting: None,
             snapshot,
             dirty: true,
-            transcripts: tokio_util::task::TaskTracker::new(),
-            transcript_slots: Arc::new(tokio::sync::Semaphore::new(32)),
+            transcripts: TranscriptLog::spawn(
+                init.store.clone(),
+                init.run_id.clone(),
+                init.generation,
+            ),
             init,
         }
     }
@@ -567,7 +568,6 @@ impl RunEngine {
             live_tokens: 0,
             worker: None,
             result: None,
-            chunks: HashMap::new(),
         };
         if let Some(record) = cached {
             call.cached = true;
@@ -881,24 +881,14 @@ impl RunEngine {
     }
 
     fn store_transcript(&mut self, call: u64, attempt: u32, events: Vec<String>) {
-        let Some(c) = self.calls.get_mut(call as usize) else {
-            return;
-        };
-        let chunk = c.chunks.entry(attempt).or_insert(0);
-        let key = keys::transcript_chunk(&self.init.run_id, call, attempt, *chunk);
-        *chunk += 1;
-        let mut body = Vec::new();
-        for e in events {
-            body.extend_from_slice(e.as_bytes());
-            body.push(b'\n');
-        }
-        let store = self.init.store.clone();
-        let slots = self.transcript_slots.clone();
-        self.transcripts.spawn(async move {
-            let _permit = slots.acquire_owned().await;
-            if let Err(e) = store.put_create(&key, Bytes::from(body)).await {
-                tracing::warn!(%key, error = %e, "cannot store a transcript chunk");
-            }
+        let events = events
+            .into_iter()
+            .map(|e| serde_json::from_str(&e).unwrap_or(Value::String(e)))
+            .collect();
+        self.transcripts.push(TranscriptLine {
+            call,
+            attempt,
+            events,
         });
     }
 
@@ -966,8 +956,7 @@ impl RunEngine {
                 c.error = Some("the result could not be stored".into());
             }
         }
-        self.transcripts.close();
-        self.transcripts.wait().await;
+        self.transcripts.close().await;
         let status = self.status;
         let error = self.error.clone();
         self.event(RunEvent::Status {

@@ -6,6 +6,11 @@
 //! acknowledgement: **a result the script has seen is durable.** One PUT per batch instead of
 //! one per call keeps fan-outs of thousands of calls cheap on S3.
 //!
+//! [`TranscriptLog`] group-commits transcript chunks the same way as the journal (every chunk
+//! that arrives while a write is in flight goes into the next segment); each line names its
+//! call and attempt. One object per attempt would cost a PUT per agent call, which caps a
+//! fan-out at the store's PUT rate.
+//!
 //! [`EventLog`] batches run events by time (flushing at least every [`EVENT_FLUSH`]) into
 //! `runs/{run}/events/{gen}-{seq}.jsonl`; events are for display and diagnosis, so they are not
 //! on the result path.
@@ -254,6 +259,110 @@ pub async fn read_events(store: &Store, run: &str) -> Result<Vec<EventRecord>, s
             }
             if let Ok(e) = serde_json::from_slice(line) {
                 out.push(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One line of a transcript segment: some events of one attempt.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct TranscriptLine {
+    pub call: u64,
+    pub attempt: u32,
+    /// Normalized transcript events, in order.
+    pub events: Vec<serde_json::Value>,
+}
+
+/// Handle of a run's transcript writer.
+#[derive(Debug)]
+pub struct TranscriptLog {
+    tx: Option<mpsc::UnboundedSender<TranscriptLine>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl TranscriptLog {
+    pub fn spawn(store: Store, run: String, generation: u64) -> TranscriptLog {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(transcript_loop(store, run, generation, rx));
+        TranscriptLog {
+            tx: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn push(&self, line: TranscriptLine) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(line);
+        }
+    }
+
+    /// Writes what is queued and stops the writer.
+    pub async fn close(&mut self) {
+        self.tx = None;
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+async fn transcript_loop(
+    store: Store,
+    run: String,
+    generation: u64,
+    mut rx: mpsc::UnboundedReceiver<TranscriptLine>,
+) {
+    let mut seq = 0u64;
+    while let Some(first) = rx.recv().await {
+        let mut body = Vec::new();
+        let mut n = 0usize;
+        let mut next = Some(first);
+        while let Some(line) = next {
+            if let Ok(bytes) = serde_json::to_vec(&line) {
+                body.extend_from_slice(&bytes);
+                body.push(b'\n');
+            }
+            n += 1;
+            next = if n < MAX_BATCH {
+                rx.try_recv().ok()
+            } else {
+                None
+            };
+        }
+        if let Err(e) = store
+            .put_create(
+                &keys::transcript_segment(&run, generation, seq),
+                Bytes::from(body),
+            )
+            .await
+        {
+            tracing::warn!(run = %run, error = %e, "cannot store transcripts");
+        }
+        seq += 1;
+    }
+}
+
+/// The transcript of one attempt, in order.
+pub async fn read_transcript(
+    store: &Store,
+    run: &str,
+    call: u64,
+    attempt: u32,
+) -> Result<Vec<serde_json::Value>, super::Error> {
+    let mut out = Vec::new();
+    for key in store.list_objects(&keys::transcripts_dir(run)).await? {
+        let Some(bytes) = store.get(&key).await? else {
+            continue;
+        };
+        for line in bytes.split(|b| *b == b'\n') {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            if let Ok(t) = serde_json::from_slice::<TranscriptLine>(line)
+                && t.call == call
+                && t.attempt == attempt
+            {
+                out.extend(t.events);
             }
         }
     }

@@ -5,7 +5,7 @@
 //! runs/{run}/script.js
 //! runs/{run}/calls/{gen}-{seq}.jsonl       completed calls, one create-only segment per batch
 //! runs/{run}/events/{gen}-{seq}.jsonl      run events, batched
-//! runs/{run}/transcripts/{call}/{attempt}/{chunk}.jsonl
+//! runs/{run}/transcripts/{gen}-{seq}.jsonl   transcript events of many attempts, batched
 //! runs/{run}/result.json                   the final report
 //! payloads/{sha256}                        large results, stored once by content hash
 //! workflows/{name}.js                      workflows saved on the server
@@ -48,13 +48,13 @@ pub fn events_segment(run: &str, generation: u64, seq: u64) -> Path {
     Path::from(format!("runs/{run}/events/{generation:06}-{seq:08}.jsonl"))
 }
 
-pub fn transcript_dir(run: &str, call: u64, attempt: u32) -> Path {
-    Path::from(format!("runs/{run}/transcripts/{call}/{attempt}"))
+pub fn transcripts_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/transcripts"))
 }
 
-pub fn transcript_chunk(run: &str, call: u64, attempt: u32, chunk: u32) -> Path {
+pub fn transcript_segment(run: &str, generation: u64, seq: u64) -> Path {
     Path::from(format!(
-        "runs/{run}/transcripts/{call}/{attempt}/{chunk:06}.jsonl"
+        "runs/{run}/transcripts/{generation:06}-{seq:08}.jsonl"
     ))
 }
 
@@ -82,8 +82,8 @@ mod tests {
         assert!(a.as_ref() < b.as_ref() && b.as_ref() < c.as_ref());
         assert_eq!(manifest("wf_1").as_ref(), "runs/wf_1/run.json");
         assert_eq!(
-            transcript_chunk("wf_1", 3, 2, 0).as_ref(),
-            "runs/wf_1/transcripts/3/2/000000.jsonl"
+            transcript_segment("wf_1", 1, 2).as_ref(),
+            "runs/wf_1/transcripts/000001-00000002.jsonl"
         );
     }
 }

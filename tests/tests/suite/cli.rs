@@ -81,10 +81,22 @@ fn transcripts_and_journal_are_stored_per_call_and_attempt() {
         .path()
         .join("store/runs")
         .join(r["run_id"].as_str().unwrap());
-    let attempt2 = std::fs::read_to_string(run.join("transcripts/0/2/000000.jsonl")).unwrap();
+    // Transcript segments hold lines of {call, attempt, events}.
+    let mut attempt2 = Vec::new();
+    for f in std::fs::read_dir(run.join("transcripts")).unwrap() {
+        for line in std::fs::read_to_string(f.unwrap().path()).unwrap().lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            if v["call"] == 0 && v["attempt"] == 2 {
+                attempt2.extend(v["events"].as_array().unwrap().iter().cloned());
+            }
+        }
+    }
+    assert_eq!(attempt2[0]["type"], "init", "{attempt2:?}");
     assert!(
-        attempt2.contains("\"type\":\"init\"") && attempt2.contains("remember me"),
-        "{attempt2}"
+        attempt2
+            .iter()
+            .any(|e| e["text"] == "remember me [[stall:1]]"),
+        "{attempt2:?}"
     );
     let journal: String = std::fs::read_dir(run.join("calls"))
         .unwrap()

@@ -367,3 +367,31 @@ fn a_coordinator_with_a_store_that_does_not_answer_says_so() {
         out.stderr
     );
 }
+
+#[test]
+fn the_distributed_benchmark_runs_and_reports_its_figures() {
+    let env = Env::new();
+    let out = env.flotilla(&[
+        "bench",
+        "fanout",
+        "--distributed",
+        "--calls",
+        "300",
+        "--concurrency",
+        "16",
+        "--workers",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    for field in [
+        "raw_rpc_per_s",
+        "memory_calls_per_s",
+        "durable_calls_per_s",
+        "overhead_ratio",
+    ] {
+        assert!(r[field].as_f64().is_some_and(|v| v > 0.0), "{field} in {r}");
+    }
+    assert_eq!(r["calls"], 300);
+}

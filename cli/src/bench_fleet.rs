@@ -1,0 +1,388 @@
+//! `flotilla bench fanout --distributed`: the fan-out end to end through real processes.
+//!
+//! In one run it starts a coordinator and W worker processes (this same binary) with a fresh
+//! development CA, and measures:
+//! - `raw_rpc_per_s`: concurrent no-op unary RPCs (`Ping`) over the same mTLS channel — the
+//!   floor any remote call pays;
+//! - `memory_calls_per_s`: N echo agents through coordinator and workers, memory leases and
+//!   memory storage;
+//! - `durable_calls_per_s`: the same with leases in etcd and runs in an S3 server (moto), both
+//!   started here on free loopback ports.
+//!
+//! `overhead_ratio` = raw_rpc_per_s / memory_calls_per_s: how many raw round trips one agent
+//! call costs.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use flotilla_proto::tls::{Role, TlsFiles};
+use flotilla_proto::v1::client_service_client::ClientServiceClient;
+use flotilla_proto::v1::{self};
+use serde::Serialize;
+use tonic::transport::Channel;
+
+/// The figures `--json` prints.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub calls: u64,
+    pub workers: u32,
+    pub concurrency: u32,
+    pub raw_rpc_per_s: f64,
+    pub memory_calls_per_s: f64,
+    pub durable_calls_per_s: Option<f64>,
+    pub overhead_ratio: f64,
+}
+
+/// A store URL and the environment a process needs to use it.
+type StoreSetup = (String, Vec<(String, String)>);
+
+/// Children killed on drop.
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("no free port: {e}"))
+}
+
+fn find(binary: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join(binary))
+        .find(|p| p.is_file())
+}
+
+fn http_ok(port: u16, method: &str, path: &str, expect: &str) -> bool {
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    if s.write_all(req.as_bytes()).is_err() {
+        return false;
+    }
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.contains(expect)
+}
+
+fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ready() {
+        if Instant::now() > deadline {
+            return Err(format!("{what} did not start within 60 s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+fn spawn(cmd: &mut Command, log: &Path) -> Result<Child, String> {
+    let file = std::fs::File::create(log).map_err(|e| e.to_string())?;
+    cmd.stdin(Stdio::null())
+        .stdout(file.try_clone().map_err(|e| e.to_string())?)
+        .stderr(file)
+        .spawn()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))
+}
+
+/// One fleet: a coordinator and workers, with optional etcd and S3 settings.
+async fn fleet(
+    dir: &Path,
+    pki: &Path,
+    workers: u32,
+    slots: u32,
+    etcd: Option<String>,
+    s3: Option<StoreSetup>,
+    procs: &mut Procs,
+) -> Result<ClientServiceClient<Channel>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let port = free_port()?;
+    let mut coord = Command::new(&exe);
+    coord
+        .args([
+            "coordinator",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--tls-dir",
+        ])
+        .arg(pki);
+    match &s3 {
+        Some((url, env)) => {
+            coord
+                .args(["--store", url])
+                .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        }
+        None => {
+            coord.args(["--store", "memory://"]);
+        }
+    }
+    if let Some(e) = &etcd {
+        coord.args(["--etcd", e]);
+    }
+    procs.0.push(spawn(
+        &mut coord,
+        &dir.join(format!("coordinator-{port}.log")),
+    )?);
+    for i in 0..workers {
+        let mut w = Command::new(&exe);
+        w.args([
+            "worker",
+            "--coordinator",
+            &format!("https://127.0.0.1:{port}"),
+            "--name",
+            &format!("bench-worker-{i}"),
+        ])
+        .args(["--slots", &slots.to_string(), "--tls-dir"])
+        .arg(pki)
+        .arg("--workspace")
+        .arg(dir.join("ws"));
+        procs
+            .0
+            .push(spawn(&mut w, &dir.join(format!("worker-{port}-{i}.log")))?);
+    }
+    let files = TlsFiles::in_dir(pki, "bench-client");
+    let channel = flotilla_proto::tls::channel(&format!("https://127.0.0.1:{port}"), Some(&files))?;
+    let mut client = ClientServiceClient::new(channel);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = client.list_workers(v1::ListWorkersRequest {}).await
+            && r.into_inner().workers.len() == workers as usize
+        {
+            return Ok(client);
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the bench fleet did not come up; see the logs in {}",
+                dir.display()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn fan_out(
+    client: &mut ClientServiceClient<Channel>,
+    calls: u64,
+    concurrency: u32,
+) -> Result<Duration, String> {
+    let settings = flotilla_coordinator::RunSettings {
+        backend: "echo".into(),
+        concurrency,
+        max_agents: calls,
+        stagger_ms: 0,
+        ..flotilla_coordinator::RunSettings::default()
+    };
+    let started = Instant::now();
+    let launched = client
+        .launch(v1::LaunchRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            script: crate::bench::SCRIPT.into(),
+            origin: "bench".into(),
+            args_json: Some(serde_json::json!({ "n": calls }).to_string()),
+            settings_json: serde_json::to_string(&settings).map_err(|e| e.to_string())?,
+            resume_from: String::new(),
+            workflows: Vec::new(),
+            agent_types: Default::default(),
+        })
+        .await
+        .map_err(|e| flotilla_proto::tls::explain(&e))?
+        .into_inner();
+    if launched.status != "running" {
+        return Err(format!("bench launch refused: {}", launched.error));
+    }
+    let report = client
+        .wait(v1::RunRef {
+            run_id: launched.run_id,
+        })
+        .await
+        .map_err(|e| flotilla_proto::tls::explain(&e))?
+        .into_inner();
+    let took = started.elapsed();
+    let r: flotilla_coordinator::Report =
+        serde_json::from_str(&report.report_json).map_err(|e| e.to_string())?;
+    if r.status != flotilla_coordinator::RunStatus::Completed
+        || r.result != serde_json::json!(calls)
+    {
+        return Err(format!(
+            "bench run ended {} ({:?})",
+            r.status.as_str(),
+            r.error
+        ));
+    }
+    Ok(took)
+}
+
+async fn raw_rpcs(
+    client: &ClientServiceClient<Channel>,
+    calls: u64,
+    concurrency: u32,
+) -> Result<Duration, String> {
+    let per = calls.div_ceil(u64::from(concurrency.max(1)));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..per {
+                c.ping(v1::PingRequest {})
+                    .await
+                    .map_err(|e| flotilla_proto::tls::explain(&e))?;
+            }
+            Ok::<(), String>(())
+        }));
+    }
+    for t in tasks {
+        t.await.map_err(|e| e.to_string())??;
+    }
+    Ok(started.elapsed())
+}
+
+/// Starts etcd and moto for the durable measurement.
+fn durable_services(
+    dir: &Path,
+    procs: &mut Procs,
+) -> Result<(String, (String, Vec<(String, String)>)), String> {
+    let etcd = find("etcd").ok_or("--distributed needs etcd for the durable figure (apt-get install etcd-server), or pass --no-durable")?;
+    let moto = std::env::var_os("FLOTILLA_MOTO_SERVER")
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from(".venv-svc/bin/moto_server")).filter(|p| p.is_file()))
+        .or_else(|| find("moto_server"))
+        .ok_or("--distributed needs moto_server for the durable figure (pip install 'moto[server]'), or pass --no-durable")?;
+    let (client, peer) = (free_port()?, free_port()?);
+    let curl = format!("http://127.0.0.1:{client}");
+    let purl = format!("http://127.0.0.1:{peer}");
+    let mut e = Command::new(etcd);
+    e.args(["--name", "bench", "--data-dir"])
+        .arg(dir.join("etcd"))
+        .args([
+            "--listen-client-urls",
+            &curl,
+            "--advertise-client-urls",
+            &curl,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &purl,
+            "--initial-advertise-peer-urls",
+            &purl,
+        ])
+        .args([
+            "--initial-cluster",
+            &format!("bench={purl}"),
+            "--log-level",
+            "warn",
+        ]);
+    procs.0.push(spawn(&mut e, &dir.join("etcd.log"))?);
+    wait_until("etcd", || {
+        http_ok(client, "GET", "/health", "\"health\":\"true\"")
+    })?;
+    let s3 = free_port()?;
+    let mut m = Command::new(moto);
+    m.args(["-H", "127.0.0.1", "-p", &s3.to_string()]);
+    procs.0.push(spawn(&mut m, &dir.join("moto.log"))?);
+    wait_until("moto", || http_ok(s3, "GET", "/", "HTTP/1.1 200"))?;
+    if !http_ok(s3, "PUT", "/bench", "HTTP/1.1 200") {
+        return Err("cannot create the bench bucket in moto".into());
+    }
+    let env = vec![
+        (
+            "AWS_ENDPOINT_URL".to_owned(),
+            format!("http://127.0.0.1:{s3}"),
+        ),
+        ("AWS_ACCESS_KEY_ID".to_owned(), "bench".to_owned()),
+        (
+            "AWS_SECRET_ACCESS_KEY".to_owned(),
+            "benchbenchbench".to_owned(),
+        ),
+        ("AWS_REGION".to_owned(), "us-east-1".to_owned()),
+    ];
+    Ok((curl, ("s3://bench/runs".to_owned(), env)))
+}
+
+/// Runs the distributed fan-out benchmark.
+pub async fn fanout(
+    calls: u64,
+    concurrency: u32,
+    workers: u32,
+    durable: bool,
+) -> Result<Report, String> {
+    if calls == 0 || workers == 0 || concurrency == 0 {
+        return Err("--calls, --workers and --concurrency must be at least 1".into());
+    }
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let pki = dir.path().join("pki");
+    crate::certs::init(&pki, 1, false)?;
+    crate::certs::issue(
+        &pki,
+        "coordinator",
+        Role::Coordinator,
+        &["127.0.0.1".into()],
+        1,
+        false,
+    )?;
+    crate::certs::issue(&pki, "bench-client", Role::Client, &[], 1, false)?;
+    for i in 0..workers {
+        crate::certs::issue(
+            &pki,
+            &format!("bench-worker-{i}"),
+            Role::Worker,
+            &[],
+            1,
+            false,
+        )?;
+    }
+    let slots = concurrency.div_ceil(workers);
+    let mut procs = Procs(Vec::new());
+
+    let mut memory = fleet(dir.path(), &pki, workers, slots, None, None, &mut procs).await?;
+    // Warm up connections and code paths, then measure.
+    fan_out(&mut memory, calls.min(500), concurrency).await?;
+    raw_rpcs(&memory, calls.min(500), concurrency).await?;
+    let raw = raw_rpcs(&memory, calls, concurrency).await?;
+    let mem = fan_out(&mut memory, calls, concurrency).await?;
+
+    let durable_time = if durable {
+        let (etcd, s3) = durable_services(dir.path(), &mut procs)?;
+        let mut d = fleet(
+            dir.path(),
+            &pki,
+            workers,
+            slots,
+            Some(etcd),
+            Some(s3),
+            &mut procs,
+        )
+        .await?;
+        fan_out(&mut d, calls.min(500), concurrency).await?;
+        Some(fan_out(&mut d, calls, concurrency).await?)
+    } else {
+        None
+    };
+    drop(procs);
+    let n = calls as f64;
+    let raw_rpc_per_s = n / raw.as_secs_f64();
+    let memory_calls_per_s = n / mem.as_secs_f64();
+    Ok(Report {
+        calls,
+        workers,
+        concurrency,
+        raw_rpc_per_s,
+        memory_calls_per_s,
+        durable_calls_per_s: durable_time.map(|d| n / d.as_secs_f64()),
+        overhead_ratio: raw_rpc_per_s / memory_calls_per_s,
+    })
+}
