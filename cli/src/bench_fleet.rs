@@ -252,10 +252,7 @@ async fn raw_rpcs(
 }
 
 /// Starts etcd and moto for the durable measurement.
-fn durable_services(
-    dir: &Path,
-    procs: &mut Procs,
-) -> Result<(String, (String, Vec<(String, String)>)), String> {
+fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup), String> {
     let etcd = find("etcd").ok_or("--distributed needs etcd for the durable figure (apt-get install etcd-server), or pass --no-durable")?;
     let moto = std::env::var_os("FLOTILLA_MOTO_SERVER")
         .map(PathBuf::from)
