@@ -106,6 +106,41 @@ pub struct ConfigFile {
     pub workflows_dirs: Vec<PathBuf>,
     /// Root of the agents' working directories.
     pub workspace: Option<PathBuf>,
+
+    // ---- fleet commands (coordinator, worker, launch, wait, ...) ----
+    /// Coordinator address for workers and clients (`https://host:port`).
+    pub coordinator: Option<String>,
+    /// Directory with `ca.crt` and `NAME.crt`/`NAME.key`.
+    pub tls_dir: Option<PathBuf>,
+    /// Identity in `tls_dir` to use.
+    pub name: Option<String>,
+    /// Certificate, key and CA files (instead of `tls_dir` + `name`).
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
+    /// Plain text on loopback (development only).
+    pub insecure: Option<bool>,
+    /// Coordinator: gRPC listen address.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Coordinator: session page address.
+    pub http: Option<std::net::SocketAddr>,
+    /// Coordinator: etcd endpoints.
+    #[serde(default)]
+    pub etcd: Vec<String>,
+    /// Coordinator: TLS files for an https:// etcd.
+    pub etcd_ca: Option<PathBuf>,
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
+    /// Worker: backends it offers.
+    #[serde(default)]
+    pub backends: Vec<String>,
+    /// Worker: attempts at once.
+    pub slots: Option<u32>,
+}
+
+/// Reads a config file (`--config`), or an empty one.
+pub fn load(path: Option<&Path>) -> Result<ConfigFile, String> {
+    read_config(path)
 }
 
 /// Everything `flotilla run` needs, validated.

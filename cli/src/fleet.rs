@@ -52,6 +52,26 @@ pub struct TlsArgs {
 }
 
 impl TlsArgs {
+    /// Fills what flags and environment left unset from a config file.
+    pub fn fill(&mut self, file: &config::ConfigFile) {
+        if self.tls_dir.is_none() {
+            self.tls_dir.clone_from(&file.tls_dir);
+        }
+        if self.name.is_none() {
+            self.name.clone_from(&file.name);
+        }
+        if self.cert.is_none() {
+            self.cert.clone_from(&file.cert);
+        }
+        if self.key.is_none() {
+            self.key.clone_from(&file.key);
+        }
+        if self.ca.is_none() {
+            self.ca.clone_from(&file.ca);
+        }
+        self.insecure |= file.insecure.unwrap_or(false);
+    }
+
     /// The identity files, or `None` with --insecure on a loopback address.
     pub fn files(
         &self,
@@ -130,12 +150,15 @@ async fn shutdown_signal() {
 
 #[derive(Debug, Args)]
 pub struct CoordinatorArgs {
-    /// gRPC address for workers and clients.
-    #[arg(long, env = "FLOTILLA_LISTEN", default_value = "127.0.0.1:7443")]
-    listen: SocketAddr,
-    /// Address of the session pages (session URLs point here).
-    #[arg(long, env = "FLOTILLA_HTTP", default_value = "127.0.0.1:7080")]
-    http: SocketAddr,
+    /// gRPC address for workers and clients [default: 127.0.0.1:7443].
+    #[arg(long, env = "FLOTILLA_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Address of the session pages (session URLs point here) [default: 127.0.0.1:7080].
+    #[arg(long, env = "FLOTILLA_HTTP")]
+    http: Option<SocketAddr>,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
     /// Object store URL (file:///path, memory://).
     #[arg(long, env = "FLOTILLA_STORE")]
     store: Option<String>,
@@ -191,8 +214,36 @@ async fn lease_store(
     Ok(Arc::new(store))
 }
 
-pub async fn coordinator(a: CoordinatorArgs) -> i32 {
-    let tls = match a.tls.files("coordinator", a.listen.ip().is_loopback()) {
+pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
+    let file = match config::load(a.config.as_deref()) {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
+    a.tls.fill(&file);
+    let listen = a
+        .listen
+        .or(file.listen)
+        .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7443)));
+    let http = a
+        .http
+        .or(file.http)
+        .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7080)));
+    if a.store.is_none() {
+        a.store.clone_from(&file.store);
+    }
+    if a.etcd.is_empty() {
+        a.etcd.clone_from(&file.etcd);
+    }
+    for (flag, from_file) in [
+        (&mut a.etcd_ca, &file.etcd_ca),
+        (&mut a.etcd_cert, &file.etcd_cert),
+        (&mut a.etcd_key, &file.etcd_key),
+    ] {
+        if flag.is_none() {
+            flag.clone_from(from_file);
+        }
+    }
+    let tls = match a.tls.files("coordinator", listen.ip().is_loopback()) {
         Ok(t) => t,
         Err(e) => return fail(2, e),
     };
@@ -212,9 +263,9 @@ pub async fn coordinator(a: CoordinatorArgs) -> i32 {
     let registry = Arc::new(RunRegistry::default());
     let cancel = CancellationToken::new();
     let opts = ServerOptions {
-        listen: a.listen,
+        listen,
         tls,
-        session_base: format!("http://{}", a.http),
+        session_base: format!("http://{http}"),
     };
     let leases_at = if a.etcd.is_empty() {
         "in memory".to_owned()
@@ -223,7 +274,7 @@ pub async fn coordinator(a: CoordinatorArgs) -> i32 {
     };
     eprintln!(
         "flotilla coordinator listening on {} ({}), store {url}, leases {leases_at}",
-        a.listen,
+        listen,
         if opts.tls.is_some() {
             "mTLS"
         } else {
@@ -259,35 +310,58 @@ pub async fn coordinator(a: CoordinatorArgs) -> i32 {
 pub struct WorkerArgs {
     /// Coordinator address (https://host:port).
     #[arg(long, env = "FLOTILLA_COORDINATOR")]
-    coordinator: String,
-    /// Backends this worker offers (echo, exec); repeatable.
-    #[arg(
-        long = "backend",
-        env = "FLOTILLA_BACKENDS",
-        value_delimiter = ',',
-        default_value = "echo"
-    )]
+    coordinator: Option<String>,
+    /// Backends this worker offers (echo, exec); repeatable [default: echo].
+    #[arg(long = "backend", env = "FLOTILLA_BACKENDS", value_delimiter = ',')]
     backends: Vec<String>,
     /// Command of the exec backend.
     #[arg(long, env = "FLOTILLA_EXEC_CMD")]
     exec_cmd: Option<String>,
-    /// Attempts this worker runs at once.
-    #[arg(long, env = "FLOTILLA_SLOTS", default_value_t = 16)]
-    slots: u32,
+    /// Attempts this worker runs at once [default: 16].
+    #[arg(long, env = "FLOTILLA_SLOTS")]
+    slots: Option<u32>,
     /// Root of the agents' working directories.
     #[arg(long, env = "FLOTILLA_WORKSPACE")]
     workspace: Option<PathBuf>,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
     #[command(flatten)]
     tls: TlsArgs,
 }
 
-pub async fn worker(a: WorkerArgs) -> i32 {
+pub async fn worker(mut a: WorkerArgs) -> i32 {
+    let file = match config::load(a.config.as_deref()) {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
+    a.tls.fill(&file);
+    let Some(coordinator) = a.coordinator.clone().or_else(|| file.coordinator.clone()) else {
+        return fail(
+            2,
+            "no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)",
+        );
+    };
+    if a.backends.is_empty() {
+        a.backends = if file.backends.is_empty() {
+            vec!["echo".into()]
+        } else {
+            file.backends.clone()
+        };
+    }
+    if a.exec_cmd.is_none() {
+        a.exec_cmd.clone_from(&file.exec_cmd);
+    }
+    if a.workspace.is_none() {
+        a.workspace.clone_from(&file.workspace);
+    }
+    let slots = a.slots.or(file.slots).unwrap_or(16);
     let name = a.tls.name.clone().unwrap_or_else(hostname);
-    let tls = match a.tls.files(&name, loopback_host(&host_of(&a.coordinator))) {
+    let tls = match a.tls.files(&name, loopback_host(&host_of(&coordinator))) {
         Ok(t) => t,
         Err(e) => return fail(2, e),
     };
-    if a.slots == 0 {
+    if slots == 0 {
         return fail(2, "--slots must be at least 1");
     }
     let mut backends: Vec<Arc<dyn AgentBackend>> = Vec::new();
@@ -315,19 +389,16 @@ pub async fn worker(a: WorkerArgs) -> i32 {
     let worker = Worker::new(
         WorkerOptions {
             name: name.clone(),
-            slots: a.slots,
+            slots,
             workspace,
             labels: Default::default(),
         },
         backends,
     );
     let cancel = CancellationToken::new();
-    eprintln!(
-        "flotilla worker {name}: {} slots, coordinator {}",
-        a.slots, a.coordinator
-    );
+    eprintln!("flotilla worker {name}: {slots} slots, coordinator {coordinator}");
     let opts = flotilla_worker::remote::RemoteOptions {
-        endpoint: a.coordinator,
+        endpoint: coordinator,
         tls,
     };
     let serving = flotilla_worker::remote::serve(worker, opts, cancel.clone());
@@ -352,18 +423,31 @@ pub async fn worker(a: WorkerArgs) -> i32 {
 pub struct ClientArgs {
     /// Coordinator address (https://host:port).
     #[arg(long, env = "FLOTILLA_COORDINATOR")]
-    pub coordinator: String,
+    pub coordinator: Option<String>,
     #[command(flatten)]
     pub tls: TlsArgs,
 }
 
 impl ClientArgs {
-    pub fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
-        let tls = self
-            .tls
-            .files("client", loopback_host(&host_of(&self.coordinator)))?;
-        let channel = flotilla_proto::tls::channel(&self.coordinator, tls.as_ref())?;
+    /// A client, with what flags and environment left unset taken from `file`.
+    pub fn client_with(
+        &self,
+        file: &config::ConfigFile,
+    ) -> Result<ClientServiceClient<Channel>, String> {
+        let mut tls = self.tls.clone();
+        tls.fill(file);
+        let coordinator = self
+            .coordinator
+            .clone()
+            .or_else(|| file.coordinator.clone())
+            .ok_or("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)")?;
+        let files = tls.files("client", loopback_host(&host_of(&coordinator)))?;
+        let channel = flotilla_proto::tls::channel(&coordinator, files.as_ref())?;
         Ok(ClientServiceClient::new(channel))
+    }
+
+    pub fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
+        self.client_with(&config::ConfigFile::default())
     }
 }
 
@@ -399,7 +483,11 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         Ok(r) => r,
         Err(e) => return fail(2, e),
     };
-    let mut client = match a.remote.client() {
+    let file = match config::load(a.run.config.as_deref()) {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
+    let mut client = match a.remote.client_with(&file) {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };
@@ -465,12 +553,22 @@ pub struct RunRefArgs {
     run_id: String,
     #[arg(long)]
     json: bool,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
     #[command(flatten)]
     remote: ClientArgs,
 }
 
+impl RunRefArgs {
+    fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
+        self.remote
+            .client_with(&config::load(self.config.as_deref())?)
+    }
+}
+
 pub async fn wait(a: RunRefArgs) -> i32 {
-    let mut client = match a.remote.client() {
+    let mut client = match a.client() {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };
@@ -490,7 +588,7 @@ pub async fn wait(a: RunRefArgs) -> i32 {
 }
 
 pub async fn status(a: RunRefArgs) -> i32 {
-    let mut client = match a.remote.client() {
+    let mut client = match a.client() {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };
@@ -545,7 +643,7 @@ pub async fn status(a: RunRefArgs) -> i32 {
 }
 
 pub async fn stop(a: RunRefArgs) -> i32 {
-    let mut client = match a.remote.client() {
+    let mut client = match a.client() {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };
@@ -570,12 +668,16 @@ pub async fn stop(a: RunRefArgs) -> i32 {
 pub struct WorkersArgs {
     #[arg(long)]
     json: bool,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
     #[command(flatten)]
     remote: ClientArgs,
 }
 
 pub async fn workers(a: WorkersArgs) -> i32 {
-    let mut client = match a.remote.client() {
+    let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
+    {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };

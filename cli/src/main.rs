@@ -134,7 +134,7 @@ fn main() -> ExitCode {
             Command::Runs(args) => match args.coordinator {
                 Some(coordinator) => {
                     let remote = fleet::ClientArgs {
-                        coordinator,
+                        coordinator: Some(coordinator),
                         tls: args.tls,
                     };
                     fleet::list_remote(remote, args.json).await

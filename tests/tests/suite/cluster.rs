@@ -395,3 +395,88 @@ fn the_distributed_benchmark_runs_and_reports_its_figures() {
     }
     assert_eq!(r["calls"], 300);
 }
+
+#[test]
+fn fleet_commands_read_their_settings_from_a_config_file() {
+    let c = Cluster::start(1, 2);
+    let pki = c.pki();
+    // A second worker configured only by file.
+    assert!(
+        std::process::Command::new(&c.bin)
+            .args([
+                "certs",
+                "issue",
+                "--role",
+                "worker",
+                "--name",
+                "from-file",
+                "--dir"
+            ])
+            .arg(&pki)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let worker_toml = c.path().join("worker.toml");
+    std::fs::write(
+        &worker_toml,
+        format!(
+            "coordinator = \"{}\"\ntls_dir = \"{}\"\nname = \"from-file\"\nslots = 3\nbackends = [\"echo\"]\nworkspace = \"{}\"\n",
+            c.url(),
+            pki.display(),
+            c.path().join("ws-file").display()
+        ),
+    )
+    .unwrap();
+    let mut worker = std::process::Command::new(&c.bin)
+        .args(["worker", "--config"])
+        .arg(&worker_toml)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    c.wait_for_workers(2);
+    // A client configured only by file.
+    let client_toml = c.path().join("client.toml");
+    std::fs::write(
+        &client_toml,
+        format!(
+            "coordinator = \"{}\"\ntls_dir = \"{}\"\nname = \"client\"\n",
+            c.url(),
+            pki.display()
+        ),
+    )
+    .unwrap();
+    let out = flotilla_tests::run_with_timeout(
+        {
+            let mut cmd = std::process::Command::new(&c.bin);
+            cmd.args(["workers", "--json", "--config"])
+                .arg(&client_toml);
+            cmd
+        },
+        Duration::from_secs(60),
+    );
+    let _ = worker.kill();
+    let _ = worker.wait();
+    assert_eq!(out.code, 0, "{out:?}");
+    let listed = out.json();
+    let w = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["name"].as_str().unwrap().starts_with("from-file"))
+        .expect("the file-configured worker");
+    assert_eq!(w["slots"], 3);
+    // Unknown keys are refused with the key named.
+    std::fs::write(&client_toml, "coordinatr = \"x\"\n").unwrap();
+    let bad = flotilla_tests::run_with_timeout(
+        {
+            let mut cmd = std::process::Command::new(&c.bin);
+            cmd.args(["workers", "--config"]).arg(&client_toml);
+            cmd
+        },
+        Duration::from_secs(60),
+    );
+    assert_eq!(bad.code, 2);
+    assert!(bad.stderr.contains("coordinatr"), "{}", bad.stderr);
+}
