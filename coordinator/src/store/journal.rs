@@ -173,35 +173,48 @@ pub async fn read_calls(store: &Store, run: &str) -> Result<Vec<CallRecord>, sup
     Ok(out)
 }
 
-/// Handle of a run's event writer.
+/// Handle of a background writer that takes items through a channel: pushing never waits,
+/// closing waits until everything pushed is written.
 #[derive(Debug)]
-pub struct EventLog {
-    tx: Option<mpsc::UnboundedSender<EventRecord>>,
+pub struct BatchWriter<T> {
+    tx: Option<mpsc::UnboundedSender<T>>,
     task: Option<JoinHandle<()>>,
 }
 
-impl EventLog {
-    pub fn spawn(store: Store, run: String, generation: u64) -> EventLog {
+impl<T: Send + 'static> BatchWriter<T> {
+    fn start<F, Fut>(writer: F) -> Self
+    where
+        F: FnOnce(mpsc::UnboundedReceiver<T>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(event_loop(store, run, generation, rx));
-        EventLog {
+        BatchWriter {
             tx: Some(tx),
-            task: Some(task),
+            task: Some(tokio::spawn(writer(rx))),
         }
     }
 
-    pub fn push(&self, event: EventRecord) {
+    pub fn push(&self, item: T) {
         if let Some(tx) = &self.tx {
-            let _ = tx.send(event);
+            let _ = tx.send(item);
         }
     }
 
-    /// Writes what is buffered and stops the writer.
+    /// Writes what is queued and stops the writer.
     pub async fn close(&mut self) {
         self.tx = None;
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
+    }
+}
+
+/// The writer of a run's events.
+pub type EventLog = BatchWriter<EventRecord>;
+
+impl BatchWriter<EventRecord> {
+    pub fn spawn(store: Store, run: String, generation: u64) -> EventLog {
+        BatchWriter::start(move |rx| event_loop(store, run, generation, rx))
     }
 }
 
@@ -274,35 +287,12 @@ pub struct TranscriptLine {
     pub events: Vec<serde_json::Value>,
 }
 
-/// Handle of a run's transcript writer.
-#[derive(Debug)]
-pub struct TranscriptLog {
-    tx: Option<mpsc::UnboundedSender<TranscriptLine>>,
-    task: Option<JoinHandle<()>>,
-}
+/// The writer of a run's transcripts.
+pub type TranscriptLog = BatchWriter<TranscriptLine>;
 
-impl TranscriptLog {
+impl BatchWriter<TranscriptLine> {
     pub fn spawn(store: Store, run: String, generation: u64) -> TranscriptLog {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(transcript_loop(store, run, generation, rx));
-        TranscriptLog {
-            tx: Some(tx),
-            task: Some(task),
-        }
-    }
-
-    pub fn push(&self, line: TranscriptLine) {
-        if let Some(tx) = &self.tx {
-            let _ = tx.send(line);
-        }
-    }
-
-    /// Writes what is queued and stops the writer.
-    pub async fn close(&mut self) {
-        self.tx = None;
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
+        BatchWriter::start(move |rx| transcript_loop(store, run, generation, rx))
     }
 }
 
