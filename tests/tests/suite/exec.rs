@@ -53,6 +53,16 @@ fn alive(pid: u32) -> bool {
             .unwrap_or(true)
 }
 
+/// Every pid listed (one per line) in `file` is gone.
+fn assert_all_dead(file: &std::path::Path, after: &str) {
+    for pid in std::fs::read_to_string(file).unwrap().lines() {
+        assert!(
+            !alive(pid.trim().parse().unwrap()),
+            "process {pid} outlived {after}"
+        );
+    }
+}
+
 #[test]
 fn a_stalled_command_and_everything_it_started_are_killed() {
     let env = Env::new();
@@ -163,15 +173,7 @@ fn ctrl_c_stops_the_run_and_kills_running_agents() {
         r["usage"]["errors"], 0,
         "stopping a run marks no agent failed (W55)"
     );
-    for pid in std::fs::read_to_string(pids.join("children"))
-        .unwrap()
-        .lines()
-    {
-        assert!(
-            !alive(pid.trim().parse().unwrap()),
-            "agent process {pid} outlived the stop"
-        );
-    }
+    assert_all_dead(&pids.join("children"), "the stop");
     // The stored run says so too.
     let shown = env
         .flotilla(&["show", r["run_id"].as_str().unwrap(), "--json"])
@@ -201,13 +203,5 @@ fn an_agent_timeout_kills_the_command_and_its_children() {
             .contains("timed out after 300ms"),
         "{r}"
     );
-    for pid in std::fs::read_to_string(pids.join("children"))
-        .unwrap()
-        .lines()
-    {
-        assert!(
-            !alive(pid.trim().parse().unwrap()),
-            "process {pid} outlived the timeout"
-        );
-    }
+    assert_all_dead(&pids.join("children"), "the timeout");
 }
