@@ -451,6 +451,12 @@ impl ClientArgs {
     }
 }
 
+/// Prints a failed call the way every client command does; returns the exit status.
+fn rpc_fail(s: &tonic::Status) -> i32 {
+    let (code, msg) = rpc_error(s);
+    fail(code, msg)
+}
+
 /// A status error as a user reads it, with its exit code.
 fn rpc_error(s: &tonic::Status) -> (i32, String) {
     let code = match s.code() {
@@ -526,10 +532,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
     };
     let reply = match client.launch(req).await {
         Ok(r) => r.into_inner(),
-        Err(s) => {
-            let (code, msg) = rpc_error(&s);
-            return fail(code, msg);
-        }
+        Err(s) => return rpc_fail(&s),
     };
     if reply.status == "rejected" {
         if a.run.json {
@@ -580,10 +583,7 @@ pub async fn wait(a: RunRefArgs) -> i32 {
                 format!("the coordinator sent a report this client cannot read: {e}"),
             ),
         },
-        Err(s) => {
-            let (code, msg) = rpc_error(&s);
-            fail(code, msg)
-        }
+        Err(s) => rpc_fail(&s),
     }
 }
 
@@ -635,10 +635,7 @@ pub async fn status(a: RunRefArgs) -> i32 {
                 Err(e) => fail(1, e),
             }
         }
-        Err(s) => {
-            let (code, msg) = rpc_error(&s);
-            fail(code, msg)
-        }
+        Err(s) => rpc_fail(&s),
     }
 }
 
@@ -657,10 +654,7 @@ pub async fn stop(a: RunRefArgs) -> i32 {
             eprintln!("stopping {}", a.run_id);
             0
         }
-        Err(s) => {
-            let (code, msg) = rpc_error(&s);
-            fail(code, msg)
-        }
+        Err(s) => rpc_fail(&s),
     }
 }
 
@@ -706,10 +700,7 @@ pub async fn workers(a: WorkersArgs) -> i32 {
             }
             0
         }
-        Err(s) => {
-            let (code, msg) = rpc_error(&s);
-            fail(code, msg)
-        }
+        Err(s) => rpc_fail(&s),
     }
 }
 
@@ -743,9 +734,6 @@ pub async fn list_remote(remote: ClientArgs, json: bool) -> i32 {
             }
             0
         }
-        Err(s) => {
-            let (code, msg) = rpc_error(&s);
-            fail(code, msg)
-        }
+        Err(s) => rpc_fail(&s),
     }
 }
