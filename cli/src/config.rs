@@ -131,6 +131,8 @@ pub struct ConfigFile {
     pub etcd_ca: Option<PathBuf>,
     pub etcd_cert: Option<PathBuf>,
     pub etcd_key: Option<PathBuf>,
+    /// Coordinator: TTL of each worker's liveness lease (`10s`).
+    pub worker_ttl: Option<String>,
     /// Worker: backends it offers.
     #[serde(default)]
     pub backends: Vec<String>,

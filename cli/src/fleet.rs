@@ -173,6 +173,10 @@ pub struct CoordinatorArgs {
     etcd_cert: Option<PathBuf>,
     #[arg(long, env = "FLOTILLA_ETCD_KEY")]
     etcd_key: Option<PathBuf>,
+    /// TTL of each worker's liveness lease: a worker cut off this long loses its attempts to
+    /// other workers; one that comes back sooner keeps them [default: 10s].
+    #[arg(long, env = "FLOTILLA_WORKER_TTL")]
+    worker_ttl: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -259,12 +263,30 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         Ok(l) => l,
         Err(e) => return fail(1, e),
     };
-    let coordinator = Arc::new(Coordinator::new(store, leases));
+    let worker_ttl = match a.worker_ttl.clone().or(file.worker_ttl.clone()) {
+        None => flotilla_coordinator::sched::WORKER_LEASE_TTL,
+        Some(s) => match config::parse_duration("--worker-ttl", &s) {
+            Ok(d) if d >= std::time::Duration::from_secs(2) => d,
+            Ok(_) => {
+                return fail(
+                    2,
+                    "--worker-ttl must be at least 2s (etcd's shortest lease); e.g. --worker-ttl 10s",
+                );
+            }
+            Err(e) => return fail(2, e),
+        },
+    };
+    let coordinator = Arc::new(Coordinator::with_options(
+        store,
+        leases,
+        flotilla_coordinator::sched::DispatchOptions { worker_ttl },
+    ));
     let registry = Arc::new(RunRegistry::default());
     let cancel = CancellationToken::new();
     let opts = ServerOptions {
         listen,
         tls,
+        keepalive: worker_ttl / 3,
         session_base: format!("http://{http}"),
     };
     let leases_at = if a.etcd.is_empty() {
@@ -681,17 +703,21 @@ pub async fn workers(a: WorkersArgs) -> i32 {
             if a.json {
                 let v: Vec<serde_json::Value> = workers
                     .iter()
-                    .map(|w| serde_json::json!({"name": w.name, "slots": w.slots, "busy": w.busy, "backends": w.backends, "models": w.models}))
+                    .map(|w| serde_json::json!({"name": w.name, "state": if w.attached { "attached" } else { "cut off" }, "slots": w.slots, "busy": w.busy, "backends": w.backends, "models": w.models, "labels": w.labels}))
                     .collect();
                 println!("{}", serde_json::Value::Array(v));
             } else if workers.is_empty() {
                 eprintln!("no workers attached");
             } else {
-                println!("{:<32} {:>5} {:>5}  BACKENDS", "WORKER", "SLOTS", "BUSY");
+                println!(
+                    "{:<32} {:<9} {:>5} {:>5}  BACKENDS",
+                    "WORKER", "STATE", "SLOTS", "BUSY"
+                );
                 for w in workers {
                     println!(
-                        "{:<32} {:>5} {:>5}  {}",
+                        "{:<32} {:<9} {:>5} {:>5}  {}",
                         w.name,
+                        if w.attached { "attached" } else { "cut off" },
                         w.slots,
                         w.busy,
                         w.backends.join(",")

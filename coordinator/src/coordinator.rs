@@ -78,8 +78,17 @@ impl std::fmt::Debug for Coordinator {
 impl Coordinator {
     /// Starts a coordinator over a store and a lease store.
     pub fn new(store: Store, leases: Arc<dyn LeaseStore>) -> Self {
+        Self::with_options(store, leases, sched::DispatchOptions::default())
+    }
+
+    /// Starts a coordinator with dispatcher options (the worker lease TTL).
+    pub fn with_options(
+        store: Store,
+        leases: Arc<dyn LeaseStore>,
+        opts: sched::DispatchOptions,
+    ) -> Self {
         let cancel = CancellationToken::new();
-        let dispatch = sched::spawn(leases.clone(), cancel.child_token());
+        let dispatch = sched::spawn_with(leases.clone(), opts, cancel.child_token());
         Coordinator {
             store,
             dispatch,

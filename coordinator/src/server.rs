@@ -42,6 +42,8 @@ pub struct ServerOptions {
     pub tls: Option<TlsFiles>,
     /// Base of session URLs (`http://host:port`).
     pub session_base: String,
+    /// HTTP/2 keep-alive interval and timeout on every stream.
+    pub keepalive: std::time::Duration,
 }
 
 /// The runs this coordinator is running (or has finished since it started).
@@ -103,7 +105,10 @@ pub async fn serve(
         secure,
         session_base: opts.session_base.clone(),
     };
-    let mut builder = tonic::transport::Server::builder();
+    // HTTP/2 pings find a frozen or cut-off worker's stream within two intervals.
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(opts.keepalive))
+        .http2_keepalive_timeout(Some(opts.keepalive));
     if let Some(files) = &opts.tls {
         let config = files.server_config().map_err(|e| e.to_string())?;
         builder = builder
@@ -423,7 +428,8 @@ impl ClientService for ClientSvc {
                 busy: w.busy,
                 backends: w.backends,
                 models: w.models,
-                labels: HashMap::new(),
+                labels: w.labels.into_iter().collect(),
+                attached: w.attached,
             })
             .collect();
         Ok(Response::new(v1::ListWorkersReply { workers }))

@@ -41,6 +41,10 @@ pub struct Cluster {
     pub etcd: Option<String>,
     /// Store URL and environment of the coordinator (default: a file store in the dir).
     pub store: Option<(String, Vec<(String, String)>)>,
+    /// The workers' lease TTL (`--worker-ttl`).
+    pub worker_ttl: Duration,
+    /// When set, workers reach the coordinator through this proxy (which a test can cut).
+    pub proxy: Option<crate::proxy::Proxy>,
 }
 
 impl Cluster {
@@ -60,6 +64,58 @@ impl Cluster {
     pub fn start_full(
         workers: usize,
         slots: u32,
+        etcd: Option<String>,
+        store: Option<(String, Vec<(String, String)>)>,
+    ) -> Cluster {
+        let mut c = Self::prepare(workers, etcd, store);
+        c.start_all(workers, slots);
+        c
+    }
+
+    /// Like [`Cluster::start`], with leases in an etcd that serves TLS and requires client
+    /// certificates from the cluster's CA (the coordinator presents its own).
+    pub fn start_with_tls_etcd(workers: usize, slots: u32) -> (Cluster, crate::services::Etcd) {
+        let mut c = Self::prepare(workers, None, None);
+        must(
+            Command::new(&c.bin)
+                .args([
+                    "certs",
+                    "issue",
+                    "--role",
+                    "coordinator",
+                    "--name",
+                    "etcd",
+                    "--host",
+                    "127.0.0.1",
+                    "--dir",
+                ])
+                .arg(c.pki()),
+        );
+        let etcd = crate::services::Etcd::start_tls(&c.pki());
+        c.etcd = Some(etcd.endpoint());
+        c.start_all(workers, slots);
+        (c, etcd)
+    }
+
+    /// Like [`Cluster::start`], with the workers' connections going through a [`Proxy`].
+    pub fn start_proxied(workers: usize, slots: u32) -> Cluster {
+        let mut c = Self::prepare(workers, None, None);
+        c.proxy = Some(crate::proxy::Proxy::start(c.port));
+        c.start_all(workers, slots);
+        c
+    }
+
+    fn start_all(&mut self, workers: usize, slots: u32) {
+        self.start_coordinator();
+        for i in 0..workers {
+            self.start_worker(i, slots);
+        }
+        self.wait_for_workers(workers);
+    }
+
+    /// Certificates for a coordinator, a client and `workers` workers; nothing started.
+    fn prepare(
+        workers: usize,
         etcd: Option<String>,
         store: Option<(String, Vec<(String, String)>)>,
     ) -> Cluster {
@@ -108,7 +164,7 @@ impl Cluster {
                     .arg(&pki),
             );
         }
-        let mut c = Cluster {
+        Cluster {
             dir,
             bin,
             port: free_port(),
@@ -116,13 +172,9 @@ impl Cluster {
             workers: Vec::new(),
             etcd,
             store,
-        };
-        c.start_coordinator();
-        for i in 0..workers {
-            c.start_worker(i, slots);
+            worker_ttl: Duration::from_secs(3),
+            proxy: None,
         }
-        c.wait_for_workers(workers);
-        c
     }
 
     pub fn path(&self) -> &Path {
@@ -131,6 +183,14 @@ impl Cluster {
 
     pub fn pki(&self) -> PathBuf {
         self.path().join("pki")
+    }
+
+    /// Where workers connect: the coordinator, or the proxy in front of it.
+    pub fn worker_url(&self) -> String {
+        match &self.proxy {
+            Some(p) => format!("https://127.0.0.1:{}", p.port),
+            None => self.url(),
+        }
     }
 
     pub fn url(&self) -> String {
@@ -161,6 +221,8 @@ impl Cluster {
             &format!("127.0.0.1:{}", self.port),
             "--store",
             &self.store_url(),
+            "--worker-ttl",
+            &format!("{}ms", self.worker_ttl.as_millis()),
             "--tls-dir",
         ])
         .arg(self.pki());
@@ -187,7 +249,7 @@ impl Cluster {
             .args([
                 "worker",
                 "--coordinator",
-                &self.url(),
+                &self.worker_url(),
                 "--name",
                 &format!("worker-{i}"),
                 "--slots",

@@ -27,6 +27,9 @@ pub struct Etcd {
     pub client_port: u16,
     peer_port: u16,
     child: Option<Child>,
+    /// Serving TLS with client-certificate auth: the directory with `ca.crt`, `etcd.crt`,
+    /// `etcd.key` (a `flotilla certs` CA and a certificate for 127.0.0.1).
+    tls: Option<PathBuf>,
 }
 
 impl Etcd {
@@ -37,6 +40,21 @@ impl Etcd {
             client_port: free_port(),
             peer_port: free_port(),
             child: None,
+            tls: None,
+        };
+        e.spawn();
+        e
+    }
+
+    /// Starts etcd serving clients over TLS, requiring client certificates from the CA in
+    /// `pki` (`ca.crt`), with its own certificate `pki/etcd.crt` and key `pki/etcd.key`.
+    pub fn start_tls(pki: &std::path::Path) -> Etcd {
+        let mut e = Etcd {
+            dir: tempfile::tempdir().expect("temp dir"),
+            client_port: free_port(),
+            peer_port: free_port(),
+            child: None,
+            tls: Some(pki.to_owned()),
         };
         e.spawn();
         e
@@ -44,14 +62,24 @@ impl Etcd {
 
     fn spawn(&mut self) {
         let bin = find("etcd", "apt-get install -y etcd-server");
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.path().join("etcd.log"))
             .expect("etcd log");
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        if let Some(pki) = &self.tls {
+            cmd.arg("--cert-file")
+                .arg(pki.join("etcd.crt"))
+                .arg("--key-file")
+                .arg(pki.join("etcd.key"))
+                .arg("--trusted-ca-file")
+                .arg(pki.join("ca.crt"))
+                .arg("--client-cert-auth");
+        }
+        let child = cmd
             .args(["--name", "t", "--data-dir"])
             .arg(self.dir.path().join("data"))
             .args([
@@ -97,6 +125,11 @@ impl Etcd {
     }
 
     fn healthy(&self) -> bool {
+        if self.tls.is_some() {
+            return self
+                .etcdctl(&["endpoint", "health"])
+                .is_some_and(|o| o.status.success());
+        }
         let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.client_port)) else {
             return false;
         };
@@ -115,7 +148,29 @@ impl Etcd {
 
     /// The client URL.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Runs `etcdctl` against this etcd (with its TLS files when it serves TLS).
+    pub fn etcdctl(&self, args: &[&str]) -> Option<std::process::Output> {
+        let bin = find("etcdctl", "apt-get install -y etcd-client");
+        let mut cmd = Command::new(bin);
+        cmd.env("ETCDCTL_API", "3").args([
+            "--endpoints",
+            &self.endpoint(),
+            "--command-timeout",
+            "3s",
+        ]);
+        if let Some(pki) = &self.tls {
+            cmd.arg("--cacert")
+                .arg(pki.join("ca.crt"))
+                .arg("--cert")
+                .arg(pki.join("etcd.crt"))
+                .arg("--key")
+                .arg(pki.join("etcd.key"));
+        }
+        cmd.args(args).stdin(Stdio::null()).output().ok()
     }
 
     /// Kills etcd (its data stays).

@@ -1,9 +1,9 @@
 //! A worker attached to a remote coordinator over gRPC (mTLS unless `--insecure`).
 //!
-//! [`serve`] connects, opens the `Attach` stream and bridges it onto a [`Link`], then runs the
-//! [`Worker`] on it. When the stream breaks, the worker's attempts end (the coordinator has
-//! already restarted them elsewhere once their lease lapses) and the worker reconnects with
-//! exponential backoff, up to [`MAX_BACKOFF`] between tries, until `cancel` fires.
+//! [`serve`] runs the [`Worker`] and hands it one [`Link`] per connection: connect, open the
+//! `Attach` stream, bridge it. When the stream breaks, the worker keeps its attempts (see
+//! [`Worker::serve`]) and this reconnects with exponential backoff, up to [`MAX_BACKOFF`]
+//! between tries, until `cancel` fires or the coordinator refuses the worker.
 
 use std::time::Duration;
 
@@ -50,10 +50,39 @@ pub async fn serve(
 ) -> Result<(), Error> {
     let channel =
         flotilla_proto::tls::channel(&opts.endpoint, opts.tls.as_ref()).map_err(Error::Connect)?;
+    let (links_tx, links_rx) = mpsc::unbounded_channel();
+    let stop = cancel.child_token();
+    let run = {
+        let stop = stop.clone();
+        async move { worker.serve(links_rx, stop).await }
+    };
+    let connect = async move {
+        let res = connect_loop(channel, &opts, &links_tx, &cancel).await;
+        drop(links_tx);
+        res
+    };
+    let (res, ()) = tokio::join!(
+        async {
+            let res = connect.await;
+            // Refused or cancelled: the worker stops and cancels what it runs.
+            stop.cancel();
+            res
+        },
+        run
+    );
+    res
+}
+
+async fn connect_loop(
+    channel: Channel,
+    opts: &RemoteOptions,
+    links: &mpsc::UnboundedSender<Link>,
+    cancel: &CancellationToken,
+) -> Result<(), Error> {
     let mut backoff = Duration::from_millis(100);
     let mut hangups = 0u32;
     while !cancel.is_cancelled() {
-        match attach_once(&worker, channel.clone(), &cancel).await {
+        match attach_once(channel.clone(), links, cancel).await {
             Ok(()) => {
                 backoff = Duration::from_millis(100);
                 hangups = 0;
@@ -96,26 +125,25 @@ pub async fn serve(
     Ok(())
 }
 
-/// One connection: runs the worker until the stream ends.
+/// One connection: hands the worker a link and carries it until the stream ends.
 async fn attach_once(
-    worker: &Worker,
     channel: Channel,
+    links: &mpsc::UnboundedSender<Link>,
     cancel: &CancellationToken,
 ) -> Result<(), tonic::Status> {
     let mut client = WorkerServiceClient::new(channel);
     let (out_tx, out_rx) = mpsc::unbounded_channel();
     let (in_tx, in_rx) = mpsc::unbounded_channel();
-    let link = Link {
-        tx: out_tx,
-        rx: in_rx,
-    };
-    let conn = cancel.child_token();
-    // The worker sends Hello first; the call only returns once the coordinator answers, so
-    // the worker must already be running.
-    let run = {
-        let conn = conn.clone();
-        async move { worker.run(link, conn).await }
-    };
+    // The worker sends Hello first; the call only returns once the coordinator answers.
+    if links
+        .send(Link {
+            tx: out_tx,
+            rx: in_rx,
+        })
+        .is_err()
+    {
+        return Ok(());
+    }
     let call = async move {
         let mut inbound = client
             .attach(UnboundedReceiverStream::new(out_rx))
@@ -134,15 +162,9 @@ async fn attach_once(
         }
         Ok(())
     };
-    tokio::pin!(run);
-    tokio::pin!(call);
+    // Dropping the call drops `in_tx`: the worker sees the link end.
     tokio::select! {
-        r = &mut call => {
-            // The link is gone: end the worker's attempts and wait for it.
-            conn.cancel();
-            run.await;
-            r
-        }
-        () = &mut run => Ok(()),
+        r = call => r,
+        _ = cancel.cancelled() => Ok(()),
     }
 }

@@ -1,15 +1,16 @@
 //! The worker loop: one link to a coordinator, many attempts at once.
 //!
-//! The worker says `Hello` (backends, models, labels, slots), then runs every `Assignment` it
-//! receives as a task of its own, streaming progress, transcript chunks and finally one
-//! `Outcome` per assignment. A `Cancel` fires the attempt's cancel token; the backend kills
-//! what it started and the outcome reports `Cancelled`. When the link closes, every attempt
-//! is cancelled and awaited before `run` returns.
+//! The worker says `Hello` (backends, models, labels, slots, and the attempts it still holds
+//! from an earlier link), then runs every `Assignment` it receives as a task of its own,
+//! streaming progress, transcript chunks and finally one `Outcome` per assignment. A `Cancel`
+//! fires the attempt's cancel token; the backend kills what it started and the outcome reports
+//! `Cancelled`. A link that breaks does not end the attempts ([`Worker::serve`]); when the
+//! worker stops, every attempt is cancelled and awaited before it returns.
 //!
 //! Invariant: every assignment gets exactly one outcome (that is how the coordinator gets its
 //! slot back), and the outcome is sent after the attempt's last transcript chunk.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use flotilla_proto::v1::{
 };
 use serde_json::Value;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -72,79 +74,144 @@ impl Worker {
         }
     }
 
-    /// Serves one link until it closes or `cancel` fires.
+    /// Serves one link until it closes or `cancel` fires (an in-process worker).
     pub async fn run(&self, link: Link, cancel: CancellationToken) {
-        let Link { tx, mut rx } = link;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = tx.send(link);
+        drop(tx);
+        self.serve(rx, cancel).await;
+    }
+
+    fn hello(&self, held: Vec<v1::AttemptRef>) -> WorkerMessage {
         let mut models: Vec<String> = self.backends.values().flat_map(|b| b.models()).collect();
         models.sort();
         models.dedup();
         let mut backends: Vec<String> = self.backends.keys().map(|s| (*s).to_owned()).collect();
         backends.sort();
-        let hello = Hello {
-            protocol_version: flotilla_proto::PROTOCOL_VERSION.to_owned(),
-            name: self.opts.name.clone(),
-            backends,
-            models,
-            labels: self.opts.labels.clone(),
-            slots: self.opts.slots,
-        };
-        if tx
-            .send(WorkerMessage {
-                msg: Some(worker_message::Msg::Hello(hello)),
-            })
-            .is_err()
-        {
-            return;
+        WorkerMessage {
+            msg: Some(worker_message::Msg::Hello(Hello {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.to_owned(),
+                name: self.opts.name.clone(),
+                backends,
+                models,
+                labels: self.opts.labels.clone(),
+                slots: self.opts.slots,
+                held,
+            })),
         }
+    }
 
+    /// Serves the links that arrive on `links`, one at a time, until `cancel` fires or the
+    /// channel closes with no link up. Attempts outlive a broken link: while cut off, the
+    /// worker keeps running them and keeps their outcomes and transcripts; the next link
+    /// starts with a `Hello` listing what it holds, then delivers what it kept. Cut off for
+    /// longer than the lease TTL (the coordinator has restarted them elsewhere by then), it
+    /// cancels them.
+    pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
         let workspace = Workspace::new(&self.opts.workspace);
         let tracker = TaskTracker::new();
-        let running: Arc<Mutex<HashMap<AttemptId, CancellationToken>>> = Arc::default();
+        let running: Running = Arc::default();
+        let (out_tx, mut out_rx) = mpsc::unbounded_channel::<WorkerMessage>();
+        let mut link: Option<Link> = None;
+        let mut links_open = true;
+        let mut kept = Kept::default();
+        let mut cut_off_since: Option<Instant> = None;
+        let mut grace = DEFAULT_GRACE;
         loop {
-            let msg = tokio::select! {
+            let give_up = cut_off_since.map(|t| t + grace);
+            tokio::select! {
                 _ = cancel.cancelled() => break,
-                msg = rx.recv() => msg,
-            };
-            let Some(CoordinatorMessage { msg: Some(msg) }) = msg else {
-                if msg.is_none() {
-                    break;
-                }
-                continue;
-            };
-            match msg {
-                coordinator_message::Msg::Welcome(w) => {
-                    tracing::debug!(worker = %self.opts.name, id = %w.worker_id, "attached");
-                }
-                coordinator_message::Msg::Assign(a) => {
-                    let id: AttemptId = (a.run_id.clone(), a.call, a.attempt);
-                    let token = cancel.child_token();
-                    lock(&running).insert(id.clone(), token.clone());
-                    let backend = self.backend_for(&a);
-                    let tx = tx.clone();
-                    let running = running.clone();
-                    let workspace = workspace.clone();
-                    tracker.spawn(async move {
-                        let outcome = run_attempt(a, backend, workspace, tx.clone(), token).await;
-                        lock(&running).remove(&id);
-                        let _ = tx.send(WorkerMessage {
-                            msg: Some(worker_message::Msg::Outcome(outcome)),
-                        });
-                    });
-                }
-                coordinator_message::Msg::Cancel(c) => {
-                    let id: AttemptId = (c.run_id, c.call, c.attempt);
-                    if let Some(token) = lock(&running).get(&id) {
-                        tracing::debug!(run = %id.0, call = id.1, attempt = id.2, reason = %c.reason, "cancel");
+                next = links.recv(), if links_open => match next {
+                    Some(new) => {
+                        // Whatever the attempts already sent counts as held too.
+                        while let Ok(m) = out_rx.try_recv() {
+                            kept.keep(m);
+                        }
+                        let held = kept.held(&running);
+                        if new.tx.send(self.hello(held)).is_ok() {
+                            // Cut off until the coordinator welcomes this link.
+                            link = Some(new);
+                            for m in kept.take_for_resend() {
+                                deliver(&mut link, &mut kept, m);
+                            }
+                        }
+                    }
+                    None => {
+                        links_open = false;
+                        if link.is_none() {
+                            break;
+                        }
+                    }
+                },
+                msg = recv_from(&mut link) => match msg {
+                    Some(CoordinatorMessage { msg: Some(msg) }) => match msg {
+                        coordinator_message::Msg::Welcome(w) => {
+                            if w.lease_ttl_ms > 0 {
+                                grace = Duration::from_millis(w.lease_ttl_ms);
+                            }
+                            cut_off_since = None;
+                            tracing::debug!(worker = %self.opts.name, id = %w.worker_id, "attached");
+                        }
+                        coordinator_message::Msg::Assign(a) => {
+                            let id: AttemptId = (a.run_id.clone(), a.call, a.attempt);
+                            if lock(&running).contains_key(&id) {
+                                continue;
+                            }
+                            let token = cancel.child_token();
+                            lock(&running).insert(id.clone(), (token.clone(), a.fence));
+                            let backend = self.backend_for(&a);
+                            let tx = out_tx.clone();
+                            let running = running.clone();
+                            let workspace = workspace.clone();
+                            tracker.spawn(async move {
+                                let outcome = run_attempt(a, backend, workspace, tx.clone(), token).await;
+                                // Into the outbox before leaving `running`, so it is always held.
+                                let _ = tx.send(WorkerMessage {
+                                    msg: Some(worker_message::Msg::Outcome(outcome)),
+                                });
+                                lock(&running).remove(&id);
+                            });
+                        }
+                        coordinator_message::Msg::Cancel(c) => {
+                            let id: AttemptId = (c.run_id, c.call, c.attempt);
+                            if let Some((token, _)) = lock(&running).get(&id) {
+                                tracing::debug!(run = %id.0, call = id.1, attempt = id.2, reason = %c.reason, "cancel");
+                                token.cancel();
+                            }
+                        }
+                    },
+                    Some(CoordinatorMessage { msg: None }) => {}
+                    None => {
+                        link = None;
+                        if !links_open {
+                            break;
+                        }
+                        if cut_off_since.is_none() {
+                            tracing::warn!(worker = %self.opts.name, attempts = lock(&running).len(), "cut off from the coordinator; keeping attempts for {}", humanize(grace));
+                            cut_off_since = Some(Instant::now());
+                        }
+                        kept.link_broke();
+                    }
+                },
+                Some(m) = out_rx.recv() => deliver(&mut link, &mut kept, m),
+                () = sleep_until_opt(give_up) => {
+                    tracing::warn!(worker = %self.opts.name, "cut off for longer than the lease TTL; giving up the attempts (the coordinator has restarted them)");
+                    for (token, _) in lock(&running).values() {
                         token.cancel();
                     }
+                    cut_off_since = None;
                 }
             }
         }
-        for token in lock(&running).values() {
+        for (token, _) in lock(&running).values() {
             token.cancel();
         }
         tracker.close();
         tracker.wait().await;
+        // Outcomes of the last moments go out if the link is still there.
+        while let Ok(m) = out_rx.try_recv() {
+            deliver(&mut link, &mut kept, m);
+        }
     }
 
     fn backend_for(&self, a: &Assignment) -> Result<Arc<dyn AgentBackend>, Error> {
@@ -165,6 +232,137 @@ impl Worker {
                 ),
             )
         })
+    }
+}
+
+/// Attempts running here: their cancel tokens and fences.
+type Running = Arc<Mutex<HashMap<AttemptId, (CancellationToken, i64)>>>;
+
+/// Longest a worker keeps its attempts while cut off before it hears the coordinator's TTL.
+const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+/// Outcomes sent this shortly before a link broke may not have arrived; they are sent again.
+const RESEND_WINDOW: Duration = Duration::from_secs(30);
+/// At most this many outcomes are remembered for sending again.
+const RESEND_MAX: usize = 16_384;
+/// Transcript chunks kept while cut off (outcomes are always kept; progress never).
+const KEPT_MAX: usize = 100_000;
+
+/// What the worker keeps for the next link.
+#[derive(Default)]
+struct Kept {
+    /// Not delivered: outcomes and transcript chunks produced while cut off.
+    pending: VecDeque<WorkerMessage>,
+    /// Outcomes sent on the current link, newest last, with when they were sent.
+    recent: VecDeque<(Instant, v1::Outcome)>,
+    /// Outcomes sent shortly before the last link broke.
+    unsure: Vec<v1::Outcome>,
+}
+
+impl Kept {
+    fn link_broke(&mut self) {
+        let since = Instant::now().checked_sub(RESEND_WINDOW);
+        self.unsure.extend(
+            self.recent
+                .drain(..)
+                .filter(|(at, _)| since.is_none_or(|s| *at >= s))
+                .map(|(_, o)| o),
+        );
+    }
+
+    /// Every attempt this worker still owes an outcome for.
+    fn held(&self, running: &Running) -> Vec<v1::AttemptRef> {
+        let mut held: Vec<v1::AttemptRef> = lock(running)
+            .iter()
+            .map(|((run, call, attempt), (_, fence))| v1::AttemptRef {
+                run_id: run.clone(),
+                call: *call,
+                attempt: *attempt,
+                fence: *fence,
+            })
+            .collect();
+        let outcomes = self.pending.iter().filter_map(|m| match &m.msg {
+            Some(worker_message::Msg::Outcome(o)) => Some(o),
+            _ => None,
+        });
+        for o in outcomes.chain(self.unsure.iter()) {
+            held.push(v1::AttemptRef {
+                run_id: o.run_id.clone(),
+                call: o.call,
+                attempt: o.attempt,
+                fence: o.fence,
+            });
+        }
+        held
+    }
+
+    /// What to send after `Hello` on a new link, in order.
+    fn take_for_resend(&mut self) -> Vec<WorkerMessage> {
+        let mut out: Vec<WorkerMessage> = self
+            .unsure
+            .drain(..)
+            .map(|o| WorkerMessage {
+                msg: Some(worker_message::Msg::Outcome(o)),
+            })
+            .collect();
+        out.extend(self.pending.drain(..));
+        out
+    }
+
+    fn keep(&mut self, m: WorkerMessage) {
+        match &m.msg {
+            Some(worker_message::Msg::Outcome(_)) => self.pending.push_back(m),
+            Some(worker_message::Msg::Transcript(_)) if self.pending.len() < KEPT_MAX => {
+                self.pending.push_back(m);
+            }
+            _ => {}
+        }
+    }
+
+    fn sent(&mut self, o: &v1::Outcome) {
+        let now = Instant::now();
+        while self.recent.len() >= RESEND_MAX
+            || self
+                .recent
+                .front()
+                .is_some_and(|(at, _)| now.duration_since(*at) > RESEND_WINDOW)
+        {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((now, o.clone()));
+    }
+}
+
+/// Sends on the current link, or keeps the message for the next one.
+fn deliver(link: &mut Option<Link>, kept: &mut Kept, m: WorkerMessage) {
+    let Some(l) = link.as_ref() else {
+        kept.keep(m);
+        return;
+    };
+    let outcome = match &m.msg {
+        Some(worker_message::Msg::Outcome(o)) => Some(o.clone()),
+        _ => None,
+    };
+    match l.tx.send(m) {
+        Ok(()) => {
+            if let Some(o) = &outcome {
+                kept.sent(o);
+            }
+        }
+        Err(mpsc::error::SendError(m)) => kept.keep(m),
+    }
+}
+
+async fn recv_from(link: &mut Option<Link>) -> Option<CoordinatorMessage> {
+    match link {
+        Some(l) => l.rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -323,5 +521,149 @@ impl EventSink for LinkSink {
         if full {
             self.flush();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::echo::Echo;
+    use flotilla_proto::link::{CoordinatorEnd, link_pair};
+
+    fn worker(dir: &std::path::Path) -> Worker {
+        Worker::new(
+            WorkerOptions {
+                name: "w".into(),
+                slots: 2,
+                workspace: dir.to_owned(),
+                labels: HashMap::new(),
+            },
+            vec![Arc::new(Echo)],
+        )
+    }
+
+    async fn next(end: &mut CoordinatorEnd) -> worker_message::Msg {
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(30), end.rx.recv())
+                .await
+                .expect("a message from the worker")
+                .expect("link open")
+                .msg
+                .expect("a message");
+            if !matches!(
+                m,
+                worker_message::Msg::Progress(_) | worker_message::Msg::Transcript(_)
+            ) {
+                return m;
+            }
+        }
+    }
+
+    fn send(end: &CoordinatorEnd, msg: coordinator_message::Msg) {
+        end.tx.send(CoordinatorMessage { msg: Some(msg) }).unwrap();
+    }
+
+    fn welcome(ttl: Duration) -> coordinator_message::Msg {
+        coordinator_message::Msg::Welcome(v1::Welcome {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            worker_id: "w".into(),
+            coordinator: "test".into(),
+            lease_ttl_ms: ttl.as_millis() as u64,
+        })
+    }
+
+    fn assignment(prompt: &str, fence: i64) -> Assignment {
+        Assignment {
+            run_id: "wf_x".into(),
+            call: 7,
+            attempt: 1,
+            call_key: "k".into(),
+            task: Some(v1::TaskSpec {
+                prompt: prompt.into(),
+                backend: "echo".into(),
+                ..v1::TaskSpec::default()
+            }),
+            trace_context: HashMap::new(),
+            fence,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_attempt_outlives_a_broken_link_and_is_reported_on_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = worker(dir.path());
+        let (links_tx, links_rx) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let serving = tokio::spawn({
+            let cancel = cancel.clone();
+            async move { w.serve(links_rx, cancel).await }
+        });
+        let (link, mut end) = link_pair();
+        links_tx.send(link).unwrap();
+        assert!(matches!(next(&mut end).await, worker_message::Msg::Hello(h) if h.held.is_empty()));
+        send(&end, welcome(Duration::from_secs(30)));
+        send(
+            &end,
+            coordinator_message::Msg::Assign(assignment("[[sleep:400]] hi", 42)),
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(end);
+        // The attempt finishes while the worker is cut off.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (link, mut end) = link_pair();
+        links_tx.send(link).unwrap();
+        let worker_message::Msg::Hello(h) = next(&mut end).await else {
+            panic!("Hello first");
+        };
+        assert_eq!(h.held.len(), 1, "{:?}", h.held);
+        assert_eq!(
+            (h.held[0].call, h.held[0].attempt, h.held[0].fence),
+            (7, 1, 42)
+        );
+        let worker_message::Msg::Outcome(o) = next(&mut end).await else {
+            panic!("then the kept outcome");
+        };
+        assert_eq!((o.call, o.attempt, o.fence), (7, 1, 42));
+        assert!(
+            matches!(o.result, Some(outcome::Result::Completed(_))),
+            "{o:?}"
+        );
+        cancel.cancel();
+        serving.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn attempts_are_given_up_after_the_lease_ttl_without_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = worker(dir.path());
+        let (links_tx, links_rx) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let serving = tokio::spawn({
+            let cancel = cancel.clone();
+            async move { w.serve(links_rx, cancel).await }
+        });
+        let (link, mut end) = link_pair();
+        links_tx.send(link).unwrap();
+        next(&mut end).await;
+        send(&end, welcome(Duration::from_millis(200)));
+        send(
+            &end,
+            coordinator_message::Msg::Assign(assignment("[[sleep:60000]] long", 5)),
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(end);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let (link, mut end) = link_pair();
+        links_tx.send(link).unwrap();
+        next(&mut end).await;
+        let worker_message::Msg::Outcome(o) = next(&mut end).await else {
+            panic!("the cancelled attempt's outcome");
+        };
+        let Some(outcome::Result::Failure(f)) = o.result else {
+            panic!("{o:?}");
+        };
+        assert_eq!(f.kind, FailureKind::Cancelled as i32, "{f:?}");
+        cancel.cancel();
+        serving.await.unwrap();
     }
 }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::{Error, LeaseStore, WatchEvent};
+use super::{BatchOp, Error, LeaseStore, WatchEvent};
 
 const TTL: Duration = Duration::from_secs(3);
 
@@ -21,6 +21,8 @@ pub async fn run_all(store: &dyn LeaseStore) {
     revisions_never_decrease(store, &ns).await;
     campaign_has_one_holder(store, &ns).await;
     writes_under_a_dead_lease_are_refused(store, &ns).await;
+    a_batch_applies_in_order_under_one_revision(store, &ns).await;
+    a_batch_with_a_dead_lease_writes_nothing(store, &ns).await;
 }
 
 async fn keys_live_while_the_lease_is_kept_alive(store: &dyn LeaseStore, ns: &str) {
@@ -134,4 +136,82 @@ async fn writes_under_a_dead_lease_are_refused(store: &dyn LeaseStore, ns: &str)
         .put(&format!("{ns}/dead/a"), vec![], Some(lease))
         .await;
     assert_eq!(res, Err(Error::LeaseGone(lease)));
+}
+
+async fn a_batch_applies_in_order_under_one_revision(store: &dyn LeaseStore, ns: &str) {
+    let prefix = format!("{ns}/batch/");
+    let lease = store.grant(TTL).await.unwrap();
+    let before = store
+        .put(&format!("{prefix}old"), vec![], None)
+        .await
+        .unwrap();
+    let put = |k: &str, v: &[u8]| BatchOp::Put {
+        key: format!("{prefix}{k}"),
+        value: v.to_vec(),
+        lease: Some(lease),
+    };
+    let rev = store
+        .write_batch(vec![
+            put("a", b"1"),
+            put("b", b"2"),
+            BatchOp::Delete {
+                key: format!("{prefix}old"),
+            },
+            BatchOp::Delete {
+                key: format!("{prefix}never-there"),
+            },
+        ])
+        .await
+        .unwrap();
+    assert!(rev > before, "batch revision {rev} after {before}");
+    let keys = store.list(&prefix).await.unwrap();
+    let names: Vec<_> = keys
+        .iter()
+        .map(|kv| kv.key.trim_start_matches(&prefix).to_owned())
+        .collect();
+    assert_eq!(names, ["a", "b"]);
+    for kv in &keys {
+        assert!(kv.mod_revision > before && kv.mod_revision <= rev, "{kv:?}");
+        assert_eq!(kv.lease, Some(lease));
+    }
+    let later = store
+        .put(&format!("{prefix}c"), vec![], None)
+        .await
+        .unwrap();
+    assert!(later > rev);
+    // The batch's keys go with their lease.
+    store.revoke(lease).await.unwrap();
+    let left: Vec<_> = store
+        .list(&prefix)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
+    assert_eq!(left, [format!("{prefix}c")]);
+    store.delete(&format!("{prefix}c")).await.unwrap();
+}
+
+async fn a_batch_with_a_dead_lease_writes_nothing(store: &dyn LeaseStore, ns: &str) {
+    let prefix = format!("{ns}/batch-dead/");
+    let live = store.grant(TTL).await.unwrap();
+    let dead = store.grant(TTL).await.unwrap();
+    store.revoke(dead).await.unwrap();
+    let res = store
+        .write_batch(vec![
+            BatchOp::Put {
+                key: format!("{prefix}a"),
+                value: vec![],
+                lease: Some(live),
+            },
+            BatchOp::Put {
+                key: format!("{prefix}b"),
+                value: vec![],
+                lease: Some(dead),
+            },
+        ])
+        .await;
+    assert!(matches!(res, Err(Error::LeaseGone(_))), "{res:?}");
+    assert!(store.list(&prefix).await.unwrap().is_empty());
+    store.revoke(live).await.unwrap();
 }

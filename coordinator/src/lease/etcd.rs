@@ -14,7 +14,7 @@ use etcd_client::{
 };
 use tokio::sync::{Mutex, mpsc};
 
-use super::{Error, KeyValue, LeaseId, LeaseStore, Revision, WatchEvent};
+use super::{BatchOp, Error, KeyValue, LeaseId, LeaseStore, Revision, WatchEvent};
 
 /// The etcd lease store.
 pub struct EtcdLeaseStore {
@@ -212,28 +212,99 @@ impl LeaseStore for EtcdLeaseStore {
         Ok(resp.deleted() > 0)
     }
 
-    async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error> {
-        let mut stream = self
+    async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, Error> {
+        let first_lease = ops
+            .iter()
+            .find_map(|op| match op {
+                BatchOp::Put { lease, .. } => *lease,
+                BatchOp::Delete { .. } => None,
+            })
+            .unwrap_or_default();
+        let txn_ops: Vec<TxnOp> = ops
+            .into_iter()
+            .map(|op| match op {
+                BatchOp::Put { key, value, lease } => {
+                    TxnOp::put(key, value, lease.map(|l| PutOptions::new().with_lease(l)))
+                }
+                BatchOp::Delete { key } => TxnOp::delete(key, None),
+            })
+            .collect();
+        let resp = self
             .client
             .clone()
-            .watch(prefix, Some(WatchOptions::new().with_prefix()))
+            .txn(Txn::new().and_then(txn_ops))
+            .await
+            .map_err(|e| lease_error(first_lease, e))?;
+        resp.header().map(|h| h.revision()).ok_or_else(|| {
+            Error::Unavailable("etcd answered a transaction without a header".into())
+        })
+    }
+
+    async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error> {
+        let client = self.client.clone();
+        let mut stream = client
+            .clone()
+            .watch(
+                prefix,
+                Some(WatchOptions::new().with_prefix().with_progress_notify()),
+            )
             .await
             .map_err(unavailable)?;
         let (tx, rx) = mpsc::unbounded_channel();
+        let prefix = prefix.to_owned();
         tokio::spawn(async move {
-            while let Ok(Some(resp)) = stream.message().await {
-                let revision = resp.header().map_or(0, |h| h.revision());
-                for ev in resp.events() {
-                    let Some(kv) = ev.kv() else { continue };
-                    let event = match ev.event_type() {
-                        EventType::Put => WatchEvent::Put(kv_of(kv)),
-                        EventType::Delete => WatchEvent::Delete {
-                            key: String::from_utf8_lossy(kv.key()).into_owned(),
-                            revision: kv.mod_revision().max(revision),
-                        },
+            // The last revision reported; a broken stream (etcd restarting) resumes after it.
+            let mut seen: Revision = 0;
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                loop {
+                    let resp = match stream.message().await {
+                        Ok(Some(resp)) => resp,
+                        Ok(None) | Err(_) => break,
                     };
-                    if tx.send(event).is_err() {
+                    if resp.canceled() {
+                        break;
+                    }
+                    let revision = resp.header().map_or(0, |h| h.revision());
+                    // Every event up to the header's revision has been delivered.
+                    let through = revision;
+                    for ev in resp.events() {
+                        let Some(kv) = ev.kv() else { continue };
+                        let event = match ev.event_type() {
+                            EventType::Put => WatchEvent::Put(kv_of(kv)),
+                            EventType::Delete => WatchEvent::Delete {
+                                key: String::from_utf8_lossy(kv.key()).into_owned(),
+                                revision: kv.mod_revision().max(revision),
+                            },
+                        };
+                        seen = seen.max(kv.mod_revision());
+                        if tx.send(event).is_err() {
+                            return;
+                        }
+                    }
+                    seen = seen.max(through);
+                    backoff = Duration::from_millis(100);
+                }
+                // Re-watch from the next revision until etcd answers again.
+                loop {
+                    if tx.is_closed() {
                         return;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    let mut opts = WatchOptions::new().with_prefix().with_progress_notify();
+                    if seen > 0 {
+                        opts = opts.with_start_revision(seen + 1);
+                    }
+                    match client.clone().watch(prefix.as_str(), Some(opts)).await {
+                        Ok(s) => {
+                            tracing::info!(prefix = %prefix, after = seen, "etcd watch resumed");
+                            stream = s;
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::warn!(prefix = %prefix, error = %e, "etcd watch broken; retrying");
+                        }
                     }
                 }
             }

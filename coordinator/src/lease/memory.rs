@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::{Error, KeyValue, LeaseId, LeaseStore, Revision, WatchEvent};
+use super::{BatchOp, Error, KeyValue, LeaseId, LeaseStore, Revision, WatchEvent};
 
 #[derive(Default)]
 struct State {
@@ -245,6 +245,30 @@ impl LeaseStore for MemoryLeaseStore {
 
     async fn delete(&self, key: &str) -> Result<bool, Error> {
         Ok(self.lock().remove_key(key))
+    }
+
+    async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, Error> {
+        let mut s = self.lock();
+        for op in &ops {
+            if let BatchOp::Put {
+                lease: Some(id), ..
+            } = op
+                && !s.leases.contains_key(id)
+            {
+                return Err(Error::LeaseGone(*id));
+            }
+        }
+        for op in ops {
+            match op {
+                BatchOp::Put { key, value, lease } => {
+                    s.write(&key, value, lease)?;
+                }
+                BatchOp::Delete { key } => {
+                    s.remove_key(&key);
+                }
+            }
+        }
+        Ok(s.revision)
     }
 
     async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error> {

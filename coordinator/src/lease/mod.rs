@@ -10,7 +10,7 @@
 //! - `campaign` creates a key only if it is absent: at most one holder at a time.
 //!
 //! Implementations: [`memory::MemoryLeaseStore`] (embedded mode; time from tokio's clock, so
-//! tests can pause and advance it). The etcd implementation comes with the fleet.
+//! tests can pause and advance it) and [`etcd::EtcdLeaseStore`].
 
 pub mod etcd;
 pub mod memory;
@@ -61,6 +61,19 @@ pub enum WatchEvent {
     Delete { key: String, revision: Revision },
 }
 
+/// One write of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchOp {
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    },
+    Delete {
+        key: String,
+    },
+}
+
 /// The lease seam.
 #[async_trait::async_trait]
 pub trait LeaseStore: Send + Sync + 'static {
@@ -89,7 +102,12 @@ pub trait LeaseStore: Send + Sync + 'static {
     async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, Error>;
     /// Deletes a key; returns whether it existed.
     async fn delete(&self, key: &str) -> Result<bool, Error>;
-    /// Reports puts and deletes of keys under a prefix from now on.
+    /// Applies `ops` in order as one atomic write and returns its revision: every key it puts
+    /// has a revision no greater than that, and every later write a greater one. A put under a
+    /// lease that is gone refuses the whole batch (`LeaseGone`, naming one such lease).
+    async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, Error>;
+    /// Reports puts and deletes of keys under a prefix from now on. The stream survives a
+    /// restart of the store's server (it resumes after the last revision it reported).
     async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error>;
 }
 
@@ -101,6 +119,17 @@ pub mod keys {
     pub const WORKERS: &str = "/flotilla/workers/";
     pub fn attempt(run: &str, call: u64) -> String {
         format!("/flotilla/attempts/{run}/{call}")
+    }
+    pub const ATTEMPTS: &str = "/flotilla/attempts/";
+    /// The run and call an attempt key names.
+    pub fn parse_attempt(key: &str) -> Option<(&str, u64)> {
+        let rest = key.strip_prefix(ATTEMPTS)?;
+        let (run, call) = rest.rsplit_once('/')?;
+        Some((run, call.parse().ok()?))
+    }
+    /// The worker a registration key names.
+    pub fn parse_worker(key: &str) -> Option<&str> {
+        key.strip_prefix(WORKERS).filter(|w| !w.is_empty())
     }
     pub fn run_owner(run: &str) -> String {
         format!("/flotilla/runs/{run}/owner")

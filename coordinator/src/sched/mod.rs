@@ -16,8 +16,14 @@
 //!   and closes the backend/model gate for everyone until then; the wait is not a failure;
 //! - **stalls** (W58): an attempt with no progress for the stall timeout (tool calls in
 //!   flight excepted) is cancelled and restarted, up to the attempt limit;
-//! - **fencing**: only the outcome of a call's current attempt on its current worker is
-//!   accepted; anything else is dropped (its usage is still counted).
+//! - **fencing**: every attempt is a key `/flotilla/attempts/{run}/{call}` under its worker's
+//!   lease, written before the assignment is sent; the key's revision is the attempt's fence.
+//!   Only the outcome of a call's current attempt, on its current worker, with its fence, is
+//!   accepted; anything else is dropped (its usage is still counted);
+//! - **liveness** (`workers.rs`): each worker holds a lease the coordinator keeps alive while
+//!   the worker's stream is up. A worker that is cut off keeps its attempts for one lease TTL:
+//!   if it comes back in time it reports what it holds and carries on; otherwise its lease
+//!   lapses, its attempt keys vanish with it, and the watch on them restarts those calls.
 //!
 //! Invariant: each call ends with at most one `Finished` event, and every assignment's slot is
 //! returned when its worker reports the outcome (or the worker goes away).
@@ -38,8 +44,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{DelayQueue, delay_queue};
 
-use crate::lease::{self, LeaseStore};
+use crate::lease::{self, LeaseId, LeaseStore, Revision, WatchEvent};
 use crate::script::ScriptShared;
+
+mod workers;
+
+use workers::{KeyOp, LeaseCtl, PendingPut};
 
 /// How long a warm prefix group stays warm after its last dispatch (the prompt cache TTL).
 const WARM_FOR: Duration = Duration::from_secs(300);
@@ -49,8 +59,23 @@ const MIN_LIMIT_WAIT: Duration = Duration::from_millis(50);
 const MAX_LIMIT_WAIT: Duration = Duration::from_secs(24 * 3600);
 /// Usage-limit waits one call may go through before it fails.
 const MAX_LIMIT_WAITS: u32 = 100;
-/// TTL of a worker's liveness lease.
+/// Default TTL of a worker's liveness lease.
 pub const WORKER_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// How the dispatcher treats workers.
+#[derive(Debug, Clone)]
+pub struct DispatchOptions {
+    /// TTL of each worker's liveness lease: how long a cut-off worker keeps its attempts.
+    pub worker_ttl: Duration,
+}
+
+impl Default for DispatchOptions {
+    fn default() -> Self {
+        DispatchOptions {
+            worker_ttl: WORKER_LEASE_TTL,
+        }
+    }
+}
 
 /// The limits and channels of one run.
 #[derive(Debug, Clone)]
@@ -151,12 +176,46 @@ pub enum CallEvent {
 
 enum Msg {
     Register(RunRegistration),
-    Submit { run: Arc<str>, ticket: Ticket },
-    Cancel { run: Arc<str>, call: u64 },
-    CloseRun { run: Arc<str> },
+    Submit {
+        run: Arc<str>,
+        ticket: Ticket,
+    },
+    Cancel {
+        run: Arc<str>,
+        call: u64,
+    },
+    CloseRun {
+        run: Arc<str>,
+    },
     Attach(CoordinatorEnd),
-    FromWorker { worker: u64, msg: WorkerMessage },
-    WorkerClosed { worker: u64 },
+    FromWorker {
+        worker: u64,
+        msg: WorkerMessage,
+    },
+    /// A worker's link ended (`link` tells a stale link from the current one).
+    LinkClosed {
+        worker: u64,
+        link: u64,
+    },
+    Watch(WatchEvent),
+    LeaseGranted {
+        worker: Arc<str>,
+        lease: LeaseId,
+        revision: Revision,
+    },
+    LeaseLost {
+        worker: Arc<str>,
+        lease: LeaseId,
+    },
+    /// Attempt keys are written; their assignments may go.
+    Written {
+        puts: Vec<PendingPut>,
+        revision: Revision,
+    },
+    /// Attempt keys refused because their worker's lease is gone.
+    Refused {
+        puts: Vec<PendingPut>,
+    },
     Stats(tokio::sync::oneshot::Sender<Stats>),
     Workers(tokio::sync::oneshot::Sender<Vec<WorkerView>>),
 }
@@ -165,10 +224,13 @@ enum Msg {
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerView {
     pub name: String,
+    /// Its stream is up (otherwise it is cut off and its lease is running out).
+    pub attached: bool,
     pub slots: u32,
     pub busy: u32,
     pub backends: Vec<String>,
     pub models: Vec<String>,
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// Counters for tests and metrics.
@@ -217,7 +279,7 @@ impl DispatchHandle {
     pub fn attach(&self, end: CoordinatorEnd) {
         let _ = self.tx.send(Msg::Attach(end));
     }
-    /// The attached, ready workers.
+    /// The workers with a lease: attached, or cut off and not yet lapsed.
     pub async fn workers(&self) -> Vec<WorkerView> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.tx.send(Msg::Workers(tx)).is_err() {
@@ -249,6 +311,9 @@ struct CallState {
     attempt: u32,
     counted: u32,
     worker: Option<u64>,
+    /// Revision of the current attempt's key; `None` until it is written (the assignment is
+    /// sent only then).
+    fence: Option<Revision>,
     last_progress: Instant,
     in_tool: bool,
     captured: Option<String>,
@@ -265,15 +330,37 @@ struct RunState {
 
 struct WorkerState {
     name: Arc<str>,
-    tx: mpsc::UnboundedSender<CoordinatorMessage>,
-    ready: bool,
+    /// The current link; `None` while the worker is cut off.
+    tx: Option<mpsc::UnboundedSender<CoordinatorMessage>>,
+    /// Which link is current (links of a worker that reconnects are told apart by this).
+    link: u64,
+    /// Ends the current link's reader.
+    link_alive: CancellationToken,
+    /// Where the current link's reader sends (a reconnecting worker's link is re-pointed at
+    /// the worker's existing state).
+    target: Arc<std::sync::atomic::AtomicU64>,
+    /// `Hello` received.
+    named: bool,
+    /// `Welcome` sent on the current link.
+    welcomed: bool,
     slots: u32,
     busy: u32,
     backends: HashSet<String>,
     models: HashSet<String>,
+    labels: std::collections::BTreeMap<String, String>,
     /// Assignments this worker holds a slot for: (run, call, attempt).
     running: HashSet<(Arc<str>, u64, u32)>,
-    alive: CancellationToken,
+    /// Its liveness lease, once granted, and the revision of its registration key.
+    lease: Option<LeaseId>,
+    reg_revision: Revision,
+    ctl: Option<Arc<LeaseCtl>>,
+}
+
+impl WorkerState {
+    /// May take assignments: attached, named, with a live lease.
+    fn ready(&self) -> bool {
+        self.tx.is_some() && self.named && self.lease.is_some()
+    }
 }
 
 #[derive(Default)]
@@ -291,14 +378,30 @@ enum Timer {
     Hold(Arc<str>, u64, u64),
     Gate(String),
     Retry(Arc<str>, u64),
+    /// Backstop for a cut-off worker whose lease lapse was never seen: (worker, link).
+    Lapse(u64, u64),
 }
 
-/// Starts the dispatcher. Worker liveness leases go to `leases`.
+/// Starts the dispatcher with default options. Worker liveness leases go to `leases`.
 pub fn spawn(leases: Arc<dyn LeaseStore>, cancel: CancellationToken) -> DispatchHandle {
+    spawn_with(leases, DispatchOptions::default(), cancel)
+}
+
+/// Starts the dispatcher.
+pub fn spawn_with(
+    leases: Arc<dyn LeaseStore>,
+    opts: DispatchOptions,
+    cancel: CancellationToken,
+) -> DispatchHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let handle = DispatchHandle { tx: tx.clone() };
+    let keys = workers::spawn_key_writer(leases.clone(), tx.clone(), cancel.clone());
+    workers::spawn_watches(leases.clone(), tx.clone(), cancel.clone());
     let d = Dispatcher {
         tx,
+        opts,
+        keys,
+        by_name: HashMap::new(),
         leases,
         runs: HashMap::new(),
         rr: VecDeque::new(),
@@ -316,6 +419,10 @@ pub fn spawn(leases: Arc<dyn LeaseStore>, cancel: CancellationToken) -> Dispatch
 
 struct Dispatcher {
     tx: mpsc::UnboundedSender<Msg>,
+    opts: DispatchOptions,
+    /// Attempt-key writes, applied in order by the key writer.
+    keys: mpsc::UnboundedSender<KeyOp>,
+    by_name: HashMap<Arc<str>, u64>,
     leases: Arc<dyn LeaseStore>,
     runs: HashMap<Arc<str>, RunState>,
     rr: VecDeque<Arc<str>>,
@@ -326,53 +433,6 @@ struct Dispatcher {
     gates: HashMap<String, Instant>,
     gated: HashMap<String, Vec<CallId>>,
     timers: DelayQueue<Timer>,
-}
-
-/// Holds a worker's liveness lease and its registration key while the worker is attached.
-/// A lease store that is briefly down (an etcd restart) is retried; a lease that lapsed in the
-/// meantime is granted anew and the registration written again.
-async fn worker_lease(
-    leases: Arc<dyn LeaseStore>,
-    alive: CancellationToken,
-    name: Arc<str>,
-    info: Vec<u8>,
-) {
-    let key = lease::keys::worker(&name);
-    let mut lease: Option<lease::LeaseId> = None;
-    loop {
-        if lease.is_none() {
-            match leases.grant(WORKER_LEASE_TTL).await {
-                Ok(id) => match leases.put(&key, info.clone(), Some(id)).await {
-                    Ok(_) => lease = Some(id),
-                    Err(e) => {
-                        tracing::warn!(worker = %name, error = %e, "cannot register the worker")
-                    }
-                },
-                Err(e) => {
-                    tracing::warn!(worker = %name, error = %e, "cannot grant the worker's lease")
-                }
-            }
-        } else if let Some(id) = lease {
-            match leases.keep_alive(id).await {
-                Ok(()) => {}
-                Err(lease::Error::LeaseGone(_)) => {
-                    tracing::warn!(worker = %name, "the worker's lease lapsed; granting a new one");
-                    lease = None;
-                    continue;
-                }
-                Err(e) => {
-                    tracing::warn!(worker = %name, error = %e, "cannot renew the worker's lease; retrying")
-                }
-            }
-        }
-        tokio::select! {
-            _ = alive.cancelled() => break,
-            _ = tokio::time::sleep(WORKER_LEASE_TTL / 3) => {}
-        }
-    }
-    if let Some(id) = lease {
-        let _ = leases.revoke(id).await;
-    }
 }
 
 fn gate_of(task: &v1::TaskSpec) -> String {
@@ -395,7 +455,10 @@ impl Dispatcher {
             self.pump();
         }
         for w in self.workers.values() {
-            w.alive.cancel();
+            w.link_alive.cancel();
+            if let Some(ctl) = &w.ctl {
+                ctl.stop();
+            }
         }
     }
 
@@ -426,6 +489,7 @@ impl Dispatcher {
                         attempt: 0,
                         counted: 0,
                         worker: None,
+                        fence: None,
                         last_progress: Instant::now(),
                         in_tool: false,
                         captured: None,
@@ -451,12 +515,21 @@ impl Dispatcher {
             }
             Msg::Attach(end) => self.attach(end),
             Msg::FromWorker { worker, msg } => self.on_worker(worker, msg),
-            Msg::WorkerClosed { worker } => self.worker_gone(worker),
+            Msg::LinkClosed { worker, link } => self.link_closed(worker, link),
+            Msg::Watch(ev) => self.watched(ev),
+            Msg::LeaseGranted {
+                worker,
+                lease,
+                revision,
+            } => self.lease_granted(&worker, lease, revision),
+            Msg::LeaseLost { worker, lease } => self.lease_lost(&worker, lease),
+            Msg::Written { puts, revision } => self.written(puts, revision),
+            Msg::Refused { puts } => self.refused(puts),
             Msg::Workers(reply) => {
                 let mut out: Vec<WorkerView> = self
                     .workers
                     .values()
-                    .filter(|w| w.ready)
+                    .filter(|w| w.named && w.lease.is_some())
                     .map(|w| {
                         let mut backends: Vec<String> = w.backends.iter().cloned().collect();
                         backends.sort();
@@ -464,10 +537,12 @@ impl Dispatcher {
                         models.sort();
                         WorkerView {
                             name: w.name.to_string(),
+                            attached: w.tx.is_some(),
                             slots: w.slots,
                             busy: w.busy,
                             backends,
                             models,
+                            labels: w.labels.clone(),
                         }
                     })
                     .collect();
@@ -476,7 +551,7 @@ impl Dispatcher {
             }
             Msg::Stats(reply) => {
                 let _ = reply.send(Stats {
-                    workers: self.workers.values().filter(|w| w.ready).count(),
+                    workers: self.workers.values().filter(|w| w.ready()).count(),
                     slots: self.workers.values().map(|w| w.slots).sum(),
                     busy: self.workers.values().map(|w| w.busy).sum(),
                     queued: self.runs.values().map(|r| r.queue.len()).sum(),
@@ -484,44 +559,6 @@ impl Dispatcher {
                 });
             }
         }
-    }
-
-    fn attach(&mut self, end: CoordinatorEnd) {
-        let id = self.next_worker;
-        self.next_worker += 1;
-        let CoordinatorEnd { tx, mut rx } = end;
-        let alive = CancellationToken::new();
-        self.workers.insert(
-            id,
-            WorkerState {
-                name: Arc::from(format!("worker-{id}")),
-                tx,
-                ready: false,
-                slots: 0,
-                busy: 0,
-                backends: HashSet::new(),
-                models: HashSet::new(),
-                running: HashSet::new(),
-                alive: alive.clone(),
-            },
-        );
-        let inbox = self.tx.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = alive.cancelled() => break,
-                    msg = rx.recv() => match msg {
-                        Some(msg) => {
-                            if inbox.send(Msg::FromWorker { worker: id, msg }).is_err() {
-                                return;
-                            }
-                        }
-                        None => break,
-                    },
-                }
-            }
-            let _ = inbox.send(Msg::WorkerClosed { worker: id });
-        });
     }
 
     fn on_worker(&mut self, worker: u64, msg: WorkerMessage) {
@@ -543,52 +580,16 @@ impl Dispatcher {
         }
     }
 
-    fn hello(&mut self, worker: u64, h: v1::Hello) {
-        let Some(w) = self.workers.get_mut(&worker) else {
-            return;
-        };
-        if !flotilla_proto::protocol_compatible(&h.protocol_version) {
-            tracing::warn!(worker = %h.name, version = %h.protocol_version,
-                "refusing a worker that speaks protocol {} (this coordinator speaks {})",
-                h.protocol_version, flotilla_proto::PROTOCOL_VERSION);
-            w.alive.cancel();
-            self.workers.remove(&worker);
-            return;
-        }
-        if !h.name.is_empty() {
-            w.name = Arc::from(format!("{}#{worker}", h.name));
-        }
-        w.slots = h.slots;
-        w.backends = h.backends.into_iter().collect();
-        w.models = h.models.into_iter().collect();
-        w.ready = true;
-        let _ = w.tx.send(CoordinatorMessage {
-            msg: Some(coordinator_message::Msg::Welcome(v1::Welcome {
-                protocol_version: flotilla_proto::PROTOCOL_VERSION.to_owned(),
-                worker_id: w.name.to_string(),
-                coordinator: "embedded".into(),
-            })),
-        });
-        tracing::debug!(worker = %w.name, slots = w.slots, "worker ready");
-        // Liveness: a lease per worker, kept alive while its link is up.
-        let leases = self.leases.clone();
-        let alive = w.alive.clone();
-        let name = w.name.clone();
-        let info = serde_json::json!({
-            "slots": w.slots,
-            "backends": w.backends.iter().collect::<Vec<_>>(),
-        })
-        .to_string()
-        .into_bytes();
-        tokio::spawn(worker_lease(leases, alive, name, info));
-    }
-
     fn progress(&mut self, worker: u64, p: v1::Progress) {
         let id: CallId = (Arc::from(p.run_id.as_str()), p.call);
         let Some(c) = self.calls.get_mut(&id) else {
             return;
         };
-        if c.phase != Phase::Running || c.attempt != p.attempt || c.worker != Some(worker) {
+        if c.phase != Phase::Running
+            || c.attempt != p.attempt
+            || c.worker != Some(worker)
+            || c.fence.is_none()
+        {
             return;
         }
         c.last_progress = Instant::now();
@@ -656,10 +657,13 @@ impl Dispatcher {
             });
         }
         let current = self.calls.get(&id).is_some_and(|c| {
-            c.phase == Phase::Running && c.attempt == o.attempt && c.worker == Some(worker)
+            c.phase == Phase::Running
+                && c.attempt == o.attempt
+                && c.worker == Some(worker)
+                && c.fence == Some(o.fence)
         });
         if !current {
-            tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, "dropping the outcome of an attempt that is no longer current (fenced)");
+            tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
             return;
         }
         self.leave_running(&id);
@@ -722,6 +726,11 @@ impl Dispatcher {
         }
         if let Some(key) = c.stall_key.take() {
             self.timers.remove(&key);
+        }
+        if c.fence.take().is_some() {
+            let _ = self.keys.send(KeyOp::Delete {
+                key: lease::keys::attempt(&id.0, id.1),
+            });
         }
         c.phase = Phase::Queued;
         c.in_tool = false;
@@ -856,8 +865,12 @@ impl Dispatcher {
 
     fn send_cancel(&self, id: &CallId, reason: &str) {
         let Some(c) = self.calls.get(id) else { return };
-        if let Some(w) = c.worker.and_then(|w| self.workers.get(&w)) {
-            let _ = w.tx.send(CoordinatorMessage {
+        if let Some(tx) = c
+            .worker
+            .and_then(|w| self.workers.get(&w))
+            .and_then(|w| w.tx.as_ref())
+        {
+            let _ = tx.send(CoordinatorMessage {
                 msg: Some(coordinator_message::Msg::Cancel(v1::Cancel {
                     run_id: id.0.to_string(),
                     call: id.1,
@@ -865,30 +878,6 @@ impl Dispatcher {
                     reason: reason.to_owned(),
                 })),
             });
-        }
-    }
-
-    fn worker_gone(&mut self, worker: u64) {
-        let Some(w) = self.workers.remove(&worker) else {
-            return;
-        };
-        w.alive.cancel();
-        tracing::info!(worker = %w.name, lost_attempts = w.running.len(), "worker detached");
-        for (run, call, _) in w.running {
-            let id: CallId = (run, call);
-            let current = self
-                .calls
-                .get(&id)
-                .is_some_and(|c| c.phase == Phase::Running && c.worker == Some(worker));
-            if current {
-                self.leave_running(&id);
-                self.retry_or_fail(
-                    &id,
-                    Retry::Transient {
-                        message: format!("worker {} went away", w.name),
-                    },
-                );
-            }
         }
     }
 
@@ -947,6 +936,7 @@ impl Dispatcher {
                 }
             }
             Timer::Gate(gate) => self.release_gate(&gate),
+            Timer::Lapse(worker, link) => self.lapse_backstop(worker, link),
             Timer::Retry(run, call) => {
                 let id: CallId = (run, call);
                 if let Some(c) = self.calls.get_mut(&id)
@@ -996,7 +986,7 @@ impl Dispatcher {
         let mut blocked: HashSet<Arc<str>> = HashSet::new();
         let mut turns = 0usize;
         loop {
-            if !self.workers.values().any(|w| w.ready && w.busy < w.slots) {
+            if !self.workers.values().any(|w| w.ready() && w.busy < w.slots) {
                 return;
             }
             // Next run in round-robin order that can take a call.
@@ -1111,7 +1101,7 @@ impl Dispatcher {
             .workers
             .iter()
             .filter(|(_, w)| {
-                w.ready
+                w.ready()
                     && w.busy < w.slots
                     && (w.backends.is_empty() || w.backends.contains(&task.backend))
                     && (w.models.is_empty()
@@ -1136,28 +1126,64 @@ impl Dispatcher {
         Placement::Dispatched
     }
 
+    /// Takes a slot on `wid` for the call's next attempt and writes the attempt key; the
+    /// assignment goes out once the key is written ([`Dispatcher::written`]).
     fn assign(&mut self, id: &CallId, wid: u64) {
-        let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
-            return;
-        };
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
         let Some(w) = self.workers.get_mut(&wid) else {
             return;
         };
+        let Some(lease) = w.lease else {
+            return;
+        };
         c.attempt += 1;
         c.phase = Phase::Running;
         c.worker = Some(wid);
-        c.last_progress = Instant::now();
+        c.fence = None;
         c.captured = None;
         c.in_tool = false;
+        w.busy += 1;
+        w.running.insert((id.0.clone(), id.1, c.attempt));
+        let value = serde_json::json!({"worker": &*w.name, "attempt": c.attempt})
+            .to_string()
+            .into_bytes();
+        let _ = self.keys.send(KeyOp::Put {
+            put: PendingPut {
+                run: id.0.clone(),
+                call: id.1,
+                attempt: c.attempt,
+                worker: wid,
+                lease,
+            },
+            key: lease::keys::attempt(&id.0, id.1),
+            value,
+            lease,
+        });
+        if let Some(r) = self.runs.get_mut(&id.0) {
+            r.running += 1;
+        }
+    }
+
+    /// Sends the assignment of a call whose attempt key is written at `fence`.
+    fn send_assignment(&mut self, id: &CallId, fence: Revision) {
+        let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
+            return;
+        };
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        let Some(wid) = c.worker else { return };
+        let Some(w) = self.workers.get(&wid) else {
+            return;
+        };
+        c.fence = Some(fence);
+        c.last_progress = Instant::now();
         c.stall_key = Some(self.timers.insert_at(
             Timer::Stall(id.0.clone(), id.1, c.attempt),
             Instant::now() + stall,
         ));
-        w.busy += 1;
-        w.running.insert((id.0.clone(), id.1, c.attempt));
         let assignment = v1::Assignment {
             run_id: id.0.to_string(),
             call: id.1,
@@ -1165,26 +1191,22 @@ impl Dispatcher {
             call_key: c.ticket.key.clone(),
             task: Some(c.ticket.task.clone()),
             trace_context: HashMap::new(),
-            fence: i64::from(c.attempt),
+            fence,
         };
         let attempt = c.attempt;
-        let name = w.name.clone();
-        let sent =
-            w.tx.send(CoordinatorMessage {
+        // A worker cut off right now misses this; it does not list the attempt when it comes
+        // back, so the attempt is restarted then (or when its lease lapses).
+        if let Some(tx) = &w.tx {
+            let _ = tx.send(CoordinatorMessage {
                 msg: Some(coordinator_message::Msg::Assign(assignment)),
-            })
-            .is_ok();
-        if let Some(r) = self.runs.get_mut(&id.0) {
-            r.running += 1;
+            });
+        }
+        if let Some(r) = self.runs.get(&id.0) {
             let _ = r.reg.events.send(CallEvent::Started {
                 call: id.1,
                 attempt,
-                worker: name,
+                worker: w.name.clone(),
             });
-        }
-        if !sent {
-            // The link is gone; its closing will requeue this attempt.
-            let _ = self.tx.send(Msg::WorkerClosed { worker: wid });
         }
     }
 }
@@ -1210,14 +1232,35 @@ mod tests {
 
     impl FakeWorker {
         fn attach(d: &DispatchHandle, slots: u32) -> FakeWorker {
+            static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            Self::attach_as(d, &format!("fake-{n}"), slots, &[])
+        }
+
+        /// Attaches as `name`, holding `held` from an earlier link.
+        fn attach_as(
+            d: &DispatchHandle,
+            name: &str,
+            slots: u32,
+            held: &[&v1::Assignment],
+        ) -> FakeWorker {
             let (link, end) = link_pair();
             d.attach(end);
             let w = FakeWorker { link };
             w.send(worker_message::Msg::Hello(v1::Hello {
                 protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-                name: "fake".into(),
+                name: name.into(),
                 backends: vec!["echo".into()],
                 slots,
+                held: held
+                    .iter()
+                    .map(|a| v1::AttemptRef {
+                        run_id: a.run_id.clone(),
+                        call: a.call,
+                        attempt: a.attempt,
+                        fence: a.fence,
+                    })
+                    .collect(),
                 ..v1::Hello::default()
             }));
             w
@@ -1266,9 +1309,13 @@ mod tests {
             }));
         }
 
+        /// Nothing but a welcome arrives for `d`.
         async fn no_message_for(&mut self, d: Duration) {
-            if let Ok(Some(m)) = tokio::time::timeout(d, self.link.rx.recv()).await {
-                panic!("unexpected message {m:?}");
+            let until = Instant::now() + d;
+            while let Ok(Some(m)) = tokio::time::timeout_at(until, self.link.rx.recv()).await {
+                if !matches!(m.msg, Some(coordinator_message::Msg::Welcome(_))) {
+                    panic!("unexpected message {m:?}");
+                }
             }
         }
     }
@@ -1375,21 +1422,97 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_lost_worker_s_attempts_restart_elsewhere() {
+    async fn a_lost_worker_s_attempts_restart_elsewhere_once_its_lease_lapses() {
         let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
         let mut first = FakeWorker::attach(&d, 1);
-        let (run, mut events) = register(&d, "wf_lost", 4, Duration::from_secs(60));
+        let (run, mut events) = register(&d, "wf_lost", 4, Duration::from_secs(600));
         d.submit(&run, ticket(0));
         let a = first.assignment().await;
         assert_eq!(a.attempt, 1);
+        assert!(a.fence > 0, "the assignment carries its key's revision");
         let mut second = FakeWorker::attach(&d, 1);
         drop(first);
+        // The first worker may come back within its lease TTL: nothing moves before that.
+        second.no_message_for(WORKER_LEASE_TTL * 9 / 10).await;
         let b = second.assignment().await;
         assert_eq!((b.call, b.attempt), (0, 2));
+        assert!(b.fence > a.fence);
         second.complete(&b, "done");
         tokio::time::sleep(Duration::from_millis(10)).await;
         let done = finished(&mut events).await;
         assert_eq!(done.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_that_comes_back_in_time_keeps_its_attempts() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+        let mut other = FakeWorker::attach(&d, 1);
+        let (run, mut events) = register(&d, "wf_back", 4, Duration::from_secs(600));
+        d.submit(&run, ticket(0));
+        let a = tokio::select! {
+            a = first.assignment() => a,
+            _ = other.assignment() => panic!("the first worker has more free slots"),
+        };
+        drop(first);
+        tokio::time::sleep(WORKER_LEASE_TTL / 2).await;
+        let mut back = FakeWorker::attach_as(&d, "w1", 1, &[&a]);
+        back.no_message_for(WORKER_LEASE_TTL * 2).await;
+        other.no_message_for(Duration::from_millis(1)).await;
+        back.complete(&a, "kept");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let done = finished(&mut events).await;
+        assert_eq!(done.len(), 1);
+        match &done[0].1 {
+            CallResult::Completed(c) => assert_eq!(c.text, "kept"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_that_comes_back_without_an_attempt_loses_it_at_once() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+        let (run, _events) = register(&d, "wf_forgot", 4, Duration::from_secs(600));
+        d.submit(&run, ticket(0));
+        let a = first.assignment().await;
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut back = FakeWorker::attach_as(&d, "w1", 1, &[]);
+        let b = tokio::time::timeout(Duration::from_secs(1), back.assignment())
+            .await
+            .expect("restarted without waiting for the lease");
+        assert_eq!((b.call, b.attempt), (a.call, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_back_after_its_lease_lapsed_is_fenced() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+        let (run, mut events) = register(&d, "wf_late", 4, Duration::from_secs(600));
+        d.submit(&run, ticket(0));
+        let a = first.assignment().await;
+        drop(first);
+        let mut second = FakeWorker::attach_as(&d, "w2", 1, &[]);
+        let b = second.assignment().await;
+        assert_eq!(b.attempt, 2);
+        // Back too late, still holding attempt 1: told to stop it, and its outcome is dropped.
+        let mut late = FakeWorker::attach_as(&d, "w1", 1, &[&a]);
+        match late.next().await {
+            coordinator_message::Msg::Cancel(c) => assert_eq!((c.call, c.attempt), (0, 1)),
+            other => panic!("expected a cancel, got {other:?}"),
+        }
+        late.complete(&a, "zombie");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(finished(&mut events).await.is_empty());
+        second.complete(&b, "real");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let done = finished(&mut events).await;
+        assert_eq!(done.len(), 1);
+        match &done[0].1 {
+            CallResult::Completed(c) => assert_eq!(c.text, "real"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test(start_paused = true)]

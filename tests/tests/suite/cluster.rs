@@ -226,34 +226,81 @@ fn launch_returns_at_once_and_status_stop_and_runs_work_remotely() {
 #[test]
 fn a_frozen_worker_s_late_outcomes_are_fenced_off() {
     let mut c = Cluster::start(2, 4);
+    // No stall watchdog here: the frozen worker's lease must be what restarts its calls.
     let run = c.launch(
         "frozen",
         "return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('job ' + i + ' [[sleep:1500]]')))).filter(Boolean).length;",
-        &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "1s"],
+        &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "10m"],
     );
     std::thread::sleep(Duration::from_millis(500));
     c.signal_worker(0, "-STOP");
-    // Its attempts stall and restart on worker 1; then it wakes up and answers late.
-    std::thread::sleep(Duration::from_millis(4000));
+    // Past its lease TTL (plus the keep-alive pings that find its stream dead), the lease
+    // lapses and its calls restart on worker 1; then it wakes up and answers late.
+    wait_for_log(
+        &c,
+        "coordinator.log",
+        &["lease lapsed"],
+        Duration::from_secs(30),
+    );
+    std::thread::sleep(Duration::from_millis(500));
     c.signal_worker(0, "-CONT");
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], 8);
     assert_one_result_per_call(&c, &run, 8);
-    // Give the woken worker a moment to send its stale outcomes, then check they were refused.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // The woken worker reconnects and reports what it held; every such outcome is refused.
+    wait_for_log(
+        &c,
+        "coordinator.log",
+        &["no longer current (fenced)"],
+        Duration::from_secs(20),
+    );
+    assert_one_result_per_call(&c, &run, 8);
+}
+
+#[test]
+fn a_worker_cut_off_briefly_keeps_its_attempts() {
+    let c = Cluster::start_proxied(2, 4);
+    let run = c.launch(
+        "cut",
+        "return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('job ' + i + ' [[sleep:2500]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "10m"],
+    );
+    std::thread::sleep(Duration::from_millis(700));
+    // Both workers lose their streams mid-attempt and reconnect within the lease TTL.
+    c.proxy.as_ref().unwrap().cut();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 8);
+    assert_eq!(
+        usage(&r, "attempts"),
+        8,
+        "no call was restarted: {}",
+        r["usage"]
+    );
+    assert_one_result_per_call(&c, &run, 8);
+    wait_for_log(
+        &c,
+        "coordinator.log",
+        &["worker reattached"],
+        Duration::from_secs(5),
+    );
+}
+
+/// Waits until `file` in the cluster's directory contains one of `needles`.
+fn wait_for_log(c: &Cluster, file: &str, needles: &[&str], within: Duration) {
+    let deadline = Instant::now() + within;
     loop {
-        let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
-        if log.contains("no longer current (fenced)") {
-            break;
+        let log = std::fs::read_to_string(c.path().join(file)).unwrap_or_default();
+        if needles.iter().any(|n| log.contains(n)) {
+            return;
         }
         assert!(
             Instant::now() < deadline,
-            "no late outcome was fenced off:\n{log}"
+            "{file} never said any of {needles:?}:\n{log}"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_one_result_per_call(&c, &run, 8);
 }
 
 #[test]
@@ -303,6 +350,74 @@ fn worker_leases_live_in_etcd_and_a_restart_of_etcd_does_not_fail_the_run() {
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], 12);
     assert_one_result_per_call(&c, &run, 12);
+}
+
+#[test]
+fn leases_live_in_an_etcd_that_requires_tls_client_certificates() {
+    let (c, etcd) = Cluster::start_with_tls_etcd(2, 4);
+    let run = c.launch(
+        "etcd-tls",
+        "return (await parallel(Array.from({ length: 16 }, (_, i) => () => agent('job ' + i + ' [[sleep:300]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "8"],
+    );
+    // While the calls run, their attempt keys sit in etcd under the workers' leases.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = etcd
+            .etcdctl(&["get", "--prefix", "--keys-only", "/flotilla/"])
+            .unwrap();
+        let keys = String::from_utf8_lossy(&out.stdout).into_owned();
+        let attempts = keys
+            .lines()
+            .filter(|l| l.starts_with("/flotilla/attempts/"))
+            .count();
+        let workers = keys
+            .lines()
+            .filter(|l| l.starts_with("/flotilla/workers/"))
+            .count();
+        if attempts > 0 && workers == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no attempt keys in etcd: {keys:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 16);
+    assert_one_result_per_call(&c, &run, 16);
+    // Finished attempts take their keys with them.
+    let out = etcd
+        .etcdctl(&["get", "--prefix", "--keys-only", "/flotilla/attempts/"])
+        .unwrap();
+    let left = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(left.is_empty(), "attempt keys left behind: {left}");
+
+    // A coordinator that does not trust etcd's certificate says so and stops.
+    let other = c.path().join("other-ca");
+    let status = std::process::Command::new(&c.bin)
+        .args(["certs", "init", "--dir"])
+        .arg(&other)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut cmd = std::process::Command::new(&c.bin);
+    cmd.args([
+        "coordinator",
+        "--listen",
+        &format!("127.0.0.1:{}", flotilla_tests::cluster::free_port()),
+    ])
+    .arg("--store")
+    .arg(c.store_url())
+    .arg("--tls-dir")
+    .arg(c.pki())
+    .args(["--etcd", &etcd.endpoint(), "--etcd-ca"])
+    .arg(other.join("ca.crt"));
+    let out = flotilla_tests::run_with_timeout(cmd, Duration::from_secs(60));
+    assert_ne!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.contains("etcd"), "{}", out.stderr);
 }
 
 #[test]

@@ -1,0 +1,708 @@
+//! Workers as the dispatcher sees them: links, liveness leases, attempt keys, reconnects.
+//!
+//! - A link attaches and says `Hello`. The worker is known by its name (a remote worker's
+//!   certificate CN). A name seen before, whose lease has not lapsed, is the same worker coming
+//!   back: the new link takes over its state, and the attempts it lists in `Hello` carry on.
+//! - Each named worker has a lease task ([`worker_lease`]) that grants its lease, writes its
+//!   registration key under it and renews it while the worker is attached. While the worker is
+//!   cut off, nobody renews it.
+//! - Every attempt is a key under its worker's lease, written by the key writer
+//!   ([`spawn_key_writer`]) in batches, in order, before the assignment is sent; the batch's
+//!   revision is the attempt's fence.
+//! - A watch on attempt keys sees them vanish when a lease lapses; a vanished key of a current
+//!   attempt restarts its call. A watch on registrations retires workers that never came back.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use flotilla_proto::link::CoordinatorEnd;
+use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{CallId, Dispatcher, Msg, Phase, Retry, Timer, WorkerState};
+use crate::lease::{self, BatchOp, LeaseId, LeaseStore, Revision, WatchEvent};
+
+/// Most attempt-key writes in one batch (etcd's default limit of operations per transaction).
+const BATCH_MAX: usize = 128;
+/// Longest wait between retries of a lease-store write that failed.
+const MAX_RETRY: Duration = Duration::from_secs(2);
+
+/// An attempt whose key is being written.
+#[derive(Debug, Clone)]
+pub(super) struct PendingPut {
+    pub run: Arc<str>,
+    pub call: u64,
+    pub attempt: u32,
+    pub worker: u64,
+    pub lease: LeaseId,
+}
+
+/// One attempt-key write.
+#[derive(Debug)]
+pub(super) enum KeyOp {
+    Put {
+        put: PendingPut,
+        key: String,
+        value: Vec<u8>,
+        lease: LeaseId,
+    },
+    Delete {
+        key: String,
+    },
+}
+
+impl KeyOp {
+    fn batch_op(&self) -> BatchOp {
+        match self {
+            KeyOp::Put {
+                key, value, lease, ..
+            } => BatchOp::Put {
+                key: key.clone(),
+                value: value.clone(),
+                lease: Some(*lease),
+            },
+            KeyOp::Delete { key } => BatchOp::Delete { key: key.clone() },
+        }
+    }
+
+    fn into_put(self) -> Option<PendingPut> {
+        match self {
+            KeyOp::Put { put, .. } => Some(put),
+            KeyOp::Delete { .. } => None,
+        }
+    }
+}
+
+/// Controls a worker's lease task.
+#[derive(Debug)]
+pub(super) struct LeaseCtl {
+    attached: watch::Sender<bool>,
+    stop: CancellationToken,
+}
+
+impl LeaseCtl {
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+    fn set_attached(&self, attached: bool) {
+        self.attached.send_replace(attached);
+    }
+}
+
+/// Writes attempt keys in order, in batches; tells the dispatcher what got written.
+pub(super) fn spawn_key_writer(
+    leases: Arc<dyn LeaseStore>,
+    inbox: mpsc::UnboundedSender<Msg>,
+    cancel: CancellationToken,
+) -> mpsc::UnboundedSender<KeyOp> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<KeyOp>();
+    tokio::spawn(async move {
+        let mut buf = Vec::with_capacity(BATCH_MAX);
+        loop {
+            let n = tokio::select! {
+                _ = cancel.cancelled() => return,
+                n = rx.recv_many(&mut buf, BATCH_MAX) => n,
+            };
+            if n == 0 {
+                return;
+            }
+            let ops = std::mem::take(&mut buf);
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                () = write_ops(&*leases, ops, &inbox) => {}
+            }
+        }
+    });
+    tx
+}
+
+/// Writes one batch, retrying while the store is unavailable. A batch refused for a dead
+/// lease is written again one key at a time, so only the puts under that lease are refused.
+async fn write_ops(leases: &dyn LeaseStore, ops: Vec<KeyOp>, inbox: &mpsc::UnboundedSender<Msg>) {
+    let batch: Vec<BatchOp> = ops.iter().map(KeyOp::batch_op).collect();
+    match write_retrying(leases, batch).await {
+        Ok(revision) => {
+            let puts = ops.into_iter().filter_map(KeyOp::into_put).collect();
+            let _ = inbox.send(Msg::Written { puts, revision });
+        }
+        Err(_) => {
+            for op in ops {
+                let single = vec![op.batch_op()];
+                let res = write_retrying(leases, single).await;
+                let Some(put) = op.into_put() else { continue };
+                let _ = match res {
+                    Ok(revision) => inbox.send(Msg::Written {
+                        puts: vec![put],
+                        revision,
+                    }),
+                    Err(_) => inbox.send(Msg::Refused { puts: vec![put] }),
+                };
+            }
+        }
+    }
+}
+
+/// `Err` only for a dead lease; an unavailable store is retried until it answers.
+async fn write_retrying(leases: &dyn LeaseStore, batch: Vec<BatchOp>) -> Result<Revision, LeaseId> {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match leases.write_batch(batch.clone()).await {
+            Ok(rev) => return Ok(rev),
+            Err(lease::Error::LeaseGone(id)) => return Err(id),
+            Err(lease::Error::Unavailable(e)) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "cannot write attempt keys; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_RETRY);
+            }
+        }
+    }
+}
+
+/// Watches attempt keys and worker registrations for the dispatcher.
+pub(super) fn spawn_watches(
+    leases: Arc<dyn LeaseStore>,
+    inbox: mpsc::UnboundedSender<Msg>,
+    cancel: CancellationToken,
+) {
+    for prefix in [lease::keys::ATTEMPTS, lease::keys::WORKERS] {
+        let leases = leases.clone();
+        let inbox = inbox.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(100);
+            let mut events = loop {
+                match leases.watch(prefix).await {
+                    Ok(rx) => break rx,
+                    Err(e) => {
+                        tracing::warn!(prefix, error = %e, "cannot watch the lease store; retrying");
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(MAX_RETRY);
+                    }
+                }
+            };
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    ev = events.recv() => match ev {
+                        // Only deletions matter; puts are our own writes.
+                        Some(ev @ WatchEvent::Delete { .. }) => {
+                            if inbox.send(Msg::Watch(ev)).is_err() {
+                                return;
+                            }
+                        }
+                        Some(WatchEvent::Put(_)) => {}
+                        None => return,
+                    },
+                }
+            }
+        });
+    }
+}
+
+/// Holds a worker's liveness lease and registration key. Renews the lease while the worker is
+/// attached; while it is cut off, waits (the lease runs out unless the worker comes back). A
+/// lease that lapsed anyway (the store was down longer than the TTL) is granted anew.
+async fn worker_lease(
+    leases: Arc<dyn LeaseStore>,
+    ttl: Duration,
+    name: Arc<str>,
+    info: Vec<u8>,
+    mut attached: watch::Receiver<bool>,
+    stop: CancellationToken,
+    inbox: mpsc::UnboundedSender<Msg>,
+) {
+    let key = lease::keys::worker(&name);
+    let mut lease: Option<LeaseId> = None;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let up = *attached.borrow_and_update();
+        let mut wait = ttl / 3;
+        if up {
+            match lease {
+                None => match leases.grant(ttl).await {
+                    Ok(id) => match leases.put(&key, info.clone(), Some(id)).await {
+                        Ok(revision) => {
+                            lease = Some(id);
+                            backoff = Duration::from_millis(100);
+                            let _ = inbox.send(Msg::LeaseGranted {
+                                worker: name.clone(),
+                                lease: id,
+                                revision,
+                            });
+                        }
+                        Err(e) => {
+                            tracing::warn!(worker = %name, error = %e, "cannot register the worker");
+                            wait = backoff;
+                        }
+                    },
+                    Err(e) => {
+                        tracing::warn!(worker = %name, error = %e, "cannot grant the worker's lease");
+                        wait = backoff;
+                    }
+                },
+                Some(id) => match leases.keep_alive(id).await {
+                    Ok(()) => {}
+                    Err(lease::Error::LeaseGone(_)) => {
+                        tracing::warn!(worker = %name, "the worker's lease lapsed; granting a new one");
+                        lease = None;
+                        let _ = inbox.send(Msg::LeaseLost {
+                            worker: name.clone(),
+                            lease: id,
+                        });
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(worker = %name, error = %e, "cannot renew the worker's lease; retrying");
+                        wait = backoff;
+                    }
+                },
+            }
+            backoff = (backoff * 2).min(MAX_RETRY);
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(wait) => {}
+                r = attached.changed() => if r.is_err() { break },
+            }
+        } else {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                r = attached.changed() => if r.is_err() { break },
+            }
+        }
+    }
+    if let Some(id) = lease {
+        let _ = leases.revoke(id).await;
+    }
+}
+
+impl Dispatcher {
+    pub(super) fn attach(&mut self, end: CoordinatorEnd) {
+        let id = self.next_worker;
+        self.next_worker += 1;
+        let CoordinatorEnd { tx, mut rx } = end;
+        let alive = CancellationToken::new();
+        let target = Arc::new(AtomicU64::new(id));
+        self.workers.insert(
+            id,
+            WorkerState {
+                name: Arc::from(format!("worker-{id}")),
+                tx: Some(tx),
+                link: id,
+                link_alive: alive.clone(),
+                target: target.clone(),
+                named: false,
+                welcomed: false,
+                slots: 0,
+                busy: 0,
+                backends: HashSet::new(),
+                models: HashSet::new(),
+                labels: Default::default(),
+                running: HashSet::new(),
+                lease: None,
+                reg_revision: 0,
+                ctl: None,
+            },
+        );
+        let inbox = self.tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = alive.cancelled() => break,
+                    msg = rx.recv() => match msg {
+                        Some(msg) => {
+                            let worker = target.load(Ordering::Acquire);
+                            if inbox.send(Msg::FromWorker { worker, msg }).is_err() {
+                                return;
+                            }
+                        }
+                        None => break,
+                    },
+                }
+            }
+            let worker = target.load(Ordering::Acquire);
+            let _ = inbox.send(Msg::LinkClosed { worker, link: id });
+        });
+    }
+
+    pub(super) fn hello(&mut self, link_id: u64, h: v1::Hello) {
+        let Some(w) = self.workers.get_mut(&link_id) else {
+            return;
+        };
+        if w.named {
+            tracing::warn!(worker = %w.name, "a second Hello on one link; ignored");
+            return;
+        }
+        if !flotilla_proto::protocol_compatible(&h.protocol_version) {
+            tracing::warn!(worker = %h.name, version = %h.protocol_version,
+                "refusing a worker that speaks protocol {} (this coordinator speaks {})",
+                h.protocol_version, flotilla_proto::PROTOCOL_VERSION);
+            w.link_alive.cancel();
+            self.workers.remove(&link_id);
+            return;
+        }
+        let name: Arc<str> = if h.name.is_empty() {
+            w.name.clone()
+        } else {
+            Arc::from(h.name.as_str())
+        };
+        let held: HashSet<(Arc<str>, u64, u32)> = h
+            .held
+            .iter()
+            .map(|a| (Arc::from(a.run_id.as_str()), a.call, a.attempt))
+            .collect();
+        let wid = match self.by_name.get(&name).copied() {
+            Some(old) if old != link_id && self.workers.contains_key(&old) => {
+                self.adopt(old, link_id, &h, &held)
+            }
+            _ => {
+                let w = self.workers.get_mut(&link_id).expect("checked above");
+                w.name = name.clone();
+                w.named = true;
+                w.slots = h.slots;
+                w.backends = h.backends.iter().cloned().collect();
+                w.models = h.models.iter().cloned().collect();
+                w.labels = h.labels.clone().into_iter().collect();
+                self.by_name.insert(name.clone(), link_id);
+                let info = serde_json::json!({
+                    "slots": h.slots,
+                    "backends": h.backends,
+                    "models": h.models,
+                    "labels": h.labels,
+                })
+                .to_string()
+                .into_bytes();
+                let (attached, attached_rx) = watch::channel(true);
+                let stop = CancellationToken::new();
+                tokio::spawn(worker_lease(
+                    self.leases.clone(),
+                    self.opts.worker_ttl,
+                    name.clone(),
+                    info,
+                    attached_rx,
+                    stop.clone(),
+                    self.tx.clone(),
+                ));
+                w.ctl = Some(Arc::new(LeaseCtl { attached, stop }));
+                // Nothing it holds can be current here: we never assigned it anything.
+                for a in &h.held {
+                    self.cancel_stray(link_id, a, "not assigned by this coordinator");
+                }
+                link_id
+            }
+        };
+        self.welcome(wid);
+    }
+
+    /// A worker known by name comes back on a new link (`link_id`): the link takes over the
+    /// worker's state, and its attempts are reconciled with what it holds.
+    fn adopt(
+        &mut self,
+        wid: u64,
+        link_id: u64,
+        h: &v1::Hello,
+        held: &HashSet<(Arc<str>, u64, u32)>,
+    ) -> u64 {
+        let Some(fresh) = self.workers.remove(&link_id) else {
+            return wid;
+        };
+        fresh.target.store(wid, Ordering::Release);
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return wid;
+        };
+        if w.tx.is_some() {
+            tracing::warn!(worker = %w.name, "worker attached again; closing its previous stream");
+        } else {
+            tracing::info!(worker = %w.name, held = held.len(), "worker reattached");
+        }
+        w.link_alive.cancel();
+        w.tx = fresh.tx;
+        w.link = fresh.link;
+        w.link_alive = fresh.link_alive;
+        w.target = fresh.target;
+        w.welcomed = false;
+        w.slots = h.slots;
+        w.backends = h.backends.iter().cloned().collect();
+        w.models = h.models.iter().cloned().collect();
+        w.labels = h.labels.clone().into_iter().collect();
+        if let Some(ctl) = &w.ctl {
+            ctl.set_attached(true);
+        }
+        // Attempts we sent that it no longer holds are lost (an assignment whose key is still
+        // being written has not been sent yet; it goes out on this link).
+        let lost: Vec<(Arc<str>, u64, u32)> = w
+            .running
+            .iter()
+            .filter(|a| !held.contains(*a))
+            .filter(|(run, call, attempt)| {
+                self.calls.get(&(run.clone(), *call)).is_some_and(|c| {
+                    c.phase == Phase::Running
+                        && c.attempt == *attempt
+                        && c.worker == Some(wid)
+                        && c.fence.is_some()
+                })
+            })
+            .cloned()
+            .collect();
+        let name = w.name.clone();
+        for (run, call, attempt) in lost {
+            self.lose_attempt(
+                wid,
+                &(run, call),
+                attempt,
+                format!("worker {name} came back without attempt {attempt}"),
+            );
+        }
+        // Attempts it holds that are not current here: stop them.
+        for a in &h.held {
+            let current = self
+                .calls
+                .get(&(Arc::from(a.run_id.as_str()), a.call))
+                .is_some_and(|c| {
+                    c.phase == Phase::Running
+                        && c.attempt == a.attempt
+                        && c.worker == Some(wid)
+                        && c.fence == Some(a.fence)
+                });
+            if !current {
+                self.cancel_stray(wid, a, "no longer current");
+            }
+        }
+        wid
+    }
+
+    fn cancel_stray(&self, wid: u64, a: &v1::AttemptRef, reason: &str) {
+        if let Some(tx) = self.workers.get(&wid).and_then(|w| w.tx.as_ref()) {
+            let _ = tx.send(CoordinatorMessage {
+                msg: Some(coordinator_message::Msg::Cancel(v1::Cancel {
+                    run_id: a.run_id.clone(),
+                    call: a.call,
+                    attempt: a.attempt,
+                    reason: reason.to_owned(),
+                })),
+            });
+        }
+    }
+
+    /// Sends `Welcome` once the worker is named and has a lease.
+    fn welcome(&mut self, wid: u64) {
+        let ttl = self.opts.worker_ttl;
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return;
+        };
+        if w.welcomed || !w.ready() {
+            return;
+        }
+        w.welcomed = true;
+        if let Some(tx) = &w.tx {
+            let _ = tx.send(CoordinatorMessage {
+                msg: Some(coordinator_message::Msg::Welcome(v1::Welcome {
+                    protocol_version: flotilla_proto::PROTOCOL_VERSION.to_owned(),
+                    worker_id: w.name.to_string(),
+                    coordinator: "flotilla".into(),
+                    lease_ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+                })),
+            });
+        }
+        tracing::debug!(worker = %w.name, slots = w.slots, "worker ready");
+    }
+
+    pub(super) fn lease_granted(&mut self, name: &Arc<str>, lease: LeaseId, revision: Revision) {
+        let Some(wid) = self.by_name.get(name).copied() else {
+            return;
+        };
+        if let Some(w) = self.workers.get_mut(&wid) {
+            w.lease = Some(lease);
+            w.reg_revision = revision;
+        }
+        self.welcome(wid);
+    }
+
+    pub(super) fn lease_lost(&mut self, name: &Arc<str>, lease: LeaseId) {
+        let Some(wid) = self.by_name.get(name).copied() else {
+            return;
+        };
+        if let Some(w) = self.workers.get_mut(&wid)
+            && w.lease == Some(lease)
+        {
+            // Its attempt keys went with the lease; the watch restarts those calls. No new
+            // assignments until the lease task has a new lease.
+            w.lease = None;
+        }
+    }
+
+    pub(super) fn link_closed(&mut self, wid: u64, link: u64) {
+        let ttl = self.opts.worker_ttl;
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return;
+        };
+        if w.link != link {
+            return;
+        }
+        if !w.named {
+            self.workers.remove(&wid);
+            return;
+        }
+        tracing::info!(worker = %w.name, attempts = w.running.len(), "worker cut off; its attempts wait for it for one lease TTL");
+        w.tx = None;
+        w.welcomed = false;
+        if let Some(ctl) = &w.ctl {
+            ctl.set_attached(false);
+        }
+        self.timers
+            .insert_at(Timer::Lapse(wid, link), Instant::now() + ttl * 3);
+    }
+
+    /// A cut-off worker that was not seen lapsing through the watch: after three TTLs without
+    /// renewal its lease is gone for sure.
+    pub(super) fn lapse_backstop(&mut self, wid: u64, link: u64) {
+        let lapsed = self
+            .workers
+            .get(&wid)
+            .is_some_and(|w| w.link == link && w.tx.is_none());
+        if lapsed {
+            self.worker_lapsed(wid);
+        }
+    }
+
+    pub(super) fn watched(&mut self, ev: WatchEvent) {
+        let WatchEvent::Delete { key, revision } = ev else {
+            return;
+        };
+        if let Some((run, call)) = lease::keys::parse_attempt(&key) {
+            let id: CallId = (Arc::from(run), call);
+            let lapsed = self.calls.get(&id).and_then(|c| {
+                let current = c.phase == Phase::Running && c.fence.is_some_and(|f| revision > f);
+                current.then_some((c.worker, c.attempt))
+            });
+            if let Some((Some(wid), attempt)) = lapsed {
+                let name = self
+                    .workers
+                    .get(&wid)
+                    .map_or_else(|| "?".to_owned(), |w| w.name.to_string());
+                tracing::info!(run = %id.0, call, attempt, worker = %name, "attempt key vanished (the worker's lease lapsed); restarting the call");
+                self.lose_attempt(wid, &id, attempt, format!("worker {name}'s lease lapsed"));
+            }
+        } else if let Some(name) = lease::keys::parse_worker(&key) {
+            let Some(wid) = self.by_name.get(name).copied() else {
+                return;
+            };
+            let lapsed = self
+                .workers
+                .get(&wid)
+                .is_some_and(|w| w.tx.is_none() && revision > w.reg_revision);
+            if lapsed {
+                self.worker_lapsed(wid);
+            }
+        }
+    }
+
+    /// A cut-off worker's lease is gone: forget it and restart whatever it still had.
+    fn worker_lapsed(&mut self, wid: u64) {
+        let Some(w) = self.workers.get(&wid) else {
+            return;
+        };
+        let name = w.name.clone();
+        tracing::info!(worker = %name, attempts = w.running.len(), "worker lease lapsed; restarting its attempts elsewhere");
+        let running: Vec<_> = w.running.iter().cloned().collect();
+        for (run, call, attempt) in running {
+            self.lose_attempt(
+                wid,
+                &(run, call),
+                attempt,
+                format!("worker {name} went away"),
+            );
+        }
+        if let Some(w) = self.workers.remove(&wid) {
+            w.link_alive.cancel();
+            if let Some(ctl) = &w.ctl {
+                ctl.stop();
+            }
+        }
+        if self.by_name.get(&name) == Some(&wid) {
+            self.by_name.remove(&name);
+        }
+    }
+
+    /// Gives back the slot of `attempt` on `wid` and, if it is the call's current attempt,
+    /// restarts the call (counted as a failed attempt).
+    fn lose_attempt(&mut self, wid: u64, id: &CallId, attempt: u32, message: String) {
+        if let Some(w) = self.workers.get_mut(&wid)
+            && w.running.remove(&(id.0.clone(), id.1, attempt))
+        {
+            w.busy = w.busy.saturating_sub(1);
+        }
+        let current = self.calls.get(id).is_some_and(|c| {
+            c.phase == Phase::Running && c.attempt == attempt && c.worker == Some(wid)
+        });
+        if current {
+            self.leave_running(id);
+            self.retry_or_fail(id, Retry::Transient { message });
+        }
+    }
+
+    pub(super) fn written(&mut self, puts: Vec<PendingPut>, revision: Revision) {
+        for p in puts {
+            let id: CallId = (p.run.clone(), p.call);
+            let state = self
+                .calls
+                .get(&id)
+                .map(|c| (c.phase, c.attempt, c.worker, c.fence));
+            match state {
+                Some((Phase::Running, attempt, Some(w), None))
+                    if attempt == p.attempt && w == p.worker =>
+                {
+                    self.send_assignment(&id, revision);
+                }
+                other => {
+                    // Cancelled or lost before it was sent: give the slot back, and take the
+                    // key away unless a newer attempt's key (written after it) replaces it.
+                    if let Some(w) = self.workers.get_mut(&p.worker)
+                        && w.running.remove(&(p.run.clone(), p.call, p.attempt))
+                    {
+                        w.busy = w.busy.saturating_sub(1);
+                    }
+                    if !matches!(other, Some((Phase::Running, ..))) {
+                        let _ = self.keys.send(KeyOp::Delete {
+                            key: lease::keys::attempt(&p.run, p.call),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Attempt keys refused because the worker's lease is gone: the calls go back to the
+    /// front of their queues (not counted as attempts; nothing ran).
+    pub(super) fn refused(&mut self, puts: Vec<PendingPut>) {
+        for p in puts {
+            let id: CallId = (p.run.clone(), p.call);
+            if let Some(w) = self.workers.get_mut(&p.worker) {
+                if w.running.remove(&(p.run.clone(), p.call, p.attempt)) {
+                    w.busy = w.busy.saturating_sub(1);
+                }
+                if w.lease == Some(p.lease) {
+                    w.lease = None;
+                }
+            }
+            let current = self.calls.get(&id).is_some_and(|c| {
+                c.phase == Phase::Running
+                    && c.attempt == p.attempt
+                    && c.worker == Some(p.worker)
+                    && c.fence.is_none()
+            });
+            if current {
+                self.leave_running(&id);
+                if let Some(r) = self.runs.get_mut(&id.0) {
+                    r.queue.push_front(id.1);
+                }
+            }
+        }
+    }
+}
