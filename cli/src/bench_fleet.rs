@@ -117,6 +117,8 @@ async fn fleet(
             "coordinator",
             "--listen",
             &format!("127.0.0.1:{port}"),
+            "--http",
+            &format!("127.0.0.1:{}", free_port()?),
             "--tls-dir",
         ])
         .arg(pki);

@@ -281,12 +281,33 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         leases,
         flotilla_coordinator::sched::DispatchOptions { worker_ttl },
     ));
+    // Session tokens are signed with a key derived from the coordinator's private key, so
+    // coordinators sharing it accept each other's tokens and a restart signs nobody out.
+    let tokens = match &tls {
+        Some(files) => match std::fs::read(&files.key) {
+            Ok(secret) => Some(flotilla_coordinator::web::TokenKey::derive(&secret)),
+            Err(e) => return fail(2, format!("cannot read {}: {e}", files.key.display())),
+        },
+        None => {
+            if !http.ip().is_loopback() {
+                return fail(
+                    2,
+                    format!(
+                        "--insecure serves the session pages without sign-in, so only on loopback; use --http 127.0.0.1:{} (or TLS)",
+                        http.port()
+                    ),
+                );
+            }
+            None
+        }
+    };
     let registry = Arc::new(RunRegistry::default());
     let cancel = CancellationToken::new();
     let opts = ServerOptions {
         listen,
         tls,
         keepalive: worker_ttl / 3,
+        tokens: tokens.clone(),
         session_base: format!("http://{http}"),
     };
     let leases_at = if a.etcd.is_empty() {
@@ -303,6 +324,23 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             "insecure"
         },
     );
+    eprintln!(
+        "session pages on http://{http}/runs ({})",
+        if tokens.is_some() {
+            "sign in with `flotilla token create`"
+        } else {
+            "no sign-in: --insecure"
+        }
+    );
+    let pages = tokio::spawn(flotilla_coordinator::web::serve(
+        coordinator.clone(),
+        registry.clone(),
+        flotilla_coordinator::web::WebOptions {
+            listen: http,
+            auth: tokens,
+        },
+        cancel.clone(),
+    ));
     let serving = tokio::spawn(server::serve(
         coordinator.clone(),
         registry,
@@ -314,6 +352,16 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             cancel.cancel();
         }
         r = serving => {
+            cancel.cancel();
+            coordinator.shutdown();
+            return match r {
+                Ok(Ok(())) => 0,
+                Ok(Err(e)) => fail(1, e),
+                Err(e) => fail(1, e),
+            };
+        }
+        r = pages => {
+            cancel.cancel();
             coordinator.shutdown();
             return match r {
                 Ok(Ok(())) => 0,
@@ -674,6 +722,66 @@ pub async fn stop(a: RunRefArgs) -> i32 {
     {
         Ok(_) => {
             eprintln!("stopping {}", a.run_id);
+            0
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum TokenCommand {
+    /// Issue a session token to your client certificate and print a sign-in link.
+    Create(TokenArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TokenArgs {
+    /// How long the token lives (at most 30d) [default: 12h].
+    #[arg(long)]
+    ttl: Option<String>,
+    /// Print {token, login_url, subject, expires_unix} as JSON.
+    #[arg(long)]
+    json: bool,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+pub async fn token_create(a: TokenArgs) -> i32 {
+    let ttl_secs = match a.ttl.as_deref().map(|t| config::parse_duration("--ttl", t)) {
+        None => 0,
+        Some(Ok(d)) if d.as_secs() > 0 => d.as_secs(),
+        Some(Ok(_)) => return fail(2, "--ttl must be at least 1s; e.g. --ttl 12h"),
+        Some(Err(e)) => return fail(2, e),
+    };
+    let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
+    {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .create_token(v1::CreateTokenRequest { ttl_secs })
+        .await
+    {
+        Ok(r) => {
+            let r = r.into_inner();
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"token": r.token, "login_url": r.login_url, "subject": r.subject, "expires_unix": r.expires_unix})
+                );
+            } else {
+                println!("{}", r.login_url);
+                eprintln!(
+                    "open the link to sign in as {} (or send `Authorization: Bearer <token>`); it expires at {}",
+                    r.subject,
+                    humantime::format_rfc3339_seconds(
+                        std::time::UNIX_EPOCH + std::time::Duration::from_secs(r.expires_unix)
+                    )
+                );
+            }
             0
         }
         Err(s) => rpc_fail(&s),

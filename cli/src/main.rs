@@ -57,6 +57,9 @@ enum Command {
     Stop(fleet::RunRefArgs),
     /// List the workers attached to a coordinator.
     Workers(fleet::WorkersArgs),
+    /// Session tokens for the coordinator's pages.
+    #[command(subcommand)]
+    Token(fleet::TokenCommand),
 }
 
 /// Flags of `flotilla run`.
@@ -151,6 +154,7 @@ fn main() -> ExitCode {
             Command::Status(args) => fleet::status(args).await,
             Command::Stop(args) => fleet::stop(args).await,
             Command::Workers(args) => fleet::workers(args).await,
+            Command::Token(fleet::TokenCommand::Create(args)) => fleet::token_create(args).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));

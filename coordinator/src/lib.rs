@@ -6,6 +6,7 @@
 //! - [`store`]: object storage layout and the group-committed journal.
 //! - [`lease`]: the `LeaseStore` seam (memory now; etcd with the fleet).
 //! - [`coordinator`]: launching runs.
+//! - [`server`]: the gRPC services; [`web`]: session pages over HTTP.
 //!
 //! Start reading at [`coordinator::Coordinator::launch`], then [`run::RunEngine::run`].
 
@@ -20,6 +21,7 @@ pub mod server;
 pub mod settings;
 pub mod spec;
 pub mod store;
+pub mod web;
 pub mod workflows;
 
 pub use coordinator::{Coordinator, LaunchRequest, Rejected};

@@ -44,6 +44,8 @@ pub struct ServerOptions {
     pub session_base: String,
     /// HTTP/2 keep-alive interval and timeout on every stream.
     pub keepalive: std::time::Duration,
+    /// Signs session tokens for the pages (`None` without TLS).
+    pub tokens: Option<crate::web::TokenKey>,
 }
 
 /// The runs this coordinator is running (or has finished since it started).
@@ -69,6 +71,13 @@ impl RunRegistry {
         self.runs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The live snapshot of a run this coordinator runs, and its report once it has ended.
+    pub fn live(&self, run: &str) -> Option<(Arc<Snapshot>, Option<Arc<Report>>)> {
+        self.lock()
+            .get(run)
+            .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().clone()))
     }
 
     /// Tracks a launched run until it ends.
@@ -104,6 +113,7 @@ pub async fn serve(
         registry,
         secure,
         session_base: opts.session_base.clone(),
+        tokens: opts.tokens.clone(),
     };
     // HTTP/2 pings find a frozen or cut-off worker's stream within two intervals.
     let mut builder = tonic::transport::Server::builder()
@@ -207,7 +217,11 @@ struct ClientSvc {
     registry: Arc<RunRegistry>,
     secure: bool,
     session_base: String,
+    tokens: Option<crate::web::TokenKey>,
 }
+
+/// Life of a session token when the caller does not say.
+const DEFAULT_TOKEN_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
 
 impl ClientSvc {
     fn authorize<T>(&self, req: &Request<T>, what: &str) -> Result<(), Status> {
@@ -434,6 +448,41 @@ impl ClientService for ClientSvc {
             .collect();
         Ok(Response::new(v1::ListWorkersReply { workers }))
     }
+
+    async fn create_token(
+        &self,
+        req: Request<v1::CreateTokenRequest>,
+    ) -> Result<Response<v1::CreateTokenReply>, Status> {
+        self.authorize(&req, "create session tokens")?;
+        let Some(key) = &self.tokens else {
+            return Err(Status::failed_precondition(
+                "this coordinator runs --insecure: its pages need no token",
+            ));
+        };
+        let subject = tls::peer_of(&req)?.name;
+        let ttl = match req.into_inner().ttl_secs {
+            0 => DEFAULT_TOKEN_TTL,
+            s => std::time::Duration::from_secs(s),
+        };
+        if ttl > crate::web::MAX_TOKEN_TTL {
+            return Err(Status::invalid_argument(
+                "a session token lives at most 30 days; ask for a shorter --ttl",
+            ));
+        }
+        let token = key.issue(&subject, ttl);
+        let claims = key
+            .verify(&token)
+            .map_err(|e| Status::internal(format!("cannot issue a token: {e}")))?;
+        Ok(Response::new(v1::CreateTokenReply {
+            login_url: format!(
+                "{}/login?token={token}",
+                self.session_base.trim_end_matches('/')
+            ),
+            token,
+            subject,
+            expires_unix: claims.exp,
+        }))
+    }
 }
 
 /// The parts of a live snapshot a client shows.
@@ -451,6 +500,38 @@ pub struct SnapshotView {
     pub output_tokens: u64,
     pub logs: Vec<String>,
     pub groups: Vec<(String, u64, u64)>,
+}
+
+impl SnapshotView {
+    /// The same view of a run that ended, from its report.
+    pub fn from_report(r: &Report) -> SnapshotView {
+        let groups = r
+            .groups
+            .iter()
+            .map(|g| {
+                let ended = r
+                    .agents
+                    .iter()
+                    .filter(|a| a.group == g.title && a.status != "running")
+                    .count() as u64;
+                (g.title.clone(), ended, g.agents.len() as u64)
+            })
+            .collect();
+        SnapshotView {
+            run_id: r.run_id.clone(),
+            workflow: r.workflow.name.clone(),
+            status: Some(r.status),
+            elapsed_ms: r.usage.duration_ms,
+            agents: r.usage.agents,
+            done: r.agents.iter().filter(|a| a.status == "completed").count() as u64,
+            failed: r.usage.errors,
+            running: 0,
+            cached: r.usage.cached,
+            output_tokens: r.usage.output_tokens,
+            logs: r.logs.clone(),
+            groups,
+        }
+    }
 }
 
 impl From<&Snapshot> for SnapshotView {

@@ -35,6 +35,8 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub bin: PathBuf,
     pub port: u16,
+    /// The coordinator's session pages.
+    pub http_port: u16,
     coordinator: Option<Child>,
     workers: Vec<Option<Child>>,
     /// etcd endpoint for the coordinator's leases, if any.
@@ -168,6 +170,7 @@ impl Cluster {
             dir,
             bin,
             port: free_port(),
+            http_port: free_port(),
             coordinator: None,
             workers: Vec::new(),
             etcd,
@@ -219,6 +222,8 @@ impl Cluster {
             "coordinator",
             "--listen",
             &format!("127.0.0.1:{}", self.port),
+            "--http",
+            &format!("127.0.0.1:{}", self.http_port),
             "--store",
             &self.store_url(),
             "--worker-ttl",

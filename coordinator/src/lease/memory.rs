@@ -248,8 +248,24 @@ impl LeaseStore for MemoryLeaseStore {
     }
 
     async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, Error> {
+        self.write_now(&ops)
+    }
+
+    fn write_batch_now(&self, ops: &[BatchOp]) -> Option<Result<Revision, Error>> {
+        Some(self.write_now(ops))
+    }
+
+    async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.lock().watchers.push((prefix.to_owned(), tx));
+        Ok(rx)
+    }
+}
+
+impl MemoryLeaseStore {
+    fn write_now(&self, ops: &[BatchOp]) -> Result<Revision, Error> {
         let mut s = self.lock();
-        for op in &ops {
+        for op in ops {
             if let BatchOp::Put {
                 lease: Some(id), ..
             } = op
@@ -261,20 +277,14 @@ impl LeaseStore for MemoryLeaseStore {
         for op in ops {
             match op {
                 BatchOp::Put { key, value, lease } => {
-                    s.write(&key, value, lease)?;
+                    s.write(key, value.clone(), *lease)?;
                 }
                 BatchOp::Delete { key } => {
-                    s.remove_key(&key);
+                    s.remove_key(key);
                 }
             }
         }
         Ok(s.revision)
-    }
-
-    async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.lock().watchers.push((prefix.to_owned(), tx));
-        Ok(rx)
     }
 }
 

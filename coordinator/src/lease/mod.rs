@@ -106,6 +106,11 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// has a revision no greater than that, and every later write a greater one. A put under a
     /// lease that is gone refuses the whole batch (`LeaseGone`, naming one such lease).
     async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, Error>;
+    /// `write_batch` without waiting, for a store that can apply it at once (in memory);
+    /// `None` means "use `write_batch`". A store answers always or never.
+    fn write_batch_now(&self, _ops: &[BatchOp]) -> Option<Result<Revision, Error>> {
+        None
+    }
     /// Reports puts and deletes of keys under a prefix from now on. The stream survives a
     /// restart of the store's server (it resumes after the last revision it reported).
     async fn watch(&self, prefix: &str) -> Result<mpsc::UnboundedReceiver<WatchEvent>, Error>;

@@ -727,16 +727,17 @@ impl Dispatcher {
         if let Some(key) = c.stall_key.take() {
             self.timers.remove(&key);
         }
-        if c.fence.take().is_some() {
-            let _ = self.keys.send(KeyOp::Delete {
-                key: lease::keys::attempt(&id.0, id.1),
-            });
-        }
+        let sent = c.fence.take().is_some();
         c.phase = Phase::Queued;
         c.in_tool = false;
         let group = c.ticket.prefix_group;
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running = r.running.saturating_sub(1);
+        }
+        if sent {
+            self.write_key(KeyOp::Delete {
+                key: lease::keys::attempt(&id.0, id.1),
+            });
         }
         // A leader that ends without its response beginning hands the lead on.
         let leader_ended = self
@@ -1149,7 +1150,7 @@ impl Dispatcher {
         let value = serde_json::json!({"worker": &*w.name, "attempt": c.attempt})
             .to_string()
             .into_bytes();
-        let _ = self.keys.send(KeyOp::Put {
+        let op = KeyOp::Put {
             put: PendingPut {
                 run: id.0.clone(),
                 call: id.1,
@@ -1160,10 +1161,11 @@ impl Dispatcher {
             key: lease::keys::attempt(&id.0, id.1),
             value,
             lease,
-        });
+        };
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running += 1;
         }
+        self.write_key(op);
     }
 
     /// Sends the assignment of a call whose attempt key is written at `fence`.

@@ -283,6 +283,20 @@ async fn worker_lease(
 }
 
 impl Dispatcher {
+    /// Writes an attempt key: at once when the store can (in memory), else through the key
+    /// writer. A put's assignment goes out once its key is written.
+    pub(super) fn write_key(&mut self, op: KeyOp) {
+        let Some(res) = self.leases.write_batch_now(&[op.batch_op()]) else {
+            let _ = self.keys.send(op);
+            return;
+        };
+        let Some(put) = op.into_put() else { return };
+        match res {
+            Ok(revision) => self.written(vec![put], revision),
+            Err(_) => self.refused(vec![put]),
+        }
+    }
+
     pub(super) fn attach(&mut self, end: CoordinatorEnd) {
         let id = self.next_worker;
         self.next_worker += 1;
@@ -669,7 +683,7 @@ impl Dispatcher {
                         w.busy = w.busy.saturating_sub(1);
                     }
                     if !matches!(other, Some((Phase::Running, ..))) {
-                        let _ = self.keys.send(KeyOp::Delete {
+                        self.write_key(KeyOp::Delete {
                             key: lease::keys::attempt(&p.run, p.call),
                         });
                     }

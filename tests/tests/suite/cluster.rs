@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use flotilla_tests::cluster::Cluster;
-use flotilla_tests::{Env, agents, usage};
+use flotilla_tests::{Env, agents, http_get, usage};
 use serde_json::Value;
 
 /// Each journaled call index appears exactly once: no result accepted twice.
@@ -418,6 +418,99 @@ fn leases_live_in_an_etcd_that_requires_tls_client_certificates() {
     let out = flotilla_tests::run_with_timeout(cmd, Duration::from_secs(60));
     assert_ne!(out.code, 0, "{}", out.stderr);
     assert!(out.stderr.contains("etcd"), "{}", out.stderr);
+}
+
+#[test]
+fn session_pages_need_a_token_from_a_client_certificate() {
+    let c = Cluster::start(1, 4);
+    let launched = c.client(&[
+        "launch",
+        &{
+            let script = c.path().join("page.js");
+            std::fs::write(
+                &script,
+                "export const meta = { name: 'page', description: 'session page test' };\n\
+                 return (await parallel(Array.from({ length: 6 }, (_, i) => () => agent('job ' + i + ' [[sleep:1500]]')))).filter(Boolean).length;\n",
+            )
+            .unwrap();
+            script.to_str().unwrap().to_owned()
+        },
+        "--json",
+        "--stagger",
+        "0",
+    ]);
+    assert_eq!(launched.code, 0, "{launched:?}");
+    let v = launched.json();
+    let run = v["run_id"].as_str().unwrap().to_owned();
+    let session = v["session_url"].as_str().unwrap().to_owned();
+    let page_path = format!("/runs/{run}");
+    assert_eq!(
+        session,
+        format!("http://127.0.0.1:{}{page_path}", c.http_port)
+    );
+
+    // No token: refused, with the way in.
+    let r = http_get(c.http_port, &page_path, &[]);
+    assert_eq!(r.status, 401, "{r:?}");
+    assert!(r.body.contains("flotilla token create"), "{}", r.body);
+    let r = http_get(c.http_port, &format!("{page_path}/status.json"), &[]);
+    assert_eq!(r.status, 401, "{r:?}");
+    assert_eq!(http_get(c.http_port, "/runs.json", &[]).status, 401);
+    // A made-up token: refused.
+    let r = http_get(
+        c.http_port,
+        &page_path,
+        &[("Authorization", "Bearer v1.e30.AAAA")],
+    );
+    assert_eq!(r.status, 401, "{r:?}");
+
+    // A client certificate gets a token; the sign-in link sets the cookie.
+    let t = c.client(&["token", "create", "--json", "--ttl", "1h"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    let t = t.json();
+    let token = t["token"].as_str().unwrap().to_owned();
+    assert_eq!(t["subject"], "client");
+    let login = t["login_url"].as_str().unwrap();
+    let login_path = login.split_once(&format!(":{}", c.http_port)).unwrap().1;
+    let r = http_get(c.http_port, &format!("{login_path}&next={page_path}"), &[]);
+    assert_eq!(r.status, 303, "{r:?}");
+    assert_eq!(r.header("location"), Some(page_path.as_str()));
+    let cookie = r.header("set-cookie").expect("a session cookie").to_owned();
+    assert!(cookie.contains("HttpOnly"), "{cookie}");
+    let cookie = cookie.split(';').next().unwrap().to_owned();
+
+    let r = http_get(c.http_port, &page_path, &[("Cookie", &cookie)]);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        r.body.contains(&run) && r.body.contains("page"),
+        "{}",
+        r.body
+    );
+    let bearer = format!("Bearer {token}");
+    let r = http_get(
+        c.http_port,
+        &format!("{page_path}/status.json"),
+        &[("Authorization", &bearer)],
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    let live: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(live["run_id"], run.as_str());
+    assert!(live["agents"].as_u64().unwrap() <= 6, "{live}");
+
+    // After the end, the page shows the report.
+    let (code, report) = c.wait(&run);
+    assert_eq!(code, 0, "{report}");
+    let r = http_get(
+        c.http_port,
+        &format!("{page_path}/status.json"),
+        &[("Authorization", &bearer)],
+    );
+    let done: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(done["finished"], true, "{done}");
+    assert_eq!(done["report"]["result"], 6);
+    let r = http_get(c.http_port, "/runs.json", &[("Authorization", &bearer)]);
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains(&run), "{}", r.body);
 }
 
 #[test]
