@@ -123,11 +123,13 @@ impl Worker {
                 _ = cancel.cancelled() => break,
                 next = links.recv(), if links_open => match next {
                     Some(new) => {
-                        // Whatever the attempts already sent counts as held too.
+                        // What runs now, then whatever the attempts already sent: an attempt
+                        // sends its outcome before it leaves `running`, so none slips between.
+                        let mut held = running_refs(&running);
                         while let Ok(m) = out_rx.try_recv() {
                             kept.keep(m);
                         }
-                        let held = kept.held(&running);
+                        held.extend(kept.held());
                         if new.tx.send(self.hello(held)).is_ok() {
                             // Cut off until the coordinator welcomes this link.
                             link = Some(new);
@@ -269,17 +271,9 @@ impl Kept {
         );
     }
 
-    /// Every attempt this worker still owes an outcome for.
-    fn held(&self, running: &Running) -> Vec<v1::AttemptRef> {
-        let mut held: Vec<v1::AttemptRef> = lock(running)
-            .iter()
-            .map(|((run, call, attempt), (_, fence))| v1::AttemptRef {
-                run_id: run.clone(),
-                call: *call,
-                attempt: *attempt,
-                fence: *fence,
-            })
-            .collect();
+    /// The attempts whose outcomes it keeps (not delivered, or not sure to have arrived).
+    fn held(&self) -> Vec<v1::AttemptRef> {
+        let mut held = Vec::new();
         let outcomes = self.pending.iter().filter_map(|m| match &m.msg {
             Some(worker_message::Msg::Outcome(o)) => Some(o),
             _ => None,
@@ -330,6 +324,19 @@ impl Kept {
         }
         self.recent.push_back((now, o.clone()));
     }
+}
+
+/// The attempts running now.
+fn running_refs(running: &Running) -> Vec<v1::AttemptRef> {
+    lock(running)
+        .iter()
+        .map(|((run, call, attempt), (_, fence))| v1::AttemptRef {
+            run_id: run.clone(),
+            call: *call,
+            attempt: *attempt,
+            fence: *fence,
+        })
+        .collect()
 }
 
 /// Sends on the current link, or keeps the message for the next one.

@@ -402,6 +402,7 @@ pub fn spawn_with(
         opts,
         keys,
         by_name: HashMap::new(),
+        adopted: HashMap::new(),
         leases,
         runs: HashMap::new(),
         rr: VecDeque::new(),
@@ -423,6 +424,9 @@ struct Dispatcher {
     /// Attempt-key writes, applied in order by the key writer.
     keys: mpsc::UnboundedSender<KeyOp>,
     by_name: HashMap<Arc<str>, u64>,
+    /// Links that a known worker took over on reattaching: link id → worker id. Messages a
+    /// link's reader tagged with the link id before the takeover are resolved through it.
+    adopted: HashMap<u64, u64>,
     leases: Arc<dyn LeaseStore>,
     runs: HashMap<Arc<str>, RunState>,
     rr: VecDeque<Arc<str>>,
@@ -562,6 +566,7 @@ impl Dispatcher {
     }
 
     fn on_worker(&mut self, worker: u64, msg: WorkerMessage) {
+        let worker = self.adopted.get(&worker).copied().unwrap_or(worker);
         let Some(msg) = msg.msg else { return };
         match msg {
             worker_message::Msg::Hello(h) => self.hello(worker, h),
@@ -1469,6 +1474,51 @@ mod tests {
             CallResult::Completed(c) => assert_eq!(c.text, "kept"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outcome_sent_right_after_the_reattaching_hello_is_accepted() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+        let (run, mut events) = register(&d, "wf_burst", 4, Duration::from_secs(600));
+        d.submit(&run, ticket(0));
+        let a = first.assignment().await;
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Hello and the kept outcome in one burst, before the dispatcher has seen either.
+        let back = FakeWorker::attach_as(&d, "w1", 1, &[&a]);
+        back.complete(&a, "kept");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let done = finished(&mut events).await;
+        assert_eq!(done.len(), 1, "the kept outcome is accepted");
+        // And the slot came back: the next call goes to the same worker.
+        let mut back = back;
+        d.submit(&run, ticket(1));
+        let b = back.assignment().await;
+        assert_eq!(b.call, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_link_that_closes_before_its_hello_is_handled_leaves_the_worker_cut_off() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+        let (run, mut events) = register(&d, "wf_flap", 4, Duration::from_secs(600));
+        d.submit(&run, ticket(0));
+        let a = first.assignment().await;
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Reattaches and vanishes at once; it never comes back.
+        drop(FakeWorker::attach_as(&d, "w1", 1, &[&a]));
+        let mut other = FakeWorker::attach_as(&d, "w2", 1, &[]);
+        let b = other.assignment().await;
+        assert_eq!(
+            (b.call, b.attempt),
+            (0, 2),
+            "restarted once w1's lease lapsed"
+        );
+        other.complete(&b, "done");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(finished(&mut events).await.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]

@@ -427,6 +427,7 @@ impl Dispatcher {
             return wid;
         };
         fresh.target.store(wid, Ordering::Release);
+        self.adopted.insert(link_id, wid);
         let Some(w) = self.workers.get_mut(&wid) else {
             return wid;
         };
@@ -448,24 +449,25 @@ impl Dispatcher {
         if let Some(ctl) = &w.ctl {
             ctl.set_attached(true);
         }
-        // Attempts we sent that it no longer holds are lost (an assignment whose key is still
-        // being written has not been sent yet; it goes out on this link).
-        let lost: Vec<(Arc<str>, u64, u32)> = w
+        // Slots of attempts it no longer holds come back, and the current ones among them
+        // restart. An assignment whose key is still being written was never sent; it keeps
+        // its slot and goes out on this link.
+        let gone: Vec<(Arc<str>, u64, u32)> = w
             .running
             .iter()
             .filter(|a| !held.contains(*a))
             .filter(|(run, call, attempt)| {
-                self.calls.get(&(run.clone(), *call)).is_some_and(|c| {
+                !self.calls.get(&(run.clone(), *call)).is_some_and(|c| {
                     c.phase == Phase::Running
                         && c.attempt == *attempt
                         && c.worker == Some(wid)
-                        && c.fence.is_some()
+                        && c.fence.is_none()
                 })
             })
             .cloned()
             .collect();
         let name = w.name.clone();
-        for (run, call, attempt) in lost {
+        for (run, call, attempt) in gone {
             self.lose_attempt(
                 wid,
                 &(run, call),
@@ -553,6 +555,7 @@ impl Dispatcher {
 
     pub(super) fn link_closed(&mut self, wid: u64, link: u64) {
         let ttl = self.opts.worker_ttl;
+        let wid = self.adopted.remove(&link).unwrap_or(wid);
         let Some(w) = self.workers.get_mut(&wid) else {
             return;
         };
@@ -601,7 +604,17 @@ impl Dispatcher {
                     .get(&wid)
                     .map_or_else(|| "?".to_owned(), |w| w.name.to_string());
                 tracing::info!(run = %id.0, call, attempt, worker = %name, "attempt key vanished (the worker's lease lapsed); restarting the call");
-                self.lose_attempt(wid, &id, attempt, format!("worker {name}'s lease lapsed"));
+                // A worker still attached (its lease lapsed while the store was out of reach)
+                // is told to stop; its slot comes back with that attempt's outcome.
+                let attached = self.workers.get(&wid).is_some_and(|w| w.tx.is_some());
+                let message = format!("worker {name}'s lease lapsed");
+                if attached {
+                    self.send_cancel(&id, "its lease lapsed; restarted elsewhere");
+                    self.leave_running(&id);
+                    self.retry_or_fail(&id, Retry::Transient { message });
+                } else {
+                    self.lose_attempt(wid, &id, attempt, message);
+                }
             }
         } else if let Some(name) = lease::keys::parse_worker(&key) {
             let Some(wid) = self.by_name.get(name).copied() else {
