@@ -709,7 +709,61 @@ pub async fn status(a: RunRefArgs) -> i32 {
     }
 }
 
-pub async fn stop(a: RunRefArgs) -> i32 {
+#[derive(Debug, Args)]
+pub struct AgentRefArgs {
+    #[command(flatten)]
+    run: RunRefArgs,
+    /// One agent of the run: its index (as `flotilla show` lists them) or its label.
+    #[arg(long)]
+    agent: Option<String>,
+}
+
+/// `pause` / `resume` a run.
+pub async fn control(a: RunRefArgs, action: &str) -> i32 {
+    control_call(&a, action, "").await
+}
+
+async fn control_call(a: &RunRefArgs, action: &str, agent: &str) -> i32 {
+    let mut client = match a.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .control(v1::ControlRequest {
+            run_id: a.run_id.clone(),
+            action: action.to_owned(),
+            agent: agent.to_owned(),
+        })
+        .await
+    {
+        Ok(r) => {
+            let msg = r.into_inner().message;
+            if a.json {
+                println!("{}", serde_json::json!({ "message": msg }));
+            } else {
+                eprintln!("{msg}");
+            }
+            0
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+pub async fn restart(a: AgentRefArgs) -> i32 {
+    let Some(agent) = a.agent.as_deref() else {
+        return fail(
+            2,
+            "name the agent to restart: --agent INDEX or --agent LABEL",
+        );
+    };
+    control_call(&a.run, "restart_agent", agent).await
+}
+
+pub async fn stop(a: AgentRefArgs) -> i32 {
+    if let Some(agent) = a.agent.as_deref() {
+        return control_call(&a.run, "stop_agent", agent).await;
+    }
+    let a = a.run;
     let mut client = match a.client() {
         Ok(c) => c,
         Err(e) => return fail(2, e),

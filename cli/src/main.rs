@@ -53,8 +53,14 @@ enum Command {
     Wait(fleet::RunRefArgs),
     /// Show a running run's progress.
     Status(fleet::RunRefArgs),
-    /// Stop a run on a coordinator.
-    Stop(fleet::RunRefArgs),
+    /// Stop a run on a coordinator, or one of its agents (`--agent`).
+    Stop(fleet::AgentRefArgs),
+    /// Pause a run: running agents are interrupted, nothing new starts.
+    Pause(fleet::RunRefArgs),
+    /// Resume a paused run.
+    Resume(fleet::RunRefArgs),
+    /// Restart one running agent of a run as a new attempt.
+    Restart(fleet::AgentRefArgs),
     /// List the workers attached to a coordinator.
     Workers(fleet::WorkersArgs),
     /// Session tokens for the coordinator's pages.
@@ -153,6 +159,9 @@ fn main() -> ExitCode {
             Command::Wait(args) => fleet::wait(args).await,
             Command::Status(args) => fleet::status(args).await,
             Command::Stop(args) => fleet::stop(args).await,
+            Command::Pause(args) => fleet::control(args, "pause").await,
+            Command::Resume(args) => fleet::control(args, "resume").await,
+            Command::Restart(args) => fleet::restart(args).await,
             Command::Workers(args) => fleet::workers(args).await,
             Command::Token(fleet::TokenCommand::Create(args)) => fleet::token_create(args).await,
         }

@@ -13,6 +13,8 @@ use crate::store::records::WorkflowInfo;
 pub enum RunStatus {
     Pending,
     Running,
+    /// Paused by a user (W54): nothing new starts until it resumes.
+    Paused,
     Completed,
     Failed,
     Stopped,
@@ -25,6 +27,7 @@ impl RunStatus {
         match self {
             RunStatus::Pending => "pending",
             RunStatus::Running => "running",
+            RunStatus::Paused => "paused",
             RunStatus::Completed => "completed",
             RunStatus::Failed => "failed",
             RunStatus::Stopped => "stopped",
@@ -42,7 +45,10 @@ impl RunStatus {
     }
 
     pub fn is_final(self) -> bool {
-        !matches!(self, RunStatus::Pending | RunStatus::Running)
+        !matches!(
+            self,
+            RunStatus::Pending | RunStatus::Running | RunStatus::Paused
+        )
     }
 }
 

@@ -29,7 +29,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::coordinator::Coordinator;
 use crate::report::{Report, RunStatus};
-use crate::run::{Control, RunHandle, Snapshot};
+use crate::run::{AgentAction, Control, RunHandle, Snapshot};
 use crate::settings::RunSettings;
 use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
 use crate::{LaunchRequest, history};
@@ -447,6 +447,64 @@ impl ClientService for ClientSvc {
             })
             .collect();
         Ok(Response::new(v1::ListWorkersReply { workers }))
+    }
+
+    async fn control(
+        &self,
+        req: Request<v1::ControlRequest>,
+    ) -> Result<Response<v1::ControlReply>, Status> {
+        self.authorize(&req, "control runs")?;
+        let v1::ControlRequest {
+            run_id,
+            action,
+            agent,
+        } = req.into_inner();
+        let stopper = self.registry.lock().get(&run_id).map(|e| {
+            let finished = e.report.borrow().is_some();
+            (e.stopper.clone(), finished)
+        });
+        let Some((stopper, false)) = stopper else {
+            return Err(Status::not_found(format!(
+                "run {run_id} is not running on this coordinator"
+            )));
+        };
+        let gone = || Status::not_found(format!("run {run_id} has ended"));
+        let message = match action.as_str() {
+            "pause" | "resume" => {
+                let pause = action == "pause";
+                stopper.send(Control::Pause(pause)).map_err(|_| gone())?;
+                format!("{} {run_id}", if pause { "paused" } else { "resumed" })
+            }
+            "stop_agent" | "restart_agent" => {
+                if agent.is_empty() {
+                    return Err(Status::invalid_argument(
+                        "name the agent: its index (as `flotilla status` shows) or its label",
+                    ));
+                }
+                let action = if action == "stop_agent" {
+                    AgentAction::Stop
+                } else {
+                    AgentAction::Restart
+                };
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                stopper
+                    .send(Control::Agent {
+                        action,
+                        agent,
+                        reply: tx,
+                    })
+                    .map_err(|_| gone())?;
+                rx.await
+                    .map_err(|_| gone())?
+                    .map_err(Status::failed_precondition)?
+            }
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "unknown action {other:?}: use pause, resume, stop_agent or restart_agent"
+                )));
+            }
+        };
+        Ok(Response::new(v1::ControlReply { message }))
     }
 
     async fn create_token(

@@ -48,6 +48,23 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 pub enum Control {
     /// Stop the whole run (W55): nothing counts as failed, pending promises never settle.
     Stop,
+    /// Pause (W54): interrupt running agents, start nothing new; or resume.
+    Pause(bool),
+    /// Act on one agent, named by its index or label; the reply says what happened.
+    Agent {
+        action: AgentAction,
+        agent: String,
+        reply: oneshot::Sender<Result<String, String>>,
+    },
+}
+
+/// What to do to one agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentAction {
+    /// W55: its `agent()` resolves `null`, and it counts as failed.
+    Stop,
+    /// W56: abandon the running attempt and start a new one.
+    Restart,
 }
 
 /// Live view of a run for progress displays.
@@ -348,6 +365,10 @@ impl RunEngine {
                         self.begin_stop();
                         stop_deadline = Some(Instant::now() + STOP_GRACE);
                     }
+                    Some(Control::Pause(paused)) => self.pause(paused),
+                    Some(Control::Agent { action, agent, reply }) => {
+                        let _ = reply.send(self.act_on_agent(action, &agent));
+                    }
                     // Nobody can stop the run any more; it goes on to its end.
                     None => control_open = false,
                 },
@@ -364,6 +385,96 @@ impl RunEngine {
             }
         };
         self.finish(end, &mut ack_rx).await
+    }
+
+    fn pause(&mut self, paused: bool) {
+        if self.stopping || (self.status == RunStatus::Paused) == paused {
+            return;
+        }
+        self.status = if paused {
+            RunStatus::Paused
+        } else {
+            RunStatus::Running
+        };
+        self.init.dispatch.pause_run(&self.run, paused);
+        self.event(RunEvent::Status {
+            status: self.status.as_str().into(),
+            error: None,
+        });
+        let line = if paused {
+            "[pause] the run is paused: running agents were interrupted and nothing new starts"
+        } else {
+            "[pause] the run resumed"
+        };
+        self.logs.push(line.into());
+        self.event(RunEvent::Log { line: line.into() });
+    }
+
+    /// Finds one live agent by index or label and stops or restarts it.
+    fn act_on_agent(&mut self, action: AgentAction, agent: &str) -> Result<String, String> {
+        let live = |c: &Call| matches!(c.status, Status::Queued | Status::Running);
+        let index = match agent.parse::<usize>() {
+            Ok(i) if i < self.calls.len() => i,
+            Ok(i) => {
+                return Err(format!(
+                    "no agent #{i}: this run has {} agents",
+                    self.calls.len()
+                ));
+            }
+            Err(_) => {
+                let found: Vec<usize> = self
+                    .calls
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.label == agent)
+                    .map(|(i, _)| i)
+                    .collect();
+                let alive: Vec<usize> = found
+                    .iter()
+                    .copied()
+                    .filter(|i| live(&self.calls[*i]))
+                    .collect();
+                match (found.len(), alive.as_slice()) {
+                    (0, _) => return Err(format!("no agent labeled {agent:?} in this run")),
+                    (_, [one]) => *one,
+                    (_, []) => return Err(format!("agent {agent:?} is not running")),
+                    (_, many) => {
+                        return Err(format!(
+                            "{} running agents are labeled {agent:?}; name one by its index ({})",
+                            many.len(),
+                            many.iter()
+                                .map(|i| format!("#{i}"))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ));
+                    }
+                }
+            }
+        };
+        let c = &self.calls[index];
+        if !live(c) {
+            return Err(format!("agent #{index} ({:?}) is not running", c.label));
+        }
+        let label = c.label.clone();
+        match action {
+            AgentAction::Stop => {
+                self.init.dispatch.stop_call(&self.run, index as u64);
+                Ok(format!(
+                    "stopped agent #{index} ({label:?}); its agent() resolves null"
+                ))
+            }
+            AgentAction::Restart => {
+                if c.status != Status::Running {
+                    return Err(format!(
+                        "agent #{index} ({label:?}) is queued, not running; nothing to restart"
+                    ));
+                }
+                self.init.dispatch.restart_call(&self.run, index as u64);
+                Ok(format!(
+                    "restarted agent #{index} ({label:?}) as a new attempt"
+                ))
+            }
+        }
     }
 
     fn begin_stop(&mut self) {
@@ -806,6 +917,19 @@ impl RunEngine {
                             max.saturating_sub(1)
                         ),
                         "retrying",
+                    ),
+                    Retry::User => (
+                        format!(
+                            "[restart] agent \"{label}\" restarted by the user ({counted}/{})",
+                            max.saturating_sub(1)
+                        ),
+                        "restarted",
+                    ),
+                    Retry::Paused => (
+                        format!(
+                            "[pause] agent \"{label}\" was interrupted by the pause; it starts again when the run resumes"
+                        ),
+                        "interrupted",
                     ),
                 };
                 if let Some(c) = self.calls.get_mut(call as usize)

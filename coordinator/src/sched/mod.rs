@@ -109,6 +109,10 @@ pub enum Retry {
     RateLimited { wait: Duration },
     /// A transient failure (or a lost worker).
     Transient { message: String },
+    /// Restarted by the user (W56): counts as an attempt, starts again at once.
+    User,
+    /// Interrupted by a pause (W54): not counted; starts again when the run resumes.
+    Paused,
 }
 
 /// How a call ended, as the script will see it.
@@ -186,6 +190,22 @@ enum Msg {
     },
     CloseRun {
         run: Arc<str>,
+    },
+    /// W54: a paused run starts nothing; its running attempts are interrupted and go back to
+    /// the front of its queue (not counted as attempts).
+    PauseRun {
+        run: Arc<str>,
+        paused: bool,
+    },
+    /// W55: one call stops; it ends failed.
+    StopCall {
+        run: Arc<str>,
+        call: u64,
+    },
+    /// W56: one call's running attempt is abandoned and a new one starts at once.
+    RestartCall {
+        run: Arc<str>,
+        call: u64,
     },
     Attach(CoordinatorEnd),
     FromWorker {
@@ -271,6 +291,27 @@ impl DispatchHandle {
             call,
         });
     }
+    /// Pauses (`true`) or resumes a run.
+    pub fn pause_run(&self, run: &Arc<str>, paused: bool) {
+        let _ = self.tx.send(Msg::PauseRun {
+            run: run.clone(),
+            paused,
+        });
+    }
+    /// Stops one call: it ends `Failed` (stopped by the user).
+    pub fn stop_call(&self, run: &Arc<str>, call: u64) {
+        let _ = self.tx.send(Msg::StopCall {
+            run: run.clone(),
+            call,
+        });
+    }
+    /// Restarts one running call as a new attempt.
+    pub fn restart_call(&self, run: &Arc<str>, call: u64) {
+        let _ = self.tx.send(Msg::RestartCall {
+            run: run.clone(),
+            call,
+        });
+    }
     /// Cancels everything of a run and forgets it.
     pub fn close_run(&self, run: &Arc<str>) {
         let _ = self.tx.send(Msg::CloseRun { run: run.clone() });
@@ -326,6 +367,7 @@ struct RunState {
     reg: RunRegistration,
     running: usize,
     queue: VecDeque<u64>,
+    paused: bool,
 }
 
 struct WorkerState {
@@ -476,6 +518,7 @@ impl Dispatcher {
                         reg,
                         running: 0,
                         queue: VecDeque::new(),
+                        paused: false,
                     },
                 );
                 self.rr.push_back(id);
@@ -503,6 +546,34 @@ impl Dispatcher {
                 );
             }
             Msg::Cancel { run, call } => self.cancel_call(&(run, call), "cancelled by the run"),
+            Msg::PauseRun { run, paused } => self.pause_run(&run, paused),
+            Msg::StopCall { run, call } => {
+                let id = (run, call);
+                if self.calls.contains_key(&id) {
+                    self.cancel_call(&id, "stopped by the user");
+                    if let Some(r) = self.runs.get(&id.0) {
+                        let _ = r.reg.events.send(CallEvent::Finished {
+                            call: id.1,
+                            result: CallResult::Failed {
+                                failure: CallFailure::Terminal,
+                                message: "stopped by the user".into(),
+                            },
+                        });
+                    }
+                }
+            }
+            Msg::RestartCall { run, call } => {
+                let id = (run, call);
+                let running = self
+                    .calls
+                    .get(&id)
+                    .is_some_and(|c| c.phase == Phase::Running);
+                if running {
+                    self.send_cancel(&id, "restarted by the user");
+                    self.leave_running(&id);
+                    self.retry_or_fail(&id, Retry::User);
+                }
+            }
             Msg::CloseRun { run } => {
                 let ids: Vec<CallId> = self
                     .calls
@@ -827,6 +898,10 @@ impl Dispatcher {
                     format!("agent failed on all {max} attempts; last error: {message}"),
                 ),
                 Retry::RateLimited { .. } => (CallFailure::Terminal, "rate limited".into()),
+                Retry::User | Retry::Paused => (
+                    CallFailure::Terminal,
+                    format!("agent restarted by the user after {max} attempts; no attempts left"),
+                ),
             };
             self.fail(id, failure, message);
             return;
@@ -838,7 +913,7 @@ impl Dispatcher {
             counted,
         });
         match retry {
-            Retry::Stalled { .. } => {
+            Retry::Stalled { .. } | Retry::User | Retry::Paused => {
                 // Same prompt, fresh transcript, at once and ahead of the queue.
                 c.phase = Phase::Queued;
                 if let Some(r) = self.runs.get_mut(&id.0) {
@@ -866,6 +941,43 @@ impl Dispatcher {
             && let Some(key) = c.stall_key
         {
             self.timers.remove(&key);
+        }
+    }
+
+    fn pause_run(&mut self, run: &Arc<str>, paused: bool) {
+        let Some(r) = self.runs.get_mut(run) else {
+            return;
+        };
+        if r.paused == paused {
+            return;
+        }
+        r.paused = paused;
+        if !paused {
+            return;
+        }
+        // Interrupt what runs (its partial work is not kept) and put it back in front.
+        let running: Vec<CallId> = self
+            .calls
+            .iter()
+            .filter(|((r, _), c)| r == run && c.phase == Phase::Running)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in running.into_iter().rev() {
+            self.send_cancel(&id, "the run was paused");
+            self.leave_running(&id);
+            let (attempt, counted) = self
+                .calls
+                .get(&id)
+                .map_or((0, 0), |c| (c.attempt, c.counted));
+            if let Some(r) = self.runs.get_mut(&id.0) {
+                r.queue.push_front(id.1);
+                let _ = r.reg.events.send(CallEvent::Retrying {
+                    call: id.1,
+                    attempt,
+                    retry: Retry::Paused,
+                    counted,
+                });
+            }
         }
     }
 
@@ -1003,7 +1115,7 @@ impl Dispatcher {
                     break;
                 };
                 self.rr.push_back(run.clone());
-                if blocked.contains(&run) {
+                if blocked.contains(&run) || self.runs.get(&run).is_some_and(|r| r.paused) {
                     continue;
                 }
                 if let Some(r) = self.runs.get(&run)

@@ -513,6 +513,85 @@ fn session_pages_need_a_token_from_a_client_certificate() {
     assert!(r.body.contains(&run), "{}", r.body);
 }
 
+/// `flotilla status RUN --json`.
+fn status(c: &Cluster, run: &str) -> Value {
+    let out = c.client(&["status", run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    out.json()
+}
+
+fn wait_until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_run_pauses_resumes_and_its_agents_stop_and_restart_one_by_one() {
+    let c = Cluster::start(1, 4);
+    let run = c.launch(
+        "life",
+        "const r = await parallel(Array.from({ length: 6 }, (_, i) => () => \
+           agent('job ' + i + (i === 0 ? ' [[sleep:5000]]' : ' [[sleep:1200]]'), { label: 'a' + i })));\n\
+         return r.map(x => x === null ? null : 'ok');",
+        &["--stagger", "0", "--concurrency", "2"],
+    );
+    wait_until("an agent runs", Duration::from_secs(20), || {
+        status(&c, &run)["running"].as_u64().unwrap_or(0) > 0
+    });
+
+    // Pause: what runs is interrupted and nothing new starts.
+    let out = c.client(&["pause", &run]);
+    assert_eq!(out.code, 0, "{out:?}");
+    wait_until(
+        "the run is paused and idle",
+        Duration::from_secs(10),
+        || {
+            let s = status(&c, &run);
+            s["status"] == "paused" && s["running"] == 0
+        },
+    );
+    let done = status(&c, &run)["done"].clone();
+    std::thread::sleep(Duration::from_millis(1500));
+    let s = status(&c, &run);
+    assert_eq!(s["done"], done, "nothing finished while paused: {s}");
+    assert_eq!(s["running"], 0, "{s}");
+
+    let out = c.client(&["resume", &run]);
+    assert_eq!(out.code, 0, "{out:?}");
+    // a0 was interrupted and goes first again; restart it once it runs.
+    wait_until("a0 is restarted", Duration::from_secs(20), || {
+        c.client(&["restart", &run, "--agent", "a0"]).code == 0
+    });
+    // Stop a5 (queued or running): its agent() resolves null.
+    let out = c.client(&["stop", &run, "--agent", "a5"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    // Agent names are checked.
+    let out = c.client(&["restart", &run, "--agent", "nobody"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("no agent labeled"), "{out:?}");
+
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        serde_json::json!(["ok", "ok", "ok", "ok", "ok", null]),
+        "{r}"
+    );
+    let a0 = r["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["label"] == "a0")
+        .unwrap();
+    assert!(a0["attempts"].as_u64().unwrap() >= 2, "restarted: {a0}");
+    let failures = r["failures"].to_string();
+    assert!(failures.contains("stopped by the user"), "{failures}");
+    assert_one_result_per_call(&c, &run, 5);
+}
+
 #[test]
 fn runs_live_in_s3_and_any_coordinator_reads_them_back() {
     let s3 = flotilla_tests::services::S3::start();
