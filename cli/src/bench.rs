@@ -142,6 +142,7 @@ async fn script_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Dura
             args: Some(serde_json::json!({ "n": calls })),
             settings: settings(calls, concurrency),
             resume_from: None,
+            inherit: false,
             resolver: Arc::new(NoWorkflows),
         })
         .await

@@ -199,6 +199,7 @@ async fn fan_out(
             resume_from: String::new(),
             workflows: Vec::new(),
             agent_types: Default::default(),
+            inherit: false,
         })
         .await
         .map_err(|e| flotilla_proto::tls::explain(&e))?

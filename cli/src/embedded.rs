@@ -79,6 +79,7 @@ pub async fn run(r: ResolvedRun, mode: progress::Mode) -> anyhow::Result<Report>
             args: r.args,
             settings: r.settings,
             resume_from: r.resume,
+            inherit: false,
             resolver,
         })
         .await;

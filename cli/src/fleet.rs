@@ -599,6 +599,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         resume_from: resolved.resume.unwrap_or_default(),
         workflows,
         agent_types,
+        inherit: false,
     };
     let reply = match client.launch(req).await {
         Ok(r) => r.into_inner(),
@@ -716,6 +717,111 @@ pub struct AgentRefArgs {
     /// One agent of the run: its index (as `flotilla show` lists them) or its label.
     #[arg(long)]
     agent: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    #[command(flatten)]
+    run: RunRefArgs,
+    /// Run this script instead of the stored one (an edited version).
+    #[arg(long, value_name = "FILE")]
+    script: Option<PathBuf>,
+    /// `args` for the script as JSON [default: the stored run's].
+    #[arg(long)]
+    args: Option<String>,
+    /// content (reuse any completed call with the same key) or prefix (W51's ordered rule).
+    #[arg(long, default_value = "content")]
+    replay: String,
+}
+
+/// `flotilla resume RUN`: a paused run on the coordinator goes on; any other run (ended,
+/// stopped, or run by a coordinator that is gone) starts again as a new run that reuses
+/// its completed calls.
+pub async fn resume(a: ResumeArgs) -> i32 {
+    let mut client = match a.run.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    if a.script.is_none() && a.args.is_none() {
+        match client
+            .control(v1::ControlRequest {
+                run_id: a.run.run_id.clone(),
+                action: "resume".into(),
+                agent: String::new(),
+            })
+            .await
+        {
+            Ok(r) => {
+                eprintln!("{}", r.into_inner().message);
+                return 0;
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return rpc_fail(&s),
+        }
+    }
+    let script = match &a.script {
+        None => String::new(),
+        Some(p) => match std::fs::read_to_string(p) {
+            Ok(s) => s,
+            Err(e) => return fail(2, format!("cannot read {}: {e}", p.display())),
+        },
+    };
+    if let Some(args) = &a.args
+        && let Err(e) = serde_json::from_str::<serde_json::Value>(args)
+    {
+        return fail(2, format!("--args is not valid JSON: {e}"));
+    }
+    let replay = match a.replay.parse() {
+        Ok(m) => m,
+        Err(e) => return fail(2, e),
+    };
+    let settings = flotilla_coordinator::RunSettings {
+        replay,
+        ..Default::default()
+    };
+    let settings_json = match serde_json::to_string(&settings) {
+        Ok(s) => s,
+        Err(e) => return fail(1, e),
+    };
+    let reply = match client
+        .launch(v1::LaunchRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            script,
+            origin: a
+                .script
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            args_json: a.args.clone(),
+            settings_json,
+            resume_from: a.run.run_id.clone(),
+            workflows: Vec::new(),
+            agent_types: Default::default(),
+            inherit: true,
+        })
+        .await
+    {
+        Ok(r) => r.into_inner(),
+        Err(s) => return rpc_fail(&s),
+    };
+    if reply.status == "rejected" {
+        if a.run.json {
+            println!("{}", reply.report_json);
+        }
+        return fail(2, reply.error);
+    }
+    if a.run.json {
+        println!(
+            "{}",
+            serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status, "resumed_from": a.run.run_id})
+        );
+    } else {
+        println!(
+            "run {}  session {}  (resumes {})",
+            reply.run_id, reply.session_url, a.run.run_id
+        );
+    }
+    0
 }
 
 /// `pause` / `resume` a run.

@@ -57,8 +57,8 @@ enum Command {
     Stop(fleet::AgentRefArgs),
     /// Pause a run: running agents are interrupted, nothing new starts.
     Pause(fleet::RunRefArgs),
-    /// Resume a paused run.
-    Resume(fleet::RunRefArgs),
+    /// Resume a run: a paused one goes on; any other starts again from its completed calls.
+    Resume(fleet::ResumeArgs),
     /// Restart one running agent of a run as a new attempt.
     Restart(fleet::AgentRefArgs),
     /// List the workers attached to a coordinator.
@@ -160,7 +160,7 @@ fn main() -> ExitCode {
             Command::Status(args) => fleet::status(args).await,
             Command::Stop(args) => fleet::stop(args).await,
             Command::Pause(args) => fleet::control(args, "pause").await,
-            Command::Resume(args) => fleet::control(args, "resume").await,
+            Command::Resume(args) => fleet::resume(args).await,
             Command::Restart(args) => fleet::restart(args).await,
             Command::Workers(args) => fleet::workers(args).await,
             Command::Token(fleet::TokenCommand::Create(args)) => fleet::token_create(args).await,

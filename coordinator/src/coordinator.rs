@@ -55,6 +55,9 @@ pub struct LaunchRequest {
     pub settings: RunSettings,
     /// Run to resume from (W51).
     pub resume_from: Option<String>,
+    /// With `resume_from`: an empty `source`, absent `args` and the settings (all but the
+    /// replay mode) come from the stored run.
+    pub inherit: bool,
     pub resolver: Arc<dyn WorkflowResolver>,
 }
 
@@ -110,13 +113,90 @@ impl Coordinator {
         &self.leases
     }
 
+    /// Fills what `req` leaves out from the stored run `parent`.
+    async fn inherit(&self, req: &mut LaunchRequest, parent: &str) -> Result<(), Rejected> {
+        let not_found = |what: String| Rejected {
+            message: what,
+            kind: ErrorKind::NotFound,
+            workflow: WorkflowInfo::default(),
+        };
+        let unavailable = |e: crate::store::Error| Rejected {
+            message: format!("cannot read run {parent}: {e}"),
+            kind: e.kind(),
+            workflow: WorkflowInfo::default(),
+        };
+        let manifest = self
+            .store
+            .get(&crate::store::keys::manifest(parent))
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| {
+                not_found(format!(
+                    "nothing to resume: no run {parent} in {}",
+                    self.store.url
+                ))
+            })?;
+        let manifest: Manifest = serde_json::from_slice(&manifest)
+            .map_err(|e| not_found(format!("run {parent} has an unreadable manifest: {e}")))?;
+        if req.source.is_empty() {
+            let script = self
+                .store
+                .get(&crate::store::keys::script(parent))
+                .await
+                .map_err(unavailable)?
+                .ok_or_else(|| {
+                    not_found(format!(
+                        "run {parent} has no stored script; pass --script FILE"
+                    ))
+                })?;
+            req.source = String::from_utf8_lossy(&script).into_owned();
+            req.origin = manifest.script_origin.clone();
+        }
+        if req.args.is_none() {
+            req.args = manifest.args.clone();
+        }
+        let replay = req.settings.replay;
+        req.settings = manifest.settings.clone();
+        req.settings.replay = replay;
+        Ok(())
+    }
+
+    /// W52: a run is not resumed while attempts of it still run somewhere (two copies would
+    /// run side by side). Its attempt keys say so; they go when its agents end or their
+    /// workers' leases lapse.
+    async fn refuse_while_alive(&self, parent: &str) -> Result<(), Rejected> {
+        let prefix = format!("{}{parent}/", crate::lease::keys::ATTEMPTS);
+        let alive = self.leases.list(&prefix).await.map_err(|e| Rejected {
+            message: format!("cannot check whether run {parent} still runs: {e}"),
+            kind: e.kind(),
+            workflow: WorkflowInfo::default(),
+        })?;
+        if alive.is_empty() {
+            return Ok(());
+        }
+        Err(Rejected {
+            message: format!(
+                "run {parent} still has {} agent(s) running; stop it (`flotilla stop {parent}`) and wait for them to end, then resume",
+                alive.len()
+            ),
+            kind: ErrorKind::Conflict,
+            workflow: WorkflowInfo::default(),
+        })
+    }
+
     /// Stops the dispatcher and every worker link.
     pub fn shutdown(&self) {
         self.cancel.cancel();
     }
 
     /// Checks and starts a run.
-    pub async fn launch(&self, req: LaunchRequest) -> Result<RunHandle, Rejected> {
+    pub async fn launch(&self, mut req: LaunchRequest) -> Result<RunHandle, Rejected> {
+        if let (true, Some(parent)) = (req.inherit, req.resume_from.clone()) {
+            self.inherit(&mut req, &parent).await?;
+        }
+        if let Some(parent) = &req.resume_from {
+            self.refuse_while_alive(parent).await?;
+        }
         let prepared = source::prepare(&req.source)
             .map_err(|e| Rejected::invalid(e.to_string(), WorkflowInfo::default()))?;
         let workflow = WorkflowInfo {

@@ -303,6 +303,7 @@ impl ClientService for ClientSvc {
                 args,
                 settings,
                 resume_from: (!r.resume_from.is_empty()).then_some(r.resume_from),
+                inherit: r.inherit,
                 resolver: Arc::new(resolver),
             })
             .await;
@@ -461,9 +462,10 @@ impl ClientService for ClientSvc {
         } = req.into_inner();
         let stopper = self.registry.lock().get(&run_id).map(|e| {
             let finished = e.report.borrow().is_some();
-            (e.stopper.clone(), finished)
+            let paused = e.snapshot.borrow().status == Some(RunStatus::Paused);
+            (e.stopper.clone(), finished, paused)
         });
-        let Some((stopper, false)) = stopper else {
+        let Some((stopper, false, paused)) = stopper else {
             return Err(Status::not_found(format!(
                 "run {run_id} is not running on this coordinator"
             )));
@@ -472,6 +474,12 @@ impl ClientService for ClientSvc {
         let message = match action.as_str() {
             "pause" | "resume" => {
                 let pause = action == "pause";
+                if pause == paused {
+                    return Err(Status::failed_precondition(format!(
+                        "run {run_id} is {} already",
+                        if paused { "paused" } else { "running" }
+                    )));
+                }
                 stopper.send(Control::Pause(pause)).map_err(|_| gone())?;
                 format!("{} {run_id}", if pause { "paused" } else { "resumed" })
             }

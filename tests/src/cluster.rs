@@ -361,6 +361,11 @@ impl Cluster {
 
     /// Every completed-call record of a run in the coordinator's store.
     pub fn journal(&self, run: &str) -> Vec<Value> {
+        if let Some((url, env)) = &self.store
+            && let Some(rest) = url.strip_prefix("s3://")
+        {
+            return s3_journal(rest, env, run);
+        }
         let dir = self.path().join("store/runs").join(run).join("calls");
         let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
             .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
@@ -377,6 +382,48 @@ impl Cluster {
             })
             .collect()
     }
+}
+
+/// The journal of `run` in an S3 store (`bucket/prefix`), read over plain HTTP from the
+/// test's S3 server (moto takes unsigned requests).
+fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> Vec<Value> {
+    let endpoint = env
+        .iter()
+        .find(|(k, _)| k == "AWS_ENDPOINT_URL")
+        .map(|(_, v)| v.clone())
+        .expect("AWS_ENDPOINT_URL for the S3 store");
+    let port: u16 = endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .expect("endpoint port");
+    let (bucket, prefix) = bucket_prefix.split_once('/').unwrap_or((bucket_prefix, ""));
+    let dir = if prefix.is_empty() {
+        format!("runs/{run}/calls/")
+    } else {
+        format!("{prefix}/runs/{run}/calls/")
+    };
+    let listing = crate::http_get(port, &format!("/{bucket}?list-type=2&prefix={dir}"), &[]);
+    assert_eq!(listing.status, 200, "{listing:?}");
+    let mut keys: Vec<&str> = listing
+        .body
+        .split("<Key>")
+        .skip(1)
+        .filter_map(|k| k.split("</Key>").next())
+        .collect();
+    keys.sort_unstable();
+    keys.iter()
+        .flat_map(|k| {
+            // moto checks that a GET of an object is signed, not how.
+            let auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00";
+            let obj = crate::http_get(port, &format!("/{bucket}/{k}"), &[("Authorization", auth)]);
+            assert_eq!(obj.status, 200, "{obj:?}");
+            obj.body
+                .lines()
+                .map(|l| serde_json::from_str(l).expect("journal line is JSON"))
+                .collect::<Vec<Value>>()
+        })
+        .collect()
 }
 
 impl Drop for Cluster {

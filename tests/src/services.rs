@@ -267,6 +267,19 @@ impl S3 {
     }
 
     /// The `AWS_*` variables a client of this server needs.
+    /// Freezes (`true`, SIGSTOP) or thaws (SIGCONT) the server: an outage that keeps its data
+    /// (moto keeps objects in memory, so a restart would lose them).
+    pub fn freeze(&self, frozen: bool) {
+        if let Some(c) = &self.child {
+            let sig = if frozen { "-STOP" } else { "-CONT" };
+            let ok = Command::new("kill")
+                .args([sig, &c.id().to_string()])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "cannot signal the S3 server");
+        }
+    }
+
     pub fn env(&self) -> Vec<(String, String)> {
         vec![
             ("AWS_ENDPOINT_URL".into(), self.endpoint()),

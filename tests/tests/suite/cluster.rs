@@ -628,6 +628,148 @@ fn runs_live_in_s3_and_any_coordinator_reads_them_back() {
     assert_eq!(rr["usage"]["dispatched"], 0);
 }
 
+const STAGES: &str = "const items = await parallel(Array.from({ length: 6 }, (_, i) => () => \
+    agent((i === 3 ? ITEM3 : 'item ' + i) + ' [[sleep:' + (400 - i * 50) + ']]')));\n\
+    const summary = await agent('summarize ' + items.length);\n\
+    return [items.length, summary];";
+
+fn stages_script(c: &Cluster, name: &str, item3: &str) -> String {
+    let path = c.path().join(format!("{name}.js"));
+    std::fs::write(
+        &path,
+        format!(
+            "export const meta = {{ name: 'stages', description: 'resume test' }};\nconst ITEM3 = '{item3}';\n{STAGES}\n"
+        ),
+    )
+    .unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+#[test]
+fn a_run_resumes_on_another_coordinator_process_in_both_modes() {
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/resume", s3.bucket);
+    let mut c = Cluster::start_full(2, 4, None, Some((url, s3.env())));
+    let first = stages_script(&c, "first", "item 3");
+    let out = c.client(&["launch", &first, "--json", "--stagger", "0"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["usage"]["dispatched"], 7);
+
+    // The coordinator that ran it is gone; another process takes over the store.
+    if let Some(mut old) = c.take_coordinator() {
+        let _ = old.kill();
+        let _ = old.wait();
+    }
+    c.start_coordinator();
+    c.wait_for_workers(2);
+
+    let resume = |extra: &[&str]| -> Value {
+        let mut args = vec!["resume", run.as_str(), "--json"];
+        args.extend_from_slice(extra);
+        let out = c.client(&args);
+        assert_eq!(out.code, 0, "{out:?}");
+        let id = out.json()["run_id"].as_str().unwrap().to_owned();
+        let (code, r) = c.wait(&id);
+        assert_eq!(code, 0, "{r}");
+        assert_eq!(r["parent_run_id"], run.as_str(), "{r}");
+        r
+    };
+    // Same script (stored with the run), content mode: nothing runs again.
+    let same = resume(&[]);
+    assert_eq!(same["usage"]["cached"], 7, "{}", same["usage"]);
+    assert_eq!(same["usage"]["dispatched"], 0);
+    assert_eq!(same["result"], r["result"]);
+
+    // One prompt edited: content mode runs only that call.
+    let edited = stages_script(&c, "edited", "item three");
+    let content = resume(&["--script", &edited]);
+    assert_eq!(content["usage"]["dispatched"], 1, "{}", content["usage"]);
+    assert_eq!(content["usage"]["cached"], 6);
+
+    // Prefix mode (W51): the edited call and every call started after it run again.
+    let prefix = resume(&["--script", &edited, "--replay", "prefix"]);
+    assert_eq!(prefix["usage"]["dispatched"], 4, "{}", prefix["usage"]);
+    assert_eq!(prefix["usage"]["cached"], 3);
+
+    // An unknown run: nothing to resume.
+    let out = c.client(&["resume", "wf_00000000000000000000000000", "--json"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("nothing to resume"), "{out:?}");
+}
+
+#[test]
+fn a_run_is_not_resumed_while_its_agents_still_run() {
+    let c = Cluster::start(1, 4);
+    let run = c.launch(
+        "alive",
+        "return (await parallel(Array.from({ length: 4 }, (_, i) => () => agent('slow ' + i + ' [[sleep:3000]]')))).length;",
+        &["--stagger", "0"],
+    );
+    wait_until("an agent runs", Duration::from_secs(20), || {
+        status(&c, &run)["running"].as_u64().unwrap_or(0) > 0
+    });
+    let script = c.path().join("alive.js");
+    let out = c.client(&["launch", script.to_str().unwrap(), "--resume", &run]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("still has"), "{out:?}");
+    // A running run is not "resumed" either.
+    let out = c.client(&["resume", &run]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("running already"), "{out:?}");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+}
+
+#[test]
+fn an_s3_outage_of_twenty_seconds_pauses_the_run_and_loses_nothing() {
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/outage", s3.bucket);
+    let c = Cluster::start_full(2, 4, None, Some((url, s3.env())));
+    let run = c.launch(
+        "s3-outage",
+        "return (await parallel(Array.from({ length: 40 }, (_, i) => () => agent('job ' + i + ' [[sleep:400]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "8"],
+    );
+    wait_until("some agents finished", Duration::from_secs(20), || {
+        status(&c, &run)["done"].as_u64().unwrap_or(0) >= 4
+    });
+    s3.freeze(true);
+    std::thread::sleep(Duration::from_secs(20));
+    // Results reach the script only once their journal segment is stored: the run cannot
+    // have finished while the store was out.
+    let during = status(&c, &run);
+    s3.freeze(false);
+    assert_eq!(during["status"], "running", "{during}");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 40);
+    assert_one_result_per_call(&c, &run, 40);
+}
+
+#[test]
+fn an_etcd_outage_of_ten_seconds_does_not_fail_the_run() {
+    let mut etcd = flotilla_tests::services::Etcd::start();
+    let c = Cluster::start_with(2, 4, Some(etcd.endpoint()));
+    let run = c.launch(
+        "etcd-outage",
+        "return (await parallel(Array.from({ length: 30 }, (_, i) => () => agent('job ' + i + ' [[sleep:500]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "8"],
+    );
+    wait_until("some agents finished", Duration::from_secs(20), || {
+        status(&c, &run)["done"].as_u64().unwrap_or(0) >= 4
+    });
+    etcd.kill();
+    std::thread::sleep(Duration::from_secs(10));
+    etcd.restart();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 30);
+    assert_one_result_per_call(&c, &run, 30);
+}
+
 #[test]
 fn a_coordinator_with_a_store_that_does_not_answer_says_so() {
     let s3 = flotilla_tests::services::S3::start();
