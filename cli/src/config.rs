@@ -133,6 +133,8 @@ pub struct ConfigFile {
     pub etcd_key: Option<PathBuf>,
     /// Coordinator: TTL of each worker's liveness lease (`10s`).
     pub worker_ttl: Option<String>,
+    /// Coordinator: the address other coordinators and clients reach it at.
+    pub advertise: Option<String>,
     /// Worker: backends it offers.
     #[serde(default)]
     pub backends: Vec<String>,

@@ -177,6 +177,10 @@ pub struct CoordinatorArgs {
     /// other workers; one that comes back sooner keeps them [default: 10s].
     #[arg(long, env = "FLOTILLA_WORKER_TTL")]
     worker_ttl: Option<String>,
+    /// With --etcd: the address other coordinators forward requests to
+    /// [default: https://LISTEN].
+    #[arg(long, env = "FLOTILLA_ADVERTISE")]
+    advertise: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -303,6 +307,41 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     };
     let registry = Arc::new(RunRegistry::default());
     let cancel = CancellationToken::new();
+    // With etcd, coordinators form a group: one leads, the others stand by and take over.
+    let lost = CancellationToken::new();
+    if !a.etcd.is_empty() {
+        let advertise = a
+            .advertise
+            .clone()
+            .or_else(|| file.advertise.clone())
+            .unwrap_or_else(|| {
+                let scheme = if tls.is_some() { "https" } else { "http" };
+                format!("{scheme}://{listen}")
+            });
+        match flotilla_coordinator::leader::Leadership::start(
+            coordinator.clone(),
+            registry.clone(),
+            coordinator.leases().clone(),
+            advertise.clone(),
+            worker_ttl,
+            lost.clone(),
+        )
+        .await
+        {
+            Ok(l) => {
+                let releaser = l.clone();
+                registry.on_end(Arc::new(move |run: String| {
+                    let l = releaser.clone();
+                    tokio::spawn(async move { l.release(&run).await });
+                }));
+                coordinator.set_leadership(l);
+                eprintln!(
+                    "coordinator group member at {advertise} (one leads; the others stand by)"
+                );
+            }
+            Err(e) => return fail(1, e),
+        }
+    }
     let opts = ServerOptions {
         listen,
         tls,
@@ -350,6 +389,11 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     tokio::select! {
         _ = shutdown_signal() => {
             cancel.cancel();
+        }
+        _ = lost.cancelled() => {
+            cancel.cancel();
+            coordinator.shutdown();
+            return fail(1, "this coordinator's lease in etcd lapsed, so another coordinator may own its runs now; stopping (restart it to rejoin as a standby)");
         }
         r = serving => {
             cancel.cancel();

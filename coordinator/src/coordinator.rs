@@ -68,6 +68,8 @@ pub struct Coordinator {
     leases: Arc<dyn LeaseStore>,
     cancel: CancellationToken,
     generation: u64,
+    /// With coordinators sharing etcd: every run is recorded and owned before it starts.
+    leadership: std::sync::OnceLock<Arc<crate::leader::Leadership>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -98,7 +100,17 @@ impl Coordinator {
             leases,
             cancel,
             generation: 1,
+            leadership: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Joins a group of coordinators (see [`crate::leader`]).
+    pub fn set_leadership(&self, l: Arc<crate::leader::Leadership>) {
+        let _ = self.leadership.set(l);
+    }
+
+    pub fn leadership(&self) -> Option<&Arc<crate::leader::Leadership>> {
+        self.leadership.get()
     }
 
     pub fn store(&self) -> &Store {
@@ -264,16 +276,124 @@ impl Coordinator {
             .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
             .await
             .map_err(store_err)?;
+        if let Some(l) = self.leadership.get() {
+            l.own(&run_id).await.map_err(|message| Rejected {
+                message,
+                kind: ErrorKind::Unavailable,
+                workflow: workflow.clone(),
+            })?;
+        }
 
+        let phases = prepared
+            .meta
+            .phases
+            .iter()
+            .map(|p| p.title.clone())
+            .collect();
+        let generation = self.generation;
+        self.start_engine(StartEngine {
+            run_id,
+            workflow,
+            phases,
+            body,
+            args_json,
+            settings: req.settings,
+            generation,
+            resolver: req.resolver,
+            resume,
+            parent_run_id: req.resume_from,
+        })
+    }
+
+    /// Takes over a run whose owner is gone (failover): replays its stored script from the
+    /// top as the same run, under a new generation; every call in its journal is served from
+    /// there, the rest are dispatched again.
+    pub async fn adopt(&self, run_id: &str) -> Result<RunHandle, Rejected> {
+        let unavailable = |what: &str, e: crate::store::Error| Rejected {
+            message: format!("cannot read {what} of run {run_id}: {e}"),
+            kind: e.kind(),
+            workflow: WorkflowInfo::default(),
+        };
+        let manifest = self
+            .store
+            .get(&keys::manifest(run_id))
+            .await
+            .map_err(|e| unavailable("the manifest", e))?
+            .ok_or_else(|| Rejected {
+                message: format!("no run {run_id} in {}", self.store.url),
+                kind: ErrorKind::NotFound,
+                workflow: WorkflowInfo::default(),
+            })?;
+        let manifest: Manifest = serde_json::from_slice(&manifest).map_err(|e| {
+            Rejected::invalid(
+                format!("run {run_id} has an unreadable manifest: {e}"),
+                WorkflowInfo::default(),
+            )
+        })?;
+        let source = self
+            .store
+            .get(&keys::script(run_id))
+            .await
+            .map_err(|e| unavailable("the script", e))?
+            .ok_or_else(|| {
+                Rejected::invalid(
+                    format!("run {run_id} has no stored script"),
+                    manifest.workflow.clone(),
+                )
+            })?;
+        let source = String::from_utf8_lossy(&source).into_owned();
+        let prepared = source::prepare(&source)
+            .map_err(|e| Rejected::invalid(e.to_string(), manifest.workflow.clone()))?;
+        let body = script::runnable_body(&prepared);
+        let args_json = manifest.args.as_ref().map(Value::to_string);
+        let resume = match ResumeSource::load(&self.store, run_id).await {
+            Ok((_, src)) => Some(src),
+            Err(ResumeError::NoResults { .. }) => None,
+            Err(ResumeError::NoSuchRun { .. }) => None,
+            Err(ResumeError::Store(e)) => return Err(unavailable("the journal", e)),
+        };
+        let generation = crate::store::journal::next_generation(&self.store, run_id)
+            .await
+            .map_err(|e| unavailable("the segments", e))?
+            .max(manifest.generation + 1);
+        let mut settings = manifest.settings.clone();
+        settings.replay = crate::settings::ReplayMode::Content;
+        let phases = prepared
+            .meta
+            .phases
+            .iter()
+            .map(|p| p.title.clone())
+            .collect();
+        tracing::info!(
+            run = run_id,
+            generation,
+            cached = resume.as_ref().map_or(0, ResumeSource::len),
+            "adopting a run whose owner is gone"
+        );
+        self.start_engine(StartEngine {
+            run_id: run_id.to_owned(),
+            workflow: manifest.workflow.clone(),
+            phases,
+            body,
+            args_json,
+            settings,
+            generation,
+            resolver: Arc::new(crate::workflows::CarriedWorkflows::default()),
+            resume,
+            parent_run_id: manifest.parent_run_id.clone(),
+        })
+    }
+
+    fn start_engine(&self, s: StartEngine) -> Result<RunHandle, Rejected> {
         let shared = Arc::new(ScriptShared::default());
         let (ops_tx, ops_rx) = mpsc::unbounded_channel();
         let input = ScriptInput {
-            body,
-            args_json,
-            budget_total: req.settings.budget_tokens,
+            body: s.body,
+            args_json: s.args_json,
+            budget_total: s.settings.budget_tokens,
             limits: ScriptLimits {
-                memory_bytes: (req.settings.script_memory_mb as usize) << 20,
-                cpu: std::time::Duration::from_millis(req.settings.script_cpu_ms),
+                memory_bytes: (s.settings.script_memory_mb as usize) << 20,
+                cpu: std::time::Duration::from_millis(s.settings.script_cpu_ms),
                 ..ScriptLimits::default()
             },
         };
@@ -281,27 +401,22 @@ impl Coordinator {
             runtime::spawn(input, ops_tx, shared.clone()).map_err(|e| Rejected {
                 message: format!("cannot start the script thread: {e}"),
                 kind: ErrorKind::Internal,
-                workflow: workflow.clone(),
+                workflow: s.workflow.clone(),
             })?;
-        let phases = prepared
-            .meta
-            .phases
-            .iter()
-            .map(|p| p.title.clone())
-            .collect();
+        let script_path = Some(self.store.display_path(&keys::script(&s.run_id)));
         let init = EngineInit {
-            run_id,
-            workflow,
-            phases,
-            settings: req.settings,
+            run_id: s.run_id,
+            workflow: s.workflow,
+            phases: s.phases,
+            settings: s.settings,
             store: self.store.clone(),
-            generation: self.generation,
+            generation: s.generation,
             dispatch: self.dispatch.clone(),
-            resolver: req.resolver,
-            resume,
+            resolver: s.resolver,
+            resume: s.resume,
             shared,
-            script_path: Some(self.store.display_path(&keys::script(&manifest.run_id))),
-            parent_run_id: req.resume_from,
+            script_path,
+            parent_run_id: s.parent_run_id,
             write_result: true,
         };
         Ok(run::start(
@@ -312,6 +427,20 @@ impl Coordinator {
             }),
         ))
     }
+}
+
+/// What [`Coordinator::start_engine`] needs.
+struct StartEngine {
+    run_id: String,
+    workflow: WorkflowInfo,
+    phases: Vec<String>,
+    body: String,
+    args_json: Option<String>,
+    settings: RunSettings,
+    generation: u64,
+    resolver: Arc<dyn WorkflowResolver>,
+    resume: Option<ResumeSource>,
+    parent_run_id: Option<String>,
 }
 
 /// A new run id: `wf_` + 8 hex + `-` + 3 hex, like Claude Code's (W45).

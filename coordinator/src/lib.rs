@@ -12,6 +12,7 @@
 
 pub mod coordinator;
 pub mod history;
+pub mod leader;
 pub mod lease;
 pub mod report;
 pub mod run;

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use flotilla_proto::link::CoordinatorEnd;
 use flotilla_proto::tls::{self, Role, TlsFiles};
+use flotilla_proto::v1::client_service_client::ClientServiceClient;
 use flotilla_proto::v1::client_service_server::{ClientService, ClientServiceServer};
 use flotilla_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
 use flotilla_proto::v1::{self, CoordinatorMessage, WorkerMessage, worker_message};
@@ -48,10 +49,15 @@ pub struct ServerOptions {
     pub tokens: Option<crate::web::TokenKey>,
 }
 
+/// How long a standby waits for some coordinator to lead before it gives up on a request.
+const LEADER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The runs this coordinator is running (or has finished since it started).
 #[derive(Default)]
 pub struct RunRegistry {
     runs: Mutex<HashMap<String, RunEntry>>,
+    /// Called with a run's id once its report is stored.
+    on_end: std::sync::OnceLock<Arc<dyn Fn(String) + Send + Sync>>,
 }
 
 impl std::fmt::Debug for RunRegistry {
@@ -80,6 +86,11 @@ impl RunRegistry {
             .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().clone()))
     }
 
+    /// Sets what happens when a tracked run ends (once).
+    pub fn on_end(&self, f: Arc<dyn Fn(String) + Send + Sync>) {
+        let _ = self.on_end.set(f);
+    }
+
     /// Tracks a launched run until it ends.
     pub fn track(&self, handle: RunHandle) {
         let (report_tx, report_rx) = watch::channel(None);
@@ -88,10 +99,15 @@ impl RunRegistry {
             stopper: handle.stopper(),
             report: report_rx,
         };
-        self.lock().insert(handle.run_id.clone(), entry);
+        let run_id = handle.run_id.clone();
+        self.lock().insert(run_id.clone(), entry);
+        let on_end = self.on_end.get().cloned();
         tokio::spawn(async move {
             let report = handle.wait().await;
             let _ = report_tx.send(Some(Arc::new(report)));
+            if let Some(f) = on_end {
+                f(run_id);
+            }
         });
     }
 }
@@ -108,12 +124,15 @@ pub async fn serve(
         coordinator: coordinator.clone(),
         secure,
     };
+    let tls_files = opts.tls.clone();
     let clients = ClientSvc {
         coordinator,
         registry,
         secure,
         session_base: opts.session_base.clone(),
         tokens: opts.tokens.clone(),
+        tls: tls_files,
+        to_leader: tokio::sync::Mutex::new(None),
     };
     // HTTP/2 pings find a frozen or cut-off worker's stream within two intervals.
     let mut builder = tonic::transport::Server::builder()
@@ -164,6 +183,14 @@ impl WorkerService for WorkerSvc {
         } else {
             None
         };
+        if let Some(l) = self.coordinator.leadership()
+            && !l.is_leader()
+        {
+            return Err(Status::unavailable(format!(
+                "this coordinator is a standby; the leader is {}",
+                l.leader().unwrap_or_else(|| "not known yet".into())
+            )));
+        }
         let mut inbound = req.into_inner();
         // The first message must be a compatible Hello.
         let first = inbound
@@ -218,12 +245,45 @@ struct ClientSvc {
     secure: bool,
     session_base: String,
     tokens: Option<crate::web::TokenKey>,
+    /// This coordinator's TLS files (a standby calls the leader with them).
+    tls: Option<TlsFiles>,
+    to_leader: tokio::sync::Mutex<Option<(String, ClientServiceClient<tonic::transport::Channel>)>>,
 }
 
 /// Life of a session token when the caller does not say.
 const DEFAULT_TOKEN_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
 
 impl ClientSvc {
+    /// A client of the leader when this coordinator is a standby; `None` when it leads (or
+    /// runs alone).
+    async fn leader_client(
+        &self,
+    ) -> Result<Option<ClientServiceClient<tonic::transport::Channel>>, Status> {
+        let Some(l) = self.coordinator.leadership() else {
+            return Ok(None);
+        };
+        if l.is_leader() {
+            return Ok(None);
+        }
+        let addr = l.wait_for_leader(LEADER_WAIT).await.ok_or_else(|| {
+            Status::unavailable("no coordinator leads yet (is etcd reachable?); try again")
+        })?;
+        if l.is_leader() {
+            return Ok(None);
+        }
+        let mut cached = self.to_leader.lock().await;
+        if let Some((a, c)) = cached.as_ref()
+            && *a == addr
+        {
+            return Ok(Some(c.clone()));
+        }
+        let channel = tls::channel(&addr, self.tls.as_ref())
+            .map_err(|e| Status::unavailable(format!("cannot reach the leader at {addr}: {e}")))?;
+        let client = ClientServiceClient::new(channel);
+        *cached = Some((addr, client.clone()));
+        Ok(Some(client))
+    }
+
     fn authorize<T>(&self, req: &Request<T>, what: &str) -> Result<(), Status> {
         if self.secure {
             tls::require_role(req, &[Role::Client, Role::Coordinator], what)?;
@@ -247,6 +307,14 @@ impl ClientSvc {
     }
 }
 
+/// A failure of the connection rather than an answer.
+fn is_transport(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
+}
+
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
     serde_json::to_string(v).map_err(|e| Status::internal(format!("cannot encode: {e}")))
 }
@@ -265,6 +333,9 @@ impl ClientService for ClientSvc {
         req: Request<v1::LaunchRequest>,
     ) -> Result<Response<v1::LaunchReply>, Status> {
         self.authorize(&req, "launch runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.launch(req.into_inner()).await;
+        }
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
         let settings: RunSettings = serde_json::from_str(&r.settings_json)
@@ -337,25 +408,49 @@ impl ClientService for ClientSvc {
     async fn wait(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
         self.authorize(&req, "read runs")?;
         let run = req.into_inner().run_id;
-        let rx = self.registry.lock().get(&run).map(|e| e.report.clone());
-        let report = match rx {
-            Some(mut rx) => loop {
-                if let Some(r) = rx.borrow_and_update().clone() {
-                    break (*r).clone();
-                }
-                if rx.changed().await.is_err() {
-                    return Err(Status::internal("the run ended without a report"));
-                }
-            },
-            None => {
-                let report = self.stored_report(&run).await?;
-                if !report.status.is_final() {
-                    return Err(Status::failed_precondition(format!(
-                        "run {run} is not running on this coordinator and has not finished; its owner may have died (resume it with --resume {run})"
-                    )));
-                }
-                report
+        // Across a failover the run moves: wait where it runs, and follow it.
+        let mut adopting = 0u32;
+        let report = loop {
+            let rx = self.registry.lock().get(&run).map(|e| e.report.clone());
+            if let Some(mut rx) = rx {
+                break loop {
+                    if let Some(r) = rx.borrow_and_update().clone() {
+                        break (*r).clone();
+                    }
+                    if rx.changed().await.is_err() {
+                        return Err(Status::internal("the run ended without a report"));
+                    }
+                };
             }
+            if let Some(mut leader) = self.leader_client().await? {
+                match leader
+                    .wait(v1::RunRef {
+                        run_id: run.clone(),
+                    })
+                    .await
+                {
+                    Ok(r) => return Ok(r),
+                    Err(s) if is_transport(&s) => {
+                        tracing::info!(run, error = %s, "lost the leader while waiting; following the run");
+                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                        continue;
+                    }
+                    Err(s) => return Err(s),
+                }
+            }
+            let report = self.stored_report(&run).await?;
+            if report.status.is_final() {
+                break report;
+            }
+            // Leading, and the run is live without us: it is about to be adopted.
+            if self.coordinator.leadership().is_some() && adopting < 120 {
+                adopting += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+            return Err(Status::failed_precondition(format!(
+                "run {run} is not running on this coordinator and has not finished; its owner may have died (resume it with `flotilla resume {run}`)"
+            )));
         };
         Ok(Response::new(v1::ReportReply {
             report_json: to_json(&report)?,
@@ -365,6 +460,11 @@ impl ClientService for ClientSvc {
 
     async fn report(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
         self.authorize(&req, "read runs")?;
+        if !self.registry.lock().contains_key(&req.get_ref().run_id)
+            && let Some(mut leader) = self.leader_client().await?
+        {
+            return leader.report(req.into_inner()).await;
+        }
         let run = req.into_inner().run_id;
         let done = self
             .registry
@@ -383,6 +483,9 @@ impl ClientService for ClientSvc {
 
     async fn status(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StatusReply>, Status> {
         self.authorize(&req, "read runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.status(req.into_inner()).await;
+        }
         let run = req.into_inner().run_id;
         let entry = self
             .registry
@@ -402,6 +505,9 @@ impl ClientService for ClientSvc {
 
     async fn stop(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StopReply>, Status> {
         self.authorize(&req, "stop runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.stop(req.into_inner()).await;
+        }
         let run = req.into_inner().run_id;
         let stopper = self.registry.lock().get(&run).map(|e| e.stopper.clone());
         let stopped = stopper.is_some_and(|s| s.send(Control::Stop).is_ok());
@@ -431,6 +537,9 @@ impl ClientService for ClientSvc {
         req: Request<v1::ListWorkersRequest>,
     ) -> Result<Response<v1::ListWorkersReply>, Status> {
         self.authorize(&req, "list workers")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.list_workers(req.into_inner()).await;
+        }
         let workers = self
             .coordinator
             .dispatch()
@@ -455,6 +564,9 @@ impl ClientService for ClientSvc {
         req: Request<v1::ControlRequest>,
     ) -> Result<Response<v1::ControlReply>, Status> {
         self.authorize(&req, "control runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.control(req.into_inner()).await;
+        }
         let v1::ControlRequest {
             run_id,
             action,

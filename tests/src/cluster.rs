@@ -47,6 +47,8 @@ pub struct Cluster {
     pub worker_ttl: Duration,
     /// When set, workers reach the coordinator through this proxy (which a test can cut).
     pub proxy: Option<crate::proxy::Proxy>,
+    /// A second coordinator of the group (same etcd and store): its port and process.
+    pub standby: Option<(u16, Child)>,
 }
 
 impl Cluster {
@@ -102,8 +104,19 @@ impl Cluster {
     /// Like [`Cluster::start`], with the workers' connections going through a [`Proxy`].
     pub fn start_proxied(workers: usize, slots: u32) -> Cluster {
         let mut c = Self::prepare(workers, None, None);
+        c.start_coordinator();
+        // A proxy that accepts while nothing listens behind it hangs up on the worker, which
+        // looks like a refused certificate; put it in front only once the coordinator listens.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", c.port)).is_err() {
+            assert!(Instant::now() < deadline, "the coordinator never listened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
         c.proxy = Some(crate::proxy::Proxy::start(c.port));
-        c.start_all(workers, slots);
+        for i in 0..workers {
+            c.start_worker(i, slots);
+        }
+        c.wait_for_workers(workers);
         c
     }
 
@@ -177,7 +190,52 @@ impl Cluster {
             store,
             worker_ttl: Duration::from_secs(3),
             proxy: None,
+            standby: None,
         }
+    }
+
+    /// Two coordinators sharing etcd and a store; workers know both and attach to the one
+    /// that leads (the first, once it does).
+    pub fn start_group(
+        workers: usize,
+        slots: u32,
+        etcd: String,
+        store: (String, Vec<(String, String)>),
+    ) -> Cluster {
+        let mut c = Self::prepare(workers, Some(etcd), Some(store));
+        c.start_coordinator();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !std::fs::read_to_string(c.path().join("coordinator.log"))
+            .unwrap_or_default()
+            .contains("this coordinator leads")
+        {
+            assert!(Instant::now() < deadline, "the first coordinator never led");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let port = free_port();
+        let child = c.spawn_coordinator(port, free_port(), "standby");
+        c.standby = Some((port, child));
+        for i in 0..workers {
+            c.start_worker(i, slots);
+        }
+        c.wait_for_workers(workers);
+        c
+    }
+
+    /// The standby coordinator's address.
+    pub fn standby_url(&self) -> String {
+        let port = self.standby.as_ref().map_or(self.port, |(p, _)| *p);
+        format!("https://127.0.0.1:{port}")
+    }
+
+    /// A client command against the coordinator at `url`.
+    pub fn client_at(&self, url: &str, args: &[&str]) -> Output {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .args(["--coordinator", url, "--name", "client", "--tls-dir"])
+            .arg(self.pki())
+            .current_dir(self.path());
+        run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
     }
 
     pub fn path(&self) -> &Path {
@@ -190,9 +248,10 @@ impl Cluster {
 
     /// Where workers connect: the coordinator, or the proxy in front of it.
     pub fn worker_url(&self) -> String {
-        match &self.proxy {
-            Some(p) => format!("https://127.0.0.1:{}", p.port),
-            None => self.url(),
+        match (&self.proxy, &self.standby) {
+            (Some(p), _) => format!("https://127.0.0.1:{}", p.port),
+            (None, Some((port, _))) => format!("{},https://127.0.0.1:{port}", self.url()),
+            (None, None) => self.url(),
         }
     }
 
@@ -216,14 +275,19 @@ impl Cluster {
     }
 
     pub fn start_coordinator(&mut self) {
-        let log = self.log("coordinator");
+        let child = self.spawn_coordinator(self.port, self.http_port, "coordinator");
+        self.coordinator = Some(child);
+    }
+
+    fn spawn_coordinator(&self, port: u16, http_port: u16, log_name: &str) -> Child {
+        let log = self.log(log_name);
         let mut cmd = Command::new(&self.bin);
         cmd.args([
             "coordinator",
             "--listen",
-            &format!("127.0.0.1:{}", self.port),
+            &format!("127.0.0.1:{port}"),
             "--http",
-            &format!("127.0.0.1:{}", self.http_port),
+            &format!("127.0.0.1:{http_port}"),
             "--store",
             &self.store_url(),
             "--worker-ttl",
@@ -237,14 +301,12 @@ impl Cluster {
         if let Some((_, env)) = &self.store {
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
-        let child = cmd
-            .env("FLOTILLA_LOG", "info")
+        cmd.env("FLOTILLA_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
             .spawn()
-            .expect("start coordinator");
-        self.coordinator = Some(child);
+            .expect("start coordinator")
     }
 
     pub fn start_worker(&mut self, i: usize, slots: u32) {
@@ -433,6 +495,7 @@ impl Drop for Cluster {
             .iter_mut()
             .flatten()
             .chain(self.coordinator.iter_mut())
+            .chain(self.standby.iter_mut().map(|(_, c)| c))
         {
             let _ = c.kill();
             let _ = c.wait();

@@ -27,7 +27,8 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Where and how to reach the coordinator.
 #[derive(Debug, Clone)]
 pub struct RemoteOptions {
-    /// `https://host:port` (or `http://` with no TLS).
+    /// `https://host:port` (or `http://` with no TLS); several, comma-separated, for a group
+    /// of coordinators (the worker attaches to whichever leads).
     pub endpoint: String,
     /// `None`: plain text.
     pub tls: Option<TlsFiles>,
@@ -48,8 +49,26 @@ pub async fn serve(
     opts: RemoteOptions,
     cancel: CancellationToken,
 ) -> Result<(), Error> {
-    let channel =
-        flotilla_proto::tls::channel(&opts.endpoint, opts.tls.as_ref()).map_err(Error::Connect)?;
+    let endpoints: Vec<String> = opts
+        .endpoint
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if endpoints.is_empty() {
+        return Err(Error::Connect(
+            "no coordinator address: pass --coordinator https://host:port".into(),
+        ));
+    }
+    let channels = endpoints
+        .iter()
+        .map(|e| {
+            flotilla_proto::tls::channel(e, opts.tls.as_ref())
+                .map(|c| (e.clone(), c))
+                .map_err(Error::Connect)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let (links_tx, links_rx) = mpsc::unbounded_channel();
     let stop = cancel.child_token();
     let run = {
@@ -57,7 +76,7 @@ pub async fn serve(
         async move { worker.serve(links_rx, stop).await }
     };
     let connect = async move {
-        let res = connect_loop(channel, &opts, &links_tx, &cancel).await;
+        let res = connect_loop(channels, &opts, &links_tx, &cancel).await;
         drop(links_tx);
         res
     };
@@ -74,20 +93,33 @@ pub async fn serve(
 }
 
 async fn connect_loop(
-    channel: Channel,
+    channels: Vec<(String, Channel)>,
     opts: &RemoteOptions,
     links: &mpsc::UnboundedSender<Link>,
     cancel: &CancellationToken,
 ) -> Result<(), Error> {
     let mut backoff = Duration::from_millis(100);
     let mut hangups = 0u32;
+    let mut at = 0usize;
     while !cancel.is_cancelled() {
+        let (endpoint, channel) = &channels[at % channels.len()];
         match attach_once(channel.clone(), links, cancel).await {
             Ok(()) => {
                 backoff = Duration::from_millis(100);
                 hangups = 0;
+                at += 1;
+            }
+            Err(status)
+                if status.code() == tonic::Code::Unavailable
+                    && status.message().contains("standby") =>
+            {
+                // Not the leader: try the next coordinator of the group soon.
+                tracing::info!(endpoint = %endpoint, "{}", status.message());
+                at += 1;
+                backoff = Duration::from_millis(200);
             }
             Err(status) => {
+                at += 1;
                 let refused = matches!(
                     status.code(),
                     tonic::Code::PermissionDenied
@@ -113,7 +145,7 @@ async fn connect_loop(
                 } else {
                     hangups = 0;
                 }
-                tracing::warn!(endpoint = %opts.endpoint, error = %flotilla_proto::tls::explain(&status), retry_in = ?backoff, "cannot reach the coordinator");
+                tracing::warn!(endpoint = %endpoint, error = %flotilla_proto::tls::explain(&status), retry_in = ?backoff, "cannot reach the coordinator");
             }
         }
         tokio::select! {

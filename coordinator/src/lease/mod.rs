@@ -139,4 +139,11 @@ pub mod keys {
     pub fn run_owner(run: &str) -> String {
         format!("/flotilla/runs/{run}/owner")
     }
+    /// From launch until the run's report is stored (no lease: it outlives its owner).
+    pub fn run_live(run: &str) -> String {
+        format!("/flotilla/runs/{run}/live")
+    }
+    pub const RUNS: &str = "/flotilla/runs/";
+    /// The leading coordinator's address, under its lease.
+    pub const LEADER: &str = "/flotilla/leader";
 }

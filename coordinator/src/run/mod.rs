@@ -694,7 +694,17 @@ impl RunEngine {
             call.end_ms = Some(now);
             call.result = record.result.clone();
             self.calls.push(call);
-            self.journal_call(index);
+            if self
+                .init
+                .resume
+                .as_ref()
+                .is_some_and(|s| s.run_id == self.init.run_id)
+            {
+                // Adopted after a failover: the result is in this run's own journal already.
+                self.on_ack(JournalAck::Durable(vec![index]));
+            } else {
+                self.journal_call(index);
+            }
             self.event(RunEvent::Call {
                 index,
                 label: spec.label,

@@ -134,6 +134,27 @@ async fn write_segment(
         .await
 }
 
+/// The generation after every one that has written segments of `run` (1 when none has).
+pub async fn next_generation(store: &Store, run: &str) -> Result<u64, super::Error> {
+    let mut max = 0u64;
+    for dir in [
+        keys::calls_dir(run),
+        keys::events_dir(run),
+        keys::transcripts_dir(run),
+    ] {
+        for key in store.list_objects(&dir).await? {
+            let generation = key
+                .filename()
+                .and_then(|f| f.split_once('-'))
+                .and_then(|(g, _)| g.parse::<u64>().ok());
+            if let Some(g) = generation {
+                max = max.max(g);
+            }
+        }
+    }
+    Ok(max + 1)
+}
+
 /// Reads every completed call of a run, resolving payload references.
 pub async fn read_calls(store: &Store, run: &str) -> Result<Vec<CallRecord>, super::Error> {
     let mut out = Vec::new();

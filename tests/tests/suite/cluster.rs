@@ -771,6 +771,67 @@ fn an_etcd_outage_of_ten_seconds_does_not_fail_the_run() {
 }
 
 #[test]
+fn a_killed_coordinator_s_run_is_adopted_by_the_standby_and_completes() {
+    let etcd = flotilla_tests::services::Etcd::start();
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/failover", s3.bucket);
+    let mut c = Cluster::start_group(3, 4, etcd.endpoint(), (url, s3.env()));
+    // A client can talk to either coordinator: the standby forwards to the leader.
+    let script = c.path().join("fanout.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'fanout', description: 'failover test' };\n\
+         return (await parallel(Array.from({ length: 300 }, (_, i) => () => agent('job ' + i + ' [[sleep:300]]')))).filter(Boolean).length;\n",
+    )
+    .unwrap();
+    let out = c.client_at(
+        &c.standby_url(),
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--concurrency",
+            "12",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    wait_until("60 calls are journaled", Duration::from_secs(60), || {
+        c.journal(&run).len() >= 60
+    });
+    let mut leader = c.take_coordinator().unwrap();
+    leader.kill().unwrap();
+    leader.wait().unwrap();
+    let before = c.journal(&run).len();
+    assert!(
+        before < 300,
+        "the kill came too late to test anything ({before} done)"
+    );
+
+    // The standby takes over within the lease TTL and finishes the run.
+    let out = c.client_at(&c.standby_url(), &["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(r["result"], 300, "{r}");
+    assert_one_result_per_call(&c, &run, 300);
+    let cached = r["usage"]["cached"].as_u64().unwrap();
+    assert!(
+        cached >= before as u64,
+        "every call completed before the kill is served from storage: {cached} cached, {before} journaled before the kill"
+    );
+    assert_eq!(
+        r["usage"]["cached"].as_u64().unwrap() + r["usage"]["dispatched"].as_u64().unwrap(),
+        300,
+        "{}",
+        r["usage"]
+    );
+    let log = std::fs::read_to_string(c.path().join("standby.log")).unwrap();
+    assert!(log.contains("adopted a run"), "{log}");
+}
+
+#[test]
 fn a_coordinator_with_a_store_that_does_not_answer_says_so() {
     let s3 = flotilla_tests::services::S3::start();
     let mut env = s3.env();
