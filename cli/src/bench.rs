@@ -33,6 +33,122 @@ pub struct BenchArgs {
 enum BenchKind {
     /// Fan out N no-op echo agents from a script vs. straight through the dispatcher.
     Fanout(FanoutArgs),
+    /// Resume a run of N completed calls with the last prompt changed: time to the first new
+    /// dispatch and to the end.
+    Resume(ResumeArgs),
+}
+
+#[derive(Debug, Args)]
+struct ResumeArgs {
+    /// Completed calls in the run that is resumed.
+    #[arg(long, default_value_t = 10_000)]
+    calls: u64,
+    /// Object store [default: a file store in a temporary directory].
+    #[arg(long)]
+    store: Option<String>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct ResumeReport {
+    calls: u64,
+    store: String,
+    /// The first run, all calls dispatched.
+    first_run_ms: f64,
+    /// From the resume's launch to the first call that is not served from the journal
+    /// reaching the dispatcher.
+    first_new_dispatch_ms: f64,
+    /// From the resume's launch to its report.
+    resume_ms: f64,
+    cached: u64,
+    dispatched: u64,
+}
+
+const RESUME_SCRIPT: &str = "export const meta = { name: 'bench-resume', description: 'N calls, the last one edited on resume' };\n\
+const n = args.n;\n\
+const calls = [];\n\
+for (let i = 0; i < n; i++) calls.push(agent(i === n - 1 ? args.last : 'bench ' + i));\n\
+return (await Promise.all(calls)).length;\n";
+
+async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, String> {
+    if a.calls < 2 {
+        return Err("--calls must be at least 2".into());
+    }
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let url = match &a.store {
+        Some(s) => config::store_url(Some(s.clone())),
+        None => format!("file://{}", dir.path().join("store").display()),
+    };
+    if let Some(path) = url.strip_prefix("file://") {
+        std::fs::create_dir_all(path).map_err(|e| e.to_string())?;
+    }
+    let e = Embedded::start(&url, 64, dir.path().join("ws"), None).map_err(|e| e.to_string())?;
+    let launch = |last: &str, resume_from: Option<String>| LaunchRequest {
+        source: RESUME_SCRIPT.into(),
+        origin: Some("bench".into()),
+        args: Some(serde_json::json!({ "n": a.calls, "last": last })),
+        settings: settings(a.calls, 64),
+        resume_from,
+        inherit: false,
+        resolver: Arc::new(NoWorkflows),
+    };
+    let start = Instant::now();
+    let first = e
+        .coordinator
+        .launch(launch("bench last", None))
+        .await
+        .map_err(|r| format!("bench run was refused: {r}"))?;
+    let first_id = first.run_id.clone();
+    let report = first.wait().await;
+    let first_run = start.elapsed();
+    if report.status != RunStatus::Completed {
+        return Err(format!("the first run ended {}", report.status.as_str()));
+    }
+    let before = e
+        .coordinator
+        .dispatch()
+        .stats()
+        .await
+        .map_or(0, |s| s.assigned);
+    let start = Instant::now();
+    let resumed = e
+        .coordinator
+        .launch(launch("bench last, edited", Some(first_id)))
+        .await
+        .map_err(|r| format!("the resume was refused: {r}"))?;
+    // The one changed call is the only one the dispatcher ever sees.
+    let mut first_dispatch = None;
+    let wait = resumed.wait();
+    tokio::pin!(wait);
+    let report = loop {
+        tokio::select! {
+            r = &mut wait => break r,
+            stats = e.coordinator.dispatch().stats(), if first_dispatch.is_none() => {
+                if stats.is_some_and(|s| s.assigned > before) {
+                    first_dispatch = Some(start.elapsed());
+                } else {
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+            }
+        }
+    };
+    let resume = start.elapsed();
+    e.shutdown();
+    if report.status != RunStatus::Completed {
+        return Err(format!("the resume ended {}", report.status.as_str()));
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    Ok(ResumeReport {
+        calls: a.calls,
+        store: url,
+        first_run_ms: ms(first_run),
+        first_new_dispatch_ms: first_dispatch.map_or(f64::NAN, ms),
+        resume_ms: ms(resume),
+        cached: report.usage.cached,
+        dispatched: report.usage.dispatched,
+    })
 }
 
 #[derive(Debug, Args)]
@@ -79,6 +195,26 @@ struct FanoutReport {
 
 pub async fn run(args: BenchArgs) -> i32 {
     match args.what {
+        BenchKind::Resume(a) => match resume_bench(&a).await {
+            Ok(r) => {
+                if a.json {
+                    println!("{}", serde_json::to_string(&r).unwrap_or_default());
+                } else {
+                    println!(
+                        "resume of a run of {} completed calls, the last one edited ({}):\n  first run          {:>9.0} ms\n  first new dispatch {:>9.1} ms after launch\n  whole resume       {:>9.0} ms ({} cached, {} dispatched)",
+                        r.calls,
+                        r.store,
+                        r.first_run_ms,
+                        r.first_new_dispatch_ms,
+                        r.resume_ms,
+                        r.cached,
+                        r.dispatched
+                    );
+                }
+                0
+            }
+            Err(e) => fail(1, e),
+        },
         BenchKind::Fanout(a) if a.distributed => {
             match crate::bench_fleet::fanout(a.calls, a.concurrency, a.workers, !a.no_durable).await
             {

@@ -261,6 +261,8 @@ pub struct Stats {
     pub busy: u32,
     pub queued: usize,
     pub running: usize,
+    /// Attempts assigned since the dispatcher started.
+    pub assigned: u64,
 }
 
 /// Cheap handle to the dispatcher.
@@ -444,6 +446,7 @@ pub fn spawn_with(
         opts,
         keys,
         by_name: HashMap::new(),
+        assigned: 0,
         adopted: HashMap::new(),
         leases,
         runs: HashMap::new(),
@@ -466,6 +469,8 @@ struct Dispatcher {
     /// Attempt-key writes, applied in order by the key writer.
     keys: mpsc::UnboundedSender<KeyOp>,
     by_name: HashMap<Arc<str>, u64>,
+    /// Attempts assigned so far.
+    assigned: u64,
     /// Links that a known worker took over on reattaching: link id → worker id. Messages a
     /// link's reader tagged with the link id before the takeover are resolved through it.
     adopted: HashMap<u64, u64>,
@@ -631,6 +636,7 @@ impl Dispatcher {
                     busy: self.workers.values().map(|w| w.busy).sum(),
                     queued: self.runs.values().map(|r| r.queue.len()).sum(),
                     running: self.runs.values().map(|r| r.running).sum(),
+                    assigned: self.assigned,
                 });
             }
         }
@@ -1257,6 +1263,7 @@ impl Dispatcher {
             return;
         };
         c.attempt += 1;
+        self.assigned += 1;
         c.phase = Phase::Running;
         c.worker = Some(wid);
         c.fence = None;

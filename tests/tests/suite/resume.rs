@@ -130,3 +130,60 @@ fn resuming_a_missing_run_is_refused() {
         "{r}"
     );
 }
+
+#[test]
+fn content_resume_ignores_a_changed_completion_order_that_prefix_resume_trips_on() {
+    let env = Env::new();
+    // Stage 1 finishes in reverse order, so stage 2 starts in reverse order in the first run;
+    // on resume stage 1 is served at once, in order, and stage 2 starts in order.
+    let s = env.script(
+        "order",
+        "const items = [0, 1, 2, 3, 4, 5];\n\
+         return await pipeline(items,\n\
+           i => agent('scan ' + i + ' [[sleep:' + (6 - i) * 80 + ']]', { label: 'scan ' + i }),\n\
+           (prev, i) => agent('check ' + i + (i === 5 && args.broken ? ' [[fail]]' : ''), { label: 'check ' + i }));",
+    );
+    let (code, first) = env.run(&s, &["--stagger", "0", "--args", r#"{"broken":true}"#]);
+    assert_eq!(code, 0, "{first}");
+    assert_eq!(first["result"][5], serde_json::Value::Null, "{first}");
+    let id = run_id(&first);
+    let fixed = [
+        "--stagger",
+        "0",
+        "--args",
+        r#"{"broken":false}"#,
+        "--resume",
+        &id,
+    ];
+    let (code, content) = env.run(&s, &fixed);
+    assert_eq!(code, 0, "{content}");
+    assert_eq!(
+        usage(&content, "dispatched"),
+        1,
+        "only the failed call runs again"
+    );
+    assert_eq!(usage(&content, "cached"), 11);
+    assert_eq!(content["result"][5], "check 5");
+    let mut prefix = fixed.to_vec();
+    prefix.extend(["--replay", "prefix"]);
+    let (code, ordered) = env.run(&s, &prefix);
+    assert_eq!(code, 0, "{ordered}");
+    assert!(
+        usage(&ordered, "dispatched") > 1,
+        "the ordered-prefix rule reruns everything after the first difference in start order: {}",
+        ordered["usage"]
+    );
+}
+
+#[test]
+fn the_resume_benchmark_reports_its_figures() {
+    let env = Env::new();
+    let out = env.flotilla(&["bench", "resume", "--calls", "300", "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(r["cached"], 299, "{r}");
+    assert_eq!(r["dispatched"], 1, "{r}");
+    for field in ["first_run_ms", "first_new_dispatch_ms", "resume_ms"] {
+        assert!(r[field].as_f64().is_some_and(|v| v > 0.0), "{field} in {r}");
+    }
+}
