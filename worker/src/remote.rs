@@ -116,7 +116,12 @@ async fn connect_loop(
                 // Not the leader: try the next coordinator of the group soon.
                 tracing::info!(endpoint = %endpoint, "{}", status.message());
                 at += 1;
-                backoff = Duration::from_millis(200);
+                backoff = Duration::from_millis(100);
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                }
+                continue;
             }
             Err(status) => {
                 at += 1;

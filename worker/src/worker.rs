@@ -148,8 +148,10 @@ impl Worker {
                 msg = recv_from(&mut link) => match msg {
                     Some(CoordinatorMessage { msg: Some(msg) }) => match msg {
                         coordinator_message::Msg::Welcome(w) => {
+                            // Two TTLs: one for the coordinator to give up on us, one more
+                            // for a standby to take over and adopt what we run.
                             if w.lease_ttl_ms > 0 {
-                                grace = Duration::from_millis(w.lease_ttl_ms);
+                                grace = Duration::from_millis(w.lease_ttl_ms.saturating_mul(2));
                             }
                             cut_off_since = None;
                             tracing::debug!(worker = %self.opts.name, id = %w.worker_id, "attached");
@@ -160,7 +162,10 @@ impl Worker {
                                 continue;
                             }
                             let token = cancel.child_token();
-                            lock(&running).insert(id.clone(), (token.clone(), a.fence));
+                            lock(&running).insert(
+                                id.clone(),
+                                (token.clone(), a.fence, a.call_key.clone()),
+                            );
                             let backend = self.backend_for(&a);
                             let tx = out_tx.clone();
                             let running = running.clone();
@@ -176,7 +181,7 @@ impl Worker {
                         }
                         coordinator_message::Msg::Cancel(c) => {
                             let id: AttemptId = (c.run_id, c.call, c.attempt);
-                            if let Some((token, _)) = lock(&running).get(&id) {
+                            if let Some((token, ..)) = lock(&running).get(&id) {
                                 tracing::debug!(run = %id.0, call = id.1, attempt = id.2, reason = %c.reason, "cancel");
                                 token.cancel();
                             }
@@ -198,14 +203,14 @@ impl Worker {
                 Some(m) = out_rx.recv() => deliver(&mut link, &mut kept, m),
                 () = sleep_until_opt(give_up) => {
                     tracing::warn!(worker = %self.opts.name, "cut off for longer than the lease TTL; giving up the attempts (the coordinator has restarted them)");
-                    for (token, _) in lock(&running).values() {
+                    for (token, ..) in lock(&running).values() {
                         token.cancel();
                     }
                     cut_off_since = None;
                 }
             }
         }
-        for (token, _) in lock(&running).values() {
+        for (token, ..) in lock(&running).values() {
             token.cancel();
         }
         tracker.close();
@@ -237,11 +242,11 @@ impl Worker {
     }
 }
 
-/// Attempts running here: their cancel tokens and fences.
-type Running = Arc<Mutex<HashMap<AttemptId, (CancellationToken, i64)>>>;
+/// Attempts running here: their cancel tokens, fences and call keys.
+type Running = Arc<Mutex<HashMap<AttemptId, (CancellationToken, i64, String)>>>;
 
 /// Longest a worker keeps its attempts while cut off before it hears the coordinator's TTL.
-const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+const DEFAULT_GRACE: Duration = Duration::from_secs(20);
 /// Outcomes sent this shortly before a link broke may not have arrived; they are sent again.
 const RESEND_WINDOW: Duration = Duration::from_secs(30);
 /// At most this many outcomes are remembered for sending again.
@@ -284,6 +289,7 @@ impl Kept {
                 call: o.call,
                 attempt: o.attempt,
                 fence: o.fence,
+                call_key: o.call_key.clone(),
             });
         }
         held
@@ -330,11 +336,12 @@ impl Kept {
 fn running_refs(running: &Running) -> Vec<v1::AttemptRef> {
     lock(running)
         .iter()
-        .map(|((run, call, attempt), (_, fence))| v1::AttemptRef {
+        .map(|((run, call, attempt), (_, fence, key))| v1::AttemptRef {
             run_id: run.clone(),
             call: *call,
             attempt: *attempt,
             fence: *fence,
+            call_key: key.clone(),
         })
         .collect()
 }
@@ -456,6 +463,7 @@ async fn run_attempt(
         result: Some(result),
         usage: Some(usage),
         fence: a.fence,
+        call_key: a.call_key,
     }
 }
 

@@ -357,6 +357,9 @@ struct CallState {
     /// Revision of the current attempt's key; `None` until it is written (the assignment is
     /// sent only then).
     fence: Option<Revision>,
+    /// An attempt taken over from a coordinator that went away: the fence it was started
+    /// with (its outcome carries that one), and no assignment is sent for it.
+    adopted_fence: Option<Revision>,
     last_progress: Instant,
     in_tool: bool,
     captured: Option<String>,
@@ -394,6 +397,11 @@ struct WorkerState {
     labels: std::collections::BTreeMap<String, String>,
     /// Assignments this worker holds a slot for: (run, call, attempt).
     running: HashSet<(Arc<str>, u64, u32)>,
+    /// Attempts it held when it attached that this coordinator did not assign: a run taken
+    /// over from a coordinator that went away may claim them (see `workers.rs`).
+    orphans: Vec<v1::AttemptRef>,
+    /// Outcomes of orphans that arrived before a run claimed them.
+    orphan_outcomes: HashMap<(Arc<str>, u64, u32), v1::Outcome>,
     /// Its liveness lease, once granted, and the revision of its registration key.
     lease: Option<LeaseId>,
     reg_revision: Revision,
@@ -424,6 +432,8 @@ enum Timer {
     Retry(Arc<str>, u64),
     /// Backstop for a cut-off worker whose lease lapse was never seen: (worker, link).
     Lapse(u64, u64),
+    /// Held attempts nobody claimed by now are cancelled: (worker, link).
+    Orphans(u64, u64),
 }
 
 /// Starts the dispatcher with default options. Worker liveness leases go to `leases`.
@@ -533,6 +543,7 @@ impl Dispatcher {
                     return;
                 };
                 r.queue.push_back(ticket.call);
+                let claim = (run.clone(), ticket.call);
                 self.calls.insert(
                     (run, ticket.call),
                     CallState {
@@ -542,6 +553,7 @@ impl Dispatcher {
                         counted: 0,
                         worker: None,
                         fence: None,
+                        adopted_fence: None,
                         last_progress: Instant::now(),
                         in_tool: false,
                         captured: None,
@@ -549,6 +561,7 @@ impl Dispatcher {
                         limit_waits: 0,
                     },
                 );
+                self.claim_orphans(&claim);
             }
             Msg::Cancel { run, call } => self.cancel_call(&(run, call), "cancelled by the run"),
             Msg::PauseRun { run, paused } => self.pause_run(&run, paused),
@@ -742,9 +755,25 @@ impl Dispatcher {
             c.phase == Phase::Running
                 && c.attempt == o.attempt
                 && c.worker == Some(worker)
-                && c.fence == Some(o.fence)
+                && (c.fence == Some(o.fence) || c.adopted_fence == Some(o.fence))
         });
         if !current {
+            // An attempt from a coordinator that went away, not claimed yet: keep its outcome
+            // for the run that takes it over.
+            let claimable = self.calls.get(&id).is_none_or(|c| c.phase == Phase::Queued);
+            if claimable
+                && let Some(w) = self.workers.get_mut(&worker)
+                && w.orphans.iter().any(|a| {
+                    a.run_id == *id.0
+                        && a.call == id.1
+                        && a.attempt == o.attempt
+                        && a.fence == o.fence
+                })
+            {
+                w.orphan_outcomes.insert((id.0.clone(), id.1, o.attempt), o);
+                self.claim_orphans(&id);
+                return;
+            }
             tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
             return;
         }
@@ -810,6 +839,7 @@ impl Dispatcher {
             self.timers.remove(&key);
         }
         let sent = c.fence.take().is_some();
+        c.adopted_fence = None;
         c.phase = Phase::Queued;
         c.in_tool = false;
         let group = c.ticket.prefix_group;
@@ -1061,6 +1091,7 @@ impl Dispatcher {
             }
             Timer::Gate(gate) => self.release_gate(&gate),
             Timer::Lapse(worker, link) => self.lapse_backstop(worker, link),
+            Timer::Orphans(worker, link) => self.drop_orphans(worker, link),
             Timer::Retry(run, call) => {
                 let id: CallId = (run, call);
                 if let Some(c) = self.calls.get_mut(&id)
@@ -1321,8 +1352,9 @@ impl Dispatcher {
         };
         let attempt = c.attempt;
         // A worker cut off right now misses this; it does not list the attempt when it comes
-        // back, so the attempt is restarted then (or when its lease lapses).
-        if let Some(tx) = &w.tx {
+        // back, so the attempt is restarted then (or when its lease lapses). An adopted
+        // attempt runs already: nothing to send.
+        if let (None, Some(tx)) = (c.adopted_fence, &w.tx) {
             let _ = tx.send(CoordinatorMessage {
                 msg: Some(coordinator_message::Msg::Assign(assignment)),
             });
@@ -1385,6 +1417,7 @@ mod tests {
                         call: a.call,
                         attempt: a.attempt,
                         fence: a.fence,
+                        call_key: a.call_key.clone(),
                     })
                     .collect(),
                 ..v1::Hello::default()
@@ -1432,6 +1465,7 @@ mod tests {
                     ..v1::Usage::default()
                 }),
                 fence: a.fence,
+                call_key: a.call_key.clone(),
             }));
         }
 
@@ -1638,6 +1672,82 @@ mod tests {
         other.complete(&b, "done");
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(finished(&mut events).await.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_run_taken_over_claims_the_attempts_workers_still_run() {
+        // A fresh dispatcher (the new coordinator); the worker still runs attempt 3 of call 0
+        // from the old one, and one attempt of a call whose key no longer matches.
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let held = v1::Assignment {
+            run_id: "wf_taken".into(),
+            call: 0,
+            attempt: 3,
+            call_key: "k0".into(),
+            fence: 99,
+            ..v1::Assignment::default()
+        };
+        let stale = v1::Assignment {
+            run_id: "wf_taken".into(),
+            call: 1,
+            attempt: 1,
+            call_key: "not-k1".into(),
+            fence: 98,
+            ..v1::Assignment::default()
+        };
+        let mut w = FakeWorker::attach_as(&d, "w1", 4, &[&held, &stale]);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let (run, mut events) = register(&d, "wf_taken", 4, Duration::from_secs(600));
+        d.submit(&run, ticket(0));
+        d.submit(&run, ticket(1));
+        // Call 1 is a new attempt; call 0 is not sent again.
+        let a = w.assignment().await;
+        assert_eq!((a.call, a.attempt), (1, 1));
+        // The stale attempt is cancelled once nobody claimed it.
+        match w.next().await {
+            coordinator_message::Msg::Cancel(c) => assert_eq!((c.call, c.attempt), (1, 1)),
+            other => panic!("expected a cancel, got {other:?}"),
+        }
+        w.complete(&held, "kept across the failover");
+        w.complete(&a, "new");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut done = finished(&mut events).await;
+        done.sort_by_key(|(c, _)| *c);
+        assert_eq!(done.len(), 2, "{done:?}");
+        match &done[0].1 {
+            CallResult::Completed(c) => assert_eq!(c.text, "kept across the failover"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outcome_sent_before_the_run_is_taken_over_is_kept_for_it() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let held = v1::Assignment {
+            run_id: "wf_early".into(),
+            call: 0,
+            attempt: 2,
+            call_key: "k0".into(),
+            fence: 42,
+            ..v1::Assignment::default()
+        };
+        let mut w = FakeWorker::attach_as(&d, "w1", 2, &[&held]);
+        // Finished while its coordinator was gone: the outcome follows the Hello at once.
+        w.complete(&held, "done before the takeover");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (run, mut events) = register(&d, "wf_early", 4, Duration::from_secs(600));
+        d.submit(&run, ticket(0));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let done = finished(&mut events).await;
+        assert_eq!(done.len(), 1, "{done:?}");
+        match &done[0].1 {
+            CallResult::Completed(c) => assert_eq!(c.text, "done before the takeover"),
+            other => panic!("{other:?}"),
+        }
+        // Nothing was sent again, and the slot is free for the next call.
+        d.submit(&run, ticket(1));
+        let a = w.assignment().await;
+        assert_eq!(a.call, 1);
     }
 
     #[tokio::test(start_paused = true)]

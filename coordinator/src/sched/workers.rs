@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{CallId, Dispatcher, Msg, Phase, Retry, Timer, WorkerState};
+use super::{CallEvent, CallId, Dispatcher, Msg, Phase, Retry, Timer, WorkerState};
 use crate::lease::{self, BatchOp, LeaseId, LeaseStore, Revision, WatchEvent};
 
 /// Most attempt-key writes in one batch (etcd's default limit of operations per transaction).
@@ -318,6 +318,8 @@ impl Dispatcher {
                 backends: HashSet::new(),
                 models: HashSet::new(),
                 labels: Default::default(),
+                orphans: Vec::new(),
+                orphan_outcomes: Default::default(),
                 running: HashSet::new(),
                 lease: None,
                 reg_revision: 0,
@@ -404,9 +406,13 @@ impl Dispatcher {
                     self.tx.clone(),
                 ));
                 w.ctl = Some(Arc::new(LeaseCtl { attached, stop }));
-                // Nothing it holds can be current here: we never assigned it anything.
-                for a in &h.held {
-                    self.cancel_stray(link_id, a, "not assigned by this coordinator");
+                // Nothing it holds was assigned here; a run taken over from a coordinator that
+                // went away may claim some (same run, call and key). The rest are cancelled
+                // after one TTL.
+                w.orphans = h.held.clone();
+                if !w.orphans.is_empty() {
+                    let at = Instant::now() + self.opts.worker_ttl;
+                    self.timers.insert_at(Timer::Orphans(link_id, link_id), at);
                 }
                 link_id
             }
@@ -506,6 +512,119 @@ impl Dispatcher {
         }
     }
 
+    /// Cancels the held attempts no run claimed.
+    pub(super) fn drop_orphans(&mut self, wid: u64, link: u64) {
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return;
+        };
+        if w.link != link {
+            return;
+        }
+        let left = std::mem::take(&mut w.orphans);
+        for ((run, call, attempt), o) in w.orphan_outcomes.drain() {
+            tracing::info!(run = %run, call, attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
+        }
+        if !left.is_empty() {
+            tracing::info!(worker = %w.name, attempts = left.len(), "cancelling held attempts no run claimed");
+        }
+        for a in &left {
+            self.cancel_stray(wid, a, "not claimed by any run here");
+        }
+    }
+
+    /// A call was submitted: a ready worker that holds an attempt of it (same key) from a
+    /// coordinator that went away carries on with it instead of a new attempt.
+    pub(super) fn claim_orphans(&mut self, id: &CallId) {
+        // Only a call waiting for a worker: one running elsewhere has moved on.
+        let Some(key) = self
+            .calls
+            .get(id)
+            .filter(|c| c.phase == Phase::Queued)
+            .map(|c| c.ticket.key.clone())
+        else {
+            return;
+        };
+        let found = self.workers.iter().find_map(|(wid, w)| {
+            if !w.ready() {
+                return None;
+            }
+            w.orphans
+                .iter()
+                .position(|a| a.run_id == *id.0 && a.call == id.1 && a.call_key == key)
+                .map(|i| (*wid, i))
+        });
+        if let Some((wid, i)) = found {
+            let a = self.workers.get_mut(&wid).map(|w| w.orphans.swap_remove(i));
+            if let Some(a) = a {
+                self.adopt_attempt(id, wid, &a);
+            }
+        }
+    }
+
+    /// Takes over a running attempt: it gets a key under its worker's lease (so liveness and
+    /// fencing work as for any attempt), and its outcome is accepted with the fence it was
+    /// started with.
+    fn adopt_attempt(&mut self, id: &CallId, wid: u64, a: &v1::AttemptRef) {
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        if c.phase != Phase::Queued {
+            return;
+        }
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return;
+        };
+        let Some(lease) = w.lease else {
+            return;
+        };
+        c.attempt = c.attempt.max(a.attempt);
+        c.phase = Phase::Running;
+        c.worker = Some(wid);
+        c.fence = None;
+        c.adopted_fence = Some(a.fence);
+        c.captured = None;
+        c.in_tool = false;
+        w.busy += 1;
+        w.running.insert((id.0.clone(), id.1, c.attempt));
+        tracing::info!(run = %id.0, call = id.1, attempt = c.attempt, worker = %w.name, "re-attached an attempt that outlived its coordinator");
+        let finished = w.orphan_outcomes.remove(&(id.0.clone(), id.1, c.attempt));
+        if let Some(o) = finished {
+            // It ended while nobody owned it: take its outcome now.
+            let (attempt, name) = (c.attempt, w.name.clone());
+            if let Some(r) = self.runs.get_mut(&id.0) {
+                r.running += 1;
+                r.queue.retain(|call| *call != id.1);
+                let _ = r.reg.events.send(CallEvent::Started {
+                    call: id.1,
+                    attempt,
+                    worker: name,
+                });
+            }
+            self.outcome(wid, o);
+            return;
+        }
+        let value = serde_json::json!({"worker": &*w.name, "attempt": c.attempt})
+            .to_string()
+            .into_bytes();
+        let op = KeyOp::Put {
+            put: PendingPut {
+                run: id.0.clone(),
+                call: id.1,
+                attempt: c.attempt,
+                worker: wid,
+                lease,
+            },
+            key: lease::keys::attempt(&id.0, id.1),
+            value,
+            lease,
+        };
+        if let Some(r) = self.runs.get_mut(&id.0) {
+            r.running += 1;
+            r.queue.retain(|call| *call != id.1);
+        }
+        self.write_key(op);
+    }
+
     /// Sends `Welcome` once the worker is named and has a lease.
     fn welcome(&mut self, wid: u64) {
         let ttl = self.opts.worker_ttl;
@@ -516,6 +635,12 @@ impl Dispatcher {
             return;
         }
         w.welcomed = true;
+        // Calls already submitted that this worker's held attempts belong to.
+        let claims: Vec<CallId> = w
+            .orphans
+            .iter()
+            .map(|a| (Arc::<str>::from(a.run_id.as_str()), a.call))
+            .collect();
         if let Some(tx) = &w.tx {
             let _ = tx.send(CoordinatorMessage {
                 msg: Some(coordinator_message::Msg::Welcome(v1::Welcome {
@@ -527,6 +652,9 @@ impl Dispatcher {
             });
         }
         tracing::debug!(worker = %w.name, slots = w.slots, "worker ready");
+        for id in claims {
+            self.claim_orphans(&id);
+        }
     }
 
     pub(super) fn lease_granted(&mut self, name: &Arc<str>, lease: LeaseId, revision: Revision) {

@@ -829,6 +829,12 @@ fn a_killed_coordinator_s_run_is_adopted_by_the_standby_and_completes() {
     );
     let log = std::fs::read_to_string(c.path().join("standby.log")).unwrap();
     assert!(log.contains("adopted a run"), "{log}");
+    // Attempts in flight at the kill were not thrown away: the workers kept them and the new
+    // leader took them over.
+    assert!(
+        log.contains("re-attached an attempt that outlived its coordinator"),
+        "{log}"
+    );
 }
 
 #[test]
