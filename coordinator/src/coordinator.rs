@@ -170,7 +170,21 @@ impl Coordinator {
         let replay = req.settings.replay;
         req.settings = manifest.settings.clone();
         req.settings.replay = replay;
+        if req
+            .resolver
+            .carried()
+            .is_some_and(|c| c.workflows.is_empty() && c.agent_types.is_empty())
+            && let Some(stored) = self.load_carried(parent).await
+        {
+            req.resolver = Arc::new(stored);
+        }
         Ok(())
+    }
+
+    /// The workflows a run's launching client carried, if it stored any.
+    async fn load_carried(&self, run: &str) -> Option<crate::workflows::CarriedWorkflows> {
+        let body = self.store.get(&keys::carried(run)).await.ok()??;
+        serde_json::from_slice(&body).ok()
     }
 
     /// W52: a run is not resumed while attempts of it still run somewhere (two copies would
@@ -276,6 +290,20 @@ impl Coordinator {
             .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
             .await
             .map_err(store_err)?;
+        if let Some(carried) = req.resolver.carried()
+            && (!carried.workflows.is_empty() || !carried.agent_types.is_empty())
+        {
+            let body = serde_json::to_vec(&carried).map_err(|e| {
+                Rejected::invalid(
+                    format!("cannot encode the carried workflows: {e}"),
+                    workflow.clone(),
+                )
+            })?;
+            self.store
+                .put_create(&keys::carried(&run_id), Bytes::from(body))
+                .await
+                .map_err(store_err)?;
+        }
         if let Some(l) = self.leadership.get() {
             l.own(&run_id).await.map_err(|message| Rejected {
                 message,
@@ -378,7 +406,7 @@ impl Coordinator {
             args_json,
             settings,
             generation,
-            resolver: Arc::new(crate::workflows::CarriedWorkflows::default()),
+            resolver: Arc::new(self.load_carried(run_id).await.unwrap_or_default()),
             resume,
             parent_run_id: manifest.parent_run_id.clone(),
         })

@@ -36,7 +36,7 @@ impl WorkflowRef {
 }
 
 /// A workflow found for a reference.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct FoundWorkflow {
     pub name: String,
     pub source: String,
@@ -47,7 +47,7 @@ pub struct FoundWorkflow {
 pub const BUILTIN_AGENT_TYPES: [&str; 3] = ["general-purpose", "Explore", "Plan"];
 
 /// An agent type a call may name with `agentType`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AgentType {
     pub name: String,
     /// The type's own model (`model:` in its definition), used when the call names none (W18).
@@ -72,6 +72,12 @@ pub trait WorkflowResolver: Send + Sync + 'static {
     fn agent_types(&self) -> Vec<AgentType> {
         builtins()
     }
+
+    /// What a client carried with its launch, to store with the run (so a resume or a
+    /// takeover resolves the same); `None` for resolvers that read local files.
+    fn carried(&self) -> Option<CarriedWorkflows> {
+        None
+    }
 }
 
 /// A resolver that knows no workflows (used by benchmarks and tests).
@@ -93,13 +99,17 @@ impl WorkflowResolver for NoWorkflows {
 
 /// Workflows and agent types a client carried with its launch, so a remote run resolves
 /// `workflow(name)` exactly as the client would locally (and again on resume).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct CarriedWorkflows {
     pub workflows: Vec<FoundWorkflow>,
     pub agent_types: Vec<AgentType>,
 }
 
 impl WorkflowResolver for CarriedWorkflows {
+    fn carried(&self) -> Option<CarriedWorkflows> {
+        Some(self.clone())
+    }
+
     fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
         match reference {
             WorkflowRef::Name(name) => {

@@ -32,6 +32,11 @@ pub fn script(run: &str) -> Path {
     Path::from(format!("runs/{run}/script.js"))
 }
 
+/// Saved workflows and agent types the launching client carried (fleet runs only).
+pub fn carried(run: &str) -> Path {
+    Path::from(format!("runs/{run}/workflows.json"))
+}
+
 pub fn calls_dir(run: &str) -> Path {
     Path::from(format!("runs/{run}/calls"))
 }

@@ -631,7 +631,8 @@ fn runs_live_in_s3_and_any_coordinator_reads_them_back() {
 const STAGES: &str = "const items = await parallel(Array.from({ length: 6 }, (_, i) => () => \
     agent((i === 3 ? ITEM3 : 'item ' + i) + ' [[sleep:' + (400 - i * 50) + ']]')));\n\
     const summary = await agent('summarize ' + items.length);\n\
-    return [items.length, summary];";
+    const extra = await workflow('helper', { n: items.length });\n\
+    return [items.length, summary, extra];";
 
 fn stages_script(c: &Cluster, name: &str, item3: &str) -> String {
     let path = c.path().join(format!("{name}.js"));
@@ -650,13 +651,20 @@ fn a_run_resumes_on_another_coordinator_process_in_both_modes() {
     let s3 = flotilla_tests::services::S3::start();
     let url = format!("s3://{}/resume", s3.bucket);
     let mut c = Cluster::start_full(2, 4, None, Some((url, s3.env())));
+    // A saved workflow the launching client carries: a resume and a takeover need it too.
+    std::fs::create_dir_all(c.path().join(".flotilla/workflows")).unwrap();
+    std::fs::write(
+        c.path().join(".flotilla/workflows/helper.js"),
+        "export const meta = { name: 'helper', description: 'child' };\nreturn await agent('helper for ' + args.n);\n",
+    )
+    .unwrap();
     let first = stages_script(&c, "first", "item 3");
     let out = c.client(&["launch", &first, "--json", "--stagger", "0"]);
     assert_eq!(out.code, 0, "{out:?}");
     let run = out.json()["run_id"].as_str().unwrap().to_owned();
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
-    assert_eq!(r["usage"]["dispatched"], 7);
+    assert_eq!(r["usage"]["dispatched"], 8, "{r}");
 
     // The coordinator that ran it is gone; another process takes over the store.
     if let Some(mut old) = c.take_coordinator() {
@@ -679,7 +687,7 @@ fn a_run_resumes_on_another_coordinator_process_in_both_modes() {
     };
     // Same script (stored with the run), content mode: nothing runs again.
     let same = resume(&[]);
-    assert_eq!(same["usage"]["cached"], 7, "{}", same["usage"]);
+    assert_eq!(same["usage"]["cached"], 8, "{}", same["usage"]);
     assert_eq!(same["usage"]["dispatched"], 0);
     assert_eq!(same["result"], r["result"]);
 
@@ -687,11 +695,11 @@ fn a_run_resumes_on_another_coordinator_process_in_both_modes() {
     let edited = stages_script(&c, "edited", "item three");
     let content = resume(&["--script", &edited]);
     assert_eq!(content["usage"]["dispatched"], 1, "{}", content["usage"]);
-    assert_eq!(content["usage"]["cached"], 6);
+    assert_eq!(content["usage"]["cached"], 7);
 
     // Prefix mode (W51): the edited call and every call started after it run again.
     let prefix = resume(&["--script", &edited, "--replay", "prefix"]);
-    assert_eq!(prefix["usage"]["dispatched"], 4, "{}", prefix["usage"]);
+    assert_eq!(prefix["usage"]["dispatched"], 5, "{}", prefix["usage"]);
     assert_eq!(prefix["usage"]["cached"], 3);
 
     // An unknown run: nothing to resume.
