@@ -264,10 +264,10 @@ pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, 
         s.script_cpu_ms = parse_duration("--script-cpu", &v)?.as_millis() as u64;
     }
     match s.backend.as_str() {
-        "echo" | "exec" => {}
+        "echo" | "exec" | "claude-code" => {}
         other => {
             return Err(format!(
-                "unknown backend {other:?}: use --backend echo or --backend exec"
+                "unknown backend {other:?}: use --backend echo, exec or claude-code"
             ));
         }
     }

@@ -32,7 +32,10 @@ impl Embedded {
     ) -> anyhow::Result<Embedded> {
         let store = store::open(store_url)?;
         let coordinator = Coordinator::new(store, MemoryLeaseStore::new());
-        let mut backends: Vec<Arc<dyn AgentBackend>> = vec![Arc::new(Echo)];
+        let mut backends: Vec<Arc<dyn AgentBackend>> = vec![
+            Arc::new(Echo),
+            Arc::new(flotilla_worker::backend::claude::ClaudeCode::from_env()),
+        ];
         if let Some(cmd) = exec_cmd {
             backends.push(Arc::new(Exec::new(cmd)));
         }

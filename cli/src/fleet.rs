@@ -482,6 +482,9 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     for b in &a.backends {
         match b.as_str() {
             "echo" => backends.push(Arc::new(Echo)),
+            "claude-code" => backends.push(Arc::new(
+                flotilla_worker::backend::claude::ClaudeCode::from_env(),
+            )),
             "exec" => match &a.exec_cmd {
                 Some(cmd) => backends.push(Arc::new(Exec::new(cmd.clone()))),
                 None => return fail(2, "--backend exec needs --exec-cmd CMD"),
@@ -489,7 +492,9 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             other => {
                 return fail(
                     2,
-                    format!("unknown backend {other:?}: this worker offers echo and exec"),
+                    format!(
+                        "unknown backend {other:?}: this worker offers echo, exec and claude-code"
+                    ),
                 );
             }
         }

@@ -49,6 +49,9 @@ pub struct Cluster {
     pub proxy: Option<crate::proxy::Proxy>,
     /// A second coordinator of the group (same etcd and store): its port and process.
     pub standby: Option<(u16, Child)>,
+    /// Extra flags and environment of every worker started from now on.
+    pub worker_args: Vec<String>,
+    pub worker_env: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -191,7 +194,23 @@ impl Cluster {
             worker_ttl: Duration::from_secs(3),
             proxy: None,
             standby: None,
+            worker_args: Vec::new(),
+            worker_env: Vec::new(),
         }
+    }
+
+    /// Like [`Cluster::start`], with extra worker flags and environment.
+    pub fn start_workers_with(
+        workers: usize,
+        slots: u32,
+        args: &[&str],
+        env: Vec<(String, String)>,
+    ) -> Cluster {
+        let mut c = Self::prepare(workers, None, None);
+        c.worker_args = args.iter().map(|a| (*a).to_owned()).collect();
+        c.worker_env = env;
+        c.start_all(workers, slots);
+        c
     }
 
     /// Two coordinators sharing etcd and a store; workers know both and attach to the one
@@ -326,6 +345,12 @@ impl Cluster {
             .arg(self.pki())
             .arg("--workspace")
             .arg(ws)
+            .args(&self.worker_args)
+            .envs(
+                self.worker_env
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            )
             .env("FLOTILLA_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))

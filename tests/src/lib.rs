@@ -9,6 +9,7 @@
 //! (cargo builds it for the `flotilla` package's own integration tests).
 
 pub mod cluster;
+pub mod fake_anthropic;
 pub mod proxy;
 pub mod services;
 

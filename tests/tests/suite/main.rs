@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod agent;
+mod claude;
 mod cli;
 mod cluster;
 mod combinators;

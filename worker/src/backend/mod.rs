@@ -6,9 +6,10 @@
 //! [`Submissions`], which validates each submission against the task's schema and counts them
 //! (W13–W14), so every backend shares one retry rule.
 //!
-//! Implementations: [`echo::Echo`] (deterministic, `spec/echo-backend.md`) and
-//! [`exec::Exec`] (any command). Real model backends plug in the same way.
+//! Implementations: [`echo::Echo`] (deterministic, `spec/echo-backend.md`),
+//! [`exec::Exec`] (any command) and [`claude::ClaudeCode`] (the Claude Code CLI).
 
+pub mod claude;
 pub mod echo;
 pub mod exec;
 

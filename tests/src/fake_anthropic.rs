@@ -1,0 +1,412 @@
+//! A fake Anthropic Messages API on loopback, faithful enough for the real Claude Code CLI
+//! (`spec/agent-backends.md` §2): `POST /v1/messages` as SSE (`stream: true`) or JSON, the
+//! exact event order, `role: "system"` messages and unknown fields accepted, a `request-id`
+//! header, and every request logged for assertions.
+//!
+//! What it answers is scripted by markers in the last user text:
+//! - `[[bash:CMD]]`: a Bash `tool_use` running CMD; after the tool result, the text
+//!   `tool said: OUTPUT`;
+//! - with a `StructuredOutput` tool: a call to it with `[[json:{...}]]`, or with a value made
+//!   up from the schema (strings `"fake"`, numbers `1`, booleans `true`);
+//! - `[[status:N]]`: an HTTP error N (`overloaded_error` for 529, `rate_limit_error` for 429);
+//! - otherwise the text `fake reply to: PROMPT`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{Value, json};
+
+/// One request the fake saw.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Value,
+}
+
+/// The running fake.
+pub struct FakeAnthropic {
+    pub port: u16,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl FakeAnthropic {
+    pub fn start() -> FakeAnthropic {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the fake API");
+        let port = listener.local_addr().expect("address").port();
+        let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let ids = Arc::new(AtomicU64::new(1));
+        {
+            let (seen, stop) = (seen.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let (seen, ids) = (seen.clone(), ids.clone());
+                    std::thread::spawn(move || serve(conn, &seen, &ids));
+                }
+            });
+        }
+        FakeAnthropic { port, seen, stop }
+    }
+
+    /// `http://127.0.0.1:PORT`, for `ANTHROPIC_BASE_URL`.
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Every request so far.
+    pub fn requests(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The environment a client needs to use this fake.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("ANTHROPIC_BASE_URL".into(), self.base_url()),
+            ("ANTHROPIC_API_KEY".into(), "sk-ant-fake".into()),
+        ]
+    }
+}
+
+impl Drop for FakeAnthropic {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64) {
+    let Ok(read_half) = conn.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(read_half);
+    let mut conn = conn;
+    // Keep-alive: several requests may come on one connection.
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut parts = request_line.split_whitespace();
+        let method = parts.next().unwrap_or("").to_owned();
+        let path = parts.next().unwrap_or("").to_owned();
+        let mut headers = Vec::new();
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':') {
+                headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
+            }
+        }
+        let header = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        let body = if header("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+            read_chunked(&mut reader)
+        } else {
+            let len: usize = header("content-length")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let mut buf = vec![0u8; len];
+            if reader.read_exact(&mut buf).is_err() {
+                return;
+            }
+            buf
+        };
+        let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        seen.lock().unwrap_or_else(|e| e.into_inner()).push(Seen {
+            method: method.clone(),
+            path: path.clone(),
+            headers: headers.clone(),
+            body: body.clone(),
+        });
+        let id = ids.fetch_add(1, Ordering::SeqCst);
+        let ok = if method == "POST" && path.starts_with("/v1/messages") {
+            answer(&mut conn, &body, id)
+        } else {
+            // HEAD / and anything else: an empty 200.
+            conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .is_ok()
+        };
+        if !ok {
+            return;
+        }
+    }
+}
+
+fn read_chunked(reader: &mut impl BufRead) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let mut size = String::new();
+        if reader.read_line(&mut size).unwrap_or(0) == 0 {
+            return out;
+        }
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            let mut end = String::new();
+            let _ = reader.read_line(&mut end);
+            return out;
+        }
+        let mut buf = vec![0u8; n + 2];
+        if reader.read_exact(&mut buf).is_err() {
+            return out;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// The text of the last user turn (its last text block), and the last tool result in it.
+fn last_user(body: &Value) -> (String, Option<String>) {
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let Some(last) = messages
+        .iter()
+        .rev()
+        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+    else {
+        return (String::new(), None);
+    };
+    match last.get("content") {
+        Some(Value::String(s)) => (s.clone(), None),
+        Some(Value::Array(blocks)) => {
+            let mut text = String::new();
+            let mut tool = None;
+            for b in blocks {
+                match b.get("type").and_then(Value::as_str) {
+                    Some("text") => {
+                        text = b
+                            .get("text")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_owned();
+                    }
+                    Some("tool_result") => {
+                        tool = Some(match b.get("content") {
+                            Some(Value::String(s)) => s.clone(),
+                            Some(Value::Array(parts)) => parts
+                                .iter()
+                                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                                .collect::<Vec<_>>()
+                                .join(""),
+                            _ => String::new(),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            (text, tool)
+        }
+        _ => (String::new(), None),
+    }
+}
+
+/// The first user prompt of the conversation (markers live there).
+fn first_prompt(body: &Value) -> String {
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    for m in &messages {
+        if m.get("role").and_then(Value::as_str) != Some("user") {
+            continue;
+        }
+        match m.get("content") {
+            Some(Value::String(s)) => return s.clone(),
+            Some(Value::Array(blocks)) => {
+                if let Some(t) = blocks
+                    .iter()
+                    .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
+                    .filter_map(|b| b.get("text").and_then(Value::as_str))
+                    .rfind(|t| !t.starts_with("<system-reminder>"))
+                {
+                    return t.to_owned();
+                }
+            }
+            _ => {}
+        }
+    }
+    String::new()
+}
+
+fn marker<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    let open = format!("[[{name}:");
+    let start = text.find(&open)? + open.len();
+    let rest = &text[start..];
+    let end = rest.rfind("]]")?;
+    Some(&rest[..end])
+}
+
+fn fill(schema: &Value) -> Value {
+    match schema.get("type").and_then(Value::as_str) {
+        Some("object") => {
+            let mut out = serde_json::Map::new();
+            if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+                for (k, v) in props {
+                    out.insert(k.clone(), fill(v));
+                }
+            }
+            Value::Object(out)
+        }
+        Some("array") => json!([]),
+        Some("number") | Some("integer") => json!(1),
+        Some("boolean") => json!(true),
+        Some("null") => Value::Null,
+        _ => json!("fake"),
+    }
+}
+
+/// Writes the response to one `/v1/messages` request; `false` when the connection is done.
+fn answer(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
+    let prompt = first_prompt(body);
+    if let Some(code) = marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()) {
+        let kind = match code {
+            429 => "rate_limit_error",
+            529 => "overloaded_error",
+            401 => "authentication_error",
+            400 => "invalid_request_error",
+            _ => "api_error",
+        };
+        let err =
+            json!({"type": "error", "error": {"type": kind, "message": format!("fake {kind}")}})
+                .to_string();
+        let resp = format!(
+            "HTTP/1.1 {code} Error\r\ncontent-type: application/json\r\nrequest-id: req_fake_{id}\r\nretry-after: 1\r\ncontent-length: {}\r\n\r\n{err}",
+            err.len()
+        );
+        return conn.write_all(resp.as_bytes()).is_ok();
+    }
+    let (_, tool_output) = last_user(body);
+    let tools: Vec<Value> = body
+        .get("tools")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let structured = tools
+        .iter()
+        .find(|t| t.get("name").and_then(Value::as_str) == Some("StructuredOutput"));
+    // The blocks of the reply and why it stops.
+    let (blocks, stop) = if let Some(out) = tool_output {
+        (
+            vec![json!({"type": "text", "text": format!("tool said: {}", out.trim())})],
+            "end_turn",
+        )
+    } else if let Some(cmd) = marker(&prompt, "bash") {
+        (
+            vec![
+                json!({"type": "tool_use", "id": format!("toolu_fake_{id}"), "name": "Bash",
+                "input": {"command": cmd, "description": "run a command"}}),
+            ],
+            "tool_use",
+        )
+    } else if let Some(tool) = structured {
+        let value = marker(&prompt, "json")
+            .and_then(|j| serde_json::from_str(j).ok())
+            .unwrap_or_else(|| fill(tool.get("input_schema").unwrap_or(&Value::Null)));
+        (
+            vec![
+                json!({"type": "tool_use", "id": format!("toolu_fake_{id}"), "name": "StructuredOutput", "input": value}),
+            ],
+            "tool_use",
+        )
+    } else {
+        let short: String = prompt.chars().take(200).collect();
+        (
+            vec![json!({"type": "text", "text": format!("fake reply to: {short}")})],
+            "end_turn",
+        )
+    };
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("claude-fake")
+        .to_owned();
+    let input_tokens = (body.to_string().len() / 4) as u64;
+    let output_tokens = 7u64;
+    let usage = json!({"input_tokens": input_tokens, "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0, "output_tokens": output_tokens,
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}});
+    let msg_id = format!("msg_fake_{id}");
+    if body.get("stream").and_then(Value::as_bool) != Some(true) {
+        let msg = json!({"id": msg_id, "type": "message", "role": "assistant", "model": model,
+            "content": blocks, "stop_reason": stop, "stop_sequence": null, "usage": usage})
+        .to_string();
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nrequest-id: req_fake_{id}\r\ncontent-length: {}\r\n\r\n{msg}",
+            msg.len()
+        );
+        return conn.write_all(resp.as_bytes()).is_ok();
+    }
+    let mut start_usage = usage.clone();
+    start_usage["output_tokens"] = json!(1);
+    let mut events = vec![
+        (
+            "message_start",
+            json!({"type": "message_start", "message": {"id": msg_id, "type": "message",
+            "role": "assistant", "model": model, "content": [], "stop_reason": null,
+            "stop_sequence": null, "usage": start_usage}}),
+        ),
+        ("ping", json!({"type": "ping"})),
+    ];
+    for (i, b) in blocks.iter().enumerate() {
+        match b.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                events.push((
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": i,
+                    "content_block": {"type": "text", "text": ""}}),
+                ));
+                events.push((
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": i,
+                    "delta": {"type": "text_delta", "text": b["text"]}}),
+                ));
+            }
+            _ => {
+                events.push(("content_block_start", json!({"type": "content_block_start", "index": i,
+                    "content_block": {"type": "tool_use", "id": b["id"], "name": b["name"], "input": {}}})));
+                events.push((
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": i,
+                    "delta": {"type": "input_json_delta", "partial_json": b["input"].to_string()}}),
+                ));
+            }
+        }
+        events.push((
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": i}),
+        ));
+    }
+    events.push(("message_delta", json!({"type": "message_delta",
+        "delta": {"stop_reason": stop, "stop_sequence": null}, "usage": {"output_tokens": output_tokens}})));
+    events.push(("message_stop", json!({"type": "message_stop"})));
+    let mut sse = String::new();
+    for (name, data) in events {
+        sse.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+    }
+    let resp = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nrequest-id: req_fake_{id}\r\ncontent-length: {}\r\n\r\n{sse}",
+        sse.len()
+    );
+    conn.write_all(resp.as_bytes()).is_ok()
+}

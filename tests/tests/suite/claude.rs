@@ -1,0 +1,209 @@
+//! The `claude-code` backend: the real, pinned Claude Code CLI (`.ci/run` installs it under
+//! `.tools/claude`) against the in-repo fake Messages API (`spec/agent-backends.md`).
+
+use std::path::PathBuf;
+
+use flotilla_tests::Env;
+use flotilla_tests::fake_anthropic::FakeAnthropic;
+use serde_json::json;
+
+/// The pinned CLI; a missing one is a failure with the install command, never a skip.
+fn claude_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("FLOTILLA_CLAUDE_BIN") {
+        return PathBuf::from(p);
+    }
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/claude/node_modules/.bin/claude");
+    assert!(
+        p.exists(),
+        "the pinned Claude Code CLI is missing at {}; install it with `npm install --prefix .tools/claude @anthropic-ai/claude-code@2.1.332` (.ci/run does)",
+        p.display()
+    );
+    p
+}
+
+/// Runs `body` on the claude-code backend against `fake`.
+fn run(env: &Env, fake: &FakeAnthropic, body: &str) -> (i32, serde_json::Value) {
+    let script = env.script("c", body);
+    let bin = claude_bin();
+    let fake_env = fake.env();
+    let mut vars: Vec<(&str, &str)> = fake_env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let bin = bin.to_str().unwrap().to_owned();
+    vars.push(("FLOTILLA_CLAUDE_BIN", &bin));
+    let out = env.flotilla_with_env(
+        &[
+            "run",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "claude-code",
+        ],
+        &vars,
+    );
+    let code = out.code;
+    (code, out.json())
+}
+
+/// Files named `name` anywhere under the workspace.
+fn find(env: &Env, name: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![env.workspace()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.file_name().is_some_and(|n| n == name) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_text_result_comes_from_the_real_cli() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(&env, &fake, "return await agent('say hi');");
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "fake reply to: say hi", "{r}");
+    assert!(
+        r["usage"]["output_tokens"].as_u64().unwrap() > 0,
+        "{}",
+        r["usage"]
+    );
+    let posts: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|s| s.method == "POST" && s.path.starts_with("/v1/messages"))
+        .collect();
+    assert!(!posts.is_empty());
+    assert_eq!(posts[0].body["stream"], true);
+}
+
+#[test]
+fn a_schema_result_goes_through_the_structured_output_tool() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "return await agent('name something [[json:{\"name\":\"flotilla\"}]]', \
+           { schema: { type: 'object', properties: { name: { type: 'string' } }, required: ['name'] } });",
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], json!({"name": "flotilla"}), "{r}");
+    let sent_tool = fake.requests().iter().any(|s| {
+        s.body["tools"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|t| t["name"] == "StructuredOutput"))
+    });
+    assert!(sent_tool, "the CLI offered the StructuredOutput tool");
+}
+
+#[test]
+fn an_allowed_tool_runs_in_the_call_s_working_directory() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "return await agent('make a file [[bash:touch made-by-bash.txt && echo made]]', { tools: ['Bash'] });",
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "tool said: made", "{r}");
+    let made = find(&env, "made-by-bash.txt");
+    assert_eq!(
+        made.len(),
+        1,
+        "the file is in the call's directory: {made:?}"
+    );
+    assert!(made[0].starts_with(env.workspace()));
+}
+
+#[test]
+fn a_tool_the_policy_does_not_allow_is_denied_without_hanging() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "return await agent('make a file [[bash:touch denied.txt && echo made]]');",
+    );
+    assert_eq!(code, 0, "{r}");
+    let text = r["result"].as_str().unwrap_or_default();
+    assert!(
+        text.starts_with("tool said:") && text.contains("not allowed"),
+        "{r}"
+    );
+    assert!(
+        find(&env, "denied.txt").is_empty(),
+        "the denied command did not run"
+    );
+}
+
+#[test]
+fn a_timeout_kills_the_cli_and_the_commands_its_tools_started() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "return await agent('wait [[bash:timeout 41.731 tail -f /dev/null; echo late]]', { tools: ['Bash'], timeout: 3000 });",
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], serde_json::Value::Null, "{r}");
+    assert!(r["failures"].to_string().contains("timed out"), "{r}");
+    // Neither the CLI nor the shell its Bash tool started survives the attempt.
+    let left = std::process::Command::new("pgrep")
+        .args(["-f", "timeout 41.731"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&left.stdout).trim().is_empty(),
+        "processes left behind: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+}
+
+#[test]
+fn a_workflow_runs_end_to_end_on_remote_workers_with_the_real_cli() {
+    let fake = FakeAnthropic::start();
+    let mut env = fake.env();
+    env.push((
+        "FLOTILLA_CLAUDE_BIN".into(),
+        claude_bin().to_str().unwrap().to_owned(),
+    ));
+    let c = flotilla_tests::cluster::Cluster::start_workers_with(
+        2,
+        3,
+        &["--backend", "echo,claude-code"],
+        env,
+    );
+    let run = c.launch(
+        "remote-claude",
+        "const notes = await parallel(['a', 'b', 'c'].map(x => () => agent('note ' + x)));\n\
+         const verdict = await agent('judge [[json:{\"ok\":true}]]', \
+           { schema: { type: 'object', properties: { ok: { type: 'boolean' } }, required: ['ok'] } });\n\
+         const piped = await pipeline(['x', 'y'], it => agent('draft ' + it), (prev, it) => agent('polish ' + it));\n\
+         return { notes, verdict, piped };",
+        &["--stagger", "0", "--backend", "claude-code"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"]["notes"][0], "fake reply to: note a", "{r}");
+    assert_eq!(r["result"]["verdict"], json!({"ok": true}), "{r}");
+    assert_eq!(r["result"]["piped"][1], "fake reply to: polish y", "{r}");
+    assert_eq!(r["usage"]["agents"], 8);
+    assert!(
+        r["usage"]["cost_usd"].as_f64().unwrap() > 0.0,
+        "{}",
+        r["usage"]
+    );
+}

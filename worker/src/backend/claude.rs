@@ -1,0 +1,516 @@
+//! `claude-code`: one Claude Code CLI process per attempt (`spec/agent-backends.md` §1).
+//!
+//! The CLI runs non-interactively with stream-json in and out and host-controlled permissions:
+//! `claude -p --input-format stream-json --output-format stream-json --verbose
+//! --permission-prompt-tool stdio`. The prompt goes in as one user line on stdin; every
+//! stdout line becomes a normalized transcript event; every permission request is answered
+//! from the worker's policy (tools the call lists in `tools`, plus the worker's allow-list;
+//! anything else is denied, never left hanging); the `result` line decides the outcome.
+//! The process runs in its own process group in the call's working directory, with a config
+//! directory of its own; cancel, stall and timeout kill the whole group.
+//!
+//! Credentials and endpoint come from the worker's environment (`ANTHROPIC_API_KEY` or
+//! `ANTHROPIC_AUTH_TOKEN`, `ANTHROPIC_BASE_URL`), never from the script.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use flotilla_proto::v1::{self, FailureKind, ProgressKind};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+
+use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task};
+
+/// The Claude Code CLI backend.
+#[derive(Debug, Clone)]
+pub struct ClaudeCode {
+    /// The `claude` executable.
+    pub bin: PathBuf,
+    /// Tools every call may use without listing them (worker policy).
+    pub allow: Vec<String>,
+    /// `CLAUDE_CODE_MAX_RETRIES` for the CLI's own retries of API errors (the coordinator
+    /// retries attempts too, so keep it low).
+    pub max_retries: u32,
+}
+
+impl ClaudeCode {
+    /// From the environment: `FLOTILLA_CLAUDE_BIN` (default `claude` on `PATH`) and
+    /// `FLOTILLA_ALLOW_TOOLS` (comma-separated).
+    pub fn from_env() -> ClaudeCode {
+        let bin = std::env::var_os("FLOTILLA_CLAUDE_BIN")
+            .map_or_else(|| PathBuf::from("claude"), PathBuf::from);
+        let allow = std::env::var("FLOTILLA_ALLOW_TOOLS")
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned)
+            .collect();
+        ClaudeCode {
+            bin,
+            allow,
+            max_retries: 2,
+        }
+    }
+
+    fn args(&self, task: &Task) -> Vec<String> {
+        let mut args: Vec<String> = [
+            "-p",
+            "--input-format",
+            "stream-json",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+            "--permission-prompt-tool",
+            "stdio",
+            "--no-session-persistence",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let s = &task.spec;
+        if !s.model.is_empty() {
+            args.extend(["--model".into(), s.model.clone()]);
+        }
+        if !s.effort.is_empty() {
+            args.extend(["--effort".into(), s.effort.clone()]);
+        }
+        if let Some(schema) = &s.schema_json {
+            args.extend(["--json-schema".into(), schema.clone()]);
+        }
+        if !s.tools.is_empty() {
+            args.extend(["--tools".into(), s.tools.join(",")]);
+        }
+        args
+    }
+}
+
+/// Kills the CLI's process group and every process descended from it. The CLI starts its
+/// tools' commands in process groups of their own (and `timeout` or a shell may add more), so
+/// the group alone would leave them running; the tree is read from `/proc` before anything is
+/// killed (a killed parent's children would be re-parented out of reach).
+fn kill_group(pgid: Option<u32>) {
+    let Some(root) = pgid.and_then(|id| i32::try_from(id).ok()) else {
+        return;
+    };
+    for _ in 0..3 {
+        let tree = descendants(root);
+        let _ = killpg(Pid::from_raw(root), Signal::SIGKILL);
+        for pid in &tree {
+            let _ = nix::sys::signal::kill(Pid::from_raw(*pid), Signal::SIGKILL);
+        }
+        if tree.is_empty() {
+            break;
+        }
+    }
+}
+
+/// Every process below `root` (not `root` itself), from `/proc/*/stat`.
+fn descendants(root: i32) -> Vec<i32> {
+    let mut parent_of: Vec<(i32, i32)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        if let Some(ppid) = after.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
+            parent_of.push((pid, ppid));
+        }
+    }
+    let mut out = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for (child, _) in parent_of.iter().filter(|(_, pp)| *pp == p) {
+            if !out.contains(child) {
+                out.push(*child);
+                frontier.push(*child);
+            }
+        }
+    }
+    out
+}
+
+struct GroupGuard(Option<u32>);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        kill_group(self.0);
+    }
+}
+
+/// What the stream said, as the outcome needs it.
+#[derive(Default)]
+struct Seen {
+    result: Option<Value>,
+    tool_calls: u32,
+    output_tokens: u64,
+}
+
+/// One stdout line: transcript event, progress, and a permission answer when asked.
+fn on_line(
+    line: &Value,
+    allowed: &HashSet<String>,
+    events: &Events,
+    seen: &mut Seen,
+) -> Option<Value> {
+    let kind = line.get("type").and_then(Value::as_str).unwrap_or("");
+    let subtype = line.get("subtype").and_then(Value::as_str).unwrap_or("");
+    match (kind, subtype) {
+        ("system", "init") => {
+            events.transcript(json!({"type": "init", "backend": "claude-code",
+                "session_id": line.get("session_id"), "model": line.get("model"),
+                "cwd": line.get("cwd"), "version": line.get("claude_code_version")}));
+            events.progress(ProgressKind::Keepalive, seen.output_tokens);
+        }
+        ("system", "api_retry") => {
+            events.transcript(json!({"type": "retry", "attempt": line.get("attempt"),
+                "error_status": line.get("error_status"), "error": line.get("error"),
+                "retry_delay_ms": line.get("retry_delay_ms")}));
+            events.progress(ProgressKind::Keepalive, seen.output_tokens);
+        }
+        ("system", "permission_denied") => {
+            events.transcript(
+                json!({"type": "permission_denied", "tool": line.get("tool_name"),
+                "message": line.get("message")}),
+            );
+        }
+        ("assistant", _) => {
+            let content = line
+                .pointer("/message/content")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            if let Some(n) = line
+                .pointer("/message/usage/output_tokens")
+                .and_then(Value::as_u64)
+            {
+                seen.output_tokens += n;
+            }
+            for block in content {
+                match block.get("type").and_then(Value::as_str).unwrap_or("") {
+                    "text" => {
+                        events.transcript(json!({"type": "text", "text": block.get("text")}));
+                        events.progress(ProgressKind::ResponseStarted, seen.output_tokens);
+                    }
+                    "thinking" => {
+                        events
+                            .transcript(json!({"type": "thinking", "text": block.get("thinking")}));
+                        events.progress(ProgressKind::Output, seen.output_tokens);
+                    }
+                    "tool_use" => {
+                        seen.tool_calls += 1;
+                        events.transcript(json!({"type": "tool_call", "id": block.get("id"),
+                            "name": block.get("name"), "input": block.get("input")}));
+                        events.progress(ProgressKind::ToolStarted, seen.output_tokens);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        ("user", _) => {
+            let content = line
+                .pointer("/message/content")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            for block in content {
+                if block.get("type").and_then(Value::as_str) == Some("tool_result") {
+                    let text = match block.get("content") {
+                        Some(Value::String(s)) => s.clone(),
+                        Some(other) => other.to_string(),
+                        None => String::new(),
+                    };
+                    let head: String = text.chars().take(2000).collect();
+                    events.transcript(
+                        json!({"type": "tool_result", "id": block.get("tool_use_id"),
+                        "is_error": block.get("is_error"), "output": head}),
+                    );
+                    events.progress(ProgressKind::ToolFinished, seen.output_tokens);
+                }
+            }
+        }
+        ("control_request", _) => {
+            let request_id = line.get("request_id").cloned().unwrap_or(Value::Null);
+            let req = line.get("request").cloned().unwrap_or(Value::Null);
+            if req.get("subtype").and_then(Value::as_str) != Some("can_use_tool") {
+                // Unknown control requests get an error answer rather than silence.
+                return Some(json!({"type": "control_response", "response": {
+                    "subtype": "error", "request_id": request_id,
+                    "error": "not supported by this host"}}));
+            }
+            let tool = req
+                .get("tool_name")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned();
+            let input = req.get("input").cloned().unwrap_or_else(|| json!({}));
+            let allow = allowed.contains(&tool);
+            events.transcript(json!({"type": "permission", "tool": tool, "allowed": allow}));
+            events.progress(ProgressKind::Keepalive, seen.output_tokens);
+            let response = if allow {
+                json!({"behavior": "allow", "updatedInput": input})
+            } else {
+                let mut list: Vec<&String> = allowed.iter().collect();
+                list.sort();
+                json!({"behavior": "deny", "message": format!(
+                    "the tool {tool} is not allowed for this agent (allowed: {}); list it in the call's `tools` option or the worker's allow-list",
+                    if list.is_empty() { "none".to_owned() } else { list.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ") })})
+            };
+            return Some(json!({"type": "control_response", "response": {
+                "subtype": "success", "request_id": request_id, "response": response}}));
+        }
+        ("result", _) => {
+            events.transcript(json!({"type": "result", "is_error": line.get("is_error"),
+                "subtype": line.get("subtype"), "result": line.get("result"),
+                "structured_output": line.get("structured_output"),
+                "usage": line.get("usage"), "cost_usd": line.get("total_cost_usd"),
+                "num_turns": line.get("num_turns"), "terminal_reason": line.get("terminal_reason"),
+                "api_error_status": line.get("api_error_status"),
+                "permission_denials": line.get("permission_denials")}));
+            seen.result = Some(line.clone());
+        }
+        _ => {}
+    }
+    None
+}
+
+/// Usage of a `result` line.
+fn usage_of(result: &Value, tool_calls: u32) -> v1::Usage {
+    let n = |p: &str| result.pointer(p).and_then(Value::as_u64).unwrap_or(0);
+    v1::Usage {
+        input_tokens: n("/usage/input_tokens"),
+        output_tokens: n("/usage/output_tokens"),
+        cache_read_tokens: n("/usage/cache_read_input_tokens"),
+        cache_write_tokens: n("/usage/cache_creation_input_tokens"),
+        cost_usd: result
+            .get("total_cost_usd")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0),
+        tool_calls,
+    }
+}
+
+/// Classifies a `result` line with `is_error` (spec §1.10).
+fn failure_of(result: &Value) -> Error {
+    let status = result
+        .get("api_error_status")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let subtype = result.get("subtype").and_then(Value::as_str).unwrap_or("");
+    let text = result
+        .get("result")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .or_else(|| result.get("errors").map(Value::to_string))
+        .unwrap_or_else(|| "the agent failed".into());
+    let message = format!("claude: {text}");
+    match (status, subtype) {
+        (429, _) => Error::rate_limited(Duration::from_secs(30), message),
+        (500..=599, _) => Error::new(FailureKind::Retryable, message),
+        (401 | 403, _) => Error::new(
+            FailureKind::Terminal,
+            format!("{message} (check ANTHROPIC_API_KEY / ANTHROPIC_AUTH_TOKEN on the worker)"),
+        ),
+        (_, "error_max_turns" | "error_max_budget_usd") => {
+            Error::new(FailureKind::Terminal, message)
+        }
+        (0, _) if text.contains("overloaded") => Error::new(FailureKind::Retryable, message),
+        _ => Error::new(FailureKind::Terminal, message),
+    }
+}
+
+#[async_trait::async_trait]
+impl AgentBackend for ClaudeCode {
+    fn name(&self) -> &'static str {
+        "claude-code"
+    }
+
+    async fn run(
+        &self,
+        task: &Task,
+        events: &Events,
+        cancel: CancellationToken,
+    ) -> Result<Output, Error> {
+        let workdir = task.workdir()?;
+        let config = tempfile::Builder::new()
+            .prefix("flotilla-claude-")
+            .tempdir()
+            .map_err(|e| {
+                Error::new(
+                    FailureKind::Retryable,
+                    format!("cannot make a config dir: {e}"),
+                )
+            })?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(self.args(task))
+            .current_dir(&workdir)
+            .env("CLAUDE_CONFIG_DIR", config.path())
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+            .env("CLAUDE_CODE_MAX_RETRIES", self.max_retries.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| {
+            Error::new(
+                FailureKind::Terminal,
+                format!(
+                    "cannot start {}: {e}; install Claude Code (npm install @anthropic-ai/claude-code) or set FLOTILLA_CLAUDE_BIN",
+                    self.bin.display()
+                ),
+            )
+        })?;
+        let pgid = child.id();
+        let _group = GroupGuard(pgid);
+        let mut stdin = child
+            .stdin
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stdin pipe"))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stdout pipe"))?;
+        let stderr = child
+            .stderr
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stderr pipe"))?;
+        let stderr_task = tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            let mut tail: Vec<String> = Vec::new();
+            while let Ok(Some(line)) = lines.next_line().await {
+                tail.push(line);
+                if tail.len() > 20 {
+                    tail.remove(0);
+                }
+            }
+            tail
+        });
+        let first =
+            json!({"type": "user", "message": {"role": "user", "content": task.spec.prompt}});
+        let write = |v: &Value| format!("{v}\n").into_bytes();
+        let io_err = |e: std::io::Error| {
+            Error::new(
+                FailureKind::Retryable,
+                format!("cannot talk to claude: {e}"),
+            )
+        };
+        stdin.write_all(&write(&first)).await.map_err(io_err)?;
+
+        let allowed: HashSet<String> = task
+            .spec
+            .tools
+            .iter()
+            .chain(self.allow.iter())
+            .cloned()
+            .collect();
+        let mut seen = Seen::default();
+        let mut lines = BufReader::new(stdout).lines();
+        loop {
+            let next = tokio::select! {
+                _ = cancel.cancelled() => {
+                    kill_group(pgid);
+                    let _ = child.wait().await;
+                    events.transcript(json!({"type": "result", "is_error": true, "error": "cancelled"}));
+                    return Err(Error::cancelled("the claude process group was killed"));
+                }
+                next = lines.next_line() => next,
+            };
+            let Ok(Some(line)) = next else { break };
+            let Ok(value) = serde_json::from_str::<Value>(&line) else {
+                events.transcript(json!({"type": "stdout", "text": line}));
+                continue;
+            };
+            if let Some(answer) = on_line(&value, &allowed, events, &mut seen) {
+                stdin.write_all(&write(&answer)).await.map_err(io_err)?;
+            }
+            if seen.result.is_some() {
+                break;
+            }
+        }
+        // One turn: closing stdin ends the CLI.
+        drop(stdin);
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+        kill_group(pgid);
+        let tail = tokio::time::timeout(Duration::from_secs(2), stderr_task)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let Some(result) = seen.result else {
+            let code = match status {
+                Ok(Ok(s)) => s.to_string(),
+                _ => "no exit status".into(),
+            };
+            return Err(Error::new(
+                FailureKind::Retryable,
+                format!(
+                    "claude ended ({code}) without a result line; its last stderr lines: {}",
+                    tail.join(" | ")
+                ),
+            ));
+        };
+        let usage = usage_of(&result, seen.tool_calls);
+        if result.get("is_error").and_then(Value::as_bool) == Some(true) {
+            let mut e = failure_of(&result);
+            e.usage = usage;
+            return Err(e);
+        }
+        let text = result
+            .get("result")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
+        let json = match &task.schema {
+            None => None,
+            Some(schema) => {
+                let mut subs = Submissions::new(schema, task.spec.schema_attempts.max(1))?;
+                let Some(value) = result.get("structured_output").cloned() else {
+                    let mut e = subs.exhausted();
+                    e.message = format!(
+                        "claude finished without a structured output (it never called StructuredOutput): {}",
+                        e.message
+                    );
+                    e.usage = usage;
+                    return Err(e);
+                };
+                match subs.submit(value) {
+                    Ok(Submitted::Accepted(v)) => {
+                        events.structured_captured(&v);
+                        Some(v)
+                    }
+                    Ok(Submitted::Retry(problem))
+                    | Err(Error {
+                        message: problem, ..
+                    }) => {
+                        let mut e = Error::new(
+                            FailureKind::Schema,
+                            format!(
+                                "claude's structured output does not match the schema: {problem}"
+                            ),
+                        );
+                        e.usage = usage;
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        Ok(Output { text, json, usage })
+    }
+}
