@@ -39,6 +39,8 @@ enum Command {
     Runs(ListArgs),
     /// Print the report of a stored run.
     Show(ShowArgs),
+    /// Print the transcript of an agent's attempt (tool calls, text, result).
+    Logs(LogsArgs),
     /// Measure the runtime (see `flotilla bench fanout --help`).
     Bench(bench::BenchArgs),
     /// Make a development CA and certificates for mTLS.
@@ -107,6 +109,23 @@ struct ListArgs {
 }
 
 #[derive(Debug, Args)]
+struct LogsArgs {
+    run_id: String,
+    /// The agent: its index or its label [default: every agent].
+    #[arg(long)]
+    agent: Option<String>,
+    /// Which attempt [default: the last].
+    #[arg(long)]
+    attempt: Option<u32>,
+    /// Object store URL (file:///path, s3://bucket/prefix).
+    #[arg(long, env = "FLOTILLA_STORE")]
+    store: Option<String>,
+    /// One JSON event per line.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
 struct ShowArgs {
     run_id: String,
     /// Object store URL (file:///path or memory://).
@@ -151,6 +170,9 @@ fn main() -> ExitCode {
                 None => stored::list(args.store, args.json).await,
             },
             Command::Show(args) => stored::show(args.store, &args.run_id, args.json).await,
+            Command::Logs(a) => {
+                stored::logs(a.store, &a.run_id, a.agent.as_deref(), a.attempt, a.json).await
+            }
             Command::Bench(args) => bench::run(args).await,
             Command::Certs(args) => certs::run(args),
             Command::Coordinator(args) => fleet::coordinator(args).await,

@@ -129,3 +129,116 @@ pub async fn show(store_flag: Option<String>, run: &str, json: bool) -> i32 {
     }
     0
 }
+
+/// `flotilla logs RUN [--agent A] [--attempt N]`: transcripts from the store.
+pub async fn logs(
+    store_flag: Option<String>,
+    run: &str,
+    agent: Option<&str>,
+    attempt: Option<u32>,
+    json: bool,
+) -> i32 {
+    let url = config::store_url(store_flag);
+    let store = match store::open(&url) {
+        Ok(s) => s,
+        Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    let report = match history::load_report(&store, run).await {
+        Ok(r) => r,
+        Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    let picked: Vec<_> = match agent {
+        None => report.agents.iter().collect(),
+        Some(a) => {
+            let by_index = a.parse::<u64>().ok();
+            let found: Vec<_> = report
+                .agents
+                .iter()
+                .filter(|x| Some(x.index) == by_index || x.label == a)
+                .collect();
+            if found.is_empty() {
+                return fail(
+                    2,
+                    format!("no agent {a:?} in run {run}; `flotilla show {run}` lists them"),
+                );
+            }
+            found
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    for a in picked {
+        if a.cached {
+            if !json {
+                let _ = writeln!(
+                    out,
+                    "== #{} {} (served from the journal: no transcript)",
+                    a.index, a.label
+                );
+            }
+            continue;
+        }
+        let n = attempt.unwrap_or(a.attempts.max(1));
+        let events = match store::journal::read_transcript(&store, run, a.index, n).await {
+            Ok(e) => e,
+            Err(e) => return fail(1, format!("cannot read the transcript: {e}")),
+        };
+        if json {
+            for e in &events {
+                let _ = writeln!(
+                    out,
+                    "{}",
+                    serde_json::json!({"agent": a.index, "attempt": n, "event": e})
+                );
+            }
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "== #{} {} (attempt {n} of {})",
+            a.index, a.label, a.attempts
+        );
+        for e in &events {
+            let _ = writeln!(out, "{}", render_event(e));
+        }
+    }
+    0
+}
+
+/// One transcript event as a line of text.
+fn render_event(e: &serde_json::Value) -> String {
+    let s = |k: &str| {
+        e.get(k).map_or_else(String::new, |v| match v {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Null => String::new(),
+            other => other.to_string(),
+        })
+    };
+    let cut = |t: String| -> String {
+        if t.chars().count() > 400 {
+            format!("{}…", t.chars().take(400).collect::<String>())
+        } else {
+            t
+        }
+    };
+    match e
+        .get("type")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("")
+    {
+        "text" => format!("  text: {}", cut(s("text"))),
+        "thinking" => format!("  thinking: {}", cut(s("text"))),
+        "tool_call" => format!("  tool {}: {}", s("name"), cut(s("input"))),
+        "tool_result" => format!("  result: {}", cut(s("output"))),
+        "permission" => format!(
+            "  permission {}: {}",
+            s("tool"),
+            if e["allowed"] == true {
+                "allowed"
+            } else {
+                "denied"
+            }
+        ),
+        "result" => format!("  done (error: {}): {}", s("is_error"), cut(s("result"))),
+        _ => format!("  {}", cut(e.to_string())),
+    }
+}

@@ -125,6 +125,18 @@ fn an_allowed_tool_runs_in_the_call_s_working_directory() {
         "the file is in the call's directory: {made:?}"
     );
     assert!(made[0].starts_with(env.workspace()));
+    // The transcript is stored: `flotilla logs` shows the tool call and its output.
+    let run_id = r["run_id"].as_str().unwrap();
+    let logs = env.flotilla(&["logs", run_id, "--agent", "0"]);
+    assert_eq!(logs.code, 0, "{logs:?}");
+    assert!(logs.stdout.contains("tool Bash"), "{}", logs.stdout);
+    assert!(logs.stdout.contains("result: made"), "{}", logs.stdout);
+    assert!(
+        !logs.stdout.contains("sk-ant-fake"),
+        "no credentials in transcripts"
+    );
+    let missing = env.flotilla(&["logs", run_id, "--agent", "nobody"]);
+    assert_eq!(missing.code, 2, "{missing:?}");
 }
 
 #[test]
