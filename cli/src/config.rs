@@ -50,6 +50,9 @@ pub struct SettingFlags {
     /// Output-token budget of the run (`budget.total`).
     #[arg(long, env = "FLOTILLA_BUDGET", value_name = "TOKENS")]
     pub budget: Option<u64>,
+    /// Money ceiling of the run in US dollars (new agents refused, running ones stopped).
+    #[arg(long, env = "FLOTILLA_BUDGET_USD", value_name = "DOLLARS")]
+    pub budget_usd: Option<f64>,
     /// Prefix-cache stagger cap (default 5000ms; 0 turns it off).
     #[arg(long, env = "FLOTILLA_STAGGER", value_name = "DUR")]
     pub stagger: Option<String>,
@@ -95,6 +98,8 @@ pub struct ConfigFile {
     pub max_agents: Option<u64>,
     /// Output-token budget per run.
     pub budget: Option<u64>,
+    /// Money ceiling per run, in US dollars.
+    pub budget_usd: Option<f64>,
     /// Prefix-cache stagger cap.
     pub stagger: Option<String>,
     /// Script memory limit in MiB.
@@ -253,6 +258,9 @@ pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, 
     }
     if let Some(v) = flags.budget.or(file.budget) {
         s.budget_tokens = Some(v);
+    }
+    if let Some(v) = flags.budget_usd.or(file.budget_usd) {
+        s.budget_usd = Some(v);
     }
     if let Some(v) = pick_s(&flags.stagger, &file.stagger) {
         s.stagger_ms = parse_duration("--stagger", &v)?.as_millis() as u64;

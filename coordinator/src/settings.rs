@@ -60,6 +60,9 @@ pub struct RunSettings {
     pub max_agents: u64,
     /// Output-token budget of the run (`budget.total`, W35); `None`: no budget.
     pub budget_tokens: Option<u64>,
+    /// Money ceiling of the run in US dollars: once its attempts have cost this much, new
+    /// agents are refused and running ones stopped (`BUDGET_EXCEEDED`).
+    pub budget_usd: Option<f64>,
     /// Longest hold of the prefix-cache stagger (W60); 0 turns it off.
     pub stagger_ms: u64,
     /// Replay rule when the run resumes another.
@@ -82,6 +85,7 @@ impl Default for RunSettings {
             schema_attempts: 5,
             max_agents: 1000,
             budget_tokens: None,
+            budget_usd: None,
             stagger_ms: 5000,
             replay: ReplayMode::Content,
             script_memory_mb: 512,
@@ -95,6 +99,11 @@ impl RunSettings {
     pub fn validate(&self) -> Result<(), String> {
         if self.concurrency == 0 {
             return Err("concurrency must be at least 1".into());
+        }
+        if self.budget_usd.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
+            return Err(
+                "--budget-usd must be a positive amount of dollars, e.g. --budget-usd 5".into(),
+            );
         }
         if self.attempts == 0 {
             return Err("attempts must be at least 1".into());

@@ -208,6 +208,8 @@ pub struct RunEngine {
     error: Option<String>,
     result: Value,
     stopping: bool,
+    /// The money ceiling was crossed.
+    money_spent: bool,
     waiting: Option<String>,
     snapshot: watch::Sender<Arc<Snapshot>>,
     dirty: bool,
@@ -277,6 +279,7 @@ impl RunEngine {
             error: None,
             result: Value::Null,
             stopping: false,
+            money_spent: false,
             waiting: None,
             snapshot,
             dirty: true,
@@ -458,7 +461,12 @@ impl RunEngine {
         let label = c.label.clone();
         match action {
             AgentAction::Stop => {
-                self.init.dispatch.stop_call(&self.run, index as u64);
+                self.init.dispatch.stop_call(
+                    &self.run,
+                    index as u64,
+                    crate::sched::CallFailure::Terminal,
+                    "stopped by the user",
+                );
                 Ok(format!(
                     "stopped agent #{index} ({label:?}); its agent() resolves null"
                 ))
@@ -544,8 +552,52 @@ impl RunEngine {
         }
     }
 
+    /// The money ceiling: once crossed, every live call stops with `BUDGET_EXCEEDED`.
+    fn check_money(&mut self) {
+        let Some(limit) = self.init.settings.budget_usd else {
+            return;
+        };
+        if self.usage.cost_usd < limit || self.money_spent {
+            return;
+        }
+        self.money_spent = true;
+        let line = format!(
+            "[budget] the run has cost ${:.4} of its ${limit} budget: running agents are stopped and no new agent starts",
+            self.usage.cost_usd
+        );
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+        let message = format!(
+            "money budget exceeded (${:.4} / ${limit}); completed results are kept",
+            self.usage.cost_usd
+        );
+        for (index, c) in self.calls.iter().enumerate() {
+            if matches!(c.status, Status::Queued | Status::Running) {
+                self.init.dispatch.stop_call(
+                    &self.run,
+                    index as u64,
+                    crate::sched::CallFailure::Budget,
+                    &message,
+                );
+            }
+        }
+    }
+
     fn on_agent(&mut self, id: u64, prompt: String, opts_json: &str, group: String) {
         if self.stopping {
+            return;
+        }
+        if let Some(limit) = self.init.settings.budget_usd
+            && self.usage.cost_usd >= limit
+        {
+            self.reject(
+                id,
+                "BUDGET_EXCEEDED",
+                format!(
+                    "money budget exceeded (${:.4} / ${limit}); no new agent starts",
+                    self.usage.cost_usd
+                ),
+            );
             return;
         }
         let max = self.init.settings.max_agents;
@@ -880,6 +932,7 @@ impl RunEngine {
             CallEvent::Usage { call, usage, .. } => {
                 let u = UsageRecord::from(&usage);
                 self.usage.add(&u);
+                self.check_money();
                 self.init
                     .shared
                     .spent

@@ -197,10 +197,12 @@ enum Msg {
         run: Arc<str>,
         paused: bool,
     },
-    /// W55: one call stops; it ends failed.
+    /// W55: one call stops; it ends failed (why: `failure`, `message`).
     StopCall {
         run: Arc<str>,
         call: u64,
+        failure: CallFailure,
+        message: String,
     },
     /// W56: one call's running attempt is abandoned and a new one starts at once.
     RestartCall {
@@ -300,11 +302,13 @@ impl DispatchHandle {
             paused,
         });
     }
-    /// Stops one call: it ends `Failed` (stopped by the user).
-    pub fn stop_call(&self, run: &Arc<str>, call: u64) {
+    /// Stops one call: it ends `Failed` with `failure` and `message`.
+    pub fn stop_call(&self, run: &Arc<str>, call: u64, failure: CallFailure, message: &str) {
         let _ = self.tx.send(Msg::StopCall {
             run: run.clone(),
             call,
+            failure,
+            message: message.to_owned(),
         });
     }
     /// Restarts one running call as a new attempt.
@@ -565,17 +569,19 @@ impl Dispatcher {
             }
             Msg::Cancel { run, call } => self.cancel_call(&(run, call), "cancelled by the run"),
             Msg::PauseRun { run, paused } => self.pause_run(&run, paused),
-            Msg::StopCall { run, call } => {
+            Msg::StopCall {
+                run,
+                call,
+                failure,
+                message,
+            } => {
                 let id = (run, call);
                 if self.calls.contains_key(&id) {
-                    self.cancel_call(&id, "stopped by the user");
+                    self.cancel_call(&id, &message);
                     if let Some(r) = self.runs.get(&id.0) {
                         let _ = r.reg.events.send(CallEvent::Finished {
                             call: id.1,
-                            result: CallResult::Failed {
-                                failure: CallFailure::Terminal,
-                                message: "stopped by the user".into(),
-                            },
+                            result: CallResult::Failed { failure, message },
                         });
                     }
                 }

@@ -24,6 +24,15 @@ fn claude_bin() -> PathBuf {
 
 /// Runs `body` on the claude-code backend against `fake`.
 fn run(env: &Env, fake: &FakeAnthropic, body: &str) -> (i32, serde_json::Value) {
+    run_with(env, fake, body, &[])
+}
+
+fn run_with(
+    env: &Env,
+    fake: &FakeAnthropic,
+    body: &str,
+    extra: &[&str],
+) -> (i32, serde_json::Value) {
     let script = env.script("c", body);
     let bin = claude_bin();
     let fake_env = fake.env();
@@ -33,18 +42,17 @@ fn run(env: &Env, fake: &FakeAnthropic, body: &str) -> (i32, serde_json::Value) 
         .collect();
     let bin = bin.to_str().unwrap().to_owned();
     vars.push(("FLOTILLA_CLAUDE_BIN", &bin));
-    let out = env.flotilla_with_env(
-        &[
-            "run",
-            script.to_str().unwrap(),
-            "--json",
-            "--stagger",
-            "0",
-            "--backend",
-            "claude-code",
-        ],
-        &vars,
-    );
+    let mut args = vec![
+        "run",
+        script.to_str().unwrap(),
+        "--json",
+        "--stagger",
+        "0",
+        "--backend",
+        "claude-code",
+    ];
+    args.extend_from_slice(extra);
+    let out = env.flotilla_with_env(&args, &vars);
     let code = out.code;
     (code, out.json())
 }
@@ -217,5 +225,49 @@ fn a_workflow_runs_end_to_end_on_remote_workers_with_the_real_cli() {
         r["usage"]["cost_usd"].as_f64().unwrap() > 0.0,
         "{}",
         r["usage"]
+    );
+}
+
+#[test]
+fn the_money_budget_refuses_new_agents_and_stops_running_ones() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    // One quick agent costs more than the budget; two others are busy in a long tool call
+    // when its cost comes in, and a later one is refused outright.
+    let (code, r) = run_with(
+        &env,
+        &fake,
+        "const codes = [];\n\
+         const slow = [1, 2].map(i => agent('busy ' + i + ' [[bash:timeout 20.5 tail -f /dev/null; echo late]]', { tools: ['Bash'], label: 'busy ' + i })\n\
+           .catch(e => { codes.push(e.code); return 'stopped'; }));\n\
+         const quick = await agent('quick one', { label: 'quick' });\n\
+         const stopped = await Promise.all(slow);\n\
+         let later = 'ran';\n\
+         try { await agent('one more'); } catch (e) { later = e.code; }\n\
+         return { quick, stopped, codes, later };",
+        &["--budget-usd", "0.001", "--concurrency", "3"],
+    );
+    assert_eq!(code, 0, "{r}");
+    let res = &r["result"];
+    assert_eq!(res["quick"], "fake reply to: quick one", "{r}");
+    assert_eq!(res["stopped"], json!(["stopped", "stopped"]), "{r}");
+    assert_eq!(
+        res["codes"],
+        json!(["BUDGET_EXCEEDED", "BUDGET_EXCEEDED"]),
+        "{r}"
+    );
+    assert_eq!(res["later"], "BUDGET_EXCEEDED", "{r}");
+    assert!(
+        r["usage"]["cost_usd"].as_f64().unwrap() >= 0.001,
+        "{}",
+        r["usage"]
+    );
+    let left = std::process::Command::new("pgrep")
+        .args(["-f", "timeout 20.5"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&left.stdout).trim().is_empty(),
+        "the stopped agents' commands are gone"
     );
 }
