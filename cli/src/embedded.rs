@@ -35,6 +35,7 @@ impl Embedded {
         let mut backends: Vec<Arc<dyn AgentBackend>> = vec![
             Arc::new(Echo),
             Arc::new(flotilla_worker::backend::claude::ClaudeCode::from_env()),
+            Arc::new(flotilla_worker::backend::anthropic::Anthropic::from_env()),
         ];
         if let Some(cmd) = exec_cmd {
             backends.push(Arc::new(Exec::new(cmd)));

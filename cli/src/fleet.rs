@@ -485,6 +485,9 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             "claude-code" => backends.push(Arc::new(
                 flotilla_worker::backend::claude::ClaudeCode::from_env(),
             )),
+            "anthropic" => backends.push(Arc::new(
+                flotilla_worker::backend::anthropic::Anthropic::from_env(),
+            )),
             "exec" => match &a.exec_cmd {
                 Some(cmd) => backends.push(Arc::new(Exec::new(cmd.clone()))),
                 None => return fail(2, "--backend exec needs --exec-cmd CMD"),
@@ -493,7 +496,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
                 return fail(
                     2,
                     format!(
-                        "unknown backend {other:?}: this worker offers echo, exec and claude-code"
+                        "unknown backend {other:?}: this worker offers echo, exec, claude-code and anthropic"
                     ),
                 );
             }

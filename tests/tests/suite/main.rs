@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod agent;
+mod anthropic;
 mod claude;
 mod cli;
 mod cluster;

@@ -9,6 +9,7 @@
 //! Implementations: [`echo::Echo`] (deterministic, `spec/echo-backend.md`),
 //! [`exec::Exec`] (any command) and [`claude::ClaudeCode`] (the Claude Code CLI).
 
+pub mod anthropic;
 pub mod claude;
 pub mod echo;
 pub mod exec;

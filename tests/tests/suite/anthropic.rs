@@ -1,0 +1,123 @@
+//! The `anthropic` backend (the Messages API in Rust) against the in-repo fake.
+
+use flotilla_tests::Env;
+use flotilla_tests::fake_anthropic::FakeAnthropic;
+use serde_json::{Value, json};
+
+fn run(env: &Env, fake: &FakeAnthropic, body: &str, extra: &[&str]) -> (i32, Value) {
+    let script = env.script("a", body);
+    let vars = fake.env();
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut args = vec![
+        "run",
+        script.to_str().unwrap(),
+        "--json",
+        "--stagger",
+        "0",
+        "--backend",
+        "anthropic",
+    ];
+    args.extend_from_slice(extra);
+    let out = env.flotilla_with_env(&args, &vars);
+    (out.code, out.json())
+}
+
+fn posts(fake: &FakeAnthropic) -> Vec<flotilla_tests::fake_anthropic::Seen> {
+    fake.requests()
+        .into_iter()
+        .filter(|s| s.method == "POST" && s.path.starts_with("/v1/messages"))
+        .collect()
+}
+
+#[test]
+fn a_text_result_with_cache_breakpoints_usage_and_cost() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(&env, &fake, "return await agent('say hi');", &[]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "fake reply to: say hi", "{r}");
+    let sent = posts(&fake);
+    assert_eq!(sent.len(), 1);
+    let body = &sent[0].body;
+    assert_eq!(body["stream"], true);
+    assert_eq!(
+        body["system"][0]["cache_control"]["type"], "ephemeral",
+        "{body}"
+    );
+    assert_eq!(
+        body["messages"][0]["content"][0]["cache_control"]["type"], "ephemeral",
+        "the end of the shared prefix is a breakpoint: {body}"
+    );
+    let key = sent[0]
+        .headers
+        .iter()
+        .find(|(k, _)| k == "x-api-key")
+        .map(|(_, v)| v.as_str());
+    assert_eq!(key, Some("sk-ant-fake"));
+    assert!(
+        r["usage"]["input_tokens"].as_u64().unwrap() > 0,
+        "{}",
+        r["usage"]
+    );
+    assert!(
+        r["usage"]["cost_usd"].as_f64().unwrap() > 0.0,
+        "{}",
+        r["usage"]
+    );
+}
+
+#[test]
+fn a_schema_result_comes_from_the_forced_tool() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "return await agent('count [[json:{\"n\":3}]]', \
+           { schema: { type: 'object', properties: { n: { type: 'number' } }, required: ['n'] } });",
+        &[],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], json!({"n": 3}), "{r}");
+    let body = &posts(&fake)[0].body;
+    assert_eq!(body["tool_choice"]["name"], "StructuredOutput", "{body}");
+}
+
+#[test]
+fn an_invalid_structured_output_gets_feedback_until_the_limit() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "try { return await agent('count [[json:{\"n\":\"three\"}]]', \
+           { schema: { type: 'object', properties: { n: { type: 'number' } }, required: ['n'] } }); } \
+         catch (e) { return e.code; }",
+        &["--schema-attempts", "2"],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "SCHEMA_FAILED", "{r}");
+    let sent = posts(&fake);
+    assert_eq!(sent.len(), 2, "one request per submission");
+    let feedback = sent[1].body["messages"].to_string();
+    assert!(
+        feedback.contains("tool_result") && feedback.contains("does not match"),
+        "{feedback}"
+    );
+}
+
+#[test]
+fn an_overloaded_api_is_retried_and_then_fails_the_call() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "return await agent('busy [[status:529]]');",
+        &["--attempts", "2"],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert!(r["failures"].to_string().contains("HTTP 529"), "{r}");
+    assert_eq!(posts(&fake).len(), 2, "retried once");
+}

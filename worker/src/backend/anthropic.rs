@@ -1,0 +1,394 @@
+//! `anthropic`: the Messages API directly (`spec/agent-backends.md` §2–3).
+//!
+//! One attempt is one streamed `POST /v1/messages` (more when a structured output fails
+//! validation: the validation message goes back as an error `tool_result`, up to the call's
+//! schema-attempt limit). Text results are the concatenated text blocks; schema results come
+//! from a forced `StructuredOutput` tool. Prompt caching is explicit: breakpoints on the system
+//! block and on the end of the user turn, with a TTL of `5m` or `1h`
+//! (`FLOTILLA_CACHE_TTL`). Usage includes cache reads and writes; cost comes from a price table
+//! by model family. `retry-after` is honoured on 429; overloaded and 5xx answers are retried by
+//! the coordinator; auth and request errors are terminal.
+//!
+//! Credentials and endpoint come from the worker's environment: `ANTHROPIC_API_KEY` (or
+//! `ANTHROPIC_AUTH_TOKEN`) and `ANTHROPIC_BASE_URL` (default the public API).
+
+use std::time::Duration;
+
+use flotilla_proto::v1::{self, FailureKind, ProgressKind};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task};
+
+/// Model used when neither the call nor the run names one.
+pub const DEFAULT_MODEL: &str = "claude-sonnet-4-5";
+const SYSTEM: &str = "You are an agent working on one task of a larger workflow. Do the task you are given and answer with the result only.";
+
+/// The Messages API backend.
+#[derive(Clone)]
+pub struct Anthropic {
+    client: reqwest::Client,
+    base: String,
+    key: Option<String>,
+    bearer: Option<String>,
+    cache_ttl: Option<String>,
+    max_tokens: u32,
+}
+
+impl std::fmt::Debug for Anthropic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the credentials.
+        f.debug_struct("Anthropic")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Anthropic {
+    /// From the worker's environment.
+    pub fn from_env() -> Anthropic {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Anthropic {
+            client: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(10))
+                .build()
+                .unwrap_or_default(),
+            base: var("ANTHROPIC_BASE_URL")
+                .unwrap_or_else(|| "https://api.anthropic.com".into())
+                .trim_end_matches('/')
+                .to_owned(),
+            key: var("ANTHROPIC_API_KEY"),
+            bearer: var("ANTHROPIC_AUTH_TOKEN"),
+            cache_ttl: var("FLOTILLA_CACHE_TTL").filter(|t| t == "1h"),
+            max_tokens: 8192,
+        }
+    }
+
+    fn cache(&self) -> Value {
+        match &self.cache_ttl {
+            Some(ttl) => json!({"type": "ephemeral", "ttl": ttl}),
+            None => json!({"type": "ephemeral"}),
+        }
+    }
+
+    fn body(&self, task: &Task, messages: &[Value]) -> Value {
+        let model = if task.spec.model.is_empty() {
+            DEFAULT_MODEL
+        } else {
+            &task.spec.model
+        };
+        let mut body = json!({
+            "model": model,
+            "max_tokens": self.max_tokens,
+            "stream": true,
+            "system": [{"type": "text", "text": SYSTEM, "cache_control": self.cache()}],
+            "messages": messages,
+        });
+        if let Some(schema) = &task.schema {
+            body["tools"] = json!([{
+                "name": "StructuredOutput",
+                "description": "Return your final answer in the requested structured format. Call this tool exactly once.",
+                "input_schema": schema,
+            }]);
+            body["tool_choice"] = json!({"type": "tool", "name": "StructuredOutput"});
+        }
+        body
+    }
+}
+
+/// One streamed reply.
+#[derive(Default)]
+struct Reply {
+    text: String,
+    tool_id: Option<String>,
+    tool_json: String,
+    usage: v1::Usage,
+    stop: String,
+}
+
+/// Price per million tokens (input, output) by model family; cache reads cost a tenth of
+/// input, cache writes 1.25× (5 minutes) or 2× (1 hour).
+fn prices(model: &str) -> (f64, f64) {
+    if model.contains("opus") {
+        (15.0, 75.0)
+    } else if model.contains("haiku") {
+        (1.0, 5.0)
+    } else {
+        (3.0, 15.0)
+    }
+}
+
+fn cost(model: &str, u: &v1::Usage, one_hour: bool) -> f64 {
+    let (i, o) = prices(model);
+    let write = if one_hour { 2.0 } else { 1.25 };
+    (u.input_tokens as f64 * i
+        + u.output_tokens as f64 * o
+        + u.cache_read_tokens as f64 * i * 0.1
+        + u.cache_write_tokens as f64 * i * write)
+        / 1e6
+}
+
+fn classify(status: u16, retry_after: Option<Duration>, body: &str) -> Error {
+    let message = serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| body.chars().take(300).collect());
+    let message = format!("anthropic: HTTP {status}: {message}");
+    match status {
+        429 => Error::rate_limited(retry_after.unwrap_or(Duration::from_secs(30)), message),
+        401 | 403 => Error::new(
+            FailureKind::Terminal,
+            format!("{message} (check ANTHROPIC_API_KEY on the worker)"),
+        ),
+        408 | 409 | 500..=599 => Error::new(FailureKind::Retryable, message),
+        _ => Error::new(FailureKind::Terminal, message),
+    }
+}
+
+impl Anthropic {
+    /// Sends one request and reads its stream.
+    async fn turn(&self, body: &Value, events: &Events, sent: &mut u64) -> Result<Reply, Error> {
+        let mut req = self
+            .client
+            .post(format!("{}/v1/messages", self.base))
+            .header("anthropic-version", "2023-06-01")
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        if let Some(k) = &self.key {
+            req = req.header("x-api-key", k);
+        } else if let Some(t) = &self.bearer {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let mut resp = req.send().await.map_err(|e| {
+            Error::new(
+                FailureKind::Retryable,
+                format!("anthropic: cannot reach {}: {e}", self.base),
+            )
+        })?;
+        let status = resp.status().as_u16();
+        if status != 200 {
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(Duration::from_secs);
+            let text = resp.text().await.unwrap_or_default();
+            return Err(classify(status, retry_after, &text));
+        }
+        let mut reply = Reply::default();
+        let mut buf = String::new();
+        loop {
+            let chunk = resp.chunk().await.map_err(|e| {
+                Error::new(
+                    FailureKind::Retryable,
+                    format!("anthropic: the stream broke: {e}"),
+                )
+            })?;
+            let Some(chunk) = chunk else { break };
+            buf.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = buf.find("\n\n") {
+                let frame: String = buf.drain(..end + 2).collect();
+                let data: String = frame
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(str::trim)
+                    .collect();
+                if data.is_empty() {
+                    continue;
+                }
+                let Ok(ev) = serde_json::from_str::<Value>(&data) else {
+                    continue;
+                };
+                self.on_event(&ev, &mut reply, events, sent)?;
+            }
+        }
+        Ok(reply)
+    }
+
+    fn on_event(
+        &self,
+        ev: &Value,
+        reply: &mut Reply,
+        events: &Events,
+        sent: &mut u64,
+    ) -> Result<(), Error> {
+        let n = |p: &str| ev.pointer(p).and_then(Value::as_u64).unwrap_or(0);
+        match ev.get("type").and_then(Value::as_str).unwrap_or("") {
+            "message_start" => {
+                reply.usage.input_tokens = n("/message/usage/input_tokens");
+                reply.usage.cache_read_tokens = n("/message/usage/cache_read_input_tokens");
+                reply.usage.cache_write_tokens = n("/message/usage/cache_creation_input_tokens");
+                events.progress(ProgressKind::ResponseStarted, *sent);
+            }
+            "content_block_start" => {
+                let block = ev.get("content_block").cloned().unwrap_or(Value::Null);
+                if block.get("type").and_then(Value::as_str) == Some("tool_use") {
+                    reply.tool_id = block.get("id").and_then(Value::as_str).map(str::to_owned);
+                }
+            }
+            "content_block_delta" => match ev.pointer("/delta/type").and_then(Value::as_str) {
+                Some("text_delta") => {
+                    let t = ev
+                        .pointer("/delta/text")
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    reply.text.push_str(t);
+                    *sent += 1;
+                    events.progress(ProgressKind::Output, *sent);
+                }
+                Some("input_json_delta") => {
+                    let t = ev
+                        .pointer("/delta/partial_json")
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    reply.tool_json.push_str(t);
+                    *sent += 1;
+                    events.progress(ProgressKind::Output, *sent);
+                }
+                _ => {}
+            },
+            "message_delta" => {
+                reply.usage.output_tokens = n("/usage/output_tokens");
+                reply.stop = ev
+                    .pointer("/delta/stop_reason")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned();
+            }
+            "error" => {
+                let kind = ev
+                    .pointer("/error/type")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                let msg = ev
+                    .pointer("/error/message")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                let failure = if kind == "overloaded_error" || kind == "api_error" {
+                    FailureKind::Retryable
+                } else {
+                    FailureKind::Terminal
+                };
+                return Err(Error::new(failure, format!("anthropic: {kind}: {msg}")));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+fn add(total: &mut v1::Usage, u: &v1::Usage) {
+    total.input_tokens += u.input_tokens;
+    total.output_tokens += u.output_tokens;
+    total.cache_read_tokens += u.cache_read_tokens;
+    total.cache_write_tokens += u.cache_write_tokens;
+    total.cost_usd += u.cost_usd;
+    total.tool_calls += u.tool_calls;
+}
+
+#[async_trait::async_trait]
+impl AgentBackend for Anthropic {
+    fn name(&self) -> &'static str {
+        "anthropic"
+    }
+
+    async fn run(
+        &self,
+        task: &Task,
+        events: &Events,
+        cancel: CancellationToken,
+    ) -> Result<Output, Error> {
+        if self.key.is_none() && self.bearer.is_none() {
+            return Err(Error::new(
+                FailureKind::Terminal,
+                "the anthropic backend needs ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN) in the worker's environment",
+            ));
+        }
+        let model = if task.spec.model.is_empty() {
+            DEFAULT_MODEL.to_owned()
+        } else {
+            task.spec.model.clone()
+        };
+        let mut subs = match &task.schema {
+            Some(s) => Some(Submissions::new(s, task.spec.schema_attempts.max(1))?),
+            None => None,
+        };
+        let mut messages = vec![json!({"role": "user", "content": [
+            {"type": "text", "text": task.spec.prompt, "cache_control": self.cache()}]})];
+        let mut total = v1::Usage::default();
+        let mut sent = 0u64;
+        events.transcript(json!({"type": "init", "backend": "anthropic", "model": model}));
+        loop {
+            let body = self.body(task, &messages);
+            let reply = tokio::select! {
+                _ = cancel.cancelled() => return Err(Error::cancelled("the request was dropped")),
+                r = self.turn(&body, events, &mut sent) => r,
+            };
+            let mut reply = match reply {
+                Ok(r) => r,
+                Err(mut e) => {
+                    e.usage = total;
+                    return Err(e);
+                }
+            };
+            reply.usage.cost_usd = cost(&model, &reply.usage, self.cache_ttl.is_some());
+            add(&mut total, &reply.usage);
+            if !reply.text.is_empty() {
+                events.transcript(json!({"type": "text", "text": reply.text}));
+            }
+            let Some(subs) = subs.as_mut() else {
+                events.transcript(json!({"type": "result", "is_error": false, "usage": {
+                    "input_tokens": total.input_tokens, "output_tokens": total.output_tokens,
+                    "cache_read": total.cache_read_tokens, "cache_write": total.cache_write_tokens},
+                    "cost_usd": total.cost_usd}));
+                return Ok(Output {
+                    text: reply.text,
+                    json: None,
+                    usage: total,
+                });
+            };
+            let Some(id) = reply.tool_id.clone() else {
+                let mut e = subs.exhausted();
+                e.usage = total;
+                return Err(e);
+            };
+            total.tool_calls += 1;
+            let input: Value = serde_json::from_str(&reply.tool_json).unwrap_or(Value::Null);
+            events.transcript(
+                json!({"type": "tool_call", "name": "StructuredOutput", "input": input}),
+            );
+            match subs.submit(input.clone()) {
+                Ok(Submitted::Accepted(v)) => {
+                    events.structured_captured(&v);
+                    events.transcript(json!({"type": "result", "is_error": false,
+                        "structured_output": v, "cost_usd": total.cost_usd}));
+                    return Ok(Output {
+                        text: v.to_string(),
+                        json: Some(v),
+                        usage: total,
+                    });
+                }
+                Ok(Submitted::Retry(problem)) => {
+                    // The validation message goes back; the model gets another turn.
+                    events.transcript(
+                        json!({"type": "tool_result", "is_error": true, "output": problem}),
+                    );
+                    messages.push(json!({"role": "assistant", "content": [
+                        {"type": "tool_use", "id": id, "name": "StructuredOutput", "input": input}]}));
+                    messages.push(json!({"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": id, "is_error": true,
+                         "content": format!("Output does not match the required schema: {problem}")}]}));
+                }
+                Err(mut e) => {
+                    e.usage = total;
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
