@@ -272,10 +272,10 @@ pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, 
         s.script_cpu_ms = parse_duration("--script-cpu", &v)?.as_millis() as u64;
     }
     match s.backend.as_str() {
-        "echo" | "exec" | "claude-code" | "anthropic" => {}
+        "echo" | "exec" | "claude-code" | "anthropic" | "openai" => {}
         other => {
             return Err(format!(
-                "unknown backend {other:?}: use --backend echo, exec, claude-code or anthropic"
+                "unknown backend {other:?}: use --backend echo, exec, claude-code, anthropic or openai"
             ));
         }
     }

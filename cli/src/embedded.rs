@@ -36,6 +36,7 @@ impl Embedded {
             Arc::new(Echo),
             Arc::new(flotilla_worker::backend::claude::ClaudeCode::from_env()),
             Arc::new(flotilla_worker::backend::anthropic::Anthropic::from_env()),
+            Arc::new(flotilla_worker::backend::openai::OpenAi::from_env()),
         ];
         if let Some(cmd) = exec_cmd {
             backends.push(Arc::new(Exec::new(cmd)));

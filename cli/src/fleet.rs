@@ -488,6 +488,9 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             "anthropic" => backends.push(Arc::new(
                 flotilla_worker::backend::anthropic::Anthropic::from_env(),
             )),
+            "openai" => backends.push(Arc::new(
+                flotilla_worker::backend::openai::OpenAi::from_env(),
+            )),
             "exec" => match &a.exec_cmd {
                 Some(cmd) => backends.push(Arc::new(Exec::new(cmd.clone()))),
                 None => return fail(2, "--backend exec needs --exec-cmd CMD"),
@@ -496,7 +499,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
                 return fail(
                     2,
                     format!(
-                        "unknown backend {other:?}: this worker offers echo, exec, claude-code and anthropic"
+                        "unknown backend {other:?}: this worker offers echo, exec, claude-code, anthropic and openai"
                     ),
                 );
             }

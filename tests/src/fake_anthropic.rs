@@ -10,6 +10,10 @@
 //!   up from the schema (strings `"fake"`, numbers `1`, booleans `true`);
 //! - `[[status:N]]`: an HTTP error N (`overloaded_error` for 529, `rate_limit_error` for 429);
 //! - otherwise the text `fake reply to: PROMPT`.
+//!
+//! It also answers OpenAI-style `POST /v1/chat/completions` (streamed chunks with
+//! `stream_options.include_usage`, or one JSON object), scripted by the same markers: with a
+//! `json_schema` response format the content is the `[[json:...]]` text or a made-up value.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -67,11 +71,13 @@ impl FakeAnthropic {
         self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// The environment a client needs to use this fake.
+    /// The environment a client needs to use this fake (both APIs).
     pub fn env(&self) -> Vec<(String, String)> {
         vec![
             ("ANTHROPIC_BASE_URL".into(), self.base_url()),
             ("ANTHROPIC_API_KEY".into(), "sk-ant-fake".into()),
+            ("OPENAI_BASE_URL".into(), format!("{}/v1", self.base_url())),
+            ("OPENAI_API_KEY".into(), "sk-openai-fake".into()),
         ]
     }
 }
@@ -140,6 +146,8 @@ fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64) {
         let id = ids.fetch_add(1, Ordering::SeqCst);
         let ok = if method == "POST" && path.starts_with("/v1/messages") {
             answer(&mut conn, &body, id)
+        } else if method == "POST" && path.starts_with("/v1/chat/completions") {
+            answer_chat(&mut conn, &body, id)
         } else {
             // HEAD / and anything else: an empty 200.
             conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
@@ -406,6 +414,85 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
     }
     let resp = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nrequest-id: req_fake_{id}\r\ncontent-length: {}\r\n\r\n{sse}",
+        sse.len()
+    );
+    conn.write_all(resp.as_bytes()).is_ok()
+}
+
+/// Writes the response to one `/v1/chat/completions` request.
+fn answer_chat(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
+    let prompt = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| {
+            m.iter()
+                .find(|x| x.get("role").and_then(Value::as_str) == Some("user"))
+                .and_then(|x| x.get("content"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    if let Some(code) = marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()) {
+        let err =
+            json!({"error": {"message": format!("fake error {code}"), "type": "server_error"}})
+                .to_string();
+        let resp = format!(
+            "HTTP/1.1 {code} Error\r\ncontent-type: application/json\r\nretry-after: 1\r\ncontent-length: {}\r\n\r\n{err}",
+            err.len()
+        );
+        return conn.write_all(resp.as_bytes()).is_ok();
+    }
+    let schema = body.pointer("/response_format/json_schema/schema");
+    let content = match (marker(&prompt, "json"), schema) {
+        (Some(j), _) => j.to_owned(),
+        (None, Some(s)) => fill(s).to_string(),
+        (None, None) => format!(
+            "fake reply to: {}",
+            prompt.chars().take(200).collect::<String>()
+        ),
+    };
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("gpt-fake")
+        .to_owned();
+    let prompt_tokens = (body.to_string().len() / 4) as u64;
+    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": 5,
+        "total_tokens": prompt_tokens + 5, "prompt_tokens_details": {"cached_tokens": 0}});
+    let cid = format!("chatcmpl-fake-{id}");
+    if body.get("stream").and_then(Value::as_bool) != Some(true) {
+        let msg = json!({"id": cid, "object": "chat.completion", "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": usage}).to_string();
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{msg}",
+            msg.len()
+        );
+        return conn.write_all(resp.as_bytes()).is_ok();
+    }
+    let chunk = |delta: Value, finish: Value| {
+        json!({"id": cid, "object": "chat.completion.chunk",
+        "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let mut sse = String::new();
+    for c in [
+        chunk(json!({"role": "assistant", "content": ""}), Value::Null),
+        chunk(json!({"content": content}), Value::Null),
+        chunk(json!({}), json!("stop")),
+    ] {
+        sse.push_str(&format!("data: {c}\n\n"));
+    }
+    if body
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        let u = json!({"id": cid, "object": "chat.completion.chunk", "model": model, "choices": [], "usage": usage});
+        sse.push_str(&format!("data: {u}\n\n"));
+    }
+    sse.push_str("data: [DONE]\n\n");
+    let resp = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{sse}",
         sse.len()
     );
     conn.write_all(resp.as_bytes()).is_ok()

@@ -12,6 +12,7 @@ mod cluster;
 mod combinators;
 mod exec;
 mod limits;
+mod openai;
 mod resume;
 mod script;
 mod spec_extra;

@@ -13,6 +13,7 @@ pub mod anthropic;
 pub mod claude;
 pub mod echo;
 pub mod exec;
+pub mod openai;
 
 use std::path::PathBuf;
 use std::sync::Arc;
