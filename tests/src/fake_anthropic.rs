@@ -11,6 +11,12 @@
 //! - `[[status:N]]`: an HTTP error N (`overloaded_error` for 529, `rate_limit_error` for 429);
 //! - otherwise the text `fake reply to: PROMPT`.
 //!
+//! Prompt caching is simulated (§2.5): the prefix tools → system → messages is hashed up to each
+//! `cache_control` block; the longest breakpoint prefix seen before is read from the cache, the
+//! rest up to the last breakpoint is written. A prefix becomes readable only once the response
+//! that wrote it begins (after a 150 ms think), so requests that start together all miss, as
+//! with the real API.
+//!
 //! It also answers OpenAI-style `POST /v1/chat/completions` (streamed chunks with
 //! `stream_options.include_usage`, or one JSON object), scripted by the same markers: with a
 //! `json_schema` response format the content is the `[[json:...]]` text or a made-up value.
@@ -29,6 +35,8 @@ pub struct Seen {
     pub path: String,
     pub headers: Vec<(String, String)>,
     pub body: Value,
+    /// Messages API: the prompt-cache tokens this request read (simulated caching).
+    pub cache_read: u64,
 }
 
 /// The running fake.
@@ -45,6 +53,7 @@ impl FakeAnthropic {
         let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let ids = Arc::new(AtomicU64::new(1));
+        let cache: Arc<Mutex<std::collections::HashSet<u64>>> = Arc::default();
         {
             let (seen, stop) = (seen.clone(), stop.clone());
             std::thread::spawn(move || {
@@ -53,8 +62,8 @@ impl FakeAnthropic {
                         return;
                     }
                     let Ok(conn) = conn else { continue };
-                    let (seen, ids) = (seen.clone(), ids.clone());
-                    std::thread::spawn(move || serve(conn, &seen, &ids));
+                    let (seen, ids, cache) = (seen.clone(), ids.clone(), cache.clone());
+                    std::thread::spawn(move || serve(conn, &seen, &ids, &cache));
                 }
             });
         }
@@ -89,7 +98,9 @@ impl Drop for FakeAnthropic {
     }
 }
 
-fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64) {
+type Cache = Mutex<std::collections::HashSet<u64>>;
+
+fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64, cache: &Cache) {
     let Ok(read_half) = conn.try_clone() else {
         return;
     };
@@ -137,15 +148,28 @@ fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64) {
             buf
         };
         let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-        seen.lock().unwrap_or_else(|e| e.into_inner()).push(Seen {
-            method: method.clone(),
-            path: path.clone(),
-            headers: headers.clone(),
-            body: body.clone(),
-        });
+        let index = {
+            let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+            seen.push(Seen {
+                method: method.clone(),
+                path: path.clone(),
+                headers: headers.clone(),
+                body: body.clone(),
+                cache_read: 0,
+            });
+            seen.len() - 1
+        };
         let id = ids.fetch_add(1, Ordering::SeqCst);
         let ok = if method == "POST" && path.starts_with("/v1/messages") {
-            answer(&mut conn, &body, id)
+            let (ok, read) = answer(&mut conn, &body, id, cache);
+            if let Some(s) = seen
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_mut(index)
+            {
+                s.cache_read = read;
+            }
+            ok
         } else if method == "POST" && path.starts_with("/v1/chat/completions") {
             answer_chat(&mut conn, &body, id)
         } else {
@@ -284,8 +308,88 @@ fn fill(schema: &Value) -> Value {
     }
 }
 
-/// Writes the response to one `/v1/messages` request; `false` when the connection is done.
-fn answer(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
+/// The cache breakpoints of a request: (hash of the prefix through it, tokens through it),
+/// in order; tokens are counted as characters / 4.
+fn breakpoints(body: &Value) -> (Vec<(u64, u64)>, u64) {
+    use std::hash::{Hash, Hasher};
+    let mut blocks: Vec<Value> = Vec::new();
+    for t in body
+        .get("tools")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        blocks.push(t.clone());
+    }
+    match body.get("system") {
+        Some(Value::Array(s)) => blocks.extend(s.iter().cloned()),
+        Some(Value::String(s)) => blocks.push(json!({"type": "text", "text": s})),
+        _ => {}
+    }
+    for m in body
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        match m.get("content") {
+            Some(Value::Array(c)) => blocks.extend(c.iter().cloned()),
+            Some(other) => blocks.push(other.clone()),
+            None => {}
+        }
+    }
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    let mut chars = 0u64;
+    let mut out = Vec::new();
+    for b in blocks {
+        let marked = b.get("cache_control").is_some();
+        let mut plain = b.clone();
+        if let Some(o) = plain.as_object_mut() {
+            o.remove("cache_control");
+        }
+        let text = plain.to_string();
+        text.hash(&mut hasher);
+        chars += text.len() as u64;
+        if marked {
+            out.push((hasher.finish(), chars / 4));
+        }
+    }
+    (out, chars / 4)
+}
+
+/// Writes the response to one `/v1/messages` request; whether the connection goes on, and
+/// the cache tokens it read.
+fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, u64) {
+    let (points, total) = breakpoints(body);
+    let (read, written) = {
+        let known = cache.lock().unwrap_or_else(|e| e.into_inner());
+        let read = points
+            .iter()
+            .rev()
+            .find(|(h, _)| known.contains(h))
+            .map_or(0, |(_, t)| *t);
+        let last = points.last().map_or(0, |(_, t)| *t);
+        (read, last.saturating_sub(read))
+    };
+    // The model thinks; only then does the response (and its cache entry) begin.
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(points.iter().map(|(h, _)| *h));
+    let last = points.last().map_or(0, |(_, t)| *t);
+    let ok = answer_with(conn, body, id, total.saturating_sub(last), read, written);
+    (ok, read)
+}
+
+fn answer_with(
+    conn: &mut TcpStream,
+    body: &Value,
+    id: u64,
+    uncached: u64,
+    cache_read: u64,
+    cache_write: u64,
+) -> bool {
     let prompt = first_prompt(body);
     if let Some(code) = marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()) {
         let kind = match code {
@@ -349,11 +453,10 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
         .and_then(Value::as_str)
         .unwrap_or("claude-fake")
         .to_owned();
-    let input_tokens = (body.to_string().len() / 4) as u64;
     let output_tokens = 7u64;
-    let usage = json!({"input_tokens": input_tokens, "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0, "output_tokens": output_tokens,
-        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}});
+    let usage = json!({"input_tokens": uncached, "cache_creation_input_tokens": cache_write,
+        "cache_read_input_tokens": cache_read, "output_tokens": output_tokens,
+        "cache_creation": {"ephemeral_5m_input_tokens": cache_write, "ephemeral_1h_input_tokens": 0}});
     let msg_id = format!("msg_fake_{id}");
     if body.get("stream").and_then(Value::as_bool) != Some(true) {
         let msg = json!({"id": msg_id, "type": "message", "role": "assistant", "model": model,

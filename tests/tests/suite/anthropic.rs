@@ -5,6 +5,12 @@ use flotilla_tests::fake_anthropic::FakeAnthropic;
 use serde_json::{Value, json};
 
 fn run(env: &Env, fake: &FakeAnthropic, body: &str, extra: &[&str]) -> (i32, Value) {
+    let mut args = vec!["--stagger", "0"];
+    args.extend_from_slice(extra);
+    run_raw(env, fake, body, &args)
+}
+
+fn run_raw(env: &Env, fake: &FakeAnthropic, body: &str, extra: &[&str]) -> (i32, Value) {
     let script = env.script("a", body);
     let vars = fake.env();
     let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
@@ -12,8 +18,6 @@ fn run(env: &Env, fake: &FakeAnthropic, body: &str, extra: &[&str]) -> (i32, Val
         "run",
         script.to_str().unwrap(),
         "--json",
-        "--stagger",
-        "0",
         "--backend",
         "anthropic",
     ];
@@ -54,10 +58,9 @@ fn a_text_result_with_cache_breakpoints_usage_and_cost() {
         .find(|(k, _)| k == "x-api-key")
         .map(|(_, v)| v.as_str());
     assert_eq!(key, Some("sk-ant-fake"));
-    assert!(
-        r["usage"]["input_tokens"].as_u64().unwrap() > 0,
-        "{}",
-        r["usage"]
+    assert_eq!(
+        sent[0].cache_read, 0,
+        "nothing cached before the first request"
     );
     assert!(
         r["usage"]["cost_usd"].as_f64().unwrap() > 0.0,
@@ -120,4 +123,37 @@ fn an_overloaded_api_is_retried_and_then_fails_the_call() {
     assert_eq!(r["result"], Value::Null, "{r}");
     assert!(r["failures"].to_string().contains("HTTP 529"), "{r}");
     assert_eq!(posts(&fake).len(), 2, "retried once");
+}
+
+/// W60's value, measured: 20 agents that share a prefix (model, system prompt, tools), with the
+/// prefix stagger on and off; how many of agents 2..20 read the cache on their first request.
+#[test]
+fn the_prefix_stagger_turns_a_fan_out_into_cache_reads() {
+    let body = "return (await parallel(Array.from({ length: 20 }, (_, i) => () => agent('item ' + i)))).length;";
+    let hits = |stagger: &str| {
+        let env = Env::new();
+        let fake = FakeAnthropic::start();
+        let (code, r) = run_raw(
+            &env,
+            &fake,
+            body,
+            &["--stagger", stagger, "--concurrency", "20"],
+        );
+        assert_eq!(code, 0, "{r}");
+        assert_eq!(r["result"], 20);
+        let sent = posts(&fake);
+        assert_eq!(sent.len(), 20);
+        sent.iter().skip(1).filter(|s| s.cache_read > 0).count()
+    };
+    let on = hits("5s");
+    let off = hits("0");
+    eprintln!("followers reading the cache: stagger on {on}/19, stagger off {off}/19");
+    assert_eq!(
+        on, 19,
+        "with the stagger, every follower starts after the leader's response began"
+    );
+    assert!(
+        off < 10,
+        "without it, most start before the prefix is cached ({off}/19)"
+    );
 }
