@@ -9,6 +9,8 @@
 //! - with a `StructuredOutput` tool: a call to it with `[[json:{...}]]`, or with a value made
 //!   up from the schema (strings `"fake"`, numbers `1`, booleans `true`);
 //! - `[[status:N]]`: an HTTP error N (`overloaded_error` for 529, `rate_limit_error` for 429);
+//! - `[[fail-first:N:CODE]]`: the first N requests of that prompt fail with CODE, later ones
+//!   are answered;
 //! - otherwise the text `fake reply to: PROMPT`.
 //!
 //! Prompt caching is simulated (§2.5): the prefix tools → system → messages is hashed up to each
@@ -53,7 +55,7 @@ impl FakeAnthropic {
         let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let ids = Arc::new(AtomicU64::new(1));
-        let cache: Arc<Mutex<std::collections::HashSet<u64>>> = Arc::default();
+        let cache: Arc<Cache> = Arc::default();
         {
             let (seen, stop) = (seen.clone(), stop.clone());
             std::thread::spawn(move || {
@@ -98,7 +100,12 @@ impl Drop for FakeAnthropic {
     }
 }
 
-type Cache = Mutex<std::collections::HashSet<u64>>;
+/// Prefixes in the cache, and how often each `[[fail-first:N:CODE]]` prompt has been seen.
+#[derive(Default)]
+struct Cache {
+    prefixes: Mutex<std::collections::HashSet<u64>>,
+    seen_prompts: Mutex<std::collections::HashMap<String, u32>>,
+}
 
 fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64, cache: &Cache) {
     let Ok(read_half) = conn.try_clone() else {
@@ -361,8 +368,19 @@ fn breakpoints(body: &Value) -> (Vec<(u64, u64)>, u64) {
 /// the cache tokens it read.
 fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, u64) {
     let (points, total) = breakpoints(body);
+    // `[[fail-first:N:CODE]]`: the first N requests of this prompt fail with CODE.
+    let prompt = first_prompt(body);
+    let forced = marker(&prompt, "fail-first").and_then(|spec| {
+        let (n, code) = spec.split_once(':')?;
+        let (n, code) = (n.parse::<u32>().ok()?, code.parse::<u16>().ok()?);
+        let mut seen = cache.seen_prompts.lock().unwrap_or_else(|e| e.into_inner());
+        let count = seen.entry(prompt.clone()).or_insert(0);
+        *count += 1;
+        (*count <= n).then_some(code)
+    });
+    let status = forced.or_else(|| marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()));
     let (read, written) = {
-        let known = cache.lock().unwrap_or_else(|e| e.into_inner());
+        let known = cache.prefixes.lock().unwrap_or_else(|e| e.into_inner());
         let read = points
             .iter()
             .rev()
@@ -373,12 +391,23 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
     };
     // The model thinks; only then does the response (and its cache entry) begin.
     std::thread::sleep(std::time::Duration::from_millis(150));
-    cache
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .extend(points.iter().map(|(h, _)| *h));
+    if status.is_none() {
+        cache
+            .prefixes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(points.iter().map(|(h, _)| *h));
+    }
     let last = points.last().map_or(0, |(_, t)| *t);
-    let ok = answer_with(conn, body, id, total.saturating_sub(last), read, written);
+    let ok = answer_with(
+        conn,
+        body,
+        id,
+        status,
+        total.saturating_sub(last),
+        read,
+        written,
+    );
     (ok, read)
 }
 
@@ -386,12 +415,13 @@ fn answer_with(
     conn: &mut TcpStream,
     body: &Value,
     id: u64,
+    status: Option<u16>,
     uncached: u64,
     cache_read: u64,
     cache_write: u64,
 ) -> bool {
     let prompt = first_prompt(body);
-    if let Some(code) = marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()) {
+    if let Some(code) = status {
         let kind = match code {
             429 => "rate_limit_error",
             529 => "overloaded_error",

@@ -271,3 +271,47 @@ fn the_money_budget_refuses_new_agents_and_stops_running_ones() {
         "the stopped agents' commands are gone"
     );
 }
+
+#[test]
+fn a_rate_limited_call_waits_and_then_succeeds() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let script = env.script(
+        "limit",
+        "return await agent('limited [[fail-first:3:429]]');",
+    );
+    let mut vars = fake.env();
+    vars.push((
+        "FLOTILLA_CLAUDE_BIN".into(),
+        claude_bin().to_str().unwrap().to_owned(),
+    ));
+    vars.push(("FLOTILLA_LIMIT_WAIT".into(), "1s".into()));
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let out = env.flotilla_with_env(
+        &[
+            "run",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "claude-code",
+        ],
+        &vars,
+    );
+    let r = out.json();
+    assert_eq!(out.code, 0, "{r}");
+    // The CLI retried twice itself and gave up; the call waited (W59) and then succeeded.
+    assert!(
+        r["result"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("fake reply to: limited"),
+        "{r}"
+    );
+    assert!(r["logs"].to_string().contains("[limit]"), "{r}");
+    assert_eq!(
+        r["usage"]["errors"], 0,
+        "a usage-limit wait is not a failure: {r}"
+    );
+}

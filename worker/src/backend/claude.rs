@@ -37,6 +37,9 @@ pub struct ClaudeCode {
     /// `CLAUDE_CODE_MAX_RETRIES` for the CLI's own retries of API errors (the coordinator
     /// retries attempts too, so keep it low).
     pub max_retries: u32,
+    /// How long a call waits after the CLI gave up on a rate limit (it does not say how long
+    /// the limit lasts): `FLOTILLA_LIMIT_WAIT`, default 30 s.
+    pub limit_wait: Duration,
 }
 
 impl ClaudeCode {
@@ -52,10 +55,15 @@ impl ClaudeCode {
             .filter(|t| !t.is_empty())
             .map(str::to_owned)
             .collect();
+        let limit_wait = std::env::var("FLOTILLA_LIMIT_WAIT")
+            .ok()
+            .and_then(|v| parse_wait(&v))
+            .unwrap_or(Duration::from_secs(30));
         ClaudeCode {
             bin,
             allow,
             max_retries: 2,
+            limit_wait,
         }
     }
 
@@ -306,8 +314,27 @@ fn usage_of(result: &Value, tool_calls: u32) -> v1::Usage {
     }
 }
 
+/// `1500ms`, `2s`, `1m` or plain milliseconds.
+fn parse_wait(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    if let Some(ms) = v.strip_suffix("ms") {
+        return ms.trim().parse().ok().map(Duration::from_millis);
+    }
+    if let Some(s) = v.strip_suffix('s') {
+        return s.trim().parse::<f64>().ok().map(Duration::from_secs_f64);
+    }
+    if let Some(m) = v.strip_suffix('m') {
+        return m
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .map(|m| Duration::from_secs_f64(m * 60.0));
+    }
+    v.parse().ok().map(Duration::from_millis)
+}
+
 /// Classifies a `result` line with `is_error` (spec §1.10).
-fn failure_of(result: &Value) -> Error {
+fn failure_of(result: &Value, limit_wait: Duration) -> Error {
     let status = result
         .get("api_error_status")
         .and_then(Value::as_u64)
@@ -321,7 +348,7 @@ fn failure_of(result: &Value) -> Error {
         .unwrap_or_else(|| "the agent failed".into());
     let message = format!("claude: {text}");
     match (status, subtype) {
-        (429, _) => Error::rate_limited(Duration::from_secs(30), message),
+        (429, _) => Error::rate_limited(limit_wait, message),
         (500..=599, _) => Error::new(FailureKind::Retryable, message),
         (401 | 403, _) => Error::new(
             FailureKind::Terminal,
@@ -468,7 +495,7 @@ impl AgentBackend for ClaudeCode {
         };
         let usage = usage_of(&result, seen.tool_calls);
         if result.get("is_error").and_then(Value::as_bool) == Some(true) {
-            let mut e = failure_of(&result);
+            let mut e = failure_of(&result, self.limit_wait);
             e.usage = usage;
             return Err(e);
         }
