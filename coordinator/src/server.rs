@@ -79,6 +79,14 @@ impl RunRegistry {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Every run this process tracks: its snapshot and whether it has ended.
+    pub fn all(&self) -> Vec<(Arc<Snapshot>, bool)> {
+        self.lock()
+            .values()
+            .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().is_some()))
+            .collect()
+    }
+
     /// The live snapshot of a run this coordinator runs, and its report once it has ended.
     pub fn live(&self, run: &str) -> Option<(Arc<Snapshot>, Option<Arc<Report>>)> {
         self.lock()

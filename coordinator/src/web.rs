@@ -152,6 +152,7 @@ pub fn router(
         .route("/runs.json", get(runs_json))
         .route("/runs/{run}", get(run_page))
         .route("/runs/{run}/status.json", get(run_json))
+        .route("/metrics", get(metrics))
         .with_state(Web {
             coordinator,
             registry,
@@ -352,6 +353,131 @@ async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Response {
         "<table><thead><tr><th>run</th><th>workflow</th><th>status</th><th>agents</th><th>created</th></tr></thead><tbody>{rows}</tbody></table>"
     );
     Html(page("Runs", &body, None)).into_response()
+}
+
+/// Prometheus text format: runs and agents of this coordinator, the dispatcher and the fleet.
+async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    let mut runs: std::collections::BTreeMap<&'static str, u64> = std::collections::BTreeMap::new();
+    let mut agents: std::collections::BTreeMap<&'static str, u64> =
+        std::collections::BTreeMap::new();
+    let mut tokens = 0u64;
+    for (snap, ended) in web.registry.all() {
+        let status = snap.status.map_or("pending", RunStatus::as_str);
+        *runs
+            .entry(if ended {
+                status
+            } else if status == "paused" {
+                "paused"
+            } else {
+                "running"
+            })
+            .or_default() += 1;
+        *agents.entry("done").or_default() += snap.done;
+        *agents.entry("failed").or_default() += snap.failed;
+        *agents.entry("running").or_default() += snap.running;
+        *agents.entry("cached").or_default() += snap.cached;
+        *agents.entry("queued").or_default() += snap
+            .agents
+            .saturating_sub(snap.done + snap.failed + snap.running);
+        tokens += snap.output_tokens;
+    }
+    let stats = web.coordinator.dispatch().stats().await.unwrap_or_default();
+    let workers = web.coordinator.dispatch().workers().await;
+    let attached = workers.iter().filter(|w| w.attached).count();
+    let mut out = String::new();
+    let mut family = |name: &str, kind: &str, help: &str, rows: Vec<(String, String)>| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, value) in rows {
+            out.push_str(&format!("{name}{labels} {value}\n"));
+        }
+    };
+    let label = |k: &str, v: &str| {
+        format!(
+            "{{{k}=\"{}\"}}",
+            v.replace('\\', "\\\\").replace('"', "\\\"")
+        )
+    };
+    family(
+        "flotilla_runs",
+        "gauge",
+        "Runs tracked by this coordinator, by status.",
+        [
+            "running",
+            "paused",
+            "completed",
+            "failed",
+            "stopped",
+            "rejected",
+        ]
+        .iter()
+        .map(|s| {
+            (
+                label("status", s),
+                runs.get(s).copied().unwrap_or(0).to_string(),
+            )
+        })
+        .collect(),
+    );
+    family(
+        "flotilla_agents",
+        "gauge",
+        "agent() calls of the tracked runs, by status.",
+        ["queued", "running", "done", "failed", "cached"]
+            .iter()
+            .map(|s| {
+                (
+                    label("status", s),
+                    agents.get(s).copied().unwrap_or(0).to_string(),
+                )
+            })
+            .collect(),
+    );
+    family(
+        "flotilla_output_tokens",
+        "gauge",
+        "Output tokens of the tracked runs.",
+        vec![(String::new(), tokens.to_string())],
+    );
+    family(
+        "flotilla_queue_depth",
+        "gauge",
+        "Calls waiting for a worker slot.",
+        vec![(String::new(), stats.queued.to_string())],
+    );
+    family(
+        "flotilla_attempts_assigned_total",
+        "counter",
+        "Attempts assigned to workers since the coordinator started.",
+        vec![(String::new(), stats.assigned.to_string())],
+    );
+    family(
+        "flotilla_worker_slots",
+        "gauge",
+        "Worker slots, busy and free.",
+        vec![
+            (label("state", "busy"), stats.busy.to_string()),
+            (
+                label("state", "free"),
+                stats.slots.saturating_sub(stats.busy).to_string(),
+            ),
+        ],
+    );
+    family(
+        "flotilla_workers",
+        "gauge",
+        "Workers with a lease, attached or cut off.",
+        vec![
+            (label("state", "attached"), attached.to_string()),
+            (
+                label("state", "cut_off"),
+                (workers.len() - attached).to_string(),
+            ),
+        ],
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
 fn render_run(v: &RunView) -> String {

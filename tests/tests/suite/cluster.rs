@@ -511,6 +511,31 @@ fn session_pages_need_a_token_from_a_client_certificate() {
     let r = http_get(c.http_port, "/runs.json", &[("Authorization", &bearer)]);
     assert_eq!(r.status, 200);
     assert!(r.body.contains(&run), "{}", r.body);
+
+    // Prometheus metrics, behind the same sign-in; they agree with the report.
+    assert_eq!(http_get(c.http_port, "/metrics", &[]).status, 401);
+    let m = http_get(c.http_port, "/metrics", &[("Authorization", &bearer)]);
+    assert_eq!(m.status, 200, "{m:?}");
+    let value = |line_start: &str| -> f64 {
+        m.body
+            .lines()
+            .find(|l| l.starts_with(line_start))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {line_start} in:\n{}", m.body))
+    };
+    for line in m.body.lines().filter(|l| !l.starts_with('#')) {
+        let (name, v) = line.rsplit_once(' ').expect("name value");
+        assert!(v.parse::<f64>().is_ok(), "not a sample: {line}");
+        assert!(name.starts_with("flotilla_"), "{line}");
+    }
+    assert_eq!(value("flotilla_runs{status=\"completed\"}"), 1.0);
+    assert_eq!(value("flotilla_agents{status=\"done\"}"), 6.0);
+    assert_eq!(
+        value("flotilla_attempts_assigned_total"),
+        report["usage"]["attempts"].as_f64().unwrap()
+    );
+    assert_eq!(value("flotilla_workers{state=\"attached\"}"), 1.0);
 }
 
 /// `flotilla status RUN --json`.
