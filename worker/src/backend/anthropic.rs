@@ -12,8 +12,6 @@
 //! Credentials and endpoint come from the worker's environment: `ANTHROPIC_API_KEY` (or
 //! `ANTHROPIC_AUTH_TOKEN`) and `ANTHROPIC_BASE_URL` (default the public API).
 
-use std::time::Duration;
-
 use flotilla_proto::v1::{self, FailureKind, ProgressKind};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -49,10 +47,7 @@ impl Anthropic {
     pub fn from_env() -> Anthropic {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         Anthropic {
-            client: reqwest::Client::builder()
-                .connect_timeout(Duration::from_secs(10))
-                .build()
-                .unwrap_or_default(),
+            client: super::http::client(),
             base: var("ANTHROPIC_BASE_URL")
                 .unwrap_or_else(|| "https://api.anthropic.com".into())
                 .trim_end_matches('/')
@@ -128,27 +123,6 @@ fn cost(model: &str, u: &v1::Usage, one_hour: bool) -> f64 {
         / 1e6
 }
 
-fn classify(status: u16, retry_after: Option<Duration>, body: &str) -> Error {
-    let message = serde_json::from_str::<Value>(body)
-        .ok()
-        .and_then(|v| {
-            v.pointer("/error/message")
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| body.chars().take(300).collect());
-    let message = format!("anthropic: HTTP {status}: {message}");
-    match status {
-        429 => Error::rate_limited(retry_after.unwrap_or(Duration::from_secs(30)), message),
-        401 | 403 => Error::new(
-            FailureKind::Terminal,
-            format!("{message} (check ANTHROPIC_API_KEY on the worker)"),
-        ),
-        408 | 409 | 500..=599 => Error::new(FailureKind::Retryable, message),
-        _ => Error::new(FailureKind::Terminal, message),
-    }
-}
-
 impl Anthropic {
     /// Sends one request and reads its stream.
     async fn turn(&self, body: &Value, events: &Events, sent: &mut u64) -> Result<Reply, Error> {
@@ -171,14 +145,7 @@ impl Anthropic {
         })?;
         let status = resp.status().as_u16();
         if status != 200 {
-            let retry_after = resp
-                .headers()
-                .get("retry-after")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok())
-                .map(Duration::from_secs);
-            let text = resp.text().await.unwrap_or_default();
-            return Err(classify(status, retry_after, &text));
+            return Err(super::http::failure("anthropic", resp, "ANTHROPIC_API_KEY").await);
         }
         let mut reply = Reply::default();
         let mut buf = String::new();

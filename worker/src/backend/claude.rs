@@ -18,13 +18,12 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use flotilla_proto::v1::{self, FailureKind, ProgressKind};
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
+use super::procs::{GroupGuard, kill_group};
 use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task};
 
 /// The Claude Code CLI backend.
@@ -96,69 +95,6 @@ impl ClaudeCode {
             args.extend(["--tools".into(), s.tools.join(",")]);
         }
         args
-    }
-}
-
-/// Kills the CLI's process group and every process descended from it. The CLI starts its
-/// tools' commands in process groups of their own (and `timeout` or a shell may add more), so
-/// the group alone would leave them running; the tree is read from `/proc` before anything is
-/// killed (a killed parent's children would be re-parented out of reach).
-fn kill_group(pgid: Option<u32>) {
-    let Some(root) = pgid.and_then(|id| i32::try_from(id).ok()) else {
-        return;
-    };
-    for _ in 0..3 {
-        let tree = descendants(root);
-        let _ = killpg(Pid::from_raw(root), Signal::SIGKILL);
-        for pid in &tree {
-            let _ = nix::sys::signal::kill(Pid::from_raw(*pid), Signal::SIGKILL);
-        }
-        if tree.is_empty() {
-            break;
-        }
-    }
-}
-
-/// Every process below `root` (not `root` itself), from `/proc/*/stat`.
-fn descendants(root: i32) -> Vec<i32> {
-    let mut parent_of: Vec<(i32, i32)> = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
-        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-            continue;
-        };
-        if let Some(ppid) = after.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
-            parent_of.push((pid, ppid));
-        }
-    }
-    let mut out = Vec::new();
-    let mut frontier = vec![root];
-    while let Some(p) = frontier.pop() {
-        for (child, _) in parent_of.iter().filter(|(_, pp)| *pp == p) {
-            if !out.contains(child) {
-                out.push(*child);
-                frontier.push(*child);
-            }
-        }
-    }
-    out
-}
-
-struct GroupGuard(Option<u32>);
-
-impl Drop for GroupGuard {
-    fn drop(&mut self) {
-        kill_group(self.0);
     }
 }
 

@@ -7,20 +7,19 @@
 //! output counts as progress for the stall watchdog. A non-zero exit is a terminal failure
 //! (the call resolves to `null`); exit status 75 (`EX_TEMPFAIL`) asks for a retry.
 //!
-//! Invariant: when an attempt ends — normally, cancelled, or stalled — the whole process group
-//! is killed, so nothing the command started outlives it.
+//! Invariant: when an attempt ends — normally, cancelled, or stalled — its process group and
+//! every descendant are killed ([`super::procs`]), so nothing the command started outlives it.
 
 use std::process::Stdio;
 use std::time::Duration;
 
 use flotilla_proto::v1::{FailureKind, ProgressKind, Usage};
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
+use super::procs::{GroupGuard, kill_group};
 use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task, chars};
 
 /// Exit status a command uses to ask for another attempt.
@@ -62,22 +61,6 @@ impl Exec {
             ("FLOTILLA_OPTIONS".into(), s.options_json.clone()),
             ("FLOTILLA_WORKDIR".into(), workdir.display().to_string()),
         ]
-    }
-}
-
-/// Kills the attempt's process group when dropped.
-struct GroupGuard(Option<u32>);
-
-impl Drop for GroupGuard {
-    fn drop(&mut self) {
-        kill_group(self.0);
-    }
-}
-
-/// Kills a process group, ignoring a group that is already gone.
-fn kill_group(pgid: Option<u32>) {
-    if let Some(id) = pgid.and_then(|id| i32::try_from(id).ok()) {
-        let _ = killpg(Pid::from_raw(id), Signal::SIGKILL);
     }
 }
 

@@ -13,7 +13,9 @@ pub mod anthropic;
 pub mod claude;
 pub mod echo;
 pub mod exec;
+mod http;
 pub mod openai;
+mod procs;
 
 use std::path::PathBuf;
 use std::sync::Arc;

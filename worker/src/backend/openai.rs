@@ -9,8 +9,6 @@
 //! From the worker's environment: `OPENAI_API_KEY`, `OPENAI_BASE_URL` (with its `/v1`; default
 //! the public API) and `OPENAI_MODEL` (used when the call names no model).
 
-use std::time::Duration;
-
 use flotilla_proto::v1::{self, FailureKind, ProgressKind};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -41,10 +39,7 @@ impl OpenAi {
     pub fn from_env() -> OpenAi {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         OpenAi {
-            client: reqwest::Client::builder()
-                .connect_timeout(Duration::from_secs(10))
-                .build()
-                .unwrap_or_default(),
+            client: super::http::client(),
             base: var("OPENAI_BASE_URL")
                 .unwrap_or_else(|| "https://api.openai.com/v1".into())
                 .trim_end_matches('/')
@@ -76,31 +71,7 @@ impl OpenAi {
         })?;
         let status = resp.status().as_u16();
         if status != 200 {
-            let retry_after = resp
-                .headers()
-                .get("retry-after")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok())
-                .map(Duration::from_secs);
-            let text = resp.text().await.unwrap_or_default();
-            let message = serde_json::from_str::<Value>(&text)
-                .ok()
-                .and_then(|v| {
-                    v.pointer("/error/message")
-                        .and_then(Value::as_str)
-                        .map(str::to_owned)
-                })
-                .unwrap_or_else(|| text.chars().take(300).collect());
-            let message = format!("openai: HTTP {status}: {message}");
-            return Err(match status {
-                429 => Error::rate_limited(retry_after.unwrap_or(Duration::from_secs(30)), message),
-                401 | 403 => Error::new(
-                    FailureKind::Terminal,
-                    format!("{message} (check OPENAI_API_KEY on the worker)"),
-                ),
-                408 | 409 | 500..=599 => Error::new(FailureKind::Retryable, message),
-                _ => Error::new(FailureKind::Terminal, message),
-            });
+            return Err(super::http::failure("openai", resp, "OPENAI_API_KEY").await);
         }
         let mut text = String::new();
         let mut usage = v1::Usage::default();

@@ -1,0 +1,48 @@
+//! What the HTTP model backends (`anthropic`, `openai`) share: the client, and how a non-200
+//! answer becomes a classified failure.
+
+use std::time::Duration;
+
+use flotilla_proto::v1::FailureKind;
+use serde_json::Value;
+
+use super::Error;
+
+/// An HTTP client for a model API.
+pub(crate) fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap_or_default()
+}
+
+/// The failure a non-200 answer means: 429 waits (`retry-after`, else 30 s), 408/409/5xx
+/// retry, anything else is terminal; `key_var` names the credential to check on 401/403.
+pub(crate) async fn failure(provider: &str, resp: reqwest::Response, key_var: &str) -> Error {
+    let status = resp.status().as_u16();
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_secs);
+    let body = resp.text().await.unwrap_or_default();
+    let message = serde_json::from_str::<Value>(&body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| body.chars().take(300).collect());
+    let message = format!("{provider}: HTTP {status}: {message}");
+    match status {
+        429 => Error::rate_limited(retry_after.unwrap_or(Duration::from_secs(30)), message),
+        401 | 403 => Error::new(
+            FailureKind::Terminal,
+            format!("{message} (check {key_var} on the worker)"),
+        ),
+        408 | 409 | 500..=599 => Error::new(FailureKind::Retryable, message),
+        _ => Error::new(FailureKind::Terminal, message),
+    }
+}
