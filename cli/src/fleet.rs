@@ -656,20 +656,31 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         agent_types,
         inherit: false,
     };
-    let reply = match client.launch(req).await {
-        Ok(r) => r.into_inner(),
-        Err(s) => return rpc_fail(&s),
-    };
+    match client.launch(req).await {
+        Ok(r) => print_launched(r.into_inner(), a.run.json, None),
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+/// Prints what a launch answered (the rejected report with `--json`, or the new run);
+/// returns the exit status. `resumes`: the run it resumes, if any.
+fn print_launched(reply: v1::LaunchReply, json: bool, resumes: Option<&str>) -> i32 {
     if reply.status == "rejected" {
-        if a.run.json {
+        if json {
             println!("{}", reply.report_json);
         }
         return fail(2, reply.error);
     }
-    if a.run.json {
+    if json {
+        let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+        if let Some(parent) = resumes {
+            v["resumed_from"] = parent.into();
+        }
+        println!("{v}");
+    } else if let Some(parent) = resumes {
         println!(
-            "{}",
-            serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status})
+            "run {}  session {}  (resumes {parent})",
+            reply.run_id, reply.session_url
         );
     } else {
         println!("run {}  session {}", reply.run_id, reply.session_url);
@@ -838,7 +849,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
         Ok(s) => s,
         Err(e) => return fail(1, e),
     };
-    let reply = match client
+    match client
         .launch(v1::LaunchRequest {
             protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
             script,
@@ -856,27 +867,9 @@ pub async fn resume(a: ResumeArgs) -> i32 {
         })
         .await
     {
-        Ok(r) => r.into_inner(),
-        Err(s) => return rpc_fail(&s),
-    };
-    if reply.status == "rejected" {
-        if a.run.json {
-            println!("{}", reply.report_json);
-        }
-        return fail(2, reply.error);
+        Ok(r) => print_launched(r.into_inner(), a.run.json, Some(&a.run.run_id)),
+        Err(s) => rpc_fail(&s),
     }
-    if a.run.json {
-        println!(
-            "{}",
-            serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status, "resumed_from": a.run.run_id})
-        );
-    } else {
-        println!(
-            "run {}  session {}  (resumes {})",
-            reply.run_id, reply.session_url, a.run.run_id
-        );
-    }
-    0
 }
 
 /// `pause` / `resume` a run.

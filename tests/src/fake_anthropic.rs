@@ -82,6 +82,33 @@ impl FakeAnthropic {
         self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// `flotilla run --json --backend BACKEND` of a script with `body`, in `env`, pointed at
+    /// this fake, with `extra` flags and `vars` added to the environment; exit code and report.
+    pub fn run(
+        &self,
+        env: &crate::Env,
+        backend: &str,
+        body: &str,
+        extra: &[&str],
+        vars: &[(&str, &str)],
+    ) -> (i32, Value) {
+        let script = env.script(backend, body);
+        let own = self.env();
+        let mut all: Vec<(&str, &str)> =
+            own.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        all.extend_from_slice(vars);
+        let mut args = vec![
+            "run",
+            script.to_str().expect("utf-8 path"),
+            "--json",
+            "--backend",
+            backend,
+        ];
+        args.extend_from_slice(extra);
+        let out = env.flotilla_with_env(&args, &all);
+        (out.code, out.json())
+    }
+
     /// The environment a client needs to use this fake (both APIs).
     pub fn env(&self) -> Vec<(String, String)> {
         vec![

@@ -1308,21 +1308,7 @@ impl Dispatcher {
         c.in_tool = false;
         w.busy += 1;
         w.running.insert((id.0.clone(), id.1, c.attempt));
-        let value = serde_json::json!({"worker": &*w.name, "attempt": c.attempt})
-            .to_string()
-            .into_bytes();
-        let op = KeyOp::Put {
-            put: PendingPut {
-                run: id.0.clone(),
-                call: id.1,
-                attempt: c.attempt,
-                worker: wid,
-                lease,
-            },
-            key: lease::keys::attempt(&id.0, id.1),
-            value,
-            lease,
-        };
+        let op = KeyOp::attempt(id, wid, &w.name, c.attempt, lease);
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running += 1;
         }

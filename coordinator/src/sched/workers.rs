@@ -56,6 +56,30 @@ pub(super) enum KeyOp {
 }
 
 impl KeyOp {
+    /// The key of `attempt` of call `id` on worker `wid`, under the worker's `lease`.
+    pub(super) fn attempt(
+        id: &CallId,
+        wid: u64,
+        worker: &str,
+        attempt: u32,
+        lease: LeaseId,
+    ) -> KeyOp {
+        KeyOp::Put {
+            put: PendingPut {
+                run: id.0.clone(),
+                call: id.1,
+                attempt,
+                worker: wid,
+                lease,
+            },
+            key: lease::keys::attempt(&id.0, id.1),
+            value: serde_json::json!({"worker": worker, "attempt": attempt})
+                .to_string()
+                .into_bytes(),
+            lease,
+        }
+    }
+
     fn batch_op(&self) -> BatchOp {
         match self {
             KeyOp::Put {
@@ -603,21 +627,7 @@ impl Dispatcher {
             self.outcome(wid, o);
             return;
         }
-        let value = serde_json::json!({"worker": &*w.name, "attempt": c.attempt})
-            .to_string()
-            .into_bytes();
-        let op = KeyOp::Put {
-            put: PendingPut {
-                run: id.0.clone(),
-                call: id.1,
-                attempt: c.attempt,
-                worker: wid,
-                lease,
-            },
-            key: lease::keys::attempt(&id.0, id.1),
-            value,
-            lease,
-        };
+        let op = KeyOp::attempt(id, wid, &w.name, c.attempt, lease);
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running += 1;
             r.queue.retain(|call| *call != id.1);

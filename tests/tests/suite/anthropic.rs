@@ -11,19 +11,7 @@ fn run(env: &Env, fake: &FakeAnthropic, body: &str, extra: &[&str]) -> (i32, Val
 }
 
 fn run_raw(env: &Env, fake: &FakeAnthropic, body: &str, extra: &[&str]) -> (i32, Value) {
-    let script = env.script("a", body);
-    let vars = fake.env();
-    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut args = vec![
-        "run",
-        script.to_str().unwrap(),
-        "--json",
-        "--backend",
-        "anthropic",
-    ];
-    args.extend_from_slice(extra);
-    let out = env.flotilla_with_env(&args, &vars);
-    (out.code, out.json())
+    fake.run(env, "anthropic", body, extra, &[])
 }
 
 fn posts(fake: &FakeAnthropic) -> Vec<flotilla_tests::fake_anthropic::Seen> {

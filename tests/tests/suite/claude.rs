@@ -33,28 +33,23 @@ fn run_with(
     body: &str,
     extra: &[&str],
 ) -> (i32, serde_json::Value) {
-    let script = env.script("c", body);
-    let bin = claude_bin();
-    let fake_env = fake.env();
-    let mut vars: Vec<(&str, &str)> = fake_env
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    let bin = bin.to_str().unwrap().to_owned();
-    vars.push(("FLOTILLA_CLAUDE_BIN", &bin));
-    let mut args = vec![
-        "run",
-        script.to_str().unwrap(),
-        "--json",
-        "--stagger",
-        "0",
-        "--backend",
-        "claude-code",
-    ];
+    run_env(env, fake, body, extra, &[])
+}
+
+/// On the claude-code backend (the pinned CLI), stagger off, with `vars` added.
+fn run_env(
+    env: &Env,
+    fake: &FakeAnthropic,
+    body: &str,
+    extra: &[&str],
+    vars: &[(&str, &str)],
+) -> (i32, serde_json::Value) {
+    let bin = claude_bin().to_str().unwrap().to_owned();
+    let mut all = vec![("FLOTILLA_CLAUDE_BIN", bin.as_str())];
+    all.extend_from_slice(vars);
+    let mut args = vec!["--stagger", "0"];
     args.extend_from_slice(extra);
-    let out = env.flotilla_with_env(&args, &vars);
-    let code = out.code;
-    (code, out.json())
+    fake.run(env, "claude-code", body, &args, &all)
 }
 
 /// Files named `name` anywhere under the workspace.
@@ -276,31 +271,14 @@ fn the_money_budget_refuses_new_agents_and_stops_running_ones() {
 fn a_rate_limited_call_waits_and_then_succeeds() {
     let env = Env::new();
     let fake = FakeAnthropic::start();
-    let script = env.script(
-        "limit",
+    let (code, r) = run_env(
+        &env,
+        &fake,
         "return await agent('limited [[fail-first:3:429]]');",
+        &[],
+        &[("FLOTILLA_LIMIT_WAIT", "1s")],
     );
-    let mut vars = fake.env();
-    vars.push((
-        "FLOTILLA_CLAUDE_BIN".into(),
-        claude_bin().to_str().unwrap().to_owned(),
-    ));
-    vars.push(("FLOTILLA_LIMIT_WAIT".into(), "1s".into()));
-    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let out = env.flotilla_with_env(
-        &[
-            "run",
-            script.to_str().unwrap(),
-            "--json",
-            "--stagger",
-            "0",
-            "--backend",
-            "claude-code",
-        ],
-        &vars,
-    );
-    let r = out.json();
-    assert_eq!(out.code, 0, "{r}");
+    assert_eq!(code, 0, "{r}");
     // The CLI retried twice itself and gave up; the call waited (W59) and then succeeded.
     assert!(
         r["result"]

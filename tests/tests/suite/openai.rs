@@ -5,21 +5,9 @@ use flotilla_tests::fake_anthropic::FakeAnthropic;
 use serde_json::{Value, json};
 
 fn run(env: &Env, fake: &FakeAnthropic, body: &str, extra: &[&str]) -> (i32, Value) {
-    let script = env.script("o", body);
-    let vars = fake.env();
-    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut args = vec![
-        "run",
-        script.to_str().unwrap(),
-        "--json",
-        "--stagger",
-        "0",
-        "--backend",
-        "openai",
-    ];
+    let mut args = vec!["--stagger", "0"];
     args.extend_from_slice(extra);
-    let out = env.flotilla_with_env(&args, &vars);
-    (out.code, out.json())
+    fake.run(env, "openai", body, &args, &[])
 }
 
 fn chats(fake: &FakeAnthropic) -> Vec<flotilla_tests::fake_anthropic::Seen> {
