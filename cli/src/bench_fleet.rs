@@ -199,6 +199,8 @@ async fn fan_out(
             resume_from: String::new(),
             workflows: Vec::new(),
             agent_types: Default::default(),
+            agent_definitions: Vec::new(),
+            saved_name: String::new(),
             inherit: false,
         })
         .await

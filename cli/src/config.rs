@@ -145,6 +145,12 @@ pub struct ConfigFile {
     pub backends: Vec<String>,
     /// Worker: attempts at once.
     pub slots: Option<u32>,
+    /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
+    /// every launch.
+    pub disable_workflows: Option<bool>,
+    /// Coordinator: run only saved workflows (its own, pushed ones, bundled ones, or those a
+    /// client carries by name); inline scripts are refused (W46).
+    pub saved_only: Option<bool>,
 }
 
 /// Reads a config file (`--config`), or an empty one.
@@ -165,6 +171,8 @@ pub struct ResolvedRun {
     pub exec_cmd: Option<String>,
     pub workflows_dirs: Vec<PathBuf>,
     pub cwd: PathBuf,
+    /// The saved workflow's name when the run was asked for by name (not by path).
+    pub saved_name: Option<String>,
 }
 
 /// Parses a duration: `300ms`, `5s`, `3m`, `1h`, or a plain number of milliseconds.
@@ -295,9 +303,86 @@ pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, 
     })
 }
 
+/// Run settings a workflow's `meta` suggests (W02 extension): `concurrency`, `budget`
+/// (output tokens), `budgetUsd`, `backend` and `model`, each used only where neither a flag,
+/// a `FLOTILLA_*` variable nor the config file set it. Other `meta` keys are ignored.
+fn meta_defaults(
+    s: &mut RunSettings,
+    meta: &serde_json::Value,
+    flags: &SettingFlags,
+    file: &ConfigFile,
+) -> Result<(), String> {
+    let bad = |key: &str, want: &str| {
+        format!("the workflow's meta.{key} must be {want}; fix the script's meta or pass --{key} to override")
+    };
+    if flags.concurrency.is_none()
+        && file.concurrency.is_none()
+        && let Some(v) = meta.get("concurrency")
+    {
+        s.concurrency = v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad("concurrency", "a whole number"))?;
+    }
+    if flags.budget.is_none()
+        && file.budget.is_none()
+        && let Some(v) = meta.get("budget")
+    {
+        s.budget_tokens = Some(v.as_u64().ok_or_else(|| bad("budget", "a whole number of output tokens"))?);
+    }
+    if flags.budget_usd.is_none()
+        && file.budget_usd.is_none()
+        && let Some(v) = meta.get("budgetUsd")
+    {
+        s.budget_usd = Some(v.as_f64().ok_or_else(|| bad("budgetUsd", "a number of dollars"))?);
+    }
+    if flags.backend.is_none()
+        && file.backend.is_none()
+        && let Some(v) = meta.get("backend")
+    {
+        let b = v.as_str().ok_or_else(|| bad("backend", "a backend name"))?;
+        match b {
+            // An exec backend needs a command the script cannot give; keep the default then.
+            "exec" if flags.exec_cmd.is_none() && file.exec_cmd.is_none() => {}
+            "echo" | "exec" | "claude-code" | "anthropic" | "openai" => s.backend = b.to_owned(),
+            other => return Err(bad("backend", &format!("echo, exec, claude-code, anthropic or openai, not {other:?}"))),
+        }
+    }
+    if s.model.is_empty()
+        && let Some(v) = meta.get("model")
+    {
+        s.model = v.as_str().ok_or_else(|| bad("model", "a model name"))?.to_owned();
+    }
+    s.validate()
+}
+
+/// Whether new runs are refused (W67): `FLOTILLA_DISABLE_WORKFLOWS=1` (or Claude Code's
+/// `CLAUDE_CODE_DISABLE_WORKFLOWS=1`), or `disable_workflows = true` in the config file.
+pub fn workflows_disabled(file: &ConfigFile) -> bool {
+    let env = ["FLOTILLA_DISABLE_WORKFLOWS", "CLAUDE_CODE_DISABLE_WORKFLOWS"]
+        .iter()
+        .any(|v| std::env::var(v).is_ok_and(|s| s == "1" || s.eq_ignore_ascii_case("true")));
+    env || file.disable_workflows.unwrap_or(false)
+}
+
+/// The refusal when workflows are disabled.
+pub const DISABLED: &str = "workflows are disabled here (FLOTILLA_DISABLE_WORKFLOWS or disable_workflows in the config file); runs already in progress keep going; unset it to start new runs";
+
 /// Reads the script, args and settings of `flotilla run`.
 pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, String> {
+    resolve_run_with(args, &[])
+}
+
+/// Like [`resolve_run`], with the workflows saved on a coordinator (found after the user's
+/// project and personal ones, before the bundled ones).
+pub fn resolve_run_with(
+    args: &crate::RunArgs,
+    server: &[flotilla_coordinator::workflows::FoundWorkflow],
+) -> Result<ResolvedRun, String> {
     let file = read_config(args.config.as_deref())?;
+    if workflows_disabled(&file) {
+        return Err(DISABLED.into());
+    }
     let Merged {
         settings,
         exec_cmd,
@@ -326,21 +411,42 @@ pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, String> {
         };
 
     let path = PathBuf::from(&args.script);
+    // `/name` is Claude Code's way to call a saved workflow (W63), not an absolute path.
+    let slash_name = args
+        .script
+        .strip_prefix('/')
+        .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'));
+    let by_path = path.exists()
+        || args.script.ends_with(".js")
+        || (args.script.contains('/') && !slash_name);
+    let saved_name = (!by_path).then(|| args.script.trim_start_matches('/').to_owned());
     let (source, origin) =
-        if path.exists() || args.script.ends_with(".js") || args.script.contains('/') {
+        if by_path {
             let source = std::fs::read_to_string(&path)
                 .map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
             (source, path.display().to_string())
         } else {
-            // A saved workflow's name.
+            // A saved workflow's name: project and personal first, then the coordinator's,
+            // then the bundled ones.
             let resolver =
                 flotilla_coordinator::workflows::DirResolver::standard(&cwd, &workflows_dirs);
-            let found = flotilla_coordinator::workflows::WorkflowResolver::resolve(
-                &resolver,
-                &flotilla_coordinator::workflows::WorkflowRef::Name(args.script.clone()),
-            )?;
+            let name = args.script.trim_start_matches('/');
+            let found = match resolver.find_saved(name)? {
+                Some(f) => f,
+                None => match server.iter().find(|w| w.name == name) {
+                    Some(f) => f.clone(),
+                    None => flotilla_coordinator::workflows::WorkflowResolver::resolve(
+                        &resolver,
+                        &flotilla_coordinator::workflows::WorkflowRef::Name(name.to_owned()),
+                    )?,
+                },
+            };
             (found.source, found.origin)
         };
+    let mut settings = settings;
+    if let Ok(meta) = flotilla_coordinator::script::source::read_meta(&source) {
+        meta_defaults(&mut settings, &meta.raw, &args.settings, &file)?;
+    }
     let workspace = workspace.unwrap_or_else(|| {
         dirs::data_dir()
             .unwrap_or_else(std::env::temp_dir)
@@ -358,6 +464,7 @@ pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, String> {
         exec_cmd,
         workflows_dirs,
         cwd,
+        saved_name,
     })
 }
 

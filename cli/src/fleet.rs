@@ -16,7 +16,7 @@ use flotilla_coordinator::lease::LeaseStore;
 use flotilla_coordinator::lease::etcd::EtcdLeaseStore;
 use flotilla_coordinator::lease::memory::MemoryLeaseStore;
 use flotilla_coordinator::server::{self, RunRegistry, ServerOptions, SnapshotView};
-use flotilla_coordinator::workflows::{DirResolver, WorkflowResolver};
+use flotilla_coordinator::workflows::{DirResolver, FoundWorkflow, WorkflowResolver};
 use flotilla_coordinator::{Coordinator, Report, store};
 use flotilla_proto::tls::TlsFiles;
 use flotilla_proto::v1::client_service_client::ClientServiceClient;
@@ -181,6 +181,10 @@ pub struct CoordinatorArgs {
     /// [default: https://LISTEN].
     #[arg(long, env = "FLOTILLA_ADVERTISE")]
     advertise: Option<String>,
+    /// Run saved workflows only (pushed with `flotilla workflows push`, or bundled): launches
+    /// of inline scripts are refused.
+    #[arg(long, env = "FLOTILLA_SAVED_ONLY")]
+    saved_only: bool,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -342,12 +346,22 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             Err(e) => return fail(1, e),
         }
     }
+    // The disable switch is read again on every launch: the environment, then the config file.
+    let config_path = a.config.clone();
+    let policy = flotilla_coordinator::server::LaunchPolicy {
+        saved_only: a.saved_only || file.saved_only.unwrap_or(false),
+        disabled: Arc::new(move || {
+            let file = config::load(config_path.as_deref()).unwrap_or_default();
+            config::workflows_disabled(&file)
+        }),
+    };
     let opts = ServerOptions {
         listen,
         tls,
         keepalive: worker_ttl / 3,
         tokens: tokens.clone(),
         session_base: format!("http://{http}"),
+        policy,
     };
     let leases_at = if a.etcd.is_empty() {
         "in memory".to_owned()
@@ -610,10 +624,6 @@ pub struct LaunchArgs {
 }
 
 pub async fn launch(a: LaunchArgs) -> i32 {
-    let resolved = match config::resolve_run(&a.run) {
-        Ok(r) => r,
-        Err(e) => return fail(2, e),
-    };
     let file = match config::load(a.run.config.as_deref()) {
         Ok(f) => f,
         Err(e) => return fail(2, e),
@@ -622,6 +632,39 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };
+    // A name may be a workflow saved on the coordinator.
+    let server = if std::path::Path::new(&a.run.script).exists() || a.run.script.ends_with(".js")
+    {
+        Vec::new()
+    } else {
+        match client
+            .list_workflows(v1::ListWorkflowsRequest {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            })
+            .await
+        {
+            Ok(r) => r
+                .into_inner()
+                .workflows
+                .into_iter()
+                .map(|w| FoundWorkflow {
+                    name: w.name,
+                    source: w.source,
+                    origin: w.origin,
+                })
+                .collect(),
+            Err(s) => return rpc_fail(&s),
+        }
+    };
+    let resolved = match config::resolve_run_with(&a.run, &server) {
+        Ok(r) => r,
+        Err(e) => return fail(2, e),
+    };
+    if let crate::approve::Decision::Exit(code) =
+        crate::approve::gate(&resolved, a.run.yes, a.run.plan)
+    {
+        return code;
+    }
     let dirs = DirResolver::standard(&resolved.cwd, &resolved.workflows_dirs);
     let workflows = dirs
         .list()
@@ -635,9 +678,32 @@ pub async fn launch(a: LaunchArgs) -> i32 {
                 origin: path.display().to_string(),
             })
         })
+        .collect::<Vec<_>>();
+    // The coordinator's own saved workflows come after the caller's, for `workflow(name)`.
+    let mut workflows = workflows;
+    for w in server {
+        if !workflows.iter().any(|c| c.name == w.name) {
+            workflows.push(v1::SavedWorkflow {
+                name: w.name,
+                source: w.source,
+                origin: w.origin,
+            });
+        }
+    }
+    let types = dirs.agent_types();
+    let agent_definitions = types
+        .iter()
+        .filter_map(|t| {
+            Some(v1::AgentDefinition {
+                prompt: t.prompt.clone()?,
+                name: t.name.clone(),
+                model: t.model.clone().unwrap_or_default(),
+                description: t.description.clone().unwrap_or_default(),
+                tools: t.tools.clone(),
+            })
+        })
         .collect();
-    let agent_types = dirs
-        .agent_types()
+    let agent_types = types
         .into_iter()
         .map(|t| (t.name, t.model.unwrap_or_default()))
         .collect();
@@ -654,7 +720,9 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         resume_from: resolved.resume.unwrap_or_default(),
         workflows,
         agent_types,
+        agent_definitions,
         inherit: false,
+        saved_name: resolved.saved_name.clone().unwrap_or_default(),
     };
     match client.launch(req).await {
         Ok(r) => print_launched(r.into_inner(), a.run.json, None),
@@ -863,6 +931,8 @@ pub async fn resume(a: ResumeArgs) -> i32 {
             resume_from: a.run.run_id.clone(),
             workflows: Vec::new(),
             agent_types: Default::default(),
+            agent_definitions: Vec::new(),
+            saved_name: String::new(),
             inherit: true,
         })
         .await

@@ -7,6 +7,7 @@
 //! Settings come from, in increasing precedence: a TOML file (`--config`), `FLOTILLA_*`
 //! environment variables, flags. See [`config`].
 
+mod approve;
 mod bench;
 mod bench_fleet;
 mod certs;
@@ -15,6 +16,7 @@ mod embedded;
 mod fleet;
 mod progress;
 mod stored;
+mod workflows_cmd;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -68,6 +70,9 @@ enum Command {
     /// Session tokens for the coordinator's pages.
     #[command(subcommand)]
     Token(fleet::TokenCommand),
+    /// Saved workflows: list, show, save in the project, push to a coordinator.
+    #[command(subcommand)]
+    Workflows(workflows_cmd::WorkflowsCommand),
 }
 
 /// Flags of `flotilla run`.
@@ -87,6 +92,12 @@ pub struct RunArgs {
     /// Resume from an earlier run: completed calls are served from it (W51).
     #[arg(long, value_name = "RUN_ID")]
     pub resume: Option<String>,
+    /// Start without asking (on a terminal the plan is shown and confirmed first).
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+    /// Print the launch plan (phases, settings, limits, rough size) and exit.
+    #[arg(long, conflicts_with = "yes")]
+    pub plan: bool,
     #[command(flatten)]
     pub settings: config::SettingFlags,
     /// TOML config file with the same keys as the flags (snake_case).
@@ -186,6 +197,7 @@ fn main() -> ExitCode {
             Command::Restart(args) => fleet::restart(args).await,
             Command::Workers(args) => fleet::workers(args).await,
             Command::Token(fleet::TokenCommand::Create(args)) => fleet::token_create(args).await,
+            Command::Workflows(cmd) => workflows_cmd::run(cmd).await,
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
@@ -203,6 +215,9 @@ async fn run(args: RunArgs) -> i32 {
         Ok(r) => r,
         Err(e) => return fail(2, e),
     };
+    if let approve::Decision::Exit(code) = approve::gate(&resolved, args.yes, args.plan) {
+        return code;
+    }
     let json = args.json;
     let bars = !json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
     let lines = !json && !bars;

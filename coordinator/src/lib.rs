@@ -10,12 +10,14 @@
 //!
 //! Start reading at [`coordinator::Coordinator::launch`], then [`run::RunEngine::run`].
 
+pub mod bundled;
 pub mod coordinator;
 pub mod history;
 pub mod leader;
 pub mod lease;
 pub mod report;
 pub mod run;
+pub mod saved;
 pub mod sched;
 pub mod script;
 pub mod server;

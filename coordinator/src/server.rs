@@ -47,6 +47,36 @@ pub struct ServerOptions {
     pub keepalive: std::time::Duration,
     /// Signs session tokens for the pages (`None` without TLS).
     pub tokens: Option<crate::web::TokenKey>,
+    /// Who may start what.
+    pub policy: LaunchPolicy,
+}
+
+/// What a coordinator lets clients start.
+#[derive(Clone)]
+pub struct LaunchPolicy {
+    /// Only saved workflows (pushed or bundled) run; inline scripts are refused (W46).
+    pub saved_only: bool,
+    /// Whether new runs are refused right now (W67); asked on every launch, so the switch
+    /// can change while the coordinator runs. Runs in progress are never touched.
+    pub disabled: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+impl Default for LaunchPolicy {
+    fn default() -> Self {
+        LaunchPolicy {
+            saved_only: false,
+            disabled: Arc::new(|| false),
+        }
+    }
+}
+
+impl std::fmt::Debug for LaunchPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaunchPolicy")
+            .field("saved_only", &self.saved_only)
+            .field("disabled", &(self.disabled)())
+            .finish()
+    }
 }
 
 /// How long a standby waits for some coordinator to lead before it gives up on a request.
@@ -141,6 +171,7 @@ pub async fn serve(
         tokens: opts.tokens.clone(),
         tls: tls_files,
         to_leader: tokio::sync::Mutex::new(None),
+        policy: opts.policy.clone(),
     };
     // HTTP/2 pings find a frozen or cut-off worker's stream within two intervals.
     let mut builder = tonic::transport::Server::builder()
@@ -256,6 +287,7 @@ struct ClientSvc {
     /// This coordinator's TLS files (a standby calls the leader with them).
     tls: Option<TlsFiles>,
     to_leader: tokio::sync::Mutex<Option<(String, ClientServiceClient<tonic::transport::Channel>)>>,
+    policy: LaunchPolicy,
 }
 
 /// Life of a session token when the caller does not say.
@@ -344,8 +376,34 @@ impl ClientService for ClientSvc {
         if let Some(mut leader) = self.leader_client().await? {
             return leader.launch(req.into_inner()).await;
         }
-        let r = req.into_inner();
+        let mut r = req.into_inner();
         check_version(&r.protocol_version)?;
+        if (self.policy.disabled)() {
+            return Err(Status::failed_precondition(
+                "workflows are disabled on this coordinator (FLOTILLA_DISABLE_WORKFLOWS or disable_workflows in its config file): new runs are refused, runs in progress keep going",
+            ));
+        }
+        if self.policy.saved_only && !r.inherit {
+            if r.saved_name.is_empty() {
+                return Err(Status::permission_denied(
+                    "this coordinator runs saved workflows only: save the script with `flotilla workflows push FILE` and launch it by name",
+                ));
+            }
+            let name = r.saved_name.trim_start_matches('/').to_owned();
+            let found = match crate::saved::get(self.coordinator.store(), &name)
+                .await
+                .map_err(Status::unavailable)?
+            {
+                Some(w) => w,
+                None => crate::bundled::find(&name).ok_or_else(|| {
+                    Status::not_found(format!(
+                        "no saved workflow {name:?} on this coordinator: push it with `flotilla workflows push FILE`"
+                    ))
+                })?,
+            };
+            r.script = found.source;
+            r.origin = found.origin;
+        }
         let settings: RunSettings = serde_json::from_str(&r.settings_json)
             .map_err(|e| Status::invalid_argument(format!("run settings are not valid: {e}")))?;
         let args =
@@ -365,14 +423,27 @@ impl ClientService for ClientSvc {
                     origin: w.origin,
                 })
                 .collect(),
-            agent_types: r
-                .agent_types
-                .into_iter()
-                .map(|(name, model)| AgentType {
-                    name,
-                    model: (!model.is_empty()).then_some(model),
-                })
-                .collect(),
+            agent_types: {
+                let mut types: Vec<AgentType> = r
+                    .agent_definitions
+                    .into_iter()
+                    .map(|d| AgentType {
+                        model: (!d.model.is_empty()).then_some(d.model),
+                        description: (!d.description.is_empty()).then_some(d.description),
+                        prompt: Some(d.prompt),
+                        tools: d.tools,
+                        name: d.name,
+                    })
+                    .collect();
+                for (name, model) in r.agent_types {
+                    if !types.iter().any(|t| t.name == name) {
+                        let mut t = AgentType::builtin(&name);
+                        t.model = (!model.is_empty()).then_some(model);
+                        types.push(t);
+                    }
+                }
+                types
+            },
         };
         let launched = self
             .coordinator
@@ -633,6 +704,42 @@ impl ClientService for ClientSvc {
             }
         };
         Ok(Response::new(v1::ControlReply { message }))
+    }
+
+    async fn push_workflow(
+        &self,
+        req: Request<v1::PushWorkflowRequest>,
+    ) -> Result<Response<v1::PushWorkflowReply>, Status> {
+        self.authorize(&req, "save workflows")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        let (name, replaced) = crate::saved::push(self.coordinator.store(), &r.source)
+            .await
+            .map_err(Status::invalid_argument)?;
+        Ok(Response::new(v1::PushWorkflowReply {
+            origin: crate::saved::origin(&name),
+            name,
+            replaced,
+        }))
+    }
+
+    async fn list_workflows(
+        &self,
+        req: Request<v1::ListWorkflowsRequest>,
+    ) -> Result<Response<v1::ListWorkflowsReply>, Status> {
+        self.authorize(&req, "list workflows")?;
+        check_version(&req.get_ref().protocol_version)?;
+        let workflows = crate::saved::list(self.coordinator.store())
+            .await
+            .map_err(Status::unavailable)?
+            .into_iter()
+            .map(|w| v1::SavedWorkflow {
+                name: w.name,
+                source: w.source,
+                origin: w.origin,
+            })
+            .collect();
+        Ok(Response::new(v1::ListWorkflowsReply { workflows }))
     }
 
     async fn create_token(

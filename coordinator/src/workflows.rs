@@ -52,15 +52,52 @@ pub struct AgentType {
     pub name: String,
     /// The type's own model (`model:` in its definition), used when the call names none (W18).
     pub model: Option<String>,
+    /// A custom type's `description:`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// A custom type's system prompt (the body of its definition). `None` for built-ins, which
+    /// the agent backend knows by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    /// A custom type's `tools:` list; empty means the session's tools.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<String>,
+}
+
+impl AgentType {
+    /// A built-in type, known to the agent backend by name.
+    pub fn builtin(name: &str) -> AgentType {
+        AgentType {
+            name: name.to_owned(),
+            model: None,
+            description: None,
+            prompt: None,
+            tools: Vec::new(),
+        }
+    }
+
+    /// What an agent backend needs to run a custom type: its definition as JSON (`None` for
+    /// a built-in).
+    pub fn definition_json(&self) -> Option<String> {
+        let prompt = self.prompt.as_ref()?;
+        let mut def = serde_json::json!({
+            "description": self.description.clone().unwrap_or_else(|| self.name.clone()),
+            "prompt": prompt,
+        });
+        if !self.tools.is_empty() {
+            def["tools"] = serde_json::json!(self.tools);
+        }
+        if let Some(m) = &self.model {
+            def["model"] = serde_json::json!(m);
+        }
+        Some(def.to_string())
+    }
 }
 
 fn builtins() -> Vec<AgentType> {
     BUILTIN_AGENT_TYPES
         .iter()
-        .map(|n| AgentType {
-            name: (*n).to_owned(),
-            model: None,
-        })
+        .map(|n| AgentType::builtin(n))
         .collect()
 }
 
@@ -118,6 +155,7 @@ impl WorkflowResolver for CarriedWorkflows {
                     .iter()
                     .find(|w| w.name == name)
                     .cloned()
+                    .or_else(|| crate::bundled::find(name))
                     .ok_or_else(|| {
                         format!(
                             "unknown workflow {name:?}: the launch carried no saved workflow of that name; \
@@ -201,6 +239,29 @@ impl DirResolver {
         }
     }
 
+    /// The project or personal workflow called `name` (closest first; a `meta.name` match
+    /// beats a file-name match), without the bundled ones.
+    pub fn find_saved(&self, name: &str) -> Result<Option<FoundWorkflow>, String> {
+        let name = name.strip_prefix('/').unwrap_or(name);
+        if name.is_empty() || name.contains('/') || name.contains('\\') || name.contains("..") {
+            return Err(format!("{name:?} is not a workflow name"));
+        }
+        let mut by_stem = None;
+        for (path, meta) in self.list() {
+            let Ok(meta) = meta else { continue };
+            if meta.name == name {
+                return read_found(&path, meta.name).map(Some);
+            }
+            if by_stem.is_none() && path.file_stem().is_some_and(|s| s == name) {
+                by_stem = Some((path, meta.name));
+            }
+        }
+        match by_stem {
+            Some((path, meta_name)) => read_found(&path, meta_name).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Every `.js` file in the search path with its statically read meta (or why not).
     pub fn list(&self) -> Vec<(PathBuf, Result<source::Meta, String>)> {
         let mut out = Vec::new();
@@ -225,19 +286,27 @@ impl DirResolver {
     }
 }
 
-/// Reads a Markdown agent definition: `name:` and `model:` of its front matter (the name
-/// falls back to the file stem).
+/// Reads a Markdown agent definition: `name:`, `description:`, `model:` and `tools:` of its
+/// front matter (the name falls back to the file stem), and the body as its system prompt.
 fn agent_definition(path: &Path) -> Option<AgentType> {
     let text = std::fs::read_to_string(path).ok()?;
+    let mut t = AgentType::builtin("");
     let mut name = None;
-    let mut model = None;
-    let mut lines = text.lines();
-    if lines.next().map(str::trim) == Some("---") {
-        for line in lines {
-            let line = line.trim();
-            if line == "---" {
-                break;
+    let mut body = text.as_str();
+    if let Some(rest) = text
+        .strip_prefix("---\n")
+        .or_else(|| text.strip_prefix("---\r\n"))
+    {
+        let (front, after) = match rest.find("\n---") {
+            Some(end) => {
+                let after = &rest[end + 4..];
+                (&rest[..end], after.split_once('\n').map_or("", |(_, b)| b))
             }
+            None => (rest, ""),
+        };
+        body = after;
+        for line in front.lines() {
+            let line = line.trim();
             let value = |v: &str| {
                 let v = v.trim().trim_matches(|c| c == '"' || c == '\'');
                 (!v.is_empty()).then(|| v.to_owned())
@@ -245,12 +314,23 @@ fn agent_definition(path: &Path) -> Option<AgentType> {
             if let Some(v) = line.strip_prefix("name:") {
                 name = value(v);
             } else if let Some(v) = line.strip_prefix("model:") {
-                model = value(v).filter(|m| m != "inherit");
+                t.model = value(v).filter(|m| m != "inherit");
+            } else if let Some(v) = line.strip_prefix("description:") {
+                t.description = value(v);
+            } else if let Some(v) = line.strip_prefix("tools:") {
+                t.tools = v
+                    .trim()
+                    .trim_matches(|c| c == '[' || c == ']')
+                    .split(',')
+                    .map(|x| x.trim().trim_matches(|c| c == '"' || c == '\'').to_owned())
+                    .filter(|x| !x.is_empty())
+                    .collect();
             }
         }
     }
-    let name = name.or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()))?;
-    Some(AgentType { name, model })
+    t.name = name.or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()))?;
+    t.prompt = Some(body.trim().to_owned());
+    Some(t)
 }
 
 fn absolute(base: &Path, p: &Path) -> PathBuf {
@@ -299,26 +379,12 @@ impl WorkflowResolver for DirResolver {
                 })
             }
             WorkflowRef::Name(name) => {
-                if name.is_empty()
-                    || name.contains('/')
-                    || name.contains('\\')
-                    || name.contains("..")
-                {
-                    return Err(format!("{name:?} is not a workflow name"));
-                }
                 let name = name.strip_prefix('/').unwrap_or(name);
-                let mut by_stem = None;
-                for (path, meta) in self.list() {
-                    let Ok(meta) = meta else { continue };
-                    if meta.name == name {
-                        return read_found(&path, meta.name);
-                    }
-                    if by_stem.is_none() && path.file_stem().is_some_and(|s| s == name) {
-                        by_stem = Some((path, meta.name));
-                    }
+                if let Some(found) = self.find_saved(name)? {
+                    return Ok(found);
                 }
-                if let Some((path, meta_name)) = by_stem {
-                    return read_found(&path, meta_name);
+                if let Some(found) = crate::bundled::find(name) {
+                    return Ok(found);
                 }
                 Err(format!(
                     "unknown workflow {name:?}: no saved workflow has that name (searched {}); \
@@ -422,7 +488,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(
             dir.join("sec.md"),
-            "---\nname: security-reviewer\nmodel: opus\n---\nbody",
+            "---\nname: security-reviewer\ndescription: Finds holes\nmodel: opus\ntools: Read, Grep\n---\nYou review for security.\n",
         )
         .unwrap();
         std::fs::write(dir.join("plain.md"), "no front matter").unwrap();
@@ -446,6 +512,17 @@ mod tests {
             .find(|a| a.name == "security-reviewer")
             .unwrap();
         assert_eq!(sec.model.as_deref(), Some("opus"));
+        let def: serde_json::Value =
+            serde_json::from_str(&sec.definition_json().unwrap()).unwrap();
+        assert_eq!(
+            def,
+            serde_json::json!({"description": "Finds holes", "prompt": "You review for security.",
+                "tools": ["Read", "Grep"], "model": "opus"})
+        );
+        let plain = types.iter().find(|a| a.name == "plain").unwrap();
+        assert_eq!(plain.prompt.as_deref(), Some("no front matter"));
+        let builtin = types.iter().find(|a| a.name == "Explore").unwrap();
+        assert_eq!(builtin.definition_json(), None);
     }
 
     #[test]

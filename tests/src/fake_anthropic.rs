@@ -11,6 +11,8 @@
 //! - `[[status:N]]`: an HTTP error N (`overloaded_error` for 529, `rate_limit_error` for 429);
 //! - `[[fail-first:N:CODE]]`: the first N requests of that prompt fail with CODE, later ones
 //!   are answered;
+//! - `[[stall-first:N]]`: the first N requests of that prompt get `message_start` and then
+//!   nothing, on a connection held open;
 //! - otherwise the text `fake reply to: PROMPT`.
 //!
 //! Prompt caching is simulated (§2.5): the prefix tools → system → messages is hashed up to each
@@ -405,6 +407,18 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
         *count += 1;
         (*count <= n).then_some(code)
     });
+    // `[[stall-first:N]]`: the first N requests of this prompt stall after `message_start`.
+    let stall = marker(&prompt, "stall-first")
+        .and_then(|n| n.parse::<u32>().ok())
+        .is_some_and(|n| {
+            let mut seen = cache.seen_prompts.lock().unwrap_or_else(|e| e.into_inner());
+            let count = seen.entry(format!("stall:{prompt}")).or_insert(0);
+            *count += 1;
+            *count <= n
+        });
+    if stall {
+        return (stall_stream(conn, body, id), 0);
+    }
     let status = forced.or_else(|| marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()));
     let (read, written) = {
         let known = cache.prefixes.lock().unwrap_or_else(|e| e.into_inner());
@@ -436,6 +450,38 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
         written,
     );
     (ok, read)
+}
+
+/// Starts a streamed answer and then sends nothing more, holding the connection until the
+/// client goes away (or two minutes pass).
+fn stall_stream(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
+    let model = body.get("model").cloned().unwrap_or(json!("fake"));
+    let start = json!({"type": "message_start", "message": {"id": format!("msg_fake_{id}"),
+        "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": null, "stop_sequence": null,
+        "usage": {"input_tokens": 1, "output_tokens": 1}}});
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nrequest-id: req_fake_{id}\r\ncontent-length: 100000\r\n\r\nevent: message_start\ndata: {start}\n\n"
+    );
+    if conn.write_all(head.as_bytes()).is_err() {
+        return false;
+    }
+    let _ = conn.set_read_timeout(Some(std::time::Duration::from_millis(500)));
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut buf = [0u8; 1024];
+    while std::time::Instant::now() < until {
+        match conn.read(&mut buf) {
+            Ok(0) => return false,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return false,
+        }
+    }
+    false
 }
 
 fn answer_with(

@@ -12,6 +12,7 @@ pub mod backend;
 pub mod remote;
 pub mod worker;
 pub mod workspace;
+pub mod worktree;
 
 pub use backend::{AgentBackend, Error, Events, Output, Task};
 pub use flotilla_proto::link::{CoordinatorEnd, Link, link_pair};

@@ -404,7 +404,9 @@ async fn run_attempt(
         Err(e) => Err(e),
         Ok(backend) => match parse_schema(&spec) {
             Err(e) => Err(e),
-            Ok(schema) => {
+            Ok(schema) => match worktree_for(&a, &spec, &workspace, &events).await {
+              Err(e) => Err(e),
+              Ok(worktree) => {
                 let task = Task {
                     run_id: a.run_id.clone(),
                     call: a.call,
@@ -413,8 +415,9 @@ async fn run_attempt(
                     spec: spec.clone(),
                     schema,
                     workspace,
+                    worktree: worktree.clone(),
                 };
-                if spec.timeout_ms > 0 {
+                let result = if spec.timeout_ms > 0 {
                     // On timeout the attempt is cancelled the normal way, so the backend kills
                     // what it started before the outcome is sent.
                     let limit = Duration::from_millis(spec.timeout_ms);
@@ -434,8 +437,16 @@ async fn run_attempt(
                     }
                 } else {
                     backend.run(&task, &events, cancel.clone()).await
+                };
+                if let Some(wt) = &worktree {
+                    let kept = wt.finish().await == crate::worktree::Finished::Kept;
+                    events.transcript(serde_json::json!({
+                        "type": "worktree", "path": wt.path, "branch": wt.branch, "kept": kept,
+                    }));
                 }
-            }
+                result
+              }
+            },
         },
     };
     sink.flush();
@@ -465,6 +476,39 @@ async fn run_attempt(
         fence: a.fence,
         call_key: a.call_key,
     }
+}
+
+/// With `isolation: 'worktree'`, the attempt's fresh git worktree (W20).
+async fn worktree_for(
+    a: &Assignment,
+    spec: &v1::TaskSpec,
+    workspace: &Workspace,
+    events: &Events,
+) -> Result<Option<crate::worktree::Worktree>, Error> {
+    if spec.isolation != "worktree" {
+        return Ok(None);
+    }
+    let invalid = |e: String| Error::new(FailureKind::Invalid, e);
+    let root = workspace.root();
+    std::fs::create_dir_all(root)
+        .map_err(|e| invalid(format!("cannot create workspace root {}: {e}", root.display())))?;
+    let root = root
+        .canonicalize()
+        .map_err(|e| invalid(format!("cannot resolve {}: {e}", root.display())))?;
+    let dir = if spec.cwd.is_empty() {
+        root.clone()
+    } else {
+        workspace
+            .dir_for(&a.run_id, a.call, &spec.cwd)
+            .map_err(invalid)?
+    };
+    let wt = crate::worktree::Worktree::create(&root, &dir, &a.run_id, a.call, a.attempt)
+        .await
+        .map_err(invalid)?;
+    events.transcript(serde_json::json!({
+        "type": "worktree", "path": wt.path, "branch": wt.branch, "base": wt.base,
+    }));
+    Ok(Some(wt))
 }
 
 fn parse_schema(spec: &v1::TaskSpec) -> Result<Option<Value>, Error> {

@@ -620,12 +620,16 @@ impl RunEngine {
             }
         };
         let mut type_model = None;
+        let mut type_def = None;
         if !spec.agent_type.is_empty() {
             let known = self
                 .agent_types
                 .get_or_insert_with(|| self.init.resolver.agent_types());
             match known.iter().find(|t| t.name == spec.agent_type) {
-                Some(t) => type_model = t.model.clone(),
+                Some(t) => {
+                    type_model = t.model.clone();
+                    type_def = t.definition_json();
+                }
                 None => {
                     let list = known
                         .iter()
@@ -792,6 +796,7 @@ impl RunEngine {
             group,
             schema_attempts,
             options_json: Value::Object(spec.options.clone()).to_string(),
+            agent_def_json: type_def.unwrap_or_default(),
         };
         self.init.dispatch.submit(
             &self.run,

@@ -293,3 +293,154 @@ fn a_rate_limited_call_waits_and_then_succeeds() {
         "a usage-limit wait is not a failure: {r}"
     );
 }
+
+#[test]
+fn a_stalled_stream_is_restarted_by_the_watchdog_and_the_retry_succeeds() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let prompt = "slow start [[stall-first:1]]";
+    let (code, r) = run_with(
+        &env,
+        &fake,
+        &format!("return await agent('{prompt}', {{ label: 's' }});"),
+        &["--stall-timeout", "5s"],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], format!("fake reply to: {prompt}"), "{r}");
+    assert_eq!(flotilla_tests::agent(&r, "s")["attempts"], 2, "{r}");
+    let logs = r["logs"].as_array().unwrap();
+    assert!(
+        logs.iter()
+            .any(|l| l.as_str().unwrap().starts_with("[stall] agent \"s\" stalled")),
+        "{logs:?}"
+    );
+    // The CLI did not retry by itself: the watchdog restarted the attempt.
+    let asked = fake
+        .requests()
+        .iter()
+        .filter(|s| s.path.starts_with("/v1/messages") && s.body.to_string().contains("slow start"))
+        .count();
+    assert_eq!(asked, 2, "one stalled request and one answered");
+}
+
+/// Makes `dir` a git repository with one commit.
+fn git_repo(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("README"), "main checkout\n").unwrap();
+    for args in [
+        &["init", "-q", "-b", "main"][..],
+        &["add", "."],
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-q",
+            "-m",
+            "one",
+        ],
+    ] {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+    }
+}
+
+#[test]
+fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() {
+    let env = Env::new();
+    git_repo(&env.workspace());
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "return await parallel([\n\
+           () => agent('edit [[bash:touch edited.txt && pwd]]', { isolation: 'worktree', tools: ['Bash'], label: 'edit' }),\n\
+           () => agent('look only', { isolation: 'worktree', label: 'look' }),\n\
+         ]);",
+    );
+    assert_eq!(code, 0, "{r}");
+    let run_id = r["run_id"].as_str().unwrap();
+    let ws = env.workspace().canonicalize().unwrap();
+    let edit_dir = ws.join(".worktrees").join(run_id).join("0-1");
+    // The agent's shell ran inside its worktree, and the file stayed there.
+    assert_eq!(
+        r["result"][0],
+        format!("tool said: {}", edit_dir.display()),
+        "{r}"
+    );
+    assert!(edit_dir.join("edited.txt").exists());
+    assert!(edit_dir.join("README").exists(), "a full checkout");
+    assert!(!ws.join("edited.txt").exists(), "the main checkout is untouched");
+    // The unchanged worktree and its branch are gone; the changed one's branch stays.
+    assert!(!ws.join(".worktrees").join(run_id).join("1-1").exists());
+    let branches = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&ws)
+        .args(["branch", "--list", "flotilla/*"])
+        .output()
+        .unwrap();
+    let branches = String::from_utf8_lossy(&branches.stdout);
+    assert!(branches.contains(&format!("flotilla/{run_id}/0-1")), "{branches}");
+    assert!(!branches.contains(&format!("flotilla/{run_id}/1-1")), "{branches}");
+    // Each agent was told it works in an isolated copy.
+    let told = fake
+        .requests()
+        .iter()
+        .filter(|s| s.body.to_string().contains("isolated git worktree"))
+        .count();
+    assert!(told >= 2, "{told} requests mention the worktree");
+}
+
+#[test]
+fn worktree_isolation_outside_a_repository_fails_the_call_with_the_fix() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (code, r) = run(
+        &env,
+        &fake,
+        "const r = await parallel([() => agent('x', { isolation: 'worktree', label: 'w' })]);\nreturn r;",
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], json!([null]), "{r}");
+    let text = r.to_string();
+    assert!(text.contains("needs a git repository"), "{text}");
+    assert!(text.contains("--workspace"), "{text}");
+}
+
+#[test]
+fn a_custom_agent_type_runs_with_its_definition() {
+    let env = Env::new();
+    env.file(
+        ".claude/agents/reviewer.md",
+        "---\nname: reviewer\ndescription: Reviews code for one team\n---\nYou are the RVW-7 reviewer. Be terse.\n",
+    );
+    let fake = FakeAnthropic::start();
+    // The agents work outside the directory that holds the definition, so the CLI can only
+    // know it from what the worker passes.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (code, r) = run_with(
+        &env,
+        &fake,
+        "return await agent('review this', { agentType: 'reviewer' });",
+        &["--workspace", elsewhere.path().to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "fake reply to: review this", "{r}");
+    let main: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|s| s.body.to_string().contains("review this"))
+        .collect();
+    assert!(!main.is_empty());
+    let system = main[0].body["system"].to_string();
+    assert!(
+        system.contains("You are the RVW-7 reviewer"),
+        "the custom type's prompt is the agent's system prompt: {system}"
+    );
+}

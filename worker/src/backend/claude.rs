@@ -94,6 +94,26 @@ impl ClaudeCode {
         if !s.tools.is_empty() {
             args.extend(["--tools".into(), s.tools.join(",")]);
         }
+        // agentType (W21): a custom type travels with its definition; a built-in is named.
+        if !s.agent_type.is_empty() {
+            if let Ok(def) = serde_json::from_str::<Value>(&s.agent_def_json) {
+                args.extend([
+                    "--agents".into(),
+                    json!({ s.agent_type.clone(): def }).to_string(),
+                ]);
+            }
+            args.extend(["--agent".into(), s.agent_type.clone()]);
+        }
+        if let Some(wt) = &task.worktree {
+            args.extend([
+                "--append-system-prompt".into(),
+                format!(
+                    "You are working in an isolated git worktree at {} on branch {}: a copy of the repository made for this task. Your changes stay in this worktree and do not touch the main checkout.",
+                    wt.path.display(),
+                    wt.branch
+                ),
+            ]);
+        }
         args
     }
 }

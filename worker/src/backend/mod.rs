@@ -39,12 +39,17 @@ pub struct Task {
     /// Parsed `spec.schema_json`, when the task asks for a structured result.
     pub schema: Option<Value>,
     pub workspace: Workspace,
+    /// The attempt's git worktree, with `isolation: 'worktree'` (made before the backend runs).
+    pub worktree: Option<crate::worktree::Worktree>,
 }
 
 impl Task {
     /// The directory the agent works in, created on first use. Confined to the worker's
-    /// workspace root.
+    /// workspace root; with a worktree, the matching place inside it.
     pub fn workdir(&self) -> Result<PathBuf, Error> {
+        if let Some(wt) = &self.worktree {
+            return Ok(wt.workdir.clone());
+        }
         self.workspace
             .dir_for(&self.run_id, self.call, &self.spec.cwd)
             .map_err(|e| Error::new(FailureKind::Invalid, e))

@@ -1,0 +1,385 @@
+//! `flotilla workflows list|show|save|push`: the saved workflows a user can run by name
+//! (W62–W64): project (`.flotilla/workflows/`, `.claude/workflows/`, closest first), personal,
+//! the coordinator's (pushed), and the bundled ones, in that precedence.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand};
+use flotilla_coordinator::bundled;
+use flotilla_coordinator::saved;
+use flotilla_coordinator::script::source;
+use flotilla_coordinator::workflows::DirResolver;
+use flotilla_proto::v1;
+use serde_json::{Value, json};
+
+use crate::fail;
+use crate::fleet::ClientArgs;
+
+#[derive(Debug, Subcommand)]
+pub enum WorkflowsCommand {
+    /// List the workflows you can run by name, with their origin.
+    List(ListArgs),
+    /// Print one workflow's source and origin.
+    Show(ShowArgs),
+    /// Save a workflow file in the project's (or your personal) workflows directory.
+    Save(SaveArgs),
+    /// Save a workflow on a coordinator, so anyone can `flotilla launch NAME`.
+    Push(PushArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct Where {
+    /// Directory searched first (repeatable).
+    #[arg(long = "workflows-dir", value_name = "DIR")]
+    workflows_dirs: Vec<PathBuf>,
+    /// Also list the workflows saved on this coordinator.
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    at: Where,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    name: String,
+    #[command(flatten)]
+    at: Where,
+}
+
+#[derive(Debug, Args)]
+pub struct SaveArgs {
+    /// The script to save; its literal meta names it.
+    file: PathBuf,
+    /// Save in your personal directory instead of the project's.
+    #[arg(long)]
+    personal: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PushArgs {
+    /// The script to save on the coordinator.
+    file: PathBuf,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+pub async fn run(cmd: WorkflowsCommand) -> i32 {
+    match cmd {
+        WorkflowsCommand::List(a) => list(a).await,
+        WorkflowsCommand::Show(a) => show(a).await,
+        WorkflowsCommand::Save(a) => save(a),
+        WorkflowsCommand::Push(a) => push(a).await,
+    }
+}
+
+/// One listed workflow.
+struct Entry {
+    name: String,
+    origin: &'static str,
+    location: String,
+    meta: Result<source::Meta, String>,
+    source: Option<String>,
+}
+
+fn personal_dirs() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Some(cfg) = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
+    {
+        out.push(cfg.join("flotilla"));
+    }
+    if let Some(c) = std::env::var_os("CLAUDE_CONFIG_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".claude")))
+    {
+        out.push(c);
+    }
+    out
+}
+
+async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
+    let cwd = std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
+    let resolver = DirResolver::standard(&cwd, &at.workflows_dirs);
+    let personal = personal_dirs();
+    let mut out = Vec::new();
+    for (path, meta) in resolver.list() {
+        let origin = if personal.iter().any(|p| path.starts_with(p)) {
+            "personal"
+        } else {
+            "project"
+        };
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        out.push(Entry {
+            name: meta.as_ref().map(|m| m.name.clone()).unwrap_or(stem),
+            origin,
+            location: path.display().to_string(),
+            meta,
+            source: None,
+        });
+    }
+    let wants_remote = at.remote.coordinator.is_some();
+    if wants_remote {
+        let mut client = at.remote.client()?;
+        let listed = client
+            .list_workflows(v1::ListWorkflowsRequest {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            })
+            .await
+            .map_err(|s| s.message().to_owned())?;
+        for w in listed.into_inner().workflows {
+            out.push(Entry {
+                meta: source::read_meta(&w.source).map_err(|e| e.to_string()),
+                name: w.name,
+                origin: "server",
+                location: w.origin,
+                source: Some(w.source),
+            });
+        }
+    }
+    if !bundled::hidden() {
+        for (name, text) in bundled::BUNDLED {
+            out.push(Entry {
+                name: name.to_owned(),
+                origin: "bundled",
+                location: bundled::origin(name),
+                meta: source::read_meta(text).map_err(|e| e.to_string()),
+                source: Some(text.to_owned()),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The index of the entry that runs for each name (the first offered one).
+fn winner(entries: &[Entry], i: usize) -> Option<usize> {
+    let e = &entries[i];
+    entries
+        .iter()
+        .position(|o| o.meta.is_ok() && o.name == e.name)
+}
+
+async fn list(a: ListArgs) -> i32 {
+    let all = match entries(&a.at).await {
+        Ok(e) => e,
+        Err(e) => return fail(2, e),
+    };
+    if a.json {
+        let rows: Vec<Value> = all
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let mut row = json!({
+                    "name": e.name,
+                    "origin": e.origin,
+                    "location": e.location,
+                });
+                match &e.meta {
+                    Ok(m) => {
+                        row["description"] = json!(m.description);
+                        row["whenToUse"] = json!(m.when_to_use);
+                        row["offered"] = json!(true);
+                        if let Some(w) = winner(&all, i).filter(|w| *w != i) {
+                            row["shadowedBy"] = json!(all[w].location);
+                        }
+                    }
+                    Err(why) => {
+                        row["offered"] = json!(false);
+                        row["error"] = json!(why);
+                    }
+                }
+                row
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows).unwrap_or_default());
+        return 0;
+    }
+    let mut skipped = Vec::new();
+    for (i, e) in all.iter().enumerate() {
+        match &e.meta {
+            Ok(m) => {
+                let shadow = match winner(&all, i).filter(|w| *w != i) {
+                    Some(w) => format!("  (shadowed by {})", all[w].location),
+                    None => String::new(),
+                };
+                println!("{:<20} {:<9} {}{shadow}", e.name, e.origin, m.description);
+                if let Some(when) = &m.when_to_use {
+                    println!("{:<20} {:<9} when: {when}", "", "");
+                }
+                if e.origin != "bundled" && e.origin != "server" {
+                    println!("{:<20} {:<9} {}", "", "", e.location);
+                }
+            }
+            Err(why) => skipped.push(format!("{}: not offered: {why}", e.location)),
+        }
+    }
+    for s in skipped {
+        println!("{s}");
+    }
+    0
+}
+
+async fn show(a: ShowArgs) -> i32 {
+    let all = match entries(&a.at).await {
+        Ok(e) => e,
+        Err(e) => return fail(2, e),
+    };
+    let name = a.name.trim_start_matches('/');
+    let Some(e) = all.iter().find(|e| e.name == name && e.meta.is_ok()) else {
+        return fail(
+            2,
+            format!("no workflow {name:?}: `flotilla workflows list` shows the ones you can run"),
+        );
+    };
+    let text = match &e.source {
+        Some(s) => s.clone(),
+        None => match std::fs::read_to_string(&e.location) {
+            Ok(s) => s,
+            Err(err) => return fail(1, format!("cannot read {}: {err}", e.location)),
+        },
+    };
+    eprintln!("# {} ({})", e.location, e.origin);
+    print!("{text}");
+    if !text.ends_with('\n') {
+        println!();
+    }
+    0
+}
+
+fn is_link(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink())
+}
+
+/// The project directory a workflow is saved in: the closest existing workflows directory
+/// between here and the repository root, else `.flotilla/workflows` at the repository root
+/// (or here, outside a repository).
+fn project_target(cwd: &Path) -> PathBuf {
+    let mut d = Some(cwd);
+    while let Some(dir) = d {
+        for sub in [".flotilla", ".claude"] {
+            let w = dir.join(sub).join("workflows");
+            if w.is_dir() {
+                return w;
+            }
+        }
+        if dir.join(".git").exists() {
+            return dir.join(".flotilla").join("workflows");
+        }
+        d = dir.parent();
+    }
+    cwd.join(".flotilla").join("workflows")
+}
+
+fn save(a: SaveArgs) -> i32 {
+    let text = match std::fs::read_to_string(&a.file) {
+        Ok(t) => t,
+        Err(e) => return fail(2, format!("cannot read {}: {e}", a.file.display())),
+    };
+    let meta = match source::read_meta(&text) {
+        Ok(m) => m,
+        Err(e) => {
+            return fail(
+                2,
+                format!(
+                    "{} has no literal meta with name and description (W02): {e}",
+                    a.file.display()
+                ),
+            );
+        }
+    };
+    if !saved::valid_name(&meta.name) {
+        return fail(
+            2,
+            format!(
+                "meta.name {:?} cannot name a saved workflow: use letters, digits, '-', '_' and '.'",
+                meta.name
+            ),
+        );
+    }
+    let dir = if a.personal {
+        match personal_dirs().into_iter().next() {
+            Some(d) => d.join("workflows"),
+            None => return fail(2, "no HOME or XDG_CONFIG_HOME for a personal directory"),
+        }
+    } else {
+        match std::env::current_dir() {
+            Ok(cwd) => project_target(&cwd),
+            Err(e) => return fail(1, format!("cannot read the working directory: {e}")),
+        }
+    };
+    let target = dir.join(format!("{}.js", meta.name));
+    // Never write through a link (W64): the config directory, the workflows directory (for a
+    // project) or the file itself.
+    let mut checked = vec![target.clone()];
+    if !a.personal {
+        checked.push(dir.clone());
+        if let Some(parent) = dir.parent() {
+            checked.push(parent.to_path_buf());
+        }
+    }
+    if let Some(link) = checked.iter().find(|p| is_link(p)) {
+        return fail(
+            2,
+            format!(
+                "refusing to save through a symbolic link: {} is a link; save to a real directory",
+                link.display()
+            ),
+        );
+    }
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        return fail(1, format!("cannot create {}: {e}", dir.display()));
+    }
+    let replaced = target.exists();
+    let tmp = dir.join(format!(".{}.js.tmp", meta.name));
+    if let Err(e) = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &target)) {
+        let _ = std::fs::remove_file(&tmp);
+        return fail(1, format!("cannot write {}: {e}", target.display()));
+    }
+    println!(
+        "{} {} as {}",
+        if replaced { "replaced" } else { "saved" },
+        meta.name,
+        target.display()
+    );
+    0
+}
+
+async fn push(a: PushArgs) -> i32 {
+    let text = match std::fs::read_to_string(&a.file) {
+        Ok(t) => t,
+        Err(e) => return fail(2, format!("cannot read {}: {e}", a.file.display())),
+    };
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .push_workflow(v1::PushWorkflowRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            source: text,
+        })
+        .await
+    {
+        Ok(r) => {
+            let r = r.into_inner();
+            println!(
+                "{} {} on the coordinator ({}); run it with `flotilla launch {}`",
+                if r.replaced { "replaced" } else { "saved" },
+                r.name,
+                r.origin,
+                r.name
+            );
+            0
+        }
+        Err(s) => fail(2, s.message()),
+    }
+}
