@@ -48,9 +48,17 @@ pub fn gate(r: &ResolvedRun, yes: bool, plan_only: bool) -> Decision {
         let always = r
             .saved_name
             .as_ref()
-            .map(|n| format!(" / [a] yes, and don't ask again for {n} in {}", dir.display()))
+            .map(|n| {
+                format!(
+                    " / [a] yes, and don't ask again for {n} in {}",
+                    dir.display()
+                )
+            })
             .unwrap_or_default();
-        let _ = write!(err, "Run it? [y] yes{always} / [v] view the script / [n] no: ");
+        let _ = write!(
+            err,
+            "Run it? [y] yes{always} / [v] view the script / [n] no: "
+        );
         let _ = err.flush();
         let Some(Ok(answer)) = lines.next() else {
             let _ = writeln!(err, "\nnot run: no answer");
@@ -93,11 +101,19 @@ pub fn plan(r: &ResolvedRun, meta: Option<&Meta>) -> String {
     {
         out.push_str("  phases\n");
         for (i, p) in m.phases.iter().enumerate() {
-            let detail = p.detail.as_deref().map(|d| format!(" — {d}")).unwrap_or_default();
+            let detail = p
+                .detail
+                .as_deref()
+                .map(|d| format!(" — {d}"))
+                .unwrap_or_default();
             out.push_str(&format!("    {}. {}{detail}\n", i + 1, p.title));
         }
     }
-    let model = if s.model.is_empty() { "the backend's default" } else { &s.model };
+    let model = if s.model.is_empty() {
+        "the backend's default"
+    } else {
+        &s.model
+    };
     out.push_str(&format!(
         "  settings  backend {}, model {model}, {} agents at once, {} attempts each, stall after {} ms\n",
         s.backend, s.concurrency, s.attempts, s.stall_timeout_ms
@@ -112,7 +128,10 @@ pub fn plan(r: &ResolvedRun, meta: Option<&Meta>) -> String {
         "  limits    at most {} agents, {budget}\n",
         s.max_agents
     ));
-    out.push_str(&format!("  size      {}\n", size(&r.source, r.args.as_ref())));
+    out.push_str(&format!(
+        "  size      {}\n",
+        size(&r.source, r.args.as_ref())
+    ));
     if let Some(resume) = &r.resume {
         out.push_str(&format!(
             "  resume    from {resume}: its completed calls are not run again\n"
@@ -261,10 +280,16 @@ mod tests {
     #[test]
     fn the_size_estimate_counts_call_sites_not_comments_or_methods() {
         let src = "// agent('x')\nconst a = await agent('one');\nawait parallel(xs.map(x => () => agent(x)));\nobj.agent('no');\n";
-        let s = size(src, Some(&json!({"files": [1, 2, 3], "n": {"deep": [1, 2, 3, 4]}})));
+        let s = size(
+            src,
+            Some(&json!({"files": [1, 2, 3], "n": {"deep": [1, 2, 3, 4]}})),
+        );
         assert!(s.starts_with("2 agent() call sites"), "{s}");
         assert!(s.contains("1 parallel/pipeline fan-out"), "{s}");
         assert!(s.contains("4 items"), "{s}");
-        assert_eq!(size("await agent('a');", None), "1 agent() call site: about 1 agents");
+        assert_eq!(
+            size("await agent('a');", None),
+            "1 agent() call site: about 1 agents"
+        );
     }
 }

@@ -313,7 +313,9 @@ fn meta_defaults(
     file: &ConfigFile,
 ) -> Result<(), String> {
     let bad = |key: &str, want: &str| {
-        format!("the workflow's meta.{key} must be {want}; fix the script's meta or pass --{key} to override")
+        format!(
+            "the workflow's meta.{key} must be {want}; fix the script's meta or pass --{key} to override"
+        )
     };
     if flags.concurrency.is_none()
         && file.concurrency.is_none()
@@ -328,13 +330,19 @@ fn meta_defaults(
         && file.budget.is_none()
         && let Some(v) = meta.get("budget")
     {
-        s.budget_tokens = Some(v.as_u64().ok_or_else(|| bad("budget", "a whole number of output tokens"))?);
+        s.budget_tokens = Some(
+            v.as_u64()
+                .ok_or_else(|| bad("budget", "a whole number of output tokens"))?,
+        );
     }
     if flags.budget_usd.is_none()
         && file.budget_usd.is_none()
         && let Some(v) = meta.get("budgetUsd")
     {
-        s.budget_usd = Some(v.as_f64().ok_or_else(|| bad("budgetUsd", "a number of dollars"))?);
+        s.budget_usd = Some(
+            v.as_f64()
+                .ok_or_else(|| bad("budgetUsd", "a number of dollars"))?,
+        );
     }
     if flags.backend.is_none()
         && file.backend.is_none()
@@ -345,13 +353,21 @@ fn meta_defaults(
             // An exec backend needs a command the script cannot give; keep the default then.
             "exec" if flags.exec_cmd.is_none() && file.exec_cmd.is_none() => {}
             "echo" | "exec" | "claude-code" | "anthropic" | "openai" => s.backend = b.to_owned(),
-            other => return Err(bad("backend", &format!("echo, exec, claude-code, anthropic or openai, not {other:?}"))),
+            other => {
+                return Err(bad(
+                    "backend",
+                    &format!("echo, exec, claude-code, anthropic or openai, not {other:?}"),
+                ));
+            }
         }
     }
     if s.model.is_empty()
         && let Some(v) = meta.get("model")
     {
-        s.model = v.as_str().ok_or_else(|| bad("model", "a model name"))?.to_owned();
+        s.model = v
+            .as_str()
+            .ok_or_else(|| bad("model", "a model name"))?
+            .to_owned();
     }
     s.validate()
 }
@@ -359,9 +375,12 @@ fn meta_defaults(
 /// Whether new runs are refused (W67): `FLOTILLA_DISABLE_WORKFLOWS=1` (or Claude Code's
 /// `CLAUDE_CODE_DISABLE_WORKFLOWS=1`), or `disable_workflows = true` in the config file.
 pub fn workflows_disabled(file: &ConfigFile) -> bool {
-    let env = ["FLOTILLA_DISABLE_WORKFLOWS", "CLAUDE_CODE_DISABLE_WORKFLOWS"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|s| s == "1" || s.eq_ignore_ascii_case("true")));
+    let env = [
+        "FLOTILLA_DISABLE_WORKFLOWS",
+        "CLAUDE_CODE_DISABLE_WORKFLOWS",
+    ]
+    .iter()
+    .any(|v| std::env::var(v).is_ok_and(|s| s == "1" || s.eq_ignore_ascii_case("true")));
     env || file.disable_workflows.unwrap_or(false)
 }
 
@@ -416,33 +435,31 @@ pub fn resolve_run_with(
         .script
         .strip_prefix('/')
         .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'));
-    let by_path = path.exists()
-        || args.script.ends_with(".js")
-        || (args.script.contains('/') && !slash_name);
+    let by_path =
+        path.exists() || args.script.ends_with(".js") || (args.script.contains('/') && !slash_name);
     let saved_name = (!by_path).then(|| args.script.trim_start_matches('/').to_owned());
-    let (source, origin) =
-        if by_path {
-            let source = std::fs::read_to_string(&path)
-                .map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
-            (source, path.display().to_string())
-        } else {
-            // A saved workflow's name: project and personal first, then the coordinator's,
-            // then the bundled ones.
-            let resolver =
-                flotilla_coordinator::workflows::DirResolver::standard(&cwd, &workflows_dirs);
-            let name = args.script.trim_start_matches('/');
-            let found = match resolver.find_saved(name)? {
-                Some(f) => f,
-                None => match server.iter().find(|w| w.name == name) {
-                    Some(f) => f.clone(),
-                    None => flotilla_coordinator::workflows::WorkflowResolver::resolve(
-                        &resolver,
-                        &flotilla_coordinator::workflows::WorkflowRef::Name(name.to_owned()),
-                    )?,
-                },
-            };
-            (found.source, found.origin)
+    let (source, origin) = if by_path {
+        let source = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
+        (source, path.display().to_string())
+    } else {
+        // A saved workflow's name: project and personal first, then the coordinator's,
+        // then the bundled ones.
+        let resolver =
+            flotilla_coordinator::workflows::DirResolver::standard(&cwd, &workflows_dirs);
+        let name = args.script.trim_start_matches('/');
+        let found = match resolver.find_saved(name)? {
+            Some(f) => f,
+            None => match server.iter().find(|w| w.name == name) {
+                Some(f) => f.clone(),
+                None => flotilla_coordinator::workflows::WorkflowResolver::resolve(
+                    &resolver,
+                    &flotilla_coordinator::workflows::WorkflowRef::Name(name.to_owned()),
+                )?,
+            },
         };
+        (found.source, found.origin)
+    };
     let mut settings = settings;
     if let Ok(meta) = flotilla_coordinator::script::source::read_meta(&source) {
         meta_defaults(&mut settings, &meta.raw, &args.settings, &file)?;

@@ -633,8 +633,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         Err(e) => return fail(2, e),
     };
     // A name may be a workflow saved on the coordinator.
-    let server = if std::path::Path::new(&a.run.script).exists() || a.run.script.ends_with(".js")
-    {
+    let server = if std::path::Path::new(&a.run.script).exists() || a.run.script.ends_with(".js") {
         Vec::new()
     } else {
         match client

@@ -267,3 +267,11 @@ pub fn print_report(report: &Report, json: bool) -> i32 {
     }
     report.status.exit_code()
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_command_s_flags_are_consistent() {
+        <super::Cli as clap::CommandFactory>::command().debug_assert();
+    }
+}

@@ -47,7 +47,8 @@ pub struct ListArgs {
 
 #[derive(Debug, Args)]
 pub struct ShowArgs {
-    name: String,
+    #[arg(value_name = "NAME")]
+    workflow: String,
     #[command(flatten)]
     at: Where,
 }
@@ -105,12 +106,26 @@ fn personal_dirs() -> Vec<PathBuf> {
 }
 
 async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
-    let cwd = std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
+    let cwd =
+        std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
     let resolver = DirResolver::standard(&cwd, &at.workflows_dirs);
     let personal = personal_dirs();
+    // The project's directories: `--workflows-dir`s, and those from here up to the repository root.
+    let mut project: Vec<PathBuf> = at.workflows_dirs.iter().map(|d| cwd.join(d)).collect();
+    let mut d = Some(cwd.as_path());
+    while let Some(dir) = d {
+        project.push(dir.join(".flotilla").join("workflows"));
+        project.push(dir.join(".claude").join("workflows"));
+        if dir.join(".git").exists() {
+            break;
+        }
+        d = dir.parent();
+    }
     let mut out = Vec::new();
     for (path, meta) in resolver.list() {
-        let origin = if personal.iter().any(|p| path.starts_with(p)) {
+        let origin = if project.iter().any(|p| path.parent() == Some(p.as_path())) {
+            "project"
+        } else if personal.iter().any(|p| path.starts_with(p)) {
             "personal"
         } else {
             "project"
@@ -200,7 +215,10 @@ async fn list(a: ListArgs) -> i32 {
                 row
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&rows).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).unwrap_or_default()
+        );
         return 0;
     }
     let mut skipped = Vec::new();
@@ -233,7 +251,7 @@ async fn show(a: ShowArgs) -> i32 {
         Ok(e) => e,
         Err(e) => return fail(2, e),
     };
-    let name = a.name.trim_start_matches('/');
+    let name = a.workflow.trim_start_matches('/');
     let Some(e) = all.iter().find(|e| e.name == name && e.meta.is_ok()) else {
         return fail(
             2,

@@ -6,7 +6,10 @@ use crate::workflows::FoundWorkflow;
 
 /// `(file stem, source)` of every bundled workflow.
 pub const BUNDLED: [(&str, &str); 5] = [
-    ("deep-research", include_str!("../workflows/deep-research.js")),
+    (
+        "deep-research",
+        include_str!("../workflows/deep-research.js"),
+    ),
     ("code-review", include_str!("../workflows/code-review.js")),
     ("reflect", include_str!("../workflows/reflect.js")),
     ("ingest", include_str!("../workflows/ingest.js")),
@@ -21,9 +24,12 @@ pub fn origin(name: &str) -> String {
 /// Whether bundled workflows are hidden (`FLOTILLA_DISABLE_BUNDLED_WORKFLOWS=1`, or Claude
 /// Code's `CLAUDE_CODE_DISABLE_BUNDLED_SKILLS=1`, W67).
 pub fn hidden() -> bool {
-    ["FLOTILLA_DISABLE_BUNDLED_WORKFLOWS", "CLAUDE_CODE_DISABLE_BUNDLED_SKILLS"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|s| s == "1" || s.eq_ignore_ascii_case("true")))
+    [
+        "FLOTILLA_DISABLE_BUNDLED_WORKFLOWS",
+        "CLAUDE_CODE_DISABLE_BUNDLED_SKILLS",
+    ]
+    .iter()
+    .any(|v| std::env::var(v).is_ok_and(|s| s == "1" || s.eq_ignore_ascii_case("true")))
 }
 
 /// The bundled workflow called `name`, unless bundled workflows are hidden.

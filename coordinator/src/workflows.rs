@@ -232,6 +232,11 @@ impl DirResolver {
             dirs.push(claude.join("workflows"));
             agent_dirs.push(claude.join("agents"));
         }
+        // A directory reached twice (a project in the home directory) is searched once.
+        let mut seen = std::collections::HashSet::new();
+        dirs.retain(|d| seen.insert(d.clone()));
+        let mut seen = std::collections::HashSet::new();
+        agent_dirs.retain(|d| seen.insert(d.clone()));
         DirResolver {
             dirs,
             agent_dirs,
@@ -512,8 +517,7 @@ mod tests {
             .find(|a| a.name == "security-reviewer")
             .unwrap();
         assert_eq!(sec.model.as_deref(), Some("opus"));
-        let def: serde_json::Value =
-            serde_json::from_str(&sec.definition_json().unwrap()).unwrap();
+        let def: serde_json::Value = serde_json::from_str(&sec.definition_json().unwrap()).unwrap();
         assert_eq!(
             def,
             serde_json::json!({"description": "Finds holes", "prompt": "You review for security.",

@@ -29,7 +29,7 @@ const scope = await agent(
     schema: {
       type: 'object',
       properties: {
-        angles: { type: 'array', items: { type: 'string' }, minItems: 1, maxItems: 6 },
+        angles: { type: 'array', items: { type: 'string' }, maxItems: 6 },
       },
       required: ['angles'],
     },

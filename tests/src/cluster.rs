@@ -52,6 +52,8 @@ pub struct Cluster {
     /// Extra flags and environment of every worker started from now on.
     pub worker_args: Vec<String>,
     pub worker_env: Vec<(String, String)>,
+    /// Extra flags of the coordinator.
+    pub coordinator_args: Vec<String>,
 }
 
 impl Cluster {
@@ -196,7 +198,18 @@ impl Cluster {
             standby: None,
             worker_args: Vec::new(),
             worker_env: Vec::new(),
+            coordinator_args: Vec::new(),
         }
+    }
+
+    /// Like [`Cluster::start`], with extra coordinator flags (`{dir}` in a flag becomes the
+    /// cluster's directory).
+    pub fn start_coordinator_with(workers: usize, slots: u32, args: &[&str]) -> Cluster {
+        let mut c = Self::prepare(workers, None, None);
+        let dir = c.path().display().to_string();
+        c.coordinator_args = args.iter().map(|a| a.replace("{dir}", &dir)).collect();
+        c.start_all(workers, slots);
+        c
     }
 
     /// Like [`Cluster::start`], with extra worker flags and environment.
@@ -317,6 +330,7 @@ impl Cluster {
         if let Some(etcd) = &self.etcd {
             cmd.args(["--etcd", etcd]);
         }
+        cmd.args(&self.coordinator_args);
         if let Some((_, env)) = &self.store {
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }

@@ -48,6 +48,7 @@ pub struct FakeAnthropic {
     pub port: u16,
     seen: Arc<Mutex<Vec<Seen>>>,
     stop: Arc<AtomicBool>,
+    cache: Arc<Cache>,
 }
 
 impl FakeAnthropic {
@@ -59,7 +60,7 @@ impl FakeAnthropic {
         let ids = Arc::new(AtomicU64::new(1));
         let cache: Arc<Cache> = Arc::default();
         {
-            let (seen, stop) = (seen.clone(), stop.clone());
+            let (seen, stop, cache) = (seen.clone(), stop.clone(), cache.clone());
             std::thread::spawn(move || {
                 for conn in listener.incoming() {
                     if stop.load(Ordering::SeqCst) {
@@ -71,7 +72,23 @@ impl FakeAnthropic {
                 }
             });
         }
-        FakeAnthropic { port, seen, stop }
+        FakeAnthropic {
+            port,
+            seen,
+            stop,
+            cache,
+        }
+    }
+
+    /// Answers every prompt (Messages API) that contains `needle` as if its text were
+    /// `script`, so a test can script agents whose prompts a workflow writes: e.g.
+    /// `when("Try to refute", "[[status:400]]")`. Rules are tried in the order given.
+    pub fn when(&self, needle: &str, script: &str) {
+        self.cache
+            .rules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((needle.to_owned(), script.to_owned()));
     }
 
     /// `http://127.0.0.1:PORT`, for `ANTHROPIC_BASE_URL`.
@@ -134,6 +151,22 @@ impl Drop for FakeAnthropic {
 struct Cache {
     prefixes: Mutex<std::collections::HashSet<u64>>,
     seen_prompts: Mutex<std::collections::HashMap<String, u32>>,
+    /// `(substring, script)`: a prompt containing the substring is answered as if it were
+    /// the script (see [`FakeAnthropic::when`]).
+    rules: Mutex<Vec<(String, String)>>,
+}
+
+impl Cache {
+    /// The text the markers are read from: the first rule's script that matches, else the
+    /// prompt itself.
+    fn scripted(&self, prompt: String) -> String {
+        self.rules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(needle, _)| prompt.contains(needle.as_str()))
+            .map_or(prompt, |(_, script)| script.clone())
+    }
 }
 
 fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64, cache: &Cache) {
@@ -289,6 +322,25 @@ fn last_user(body: &Value) -> (String, Option<String>) {
 }
 
 /// The first user prompt of the conversation (markers live there).
+/// The name of the last tool the assistant called in this conversation.
+fn last_tool(body: &Value) -> Option<String> {
+    let messages = body.get("messages").and_then(Value::as_array)?;
+    messages
+        .iter()
+        .rev()
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        .flat_map(|m| {
+            m.get("content")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .rev()
+        })
+        .find(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+        .and_then(|b| b.get("name").and_then(Value::as_str).map(str::to_owned))
+}
+
 fn first_prompt(body: &Value) -> String {
     let messages = body
         .get("messages")
@@ -317,16 +369,46 @@ fn first_prompt(body: &Value) -> String {
     String::new()
 }
 
+/// The text of marker `[[name:TEXT]]`: up to the `]]` that closes it, brackets inside TEXT
+/// (JSON arrays, shell tests) balanced, so several markers can share one prompt.
 fn marker<'a>(text: &'a str, name: &str) -> Option<&'a str> {
     let open = format!("[[{name}:");
     let start = text.find(&open)? + open.len();
     let rest = &text[start..];
-    let end = rest.rfind("]]")?;
-    Some(&rest[..end])
+    let bytes = rest.as_bytes();
+    let mut depth = 0usize;
+    for (i, b) in bytes.iter().enumerate() {
+        match b {
+            b'[' => depth += 1,
+            b']' if depth == 0 && bytes.get(i + 1) == Some(&b']') => return Some(&rest[..i]),
+            b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
 }
 
 fn fill(schema: &Value) -> Value {
-    match schema.get("type").and_then(Value::as_str) {
+    if let Some(v) = schema.get("const") {
+        return v.clone();
+    }
+    if let Some(first) = schema
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|e| e.first())
+    {
+        return first.clone();
+    }
+    let kind = schema.get("type").and_then(Value::as_str).or_else(|| {
+        if schema.get("properties").is_some() {
+            Some("object")
+        } else if schema.get("items").is_some() {
+            Some("array")
+        } else {
+            None
+        }
+    });
+    match kind {
         Some("object") => {
             let mut out = serde_json::Map::new();
             if let Some(props) = schema.get("properties").and_then(Value::as_object) {
@@ -336,7 +418,12 @@ fn fill(schema: &Value) -> Value {
             }
             Value::Object(out)
         }
-        Some("array") => json!([]),
+        // One item (or minItems), so a made-up answer has something in it.
+        Some("array") => {
+            let n = schema.get("minItems").and_then(Value::as_u64).unwrap_or(1);
+            let item = schema.get("items").cloned().unwrap_or(Value::Null);
+            Value::Array((0..n).map(|_| fill(&item)).collect())
+        }
         Some("number") | Some("integer") => json!(1),
         Some("boolean") => json!(true),
         Some("null") => Value::Null,
@@ -398,7 +485,7 @@ fn breakpoints(body: &Value) -> (Vec<(u64, u64)>, u64) {
 fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, u64) {
     let (points, total) = breakpoints(body);
     // `[[fail-first:N:CODE]]`: the first N requests of this prompt fail with CODE.
-    let prompt = first_prompt(body);
+    let prompt = cache.scripted(first_prompt(body));
     let forced = marker(&prompt, "fail-first").and_then(|spec| {
         let (n, code) = spec.split_once(':')?;
         let (n, code) = (n.parse::<u32>().ok()?, code.parse::<u16>().ok()?);
@@ -443,11 +530,10 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
     let ok = answer_with(
         conn,
         body,
+        &prompt,
         id,
         status,
-        total.saturating_sub(last),
-        read,
-        written,
+        (total.saturating_sub(last), read, written),
     );
     (ok, read)
 }
@@ -487,13 +573,11 @@ fn stall_stream(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
 fn answer_with(
     conn: &mut TcpStream,
     body: &Value,
+    prompt: &str,
     id: u64,
     status: Option<u16>,
-    uncached: u64,
-    cache_read: u64,
-    cache_write: u64,
+    (uncached, cache_read, cache_write): (u64, u64, u64),
 ) -> bool {
-    let prompt = first_prompt(body);
     if let Some(code) = status {
         let kind = match code {
             429 => "rate_limit_error",
@@ -521,12 +605,26 @@ fn answer_with(
         .iter()
         .find(|t| t.get("name").and_then(Value::as_str) == Some("StructuredOutput"));
     // The blocks of the reply and why it stops.
-    let (blocks, stop) = if let Some(out) = tool_output {
+    let after_structured = last_tool(body).as_deref() == Some("StructuredOutput");
+    let (blocks, stop) = if let (Some(_), Some(tool), false) =
+        (&tool_output, structured, after_structured)
+    {
+        // A tool ran and a structured result is still due: submit it now.
+        let value = marker(prompt, "json")
+            .and_then(|j| serde_json::from_str(j).ok())
+            .unwrap_or_else(|| fill(tool.get("input_schema").unwrap_or(&Value::Null)));
+        (
+            vec![
+                json!({"type": "tool_use", "id": format!("toolu_fake_{id}"), "name": "StructuredOutput", "input": value}),
+            ],
+            "tool_use",
+        )
+    } else if let Some(out) = tool_output {
         (
             vec![json!({"type": "text", "text": format!("tool said: {}", out.trim())})],
             "end_turn",
         )
-    } else if let Some(cmd) = marker(&prompt, "bash") {
+    } else if let Some(cmd) = marker(prompt, "bash") {
         (
             vec![
                 json!({"type": "tool_use", "id": format!("toolu_fake_{id}"), "name": "Bash",
@@ -535,7 +633,7 @@ fn answer_with(
             "tool_use",
         )
     } else if let Some(tool) = structured {
-        let value = marker(&prompt, "json")
+        let value = marker(prompt, "json")
             .and_then(|j| serde_json::from_str(j).ok())
             .unwrap_or_else(|| fill(tool.get("input_schema").unwrap_or(&Value::Null)));
         (

@@ -405,47 +405,47 @@ async fn run_attempt(
         Ok(backend) => match parse_schema(&spec) {
             Err(e) => Err(e),
             Ok(schema) => match worktree_for(&a, &spec, &workspace, &events).await {
-              Err(e) => Err(e),
-              Ok(worktree) => {
-                let task = Task {
-                    run_id: a.run_id.clone(),
-                    call: a.call,
-                    attempt: a.attempt,
-                    call_key: a.call_key.clone(),
-                    spec: spec.clone(),
-                    schema,
-                    workspace,
-                    worktree: worktree.clone(),
-                };
-                let result = if spec.timeout_ms > 0 {
-                    // On timeout the attempt is cancelled the normal way, so the backend kills
-                    // what it started before the outcome is sent.
-                    let limit = Duration::from_millis(spec.timeout_ms);
-                    let token = cancel.child_token();
-                    let run = backend.run(&task, &events, token.clone());
-                    tokio::pin!(run);
-                    tokio::select! {
-                        r = &mut run => r,
-                        _ = tokio::time::sleep(limit) => {
-                            token.cancel();
-                            let _ = run.await;
-                            Err(Error::new(
-                                FailureKind::Timeout,
-                                format!("agent timed out after {}", humanize(limit)),
-                            ))
+                Err(e) => Err(e),
+                Ok(worktree) => {
+                    let task = Task {
+                        run_id: a.run_id.clone(),
+                        call: a.call,
+                        attempt: a.attempt,
+                        call_key: a.call_key.clone(),
+                        spec: spec.clone(),
+                        schema,
+                        workspace,
+                        worktree: worktree.clone(),
+                    };
+                    let result = if spec.timeout_ms > 0 {
+                        // On timeout the attempt is cancelled the normal way, so the backend kills
+                        // what it started before the outcome is sent.
+                        let limit = Duration::from_millis(spec.timeout_ms);
+                        let token = cancel.child_token();
+                        let run = backend.run(&task, &events, token.clone());
+                        tokio::pin!(run);
+                        tokio::select! {
+                            r = &mut run => r,
+                            _ = tokio::time::sleep(limit) => {
+                                token.cancel();
+                                let _ = run.await;
+                                Err(Error::new(
+                                    FailureKind::Timeout,
+                                    format!("agent timed out after {}", humanize(limit)),
+                                ))
+                            }
                         }
+                    } else {
+                        backend.run(&task, &events, cancel.clone()).await
+                    };
+                    if let Some(wt) = &worktree {
+                        let kept = wt.finish().await == crate::worktree::Finished::Kept;
+                        events.transcript(serde_json::json!({
+                            "type": "worktree", "path": wt.path, "branch": wt.branch, "kept": kept,
+                        }));
                     }
-                } else {
-                    backend.run(&task, &events, cancel.clone()).await
-                };
-                if let Some(wt) = &worktree {
-                    let kept = wt.finish().await == crate::worktree::Finished::Kept;
-                    events.transcript(serde_json::json!({
-                        "type": "worktree", "path": wt.path, "branch": wt.branch, "kept": kept,
-                    }));
+                    result
                 }
-                result
-              }
             },
         },
     };
@@ -490,8 +490,12 @@ async fn worktree_for(
     }
     let invalid = |e: String| Error::new(FailureKind::Invalid, e);
     let root = workspace.root();
-    std::fs::create_dir_all(root)
-        .map_err(|e| invalid(format!("cannot create workspace root {}: {e}", root.display())))?;
+    std::fs::create_dir_all(root).map_err(|e| {
+        invalid(format!(
+            "cannot create workspace root {}: {e}",
+            root.display()
+        ))
+    })?;
     let root = root
         .canonicalize()
         .map_err(|e| invalid(format!("cannot resolve {}: {e}", root.display())))?;
@@ -502,13 +506,24 @@ async fn worktree_for(
             .dir_for(&a.run_id, a.call, &spec.cwd)
             .map_err(invalid)?
     };
-    let wt = crate::worktree::Worktree::create(&root, &dir, &a.run_id, a.call, a.attempt)
-        .await
-        .map_err(invalid)?;
-    events.transcript(serde_json::json!({
-        "type": "worktree", "path": wt.path, "branch": wt.branch, "base": wt.base,
-    }));
-    Ok(Some(wt))
+    match crate::worktree::Worktree::create(&root, &dir, &a.run_id, a.call, a.attempt).await {
+        Ok(wt) => {
+            events.transcript(serde_json::json!({
+                "type": "worktree", "path": wt.path, "branch": wt.branch, "base": wt.base,
+            }));
+            Ok(Some(wt))
+        }
+        Err(why) => {
+            let wt = crate::worktree::Worktree::plain(&root, &a.run_id, a.call, a.attempt)
+                .map_err(invalid)?;
+            tracing::warn!(run = %a.run_id, call = a.call, "no git worktree: {why}");
+            events.transcript(serde_json::json!({
+                "type": "worktree", "path": wt.path, "plain": true,
+                "warning": format!("{why}; the agent works in an empty directory of its own instead"),
+            }));
+            Ok(Some(wt))
+        }
+    }
 }
 
 fn parse_schema(spec: &v1::TaskSpec) -> Result<Option<Value>, Error> {

@@ -2,6 +2,9 @@
 //! that holds its working directory, on its own branch. Afterwards the worktree is removed if
 //! the agent changed nothing, and kept (with its branch) otherwise.
 //!
+//! Outside a git repository (or without git) the attempt gets a fresh empty directory at the
+//! same place instead, so a Claude Code script that asks for a worktree still runs, isolated.
+//!
 //! Worktrees live under `<workspace root>/.worktrees/<run>/<call>-<attempt>`, branches are
 //! `flotilla/<run>/<call>-<attempt>`, so a retry never inherits a half-done attempt and a kept
 //! worktree is never reused. Git's own commands do the work; adding and removing worktrees of
@@ -26,7 +29,8 @@ pub struct Worktree {
     pub branch: String,
     /// The commit it started from.
     pub base: String,
-    repo: PathBuf,
+    /// The repository; `None` for a plain directory (no repository to branch from).
+    repo: Option<PathBuf>,
 }
 
 /// What happened to a worktree after its attempt.
@@ -143,12 +147,43 @@ impl Worktree {
             workdir,
             branch,
             base,
-            repo,
+            repo: Some(repo),
         })
+    }
+
+    /// Outside a repository: a fresh, empty directory of the attempt's own at the same
+    /// place a worktree would be, so the agent is still isolated from every other one.
+    pub fn plain(root: &Path, run_id: &str, call: u64, attempt: u32) -> Result<Worktree, String> {
+        let path = root
+            .join(".worktrees")
+            .join(run_id)
+            .join(format!("{call}-{attempt}"));
+        if path.exists() {
+            std::fs::remove_dir_all(&path)
+                .map_err(|e| format!("cannot clear {}: {e}", path.display()))?;
+        }
+        std::fs::create_dir_all(&path)
+            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        let path = path.canonicalize().unwrap_or(path);
+        Ok(Worktree {
+            workdir: path.clone(),
+            path,
+            branch: String::new(),
+            base: String::new(),
+            repo: None,
+        })
+    }
+
+    /// Whether this is a git worktree (not a plain directory).
+    pub fn is_git(&self) -> bool {
+        self.repo.is_some()
     }
 
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.
     pub async fn changed(&self) -> bool {
+        if self.repo.is_none() {
+            return std::fs::read_dir(&self.path).map_or(true, |mut d| d.next().is_some());
+        }
         let dirty = git(&self.path, &["status", "--porcelain"])
             .await
             .map(|s| !s.is_empty())
@@ -165,17 +200,26 @@ impl Worktree {
         if self.changed().await {
             return Finished::Kept;
         }
+        let Some(repo) = &self.repo else {
+            let _ = std::fs::remove_dir(&self.path);
+            return Finished::Removed;
+        };
         let _git = GIT.lock().await;
         let removed = git(
-            &self.repo,
-            &["worktree", "remove", "--force", &self.path.to_string_lossy()],
+            repo,
+            &[
+                "worktree",
+                "remove",
+                "--force",
+                &self.path.to_string_lossy(),
+            ],
         )
         .await;
         if removed.is_err() {
             let _ = std::fs::remove_dir_all(&self.path);
-            let _ = git(&self.repo, &["worktree", "prune"]).await;
+            let _ = git(repo, &["worktree", "prune"]).await;
         }
-        let _ = git(&self.repo, &["branch", "-D", &self.branch]).await;
+        let _ = git(repo, &["branch", "-D", &self.branch]).await;
         Finished::Removed
     }
 }
@@ -230,7 +274,9 @@ mod tests {
         );
         assert_eq!(wt.finish().await, Finished::Removed);
         assert!(!wt.path.exists());
-        let branches = git(&root, &["branch", "--list", "flotilla/*"]).await.unwrap();
+        let branches = git(&root, &["branch", "--list", "flotilla/*"])
+            .await
+            .unwrap();
         assert!(branches.is_empty(), "{branches}");
     }
 
@@ -243,7 +289,9 @@ mod tests {
         assert_eq!(wt.finish().await, Finished::Kept);
         assert!(wt.path.join("new.txt").exists());
         assert!(!root.join("new.txt").exists());
-        let branches = git(&root, &["branch", "--list", "flotilla/*"]).await.unwrap();
+        let branches = git(&root, &["branch", "--list", "flotilla/*"])
+            .await
+            .unwrap();
         assert!(branches.contains("flotilla/wf_b/0-2"), "{branches}");
     }
 

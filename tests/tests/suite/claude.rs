@@ -310,8 +310,10 @@ fn a_stalled_stream_is_restarted_by_the_watchdog_and_the_retry_succeeds() {
     assert_eq!(flotilla_tests::agent(&r, "s")["attempts"], 2, "{r}");
     let logs = r["logs"].as_array().unwrap();
     assert!(
-        logs.iter()
-            .any(|l| l.as_str().unwrap().starts_with("[stall] agent \"s\" stalled")),
+        logs.iter().any(|l| l
+            .as_str()
+            .unwrap()
+            .starts_with("[stall] agent \"s\" stalled")),
         "{logs:?}"
     );
     // The CLI did not retry by itself: the watchdog restarted the attempt.
@@ -376,7 +378,10 @@ fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() 
     );
     assert!(edit_dir.join("edited.txt").exists());
     assert!(edit_dir.join("README").exists(), "a full checkout");
-    assert!(!ws.join("edited.txt").exists(), "the main checkout is untouched");
+    assert!(
+        !ws.join("edited.txt").exists(),
+        "the main checkout is untouched"
+    );
     // The unchanged worktree and its branch are gone; the changed one's branch stays.
     assert!(!ws.join(".worktrees").join(run_id).join("1-1").exists());
     let branches = std::process::Command::new("git")
@@ -386,8 +391,14 @@ fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() 
         .output()
         .unwrap();
     let branches = String::from_utf8_lossy(&branches.stdout);
-    assert!(branches.contains(&format!("flotilla/{run_id}/0-1")), "{branches}");
-    assert!(!branches.contains(&format!("flotilla/{run_id}/1-1")), "{branches}");
+    assert!(
+        branches.contains(&format!("flotilla/{run_id}/0-1")),
+        "{branches}"
+    );
+    assert!(
+        !branches.contains(&format!("flotilla/{run_id}/1-1")),
+        "{branches}"
+    );
     // Each agent was told it works in an isolated copy.
     let told = fake
         .requests()
@@ -398,19 +409,31 @@ fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() 
 }
 
 #[test]
-fn worktree_isolation_outside_a_repository_fails_the_call_with_the_fix() {
+fn outside_a_repository_a_worktree_agent_gets_an_empty_directory_of_its_own() {
     let env = Env::new();
     let fake = FakeAnthropic::start();
     let (code, r) = run(
         &env,
         &fake,
-        "const r = await parallel([() => agent('x', { isolation: 'worktree', label: 'w' })]);\nreturn r;",
+        "return await agent('where [[bash:pwd]]', { isolation: 'worktree', tools: ['Bash'] });",
     );
     assert_eq!(code, 0, "{r}");
-    assert_eq!(r["result"], json!([null]), "{r}");
-    let text = r.to_string();
-    assert!(text.contains("needs a git repository"), "{text}");
-    assert!(text.contains("--workspace"), "{text}");
+    let run_id = r["run_id"].as_str().unwrap();
+    let dir = env
+        .workspace()
+        .canonicalize()
+        .unwrap()
+        .join(".worktrees")
+        .join(run_id)
+        .join("0-1");
+    assert_eq!(r["result"], format!("tool said: {}", dir.display()), "{r}");
+    assert!(!dir.exists(), "left empty, so removed");
+    let logs = env.flotilla(&["logs", run_id, "--agent", "0", "--json"]);
+    assert!(
+        logs.stdout.contains("empty directory of its own"),
+        "{}",
+        logs.stdout
+    );
 }
 
 #[test]

@@ -6,6 +6,7 @@
 
 mod agent;
 mod anthropic;
+mod bundled;
 mod claude;
 mod cli;
 mod cluster;
@@ -17,3 +18,4 @@ mod resume;
 mod script;
 mod spec_extra;
 mod stall;
+mod workflows;

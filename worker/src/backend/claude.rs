@@ -104,7 +104,7 @@ impl ClaudeCode {
             }
             args.extend(["--agent".into(), s.agent_type.clone()]);
         }
-        if let Some(wt) = &task.worktree {
+        if let Some(wt) = task.worktree.as_ref().filter(|w| w.is_git()) {
             args.extend([
                 "--append-system-prompt".into(),
                 format!(
