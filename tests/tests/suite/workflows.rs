@@ -374,3 +374,39 @@ fn a_coordinator_disabled_in_its_config_refuses_new_runs_while_running_ones_fini
     let out = c.client(&["launch", script.to_str().unwrap(), "--json"]);
     assert_eq!(out.code, 0, "{out:?}");
 }
+
+#[test]
+fn a_saved_claude_code_workflow_runs_by_name_on_the_fleet_and_resolves_its_children() {
+    let c = Cluster::start(1, 4);
+    std::fs::create_dir_all(c.path().join(".git")).unwrap();
+    let dir = c.path().join(".claude/workflows");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("outer.js"),
+        wf(
+            "outer",
+            "calls a sibling",
+            "const inner = await workflow('inner', { n: 2 });\nreturn { inner, own: await agent('outer agent') };",
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("inner.js"),
+        wf(
+            "inner",
+            "the sibling",
+            "return await agent('inner ' + args.n);",
+        ),
+    )
+    .unwrap();
+    let out = c.client(&["launch", "/outer", "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        json!({"inner": "inner 2", "own": "outer agent"})
+    );
+    assert_eq!(r["workflow"]["name"], "outer");
+}
