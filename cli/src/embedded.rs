@@ -18,7 +18,7 @@ use crate::progress;
 
 /// A coordinator with an in-process worker.
 pub struct Embedded {
-    pub coordinator: Coordinator,
+    pub coordinator: Arc<Coordinator>,
     cancel: CancellationToken,
 }
 
@@ -31,7 +31,7 @@ impl Embedded {
         exec_cmd: Option<&str>,
     ) -> anyhow::Result<Embedded> {
         let store = store::open(store_url)?;
-        let coordinator = Coordinator::new(store, MemoryLeaseStore::new());
+        let coordinator = Arc::new(Coordinator::new(store, MemoryLeaseStore::new()));
         let mut backends: Vec<Arc<dyn AgentBackend>> = vec![
             Arc::new(Echo),
             Arc::new(flotilla_worker::backend::claude::ClaudeCode::from_env()),
@@ -68,7 +68,11 @@ impl Embedded {
 }
 
 /// Runs one workflow to its end, showing progress, and returns its report.
-pub async fn run(r: ResolvedRun, mode: progress::Mode) -> anyhow::Result<Report> {
+pub async fn run(
+    r: ResolvedRun,
+    mode: progress::Mode,
+    serve: Option<std::net::SocketAddr>,
+) -> anyhow::Result<Report> {
     let embedded = Embedded::start(
         &r.store_url,
         r.settings.concurrency,
@@ -98,6 +102,26 @@ pub async fn run(r: ResolvedRun, mode: progress::Mode) -> anyhow::Result<Report>
     };
     let view = progress::start(mode, handle.snapshot.clone());
     let stopper = handle.stopper();
+    let run_id = handle.run_id.clone();
+    // With --serve, the session page of this run on loopback (no sign-in: local only).
+    let registry = Arc::new(flotilla_coordinator::server::RunRegistry::default());
+    let pages = CancellationToken::new();
+    let mut served = None;
+    if let Some(addr) = serve {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot serve the session page on {addr}: {e}"))?;
+        let at = listener.local_addr()?;
+        eprintln!("session page: http://{at}/runs/{run_id}");
+        let app =
+            flotilla_coordinator::web::router(embedded.coordinator.clone(), registry.clone(), None);
+        let stop = pages.clone();
+        served = Some(tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await;
+        }));
+    }
     let interrupts = tokio::spawn(async move {
         if tokio::signal::ctrl_c().await.is_ok() {
             eprintln!("stopping the run (press Ctrl-C again to quit at once)");
@@ -107,7 +131,23 @@ pub async fn run(r: ResolvedRun, mode: progress::Mode) -> anyhow::Result<Report>
             }
         }
     });
-    let report = handle.wait().await;
+    let report = if served.is_some() {
+        registry.track(handle);
+        let report = registry
+            .wait_report(&run_id)
+            .await
+            .map(|r| (*r).clone())
+            .ok_or_else(|| anyhow::anyhow!("the run ended without a report"))?;
+        // Open pages get the final state before the server goes.
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        report
+    } else {
+        handle.wait().await
+    };
+    pages.cancel();
+    if let Some(s) = served {
+        let _ = s.await;
+    }
     interrupts.abort();
     view.finish().await;
     embedded.shutdown();

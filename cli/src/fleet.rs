@@ -624,6 +624,12 @@ pub struct LaunchArgs {
 }
 
 pub async fn launch(a: LaunchArgs) -> i32 {
+    if a.run.serve.is_some() {
+        return fail(
+            2,
+            "--serve is for `flotilla run`; on the fleet the coordinator serves every run's page at its --http address",
+        );
+    }
     let file = match config::load(a.run.config.as_deref()) {
         Ok(f) => f,
         Err(e) => return fail(2, e),

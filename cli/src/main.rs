@@ -98,6 +98,10 @@ pub struct RunArgs {
     /// Print the launch plan (phases, settings, limits, rough size) and exit.
     #[arg(long, conflicts_with = "yes")]
     pub plan: bool,
+    /// Serve the run's session page on loopback while it runs and print its URL
+    /// [default address: 127.0.0.1 on a free port].
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
+    pub serve: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub settings: config::SettingFlags,
     /// TOML config file with the same keys as the flags (snake_case).
@@ -221,7 +225,18 @@ async fn run(args: RunArgs) -> i32 {
     let json = args.json;
     let bars = !json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
     let lines = !json && !bars;
-    let report = match embedded::run(resolved, progress::Mode::pick(bars, lines)).await {
+    if let Some(addr) = args.serve
+        && !addr.ip().is_loopback()
+    {
+        return fail(
+            2,
+            format!(
+                "--serve {addr}: the embedded session page has no sign-in, so it is served on loopback only; use --serve 127.0.0.1:PORT"
+            ),
+        );
+    }
+    let report = match embedded::run(resolved, progress::Mode::pick(bars, lines), args.serve).await
+    {
         Ok(r) => r,
         Err(e) => return fail(1, format!("{e:#}")),
     };

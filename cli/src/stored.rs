@@ -206,39 +206,5 @@ pub async fn logs(
 
 /// One transcript event as a line of text.
 fn render_event(e: &serde_json::Value) -> String {
-    let s = |k: &str| {
-        e.get(k).map_or_else(String::new, |v| match v {
-            serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Null => String::new(),
-            other => other.to_string(),
-        })
-    };
-    let cut = |t: String| -> String {
-        if t.chars().count() > 400 {
-            format!("{}…", t.chars().take(400).collect::<String>())
-        } else {
-            t
-        }
-    };
-    match e
-        .get("type")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or("")
-    {
-        "text" => format!("  text: {}", cut(s("text"))),
-        "thinking" => format!("  thinking: {}", cut(s("text"))),
-        "tool_call" => format!("  tool {}: {}", s("name"), cut(s("input"))),
-        "tool_result" => format!("  result: {}", cut(s("output"))),
-        "permission" => format!(
-            "  permission {}: {}",
-            s("tool"),
-            if e["allowed"] == true {
-                "allowed"
-            } else {
-                "denied"
-            }
-        ),
-        "result" => format!("  done (error: {}): {}", s("is_error"), cut(s("result"))),
-        _ => format!("  {}", cut(e.to_string())),
-    }
+    flotilla_coordinator::history::transcript_line(e)
 }

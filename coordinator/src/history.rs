@@ -102,6 +102,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
             }
             RunEvent::Log { line } => logs.push(line.clone()),
             RunEvent::Failure { line } => failures.push(line.clone()),
+            RunEvent::Prompt { .. } => {}
             RunEvent::Call {
                 index,
                 label,
@@ -199,4 +200,99 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         parent_run_id: m.parent_run_id.clone(),
         store: Some(store.url.clone()),
     })
+}
+
+/// What the session page shows of one agent: its prompt, its result and the transcript of
+/// each attempt, all read from storage (so a live run and a reopened one look the same).
+#[derive(Debug, Clone, Serialize)]
+pub struct AgentDetail {
+    pub index: u64,
+    pub prompt: Option<String>,
+    /// The value handed to the script, once the call has completed.
+    pub result: Option<Value>,
+    /// `(attempt, events)` for every attempt with a stored transcript.
+    pub attempts: Vec<(u32, Vec<Value>)>,
+}
+
+/// Reads one agent's detail; `attempts` is how many attempts the run reported for it.
+pub async fn agent_detail(
+    store: &Store,
+    run: &str,
+    index: u64,
+    attempts: u32,
+) -> Result<AgentDetail, Error> {
+    let prompt = read_events(store, run)
+        .await?
+        .into_iter()
+        .find_map(|e| match e.event {
+            RunEvent::Prompt { index: i, prompt } if i == index => Some(prompt),
+            _ => None,
+        });
+    let mut result = None;
+    if let Some(c) = read_calls(store, run)
+        .await?
+        .into_iter()
+        .find(|c| c.index == index)
+    {
+        result = match (c.result, c.payload) {
+            (Some(v), _) => Some(v),
+            (None, Some(sha)) => match store.get(&keys::payload(&sha)).await? {
+                Some(body) => serde_json::from_slice(&body).ok(),
+                None => None,
+            },
+            (None, None) => None,
+        };
+    }
+    let mut out = Vec::new();
+    for n in 1..=attempts {
+        let events = crate::store::journal::read_transcript(store, run, index, n).await?;
+        if !events.is_empty() {
+            out.push((n, events));
+        }
+    }
+    Ok(AgentDetail {
+        index,
+        prompt,
+        result,
+        attempts: out,
+    })
+}
+
+/// One transcript event as a line of text (`flotilla logs` and the session page): text,
+/// thinking, tool calls with their input, tool results, permission answers, the result.
+pub fn transcript_line(e: &Value) -> String {
+    let s = |k: &str| {
+        e.get(k).map_or_else(String::new, |v| match v {
+            Value::String(s) => s.clone(),
+            Value::Null => String::new(),
+            other => other.to_string(),
+        })
+    };
+    let cut = |t: String| -> String {
+        if t.chars().count() > 400 {
+            format!("{}…", t.chars().take(400).collect::<String>())
+        } else {
+            t
+        }
+    };
+    match e.get("type").and_then(Value::as_str).unwrap_or("") {
+        "text" | "assistant_text" => format!("  text: {}", cut(s("text"))),
+        "thinking" => format!("  thinking: {}", cut(s("text"))),
+        "tool_call" => format!("  tool {}: {}", s("name"), cut(s("input"))),
+        "tool_result" => format!("  result: {}", cut(s("output"))),
+        "permission" => format!(
+            "  permission {}: {}",
+            s("tool"),
+            if e["allowed"] == true {
+                "allowed"
+            } else {
+                "denied"
+            }
+        ),
+        "permission_denied" => format!("  permission {}: denied", s("tool")),
+        "retry" => format!("  retry: {}", cut(s("reason"))),
+        "worktree" => format!("  worktree {} {}", s("path"), s("branch")),
+        "result" => format!("  done (error: {}): {}", s("is_error"), cut(s("result"))),
+        _ => format!("  {}", cut(e.to_string())),
+    }
 }

@@ -124,6 +124,110 @@ impl RunRegistry {
             .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().clone()))
     }
 
+    /// The report of a run this coordinator runs: the final one once it has ended, else the
+    /// report as it stands now (calls that have not ended show `queued` or `running`).
+    pub async fn live_report(&self, run: &str) -> Option<Arc<Report>> {
+        let (stopper, done) = {
+            let runs = self.lock();
+            let e = runs.get(run)?;
+            (e.stopper.clone(), e.report.borrow().clone())
+        };
+        if let Some(r) = done {
+            return Some(r);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        stopper.send(Control::Report(tx)).ok()?;
+        match rx.await {
+            Ok(r) => Some(Arc::new(r)),
+            // It ended meanwhile: its final report is there now.
+            Err(_) => self.lock().get(run).and_then(|e| e.report.borrow().clone()),
+        }
+    }
+
+    /// Pauses or resumes a run, stops it, or stops or restarts one of its agents (W54–W56):
+    /// the one path the client API and the session page share. `action` is `pause`,
+    /// `resume`, `stop`, `stop_agent` or `restart_agent`.
+    pub async fn control(&self, run_id: &str, action: &str, agent: &str) -> Result<String, Status> {
+        let stopper = self.lock().get(run_id).map(|e| {
+            let finished = e.report.borrow().is_some();
+            let paused = e.snapshot.borrow().status == Some(RunStatus::Paused);
+            (e.stopper.clone(), finished, paused, e.snapshot.clone())
+        });
+        let Some((stopper, false, paused, mut snapshot)) = stopper else {
+            return Err(Status::not_found(format!(
+                "run {run_id} is not running on this coordinator"
+            )));
+        };
+        let gone = || Status::not_found(format!("run {run_id} has ended"));
+        match action {
+            "stop" => {
+                stopper.send(Control::Stop).map_err(|_| gone())?;
+                Ok(format!("stopping {run_id}"))
+            }
+            "pause" | "resume" => {
+                let pause = action == "pause";
+                if pause == paused {
+                    return Err(Status::failed_precondition(format!(
+                        "run {run_id} is {} already",
+                        if paused { "paused" } else { "running" }
+                    )));
+                }
+                stopper.send(Control::Pause(pause)).map_err(|_| gone())?;
+                // Answer once the run shows it, so a second request sees the new state.
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                    loop {
+                        let now = snapshot.borrow_and_update().status == Some(RunStatus::Paused);
+                        if now == pause || snapshot.changed().await.is_err() {
+                            break;
+                        }
+                    }
+                })
+                .await;
+                Ok(format!(
+                    "{} {run_id}",
+                    if pause { "paused" } else { "resumed" }
+                ))
+            }
+            "stop_agent" | "restart_agent" => {
+                if agent.is_empty() {
+                    return Err(Status::invalid_argument(
+                        "name the agent: its index (as `flotilla status` shows) or its label",
+                    ));
+                }
+                let action = if action == "stop_agent" {
+                    AgentAction::Stop
+                } else {
+                    AgentAction::Restart
+                };
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                stopper
+                    .send(Control::Agent {
+                        action,
+                        agent: agent.to_owned(),
+                        reply: tx,
+                    })
+                    .map_err(|_| gone())?;
+                rx.await
+                    .map_err(|_| gone())?
+                    .map_err(Status::failed_precondition)
+            }
+            other => Err(Status::invalid_argument(format!(
+                "unknown action {other:?}: use pause, resume, stop, stop_agent or restart_agent"
+            ))),
+        }
+    }
+
+    /// Waits for a tracked run's final report (`None` for a run this process does not track).
+    pub async fn wait_report(&self, run: &str) -> Option<Arc<Report>> {
+        let mut rx = self.lock().get(run)?.report.clone();
+        loop {
+            if let Some(r) = rx.borrow_and_update().clone() {
+                return Some(r);
+            }
+            rx.changed().await.ok()?;
+        }
+    }
+
     /// Sets what happens when a tracked run ends (once).
     pub fn on_end(&self, f: Arc<dyn Fn(String) + Send + Sync>) {
         let _ = self.on_end.set(f);
@@ -651,58 +755,7 @@ impl ClientService for ClientSvc {
             action,
             agent,
         } = req.into_inner();
-        let stopper = self.registry.lock().get(&run_id).map(|e| {
-            let finished = e.report.borrow().is_some();
-            let paused = e.snapshot.borrow().status == Some(RunStatus::Paused);
-            (e.stopper.clone(), finished, paused)
-        });
-        let Some((stopper, false, paused)) = stopper else {
-            return Err(Status::not_found(format!(
-                "run {run_id} is not running on this coordinator"
-            )));
-        };
-        let gone = || Status::not_found(format!("run {run_id} has ended"));
-        let message = match action.as_str() {
-            "pause" | "resume" => {
-                let pause = action == "pause";
-                if pause == paused {
-                    return Err(Status::failed_precondition(format!(
-                        "run {run_id} is {} already",
-                        if paused { "paused" } else { "running" }
-                    )));
-                }
-                stopper.send(Control::Pause(pause)).map_err(|_| gone())?;
-                format!("{} {run_id}", if pause { "paused" } else { "resumed" })
-            }
-            "stop_agent" | "restart_agent" => {
-                if agent.is_empty() {
-                    return Err(Status::invalid_argument(
-                        "name the agent: its index (as `flotilla status` shows) or its label",
-                    ));
-                }
-                let action = if action == "stop_agent" {
-                    AgentAction::Stop
-                } else {
-                    AgentAction::Restart
-                };
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                stopper
-                    .send(Control::Agent {
-                        action,
-                        agent,
-                        reply: tx,
-                    })
-                    .map_err(|_| gone())?;
-                rx.await
-                    .map_err(|_| gone())?
-                    .map_err(Status::failed_precondition)?
-            }
-            other => {
-                return Err(Status::invalid_argument(format!(
-                    "unknown action {other:?}: use pause, resume, stop_agent or restart_agent"
-                )));
-            }
-        };
+        let message = self.registry.control(&run_id, &action, &agent).await?;
         Ok(Response::new(v1::ControlReply { message }))
     }
 

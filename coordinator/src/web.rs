@@ -152,6 +152,9 @@ pub fn router(
         .route("/runs.json", get(runs_json))
         .route("/runs/{run}", get(run_page))
         .route("/runs/{run}/status.json", get(run_json))
+        .route("/runs/{run}/events", get(run_events))
+        .route("/runs/{run}/agents/{index}", get(agent_page))
+        .route("/runs/{run}/control", axum::routing::post(control))
         .route("/metrics", get(metrics))
         .with_state(Web {
             coordinator,
@@ -292,8 +295,8 @@ async fn run_page(State(web): State<Web>, Path(run): Path<String>, headers: Head
     if let Err(why) = check(&web, &headers) {
         return refuse(why, false);
     }
-    match view(&web, &run).await {
-        Ok(v) => Html(render_run(&v)).into_response(),
+    match page_data(&web, &run).await {
+        Ok(d) => Html(render_run(&d)).into_response(),
         Err((code, msg)) => (
             code,
             Html(page(
@@ -303,6 +306,152 @@ async fn run_page(State(web): State<Web>, Path(run): Path<String>, headers: Head
             )),
         )
             .into_response(),
+    }
+}
+
+/// Server-sent events: the changing part of the page, as HTML, whenever it changes (every
+/// half second at most while the run is here, every two seconds when read from storage);
+/// `end` carries the last one.
+async fn run_events(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    let stream = futures::stream::unfold(
+        (web, run, None::<String>, false),
+        |(web, run, last, done)| async move {
+            if done {
+                return None;
+            }
+            let mut last = last;
+            loop {
+                let data = page_data(&web, &run).await;
+                let d = match data {
+                    Ok(d) => d,
+                    Err((_, msg)) => {
+                        let ev = Event::default()
+                            .event("end")
+                            .data(format!("<p class=err>{}</p>", esc(&msg)));
+                        return Some((
+                            Ok::<_, std::convert::Infallible>(ev),
+                            (web, run, last, true),
+                        ));
+                    }
+                };
+                let html = render_live(&d);
+                if !d.live() {
+                    let ev = Event::default().event("end").data(html);
+                    return Some((Ok(ev), (web, run, None, true)));
+                }
+                if last.as_deref() != Some(html.as_str()) {
+                    let ev = Event::default().event("update").data(html.clone());
+                    return Some((Ok(ev), (web, run, Some(html), false)));
+                }
+                last = Some(html);
+                let pause = if d.here { 500 } else { 2000 };
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+            }
+        },
+    );
+    // The first update goes out at once; later ones no faster than the pause above.
+    let paced = futures::StreamExt::then(stream, {
+        let mut first = true;
+        move |ev| {
+            let wait = !std::mem::take(&mut first);
+            async move {
+                if wait {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                ev
+            }
+        }
+    });
+    Sse::new(paced)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// One agent's prompt, result and transcripts (an HTML fragment for the page).
+async fn agent_page(
+    State(web): State<Web>,
+    Path((run, index)): Path<(String, u64)>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, false);
+    }
+    let d = match page_data(&web, &run).await {
+        Ok(d) => d,
+        Err((code, msg)) => {
+            return (code, Html(format!("<p class=err>{}</p>", esc(&msg)))).into_response();
+        }
+    };
+    let Some(a) = d.report.agents.iter().find(|a| a.index == index) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Html(format!(
+                "<p class=err>run {} has no agent #{index}</p>",
+                esc(&run)
+            )),
+        )
+            .into_response();
+    };
+    match history::agent_detail(web.coordinator.store(), &run, index, a.attempts).await {
+        Ok(detail) => Html(render_agent(a, &detail)).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Html(format!(
+                "<p class=err>cannot read agent #{index}: {}</p>",
+                esc(&e.to_string())
+            )),
+        )
+            .into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+struct ControlBody {
+    action: String,
+    #[serde(default)]
+    agent: String,
+}
+
+/// The page's buttons: pause, resume or stop the run, stop or restart one agent. Needs the
+/// `x-flotilla` header, which a cross-site form cannot send.
+async fn control(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+    axum::Json(body): axum::Json<ControlBody>,
+) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    if !headers.contains_key("x-flotilla") {
+        return (
+            StatusCode::FORBIDDEN,
+            axum::Json(serde_json::json!({"error": "send the x-flotilla header (the page does)"})),
+        )
+            .into_response();
+    }
+    match web.registry.control(&run, &body.action, &body.agent).await {
+        Ok(message) => axum::Json(serde_json::json!({ "message": message })).into_response(),
+        Err(s) => {
+            let code = match s.code() {
+                tonic::Code::NotFound => StatusCode::NOT_FOUND,
+                tonic::Code::InvalidArgument => StatusCode::BAD_REQUEST,
+                _ => StatusCode::CONFLICT,
+            };
+            (
+                code,
+                axum::Json(serde_json::json!({ "error": s.message() })),
+            )
+                .into_response()
+        }
     }
 }
 
@@ -480,79 +629,263 @@ async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
-fn render_run(v: &RunView) -> String {
-    let s = &v.snapshot;
-    let status = s.status.map_or("pending", RunStatus::as_str);
-    let mut body = format!(
-        "<h1>{wf} <small>{id}</small></h1>\
-         <p class=counters><span class=\"st {status}\" id=status>{status}</span> \
-         · agents <b id=done>{done}</b> done / <b id=agents>{agents}</b> \
+/// What the page shows of a run: its report (final, or as it stands now with live states),
+/// the usage-limit wait in progress, and whether it can still change.
+struct PageData {
+    report: Arc<Report>,
+    waiting: Option<String>,
+    /// Running on this coordinator (buttons work, updates every half second).
+    here: bool,
+}
+
+impl PageData {
+    fn live(&self) -> bool {
+        !self.report.status.is_final()
+    }
+}
+
+async fn page_data(web: &Web, run: &str) -> Result<PageData, (StatusCode, String)> {
+    if let Some(report) = web.registry.live_report(run).await {
+        let waiting = web
+            .registry
+            .live(run)
+            .and_then(|(snap, _)| snap.waiting.clone());
+        return Ok(PageData {
+            report,
+            waiting,
+            here: true,
+        });
+    }
+    let report = history::load_report(web.coordinator.store(), run)
+        .await
+        .map_err(|e| match e.kind() {
+            flotilla_proto::ErrorKind::NotFound => (
+                StatusCode::NOT_FOUND,
+                format!("no run {run} on this coordinator or in its store"),
+            ),
+            _ => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("cannot read run {run}: {e}"),
+            ),
+        })?;
+    Ok(PageData {
+        report: Arc::new(report),
+        waiting: None,
+        here: false,
+    })
+}
+
+/// W42: more than 25 agents, or more than 1.5 million tokens.
+const LARGE_AGENTS: u64 = 25;
+const LARGE_TOKENS: u64 = 1_500_000;
+
+/// The part of the page that changes while the run goes on (sent again over SSE).
+fn render_live(d: &PageData) -> String {
+    let r = &*d.report;
+    let u = &r.usage;
+    let status = r.status.as_str();
+    let done = r.agents.iter().filter(|a| a.status == "completed").count();
+    let failed = r.agents.iter().filter(|a| a.status == "failed").count();
+    let running = r.agents.iter().filter(|a| a.status == "running").count();
+    let mut out = String::new();
+    out.push_str(&format!(
+        "<p class=counters><span class=\"st {status}\" id=status>{status}</span> \
+         · agents <b id=done>{done}</b> done / <b id=agents>{total}</b> \
          · running <b id=running>{running}</b> · failed <b id=failed>{failed}</b> \
-         · output tokens <b id=tokens>{tokens}</b> · elapsed <b id=elapsed>{elapsed}</b></p>",
-        wf = esc(if s.workflow.is_empty() {
-            "workflow"
-        } else {
-            &s.workflow
-        }),
-        id = esc(&s.run_id),
-        done = s.done,
-        agents = s.agents,
-        running = s.running,
-        failed = s.failed,
-        tokens = s.output_tokens,
-        elapsed = fmt_ms(s.elapsed_ms),
-    );
-    body.push_str("<h2>Phases</h2><table id=groups><tbody>");
-    for (title, done, total) in &s.groups {
-        body.push_str(&format!(
-            "<tr><td>{}</td><td>{done} / {total}</td></tr>",
-            esc(title)
+         · tokens <b id=tokens>{tin} in / {tout} out</b> · cost <b id=cost>${cost:.4}</b> \
+         · elapsed <b id=elapsed>{elapsed}</b></p>",
+        total = u.agents,
+        tin = u.input_tokens,
+        tout = u.output_tokens,
+        cost = u.cost_usd,
+        elapsed = fmt_ms(u.duration_ms),
+    ));
+    let mut warnings = Vec::new();
+    if u.agents > LARGE_AGENTS || u.input_tokens + u.output_tokens > LARGE_TOKENS {
+        warnings.push(format!(
+            "Large workflow: {} agents, {} tokens so far",
+            u.agents,
+            u.input_tokens + u.output_tokens
         ));
     }
-    body.push_str("</tbody></table><h2>Log</h2><pre id=logs>");
-    for line in &s.logs {
-        body.push_str(&esc(line));
-        body.push('\n');
+    if let Some(w) = &d.waiting {
+        warnings.push(w.clone());
     }
-    body.push_str("</pre>");
-    if let Some(r) = &v.report {
-        body.push_str("<h2>Agents</h2><table><thead><tr><th>#</th><th>label</th><th>phase</th><th>status</th><th>attempts</th><th>tokens</th><th>elapsed</th></tr></thead><tbody>");
-        for a in &r.agents {
+    for w in warnings {
+        out.push_str(&format!("<p class=warn>{}</p>", esc(&w)));
+    }
+    if d.here && d.live() {
+        let (action, label) = if r.status == RunStatus::Paused {
+            ("resume", "Resume")
+        } else {
+            ("pause", "Pause")
+        };
+        out.push_str(&format!(
+            "<p class=buttons><button data-action={action}>{label}</button> \
+             <button data-action=stop class=danger>Stop run</button></p>"
+        ));
+    }
+    if !r.logs.is_empty() {
+        out.push_str("<pre id=logs>");
+        for line in &r.logs {
+            out.push_str(&esc(line));
+            out.push('\n');
+        }
+        out.push_str("</pre>");
+    }
+    out.push_str("<div id=phases>");
+    for g in &r.groups {
+        let agents: Vec<_> = r.agents.iter().filter(|a| a.group == g.title).collect();
+        let done = agents.iter().filter(|a| a.status == "completed").count();
+        let tokens: u64 = agents
+            .iter()
+            .map(|a| a.input_tokens + a.output_tokens)
+            .sum();
+        let elapsed = span_ms(agents.iter().map(|a| (a.start_ms, a.end_ms)), u.duration_ms);
+        out.push_str(&format!(
+            "<section class=phase><h3>{} <small>{done}/{} agents · {tokens} tokens · {}</small></h3>\
+             <table><thead><tr><th>#</th><th>agent</th><th>status</th><th>model</th><th>tokens</th><th>attempts</th><th>elapsed</th><th></th></tr></thead><tbody>",
+            esc(&g.title),
+            agents.len(),
+            fmt_ms(elapsed),
+        ));
+        for a in agents {
             let elapsed = match (a.start_ms, a.end_ms) {
                 (Some(s), Some(e)) => fmt_ms(e.saturating_sub(s)),
+                (Some(s), None) if d.live() => fmt_ms(u.duration_ms.saturating_sub(s)),
                 _ => String::new(),
             };
-            body.push_str(&format!(
-                "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"st {st}\">{st}</td><td>{}</td><td>{}</td><td>{elapsed}</td></tr>",
-                a.index,
-                esc(&a.label),
-                esc(&a.group),
-                a.attempts,
-                a.output_tokens,
+            let buttons = if d.here && d.live() && (a.status == "running" || a.status == "queued") {
+                format!(
+                    "<button data-action=stop_agent data-target={i}>stop</button> \
+                     <button data-action=restart_agent data-target={i}>restart</button>",
+                    i = a.index
+                )
+            } else {
+                String::new()
+            };
+            let cached = if a.cached { " (cached)" } else { "" };
+            out.push_str(&format!(
+                "<tr id=agent-{i}><td>{i}</td><td><a href=\"#agent-{i}\" data-agent={i}>{label}</a></td>\
+                 <td class=\"st {st}\">{st}{cached}</td><td>{model}</td><td>{tokens}</td><td>{attempts}</td><td>{elapsed}</td><td>{buttons}</td></tr>",
+                i = a.index,
+                label = esc(&a.label),
                 st = esc(&a.status),
+                model = esc(&a.model),
+                tokens = a.input_tokens + a.output_tokens,
+                attempts = a.attempts,
             ));
         }
-        body.push_str("</tbody></table>");
-        if let Some(err) = &r.error {
-            body.push_str(&format!("<h2>Error</h2><pre class=err>{}</pre>", esc(err)));
-        }
-        if !r.failures.is_empty() {
-            body.push_str("<h2>Failures</h2><pre>");
-            for f in &r.failures {
-                body.push_str(&esc(f));
-                body.push('\n');
-            }
-            body.push_str("</pre>");
-        }
-        let result = serde_json::to_string_pretty(&r.result).unwrap_or_default();
-        body.push_str(&format!("<h2>Result</h2><pre>{}</pre>", esc(&result)));
+        out.push_str("</tbody></table></section>");
     }
-    let live = (!v.finished).then(|| format!("/runs/{}/status.json", s.run_id));
-    page(
-        &format!("{} · flotilla", s.workflow),
+    out.push_str("</div>");
+    if let Some(err) = &r.error {
+        out.push_str(&format!("<h2>Error</h2><pre class=err>{}</pre>", esc(err)));
+    }
+    if !r.failures.is_empty() {
+        out.push_str("<h2>Failures</h2><pre>");
+        for f in &r.failures {
+            out.push_str(&esc(f));
+            out.push('\n');
+        }
+        out.push_str("</pre>");
+    }
+    if r.status.is_final() {
+        let result = serde_json::to_string_pretty(&r.result).unwrap_or_default();
+        out.push_str(&format!(
+            "<h2>Result</h2><pre id=result>{}</pre>",
+            esc(&result)
+        ));
+    }
+    out
+}
+
+/// Wall time covered by a set of agents (first start to last end, or now).
+fn span_ms(spans: impl Iterator<Item = (Option<u64>, Option<u64>)>, now: u64) -> u64 {
+    let mut first = None::<u64>;
+    let mut last = 0u64;
+    for (s, e) in spans {
+        if let Some(s) = s {
+            first = Some(first.map_or(s, |f| f.min(s)));
+            last = last.max(e.unwrap_or(now));
+        }
+    }
+    first.map_or(0, |f| last.saturating_sub(f))
+}
+
+fn render_run(d: &PageData) -> String {
+    let r = &*d.report;
+    let name = if r.workflow.name.is_empty() {
+        "workflow"
+    } else {
+        &r.workflow.name
+    };
+    let body = format!(
+        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>\
+         <div id=live>{}</div><div id=detail></div>",
+        esc(name),
+        esc(&r.run_id),
+        esc(&r.workflow.description),
+        render_live(d),
+    );
+    page_with(
+        &format!("{name} · flotilla"),
         &body,
-        live.as_deref(),
+        &[
+            ("run", r.run_id.as_str()),
+            ("live", if d.live() { "1" } else { "0" }),
+        ],
     )
+}
+
+/// One agent's prompt, result and transcripts, as a fragment for the page.
+fn render_agent(a: &crate::report::AgentReport, d: &history::AgentDetail) -> String {
+    let mut out = format!(
+        "<section class=agent><h2>#{} {} <small class=\"st {st}\">{st}</small></h2>",
+        a.index,
+        esc(&a.label),
+        st = esc(&a.status)
+    );
+    out.push_str(&format!(
+        "<h3>Prompt</h3><pre class=prompt>{}</pre>",
+        esc(d.prompt.as_deref().unwrap_or("(not stored)"))
+    ));
+    if let Some(err) = &a.error {
+        out.push_str(&format!("<h3>Error</h3><pre class=err>{}</pre>", esc(err)));
+    }
+    match &d.result {
+        Some(serde_json::Value::String(t)) => {
+            out.push_str(&format!(
+                "<h3>Result</h3><pre class=result>{}</pre>",
+                esc(t)
+            ));
+        }
+        Some(v) => out.push_str(&format!(
+            "<h3>Result</h3><pre class=result>{}</pre>",
+            esc(&serde_json::to_string_pretty(v).unwrap_or_default())
+        )),
+        None => {}
+    }
+    if d.attempts.is_empty() {
+        let why = if a.cached {
+            "served from an earlier run: no transcript here"
+        } else {
+            "no transcript stored yet"
+        };
+        out.push_str(&format!("<p class=note>{why}</p>"));
+    }
+    for (n, events) in &d.attempts {
+        out.push_str(&format!(
+            "<h3>Transcript, attempt {n}</h3><pre class=transcript>"
+        ));
+        for e in events {
+            out.push_str(&esc(&history::transcript_line(e)));
+            out.push('\n');
+        }
+        out.push_str("</pre>");
+    }
+    out.push_str("</section>");
+    out
 }
 
 fn fmt_ms(ms: u64) -> String {
@@ -582,28 +915,41 @@ pub fn esc(s: &str) -> String {
 }
 
 const STYLE: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}\
-h1 small{color:#888;font-weight:normal;font-size:60%}table{border-collapse:collapse}\
+h1 small,h3 small{color:#888;font-weight:normal;font-size:70%}table{border-collapse:collapse}\
 td,th{padding:2px 10px;border-bottom:1px solid #eee;text-align:left}\
-pre{background:#f6f6f6;padding:8px;max-height:30em;overflow:auto}.err{color:#b00}\
-.st.completed{color:#070}.st.failed,.st.rejected{color:#b00}.st.running{color:#06c}";
+pre{background:#f6f6f6;padding:8px;max-height:30em;overflow:auto;white-space:pre-wrap}.err{color:#b00}\
+.warn{color:#a60;font-weight:bold}.danger{color:#b00}#notice{color:#06c}\
+.st.completed{color:#070}.st.failed,.st.rejected{color:#b00}.st.running{color:#06c}.st.paused{color:#a60}";
 
-/// Polls the run's JSON while it runs and updates the counters and the log; reloads once
-/// when it ends, to show the report.
-const LIVE: &str = "const src=document.body.dataset.live;\
-const fmt=ms=>ms<1000?ms+'ms':ms<120000?(ms/1000).toFixed(1)+'s':Math.floor(ms/60000)+'m'+String(Math.floor(ms/1000)%60).padStart(2,'0')+'s';\
-async function tick(){try{const r=await fetch(src,{credentials:'same-origin'});if(r.ok){const v=await r.json();\
-for(const k of ['done','agents','running','failed']){const e=document.getElementById(k);if(e)e.textContent=v[k];}\
-document.getElementById('tokens').textContent=v.output_tokens;document.getElementById('elapsed').textContent=fmt(v.elapsed_ms);\
-const st=document.getElementById('status');st.textContent=v.status||'pending';st.className='st '+(v.status||'pending');\
-document.getElementById('logs').textContent=v.logs.join('\\n')+(v.logs.length?'\\n':'');\
-if(v.finished){location.reload();return;}}}catch(e){}setTimeout(tick,1000);}\
-if(src)setTimeout(tick,1000);";
+/// The page's script: follows the run over server-sent events (the server sends the changing
+/// part of the page as HTML), opens an agent's detail on click, and sends the buttons' actions
+/// to the same control path the CLI uses.
+const SCRIPT: &str = r#"const run=document.body.dataset.run;
+async function openAgent(i){const r=await fetch('/runs/'+run+'/agents/'+i,{credentials:'same-origin'});
+const d=document.getElementById('detail');d.innerHTML=await r.text();d.dataset.agent=i;}
+async function act(action,agent){const r=await fetch('/runs/'+run+'/control',{method:'POST',credentials:'same-origin',
+headers:{'content-type':'application/json','x-flotilla':'1'},body:JSON.stringify({action:action,agent:agent||''})});
+const v=await r.json();document.getElementById('notice').textContent=v.message||v.error;}
+function bind(){document.querySelectorAll('[data-agent]').forEach(a=>a.onclick=e=>{e.preventDefault();openAgent(a.dataset.agent);});
+document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>act(b.dataset.action,b.dataset.target));}
+function show(html){document.getElementById('live').innerHTML=html;bind();
+const d=document.getElementById('detail');if(d.dataset.agent)openAgent(d.dataset.agent);}
+if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+'/events');
+es.addEventListener('update',e=>show(e.data));es.addEventListener('end',e=>{show(e.data);es.close();});}
+bind();"#;
 
-fn page(title: &str, body: &str, live: Option<&str>) -> String {
-    let live_attr = live.map_or(String::new(), |src| format!(" data-live=\"{}\"", esc(src)));
+fn page(title: &str, body: &str, _live: Option<&str>) -> String {
+    page_with(title, body, &[])
+}
+
+fn page_with(title: &str, body: &str, data: &[(&str, &str)]) -> String {
+    let attrs: String = data
+        .iter()
+        .map(|(k, v)| format!(" data-{k}=\"{}\"", esc(v)))
+        .collect();
     format!(
         "<!doctype html><html><head><meta charset=utf-8><title>{}</title><style>{STYLE}</style></head>\
-         <body{live_attr}><nav><a href=\"/runs\">runs</a></nav>{body}<script>{LIVE}</script></body></html>",
+         <body{attrs}><nav><a href=\"/runs\">runs</a></nav>{body}<script>{SCRIPT}</script></body></html>",
         esc(title)
     )
 }

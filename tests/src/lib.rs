@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod fake_anthropic;
 pub mod proxy;
 pub mod services;
+pub mod webdriver;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -267,19 +268,56 @@ impl HttpResponse {
 
 /// `GET path` on 127.0.0.1:`port` with extra header lines; no redirects followed.
 pub fn http_get(port: u16, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
+    http_request(port, "GET", path, headers, None)
+}
+
+/// Any request on 127.0.0.1:`port`, with an optional body; no redirects followed.
+pub fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
     use std::io::Write;
     let mut s =
         std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to the page server");
-    s.set_read_timeout(Some(Duration::from_secs(30)))
+    s.set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
-    let mut req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
+    let mut req =
+        format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
+    if let Some(b) = body {
+        req.push_str(&format!("Content-Length: {}\r\n", b.len()));
+    }
     req.push_str("\r\n");
+    if let Some(b) = body {
+        req.push_str(b);
+    }
     s.write_all(req.as_bytes()).expect("send request");
+    // Read to the end of the body: its Content-Length when given (some servers keep the
+    // connection open despite `Connection: close`), else until the server closes.
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read response");
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = s.read(&mut buf).expect("read response");
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok());
+            if length.is_some_and(|len| raw.len() >= end + 4 + len) {
+                break;
+            }
+        }
+    }
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let mut lines = head.lines();

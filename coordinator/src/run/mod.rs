@@ -56,6 +56,9 @@ pub enum Control {
         agent: String,
         reply: oneshot::Sender<Result<String, String>>,
     },
+    /// The report as it stands now, with live states (`queued`, `running`) for calls that
+    /// have not ended (the session page).
+    Report(oneshot::Sender<Report>),
 }
 
 /// What to do to one agent.
@@ -371,6 +374,9 @@ impl RunEngine {
                     Some(Control::Pause(paused)) => self.pause(paused),
                     Some(Control::Agent { action, agent, reply }) => {
                         let _ = reply.send(self.act_on_agent(action, &agent));
+                    }
+                    Some(Control::Report(reply)) => {
+                        let _ = reply.send(self.report_with(true));
                     }
                     // Nobody can stop the run any more; it goes on to its end.
                     None => control_open = false,
@@ -693,6 +699,10 @@ impl RunEngine {
         *occ += 1;
         self.ensure_group(&group);
         let now = self.now_ms();
+        self.event(RunEvent::Prompt {
+            index,
+            prompt: spec.prompt.clone(),
+        });
 
         // Resume: served from the source run when the replay rule allows.
         let cached = self
@@ -1240,6 +1250,12 @@ impl RunEngine {
     }
 
     fn report(&self) -> Report {
+        self.report_with(false)
+    }
+
+    /// The report; `live` keeps the states of calls that have not ended instead of calling
+    /// them cancelled.
+    fn report_with(&self, live: bool) -> Report {
         let mut usage = ReportUsage {
             agents: self.calls.len() as u64,
             attempts: self.attempts_total,
@@ -1259,6 +1275,9 @@ impl RunEngine {
             let status = match c.status {
                 Status::Completed => "completed",
                 Status::Failed => "failed",
+                Status::Journaling if live => "completed",
+                Status::Running if live => "running",
+                Status::Queued if live => "queued",
                 Status::Cancelled | Status::Queued | Status::Running | Status::Journaling => {
                     "cancelled"
                 }

@@ -128,6 +128,11 @@ pub enum RunEvent {
     Failure {
         line: String,
     },
+    /// A call's prompt, once, when the call is made (the session page shows it).
+    Prompt {
+        index: u64,
+        prompt: String,
+    },
     Call {
         index: u64,
         label: String,

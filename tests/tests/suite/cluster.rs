@@ -456,6 +456,20 @@ fn session_pages_need_a_token_from_a_client_certificate() {
     let r = http_get(c.http_port, &format!("{page_path}/status.json"), &[]);
     assert_eq!(r.status, 401, "{r:?}");
     assert_eq!(http_get(c.http_port, "/runs.json", &[]).status, 401);
+    for path in [
+        format!("{page_path}/events"),
+        format!("{page_path}/agents/0"),
+    ] {
+        assert_eq!(http_get(c.http_port, &path, &[]).status, 401, "{path}");
+    }
+    let post = flotilla_tests::http_request(
+        c.http_port,
+        "POST",
+        &format!("{page_path}/control"),
+        &[("Content-Type", "application/json"), ("x-flotilla", "1")],
+        Some(r#"{"action":"stop"}"#),
+    );
+    assert_eq!(post.status, 401, "{post:?}");
     // A made-up token: refused.
     let r = http_get(
         c.http_port,

@@ -18,4 +18,5 @@ mod resume;
 mod script;
 mod spec_extra;
 mod stall;
+mod web;
 mod workflows;

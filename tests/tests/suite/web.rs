@@ -1,0 +1,166 @@
+//! The session page in a real browser (headless Chromium over WebDriver): it follows a run
+//! live, opens an agent's transcript, and its stop button stops the run.
+
+use flotilla_tests::cluster::Cluster;
+use flotilla_tests::webdriver::Browser;
+
+#[test]
+fn the_session_page_follows_a_run_live_and_its_stop_button_stops_it() {
+    let c = Cluster::start(1, 8);
+    let run = c.launch(
+        "live",
+        "phase('Work');\n\
+         return (await parallel(Array.from({ length: 16 }, (_, i) => () =>\n\
+           agent('job ' + i + ' [[sleep:' + (400 + i * 400) + ']]', { label: 'job ' + i })))).length;",
+        &["--stagger", "0", "--concurrency", "4"],
+    );
+    let t = c.client(&["token", "create", "--json"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    let login = t.json()["login_url"].as_str().unwrap().to_owned();
+
+    let b = Browser::start();
+    eprintln!("browser up; signing in at {login}");
+    b.goto(&format!("{login}&next=/runs/{run}"));
+    eprintln!("page opened");
+    b.wait_for("the session page", 20, |b| {
+        b.text("#status").filter(|s| s == "running")
+    });
+    assert_eq!(
+        b.text("h1").unwrap().split_whitespace().next(),
+        Some("live")
+    );
+    // A marker in the page's memory survives only if the page is never reloaded.
+    b.eval("window.__stayed = true; return null;");
+    let first: u64 = b.text("#done").unwrap().parse().unwrap();
+    let later = b.wait_for("the done count to rise", 30, |b| {
+        let n: u64 = b.text("#done")?.parse().ok()?;
+        (n > first).then_some(n)
+    });
+    assert!(later > first);
+    assert_eq!(
+        b.eval("return window.__stayed === true;"),
+        true,
+        "updated without a reload"
+    );
+
+    // One agent's prompt and transcript.
+    b.click("[data-agent=\"0\"]");
+    let detail = b.wait_for("the agent's detail", 20, |b| {
+        b.text("#detail .transcript")
+            .map(|_| b.text("#detail").unwrap())
+    });
+    assert!(
+        detail.contains("job 0 [[sleep:400]]"),
+        "the prompt: {detail}"
+    );
+    assert!(detail.contains("Transcript, attempt 1"), "{detail}");
+
+    let shot = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/test-artifacts/session-page.png");
+    b.screenshot(&shot);
+    assert!(std::fs::metadata(&shot).unwrap().len() > 1000, "a real PNG");
+
+    // Stop, as a user would.
+    b.click("button[data-action=stop]");
+    b.wait_for("the run to show stopped", 30, |b| {
+        b.text("#status").filter(|s| s == "stopped")
+    });
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 1, "{r}");
+    assert_eq!(r["status"], "stopped", "{r}");
+    assert!(r["usage"]["agents"].as_u64().unwrap() < 17);
+}
+
+#[test]
+fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let env = flotilla_tests::Env::new();
+    let script = env.script(
+        "served",
+        "return (await parallel(Array.from({ length: 6 }, (_, i) => () => agent('s' + i + ' [[sleep:700]]')))).length;",
+    );
+    let mut child = Command::new(&env.bin)
+        .args([
+            "run",
+            script.to_str().unwrap(),
+            "--json",
+            "--serve",
+            "--concurrency",
+            "2",
+            "--stagger",
+            "0",
+        ])
+        .current_dir(env.path())
+        .env("FLOTILLA_STORE", env.store_url())
+        .env("FLOTILLA_WORKSPACE", env.workspace())
+        .env("HOME", env.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let url = loop {
+        line.clear();
+        assert!(
+            err.read_line(&mut line).unwrap() > 0,
+            "no session page line"
+        );
+        if let Some(u) = line.trim().strip_prefix("session page: ") {
+            break u.to_owned();
+        }
+    };
+    let rest = url
+        .strip_prefix("http://127.0.0.1:")
+        .expect("served on loopback");
+    let (port, path) = rest.split_once('/').unwrap();
+    let port: u16 = port.parse().unwrap();
+    let path = format!("/{path}");
+    let page = flotilla_tests::http_get(port, &path, &[]);
+    assert_eq!(
+        page.status, 200,
+        "no sign-in on the embedded page: {page:?}"
+    );
+    assert!(page.body.contains("served"), "{}", page.body);
+
+    // The page's actions need the x-flotilla header; with it, pause and resume work.
+    let control = format!("{path}/control");
+    let json = [("Content-Type", "application/json")];
+    let r =
+        flotilla_tests::http_request(port, "POST", &control, &json, Some(r#"{"action":"pause"}"#));
+    assert_eq!(r.status, 403, "{r:?}");
+    let with = [("Content-Type", "application/json"), ("x-flotilla", "1")];
+    let r =
+        flotilla_tests::http_request(port, "POST", &control, &with, Some(r#"{"action":"pause"}"#));
+    assert_eq!(r.status, 200, "{r:?}");
+    let r =
+        flotilla_tests::http_request(port, "POST", &control, &with, Some(r#"{"action":"pause"}"#));
+    assert_eq!(r.status, 409, "paused already: {r:?}");
+    let r = flotilla_tests::http_request(
+        port,
+        "POST",
+        &control,
+        &with,
+        Some(r#"{"action":"resume"}"#),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+
+    // The event stream sends the changing part of the page until the run ends.
+    let events = flotilla_tests::http_get(port, &format!("{path}/events"), &[]);
+    assert_eq!(events.status, 200);
+    assert!(
+        events.body.contains("event: update") || events.body.contains("event: end"),
+        "{}",
+        events.body
+    );
+    assert!(events.body.contains("event: end"), "{}", events.body);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["result"], 6);
+
+    let bad = env.flotilla(&["run", script.to_str().unwrap(), "--serve", "0.0.0.0:0"]);
+    assert_eq!(bad.code, 2, "{bad:?}");
+    assert!(bad.stderr.contains("loopback"), "{bad:?}");
+}
