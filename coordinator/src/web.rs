@@ -626,6 +626,59 @@ async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Response {
             ),
         ],
     );
+    use crate::metrics as m;
+    family(
+        "flotilla_stalls_total",
+        "counter",
+        "Attempts ended by the stall watchdog (no progress for the stall timeout).",
+        vec![(String::new(), m::get(&m::STALLS).to_string())],
+    );
+    family(
+        "flotilla_restarts_total",
+        "counter",
+        "Calls started again, by reason.",
+        vec![
+            (
+                label("reason", "stall"),
+                m::get(&m::RESTARTS_STALL).to_string(),
+            ),
+            (
+                label("reason", "lease_lapsed"),
+                m::get(&m::RESTARTS_LAPSE).to_string(),
+            ),
+            (
+                label("reason", "user"),
+                m::get(&m::RESTARTS_USER).to_string(),
+            ),
+            (
+                label("reason", "transient"),
+                m::get(&m::RESTARTS_TRANSIENT).to_string(),
+            ),
+        ],
+    );
+    family(
+        "flotilla_lease_renewal_failures_total",
+        "counter",
+        "Failed renewals of worker leases (each is retried).",
+        vec![(
+            String::new(),
+            m::get(&m::LEASE_RENEWAL_FAILURES).to_string(),
+        )],
+    );
+    family(
+        "flotilla_storage_write_retries_total",
+        "counter",
+        "Object-store writes that failed and were retried.",
+        vec![(String::new(), m::get(&m::STORAGE_WRITE_RETRIES).to_string())],
+    );
+    out.push_str(&m::DISPATCH_LATENCY.render(
+        "flotilla_dispatch_latency_seconds",
+        "From a call being ready to run to its attempt being assigned to a worker.",
+    ));
+    out.push_str(&m::STORAGE_WRITE_LATENCY.render(
+        "flotilla_storage_write_seconds",
+        "One object-store write, retries included.",
+    ));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 

@@ -370,6 +370,8 @@ struct CallState {
     stall_key: Option<delay_queue::Key>,
     /// Usage-limit waits so far (not counted as attempts).
     limit_waits: u32,
+    /// When the call last became ready to run (dispatch latency counts from here).
+    ready_at: Instant,
 }
 
 struct RunState {
@@ -563,6 +565,7 @@ impl Dispatcher {
                         captured: None,
                         stall_key: None,
                         limit_waits: 0,
+                        ready_at: Instant::now(),
                     },
                 );
                 self.claim_orphans(&claim);
@@ -736,6 +739,7 @@ impl Dispatcher {
                     && c.phase == Phase::Held
                 {
                     c.phase = Phase::Queued;
+                    c.ready_at = Instant::now();
                     r.queue.push_front(call);
                 }
             }
@@ -847,6 +851,7 @@ impl Dispatcher {
         let sent = c.fence.take().is_some();
         c.adopted_fence = None;
         c.phase = Phase::Queued;
+        c.ready_at = Instant::now();
         c.in_tool = false;
         let group = c.ticket.prefix_group;
         if let Some(r) = self.runs.get_mut(&id.0) {
@@ -954,10 +959,19 @@ impl Dispatcher {
             retry: retry.clone(),
             counted,
         });
+        crate::metrics::inc(match &retry {
+            Retry::Stalled { .. } => &crate::metrics::RESTARTS_STALL,
+            Retry::User => &crate::metrics::RESTARTS_USER,
+            Retry::Transient { message } if message.contains("lease") => {
+                &crate::metrics::RESTARTS_LAPSE
+            }
+            _ => &crate::metrics::RESTARTS_TRANSIENT,
+        });
         match retry {
             Retry::Stalled { .. } | Retry::User | Retry::Paused => {
                 // Same prompt, fresh transcript, at once and ahead of the queue.
                 c.phase = Phase::Queued;
+                c.ready_at = Instant::now();
                 if let Some(r) = self.runs.get_mut(&id.0) {
                     r.queue.push_front(id.1);
                 }
@@ -1082,6 +1096,7 @@ impl Dispatcher {
                         }),
                     );
                 } else {
+                    crate::metrics::inc(&crate::metrics::STALLS);
                     self.retry_or_fail(&id, Retry::Stalled { after: quiet });
                 }
             }
@@ -1104,6 +1119,7 @@ impl Dispatcher {
                     && c.phase == Phase::Waiting
                 {
                     c.phase = Phase::Queued;
+                    c.ready_at = Instant::now();
                     if let Some(r) = self.runs.get_mut(&id.0) {
                         r.queue.push_front(call);
                     }
@@ -1135,6 +1151,7 @@ impl Dispatcher {
                 && c.phase == Phase::Held
             {
                 c.phase = Phase::Queued;
+                c.ready_at = Instant::now();
                 if let Some(r) = self.runs.get_mut(&id.0) {
                     r.queue.push_front(id.1);
                 }
@@ -1301,6 +1318,7 @@ impl Dispatcher {
         };
         c.attempt += 1;
         self.assigned += 1;
+        crate::metrics::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
         c.phase = Phase::Running;
         c.worker = Some(wid);
         c.fence = None;

@@ -202,6 +202,13 @@ impl Store {
     /// Writes an object that must not exist yet. Finding it already there counts as success
     /// (a retry of a write that landed).
     pub async fn put_create(&self, key: &Path, body: Bytes) -> Result<(), Error> {
+        let timed = std::time::Instant::now();
+        let r = self.put_create_untimed(key, body).await;
+        crate::metrics::STORAGE_WRITE_LATENCY.observe(timed.elapsed());
+        r
+    }
+
+    async fn put_create_untimed(&self, key: &Path, body: Bytes) -> Result<(), Error> {
         let started = tokio::time::Instant::now();
         let mut attempt = 0;
         loop {
@@ -216,6 +223,7 @@ impl Store {
             {
                 Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => return Ok(()),
                 Err(e) if transient(&e) && started.elapsed() < RETRY_FOR => {
+                    crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
                     tracing::warn!(%key, error = %e, attempt, "storage write failed; retrying");
                     backoff(attempt).await;
                     attempt += 1;
@@ -232,12 +240,20 @@ impl Store {
 
     /// Writes (or replaces) an object.
     pub async fn put_overwrite(&self, key: &Path, body: Bytes) -> Result<(), Error> {
+        let timed = std::time::Instant::now();
+        let r = self.put_overwrite_untimed(key, body).await;
+        crate::metrics::STORAGE_WRITE_LATENCY.observe(timed.elapsed());
+        r
+    }
+
+    async fn put_overwrite_untimed(&self, key: &Path, body: Bytes) -> Result<(), Error> {
         let started = tokio::time::Instant::now();
         let mut attempt = 0;
         loop {
             match self.inner.put(key, PutPayload::from(body.clone())).await {
                 Ok(_) => return Ok(()),
                 Err(e) if transient(&e) && started.elapsed() < RETRY_FOR => {
+                    crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
                     tracing::warn!(%key, error = %e, attempt, "storage write failed; retrying");
                     backoff(attempt).await;
                     attempt += 1;

@@ -526,7 +526,17 @@ fn session_pages_need_a_token_from_a_client_certificate() {
     assert_eq!(r.status, 200);
     assert!(r.body.contains(&run), "{}", r.body);
 
-    // Prometheus metrics, behind the same sign-in; they agree with the report.
+    // A second run whose only agent stalls once, for the stall and restart counters.
+    let stally = c.launch(
+        "stally",
+        "return await agent('slow start [[stall:1]]');",
+        &["--stall-timeout", "300ms"],
+    );
+    let (code, stalled) = c.wait(&stally);
+    assert_eq!(code, 0, "{stalled}");
+    assert_eq!(stalled["usage"]["attempts"], 2);
+
+    // Prometheus metrics, behind the same sign-in; they agree with the reports.
     assert_eq!(http_get(c.http_port, "/metrics", &[]).status, 401);
     let m = http_get(c.http_port, "/metrics", &[("Authorization", &bearer)]);
     assert_eq!(m.status, 200, "{m:?}");
@@ -543,12 +553,51 @@ fn session_pages_need_a_token_from_a_client_certificate() {
         assert!(v.parse::<f64>().is_ok(), "not a sample: {line}");
         assert!(name.starts_with("flotilla_"), "{line}");
     }
-    assert_eq!(value("flotilla_runs{status=\"completed\"}"), 1.0);
-    assert_eq!(value("flotilla_agents{status=\"done\"}"), 6.0);
+    assert_eq!(value("flotilla_runs{status=\"completed\"}"), 2.0);
+    assert_eq!(value("flotilla_agents{status=\"done\"}"), 7.0);
+    let attempts = report["usage"]["attempts"].as_f64().unwrap() + 2.0;
+    assert_eq!(value("flotilla_attempts_assigned_total"), attempts);
+    assert_eq!(value("flotilla_dispatch_latency_seconds_count"), attempts);
     assert_eq!(
-        value("flotilla_attempts_assigned_total"),
-        report["usage"]["attempts"].as_f64().unwrap()
+        value("flotilla_dispatch_latency_seconds_bucket{le=\"+Inf\"}"),
+        attempts
     );
+    assert_eq!(value("flotilla_stalls_total"), 1.0);
+    assert_eq!(value("flotilla_restarts_total{reason=\"stall\"}"), 1.0);
+    assert_eq!(value("flotilla_restarts_total{reason=\"user\"}"), 0.0);
+    assert_eq!(value("flotilla_lease_renewal_failures_total"), 0.0);
+    assert!(value("flotilla_storage_write_seconds_count") > 0.0);
+    // Every series the Grafana dashboard in deploy/ queries is one /metrics exposes.
+    let dash: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../deploy/grafana/flotilla-dashboard.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let mut queried = 0;
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            let expr = t["expr"].as_str().unwrap();
+            for (at, _) in expr.match_indices("flotilla_") {
+                let name: String = expr[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let base = ["_bucket", "_count", "_sum"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .unwrap_or(&name);
+                assert!(
+                    m.body.contains(&format!("# TYPE {base} ")),
+                    "the dashboard queries {name}, which /metrics does not have"
+                );
+                queried += 1;
+            }
+        }
+    }
+    assert!(queried >= 10, "{queried}");
     assert_eq!(value("flotilla_workers{state=\"attached\"}"), 1.0);
 }
 
