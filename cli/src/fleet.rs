@@ -797,6 +797,62 @@ pub async fn wait(a: RunRefArgs) -> i32 {
     }
 }
 
+/// Follows a run on a coordinator: progress bars on a terminal, plain lines otherwise, then
+/// the report (as `run` prints it).
+pub async fn watch(a: RunRefArgs) -> i32 {
+    use std::io::IsTerminal;
+    let mut client = match a.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    let bars = !a.json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    let mode = crate::progress::Mode::pick(bars, !bars && !a.json);
+    let (tx, rx) =
+        tokio::sync::watch::channel(Arc::new(flotilla_coordinator::run::Snapshot::default()));
+    let view = crate::progress::start(mode, rx);
+    let run = v1::RunRef {
+        run_id: a.run_id.clone(),
+    };
+    loop {
+        match client.status(run.clone()).await {
+            Ok(r) => match serde_json::from_str::<SnapshotView>(&r.into_inner().snapshot_json) {
+                Ok(s) => {
+                    let ended = s.status.is_some_and(|st| st.is_final());
+                    let _ = tx.send(Arc::new(s.to_snapshot()));
+                    if ended {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    view.finish().await;
+                    return fail(
+                        1,
+                        format!("the coordinator sent a status this client cannot read: {e}"),
+                    );
+                }
+            },
+            // Not running there (ended before, or elsewhere): the report says the rest.
+            Err(s) if s.code() == tonic::Code::NotFound => break,
+            Err(s) => {
+                view.finish().await;
+                return rpc_fail(&s);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    view.finish().await;
+    match client.wait(run).await {
+        Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
+            Ok(report) => print_report(&report, a.json),
+            Err(e) => fail(
+                1,
+                format!("the coordinator sent a report this client cannot read: {e}"),
+            ),
+        },
+        Err(s) => rpc_fail(&s),
+    }
+}
+
 pub async fn status(a: RunRefArgs) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,

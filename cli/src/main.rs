@@ -57,6 +57,9 @@ enum Command {
     Wait(fleet::RunRefArgs),
     /// Show a running run's progress.
     Status(fleet::RunRefArgs),
+    /// Follow a run on a coordinator until it ends: progress bars on a terminal, plain lines
+    /// otherwise; then its report.
+    Watch(fleet::RunRefArgs),
     /// Stop a run on a coordinator, or one of its agents (`--agent`).
     Stop(fleet::AgentRefArgs),
     /// Pause a run: running agents are interrupted, nothing new starts.
@@ -195,6 +198,7 @@ fn main() -> ExitCode {
             Command::Launch(args) => fleet::launch(*args).await,
             Command::Wait(args) => fleet::wait(args).await,
             Command::Status(args) => fleet::status(args).await,
+            Command::Watch(args) => fleet::watch(args).await,
             Command::Stop(args) => fleet::stop(args).await,
             Command::Pause(args) => fleet::control(args, "pause").await,
             Command::Resume(args) => fleet::resume(args).await,

@@ -846,6 +846,54 @@ pub struct SnapshotView {
     pub output_tokens: u64,
     pub logs: Vec<String>,
     pub groups: Vec<(String, u64, u64)>,
+    /// The rest of the live snapshot, for `flotilla watch`.
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub input_tokens: u64,
+    #[serde(default)]
+    pub waiting: Option<String>,
+    /// Per group: title, total, done, failed, running, output tokens.
+    #[serde(default)]
+    pub group_detail: Vec<(String, u64, u64, u64, u64, u64)>,
+}
+
+impl SnapshotView {
+    /// The live snapshot again (what the terminal progress view draws).
+    pub fn to_snapshot(&self) -> Snapshot {
+        Snapshot {
+            run_id: self.run_id.clone(),
+            workflow: crate::store::records::WorkflowInfo {
+                name: self.workflow.clone(),
+                description: self.description.clone(),
+            },
+            status: self.status,
+            elapsed_ms: self.elapsed_ms,
+            groups: self
+                .group_detail
+                .iter()
+                .map(|(title, total, done, failed, running, output_tokens)| {
+                    crate::run::GroupProgress {
+                        title: title.clone(),
+                        total: *total,
+                        done: *done,
+                        failed: *failed,
+                        running: *running,
+                        output_tokens: *output_tokens,
+                    }
+                })
+                .collect(),
+            logs: Arc::new(self.logs.clone()),
+            agents: self.agents,
+            done: self.done,
+            failed: self.failed,
+            running: self.running,
+            cached: self.cached,
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            waiting: self.waiting.clone(),
+        }
+    }
 }
 
 impl SnapshotView {
@@ -875,6 +923,35 @@ impl SnapshotView {
             cached: r.usage.cached,
             output_tokens: r.usage.output_tokens,
             logs: r.logs.clone(),
+            description: r.workflow.description.clone(),
+            input_tokens: r.usage.input_tokens,
+            waiting: None,
+            group_detail: r
+                .groups
+                .iter()
+                .map(|g| {
+                    let of = |st: &str| {
+                        r.agents
+                            .iter()
+                            .filter(|a| a.group == g.title && a.status == st)
+                            .count() as u64
+                    };
+                    let tokens = r
+                        .agents
+                        .iter()
+                        .filter(|a| a.group == g.title)
+                        .map(|a| a.output_tokens)
+                        .sum();
+                    (
+                        g.title.clone(),
+                        g.agents.len() as u64,
+                        of("completed"),
+                        of("failed"),
+                        0,
+                        tokens,
+                    )
+                })
+                .collect(),
             groups,
         }
     }
@@ -898,6 +975,23 @@ impl From<&Snapshot> for SnapshotView {
                 .groups
                 .iter()
                 .map(|g| (g.title.clone(), g.done + g.failed, g.total))
+                .collect(),
+            description: s.workflow.description.clone(),
+            input_tokens: s.input_tokens,
+            waiting: s.waiting.clone(),
+            group_detail: s
+                .groups
+                .iter()
+                .map(|g| {
+                    (
+                        g.title.clone(),
+                        g.total,
+                        g.done,
+                        g.failed,
+                        g.running,
+                        g.output_tokens,
+                    )
+                })
                 .collect(),
         }
     }

@@ -1072,3 +1072,30 @@ fn fleet_commands_read_their_settings_from_a_config_file() {
     assert_eq!(bad.code, 2);
     assert!(bad.stderr.contains("coordinatr"), "{}", bad.stderr);
 }
+
+#[test]
+fn watch_follows_a_fleet_run_with_plain_lines_and_ends_with_its_report() {
+    let c = Cluster::start(1, 4);
+    let run = c.launch(
+        "watched",
+        "phase('Gather');\nlog('starting');\n\
+         const r = await parallel([1, 2, 3].map(i => () => agent('w' + i + ' [[sleep:600]]')));\n\
+         return r.length;",
+        &["--stagger", "0"],
+    );
+    let out = c.client(&["watch", &run]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("log: starting"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("[Gather] 3/3 agents done"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.contains('3'), "the result: {}", out.stdout);
+    // Once ended, watch prints the stored report at once.
+    let again = c.client(&["watch", &run, "--json"]);
+    assert_eq!(again.code, 0, "{again:?}");
+    assert_eq!(again.json()["result"], 3);
+    let missing = c.client(&["watch", "wf_00000000-000"]);
+    assert_ne!(missing.code, 0);
+}
