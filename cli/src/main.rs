@@ -16,6 +16,7 @@ mod embedded;
 mod fleet;
 mod progress;
 mod stored;
+mod telemetry;
 mod workflows_cmd;
 
 use std::io::{IsTerminal, Write};
@@ -156,13 +157,6 @@ struct ShowArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     flotilla_proto::tls::install_crypto_provider();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("flotilla")
@@ -174,8 +168,14 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let service = match &cli.command {
+        Command::Coordinator(_) => "flotilla-coordinator",
+        Command::Worker(_) => "flotilla-worker",
+        _ => "flotilla",
+    };
     let code = rt.block_on(async move {
-        match cli.command {
+        let telemetry = telemetry::init(service);
+        let code = match cli.command {
             Command::Run(args) => run(*args).await,
             Command::Runs(args) => match args.coordinator {
                 Some(coordinator) => {
@@ -206,7 +206,9 @@ fn main() -> ExitCode {
             Command::Workers(args) => fleet::workers(args).await,
             Command::Token(fleet::TokenCommand::Create(args)) => fleet::token_create(args).await,
             Command::Workflows(cmd) => workflows_cmd::run(cmd).await,
-        }
+        };
+        telemetry.shutdown().await;
+        code
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     ExitCode::from(code.clamp(0, 255) as u8)

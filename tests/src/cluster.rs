@@ -52,8 +52,9 @@ pub struct Cluster {
     /// Extra flags and environment of every worker started from now on.
     pub worker_args: Vec<String>,
     pub worker_env: Vec<(String, String)>,
-    /// Extra flags of the coordinator.
+    /// Extra flags and environment of the coordinator.
     pub coordinator_args: Vec<String>,
+    pub coordinator_env: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -199,7 +200,18 @@ impl Cluster {
             worker_args: Vec::new(),
             worker_env: Vec::new(),
             coordinator_args: Vec::new(),
+            coordinator_env: Vec::new(),
         }
+    }
+
+    /// Like [`Cluster::start`], with the same extra environment for the coordinator and
+    /// every worker.
+    pub fn start_with_env(workers: usize, slots: u32, env: Vec<(String, String)>) -> Cluster {
+        let mut c = Self::prepare(workers, None, None);
+        c.coordinator_env = env.clone();
+        c.worker_env = env;
+        c.start_all(workers, slots);
+        c
     }
 
     /// Like [`Cluster::start`], with extra coordinator flags (`{dir}` in a flag becomes the
@@ -331,6 +343,11 @@ impl Cluster {
             cmd.args(["--etcd", etcd]);
         }
         cmd.args(&self.coordinator_args);
+        cmd.envs(
+            self.coordinator_env
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str())),
+        );
         if let Some((_, env)) = &self.store {
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }

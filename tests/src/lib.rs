@@ -10,6 +10,7 @@
 
 pub mod cluster;
 pub mod fake_anthropic;
+pub mod otlp;
 pub mod proxy;
 pub mod services;
 pub mod webdriver;

@@ -27,6 +27,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::backend::{AgentBackend, Error, EventSink, Events, Task};
 use crate::workspace::Workspace;
+use tracing::Instrument;
 
 /// Transcript events are sent in chunks of at most this many events.
 const TRANSCRIPT_CHUNK: usize = 64;
@@ -400,6 +401,46 @@ async fn run_attempt(
     });
     let events = Events::new(sink.clone());
     let spec = a.task.clone().unwrap_or_default();
+    // This attempt's span joins the run's trace: its parent is the coordinator's attempt span.
+    let span = tracing::info_span!(
+        "attempt.run",
+        workflow.run_id = %a.run_id,
+        index = a.call,
+        attempt = a.attempt,
+        backend = %spec.backend,
+        model = %spec.model,
+        label = %spec.label,
+        outcome = tracing::field::Empty,
+    );
+    {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let parent =
+            opentelemetry::global::get_text_map_propagator(|p| p.extract(&a.trace_context));
+        let _ = span.set_parent(parent);
+    }
+    let outcome = run_attempt_in(a, backend, workspace, events, sink, spec, cancel)
+        .instrument(span.clone())
+        .await;
+    span.record(
+        "outcome",
+        match &outcome.result {
+            Some(outcome::Result::Completed(_)) => "completed",
+            Some(outcome::Result::Failure(_)) => "failed",
+            None => "none",
+        },
+    );
+    outcome
+}
+
+async fn run_attempt_in(
+    a: Assignment,
+    backend: Result<Arc<dyn AgentBackend>, Error>,
+    workspace: Workspace,
+    events: Events,
+    sink: Arc<LinkSink>,
+    spec: v1::TaskSpec,
+    cancel: CancellationToken,
+) -> v1::Outcome {
     let result = match backend {
         Err(e) => Err(e),
         Ok(backend) => match parse_schema(&spec) {

@@ -182,6 +182,8 @@ struct Call {
     live_tokens: u64,
     worker: Option<Arc<str>>,
     result: Option<Value>,
+    /// The call's trace span (`agent`), open until the call ends.
+    span: tracing::Span,
 }
 
 /// The engine of one run.
@@ -217,6 +219,9 @@ pub struct RunEngine {
     snapshot: watch::Sender<Arc<Snapshot>>,
     dirty: bool,
     transcripts: TranscriptLog,
+    /// Trace spans: the run, and one per phase (group) under it.
+    span: tracing::Span,
+    phase_spans: HashMap<String, tracing::Span>,
 }
 
 /// Starts a run engine. Script ops come in on `ops`; replies go out through `reply`.
@@ -259,7 +264,15 @@ impl RunEngine {
                 groups.push(p.clone());
             }
         }
+        let span = tracing::info_span!(
+            "run",
+            workflow.run_id = %init.run_id,
+            workflow.name = %init.workflow.name,
+            generation = init.generation,
+        );
         RunEngine {
+            span,
+            phase_spans: HashMap::new(),
             run,
             started: Instant::now(),
             reply,
@@ -728,7 +741,33 @@ impl RunEngine {
             self.prefix_intact = false;
         }
 
+        let phase = self
+            .phase_spans
+            .entry(group.clone())
+            .or_insert_with(|| {
+                tracing::info_span!(
+                    parent: &self.span,
+                    "phase",
+                    workflow.run_id = %self.init.run_id,
+                    phase = %group,
+                )
+            })
+            .clone();
+        let span = tracing::info_span!(
+            parent: &phase,
+            "agent",
+            workflow.run_id = %self.init.run_id,
+            workflow.name = %self.init.workflow.name,
+            index,
+            label = %spec.label,
+            model = %spec.model,
+            attempts = tracing::field::Empty,
+            input_tokens = tracing::field::Empty,
+            output_tokens = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
         let mut call = Call {
+            span,
             script_id: id,
             key: key.clone(),
             label: spec.label.clone(),
@@ -747,6 +786,8 @@ impl RunEngine {
             result: None,
         };
         if let Some(record) = cached {
+            call.span.record("outcome", "cached");
+            call.span = tracing::Span::none();
             call.cached = true;
             call.cached_from = Some(
                 record
@@ -781,6 +822,7 @@ impl RunEngine {
             });
             return;
         }
+        let call_span = call.span.clone();
         self.calls.push(call);
         self.event(RunEvent::Call {
             index,
@@ -814,6 +856,7 @@ impl RunEngine {
                 call: index,
                 key,
                 task,
+                span: call_span,
                 // Worktree agents never share a prefix (each has its own directory, W60).
                 prefix_group: if spec.isolation == "worktree" {
                     index.wrapping_add(1) << 32 ^ spec.prefix_group()
@@ -1039,6 +1082,17 @@ impl RunEngine {
             return;
         }
         c.end_ms = Some(now);
+        c.span.record("attempts", c.attempts);
+        c.span.record("input_tokens", c.usage.input_tokens);
+        c.span.record("output_tokens", c.usage.output_tokens);
+        c.span.record(
+            "outcome",
+            match &result {
+                CallResult::Completed(_) => "completed",
+                CallResult::Failed { .. } => "failed",
+            },
+        );
+        c.span = tracing::Span::none();
         match result {
             CallResult::Completed(done) => {
                 let value = match done.json {

@@ -98,6 +98,9 @@ pub struct Ticket {
     pub key: String,
     pub task: v1::TaskSpec,
     pub prefix_group: u64,
+    /// The call's trace span; each attempt's span is its child, and travels to the worker in
+    /// the assignment's `trace_context` (W3C trace context).
+    pub span: tracing::Span,
 }
 
 /// Why a call is being tried again.
@@ -182,7 +185,7 @@ enum Msg {
     Register(RunRegistration),
     Submit {
         run: Arc<str>,
-        ticket: Ticket,
+        ticket: Box<Ticket>,
     },
     Cancel {
         run: Arc<str>,
@@ -286,7 +289,7 @@ impl DispatchHandle {
     pub fn submit(&self, run: &Arc<str>, ticket: Ticket) {
         let _ = self.tx.send(Msg::Submit {
             run: run.clone(),
-            ticket,
+            ticket: Box::new(ticket),
         });
     }
     pub fn cancel(&self, run: &Arc<str>, call: u64) {
@@ -372,6 +375,8 @@ struct CallState {
     limit_waits: u32,
     /// When the call last became ready to run (dispatch latency counts from here).
     ready_at: Instant,
+    /// The current attempt's trace span (`attempt`, a child of the call's).
+    attempt_span: tracing::Span,
 }
 
 struct RunState {
@@ -545,6 +550,7 @@ impl Dispatcher {
                 self.rr.push_back(id);
             }
             Msg::Submit { run, ticket } => {
+                let ticket = *ticket;
                 let Some(r) = self.runs.get_mut(&run) else {
                     return;
                 };
@@ -566,6 +572,7 @@ impl Dispatcher {
                         stall_key: None,
                         limit_waits: 0,
                         ready_at: Instant::now(),
+                        attempt_span: tracing::Span::none(),
                     },
                 );
                 self.claim_orphans(&claim);
@@ -877,10 +884,17 @@ impl Dispatcher {
     }
 
     fn finish(&mut self, id: &CallId, result: CallResult) {
-        if let Some(c) = self.calls.remove(id)
-            && let Some(key) = c.stall_key
-        {
-            self.timers.remove(&key);
+        if let Some(c) = self.calls.remove(id) {
+            c.attempt_span.record(
+                "outcome",
+                match &result {
+                    CallResult::Completed(_) => "completed",
+                    CallResult::Failed { .. } => "failed",
+                },
+            );
+            if let Some(key) = c.stall_key {
+                self.timers.remove(&key);
+            }
         }
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r
@@ -959,6 +973,16 @@ impl Dispatcher {
             retry: retry.clone(),
             counted,
         });
+        c.attempt_span.record(
+            "outcome",
+            match &retry {
+                Retry::Stalled { .. } => "stalled",
+                Retry::User => "restarted",
+                Retry::Paused => "paused",
+                Retry::RateLimited { .. } => "rate_limited",
+                Retry::Transient { .. } => "retried",
+            },
+        );
         crate::metrics::inc(match &retry {
             Retry::Stalled { .. } => &crate::metrics::RESTARTS_STALL,
             Retry::User => &crate::metrics::RESTARTS_USER,
@@ -1351,13 +1375,22 @@ impl Dispatcher {
             Timer::Stall(id.0.clone(), id.1, c.attempt),
             Instant::now() + stall,
         ));
+        c.attempt_span = tracing::info_span!(
+            parent: &c.ticket.span,
+            "attempt",
+            workflow.run_id = %id.0,
+            index = id.1,
+            attempt = c.attempt,
+            worker = %w.name,
+            outcome = tracing::field::Empty,
+        );
         let assignment = v1::Assignment {
             run_id: id.0.to_string(),
             call: id.1,
             attempt: c.attempt,
             call_key: c.ticket.key.clone(),
             task: Some(c.ticket.task.clone()),
-            trace_context: HashMap::new(),
+            trace_context: trace_context(&c.attempt_span),
             fence,
         };
         let attempt = c.attempt;
@@ -1386,6 +1419,15 @@ enum Placement {
     /// No worker can take it now; it goes back to the front.
     NoWorker,
     Gone,
+}
+
+/// The W3C trace context of `span`, for an assignment (empty when nothing is traced).
+fn trace_context(span: &tracing::Span) -> HashMap<String, String> {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let mut out = HashMap::new();
+    let cx = span.context();
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut out));
+    out
 }
 
 #[cfg(test)]
@@ -1521,6 +1563,7 @@ mod tests {
                 ..v1::TaskSpec::default()
             },
             prefix_group: 1,
+            span: tracing::Span::none(),
         }
     }
 

@@ -1099,3 +1099,72 @@ fn watch_follows_a_fleet_run_with_plain_lines_and_ends_with_its_report() {
     let missing = c.client(&["watch", "wf_00000000-000"]);
     assert_ne!(missing.code, 0);
 }
+
+#[test]
+fn one_trace_per_run_reaches_an_otlp_receiver_with_worker_spans_under_their_attempts() {
+    let receiver = flotilla_tests::otlp::Receiver::start();
+    let c = Cluster::start_with_env(
+        1,
+        4,
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), receiver.endpoint()),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+        ],
+    );
+    let run = c.launch(
+        "traced",
+        "phase('Look');\nconst r = await parallel([1, 2, 3].map(i => () => agent('t' + i, { label: 'a' + i })));\nreturn r.length;",
+        &["--stagger", "0"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let of_run = |s: &flotilla_tests::otlp::SpanRecord| {
+        s.attributes.get("workflow.run_id").map(String::as_str) == Some(run.as_str())
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let spans = loop {
+        let spans: Vec<_> = receiver.spans().into_iter().filter(|s| of_run(s)).collect();
+        let count = |name: &str| spans.iter().filter(|s| s.name == name).count();
+        if count("run") == 1
+            && count("attempt.run") == 3
+            && count("attempt") == 3
+            && count("agent") == 3
+        {
+            break spans;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "spans never arrived; have {:?}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let find = |name: &'static str| spans.iter().filter(move |s| s.name == name);
+    let root = find("run").next().unwrap();
+    assert_eq!(root.attributes["workflow.name"], "traced");
+    assert!(root.parent_span_id.is_empty(), "the run span is the root");
+    // One trace for the whole run, across both processes.
+    assert!(spans.iter().all(|s| s.trace_id == root.trace_id));
+    let phase = find("phase").next().expect("a phase span");
+    assert_eq!(phase.attributes["phase"], "Look");
+    assert_eq!(phase.parent_span_id, root.span_id);
+    for agent in find("agent") {
+        assert_eq!(agent.parent_span_id, phase.span_id);
+        assert_eq!(agent.attributes["outcome"], "completed");
+        assert!(agent.attributes["label"].starts_with('a'));
+        assert_eq!(agent.attributes["attempts"], "1");
+    }
+    for worker_span in find("attempt.run") {
+        assert_eq!(worker_span.service, "flotilla-worker");
+        let parent = find("attempt")
+            .find(|a| a.span_id == worker_span.parent_span_id)
+            .expect("the worker's span hangs under the coordinator's attempt span");
+        assert_eq!(parent.service, "flotilla-coordinator");
+        assert_eq!(parent.attributes["worker"], "worker-0");
+        assert_eq!(parent.attributes["outcome"], "completed");
+        let agent = find("agent")
+            .find(|a| a.span_id == parent.parent_span_id)
+            .expect("the attempt hangs under its agent span");
+        assert_eq!(agent.attributes["index"], worker_span.attributes["index"]);
+    }
+}
