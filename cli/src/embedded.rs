@@ -107,7 +107,12 @@ pub async fn run(
     let registry = Arc::new(flotilla_coordinator::server::RunRegistry::default());
     let pages = CancellationToken::new();
     let mut served = None;
+    let mut handle = Some(handle);
     if let Some(addr) = serve {
+        // Tracked before the page is up, so its first request finds the run.
+        if let Some(h) = handle.take() {
+            registry.track(h);
+        }
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| anyhow::anyhow!("cannot serve the session page on {addr}: {e}"))?;
@@ -131,8 +136,9 @@ pub async fn run(
             }
         }
     });
-    let report = if served.is_some() {
-        registry.track(handle);
+    let report = if let Some(handle) = handle {
+        handle.wait().await
+    } else {
         let report = registry
             .wait_report(&run_id)
             .await
@@ -141,8 +147,6 @@ pub async fn run(
         // Open pages get the final state before the server goes.
         tokio::time::sleep(std::time::Duration::from_secs(2)).await;
         report
-    } else {
-        handle.wait().await
     };
     pages.cancel();
     if let Some(s) = served {

@@ -221,19 +221,29 @@ pub async fn agent_detail(
     index: u64,
     attempts: u32,
 ) -> Result<AgentDetail, Error> {
-    let prompt = read_events(store, run)
-        .await?
-        .into_iter()
-        .find_map(|e| match e.event {
+    let prompt_in = |events: Vec<crate::store::records::EventRecord>, index: u64| {
+        events.into_iter().find_map(|e| match e.event {
             RunEvent::Prompt { index: i, prompt } if i == index => Some(prompt),
             _ => None,
-        });
+        })
+    };
+    let mut prompt = prompt_in(read_events(store, run).await?, index);
     let mut result = None;
     if let Some(c) = read_calls(store, run)
         .await?
         .into_iter()
         .find(|c| c.index == index)
     {
+        // A call served from an earlier run: its prompt is recorded there, under the same key.
+        if prompt.is_none()
+            && let Some(from) = &c.cached_from
+            && let Some(there) = read_calls(store, from)
+                .await?
+                .into_iter()
+                .find(|p| p.key == c.key)
+        {
+            prompt = prompt_in(read_events(store, from).await?, there.index);
+        }
         result = match (c.result, c.payload) {
             (Some(v), _) => Some(v),
             (None, Some(sha)) => match store.get(&keys::payload(&sha)).await? {

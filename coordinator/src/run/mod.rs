@@ -712,10 +712,6 @@ impl RunEngine {
         *occ += 1;
         self.ensure_group(&group);
         let now = self.now_ms();
-        self.event(RunEvent::Prompt {
-            index,
-            prompt: spec.prompt.clone(),
-        });
 
         // Resume: served from the source run when the replay rule allows.
         let cached = self
@@ -824,6 +820,11 @@ impl RunEngine {
         }
         let call_span = call.span.clone();
         self.calls.push(call);
+        // Served calls are not: the page finds their prompt in the run they came from.
+        self.event(RunEvent::Prompt {
+            index,
+            prompt: spec.prompt.clone(),
+        });
         self.event(RunEvent::Call {
             index,
             label: spec.label.clone(),

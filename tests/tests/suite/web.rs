@@ -164,3 +164,73 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
     assert_eq!(bad.code, 2, "{bad:?}");
     assert!(bad.stderr.contains("loopback"), "{bad:?}");
 }
+
+#[test]
+fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let env = flotilla_tests::Env::new();
+    let first = env.script(
+        "first",
+        "return [await agent('alpha prompt'), await agent('beta [[sleep:10]]')];",
+    );
+    let (code, r) = env.run(&first, &["--stagger", "0"]);
+    assert_eq!(code, 0, "{r}");
+    let parent = r["run_id"].as_str().unwrap().to_owned();
+    let second = env.script(
+        "second",
+        "return [await agent('alpha prompt'), await agent('gamma [[sleep:3000]]')];",
+    );
+    let mut child = Command::new(&env.bin)
+        .args([
+            "run",
+            second.to_str().unwrap(),
+            "--json",
+            "--serve",
+            "--resume",
+            &parent,
+            "--stagger",
+            "0",
+        ])
+        .current_dir(env.path())
+        .env("FLOTILLA_STORE", env.store_url())
+        .env("FLOTILLA_WORKSPACE", env.workspace())
+        .env("HOME", env.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let url = loop {
+        line.clear();
+        assert!(
+            err.read_line(&mut line).unwrap() > 0,
+            "no session page line"
+        );
+        if let Some(u) = line.trim().strip_prefix("session page: ") {
+            break u.to_owned();
+        }
+    };
+    let rest = url.strip_prefix("http://127.0.0.1:").unwrap();
+    let (port, path) = rest.split_once('/').unwrap();
+    let port: u16 = port.parse().unwrap();
+    // The script makes its first call a moment after the page is up.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let detail = loop {
+        let d = flotilla_tests::http_get(port, &format!("/{path}/agents/0"), &[]);
+        if d.status == 200 || std::time::Instant::now() > deadline {
+            break d;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(detail.status, 200, "{detail:?}");
+    assert!(detail.body.contains("alpha prompt"), "{}", detail.body);
+    assert!(
+        detail.body.contains("served from an earlier run"),
+        "{}",
+        detail.body
+    );
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+}
