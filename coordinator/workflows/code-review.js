@@ -18,6 +18,8 @@ if (files.length === 0) {
 const focus = input.focus ? `\nFocus on: ${input.focus}` : '';
 const LENSES = ['correctness', 'security', 'performance', 'reproduction: can you make it happen?'];
 const VOTERS = input.voters || 3;
+// Reviewers read code; they never change it.
+const READ = ['Read', 'Grep', 'Glob'];
 
 phase('Find');
 const found = await pipeline(files, (file, _item, i) =>
@@ -25,6 +27,7 @@ const found = await pipeline(files, (file, _item, i) =>
     `Review ${file} for real defects (bugs, security holes, data loss, races, wrong error handling). Report only problems you can point at: a line, what goes wrong, and why. No style remarks.${focus}`,
     {
       label: `find ${file}`.slice(0, 60),
+      tools: READ,
       schema: {
         type: 'object',
         properties: {
@@ -72,6 +75,7 @@ const checked = await pipeline(unique, async (f, _item, i) => {
         `A reviewer claims this defect in ${f.file} at line ${f.line}: "${f.title}" — ${f.explanation}\nCheck it through the lens of ${LENSES[v % LENSES.length]}. Try to show it is NOT a real problem. Answer confirmed: true only if it holds up.`,
         {
           label: `verify ${i + 1}.${v + 1}`,
+          tools: READ,
           schema: {
             type: 'object',
             properties: { confirmed: { type: 'boolean' }, reason: { type: 'string' } },

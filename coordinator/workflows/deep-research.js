@@ -20,6 +20,8 @@ if (!question) {
 const MAX_SOURCES = input.maxSources || 15;
 const MAX_CLAIMS = input.maxClaims || 25;
 const VOTERS = 3;
+// The searchers, readers and verifiers need the web; nothing else.
+const WEB = ['WebSearch', 'WebFetch'];
 
 phase('Scope');
 const scope = await agent(
@@ -44,6 +46,7 @@ const searches = await pipeline(angles, (angle, _item, i) =>
     `Search the web for: ${angle}\nThis is one angle of the question: ${question}\nReturn the most relevant sources you found (URL and title), best first.`,
     {
       label: `search ${i + 1}`,
+      tools: WEB,
       schema: {
         type: 'object',
         properties: {
@@ -89,6 +92,7 @@ const extracts = await pipeline(fetched, (src, _item, i) =>
     `Read ${src.url} (${src.title}). Extract up to 5 falsifiable claims that bear on the question, each with a short verbatim quote that supports it. Grade the source's quality from 1 (weak) to 5 (primary, authoritative).\n\nQuestion: ${question}`,
     {
       label: `fetch ${i + 1}`,
+      tools: WEB,
       schema: {
         type: 'object',
         properties: {
@@ -134,6 +138,7 @@ const verdicts = await pipeline(ranked, async (c, _item, i) => {
         `Try to refute this claim, focusing on ${lens}. If you are unsure, answer refuted: true.\n\nClaim: ${c.claim}\nQuote: "${c.quote}"\nSource: ${c.source}`,
         {
           label: `verify ${i + 1}.${v + 1}`,
+          tools: WEB,
           schema: {
             type: 'object',
             properties: { refuted: { type: 'boolean' }, reason: { type: 'string' } },

@@ -56,6 +56,9 @@ async function lint(after) {
   }
 }
 
+// The agent edits files in the wiki (and may list or move them with the shell).
+const WIKI_TOOLS = ['Read', 'Write', 'Edit', 'Glob', 'Grep', 'Bash'];
+
 const ingested = [];
 const failed = [];
 const lints = [];
@@ -69,7 +72,7 @@ for (let i = 0; i < sources.length; i++) {
       `Then read the new source at ${src} and fold what it says into the wiki: update the pages it touches and create pages under ./pages/ for new subjects, following ./SCHEMA.md. ` +
       `Repair links between the pages you touched, add every new page to ./index.md, and append one line to ./log.md naming the source and what changed.\n` +
       `Answer with the JSON summary of the operations you made, each with its reason.`,
-    { label: `ingest ${sources[i]}`.slice(0, 60), cwd: wiki, schema: summarySchema },
+    { label: `ingest ${sources[i]}`.slice(0, 60), cwd: wiki, tools: WIKI_TOOLS, schema: summarySchema },
   );
   if (r) ingested.push({ source: sources[i], operations: r.operations || [] });
   else { failed.push(sources[i]); log(`ingesting ${sources[i]} failed; the wiki is unchanged by it`); }

@@ -10,6 +10,9 @@ const input = typeof args === 'string' ? { wiki: args } : (args || {});
 const wiki = String(input.wiki || '').replace(/\/+$/, '');
 if (!wiki) throw new Error('lint needs the wiki directory: --args \'{"wiki": "wiki"}\'');
 
+// The agent edits files in the wiki (and may list or move them with the shell).
+const WIKI_TOOLS = ['Read', 'Write', 'Edit', 'Glob', 'Grep', 'Bash'];
+
 phase('Lint');
 const report = await agent(
   `You maintain the wiki in your current working directory (${wiki}/ in the workspace; every path below is relative to it).\n` +
@@ -21,6 +24,7 @@ const report = await agent(
   {
     label: 'lint',
     cwd: wiki,
+    tools: WIKI_TOOLS,
     schema: {
       type: 'object',
       properties: {

@@ -42,6 +42,14 @@ impl Browser {
             .stderr(Stdio::null())
             .spawn()
             .expect("start chromedriver");
+        let profile = tempfile::tempdir().expect("profile dir");
+        // From here on, dropping `b` (a failed assertion included) stops the driver.
+        let mut b = Browser {
+            driver,
+            port,
+            session: String::new(),
+            _profile: profile,
+        };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let up = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
@@ -52,22 +60,15 @@ impl Browser {
             assert!(Instant::now() < deadline, "chromedriver never answered");
             std::thread::sleep(Duration::from_millis(100));
         }
-        let profile = tempfile::tempdir().expect("profile dir");
         let caps = json!({"capabilities": {"alwaysMatch": {
             "browserName": "chrome",
             "goog:chromeOptions": {
                 "binary": chrome_bin,
                 "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                          "--window-size=1280,1600",
-                         format!("--user-data-dir={}", profile.path().display())],
+                         format!("--user-data-dir={}", b._profile.path().display())],
             }
         }}});
-        let mut b = Browser {
-            driver,
-            port,
-            session: String::new(),
-            _profile: profile,
-        };
         let v = b.call("POST", "/session", Some(caps));
         b.session = v["sessionId"]
             .as_str()

@@ -346,7 +346,7 @@ fn ingest_on_the_real_cli_writes_the_pages_with_its_tools() {
     let bin = claude_bin().display().to_string();
     let mut vars: Vec<(String, String)> = fake.env();
     vars.push(("FLOTILLA_CLAUDE_BIN".into(), bin));
-    vars.push(("FLOTILLA_ALLOW_TOOLS".into(), "Bash".into()));
+    // No FLOTILLA_ALLOW_TOOLS: the workflow's own `tools` list lets the agent use Bash.
     let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let out = env.flotilla_with_env(
         &[

@@ -4,6 +4,24 @@
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::webdriver::Browser;
 
+/// Kills a child process when the test ends, failed assertions included.
+struct Reaper(Option<std::process::Child>);
+
+impl Reaper {
+    fn wait(mut self) -> std::process::Output {
+        self.0.take().unwrap().wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 #[test]
 fn the_session_page_follows_a_run_live_and_its_stop_button_stops_it() {
     let c = Cluster::start(1, 8);
@@ -100,6 +118,7 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
         .spawn()
         .unwrap();
     let mut err = BufReader::new(child.stderr.take().unwrap());
+    let child = Reaper(Some(child));
     let mut line = String::new();
     let url = loop {
         line.clear();
@@ -155,7 +174,7 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
         events.body
     );
     assert!(events.body.contains("event: end"), "{}", events.body);
-    let out = child.wait_with_output().unwrap();
+    let out = child.wait();
     assert_eq!(out.status.code(), Some(0));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["result"], 6);
@@ -201,6 +220,7 @@ fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
         .spawn()
         .unwrap();
     let mut err = BufReader::new(child.stderr.take().unwrap());
+    let child = Reaper(Some(child));
     let mut line = String::new();
     let url = loop {
         line.clear();
@@ -231,6 +251,6 @@ fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
         "{}",
         detail.body
     );
-    let out = child.wait_with_output().unwrap();
+    let out = child.wait();
     assert_eq!(out.status.code(), Some(0));
 }
