@@ -507,6 +507,18 @@ impl ClientService for ClientSvc {
             };
             r.script = found.source;
             r.origin = found.origin;
+            // Nested workflow() calls, too, reach only what this coordinator holds: the
+            // pushed workflows (bundled ones are found after them anyway).
+            r.workflows = crate::saved::list(self.coordinator.store())
+                .await
+                .map_err(Status::unavailable)?
+                .into_iter()
+                .map(|w| v1::SavedWorkflow {
+                    name: w.name,
+                    source: w.source,
+                    origin: w.origin,
+                })
+                .collect();
         }
         let settings: RunSettings = serde_json::from_str(&r.settings_json)
             .map_err(|e| Status::invalid_argument(format!("run settings are not valid: {e}")))?;

@@ -331,6 +331,35 @@ fn pushed_workflows_launch_by_name_and_a_saved_only_coordinator_refuses_scripts(
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], json!(["triage 1", "triage 2"]));
 
+    // Nested workflow() calls reach pushed workflows only, never ones the client carries.
+    std::fs::create_dir_all(c.path().join(".flotilla/workflows")).unwrap();
+    std::fs::write(
+        c.path().join(".flotilla/workflows/sneaky.js"),
+        wf("sneaky", "not pushed", "return 'ran unpushed code';"),
+    )
+    .unwrap();
+    let outer = c.path().join("outer.js");
+    std::fs::write(
+        &outer,
+        wf(
+            "outer",
+            "calls another",
+            "let got; try { got = await workflow('sneaky'); } catch (e) { got = 'refused'; }
+return got;",
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        c.client(&["workflows", "push", outer.to_str().unwrap()])
+            .code,
+        0
+    );
+    let out = c.client(&["launch", "outer", "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let (code, r) = c.wait(out.json()["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "refused", "{r}");
+
     // A bundled one runs by name too; an inline script is refused with the fix.
     let out = c.client(&["launch", "lint", "--json", "--args", "\"wiki\""]);
     assert_eq!(out.code, 0, "{out:?}");
