@@ -291,12 +291,30 @@ async fn run_json(State(web): State<Web>, Path(run): Path<String>, headers: Head
     }
 }
 
-async fn run_page(State(web): State<Web>, Path(run): Path<String>, headers: HeaderMap) -> Response {
+/// `?all=1` on a run's page and event stream: list every agent of every phase.
+#[derive(Deserialize, Default)]
+struct AllQuery {
+    #[serde(default)]
+    all: Option<String>,
+}
+
+impl AllQuery {
+    fn all(&self) -> bool {
+        self.all.as_deref().is_some_and(|v| v == "1" || v == "true")
+    }
+}
+
+async fn run_page(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    Query(q): Query<AllQuery>,
+    headers: HeaderMap,
+) -> Response {
     if let Err(why) = check(&web, &headers) {
         return refuse(why, false);
     }
     match page_data(&web, &run).await {
-        Ok(d) => Html(render_run(&d)).into_response(),
+        Ok(d) => Html(render_run(&d, q.all())).into_response(),
         Err((code, msg)) => (
             code,
             Html(page(
@@ -315,15 +333,17 @@ async fn run_page(State(web): State<Web>, Path(run): Path<String>, headers: Head
 async fn run_events(
     State(web): State<Web>,
     Path(run): Path<String>,
+    Query(q): Query<AllQuery>,
     headers: HeaderMap,
 ) -> Response {
     use axum::response::sse::{Event, KeepAlive, Sse};
     if let Err(why) = check(&web, &headers) {
         return refuse(why, true);
     }
+    let all = q.all();
     let stream = futures::stream::unfold(
         (web, run, None::<String>, false),
-        |(web, run, last, done)| async move {
+        move |(web, run, last, done)| async move {
             if done {
                 return None;
             }
@@ -342,7 +362,7 @@ async fn run_events(
                         ));
                     }
                 };
-                let html = render_live(&d);
+                let html = render_live(&d, all);
                 if !d.live() {
                     let ev = Event::default().event("end").data(html);
                     return Some((Ok(ev), (web, run, None, true)));
@@ -732,8 +752,52 @@ async fn page_data(web: &Web, run: &str) -> Result<PageData, (StatusCode, String
 const LARGE_AGENTS: u64 = 25;
 const LARGE_TOKENS: u64 = 1_500_000;
 
-/// The part of the page that changes while the run goes on (sent again over SSE).
-fn render_live(d: &PageData) -> String {
+/// Rows a phase lists unless the reader asks for all of them (`?all=1`): a big fan-out
+/// would otherwise send thousands of rows on every update.
+const PHASE_ROWS: usize = 100;
+
+/// Which agents of a big phase are listed: every running and failed one, then the latest
+/// completed ones, then the next queued ones, up to [`PHASE_ROWS`]; in index order.
+fn rows_to_show<'a>(
+    agents: &[&'a crate::report::AgentReport],
+) -> Vec<&'a crate::report::AgentReport> {
+    if agents.len() <= PHASE_ROWS {
+        return agents.to_vec();
+    }
+    let mut keep = std::collections::BTreeSet::new();
+    for a in agents {
+        if matches!(a.status.as_str(), "running" | "failed") {
+            keep.insert(a.index);
+        }
+    }
+    let room = |keep: &std::collections::BTreeSet<u64>| keep.len() < PHASE_ROWS;
+    let completed_room = PHASE_ROWS.saturating_sub(10);
+    for a in agents.iter().rev() {
+        if keep.len() >= completed_room {
+            break;
+        }
+        if a.status != "queued" {
+            keep.insert(a.index);
+        }
+    }
+    for a in agents {
+        if !room(&keep) {
+            break;
+        }
+        if a.status == "queued" {
+            keep.insert(a.index);
+        }
+    }
+    agents
+        .iter()
+        .filter(|a| keep.contains(&a.index))
+        .copied()
+        .collect()
+}
+
+/// The part of the page that changes while the run goes on (sent again over SSE); `all`
+/// lists every agent of every phase.
+fn render_live(d: &PageData, all: bool) -> String {
     let r = &*d.report;
     let u = &r.usage;
     let status = r.status.as_str();
@@ -802,20 +866,29 @@ fn render_live(d: &PageData) -> String {
             agents.len(),
             fmt_ms(elapsed),
         ));
-        for a in agents {
+        let shown = if all {
+            agents.clone()
+        } else {
+            rows_to_show(&agents)
+        };
+        let hidden = agents.len() - shown.len();
+        for a in shown {
             let elapsed = match (a.start_ms, a.end_ms) {
                 (Some(s), Some(e)) => fmt_ms(e.saturating_sub(s)),
                 (Some(s), None) if d.live() => fmt_ms(u.duration_ms.saturating_sub(s)),
                 _ => String::new(),
             };
-            let buttons = if d.here && d.live() && (a.status == "running" || a.status == "queued") {
-                format!(
+            let buttons = match a.status.as_str() {
+                "running" if d.here && d.live() => format!(
                     "<button data-action=stop_agent data-target={i}>stop</button> \
                      <button data-action=restart_agent data-target={i}>restart</button>",
                     i = a.index
-                )
-            } else {
-                String::new()
+                ),
+                "queued" if d.here && d.live() => format!(
+                    "<button data-action=stop_agent data-target={i}>stop</button>",
+                    i = a.index
+                ),
+                _ => String::new(),
             };
             let cached = if a.cached { " (cached)" } else { "" };
             out.push_str(&format!(
@@ -827,6 +900,12 @@ fn render_live(d: &PageData) -> String {
                 model = esc(&a.model),
                 tokens = a.input_tokens + a.output_tokens,
                 attempts = a.attempts,
+            ));
+        }
+        if hidden > 0 {
+            out.push_str(&format!(
+                "<tr class=more><td colspan=8>{hidden} more agents of this phase are not listed \
+                 (running and failed ones always are) · <a href=\"?all=1\">show all</a></td></tr>"
             ));
         }
         out.push_str("</tbody></table></section>");
@@ -866,7 +945,7 @@ fn span_ms(spans: impl Iterator<Item = (Option<u64>, Option<u64>)>, now: u64) ->
     first.map_or(0, |f| last.saturating_sub(f))
 }
 
-fn render_run(d: &PageData) -> String {
+fn render_run(d: &PageData, all: bool) -> String {
     let r = &*d.report;
     let name = if r.workflow.name.is_empty() {
         "workflow"
@@ -879,7 +958,7 @@ fn render_run(d: &PageData) -> String {
         esc(name),
         esc(&r.run_id),
         esc(&r.workflow.description),
-        render_live(d),
+        render_live(d, all),
     );
     page_with(
         &format!("{name} · flotilla"),
@@ -987,7 +1066,7 @@ function bind(){document.querySelectorAll('[data-agent]').forEach(a=>a.onclick=e
 document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>act(b.dataset.action,b.dataset.target));}
 function show(html){document.getElementById('live').innerHTML=html;bind();
 const d=document.getElementById('detail');if(d.dataset.agent)openAgent(d.dataset.agent);}
-if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+'/events');
+if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+'/events'+location.search);
 es.addEventListener('update',e=>show(e.data));es.addEventListener('end',e=>{show(e.data);es.close();});}
 bind();"#;
 
@@ -1010,6 +1089,86 @@ fn page_with(title: &str, body: &str, data: &[(&str, &str)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn agent(index: u64, status: &str) -> crate::report::AgentReport {
+        crate::report::AgentReport {
+            label: format!("a{index}"),
+            group: "G".into(),
+            status: status.into(),
+            attempts: 1,
+            cached: false,
+            start_ms: Some(index),
+            end_ms: None,
+            error: None,
+            index,
+            key: String::new(),
+            model: String::new(),
+            input_tokens: 0,
+            output_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn a_big_phase_lists_running_and_failed_agents_and_says_how_many_it_hides() {
+        let all: Vec<_> = (0..1000u64)
+            .map(|i| match i {
+                500 => agent(i, "failed"),
+                600..=615 => agent(i, "running"),
+                i if i < 600 => agent(i, "completed"),
+                _ => agent(i, "queued"),
+            })
+            .collect();
+        let refs: Vec<_> = all.iter().collect();
+        let shown = rows_to_show(&refs);
+        assert_eq!(shown.len(), PHASE_ROWS);
+        for must in [500, 600, 615] {
+            assert!(shown.iter().any(|a| a.index == must), "{must}");
+        }
+        assert!(shown.iter().any(|a| a.status == "queued"));
+        assert!(
+            shown.windows(2).all(|w| w[0].index < w[1].index),
+            "index order"
+        );
+        let small: Vec<_> = all.iter().take(10).collect();
+        assert_eq!(rows_to_show(&small).len(), 10);
+
+        let report = Report {
+            run_id: "wf_x".into(),
+            status: RunStatus::Running,
+            result: serde_json::Value::Null,
+            error: None,
+            workflow: Default::default(),
+            usage: Default::default(),
+            agents: all.clone(),
+            groups: vec![crate::report::GroupReport {
+                title: "G".into(),
+                agents: Vec::new(),
+            }],
+            logs: Vec::new(),
+            failures: Vec::new(),
+            script_path: None,
+            parent_run_id: None,
+            store: None,
+        };
+        let d = PageData {
+            report: Arc::new(report),
+            waiting: None,
+            here: true,
+        };
+        let page = render_live(&d, false);
+        assert!(
+            page.contains("900 more agents of this phase are not listed"),
+            "{page}"
+        );
+        assert_eq!(page.matches("<tr id=agent-").count(), PHASE_ROWS);
+        let full = render_live(&d, true);
+        assert_eq!(full.matches("<tr id=agent-").count(), 1000);
+        assert!(!full.contains("more agents of this phase"));
+        // Restart only where an agent runs; a queued one can only be stopped.
+        assert!(full.contains("data-action=restart_agent data-target=600>"));
+        assert!(!full.contains("data-action=restart_agent data-target=700>"));
+        assert!(full.contains("data-action=stop_agent data-target=700>"));
+    }
 
     #[test]
     fn tokens_verify_only_with_their_key_and_until_they_expire() {
