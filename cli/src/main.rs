@@ -103,8 +103,14 @@ pub struct RunArgs {
     #[arg(long, conflicts_with = "yes")]
     pub plan: bool,
     /// Serve the run's session page on loopback while it runs and print its URL
-    /// [default address: 127.0.0.1 on a free port].
-    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
+    /// (`--serve`, or `--serve=127.0.0.1:PORT`) [default: 127.0.0.1 on a free port].
+    #[arg(
+        long,
+        value_name = "ADDR",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "127.0.0.1:0"
+    )]
     pub serve: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub settings: config::SettingFlags,

@@ -101,9 +101,9 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
     let mut child = Command::new(&env.bin)
         .args([
             "run",
+            "--serve",
             script.to_str().unwrap(),
             "--json",
-            "--serve",
             "--concurrency",
             "2",
             "--stagger",
@@ -179,7 +179,7 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["result"], 6);
 
-    let bad = env.flotilla(&["run", script.to_str().unwrap(), "--serve", "0.0.0.0:0"]);
+    let bad = env.flotilla(&["run", script.to_str().unwrap(), "--serve=0.0.0.0:0"]);
     assert_eq!(bad.code, 2, "{bad:?}");
     assert!(bad.stderr.contains("loopback"), "{bad:?}");
 }
