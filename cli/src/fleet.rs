@@ -797,6 +797,47 @@ pub async fn wait(a: RunRefArgs) -> i32 {
     }
 }
 
+/// `flotilla logs RUN --coordinator URL`: transcripts through the coordinator, which reads
+/// its own store.
+pub async fn logs_remote(
+    remote: ClientArgs,
+    run: &str,
+    agent: Option<&str>,
+    attempt: Option<u32>,
+    json: bool,
+) -> i32 {
+    let mut client = match remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    let reply = client
+        .transcripts(v1::TranscriptsRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            run_id: run.to_owned(),
+            agent: agent.unwrap_or_default().to_owned(),
+            attempt: attempt.unwrap_or(0),
+        })
+        .await;
+    let reply = match reply {
+        Ok(r) => r.into_inner(),
+        Err(s) if s.code() == tonic::Code::NotFound => return fail(2, s.message()),
+        Err(s) => return rpc_fail(&s),
+    };
+    let mut found = Vec::with_capacity(reply.agents_json.len());
+    for a in &reply.agents_json {
+        match serde_json::from_str::<flotilla_coordinator::history::AgentTranscript>(a) {
+            Ok(t) => found.push(t),
+            Err(e) => {
+                return fail(
+                    1,
+                    format!("the coordinator sent a transcript this client cannot read: {e}"),
+                );
+            }
+        }
+    }
+    crate::stored::print_transcripts(&found, json)
+}
+
 /// Follows a run on a coordinator: progress bars on a terminal, plain lines otherwise, then
 /// the report (as `run` prints it).
 pub async fn watch(a: RunRefArgs) -> i32 {

@@ -145,6 +145,11 @@ struct LogsArgs {
     /// Object store URL (file:///path, s3://bucket/prefix).
     #[arg(long, env = "FLOTILLA_STORE")]
     store: Option<String>,
+    /// Ask this coordinator instead of reading a store (no storage credentials needed).
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    coordinator: Option<String>,
+    #[command(flatten)]
+    tls: fleet::TlsArgs,
     /// One JSON event per line.
     #[arg(long)]
     json: bool,
@@ -194,9 +199,19 @@ fn main() -> ExitCode {
                 None => stored::list(args.store, args.json).await,
             },
             Command::Show(args) => stored::show(args.store, &args.run_id, args.json).await,
-            Command::Logs(a) => {
-                stored::logs(a.store, &a.run_id, a.agent.as_deref(), a.attempt, a.json).await
-            }
+            Command::Logs(a) => match a.coordinator {
+                Some(coordinator) => {
+                    let remote = fleet::ClientArgs {
+                        coordinator: Some(coordinator),
+                        tls: a.tls,
+                    };
+                    fleet::logs_remote(remote, &a.run_id, a.agent.as_deref(), a.attempt, a.json)
+                        .await
+                }
+                None => {
+                    stored::logs(a.store, &a.run_id, a.agent.as_deref(), a.attempt, a.json).await
+                }
+            },
             Command::Bench(args) => bench::run(args).await,
             Command::Certs(args) => certs::run(args),
             Command::Coordinator(args) => fleet::coordinator(args).await,

@@ -147,26 +147,20 @@ pub async fn logs(
         Ok(r) => r,
         Err(e) => return fail(e.kind().exit_code(), e),
     };
-    let picked: Vec<_> = match agent {
-        None => report.agents.iter().collect(),
-        Some(a) => {
-            let by_index = a.parse::<u64>().ok();
-            let found: Vec<_> = report
-                .agents
-                .iter()
-                .filter(|x| Some(x.index) == by_index || x.label == a)
-                .collect();
-            if found.is_empty() {
-                return fail(
-                    2,
-                    format!("no agent {a:?} in run {run}; `flotilla show {run}` lists them"),
-                );
-            }
-            found
+    match history::transcripts(&store, &report, agent, attempt).await {
+        Ok(found) => print_transcripts(&found, json),
+        Err(history::TranscriptError::NoAgent(m)) => fail(2, m),
+        Err(history::TranscriptError::Store(e)) => {
+            fail(1, format!("cannot read the transcript: {e}"))
         }
-    };
+    }
+}
+
+/// Prints transcripts: `== #INDEX LABEL (attempt N of M)` and one line per event, or one JSON
+/// object per event with `--json`.
+pub fn print_transcripts(found: &[history::AgentTranscript], json: bool) -> i32 {
     let mut out = std::io::stdout().lock();
-    for a in picked {
+    for a in found {
         if a.cached {
             if !json {
                 let _ = writeln!(
@@ -177,27 +171,22 @@ pub async fn logs(
             }
             continue;
         }
-        let n = attempt.unwrap_or(a.attempts.max(1));
-        let events = match store::journal::read_transcript(&store, run, a.index, n).await {
-            Ok(e) => e,
-            Err(e) => return fail(1, format!("cannot read the transcript: {e}")),
-        };
         if json {
-            for e in &events {
+            for e in &a.events {
                 let _ = writeln!(
                     out,
                     "{}",
-                    serde_json::json!({"agent": a.index, "attempt": n, "event": e})
+                    serde_json::json!({"agent": a.index, "attempt": a.attempt, "event": e})
                 );
             }
             continue;
         }
         let _ = writeln!(
             out,
-            "== #{} {} (attempt {n} of {})",
-            a.index, a.label, a.attempts
+            "== #{} {} (attempt {} of {})",
+            a.index, a.label, a.attempt, a.attempts
         );
-        for e in &events {
+        for e in &a.events {
             let _ = writeln!(out, "{}", render_event(e));
         }
     }

@@ -306,3 +306,72 @@ pub fn transcript_line(e: &Value) -> String {
         _ => format!("  {}", cut(e.to_string())),
     }
 }
+
+/// One agent's transcript as `flotilla logs` prints it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct AgentTranscript {
+    pub index: u64,
+    pub label: String,
+    /// The attempt shown, and how many the agent had.
+    pub attempt: u32,
+    pub attempts: u32,
+    /// Served from an earlier run: no transcript here.
+    pub cached: bool,
+    pub events: Vec<Value>,
+}
+
+/// Why transcripts cannot be shown.
+#[derive(Debug)]
+pub enum TranscriptError {
+    /// No agent of that index or label (the caller's mistake).
+    NoAgent(String),
+    Store(Error),
+}
+
+/// The transcripts of a run's agents: all of them, or the one named by index or label (every
+/// agent with that label); the last attempt unless `attempt` says which.
+pub async fn transcripts(
+    store: &Store,
+    report: &Report,
+    agent: Option<&str>,
+    attempt: Option<u32>,
+) -> Result<Vec<AgentTranscript>, TranscriptError> {
+    let picked: Vec<_> = match agent {
+        None => report.agents.iter().collect(),
+        Some(a) => {
+            let by_index = a.parse::<u64>().ok();
+            let found: Vec<_> = report
+                .agents
+                .iter()
+                .filter(|x| Some(x.index) == by_index || x.label == a)
+                .collect();
+            if found.is_empty() {
+                return Err(TranscriptError::NoAgent(format!(
+                    "no agent {a:?} in run {run}; `flotilla show {run}` lists them",
+                    run = report.run_id
+                )));
+            }
+            found
+        }
+    };
+    let mut out = Vec::with_capacity(picked.len());
+    for a in picked {
+        let n = attempt.unwrap_or(a.attempts.max(1));
+        let events = if a.cached {
+            Vec::new()
+        } else {
+            crate::store::journal::read_transcript(store, &report.run_id, a.index, n)
+                .await
+                .map_err(TranscriptError::Store)?
+        };
+        out.push(AgentTranscript {
+            index: a.index,
+            label: a.label.clone(),
+            attempt: n,
+            attempts: a.attempts,
+            cached: a.cached,
+            events,
+        });
+    }
+    Ok(out)
+}

@@ -807,6 +807,33 @@ impl ClientService for ClientSvc {
         Ok(Response::new(v1::ListWorkflowsReply { workflows }))
     }
 
+    async fn transcripts(
+        &self,
+        req: Request<v1::TranscriptsRequest>,
+    ) -> Result<Response<v1::TranscriptsReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        // Transcripts are in the shared store: any coordinator of a group can answer.
+        let report = match self.registry.live_report(&r.run_id).await {
+            Some(rep) => (*rep).clone(),
+            None => self.stored_report(&r.run_id).await?,
+        };
+        let agent = (!r.agent.is_empty()).then_some(r.agent.as_str());
+        let attempt = (r.attempt > 0).then_some(r.attempt);
+        let found = history::transcripts(self.coordinator.store(), &report, agent, attempt)
+            .await
+            .map_err(|e| match e {
+                history::TranscriptError::NoAgent(m) => Status::not_found(m),
+                history::TranscriptError::Store(e) => {
+                    Status::unavailable(format!("cannot read the transcripts: {e}"))
+                }
+            })?;
+        Ok(Response::new(v1::TranscriptsReply {
+            agents_json: found.iter().map(to_json).collect::<Result<Vec<_>, _>>()?,
+        }))
+    }
+
     async fn create_token(
         &self,
         req: Request<v1::CreateTokenRequest>,

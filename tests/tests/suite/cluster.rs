@@ -1098,6 +1098,29 @@ fn watch_follows_a_fleet_run_with_plain_lines_and_ends_with_its_report() {
     assert_eq!(again.json()["result"], 3);
     let missing = c.client(&["watch", "wf_00000000-000"]);
     assert_ne!(missing.code, 0);
+
+    // Transcripts through the coordinator, without access to its store.
+    let logs = c.client(&["logs", &run, "--agent", "0"]);
+    assert_eq!(logs.code, 0, "{logs:?}");
+    assert!(logs.stdout.contains("== #0"), "{}", logs.stdout);
+    assert!(
+        logs.stdout.contains("text: w1 [[sleep:600]]"),
+        "{}",
+        logs.stdout
+    );
+    let json = c.client(&["logs", &run, "--json"]);
+    assert_eq!(json.code, 0, "{json:?}");
+    let lines: Vec<Value> = json
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for agent in 0..3 {
+        assert!(lines.iter().any(|l| l["agent"] == agent), "{lines:?}");
+    }
+    let nobody = c.client(&["logs", &run, "--agent", "nobody"]);
+    assert_eq!(nobody.code, 2, "{nobody:?}");
+    assert!(nobody.stderr.contains("no agent \"nobody\""), "{nobody:?}");
 }
 
 #[test]
