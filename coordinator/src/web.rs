@@ -198,12 +198,7 @@ fn refuse(why: &str, json: bool) -> Response {
             .to_string()
             .into_response()
     } else {
-        Html(page(
-            "Sign in",
-            &format!("<p class=err>{}</p>", esc(why)),
-            None,
-        ))
-        .into_response()
+        Html(page("Sign in", &format!("<p class=err>{}</p>", esc(why)))).into_response()
     };
     (
         StatusCode::UNAUTHORIZED,
@@ -254,15 +249,9 @@ struct RunView {
     report: Option<Report>,
 }
 
-async fn view(web: &Web, run: &str) -> Result<RunView, (StatusCode, String)> {
-    if let Some((snap, report)) = web.registry.live(run) {
-        return Ok(RunView {
-            snapshot: SnapshotView::from(&*snap),
-            finished: report.is_some(),
-            report: report.map(|r| (*r).clone()),
-        });
-    }
-    let report = history::load_report(web.coordinator.store(), run)
+/// A run's report from storage (it is not running here), or the HTTP error to answer with.
+async fn stored_report(web: &Web, run: &str) -> Result<Report, (StatusCode, String)> {
+    history::load_report(web.coordinator.store(), run)
         .await
         .map_err(|e| match e.kind() {
             flotilla_proto::ErrorKind::NotFound => (
@@ -273,7 +262,18 @@ async fn view(web: &Web, run: &str) -> Result<RunView, (StatusCode, String)> {
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("cannot read run {run}: {e}"),
             ),
-        })?;
+        })
+}
+
+async fn view(web: &Web, run: &str) -> Result<RunView, (StatusCode, String)> {
+    if let Some((snap, report)) = web.registry.live(run) {
+        return Ok(RunView {
+            snapshot: SnapshotView::from(&*snap),
+            finished: report.is_some(),
+            report: report.map(|r| (*r).clone()),
+        });
+    }
+    let report = stored_report(web, run).await?;
     Ok(RunView {
         snapshot: SnapshotView::from_report(&report),
         finished: report.status.is_final(),
@@ -320,7 +320,6 @@ async fn run_page(
             Html(page(
                 "Not found",
                 &format!("<p class=err>{}</p>", esc(&msg)),
-                None,
             )),
         )
             .into_response(),
@@ -501,7 +500,6 @@ async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Response {
                 Html(page(
                     "Runs",
                     &format!("<p class=err>cannot list runs: {}</p>", esc(&e.to_string())),
-                    None,
                 )),
             )
                 .into_response();
@@ -521,7 +519,7 @@ async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Response {
     let body = format!(
         "<table><thead><tr><th>run</th><th>workflow</th><th>status</th><th>agents</th><th>created</th></tr></thead><tbody>{rows}</tbody></table>"
     );
-    Html(page("Runs", &body, None)).into_response()
+    Html(page("Runs", &body)).into_response()
 }
 
 /// Prometheus text format: runs and agents of this coordinator, the dispatcher and the fleet.
@@ -729,18 +727,7 @@ async fn page_data(web: &Web, run: &str) -> Result<PageData, (StatusCode, String
             here: true,
         });
     }
-    let report = history::load_report(web.coordinator.store(), run)
-        .await
-        .map_err(|e| match e.kind() {
-            flotilla_proto::ErrorKind::NotFound => (
-                StatusCode::NOT_FOUND,
-                format!("no run {run} on this coordinator or in its store"),
-            ),
-            _ => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("cannot read run {run}: {e}"),
-            ),
-        })?;
+    let report = stored_report(web, run).await?;
     Ok(PageData {
         report: Arc::new(report),
         waiting: None,
@@ -1070,7 +1057,7 @@ if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+
 es.addEventListener('update',e=>show(e.data));es.addEventListener('end',e=>{show(e.data);es.close();});}
 bind();"#;
 
-fn page(title: &str, body: &str, _live: Option<&str>) -> String {
+fn page(title: &str, body: &str) -> String {
     page_with(title, body, &[])
 }
 
