@@ -652,11 +652,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
                 .into_inner()
                 .workflows
                 .into_iter()
-                .map(|w| FoundWorkflow {
-                    name: w.name,
-                    source: w.source,
-                    origin: w.origin,
-                })
+                .map(FoundWorkflow::from)
                 .collect(),
             Err(s) => return rpc_fail(&s),
         }
@@ -688,11 +684,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
     let mut workflows = workflows;
     for w in server {
         if !workflows.iter().any(|c| c.name == w.name) {
-            workflows.push(v1::SavedWorkflow {
-                name: w.name,
-                source: w.source,
-                origin: w.origin,
-            });
+            workflows.push(w.into());
         }
     }
     let types = dirs.agent_types();

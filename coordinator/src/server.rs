@@ -513,11 +513,7 @@ impl ClientService for ClientSvc {
                 .await
                 .map_err(Status::unavailable)?
                 .into_iter()
-                .map(|w| v1::SavedWorkflow {
-                    name: w.name,
-                    source: w.source,
-                    origin: w.origin,
-                })
+                .map(v1::SavedWorkflow::from)
                 .collect();
         }
         let settings: RunSettings = serde_json::from_str(&r.settings_json)
@@ -530,15 +526,7 @@ impl ClientService for ClientSvc {
                 })?),
             };
         let resolver = CarriedWorkflows {
-            workflows: r
-                .workflows
-                .into_iter()
-                .map(|w| FoundWorkflow {
-                    name: w.name,
-                    source: w.source,
-                    origin: w.origin,
-                })
-                .collect(),
+            workflows: r.workflows.into_iter().map(FoundWorkflow::from).collect(),
             agent_types: {
                 let mut types: Vec<AgentType> = r
                     .agent_definitions
@@ -798,11 +786,7 @@ impl ClientService for ClientSvc {
             .await
             .map_err(Status::unavailable)?
             .into_iter()
-            .map(|w| v1::SavedWorkflow {
-                name: w.name,
-                source: w.source,
-                origin: w.origin,
-            })
+            .map(v1::SavedWorkflow::from)
             .collect();
         Ok(Response::new(v1::ListWorkflowsReply { workflows }))
     }

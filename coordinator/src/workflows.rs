@@ -43,6 +43,26 @@ pub struct FoundWorkflow {
     pub origin: String,
 }
 
+impl From<flotilla_proto::v1::SavedWorkflow> for FoundWorkflow {
+    fn from(w: flotilla_proto::v1::SavedWorkflow) -> Self {
+        FoundWorkflow {
+            name: w.name,
+            source: w.source,
+            origin: w.origin,
+        }
+    }
+}
+
+impl From<FoundWorkflow> for flotilla_proto::v1::SavedWorkflow {
+    fn from(w: FoundWorkflow) -> Self {
+        flotilla_proto::v1::SavedWorkflow {
+            name: w.name,
+            source: w.source,
+            origin: w.origin,
+        }
+    }
+}
+
 /// Agent types every run knows, like Claude Code's built-in subagent types (W21).
 pub const BUILTIN_AGENT_TYPES: [&str; 3] = ["general-purpose", "Explore", "Plan"];
 
