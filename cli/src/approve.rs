@@ -11,6 +11,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
 use flotilla_coordinator::script::source::{self, Meta};
+use flotilla_coordinator::workflows;
 use serde_json::{Value, json};
 
 use crate::config::ResolvedRun;
@@ -226,21 +227,13 @@ fn count_calls(src: &str, name: &str) -> usize {
 
 /// The directory an approval is remembered for: the repository root, else the working dir.
 fn approval_dir(cwd: &Path) -> PathBuf {
-    let mut d = Some(cwd);
-    while let Some(dir) = d {
-        if dir.join(".git").exists() {
-            return dir.to_path_buf();
-        }
-        d = dir.parent();
-    }
-    cwd.to_path_buf()
+    workflows::repo_root(cwd).unwrap_or_else(|| cwd.to_path_buf())
 }
 
 fn approvals_file() -> Option<PathBuf> {
-    std::env::var_os("XDG_CONFIG_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
-        .map(|c| c.join("flotilla").join("approvals.json"))
+    workflows::personal_homes()
+        .0
+        .map(|f| f.join("approvals.json"))
 }
 
 fn approvals() -> Value {

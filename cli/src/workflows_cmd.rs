@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 use flotilla_coordinator::bundled;
 use flotilla_coordinator::saved;
 use flotilla_coordinator::script::source;
-use flotilla_coordinator::workflows::DirResolver;
+use flotilla_coordinator::workflows::{self, DirResolver};
 use flotilla_proto::v1;
 use serde_json::{Value, json};
 
@@ -89,20 +89,8 @@ struct Entry {
 }
 
 fn personal_dirs() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Some(cfg) = std::env::var_os("XDG_CONFIG_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
-    {
-        out.push(cfg.join("flotilla"));
-    }
-    if let Some(c) = std::env::var_os("CLAUDE_CONFIG_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".claude")))
-    {
-        out.push(c);
-    }
-    out
+    let (flotilla, claude) = workflows::personal_homes();
+    flotilla.into_iter().chain(claude).collect()
 }
 
 async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
@@ -112,14 +100,9 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
     let personal = personal_dirs();
     // The project's directories: `--workflows-dir`s, and those from here up to the repository root.
     let mut project: Vec<PathBuf> = at.workflows_dirs.iter().map(|d| cwd.join(d)).collect();
-    let mut d = Some(cwd.as_path());
-    while let Some(dir) = d {
+    for dir in workflows::project_roots(&cwd) {
         project.push(dir.join(".flotilla").join("workflows"));
         project.push(dir.join(".claude").join("workflows"));
-        if dir.join(".git").exists() {
-            break;
-        }
-        d = dir.parent();
     }
     let mut out = Vec::new();
     for (path, meta) in resolver.list() {
@@ -281,20 +264,18 @@ fn is_link(p: &Path) -> bool {
 /// between here and the repository root, else `.flotilla/workflows` at the repository root
 /// (or here, outside a repository).
 fn project_target(cwd: &Path) -> PathBuf {
-    let mut d = Some(cwd);
-    while let Some(dir) = d {
+    for dir in workflows::project_roots(cwd) {
         for sub in [".flotilla", ".claude"] {
             let w = dir.join(sub).join("workflows");
             if w.is_dir() {
                 return w;
             }
         }
-        if dir.join(".git").exists() {
-            return dir.join(".flotilla").join("workflows");
-        }
-        d = dir.parent();
     }
-    cwd.join(".flotilla").join("workflows")
+    workflows::repo_root(cwd)
+        .unwrap_or_else(|| cwd.to_path_buf())
+        .join(".flotilla")
+        .join("workflows")
 }
 
 fn save(a: SaveArgs) -> i32 {

@@ -228,26 +228,16 @@ impl DirResolver {
     pub fn standard(cwd: &Path, extra: &[PathBuf]) -> DirResolver {
         let mut dirs: Vec<PathBuf> = extra.iter().map(|d| absolute(cwd, d)).collect();
         let mut agent_dirs = Vec::new();
-        let mut dir = Some(cwd.to_path_buf());
-        while let Some(d) = dir {
+        for d in project_roots(cwd) {
             dirs.push(d.join(".flotilla").join("workflows"));
             dirs.push(d.join(".claude").join("workflows"));
             agent_dirs.push(d.join(".flotilla").join("agents"));
             agent_dirs.push(d.join(".claude").join("agents"));
-            if d.join(".git").exists() {
-                break;
-            }
-            dir = d.parent().map(Path::to_path_buf);
         }
-        if let Some(cfg) = std::env::var_os("XDG_CONFIG_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
-        {
-            dirs.push(cfg.join("flotilla").join("workflows"));
+        let (flotilla_home, claude_home) = personal_homes();
+        if let Some(f) = flotilla_home {
+            dirs.push(f.join("workflows"));
         }
-        let claude_home = std::env::var_os("CLAUDE_CONFIG_DIR")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".claude")));
         if let Some(claude) = claude_home {
             dirs.push(claude.join("workflows"));
             agent_dirs.push(claude.join("agents"));
@@ -309,6 +299,40 @@ impl DirResolver {
         }
         out
     }
+}
+
+/// The directories a project's saved workflows and agents are searched from: `cwd`, then each
+/// parent up to and including the repository root (the first with `.git`), closest first.
+pub fn project_roots(cwd: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut dir = Some(cwd);
+    while let Some(d) = dir {
+        out.push(d.to_path_buf());
+        if d.join(".git").exists() {
+            break;
+        }
+        dir = d.parent();
+    }
+    out
+}
+
+/// The repository root holding `cwd` (the first directory up with `.git`), if any.
+pub fn repo_root(cwd: &Path) -> Option<PathBuf> {
+    project_roots(cwd).pop().filter(|d| d.join(".git").exists())
+}
+
+/// The user's own config directories: Flotilla's (`$XDG_CONFIG_HOME/flotilla`, else
+/// `~/.config/flotilla`) and Claude Code's (`$CLAUDE_CONFIG_DIR`, else `~/.claude`).
+pub fn personal_homes() -> (Option<PathBuf>, Option<PathBuf>) {
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    let flotilla = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| home.as_ref().map(|h| h.join(".config")))
+        .map(|c| c.join("flotilla"));
+    let claude = std::env::var_os("CLAUDE_CONFIG_DIR")
+        .map(PathBuf::from)
+        .or_else(|| home.map(|h| h.join(".claude")));
+    (flotilla, claude)
 }
 
 /// Reads a Markdown agent definition: `name:`, `description:`, `model:` and `tools:` of its
