@@ -187,13 +187,8 @@ pub fn print_transcripts(found: &[history::AgentTranscript], json: bool) -> i32 
             a.index, a.label, a.attempt, a.attempts
         );
         for e in &a.events {
-            let _ = writeln!(out, "{}", render_event(e));
+            let _ = writeln!(out, "{}", history::transcript_line(e));
         }
     }
     0
-}
-
-/// One transcript event as a line of text.
-fn render_event(e: &serde_json::Value) -> String {
-    flotilla_coordinator::history::transcript_line(e)
 }

@@ -379,6 +379,14 @@ struct CallState {
     attempt_span: tracing::Span,
 }
 
+impl CallState {
+    /// Back in its run's queue: ready to run from now (dispatch latency counts from here).
+    fn make_ready(&mut self) {
+        self.phase = Phase::Queued;
+        self.ready_at = Instant::now();
+    }
+}
+
 struct RunState {
     reg: RunRegistration,
     running: usize,
@@ -745,8 +753,7 @@ impl Dispatcher {
                 if let Some(c) = self.calls.get_mut(&(run.clone(), call))
                     && c.phase == Phase::Held
                 {
-                    c.phase = Phase::Queued;
-                    c.ready_at = Instant::now();
+                    c.make_ready();
                     r.queue.push_front(call);
                 }
             }
@@ -857,8 +864,7 @@ impl Dispatcher {
         }
         let sent = c.fence.take().is_some();
         c.adopted_fence = None;
-        c.phase = Phase::Queued;
-        c.ready_at = Instant::now();
+        c.make_ready();
         c.in_tool = false;
         let group = c.ticket.prefix_group;
         if let Some(r) = self.runs.get_mut(&id.0) {
@@ -994,8 +1000,7 @@ impl Dispatcher {
         match retry {
             Retry::Stalled { .. } | Retry::User | Retry::Paused => {
                 // Same prompt, fresh transcript, at once and ahead of the queue.
-                c.phase = Phase::Queued;
-                c.ready_at = Instant::now();
+                c.make_ready();
                 if let Some(r) = self.runs.get_mut(&id.0) {
                     r.queue.push_front(id.1);
                 }
@@ -1142,8 +1147,7 @@ impl Dispatcher {
                 if let Some(c) = self.calls.get_mut(&id)
                     && c.phase == Phase::Waiting
                 {
-                    c.phase = Phase::Queued;
-                    c.ready_at = Instant::now();
+                    c.make_ready();
                     if let Some(r) = self.runs.get_mut(&id.0) {
                         r.queue.push_front(call);
                     }
@@ -1174,8 +1178,7 @@ impl Dispatcher {
             if let Some(c) = self.calls.get_mut(&id)
                 && c.phase == Phase::Held
             {
-                c.phase = Phase::Queued;
-                c.ready_at = Instant::now();
+                c.make_ready();
                 if let Some(r) = self.runs.get_mut(&id.0) {
                     r.queue.push_front(id.1);
                 }
