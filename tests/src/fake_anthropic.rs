@@ -157,6 +157,14 @@ struct Cache {
 }
 
 impl Cache {
+    /// Counts one more request under `key` and returns how many there have been.
+    fn count(&self, key: &str) -> u32 {
+        let mut seen = self.seen_prompts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = seen.entry(key.to_owned()).or_insert(0);
+        *n += 1;
+        *n
+    }
+
     /// The text the markers are read from: the first rule's script that matches, else the
     /// prompt itself.
     fn scripted(&self, prompt: String) -> String {
@@ -489,20 +497,12 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
     let forced = marker(&prompt, "fail-first").and_then(|spec| {
         let (n, code) = spec.split_once(':')?;
         let (n, code) = (n.parse::<u32>().ok()?, code.parse::<u16>().ok()?);
-        let mut seen = cache.seen_prompts.lock().unwrap_or_else(|e| e.into_inner());
-        let count = seen.entry(prompt.clone()).or_insert(0);
-        *count += 1;
-        (*count <= n).then_some(code)
+        (cache.count(&prompt) <= n).then_some(code)
     });
     // `[[stall-first:N]]`: the first N requests of this prompt stall after `message_start`.
     let stall = marker(&prompt, "stall-first")
         .and_then(|n| n.parse::<u32>().ok())
-        .is_some_and(|n| {
-            let mut seen = cache.seen_prompts.lock().unwrap_or_else(|e| e.into_inner());
-            let count = seen.entry(format!("stall:{prompt}")).or_insert(0);
-            *count += 1;
-            *count <= n
-        });
+        .is_some_and(|n| cache.count(&format!("stall:{prompt}")) <= n);
     if stall {
         return (stall_stream(conn, body, id), 0);
     }

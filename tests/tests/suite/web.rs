@@ -22,6 +22,44 @@ impl Drop for Reaper {
     }
 }
 
+/// Starts `flotilla run ARGS` (which includes `--serve`) in `env` and reads the session page
+/// line it prints: the process, and the page's port and path.
+fn serve(env: &flotilla_tests::Env, args: &[&str]) -> (Reaper, u16, String) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(&env.bin)
+        .arg("run")
+        .args(args)
+        .current_dir(env.path())
+        .env("FLOTILLA_STORE", env.store_url())
+        .env("FLOTILLA_WORKSPACE", env.workspace())
+        .env("HOME", env.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let child = Reaper(Some(child));
+    let mut line = String::new();
+    let url = loop {
+        line.clear();
+        assert!(
+            err.read_line(&mut line).unwrap() > 0,
+            "no session page line"
+        );
+        if let Some(u) = line.trim().strip_prefix("session page: ") {
+            break u.to_owned();
+        }
+    };
+    // Keep reading what it prints, so its stderr never meets a closed pipe.
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    let rest = url
+        .strip_prefix("http://127.0.0.1:")
+        .expect("served on loopback");
+    let (port, path) = rest.split_once('/').unwrap();
+    (child, port.parse().unwrap(), format!("/{path}"))
+}
+
 #[test]
 fn the_session_page_follows_a_run_live_and_its_stop_button_stops_it() {
     let c = Cluster::start(1, 8);
@@ -91,16 +129,14 @@ fn the_session_page_follows_a_run_live_and_its_stop_button_stops_it() {
 
 #[test]
 fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
     let env = flotilla_tests::Env::new();
     let script = env.script(
         "served",
         "return (await parallel(Array.from({ length: 6 }, (_, i) => () => agent('s' + i + ' [[sleep:700]]')))).length;",
     );
-    let mut child = Command::new(&env.bin)
-        .args([
-            "run",
+    let (child, port, path) = serve(
+        &env,
+        &[
             "--serve",
             script.to_str().unwrap(),
             "--json",
@@ -108,34 +144,8 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
             "2",
             "--stagger",
             "0",
-        ])
-        .current_dir(env.path())
-        .env("FLOTILLA_STORE", env.store_url())
-        .env("FLOTILLA_WORKSPACE", env.workspace())
-        .env("HOME", env.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let child = Reaper(Some(child));
-    let mut line = String::new();
-    let url = loop {
-        line.clear();
-        assert!(
-            err.read_line(&mut line).unwrap() > 0,
-            "no session page line"
-        );
-        if let Some(u) = line.trim().strip_prefix("session page: ") {
-            break u.to_owned();
-        }
-    };
-    let rest = url
-        .strip_prefix("http://127.0.0.1:")
-        .expect("served on loopback");
-    let (port, path) = rest.split_once('/').unwrap();
-    let port: u16 = port.parse().unwrap();
-    let path = format!("/{path}");
+        ],
+    );
     let page = flotilla_tests::http_get(port, &path, &[]);
     assert_eq!(
         page.status, 200,
@@ -186,8 +196,6 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
 
 #[test]
 fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
     let env = flotilla_tests::Env::new();
     let first = env.script(
         "first",
@@ -200,9 +208,9 @@ fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
         "second",
         "return [await agent('alpha prompt'), await agent('gamma [[sleep:3000]]')];",
     );
-    let mut child = Command::new(&env.bin)
-        .args([
-            "run",
+    let (child, port, path) = serve(
+        &env,
+        &[
             second.to_str().unwrap(),
             "--json",
             "--serve",
@@ -210,35 +218,12 @@ fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
             &parent,
             "--stagger",
             "0",
-        ])
-        .current_dir(env.path())
-        .env("FLOTILLA_STORE", env.store_url())
-        .env("FLOTILLA_WORKSPACE", env.workspace())
-        .env("HOME", env.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let child = Reaper(Some(child));
-    let mut line = String::new();
-    let url = loop {
-        line.clear();
-        assert!(
-            err.read_line(&mut line).unwrap() > 0,
-            "no session page line"
-        );
-        if let Some(u) = line.trim().strip_prefix("session page: ") {
-            break u.to_owned();
-        }
-    };
-    let rest = url.strip_prefix("http://127.0.0.1:").unwrap();
-    let (port, path) = rest.split_once('/').unwrap();
-    let port: u16 = port.parse().unwrap();
+        ],
+    );
     // The script makes its first call a moment after the page is up.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let detail = loop {
-        let d = flotilla_tests::http_get(port, &format!("/{path}/agents/0"), &[]);
+        let d = flotilla_tests::http_get(port, &format!("{path}/agents/0"), &[]);
         if d.status == 200 || std::time::Instant::now() > deadline {
             break d;
         }
