@@ -42,6 +42,13 @@ pub enum Finished {
     Kept,
 }
 
+/// Where an attempt's worktree (or plain directory) lives.
+fn place(root: &Path, run_id: &str, call: u64, attempt: u32) -> PathBuf {
+    root.join(".worktrees")
+        .join(run_id)
+        .join(format!("{call}-{attempt}"))
+}
+
 async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let out = Command::new("git")
         .arg("-C")
@@ -96,10 +103,7 @@ impl Worktree {
                     )
                 })?,
         };
-        let path = root
-            .join(".worktrees")
-            .join(run_id)
-            .join(format!("{call}-{attempt}"));
+        let path = place(root, run_id, call, attempt);
         let branch = format!("flotilla/{run_id}/{call}-{attempt}");
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)
@@ -154,10 +158,7 @@ impl Worktree {
     /// Outside a repository: a fresh, empty directory of the attempt's own at the same
     /// place a worktree would be, so the agent is still isolated from every other one.
     pub fn plain(root: &Path, run_id: &str, call: u64, attempt: u32) -> Result<Worktree, String> {
-        let path = root
-            .join(".worktrees")
-            .join(run_id)
-            .join(format!("{call}-{attempt}"));
+        let path = place(root, run_id, call, attempt);
         if path.exists() {
             std::fs::remove_dir_all(&path)
                 .map_err(|e| format!("cannot clear {}: {e}", path.display()))?;
