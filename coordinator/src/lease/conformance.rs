@@ -23,6 +23,7 @@ pub async fn run_all(store: &dyn LeaseStore) {
     writes_under_a_dead_lease_are_refused(store, &ns).await;
     a_batch_applies_in_order_under_one_revision(store, &ns).await;
     a_batch_with_a_dead_lease_writes_nothing(store, &ns).await;
+    a_batch_that_names_a_key_twice_ends_as_its_last_write(store, &ns).await;
 }
 
 async fn keys_live_while_the_lease_is_kept_alive(store: &dyn LeaseStore, ns: &str) {
@@ -214,4 +215,61 @@ async fn a_batch_with_a_dead_lease_writes_nothing(store: &dyn LeaseStore, ns: &s
     assert!(matches!(res, Err(Error::LeaseGone(_))), "{res:?}");
     assert!(store.list(&prefix).await.unwrap().is_empty());
     store.revoke(live).await.unwrap();
+}
+
+/// A stall restart deletes a call's attempt key and puts the next attempt's in one batch
+/// (etcd refuses a transaction naming a key twice unless the store coalesces it).
+async fn a_batch_that_names_a_key_twice_ends_as_its_last_write(store: &dyn LeaseStore, ns: &str) {
+    let prefix = format!("{ns}/batch-twice/");
+    let lease = store.grant(TTL).await.unwrap();
+    let key = |k: &str| format!("{prefix}{k}");
+    let put = |k: &str, v: &[u8]| BatchOp::Put {
+        key: key(k),
+        value: v.to_vec(),
+        lease: Some(lease),
+    };
+    let delete = |k: &str| BatchOp::Delete { key: key(k) };
+    store
+        .put(&key("restarted"), b"attempt 1".to_vec(), Some(lease))
+        .await
+        .unwrap();
+    store
+        .put(&key("ended"), b"attempt 1".to_vec(), Some(lease))
+        .await
+        .unwrap();
+    let rev = store
+        .write_batch(vec![
+            delete("restarted"),
+            put("restarted", b"attempt 2"),
+            put("twice", b"first"),
+            put("twice", b"second"),
+            put("ended", b"attempt 2"),
+            delete("ended"),
+            delete("never-there"),
+            put("never-there", b"x"),
+            delete("never-there"),
+        ])
+        .await
+        .unwrap();
+    let left: Vec<(String, Vec<u8>)> = store
+        .list(&prefix)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|kv| {
+            assert!(
+                kv.mod_revision <= rev,
+                "{kv:?} after the batch's revision {rev}"
+            );
+            (kv.key.trim_start_matches(&prefix).to_owned(), kv.value)
+        })
+        .collect();
+    assert_eq!(
+        left,
+        [
+            ("restarted".to_owned(), b"attempt 2".to_vec()),
+            ("twice".to_owned(), b"second".to_vec()),
+        ]
+    );
+    store.revoke(lease).await.unwrap();
 }

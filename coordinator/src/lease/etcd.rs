@@ -28,16 +28,34 @@ impl std::fmt::Debug for EtcdLeaseStore {
     }
 }
 
+/// Classifies an etcd error: a request etcd refuses as such (a malformed transaction, a
+/// request too large, no permission) is `Refused` and never retried; anything else (no
+/// leader, a broken connection, a timeout) is `Unavailable`.
 fn unavailable(e: etcd_client::Error) -> Error {
-    Error::Unavailable(e.to_string())
+    use tonic::Code;
+    match &e {
+        etcd_client::Error::GRpcStatus(status)
+            if matches!(
+                status.code(),
+                Code::InvalidArgument
+                    | Code::PermissionDenied
+                    | Code::Unauthenticated
+                    | Code::FailedPrecondition
+                    | Code::OutOfRange
+            ) =>
+        {
+            Error::Refused(status.message().to_owned())
+        }
+        etcd_client::Error::InvalidArgs(text) => Error::Refused(text.clone()),
+        _ => Error::Unavailable(e.to_string()),
+    }
 }
 
 fn lease_error(id: LeaseId, e: etcd_client::Error) -> Error {
-    let text = e.to_string();
-    if text.contains("lease not found") {
+    if e.to_string().contains("lease not found") {
         Error::LeaseGone(id)
     } else {
-        Error::Unavailable(text)
+        unavailable(e)
     }
 }
 
@@ -213,6 +231,9 @@ impl LeaseStore for EtcdLeaseStore {
     }
 
     async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, Error> {
+        // etcd refuses a transaction that names a key twice ("duplicate key given in txn
+        // request"); the last write of each key is what applying them in order leaves.
+        let ops = super::coalesce(ops);
         let first_lease = ops
             .iter()
             .find_map(|op| match op {
@@ -325,6 +346,26 @@ mod tests {
             .await
             .unwrap();
         crate::lease::conformance::run_all(&store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_etcd_refuses_is_refused_not_unavailable() {
+        let etcd = Etcd::start();
+        let store = EtcdLeaseStore::connect(&[etcd.endpoint()], None)
+            .await
+            .unwrap();
+        // More operations than etcd takes in one transaction (--max-txn-ops, 128).
+        let ops = (0..200)
+            .map(|i| BatchOp::Put {
+                key: format!("/refused/{i}"),
+                value: vec![],
+                lease: None,
+            })
+            .collect();
+        let err = store.write_batch(ops).await.unwrap_err();
+        assert!(matches!(err, Error::Refused(_)), "{err:?}");
+        assert!(!err.is_retryable());
+        assert!(err.to_string().contains("too many operations"), "{err}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,6 +33,10 @@ pub enum Error {
     LeaseGone(LeaseId),
     #[error("lease store unavailable: {0}")]
     Unavailable(String),
+    /// The store refused the request itself (etcd's `InvalidArgument`, `PermissionDenied`,
+    /// ...): sending it again gets the same answer, so it is never retried.
+    #[error("lease store refused the request: {0}")]
+    Refused(String),
 }
 
 impl Error {
@@ -40,7 +44,13 @@ impl Error {
         match self {
             Error::LeaseGone(_) => flotilla_proto::ErrorKind::Fenced,
             Error::Unavailable(_) => flotilla_proto::ErrorKind::Unavailable,
+            Error::Refused(_) => flotilla_proto::ErrorKind::Invalid,
         }
+    }
+
+    /// Whether the same request may succeed later (the store was down or slow).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Unavailable(_))
     }
 }
 
@@ -74,6 +84,32 @@ pub enum BatchOp {
     },
 }
 
+impl BatchOp {
+    pub fn key(&self) -> &str {
+        match self {
+            BatchOp::Put { key, .. } | BatchOp::Delete { key } => key,
+        }
+    }
+}
+
+/// The writes of a batch with one write per key: the last write of each key wins, and the
+/// batch keeps the order of those last writes. Applying the result leaves the same keys as
+/// applying `ops` in order (a store such as etcd refuses a transaction that names a key twice).
+pub fn coalesce(ops: Vec<BatchOp>) -> Vec<BatchOp> {
+    let mut last = std::collections::HashMap::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate() {
+        last.insert(op.key().to_owned(), i);
+    }
+    if last.len() == ops.len() {
+        return ops;
+    }
+    ops.into_iter()
+        .enumerate()
+        .filter(|(i, op)| last.get(op.key()) == Some(i))
+        .map(|(_, op)| op)
+        .collect()
+}
+
 /// The lease seam.
 #[async_trait::async_trait]
 pub trait LeaseStore: Send + Sync + 'static {
@@ -103,8 +139,9 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// Deletes a key; returns whether it existed.
     async fn delete(&self, key: &str) -> Result<bool, Error>;
     /// Applies `ops` in order as one atomic write and returns its revision: every key it puts
-    /// has a revision no greater than that, and every later write a greater one. A put under a
-    /// lease that is gone refuses the whole batch (`LeaseGone`, naming one such lease).
+    /// has a revision no greater than that, and every later write a greater one. A key written
+    /// more than once ends as its last write left it. A put under a lease that is gone refuses
+    /// the whole batch (`LeaseGone`, naming one such lease).
     async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, Error>;
     /// `write_batch` without waiting, for a store that can apply it at once (in memory);
     /// `None` means "use `write_batch`". A store answers always or never.
@@ -146,4 +183,37 @@ pub mod keys {
     pub const RUNS: &str = "/flotilla/runs/";
     /// The leading coordinator's address, under its lease.
     pub const LEADER: &str = "/flotilla/leader";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(k: &str, v: &str) -> BatchOp {
+        BatchOp::Put {
+            key: k.into(),
+            value: v.into(),
+            lease: None,
+        }
+    }
+    fn delete(k: &str) -> BatchOp {
+        BatchOp::Delete { key: k.into() }
+    }
+
+    #[test]
+    fn coalescing_keeps_the_last_write_of_each_key_in_order() {
+        assert_eq!(
+            coalesce(vec![
+                delete("a"),
+                put("b", "1"),
+                put("a", "2"),
+                put("b", "3"),
+                put("c", "4"),
+                delete("c"),
+            ]),
+            vec![put("a", "2"), put("b", "3"), delete("c")]
+        );
+        let distinct = vec![put("x", "1"), delete("y")];
+        assert_eq!(coalesce(distinct.clone()), distinct);
+    }
 }

@@ -49,7 +49,7 @@ use crate::script::ScriptShared;
 
 mod workers;
 
-use workers::{KeyOp, LeaseCtl, PendingPut};
+use workers::{KeyOp, LeaseCtl, PendingPut, Refusal};
 
 /// How long a warm prefix group stays warm after its last dispatch (the prompt cache TTL).
 const WARM_FOR: Duration = Duration::from_secs(300);
@@ -237,9 +237,11 @@ enum Msg {
         puts: Vec<PendingPut>,
         revision: Revision,
     },
-    /// Attempt keys refused because their worker's lease is gone.
+    /// Attempt keys the store would not write (their worker's lease is gone, or the store
+    /// refused them).
     Refused {
         puts: Vec<PendingPut>,
+        why: Refusal,
     },
     Stats(tokio::sync::oneshot::Sender<Stats>),
     Workers(tokio::sync::oneshot::Sender<Vec<WorkerView>>),
@@ -641,7 +643,7 @@ impl Dispatcher {
             } => self.lease_granted(&worker, lease, revision),
             Msg::LeaseLost { worker, lease } => self.lease_lost(&worker, lease),
             Msg::Written { puts, revision } => self.written(puts, revision),
-            Msg::Refused { puts } => self.refused(puts),
+            Msg::Refused { puts, why } => self.refused(puts, why),
             Msg::Workers(reply) => {
                 let mut out: Vec<WorkerView> = self
                     .workers
@@ -1929,5 +1931,162 @@ mod tests {
         let late = w.assignment().await;
         assert_eq!(late.call, 2);
         assert!(at.elapsed() < Duration::from_millis(10), "not held again");
+    }
+
+    /// A lease store that behaves like etcd where the memory store is lenient: no immediate
+    /// writes (the key writer runs), a transaction naming a key twice is refused, and writes
+    /// of keys under `poison` are refused as etcd refuses a malformed request.
+    struct EtcdLike {
+        inner: Arc<MemoryLeaseStore>,
+        poison: Option<String>,
+        batches: std::sync::Mutex<Vec<Vec<lease::BatchOp>>>,
+    }
+
+    impl EtcdLike {
+        fn new(poison: Option<&str>) -> Arc<Self> {
+            Arc::new(EtcdLike {
+                inner: MemoryLeaseStore::new(),
+                poison: poison.map(str::to_owned),
+                batches: std::sync::Mutex::default(),
+            })
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl LeaseStore for EtcdLike {
+        async fn grant(&self, ttl: Duration) -> Result<LeaseId, lease::Error> {
+            self.inner.grant(ttl).await
+        }
+        async fn keep_alive(&self, l: LeaseId) -> Result<(), lease::Error> {
+            self.inner.keep_alive(l).await
+        }
+        async fn revoke(&self, l: LeaseId) -> Result<(), lease::Error> {
+            self.inner.revoke(l).await
+        }
+        async fn put(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+            l: Option<LeaseId>,
+        ) -> Result<Revision, lease::Error> {
+            self.inner.put(key, value, l).await
+        }
+        async fn campaign(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+            l: LeaseId,
+        ) -> Result<Option<Revision>, lease::Error> {
+            self.inner.campaign(key, value, l).await
+        }
+        async fn get(&self, key: &str) -> Result<Option<lease::KeyValue>, lease::Error> {
+            self.inner.get(key).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Vec<lease::KeyValue>, lease::Error> {
+            self.inner.list(prefix).await
+        }
+        async fn delete(&self, key: &str) -> Result<bool, lease::Error> {
+            self.inner.delete(key).await
+        }
+        async fn write_batch(&self, ops: Vec<lease::BatchOp>) -> Result<Revision, lease::Error> {
+            self.batches.lock().unwrap().push(ops.clone());
+            let mut keys = HashSet::new();
+            if !ops.iter().all(|op| keys.insert(op.key().to_owned())) {
+                return Err(lease::Error::Refused(
+                    "etcdserver: duplicate key given in txn request".into(),
+                ));
+            }
+            if let Some(p) = &self.poison
+                && ops.iter().any(|op| op.key().starts_with(p.as_str()))
+            {
+                return Err(lease::Error::Refused(
+                    "etcdserver: request is too large".into(),
+                ));
+            }
+            self.inner.write_batch(ops).await
+        }
+        async fn watch(
+            &self,
+            prefix: &str,
+        ) -> Result<mpsc::UnboundedReceiver<WatchEvent>, lease::Error> {
+            self.inner.watch(prefix).await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_restart_writes_each_attempt_key_once_per_batch_and_the_next_run_goes_on() {
+        let store = EtcdLike::new(None);
+        let d = spawn(store.clone(), CancellationToken::new());
+        let mut w = FakeWorker::attach(&d, 4);
+        let (run, mut events) = register(&d, "wf_twice", 4, Duration::from_millis(300));
+        d.submit(&run, ticket(0));
+        let first = w.assignment().await;
+        // No progress: the restart deletes attempt 1's key and puts attempt 2's.
+        match w.next().await {
+            coordinator_message::Msg::Cancel(c) => assert_eq!(c.attempt, 1),
+            other => panic!("expected a cancel, got {other:?}"),
+        }
+        let second = w.assignment().await;
+        assert_eq!((second.call, second.attempt), (0, 2));
+        assert!(second.fence > first.fence);
+        w.complete(&second, "done");
+        // Another run on the same dispatcher is not held up by the first one's keys.
+        let (other, mut other_events) = register(&d, "wf_after", 4, Duration::from_secs(60));
+        d.submit(&other, ticket(0));
+        let a = w.assignment().await;
+        assert_eq!(&*a.run_id, "wf_after");
+        w.complete(&a, "after");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(finished(&mut events).await.len(), 1);
+        assert_eq!(finished(&mut other_events).await.len(), 1);
+        for batch in store.batches.lock().unwrap().iter() {
+            let mut keys = HashSet::new();
+            assert!(
+                batch.iter().all(|op| keys.insert(op.key().to_owned())),
+                "a batch named a key twice: {batch:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_key_the_store_refuses_fails_its_call_and_blocks_nothing_else() {
+        let store = EtcdLike::new(Some("/flotilla/attempts/wf_poison/"));
+        let d = spawn(store.clone(), CancellationToken::new());
+        let mut w = FakeWorker::attach(&d, 4);
+        let (poison, mut poison_events) = register(&d, "wf_poison", 4, Duration::from_secs(60));
+        let (fine, mut fine_events) = register(&d, "wf_fine", 4, Duration::from_secs(60));
+        d.submit(&poison, ticket(0));
+        d.submit(&fine, ticket(0));
+        let a = w.assignment().await;
+        assert_eq!(
+            &*a.run_id, "wf_fine",
+            "only the call whose key was written goes out"
+        );
+        w.complete(&a, "fine");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let failed = finished(&mut poison_events).await;
+        match failed.as_slice() {
+            [
+                (
+                    0,
+                    CallResult::Failed {
+                        failure: CallFailure::Terminal,
+                        message,
+                    },
+                ),
+            ] => {
+                assert!(message.contains("request is too large"), "{message}");
+            }
+            other => panic!("expected the poisoned call to fail, got {other:?}"),
+        }
+        assert_eq!(finished(&mut fine_events).await.len(), 1);
+        // Its slot came back: four more calls go out at once.
+        for i in 1..5 {
+            d.submit(&fine, ticket(i));
+        }
+        for _ in 1..5 {
+            let a = w.assignment().await;
+            w.complete(&a, "more");
+        }
     }
 }

@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{CallEvent, CallId, Dispatcher, Msg, Phase, Retry, Timer, WorkerState};
+use super::{CallEvent, CallFailure, CallId, Dispatcher, Msg, Phase, Retry, Timer, WorkerState};
 use crate::lease::{self, BatchOp, LeaseId, LeaseStore, Revision, WatchEvent};
 
 /// Most attempt-key writes in one batch (etcd's default limit of operations per transaction).
@@ -144,39 +144,59 @@ pub(super) fn spawn_key_writer(
     tx
 }
 
-/// Writes one batch, retrying while the store is unavailable. A batch refused for a dead
-/// lease is written again one key at a time, so only the puts under that lease are refused.
+/// Why the lease store would not write an attempt key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// The worker's lease is gone: the call goes back to its queue.
+    LeaseGone,
+    /// The store refused the write itself (permanent): the call fails with this reason.
+    Refused(String),
+}
+
+/// Writes one batch (one write per key, the last one winning), retrying while the store is
+/// unavailable. A batch the store refuses is written again one key at a time, so only the
+/// writes it refuses on their own fail: one poison write never blocks the keys behind it.
 async fn write_ops(leases: &dyn LeaseStore, ops: Vec<KeyOp>, inbox: &mpsc::UnboundedSender<Msg>) {
-    let batch: Vec<BatchOp> = ops.iter().map(KeyOp::batch_op).collect();
+    let batch = lease::coalesce(ops.iter().map(KeyOp::batch_op).collect());
     match write_retrying(leases, batch).await {
         Ok(revision) => {
             let puts = ops.into_iter().filter_map(KeyOp::into_put).collect();
             let _ = inbox.send(Msg::Written { puts, revision });
         }
-        Err(_) => {
+        Err(why) => {
+            if let Refusal::Refused(e) = &why {
+                tracing::error!(error = %e, writes = ops.len(), "the lease store refused a batch of attempt keys; writing them one at a time");
+            }
             for op in ops {
                 let single = vec![op.batch_op()];
                 let res = write_retrying(leases, single).await;
+                if let Err(Refusal::Refused(e)) = &res {
+                    tracing::error!(key = %op.batch_op().key(), error = %e, "the lease store refused an attempt key");
+                }
                 let Some(put) = op.into_put() else { continue };
                 let _ = match res {
                     Ok(revision) => inbox.send(Msg::Written {
                         puts: vec![put],
                         revision,
                     }),
-                    Err(_) => inbox.send(Msg::Refused { puts: vec![put] }),
+                    Err(why) => inbox.send(Msg::Refused {
+                        puts: vec![put],
+                        why,
+                    }),
                 };
             }
         }
     }
 }
 
-/// `Err` only for a dead lease; an unavailable store is retried until it answers.
-async fn write_retrying(leases: &dyn LeaseStore, batch: Vec<BatchOp>) -> Result<Revision, LeaseId> {
+/// `Err` for a dead lease or a refused write; an unavailable store is retried until it answers.
+async fn write_retrying(leases: &dyn LeaseStore, batch: Vec<BatchOp>) -> Result<Revision, Refusal> {
     let mut backoff = Duration::from_millis(50);
     loop {
         match leases.write_batch(batch.clone()).await {
             Ok(rev) => return Ok(rev),
-            Err(lease::Error::LeaseGone(id)) => return Err(id),
+            Err(lease::Error::LeaseGone(_)) => return Err(Refusal::LeaseGone),
+            Err(lease::Error::Refused(e)) => return Err(Refusal::Refused(e)),
             Err(lease::Error::Unavailable(e)) => {
                 tracing::warn!(error = %e, retry_in = ?backoff, "cannot write attempt keys; retrying");
                 tokio::time::sleep(backoff).await;
@@ -318,7 +338,8 @@ impl Dispatcher {
         let Some(put) = op.into_put() else { return };
         match res {
             Ok(revision) => self.written(vec![put], revision),
-            Err(_) => self.refused(vec![put]),
+            Err(lease::Error::Refused(e)) => self.refused(vec![put], Refusal::Refused(e)),
+            Err(_) => self.refused(vec![put], Refusal::LeaseGone),
         }
     }
 
@@ -844,16 +865,17 @@ impl Dispatcher {
         }
     }
 
-    /// Attempt keys refused because the worker's lease is gone: the calls go back to the
-    /// front of their queues (not counted as attempts; nothing ran).
-    pub(super) fn refused(&mut self, puts: Vec<PendingPut>) {
+    /// Attempt keys the store would not write. Because the worker's lease is gone: the calls
+    /// go back to the front of their queues (not counted as attempts; nothing ran). Refused
+    /// by the store itself: the calls fail with its reason (it would refuse them again).
+    pub(super) fn refused(&mut self, puts: Vec<PendingPut>, why: Refusal) {
         for p in puts {
             let id: CallId = (p.run.clone(), p.call);
             if let Some(w) = self.workers.get_mut(&p.worker) {
                 if w.running.remove(&(p.run.clone(), p.call, p.attempt)) {
                     w.busy = w.busy.saturating_sub(1);
                 }
-                if w.lease == Some(p.lease) {
+                if why == Refusal::LeaseGone && w.lease == Some(p.lease) {
                     w.lease = None;
                 }
             }
@@ -863,11 +885,21 @@ impl Dispatcher {
                     && c.worker == Some(p.worker)
                     && c.fence.is_none()
             });
-            if current {
-                self.leave_running(&id);
-                if let Some(r) = self.runs.get_mut(&id.0) {
-                    r.queue.push_front(id.1);
+            if !current {
+                continue;
+            }
+            self.leave_running(&id);
+            match &why {
+                Refusal::LeaseGone => {
+                    if let Some(r) = self.runs.get_mut(&id.0) {
+                        r.queue.push_front(id.1);
+                    }
                 }
+                Refusal::Refused(e) => self.fail(
+                    &id,
+                    CallFailure::Terminal,
+                    format!("the lease store refused this agent's attempt key ({e}); the call cannot be tracked, so it was not started"),
+                ),
             }
         }
     }

@@ -204,6 +204,20 @@
   Object.defineProperty(RealDate.prototype, 'constructor', { value: GuardedDate, writable: true, configurable: true });
   Object.defineProperty(globalThis, 'Date', { value: GuardedDate, writable: true, configurable: true });
   Math.random = function random() { refuse('Math.random()', 'derive variety from the item index instead'); };
+  // QuickJS adds a `performance` clock; the realm must have none (its reading would differ on
+  // every replay), so every member of it refuses.
+  const noClock = function () { refuse('performance.now()', 'pass timestamps in through args'); };
+  const performance = {};
+  Object.defineProperty(performance, 'now', { value: noClock, enumerable: true });
+  Object.defineProperty(performance, 'timeOrigin', { get: noClock, enumerable: true });
+  Object.defineProperty(globalThis, 'performance', { value: Object.freeze(performance), writable: true, configurable: true });
+  // Atomics.wait blocks the script thread with a timeout (a clock of sorts, and a way to hang
+  // outside the CPU limit); nothing in a workflow needs it.
+  const noWait = function () { refuse('Atomics.wait()', 'a workflow script cannot block; await agent() calls instead'); };
+  if (typeof Atomics === 'object') {
+    Object.defineProperty(Atomics, 'wait', { value: noWait, writable: true, configurable: true });
+    if ('waitAsync' in Atomics) Object.defineProperty(Atomics, 'waitAsync', { value: noWait, writable: true, configurable: true });
+  }
 
   // --- install -----------------------------------------------------------------------------
 

@@ -822,6 +822,126 @@ mod tests {
         }
     }
 
+    /// Every global of the script realm: ECMAScript built-ins and the workflow globals. A new
+    /// one (a QuickJS upgrade adding a host object) must be looked at for clocks, entropy and
+    /// I/O before it is added here.
+    const ALLOWED_GLOBALS: &[&str] = &[
+        "AggregateError",
+        "Array",
+        "ArrayBuffer",
+        "AsyncDisposableStack",
+        "Atomics",
+        "BigInt",
+        "BigInt64Array",
+        "BigUint64Array",
+        "Boolean",
+        "DOMException",
+        "DataView",
+        "Date",
+        "DisposableStack",
+        "Error",
+        "EvalError",
+        "FinalizationRegistry",
+        "Float16Array",
+        "Float32Array",
+        "Float64Array",
+        "Function",
+        "Infinity",
+        "Int16Array",
+        "Int32Array",
+        "Int8Array",
+        "InternalError",
+        "Iterator",
+        "JSON",
+        "Map",
+        "Math",
+        "NaN",
+        "Number",
+        "Object",
+        "Promise",
+        "Proxy",
+        "RangeError",
+        "ReferenceError",
+        "Reflect",
+        "RegExp",
+        "Set",
+        "SharedArrayBuffer",
+        "String",
+        "SuppressedError",
+        "Symbol",
+        "SyntaxError",
+        "TypeError",
+        "URIError",
+        "Uint16Array",
+        "Uint32Array",
+        "Uint8Array",
+        "Uint8ClampedArray",
+        "WeakMap",
+        "WeakRef",
+        "WeakSet",
+        "agent",
+        "args",
+        "atob",
+        "btoa",
+        "budget",
+        "decodeURI",
+        "decodeURIComponent",
+        "encodeURI",
+        "encodeURIComponent",
+        "escape",
+        "eval",
+        "globalThis",
+        "isFinite",
+        "isNaN",
+        "log",
+        "parallel",
+        "parseFloat",
+        "parseInt",
+        "performance",
+        "phase",
+        "pipeline",
+        "queueMicrotask",
+        "undefined",
+        "unescape",
+        "workflow",
+    ];
+
+    #[test]
+    fn the_realm_has_only_allowed_globals_and_no_clock_or_entropy() {
+        let (end, _) = run_script(
+            "return Object.getOwnPropertyNames(globalThis).sort();",
+            ScriptLimits::default(),
+        );
+        let ScriptEnd::Returned(Some(json)) = end else {
+            panic!("{end:?}")
+        };
+        let names: Vec<String> = serde_json::from_str(&json).unwrap();
+        let extra: Vec<&String> = names
+            .iter()
+            .filter(|n| !ALLOWED_GLOBALS.contains(&n.as_str()))
+            .collect();
+        assert!(extra.is_empty(), "globals nobody checked: {extra:?}");
+        for probe in [
+            "performance.now()",
+            "performance.timeOrigin",
+            "Date.now()",
+            "new Date()",
+            "Date()",
+            "Math.random()",
+            "Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 10)",
+        ] {
+            let (end, _) = run_script(
+                &format!("try {{ {probe}; return 'ran'; }} catch (e) {{ return e.code; }}"),
+                ScriptLimits::default(),
+            );
+            assert_eq!(
+                end,
+                ScriptEnd::Returned(Some("\"NONDETERMINISTIC\"".into())),
+                "{probe}"
+            );
+        }
+    }
+
     #[test]
     fn agent_calls_resolve_through_host_replies_in_order() {
         let (end, seen) = run_script(

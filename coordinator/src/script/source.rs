@@ -917,6 +917,9 @@ fn scan(toks: &[Token<'_>]) -> Result<(), SourceError> {
             "Date" if dot_at(i + 1) && ident(i + 2, "now") && call_at(i + 3) => format!(
                 "Date.now() is not allowed in workflow scripts: found at line {line}; {BREAKS_RESUME} — pass timestamps in through args"
             ),
+            "performance" if dot_at(i + 1) && ident(i + 2, "now") && call_at(i + 3) => format!(
+                "performance.now() is not allowed in workflow scripts: found at line {line}; {BREAKS_RESUME} — pass timestamps in through args"
+            ),
             "Math" if dot_at(i + 1) && ident(i + 2, "random") && call_at(i + 3) => format!(
                 "Math.random() is not allowed in workflow scripts: found at line {line}; {BREAKS_RESUME} — derive variety from the item index instead"
             ),
@@ -1341,6 +1344,11 @@ mod tests {
                 .starts_with("Date.now()")
         );
         assert!(body_error("Date.now?.()").message.starts_with("Date.now()"));
+        assert!(
+            body_error("const t0 = performance.now();")
+                .message
+                .starts_with("performance.now() is not allowed")
+        );
         assert!(
             body_error("Date\n  .now()")
                 .message

@@ -10,6 +10,7 @@ mod bundled;
 mod claude;
 mod cli;
 mod cluster;
+mod cluster_defects;
 mod combinators;
 mod exec;
 mod limits;
