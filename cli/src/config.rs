@@ -145,6 +145,9 @@ pub struct ConfigFile {
     pub backends: Vec<String>,
     /// Worker: attempts at once.
     pub slots: Option<u32>,
+    /// Worker: the largest result one agent may return, in MiB (at most 256); a bigger one
+    /// fails its call.
+    pub max_result_mib: Option<u64>,
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,

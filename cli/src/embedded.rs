@@ -47,6 +47,7 @@ impl Embedded {
                 slots,
                 workspace,
                 labels: Default::default(),
+                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
             },
             backends,
         );

@@ -451,6 +451,10 @@ pub struct WorkerArgs {
     /// Root of the agents' working directories.
     #[arg(long, env = "FLOTILLA_WORKSPACE")]
     workspace: Option<PathBuf>,
+    /// The largest result one agent may return, in MiB; a bigger one fails its call with
+    /// its size [default and most: 256].
+    #[arg(long, env = "FLOTILLA_MAX_RESULT_MIB", value_name = "MIB")]
+    max_result_mib: Option<u64>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -492,6 +496,17 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     if slots == 0 {
         return fail(2, "--slots must be at least 1");
     }
+    let limit_mib = (flotilla_proto::frag::MAX_MESSAGE_BYTES >> 20) as u64;
+    let max_result_mib = a
+        .max_result_mib
+        .or(file.max_result_mib)
+        .unwrap_or(limit_mib);
+    if max_result_mib == 0 || max_result_mib > limit_mib {
+        return fail(
+            2,
+            format!("--max-result-mib must be between 1 and {limit_mib} (got {max_result_mib})"),
+        );
+    }
     let mut backends: Vec<Arc<dyn AgentBackend>> = Vec::new();
     for b in &a.backends {
         match b.as_str() {
@@ -531,6 +546,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             slots,
             workspace,
             labels: Default::default(),
+            max_result_bytes: (max_result_mib as usize) << 20,
         },
         backends,
     );

@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
+use flotilla_proto::frag;
 use flotilla_proto::link::CoordinatorEnd;
 use flotilla_proto::tls::{self, Role, TlsFiles};
 use flotilla_proto::v1::client_service_client::ClientServiceClient;
@@ -288,8 +289,16 @@ pub async fn serve(
             .map_err(|e| format!("invalid TLS configuration: {e}"))?;
     }
     builder
-        .add_service(WorkerServiceServer::new(workers))
-        .add_service(ClientServiceServer::new(clients))
+        .add_service(
+            WorkerServiceServer::new(workers)
+                .max_decoding_message_size(frag::MAX_FRAME_BYTES)
+                .max_encoding_message_size(frag::MAX_FRAME_BYTES),
+        )
+        .add_service(
+            ClientServiceServer::new(clients)
+                .max_decoding_message_size(frag::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(frag::MAX_MESSAGE_BYTES),
+        )
         .serve_with_shutdown(opts.listen, cancel.cancelled_owned())
         .await
         .map_err(|e| format!("cannot serve on {}: {e}", opts.listen))
@@ -351,6 +360,7 @@ impl WorkerService for WorkerSvc {
             hello.name = name;
         }
         tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");
+        let hello_name = hello.name.clone();
         let (to_worker_tx, to_worker_rx) = mpsc::unbounded_channel();
         let (from_worker_tx, from_worker_rx) = mpsc::unbounded_channel();
         let _ = from_worker_tx.send(WorkerMessage {
@@ -360,24 +370,53 @@ impl WorkerService for WorkerSvc {
             tx: to_worker_tx,
             rx: from_worker_rx,
         });
+        let worker = hello_name;
         tokio::spawn(async move {
+            let mut pieces = frag::Reassembler::default();
             loop {
                 match inbound.message().await {
-                    Ok(Some(msg)) => {
-                        if from_worker_tx.send(msg).is_err() {
-                            break;
+                    Ok(Some(msg)) => match pieces.push(msg) {
+                        Ok(Some(msg)) => {
+                            if from_worker_tx.send(msg).is_err() {
+                                break;
+                            }
                         }
-                    }
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(worker = %worker, error = %e, "dropped a message from the worker");
+                        }
+                    },
                     Ok(None) => break,
                     Err(e) => {
-                        tracing::info!(error = %e, "worker stream ended");
+                        tracing::warn!(worker = %worker, error = %e, "worker stream ended");
                         break;
                     }
                 }
             }
             // Dropping the sender tells the dispatcher the worker is gone.
         });
-        let out = UnboundedReceiverStream::new(to_worker_rx).map(Ok);
+        // Big assignments go out in fragments (see `frag`).
+        let (frames_tx, frames_rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut to_worker_rx = to_worker_rx;
+            let mut splitter = frag::Splitter::default();
+            while let Some(m) = to_worker_rx.recv().await {
+                match splitter.split(m) {
+                    Ok(parts) => {
+                        for p in parts {
+                            if frames_tx.send(p).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    // The run engine refuses an agent() call this big before it is queued.
+                    Err(e) => {
+                        tracing::error!(error = %e, "a message to a worker is too large; dropped")
+                    }
+                }
+            }
+        });
+        let out = UnboundedReceiverStream::new(frames_rx).map(Ok);
         Ok(Response::new(Box::pin(out)))
     }
 }

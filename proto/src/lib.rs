@@ -2,6 +2,7 @@
 //!
 //! - [`v1`]: the generated protocol (`proto/flotilla.proto`): the worker stream messages and
 //!   the `WorkerService`. The embedded mode passes the same messages over in-process channels.
+//! - [`frag`]: the size limits of the worker stream, and the fragments big messages travel in.
 //! - [`schema`]: the JSON Schema rules of structured results (W13–W15): preflight of a schema
 //!   before any agent starts, and validation of a submission. The coordinator preflights, the
 //!   worker validates each submission; both use this module so they cannot disagree.
@@ -10,6 +11,7 @@
 //!
 //! Start with `proto/flotilla.proto`.
 
+pub mod frag;
 pub mod link;
 pub mod schema;
 pub mod tls;
@@ -22,7 +24,7 @@ pub mod v1 {
 
 /// Version of the worker protocol spoken by this build. The coordinator refuses a worker
 /// whose major version differs.
-pub const PROTOCOL_VERSION: &str = "1.0";
+pub const PROTOCOL_VERSION: &str = "1.1";
 
 /// Returns true when a peer speaking `theirs` can talk to this build.
 pub fn protocol_compatible(theirs: &str) -> bool {

@@ -7,8 +7,10 @@
 
 use std::time::Duration;
 
+use flotilla_proto::frag;
 use flotilla_proto::link::Link;
 use flotilla_proto::tls::TlsFiles;
+use flotilla_proto::v1::WorkerMessage;
 use flotilla_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -168,9 +170,32 @@ async fn attach_once(
     links: &mpsc::UnboundedSender<Link>,
     cancel: &CancellationToken,
 ) -> Result<(), tonic::Status> {
-    let mut client = WorkerServiceClient::new(channel);
-    let (out_tx, out_rx) = mpsc::unbounded_channel();
+    let mut client = WorkerServiceClient::new(channel)
+        .max_decoding_message_size(frag::MAX_FRAME_BYTES)
+        .max_encoding_message_size(frag::MAX_FRAME_BYTES);
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<WorkerMessage>();
     let (in_tx, in_rx) = mpsc::unbounded_channel();
+    // Big outcomes and transcripts go out in fragments (see `frag`).
+    let (frames_tx, frames_rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut splitter = frag::Splitter::default();
+        while let Some(m) = out_rx.recv().await {
+            match splitter.split(m) {
+                Ok(parts) => {
+                    for p in parts {
+                        if frames_tx.send(p).is_err() {
+                            return;
+                        }
+                    }
+                }
+                // Outcomes are fitted to the limit before they are sent; a progress report
+                // this big is not worth a link.
+                Err(e) => {
+                    tracing::error!(error = %e, "a message to the coordinator is too large; dropped")
+                }
+            }
+        }
+    });
     // The worker sends Hello first; the call only returns once the coordinator answers.
     if links
         .send(Link {
@@ -183,18 +208,20 @@ async fn attach_once(
     }
     let call = async move {
         let mut inbound = client
-            .attach(UnboundedReceiverStream::new(out_rx))
+            .attach(UnboundedReceiverStream::new(frames_rx))
             .await?
             .into_inner();
         tracing::info!("attached to the coordinator");
+        let mut pieces = frag::Reassembler::default();
         while let Some(msg) = inbound.next().await {
-            match msg {
-                Ok(m) => {
+            match pieces.push(msg?) {
+                Ok(Some(m)) => {
                     if in_tx.send(m).is_err() {
                         break;
                     }
                 }
-                Err(e) => return Err(e),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "dropped a message from the coordinator"),
             }
         }
         Ok(())

@@ -43,6 +43,9 @@ pub struct WorkerOptions {
     pub workspace: std::path::PathBuf,
     /// Free-form labels announced to the scheduler.
     pub labels: HashMap<String, String>,
+    /// The largest result (outcome) this worker sends; a bigger one fails its call with its
+    /// size (at most [`flotilla_proto::frag::MAX_MESSAGE_BYTES`]).
+    pub max_result_bytes: usize,
 }
 
 /// A worker with its backends.
@@ -171,8 +174,10 @@ impl Worker {
                             let tx = out_tx.clone();
                             let running = running.clone();
                             let workspace = workspace.clone();
+                            let limit = self.opts.max_result_bytes;
                             tracker.spawn(async move {
                                 let outcome = run_attempt(a, backend, workspace, tx.clone(), token).await;
+                                let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
                                 // Into the outbox before leaving `running`, so it is always held.
                                 let _ = tx.send(WorkerMessage {
                                     msg: Some(worker_message::Msg::Outcome(outcome)),
@@ -187,6 +192,8 @@ impl Worker {
                                 token.cancel();
                             }
                         }
+                        // Put back together by the gRPC bridge; a stray one means nothing.
+                        coordinator_message::Msg::Fragment(_) => {}
                     },
                     Some(CoordinatorMessage { msg: None }) => {}
                     None => {
@@ -630,7 +637,7 @@ impl EventSink for LinkSink {
     fn transcript(&self, event: Value) {
         let full = {
             let mut buffer = lock(&self.buffer);
-            buffer.push(event.to_string());
+            buffer.push(flotilla_proto::frag::fit_event(event.to_string()));
             buffer.len() >= TRANSCRIPT_CHUNK
         };
         if full {
@@ -652,6 +659,7 @@ mod tests {
                 slots: 2,
                 workspace: dir.to_owned(),
                 labels: HashMap::new(),
+                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
             },
             vec![Arc::new(Echo)],
         )

@@ -631,6 +631,11 @@ impl RunEngine {
             );
             return;
         }
+        // Checked before anything is recorded: one call must fit the worker stream.
+        if let Err(e) = flotilla_proto::frag::check_call_size(prompt.len() + opts_json.len()) {
+            self.reject(id, "TOO_LARGE", e);
+            return;
+        }
         let mut spec = match CallSpec::parse(prompt, opts_json, &self.init.settings.backend, "") {
             Ok(s) => s,
             Err(e) => {
@@ -1432,6 +1437,7 @@ mod tests {
                 slots: 4,
                 workspace: workspace.path().into(),
                 labels: HashMap::new(),
+                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
             },
             vec![Arc::new(Echo)],
         );

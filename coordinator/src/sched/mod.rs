@@ -698,6 +698,8 @@ impl Dispatcher {
                 }
             }
             worker_message::Msg::Outcome(o) => self.outcome(worker, o),
+            // Put back together by the gRPC bridge; a stray one means nothing.
+            worker_message::Msg::Fragment(_) => {}
         }
     }
 

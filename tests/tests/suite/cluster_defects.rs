@@ -57,3 +57,55 @@ fn a_stall_restart_on_etcd_leaves_the_fleet_dispatching() {
         "etcd refused a batch:\n{log}"
     );
 }
+
+#[test]
+fn prompts_and_results_over_four_mib_cross_the_fleet_and_an_oversized_one_fails_only_its_call() {
+    let c = Cluster::start_workers_with(1, 4, &["--max-result-mib", "8"], Vec::new());
+    // The echo agent answers with its prompt: 6 MiB each way, then one over the worker's
+    // result limit, next to small ones on the same link.
+    let run = c.launch(
+        "big",
+        "const big = 'x'.repeat(6 * 1024 * 1024);\n\
+         const huge = 'y'.repeat(10 * 1024 * 1024);\n\
+         const r = await parallel([\n\
+           () => agent(big, { label: 'big' }),\n\
+           () => agent(huge, { label: 'huge' }),\n\
+           () => agent('small', { label: 'small' }),\n\
+         ]);\n\
+         return r.map(x => x === null ? null : x.length);",
+        &["--stagger", "0"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        serde_json::json!([6 * 1024 * 1024, null, 5]),
+        "{}",
+        r["failures"]
+    );
+    assert_eq!(agent(&r, "big")["status"], "completed");
+    assert_eq!(agent(&r, "big")["attempts"], 1, "the link never dropped");
+    let huge = agent(&r, "huge");
+    assert_eq!(huge["status"], "failed");
+    assert_eq!(huge["attempts"], 1);
+    let why = huge["error"].as_str().unwrap();
+    assert!(
+        why.contains("10.0 MiB") && why.contains("over the limit of 8.0 MiB"),
+        "{why}"
+    );
+    // The worker kept its one link all along, and serves the next run.
+    let log = std::fs::read_to_string(c.path().join("worker-0.log")).unwrap_or_default();
+    assert_eq!(
+        log.matches("attached to the coordinator").count(),
+        1,
+        "{log}"
+    );
+    let next = c.launch(
+        "after-big",
+        "return await agent('after');",
+        &["--stagger", "0"],
+    );
+    let (code, r) = c.wait(&next);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "after");
+}
