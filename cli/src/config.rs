@@ -140,6 +140,12 @@ pub struct ConfigFile {
     pub worker_ttl: Option<String>,
     /// Coordinator: the address other coordinators and clients reach it at.
     pub advertise: Option<String>,
+    /// Coordinator: longest a TLS handshake may take (`10s`).
+    pub handshake_timeout: Option<String>,
+    /// Coordinator: a connection idle this long either way is closed (`5m`).
+    pub idle_timeout: Option<String>,
+    /// Coordinator: connections open at once on each listener.
+    pub max_connections: Option<usize>,
     /// Worker: backends it offers.
     #[serde(default)]
     pub backends: Vec<String>,

@@ -185,8 +185,45 @@ pub struct CoordinatorArgs {
     /// of inline scripts are refused.
     #[arg(long, env = "FLOTILLA_SAVED_ONLY")]
     saved_only: bool,
+    /// Longest a TLS handshake may take before the connection is closed [default: 10s].
+    #[arg(long, env = "FLOTILLA_HANDSHAKE_TIMEOUT", value_name = "DUR")]
+    handshake_timeout: Option<String>,
+    /// A connection with no traffic either way for this long is closed [default: 5m].
+    #[arg(long, env = "FLOTILLA_IDLE_TIMEOUT", value_name = "DUR")]
+    idle_timeout: Option<String>,
+    /// Connections open at once on each listener (gRPC, pages); past it new ones are closed
+    /// at once [default: 4096].
+    #[arg(long, env = "FLOTILLA_MAX_CONNECTIONS", value_name = "N")]
+    max_connections: Option<usize>,
     #[command(flatten)]
     tls: TlsArgs,
+}
+
+/// The listeners' limits from flags, then the config file, then the defaults.
+fn listen_limits(
+    a: &CoordinatorArgs,
+    file: &config::ConfigFile,
+) -> Result<flotilla_coordinator::listen::Limits, String> {
+    let mut limits = flotilla_coordinator::listen::Limits::default();
+    if let Some(s) = a
+        .handshake_timeout
+        .as_ref()
+        .or(file.handshake_timeout.as_ref())
+    {
+        limits.handshake = config::parse_duration("--handshake-timeout", s)?;
+    }
+    if let Some(s) = a.idle_timeout.as_ref().or(file.idle_timeout.as_ref()) {
+        limits.idle = config::parse_duration("--idle-timeout", s)?;
+    }
+    if let Some(n) = a.max_connections.or(file.max_connections) {
+        limits.max_connections = n;
+    }
+    if limits.handshake.is_zero() || limits.idle.is_zero() || limits.max_connections == 0 {
+        return Err(
+            "--handshake-timeout, --idle-timeout and --max-connections must be above zero".into(),
+        );
+    }
+    Ok(limits)
 }
 
 async fn lease_store(
@@ -257,6 +294,10 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     }
     let tls = match a.tls.files("coordinator", listen.ip().is_loopback()) {
         Ok(t) => t,
+        Err(e) => return fail(2, e),
+    };
+    let limits = match listen_limits(&a, &file) {
+        Ok(l) => l,
         Err(e) => return fail(2, e),
     };
     let url = config::store_url(a.store.clone());
@@ -358,6 +399,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     let opts = ServerOptions {
         listen,
         tls,
+        limits,
         keepalive: worker_ttl / 3,
         tokens: tokens.clone(),
         session_base: format!("http://{http}"),
@@ -391,6 +433,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         flotilla_coordinator::web::WebOptions {
             listen: http,
             auth: tokens,
+            limits,
         },
         cancel.clone(),
     ));

@@ -42,6 +42,8 @@ pub struct ServerOptions {
     pub listen: SocketAddr,
     /// `None`: plain text (development only).
     pub tls: Option<TlsFiles>,
+    /// Handshake and idle timeouts, connection limit.
+    pub limits: crate::listen::Limits,
     /// Base of session URLs (`http://host:port`).
     pub session_base: String,
     /// HTTP/2 keep-alive interval and timeout on every stream.
@@ -282,13 +284,7 @@ pub async fn serve(
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(opts.keepalive))
         .http2_keepalive_timeout(Some(opts.keepalive));
-    if let Some(files) = &opts.tls {
-        let config = files.server_config().map_err(|e| e.to_string())?;
-        builder = builder
-            .tls_config(config)
-            .map_err(|e| format!("invalid TLS configuration: {e}"))?;
-    }
-    builder
+    let router = builder
         .add_service(
             WorkerServiceServer::new(workers)
                 .max_decoding_message_size(frag::MAX_FRAME_BYTES)
@@ -298,10 +294,27 @@ pub async fn serve(
             ClientServiceServer::new(clients)
                 .max_decoding_message_size(frag::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(frag::MAX_MESSAGE_BYTES),
-        )
-        .serve_with_shutdown(opts.listen, cancel.cancelled_owned())
+        );
+    let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
-        .map_err(|e| format!("cannot serve on {}: {e}", opts.listen))
+        .map_err(|e| format!("cannot serve on {}: {e}", opts.listen))?;
+    // TLS handshakes happen in `listen`, with a timeout, behind a connection limit.
+    let served = match &opts.tls {
+        Some(files) => {
+            let config = files.rustls_server_config().map_err(|e| e.to_string())?;
+            let incoming = crate::listen::tls(listener, config, opts.limits, cancel.clone());
+            router
+                .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
+                .await
+        }
+        None => {
+            let incoming = crate::listen::plain(listener, opts.limits, cancel.clone());
+            router
+                .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
+                .await
+        }
+    };
+    served.map_err(|e| format!("cannot serve on {}: {e}", opts.listen))
 }
 
 fn check_version(theirs: &str) -> Result<(), Status> {

@@ -114,6 +114,8 @@ pub struct WebOptions {
     pub listen: SocketAddr,
     /// `None`: no sign-in (an `--insecure` coordinator on loopback).
     pub auth: Option<TokenKey>,
+    /// Connection limit and idle timeout of the listener.
+    pub limits: crate::listen::Limits,
 }
 
 #[derive(Clone)]
@@ -133,6 +135,7 @@ pub async fn serve(
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| format!("cannot serve session pages on {}: {e}", opts.listen))?;
+    let listener = crate::listen::Limited::new(listener, opts.limits);
     axum::serve(listener, router(coordinator, registry, opts.auth))
         .with_graceful_shutdown(cancel.cancelled_owned())
         .await

@@ -54,6 +54,13 @@ impl std::str::FromStr for Role {
 /// A TLS problem, with the file and the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error("{what} {path} is not usable: {reason}; {hint}")]
+    Invalid {
+        what: &'static str,
+        path: PathBuf,
+        reason: String,
+        hint: &'static str,
+    },
     #[error("cannot read {what} {path}: {source}; {hint}")]
     Read {
         what: &'static str,
@@ -112,6 +119,52 @@ impl TlsFiles {
         Ok(ServerTlsConfig::new()
             .identity(self.identity()?)
             .client_ca_root(self.ca_cert()?))
+    }
+
+    /// The same as [`TlsFiles::server_config`], as a rustls config for a listener that does its
+    /// own handshakes (with a timeout; see the coordinator's `listen`): client certificates
+    /// required and signed by our CA, HTTP/2 by ALPN.
+    pub fn rustls_server_config(&self) -> Result<std::sync::Arc<rustls::ServerConfig>, Error> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        const FIX: &str =
+            "make the files again with `flotilla certs init` and `flotilla certs issue`";
+        let invalid = |what: &'static str, path: &Path, reason: String| Error::Invalid {
+            what,
+            path: path.to_owned(),
+            reason,
+            hint: FIX,
+        };
+        let ca = self.read("CA certificate", &self.ca)?;
+        let cert = self.read("certificate", &self.cert)?;
+        let key = self.read("private key", &self.key)?;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(&ca) {
+            let c = c.map_err(|e| invalid("CA certificate", &self.ca, e.to_string()))?;
+            roots
+                .add(c)
+                .map_err(|e| invalid("CA certificate", &self.ca, e.to_string()))?;
+        }
+        let chain = CertificateDer::pem_slice_iter(&cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| invalid("certificate", &self.cert, e.to_string()))?;
+        let key = PrivateKeyDer::from_pem_slice(&key)
+            .map_err(|e| invalid("private key", &self.key, e.to_string()))?;
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            roots.into(),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| invalid("CA certificate", &self.ca, e.to_string()))?;
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid("certificate", &self.cert, e.to_string()))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)
+            .map_err(|e| invalid("certificate", &self.cert, e.to_string()))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(std::sync::Arc::new(config))
     }
 
     /// Client side: trust our CA, present our identity, expect the server to be `domain`.

@@ -109,3 +109,73 @@ fn prompts_and_results_over_four_mib_cross_the_fleet_and_an_oversized_one_fails_
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], "after");
 }
+
+/// Reads until the peer closes (or resets) the connection; `false` if it is still open after
+/// `within`.
+fn closed_by_peer(s: &mut std::net::TcpStream, within: std::time::Duration) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                return false;
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+#[test]
+fn connections_that_never_handshake_or_go_idle_are_closed_and_the_limit_holds() {
+    use std::time::Duration;
+    let c = Cluster::start_coordinator_with(
+        1,
+        2,
+        &[
+            "--handshake-timeout",
+            "1s",
+            "--idle-timeout",
+            "2s",
+            "--max-connections",
+            "40",
+        ],
+    );
+    // Plain TCP connections that never start TLS, more than the limit allows.
+    let mut silent: Vec<std::net::TcpStream> = (0..60)
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", c.port)).ok())
+        .collect();
+    assert!(silent.len() >= 40, "{} connected", silent.len());
+    for s in &mut silent {
+        assert!(
+            closed_by_peer(s, Duration::from_secs(20)),
+            "a connection that never started TLS stayed open"
+        );
+    }
+    // The same on the session pages: an idle connection is closed.
+    let mut idle = std::net::TcpStream::connect(("127.0.0.1", c.http_port)).unwrap();
+    assert!(closed_by_peer(&mut idle, Duration::from_secs(20)));
+    let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap_or_default();
+    for line in [
+        "did not finish its TLS handshake in time",
+        "connection limit reached",
+        "sent and received nothing for the idle timeout",
+    ] {
+        assert!(log.contains(line), "no {line:?} in the log:\n{log}");
+    }
+    // Real clients and workers get through.
+    let out = c.client(&["workers", "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = c.launch(
+        "after-flood",
+        "return await agent('after');",
+        &["--stagger", "0"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+}
