@@ -157,6 +157,11 @@ pub struct ConfigFile {
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,
+    /// Coordinator: clients (certificate names) that may push workflows.
+    #[serde(default)]
+    pub publishers: Vec<String>,
+    /// Coordinator: a push may take a bundled workflow's name.
+    pub allow_shadow_bundled: Option<bool>,
     /// Coordinator: run only saved workflows (its own, pushed ones, bundled ones, or those a
     /// client carries by name); inline scripts are refused (W46).
     pub saved_only: Option<bool>,

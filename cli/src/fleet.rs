@@ -185,6 +185,18 @@ pub struct CoordinatorArgs {
     /// of inline scripts are refused.
     #[arg(long, env = "FLOTILLA_SAVED_ONLY")]
     saved_only: bool,
+    /// A client (by certificate name) that may push workflows; repeatable. Holders of a
+    /// `coordinator` certificate always may; nobody else.
+    #[arg(
+        long = "publisher",
+        env = "FLOTILLA_PUBLISHERS",
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
+    publishers: Vec<String>,
+    /// Let a push take the name of a bundled workflow (deep-research, code-review, ...).
+    #[arg(long, env = "FLOTILLA_ALLOW_SHADOW_BUNDLED")]
+    allow_shadow_bundled: bool,
     /// Longest a TLS handshake may take before the connection is closed [default: 10s].
     #[arg(long, env = "FLOTILLA_HANDSHAKE_TIMEOUT", value_name = "DUR")]
     handshake_timeout: Option<String>,
@@ -389,7 +401,13 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     }
     // The disable switch is read again on every launch: the environment, then the config file.
     let config_path = a.config.clone();
+    let mut publishers = a.publishers.clone();
+    if publishers.is_empty() {
+        publishers.clone_from(&file.publishers);
+    }
     let policy = flotilla_coordinator::server::LaunchPolicy {
+        publishers,
+        shadow_bundled: a.allow_shadow_bundled || file.allow_shadow_bundled.unwrap_or(false),
         saved_only: a.saved_only || file.saved_only.unwrap_or(false),
         disabled: Arc::new(move || {
             let file = config::load(config_path.as_deref()).unwrap_or_default();

@@ -371,10 +371,12 @@ async fn push(a: PushArgs) -> i32 {
         Ok(r) => {
             let r = r.into_inner();
             println!(
-                "{} {} on the coordinator ({}); run it with `flotilla launch {}`",
+                "{} {} on the coordinator ({}, sha256 {}, recorded as pushed by {}); run it with `flotilla launch {}`",
                 if r.replaced { "replaced" } else { "saved" },
                 r.name,
                 r.origin,
+                &r.sha256[..r.sha256.len().min(12)],
+                r.pushed_by,
                 r.name
             );
             0

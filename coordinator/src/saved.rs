@@ -1,15 +1,19 @@
 //! Workflows saved on the coordinator (`flotilla workflows push`): one object per workflow at
 //! `workflows/{name}.js` in the coordinator's object storage, so every coordinator sharing the
 //! store offers the same ones and `flotilla launch NAME` works from any machine.
+//!
+//! Pushing changes what everyone's `launch NAME` runs, so it is a permission of its own (the
+//! server decides who holds it), a push never takes a bundled workflow's name unless the
+//! operator allows it, and every push leaves a record (who, when, the script's hash, what it
+//! replaced) at `workflows/.pushes/{name}/`, written before the script itself.
 
 use bytes::Bytes;
-use object_store::path::Path;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::script::source;
-use crate::store::Store;
+use crate::store::{Store, keys};
 use crate::workflows::FoundWorkflow;
-
-const PREFIX: &str = "workflows";
 
 /// Whether `name` can name a saved workflow: letters, digits, `-`, `_` and `.`, not starting
 /// with a dot, at most 100 characters (so it can never leave its directory).
@@ -22,18 +26,38 @@ pub fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
-fn key(name: &str) -> Path {
-    Path::from(format!("{PREFIX}/{name}.js"))
-}
-
 /// The origin shown for a saved workflow.
 pub fn origin(name: &str) -> String {
     format!("server:{name}")
 }
 
-/// Checks and stores a workflow; its name comes from its literal meta. Returns the name and
-/// whether one of that name was replaced.
-pub async fn push(store: &Store, text: &str) -> Result<(String, bool), String> {
+/// One push, as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushRecord {
+    pub name: String,
+    /// Who pushed: the certificate name of the client (or `insecure` without TLS).
+    pub by: String,
+    /// RFC 3339, UTC.
+    pub at: String,
+    pub sha256: String,
+    /// The hash of the script it replaced, if any.
+    pub replaced: Option<String>,
+}
+
+/// How a push may go.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PushRules {
+    /// A push may take the name of a bundled workflow (off unless the operator says so).
+    pub shadow_bundled: bool,
+}
+
+/// Checks and stores a workflow pushed by `by`; its name comes from its literal meta.
+pub async fn push(
+    store: &Store,
+    text: &str,
+    by: &str,
+    rules: PushRules,
+) -> Result<PushRecord, String> {
     let meta = source::read_meta(text).map_err(|e| {
         format!("the workflow's meta is not a literal with name and description (W02): {e}")
     })?;
@@ -44,17 +68,65 @@ pub async fn push(store: &Store, text: &str) -> Result<(String, bool), String> {
             meta.name
         ));
     }
-    let k = key(&meta.name);
+    if !rules.shadow_bundled && crate::bundled::find(&meta.name).is_some() {
+        return Err(format!(
+            "{:?} is the name of a bundled workflow: pushing it would change what everyone's `launch {}` runs; give yours another meta.name (or start the coordinator with --allow-shadow-bundled)",
+            meta.name, meta.name
+        ));
+    }
+    let k = keys::saved_workflow(&meta.name);
     let replaced = store
         .get(&k)
         .await
         .map_err(|e| format!("cannot read the store: {e}"))?
-        .is_some();
+        .map(|old| hex::encode(Sha256::digest(&old)));
+    let now = std::time::SystemTime::now();
+    let at_ms = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let record = PushRecord {
+        name: meta.name.clone(),
+        by: by.to_owned(),
+        at: humantime::format_rfc3339_millis(now).to_string(),
+        sha256: hex::encode(Sha256::digest(text.as_bytes())),
+        replaced,
+    };
+    let body = serde_json::to_vec(&record).map_err(|e| format!("cannot encode the record: {e}"))?;
+    store
+        .put_create(
+            &keys::workflow_push(&meta.name, at_ms, &record.sha256),
+            Bytes::from(body),
+        )
+        .await
+        .map_err(|e| format!("cannot record the push: {e}"))?;
     store
         .put_overwrite(&k, Bytes::from(text.to_owned()))
         .await
         .map_err(|e| format!("cannot write the store: {e}"))?;
-    Ok((meta.name, replaced))
+    Ok(record)
+}
+
+/// Every recorded push of `name`, oldest first.
+pub async fn pushes(store: &Store, name: &str) -> Result<Vec<PushRecord>, String> {
+    if !valid_name(name) {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for k in store
+        .list_objects(&keys::workflow_pushes(name))
+        .await
+        .map_err(|e| format!("cannot list the store: {e}"))?
+    {
+        if let Some(body) = store
+            .get(&k)
+            .await
+            .map_err(|e| format!("cannot read the store: {e}"))?
+            && let Ok(r) = serde_json::from_slice(&body)
+        {
+            out.push(r);
+        }
+    }
+    Ok(out)
 }
 
 /// The saved workflow called `name`, if there is one.
@@ -63,7 +135,7 @@ pub async fn get(store: &Store, name: &str) -> Result<Option<FoundWorkflow>, Str
         return Ok(None);
     }
     let found = store
-        .get(&key(name))
+        .get(&keys::saved_workflow(name))
         .await
         .map_err(|e| format!("cannot read the store: {e}"))?;
     Ok(found.map(|b| FoundWorkflow {
@@ -76,7 +148,7 @@ pub async fn get(store: &Store, name: &str) -> Result<Option<FoundWorkflow>, Str
 /// Every saved workflow, by name.
 pub async fn list(store: &Store) -> Result<Vec<FoundWorkflow>, String> {
     let keys = store
-        .list_objects(&Path::from(PREFIX))
+        .list_objects(&keys::saved_workflows())
         .await
         .map_err(|e| format!("cannot list the store: {e}"))?;
     let mut out = Vec::new();
@@ -96,25 +168,61 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn pushed_workflows_are_listed_and_replaced_by_name() {
+    async fn pushed_workflows_are_listed_replaced_by_name_and_recorded() {
         let store = crate::store::open("memory://").unwrap();
         let text = "export const meta = { name: 'triage', description: 'd' };\nreturn 1;";
-        assert_eq!(push(&store, text).await.unwrap(), ("triage".into(), false));
-        assert_eq!(push(&store, text).await.unwrap(), ("triage".into(), true));
+        let first = push(&store, text, "alice", PushRules::default())
+            .await
+            .unwrap();
+        assert_eq!(
+            (first.name.as_str(), first.replaced.as_ref()),
+            ("triage", None)
+        );
+        let v2 = "export const meta = { name: 'triage', description: 'd' };\nreturn 2;";
+        let second = push(&store, v2, "bob", PushRules::default()).await.unwrap();
+        assert_eq!(second.replaced, Some(first.sha256.clone()));
         let all = list(&store).await.unwrap();
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].origin, "server:triage");
+        assert_eq!(all[0].source, v2);
+        let records = pushes(&store, "triage").await.unwrap();
+        let who: Vec<&str> = records.iter().map(|r| r.by.as_str()).collect();
+        assert_eq!(who, ["alice", "bob"]);
         assert!(get(&store, "../triage").await.unwrap().is_none());
-        let e = push(&store, "export const meta = { name: x, description: 'd' };")
-            .await
-            .unwrap_err();
+        let e = push(
+            &store,
+            "export const meta = { name: x, description: 'd' };",
+            "alice",
+            PushRules::default(),
+        )
+        .await
+        .unwrap_err();
         assert!(e.contains("literal"), "{e}");
         let e = push(
             &store,
             "export const meta = { name: '../up', description: 'd' };",
+            "alice",
+            PushRules::default(),
         )
         .await
         .unwrap_err();
         assert!(e.contains("cannot name"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_bundled_name_is_not_taken_unless_the_operator_allows_it() {
+        let store = crate::store::open("memory://").unwrap();
+        let text = "export const meta = { name: 'deep-research', description: 'mine' };\nreturn 1;";
+        let e = push(&store, text, "mallory", PushRules::default())
+            .await
+            .unwrap_err();
+        assert!(e.contains("bundled workflow"), "{e}");
+        assert!(list(&store).await.unwrap().is_empty());
+        assert!(pushes(&store, "deep-research").await.unwrap().is_empty());
+        let allowed = PushRules {
+            shadow_bundled: true,
+        };
+        push(&store, text, "operator", allowed).await.unwrap();
+        assert_eq!(list(&store).await.unwrap().len(), 1);
     }
 }

@@ -62,6 +62,11 @@ pub struct LaunchPolicy {
     /// Whether new runs are refused right now (W67); asked on every launch, so the switch
     /// can change while the coordinator runs. Runs in progress are never touched.
     pub disabled: Arc<dyn Fn() -> bool + Send + Sync>,
+    /// Client certificate names that may push workflows (holders of a `coordinator`
+    /// certificate always may); nobody else can change what `launch NAME` runs.
+    pub publishers: Vec<String>,
+    /// A push may take a bundled workflow's name.
+    pub shadow_bundled: bool,
 }
 
 impl Default for LaunchPolicy {
@@ -69,6 +74,8 @@ impl Default for LaunchPolicy {
         LaunchPolicy {
             saved_only: false,
             disabled: Arc::new(|| false),
+            publishers: Vec::new(),
+            shadow_bundled: false,
         }
     }
 }
@@ -487,6 +494,22 @@ impl ClientSvc {
         Ok(())
     }
 
+    /// Who is pushing a workflow, if they may: a `coordinator` certificate, or a client the
+    /// operator listed as a publisher. (Without TLS, on loopback, anyone may.)
+    fn publisher<T>(&self, req: &Request<T>) -> Result<String, Status> {
+        if !self.secure {
+            return Ok("insecure".into());
+        }
+        let peer = tls::require_role(req, &[Role::Client, Role::Coordinator], "save workflows")?;
+        if peer.role == Role::Coordinator || self.policy.publishers.contains(&peer.name) {
+            return Ok(peer.name);
+        }
+        Err(Status::permission_denied(format!(
+            "{} may not push workflows to this coordinator: a push changes what everyone's `launch NAME` runs, so only the publishers its operator names may (`--publisher {}` or `publishers` in its config)",
+            peer.name, peer.name
+        )))
+    }
+
     fn session_url(&self, run: &str) -> String {
         format!("{}/runs/{run}", self.session_base.trim_end_matches('/'))
     }
@@ -542,7 +565,7 @@ impl ClientService for ClientSvc {
         if self.policy.saved_only && !r.inherit {
             if r.saved_name.is_empty() {
                 return Err(Status::permission_denied(
-                    "this coordinator runs saved workflows only: save the script with `flotilla workflows push FILE` and launch it by name",
+                    "this coordinator runs saved workflows only: launch a pushed or bundled one by name (`flotilla workflows list --coordinator URL`); a publisher of this coordinator can push yours with `flotilla workflows push FILE`",
                 ));
             }
             let name = r.saved_name.trim_start_matches('/').to_owned();
@@ -553,7 +576,7 @@ impl ClientService for ClientSvc {
                 Some(w) => w,
                 None => crate::bundled::find(&name).ok_or_else(|| {
                     Status::not_found(format!(
-                        "no saved workflow {name:?} on this coordinator: push it with `flotilla workflows push FILE`"
+                        "no saved workflow {name:?} on this coordinator (`flotilla workflows list --coordinator URL` lists them); a publisher of this coordinator can push it with `flotilla workflows push FILE`"
                     ))
                 })?,
             };
@@ -815,16 +838,23 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::PushWorkflowRequest>,
     ) -> Result<Response<v1::PushWorkflowReply>, Status> {
-        self.authorize(&req, "save workflows")?;
+        let by = self.publisher(&req)?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
-        let (name, replaced) = crate::saved::push(self.coordinator.store(), &r.source)
+        let rules = crate::saved::PushRules {
+            shadow_bundled: self.policy.shadow_bundled,
+        };
+        let record = crate::saved::push(self.coordinator.store(), &r.source, &by, rules)
             .await
             .map_err(Status::invalid_argument)?;
+        tracing::info!(workflow = %record.name, by = %record.by, sha256 = %record.sha256,
+            replaced = ?record.replaced, "workflow pushed");
         Ok(Response::new(v1::PushWorkflowReply {
-            origin: crate::saved::origin(&name),
-            name,
-            replaced,
+            origin: crate::saved::origin(&record.name),
+            replaced: record.replaced.is_some(),
+            name: record.name,
+            sha256: record.sha256,
+            pushed_by: record.by,
         }))
     }
 

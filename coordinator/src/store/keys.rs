@@ -71,8 +71,23 @@ pub fn payload(sha256_hex: &str) -> Path {
     Path::from(format!("payloads/{sha256_hex}"))
 }
 
+pub fn saved_workflows() -> Path {
+    Path::from("workflows")
+}
+
 pub fn saved_workflow(name: &str) -> Path {
     Path::from(format!("workflows/{name}.js"))
+}
+
+/// The record of one push of a saved workflow (names never start with a dot, so this
+/// directory cannot collide with one).
+pub fn workflow_push(name: &str, at_ms: u128, sha256_hex: &str) -> Path {
+    let short = &sha256_hex[..sha256_hex.len().min(12)];
+    Path::from(format!("workflows/.pushes/{name}/{at_ms:015}-{short}.json"))
+}
+
+pub fn workflow_pushes(name: &str) -> Path {
+    Path::from(format!("workflows/.pushes/{name}"))
 }
 
 #[cfg(test)]

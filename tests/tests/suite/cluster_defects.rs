@@ -179,3 +179,59 @@ fn connections_that_never_handshake_or_go_idle_are_closed_and_the_limit_holds() 
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
 }
+
+#[test]
+fn pushing_a_workflow_is_a_permission_bundled_names_stay_bundled_and_every_push_is_recorded() {
+    let c = Cluster::start(1, 2);
+    let file = c.path().join("deep.js");
+    let shadow = "export const meta = { name: 'deep-research', description: 'not the real one' };\nreturn 'owned';";
+    std::fs::write(&file, shadow).unwrap();
+    // A plain client may not push at all, not even a new name.
+    let mine = c.path().join("mine.js");
+    std::fs::write(
+        &mine,
+        "export const meta = { name: 'mine', description: 'd' };\nreturn await agent('mine');",
+    )
+    .unwrap();
+    for f in [&file, &mine] {
+        let out = c.client(&["workflows", "push", f.to_str().unwrap()]);
+        assert_ne!(out.code, 0, "{out:?}");
+        assert!(out.stderr.contains("may not push workflows"), "{out:?}");
+        assert!(out.stderr.contains("--publisher client"), "{out:?}");
+    }
+    drop(c);
+
+    let c = Cluster::start_coordinator_with(1, 2, &["--publisher", "client"]);
+    let file = c.path().join("deep.js");
+    let mine = c.path().join("mine.js");
+    std::fs::write(&file, shadow).unwrap();
+    std::fs::write(
+        &mine,
+        "export const meta = { name: 'mine', description: 'd' };\nreturn await agent('mine');",
+    )
+    .unwrap();
+    // A publisher may push, but not over a bundled name.
+    let out = c.client(&["workflows", "push", file.to_str().unwrap()]);
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("bundled workflow"), "{out:?}");
+    let out = c.client(&["workflows", "push", mine.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains("pushed by client"), "{out:?}");
+    let out = c.client(&["workflows", "push", mine.to_str().unwrap()]);
+    assert!(out.stdout.starts_with("replaced mine"), "{out:?}");
+    // Both pushes are recorded in the store: who, when, the hash, what it replaced.
+    let dir = c.path().join("store/workflows/.pushes/mine");
+    let mut records: Vec<serde_json::Value> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| serde_json::from_slice(&std::fs::read(e.unwrap().path()).unwrap()).unwrap())
+        .collect();
+    records.sort_by_key(|r| r["at"].as_str().unwrap().to_owned());
+    assert_eq!(records.len(), 2, "{records:?}");
+    assert!(
+        records
+            .iter()
+            .all(|r| r["by"] == "client" && r["sha256"].is_string())
+    );
+    assert!(records[0]["replaced"].is_null());
+    assert_eq!(records[1]["replaced"], records[0]["sha256"]);
+}

@@ -295,7 +295,7 @@ fn on_a_terminal_the_plan_is_confirmed_and_always_is_remembered() {
 
 #[test]
 fn pushed_workflows_launch_by_name_and_a_saved_only_coordinator_refuses_scripts() {
-    let c = Cluster::start_coordinator_with(1, 4, &["--saved-only"]);
+    let c = Cluster::start_coordinator_with(1, 4, &["--saved-only", "--publisher", "client"]);
     let file = c.path().join("triage.js");
     std::fs::write(
         &file,
