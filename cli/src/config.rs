@@ -62,6 +62,10 @@ pub struct SettingFlags {
     /// CPU time the script may use between awaits (default 10s).
     #[arg(long, env = "FLOTILLA_SCRIPT_CPU", value_name = "DUR")]
     pub script_cpu: Option<String>,
+    /// How long an agent waits for an attached worker that offers its backend and model
+    /// before it fails with that reason (default 10m).
+    #[arg(long, env = "FLOTILLA_WORKER_WAIT", value_name = "DUR")]
+    pub worker_wait: Option<String>,
     /// Directory searched first for saved workflows (repeatable).
     #[arg(long = "workflows-dir", value_name = "DIR")]
     pub workflows_dirs: Vec<PathBuf>,
@@ -106,6 +110,8 @@ pub struct ConfigFile {
     pub script_memory: Option<u64>,
     /// Script CPU limit between awaits.
     pub script_cpu: Option<String>,
+    /// How long an agent waits for a worker that offers its backend (`10m`).
+    pub worker_wait: Option<String>,
     /// Saved-workflow directories searched first.
     #[serde(default)]
     pub workflows_dirs: Vec<PathBuf>,
@@ -292,6 +298,9 @@ pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, 
     }
     if let Some(v) = pick_s(&flags.script_cpu, &file.script_cpu) {
         s.script_cpu_ms = parse_duration("--script-cpu", &v)?.as_millis() as u64;
+    }
+    if let Some(v) = pick_s(&flags.worker_wait, &file.worker_wait) {
+        s.worker_wait_ms = parse_duration("--worker-wait", &v)?.as_millis() as u64;
     }
     match s.backend.as_str() {
         "echo" | "exec" | "claude-code" | "anthropic" | "openai" => {}

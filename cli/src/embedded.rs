@@ -31,7 +31,14 @@ impl Embedded {
         exec_cmd: Option<&str>,
     ) -> anyhow::Result<Embedded> {
         let store = store::open(store_url)?;
-        let coordinator = Arc::new(Coordinator::new(store, MemoryLeaseStore::new()));
+        let coordinator = Arc::new(Coordinator::with_options(
+            store,
+            MemoryLeaseStore::new(),
+            flotilla_coordinator::sched::DispatchOptions {
+                fixed_fleet: true,
+                ..Default::default()
+            },
+        ));
         let mut backends: Vec<Arc<dyn AgentBackend>> = vec![
             Arc::new(Echo),
             Arc::new(flotilla_worker::backend::claude::ClaudeCode::from_env()),

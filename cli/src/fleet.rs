@@ -340,7 +340,10 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     let coordinator = Arc::new(Coordinator::with_options(
         store,
         leases,
-        flotilla_coordinator::sched::DispatchOptions { worker_ttl },
+        flotilla_coordinator::sched::DispatchOptions {
+            worker_ttl,
+            ..Default::default()
+        },
     ));
     // Session tokens are signed with a key derived from the coordinator's private key, so
     // coordinators sharing it accept each other's tokens and a restart signs nobody out.

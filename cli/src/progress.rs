@@ -93,7 +93,7 @@ fn header(s: &Snapshot) -> String {
         s.done,
         s.agents,
         tokens(s.output_tokens),
-        elapsed(s.elapsed_ms)
+        elapsed(s.elapsed_now_ms())
     );
     if s.failed > 0 {
         h.push_str(&format!(" · {} failed", s.failed));

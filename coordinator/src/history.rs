@@ -125,6 +125,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                     model: String::new(),
                     input_tokens: 0,
                     output_tokens: 0,
+                    waiting: None,
                 });
                 match state.as_str() {
                     "running" => {

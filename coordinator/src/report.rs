@@ -116,6 +116,10 @@ pub struct AgentReport {
     pub input_tokens: u64,
     #[serde(default)]
     pub output_tokens: u64,
+    /// Why a live agent waits although the run has room (no attached worker offers its
+    /// backend and model); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
 }
 
 /// A progress group, in display order (declared `meta.phases` first).

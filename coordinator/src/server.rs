@@ -997,6 +997,7 @@ impl SnapshotView {
             input_tokens: self.input_tokens,
             output_tokens: self.output_tokens,
             waiting: self.waiting.clone(),
+            since: None,
         }
     }
 }
@@ -1068,7 +1069,7 @@ impl From<&Snapshot> for SnapshotView {
             run_id: s.run_id.clone(),
             workflow: s.workflow.name.clone(),
             status: s.status,
-            elapsed_ms: s.elapsed_ms,
+            elapsed_ms: s.elapsed_now_ms(),
             agents: s.agents,
             done: s.done,
             failed: s.failed,

@@ -10,6 +10,11 @@ pub const MAX_STALL_TIMEOUT_MS: u64 = 7 * 24 * 3600 * 1000;
 pub const MAX_STAGGER_MS: u64 = 3600 * 1000;
 /// Longest CPU slice a script may be given.
 pub const MAX_SCRIPT_CPU_MS: u64 = 3600 * 1000;
+/// Largest script memory limit, in MiB (the script runtime is one thread of the
+/// coordinator; more than this is a typo, not a workflow).
+pub const MAX_SCRIPT_MEMORY_MB: u64 = 16 * 1024;
+/// How long a call waits for a worker that offers its backend, by default.
+pub const DEFAULT_WORKER_WAIT_MS: u64 = 10 * 60 * 1000;
 
 /// How a resumed run reuses the results of its source run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +76,9 @@ pub struct RunSettings {
     pub script_memory_mb: u64,
     /// CPU time the script may use between two awaits, in milliseconds.
     pub script_cpu_ms: u64,
+    /// How long a call waits for an attached worker that offers its backend and model before
+    /// it fails with the reason (no such worker, not merely all busy).
+    pub worker_wait_ms: u64,
 }
 
 impl Default for RunSettings {
@@ -90,6 +98,7 @@ impl Default for RunSettings {
             replay: ReplayMode::Content,
             script_memory_mb: 512,
             script_cpu_ms: 10_000,
+            worker_wait_ms: DEFAULT_WORKER_WAIT_MS,
         }
     }
 }
@@ -125,6 +134,14 @@ impl RunSettings {
         }
         if self.script_memory_mb < 8 {
             return Err("the script memory limit must be at least 8 MiB".into());
+        }
+        if self.script_memory_mb > MAX_SCRIPT_MEMORY_MB {
+            return Err(format!(
+                "the script memory limit must be at most {MAX_SCRIPT_MEMORY_MB} MiB (16 GiB); the script only orchestrates, agents do the work"
+            ));
+        }
+        if self.worker_wait_ms == 0 {
+            return Err("the worker wait must be longer than 0".into());
         }
         if self.script_cpu_ms == 0 {
             return Err("the script CPU limit must be longer than 0".into());

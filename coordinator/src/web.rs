@@ -1095,6 +1095,7 @@ mod tests {
             model: String::new(),
             input_tokens: 0,
             output_tokens: 0,
+            waiting: None,
         }
     }
 

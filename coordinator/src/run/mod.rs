@@ -86,8 +86,22 @@ pub struct Snapshot {
     pub cached: u64,
     pub input_tokens: u64,
     pub output_tokens: u64,
-    /// A usage-limit wait in progress, if any.
+    /// A wait in progress, if any: a usage limit, or agents no attached worker can run.
     pub waiting: Option<String>,
+    /// When the run started here (so `elapsed` keeps growing between snapshots).
+    pub since: Option<Instant>,
+}
+
+impl Snapshot {
+    /// Milliseconds since the run started: growing while it runs, fixed once it ended.
+    pub fn elapsed_now_ms(&self) -> u64 {
+        match (self.since, self.status) {
+            (Some(since), Some(s)) if !s.is_final() => {
+                (since.elapsed().as_millis() as u64).max(self.elapsed_ms)
+            }
+            _ => self.elapsed_ms,
+        }
+    }
 }
 
 /// Progress of one group.
@@ -182,6 +196,8 @@ struct Call {
     live_tokens: u64,
     worker: Option<Arc<str>>,
     result: Option<Value>,
+    /// Why it waits although the run has room: no attached worker offers its backend.
+    waiting_for: Option<String>,
     /// The call's trace span (`agent`), open until the call ends.
     span: tracing::Span,
 }
@@ -216,6 +232,8 @@ pub struct RunEngine {
     /// The money ceiling was crossed.
     money_spent: bool,
     waiting: Option<String>,
+    /// Reasons for waiting already logged (each once).
+    waits_logged: std::collections::HashSet<String>,
     snapshot: watch::Sender<Arc<Snapshot>>,
     dirty: bool,
     transcripts: TranscriptLog,
@@ -297,6 +315,7 @@ impl RunEngine {
             stopping: false,
             money_spent: false,
             waiting: None,
+            waits_logged: std::collections::HashSet::new(),
             snapshot,
             dirty: true,
             transcripts: TranscriptLog::spawn(
@@ -343,6 +362,7 @@ impl RunEngine {
             max_attempts: self.init.settings.attempts,
             stagger: Duration::from_millis(self.init.settings.stagger_ms),
             budget_total: self.init.settings.budget_tokens,
+            worker_wait: Duration::from_millis(self.init.settings.worker_wait_ms),
             shared: self.init.shared.clone(),
             events: call_tx,
         });
@@ -785,6 +805,7 @@ impl RunEngine {
             live_tokens: 0,
             worker: None,
             result: None,
+            waiting_for: None,
         };
         if let Some(record) = cached {
             call.span.record("outcome", "cached");
@@ -1075,6 +1096,23 @@ impl RunEngine {
                     detail: None,
                 });
             }
+            CallEvent::Waiting { call, reason } => {
+                let Some(c) = self.calls.get_mut(call as usize) else {
+                    return;
+                };
+                c.waiting_for.clone_from(&reason);
+                if let Some(reason) = reason
+                    && self.waits_logged.insert(reason.clone())
+                {
+                    let line = format!(
+                        "[wait] agent \"{}\" waits: {reason}; it fails after {} unless such a worker attaches",
+                        c.label,
+                        human(Duration::from_millis(self.init.settings.worker_wait_ms))
+                    );
+                    self.logs.push(line.clone());
+                    self.event(RunEvent::Log { line });
+                }
+            }
             CallEvent::Finished { call, result } => self.on_finished(call, result, now),
         }
     }
@@ -1088,6 +1126,7 @@ impl RunEngine {
             return;
         }
         c.end_ms = Some(now);
+        c.waiting_for = None;
         c.span.record("attempts", c.attempts);
         c.span.record("input_tokens", c.usage.input_tokens);
         c.span.record("output_tokens", c.usage.output_tokens);
@@ -1272,7 +1311,8 @@ impl RunEngine {
             },
             input_tokens: self.usage.input_tokens,
             output_tokens: self.usage.output_tokens,
-            waiting: self.waiting.clone(),
+            waiting: self.waiting.clone().or_else(|| self.no_worker_summary()),
+            since: Some(self.started),
             ..Snapshot::default()
         };
         for c in &self.calls {
@@ -1307,6 +1347,18 @@ impl RunEngine {
         }
         snap.groups = groups;
         let _ = self.snapshot.send(Arc::new(snap));
+    }
+
+    /// What the calls that no attached worker can run wait for, in one line.
+    fn no_worker_summary(&self) -> Option<String> {
+        let mut waiting = self.calls.iter().filter_map(|c| c.waiting_for.as_ref());
+        let first = waiting.next()?;
+        let more = waiting.count();
+        Some(if more == 0 {
+            format!("1 agent waits: {first}")
+        } else {
+            format!("{} agents wait: {first}", more + 1)
+        })
     }
 
     fn report(&self) -> Report {
@@ -1359,6 +1411,7 @@ impl RunEngine {
                 model: c.model.clone(),
                 input_tokens: c.usage.input_tokens,
                 output_tokens: c.usage.output_tokens,
+                waiting: if live { c.waiting_for.clone() } else { None },
             });
         }
         let mut groups: Vec<GroupReport> = self

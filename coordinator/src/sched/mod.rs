@@ -67,12 +67,16 @@ pub const WORKER_LEASE_TTL: Duration = Duration::from_secs(10);
 pub struct DispatchOptions {
     /// TTL of each worker's liveness lease: how long a cut-off worker keeps its attempts.
     pub worker_ttl: Duration,
+    /// The workers are all there is (the embedded mode): a call none of the attached workers
+    /// can run fails at once instead of waiting for one that offers its backend.
+    pub fixed_fleet: bool,
 }
 
 impl Default for DispatchOptions {
     fn default() -> Self {
         DispatchOptions {
             worker_ttl: WORKER_LEASE_TTL,
+            fixed_fleet: false,
         }
     }
 }
@@ -86,6 +90,8 @@ pub struct RunRegistration {
     pub max_attempts: u32,
     pub stagger: Duration,
     pub budget_total: Option<u64>,
+    /// How long a call waits for an attached worker that offers its backend and model.
+    pub worker_wait: Duration,
     /// Spent output tokens (shared with the script's `budget.spent()`).
     pub shared: Arc<ScriptShared>,
     pub events: mpsc::UnboundedSender<CallEvent>,
@@ -174,6 +180,12 @@ pub enum CallEvent {
         retry: Retry,
         /// Attempts counted against the limit so far.
         counted: u32,
+    },
+    /// Why a call waits although the run has room for it (no attached worker offers its
+    /// backend and model); `None` once it no longer waits for that.
+    Waiting {
+        call: u64,
+        reason: Option<String>,
     },
     Finished {
         call: u64,
@@ -434,6 +446,14 @@ impl WorkerState {
     fn ready(&self) -> bool {
         self.tx.is_some() && self.named && self.lease.is_some()
     }
+
+    /// Has the task's backend (and model, when it lists models).
+    fn offers(&self, task: &v1::TaskSpec) -> bool {
+        (self.backends.is_empty() || self.backends.contains(&task.backend))
+            && (self.models.is_empty()
+                || task.model.is_empty()
+                || self.models.contains(&task.model))
+    }
 }
 
 #[derive(Default)]
@@ -455,6 +475,8 @@ enum Timer {
     Lapse(u64, u64),
     /// Held attempts nobody claimed by now are cancelled: (worker, link).
     Orphans(u64, u64),
+    /// A call that no attached worker can run fails if it still cannot by now.
+    NoWorker(Arc<str>, u64),
 }
 
 /// Starts the dispatcher with default options. Worker liveness leases go to `leases`.
@@ -488,6 +510,7 @@ pub fn spawn_with(
         prefixes: HashMap::new(),
         gates: HashMap::new(),
         gated: HashMap::new(),
+        unplaceable: HashMap::new(),
         timers: DelayQueue::new(),
     };
     tokio::spawn(d.run(rx, cancel));
@@ -514,6 +537,9 @@ struct Dispatcher {
     prefixes: HashMap<(Arc<str>, u64), PrefixState>,
     gates: HashMap<String, Instant>,
     gated: HashMap<String, Vec<CallId>>,
+    /// Calls set aside because no attached worker offers their backend and model: since when,
+    /// and why. They go back to their queues whenever a worker becomes ready.
+    unplaceable: HashMap<CallId, (Instant, String)>,
     timers: DelayQueue<Timer>,
 }
 
@@ -1145,6 +1171,22 @@ impl Dispatcher {
             }
             Timer::Gate(gate) => self.release_gate(&gate),
             Timer::Lapse(worker, link) => self.lapse_backstop(worker, link),
+            Timer::NoWorker(run, call) => {
+                let id: CallId = (run, call);
+                let waiting = self.calls.get(&id).is_some_and(|c| {
+                    matches!(c.phase, Phase::Held | Phase::Queued) && c.attempt == 0
+                });
+                if let Some((since, reason)) = self.unplaceable.remove(&id)
+                    && waiting
+                {
+                    let waited = human(since.elapsed());
+                    self.fail(
+                        &id,
+                        CallFailure::Terminal,
+                        format!("{reason}; waited {waited} (--worker-wait) and gave up"),
+                    );
+                }
+            }
             Timer::Orphans(worker, link) => self.drop_orphans(worker, link),
             Timer::Retry(run, call) => {
                 let id: CallId = (run, call);
@@ -1229,11 +1271,96 @@ impl Dispatcher {
             let id: CallId = (run.clone(), call);
             match self.place(&id) {
                 Placement::Dispatched | Placement::Parked | Placement::Gone => {}
+                Placement::Unplaceable => self.set_aside(&id),
                 Placement::NoWorker => {
                     if let Some(r) = self.runs.get_mut(&run) {
                         r.queue.push_front(call);
                     }
                     blocked.insert(run);
+                }
+            }
+        }
+    }
+
+    /// Puts a call no attached worker can run aside, says why once, and starts its wait.
+    fn set_aside(&mut self, id: &CallId) {
+        let Some(r) = self.runs.get(&id.0) else {
+            return;
+        };
+        let wait = r.reg.worker_wait;
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        c.phase = Phase::Held;
+        if self.unplaceable.contains_key(id) {
+            return;
+        }
+        let task = &c.ticket.task;
+        let attached = self.workers.values().filter(|w| w.ready()).count();
+        let reason = if attached == 0 {
+            format!(
+                "no worker is attached to this coordinator (the agent needs backend {:?}{})",
+                task.backend,
+                if task.model.is_empty() {
+                    String::new()
+                } else {
+                    format!(" / model {:?}", task.model)
+                }
+            )
+        } else {
+            let mut offered: Vec<&str> = self
+                .workers
+                .values()
+                .filter(|w| w.ready())
+                .flat_map(|w| w.backends.iter().map(String::as_str))
+                .collect();
+            offered.sort_unstable();
+            offered.dedup();
+            let backend_known = self.workers.values().any(|w| {
+                w.ready() && (w.backends.is_empty() || w.backends.contains(&task.backend))
+            });
+            if backend_known {
+                format!(
+                    "no attached worker offers backend {:?} / model {:?}",
+                    task.backend, task.model
+                )
+            } else {
+                format!(
+                    "no attached worker offers backend {:?} (the {attached} attached offer {}); start a worker with --backend {}",
+                    task.backend,
+                    offered.join(", "),
+                    task.backend
+                )
+            }
+        };
+        if self.opts.fixed_fleet && attached > 0 {
+            self.fail(
+                id,
+                CallFailure::Terminal,
+                format!("{reason}, and no other worker can attach to this process"),
+            );
+            return;
+        }
+        let _ = r.reg.events.send(CallEvent::Waiting {
+            call: id.1,
+            reason: Some(reason.clone()),
+        });
+        self.unplaceable
+            .insert(id.clone(), (Instant::now(), reason));
+        self.timers
+            .insert_at(Timer::NoWorker(id.0.clone(), id.1), Instant::now() + wait);
+    }
+
+    /// A worker became ready: the calls set aside for want of one go back to their queues.
+    fn requeue_unplaceable(&mut self) {
+        let ids: Vec<CallId> = self.unplaceable.keys().cloned().collect();
+        for id in ids {
+            if let Some(c) = self.calls.get_mut(&id)
+                && c.phase == Phase::Held
+            {
+                c.make_ready();
+                if let Some(r) = self.runs.get_mut(&id.0) {
+                    r.queue.push_front(id.1);
                 }
             }
         }
@@ -1309,18 +1436,16 @@ impl Dispatcher {
         let worker = self
             .workers
             .iter()
-            .filter(|(_, w)| {
-                w.ready()
-                    && w.busy < w.slots
-                    && (w.backends.is_empty() || w.backends.contains(&task.backend))
-                    && (w.models.is_empty()
-                        || task.model.is_empty()
-                        || w.models.contains(&task.model))
-            })
+            .filter(|(_, w)| w.ready() && w.busy < w.slots && w.offers(task))
             .max_by_key(|(wid, w)| (w.slots - w.busy, std::cmp::Reverse(**wid)))
             .map(|(wid, _)| *wid);
         let Some(wid) = worker else {
-            return Placement::NoWorker;
+            let capable = self.workers.values().any(|w| w.ready() && w.offers(task));
+            return if capable {
+                Placement::NoWorker
+            } else {
+                Placement::Unplaceable
+            };
         };
         if lead {
             let p = self.prefixes.entry((id.0.clone(), group)).or_default();
@@ -1349,6 +1474,14 @@ impl Dispatcher {
         };
         c.attempt += 1;
         self.assigned += 1;
+        if self.unplaceable.remove(id).is_some()
+            && let Some(r) = self.runs.get(&id.0)
+        {
+            let _ = r.reg.events.send(CallEvent::Waiting {
+                call: id.1,
+                reason: None,
+            });
+        }
         crate::metrics::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
         c.phase = Phase::Running;
         c.worker = Some(wid);
@@ -1421,11 +1554,22 @@ impl Dispatcher {
 
 enum Placement {
     Dispatched,
+    /// No attached worker offers its backend and model at all: it is set aside (the rest
+    /// of the run goes on) until a worker that does becomes ready, or its wait runs out.
+    Unplaceable,
     /// Held, gated or failed: not in the queue any more, nothing to retry now.
     Parked,
     /// No worker can take it now; it goes back to the front.
     NoWorker,
     Gone,
+}
+
+fn human(d: Duration) -> String {
+    if d.as_secs() >= 60 {
+        format!("{}m{}s", d.as_secs() / 60, d.as_secs() % 60)
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
 }
 
 /// The W3C trace context of `span`, for an assignment (empty when nothing is traced).
@@ -1461,13 +1605,23 @@ mod tests {
             slots: u32,
             held: &[&v1::Assignment],
         ) -> FakeWorker {
+            Self::attach_offering(d, name, slots, held, &["echo"])
+        }
+
+        fn attach_offering(
+            d: &DispatchHandle,
+            name: &str,
+            slots: u32,
+            held: &[&v1::Assignment],
+            backends: &[&str],
+        ) -> FakeWorker {
             let (link, end) = link_pair();
             d.attach(end);
             let w = FakeWorker { link };
             w.send(worker_message::Msg::Hello(v1::Hello {
                 protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
                 name: name.into(),
-                backends: vec!["echo".into()],
+                backends: backends.iter().map(|b| (*b).to_owned()).collect(),
                 slots,
                 held: held
                     .iter()
@@ -1554,6 +1708,7 @@ mod tests {
             max_attempts: 3,
             stagger: Duration::ZERO,
             budget_total: None,
+            worker_wait: Duration::from_secs(600),
             shared: Arc::new(ScriptShared::default()),
             events: tx,
         });
@@ -1912,6 +2067,7 @@ mod tests {
             max_attempts: 3,
             stagger: Duration::from_secs(1),
             budget_total: None,
+            worker_wait: Duration::from_secs(600),
             shared: Arc::new(ScriptShared::default()),
             events: tx,
         });
@@ -2090,5 +2246,92 @@ mod tests {
             let a = w.assignment().await;
             w.complete(&a, "more");
         }
+    }
+
+    fn ticket_for(call: u64, backend: &str) -> Ticket {
+        let mut t = ticket(call);
+        t.task.backend = backend.into();
+        t
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_no_worker_can_run_says_why_blocks_nothing_and_fails_after_its_wait() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let mut w = FakeWorker::attach(&d, 2);
+        let (run, mut events) = register(&d, "wf_nobackend", 4, Duration::from_secs(600));
+        d.submit(&run, ticket_for(0, "claude-code"));
+        d.submit(&run, ticket_for(1, "echo"));
+        // The echo call behind it goes out at once.
+        let a = w.assignment().await;
+        assert_eq!(a.call, 1);
+        w.complete(&a, "echoed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut reason = None;
+        while let Ok(ev) = events.try_recv() {
+            if let CallEvent::Waiting { call: 0, reason: r } = ev {
+                reason = r;
+            }
+        }
+        let reason = reason.expect("a reason for the wait");
+        assert!(
+            reason.contains("no attached worker offers backend \"claude-code\"")
+                && reason.contains("echo"),
+            "{reason}"
+        );
+        // Nothing changes until the wait (600 s in `register`) runs out; then it fails.
+        tokio::time::sleep(Duration::from_secs(599)).await;
+        assert!(finished(&mut events).await.is_empty());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        match finished(&mut events).await.as_slice() {
+            [
+                (
+                    0,
+                    CallResult::Failed {
+                        failure: CallFailure::Terminal,
+                        message,
+                    },
+                ),
+            ] => {
+                assert!(
+                    message.contains("claude-code") && message.contains("gave up"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected call 0 to fail, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_set_aside_runs_once_a_worker_that_offers_its_backend_attaches() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let _echo = FakeWorker::attach(&d, 2);
+        let (run, mut events) = register(&d, "wf_later", 4, Duration::from_secs(600));
+        d.submit(&run, ticket_for(0, "claude-code"));
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let mut claude = FakeWorker::attach_offering(&d, "claude-1", 1, &[], &["claude-code"]);
+        let a = claude.assignment().await;
+        assert_eq!(a.call, 0);
+        claude.complete(&a, "done");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut cleared = false;
+        let mut done = 0;
+        while let Ok(ev) = events.try_recv() {
+            match ev {
+                CallEvent::Waiting {
+                    call: 0,
+                    reason: None,
+                } => cleared = true,
+                CallEvent::Finished {
+                    result: CallResult::Completed(_),
+                    ..
+                } => done += 1,
+                _ => {}
+            }
+        }
+        assert!(cleared, "the wait is over once it runs");
+        assert_eq!(done, 1);
+        // Its old wait never fails it afterwards.
+        tokio::time::sleep(Duration::from_secs(900)).await;
+        assert!(finished(&mut events).await.is_empty());
     }
 }

@@ -687,6 +687,8 @@ impl Dispatcher {
         for id in claims {
             self.claim_orphans(&id);
         }
+        // It may offer what calls set aside were waiting for.
+        self.requeue_unplaceable();
     }
 
     pub(super) fn lease_granted(&mut self, name: &Arc<str>, lease: LeaseId, revision: Revision) {

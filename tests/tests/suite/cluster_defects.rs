@@ -235,3 +235,71 @@ fn pushing_a_workflow_is_a_permission_bundled_names_stay_bundled_and_every_push_
     assert!(records[0]["replaced"].is_null());
     assert_eq!(records[1]["replaced"], records[0]["sha256"]);
 }
+
+#[test]
+fn an_agent_no_worker_can_run_says_why_in_status_and_fails_after_its_wait() {
+    use std::time::{Duration, Instant};
+    let c = Cluster::start(1, 2);
+    let run = c.launch(
+        "no-backend",
+        "const r = await agent('needs claude', { label: 'needs-claude' });\nreturn r;",
+        &[
+            "--stagger",
+            "0",
+            "--backend",
+            "claude-code",
+            "--worker-wait",
+            "4s",
+        ],
+    );
+    let status = || {
+        let out = c.client(&["status", &run, "--json"]);
+        assert_eq!(out.code, 0, "{out:?}");
+        out.json()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let first = loop {
+        let s = status();
+        if s["waiting"].is_string() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "status never said why: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let why = first["waiting"].as_str().unwrap();
+    assert!(
+        why.contains("no attached worker offers backend \"claude-code\""),
+        "{why}"
+    );
+    // elapsed_ms keeps growing while nothing else changes.
+    std::thread::sleep(Duration::from_millis(1200));
+    let later = status();
+    assert!(
+        later["elapsed_ms"].as_u64().unwrap() >= first["elapsed_ms"].as_u64().unwrap() + 1000,
+        "{first} then {later}"
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], serde_json::Value::Null);
+    let a = agent(&r, "needs-claude");
+    assert_eq!(a["status"], "failed");
+    let error = a["error"].as_str().unwrap();
+    assert!(
+        error.contains("claude-code") && error.contains("gave up"),
+        "{error}"
+    );
+    assert!(
+        failures(&r)
+            .iter()
+            .any(|f| f.contains("no attached worker offers")),
+        "{r}"
+    );
+    assert!(
+        r["logs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l.as_str().unwrap().starts_with("[wait]")),
+        "{r}"
+    );
+}
