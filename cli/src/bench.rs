@@ -317,6 +317,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         script_path: None,
         parent_run_id: None,
         write_result: false,
+        owners: Vec::new(),
     };
     let handle = run::start(
         init,

@@ -111,6 +111,7 @@ pub async fn run(
     let view = progress::start(mode, handle.snapshot.clone());
     let stopper = handle.stopper();
     let run_id = handle.run_id.clone();
+    let run_for_signal = run_id.clone();
     // With --serve, the session page of this run on loopback (no sign-in: local only).
     let registry = Arc::new(flotilla_coordinator::server::RunRegistry::default());
     let pages = CancellationToken::new();
@@ -135,14 +136,28 @@ pub async fn run(
                 .await;
         }));
     }
+    // SIGINT (Ctrl-C) and SIGTERM (docker stop, systemd, Kubernetes) both stop the run the
+    // same way: its report is stored and it can be resumed. A second one quits at once.
     let interrupts = tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            eprintln!("stopping the run (press Ctrl-C again to quit at once)");
-            let _ = stopper.send(flotilla_coordinator::run::Control::Stop);
-            if tokio::signal::ctrl_c().await.is_ok() {
-                std::process::exit(130);
-            }
+        let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            return;
+        };
+        let first = tokio::select! {
+            r = tokio::signal::ctrl_c() => r.is_ok().then_some(130),
+            r = term.recv() => r.map(|()| 143),
+        };
+        let Some(code) = first else { return };
+        eprintln!(
+            "stopping the run (its report is stored; resume it with --resume {run_for_signal}); signal again to quit at once"
+        );
+        let _ = stopper.send(flotilla_coordinator::run::Control::Stop);
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
         }
+        std::process::exit(code);
     });
     let report = if let Some(handle) = handle {
         handle.wait().await

@@ -210,6 +210,61 @@ impl Coordinator {
         })
     }
 
+    /// Takes the new run `run`, and the run it resumes, for this process (W52). With etcd the
+    /// fleet's ownership keys do it ([`crate::leader::Leadership::claim_resume`]); otherwise
+    /// owner records in the store ([`crate::owner`]), so two processes sharing a store never
+    /// drive one run or resume one run twice at once.
+    async fn take_owners(
+        &self,
+        run: &str,
+        parent: Option<&str>,
+        workflow: &WorkflowInfo,
+    ) -> Result<Vec<crate::owner::Held>, Rejected> {
+        let refused = |message: String, kind: ErrorKind| Rejected {
+            message,
+            kind,
+            workflow: workflow.clone(),
+        };
+        if let Some(l) = self.leadership.get() {
+            if let Some(parent) = parent {
+                l.claim_resume(parent, run)
+                    .await
+                    .map_err(|m| refused(m, ErrorKind::Conflict))?;
+            }
+            return Ok(Vec::new());
+        }
+        let mut held = Vec::new();
+        // A run that is not stored has nothing to hold (the resume is refused next).
+        let stored = match parent {
+            Some(p) => self
+                .store
+                .get(&keys::manifest(p))
+                .await
+                .map_err(|e| refused(e.to_string(), e.kind()))?
+                .is_some(),
+            None => false,
+        };
+        if let Some(parent) = parent.filter(|_| stored) {
+            match crate::owner::take(&self.store, parent, run).await {
+                Ok(h) => held.push(h),
+                Err(crate::owner::TakeError::Held(m)) => {
+                    return Err(refused(m, ErrorKind::Conflict));
+                }
+                Err(e) => return Err(refused(e.to_string(), ErrorKind::Unavailable)),
+            }
+        }
+        match crate::owner::take(&self.store, run, run).await {
+            Ok(h) => held.push(h),
+            Err(e) => {
+                for h in held {
+                    h.release().await;
+                }
+                return Err(refused(e.to_string(), ErrorKind::Unavailable));
+            }
+        }
+        Ok(held)
+    }
+
     /// Stops the dispatcher and every worker link.
     pub fn shutdown(&self) {
         self.cancel.cancel();
@@ -240,28 +295,41 @@ impl Coordinator {
                 Rejected::invalid(format!("args cannot be encoded: {e}"), workflow.clone())
             })?),
         };
-        let resume = match &req.resume_from {
-            None => None,
+        let run_id = new_run_id();
+        // W52: one process drives a run, and a run is resumed by one run at a time.
+        let owners = self
+            .take_owners(&run_id, req.resume_from.as_deref(), &workflow)
+            .await?;
+        let loaded = match &req.resume_from {
+            None => Ok(None),
             Some(parent) => match ResumeSource::load(&self.store, parent).await {
-                Ok((_, src)) => Some(src),
+                Ok((_, src)) => Ok(Some(src)),
                 Err(e @ (ResumeError::NoSuchRun { .. } | ResumeError::NoResults { .. })) => {
-                    return Err(Rejected {
+                    Err(Rejected {
                         message: e.to_string(),
                         kind: ErrorKind::NotFound,
-                        workflow,
-                    });
+                        workflow: workflow.clone(),
+                    })
                 }
-                Err(ResumeError::Store(e)) => {
-                    return Err(Rejected {
-                        message: format!("cannot read the run to resume: {e}"),
-                        kind: e.kind(),
-                        workflow,
-                    });
-                }
+                Err(ResumeError::Store(e)) => Err(Rejected {
+                    message: format!("cannot read the run to resume: {e}"),
+                    kind: e.kind(),
+                    workflow: workflow.clone(),
+                }),
             },
         };
-
-        let run_id = new_run_id();
+        let resume = match loaded {
+            Ok(r) => r,
+            Err(e) => {
+                for h in owners {
+                    h.release().await;
+                }
+                if let (Some(l), Some(parent)) = (self.leadership.get(), &req.resume_from) {
+                    l.release_resume(parent, &run_id).await;
+                }
+                return Err(e);
+            }
+        };
         let manifest = Manifest {
             run_id: run_id.clone(),
             workflow: workflow.clone(),
@@ -274,42 +342,56 @@ impl Coordinator {
             generation: self.generation,
             flotilla_version: env!("CARGO_PKG_VERSION").into(),
         };
-        let store_err = |e: crate::store::Error| Rejected {
-            message: format!("cannot store the run: {e}"),
-            kind: e.kind(),
-            workflow: workflow.clone(),
-        };
-        self.store
-            .put_create(&keys::script(&run_id), Bytes::from(req.source.clone()))
-            .await
-            .map_err(store_err)?;
-        let manifest_body = serde_json::to_vec_pretty(&manifest).map_err(|e| {
-            Rejected::invalid(format!("cannot encode the manifest: {e}"), workflow.clone())
-        })?;
-        self.store
-            .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
-            .await
-            .map_err(store_err)?;
-        if let Some(carried) = req.resolver.carried()
-            && (!carried.workflows.is_empty() || !carried.agent_types.is_empty())
-        {
-            let body = serde_json::to_vec(&carried).map_err(|e| {
-                Rejected::invalid(
-                    format!("cannot encode the carried workflows: {e}"),
-                    workflow.clone(),
-                )
-            })?;
+        let stored = async {
+            let store_err = |e: crate::store::Error| Rejected {
+                message: format!("cannot store the run: {e}"),
+                kind: e.kind(),
+                workflow: workflow.clone(),
+            };
             self.store
-                .put_create(&keys::carried(&run_id), Bytes::from(body))
+                .put_create(&keys::script(&run_id), Bytes::from(req.source.clone()))
                 .await
                 .map_err(store_err)?;
-        }
-        if let Some(l) = self.leadership.get() {
-            l.own(&run_id).await.map_err(|message| Rejected {
-                message,
-                kind: ErrorKind::Unavailable,
-                workflow: workflow.clone(),
+            let manifest_body = serde_json::to_vec_pretty(&manifest).map_err(|e| {
+                Rejected::invalid(format!("cannot encode the manifest: {e}"), workflow.clone())
             })?;
+            self.store
+                .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
+                .await
+                .map_err(store_err)?;
+            if let Some(carried) = req.resolver.carried()
+                && (!carried.workflows.is_empty() || !carried.agent_types.is_empty())
+            {
+                let body = serde_json::to_vec(&carried).map_err(|e| {
+                    Rejected::invalid(
+                        format!("cannot encode the carried workflows: {e}"),
+                        workflow.clone(),
+                    )
+                })?;
+                self.store
+                    .put_create(&keys::carried(&run_id), Bytes::from(body))
+                    .await
+                    .map_err(store_err)?;
+            }
+            if let Some(l) = self.leadership.get() {
+                l.own(&run_id).await.map_err(|message| Rejected {
+                    message,
+                    kind: ErrorKind::Unavailable,
+                    workflow: workflow.clone(),
+                })?;
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = stored {
+            // Nothing runs: let go of what was taken, so the run can be resumed.
+            for h in owners {
+                h.release().await;
+            }
+            if let (Some(l), Some(parent)) = (self.leadership.get(), &req.resume_from) {
+                l.release_resume(parent, &run_id).await;
+            }
+            return Err(e);
         }
 
         let phases = prepared
@@ -330,6 +412,7 @@ impl Coordinator {
             resolver: req.resolver,
             resume,
             parent_run_id: req.resume_from,
+            owners,
         })
     }
 
@@ -384,6 +467,12 @@ impl Coordinator {
             .await
             .map_err(|e| unavailable("the segments", e))?
             .max(manifest.generation + 1);
+        // A resume keeps its claim on the run it resumes across the failover.
+        if let (Some(l), Some(parent)) = (self.leadership.get(), &manifest.parent_run_id)
+            && let Err(e) = l.claim_resume(parent, run_id).await
+        {
+            tracing::warn!(run = run_id, parent = %parent, error = %e, "an adopted resume could not claim the run it resumes");
+        }
         let mut settings = manifest.settings.clone();
         settings.replay = crate::settings::ReplayMode::Content;
         let phases = prepared
@@ -409,6 +498,7 @@ impl Coordinator {
             resolver: Arc::new(self.load_carried(run_id).await.unwrap_or_default()),
             resume,
             parent_run_id: manifest.parent_run_id.clone(),
+            owners: Vec::new(),
         })
     }
 
@@ -446,6 +536,7 @@ impl Coordinator {
             script_path,
             parent_run_id: s.parent_run_id,
             write_result: true,
+            owners: s.owners,
         };
         Ok(run::start(
             init,
@@ -469,6 +560,7 @@ struct StartEngine {
     resolver: Arc<dyn WorkflowResolver>,
     resume: Option<ResumeSource>,
     parent_run_id: Option<String>,
+    owners: Vec<crate::owner::Held>,
 }
 
 /// A new run id: `wf_` + 8 hex + `-` + 3 hex, like Claude Code's (W45).

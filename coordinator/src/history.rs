@@ -68,7 +68,20 @@ pub async fn load_report(store: &Store, run: &str) -> Result<Report, Error> {
             reason: e.to_string(),
         });
     }
-    rebuild(store, &m).await
+    let mut report = rebuild(store, &m).await?;
+    // No report was stored: a run still marked running whose driver is gone never ends.
+    if !report.status.is_final()
+        && let Some((_, _, live)) = crate::owner::current(store, run).await?
+        && live != crate::owner::Liveness::Live
+    {
+        report.status = RunStatus::Interrupted;
+        report.error.get_or_insert_with(|| {
+            format!(
+                "the process that ran it is gone and it never finished; `flotilla run SCRIPT --resume {run}` (or `flotilla resume {run}` on a fleet) goes on from its completed calls"
+            )
+        });
+    }
+    Ok(report)
 }
 
 async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {

@@ -31,6 +31,8 @@ pub struct Leadership {
     advertise: String,
     leading: AtomicBool,
     leader: watch::Sender<Option<String>>,
+    /// Runs this coordinator started as resumes: run → the run it resumes.
+    resumes: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 impl std::fmt::Debug for Leadership {
@@ -64,6 +66,7 @@ impl Leadership {
             advertise,
             leading: AtomicBool::new(false),
             leader,
+            resumes: std::sync::Mutex::default(),
         });
         tokio::spawn(keep_alive(me.clone(), ttl, lost.clone()));
         tokio::spawn(campaign(me.clone(), coordinator, registry, ttl, lost));
@@ -111,8 +114,73 @@ impl Leadership {
         }
     }
 
+    /// W52: `run` resumes `parent`. Refused while `parent` is live on the fleet (its
+    /// coordinator runs it, or will adopt it) or another run resumes it; the claim lives under
+    /// this coordinator's lease until `run`'s report is stored.
+    pub async fn claim_resume(&self, parent: &str, run: &str) -> Result<(), String> {
+        let etcd = |e: lease::Error| format!("cannot check run {parent} in etcd: {e}");
+        if self
+            .leases
+            .get(&lease::keys::run_live(parent))
+            .await
+            .map_err(etcd)?
+            .is_some()
+        {
+            return Err(format!(
+                "run {parent} is still live on the fleet (its coordinator runs it, or will adopt it); stop it with `flotilla stop {parent}` and wait for its report, then resume"
+            ));
+        }
+        let key = lease::keys::run_resumer(parent);
+        match self
+            .leases
+            .campaign(&key, run.as_bytes().to_vec(), self.lease)
+            .await
+            .map_err(etcd)?
+        {
+            Some(_) => {
+                self.lock_resumes()
+                    .insert(run.to_owned(), parent.to_owned());
+                Ok(())
+            }
+            None => {
+                let by = self
+                    .leases
+                    .get(&key)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+                    .unwrap_or_else(|| "another run".into());
+                Err(format!(
+                    "run {parent} is being resumed already, by run {by}; wait for it to end (`flotilla wait {by}`) or stop it, or resume {by} instead"
+                ))
+            }
+        }
+    }
+
+    /// Lets go of `run`'s claim on `parent` (it never started, or it ended).
+    pub async fn release_resume(&self, parent: &str, run: &str) {
+        self.lock_resumes().remove(run);
+        let key = lease::keys::run_resumer(parent);
+        if let Ok(Some(kv)) = self.leases.get(&key).await
+            && kv.value == run.as_bytes()
+        {
+            let _ = self.leases.delete(&key).await;
+        }
+    }
+
+    fn lock_resumes(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, String>> {
+        self.resumes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// The run's report is stored: it needs no owner any more.
     pub async fn release(&self, run: &str) {
+        let parent = self.lock_resumes().get(run).cloned();
+        if let Some(parent) = parent {
+            self.release_resume(&parent, run).await;
+        }
         for key in [lease::keys::run_live(run), lease::keys::run_owner(run)] {
             let mut backoff = Duration::from_millis(100);
             for _ in 0..20 {

@@ -17,6 +17,7 @@ pub mod leader;
 pub mod lease;
 pub mod listen;
 pub mod metrics;
+pub mod owner;
 pub mod report;
 pub mod run;
 pub mod saved;

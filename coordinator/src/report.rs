@@ -20,6 +20,9 @@ pub enum RunStatus {
     Stopped,
     /// The launch was refused (syntax or `meta` error, bad args, nothing to resume).
     Rejected,
+    /// It never ended: the process that drove it is gone (killed, or its machine lost) and
+    /// nothing holds it any more. `resume` goes on from its completed calls.
+    Interrupted,
 }
 
 impl RunStatus {
@@ -32,6 +35,7 @@ impl RunStatus {
             RunStatus::Failed => "failed",
             RunStatus::Stopped => "stopped",
             RunStatus::Rejected => "rejected",
+            RunStatus::Interrupted => "interrupted",
         }
     }
 

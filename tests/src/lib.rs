@@ -124,6 +124,12 @@ impl Env {
 
     /// Like [`Env::flotilla`], with extra environment variables.
     pub fn flotilla_with_env(&self, args: &[&str], vars: &[(&str, &str)]) -> Output {
+        run_with_timeout(self.command(args, vars), COMMAND_TIMEOUT)
+    }
+
+    /// The `flotilla` command [`Env::flotilla_with_env`] runs, to start in the background
+    /// (its output goes where the caller says; the caller kills it).
+    pub fn command(&self, args: &[&str], vars: &[(&str, &str)]) -> Command {
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
             .current_dir(self.path())
@@ -137,7 +143,7 @@ impl Env {
             .env_remove("FLOTILLA_CONFIG");
         // The caller's variables win over the defaults above.
         cmd.envs(vars.iter().copied());
-        run_with_timeout(cmd, COMMAND_TIMEOUT)
+        cmd
     }
 
     /// `flotilla run SCRIPT --json` plus `extra`, returning exit code and report.

@@ -181,6 +181,10 @@ pub mod keys {
         format!("/flotilla/runs/{run}/live")
     }
     pub const RUNS: &str = "/flotilla/runs/";
+    /// The run resuming this one, under its owner's lease (one resume at a time, W52).
+    pub fn run_resumer(run: &str) -> String {
+        format!("/flotilla/runs/{run}/resumer")
+    }
     /// The leading coordinator's address, under its lease.
     pub const LEADER: &str = "/flotilla/leader";
 }

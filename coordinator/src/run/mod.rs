@@ -166,6 +166,9 @@ pub struct EngineInit {
     pub parent_run_id: Option<String>,
     /// Write `result.json` at the end (off for benchmarks).
     pub write_result: bool,
+    /// Owner records this run holds (itself, and the run it resumes), let go once its report
+    /// is stored.
+    pub owners: Vec<crate::owner::Held>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1281,6 +1284,9 @@ impl RunEngine {
                 Err(e) => tracing::error!(error = %e, "cannot encode the run report"),
             }
         }
+        for held in std::mem::take(&mut self.init.owners) {
+            held.release().await;
+        }
         self.publish();
         report
     }
@@ -1532,6 +1538,7 @@ mod tests {
             script_path: None,
             parent_run_id: None,
             write_result: true,
+            owners: Vec::new(),
         };
         let handle = start(
             init,

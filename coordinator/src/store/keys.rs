@@ -7,6 +7,7 @@
 //! runs/{run}/events/{gen}-{seq}.jsonl      run events, batched
 //! runs/{run}/transcripts/{gen}-{seq}.jsonl   transcript events of many attempts, batched
 //! runs/{run}/result.json                   the final report
+//! runs/{run}/owner/{seq}.json              who drives the run (create-only; see `owner`)
 //! payloads/{sha256}                        large results, stored once by content hash
 //! workflows/{name}.js                      workflows saved on the server
 //! ```
@@ -69,6 +70,20 @@ pub fn result(run: &str) -> Path {
 
 pub fn payload(sha256_hex: &str) -> Path {
     Path::from(format!("payloads/{sha256_hex}"))
+}
+
+pub fn owner_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/owner"))
+}
+
+/// The `seq`th owner record of a run (see `owner`), zero-padded so listing order is order.
+pub fn owner(run: &str, seq: u64) -> Path {
+    Path::from(format!("runs/{run}/owner/{seq:06}.json"))
+}
+
+/// The heartbeat of the holder of owner record `seq`.
+pub fn owner_beat(run: &str, seq: u64) -> Path {
+    Path::from(format!("runs/{run}/owner/{seq:06}.beat"))
 }
 
 pub fn saved_workflows() -> Path {

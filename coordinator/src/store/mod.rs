@@ -238,6 +238,40 @@ impl Store {
         }
     }
 
+    /// Writes an object that must not exist yet, and says whether this call created it:
+    /// `false` when another writer's object is there (a claim lost to someone else). A retry
+    /// that finds its own earlier write (same bytes) counts as created.
+    pub async fn put_create_exclusive(&self, key: &Path, body: Bytes) -> Result<bool, Error> {
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        let mut attempt = 0;
+        loop {
+            match self
+                .inner
+                .put_opts(key, PutPayload::from(body.clone()), opts.clone())
+                .await
+            {
+                Ok(_) => return Ok(true),
+                Err(object_store::Error::AlreadyExists { .. }) => {
+                    let there = self.get(key).await?;
+                    return Ok(there.as_ref() == Some(&body) && attempt > 0);
+                }
+                Err(e) if transient(&e) && attempt < 5 => {
+                    backoff(attempt).await;
+                    attempt += 1;
+                }
+                Err(source) => {
+                    return Err(Error::Storage {
+                        key: key.to_string(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
     /// Writes (or replaces) an object.
     pub async fn put_overwrite(&self, key: &Path, body: Bytes) -> Result<(), Error> {
         let timed = std::time::Instant::now();

@@ -303,3 +303,53 @@ fn an_agent_no_worker_can_run_says_why_in_status_and_fails_after_its_wait() {
         "{r}"
     );
 }
+
+#[test]
+fn on_the_fleet_a_run_is_resumed_by_one_run_at_a_time_and_not_while_it_is_live() {
+    let etcd = flotilla_tests::services::Etcd::start();
+    let c = Cluster::start_with(1, 4, Some(etcd.endpoint()));
+    let body = "return (await parallel(Array.from({ length: 3 }, (_, i) => () => agent('item ' + i + ' [[sleep:1500]]')))).length;";
+    let parent = c.launch("resumed", body, &["--stagger", "0"]);
+    // Live: not resumed.
+    let script = c.path().join("resumed.js");
+    let out = c.client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--resume",
+        &parent,
+        "--json",
+    ]);
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("still"), "{out:?}");
+    let (code, r) = c.wait(&parent);
+    assert_eq!(code, 0, "{r}");
+    // An edited script whose new calls take a while: the first resume runs, a second one at
+    // the same time is refused and names the first.
+    let edited = c.path().join("edited.js");
+    std::fs::write(
+        &edited,
+        format!(
+            "export const meta = {{ name: 'resumed', description: 'cluster test' }};\n{}\nawait agent('new [[sleep:2000]]');",
+            body.replace("return ", "const n = ")
+        ),
+    )
+    .unwrap();
+    let e = edited.to_str().unwrap();
+    let out = c.client(&["launch", e, "--resume", &parent, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let first = out.json()["run_id"].as_str().unwrap().to_owned();
+    let out = c.client(&["launch", e, "--resume", &parent, "--json"]);
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr.contains("being resumed already") && out.stderr.contains(&first),
+        "{out:?}"
+    );
+    let (code, r) = c.wait(&first);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["usage"]["cached"], 3, "{r}");
+    // Once that one ended, the run can be resumed again.
+    let out = c.client(&["launch", e, "--resume", &parent, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let (code, _) = c.wait(out.json()["run_id"].as_str().unwrap());
+    assert_eq!(code, 0);
+}

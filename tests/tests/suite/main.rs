@@ -12,6 +12,7 @@ mod cli;
 mod cluster;
 mod cluster_defects;
 mod combinators;
+mod defects;
 mod exec;
 mod limits;
 mod openai;

@@ -1,0 +1,249 @@
+//! Defects found by trying the landed build as a new user and a hostile one would (issue
+//! 11), in the embedded mode: each test here failed before its fix. The fleet ones are in
+//! `cluster_defects`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use flotilla_tests::{Env, agents, usage};
+use serde_json::Value;
+
+/// Polls `ok` until it holds, failing the test after `within`.
+fn wait_until<T>(what: &str, within: Duration, mut ok: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = ok() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs in the store, by id.
+fn stored_runs(env: &Env) -> Vec<String> {
+    let mut runs: Vec<String> = std::fs::read_dir(env.path().join("store/runs"))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    runs.sort();
+    runs
+}
+
+/// Owner records of a run (see `coordinator/src/owner.rs`).
+fn owner_records(env: &Env, run: &str) -> Vec<Value> {
+    let dir = env.path().join("store/runs").join(run).join("owner");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    files.retain(|f| f.extension().is_some_and(|e| e == "json"));
+    files.sort();
+    files
+        .iter()
+        .filter_map(|f| serde_json::from_slice(&std::fs::read(f).ok()?).ok())
+        .collect()
+}
+
+/// `flotilla run` in the background, its stderr in `log`.
+fn spawn_run(env: &Env, args: &[&str], log: &Path) -> Child {
+    let err = std::fs::File::create(log).unwrap();
+    env.command(args, &[])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a child to exit, killing it (and failing) after `within`.
+fn exit_of(mut child: Child, within: Duration) -> i32 {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s.code().unwrap_or(-1);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the run did not exit within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+const SLOW: &str = "return (await parallel(Array.from({ length: 4 }, (_, i) => () => agent('slow ' + i + ' [[sleep:4000]]')))).length;";
+
+#[test]
+fn a_run_is_not_resumed_while_its_process_lives_and_a_dead_one_shows_interrupted() {
+    let env = Env::new();
+    let script = env.script("quick-then-slow", &format!("await agent('quick');\n{SLOW}"));
+    let s = script.to_str().unwrap();
+    let first = spawn_run(
+        &env,
+        &["run", s, "--stagger", "0"],
+        &env.path().join("a.log"),
+    );
+    let run = wait_until(
+        "the run to take its owner record",
+        Duration::from_secs(30),
+        || {
+            stored_runs(&env)
+                .into_iter()
+                .find(|r| !owner_records(&env, r).is_empty())
+        },
+    );
+    wait_until(
+        "the quick agent to be journaled",
+        Duration::from_secs(30),
+        || {
+            std::fs::read_dir(env.path().join("store/runs").join(&run).join("calls"))
+                .ok()
+                .and_then(|mut d| d.next())
+                .map(|_| ())
+        },
+    );
+    // Its process is alive: a resume is refused, naming it.
+    let out = env.flotilla(&["run", s, "--resume", &run, "--json"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    let r = out.json();
+    assert!(
+        r["error"].as_str().unwrap().contains("still running"),
+        "{r}"
+    );
+    // Killed with -9 it never stores a report; `show` and `runs` say interrupted, not running.
+    let pid = first.id();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(exit_of(first, Duration::from_secs(10)), -1);
+    let shown = env.flotilla(&["show", &run, "--json"]);
+    assert_eq!(shown.json()["status"], "interrupted", "{shown:?}");
+    let listed = env.flotilla(&["runs", "--json"]);
+    let row = listed
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["run_id"] == run.as_str())
+        .cloned()
+        .unwrap();
+    assert_eq!(row["status"], "interrupted", "{row}");
+    // Now it resumes.
+    let (code, r) = env.run(&script, &["--resume", &run, "--stagger", "0"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 4);
+    assert_eq!(usage(&r, "cached"), 1);
+}
+
+#[test]
+fn two_resumes_of_one_run_at_once_are_one_resume() {
+    let env = Env::new();
+    let quick = env.script(
+        "stages",
+        "return (await parallel(Array.from({ length: 3 }, (_, i) => () => agent('item ' + i)))).length;",
+    );
+    let (code, r) = env.run(&quick, &["--stagger", "0"]);
+    assert_eq!(code, 0, "{r}");
+    let parent = r["run_id"].as_str().unwrap().to_owned();
+    // An edited script: the old calls come from the journal, the new ones take a while.
+    let edited = env.script(
+        "stages2",
+        "const a = await parallel(Array.from({ length: 3 }, (_, i) => () => agent('item ' + i)));\n\
+         const b = await parallel(Array.from({ length: 3 }, (_, i) => () => agent('new ' + i + ' [[sleep:3000]]')));\n\
+         return a.length + b.length;",
+    );
+    let e = edited.to_str().unwrap();
+    let first = spawn_run(
+        &env,
+        &["run", e, "--resume", &parent, "--stagger", "0", "--json"],
+        &env.path().join("first.log"),
+    );
+    wait_until(
+        "the first resume to claim the run",
+        Duration::from_secs(30),
+        || {
+            let records = owner_records(&env, &parent);
+            let last = records.last()?;
+            (last["holder"] != parent.as_str() && last["released"] == false).then_some(())
+        },
+    );
+    let second = env.flotilla(&["run", e, "--resume", &parent, "--json", "--stagger", "0"]);
+    assert_eq!(second.code, 2, "{second:?}");
+    let refused = second.json();
+    assert!(
+        refused["error"]
+            .as_str()
+            .unwrap()
+            .contains("is being resumed already"),
+        "{refused}"
+    );
+    assert_eq!(exit_of(first, Duration::from_secs(60)), 0);
+    // One resume ran: the new agents ran once, in one run.
+    let runs = stored_runs(&env);
+    assert_eq!(
+        runs.len(),
+        2,
+        "only the parent and one resume are stored: {runs:?}"
+    );
+    let child = runs.iter().find(|r| **r != parent).unwrap();
+    let shown = env.flotilla(&["show", child, "--json"]).json();
+    assert_eq!(shown["result"], 6, "{shown}");
+    assert_eq!(usage(&shown, "cached"), 3);
+    assert_eq!(usage(&shown, "dispatched"), 3);
+    assert_eq!(agents(&shown).len(), 6);
+    // Once it ended, the parent can be resumed again.
+    let (code, again) = env.run(&edited, &["--resume", &parent, "--stagger", "0"]);
+    assert_eq!(code, 0, "{again}");
+}
+
+#[test]
+fn sigterm_stops_an_embedded_run_like_ctrl_c_and_its_report_is_stored() {
+    let env = Env::new();
+    let script = env.script("slow", SLOW);
+    let child = spawn_run(
+        &env,
+        &["run", script.to_str().unwrap(), "--stagger", "0", "--json"],
+        &env.path().join("term.log"),
+    );
+    let run = wait_until("the run to start", Duration::from_secs(30), || {
+        stored_runs(&env)
+            .into_iter()
+            .find(|r| !owner_records(&env, r).is_empty())
+    });
+    // Wait for its agents to be running, then SIGTERM it (as docker stop does).
+    wait_until("agents to run", Duration::from_secs(30), || {
+        std::fs::read_dir(env.path().join("store/runs").join(&run).join("events"))
+            .ok()
+            .and_then(|mut d| d.next())
+            .map(|_| ())
+    });
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(exit_of(child, Duration::from_secs(30)), 1);
+    assert!(
+        env.path()
+            .join("store/runs")
+            .join(&run)
+            .join("result.json")
+            .exists(),
+        "the report was stored"
+    );
+    let shown = env.flotilla(&["show", &run, "--json"]).json();
+    assert_eq!(shown["status"], "stopped", "{shown}");
+    let records = owner_records(&env, &run);
+    assert_eq!(records.last().unwrap()["released"], true, "{records:?}");
+}
