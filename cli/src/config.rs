@@ -226,7 +226,9 @@ pub fn default_store() -> String {
 pub fn store_url(flag: Option<String>) -> String {
     match flag {
         None => default_store(),
-        Some(s) if s.contains("://") => s,
+        // `file:`, `s3:bucket`: a URL with its slashes missing, not a directory name; the
+        // store refuses it and says what a store URL looks like.
+        Some(s) if s.contains("://") || looks_like_a_scheme(&s) => s,
         Some(path) => {
             let p = PathBuf::from(&path);
             let abs = if p.is_absolute() {
@@ -236,6 +238,22 @@ pub fn store_url(flag: Option<String>) -> String {
             };
             format!("file://{}", abs.display())
         }
+    }
+}
+
+fn looks_like_a_scheme(s: &str) -> bool {
+    match s.split_once(':') {
+        Some((scheme, _)) => {
+            !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '+')
+                && scheme
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphabetic())
+        }
+        None => false,
     }
 }
 

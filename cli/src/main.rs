@@ -265,7 +265,13 @@ async fn run(args: RunArgs) -> i32 {
     let report = match embedded::run(resolved, progress::Mode::pick(bars, lines), args.serve).await
     {
         Ok(r) => r,
-        Err(e) => return fail(1, format!("{e:#}")),
+        Err(e) => {
+            // A store that cannot be used as given is a refused request (exit 2).
+            let code = e
+                .downcast_ref::<flotilla_coordinator::store::Error>()
+                .map_or(1, |s| s.kind().exit_code());
+            return fail(code, format!("{e:#}"));
+        }
     };
     print_report(&report, json)
 }

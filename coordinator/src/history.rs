@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus};
-use crate::store::journal::{read_calls, read_events};
+use crate::store::journal::{read_calls, read_calls_checked, read_events};
 use crate::store::records::{Manifest, RunEvent};
 use crate::store::{Error, Store, keys};
 
@@ -62,13 +62,19 @@ pub async fn list_runs(store: &Store) -> Result<Vec<RunSummary>, Error> {
 /// The report of a stored run.
 pub async fn load_report(store: &Store, run: &str) -> Result<Report, Error> {
     let m = manifest(store, run).await?;
+    let mut notes = Vec::new();
     if let Some(body) = store.get(&keys::result(run)).await? {
-        return serde_json::from_slice(&body).map_err(|e| Error::Corrupt {
-            key: keys::result(run).to_string(),
-            reason: e.to_string(),
-        });
+        match serde_json::from_slice(&body) {
+            Ok(r) => return Ok(r),
+            // A damaged report hides nothing: the events and the journal say the same.
+            Err(e) => notes.push(format!(
+                "[history] {} is unreadable ({e}); this report was rebuilt from the run's events and journal",
+                keys::result(run)
+            )),
+        }
     }
     let mut report = rebuild(store, &m).await?;
+    report.logs.splice(0..0, notes);
     // No report was stored: a run still marked running whose driver is gone never ends.
     if !report.status.is_final()
         && let Some((_, _, live)) = crate::owner::current(store, run).await?
@@ -87,11 +93,16 @@ pub async fn load_report(store: &Store, run: &str) -> Result<Report, Error> {
 async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
     let run = &m.run_id;
     let events = read_events(store, run).await?;
-    let calls = read_calls(store, run).await?;
+    let read = read_calls_checked(store, run).await?;
+    let skipped = read.summary();
+    let calls = read.calls;
     let mut status = RunStatus::Running;
     let mut error = None;
     let mut groups: Vec<String> = Vec::new();
-    let mut logs = Vec::new();
+    let mut logs: Vec<String> = skipped
+        .map(|s| format!("[history] {s}"))
+        .into_iter()
+        .collect();
     let mut failures = Vec::new();
     let mut agents: BTreeMap<u64, AgentReport> = BTreeMap::new();
     for e in &events {

@@ -235,6 +235,8 @@ pub struct RunEngine {
     /// The money ceiling was crossed.
     money_spent: bool,
     waiting: Option<String>,
+    /// Storage writes were failing when the snapshot was last published.
+    storage_failing: bool,
     /// Reasons for waiting already logged (each once).
     waits_logged: std::collections::HashSet<String>,
     snapshot: watch::Sender<Arc<Snapshot>>,
@@ -319,6 +321,7 @@ impl RunEngine {
             money_spent: false,
             waiting: None,
             waits_logged: std::collections::HashSet::new(),
+            storage_failing: false,
             snapshot,
             dirty: true,
             transcripts: TranscriptLog::spawn(
@@ -376,6 +379,16 @@ impl RunEngine {
         for g in self.groups.clone() {
             self.event(RunEvent::Group { title: g });
         }
+        let warnings = self
+            .init
+            .resume
+            .as_ref()
+            .map(|r| r.warnings.clone())
+            .unwrap_or_default();
+        for line in warnings {
+            self.logs.push(line.clone());
+            self.event(RunEvent::Log { line });
+        }
 
         let mut tick = tokio::time::interval(SNAPSHOT_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -418,6 +431,12 @@ impl RunEngine {
                     None => control_open = false,
                 },
                 _ = tick.tick() => {
+                    // A storage outage shows in the status while it lasts (and once it ends).
+                    let failing = self.init.store.health.problem().is_some();
+                    if failing || failing != self.storage_failing {
+                        self.storage_failing = failing;
+                        self.dirty = true;
+                    }
                     if stop_deadline.is_some_and(|d| Instant::now() >= d) {
                         break ScriptEnd::Failed(script::ScriptFailure {
                             kind: script::FailureKind::Stopped,
@@ -1317,7 +1336,13 @@ impl RunEngine {
             },
             input_tokens: self.usage.input_tokens,
             output_tokens: self.usage.output_tokens,
-            waiting: self.waiting.clone().or_else(|| self.no_worker_summary()),
+            waiting: self
+                .init
+                .store
+                .health
+                .problem()
+                .or_else(|| self.waiting.clone())
+                .or_else(|| self.no_worker_summary()),
             since: Some(self.started),
             ..Snapshot::default()
         };
@@ -1487,6 +1512,7 @@ mod tests {
             url: "memory://".into(),
             inner: faulty.clone(),
             local_root: None,
+            health: Arc::default(),
         };
         let dispatch = crate::sched::spawn(MemoryLeaseStore::new(), CancellationToken::new());
         let workspace = tempfile::tempdir().unwrap();
@@ -1611,6 +1637,19 @@ mod tests {
                 .await
                 .is_err()
         );
+        // The user sees the outage in the run's status while it lasts.
+        let mut snap = handle.snapshot.clone();
+        let seen = tokio::time::timeout(
+            Duration::from_secs(10),
+            snap.wait_for(|s| {
+                s.waiting
+                    .as_deref()
+                    .is_some_and(|w| w.contains("storage writes failing"))
+            }),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok());
+        assert!(seen, "the status never said storage was failing");
         h.faulty.release();
         let mut got = Vec::new();
         while got.len() < 5 {
@@ -1635,5 +1674,44 @@ mod tests {
             vec![0, 1, 2, 3, 4],
             "each call journaled exactly once"
         );
+    }
+
+    #[tokio::test]
+    async fn a_full_disk_fails_the_run_at_once_with_the_fix_and_keeps_what_was_stored() {
+        let h = harness();
+        let run = "wf_full-001";
+        let (ops, mut replies, handle) = engine(&h, run);
+        ops.send(agent_op(1, "stored first")).unwrap();
+        match tokio::time::timeout(Duration::from_secs(10), replies.recv()).await {
+            Ok(Some(HostReply::Agent {
+                id: 1,
+                result: Ok(_),
+            })) => {}
+            other => panic!("{other:?}"),
+        }
+        // ENOSPC from the file system: not retried for ten minutes, the run stops now.
+        h.faulty
+            .fail_writes_with_os_error(&format!("runs/{run}/calls/"), 28);
+        ops.send(agent_op(2, "never stored")).unwrap();
+        // The script is told to stop (it never sees the result that was not stored).
+        match tokio::time::timeout(Duration::from_secs(20), replies.recv()).await {
+            Ok(Some(HostReply::Stop)) => {}
+            other => panic!("expected the script to be stopped, got {other:?}"),
+        }
+        ops.send(ScriptOp::Finished(ScriptEnd::Returned(None)))
+            .unwrap();
+        let report = tokio::time::timeout(Duration::from_secs(20), handle.wait())
+            .await
+            .expect("the run ends instead of retrying");
+        assert_eq!(report.status, RunStatus::Failed);
+        let error = report.error.unwrap();
+        assert!(error.contains("no space left"), "{error}");
+        assert!(error.contains("resume"), "{error}");
+        h.faulty.release();
+        let stored = crate::store::journal::read_calls(&h.store, run)
+            .await
+            .unwrap();
+        assert_eq!(stored.len(), 1, "what was stored before stays");
+        assert_eq!(stored[0].index, 0);
     }
 }

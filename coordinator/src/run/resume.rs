@@ -11,6 +11,8 @@ pub struct ResumeSource {
     pub run_id: String,
     by_key: HashMap<String, CallRecord>,
     by_index: HashMap<u64, CallRecord>,
+    /// What could not be read back (those calls run again), for the run's log.
+    pub warnings: Vec<String>,
 }
 
 /// Why a run cannot be resumed.
@@ -18,8 +20,8 @@ pub struct ResumeSource {
 pub enum ResumeError {
     #[error("nothing to resume: no run {run} in {store}")]
     NoSuchRun { run: String, store: String },
-    #[error("nothing to resume: run {run} has no completed agent results")]
-    NoResults { run: String },
+    #[error("nothing to resume: run {run} has no completed agent results{why}")]
+    NoResults { run: String, why: String },
     #[error(transparent)]
     Store(#[from] store::Error),
 }
@@ -47,13 +49,18 @@ impl ResumeSource {
                 key: keys::manifest(run).to_string(),
                 reason: e.to_string(),
             })?;
-        let records = journal::read_calls(store, run).await?;
-        if records.is_empty() {
+        let read = journal::read_calls_checked(store, run).await?;
+        let warning = read.summary();
+        if read.calls.is_empty() {
             return Err(ResumeError::NoResults {
                 run: run.to_owned(),
+                why: warning.map(|w| format!(" ({w})")).unwrap_or_default(),
             });
         }
-        Ok((manifest, ResumeSource::from_records(run, records)))
+        let mut src = ResumeSource::from_records(run, read.calls);
+        src.warnings
+            .extend(warning.map(|w| format!("[resume] {w}")));
+        Ok((manifest, src))
     }
 
     pub fn from_records(run: &str, records: Vec<CallRecord>) -> ResumeSource {
@@ -67,6 +74,7 @@ impl ResumeSource {
             run_id: run.to_owned(),
             by_key,
             by_index,
+            warnings: Vec::new(),
         }
     }
 

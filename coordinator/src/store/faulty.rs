@@ -18,6 +18,9 @@ use tokio::sync::watch;
 struct Faults {
     hold_prefix: Option<String>,
     fail_prefix: Option<String>,
+    /// With `fail_prefix`: fail as the local file system does with this OS error (ENOSPC,
+    /// EACCES, ...) instead of a transient outage.
+    os_error: Option<i32>,
 }
 
 /// Wraps a store; writes under a prefix can be held or failed.
@@ -60,6 +63,15 @@ impl FaultyStore {
             .send_modify(|f| f.fail_prefix = Some(prefix.to_owned()));
     }
 
+    /// Writes under `prefix` fail as a local file system fails with OS error `errno` (28 is a
+    /// full disk, 13 no permission) until [`FaultyStore::release`].
+    pub fn fail_writes_with_os_error(&self, prefix: &str, errno: i32) {
+        self.faults.send_modify(|f| {
+            f.fail_prefix = Some(prefix.to_owned());
+            f.os_error = Some(errno);
+        });
+    }
+
     /// Ends every fault; held writes go through.
     pub fn release(&self) {
         self.faults.send_modify(|f| *f = Faults::default());
@@ -88,7 +100,10 @@ impl FaultyStore {
                 }
                 return Err(object_store::Error::Generic {
                     store: "faulty",
-                    source: "injected outage".into(),
+                    source: match f.os_error {
+                        Some(errno) => Box::new(std::io::Error::from_raw_os_error(errno)),
+                        None => "injected outage".into(),
+                    },
                 });
             }
             if !f.hold_prefix.as_deref().is_some_and(|p| key.starts_with(p)) {

@@ -155,43 +155,101 @@ pub async fn next_generation(store: &Store, run: &str) -> Result<u64, super::Err
     Ok(max + 1)
 }
 
-/// Reads every completed call of a run, resolving payload references.
-pub async fn read_calls(store: &Store, run: &str) -> Result<Vec<CallRecord>, super::Error> {
-    let mut out = Vec::new();
+/// A stored object, or part of one, that could not be read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreadable {
+    pub key: String,
+    /// Records (lines) of it that were skipped.
+    pub records: usize,
+    pub reason: String,
+}
+
+/// The completed calls of a run as read back, and what could not be read.
+#[derive(Debug, Clone, Default)]
+pub struct CallsRead {
+    pub calls: Vec<CallRecord>,
+    pub unreadable: Vec<Unreadable>,
+}
+
+impl CallsRead {
+    /// One line for the user when something was skipped: which files, how many records.
+    pub fn summary(&self) -> Option<String> {
+        if self.unreadable.is_empty() {
+            return None;
+        }
+        let records: usize = self.unreadable.iter().map(|u| u.records).sum();
+        let files: Vec<String> = self
+            .unreadable
+            .iter()
+            .map(|u| format!("{} ({})", u.key, u.reason))
+            .collect();
+        Some(format!(
+            "skipped {records} unreadable journal record(s) in {}: those calls run again",
+            files.join(", ")
+        ))
+    }
+}
+
+/// Reads every completed call of a run, resolving payload references. A line that does not
+/// parse (a truncated or corrupt segment) or whose payload is missing is skipped and listed
+/// in `unreadable`, so one damaged object costs only its own calls, never the run.
+pub async fn read_calls_checked(store: &Store, run: &str) -> Result<CallsRead, super::Error> {
+    let mut out = CallsRead::default();
     for key in store.list_objects(&keys::calls_dir(run)).await? {
         let Some(bytes) = store.get(&key).await? else {
             continue;
         };
+        let mut bad = 0usize;
+        let mut reason = String::new();
         for (n, line) in bytes.split(|b| *b == b'\n').enumerate() {
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            let mut record: CallRecord =
-                serde_json::from_slice(line).map_err(|e| super::Error::Corrupt {
-                    key: format!("{key} line {}", n + 1),
-                    reason: e.to_string(),
-                })?;
+            let mut record: CallRecord = match serde_json::from_slice(line) {
+                Ok(r) => r,
+                Err(e) => {
+                    bad += 1;
+                    if reason.is_empty() {
+                        reason = format!("line {}: {e}", n + 1);
+                    }
+                    continue;
+                }
+            };
             if let (None, Some(sha)) = (&record.result, &record.payload) {
                 let pkey = keys::payload(sha);
-                let body = store
-                    .get(&pkey)
-                    .await?
-                    .ok_or_else(|| super::Error::Corrupt {
-                        key: pkey.to_string(),
-                        reason: "payload referenced by a call record is missing".into(),
-                    })?;
-                record.result =
-                    Some(
-                        serde_json::from_slice(&body).map_err(|e| super::Error::Corrupt {
-                            key: pkey.to_string(),
-                            reason: e.to_string(),
-                        })?,
-                    );
+                let value = match store.get(&pkey).await? {
+                    Some(body) => serde_json::from_slice(&body).ok(),
+                    None => None,
+                };
+                match value {
+                    Some(v) => record.result = Some(v),
+                    None => {
+                        bad += 1;
+                        if reason.is_empty() {
+                            reason =
+                                format!("line {}: its payload {pkey} is missing or corrupt", n + 1);
+                        }
+                        continue;
+                    }
+                }
             }
-            out.push(record);
+            out.calls.push(record);
+        }
+        if bad > 0 {
+            tracing::warn!(%key, records = bad, reason = %reason, "skipped unreadable journal records");
+            out.unreadable.push(Unreadable {
+                key: key.to_string(),
+                records: bad,
+                reason,
+            });
         }
     }
     Ok(out)
+}
+
+/// [`read_calls_checked`] without the list of what was skipped.
+pub async fn read_calls(store: &Store, run: &str) -> Result<Vec<CallRecord>, super::Error> {
+    Ok(read_calls_checked(store, run).await?.calls)
 }
 
 /// Handle of a background writer that takes items through a channel: pushing never waits,

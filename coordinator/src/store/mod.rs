@@ -31,6 +31,68 @@ pub struct Store {
     pub inner: Arc<dyn ObjectStore>,
     /// Local directory behind a `file://` store (used to show file paths to users).
     pub local_root: Option<std::path::PathBuf>,
+    /// Whether writes are failing right now (shared by every clone).
+    pub health: Arc<Health>,
+}
+
+/// Writes that keep failing with transient errors: since when and why. They are retried
+/// (nothing is lost), and the user is told: a log line at most once a minute, and in the
+/// run's status.
+#[derive(Debug, Default)]
+pub struct Health {
+    failing: std::sync::Mutex<Option<(std::time::Instant, String)>>,
+}
+
+impl Health {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(std::time::Instant, String)>> {
+        self.failing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn failed(&self, url: &str, key: &Path, e: &object_store::Error) {
+        let mut f = self.lock();
+        let now = std::time::Instant::now();
+        let (since, last_said) = match f.as_ref() {
+            Some((since, _)) => (*since, LAST_SAID.load(std::sync::atomic::Ordering::Relaxed)),
+            None => (now, 0),
+        };
+        *f = Some((since, e.to_string()));
+        drop(f);
+        let now_s = unix_secs();
+        if now_s.saturating_sub(last_said) >= 60 {
+            LAST_SAID.store(now_s, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(store = url, %key, error = %e, failing_for = ?since.elapsed(),
+                "storage writes are failing; retrying (results wait until the store answers; nothing is lost)");
+        }
+    }
+
+    fn answered(&self, url: &str) {
+        let mut f = self.lock();
+        if let Some((since, _)) = f.take() {
+            tracing::warn!(store = url, after = ?since.elapsed(), "the store answers again");
+            LAST_SAID.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// What is wrong right now, for a status line.
+    pub fn problem(&self) -> Option<String> {
+        self.lock().as_ref().map(|(since, e)| {
+            format!(
+                "storage writes failing for {}s, retrying: {e}",
+                since.elapsed().as_secs()
+            )
+        })
+    }
+}
+
+/// When a storage warning was last logged (seconds since the epoch; one line a minute).
+static LAST_SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl std::fmt::Debug for Store {
@@ -46,6 +108,12 @@ pub enum Error {
         "unsupported store URL {url:?}: use file:///absolute/path, s3://bucket/prefix or memory://"
     )]
     BadUrl { url: String },
+    #[error("cannot use store {url}: {why}; {fix}")]
+    Unusable {
+        url: String,
+        why: String,
+        fix: &'static str,
+    },
     #[error("cannot open store {url}: {source}")]
     Open {
         url: String,
@@ -60,16 +128,26 @@ pub enum Error {
     },
     #[error("stored object {key} is corrupt: {reason}")]
     Corrupt { key: String, reason: String },
+    /// A write the store refuses for good (no permission, no space, a path that is a file, a
+    /// missing bucket): retrying cannot help, so it is not retried.
+    #[error("cannot write {key}: {problem} ({source}); {fix}")]
+    Refused {
+        key: String,
+        problem: &'static str,
+        fix: &'static str,
+        source: object_store::Error,
+    },
 }
 
 impl Error {
     pub fn kind(&self) -> flotilla_proto::ErrorKind {
         use flotilla_proto::ErrorKind;
         match self {
-            Error::BadUrl { .. } => ErrorKind::Invalid,
+            Error::BadUrl { .. } | Error::Unusable { .. } => ErrorKind::Invalid,
             Error::NotFound { .. } => ErrorKind::NotFound,
             Error::Open { .. } | Error::Storage { .. } => ErrorKind::Unavailable,
             Error::Corrupt { .. } => ErrorKind::Internal,
+            Error::Refused { .. } => ErrorKind::Invalid,
         }
     }
 }
@@ -81,15 +159,32 @@ pub fn open(url: &str) -> Result<Store, Error> {
             url: "memory://".into(),
             inner: Arc::new(InMemory::new()),
             local_root: None,
+            health: Arc::default(),
         });
     }
     if let Some(path) = url.strip_prefix("file://") {
         if !path.starts_with('/') {
             return Err(Error::BadUrl { url: url.into() });
         }
-        std::fs::create_dir_all(path).map_err(|e| Error::Open {
+        if std::path::Path::new(path).is_file() {
+            return Err(Error::Unusable {
+                url: url.into(),
+                why: format!("{path} is a file, not a directory"),
+                fix: "pass --store file:///a/directory (it is created if missing)",
+            });
+        }
+        std::fs::create_dir_all(path).map_err(|e| Error::Unusable {
             url: url.into(),
-            source: Box::new(e),
+            why: format!("cannot create the store directory {path}: {e}"),
+            fix: match e.kind() {
+                std::io::ErrorKind::PermissionDenied => {
+                    "pick a directory this user may write, e.g. --store file://$HOME/flotilla"
+                }
+                std::io::ErrorKind::NotADirectory | std::io::ErrorKind::AlreadyExists => {
+                    "a part of that path is a file; pass --store file:///a/directory"
+                }
+                _ => "pass --store file:///another/directory",
+            },
         })?;
         let fs = object_store::local::LocalFileSystem::new_with_prefix(path).map_err(|e| {
             Error::Open {
@@ -101,6 +196,7 @@ pub fn open(url: &str) -> Result<Store, Error> {
             url: url.into(),
             inner: Arc::new(fs),
             local_root: Some(path.into()),
+            health: Arc::default(),
         });
     }
     if let Some(rest) = url.strip_prefix("s3://") {
@@ -158,6 +254,7 @@ fn open_s3(url: &str, rest: &str) -> Result<Store, Error> {
         url: url.into(),
         inner,
         local_root: None,
+        health: Arc::default(),
     })
 }
 
@@ -179,7 +276,99 @@ impl Store {
 /// How long transient storage errors are retried before a write gives up.
 pub const RETRY_FOR: Duration = Duration::from_secs(600);
 
+/// A storage error that retrying cannot fix: what is wrong, and what to do.
+fn permanent(e: &object_store::Error) -> Option<(&'static str, &'static str)> {
+    use std::io::ErrorKind as K;
+    match e {
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => {
+            return Some((
+                "the store refuses this identity",
+                "check the store's credentials and permissions",
+            ));
+        }
+        object_store::Error::NotSupported { .. } | object_store::Error::NotImplemented { .. } => {
+            return Some(("the store does not support this write", "use another store"));
+        }
+        _ => {}
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            let found = match (io.kind(), io.raw_os_error()) {
+                (K::PermissionDenied, _) | (_, Some(1 | 13)) => Some((
+                    "permission denied",
+                    "make the store directory writable by this user, or pass --store file:///a/writable/dir",
+                )),
+                (K::StorageFull | K::QuotaExceeded, _) | (_, Some(28 | 122)) => Some((
+                    "no space left on the store's disk",
+                    "free some space (nothing stored is lost), then resume the run",
+                )),
+                (K::ReadOnlyFilesystem, _) | (_, Some(30)) => Some((
+                    "the store's file system is read-only",
+                    "pass --store file:///a/writable/dir",
+                )),
+                // Creating a parent directory where a file is (the object store reports
+                // a file in the way of the object itself as `AlreadyExists`, not this).
+                (K::NotADirectory | K::AlreadyExists, _) | (_, Some(17 | 20)) => Some((
+                    "a part of the store path is a file, not a directory",
+                    "pass --store file:///a/directory",
+                )),
+                (K::IsADirectory, _) | (_, Some(21)) => Some((
+                    "a directory is in the way of a stored object",
+                    "remove it from the store directory",
+                )),
+                (K::FileTooLarge, _) | (_, Some(27)) => Some((
+                    "the object is larger than the file system allows",
+                    "use a store on another file system",
+                )),
+                _ => None,
+            };
+            if found.is_some() {
+                return found;
+            }
+        }
+        source = err.source();
+    }
+    let text = e.to_string();
+    if text.contains("NoSuchBucket") || text.contains("specified bucket does not exist") {
+        return Some((
+            "the bucket does not exist",
+            "create it, or fix the bucket in --store s3://BUCKET/prefix",
+        ));
+    }
+    if text.contains("AccessDenied")
+        || text.contains("InvalidAccessKeyId")
+        || text.contains("SignatureDoesNotMatch")
+    {
+        return Some((
+            "the store refuses these credentials",
+            "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy",
+        ));
+    }
+    None
+}
+
+/// The error of a write that gave up on `key`.
+fn write_error(key: &Path, source: object_store::Error) -> Error {
+    match permanent(&source) {
+        Some((problem, fix)) => Error::Refused {
+            key: key.to_string(),
+            problem,
+            fix,
+            source,
+        },
+        None => Error::Storage {
+            key: key.to_string(),
+            source,
+        },
+    }
+}
+
 fn transient(e: &object_store::Error) -> bool {
+    if permanent(e).is_some() {
+        return false;
+    }
     !matches!(
         e,
         object_store::Error::NotFound { .. }
@@ -221,19 +410,17 @@ impl Store {
                 .put_opts(key, PutPayload::from(body.clone()), opts)
                 .await
             {
-                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => return Ok(()),
+                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
+                    self.health.answered(&self.url);
+                    return Ok(());
+                }
                 Err(e) if transient(&e) && started.elapsed() < RETRY_FOR => {
                     crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
-                    tracing::warn!(%key, error = %e, attempt, "storage write failed; retrying");
+                    self.health.failed(&self.url, key, &e);
                     backoff(attempt).await;
                     attempt += 1;
                 }
-                Err(source) => {
-                    return Err(Error::Storage {
-                        key: key.to_string(),
-                        source,
-                    });
-                }
+                Err(source) => return Err(write_error(key, source)),
             }
         }
     }
@@ -262,12 +449,7 @@ impl Store {
                     backoff(attempt).await;
                     attempt += 1;
                 }
-                Err(source) => {
-                    return Err(Error::Storage {
-                        key: key.to_string(),
-                        source,
-                    });
-                }
+                Err(source) => return Err(write_error(key, source)),
             }
         }
     }
@@ -285,19 +467,17 @@ impl Store {
         let mut attempt = 0;
         loop {
             match self.inner.put(key, PutPayload::from(body.clone())).await {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    self.health.answered(&self.url);
+                    return Ok(());
+                }
                 Err(e) if transient(&e) && started.elapsed() < RETRY_FOR => {
                     crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
-                    tracing::warn!(%key, error = %e, attempt, "storage write failed; retrying");
+                    self.health.failed(&self.url, key, &e);
                     backoff(attempt).await;
                     attempt += 1;
                 }
-                Err(source) => {
-                    return Err(Error::Storage {
-                        key: key.to_string(),
-                        source,
-                    });
-                }
+                Err(source) => return Err(write_error(key, source)),
             }
         }
     }

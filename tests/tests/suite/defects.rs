@@ -247,3 +247,102 @@ fn sigterm_stops_an_embedded_run_like_ctrl_c_and_its_report_is_stored() {
     let records = owner_records(&env, &run);
     assert_eq!(records.last().unwrap()["released"], true, "{records:?}");
 }
+
+#[test]
+fn a_store_that_cannot_be_written_for_good_stops_the_run_at_once_and_resume_works_once_fixed() {
+    let env = Env::new();
+    // `payloads/` (where results over 256 KiB go) is a file: every such write fails the
+    // same way, so retrying for ten minutes would only hide it.
+    std::fs::create_dir_all(env.path().join("store")).unwrap();
+    std::fs::write(env.path().join("store/payloads"), "in the way").unwrap();
+    let script = env.script(
+        "big-result",
+        "const small = await agent('small');\nconst big = await agent('x'.repeat(300 * 1024));\nreturn [small, big.length];",
+    );
+    let started = Instant::now();
+    let (code, r) = env.run(&script, &["--stagger", "0"]);
+    assert_eq!(code, 1, "{r}");
+    assert!(started.elapsed() < Duration::from_secs(60), "it retried");
+    assert_eq!(r["status"], "failed", "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(
+        error.contains("is a file, not a directory") && error.contains("payloads"),
+        "{error}"
+    );
+    let run = r["run_id"].as_str().unwrap().to_owned();
+    // Fixed: the resume serves what was stored and runs the rest.
+    std::fs::remove_file(env.path().join("store/payloads")).unwrap();
+    let (code, r) = env.run(&script, &["--stagger", "0", "--resume", &run]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], serde_json::json!(["small", 300 * 1024]));
+    assert_eq!(usage(&r, "cached"), 1);
+}
+
+#[test]
+fn store_urls_and_paths_that_cannot_work_say_why() {
+    let env = Env::new();
+    let script = env.script("t", "return 1;");
+    let s = script.to_str().unwrap();
+    // `file:` without its slashes is a mistyped URL, not a directory named "file:".
+    let out = env.flotilla(&["run", s, "--store", "file:"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("file:///absolute/path"), "{out:?}");
+    assert!(!env.path().join("file:").exists());
+    // A store path that is a file.
+    std::fs::write(env.path().join("plain-file"), "x").unwrap();
+    let url = format!("file://{}", env.path().join("plain-file").display());
+    let out = env.flotilla(&["run", s, "--store", &url]);
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("is a file, not a directory"), "{out:?}");
+    assert_eq!(out.stderr.matches("File exists").count(), 0, "{out:?}");
+}
+
+#[test]
+fn a_corrupt_segment_costs_only_its_calls_and_a_corrupt_report_is_rebuilt() {
+    let env = Env::new();
+    let script = env.script(
+        "three",
+        "const a = await agent('a');\nconst b = await agent('b');\nconst c = await agent('c');\nreturn [a, b, c];",
+    );
+    let (code, r) = env.run(&script, &["--stagger", "0"]);
+    assert_eq!(code, 0, "{r}");
+    let run = r["run_id"].as_str().unwrap().to_owned();
+    let dir = env.path().join("store/runs").join(&run);
+    let mut segments: Vec<PathBuf> = std::fs::read_dir(dir.join("calls"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    segments.sort();
+    assert_eq!(segments.len(), 3, "one segment per awaited call");
+    // Truncate the middle one mid-line, and damage the report.
+    let body = std::fs::read(&segments[1]).unwrap();
+    std::fs::write(&segments[1], &body[..body.len() / 2]).unwrap();
+    std::fs::write(dir.join("result.json"), "{\"run_id\": \"trunc").unwrap();
+    let shown = env.flotilla(&["show", &run, "--json"]);
+    assert_eq!(shown.code, 0, "{shown:?}");
+    let shown = shown.json();
+    assert_eq!(shown["status"], "completed", "{shown}");
+    let logs = shown["logs"].to_string();
+    assert!(logs.contains("result.json is unreadable"), "{logs}");
+    assert!(
+        logs.contains("skipped 1 unreadable journal record"),
+        "{logs}"
+    );
+    assert_eq!(agents(&shown).len(), 3);
+    // The resume serves the two readable calls and runs the damaged one again.
+    let (code, r) = env.run(&script, &["--stagger", "0", "--resume", &run]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], serde_json::json!(["a", "b", "c"]));
+    assert_eq!(usage(&r, "cached"), 2);
+    assert_eq!(usage(&r, "dispatched"), 1);
+    let logs = r["logs"].to_string();
+    let name = segments[1]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        logs.contains("[resume] skipped 1") && logs.contains(&name),
+        "{logs}"
+    );
+}
