@@ -135,7 +135,7 @@ pub enum Error {
         key: String,
         problem: &'static str,
         fix: &'static str,
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 }
 
@@ -356,7 +356,7 @@ fn write_error(key: &Path, source: object_store::Error) -> Error {
             key: key.to_string(),
             problem,
             fix,
-            source,
+            source: Box::new(source),
         },
         None => Error::Storage {
             key: key.to_string(),
