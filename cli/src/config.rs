@@ -209,8 +209,11 @@ fn read_config(path: Option<&Path>) -> Result<ConfigFile, String> {
     let Some(path) = path else {
         return Ok(ConfigFile::default());
     };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+    let text = flotilla_coordinator::limits::read_file(
+        path,
+        flotilla_coordinator::limits::SMALL_FILE_BYTES,
+        "config file",
+    )?;
     toml::from_str(&text).map_err(|e| format!("config file {} is invalid: {e}", path.display()))
 }
 
@@ -461,8 +464,11 @@ pub fn resolve_run_with(
                 format!("--args is not valid JSON ({e}); pass e.g. --args '{{\"dir\":\"src\"}}'")
             })?),
             (None, Some(path)) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read --args-file {}: {e}", path.display()))?;
+                let text = flotilla_coordinator::limits::read_file(
+                    path,
+                    flotilla_coordinator::limits::ARGS_BYTES,
+                    "--args-file",
+                )?;
                 Some(serde_json::from_str(&text).map_err(|e| {
                     format!("--args-file {} is not valid JSON: {e}", path.display())
                 })?)
@@ -480,8 +486,11 @@ pub fn resolve_run_with(
         path.exists() || args.script.ends_with(".js") || (args.script.contains('/') && !slash_name);
     let saved_name = (!by_path).then(|| args.script.trim_start_matches('/').to_owned());
     let (source, origin) = if by_path {
-        let source = std::fs::read_to_string(&path)
-            .map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
+        let source = flotilla_coordinator::limits::read_file(
+            &path,
+            flotilla_coordinator::limits::SCRIPT_BYTES,
+            "script",
+        )?;
         (source, path.display().to_string())
     } else {
         // A saved workflow's name: project and personal first, then the coordinator's,

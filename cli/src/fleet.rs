@@ -752,7 +752,12 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         .into_iter()
         .filter_map(|(path, meta)| {
             let meta = meta.ok()?;
-            let source = std::fs::read_to_string(&path).ok()?;
+            let source = flotilla_coordinator::limits::read_file(
+                &path,
+                flotilla_coordinator::limits::SCRIPT_BYTES,
+                "workflow",
+            )
+            .ok()?;
             Some(v1::SavedWorkflow {
                 name: meta.name,
                 source,
@@ -1069,9 +1074,13 @@ pub async fn resume(a: ResumeArgs) -> i32 {
     }
     let script = match &a.script {
         None => String::new(),
-        Some(p) => match std::fs::read_to_string(p) {
+        Some(p) => match flotilla_coordinator::limits::read_file(
+            p,
+            flotilla_coordinator::limits::SCRIPT_BYTES,
+            "script",
+        ) {
             Ok(s) => s,
-            Err(e) => return fail(2, format!("cannot read {}: {e}", p.display())),
+            Err(e) => return fail(2, e),
         },
     };
     if let Some(args) = &a.args

@@ -243,9 +243,13 @@ async fn show(a: ShowArgs) -> i32 {
     };
     let text = match &e.source {
         Some(s) => s.clone(),
-        None => match std::fs::read_to_string(&e.location) {
+        None => match flotilla_coordinator::limits::read_file(
+            std::path::Path::new(&e.location),
+            flotilla_coordinator::limits::SCRIPT_BYTES,
+            "workflow",
+        ) {
             Ok(s) => s,
-            Err(err) => return fail(1, format!("cannot read {}: {err}", e.location)),
+            Err(err) => return fail(1, err),
         },
     };
     eprintln!("# {} ({})", e.location, e.origin);
@@ -279,9 +283,13 @@ fn project_target(cwd: &Path) -> PathBuf {
 }
 
 fn save(a: SaveArgs) -> i32 {
-    let text = match std::fs::read_to_string(&a.file) {
+    let text = match flotilla_coordinator::limits::read_file(
+        &a.file,
+        flotilla_coordinator::limits::SCRIPT_BYTES,
+        "workflow",
+    ) {
         Ok(t) => t,
-        Err(e) => return fail(2, format!("cannot read {}: {e}", a.file.display())),
+        Err(e) => return fail(2, e),
     };
     let meta = match source::read_meta(&text) {
         Ok(m) => m,
@@ -353,9 +361,13 @@ fn save(a: SaveArgs) -> i32 {
 }
 
 async fn push(a: PushArgs) -> i32 {
-    let text = match std::fs::read_to_string(&a.file) {
+    let text = match flotilla_coordinator::limits::read_file(
+        &a.file,
+        flotilla_coordinator::limits::SCRIPT_BYTES,
+        "workflow",
+    ) {
         Ok(t) => t,
-        Err(e) => return fail(2, format!("cannot read {}: {e}", a.file.display())),
+        Err(e) => return fail(2, e),
     };
     let mut client = match a.remote.client() {
         Ok(c) => c,

@@ -15,6 +15,7 @@ pub mod coordinator;
 pub mod history;
 pub mod leader;
 pub mod lease;
+pub mod limits;
 pub mod listen;
 pub mod metrics;
 pub mod owner;

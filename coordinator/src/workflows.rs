@@ -291,8 +291,7 @@ impl DirResolver {
                 .collect();
             files.sort();
             for f in files {
-                let meta = std::fs::read_to_string(&f)
-                    .map_err(|e| format!("cannot read: {e}"))
+                let meta = crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
                     .and_then(|s| source::read_meta(&s).map_err(|e| e.to_string()));
                 out.push((f, meta));
             }
@@ -338,7 +337,9 @@ pub fn personal_homes() -> (Option<PathBuf>, Option<PathBuf>) {
 /// Reads a Markdown agent definition: `name:`, `description:`, `model:` and `tools:` of its
 /// front matter (the name falls back to the file stem), and the body as its system prompt.
 fn agent_definition(path: &Path) -> Option<AgentType> {
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = crate::limits::read_file(path, crate::limits::SMALL_FILE_BYTES, "agent definition")
+        .map_err(|e| tracing::warn!("{e}"))
+        .ok()?;
     let mut t = AgentType::builtin("");
     let mut name = None;
     let mut body = text.as_str();
@@ -417,8 +418,11 @@ impl WorkflowResolver for DirResolver {
         match reference {
             WorkflowRef::Path(p) => {
                 let path = absolute(&self.cwd, Path::new(p));
-                let source = std::fs::read_to_string(&path)
-                    .map_err(|e| format!("cannot read workflow script {}: {e}", path.display()))?;
+                let source = crate::limits::read_file(
+                    &path,
+                    crate::limits::SCRIPT_BYTES,
+                    "workflow script",
+                )?;
                 let meta = source::read_meta(&source)
                     .map_err(|e| format!("workflow script {}: {e}", path.display()))?;
                 Ok(FoundWorkflow {
@@ -450,8 +454,7 @@ impl WorkflowResolver for DirResolver {
 }
 
 fn read_found(path: &Path, name: String) -> Result<FoundWorkflow, String> {
-    let source = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read workflow script {}: {e}", path.display()))?;
+    let source = crate::limits::read_file(path, crate::limits::SCRIPT_BYTES, "workflow script")?;
     Ok(FoundWorkflow {
         name,
         source,

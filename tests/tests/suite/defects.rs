@@ -346,3 +346,63 @@ fn a_corrupt_segment_costs_only_its_calls_and_a_corrupt_report_is_rebuilt() {
         "{logs}"
     );
 }
+
+#[test]
+fn every_read_from_outside_has_a_limit_that_the_error_names() {
+    let env = Env::new();
+    let script = env.script("t", "return args;");
+    let s = script.to_str().unwrap();
+    let out = env.flotilla(&["run", "/dev/zero"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("/dev/zero is a device"), "{out:?}");
+    let out = env.flotilla(&["run", s, "--args-file", "/dev/zero"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("is a device"), "{out:?}");
+    let big = env.path().join("big.json");
+    std::fs::write(&big, format!("\"{}\"", "a".repeat(17 << 20))).unwrap();
+    let out = env.flotilla(&["run", s, "--args-file", big.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(
+        out.stderr.contains("larger than the limit of 16 MiB"),
+        "{out:?}"
+    );
+    let huge_script = env.file(
+        "huge.js",
+        &format!(
+            "export const meta = {{ name: 'h', description: 'd' }};\n//{}\n",
+            "x".repeat(3 << 20)
+        ),
+    );
+    let out = env.flotilla(&["run", huge_script.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(
+        out.stderr.contains("larger than the limit of 2 MiB"),
+        "{out:?}"
+    );
+    // A script cannot make the host read a device either.
+    let (code, r) = env.run_body(
+        "try { await workflow({ scriptPath: '/dev/zero' }); return 'read it'; } catch (e) { return e.message; }",
+        &[],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert!(r["result"].as_str().unwrap().contains("is a device"), "{r}");
+}
+
+#[test]
+fn an_exec_agent_that_floods_stdout_is_stopped_at_the_limit() {
+    let env = Env::new();
+    let (code, r) = env.run_body(
+        "const r = await agent('flood', { label: 'flood' });\nreturn r;",
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "head -c 200000000 /dev/zero",
+        ],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], Value::Null);
+    let a = flotilla_tests::agent(&r, "flood");
+    let error = a["error"].as_str().unwrap();
+    assert!(error.contains("more than 64 MiB to stdout"), "{error}");
+}

@@ -158,6 +158,7 @@ impl Anthropic {
             })?;
             let Some(chunk) = chunk else { break };
             buf.push_str(&String::from_utf8_lossy(&chunk));
+            super::http::check_event_size("anthropic", buf.len())?;
             while let Some(end) = buf.find("\n\n") {
                 let frame: String = buf.drain(..end + 2).collect();
                 let data: String = frame

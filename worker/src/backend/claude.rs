@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use flotilla_proto::v1::{self, FailureKind, ProgressKind};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::AsyncWriteExt;
+
+use super::lines::{self, BoundedLines};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
@@ -375,10 +377,10 @@ impl AgentBackend for ClaudeCode {
             .take()
             .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stderr pipe"))?;
         let stderr_task = tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
+            let mut lines = BoundedLines::new(stderr, lines::STDERR_LINE_BYTES);
             let mut tail: Vec<String> = Vec::new();
             while let Ok(Some(line)) = lines.next_line().await {
-                tail.push(line);
+                tail.push(line.text);
                 if tail.len() > 20 {
                     tail.remove(0);
                 }
@@ -404,7 +406,7 @@ impl AgentBackend for ClaudeCode {
             .cloned()
             .collect();
         let mut seen = Seen::default();
-        let mut lines = BufReader::new(stdout).lines();
+        let mut lines = BoundedLines::new(stdout, lines::JSON_LINE_BYTES);
         loop {
             let next = tokio::select! {
                 _ = cancel.cancelled() => {
@@ -416,6 +418,11 @@ impl AgentBackend for ClaudeCode {
                 next = lines.next_line() => next,
             };
             let Ok(Some(line)) = next else { break };
+            if line.cut {
+                events.transcript(json!({"type": "stderr",
+                    "text": format!("flotilla: a line of claude's output was longer than {} MiB and was cut", lines::JSON_LINE_BYTES >> 20)}));
+            }
+            let line = line.text;
             let Ok(value) = serde_json::from_str::<Value>(&line) else {
                 events.transcript(json!({"type": "stdout", "text": line}));
                 continue;

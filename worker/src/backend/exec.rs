@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use flotilla_proto::v1::{FailureKind, ProgressKind, Usage};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
+use super::lines::{self, BoundedLines};
 use super::procs::{GroupGuard, kill_group};
 use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task, chars};
 
@@ -62,6 +63,16 @@ impl Exec {
             ("FLOTILLA_WORKDIR".into(), workdir.display().to_string()),
         ]
     }
+}
+
+fn too_much_output() -> Error {
+    Error::new(
+        FailureKind::Terminal,
+        format!(
+            "the exec command wrote more than {} MiB to stdout (its result); it was stopped — have it write large output to files and print a summary",
+            lines::EXEC_STDOUT_BYTES >> 20
+        ),
+    )
 }
 
 #[async_trait::async_trait]
@@ -121,15 +132,25 @@ impl AgentBackend for Exec {
         let out_events = events.clone();
         let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let sink = collected.clone();
+        // Its stdout is its result: at most EXEC_STDOUT_BYTES of it are kept; past that the
+        // command is stopped (`overflow` fires).
+        let overflow = CancellationToken::new();
+        let too_much = overflow.clone();
         let stdout_task = tokio::spawn(async move {
             let mut chunk = [0u8; 8192];
             loop {
                 match stdout.read(&mut chunk).await {
-                    Ok(0) | Err(_) => break,
+                    Ok(0) | Err(_) => return,
                     Ok(n) => {
-                        sink.lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .extend_from_slice(&chunk[..n]);
+                        let mut out = sink
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        if out.len() + n > lines::EXEC_STDOUT_BYTES {
+                            too_much.cancel();
+                            return;
+                        }
+                        out.extend_from_slice(&chunk[..n]);
+                        drop(out);
                         out_events.progress(ProgressKind::Output, 0);
                     }
                 }
@@ -137,18 +158,25 @@ impl AgentBackend for Exec {
         });
         let err_events = events.clone();
         let stderr_task = tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
+            let mut lines = BoundedLines::new(stderr, lines::STDERR_LINE_BYTES);
             let mut last = String::new();
             while let Ok(Some(line)) = lines.next_line().await {
                 err_events.progress(ProgressKind::Output, 0);
-                err_events.transcript(json!({"type": "stderr", "text": line}));
-                last = line;
+                err_events.transcript(json!({"type": "stderr", "text": line.text}));
+                last = line.text;
             }
             last
         });
 
         let status = tokio::select! {
             status = child.wait() => status,
+            _ = overflow.cancelled() => {
+                kill_group(pgid);
+                let _ = child.wait().await;
+                stderr_task.abort();
+                events.transcript(json!({"type": "result", "is_error": true, "error": "too much output"}));
+                return Err(too_much_output());
+            }
             _ = cancel.cancelled() => {
                 kill_group(pgid);
                 let _ = child.wait().await;
@@ -161,6 +189,14 @@ impl AgentBackend for Exec {
         // The command is done: whatever it left running in its group goes too, which also
         // closes pipes a straggler might hold open.
         kill_group(pgid);
+        // It may have died of the pipe its flood of output broke.
+        if overflow.is_cancelled() {
+            stderr_task.abort();
+            events.transcript(
+                json!({"type": "result", "is_error": true, "error": "too much output"}),
+            );
+            return Err(too_much_output());
+        }
         let status = status.map_err(|e| {
             Error::new(
                 FailureKind::Terminal,

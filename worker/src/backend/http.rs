@@ -26,7 +26,17 @@ pub(crate) async fn failure(provider: &str, resp: reqwest::Response, key_var: &s
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
         .map(Duration::from_secs);
-    let body = resp.text().await.unwrap_or_default();
+    // An error body is for a message: its first 64 KiB are plenty.
+    let mut resp = resp;
+    let mut raw = Vec::new();
+    while raw.len() < 64 << 10 {
+        match resp.chunk().await {
+            Ok(Some(c)) => raw.extend_from_slice(&c),
+            _ => break,
+        }
+    }
+    raw.truncate(64 << 10);
+    let body = String::from_utf8_lossy(&raw).into_owned();
     let message = serde_json::from_str::<Value>(&body)
         .ok()
         .and_then(|v| {
@@ -45,4 +55,18 @@ pub(crate) async fn failure(provider: &str, resp: reqwest::Response, key_var: &s
         408 | 409 | 500..=599 => Error::new(FailureKind::Retryable, message),
         _ => Error::new(FailureKind::Terminal, message),
     }
+}
+
+/// A streamed event still being read may not grow past [`super::lines::JSON_LINE_BYTES`].
+pub(crate) fn check_event_size(provider: &str, buffered: usize) -> Result<(), Error> {
+    if buffered <= super::lines::JSON_LINE_BYTES {
+        return Ok(());
+    }
+    Err(Error::new(
+        FailureKind::Terminal,
+        format!(
+            "{provider}: the API sent an event larger than {} MiB without ending it; gave up on this response",
+            super::lines::JSON_LINE_BYTES >> 20
+        ),
+    ))
 }

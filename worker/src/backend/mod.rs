@@ -14,6 +14,7 @@ pub mod claude;
 pub mod echo;
 pub mod exec;
 mod http;
+pub mod lines;
 pub mod openai;
 mod procs;
 

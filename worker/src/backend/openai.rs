@@ -84,6 +84,7 @@ impl OpenAi {
             )
         })? {
             buf.push_str(&String::from_utf8_lossy(&chunk));
+            super::http::check_event_size("openai", buf.len())?;
             while let Some(end) = buf.find('\n') {
                 let line: String = buf.drain(..=end).collect();
                 let Some(data) = line.trim().strip_prefix("data:").map(str::trim) else {

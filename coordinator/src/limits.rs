@@ -1,0 +1,84 @@
+//! Reads from the outside world, each with a limit named in its error.
+//!
+//! Scripts, `args`, config files and agent definitions come from paths a user (or a script,
+//! through `workflow({ scriptPath })`) names; any of them can be `/dev/zero`, a FIFO nobody
+//! writes, or a gigabyte log. [`read_file`] refuses devices outright (W10) and stops reading
+//! one byte past the limit, so no read can exhaust the host.
+
+use std::io::Read;
+use std::path::Path;
+
+/// A script, in bytes (W01 limits it to 524,288 characters; UTF-8 is at most 4 bytes each,
+/// and the character count is checked again when it is prepared).
+pub const SCRIPT_BYTES: usize = 4 * crate::script::source::MAX_SCRIPT_CHARS;
+/// `args` given as a file.
+pub const ARGS_BYTES: usize = 16 << 20;
+/// A config file or an agent definition (`.claude/agents/*.md`).
+pub const SMALL_FILE_BYTES: usize = 1 << 20;
+
+/// A size people read: `512 KiB`, `16 MiB`.
+pub fn human_bytes(n: usize) -> String {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+        format!("{} MiB", n >> 20)
+    } else if n >= 1 << 10 {
+        format!("{} KiB", n >> 10)
+    } else {
+        format!("{n} bytes")
+    }
+}
+
+/// Reads `path` as UTF-8 text of at most `limit` bytes; `what` names it in errors ("script",
+/// "--args-file"). Character and block devices are refused; a FIFO is read up to the limit.
+pub fn read_file(path: &Path, limit: usize, what: &str) -> Result<String, String> {
+    use std::os::unix::fs::FileTypeExt;
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {what} {shown}: {e}"))?;
+    let ft = meta.file_type();
+    if ft.is_char_device() || ft.is_block_device() {
+        return Err(format!(
+            "{what} {shown} is a device, not a file; pass the path of a file"
+        ));
+    }
+    if ft.is_dir() {
+        return Err(format!("{what} {shown} is a directory, not a file"));
+    }
+    if meta.len() > limit as u64 {
+        return Err(too_big(what, &shown, limit));
+    }
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {what} {shown}: {e}"))?;
+    let mut bytes = Vec::new();
+    file.take(limit as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read {what} {shown}: {e}"))?;
+    if bytes.len() > limit {
+        return Err(too_big(what, &shown, limit));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("{what} {shown} is not UTF-8 text: {e}"))
+}
+
+fn too_big(what: &str, shown: &std::path::Display<'_>, limit: usize) -> String {
+    format!(
+        "{what} {shown} is larger than the limit of {}; pass a smaller file",
+        human_bytes(limit)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn devices_big_files_and_directories_are_refused_with_the_limit() {
+        let e = read_file(Path::new("/dev/zero"), 1024, "script").unwrap_err();
+        assert!(e.contains("is a device"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.json");
+        std::fs::write(&big, vec![b'1'; 2048]).unwrap();
+        let e = read_file(&big, 1024, "--args-file").unwrap_err();
+        assert!(e.contains("larger than the limit of 1 KiB"), "{e}");
+        assert_eq!(read_file(&big, 4096, "x").unwrap().len(), 2048);
+        let e = read_file(dir.path(), 1024, "script").unwrap_err();
+        assert!(e.contains("directory"), "{e}");
+    }
+}
