@@ -88,6 +88,8 @@ pub fn gate(r: &ResolvedRun, yes: bool, plan_only: bool) -> Decision {
     }
 }
 
+use crate::term::clean;
+
 /// The plan as text.
 pub fn plan(r: &ResolvedRun, meta: Option<&Meta>) -> String {
     let s = &r.settings;
@@ -95,8 +97,12 @@ pub fn plan(r: &ResolvedRun, meta: Option<&Meta>) -> String {
     let (name, description) = meta
         .map(|m| (m.name.as_str(), m.description.as_str()))
         .unwrap_or(("(no valid meta)", ""));
-    out.push_str(&format!("Workflow {name}: {description}\n"));
-    out.push_str(&format!("  from      {}\n", r.origin));
+    out.push_str(&format!(
+        "Workflow {}: {}\n",
+        clean(name),
+        clean(description)
+    ));
+    out.push_str(&format!("  from      {}\n", clean(&r.origin)));
     if let Some(m) = meta
         && !m.phases.is_empty()
     {
@@ -105,9 +111,9 @@ pub fn plan(r: &ResolvedRun, meta: Option<&Meta>) -> String {
             let detail = p
                 .detail
                 .as_deref()
-                .map(|d| format!(" — {d}"))
+                .map(|d| format!(" — {}", clean(d)))
                 .unwrap_or_default();
-            out.push_str(&format!("    {}. {}{detail}\n", i + 1, p.title));
+            out.push_str(&format!("    {}. {}{detail}\n", i + 1, clean(&p.title)));
         }
     }
     let model = if s.model.is_empty() {

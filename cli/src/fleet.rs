@@ -1324,7 +1324,7 @@ pub async fn list_remote(remote: ClientArgs, json: bool) -> i32 {
                     r["status"].as_str().unwrap_or(""),
                     r["agents"],
                     r["created"].as_str().unwrap_or(""),
-                    r["workflow"].as_str().unwrap_or("")
+                    crate::term::clean(r["workflow"].as_str().unwrap_or(""))
                 );
             }
             0

@@ -17,6 +17,7 @@ mod fleet;
 mod progress;
 mod stored;
 mod telemetry;
+mod term;
 mod workflows_cmd;
 
 use std::io::{IsTerminal, Write};
@@ -237,7 +238,7 @@ fn main() -> ExitCode {
 
 /// Prints an error the way every command does, and returns the exit status.
 pub fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
-    eprintln!("error: {message}");
+    eprintln!("error: {}", term::clean_text(&message.to_string()));
     code
 }
 
@@ -292,12 +293,18 @@ pub fn print_report(report: &Report, json: bool) -> i32 {
         RunStatus::Rejected => {
             eprintln!(
                 "error: {}",
-                report.error.as_deref().unwrap_or("the launch was refused")
+                term::clean(report.error.as_deref().unwrap_or("the launch was refused"))
             );
         }
         _ => {
+            // A result goes out verbatim to a pipe or file, but never as instructions to
+            // a terminal.
+            let tty = std::io::stdout().is_terminal();
             match &report.result {
                 serde_json::Value::Null => {}
+                serde_json::Value::String(s) if tty => {
+                    let _ = writeln!(out, "{}", term::clean_text(s));
+                }
                 serde_json::Value::String(s) => {
                     let _ = writeln!(out, "{s}");
                 }

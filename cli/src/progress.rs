@@ -14,6 +14,8 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::term::clean;
+
 /// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -89,7 +91,7 @@ fn elapsed(ms: u64) -> String {
 fn header(s: &Snapshot) -> String {
     let mut h = format!(
         "{} · {}/{} agents · {} tokens · {}",
-        s.workflow.name,
+        clean(&s.workflow.name),
         s.done,
         s.agents,
         tokens(s.output_tokens),
@@ -105,13 +107,17 @@ fn header(s: &Snapshot) -> String {
         h.push_str(" · Large workflow");
     }
     if let Some(w) = &s.waiting {
-        h.push_str(&format!(" · {w}"));
+        h.push_str(&format!(" · {}", clean(w)));
     }
     h
 }
 
-fn group_title(t: &str) -> &str {
-    if t.is_empty() { "(no phase)" } else { t }
+fn group_title(t: &str) -> std::borrow::Cow<'_, str> {
+    if t.is_empty() {
+        "(no phase)".into()
+    } else {
+        clean(t)
+    }
 }
 
 async fn bars(
@@ -134,7 +140,7 @@ async fn bars(
     loop {
         let snap = rx.borrow_and_update().clone();
         for line in snap.logs.iter().skip(printed) {
-            let _ = mp.println(format!("  {line}"));
+            let _ = mp.println(format!("  {}", clean(line)));
         }
         printed = printed.max(snap.logs.len());
         for g in &snap.groups {
@@ -144,7 +150,7 @@ async fn bars(
             let bar = groups.entry(g.title.clone()).or_insert_with(|| {
                 let b = mp.add(ProgressBar::new(g.total));
                 b.set_style(style.clone());
-                b.set_prefix(group_title(&g.title).to_owned());
+                b.set_prefix(group_title(&g.title).into_owned());
                 b
             });
             bar.set_length(g.total);
@@ -184,7 +190,7 @@ async fn lines(
     loop {
         let snap = rx.borrow_and_update().clone();
         for line in snap.logs.iter().skip(printed) {
-            eprintln!("log: {line}");
+            eprintln!("log: {}", clean(line));
         }
         printed = printed.max(snap.logs.len());
         for g in &snap.groups {
@@ -247,9 +253,9 @@ pub fn summary(report: &Report) {
     ));
     eprintln!("{line}");
     for f in &report.failures {
-        eprintln!("  failure: {f}");
+        eprintln!("  failure: {}", clean(f));
     }
     if let Some(e) = &report.error {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", clean(e));
     }
 }

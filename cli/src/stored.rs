@@ -42,7 +42,7 @@ pub async fn list(store_flag: Option<String>, json: bool) -> i32 {
             r.status.as_str(),
             r.agents,
             r.created,
-            r.workflow
+            crate::term::clean(&r.workflow)
         );
     }
     0

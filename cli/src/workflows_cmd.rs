@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 
 use crate::fail;
 use crate::fleet::ClientArgs;
+use crate::term::clean;
 
 #[derive(Debug, Subcommand)]
 pub enum WorkflowsCommand {
@@ -212,9 +213,14 @@ async fn list(a: ListArgs) -> i32 {
                     Some(w) => format!("  (shadowed by {})", all[w].location),
                     None => String::new(),
                 };
-                println!("{:<20} {:<9} {}{shadow}", e.name, e.origin, m.description);
+                println!(
+                    "{:<20} {:<9} {}{shadow}",
+                    clean(&e.name),
+                    e.origin,
+                    clean(&m.description)
+                );
                 if let Some(when) = &m.when_to_use {
-                    println!("{:<20} {:<9} when: {when}", "", "");
+                    println!("{:<20} {:<9} when: {}", "", "", clean(when));
                 }
                 if e.origin != "bundled" && e.origin != "server" {
                     println!("{:<20} {:<9} {}", "", "", e.location);
@@ -224,7 +230,7 @@ async fn list(a: ListArgs) -> i32 {
         }
     }
     for s in skipped {
-        println!("{s}");
+        println!("{}", clean(&s));
     }
     0
 }

@@ -406,3 +406,65 @@ fn an_exec_agent_that_floods_stdout_is_stopped_at_the_limit() {
     let error = a["error"].as_str().unwrap();
     assert!(error.contains("more than 64 MiB to stdout"), "{error}");
 }
+
+#[test]
+fn terminal_escapes_from_a_script_are_shown_not_obeyed() {
+    let env = Env::new();
+    let script = env.file(
+        "esc.js",
+        "export const meta = { name: 'esc\\u001b]0;TITLE\\u0007', description: 'd' };\n\
+         log('\\u001b]0;OWNED\\u0007\\u001b[2J');\n\
+         await agent('x', { label: 'l\\ncompleted in 0.0s · forged' });\n\
+         return 'r\\u001b[31m';",
+    );
+    let out = env.flotilla(&["run", script.to_str().unwrap(), "--stagger", "0"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        !out.stderr.contains('\u{1b}'),
+        "a raw escape reached stderr: {:?}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains('\u{7}'), "{:?}", out.stderr);
+    assert!(
+        out.stderr.contains("\\u{1b}]0;OWNED\\u{7}\\u{1b}[2J"),
+        "{}",
+        out.stderr
+    );
+    // A forged "completed in" line cannot start a line of its own.
+    assert_eq!(
+        out.stderr
+            .lines()
+            .filter(|l| l.starts_with("completed in"))
+            .count(),
+        1,
+        "{}",
+        out.stderr
+    );
+    // To a pipe, the result is delivered verbatim (W04); --json escapes by JSON's rules.
+    assert_eq!(out.stdout, "r\u{1b}[31m\n");
+    let (code, r) = env.run(&script, &["--stagger", "0"]);
+    assert_eq!(code, 0);
+    assert_eq!(r["result"], "r\u{1b}[31m");
+    // On a terminal (progress bars and all), none of the script's sequences arrive raw.
+    let line = format!(
+        "{} run '{}' --stagger 0 --yes",
+        env.bin.display(),
+        script.display()
+    );
+    let tty = std::process::Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .current_dir(env.path())
+        .env("FLOTILLA_STORE", env.store_url())
+        .env("HOME", env.path())
+        .stdin(Stdio::null())
+        .output()
+        .expect("util-linux `script` runs commands on a pseudo-terminal");
+    let seen = String::from_utf8_lossy(&tty.stdout);
+    assert!(seen.contains("completed in"), "{seen:?}");
+    for raw in ["\u{1b}]0;", "\u{1b}[2J", "\u{1b}[31m", "\u{7}"] {
+        assert!(
+            !seen.contains(raw),
+            "{raw:?} reached the terminal: {seen:?}"
+        );
+    }
+}
