@@ -126,9 +126,18 @@ pub async fn run(
             .await
             .map_err(|e| anyhow::anyhow!("cannot serve the session page on {addr}: {e}"))?;
         let at = listener.local_addr()?;
-        eprintln!("session page: http://{at}/runs/{run_id}");
-        let app =
-            flotilla_coordinator::web::router(embedded.coordinator.clone(), registry.clone(), None);
+        // Loopback alone is not enough (any web page can aim a browser at 127.0.0.1): the
+        // page checks Host and wants this run's random key, which only its URL carries.
+        let key = flotilla_coordinator::web::new_page_key();
+        eprintln!("session page: http://{at}/runs/{run_id}?key={key}");
+        let app = flotilla_coordinator::web::router(
+            embedded.coordinator.clone(),
+            registry.clone(),
+            flotilla_coordinator::web::Access::Keyed {
+                port: at.port(),
+                key,
+            },
+        );
         let stop = pages.clone();
         served = Some(tokio::spawn(async move {
             let _ = axum::serve(listener, app)

@@ -122,7 +122,112 @@ pub struct WebOptions {
 struct Web {
     coordinator: Arc<Coordinator>,
     registry: Arc<RunRegistry>,
-    auth: Option<TokenKey>,
+    access: Access,
+}
+
+/// Who the pages answer.
+#[derive(Debug, Clone)]
+pub enum Access {
+    /// Session tokens from `flotilla token create` (the fleet).
+    Tokens(TokenKey),
+    /// A page on loopback without sign-in (an `--insecure` coordinator): only requests whose
+    /// `Host` is this address, so a web page elsewhere cannot reach it by DNS rebinding.
+    Loopback { port: u16 },
+    /// `flotilla run --serve`: loopback `Host` only, and the run's random key, which the
+    /// printed URL carries (`?key=`) and the first visit keeps in a cookie.
+    Keyed { port: u16, key: String },
+}
+
+impl Access {
+    fn tokens(&self) -> Option<&TokenKey> {
+        match self {
+            Access::Tokens(k) => Some(k),
+            _ => None,
+        }
+    }
+}
+
+/// Name of the cookie that carries a `--serve` page's key.
+pub const KEY_COOKIE: &str = "flotilla_key";
+
+/// A random key for a `--serve` page (128 bits, URL-safe).
+pub fn new_page_key() -> String {
+    let mut b = [0u8; 16];
+    if getrandom::fill(&mut b).is_err() {
+        // Without entropy the page would be guessable: fail closed to a key nobody has.
+        return "unavailable".into();
+    }
+    URL_SAFE_NO_PAD.encode(b)
+}
+
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// The `Host` check and the page key, before any route (the fleet's tokens are checked by
+/// each route).
+async fn guard(
+    State(web): State<Web>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (port, key) = match &web.access {
+        Access::Tokens(_) => return next.run(req).await,
+        Access::Loopback { port } => (*port, None),
+        Access::Keyed { port, key } => (*port, Some(key.clone())),
+    };
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    let ours = ["127.0.0.1", "localhost", "[::1]"]
+        .iter()
+        .any(|h| host == format!("{h}:{port}"));
+    if !ours {
+        let why = format!(
+            "this page answers only at http://127.0.0.1:{port} (the request was for host {host:?}): a page on loopback is not served to other names, so a web site cannot reach it"
+        );
+        return (StatusCode::FORBIDDEN, why).into_response();
+    }
+    let Some(key) = key else {
+        return next.run(req).await;
+    };
+    let from_query = req.uri().query().and_then(|q| {
+        q.split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == "key")
+            .map(|(_, v)| v.to_owned())
+    });
+    let from_cookie = req
+        .headers()
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == KEY_COOKIE)
+        .map(|(_, v)| v.to_owned());
+    let from_bearer = token_of(req.headers());
+    let given = [&from_query, &from_cookie, &from_bearer];
+    if !given
+        .iter()
+        .any(|k| k.as_deref().is_some_and(|k| same(k, &key)))
+    {
+        return (
+            StatusCode::UNAUTHORIZED,
+            "this page needs its key: open the URL `flotilla run --serve` printed (it ends in ?key=…)",
+        )
+            .into_response();
+    }
+    let mut resp = next.run(req).await;
+    if from_query.is_some() && from_cookie.is_none() {
+        let cookie = format!("{KEY_COOKIE}={key}; Path=/; HttpOnly; SameSite=Strict");
+        if let Ok(v) = header::HeaderValue::from_str(&cookie) {
+            resp.headers_mut().append(header::SET_COOKIE, v);
+        }
+    }
+    resp
 }
 
 /// Serves the pages until `cancel` fires.
@@ -135,19 +240,28 @@ pub async fn serve(
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| format!("cannot serve session pages on {}: {e}", opts.listen))?;
+    let access = match opts.auth {
+        Some(key) => Access::Tokens(key),
+        None => Access::Loopback {
+            port: listener
+                .local_addr()
+                .map_or(opts.listen.port(), |a| a.port()),
+        },
+    };
     let listener = crate::listen::Limited::new(listener, opts.limits);
-    axum::serve(listener, router(coordinator, registry, opts.auth))
+    axum::serve(listener, router(coordinator, registry, access))
         .with_graceful_shutdown(cancel.cancelled_owned())
         .await
         .map_err(|e| format!("session pages on {}: {e}", opts.listen))
 }
 
 /// The routes (public for tests).
-pub fn router(
-    coordinator: Arc<Coordinator>,
-    registry: Arc<RunRegistry>,
-    auth: Option<TokenKey>,
-) -> Router {
+pub fn router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>, access: Access) -> Router {
+    let web = Web {
+        coordinator,
+        registry,
+        access,
+    };
     Router::new()
         .route("/", get(|| async { Redirect::to("/runs") }))
         .route("/login", get(login))
@@ -159,11 +273,8 @@ pub fn router(
         .route("/runs/{run}/agents/{index}", get(agent_page))
         .route("/runs/{run}/control", axum::routing::post(control))
         .route("/metrics", get(metrics))
-        .with_state(Web {
-            coordinator,
-            registry,
-            auth,
-        })
+        .layer(axum::middleware::from_fn_with_state(web.clone(), guard))
+        .with_state(web)
 }
 
 fn token_of(headers: &HeaderMap) -> Option<String> {
@@ -186,7 +297,7 @@ fn token_of(headers: &HeaderMap) -> Option<String> {
 
 /// Why a request is refused; `Ok` when it may go on.
 fn check(web: &Web, headers: &HeaderMap) -> Result<(), &'static str> {
-    let Some(key) = &web.auth else {
+    let Some(key) = web.access.tokens() else {
         return Ok(());
     };
     let token = token_of(headers).ok_or(
@@ -218,7 +329,7 @@ struct LoginQuery {
 }
 
 async fn login(State(web): State<Web>, Query(q): Query<LoginQuery>) -> Response {
-    let Some(key) = &web.auth else {
+    let Some(key) = web.access.tokens() else {
         return Redirect::to("/runs").into_response();
     };
     let claims = match key.verify(&q.token) {

@@ -23,8 +23,8 @@ impl Drop for Reaper {
 }
 
 /// Starts `flotilla run ARGS` (which includes `--serve`) in `env` and reads the session page
-/// line it prints: the process, and the page's port and path.
-fn serve(env: &flotilla_tests::Env, args: &[&str]) -> (Reaper, u16, String) {
+/// line it prints: the process, the page's port and path, and the page's key.
+fn serve(env: &flotilla_tests::Env, args: &[&str]) -> (Reaper, u16, String, String) {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let mut child = Command::new(&env.bin)
@@ -57,7 +57,15 @@ fn serve(env: &flotilla_tests::Env, args: &[&str]) -> (Reaper, u16, String) {
         .strip_prefix("http://127.0.0.1:")
         .expect("served on loopback");
     let (port, path) = rest.split_once('/').unwrap();
-    (child, port.parse().unwrap(), format!("/{path}"))
+    let (path, key) = path
+        .split_once("?key=")
+        .expect("the URL carries the page's key");
+    (
+        child,
+        port.parse().unwrap(),
+        format!("/{path}"),
+        key.to_owned(),
+    )
 }
 
 #[test]
@@ -134,7 +142,7 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
         "served",
         "return (await parallel(Array.from({ length: 6 }, (_, i) => () => agent('s' + i + ' [[sleep:700]]')))).length;",
     );
-    let (child, port, path) = serve(
+    let (child, port, path, key) = serve(
         &env,
         &[
             "--serve",
@@ -146,20 +154,38 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
             "0",
         ],
     );
-    let page = flotilla_tests::http_get(port, &path, &[]);
-    assert_eq!(
-        page.status, 200,
-        "no sign-in on the embedded page: {page:?}"
-    );
+    // Without the key printed in its URL, nothing; with it, the page, and a cookie.
+    let without = flotilla_tests::http_get(port, &path, &[]);
+    assert_eq!(without.status, 401, "{without:?}");
+    let page = flotilla_tests::http_get(port, &format!("{path}?key={key}"), &[]);
+    assert_eq!(page.status, 200, "{page:?}");
     assert!(page.body.contains("served"), "{}", page.body);
+    let cookie = page
+        .header("set-cookie")
+        .expect("the key is kept in a cookie");
+    assert!(
+        cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+        "{cookie}"
+    );
+    let keyed = format!("flotilla_key={key}");
+    let page = flotilla_tests::http_get(port, &path, &[("Cookie", &keyed)]);
+    assert_eq!(page.status, 200, "{page:?}");
+    // DNS rebinding: another host name for 127.0.0.1 is refused, key or not.
+    let rebound = format!("{path}?key={key}");
+    let evil = serve_raw(port, &rebound, "attacker.example:80");
+    assert!(evil.starts_with("HTTP/1.1 403"), "{evil}");
 
     // The page's actions need the x-flotilla header; with it, pause and resume work.
     let control = format!("{path}/control");
-    let json = [("Content-Type", "application/json")];
+    let json = [("Content-Type", "application/json"), ("Cookie", &keyed)];
     let r =
         flotilla_tests::http_request(port, "POST", &control, &json, Some(r#"{"action":"pause"}"#));
     assert_eq!(r.status, 403, "{r:?}");
-    let with = [("Content-Type", "application/json"), ("x-flotilla", "1")];
+    let with = [
+        ("Content-Type", "application/json"),
+        ("x-flotilla", "1"),
+        ("Cookie", &keyed),
+    ];
     let r =
         flotilla_tests::http_request(port, "POST", &control, &with, Some(r#"{"action":"pause"}"#));
     assert_eq!(r.status, 200, "{r:?}");
@@ -174,9 +200,18 @@ fn run_serve_shows_the_page_on_loopback_streams_updates_and_takes_actions() {
         Some(r#"{"action":"resume"}"#),
     );
     assert_eq!(r.status, 200, "{r:?}");
+    let no_key = [("Content-Type", "application/json"), ("x-flotilla", "1")];
+    let r = flotilla_tests::http_request(
+        port,
+        "POST",
+        &control,
+        &no_key,
+        Some(r#"{"action":"stop"}"#),
+    );
+    assert_eq!(r.status, 401, "no key, no stop: {r:?}");
 
     // The event stream sends the changing part of the page until the run ends.
-    let events = flotilla_tests::http_get(port, &format!("{path}/events"), &[]);
+    let events = flotilla_tests::http_get(port, &format!("{path}/events"), &[("Cookie", &keyed)]);
     assert_eq!(events.status, 200);
     assert!(
         events.body.contains("event: update") || events.body.contains("event: end"),
@@ -208,7 +243,7 @@ fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
         "second",
         "return [await agent('alpha prompt'), await agent('gamma [[sleep:3000]]')];",
     );
-    let (child, port, path) = serve(
+    let (child, port, path, key) = serve(
         &env,
         &[
             second.to_str().unwrap(),
@@ -223,7 +258,7 @@ fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
     // The script makes its first call a moment after the page is up.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let detail = loop {
-        let d = flotilla_tests::http_get(port, &format!("{path}/agents/0"), &[]);
+        let d = flotilla_tests::http_get(port, &format!("{path}/agents/0?key={key}"), &[]);
         if d.status == 200 || std::time::Instant::now() > deadline {
             break d;
         }
@@ -238,4 +273,20 @@ fn a_served_call_of_a_resumed_run_shows_the_prompt_from_the_run_it_came_from() {
     );
     let out = child.wait();
     assert_eq!(out.status.code(), Some(0));
+}
+
+/// A GET with a `Host` header of our choosing (the harness's helper always sends loopback's).
+fn serve_raw(port: u16, path: &str, host: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
 }
