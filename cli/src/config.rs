@@ -11,8 +11,10 @@ use clap::Args;
 use flotilla_coordinator::{ReplayMode, RunSettings};
 use serde::Deserialize;
 
-/// Settings flags shared by commands that start runs.
+/// Settings flags shared by commands that start runs. Counts take negative numbers as values
+/// (so `--concurrency -1` is told it must be at least 1, not that `-1` is an unknown flag).
 #[derive(Debug, Args, Default)]
+#[command(allow_negative_numbers = true)]
 pub struct SettingFlags {
     /// Agent backend: echo (deterministic) or exec (a command per agent).
     #[arg(long, env = "FLOTILLA_BACKEND")]
@@ -33,19 +35,19 @@ pub struct SettingFlags {
     #[arg(long, env = "FLOTILLA_REPLAY")]
     pub replay: Option<String>,
     /// Agents of the run that run at once (default 16).
-    #[arg(long, env = "FLOTILLA_CONCURRENCY")]
+    #[arg(long, env = "FLOTILLA_CONCURRENCY", value_parser = clap::value_parser!(u32).range(1..))]
     pub concurrency: Option<u32>,
     /// Restart an attempt with no progress for this long (default 180s).
     #[arg(long, env = "FLOTILLA_STALL_TIMEOUT", value_name = "DUR")]
     pub stall_timeout: Option<String>,
     /// Attempts per agent, stall restarts included (default 6).
-    #[arg(long, env = "FLOTILLA_ATTEMPTS")]
+    #[arg(long, env = "FLOTILLA_ATTEMPTS", value_parser = clap::value_parser!(u32).range(1..))]
     pub attempts: Option<u32>,
     /// Structured-output submissions per agent (default 5).
-    #[arg(long, env = "FLOTILLA_SCHEMA_ATTEMPTS")]
+    #[arg(long, env = "FLOTILLA_SCHEMA_ATTEMPTS", value_parser = clap::value_parser!(u32).range(1..))]
     pub schema_attempts: Option<u32>,
     /// agent() calls per run (default 1000).
-    #[arg(long, env = "FLOTILLA_MAX_AGENTS")]
+    #[arg(long, env = "FLOTILLA_MAX_AGENTS", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_agents: Option<u64>,
     /// Output-token budget of the run (`budget.total`).
     #[arg(long, env = "FLOTILLA_BUDGET", value_name = "TOKENS")]
@@ -270,7 +272,11 @@ pub struct Merged {
 }
 
 /// Merges file, environment and flags into run settings.
-pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, String> {
+pub fn settings_from(
+    flags: &SettingFlags,
+    file: &ConfigFile,
+    local: bool,
+) -> Result<Merged, String> {
     let mut s = RunSettings::default();
     let pick_s = |f: &Option<String>, c: &Option<String>| f.clone().or_else(|| c.clone());
     if let Some(b) = pick_s(&flags.backend, &file.backend) {
@@ -332,7 +338,7 @@ pub fn settings_from(flags: &SettingFlags, file: &ConfigFile) -> Result<Merged, 
         }
     }
     let exec_cmd = pick_s(&flags.exec_cmd, &file.exec_cmd);
-    if s.backend == "exec" && exec_cmd.as_deref().is_none_or(|c| c.trim().is_empty()) {
+    if local && s.backend == "exec" && exec_cmd.as_deref().is_none_or(|c| c.trim().is_empty()) {
         return Err(
             "--backend exec needs --exec-cmd CMD: the command each agent runs (prompt on stdin, result on stdout)"
                 .into(),
@@ -433,14 +439,16 @@ pub const DISABLED: &str = "workflows are disabled here (FLOTILLA_DISABLE_WORKFL
 
 /// Reads the script, args and settings of `flotilla run`.
 pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, String> {
-    resolve_run_with(args, &[])
+    resolve_run_with(args, &[], true)
 }
 
 /// Like [`resolve_run`], with the workflows saved on a coordinator (found after the user's
-/// project and personal ones, before the bundled ones).
+/// project and personal ones, before the bundled ones). `local`: the run happens in this
+/// process (a fleet's workers bring their own `--exec-cmd`).
 pub fn resolve_run_with(
     args: &crate::RunArgs,
     server: &[flotilla_coordinator::workflows::FoundWorkflow],
+    local: bool,
 ) -> Result<ResolvedRun, String> {
     let file = read_config(args.config.as_deref())?;
     if workflows_disabled(&file) {
@@ -451,7 +459,7 @@ pub fn resolve_run_with(
         exec_cmd,
         store,
         workspace,
-    } = settings_from(&args.settings, &file)?;
+    } = settings_from(&args.settings, &file, local)?;
     let store_url = store_url(store);
     let cwd =
         std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
@@ -567,7 +575,7 @@ mod tests {
         };
         let file: ConfigFile =
             toml::from_str("concurrency = 9\nattempts = 3\nstagger = \"0\"").unwrap();
-        let s = settings_from(&flags, &file).unwrap().settings;
+        let s = settings_from(&flags, &file, true).unwrap().settings;
         assert_eq!(s.concurrency, 4);
         assert_eq!(s.attempts, 3);
         assert_eq!(s.stagger_ms, 0);
@@ -581,13 +589,13 @@ mod tests {
             backend: Some("exec".into()),
             ..SettingFlags::default()
         };
-        let e = settings_from(&flags, &ConfigFile::default()).unwrap_err();
+        let e = settings_from(&flags, &ConfigFile::default(), true).unwrap_err();
         assert!(e.contains("--exec-cmd"), "{e}");
         let flags = SettingFlags {
             backend: Some("gpt".into()),
             ..SettingFlags::default()
         };
-        let e = settings_from(&flags, &ConfigFile::default()).unwrap_err();
+        let e = settings_from(&flags, &ConfigFile::default(), true).unwrap_err();
         assert!(e.contains("unknown backend \"gpt\""), "{e}");
     }
 
@@ -595,7 +603,7 @@ mod tests {
     fn the_sample_config_in_deploy_is_valid() {
         let file: ConfigFile =
             toml::from_str(include_str!("../../deploy/flotilla.example.toml")).unwrap();
-        let s = settings_from(&SettingFlags::default(), &file)
+        let s = settings_from(&SettingFlags::default(), &file, true)
             .unwrap()
             .settings;
         assert_eq!(

@@ -104,8 +104,8 @@ pub async fn run(
         Ok(h) => h,
         Err(rejected) => {
             embedded.shutdown();
-            let id = flotilla_coordinator::coordinator::new_run_id();
-            return Ok(Report::rejected(&id, rejected.workflow, rejected.message));
+            // Nothing was stored, so there is no run id to give.
+            return Ok(Report::rejected("", rejected.workflow, rejected.message));
         }
     };
     let view = progress::start(mode, handle.snapshot.clone());

@@ -737,7 +737,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
             Err(s) => return rpc_fail(&s),
         }
     };
-    let resolved = match config::resolve_run_with(&a.run, &server) {
+    let resolved = match config::resolve_run_with(&a.run, &server, false) {
         Ok(r) => r,
         Err(e) => return fail(2, e),
     };

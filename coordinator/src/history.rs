@@ -176,12 +176,32 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
             }
         }
     }
+    // The journal is the truth for completed calls, events or not (events are batched and
+    // may never have been written).
     for c in &calls {
-        if let Some(a) = agents.get_mut(&c.index) {
-            a.status = "completed".into();
-            a.key.clone_from(&c.key);
-            a.input_tokens = c.usage.input_tokens;
-            a.output_tokens = c.usage.output_tokens;
+        let a = agents.entry(c.index).or_insert_with(|| AgentReport {
+            label: c.label.clone(),
+            group: c.group.clone(),
+            status: "completed".into(),
+            attempts: c.attempts,
+            cached: c.cached_from.is_some(),
+            start_ms: None,
+            end_ms: None,
+            error: None,
+            index: c.index,
+            key: c.key.clone(),
+            model: String::new(),
+            input_tokens: 0,
+            output_tokens: 0,
+            waiting: None,
+        });
+        a.status = "completed".into();
+        a.key.clone_from(&c.key);
+        a.attempts = a.attempts.max(c.attempts);
+        a.input_tokens = c.usage.input_tokens;
+        a.output_tokens = c.usage.output_tokens;
+        if !groups.contains(&c.group) {
+            groups.push(c.group.clone());
         }
     }
     let agents: Vec<AgentReport> = agents.into_values().collect();

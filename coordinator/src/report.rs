@@ -59,6 +59,8 @@ impl RunStatus {
 /// The whole report.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Report {
+    /// Empty (and left out of the JSON) for a launch that was refused: no run was stored.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub run_id: String,
     pub status: RunStatus,
     pub result: Value,

@@ -649,11 +649,11 @@ impl ClientService for ClientSvc {
                 }))
             }
             Err(rejected) => {
-                let id = crate::coordinator::new_run_id();
+                // Nothing was stored: no run id to hand out.
                 let report =
-                    Report::rejected(&id, rejected.workflow.clone(), rejected.message.clone());
+                    Report::rejected("", rejected.workflow.clone(), rejected.message.clone());
                 Ok(Response::new(v1::LaunchReply {
-                    run_id: id,
+                    run_id: String::new(),
                     session_url: String::new(),
                     status: "rejected".into(),
                     error: rejected.message,

@@ -276,6 +276,7 @@ impl Cluster {
     pub fn client_at(&self, url: &str, args: &[&str]) -> Output {
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
+            .env("AWS_EC2_METADATA_DISABLED", "true")
             .args(["--coordinator", url, "--name", "client", "--tls-dir"])
             .arg(self.pki())
             .current_dir(self.path());
@@ -352,6 +353,7 @@ impl Cluster {
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
         cmd.env("FLOTILLA_LOG", "info")
+            .env("AWS_EC2_METADATA_DISABLED", "true")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
@@ -383,6 +385,7 @@ impl Cluster {
                     .map(|(k, v)| (k.as_str(), v.as_str())),
             )
             .env("FLOTILLA_LOG", "info")
+            .env("AWS_EC2_METADATA_DISABLED", "true")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
@@ -419,6 +422,7 @@ impl Cluster {
     pub fn client(&self, args: &[&str]) -> Output {
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
+            .env("AWS_EC2_METADATA_DISABLED", "true")
             .args([
                 "--coordinator",
                 &self.url(),

@@ -140,7 +140,9 @@ impl Env {
             .env_remove("CLAUDE_CONFIG_DIR")
             .env_remove("CLAUDE_CODE_SUBAGENT_MODEL")
             .env_remove("CLAUDE_CODE_SUBAGENT_MODEL_FORCE")
-            .env_remove("FLOTILLA_CONFIG");
+            .env_remove("FLOTILLA_CONFIG")
+            // No test may reach the cloud metadata address (or any address off loopback).
+            .env("AWS_EC2_METADATA_DISABLED", "true");
         // The caller's variables win over the defaults above.
         cmd.envs(vars.iter().copied());
         cmd

@@ -28,6 +28,12 @@
     return describe(e);
   }
 
+  function typeError(message, code) {
+    const e = new TypeError(message);
+    e.code = code;
+    return e;
+  }
+
   function makeError(message, code) {
     const e = new Error(message);
     if (code) e.code = code;
@@ -54,10 +60,12 @@
 
   function parallel(thunks) {
     if (!Array.isArray(thunks)) {
-      throw new TypeError('parallel() takes an array of functions, e.g. parallel(items.map(x => () => agent(...))); got ' + (thunks === null ? 'null' : typeof thunks));
+      throw typeError('parallel() takes an array of functions, e.g. parallel(items.map(x => () => agent(...))); got ' + (thunks === null ? 'null' : typeof thunks), 'INVALID_ARGUMENT');
     }
     if (thunks.length > MAX_ITEMS) {
-      throw new RangeError('parallel() accepts at most ' + MAX_ITEMS + ' items, got ' + thunks.length + '; split the list into batches');
+      const e = new RangeError('parallel() accepts at most ' + MAX_ITEMS + ' items, got ' + thunks.length + '; split the list into batches');
+      e.code = 'TOO_MANY_ITEMS';
+      throw e;
     }
     let dropped = 0;
     const slots = thunks.map(function (t, i) {
@@ -83,14 +91,16 @@
   function pipeline(items) {
     const stages = Array.prototype.slice.call(arguments, 1);
     if (!Array.isArray(items)) {
-      throw new TypeError('pipeline() takes an array of items as its first argument, then one function per stage; got ' + (items === null ? 'null' : typeof items));
+      throw typeError('pipeline() takes an array of items as its first argument, then one function per stage; got ' + (items === null ? 'null' : typeof items), 'INVALID_ARGUMENT');
     }
     if (items.length > MAX_ITEMS) {
-      throw new RangeError('pipeline() accepts at most ' + MAX_ITEMS + ' items, got ' + items.length + '; split the list into batches');
+      const e = new RangeError('pipeline() accepts at most ' + MAX_ITEMS + ' items, got ' + items.length + '; split the list into batches');
+      e.code = 'TOO_MANY_ITEMS';
+      throw e;
     }
     for (let s = 0; s < stages.length; s++) {
       if (typeof stages[s] !== 'function') {
-        throw new TypeError('pipeline() stage ' + (s + 1) + ' is not a function (got ' + typeof stages[s] + ')');
+        throw typeError('pipeline() stage ' + (s + 1) + ' is not a function (got ' + typeof stages[s] + ')', 'INVALID_ARGUMENT');
       }
     }
     let dropped = 0;
@@ -123,17 +133,17 @@
 
     function agent(prompt, opts) {
       if (typeof prompt !== 'string') {
-        return Promise.reject(new TypeError('agent() needs a prompt string as its first argument, got ' + (prompt === null ? 'null' : typeof prompt)));
+        return Promise.reject(typeError('agent() needs a prompt string as its first argument, got ' + (prompt === null ? 'null' : typeof prompt), 'INVALID_PROMPT'));
       }
       let optsJson = '{}';
       if (opts !== undefined && opts !== null) {
         if (typeof opts !== 'object' || Array.isArray(opts)) {
-          return Promise.reject(new TypeError('agent() options must be an object, got ' + (Array.isArray(opts) ? 'an array' : typeof opts)));
+          return Promise.reject(typeError('agent() options must be an object, got ' + (Array.isArray(opts) ? 'an array' : typeof opts), 'INVALID_OPTION'));
         }
         try {
           optsJson = JSONstringify(opts);
         } catch (e) {
-          return Promise.reject(new TypeError('agent() options must be plain data (JSON): ' + shortDescribe(e)));
+          return Promise.reject(typeError('agent() options must be plain data (JSON): ' + shortDescribe(e), 'INVALID_OPTION'));
         }
       }
       let group;
@@ -171,7 +181,7 @@
     let ref;
     if (typeof nameOrRef === 'string') ref = nameOrRef;
     else if (nameOrRef && typeof nameOrRef === 'object' && typeof nameOrRef.scriptPath === 'string') ref = { scriptPath: nameOrRef.scriptPath };
-    else return Promise.reject(new TypeError('workflow() takes a saved workflow name or { scriptPath }'));
+    else return Promise.reject(typeError('workflow() takes a saved workflow name or { scriptPath }', 'INVALID_ARGUMENT'));
     return host.resolveWorkflow(JSONstringify(ref)).then(function (found) {
       const scope = makeScope(found.name);
       let fn;

@@ -187,9 +187,73 @@ pub fn check_syntax(body: &str) -> Result<(), ScriptFailure> {
         let compiled: rquickjs::Result<Value> = ctx.eval_with_options(wrap(body), eval_opts());
         match compiled.catch(&ctx) {
             Ok(_) => Ok(()),
-            Err(e) => Err(failure_from(&ctx, FailureKind::Syntax, e, None)),
+            Err(e) => {
+                let mut f = failure_from(&ctx, FailureKind::Syntax, e, None);
+                // W01: newer builds name the line; and TypeScript gets a hint of its own.
+                if let Some(text) = f
+                    .line
+                    .and_then(|l| body.lines().nth((l as usize).saturating_sub(1)))
+                {
+                    let shown: String = text.trim().chars().take(160).collect();
+                    f.message.push_str(&format!(" — `{shown}`"));
+                    if looks_like_typescript(text) {
+                        f.message.push_str(
+                            "; type annotations are not JavaScript: workflow scripts are plain JavaScript (W01), so remove the types (`: string`, `interface`, `as T`)",
+                        );
+                    }
+                }
+                Err(f)
+            }
         }
     })
+}
+
+/// Whether a line that failed to parse looks like TypeScript: a typed binding or parameter,
+/// a return type, `interface`/`type` declarations, an `as` cast, a non-null `!.`.
+fn looks_like_typescript(line: &str) -> bool {
+    let t = line.trim_start();
+    if t.starts_with("interface ") || t.starts_with("type ") && t.contains('=') {
+        return true;
+    }
+    let words: Vec<&str> = t
+        .split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '$'))
+        .filter(|w| !w.is_empty())
+        .collect();
+    let typed = |after: &str| {
+        // `name: Type` where Type is a known or capitalized type name.
+        let ty = after.trim_start();
+        [
+            "string", "number", "boolean", "any", "unknown", "void", "never", "object", "Record",
+            "Array", "Promise",
+        ]
+        .iter()
+        .any(|k| ty.starts_with(k))
+            || ty.chars().next().is_some_and(char::is_uppercase)
+    };
+    let bytes: Vec<(usize, char)> = t.char_indices().collect();
+    for (i, c) in &bytes {
+        if *c == ':' {
+            let before = t[..*i].trim_end();
+            let after = &t[*i + 1..];
+            // `const x: T`, `(a: T`, `, b: T`, `): T {`
+            if (before.ends_with(')')
+                || before.split_whitespace().count() >= 2
+                || before.ends_with(|ch: char| ch.is_alphanumeric()))
+                && typed(after)
+                && (words
+                    .first()
+                    .is_some_and(|w| ["const", "let", "var", "function", "async"].contains(w))
+                    || before.ends_with(')')
+                    || before.contains('('))
+            {
+                return true;
+            }
+        }
+    }
+    t.contains(" as ")
+        && words
+            .windows(2)
+            .any(|w| w[0] == "as" && (typed(w[1]) || w[1] == "const"))
 }
 
 fn wrap(body: &str) -> String {
@@ -820,6 +884,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn typescript_gets_a_hint_and_the_line_is_shown() {
+        for ts in [
+            "const x: number = 1;",
+            "function f(a: string): string { return a; }",
+            "interface Foo { a: string }",
+            "return f('x') as string;",
+            "let items: Array<string> = [];",
+        ] {
+            let e = check_syntax(&format!("\n{ts}\nreturn 1;")).unwrap_err();
+            assert!(
+                e.message.contains("type annotations are not JavaScript"),
+                "{ts}: {}",
+                e.message
+            );
+            assert!(e.message.contains(ts.trim()), "{}", e.message);
+        }
+        let e = check_syntax("\nconst x = {;\n").unwrap_err();
+        assert!(!e.message.contains("type annotations"), "{}", e.message);
+        assert!(!looks_like_typescript("const o = { a: 1, b: 'x' };"));
+        assert!(!looks_like_typescript("x ? a : B"));
     }
 
     /// Every global of the script realm: ECMAScript built-ins and the workflow globals. A new

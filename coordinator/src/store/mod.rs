@@ -218,6 +218,22 @@ fn open_s3(url: &str, rest: &str) -> Result<Store, Error> {
     if bucket.is_empty() {
         return Err(Error::BadUrl { url: url.into() });
     }
+    // Without credentials the S3 client asks the cloud instance metadata service, an address
+    // outside this machine that hangs or answers for someone else's role: only when asked.
+    let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.is_empty());
+    let instance =
+        std::env::var("FLOTILLA_S3_INSTANCE_CREDENTIALS").is_ok_and(|v| v == "1" || v == "true");
+    let have = (set("AWS_ACCESS_KEY_ID") && set("AWS_SECRET_ACCESS_KEY"))
+        || set("AWS_WEB_IDENTITY_TOKEN_FILE")
+        || set("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        || set("AWS_CONTAINER_CREDENTIALS_FULL_URI");
+    if !have && !instance {
+        return Err(Error::Unusable {
+            url: url.into(),
+            why: "no S3 credentials".into(),
+            fix: "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_WEB_IDENTITY_TOKEN_FILE), or FLOTILLA_S3_INSTANCE_CREDENTIALS=1 to use the cloud instance's metadata service",
+        });
+    }
     let mut builder = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .with_virtual_hosted_style_request(false)

@@ -353,3 +353,21 @@ fn on_the_fleet_a_run_is_resumed_by_one_run_at_a_time_and_not_while_it_is_live()
     let (code, _) = c.wait(out.json()["run_id"].as_str().unwrap());
     assert_eq!(code, 0);
 }
+
+#[test]
+fn a_fleet_launch_with_the_exec_backend_uses_the_workers_command() {
+    let c = Cluster::start_workers_with(
+        1,
+        2,
+        &["--backend", "exec", "--exec-cmd", "printf from-the-worker"],
+        Vec::new(),
+    );
+    let run = c.launch(
+        "exec-fleet",
+        "return await agent('x');",
+        &["--stagger", "0", "--backend", "exec"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "from-the-worker");
+}

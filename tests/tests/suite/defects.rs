@@ -468,3 +468,79 @@ fn terminal_escapes_from_a_script_are_shown_not_obeyed() {
         );
     }
 }
+
+#[test]
+fn smaller_ones_say_what_is_wrong() {
+    let env = Env::new();
+    let script = env.script("t", "return 1;");
+    let s = script.to_str().unwrap();
+    // TypeScript: the line, and what is wrong with it.
+    let ts = env.file(
+        "typed.js",
+        "export const meta = { name: 'typed', description: 'd' };\nconst n: number = 1;\nreturn n;\n",
+    );
+    let out = env.flotilla(&["run", ts.to_str().unwrap()]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("const n: number = 1;"), "{out:?}");
+    assert!(
+        out.stderr.contains("type annotations are not JavaScript"),
+        "{out:?}"
+    );
+    // A negative count is a bad value, not an unknown flag.
+    let out = env.flotilla(&["run", s, "--concurrency", "-1"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("-1 is not in 1.."), "{out:?}");
+    let out = env.flotilla(&["run", s, "--script-memory", "999999999"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("at most"), "{out:?}");
+    // A refused launch names no run that was never stored.
+    let bad = env.file("bad.js", "export const meta = { name: 'b' };\nreturn 1;\n");
+    let out = env.flotilla(&["run", bad.to_str().unwrap(), "--json"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    let r = out.json();
+    assert!(r.get("run_id").is_none(), "{r}");
+    assert!(stored_runs(&env).is_empty());
+    // Error codes a script can branch on.
+    let (code, r) = env.run_body(
+        "const o = {}; o.self = o;\n\
+         const codes = [];\n\
+         for (const f of [() => agent(123), () => agent('x', o), () => agent('x', [1])]) {\n\
+           try { await f(); codes.push('none'); } catch (e) { codes.push(e.code); }\n\
+         }\n\
+         return codes;",
+        &[],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        serde_json::json!(["INVALID_PROMPT", "INVALID_OPTION", "INVALID_OPTION"])
+    );
+    // An S3 store without credentials says so instead of asking a cloud metadata address.
+    let out = env.flotilla_with_env(
+        &["run", s, "--store", "s3://some-bucket/x"],
+        &[("AWS_ACCESS_KEY_ID", ""), ("AWS_SECRET_ACCESS_KEY", "")],
+    );
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("no S3 credentials"), "{out:?}");
+}
+
+#[test]
+fn a_run_whose_events_were_never_written_shows_its_journaled_calls() {
+    let env = Env::new();
+    let script = env.script(
+        "j",
+        "return (await parallel(Array.from({ length: 10 }, (_, i) => () => agent('item ' + i)))).length;",
+    );
+    let (code, r) = env.run(&script, &["--stagger", "0"]);
+    assert_eq!(code, 0, "{r}");
+    let run = r["run_id"].as_str().unwrap().to_owned();
+    let dir = env.path().join("store/runs").join(&run);
+    std::fs::remove_dir_all(dir.join("events")).unwrap();
+    std::fs::remove_file(dir.join("result.json")).unwrap();
+    let shown = env.flotilla(&["show", &run, "--json"]).json();
+    assert_eq!(usage(&shown, "agents"), 10, "{shown}");
+    assert!(
+        agents(&shown).iter().all(|a| a["status"] == "completed"),
+        "{shown}"
+    );
+}
