@@ -14,24 +14,16 @@ fn unsafe_char(c: char) -> bool {
 
 /// `s` with control characters shown as escapes (one line, whatever it held).
 pub fn clean(s: &str) -> Cow<'_, str> {
-    if !s.chars().any(unsafe_char) {
-        return Cow::Borrowed(s);
-    }
-    let mut out = String::with_capacity(s.len() + 8);
-    for c in s.chars() {
-        if unsafe_char(c) {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    Cow::Owned(out)
+    escape(s, unsafe_char)
 }
 
 /// Like [`clean`], but keeps newlines and tabs (a multi-line result printed as such).
 pub fn clean_text(s: &str) -> Cow<'_, str> {
-    let bad = |c: char| unsafe_char(c) && c != '\n' && c != '\t';
-    if !s.chars().any(bad) {
+    escape(s, |c| unsafe_char(c) && c != '\n' && c != '\t')
+}
+
+fn escape(s: &str, bad: impl Fn(char) -> bool) -> Cow<'_, str> {
+    if !s.chars().any(&bad) {
         return Cow::Borrowed(s);
     }
     let mut out = String::with_capacity(s.len() + 8);

@@ -212,16 +212,41 @@ impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected
     }
 }
 
-/// Accepts until `cancel`, taking a permit per connection; `Err` from `accept` (out of file
-/// descriptors, say) is logged and retried shortly.
+/// One accepted connection's permit, or `None` (logged) when the listener is full.
+fn admit(
+    permits: &Arc<Semaphore>,
+    logs: &Logs,
+    max: usize,
+    peer: SocketAddr,
+) -> Option<OwnedSemaphorePermit> {
+    let permit = permits.clone().try_acquire_owned().ok();
+    if permit.is_none() {
+        logs.full.say(|held| {
+            tracing::warn!(listener = logs.what, peer = %peer, limit = max, suppressed = held,
+                "connection limit reached; closed a new connection at once (raise --max-connections if this is real load)");
+        });
+    }
+    permit
+}
+
+/// An `accept` that failed (out of file descriptors, say): said, and retried shortly.
+async fn accept_failed(logs: &Logs, e: &io::Error) {
+    logs.full.say(|held| {
+        tracing::warn!(listener = logs.what, error = %e, suppressed = held, "cannot accept a connection");
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// Accepts until `cancel`, taking a permit per connection.
 async fn accept_loop(
     listener: TcpListener,
-    permits: Arc<Semaphore>,
+    limits: Limits,
     logs: Arc<Logs>,
-    max: usize,
     cancel: CancellationToken,
     mut each: impl FnMut(TcpStream, SocketAddr, OwnedSemaphorePermit) -> bool,
 ) {
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let max = limits.max_connections;
     loop {
         let accepted = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -230,19 +255,11 @@ async fn accept_loop(
         let (tcp, peer) = match accepted {
             Ok(a) => a,
             Err(e) => {
-                logs.full.say(|held| {
-                    tracing::warn!(listener = logs.what, error = %e, suppressed = held, "cannot accept a connection");
-                });
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                accept_failed(&logs, &e).await;
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            logs.full.say(|held| {
-                tracing::warn!(listener = logs.what, peer = %peer, limit = max, suppressed = held,
-                    "connection limit reached; closed a new connection at once (raise --max-connections if this is real load)");
-            });
-            drop(tcp);
+        let Some(permit) = admit(&permits, &logs, max, peer) else {
             continue;
         };
         let _ = tcp.set_nodelay(true);
@@ -261,13 +278,11 @@ pub fn tls(
 ) -> UnboundedReceiverStream<io::Result<Guarded<tokio_rustls::server::TlsStream<TcpStream>>>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let logs = Logs::new("grpc");
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     tokio::spawn(accept_loop(
         listener,
-        permits,
+        limits,
         logs.clone(),
-        limits.max_connections,
         cancel,
         move |tcp, peer, permit| {
             if tx.is_closed() {
@@ -301,12 +316,10 @@ pub fn plain(
 ) -> UnboundedReceiverStream<io::Result<Guarded<TcpStream>>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let logs = Logs::new("grpc");
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
     tokio::spawn(accept_loop(
         listener,
-        permits,
+        limits,
         logs.clone(),
-        limits.max_connections,
         cancel,
         move |tcp, peer, permit| {
             tx.send(Ok(Guarded::new(
@@ -358,19 +371,12 @@ impl axum::serve::Listener for Limited {
             let (tcp, peer) = match self.inner.accept().await {
                 Ok(a) => a,
                 Err(e) => {
-                    self.logs.full.say(|held| {
-                        tracing::warn!(listener = "http", error = %e, suppressed = held, "cannot accept a connection");
-                    });
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    accept_failed(&self.logs, &e).await;
                     continue;
                 }
             };
-            let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-                let (logs, max) = (&self.logs, self.limits.max_connections);
-                logs.full.say(|held| {
-                    tracing::warn!(listener = "http", peer = %peer, limit = max, suppressed = held,
-                        "connection limit reached; closed a new connection at once (raise --max-connections if this is real load)");
-                });
+            let max = self.limits.max_connections;
+            let Some(permit) = admit(&self.permits, &self.logs, max, peer) else {
                 continue;
             };
             let io = Guarded::new(tcp, self.limits.idle, Some(peer), self.logs.clone(), permit);

@@ -415,27 +415,9 @@ impl WorkerService for WorkerSvc {
             }
             // Dropping the sender tells the dispatcher the worker is gone.
         });
-        // Big assignments go out in fragments (see `frag`).
-        let (frames_tx, frames_rx) = mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let mut to_worker_rx = to_worker_rx;
-            let mut splitter = frag::Splitter::default();
-            while let Some(m) = to_worker_rx.recv().await {
-                match splitter.split(m) {
-                    Ok(parts) => {
-                        for p in parts {
-                            if frames_tx.send(p).is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    // The run engine refuses an agent() call this big before it is queued.
-                    Err(e) => {
-                        tracing::error!(error = %e, "a message to a worker is too large; dropped")
-                    }
-                }
-            }
-        });
+        // Big assignments go out in fragments (see `frag`); the run engine refuses an
+        // agent() call too big to send at all before it is queued.
+        let frames_rx = frag::splitting(to_worker_rx, "worker");
         let out = UnboundedReceiverStream::new(frames_rx).map(Ok);
         Ok(Response::new(Box::pin(out)))
     }

@@ -199,15 +199,7 @@ async fn guard(
             .find(|(k, _)| *k == "key")
             .map(|(_, v)| v.to_owned())
     });
-    let from_cookie = req
-        .headers()
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|kv| kv.trim().split_once('='))
-        .find(|(k, _)| *k == KEY_COOKIE)
-        .map(|(_, v)| v.to_owned());
+    let from_cookie = cookie(req.headers(), KEY_COOKIE);
     let from_bearer = token_of(req.headers());
     let given = [&from_query, &from_cookie, &from_bearer];
     if !given
@@ -285,13 +277,18 @@ fn token_of(headers: &HeaderMap) -> Option<String> {
     {
         return Some(t.trim().to_owned());
     }
+    cookie(headers, COOKIE)
+}
+
+/// The value of cookie `name`.
+fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
     headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|kv| kv.trim().split_once('='))
-        .find(|(k, _)| *k == COOKIE)
+        .find(|(k, _)| *k == name)
         .map(|(_, v)| v.to_owned())
 }
 

@@ -114,6 +114,34 @@ impl Splitter {
     }
 }
 
+/// A channel whose messages come out of the returned one split for the wire (the gRPC
+/// bridge's outgoing side). `to` names the peer in the log line of a message too large to
+/// send at all (which the sender's own limits should never let through).
+pub fn splitting<M: Framed + Send + 'static>(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<M>,
+    to: &'static str,
+) -> tokio::sync::mpsc::UnboundedReceiver<M> {
+    let (tx, out) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut splitter = Splitter::default();
+        while let Some(m) = rx.recv().await {
+            match splitter.split(m) {
+                Ok(parts) => {
+                    for p in parts {
+                        if tx.send(p).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, to, "a message is too large to send; dropped")
+                }
+            }
+        }
+    });
+    out
+}
+
 /// Puts incoming fragments back together; one per stream.
 #[derive(Debug)]
 pub struct Reassembler {

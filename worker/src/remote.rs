@@ -173,29 +173,11 @@ async fn attach_once(
     let mut client = WorkerServiceClient::new(channel)
         .max_decoding_message_size(frag::MAX_FRAME_BYTES)
         .max_encoding_message_size(frag::MAX_FRAME_BYTES);
-    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<WorkerMessage>();
+    let (out_tx, out_rx) = mpsc::unbounded_channel::<WorkerMessage>();
     let (in_tx, in_rx) = mpsc::unbounded_channel();
-    // Big outcomes and transcripts go out in fragments (see `frag`).
-    let (frames_tx, frames_rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut splitter = frag::Splitter::default();
-        while let Some(m) = out_rx.recv().await {
-            match splitter.split(m) {
-                Ok(parts) => {
-                    for p in parts {
-                        if frames_tx.send(p).is_err() {
-                            return;
-                        }
-                    }
-                }
-                // Outcomes are fitted to the limit before they are sent; a progress report
-                // this big is not worth a link.
-                Err(e) => {
-                    tracing::error!(error = %e, "a message to the coordinator is too large; dropped")
-                }
-            }
-        }
-    });
+    // Big outcomes and transcripts go out in fragments (see `frag`); outcomes are fitted to
+    // the limit before they are sent.
+    let frames_rx = frag::splitting(out_rx, "coordinator");
     // The worker sends Hello first; the call only returns once the coordinator answers.
     if links
         .send(Link {
