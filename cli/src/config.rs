@@ -522,11 +522,10 @@ pub fn resolve_run_with(
     if let Ok(meta) = flotilla_coordinator::script::source::read_meta(&source) {
         meta_defaults(&mut settings, &meta.raw, &args.settings, &file)?;
     }
+    // Agents work where the run was started, as Claude Code's do: the repository root when
+    // inside one, else this directory; --workspace DIR says otherwise.
     let workspace = workspace.unwrap_or_else(|| {
-        dirs::data_dir()
-            .unwrap_or_else(std::env::temp_dir)
-            .join("flotilla")
-            .join("workspaces")
+        flotilla_coordinator::workflows::repo_root(&cwd).unwrap_or_else(|| cwd.clone())
     });
     Ok(ResolvedRun {
         source,

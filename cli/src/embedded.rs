@@ -54,6 +54,7 @@ impl Embedded {
                 slots,
                 workspace,
                 labels: Default::default(),
+                shared_workspace: true,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
             },
             backends,

@@ -610,6 +610,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             slots,
             workspace,
             labels: Default::default(),
+            shared_workspace: false,
             max_result_bytes: (max_result_mib as usize) << 20,
         },
         backends,

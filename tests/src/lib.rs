@@ -168,6 +168,34 @@ impl Env {
     }
 }
 
+/// Makes `dir` a git repository with one commit (a `README`) on branch `main`.
+pub fn git_repo(dir: &Path) {
+    std::fs::create_dir_all(dir).expect("create repository dir");
+    std::fs::write(dir.join("README"), "main checkout\n").expect("write README");
+    for args in [
+        &["init", "-q", "-b", "main"][..],
+        &["add", "."],
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-q",
+            "-m",
+            "one",
+        ],
+    ] {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .output()
+            .expect("run git");
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+    }
+}
+
 /// Runs a command, failing the test if it takes longer than `limit`.
 pub fn run_with_timeout(mut cmd: Command, limit: Duration) -> Output {
     cmd.stdin(Stdio::null())

@@ -43,6 +43,9 @@ pub struct WorkerOptions {
     pub workspace: std::path::PathBuf,
     /// Free-form labels announced to the scheduler.
     pub labels: HashMap<String, String>,
+    /// Every agent works in `workspace` itself (the embedded mode: the user's repository or
+    /// directory) instead of a scratch directory per call.
+    pub shared_workspace: bool,
     /// The largest result (outcome) this worker sends; a bigger one fails its call with its
     /// size (at most [`flotilla_proto::frag::MAX_MESSAGE_BYTES`]).
     pub max_result_bytes: usize,
@@ -112,7 +115,11 @@ impl Worker {
     /// longer than the lease TTL (the coordinator has restarted them elsewhere by then), it
     /// cancels them.
     pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
-        let workspace = Workspace::new(&self.opts.workspace);
+        let workspace = if self.opts.shared_workspace {
+            Workspace::shared(&self.opts.workspace)
+        } else {
+            Workspace::new(&self.opts.workspace)
+        };
         let tracker = TaskTracker::new();
         let running: Running = Arc::default();
         let (out_tx, mut out_rx) = mpsc::unbounded_channel::<WorkerMessage>();
@@ -455,6 +462,7 @@ async fn run_attempt_in(
             Ok(schema) => match worktree_for(&a, &spec, &workspace, &events).await {
                 Err(e) => Err(e),
                 Ok(worktree) => {
+                    let scratch = workspace.clone();
                     let task = Task {
                         run_id: a.run_id.clone(),
                         call: a.call,
@@ -486,11 +494,19 @@ async fn run_attempt_in(
                     } else {
                         backend.run(&task, &events, cancel.clone()).await
                     };
-                    if let Some(wt) = &worktree {
-                        let kept = wt.finish().await == crate::worktree::Finished::Kept;
-                        events.transcript(serde_json::json!({
-                            "type": "worktree", "path": wt.path, "branch": wt.branch, "kept": kept,
-                        }));
+                    match &worktree {
+                        Some(wt) => {
+                            let message = format!(
+                                "flotilla: agent {:?} (#{}) of run {}, attempt {}",
+                                spec.label, a.call, a.run_id, a.attempt
+                            );
+                            let kept =
+                                wt.finish_as(&message).await == crate::worktree::Finished::Kept;
+                            events.transcript(serde_json::json!({
+                                "type": "worktree", "path": wt.path, "branch": wt.branch, "kept": kept,
+                            }));
+                        }
+                        None => scratch.tidy(&a.run_id, a.call, &spec.cwd),
                     }
                     result
                 }
@@ -554,24 +570,16 @@ async fn worktree_for(
             .dir_for(&a.run_id, a.call, &spec.cwd)
             .map_err(invalid)?
     };
-    match crate::worktree::Worktree::create(&root, &dir, &a.run_id, a.call, a.attempt).await {
-        Ok(wt) => {
-            events.transcript(serde_json::json!({
-                "type": "worktree", "path": wt.path, "branch": wt.branch, "base": wt.base,
-            }));
-            Ok(Some(wt))
-        }
-        Err(why) => {
-            let wt = crate::worktree::Worktree::plain(&root, &a.run_id, a.call, a.attempt)
-                .map_err(invalid)?;
-            tracing::warn!(run = %a.run_id, call = a.call, "no git worktree: {why}");
-            events.transcript(serde_json::json!({
-                "type": "worktree", "path": wt.path, "plain": true,
-                "warning": format!("{why}; the agent works in an empty directory of its own instead"),
-            }));
-            Ok(Some(wt))
-        }
-    }
+    // Outside a repository there is nothing to branch from: the call fails with the reason
+    // (W24: an unsupported isolation rejects), never a silent empty directory.
+    let wt = crate::worktree::Worktree::create(&dir, &a.run_id, a.call)
+        .await
+        .map_err(invalid)?;
+    events.transcript(serde_json::json!({
+        "type": "worktree", "path": wt.path, "branch": wt.branch, "base": wt.base,
+        "reused": wt.reused,
+    }));
+    Ok(Some(wt))
 }
 
 fn parse_schema(spec: &v1::TaskSpec) -> Result<Option<Value>, Error> {
@@ -659,6 +667,7 @@ mod tests {
                 slots: 2,
                 workspace: dir.to_owned(),
                 labels: HashMap::new(),
+                shared_workspace: false,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
             },
             vec![Arc::new(Echo)],

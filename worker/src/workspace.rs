@@ -1,9 +1,11 @@
-//! Per-call working directories, confined to the worker's workspace root.
+//! Working directories, confined to the worker's workspace root.
 //!
-//! Every call gets `{root}/{run}/{call}` unless it names a `cwd`, which must be a relative
-//! path that stays inside the root (no absolute paths, no `..` that climbs out, no symlink
-//! that leads out). Attempts of one call share the directory: files an earlier attempt wrote
-//! stay (W58).
+//! A *shared* workspace (the embedded mode: the user's repository or directory) is where
+//! every agent works, as Claude Code's agents work in the session's directory. Otherwise every
+//! call gets a scratch directory `{root}/{run}/{call}`, removed after an attempt that left it
+//! empty. A `cwd` must be a relative path that stays inside the root (no absolute paths, no
+//! `..` that climbs out, no symlink that leads out). Attempts of one call share the directory:
+//! files an earlier attempt wrote stay (W58).
 
 use std::path::{Component, Path, PathBuf};
 
@@ -11,11 +13,39 @@ use std::path::{Component, Path, PathBuf};
 #[derive(Debug, Clone)]
 pub struct Workspace {
     root: PathBuf,
+    shared: bool,
 }
 
 impl Workspace {
+    /// Scratch directories per call under `root`.
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Workspace { root: root.into() }
+        Workspace {
+            root: root.into(),
+            shared: false,
+        }
+    }
+
+    /// Every agent works in `root` itself (or its `cwd` inside it).
+    pub fn shared(root: impl Into<PathBuf>) -> Self {
+        Workspace {
+            root: root.into(),
+            shared: true,
+        }
+    }
+
+    pub fn is_shared(&self) -> bool {
+        self.shared
+    }
+
+    /// After an attempt: a call's scratch directory that was left empty goes, and so does
+    /// its run's directory once empty (nothing is left behind but what agents wrote).
+    pub fn tidy(&self, run_id: &str, call: u64, cwd: &str) {
+        if self.shared || !cwd.is_empty() || !is_plain_name(run_id) {
+            return;
+        }
+        let run_dir = self.root.join(run_id);
+        let _ = std::fs::remove_dir(run_dir.join(call.to_string()));
+        let _ = std::fs::remove_dir(run_dir);
     }
 
     pub fn root(&self) -> &Path {
@@ -24,7 +54,9 @@ impl Workspace {
 
     /// The working directory of one call, created if missing.
     pub fn dir_for(&self, run_id: &str, call: u64, cwd: &str) -> Result<PathBuf, String> {
-        let dir = if cwd.is_empty() {
+        let dir = if cwd.is_empty() && self.shared {
+            self.root.clone()
+        } else if cwd.is_empty() {
             if !is_plain_name(run_id) {
                 return Err(format!("run id {run_id:?} cannot name a directory"));
             }
@@ -87,13 +119,13 @@ fn confined(cwd: &str) -> Result<PathBuf, String> {
             Component::ParentDir => {
                 if !out.pop() {
                     return Err(format!(
-                        "cwd {cwd:?} climbs out of the worker's workspace root; use a path inside it"
+                        "cwd {cwd:?} climbs out of the agents' workspace; use a path inside it"
                     ));
                 }
             }
             Component::RootDir | Component::Prefix(_) => {
                 return Err(format!(
-                    "cwd {cwd:?} is absolute; give a path relative to the worker's workspace root"
+                    "cwd {cwd:?} is absolute; give a path relative to the agents' workspace (the repository root)"
                 ));
             }
         }
@@ -112,6 +144,28 @@ mod tests {
         let d = ws.dir_for("wf_1", 7, "").unwrap();
         assert!(d.is_dir());
         assert!(d.ends_with("wf_1/7"));
+    }
+
+    #[test]
+    fn a_shared_workspace_is_every_agent_s_directory_and_scratch_ones_are_tidied() {
+        let tmp = tempfile::tempdir().unwrap();
+        let shared = Workspace::shared(tmp.path());
+        assert_eq!(
+            shared.dir_for("wf_1", 3, "").unwrap(),
+            tmp.path().canonicalize().unwrap()
+        );
+        assert!(shared.dir_for("wf_1", 3, "src").unwrap().ends_with("src"));
+        let scratch = Workspace::new(tmp.path());
+        let d = scratch.dir_for("wf_2", 1, "").unwrap();
+        let kept = scratch.dir_for("wf_2", 2, "").unwrap();
+        std::fs::write(kept.join("out.txt"), "x").unwrap();
+        scratch.tidy("wf_2", 1, "");
+        assert!(!d.exists(), "an empty scratch directory goes");
+        scratch.tidy("wf_2", 2, "");
+        assert!(kept.join("out.txt").exists(), "what an agent wrote stays");
+        std::fs::remove_dir_all(&kept).unwrap();
+        scratch.tidy("wf_2", 2, "");
+        assert!(!tmp.path().join("wf_2").exists());
     }
 
     #[test]

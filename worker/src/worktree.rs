@@ -1,14 +1,14 @@
-//! `isolation: 'worktree'` (W20): an attempt works in a fresh git worktree of the repository
-//! that holds its working directory, on its own branch. Afterwards the worktree is removed if
+//! `isolation: 'worktree'` (W20): an agent works in a git worktree of the repository that
+//! holds its working directory, on a branch of its own. Afterwards the worktree is removed if
 //! the agent changed nothing, and kept (with its branch) otherwise.
 //!
-//! Outside a git repository (or without git) the attempt gets a fresh empty directory at the
-//! same place instead, so a Claude Code script that asks for a worktree still runs, isolated.
-//!
-//! Worktrees live under `<workspace root>/.worktrees/<run>/<call>-<attempt>`, branches are
-//! `flotilla/<run>/<call>-<attempt>`, so a retry never inherits a half-done attempt and a kept
-//! worktree is never reused. Git's own commands do the work; adding and removing worktrees of
-//! one repository is serialized in this process, since git locks its metadata for each.
+//! One worktree per call, at `<git common dir>/flotilla/worktrees/<run>/<call>` on branch
+//! `flotilla/<run>/<call>` (W20: named from the run and the agent's index): inside the
+//! repository's git directory, so it never shows in the user's tree, and shared by the
+//! call's attempts, so a restarted attempt keeps what an earlier one wrote (W58). Outside a
+//! repository there is no worktree: the call fails with the reason. Git's own commands do
+//! the work; adding and removing worktrees is serialized in this process, since git locks
+//! its metadata for each.
 
 use std::path::{Path, PathBuf};
 
@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 /// Serializes `git worktree add/remove` (they take repository-wide locks).
 static GIT: Mutex<()> = Mutex::const_new(());
 
-/// One attempt's worktree.
+/// One call's worktree.
 #[derive(Debug, Clone)]
 pub struct Worktree {
     /// The worktree's top directory.
@@ -29,8 +29,9 @@ pub struct Worktree {
     pub branch: String,
     /// The commit it started from.
     pub base: String,
-    /// The repository; `None` for a plain directory (no repository to branch from).
-    repo: Option<PathBuf>,
+    /// An earlier attempt of the call made it (and may have left work in it).
+    pub reused: bool,
+    repo: PathBuf,
 }
 
 /// What happened to a worktree after its attempt.
@@ -40,13 +41,6 @@ pub enum Finished {
     Removed,
     /// The agent changed files or committed: both stay for the user.
     Kept,
-}
-
-/// Where an attempt's worktree (or plain directory) lives.
-fn place(root: &Path, run_id: &str, call: u64, attempt: u32) -> PathBuf {
-    root.join(".worktrees")
-        .join(run_id)
-        .join(format!("{call}-{attempt}"))
 }
 
 async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
@@ -65,27 +59,68 @@ async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     }
 }
 
+fn plain_name(s: &str) -> bool {
+    !s.is_empty()
+        && !s.starts_with('.')
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
 impl Worktree {
-    /// Makes the worktree of attempt `attempt` of call `call`, for an agent whose working
-    /// directory would be `dir` (inside a git checkout under `root`).
-    pub async fn create(
-        root: &Path,
-        dir: &Path,
-        run_id: &str,
-        call: u64,
-        attempt: u32,
-    ) -> Result<Worktree, String> {
+    /// The worktree of call `call` for an agent whose working directory would be `dir`
+    /// (inside a git repository): made, or the one an earlier attempt left.
+    pub async fn create(dir: &Path, run_id: &str, call: u64) -> Result<Worktree, String> {
+        if !plain_name(run_id) {
+            return Err(format!("run id {run_id:?} cannot name a branch"));
+        }
         let repo = git(dir, &["rev-parse", "--show-toplevel"])
             .await
             .map(PathBuf::from)
             .map_err(|_| {
                 format!(
-                    "isolation: 'worktree' needs a git repository, and {} is not inside one; \
-                     start the worker with --workspace set to a git checkout (or give a cwd inside one)",
+                    "isolation: 'worktree' needs a git repository, and {} is not inside one;                      run from a git checkout (or pass --workspace DIR with one), or drop the isolation option",
                     dir.display()
                 )
             })?;
         let repo = repo.canonicalize().unwrap_or(repo);
+        let common = git(&repo, &["rev-parse", "--git-common-dir"]).await?;
+        let common = repo.join(common);
+        let common = common.canonicalize().unwrap_or(common);
+        let path = common
+            .join("flotilla")
+            .join("worktrees")
+            .join(run_id)
+            .join(call.to_string());
+        let branch = format!("flotilla/{run_id}/{call}");
+        let inside = dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.strip_prefix(&repo).ok().map(Path::to_path_buf))
+            .unwrap_or_default();
+        let _git = GIT.lock().await;
+        // An earlier attempt of this call: its worktree, with whatever it wrote.
+        if path.is_dir()
+            && git(&path, &["rev-parse", "--abbrev-ref", "HEAD"])
+                .await
+                .as_deref()
+                == Ok(branch.as_str())
+        {
+            // The commit it started from, as its first attempt wrote it down.
+            let base = std::fs::read_to_string(base_file(&path))
+                .map(|b| b.trim().to_owned())
+                .unwrap_or_default();
+            let workdir = path.join(&inside);
+            std::fs::create_dir_all(&workdir)
+                .map_err(|e| format!("cannot create {}: {e}", workdir.display()))?;
+            return Ok(Worktree {
+                path,
+                workdir,
+                branch,
+                base,
+                reused: true,
+                repo,
+            });
+        }
         // Branch from the default branch when the repository has a remote, else from HEAD (W20).
         let base = match git(
             &repo,
@@ -103,46 +138,38 @@ impl Worktree {
                     )
                 })?,
         };
-        let path = place(root, run_id, call, attempt);
-        let branch = format!("flotilla/{run_id}/{call}-{attempt}");
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)
                 .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
         }
-        {
-            let _git = GIT.lock().await;
-            // A leftover from a worker that died mid-attempt: take it away first.
-            if path.exists() {
-                let _ = git(
-                    &repo,
-                    &["worktree", "remove", "--force", &path.to_string_lossy()],
-                )
-                .await;
-                let _ = std::fs::remove_dir_all(&path);
-                let _ = git(&repo, &["worktree", "prune"]).await;
-                let _ = git(&repo, &["branch", "-D", &branch]).await;
-            }
-            git(
+        // A leftover of a worker that died mid-attempt: take it away first.
+        if path.exists() {
+            let _ = git(
                 &repo,
-                &[
-                    "worktree",
-                    "add",
-                    "--quiet",
-                    "-b",
-                    &branch,
-                    &path.to_string_lossy(),
-                    &base,
-                ],
+                &["worktree", "remove", "--force", &path.to_string_lossy()],
             )
-            .await
-            .map_err(|e| format!("git worktree add failed: {e}"))?;
+            .await;
+            let _ = std::fs::remove_dir_all(&path);
+            let _ = git(&repo, &["worktree", "prune"]).await;
         }
+        let _ = git(&repo, &["branch", "-D", &branch]).await;
+        git(
+            &repo,
+            &[
+                "worktree",
+                "add",
+                "--quiet",
+                "-b",
+                &branch,
+                &path.to_string_lossy(),
+                &base,
+            ],
+        )
+        .await
+        .map_err(|e| format!("git worktree add failed: {e}"))?;
+        std::fs::write(base_file(&path), &base)
+            .map_err(|e| format!("cannot write {}: {e}", base_file(&path).display()))?;
         let path = path.canonicalize().unwrap_or(path);
-        let inside = dir
-            .canonicalize()
-            .ok()
-            .and_then(|d| d.strip_prefix(&repo).ok().map(Path::to_path_buf))
-            .unwrap_or_default();
         let workdir = path.join(inside);
         std::fs::create_dir_all(&workdir)
             .map_err(|e| format!("cannot create {}: {e}", workdir.display()))?;
@@ -151,40 +178,18 @@ impl Worktree {
             workdir,
             branch,
             base,
-            repo: Some(repo),
+            reused: false,
+            repo,
         })
     }
 
-    /// Outside a repository: a fresh, empty directory of the attempt's own at the same
-    /// place a worktree would be, so the agent is still isolated from every other one.
-    pub fn plain(root: &Path, run_id: &str, call: u64, attempt: u32) -> Result<Worktree, String> {
-        let path = place(root, run_id, call, attempt);
-        if path.exists() {
-            std::fs::remove_dir_all(&path)
-                .map_err(|e| format!("cannot clear {}: {e}", path.display()))?;
-        }
-        std::fs::create_dir_all(&path)
-            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-        let path = path.canonicalize().unwrap_or(path);
-        Ok(Worktree {
-            workdir: path.clone(),
-            path,
-            branch: String::new(),
-            base: String::new(),
-            repo: None,
-        })
-    }
-
-    /// Whether this is a git worktree (not a plain directory).
-    pub fn is_git(&self) -> bool {
-        self.repo.is_some()
+    /// [`Worktree::finish_as`] with a plain message.
+    pub async fn finish(&self) -> Finished {
+        self.finish_as("flotilla: the agent's change").await
     }
 
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.
     pub async fn changed(&self) -> bool {
-        if self.repo.is_none() {
-            return std::fs::read_dir(&self.path).map_or(true, |mut d| d.next().is_some());
-        }
         let dirty = git(&self.path, &["status", "--porcelain"])
             .await
             .map(|s| !s.is_empty())
@@ -196,18 +201,43 @@ impl Worktree {
         dirty || moved
     }
 
-    /// Removes the worktree and its branch if nothing changed; keeps both otherwise.
-    pub async fn finish(&self) -> Finished {
+    /// Removes the worktree and its branch if nothing changed. Otherwise what the agent left
+    /// uncommitted becomes a commit on its branch (`message`, by "flotilla"), so the branch
+    /// holds the agent's whole change, and both stay.
+    pub async fn finish_as(&self, message: &str) -> Finished {
         if self.changed().await {
+            let dirty = git(&self.path, &["status", "--porcelain"])
+                .await
+                .is_ok_and(|s| !s.is_empty());
+            if dirty {
+                let committed = async {
+                    git(&self.path, &["add", "-A"]).await?;
+                    git(
+                        &self.path,
+                        &[
+                            "-c",
+                            "user.name=flotilla",
+                            "-c",
+                            "user.email=flotilla@localhost",
+                            "commit",
+                            "-q",
+                            "--no-verify",
+                            "-m",
+                            message,
+                        ],
+                    )
+                    .await
+                }
+                .await;
+                if let Err(e) = committed {
+                    tracing::warn!(worktree = %self.path.display(), error = %e, "cannot commit the agent's change; it stays uncommitted in its worktree");
+                }
+            }
             return Finished::Kept;
         }
-        let Some(repo) = &self.repo else {
-            let _ = std::fs::remove_dir(&self.path);
-            return Finished::Removed;
-        };
         let _git = GIT.lock().await;
         let removed = git(
-            repo,
+            &self.repo,
             &[
                 "worktree",
                 "remove",
@@ -218,11 +248,21 @@ impl Worktree {
         .await;
         if removed.is_err() {
             let _ = std::fs::remove_dir_all(&self.path);
-            let _ = git(repo, &["worktree", "prune"]).await;
+            let _ = git(&self.repo, &["worktree", "prune"]).await;
         }
-        let _ = git(repo, &["branch", "-D", &self.branch]).await;
+        let _ = git(&self.repo, &["branch", "-D", &self.branch]).await;
+        let _ = std::fs::remove_file(base_file(&self.path));
+        // Its run's directory goes once empty.
+        if let Some(run_dir) = self.path.parent() {
+            let _ = std::fs::remove_dir(run_dir);
+        }
         Finished::Removed
     }
+}
+
+/// Beside a worktree: the commit it started from (so a later attempt of the call knows).
+fn base_file(path: &Path) -> PathBuf {
+    path.with_extension("base")
 }
 
 #[cfg(test)]
@@ -265,44 +305,74 @@ mod tests {
     async fn an_unchanged_worktree_is_removed_with_its_branch() {
         let r = repo();
         let root = r.path().canonicalize().unwrap();
-        let wt = Worktree::create(&root, &root.join("src"), "wf_a", 3, 1)
+        let wt = Worktree::create(&root.join("src"), "wf_a", 3)
             .await
             .unwrap();
-        assert!(wt.workdir.ends_with(".worktrees/wf_a/3-1/src"), "{wt:?}");
+        assert!(
+            wt.workdir.ends_with(".git/flotilla/worktrees/wf_a/3/src"),
+            "{wt:?}"
+        );
         assert_eq!(
             std::fs::read_to_string(wt.workdir.join("a.txt")).unwrap(),
             "a\n"
         );
         assert_eq!(wt.finish().await, Finished::Removed);
         assert!(!wt.path.exists());
+        assert!(
+            !wt.path.parent().unwrap().exists(),
+            "nothing of the run is left"
+        );
         let branches = git(&root, &["branch", "--list", "flotilla/*"])
             .await
             .unwrap();
         assert!(branches.is_empty(), "{branches}");
+        assert_eq!(git(&root, &["status", "--porcelain"]).await.unwrap(), "");
     }
 
     #[tokio::test]
-    async fn a_changed_worktree_is_kept_and_the_checkout_is_untouched() {
+    async fn a_changed_worktree_is_kept_reused_by_the_next_attempt_and_the_checkout_is_untouched() {
         let r = repo();
         let root = r.path().canonicalize().unwrap();
-        let wt = Worktree::create(&root, &root, "wf_b", 0, 2).await.unwrap();
+        let wt = Worktree::create(&root, "wf_b", 0).await.unwrap();
         std::fs::write(wt.workdir.join("new.txt"), "x").unwrap();
         assert_eq!(wt.finish().await, Finished::Kept);
         assert!(wt.path.join("new.txt").exists());
         assert!(!root.join("new.txt").exists());
+        // The branch holds the change, committed.
+        let files = git(
+            &root,
+            &["show", "--name-only", "--format=", "flotilla/wf_b/0"],
+        )
+        .await
+        .unwrap();
+        assert_eq!(files, "new.txt");
+        assert_eq!(
+            git(&root, &["status", "--porcelain"]).await.unwrap(),
+            "",
+            "the user's tree shows nothing"
+        );
         let branches = git(&root, &["branch", "--list", "flotilla/*"])
             .await
             .unwrap();
-        assert!(branches.contains("flotilla/wf_b/0-2"), "{branches}");
+        assert!(branches.contains("flotilla/wf_b/0"), "{branches}");
+        // A restarted attempt finds what the first one wrote (W58), and knows it changed.
+        let again = Worktree::create(&root, "wf_b", 0).await.unwrap();
+        assert!(again.reused);
+        assert!(again.workdir.join("new.txt").exists());
+        assert_eq!(again.base, wt.base);
+        assert_eq!(again.finish().await, Finished::Kept);
     }
 
     #[tokio::test]
     async fn outside_a_repository_the_error_says_what_to_do() {
         let tmp = tempfile::tempdir().unwrap();
-        let e = Worktree::create(tmp.path(), tmp.path(), "wf_c", 0, 1)
-            .await
-            .unwrap_err();
+        let e = Worktree::create(tmp.path(), "wf_c", 0).await.unwrap_err();
         assert!(e.contains("needs a git repository"), "{e}");
         assert!(e.contains("--workspace"), "{e}");
+        assert_eq!(
+            std::fs::read_dir(tmp.path()).unwrap().count(),
+            0,
+            "nothing is made"
+        );
     }
 }

@@ -1522,6 +1522,7 @@ mod tests {
                 slots: 4,
                 workspace: workspace.path().into(),
                 labels: HashMap::new(),
+                shared_workspace: false,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
             },
             vec![Arc::new(Echo)],

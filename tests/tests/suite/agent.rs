@@ -129,6 +129,8 @@ fn w16_w17_labels_and_phase_groups() {
 #[test]
 fn w19_w20_w22_options_checked_by_value_unknown_ones_ignored() {
     let env = Env::new();
+    // `isolation: 'worktree'` needs a repository to branch from.
+    flotilla_tests::git_repo(&env.workspace());
     let (code, r) = env.run_body(
         "const out = [];\n\
          out.push(await agent('a', { effort: 'high', model: 'opus', agentType: 'Explore', isolation: 'worktree', someFutureOption: { x: 1 }, cwd: 'sub', tools: ['Read'], timeout: '5m' }));\n\

@@ -326,37 +326,11 @@ fn a_stalled_stream_is_restarted_by_the_watchdog_and_the_retry_succeeds() {
 }
 
 /// Makes `dir` a git repository with one commit.
-fn git_repo(dir: &std::path::Path) {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("README"), "main checkout\n").unwrap();
-    for args in [
-        &["init", "-q", "-b", "main"][..],
-        &["add", "."],
-        &[
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "-q",
-            "-m",
-            "one",
-        ],
-    ] {
-        let out = std::process::Command::new("git")
-            .arg("-C")
-            .arg(dir)
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "git {args:?}: {out:?}");
-    }
-}
 
 #[test]
 fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() {
     let env = Env::new();
-    git_repo(&env.workspace());
+    flotilla_tests::git_repo(&env.workspace());
     let fake = FakeAnthropic::start();
     let (code, r) = run(
         &env,
@@ -369,7 +343,8 @@ fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() 
     assert_eq!(code, 0, "{r}");
     let run_id = r["run_id"].as_str().unwrap();
     let ws = env.workspace().canonicalize().unwrap();
-    let edit_dir = ws.join(".worktrees").join(run_id).join("0-1");
+    let worktrees = ws.join(".git/flotilla/worktrees").join(run_id);
+    let edit_dir = worktrees.join("0");
     // The agent's shell ran inside its worktree, and the file stayed there.
     assert_eq!(
         r["result"][0],
@@ -382,22 +357,31 @@ fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() 
         !ws.join("edited.txt").exists(),
         "the main checkout is untouched"
     );
-    // The unchanged worktree and its branch are gone; the changed one's branch stays.
-    assert!(!ws.join(".worktrees").join(run_id).join("1-1").exists());
-    let branches = std::process::Command::new("git")
-        .arg("-C")
-        .arg(&ws)
-        .args(["branch", "--list", "flotilla/*"])
-        .output()
-        .unwrap();
-    let branches = String::from_utf8_lossy(&branches.stdout);
+    // The unchanged worktree and its branch are gone; the changed one's branch stays; the
+    // user's tree shows nothing of either.
+    assert!(!worktrees.join("1").exists());
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&ws)
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let branches = git(&["branch", "--list", "flotilla/*"]);
     assert!(
-        branches.contains(&format!("flotilla/{run_id}/0-1")),
+        branches.contains(&format!("flotilla/{run_id}/0")),
         "{branches}"
     );
     assert!(
-        !branches.contains(&format!("flotilla/{run_id}/1-1")),
+        !branches.contains(&format!("flotilla/{run_id}/1")),
         "{branches}"
+    );
+    assert_eq!(
+        git(&["status", "--porcelain"]),
+        "",
+        "nothing is left in the tree"
     );
     // Each agent was told it works in an isolated copy.
     let told = fake
@@ -409,30 +393,29 @@ fn worktree_agents_work_in_their_own_checkout_which_is_kept_only_when_changed() 
 }
 
 #[test]
-fn outside_a_repository_a_worktree_agent_gets_an_empty_directory_of_its_own() {
+fn outside_a_repository_a_worktree_agent_fails_with_the_reason_and_leaves_nothing() {
     let env = Env::new();
+    std::fs::create_dir_all(env.workspace()).unwrap();
     let fake = FakeAnthropic::start();
     let (code, r) = run(
         &env,
         &fake,
-        "return await agent('where [[bash:pwd]]', { isolation: 'worktree', tools: ['Bash'] });",
+        "try { await agent('where [[bash:pwd]]', { isolation: 'worktree', tools: ['Bash'] }); return 'ran'; } catch (e) { return [e.code, e.message]; }",
     );
     assert_eq!(code, 0, "{r}");
-    let run_id = r["run_id"].as_str().unwrap();
-    let dir = env
-        .workspace()
-        .canonicalize()
-        .unwrap()
-        .join(".worktrees")
-        .join(run_id)
-        .join("0-1");
-    assert_eq!(r["result"], format!("tool said: {}", dir.display()), "{r}");
-    assert!(!dir.exists(), "left empty, so removed");
-    let logs = env.flotilla(&["logs", run_id, "--agent", "0", "--json"]);
+    assert_eq!(r["result"][0], "INVALID_AGENT", "{r}");
+    let why = r["result"][1].as_str().unwrap();
+    assert!(why.contains("needs a git repository"), "{why}");
+    assert_eq!(
+        std::fs::read_dir(env.workspace()).unwrap().count(),
+        0,
+        "no stray directories"
+    );
     assert!(
-        logs.stdout.contains("empty directory of its own"),
-        "{}",
-        logs.stdout
+        fake.requests()
+            .iter()
+            .all(|s| !s.body.to_string().contains("where")),
+        "no agent started"
     );
 }
 

@@ -13,8 +13,8 @@ fn prompt_on_stdin_options_in_env_stdout_is_the_result() {
     assert_eq!(code, 0, "{r}");
     assert_eq!(
         r["result"],
-        json!(["hello from stdin|opus|low|0", "two|||1"]),
-        "per-call working directories"
+        json!(["hello from stdin|opus|low|workspace", "two|||workspace"]),
+        "embedded agents work in the run's workspace, as Claude Code's work in its directory"
     );
 }
 

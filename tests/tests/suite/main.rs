@@ -18,6 +18,7 @@ mod limits;
 mod openai;
 mod resume;
 mod script;
+mod sources;
 mod spec_extra;
 mod stall;
 mod web;

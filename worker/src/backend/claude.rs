@@ -106,7 +106,7 @@ impl ClaudeCode {
             }
             args.extend(["--agent".into(), s.agent_type.clone()]);
         }
-        if let Some(wt) = task.worktree.as_ref().filter(|w| w.is_git()) {
+        if let Some(wt) = task.worktree.as_ref() {
             args.extend([
                 "--append-system-prompt".into(),
                 format!(
