@@ -702,6 +702,14 @@ pub struct LaunchArgs {
     run: crate::RunArgs,
     #[command(flatten)]
     remote: ClientArgs,
+    /// The code the agents work on: `auto` (the repository you launch from, with its
+    /// uncommitted and untracked files; none outside one), `none` (a scratch directory per
+    /// agent), or `git+URL#REF` (a repository the workers fetch themselves).
+    #[arg(long, env = "FLOTILLA_SOURCE", value_name = "auto|none|git+URL#REF")]
+    source: Option<String>,
+    /// The most a launch sends of the repository's objects, in MiB [default: 2048].
+    #[arg(long, env = "FLOTILLA_MAX_SOURCE_MIB", value_name = "MIB")]
+    max_source_mib: Option<u64>,
 }
 
 pub async fn launch(a: LaunchArgs) -> i32 {
@@ -790,6 +798,12 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         .into_iter()
         .map(|t| (t.name, t.model.unwrap_or_default()))
         .collect();
+    let mut resolved = resolved;
+    let sent = match send_source(&mut client, &a, &resolved.cwd).await {
+        Ok(s) => s,
+        Err(e) => return fail(2, e),
+    };
+    resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
     let settings_json = match serde_json::to_string(&resolved.settings) {
         Ok(s) => s,
         Err(e) => return fail(1, e),
@@ -808,8 +822,78 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         saved_name: resolved.saved_name.clone().unwrap_or_default(),
     };
     match client.launch(req).await {
-        Ok(r) => print_launched(r.into_inner(), a.run.json, None),
+        Ok(r) => {
+            let reply = r.into_inner();
+            if a.run.json && reply.status != "rejected" {
+                let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+                if let Some((src, up)) = &sent {
+                    v["source"] = serde_json::json!({
+                        "repo": src.repo, "commit": src.commit, "origin": src.origin,
+                        "uploaded_bytes": up.bytes, "uploaded_objects": up.objects,
+                    });
+                }
+                println!("{v}");
+                return 0;
+            }
+            print_launched(reply, a.run.json, None)
+        }
         Err(s) => rpc_fail(&s),
+    }
+}
+
+/// Decides the run's source and sends what the store lacks of it (`--source`).
+async fn send_source(
+    client: &mut ClientServiceClient<tonic::transport::Channel>,
+    a: &LaunchArgs,
+    cwd: &std::path::Path,
+) -> Result<
+    Option<(
+        flotilla_coordinator::settings::SourceRef,
+        crate::source::Uploaded,
+    )>,
+    String,
+> {
+    use crate::source::{Choice, Uploaded};
+    match crate::source::parse_choice(a.source.as_deref())? {
+        Choice::None => Ok(None),
+        Choice::Url { url, rev } => Ok(Some((
+            crate::source::url_source(&url, &rev),
+            Uploaded::default(),
+        ))),
+        Choice::Auto => {
+            let Some(snap) = crate::source::snapshot(cwd)? else {
+                eprintln!(
+                    "source: {} is not in a git repository, so the agents get scratch directories (--source none); launch from a checkout to send its code",
+                    cwd.display()
+                );
+                return Ok(None);
+            };
+            let max = a.max_source_mib.unwrap_or(2048).saturating_mul(1 << 20);
+            let up = crate::source::upload(client, &snap, max).await?;
+            eprintln!(
+                "source: {} at {} ({})",
+                crate::term::clean(&snap.origin),
+                &snap.commit[..snap.commit.len().min(12)],
+                if up.bytes == 0 {
+                    "the coordinator has it already".to_owned()
+                } else {
+                    format!(
+                        "sent {} objects, {} KiB",
+                        up.objects,
+                        up.bytes.div_ceil(1024)
+                    )
+                }
+            );
+            Ok(Some((
+                flotilla_coordinator::settings::SourceRef {
+                    repo: snap.repo,
+                    commit: snap.commit,
+                    url: None,
+                    origin: snap.origin,
+                },
+                up,
+            )))
+        }
     }
 }
 

@@ -15,6 +15,7 @@ mod config;
 mod embedded;
 mod fleet;
 mod progress;
+mod source;
 mod stored;
 mod telemetry;
 mod term;

@@ -93,7 +93,12 @@ impl Coordinator {
         opts: sched::DispatchOptions,
     ) -> Self {
         let cancel = CancellationToken::new();
-        let dispatch = sched::spawn_with(leases.clone(), opts, cancel.child_token());
+        let dispatch = sched::spawn_with(
+            leases.clone(),
+            opts,
+            Some(store.clone()),
+            cancel.child_token(),
+        );
         Coordinator {
             store,
             dispatch,

@@ -26,6 +26,7 @@ pub mod sched;
 pub mod script;
 pub mod server;
 pub mod settings;
+pub mod source;
 pub mod spec;
 pub mod store;
 pub mod web;

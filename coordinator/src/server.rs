@@ -816,6 +816,51 @@ impl ClientService for ClientSvc {
         Ok(Response::new(v1::ControlReply { message }))
     }
 
+    async fn source_have(
+        &self,
+        req: Request<v1::SourceHaveRequest>,
+    ) -> Result<Response<v1::SourceHaveReply>, Status> {
+        self.authorize(&req, "upload run sources")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        if r.commits.len() > 10_000 {
+            return Err(Status::invalid_argument(
+                "ask about at most 10,000 commits at once",
+            ));
+        }
+        // Sources live in the shared store: any coordinator of a group answers.
+        let held = crate::source::have(self.coordinator.store(), &r.repo, &r.commits)
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot read the store: {e}")))?;
+        Ok(Response::new(v1::SourceHaveReply { held }))
+    }
+
+    async fn put_source(
+        &self,
+        req: Request<Streaming<v1::SourceUpload>>,
+    ) -> Result<Response<v1::PutSourceReply>, Status> {
+        self.authorize(&req, "upload run sources")?;
+        let mut chunks = req.into_inner();
+        let first = chunks
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("an empty source upload"))?;
+        let mut rx = crate::source::Receiver::start(self.coordinator.store().clone(), &first)
+            .await
+            .map_err(Status::invalid_argument)?;
+        rx.push(&first.data)
+            .await
+            .map_err(Status::invalid_argument)?;
+        while let Some(chunk) = chunks.message().await? {
+            rx.push(&chunk.data)
+                .await
+                .map_err(Status::invalid_argument)?;
+        }
+        let (pack, bytes) = rx.finish().await.map_err(Status::unavailable)?;
+        tracing::info!(repo = %first.repo, commit = %first.tip, pack = %pack, bytes, "stored a source pack");
+        Ok(Response::new(v1::PutSourceReply { pack, bytes }))
+    }
+
     async fn push_workflow(
         &self,
         req: Request<v1::PushWorkflowRequest>,

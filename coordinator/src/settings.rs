@@ -79,6 +79,25 @@ pub struct RunSettings {
     /// How long a call waits for an attached worker that offers its backend and model before
     /// it fails with the reason (no such worker, not merely all busy).
     pub worker_wait_ms: u64,
+    /// The code the agents work on (fleet runs): a commit of a repository whose objects are
+    /// in the store, or one the workers fetch themselves. `None`: a scratch directory per
+    /// agent (and, embedded, the run's own directory).
+    pub source: Option<SourceRef>,
+}
+
+/// A run's source.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceRef {
+    /// The repository's id in the store (from its root commit), or of a URL.
+    pub repo: String,
+    /// The commit the agents start from: a snapshot of the client's tree, or a fetched ref.
+    pub commit: String,
+    /// A repository the workers fetch themselves (`git+URL#REF`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Where it came from, for display (a path and branch, or the URL).
+    #[serde(default)]
+    pub origin: String,
 }
 
 impl Default for RunSettings {
@@ -99,6 +118,7 @@ impl Default for RunSettings {
             script_memory_mb: 512,
             script_cpu_ms: 10_000,
             worker_wait_ms: DEFAULT_WORKER_WAIT_MS,
+            source: None,
         }
     }
 }

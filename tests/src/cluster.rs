@@ -435,6 +435,23 @@ impl Cluster {
         run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
     }
 
+    /// A client command run from `dir` (a repository a launch sends as its source).
+    pub fn client_in(&self, dir: &Path, args: &[&str]) -> Output {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            .args([
+                "--coordinator",
+                &self.url(),
+                "--name",
+                "client",
+                "--tls-dir",
+            ])
+            .arg(self.pki())
+            .current_dir(dir);
+        run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
+    }
+
     /// Waits until `n` workers are attached.
     pub fn wait_for_workers(&self, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -4,12 +4,14 @@
 //! - [`worker`]: the loop that serves one link to a coordinator: `Hello`, assignments against
 //!   free slots, progress and transcript events, one outcome per assignment, cancels.
 //! - [`workspace`]: per-call working directories confined to the workspace root.
+//! - [`source`]: run sources fetched through the link into a cache, a checkout per call.
 //!
 //! **Architecture invariant:** a worker talks only to its coordinator link — never to etcd or
 //! object storage. Start reading at [`worker::Worker::run`].
 
 pub mod backend;
 pub mod remote;
+pub mod source;
 pub mod worker;
 pub mod workspace;
 pub mod worktree;

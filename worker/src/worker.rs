@@ -115,6 +115,7 @@ impl Worker {
     /// longer than the lease TTL (the coordinator has restarted them elsewhere by then), it
     /// cancels them.
     pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
+        let sources = Arc::new(crate::source::Sources::new(&self.opts.workspace));
         let workspace = if self.opts.shared_workspace {
             Workspace::shared(&self.opts.workspace)
         } else {
@@ -181,9 +182,10 @@ impl Worker {
                             let tx = out_tx.clone();
                             let running = running.clone();
                             let workspace = workspace.clone();
+                            let sources = sources.clone();
                             let limit = self.opts.max_result_bytes;
                             tracker.spawn(async move {
-                                let outcome = run_attempt(a, backend, workspace, tx.clone(), token).await;
+                                let outcome = run_attempt(a, backend, workspace, sources, tx.clone(), token).await;
                                 let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
                                 // Into the outbox before leaving `running`, so it is always held.
                                 let _ = tx.send(WorkerMessage {
@@ -201,6 +203,7 @@ impl Worker {
                         }
                         // Put back together by the gRPC bridge; a stray one means nothing.
                         coordinator_message::Msg::Fragment(_) => {}
+                        coordinator_message::Msg::SourceData(d) => sources.deliver(d),
                     },
                     Some(CoordinatorMessage { msg: None }) => {}
                     None => {
@@ -403,9 +406,11 @@ async fn run_attempt(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
     workspace: Workspace,
+    sources: Arc<crate::source::Sources>,
     tx: mpsc::UnboundedSender<WorkerMessage>,
     cancel: CancellationToken,
 ) -> v1::Outcome {
+    let link = tx.clone();
     let sink = Arc::new(LinkSink {
         tx,
         run_id: a.run_id.clone(),
@@ -432,9 +437,18 @@ async fn run_attempt(
             opentelemetry::global::get_text_map_propagator(|p| p.extract(&a.trace_context));
         let _ = span.set_parent(parent);
     }
-    let outcome = run_attempt_in(a, backend, workspace, events, sink, spec, cancel)
-        .instrument(span.clone())
-        .await;
+    let outcome = run_attempt_in(
+        a,
+        backend,
+        workspace,
+        (sources, link),
+        events,
+        sink,
+        spec,
+        cancel,
+    )
+    .instrument(span.clone())
+    .await;
     span.record(
         "outcome",
         match &outcome.result {
@@ -446,10 +460,15 @@ async fn run_attempt(
     outcome
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_attempt_in(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
     workspace: Workspace,
+    (sources, link): (
+        Arc<crate::source::Sources>,
+        mpsc::UnboundedSender<WorkerMessage>,
+    ),
     events: Events,
     sink: Arc<LinkSink>,
     spec: v1::TaskSpec,
@@ -459,7 +478,8 @@ async fn run_attempt_in(
         Err(e) => Err(e),
         Ok(backend) => match parse_schema(&spec) {
             Err(e) => Err(e),
-            Ok(schema) => match worktree_for(&a, &spec, &workspace, &events).await {
+            Ok(schema) => match checkout_for(&a, &spec, &workspace, &sources, &link, &events).await
+            {
                 Err(e) => Err(e),
                 Ok(worktree) => {
                     let scratch = workspace.clone();
@@ -543,6 +563,34 @@ async fn run_attempt_in(
 }
 
 /// With `isolation: 'worktree'`, the attempt's fresh git worktree (W20).
+/// The call's checkout: of the run's source when it has one (every call its own), else a
+/// worktree of the workspace's repository for `isolation: 'worktree'`, else none.
+async fn checkout_for(
+    a: &Assignment,
+    spec: &v1::TaskSpec,
+    workspace: &Workspace,
+    sources: &crate::source::Sources,
+    link: &mpsc::UnboundedSender<WorkerMessage>,
+    events: &Events,
+) -> Result<Option<crate::worktree::Worktree>, Error> {
+    if spec.source_repo.is_empty() {
+        return worktree_for(a, spec, workspace, events).await;
+    }
+    let invalid = |e: String| Error::new(FailureKind::Invalid, e);
+    let scratch = workspace.dir_for(&a.run_id, a.call, "").map_err(invalid)?;
+    let mut wt = sources.checkout(spec, &scratch, link).await?;
+    if !spec.cwd.is_empty() {
+        let inside = Workspace::new(&wt.path)
+            .dir_for(&a.run_id, a.call, &spec.cwd)
+            .map_err(invalid)?;
+        wt.workdir = inside;
+    }
+    events.transcript(serde_json::json!({
+        "type": "checkout", "path": wt.path, "commit": wt.base, "reused": wt.reused,
+    }));
+    Ok(Some(wt))
+}
+
 async fn worktree_for(
     a: &Assignment,
     spec: &v1::TaskSpec,

@@ -188,6 +188,64 @@ impl Worktree {
         self.finish_as("flotilla: the agent's change").await
     }
 
+    /// A checkout of `commit` of the (bare) repository `repo` at `dir`, on no branch: a run
+    /// source's checkout for one call.
+    pub async fn detached(repo: &Path, dir: &Path, commit: &str) -> Result<Worktree, String> {
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+        }
+        // An empty directory in the way (a scratch directory of an earlier version).
+        let _ = std::fs::remove_dir(dir);
+        {
+            let _git = GIT.lock().await;
+            git(
+                repo,
+                &[
+                    "worktree",
+                    "add",
+                    "--quiet",
+                    "--detach",
+                    &dir.to_string_lossy(),
+                    commit,
+                ],
+            )
+            .await?;
+        }
+        std::fs::write(base_file(dir), commit)
+            .map_err(|e| format!("cannot write {}: {e}", base_file(dir).display()))?;
+        let path = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+        Ok(Worktree {
+            workdir: path.clone(),
+            path,
+            branch: String::new(),
+            base: commit.to_owned(),
+            reused: false,
+            repo: repo.to_owned(),
+        })
+    }
+
+    /// The checkout an earlier attempt of the call made at `dir`, if it is there.
+    pub async fn existing(repo: &Path, dir: &Path) -> Option<Worktree> {
+        let path = dir.canonicalize().ok()?;
+        let top = git(&path, &["rev-parse", "--show-toplevel"]).await.ok()?;
+        if Path::new(&top).canonicalize().ok()? != path {
+            return None;
+        }
+        let base = std::fs::read_to_string(base_file(&path))
+            .ok()?
+            .trim()
+            .to_owned();
+        Some(Worktree {
+            workdir: path.clone(),
+            path,
+            branch: String::new(),
+            base,
+            reused: true,
+            repo: repo.to_owned(),
+        })
+    }
+
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.
     pub async fn changed(&self) -> bool {
         let dirty = git(&self.path, &["status", "--porcelain"])
@@ -250,7 +308,9 @@ impl Worktree {
             let _ = std::fs::remove_dir_all(&self.path);
             let _ = git(&self.repo, &["worktree", "prune"]).await;
         }
-        let _ = git(&self.repo, &["branch", "-D", &self.branch]).await;
+        if !self.branch.is_empty() {
+            let _ = git(&self.repo, &["branch", "-D", &self.branch]).await;
+        }
         let _ = std::fs::remove_file(base_file(&self.path));
         // Its run's directory goes once empty.
         if let Some(run_dir) = self.path.parent() {

@@ -898,6 +898,27 @@ impl RunEngine {
             schema_attempts,
             options_json: Value::Object(spec.options.clone()).to_string(),
             agent_def_json: type_def.unwrap_or_default(),
+            source_repo: self
+                .init
+                .settings
+                .source
+                .as_ref()
+                .map(|s| s.repo.clone())
+                .unwrap_or_default(),
+            source_commit: self
+                .init
+                .settings
+                .source
+                .as_ref()
+                .map(|s| s.commit.clone())
+                .unwrap_or_default(),
+            source_url: self
+                .init
+                .settings
+                .source
+                .as_ref()
+                .and_then(|s| s.url.clone())
+                .unwrap_or_default(),
         };
         self.init.dispatch.submit(
             &self.run,

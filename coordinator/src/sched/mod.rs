@@ -481,13 +481,14 @@ enum Timer {
 
 /// Starts the dispatcher with default options. Worker liveness leases go to `leases`.
 pub fn spawn(leases: Arc<dyn LeaseStore>, cancel: CancellationToken) -> DispatchHandle {
-    spawn_with(leases, DispatchOptions::default(), cancel)
+    spawn_with(leases, DispatchOptions::default(), None, cancel)
 }
 
-/// Starts the dispatcher.
+/// Starts the dispatcher; `sources` is the store workers' source requests are answered from.
 pub fn spawn_with(
     leases: Arc<dyn LeaseStore>,
     opts: DispatchOptions,
+    sources: Option<crate::store::Store>,
     cancel: CancellationToken,
 ) -> DispatchHandle {
     let (tx, rx) = mpsc::unbounded_channel();
@@ -511,6 +512,7 @@ pub fn spawn_with(
         gates: HashMap::new(),
         gated: HashMap::new(),
         unplaceable: HashMap::new(),
+        sources,
         timers: DelayQueue::new(),
     };
     tokio::spawn(d.run(rx, cancel));
@@ -540,6 +542,8 @@ struct Dispatcher {
     /// Calls set aside because no attached worker offers their backend and model: since when,
     /// and why. They go back to their queues whenever a worker becomes ready.
     unplaceable: HashMap<CallId, (Instant, String)>,
+    /// Where runs' sources are (answers to workers' `SourceRequest`s).
+    sources: Option<crate::store::Store>,
     timers: DelayQueue<Timer>,
 }
 
@@ -726,6 +730,26 @@ impl Dispatcher {
             worker_message::Msg::Outcome(o) => self.outcome(worker, o),
             // Put back together by the gRPC bridge; a stray one means nothing.
             worker_message::Msg::Fragment(_) => {}
+            // The store is read off the actor; the answer goes straight to the worker's link.
+            worker_message::Msg::SourceRequest(req) => {
+                let tx = self.workers.get(&worker).and_then(|w| w.tx.clone());
+                match (&self.sources, tx) {
+                    (Some(store), Some(tx)) => {
+                        tokio::spawn(crate::source::serve(store.clone(), req, tx));
+                    }
+                    (None, Some(tx)) => {
+                        let _ = tx.send(CoordinatorMessage {
+                            msg: Some(coordinator_message::Msg::SourceData(v1::SourceData {
+                                request: req.id,
+                                done: true,
+                                error: "this coordinator keeps no sources".into(),
+                                ..v1::SourceData::default()
+                            })),
+                        });
+                    }
+                    _ => {}
+                }
+            }
         }
     }
 

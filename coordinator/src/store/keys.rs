@@ -10,6 +10,8 @@
 //! runs/{run}/owner/{seq}.json              who drives the run (create-only; see `owner`)
 //! payloads/{sha256}                        large results, stored once by content hash
 //! workflows/{name}.js                      workflows saved on the server
+//! sources/{repo}/packs/{sha256}.pack       git objects of run sources, stored once
+//! sources/{repo}/commits/{commit}.json     which pack holds a commit, and what it needs
 //! ```
 //!
 //! Segment names carry the writer's generation, zero-padded so that listing order is
@@ -84,6 +86,21 @@ pub fn owner(run: &str, seq: u64) -> Path {
 /// The heartbeat of the holder of owner record `seq`.
 pub fn owner_beat(run: &str, seq: u64) -> Path {
     Path::from(format!("runs/{run}/owner/{seq:06}.beat"))
+}
+
+/// A pack of git objects of source repository `repo`, by the SHA-256 of its bytes.
+pub fn source_pack(repo: &str, sha256_hex: &str) -> Path {
+    Path::from(format!("sources/{repo}/packs/{sha256_hex}.pack"))
+}
+
+/// Where a commit of source repository `repo` is: its pack and what that pack needs.
+pub fn source_commit(repo: &str, commit: &str) -> Path {
+    Path::from(format!("sources/{repo}/commits/{commit}.json"))
+}
+
+/// A pack being received, before its hash is known.
+pub fn source_incoming(repo: &str, id: &str) -> Path {
+    Path::from(format!("sources/{repo}/incoming/{id}"))
 }
 
 pub fn saved_workflows() -> Path {

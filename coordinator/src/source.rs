@@ -1,0 +1,354 @@
+//! Run sources in the store: the git objects of the code a run's agents work on.
+//!
+//! A client uploads a run's source as packs of git objects (`git pack-objects`), each leaving
+//! out what the store already holds ([`have`], then [`Receiver`]). A pack is stored once,
+//! under the SHA-256 of its bytes (`sources/{repo}/packs/{sha}.pack`); for the commits it
+//! completes, a small record (`sources/{repo}/commits/{commit}.json`) names the pack and the
+//! commits it builds on. A worker that lacks a commit asks its coordinator, which answers
+//! with every pack of that commit's chain, dependencies first, in chunks ([`serve`]) — so
+//! workers never touch storage themselves.
+//!
+//! `repo` names a repository, not a clone: clients derive it from the repository's root
+//! commit, so every clone of one project shares its objects.
+
+use bytes::Bytes;
+use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
+use object_store::{ObjectStoreExt, WriteMultipart};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use crate::store::{Error, Store, keys};
+
+/// Bytes per chunk of a pack sent to a worker.
+pub const CHUNK: usize = 1 << 20;
+/// The largest pack the coordinator takes.
+pub const MAX_PACK_BYTES: u64 = 8 << 30;
+
+/// Where a commit is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitRecord {
+    pub pack: String,
+    /// Commits whose objects the pack leaves out.
+    pub prerequisites: Vec<String>,
+}
+
+/// Whether a name can name a repository or a commit (hex and a few separators).
+pub fn valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+}
+
+/// Which of `commits` the store holds for `repo`.
+pub async fn have(store: &Store, repo: &str, commits: &[String]) -> Result<Vec<String>, Error> {
+    let mut held = Vec::new();
+    if !valid_id(repo) {
+        return Ok(held);
+    }
+    for c in commits.iter().filter(|c| valid_id(c)) {
+        if store.get(&keys::source_commit(repo, c)).await?.is_some() {
+            held.push(c.clone());
+        }
+    }
+    Ok(held)
+}
+
+/// Takes one pack in chunks, streams it to the store (never whole in memory) and files it
+/// under its hash.
+pub struct Receiver {
+    store: Store,
+    repo: String,
+    tip: String,
+    also: Vec<String>,
+    prerequisites: Vec<String>,
+    hasher: Sha256,
+    bytes: u64,
+    incoming: object_store::path::Path,
+    upload: WriteMultipart,
+}
+
+impl std::fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receiver")
+            .field("repo", &self.repo)
+            .field("tip", &self.tip)
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Receiver {
+    /// From the first chunk's header.
+    pub async fn start(store: Store, first: &v1::SourceUpload) -> Result<Receiver, String> {
+        if !valid_id(&first.repo) || !valid_id(&first.tip) {
+            return Err("a source upload must name its repository and commit".into());
+        }
+        if first.total_bytes > MAX_PACK_BYTES {
+            return Err(format!(
+                "the source pack is {} bytes, more than this coordinator takes ({MAX_PACK_BYTES})",
+                first.total_bytes
+            ));
+        }
+        if first
+            .also
+            .iter()
+            .chain(&first.prerequisites)
+            .any(|c| !valid_id(c))
+        {
+            return Err("a source upload names a commit that is not a commit id".into());
+        }
+        let incoming = keys::source_incoming(&first.repo, &crate::coordinator::new_run_id());
+        let upload = store
+            .inner
+            .put_multipart(&incoming)
+            .await
+            .map_err(|e| format!("cannot store the source: {e}"))?;
+        Ok(Receiver {
+            store,
+            repo: first.repo.clone(),
+            tip: first.tip.clone(),
+            also: first.also.clone(),
+            prerequisites: first.prerequisites.clone(),
+            hasher: Sha256::new(),
+            bytes: 0,
+            incoming,
+            upload: WriteMultipart::new(upload),
+        })
+    }
+
+    pub async fn push(&mut self, data: &[u8]) -> Result<(), String> {
+        self.bytes += data.len() as u64;
+        if self.bytes > MAX_PACK_BYTES {
+            return Err("the source pack is larger than this coordinator takes".into());
+        }
+        self.hasher.update(data);
+        self.upload
+            .wait_for_capacity(4)
+            .await
+            .map_err(|e| format!("cannot store the source: {e}"))?;
+        self.upload.write(data);
+        Ok(())
+    }
+
+    /// Files the pack under its hash (a pack already there stays) and records the commits.
+    pub async fn finish(self) -> Result<(String, u64), String> {
+        let err = |e: &dyn std::fmt::Display| format!("cannot store the source: {e}");
+        let sha = hex::encode(self.hasher.finalize());
+        self.upload.finish().await.map_err(|e| err(&e))?;
+        let pack = keys::source_pack(&self.repo, &sha);
+        let copied = self.store.inner.copy(&self.incoming, &pack).await;
+        let _ = self.store.inner.delete(&self.incoming).await;
+        copied.map_err(|e| err(&e))?;
+        let record = CommitRecord {
+            pack: sha.clone(),
+            prerequisites: self.prerequisites,
+        };
+        let body = Bytes::from(serde_json::to_vec(&record).map_err(|e| err(&e))?);
+        // The tip last: a commit is only ever recorded once its pack is stored.
+        for c in self.also.iter().chain(std::iter::once(&self.tip)) {
+            self.store
+                .put_overwrite(&keys::source_commit(&self.repo, c), body.clone())
+                .await
+                .map_err(|e| err(&e))?;
+        }
+        Ok((sha, self.bytes))
+    }
+}
+
+/// The packs that make `commit` complete, dependencies first: `(pack, tip)` pairs.
+pub async fn chain(
+    store: &Store,
+    repo: &str,
+    commit: &str,
+) -> Result<Vec<(String, String)>, String> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    let mut todo = vec![commit.to_owned()];
+    let mut seen = std::collections::HashSet::new();
+    while let Some(c) = todo.pop() {
+        if !seen.insert(c.clone()) {
+            continue;
+        }
+        if !valid_id(&c) {
+            return Err(format!("{c:?} is not a commit id"));
+        }
+        let body = store
+            .get(&keys::source_commit(repo, &c))
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| {
+                format!("the store has no commit {c} of source {repo}; launch the run again from its repository")
+            })?;
+        let r: CommitRecord = serde_json::from_slice(&body)
+            .map_err(|e| format!("the record of commit {c} is unreadable: {e}"))?;
+        if !out.iter().any(|(p, _)| *p == r.pack) {
+            out.push((r.pack, c));
+        }
+        todo.extend(r.prerequisites);
+    }
+    // Found tip first; a dependency must be applied before what builds on it.
+    out.reverse();
+    Ok(out)
+}
+
+/// Answers a worker's `SourceRequest` on its link: every pack of the commit's chain it does
+/// not have, in chunks, then `done` (or `error`).
+pub async fn serve(
+    store: Store,
+    req: v1::SourceRequest,
+    tx: mpsc::UnboundedSender<CoordinatorMessage>,
+) {
+    let send = |d: v1::SourceData| {
+        tx.send(CoordinatorMessage {
+            msg: Some(coordinator_message::Msg::SourceData(d)),
+        })
+        .is_ok()
+    };
+    let fail = |error: String| v1::SourceData {
+        request: req.id,
+        error,
+        done: true,
+        ..v1::SourceData::default()
+    };
+    if !valid_id(&req.repo) {
+        send(fail(format!(
+            "{:?} does not name a source repository",
+            req.repo
+        )));
+        return;
+    }
+    let packs = match chain(&store, &req.repo, &req.commit).await {
+        Ok(p) => p,
+        Err(e) => {
+            send(fail(e));
+            return;
+        }
+    };
+    let mut sent = 0u64;
+    let mut count = 0usize;
+    for (pack, tip) in packs {
+        if req.have_packs.contains(&pack) {
+            continue;
+        }
+        let key = keys::source_pack(&req.repo, &pack);
+        let size = match store.inner.head(&key).await {
+            Ok(m) => m.size,
+            Err(e) => {
+                send(fail(format!("cannot read source pack {pack}: {e}")));
+                return;
+            }
+        };
+        let mut at = 0u64;
+        loop {
+            let end = (at + CHUNK as u64).min(size);
+            let data = match store.inner.get_range(&key, at..end).await {
+                Ok(d) => d,
+                Err(e) => {
+                    send(fail(format!("cannot read source pack {pack}: {e}")));
+                    return;
+                }
+            };
+            let last = end >= size;
+            if !send(v1::SourceData {
+                request: req.id,
+                pack: pack.clone(),
+                tip: tip.clone(),
+                data: data.to_vec(),
+                last_of_pack: last,
+                ..v1::SourceData::default()
+            }) {
+                return;
+            }
+            at = end;
+            if last {
+                break;
+            }
+        }
+        sent += size;
+        count += 1;
+    }
+    tracing::info!(repo = %req.repo, commit = %req.commit, packs = count, bytes = sent, "sent a source to a worker");
+    send(v1::SourceData {
+        request: req.id,
+        done: true,
+        ..v1::SourceData::default()
+    });
+}
+
+/// Stores `bytes` as a pack completing `tip` (tests and embedded callers).
+pub async fn put_pack(
+    store: &Store,
+    repo: &str,
+    tip: &str,
+    prerequisites: Vec<String>,
+    bytes: Vec<u8>,
+) -> Result<String, String> {
+    let mut r = Receiver::start(
+        store.clone(),
+        &v1::SourceUpload {
+            repo: repo.into(),
+            tip: tip.into(),
+            prerequisites,
+            total_bytes: bytes.len() as u64,
+            ..v1::SourceUpload::default()
+        },
+    )
+    .await?;
+    r.push(&bytes).await?;
+    Ok(r.finish().await?.0)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[tokio::test]
+    async fn a_commit_s_chain_lists_its_packs_dependencies_first() {
+        let store = crate::store::open("memory://").unwrap();
+        let a = put_pack(&store, "r1", "c1", vec![], b"first".to_vec())
+            .await
+            .unwrap();
+        let b = put_pack(&store, "r1", "c2", vec!["c1".into()], b"second".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(
+            have(&store, "r1", &["c1".into(), "c2".into(), "c3".into()])
+                .await
+                .unwrap(),
+            ["c1", "c2"]
+        );
+        assert_eq!(
+            chain(&store, "r1", "c2").await.unwrap(),
+            [(a.clone(), "c1".to_owned()), (b.clone(), "c2".to_owned())]
+        );
+        let e = chain(&store, "r1", "c9").await.unwrap_err();
+        assert!(e.contains("no commit c9"), "{e}");
+        // A worker that has the first pack gets only the second, in chunks, then done.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        serve(
+            store.clone(),
+            v1::SourceRequest {
+                id: 7,
+                repo: "r1".into(),
+                commit: "c2".into(),
+                have_packs: vec![a],
+            },
+            tx,
+        )
+        .await;
+        let mut got = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            if let Some(coordinator_message::Msg::SourceData(d)) = m.msg {
+                got.push(d);
+            }
+        }
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(
+            (got[0].pack.as_str(), got[0].data.as_slice()),
+            (b.as_str(), &b"second"[..])
+        );
+        assert!(got[0].last_of_pack && got[1].done && got[1].error.is_empty());
+    }
+}

@@ -1,0 +1,236 @@
+//! The user's code on the fleet (issue 12): a launch sends the repository it runs in as a
+//! snapshot, only what the store lacks; workers fetch it through their coordinator link, keep
+//! it in a cache, and give every call its own checkout. Runs one at a time with the other
+//! cluster tests.
+
+use std::path::Path;
+use std::process::Command;
+
+use flotilla_tests::cluster::Cluster;
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A repository of about 2 MB: 200 files of pseudo-random text, a tracked file with an
+/// uncommitted edit, an untracked file and an ignored one.
+fn user_repo(dir: &Path) -> u64 {
+    flotilla_tests::git_repo(dir);
+    std::fs::create_dir_all(dir.join("bulk")).unwrap();
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut total = 0u64;
+    for i in 0..200 {
+        let mut body = String::new();
+        while body.len() < 10_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            body.push_str(&format!("{x:016x}\n"));
+        }
+        total += body.len() as u64;
+        std::fs::write(dir.join(format!("bulk/f{i:03}.txt")), body).unwrap();
+    }
+    std::fs::write(dir.join(".gitignore"), "*.log\n").unwrap();
+    std::fs::write(dir.join("sub/tracked.txt"), "committed\n").unwrap();
+    git(dir, &["add", "."]);
+    git(
+        dir,
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-q",
+            "-m",
+            "bulk",
+        ],
+    );
+    std::fs::write(dir.join("sub/tracked.txt"), "edited, not committed\n").unwrap();
+    std::fs::write(dir.join("untracked.txt"), "untracked\n").unwrap();
+    std::fs::write(dir.join("noise.log"), "ignored\n").unwrap();
+    total
+}
+
+fn launch(c: &Cluster, repo: &Path, script: &Path) -> serde_json::Value {
+    let out = c.client_in(
+        repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "exec",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    out.json()
+}
+
+fn sent_lines(c: &Cluster) -> Vec<String> {
+    std::fs::read_to_string(c.path().join("coordinator.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("sent a source to a worker"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn a_launch_sends_its_repository_once_and_every_call_works_in_a_checkout_of_it() {
+    // The prompt is a shell script the exec agent runs.
+    let c =
+        Cluster::start_workers_with(2, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    let size = user_repo(&repo);
+    let status_before = git(&repo, &["status", "--porcelain"]);
+    let script = c.path().join("look.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'look', description: 'reads the code' };\n\
+         return await parallel([0, 1, 2].map(i => () => agent(\n\
+           'pwd; cat sub/tracked.txt; cat untracked.txt; ls bulk | wc -l; test -e noise.log && echo IGNORED; echo call ' + i)));",
+    )
+    .unwrap();
+    // Over --max-source: refused before anything is sent, with the size.
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--backend",
+            "exec",
+            "--max-source-mib",
+            "0",
+        ],
+    );
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("more than --max-source"), "{out:?}");
+    assert!(
+        !c.path().join("store/sources").exists(),
+        "nothing was stored"
+    );
+    let first = launch(&c, &repo, &script);
+    let up = first["source"]["uploaded_bytes"].as_u64().unwrap();
+    assert!(up > 0, "{first}");
+    let run = first["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let results = r["result"].as_array().unwrap();
+    let mut dirs = Vec::new();
+    for (i, res) in results.iter().enumerate() {
+        let text = res.as_str().unwrap_or_else(|| panic!("{r}"));
+        let mut lines = text.lines();
+        let pwd = lines.next().unwrap().to_owned();
+        assert!(
+            pwd.contains(&run) && pwd.contains("ws-"),
+            "a checkout per call on a worker: {text}"
+        );
+        assert!(
+            text.contains("edited, not committed"),
+            "the uncommitted edit: {text}"
+        );
+        assert!(text.contains("untracked\n"), "the untracked file: {text}");
+        assert!(text.contains("200"), "the tracked tree: {text}");
+        assert!(!text.contains("IGNORED"), "ignored files stay home: {text}");
+        assert!(text.ends_with(&format!("call {i}")), "{text}");
+        dirs.push(pwd);
+    }
+    dirs.sort();
+    dirs.dedup();
+    assert_eq!(dirs.len(), 3, "every call has its own checkout: {dirs:?}");
+    // Unchanged checkouts are gone after their calls.
+    for d in &dirs {
+        assert!(!Path::new(d).exists(), "{d} was left behind");
+    }
+    // The user's repository is as it was.
+    assert_eq!(git(&repo, &["status", "--porcelain"]), status_before);
+    assert!(git(&repo, &["branch", "--list"]).lines().count() == 1);
+
+    // The same tree again: nothing to send, and warm workers fetch nothing.
+    let before = sent_lines(&c).len();
+    let second = launch(&c, &repo, &script);
+    assert_eq!(second["source"]["uploaded_bytes"], 0, "{second}");
+    assert_eq!(second["source"]["commit"], first["source"]["commit"]);
+    let (code, _) = c.wait(second["run_id"].as_str().unwrap());
+    assert_eq!(code, 0);
+    let after: Vec<String> = sent_lines(&c).into_iter().skip(before).collect();
+    assert!(after.is_empty(), "a warm worker asked again: {after:?}");
+
+    // One file changes: well under 1% of the repository goes up.
+    std::fs::write(repo.join("sub/tracked.txt"), "edited again\n").unwrap();
+    let third = launch(&c, &repo, &script);
+    let up3 = third["source"]["uploaded_bytes"].as_u64().unwrap();
+    assert!(
+        up3 > 0 && up3 * 100 < size,
+        "{up3} bytes of a {size}-byte repository"
+    );
+    let (code, r) = c.wait(third["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert!(
+        r["result"][0].as_str().unwrap().contains("edited again"),
+        "{r}"
+    );
+}
+
+#[test]
+fn a_git_url_source_is_fetched_by_the_workers_and_outside_a_repository_there_is_none() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("upstream");
+    user_repo(&repo);
+    let script = c.path().join("cat.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'cat', description: 'reads the code' };\n\
+         return await agent('cat sub/tracked.txt; ls bulk | wc -l');",
+    )
+    .unwrap();
+    // A URL the workers fetch themselves (here a path on this machine): the committed tree.
+    let source = format!("git+file://{}#main", repo.display());
+    let out = c.client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "exec",
+        "--source",
+        &source,
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let (code, r) = c.wait(out.json()["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    let text = r["result"].as_str().unwrap_or_else(|| panic!("{r}"));
+    assert!(
+        text.starts_with("committed\n") && text.contains("200"),
+        "{text}"
+    );
+    // Outside a repository: no source, said on stderr; the agent gets a scratch directory.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let out = c.client_in(
+        elsewhere.path(),
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--backend",
+            "exec",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("not in a git repository"), "{out:?}");
+    let (code, r) = c.wait(out.json()["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "0", "an empty scratch directory: {r}");
+}

@@ -1,0 +1,324 @@
+//! A worker's copies of run sources: a bare repository per source repository, filled through
+//! the coordinator link, and a checkout per call.
+//!
+//! Workers never touch storage: a worker that lacks a run's commit sends a `SourceRequest` on
+//! its link, with the packs it applied already, and indexes each pack that comes back
+//! (`git index-pack`), dependencies first. A warm worker transfers nothing for another run of
+//! a commit it has. Sources fetched by URL (`git+URL#REF`) come with `git fetch` instead.
+//!
+//! Each call works in its own checkout (`git worktree add --detach`) at `{root}/{run}/{call}`,
+//! which its attempts share (W58). The cache is only a cache: a checkout that fails on
+//! missing or corrupt objects drops the repository and fetches it again, once.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flotilla_proto::v1::{self, FailureKind, WorkerMessage, worker_message};
+use tokio::process::Command;
+use tokio::sync::mpsc;
+
+use crate::backend::Error;
+
+/// Longest wait for the next piece of a source from the coordinator.
+const QUIET: Duration = Duration::from_secs(120);
+
+/// The worker's source cache.
+#[derive(Debug)]
+pub struct Sources {
+    root: PathBuf,
+    next: AtomicU64,
+    waiting: Mutex<HashMap<u64, mpsc::UnboundedSender<v1::SourceData>>>,
+    repos: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .output()
+        .await
+        .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
+}
+
+/// A git failure of the worker itself (a full disk, say): the attempt may go elsewhere.
+fn worker_error(what: &str, e: &str) -> Error {
+    Error::new(FailureKind::Retryable, format!("{what}: {e}"))
+}
+
+fn plain(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'))
+        && !s.starts_with('-')
+        && !s.contains("..")
+}
+
+impl Sources {
+    /// A cache under `root` (the worker's workspace root).
+    pub fn new(root: &Path) -> Sources {
+        Sources {
+            root: root.join(".flotilla").join("sources"),
+            next: AtomicU64::new(1),
+            waiting: Mutex::default(),
+            repos: Mutex::default(),
+        }
+    }
+
+    /// A piece of a source the coordinator sent: to the request waiting for it.
+    pub fn deliver(&self, d: v1::SourceData) {
+        if let Some(tx) = lock(&self.waiting).get(&d.request) {
+            let _ = tx.send(d);
+        }
+    }
+
+    fn bare(&self, repo: &str) -> PathBuf {
+        self.root.join(format!("{repo}.git"))
+    }
+
+    fn repo_lock(&self, repo: &str) -> Arc<tokio::sync::Mutex<()>> {
+        lock(&self.repos)
+            .entry(repo.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// The cached repository with `task`'s commit in it, and the commit's id.
+    async fn ensure(
+        &self,
+        task: &v1::TaskSpec,
+        link: &mpsc::UnboundedSender<WorkerMessage>,
+    ) -> Result<(PathBuf, String), Error> {
+        let repo = &task.source_repo;
+        if !plain(repo) || repo.contains('/') {
+            return Err(Error::new(
+                FailureKind::Invalid,
+                format!("{repo:?} does not name a source"),
+            ));
+        }
+        let bare = self.bare(repo);
+        let _held = self.repo_lock(repo).lock_owned().await;
+        if !bare.join("HEAD").exists() {
+            std::fs::create_dir_all(&bare)
+                .map_err(|e| worker_error("cannot make the source cache", &e.to_string()))?;
+            git(&bare, &["init", "--bare", "-q"])
+                .await
+                .map_err(|e| worker_error("cannot make the source cache", &e))?;
+        }
+        if !task.source_url.is_empty() {
+            let rev = &task.source_commit;
+            if !plain(rev) {
+                return Err(Error::new(
+                    FailureKind::Invalid,
+                    format!("{rev:?} is not a ref to fetch"),
+                ));
+            }
+            git(
+                &bare,
+                &[
+                    "-c",
+                    "protocol.ext.allow=never",
+                    "fetch",
+                    "--quiet",
+                    "--",
+                    &task.source_url,
+                    rev,
+                ],
+            )
+            .await
+            .map_err(|e| {
+                Error::new(
+                    FailureKind::Retryable,
+                    format!("cannot fetch {}#{rev}: {e}", task.source_url),
+                )
+            })?;
+            let commit = git(&bare, &["rev-parse", "FETCH_HEAD^{commit}"])
+                .await
+                .map_err(|e| worker_error("cannot read what was fetched", &e))?;
+            return Ok((bare, commit));
+        }
+        let commit = task.source_commit.clone();
+        if !commit.chars().all(|c| c.is_ascii_hexdigit()) || commit.is_empty() {
+            return Err(Error::new(
+                FailureKind::Invalid,
+                format!("{commit:?} is not a commit id"),
+            ));
+        }
+        if git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+            .await
+            .is_ok()
+        {
+            return Ok((bare, commit));
+        }
+        self.fetch(&bare, repo, &commit, link).await?;
+        git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+            .await
+            .map_err(|_| {
+                Error::new(
+                    FailureKind::Retryable,
+                    format!("the coordinator's packs did not hold commit {commit}"),
+                )
+            })?;
+        Ok((bare, commit))
+    }
+
+    /// Asks the coordinator for what `bare` lacks of `commit` and indexes each pack.
+    async fn fetch(
+        &self,
+        bare: &Path,
+        repo: &str,
+        commit: &str,
+        link: &mpsc::UnboundedSender<WorkerMessage>,
+    ) -> Result<(), Error> {
+        let applied_file = bare.join("flotilla-packs");
+        let applied: Vec<String> = std::fs::read_to_string(&applied_file)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        lock(&self.waiting).insert(id, tx);
+        struct Forget<'a>(&'a Sources, u64);
+        impl Drop for Forget<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.waiting).remove(&self.1);
+            }
+        }
+        let _forget = Forget(self, id);
+        let sent = link.send(WorkerMessage {
+            msg: Some(worker_message::Msg::SourceRequest(v1::SourceRequest {
+                id,
+                repo: repo.to_owned(),
+                commit: commit.to_owned(),
+                have_packs: applied,
+            })),
+        });
+        if sent.is_err() {
+            return Err(Error::new(
+                FailureKind::Retryable,
+                "the coordinator link is gone",
+            ));
+        }
+        let mut current: Option<(String, std::fs::File, PathBuf)> = None;
+        loop {
+            let d = match tokio::time::timeout(QUIET, rx.recv()).await {
+                Ok(Some(d)) => d,
+                Ok(None) => {
+                    return Err(Error::new(
+                        FailureKind::Retryable,
+                        "the source transfer was cut off",
+                    ));
+                }
+                Err(_) => {
+                    return Err(Error::new(
+                        FailureKind::Retryable,
+                        format!(
+                            "the coordinator sent nothing of the source for {}s",
+                            QUIET.as_secs()
+                        ),
+                    ));
+                }
+            };
+            if !d.error.is_empty() {
+                return Err(Error::new(
+                    FailureKind::Terminal,
+                    format!("the coordinator cannot send the source: {}", d.error),
+                ));
+            }
+            if d.done {
+                return Ok(());
+            }
+            if current.as_ref().is_none_or(|(p, ..)| *p != d.pack) {
+                let path = bare.join(format!("incoming-{id}.pack"));
+                let f = std::fs::File::create(&path)
+                    .map_err(|e| worker_error("cannot write the source", &e.to_string()))?;
+                current = Some((d.pack.clone(), f, path));
+            }
+            if let Some((_, f, _)) = current.as_mut() {
+                use std::io::Write;
+                f.write_all(&d.data)
+                    .map_err(|e| worker_error("cannot write the source", &e.to_string()))?;
+            }
+            if d.last_of_pack
+                && let Some((pack, f, path)) = current.take()
+            {
+                drop(f);
+                let indexed = index_pack(bare, &path).await;
+                let _ = std::fs::remove_file(&path);
+                indexed.map_err(|e| worker_error("cannot index the source", &e))?;
+                if plain(&d.tip) {
+                    let _ = git(
+                        bare,
+                        &["update-ref", &format!("refs/flotilla/{}", d.tip), &d.tip],
+                    )
+                    .await;
+                }
+                use std::io::Write;
+                let mut log = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&applied_file)
+                    .map_err(|e| worker_error("cannot record the source", &e.to_string()))?;
+                let _ = writeln!(log, "{pack}");
+            }
+        }
+    }
+
+    /// Makes (or finds, for a later attempt of the call) the call's checkout at `dir`.
+    pub async fn checkout(
+        &self,
+        task: &v1::TaskSpec,
+        dir: &Path,
+        link: &mpsc::UnboundedSender<WorkerMessage>,
+    ) -> Result<crate::worktree::Worktree, Error> {
+        for round in 0..2 {
+            let (bare, commit) = self.ensure(task, link).await?;
+            if let Some(wt) = crate::worktree::Worktree::existing(&bare, dir).await {
+                return Ok(wt);
+            }
+            match crate::worktree::Worktree::detached(&bare, dir, &commit).await {
+                Ok(wt) => return Ok(wt),
+                Err(e) if round == 0 => {
+                    // The cache is only a cache: drop it and fetch again.
+                    tracing::warn!(repo = %task.source_repo, error = %e, "the cached source is unusable; fetching it again");
+                    let _held = self.repo_lock(&task.source_repo).lock_owned().await;
+                    let _ = std::fs::remove_dir_all(&bare);
+                }
+                Err(e) => return Err(worker_error("cannot check out the source", &e)),
+            }
+        }
+        Err(worker_error("cannot check out the source", "giving up"))
+    }
+}
+
+/// Indexes one received pack into `bare`.
+async fn index_pack(bare: &Path, pack: &Path) -> Result<(), String> {
+    let file = std::fs::File::open(pack).map_err(|e| e.to_string())?;
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(bare)
+        .args(["index-pack", "--stdin"])
+        .stdin(file)
+        .output()
+        .await
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
+}
