@@ -318,6 +318,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         parent_run_id: None,
         write_result: false,
         owners: Vec::new(),
+        cache_dir: None,
     };
     let handle = run::start(
         init,

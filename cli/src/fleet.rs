@@ -663,7 +663,10 @@ impl ClientArgs {
             .ok_or("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)")?;
         let files = tls.files("client", loopback_host(&host_of(&coordinator)))?;
         let channel = flotilla_proto::tls::channel(&coordinator, files.as_ref())?;
-        Ok(ClientServiceClient::new(channel))
+        // Reports with big results come back whole: the limits are explicit, both ways.
+        Ok(ClientServiceClient::new(channel)
+            .max_decoding_message_size(flotilla_proto::frag::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(flotilla_proto::frag::MAX_MESSAGE_BYTES))
     }
 
     pub fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
@@ -672,7 +675,7 @@ impl ClientArgs {
 }
 
 /// Prints a failed call the way every client command does; returns the exit status.
-fn rpc_fail(s: &tonic::Status) -> i32 {
+pub fn rpc_fail(s: &tonic::Status) -> i32 {
     let (code, msg) = rpc_error(s);
     fail(code, msg)
 }

@@ -11,6 +11,7 @@ mod approve;
 mod bench;
 mod bench_fleet;
 mod certs;
+mod changes;
 mod config;
 mod embedded;
 mod fleet;
@@ -71,6 +72,10 @@ enum Command {
     Resume(fleet::ResumeArgs),
     /// Restart one running agent of a run as a new attempt.
     Restart(fleet::AgentRefArgs),
+    /// What a fleet run's agents changed in its source: each agent's change and the run head.
+    Changes(changes::ChangesArgs),
+    /// Bring a fleet run's changes into this repository as branches (`--merge`: and merge).
+    Apply(changes::ApplyArgs),
     /// List the workers attached to a coordinator.
     Workers(fleet::WorkersArgs),
     /// Session tokens for the coordinator's pages.
@@ -226,6 +231,8 @@ fn main() -> ExitCode {
             Command::Pause(args) => fleet::control(args, "pause").await,
             Command::Resume(args) => fleet::resume(args).await,
             Command::Restart(args) => fleet::restart(args).await,
+            Command::Changes(args) => changes::changes(args).await,
+            Command::Apply(args) => changes::apply(args).await,
             Command::Workers(args) => fleet::workers(args).await,
             Command::Token(fleet::TokenCommand::Create(args)) => fleet::token_create(args).await,
             Command::Workflows(cmd) => workflows_cmd::run(cmd).await,

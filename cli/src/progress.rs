@@ -252,6 +252,15 @@ pub fn summary(report: &Report) {
         report.run_id
     ));
     eprintln!("{line}");
+    if let Some(c) = &report.changes {
+        let changed = c.merged + c.isolated + c.conflicted;
+        if changed > 0 {
+            eprintln!(
+                "  {changed} agents changed files ({} in the run head, {} on their own branches, {} in conflict): `{}` brings them into your repository",
+                c.merged, c.isolated, c.conflicted, c.apply
+            );
+        }
+    }
     for f in &report.failures {
         eprintln!("  failure: {}", clean(f));
     }

@@ -70,6 +70,8 @@ pub struct Coordinator {
     generation: u64,
     /// With coordinators sharing etcd: every run is recorded and owned before it starts.
     leadership: std::sync::OnceLock<Arc<crate::leader::Leadership>>,
+    /// Where run heads are merged (a git cache); a temporary directory unless set.
+    cache_dir: std::sync::OnceLock<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -106,12 +108,18 @@ impl Coordinator {
             cancel,
             generation: 1,
             leadership: std::sync::OnceLock::new(),
+            cache_dir: std::sync::OnceLock::new(),
         }
     }
 
     /// Joins a group of coordinators (see [`crate::leader`]).
     pub fn set_leadership(&self, l: Arc<crate::leader::Leadership>) {
         let _ = self.leadership.set(l);
+    }
+
+    /// Sets where run heads are merged (`--cache-dir`).
+    pub fn set_cache_dir(&self, dir: std::path::PathBuf) {
+        let _ = self.cache_dir.set(dir);
     }
 
     pub fn leadership(&self) -> Option<&Arc<crate::leader::Leadership>> {
@@ -542,6 +550,7 @@ impl Coordinator {
             parent_run_id: s.parent_run_id,
             write_result: true,
             owners: s.owners,
+            cache_dir: self.cache_dir.get().cloned(),
         };
         Ok(run::start(
             init,

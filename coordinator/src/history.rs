@@ -244,6 +244,21 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         script_path: Some(store.display_path(&keys::script(run))),
         parent_run_id: m.parent_run_id.clone(),
         store: Some(store.url.clone()),
+        changes: m.settings.source.as_ref().map(|src| {
+            let records: Vec<&crate::head::ChangeRecord> =
+                calls.iter().filter_map(|c| c.change.as_ref()).collect();
+            crate::report::ChangesSummary {
+                merged: records.iter().filter(|r| r.head_after.is_some()).count() as u64,
+                isolated: records.iter().filter(|r| r.isolated).count() as u64,
+                conflicted: records.iter().filter(|r| !r.conflicts.is_empty()).count() as u64,
+                head: records
+                    .iter()
+                    .rev()
+                    .find_map(|r| r.head_after.clone())
+                    .unwrap_or_else(|| src.commit.clone()),
+                apply: format!("flotilla apply {run}"),
+            }
+        }),
     })
 }
 

@@ -12,6 +12,7 @@
 
 pub mod bundled;
 pub mod coordinator;
+pub mod head;
 pub mod history;
 pub mod leader;
 pub mod lease;

@@ -76,6 +76,22 @@ pub struct Report {
     pub parent_run_id: Option<String>,
     #[serde(default)]
     pub store: Option<String>,
+    /// What the agents changed in the run's source (fleet runs with a source).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changes: Option<ChangesSummary>,
+}
+
+/// A run's changes in brief, with how to bring them home.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ChangesSummary {
+    /// Agents whose change is in the run head, on their branch only, or in conflict.
+    pub merged: u64,
+    pub isolated: u64,
+    pub conflicted: u64,
+    /// The run head (the source's commit with the merged changes).
+    pub head: String,
+    /// The command that brings them into the user's repository.
+    pub apply: String,
 }
 
 /// Run-wide counters.
@@ -152,6 +168,7 @@ impl Report {
             script_path: None,
             parent_run_id: None,
             store: None,
+            changes: None,
         }
     }
 }

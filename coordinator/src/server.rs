@@ -816,6 +816,47 @@ impl ClientService for ClientSvc {
         Ok(Response::new(v1::ControlReply { message }))
     }
 
+    async fn changes(
+        &self,
+        req: Request<v1::RunRef>,
+    ) -> Result<Response<v1::ChangesReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let run = req.into_inner().run_id;
+        // The journal is in the shared store: any coordinator of a group answers.
+        let changes = crate::head::changes_of(self.coordinator.store(), &run)
+            .await
+            .map_err(|e| match e.kind() {
+                flotilla_proto::ErrorKind::NotFound => Status::not_found(e.to_string()),
+                _ => Status::unavailable(e.to_string()),
+            })?;
+        Ok(Response::new(v1::ChangesReply {
+            changes_json: to_json(&changes)?,
+        }))
+    }
+
+    type FetchSourceStream = StreamOf<v1::SourceData>;
+
+    async fn fetch_source(
+        &self,
+        req: Request<v1::FetchSourceRequest>,
+    ) -> Result<Response<Self::FetchSourceStream>, Status> {
+        self.authorize(&req, "fetch run sources")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let store = self.coordinator.store().clone();
+        tokio::spawn(async move {
+            let req = v1::SourceRequest {
+                id: 0,
+                repo: r.repo,
+                commit: r.commit,
+                have_packs: r.have_packs,
+            };
+            crate::source::serve_to(store, req, |d| tx.send(Ok(d)).is_ok()).await;
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+
     async fn source_have(
         &self,
         req: Request<v1::SourceHaveRequest>,

@@ -199,12 +199,17 @@ pub async fn serve(
     req: v1::SourceRequest,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
 ) {
-    let send = |d: v1::SourceData| {
+    serve_to(store, req, |d| {
         tx.send(CoordinatorMessage {
             msg: Some(coordinator_message::Msg::SourceData(d)),
         })
         .is_ok()
-    };
+    })
+    .await;
+}
+
+/// [`serve`], to any sink (`false` from `send`: the receiver is gone).
+pub async fn serve_to(store: Store, req: v1::SourceRequest, send: impl Fn(v1::SourceData) -> bool) {
     let fail = |error: String| v1::SourceData {
         request: req.id,
         error,
@@ -268,7 +273,7 @@ pub async fn serve(
         sent += size;
         count += 1;
     }
-    tracing::info!(repo = %req.repo, commit = %req.commit, packs = count, bytes = sent, "sent a source to a worker");
+    tracing::info!(repo = %req.repo, commit = %req.commit, packs = count, bytes = sent, "sent a source");
     send(v1::SourceData {
         request: req.id,
         done: true,

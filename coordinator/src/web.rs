@@ -1248,6 +1248,7 @@ mod tests {
             script_path: None,
             parent_run_id: None,
             store: None,
+            changes: None,
         };
         let d = PageData {
             report: Arc::new(report),

@@ -287,6 +287,7 @@ mod tests {
             result: Some(v1::outcome::Result::Completed(v1::Completed {
                 text,
                 json: None,
+                change: None,
             })),
             ..v1::Outcome::default()
         }

@@ -24,7 +24,7 @@ pub mod v1 {
 
 /// Version of the worker protocol spoken by this build. The coordinator refuses a worker
 /// whose major version differs.
-pub const PROTOCOL_VERSION: &str = "1.2";
+pub const PROTOCOL_VERSION: &str = "1.3";
 
 /// Returns true when a peer speaking `theirs` can talk to this build.
 pub fn protocol_compatible(theirs: &str) -> bool {

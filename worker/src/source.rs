@@ -322,3 +322,112 @@ async fn index_pack(bare: &Path, pack: &Path) -> Result<(), String> {
         Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
     }
 }
+
+/// What an agent left in its checkout, as one commit on the commit it started from (its own
+/// commits included) and the objects that commit adds; `None` when it changed nothing.
+pub async fn change_of(
+    wt: &crate::worktree::Worktree,
+    spec: &v1::TaskSpec,
+    run: &str,
+    call: u64,
+) -> Result<Option<v1::Change>, Error> {
+    let failed = |e: String| worker_error("cannot record the agent's change", &e);
+    if !wt.changed().await {
+        return Ok(None);
+    }
+    let dirty = git(&wt.path, &["status", "--porcelain"])
+        .await
+        .map_err(failed)?;
+    if !dirty.is_empty() {
+        git(&wt.path, &["add", "-A"]).await.map_err(failed)?;
+        // The agent is the author: its label, and an address naming the run and call.
+        let name: String = spec
+            .label
+            .chars()
+            .filter(|c| !c.is_control() && !matches!(c, '<' | '>'))
+            .take(80)
+            .collect();
+        let name = if name.trim().is_empty() {
+            format!("agent {call}")
+        } else {
+            name
+        };
+        let email = format!("agent-{call}@{run}.flotilla");
+        let message = format!("flotilla: agent {:?} (#{call}) of run {run}", spec.label);
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&wt.path)
+            .args(["commit", "-q", "--no-verify", "-m", &message])
+            .env("GIT_AUTHOR_NAME", &name)
+            .env("GIT_AUTHOR_EMAIL", &email)
+            .env("GIT_COMMITTER_NAME", "flotilla")
+            .env("GIT_COMMITTER_EMAIL", "flotilla@localhost")
+            .output()
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        if !out.status.success() {
+            return Err(failed(
+                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            ));
+        }
+    }
+    let commit = git(&wt.path, &["rev-parse", "HEAD"])
+        .await
+        .map_err(failed)?;
+    if commit == wt.base {
+        return Ok(None);
+    }
+    let _ = git(
+        wt.repo(),
+        &["update-ref", &format!("refs/flotilla/{commit}"), &commit],
+    )
+    .await;
+    let (mut files, mut insertions, mut deletions) = (Vec::new(), 0u32, 0u32);
+    for line in git(&wt.path, &["diff", "--numstat", &wt.base, &commit])
+        .await
+        .map_err(failed)?
+        .lines()
+    {
+        let mut parts = line.splitn(3, '\t');
+        let (ins, del, file) = (parts.next(), parts.next(), parts.next());
+        insertions += ins.and_then(|n| n.parse().ok()).unwrap_or(0);
+        deletions += del.and_then(|n| n.parse().ok()).unwrap_or(0);
+        if let Some(f) = file {
+            files.push(f.to_owned());
+        }
+    }
+    let mut child = Command::new("git")
+        .arg("-C")
+        .arg(wt.repo())
+        .args(["pack-objects", "--revs", "--stdout", "-q"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| failed(e.to_string()))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt;
+        stdin
+            .write_all(format!("{commit}\n^{}\n", wt.base).as_bytes())
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+    }
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    if !out.status.success() {
+        return Err(failed(
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ));
+    }
+    Ok(Some(v1::Change {
+        repo: spec.source_repo.clone(),
+        base: wt.base.clone(),
+        commit,
+        pack: out.stdout,
+        files,
+        insertions,
+        deletions,
+    }))
+}

@@ -514,7 +514,27 @@ async fn run_attempt_in(
                     } else {
                         backend.run(&task, &events, cancel.clone()).await
                     };
+                    let mut result = result;
                     match &worktree {
+                        // A source checkout: a finished agent's edits go back as its change;
+                        // an unfinished attempt's stay for the next one (W58).
+                        Some(wt) if !spec.source_repo.is_empty() => {
+                            if let Ok(out) = result.as_mut() {
+                                match crate::source::change_of(wt, &spec, &a.run_id, a.call).await {
+                                    Ok(change) => {
+                                        if let Some(c) = &change {
+                                            events.transcript(serde_json::json!({
+                                                "type": "change", "commit": c.commit, "base": c.base,
+                                                "files": c.files, "insertions": c.insertions, "deletions": c.deletions,
+                                            }));
+                                        }
+                                        out.change = change;
+                                        wt.discard().await;
+                                    }
+                                    Err(e) => result = Err(e),
+                                }
+                            }
+                        }
                         Some(wt) => {
                             let message = format!(
                                 "flotilla: agent {:?} (#{}) of run {}, attempt {}",
@@ -539,6 +559,7 @@ async fn run_attempt_in(
             outcome::Result::Completed(v1::Completed {
                 text: out.text,
                 json: out.json.map(|v| v.to_string()),
+                change: out.change,
             }),
             out.usage,
         ),

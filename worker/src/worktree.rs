@@ -183,6 +183,35 @@ impl Worktree {
         })
     }
 
+    /// Removes the worktree whatever it holds (its commits stay in the repository).
+    pub async fn discard(&self) {
+        let _git = GIT.lock().await;
+        if git(
+            &self.repo,
+            &[
+                "worktree",
+                "remove",
+                "--force",
+                &self.path.to_string_lossy(),
+            ],
+        )
+        .await
+        .is_err()
+        {
+            let _ = std::fs::remove_dir_all(&self.path);
+            let _ = git(&self.repo, &["worktree", "prune"]).await;
+        }
+        let _ = std::fs::remove_file(base_file(&self.path));
+        if let Some(run_dir) = self.path.parent() {
+            let _ = std::fs::remove_dir(run_dir);
+        }
+    }
+
+    /// The repository the worktree belongs to.
+    pub fn repo(&self) -> &Path {
+        &self.repo
+    }
+
     /// [`Worktree::finish_as`] with a plain message.
     pub async fn finish(&self) -> Finished {
         self.finish_as("flotilla: the agent's change").await

@@ -169,6 +169,8 @@ pub struct EngineInit {
     /// Owner records this run holds (itself, and the run it resumes), let go once its report
     /// is stored.
     pub owners: Vec<crate::owner::Held>,
+    /// Where the coordinator merges agents' changes into the run head (a git cache).
+    pub cache_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,6 +203,12 @@ struct Call {
     result: Option<Value>,
     /// Why it waits although the run has room: no attached worker offers its backend.
     waiting_for: Option<String>,
+    /// `isolation: 'worktree'`: its change stays on its branch, out of the head.
+    isolated: bool,
+    /// What it changed in the run's source, once applied to the head.
+    change: Option<crate::head::ChangeRecord>,
+    /// Served from this run's own journal (adopted): applied to the head, not journaled again.
+    own_journal: bool,
     /// The call's trace span (`agent`), open until the call ends.
     span: tracing::Span,
 }
@@ -237,6 +245,9 @@ pub struct RunEngine {
     waiting: Option<String>,
     /// Storage writes were failing when the snapshot was last published.
     storage_failing: bool,
+    /// The run head's keeper (fleet runs with a snapshot source).
+    head: Option<mpsc::UnboundedSender<crate::head::Apply>>,
+    head_watch: Option<watch::Receiver<String>>,
     /// Reasons for waiting already logged (each once).
     waits_logged: std::collections::HashSet<String>,
     snapshot: watch::Sender<Arc<Snapshot>>,
@@ -322,6 +333,8 @@ impl RunEngine {
             waiting: None,
             waits_logged: std::collections::HashSet::new(),
             storage_failing: false,
+            head: None,
+            head_watch: None,
             snapshot,
             dirty: true,
             transcripts: TranscriptLog::spawn(
@@ -361,6 +374,29 @@ impl RunEngine {
         );
         self.journal = Some(journal);
         self.journal_task = Some(journal_task);
+        let (applied_tx, mut applied_rx) = mpsc::unbounded_channel();
+        if let Some(src) = self
+            .init
+            .settings
+            .source
+            .clone()
+            .filter(|s| s.url.is_none())
+        {
+            let cache = self
+                .init
+                .cache_dir
+                .clone()
+                .unwrap_or_else(|| std::env::temp_dir().join("flotilla-coordinator-cache"));
+            let (tx, watch) = crate::head::spawn(
+                self.init.store.clone(),
+                src.repo,
+                src.commit,
+                cache,
+                applied_tx,
+            );
+            self.head = Some(tx);
+            self.head_watch = Some(watch);
+        }
         self.init.dispatch.register(RunRegistration {
             run_id: self.run.clone(),
             concurrency: self.init.settings.concurrency as usize,
@@ -369,6 +405,7 @@ impl RunEngine {
             stagger: Duration::from_millis(self.init.settings.stagger_ms),
             budget_total: self.init.settings.budget_tokens,
             worker_wait: Duration::from_millis(self.init.settings.worker_wait_ms),
+            head: self.head_watch.clone(),
             shared: self.init.shared.clone(),
             events: call_tx,
         });
@@ -406,6 +443,7 @@ impl RunEngine {
                     Some(ev) => self.on_call_event(ev),
                     None => calls_open = false,
                 },
+                Some(applied) = applied_rx.recv() => self.on_applied(applied),
                 op = ops.recv() => match op {
                     Some(ScriptOp::Finished(end)) => break end,
                     Some(op) => self.on_op(op),
@@ -448,7 +486,7 @@ impl RunEngine {
                 }
             }
         };
-        self.finish(end, &mut ack_rx).await
+        self.finish(end, &mut ack_rx, &mut applied_rx).await
     }
 
     fn pause(&mut self, paused: bool) {
@@ -828,6 +866,9 @@ impl RunEngine {
             worker: None,
             result: None,
             waiting_for: None,
+            isolated: spec.isolation == "worktree",
+            change: None,
+            own_journal: false,
         };
         if let Some(record) = cached {
             call.span.record("outcome", "cached");
@@ -844,13 +885,23 @@ impl RunEngine {
             call.start_ms = Some(now);
             call.end_ms = Some(now);
             call.result = record.result.clone();
-            self.calls.push(call);
-            if self
+            call.own_journal = self
                 .init
                 .resume
                 .as_ref()
-                .is_some_and(|s| s.run_id == self.init.run_id)
-            {
+                .is_some_and(|s| s.run_id == self.init.run_id);
+            let change = record.change.clone();
+            self.calls.push(call);
+            // Its change is applied to this run's head again, never re-run (design.md).
+            if let (Some(head), Some(mut ch)) = (&self.head, change) {
+                ch.head_after = None;
+                let _ = head.send(crate::head::Apply {
+                    call: index,
+                    label: spec.label.clone(),
+                    record: ch,
+                    pack: None,
+                });
+            } else if self.calls[index as usize].own_journal {
                 // Adopted after a failover: the result is in this run's own journal already.
                 self.on_ack(JournalAck::Durable(vec![index]));
             } else {
@@ -952,6 +1003,7 @@ impl RunEngine {
             attempts: c.attempts,
             cached_from: c.cached_from.clone(),
             worker: c.worker.as_ref().map(|w| w.to_string()),
+            change: c.change.clone(),
         };
         let queued = self.journal.as_ref().is_some_and(|j| j.append(record));
         if !queued {
@@ -1189,7 +1241,27 @@ impl RunEngine {
                 };
                 c.result = Some(value);
                 c.status = Status::Journaling;
-                self.journal_call(call);
+                match (done.change, &self.head) {
+                    // Its change goes into the head (or onto its branch) before it is journaled.
+                    (Some(ch), Some(head)) => {
+                        let _ = head.send(crate::head::Apply {
+                            call,
+                            label: c.label.clone(),
+                            record: crate::head::ChangeRecord {
+                                commit: ch.commit,
+                                base: ch.base,
+                                files: ch.files,
+                                insertions: ch.insertions,
+                                deletions: ch.deletions,
+                                head_after: None,
+                                conflicts: Vec::new(),
+                                isolated: c.isolated,
+                            },
+                            pack: Some(ch.pack),
+                        });
+                    }
+                    _ => self.journal_call(call),
+                }
             }
             CallResult::Failed { failure, message } => {
                 c.status = Status::Failed;
@@ -1224,6 +1296,48 @@ impl RunEngine {
         }
     }
 
+    /// A change applied to the head (or kept on its branch): said, then journaled with its call.
+    fn on_applied(&mut self, a: crate::head::Applied) {
+        self.dirty = true;
+        let Some(c) = self.calls.get_mut(a.call as usize) else {
+            return;
+        };
+        let label = c.label.clone();
+        let branch = format!("flotilla/{}/{}", self.init.run_id, a.call);
+        let line = match a.result {
+            Ok(record) => {
+                let line = if !record.conflicts.is_empty() {
+                    Some(format!(
+                        "agent \"{label}\" changed files that conflict with the run's head ({}); its change is on branch {branch} (`flotilla apply {} --agent {}`)",
+                        record.conflicts.join(", "),
+                        self.init.run_id,
+                        a.call
+                    ))
+                } else {
+                    None
+                };
+                c.change = Some(record);
+                line
+            }
+            Err(e) => {
+                // The result stands; only the change could not be kept.
+                Some(format!(
+                    "agent \"{label}\" changed files, but the change could not be kept: {e}"
+                ))
+            }
+        };
+        let own = c.own_journal;
+        if let Some(line) = line {
+            self.failures.push(line.clone());
+            self.event(RunEvent::Failure { line });
+        }
+        if own {
+            self.on_ack(JournalAck::Durable(vec![a.call]));
+        } else {
+            self.journal_call(a.call);
+        }
+    }
+
     fn store_transcript(&mut self, call: u64, attempt: u32, events: Vec<String>) {
         let events = events
             .into_iter()
@@ -1240,6 +1354,7 @@ impl RunEngine {
         mut self,
         end: ScriptEnd,
         ack_rx: &mut mpsc::UnboundedReceiver<JournalAck>,
+        applied_rx: &mut mpsc::UnboundedReceiver<crate::head::Applied>,
     ) -> Report {
         match end {
             ScriptEnd::Returned(json) => {
@@ -1275,6 +1390,12 @@ impl RunEngine {
             if matches!(c.status, Status::Queued | Status::Running) {
                 c.status = Status::Cancelled;
                 c.end_ms.get_or_insert(now);
+            }
+        }
+        // Changes still being applied to the head are journaled first.
+        if self.head.take().is_some() {
+            while let Some(a) = applied_rx.recv().await {
+                self.on_applied(a);
             }
         }
         // Let the journal finish what it has: results completed after the script ended are
@@ -1497,6 +1618,22 @@ impl RunEngine {
             script_path: self.init.script_path.clone(),
             parent_run_id: self.init.parent_run_id.clone(),
             store: Some(self.init.store.url.clone()),
+            changes: self.head_watch.as_ref().map(|head| {
+                let of = |f: &dyn Fn(&crate::head::ChangeRecord) -> bool| {
+                    self.calls
+                        .iter()
+                        .filter_map(|c| c.change.as_ref())
+                        .filter(|r| f(r))
+                        .count() as u64
+                };
+                crate::report::ChangesSummary {
+                    merged: of(&|r| r.head_after.is_some()),
+                    isolated: of(&|r| r.isolated),
+                    conflicted: of(&|r| !r.conflicts.is_empty()),
+                    head: head.borrow().clone(),
+                    apply: format!("flotilla apply {}", self.init.run_id),
+                }
+            }),
         }
     }
 }
@@ -1587,6 +1724,7 @@ mod tests {
             parent_run_id: None,
             write_result: true,
             owners: Vec::new(),
+            cache_dir: None,
         };
         let handle = start(
             init,

@@ -92,6 +92,9 @@ pub struct RunRegistration {
     pub budget_total: Option<u64>,
     /// How long a call waits for an attached worker that offers its backend and model.
     pub worker_wait: Duration,
+    /// The run's head (fleet runs with a source): every attempt starts from it as it stands
+    /// when the attempt is sent.
+    pub head: Option<tokio::sync::watch::Receiver<String>>,
     /// Spent output tokens (shared with the script's `budget.spent()`).
     pub shared: Arc<ScriptShared>,
     pub events: mpsc::UnboundedSender<CallEvent>,
@@ -1176,6 +1179,7 @@ impl Dispatcher {
                         CallResult::Completed(v1::Completed {
                             text: json.clone(),
                             json: Some(json),
+                            change: None,
                         }),
                     );
                 } else {
@@ -1548,12 +1552,16 @@ impl Dispatcher {
             worker = %w.name,
             outcome = tracing::field::Empty,
         );
+        let mut task = c.ticket.task.clone();
+        if let Some(head) = self.runs.get(&id.0).and_then(|r| r.reg.head.as_ref()) {
+            task.source_commit = head.borrow().clone();
+        }
         let assignment = v1::Assignment {
             run_id: id.0.to_string(),
             call: id.1,
             attempt: c.attempt,
             call_key: c.ticket.key.clone(),
-            task: Some(c.ticket.task.clone()),
+            task: Some(task),
             trace_context: trace_context(&c.attempt_span),
             fence,
         };
@@ -1696,6 +1704,7 @@ mod tests {
                 result: Some(outcome::Result::Completed(v1::Completed {
                     text: text.into(),
                     json: None,
+                    change: None,
                 })),
                 usage: Some(v1::Usage {
                     output_tokens: 1,
@@ -1733,6 +1742,7 @@ mod tests {
             stagger: Duration::ZERO,
             budget_total: None,
             worker_wait: Duration::from_secs(600),
+            head: None,
             shared: Arc::new(ScriptShared::default()),
             events: tx,
         });
@@ -1788,7 +1798,8 @@ mod tests {
             done[0].1,
             CallResult::Completed(v1::Completed {
                 text: "fresh".into(),
-                json: None
+                json: None,
+                change: None,
             })
         );
         // Usage of both attempts is still counted.
@@ -2092,6 +2103,7 @@ mod tests {
             stagger: Duration::from_secs(1),
             budget_total: None,
             worker_wait: Duration::from_secs(600),
+            head: None,
             shared: Arc::new(ScriptShared::default()),
             events: tx,
         });

@@ -99,6 +99,9 @@ pub struct CallRecord {
     pub cached_from: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
+    /// What it changed in the run's source (fleet runs with a source).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub change: Option<crate::head::ChangeRecord>,
 }
 
 /// One line of `runs/{run}/events/*.jsonl`.

@@ -81,7 +81,7 @@ fn sent_lines(c: &Cluster) -> Vec<String> {
     std::fs::read_to_string(c.path().join("coordinator.log"))
         .unwrap_or_default()
         .lines()
-        .filter(|l| l.contains("sent a source to a worker"))
+        .filter(|l| l.contains("sent a source"))
         .map(str::to_owned)
         .collect()
 }
@@ -233,4 +233,227 @@ fn a_git_url_source_is_fetched_by_the_workers_and_outside_a_repository_there_is_
     let (code, r) = c.wait(out.json()["run_id"].as_str().unwrap());
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], "0", "an empty scratch directory: {r}");
+}
+
+/// A clean repository (so a fresh clone has exactly what the run started from).
+fn clean_repo(dir: &Path) {
+    flotilla_tests::git_repo(dir);
+    std::fs::create_dir_all(dir.join("notes")).unwrap();
+    std::fs::write(dir.join("notes/keep.txt"), "kept\n").unwrap();
+    std::fs::write(dir.join("same.txt"), "zero\n").unwrap();
+    git(dir, &["add", "."]);
+    git(
+        dir,
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-q",
+            "-m",
+            "notes",
+        ],
+    );
+}
+
+#[test]
+fn later_agents_see_earlier_agents_edits_and_apply_brings_them_home() {
+    let c =
+        Cluster::start_workers_with(3, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let script = c.path().join("stages.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'stages', description: 'write, then read' };\n\
+         return await pipeline(['a', 'b', 'c'],\n\
+           x => agent('echo ' + x + ' >> notes/' + x + '.txt; echo wrote', { label: 'write ' + x }),\n\
+           (prev, x) => agent('cat notes/' + x + '.txt notes/keep.txt', { label: 'read ' + x }));",
+    )
+    .unwrap();
+    let out = launch(&c, &repo, &script);
+    let run = out["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    // Stage 2 ran on the head with stage 1's edits merged in, on whichever worker.
+    assert_eq!(
+        r["result"],
+        serde_json::json!(["a\nkept", "b\nkept", "c\nkept"]),
+        "{r}"
+    );
+    assert_eq!(r["changes"]["merged"], 3, "{r}");
+    assert_eq!(r["changes"]["apply"], format!("flotilla apply {run}"));
+    let changes = c.client(&["changes", &run, "--json"]);
+    assert_eq!(changes.code, 0, "{changes:?}");
+    let changes = changes.json();
+    let list = changes["changes"].as_array().unwrap();
+    assert_eq!(
+        list.len(),
+        3,
+        "the writers changed files, the readers did not: {changes}"
+    );
+    assert!(
+        list.iter().all(|ch| ch["head_after"].is_string()),
+        "{changes}"
+    );
+    // A fresh clone of the user's repository gets exactly the run's files.
+    let fresh = c.path().join("fresh");
+    let cloned = Command::new("git")
+        .args(["clone", "-q"])
+        .arg(&repo)
+        .arg(&fresh)
+        .output()
+        .unwrap();
+    assert!(cloned.status.success(), "{cloned:?}");
+    git(&fresh, &["config", "user.name", "t"]);
+    git(&fresh, &["config", "user.email", "t@t"]);
+    let applied = c.client_in(&fresh, &["apply", &run, "--merge"]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    for (f, want) in [
+        ("notes/a.txt", "a\n"),
+        ("notes/b.txt", "b\n"),
+        ("notes/c.txt", "c\n"),
+        ("notes/keep.txt", "kept\n"),
+        ("same.txt", "zero\n"),
+    ] {
+        assert_eq!(std::fs::read_to_string(fresh.join(f)).unwrap(), want, "{f}");
+    }
+    let branches = git(
+        &fresh,
+        &[
+            "branch",
+            "--list",
+            "flotilla/*",
+            "--format=%(refname:short)",
+        ],
+    );
+    assert!(
+        branches.contains(&format!("flotilla/{run}/head")),
+        "{branches}"
+    );
+    assert_eq!(git(&fresh, &["status", "--porcelain"]), "");
+}
+
+#[test]
+fn two_agents_that_edit_the_same_line_lose_nothing() {
+    let c =
+        Cluster::start_workers_with(2, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let script = c.path().join("race.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'race', description: 'two edits of one line' };\n\
+         return await parallel([\n\
+           () => agent('echo one > same.txt; sleep 0.5; echo done', { label: 'first' }),\n\
+           () => agent('echo two > same.txt; sleep 0.5; echo done', { label: 'second' }),\n\
+         ]);",
+    )
+    .unwrap();
+    let out = launch(&c, &repo, &script);
+    let run = out["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        serde_json::json!(["done", "done"]),
+        "both results stand: {r}"
+    );
+    let failures = flotilla_tests::failures(&r);
+    let line = failures
+        .iter()
+        .find(|f| f.contains("conflict with the run's head"))
+        .unwrap_or_else(|| panic!("no conflict line: {r}"));
+    assert!(
+        line.contains("same.txt") && line.contains(&format!("flotilla/{run}/")),
+        "{line}"
+    );
+    let changes = c.client(&["changes", &run, "--json"]).json();
+    let list = changes["changes"].as_array().unwrap();
+    assert_eq!(list.len(), 2, "{changes}");
+    let in_head: Vec<_> = list
+        .iter()
+        .filter(|c| c["head_after"].is_string())
+        .collect();
+    let conflicted: Vec<_> = list.iter().filter(|c| c["conflicts"].is_array()).collect();
+    assert_eq!((in_head.len(), conflicted.len()), (1, 1), "{changes}");
+    // Both are in the user's repository after apply: the head, and the other on its branch.
+    let applied = c.client_in(&repo, &["apply", &run]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    let head_text = git(&repo, &["show", &format!("flotilla/{run}/head:same.txt")]);
+    let other = conflicted[0]["index"].as_u64().unwrap();
+    let other_text = git(
+        &repo,
+        &["show", &format!("flotilla/{run}/{other}:same.txt")],
+    );
+    let mut both = [head_text.trim().to_owned(), other_text.trim().to_owned()];
+    both.sort();
+    assert_eq!(both, ["one", "two"]);
+}
+
+#[test]
+fn a_resume_reapplies_the_journaled_changes_instead_of_running_their_agents_again() {
+    let c =
+        Cluster::start_workers_with(2, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let writers = "const w = await parallel(['a', 'b', 'c'].map(x => () => agent('echo ' + x + ' > notes/' + x + '.txt; echo ' + x, { label: 'write ' + x })));";
+    let first = c.path().join("first.js");
+    std::fs::write(
+        &first,
+        format!(
+            "export const meta = {{ name: 'w', description: 'writers' }};\n{writers}\nreturn w;"
+        ),
+    )
+    .unwrap();
+    let out = launch(&c, &repo, &first);
+    let parent = out["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&parent);
+    assert_eq!(code, 0, "{r}");
+    // The same writers and one more: the three come from the journal, their changes are
+    // applied to the new run's head again, and only the new agent runs.
+    let second = c.path().join("second.js");
+    std::fs::write(
+        &second,
+        format!("export const meta = {{ name: 'w', description: 'writers' }};\n{writers}\nconst more = await agent('echo $(ls notes)', {{ label: 'list' }});\nreturn [w, more];"),
+    )
+    .unwrap();
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            second.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "exec",
+            "--resume",
+            &parent,
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let child = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&child);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["usage"]["cached"], 3, "{r}");
+    assert_eq!(r["usage"]["dispatched"], 1, "{r}");
+    assert_eq!(
+        r["result"][1], "a.txt b.txt c.txt keep.txt",
+        "the new agent saw the journaled changes: {r}"
+    );
+    let changes = c.client(&["changes", &child, "--json"]).json();
+    assert_eq!(changes["changes"].as_array().unwrap().len(), 3, "{changes}");
+    let parent_head = c.client(&["changes", &parent, "--json"]).json()["head"].clone();
+    let applied = c.client_in(&repo, &["apply", &child]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    let tree = |rev: &str| git(&repo, &["rev-parse", &format!("{rev}^{{tree}}")]);
+    let applied = c.client_in(&repo, &["apply", &parent]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    assert_eq!(
+        tree(&format!("flotilla/{child}/head")),
+        tree(parent_head.as_str().unwrap()),
+        "the resumed head has the same files as the first run's"
+    );
 }

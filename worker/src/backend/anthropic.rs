@@ -318,6 +318,7 @@ impl AgentBackend for Anthropic {
                     text: reply.text,
                     json: None,
                     usage: total,
+                    change: None,
                 });
             };
             let Some(id) = reply.tool_id.clone() else {
@@ -339,6 +340,7 @@ impl AgentBackend for Anthropic {
                         text: v.to_string(),
                         json: Some(v),
                         usage: total,
+                        change: None,
                     });
                 }
                 Ok(Submitted::Retry(problem)) => {

@@ -501,6 +501,11 @@ impl AgentBackend for ClaudeCode {
                 }
             }
         };
-        Ok(Output { text, json, usage })
+        Ok(Output {
+            text,
+            json,
+            usage,
+            change: None,
+        })
     }
 }

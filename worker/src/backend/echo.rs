@@ -149,6 +149,7 @@ impl AgentBackend for Echo {
                 text: prompt.clone(),
                 json: None,
                 usage,
+                change: None,
             });
         };
 
@@ -189,6 +190,7 @@ impl AgentBackend for Echo {
                         text,
                         json: Some(value),
                         usage,
+                        change: None,
                     });
                 }
                 Ok(Submitted::Retry(problem)) => {

@@ -262,6 +262,7 @@ impl AgentBackend for Exec {
                 text,
                 json: None,
                 usage,
+                change: None,
             });
         };
         let parsed: Value = serde_json::from_str(text.trim()).map_err(|e| {
@@ -280,6 +281,7 @@ impl AgentBackend for Exec {
                     text,
                     json: Some(value),
                     usage,
+                    change: None,
                 })
             }
             Submitted::Retry(problem) => Err(Error::new(

@@ -63,6 +63,8 @@ pub struct Output {
     pub text: String,
     pub json: Option<Value>,
     pub usage: v1::Usage,
+    /// What the agent changed in the run's source (filled by the worker, not the backend).
+    pub change: Option<v1::Change>,
 }
 
 /// A classified failure of one attempt.

@@ -178,6 +178,7 @@ impl AgentBackend for OpenAi {
                     text,
                     json: None,
                     usage: total,
+                    change: None,
                 });
             };
             let value: Value =
@@ -189,6 +190,7 @@ impl AgentBackend for OpenAi {
                         text: v.to_string(),
                         json: Some(v),
                         usage: total,
+                        change: None,
                     });
                 }
                 Ok(Submitted::Retry(problem)) => {

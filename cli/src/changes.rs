@@ -1,0 +1,329 @@
+//! `flotilla changes RUN` and `flotilla apply RUN`: what a fleet run's agents changed in its
+//! source, and bringing it into the local repository as branches.
+//!
+//! Both ask the coordinator (no storage credentials needed): `Changes` lists each agent's
+//! change and the run head; `FetchSource` streams the packs of a commit's chain, which are
+//! indexed into the local repository (`git index-pack`) before branches
+//! `flotilla/RUN/head` and `flotilla/RUN/INDEX` point at them. `--merge` merges the head into
+//! the current branch, refusing a dirty tree or a conflict with the command that resolves it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Args;
+use flotilla_coordinator::head::RunChanges;
+use flotilla_proto::v1;
+
+use crate::fail;
+use crate::fleet::{ClientArgs, rpc_fail};
+
+#[derive(Debug, Args)]
+pub struct ChangesArgs {
+    run_id: String,
+    /// Only this agent (its index or label).
+    #[arg(long)]
+    agent: Option<String>,
+    /// Show each change's diff (fetches the run's objects into this repository, no branches).
+    #[arg(long)]
+    diff: bool,
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ApplyArgs {
+    run_id: String,
+    /// Only this agent's change (its index or label) besides the head.
+    #[arg(long)]
+    agent: Option<String>,
+    /// Merge the run head into the current branch (refused with a dirty tree).
+    #[arg(long)]
+    merge: bool,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+type Client = v1::client_service_client::ClientServiceClient<tonic::transport::Channel>;
+
+fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .output()
+        .map_err(|e| format!("cannot run git: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim_end().to_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
+}
+
+async fn changes_of(client: &mut Client, run: &str) -> Result<RunChanges, i32> {
+    let reply = client
+        .changes(v1::RunRef { run_id: run.into() })
+        .await
+        .map_err(|s| rpc_fail(&s))?
+        .into_inner();
+    serde_json::from_str(&reply.changes_json)
+        .map_err(|e| fail(1, format!("the coordinator's answer is not readable: {e}")))
+}
+
+fn pick<'a>(
+    c: &'a RunChanges,
+    agent: Option<&str>,
+) -> Result<Vec<&'a flotilla_coordinator::head::AgentChange>, String> {
+    let Some(agent) = agent else {
+        return Ok(c.changes.iter().collect());
+    };
+    let found: Vec<_> = c
+        .changes
+        .iter()
+        .filter(|a| a.label == agent || a.index.to_string() == agent)
+        .collect();
+    if found.is_empty() {
+        return Err(format!(
+            "no agent {agent:?} of run {} changed files",
+            c.run_id
+        ));
+    }
+    Ok(found)
+}
+
+/// The local repository the objects go into.
+fn local_repo() -> Result<PathBuf, String> {
+    let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
+    git(&cwd, &["rev-parse", "--show-toplevel"])
+        .map(PathBuf::from)
+        .map_err(|_| {
+            "run this inside a git repository (a clone of the run's source) to bring its changes in"
+                .to_owned()
+        })
+}
+
+/// Fetches what `repo` lacks of `commit`'s chain through the coordinator.
+async fn fetch(
+    client: &mut Client,
+    local: &Path,
+    source_repo: &str,
+    commit: &str,
+) -> Result<u64, String> {
+    if git(local, &["cat-file", "-e", &format!("{commit}^{{commit}}")]).is_ok() {
+        return Ok(0);
+    }
+    let mut stream = client
+        .fetch_source(v1::FetchSourceRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            repo: source_repo.into(),
+            commit: commit.into(),
+            have_packs: Vec::new(),
+        })
+        .await
+        .map_err(|s| format!("cannot fetch the run's objects: {}", s.message()))?
+        .into_inner();
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let mut bytes = 0u64;
+    let mut current: Option<(String, std::fs::File, PathBuf)> = None;
+    while let Some(d) = stream.message().await.map_err(|s| s.message().to_owned())? {
+        if !d.error.is_empty() {
+            return Err(format!(
+                "the coordinator cannot send the run's objects: {}",
+                d.error
+            ));
+        }
+        if d.done {
+            break;
+        }
+        if current.as_ref().is_none_or(|(p, ..)| *p != d.pack) {
+            let path = tmp.path().join(format!("{}.pack", d.pack));
+            let f = std::fs::File::create(&path).map_err(|e| e.to_string())?;
+            current = Some((d.pack.clone(), f, path));
+        }
+        if let Some((_, f, _)) = current.as_mut() {
+            use std::io::Write;
+            f.write_all(&d.data).map_err(|e| e.to_string())?;
+            bytes += d.data.len() as u64;
+        }
+        if d.last_of_pack
+            && let Some((_, f, path)) = current.take()
+        {
+            drop(f);
+            let out = Command::new("git")
+                .arg("-C")
+                .arg(local)
+                .args(["index-pack", "--stdin"])
+                .stdin(std::fs::File::open(&path).map_err(|e| e.to_string())?)
+                .output()
+                .map_err(|e| e.to_string())?;
+            if !out.status.success() {
+                return Err(format!(
+                    "cannot index the run's objects: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+    }
+    git(local, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+        .map_err(|_| format!("the coordinator's objects did not hold commit {commit}"))?;
+    Ok(bytes)
+}
+
+pub async fn changes(a: ChangesArgs) -> i32 {
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    let c = match changes_of(&mut client, &a.run_id).await {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let picked = match pick(&c, a.agent.as_deref()) {
+        Ok(p) => p,
+        Err(e) => return fail(2, e),
+    };
+    if a.json {
+        let mut v = serde_json::to_value(&c).unwrap_or_default();
+        v["changes"] = serde_json::to_value(&picked).unwrap_or_default();
+        println!("{v}");
+        return 0;
+    }
+    let Some(src) = &c.source else {
+        eprintln!(
+            "run {} has no source: its agents worked in scratch directories",
+            c.run_id
+        );
+        return 0;
+    };
+    println!(
+        "run {}  source {}  head {}",
+        c.run_id,
+        crate::term::clean(&src.origin),
+        c.head.as_deref().map_or("-", |h| &h[..h.len().min(12)])
+    );
+    let local = if a.diff {
+        match local_repo() {
+            Ok(l) => Some(l),
+            Err(e) => return fail(2, e),
+        }
+    } else {
+        None
+    };
+    for ch in &picked {
+        let r = &ch.change;
+        let status = if r.isolated {
+            "on its branch".to_owned()
+        } else if !r.conflicts.is_empty() {
+            format!("conflicted ({})", r.conflicts.join(", "))
+        } else if r.head_after.is_some() {
+            "in the head".to_owned()
+        } else {
+            "not applied".to_owned()
+        };
+        println!(
+            "  #{:<4} {:<30} {} files +{} -{}  {status}  branch flotilla/{}/{}",
+            ch.index,
+            crate::term::clean(&ch.label),
+            r.files.len(),
+            r.insertions,
+            r.deletions,
+            c.run_id,
+            ch.index
+        );
+        if let Some(local) = &local {
+            if let Err(e) = fetch(&mut client, local, &src.repo, &r.commit).await {
+                return fail(1, e);
+            }
+            match git(local, &["diff", &r.base, &r.commit]) {
+                Ok(d) => println!("{}", crate::term::clean_text(&d)),
+                Err(e) => return fail(1, e),
+            }
+        }
+    }
+    if !picked.is_empty() && !a.diff {
+        eprintln!(
+            "bring them in with `flotilla apply {}` (add --merge to merge the head into your branch)",
+            c.run_id
+        );
+    }
+    0
+}
+
+pub async fn apply(a: ApplyArgs) -> i32 {
+    let mut client = match a.remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    let c = match changes_of(&mut client, &a.run_id).await {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let Some(src) = c.source.clone() else {
+        return fail(
+            2,
+            format!("run {} has no source, so nothing to apply", c.run_id),
+        );
+    };
+    let local = match local_repo() {
+        Ok(l) => l,
+        Err(e) => return fail(2, e),
+    };
+    let picked = match pick(&c, a.agent.as_deref()) {
+        Ok(p) => p,
+        Err(e) => return fail(2, e),
+    };
+    let mut fetched = 0u64;
+    let head = c.head.clone().unwrap_or_else(|| src.commit.clone());
+    let mut wanted: Vec<(String, String)> =
+        vec![(format!("flotilla/{}/head", c.run_id), head.clone())];
+    for ch in &picked {
+        wanted.push((
+            format!("flotilla/{}/{}", c.run_id, ch.index),
+            ch.change.commit.clone(),
+        ));
+    }
+    for (_, commit) in &wanted {
+        match fetch(&mut client, &local, &src.repo, commit).await {
+            Ok(n) => fetched += n,
+            Err(e) => return fail(1, e),
+        }
+    }
+    for (branch, commit) in &wanted {
+        if let Err(e) = git(&local, &["branch", "-f", branch, commit]) {
+            return fail(1, format!("cannot set branch {branch}: {e}"));
+        }
+        println!("{branch} -> {}", &commit[..commit.len().min(12)]);
+    }
+    eprintln!(
+        "fetched {} KiB from the coordinator",
+        fetched.div_ceil(1024)
+    );
+    if a.merge {
+        let dirty =
+            git(&local, &["status", "--porcelain", "--untracked-files=no"]).unwrap_or_default();
+        if !dirty.is_empty() {
+            return fail(
+                2,
+                format!(
+                    "your working tree has uncommitted changes; commit or stash them (`git stash`), then `flotilla apply {} --merge` again (or `git merge flotilla/{}/head`)",
+                    c.run_id, c.run_id
+                ),
+            );
+        }
+        let branch = format!("flotilla/{}/head", c.run_id);
+        let message = format!("Merge the changes of flotilla run {}", c.run_id);
+        if let Err(e) = git(&local, &["merge", "--no-edit", "-m", &message, &branch]) {
+            let _ = git(&local, &["merge", "--abort"]);
+            return fail(
+                1,
+                format!(
+                    "the run's head does not merge cleanly into your branch ({e}); merge it by hand: `git merge {branch}`"
+                ),
+            );
+        }
+        println!("merged {branch} into the current branch");
+    }
+    0
+}
