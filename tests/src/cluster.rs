@@ -246,7 +246,19 @@ impl Cluster {
         etcd: String,
         store: (String, Vec<(String, String)>),
     ) -> Cluster {
+        Self::start_group_with(workers, slots, etcd, store, &[])
+    }
+
+    /// Like [`Cluster::start_group`], with extra worker flags.
+    pub fn start_group_with(
+        workers: usize,
+        slots: u32,
+        etcd: String,
+        store: (String, Vec<(String, String)>),
+        worker_args: &[&str],
+    ) -> Cluster {
         let mut c = Self::prepare(workers, Some(etcd), Some(store));
+        c.worker_args = worker_args.iter().map(|a| (*a).to_owned()).collect();
         c.start_coordinator();
         let deadline = Instant::now() + Duration::from_secs(30);
         while !std::fs::read_to_string(c.path().join("coordinator.log"))
@@ -437,16 +449,15 @@ impl Cluster {
 
     /// A client command run from `dir` (a repository a launch sends as its source).
     pub fn client_in(&self, dir: &Path, args: &[&str]) -> Output {
+        self.client_at_in(&self.url(), dir, args)
+    }
+
+    /// A client command against the coordinator at `url`, run from `dir`.
+    pub fn client_at_in(&self, url: &str, dir: &Path, args: &[&str]) -> Output {
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
             .env("AWS_EC2_METADATA_DISABLED", "true")
-            .args([
-                "--coordinator",
-                &self.url(),
-                "--name",
-                "client",
-                "--tls-dir",
-            ])
+            .args(["--coordinator", url, "--name", "client", "--tls-dir"])
             .arg(self.pki())
             .current_dir(dir);
         run_with_timeout(cmd, crate::COMMAND_TIMEOUT)

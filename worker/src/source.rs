@@ -164,6 +164,15 @@ impl Sources {
             return Ok((bare, commit));
         }
         self.fetch(&bare, repo, &commit, link).await?;
+        if git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+            .await
+            .is_err()
+        {
+            // The packs we took for applied are not all there (a damaged cache): ask for all.
+            tracing::warn!(repo, commit = %commit, "the source cache lost objects; fetching the whole chain again");
+            let _ = std::fs::remove_file(bare.join("flotilla-packs"));
+            self.fetch(&bare, repo, &commit, link).await?;
+        }
         git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
             .await
             .map_err(|_| {

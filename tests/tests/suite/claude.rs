@@ -8,7 +8,7 @@ use flotilla_tests::fake_anthropic::FakeAnthropic;
 use serde_json::json;
 
 /// The pinned CLI; a missing one is a failure with the install command, never a skip.
-fn claude_bin() -> PathBuf {
+pub(crate) fn claude_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("FLOTILLA_CLAUDE_BIN") {
         return PathBuf::from(p);
     }

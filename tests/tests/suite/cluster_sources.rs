@@ -457,3 +457,178 @@ fn a_resume_reapplies_the_journaled_changes_instead_of_running_their_agents_agai
         "the resumed head has the same files as the first run's"
     );
 }
+
+#[test]
+fn the_real_claude_cli_edits_a_file_on_a_worker_and_apply_brings_it_back() {
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    let mut env = fake.env();
+    env.push((
+        "FLOTILLA_CLAUDE_BIN".into(),
+        crate::claude::claude_bin().to_str().unwrap().to_owned(),
+    ));
+    let c = Cluster::start_workers_with(1, 2, &["--backend", "claude-code"], env);
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let script = c.path().join("fix.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'fix', description: 'an agent edits the code' };\n\
+         return await agent('fix it [[bash:echo fixed by the agent > same.txt && echo edited]]', { tools: ['Bash'], label: 'fixer' });",
+    )
+    .unwrap();
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "claude-code",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "tool said: edited", "{r}");
+    assert_eq!(r["changes"]["merged"], 1, "{r}");
+    let applied = c.client_in(&repo, &["apply", &run, "--merge"]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    assert_eq!(
+        std::fs::read_to_string(repo.join("same.txt")).unwrap(),
+        "fixed by the agent\n"
+    );
+    let author = git(
+        &repo,
+        &["log", "-1", "--format=%an", &format!("flotilla/{run}/0")],
+    );
+    assert_eq!(author.trim(), "fixer", "the agent is the change's author");
+}
+
+#[test]
+fn a_run_adopted_after_its_coordinator_is_killed_ends_with_every_change_once() {
+    use std::time::{Duration, Instant};
+    let etcd = flotilla_tests::services::Etcd::start();
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/sources", s3.bucket);
+    let mut c = Cluster::start_group_with(
+        2,
+        2,
+        etcd.endpoint(),
+        (url, s3.env()),
+        &["--backend", "exec", "--exec-cmd", "sh"],
+    );
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let script = c.path().join("many.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'many', description: 'writers' };\n\
+         return await parallel(Array.from({ length: 12 }, (_, i) => () =>\n\
+           agent('echo ' + i + ' > notes/n' + i + '.txt; sleep 0.4; echo ' + i, { label: 'w' + i })));",
+    )
+    .unwrap();
+    let standby = c.standby_url();
+    let out = c.client_at_in(
+        &standby,
+        &repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "exec",
+            "--concurrency",
+            "2",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c.journal(&run).len() < 4 {
+        assert!(Instant::now() < deadline, "calls were never journaled");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut leader = c.take_coordinator().unwrap();
+    leader.kill().unwrap();
+    leader.wait().unwrap();
+    let before = c.journal(&run).len();
+    assert!(before < 12, "the kill came too late ({before} done)");
+    let out = c.client_at(&standby, &["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(r["result"].as_array().unwrap().len(), 12, "{r}");
+    assert_eq!(
+        r["usage"]["cached"].as_u64().unwrap() + r["usage"]["dispatched"].as_u64().unwrap(),
+        12,
+        "{r}"
+    );
+    assert!(
+        r["usage"]["cached"].as_u64().unwrap() >= before as u64,
+        "journaled changes were run again: {r}"
+    );
+    assert_eq!(
+        r["changes"]["merged"], 12,
+        "every change is in the head once: {r}"
+    );
+    // The head has exactly the files an uninterrupted run leaves.
+    let fresh = c.path().join("fresh");
+    let cloned = Command::new("git")
+        .args(["clone", "-q"])
+        .arg(&repo)
+        .arg(&fresh)
+        .output()
+        .unwrap();
+    assert!(cloned.status.success(), "{cloned:?}");
+    git(&fresh, &["config", "user.name", "t"]);
+    git(&fresh, &["config", "user.email", "t@t"]);
+    let applied = c.client_at_in(&standby, &fresh, &["apply", &run, "--merge"]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    for i in 0..12 {
+        assert_eq!(
+            std::fs::read_to_string(fresh.join(format!("notes/n{i}.txt"))).unwrap(),
+            format!("{i}\n")
+        );
+    }
+    let files = git(&fresh, &["ls-files", "notes"]);
+    assert_eq!(files.lines().count(), 13, "{files}");
+}
+
+#[test]
+fn a_worker_whose_source_cache_is_damaged_fetches_it_again() {
+    let c =
+        Cluster::start_workers_with(1, 1, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let script = c.path().join("cat.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'cat', description: 'reads' };\nreturn await agent('cat notes/keep.txt');",
+    )
+    .unwrap();
+    let (code, r) = c.wait(launch(&c, &repo, &script)["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    // Every object of the cache goes; its record of applied packs stays.
+    let sources = c.path().join("ws-0/.flotilla/sources");
+    let cache = std::fs::read_dir(&sources)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    for f in std::fs::read_dir(cache.join("objects/pack")).unwrap() {
+        std::fs::remove_file(f.unwrap().path()).unwrap();
+    }
+    assert!(cache.join("flotilla-packs").exists());
+    let (code, r) = c.wait(launch(&c, &repo, &script)["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "kept", "{r}");
+    assert_eq!(
+        r["agents"][0]["attempts"], 1,
+        "fetched again within the attempt: {r}"
+    );
+}
