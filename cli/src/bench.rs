@@ -36,6 +36,9 @@ enum BenchKind {
     /// Resume a run of N completed calls with the last prompt changed: time to the first new
     /// dispatch and to the end.
     Resume(ResumeArgs),
+    /// Send a generated repository as a run's source, relaunch after a one-file change, check
+    /// it out warm and cold: each against git doing the same alone.
+    Source(crate::bench_source::SourceArgs),
 }
 
 #[derive(Debug, Args)]
@@ -195,6 +198,7 @@ struct FanoutReport {
 
 pub async fn run(args: BenchArgs) -> i32 {
     match args.what {
+        BenchKind::Source(a) => crate::bench_source::run(a).await,
         BenchKind::Resume(a) => match resume_bench(&a).await {
             Ok(r) => {
                 if a.json {

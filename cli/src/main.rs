@@ -10,6 +10,7 @@
 mod approve;
 mod bench;
 mod bench_fleet;
+mod bench_source;
 mod certs;
 mod changes;
 mod config;

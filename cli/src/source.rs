@@ -197,44 +197,7 @@ pub async fn upload(
         return Ok(Uploaded::default());
     }
     // One pack of everything the store lacks.
-    let mut revs = format!("{}\n", s.commit);
-    for h in &held {
-        revs.push_str(&format!("^{h}\n"));
-    }
-    let tmp =
-        tempfile::NamedTempFile::new().map_err(|e| format!("cannot make a temporary file: {e}"))?;
-    let mut child = Command::new("git")
-        .arg("-C")
-        .arg(&s.root)
-        .args([
-            "pack-objects",
-            "--revs",
-            "--stdout",
-            "--delta-base-offset",
-            "-q",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(tmp.reopen().map_err(|e| e.to_string())?)
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run git pack-objects: {e}"))?;
-    {
-        use std::io::Write;
-        let mut stdin = child.stdin.take().ok_or("git pack-objects has no stdin")?;
-        stdin
-            .write_all(revs.as_bytes())
-            .map_err(|e| format!("cannot feed git pack-objects: {e}"))?;
-    }
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    if !out.status.success() {
-        return Err(format!(
-            "git pack-objects failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    let bytes = std::fs::metadata(tmp.path())
-        .map_err(|e| e.to_string())?
-        .len();
+    let (tmp, bytes) = build_pack(s, &held)?;
     if bytes > max {
         return Err(format!(
             "the repository's objects to send are {} MiB, more than --max-source ({} MiB); raise --max-source, or pass --source none (or --source git+URL#REF for one the workers can fetch)",
@@ -277,6 +240,50 @@ pub async fn upload(
         .map_err(|e| format!("cannot upload the source: {}", e.message()))?;
     drop(tmp);
     Ok(Uploaded { bytes, objects })
+}
+
+/// One pack of `s.commit` and everything it needs that `held` does not have: a temporary
+/// file and its size.
+pub fn build_pack(s: &Snapshot, held: &[String]) -> Result<(tempfile::NamedTempFile, u64), String> {
+    let mut revs = format!("{}\n", s.commit);
+    for h in held {
+        revs.push_str(&format!("^{h}\n"));
+    }
+    let tmp =
+        tempfile::NamedTempFile::new().map_err(|e| format!("cannot make a temporary file: {e}"))?;
+    let mut child = Command::new("git")
+        .arg("-C")
+        .arg(&s.root)
+        .args([
+            "pack-objects",
+            "--revs",
+            "--stdout",
+            "--delta-base-offset",
+            "-q",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(tmp.reopen().map_err(|e| e.to_string())?)
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run git pack-objects: {e}"))?;
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().ok_or("git pack-objects has no stdin")?;
+        stdin
+            .write_all(revs.as_bytes())
+            .map_err(|e| format!("cannot feed git pack-objects: {e}"))?;
+    }
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!(
+            "git pack-objects failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let bytes = std::fs::metadata(tmp.path())
+        .map_err(|e| e.to_string())?
+        .len();
+    Ok((tmp, bytes))
 }
 
 /// The object count in a pack's header (`PACK`, version, count).

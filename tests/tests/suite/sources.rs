@@ -188,3 +188,22 @@ fn cwd_is_relative_to_the_repository_and_stays_inside_it() {
     assert_eq!(r["result"][0], repo.join("sub").to_str().unwrap(), "{r}");
     assert_eq!(r["result"][1], "INVALID_AGENT", "{r}");
 }
+
+#[test]
+fn the_source_benchmark_runs_and_reports_its_figures() {
+    let env = Env::new();
+    let out = env.flotilla(&[
+        "bench", "source", "--files", "300", "--mb", "4", "--rounds", "1", "--json",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    for k in [
+        "first_upload_ratio",
+        "warm_checkout_ratio",
+        "cold_attempt_ratio",
+    ] {
+        assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
+    }
+    assert!(r["relaunch_fraction"].as_f64().unwrap() < 0.01, "{r}");
+    assert!(r["history_bytes"].as_u64().unwrap() > 3 << 20, "{r}");
+}

@@ -1,0 +1,300 @@
+//! `flotilla bench source`: what sending a run's code costs, against git doing the same alone.
+//!
+//! On a generated repository (`--files` files, about `--mb` MB of history over `--commits`
+//! commits), in one process, each figure against its baseline:
+//! - **first upload**: snapshot + pack of the whole history + storing it the way the
+//!   coordinator does, against `git bundle create --all`;
+//! - **relaunch after a one-file change**: the bytes sent, against the whole repository's pack;
+//! - **warm checkout**: a call's checkout from a worker's cache (`Worktree::detached`, then
+//!   discarded), against a plain `git worktree add` and remove;
+//! - **cold first attempt**: a new cache from the pack plus the checkout, against
+//!   `git clone --no-local`.
+//!
+//! Times are medians over `--rounds`; ratios are this over the baseline.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+
+use crate::fail;
+
+#[derive(Debug, Args)]
+pub struct SourceArgs {
+    /// Files in the generated repository.
+    #[arg(long, default_value_t = 20_000)]
+    files: usize,
+    /// About how much history to generate, in MB (spread over --commits commits).
+    #[arg(long, default_value_t = 100)]
+    mb: usize,
+    #[arg(long, default_value_t = 5)]
+    commits: usize,
+    /// Measured rounds of each (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    files: usize,
+    history_bytes: u64,
+    pack_bytes: u64,
+    first_upload_ms: f64,
+    bundle_ms: f64,
+    first_upload_ratio: f64,
+    relaunch_bytes: u64,
+    relaunch_fraction: f64,
+    warm_checkout_ms: f64,
+    worktree_add_ms: f64,
+    warm_checkout_ratio: f64,
+    cold_attempt_ms: f64,
+    clone_ms: f64,
+    cold_attempt_ratio: f64,
+}
+
+fn sh(dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_AUTHOR_NAME", "bench")
+        .env("GIT_AUTHOR_EMAIL", "bench@localhost")
+        .env("GIT_COMMITTER_NAME", "bench")
+        .env("GIT_COMMITTER_EMAIL", "bench@localhost")
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(format!(
+            "git {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Files of pseudo-random text, changed in part by each later commit.
+fn generate(dir: &Path, files: usize, mb: usize, commits: usize) -> Result<u64, String> {
+    sh(dir, &["init", "-q", "-b", "main"])?;
+    // The first commit writes every file, each later one a fifth of them: about `mb` in all.
+    let writes = files.max(1) + (commits.max(1) - 1) * (files / 5);
+    let per_file = (mb << 20) / writes.max(1);
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut total = 0u64;
+    for c in 0..commits.max(1) {
+        let changed = if c == 0 { files } else { files / 5 };
+        for i in 0..changed {
+            let f = if c == 0 { i } else { (i * 7 + c * 13) % files };
+            let path = dir.join(format!("d{:03}/f{f:05}.txt", f / 100));
+            if let Some(p) = path.parent() {
+                std::fs::create_dir_all(p).map_err(|e| e.to_string())?;
+            }
+            let mut body = String::with_capacity(per_file + 32);
+            while body.len() < per_file.max(16) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                body.push_str(&format!("{x:016x}\n"));
+            }
+            total += body.len() as u64;
+            std::fs::write(&path, body).map_err(|e| e.to_string())?;
+        }
+        sh(dir, &["add", "-A"])?;
+        sh(dir, &["commit", "-q", "-m", &format!("commit {c}")])?;
+    }
+    Ok(total)
+}
+
+async fn measure(a: &SourceArgs) -> Result<Report, String> {
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let repo = tmp.path().join("repo");
+    std::fs::create_dir_all(&repo).map_err(|e| e.to_string())?;
+    let history = generate(&repo, a.files, a.mb, a.commits)?;
+    let rounds = a.rounds.max(1);
+    let store_url = format!("file://{}", tmp.path().join("store").display());
+    let store = flotilla_coordinator::store::open(&store_url).map_err(|e| e.to_string())?;
+
+    // First upload against a bundle of everything.
+    let (mut up, mut bundle) = (Vec::new(), Vec::new());
+    let mut pack_bytes = 0;
+    let mut snap = None;
+    for r in 0..rounds {
+        let t = Instant::now();
+        let s = crate::source::snapshot(&repo)?.ok_or("the generated repository is not one")?;
+        let (pack, bytes) = crate::source::build_pack(&s, &[])?;
+        let data = std::fs::read(pack.path()).map_err(|e| e.to_string())?;
+        flotilla_coordinator::source::put_pack(
+            &store,
+            &format!("{}-{r}", s.repo),
+            &s.commit,
+            vec![],
+            data,
+        )
+        .await?;
+        up.push(ms(t));
+        pack_bytes = bytes;
+        snap = Some(s);
+        let out = tmp.path().join(format!("all-{r}.bundle"));
+        let t = Instant::now();
+        sh(
+            &repo,
+            &["bundle", "create", "-q", &out.to_string_lossy(), "--all"],
+        )?;
+        bundle.push(ms(t));
+    }
+    let snap = snap.ok_or("no rounds")?;
+
+    // A relaunch after one file changed.
+    let first = sh(&repo, &["ls-files"])?
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    std::fs::write(repo.join(&first), "changed\n").map_err(|e| e.to_string())?;
+    let s2 = crate::source::snapshot(&repo)?.ok_or("the generated repository is not one")?;
+    let (_, relaunch_bytes) = crate::source::build_pack(&s2, std::slice::from_ref(&snap.commit))?;
+    sh(&repo, &["checkout", "-q", "--", &first])?;
+
+    // A warm worker's cache: the whole pack indexed once.
+    let bare = tmp.path().join("cache.git");
+    sh(
+        tmp.path(),
+        &["init", "--bare", "-q", &bare.to_string_lossy()],
+    )?;
+    let (pack, _) = crate::source::build_pack(&snap, &[])?;
+    let indexed = Command::new("git")
+        .arg("-C")
+        .arg(&bare)
+        .args(["index-pack", "--stdin"])
+        .stdin(std::fs::File::open(pack.path()).map_err(|e| e.to_string())?)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !indexed.status.success() {
+        return Err(String::from_utf8_lossy(&indexed.stderr).into_owned());
+    }
+    let (mut warm, mut add) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let dir = tmp.path().join(format!("wt-{r}"));
+        let t = Instant::now();
+        let wt = flotilla_worker::worktree::Worktree::detached(&bare, &dir, &snap.commit).await?;
+        wt.discard().await;
+        warm.push(ms(t));
+        let dir = tmp.path().join(format!("plain-{r}"));
+        let t = Instant::now();
+        sh(
+            &bare,
+            &[
+                "worktree",
+                "add",
+                "-q",
+                "--detach",
+                &dir.to_string_lossy(),
+                &snap.commit,
+            ],
+        )?;
+        sh(
+            &bare,
+            &["worktree", "remove", "--force", &dir.to_string_lossy()],
+        )?;
+        add.push(ms(t));
+    }
+
+    // A cold worker: a new cache from the pack, then the checkout; against a clone.
+    let (mut cold, mut clone) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let cache = tmp.path().join(format!("cold-{r}.git"));
+        let t = Instant::now();
+        sh(
+            tmp.path(),
+            &["init", "--bare", "-q", &cache.to_string_lossy()],
+        )?;
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&cache)
+            .args(["index-pack", "--stdin"])
+            .stdin(std::fs::File::open(pack.path()).map_err(|e| e.to_string())?)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        let dir = tmp.path().join(format!("cold-wt-{r}"));
+        flotilla_worker::worktree::Worktree::detached(&cache, &dir, &snap.commit).await?;
+        cold.push(ms(t));
+        let dir = tmp.path().join(format!("clone-{r}"));
+        let t = Instant::now();
+        let out = Command::new("git")
+            .args(["clone", "-q", "--no-local"])
+            .arg(&repo)
+            .arg(&dir)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        clone.push(ms(t));
+    }
+    let (up, bundle) = (median(up), median(bundle));
+    let (warm, add) = (median(warm), median(add));
+    let (cold, clone) = (median(cold), median(clone));
+    Ok(Report {
+        files: a.files,
+        history_bytes: history,
+        pack_bytes,
+        first_upload_ms: up,
+        bundle_ms: bundle,
+        first_upload_ratio: up / bundle,
+        relaunch_bytes,
+        relaunch_fraction: relaunch_bytes as f64 / pack_bytes.max(1) as f64,
+        warm_checkout_ms: warm,
+        worktree_add_ms: add,
+        warm_checkout_ratio: warm / add,
+        cold_attempt_ms: cold,
+        clone_ms: clone,
+        cold_attempt_ratio: cold / clone,
+    })
+}
+
+pub async fn run(a: SourceArgs) -> i32 {
+    match measure(&a).await {
+        Ok(r) if a.json => {
+            println!("{}", serde_json::to_string(&r).unwrap_or_default());
+            0
+        }
+        Ok(r) => {
+            println!(
+                "source of {} files ({} MB of history, a {} MB pack):\n  first upload        {:>8.0} ms vs git bundle create --all {:>8.0} ms  ({:.2}x)\n  relaunch, one file  {:>8} bytes = {:.4}% of the repository\n  warm checkout       {:>8.1} ms vs git worktree add        {:>8.1} ms  ({:.2}x)\n  cold first attempt  {:>8.0} ms vs git clone --no-local    {:>8.0} ms  ({:.2}x)",
+                r.files,
+                r.history_bytes >> 20,
+                r.pack_bytes >> 20,
+                r.first_upload_ms,
+                r.bundle_ms,
+                r.first_upload_ratio,
+                r.relaunch_bytes,
+                r.relaunch_fraction * 100.0,
+                r.warm_checkout_ms,
+                r.worktree_add_ms,
+                r.warm_checkout_ratio,
+                r.cold_attempt_ms,
+                r.clone_ms,
+                r.cold_attempt_ratio
+            );
+            0
+        }
+        Err(e) => fail(1, e),
+    }
+}
