@@ -148,6 +148,8 @@ pub struct ConfigFile {
     pub worker_ttl: Option<String>,
     /// Coordinator: the address other coordinators and clients reach it at.
     pub advertise: Option<String>,
+    /// Coordinator: where runs' changes are merged (a git cache of run sources).
+    pub cache_dir: Option<PathBuf>,
     /// Coordinator: longest a TLS handshake may take (`10s`).
     pub handshake_timeout: Option<String>,
     /// Coordinator: a connection idle this long either way is closed (`5m`).

@@ -197,6 +197,10 @@ pub struct CoordinatorArgs {
     /// Let a push take the name of a bundled workflow (deep-research, code-review, ...).
     #[arg(long, env = "FLOTILLA_ALLOW_SHADOW_BUNDLED")]
     allow_shadow_bundled: bool,
+    /// Where the coordinator merges runs' changes and renders their diffs (a git cache of
+    /// run sources; only a cache) [default: the user cache directory].
+    #[arg(long, env = "FLOTILLA_CACHE_DIR", value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
     /// Longest a TLS handshake may take before the connection is closed [default: 10s].
     #[arg(long, env = "FLOTILLA_HANDSHAKE_TIMEOUT", value_name = "DUR")]
     handshake_timeout: Option<String>,
@@ -345,6 +349,17 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             ..Default::default()
         },
     ));
+    coordinator.set_cache_dir(
+        a.cache_dir
+            .clone()
+            .or_else(|| file.cache_dir.clone())
+            .unwrap_or_else(|| {
+                dirs::cache_dir()
+                    .unwrap_or_else(std::env::temp_dir)
+                    .join("flotilla")
+                    .join("coordinator")
+            }),
+    );
     // Session tokens are signed with a key derived from the coordinator's private key, so
     // coordinators sharing it accept each other's tokens and a restart signs nobody out.
     let tokens = match &tls {

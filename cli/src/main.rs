@@ -53,7 +53,7 @@ enum Command {
     /// Make a development CA and certificates for mTLS.
     Certs(certs::CertsArgs),
     /// Run a coordinator: workers attach to it, clients launch runs on it.
-    Coordinator(fleet::CoordinatorArgs),
+    Coordinator(Box<fleet::CoordinatorArgs>),
     /// Run a worker attached to a coordinator.
     Worker(fleet::WorkerArgs),
     /// Start a run on a coordinator and return at once with its id and session URL.
@@ -222,7 +222,7 @@ fn main() -> ExitCode {
             },
             Command::Bench(args) => bench::run(args).await,
             Command::Certs(args) => certs::run(args),
-            Command::Coordinator(args) => fleet::coordinator(args).await,
+            Command::Coordinator(args) => fleet::coordinator(*args).await,
             Command::Worker(args) => fleet::worker(args).await,
             Command::Launch(args) => fleet::launch(*args).await,
             Command::Wait(args) => fleet::wait(args).await,

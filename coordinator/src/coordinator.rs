@@ -117,6 +117,14 @@ impl Coordinator {
         let _ = self.leadership.set(l);
     }
 
+    /// Where run heads are merged and diffed.
+    pub fn cache_dir(&self) -> std::path::PathBuf {
+        self.cache_dir
+            .get()
+            .cloned()
+            .unwrap_or_else(|| std::env::temp_dir().join("flotilla-coordinator-cache"))
+    }
+
     /// Sets where run heads are merged (`--cache-dir`).
     pub fn set_cache_dir(&self, dir: std::path::PathBuf) {
         let _ = self.cache_dir.set(dir);
@@ -550,7 +558,7 @@ impl Coordinator {
             parent_run_id: s.parent_run_id,
             write_result: true,
             owners: s.owners,
-            cache_dir: self.cache_dir.get().cloned(),
+            cache_dir: Some(self.cache_dir()),
         };
         Ok(run::start(
             init,

@@ -284,6 +284,37 @@ impl Keeper {
     }
 }
 
+/// Longest diff a page shows.
+pub const MAX_DIFF_BYTES: usize = 512 << 10;
+
+/// The diff from `base` to `commit` of source `repo`, with the objects read from the store
+/// into the cache at `cache` (cut at [`MAX_DIFF_BYTES`], with a note).
+pub async fn diff(
+    store: &Store,
+    repo: &str,
+    base: &str,
+    commit: &str,
+    cache: &Path,
+) -> Result<String, String> {
+    let keeper = Keeper {
+        store: store.clone(),
+        repo: repo.to_owned(),
+        bare: cache.join(format!("{repo}.git")),
+    };
+    keeper.ensure(base).await?;
+    keeper.ensure(commit).await?;
+    let mut text = ok(&keeper.bare, &["diff", "--stat", "-p", base, commit], &[]).await?;
+    if text.len() > MAX_DIFF_BYTES {
+        let mut end = MAX_DIFF_BYTES;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push_str("\n… (cut here; `flotilla changes RUN --diff` shows it all)");
+    }
+    Ok(text)
+}
+
 /// `commit` and what it adds over `not`, as one pack.
 async fn pack_objects(repo: &Path, commit: &str, not: &[&str]) -> Result<Vec<u8>, String> {
     let mut child = Command::new("git")

@@ -272,6 +272,8 @@ pub struct AgentDetail {
     pub result: Option<Value>,
     /// `(attempt, events)` for every attempt with a stored transcript.
     pub attempts: Vec<(u32, Vec<Value>)>,
+    /// What it changed in the run's source.
+    pub change: Option<crate::head::ChangeRecord>,
 }
 
 /// Reads one agent's detail; `attempts` is how many attempts the run reported for it.
@@ -289,6 +291,7 @@ pub async fn agent_detail(
     };
     let mut prompt = prompt_in(read_events(store, run).await?, index);
     let mut result = None;
+    let mut change = None;
     if let Some(c) = read_calls(store, run)
         .await?
         .into_iter()
@@ -304,6 +307,7 @@ pub async fn agent_detail(
         {
             prompt = prompt_in(read_events(store, from).await?, there.index);
         }
+        change = c.change;
         result = match (c.result, c.payload) {
             (Some(v), _) => Some(v),
             (None, Some(sha)) => match store.get(&keys::payload(&sha)).await? {
@@ -325,6 +329,7 @@ pub async fn agent_detail(
         prompt,
         result,
         attempts: out,
+        change,
     })
 }
 

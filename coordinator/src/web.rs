@@ -263,6 +263,7 @@ pub fn router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>, access:
         .route("/runs/{run}/status.json", get(run_json))
         .route("/runs/{run}/events", get(run_events))
         .route("/runs/{run}/agents/{index}", get(agent_page))
+        .route("/runs/{run}/diff", get(run_diff))
         .route("/runs/{run}/control", axum::routing::post(control))
         .route("/metrics", get(metrics))
         .layer(axum::middleware::from_fn_with_state(web.clone(), guard))
@@ -531,7 +532,13 @@ async fn agent_page(
             .into_response();
     };
     match history::agent_detail(web.coordinator.store(), &run, index, a.attempts).await {
-        Ok(detail) => Html(render_agent(a, &detail)).into_response(),
+        Ok(detail) => {
+            let mut html = render_agent(a, &detail);
+            if let Some(ch) = &detail.change {
+                html.push_str(&render_change(&web, &run, index, ch).await);
+            }
+            Html(html).into_response()
+        }
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
             Html(format!(
@@ -541,6 +548,94 @@ async fn agent_page(
         )
             .into_response(),
     }
+}
+
+/// An agent's change: its files, where it went, and its diff.
+async fn render_change(web: &Web, run: &str, index: u64, ch: &crate::head::ChangeRecord) -> String {
+    let placed = if ch.isolated {
+        "on its own branch (isolated)".to_owned()
+    } else if !ch.conflicts.is_empty() {
+        format!(
+            "conflicted with the run head ({}): on its own branch",
+            ch.conflicts.join(", ")
+        )
+    } else if ch.head_after.is_some() {
+        "merged into the run head".to_owned()
+    } else {
+        "not applied".to_owned()
+    };
+    let mut out = format!(
+        "<section class=change><h3>Change</h3><p>{} files, +{} −{}, {} — branch <code>flotilla/{}/{index}</code> after <code>flotilla apply {}</code></p>",
+        ch.files.len(),
+        ch.insertions,
+        ch.deletions,
+        esc(&placed),
+        esc(run),
+        esc(run)
+    );
+    let repo = crate::head::changes_of(web.coordinator.store(), run)
+        .await
+        .ok()
+        .and_then(|c| c.source)
+        .map(|s| s.repo);
+    if let Some(repo) = repo {
+        match crate::head::diff(
+            web.coordinator.store(),
+            &repo,
+            &ch.base,
+            &ch.commit,
+            &web.coordinator.cache_dir(),
+        )
+        .await
+        {
+            Ok(d) => out.push_str(&format!("<pre class=diff>{}</pre>", esc(&d))),
+            Err(e) => out.push_str(&format!(
+                "<p class=err>cannot show the diff: {}</p>",
+                esc(&e)
+            )),
+        }
+    }
+    out.push_str("</section>");
+    out
+}
+
+/// The run's whole change: its source against its head.
+async fn run_diff(State(web): State<Web>, Path(run): Path<String>, headers: HeaderMap) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, false);
+    }
+    let c = match crate::head::changes_of(web.coordinator.store(), &run).await {
+        Ok(c) => c,
+        Err(e) => {
+            return (
+                StatusCode::NOT_FOUND,
+                Html(format!("<p class=err>{}</p>", esc(&e.to_string()))),
+            )
+                .into_response();
+        }
+    };
+    let (Some(src), Some(head)) = (c.source, c.head) else {
+        return Html(page(&run, "<p class=note>this run has no source</p>")).into_response();
+    };
+    let body = match crate::head::diff(
+        web.coordinator.store(),
+        &src.repo,
+        &src.commit,
+        &head,
+        &web.coordinator.cache_dir(),
+    )
+    .await
+    {
+        Ok(d) => format!(
+            "<h2>Run {} — its head against its source</h2><p>{} agents changed files; <code>flotilla apply {}</code> brings them home</p><pre class=diff>{}</pre>",
+            esc(&run),
+            c.changes.len(),
+            esc(&run),
+            esc(&d)
+        ),
+        Err(e) => format!("<p class=err>cannot show the diff: {}</p>", esc(&e)),
+    };
+    Html(page(&run, &body)).into_response()
 }
 
 #[derive(Deserialize)]
@@ -928,6 +1023,19 @@ fn render_live(d: &PageData, all: bool) -> String {
     }
     for w in warnings {
         out.push_str(&format!("<p class=warn>{}</p>", esc(&w)));
+    }
+    if let Some(c) = &r.changes {
+        let changed = c.merged + c.isolated + c.conflicted;
+        if changed > 0 {
+            out.push_str(&format!(
+                "<p class=changes>{changed} agents changed files ({} merged into the run head, {} on their own branches, {} in conflict) — <a href=\"/runs/{}/diff\">the run's diff</a>; <code>{}</code> brings them home</p>",
+                c.merged,
+                c.isolated,
+                c.conflicted,
+                esc(&r.run_id),
+                esc(&c.apply)
+            ));
+        }
     }
     if d.here && d.live() {
         let (action, label) = if r.status == RunStatus::Paused {

@@ -271,6 +271,15 @@ impl Cluster {
         let port = free_port();
         let child = c.spawn_coordinator(port, free_port(), "standby");
         c.standby = Some((port, child));
+        // Clients may go to the standby at once: wait until it listens.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the standby coordinator never listened"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         for i in 0..workers {
             c.start_worker(i, slots);
         }

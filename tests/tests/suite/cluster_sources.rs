@@ -297,6 +297,27 @@ fn later_agents_see_earlier_agents_edits_and_apply_brings_them_home() {
         list.iter().all(|ch| ch["head_after"].is_string()),
         "{changes}"
     );
+    // The session page shows each agent's diff and the run's.
+    let t = c.client(&["token", "create", "--json"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    let token = t.json()["token"].as_str().unwrap().to_owned();
+    let bearer = format!("Bearer {token}");
+    let auth = [("Authorization", bearer.as_str())];
+    let writer = list[0]["index"].as_u64().unwrap();
+    let page =
+        flotilla_tests::http_get(c.http_port, &format!("/runs/{run}/agents/{writer}"), &auth);
+    assert_eq!(page.status, 200, "{page:?}");
+    assert!(
+        page.body.contains("merged into the run head"),
+        "{}",
+        page.body
+    );
+    assert!(page.body.contains("notes/"), "{}", page.body);
+    let whole = flotilla_tests::http_get(c.http_port, &format!("/runs/{run}/diff"), &auth);
+    assert_eq!(whole.status, 200, "{whole:?}");
+    for f in ["notes/a.txt", "notes/b.txt", "notes/c.txt"] {
+        assert!(whole.body.contains(f), "{f} in {}", whole.body);
+    }
     // A fresh clone of the user's repository gets exactly the run's files.
     let fresh = c.path().join("fresh");
     let cloned = Command::new("git")
