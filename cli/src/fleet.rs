@@ -886,6 +886,9 @@ async fn send_source(
                 );
                 return Ok(None);
             };
+            for note in crate::source::notes(&snap.root) {
+                eprintln!("source: {note}");
+            }
             let max = a.max_source_mib.unwrap_or(2048).saturating_mul(1 << 20);
             let up = crate::source::upload(client, &snap, max).await?;
             eprintln!(

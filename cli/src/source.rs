@@ -143,6 +143,35 @@ pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
     }))
 }
 
+/// What a user should know about how a repository travels (each said once per launch):
+/// submodules are recorded by commit and not sent, Git LFS files travel as their pointers.
+pub fn notes(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    if root.join(".gitmodules").is_file() {
+        out.push("submodules are recorded by their commit and not sent: their directories are empty on the workers".to_owned());
+    }
+    let lfs = git(
+        root,
+        &[
+            "ls-files",
+            "--",
+            ":(glob)**/.gitattributes",
+            ".gitattributes",
+        ],
+        &[],
+    )
+    .unwrap_or_default()
+    .lines()
+    .any(|f| std::fs::read_to_string(root.join(f)).is_ok_and(|t| t.contains("filter=lfs")));
+    if lfs {
+        out.push(
+            "Git LFS files travel as their pointers: the workers do not fetch LFS objects"
+                .to_owned(),
+        );
+    }
+    out
+}
+
 /// What an upload did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Uploaded {
@@ -399,6 +428,28 @@ mod tests {
         assert_eq!(s.head, None);
         assert_eq!(sh(tmp.path(), &["show", &format!("{}:f", s.commit)]), "x");
         assert!(s.origin.contains("no commits yet"));
+    }
+
+    #[test]
+    fn submodules_and_lfs_are_said() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        sh(dir, &["init", "-q"]);
+        assert!(notes(dir).is_empty());
+        std::fs::write(
+            dir.join(".gitattributes"),
+            "*.bin filter=lfs diff=lfs merge=lfs -text\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join(".gitmodules"),
+            "[submodule \"x\"]\n\tpath = x\n\turl = ../x\n",
+        )
+        .unwrap();
+        sh(dir, &["add", "."]);
+        let n = notes(dir);
+        assert_eq!(n.len(), 2, "{n:?}");
+        assert!(n[0].contains("submodules") && n[1].contains("LFS"));
     }
 
     #[test]
