@@ -168,6 +168,36 @@ impl Env {
     }
 }
 
+/// Runs git in `dir`, failing the test if it fails; its stdout.
+pub fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .expect("run git");
+    assert!(out.status.success(), "git {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Commits everything in `dir` (tracked and untracked, not ignored) as `message`.
+pub fn commit_all(dir: &Path, message: &str) {
+    git(dir, &["add", "."]);
+    git(
+        dir,
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "-q",
+            "-m",
+            message,
+        ],
+    );
+}
+
 /// Makes `dir` a git repository with one commit (a `README`) on branch `main`.
 pub fn git_repo(dir: &Path) {
     std::fs::create_dir_all(dir).expect("create repository dir");

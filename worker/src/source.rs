@@ -21,6 +21,7 @@ use tokio::process::Command;
 use tokio::sync::mpsc;
 
 use crate::backend::Error;
+use crate::worktree::git;
 
 /// Longest wait for the next piece of a source from the coordinator.
 const QUIET: Duration = Duration::from_secs(120);
@@ -36,22 +37,6 @@ pub struct Sources {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .env("GIT_TERMINAL_PROMPT", "0")
-        .output()
-        .await
-        .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
-    }
 }
 
 /// A git failure of the worker itself (a full disk, say): the attempt may go elsewhere.

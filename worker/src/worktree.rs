@@ -43,7 +43,8 @@ pub enum Finished {
     Kept,
 }
 
-async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+/// Runs git in `dir`: its trimmed stdout, or its stderr as the error.
+pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let out = Command::new("git")
         .arg("-C")
         .arg(dir)

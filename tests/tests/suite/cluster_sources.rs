@@ -7,17 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use flotilla_tests::cluster::Cluster;
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "git {args:?}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use flotilla_tests::{commit_all, git};
 
 /// A repository of about 2 MB: 200 files of pseudo-random text, a tracked file with an
 /// uncommitted edit, an untracked file and an ignored one.
@@ -40,20 +30,7 @@ fn user_repo(dir: &Path) -> u64 {
     }
     std::fs::write(dir.join(".gitignore"), "*.log\n").unwrap();
     std::fs::write(dir.join("sub/tracked.txt"), "committed\n").unwrap();
-    git(dir, &["add", "."]);
-    git(
-        dir,
-        &[
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "-q",
-            "-m",
-            "bulk",
-        ],
-    );
+    commit_all(dir, "bulk");
     std::fs::write(dir.join("sub/tracked.txt"), "edited, not committed\n").unwrap();
     std::fs::write(dir.join("untracked.txt"), "untracked\n").unwrap();
     std::fs::write(dir.join("noise.log"), "ignored\n").unwrap();
@@ -241,20 +218,7 @@ fn clean_repo(dir: &Path) {
     std::fs::create_dir_all(dir.join("notes")).unwrap();
     std::fs::write(dir.join("notes/keep.txt"), "kept\n").unwrap();
     std::fs::write(dir.join("same.txt"), "zero\n").unwrap();
-    git(dir, &["add", "."]);
-    git(
-        dir,
-        &[
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "-q",
-            "-m",
-            "notes",
-        ],
-    );
+    commit_all(dir, "notes");
 }
 
 #[test]

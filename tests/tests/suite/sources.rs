@@ -2,20 +2,8 @@
 //! as Claude Code's agents do; worktree agents on branches of their own.
 
 use std::path::Path;
-use std::process::Command;
 
-use flotilla_tests::{Env, agent, run_with_timeout};
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "git {args:?}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use flotilla_tests::{Env, agent, commit_all, git, run_with_timeout};
 
 /// A repository with a tracked file, then an uncommitted edit to it, an untracked file and
 /// an ignored one; `flotilla run` is started from its `sub/` directory.
@@ -25,20 +13,7 @@ fn user_repo(env: &Env) -> std::path::PathBuf {
     std::fs::create_dir_all(repo.join("sub")).unwrap();
     std::fs::write(repo.join(".gitignore"), "ignored.log\n").unwrap();
     std::fs::write(repo.join("sub/tracked.txt"), "v1\n").unwrap();
-    git(&repo, &["add", "."]);
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "-q",
-            "-m",
-            "two",
-        ],
-    );
+    commit_all(&repo, "two");
     std::fs::write(repo.join("sub/tracked.txt"), "v2, not committed\n").unwrap();
     std::fs::write(repo.join("untracked.txt"), "new\n").unwrap();
     std::fs::write(repo.join("ignored.log"), "noise\n").unwrap();
