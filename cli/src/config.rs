@@ -164,6 +164,9 @@ pub struct ConfigFile {
     /// Worker: the largest result one agent may return, in MiB (at most 256); a bigger one
     /// fails its call.
     pub max_result_mib: Option<u64>,
+    /// Worker: `git+file://` and local-path sources may be fetched (off: a launcher could
+    /// otherwise read repositories on the worker's disk).
+    pub allow_file_sources: Option<bool>,
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,

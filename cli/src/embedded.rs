@@ -56,6 +56,8 @@ impl Embedded {
                 labels: Default::default(),
                 shared_workspace: true,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
+                // Embedded, the launcher is the machine's user: their own paths are theirs.
+                allow_file_sources: true,
             },
             backends,
         );

@@ -534,6 +534,10 @@ pub struct WorkerArgs {
     /// its size [default and most: 256].
     #[arg(long, env = "FLOTILLA_MAX_RESULT_MIB", value_name = "MIB")]
     max_result_mib: Option<u64>,
+    /// Let runs name `git+file://` (or local path) sources, which this worker then reads
+    /// from its own disk. Off by default: only https, http, ssh and git URLs are fetched.
+    #[arg(long, env = "FLOTILLA_ALLOW_FILE_SOURCES")]
+    allow_file_sources: bool,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -627,6 +631,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             labels: Default::default(),
             shared_workspace: false,
             max_result_bytes: (max_result_mib as usize) << 20,
+            allow_file_sources: a.allow_file_sources || file.allow_file_sources == Some(true),
         },
         backends,
     );

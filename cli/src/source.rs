@@ -361,7 +361,7 @@ pub fn parse_choice(s: Option<&str>) -> Result<Choice, String> {
 /// A URL source as the run records it.
 pub fn url_source(url: &str, rev: &str) -> SourceRef {
     SourceRef {
-        repo: hex::encode(&Sha256::digest(url.as_bytes())[..16]),
+        repo: SourceRef::url_repo(url),
         commit: rev.to_owned(),
         url: Some(url.to_owned()),
         origin: format!("{url}#{rev}"),

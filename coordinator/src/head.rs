@@ -15,6 +15,7 @@
 
 use std::path::{Path, PathBuf};
 
+use object_store::ObjectStoreExt;
 use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 use tokio::sync::{mpsc, watch};
@@ -230,8 +231,21 @@ impl Keeper {
         Ok(r)
     }
 
-    /// Makes `commit` present in the cache, from the store's packs.
+    /// Makes `commit` present in the cache, from the store's packs. Keepers of runs of the
+    /// same repository and the session page's diffs share the cache: one fills it at a time.
     async fn ensure(&self, commit: &str) -> Result<(), String> {
+        let lock = {
+            static CACHES: std::sync::Mutex<
+                std::collections::BTreeMap<PathBuf, std::sync::Arc<tokio::sync::Mutex<()>>>,
+            > = std::sync::Mutex::new(std::collections::BTreeMap::new());
+            CACHES
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .entry(self.bare.clone())
+                .or_default()
+                .clone()
+        };
+        let _filling = lock.lock().await;
         if !self.bare.join("HEAD").exists() {
             std::fs::create_dir_all(&self.bare)
                 .map_err(|e| format!("cannot make the coordinator's source cache: {e}"))?;
@@ -249,15 +263,33 @@ impl Keeper {
         }
         for (pack, tip) in crate::source::chain(&self.store, &self.repo, commit).await? {
             let key = crate::store::keys::source_pack(&self.repo, &pack);
-            let body = self
-                .store
-                .get(&key)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| format!("source pack {pack} is missing from the store"))?;
-            let tmp = self.bare.join(format!("incoming-{pack}.pack"));
-            std::fs::write(&tmp, &body).map_err(|e| e.to_string())?;
-            let file = std::fs::File::open(&tmp).map_err(|e| e.to_string())?;
+            // Streamed to a file of its own (a pack can be gigabytes), then indexed.
+            let tmp = tempfile::Builder::new()
+                .prefix("incoming-")
+                .suffix(".pack")
+                .tempfile_in(&self.bare)
+                .map_err(|e| format!("cannot write to the coordinator's source cache: {e}"))?;
+            let got = match self.store.inner.get(&key).await {
+                Ok(got) => got,
+                Err(object_store::Error::NotFound { .. }) => {
+                    return Err(format!("source pack {pack} is missing from the store"));
+                }
+                Err(e) => return Err(format!("cannot read source pack {pack}: {e}")),
+            };
+            {
+                use futures::StreamExt;
+                use std::io::Write;
+                let mut out = tmp.as_file();
+                let mut stream = got.into_stream();
+                while let Some(chunk) = stream.next().await {
+                    let chunk =
+                        chunk.map_err(|e| format!("cannot read source pack {pack}: {e}"))?;
+                    out.write_all(&chunk).map_err(|e| {
+                        format!("cannot write to the coordinator's source cache: {e}")
+                    })?;
+                }
+            }
+            let file = tmp.reopen().map_err(|e| e.to_string())?;
             let out = Command::new("git")
                 .arg("-C")
                 .arg(&self.bare)
@@ -266,7 +298,7 @@ impl Keeper {
                 .output()
                 .await
                 .map_err(|e| e.to_string())?;
-            let _ = std::fs::remove_file(&tmp);
+            drop(tmp);
             if !out.status.success() {
                 return Err(format!(
                     "cannot index source pack {pack}: {}",

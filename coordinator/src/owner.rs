@@ -147,11 +147,29 @@ pub async fn current(
     Ok(Some((seq, record, live)))
 }
 
+/// The records this process holds now (run, sequence): a record naming this very process is
+/// live only while its [`Held`] is (a run that ended without letting go, in a process that
+/// lives on, does not hold its run forever).
+static HELD: std::sync::Mutex<std::collections::BTreeSet<(String, u64)>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn held_here() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<(String, u64)>> {
+    HELD.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 async fn liveness(store: &Store, run: &str, seq: u64, r: &OwnerRecord) -> Liveness {
     if r.released {
         return Liveness::Released;
     }
     let me = Process::current();
+    if r.host == me.host && r.boot == me.boot && r.pid == me.pid && r.pid_start == me.pid_start {
+        return if held_here().contains(&(run.to_owned(), seq)) {
+            Liveness::Live
+        } else {
+            Liveness::Gone
+        };
+    }
     if r.host == me.host && r.boot == me.boot {
         // Same machine: the process itself says.
         return match pid_start(r.pid) {
@@ -221,6 +239,7 @@ pub async fn take(store: &Store, run: &str, holder: &str) -> Result<Held, TakeEr
         }
         Err(e) => return Err(store_err(e)),
     }
+    held_here().insert((run.to_owned(), seq));
     let beat = CancellationToken::new();
     tokio::spawn(heartbeat(store.clone(), run.to_owned(), seq, beat.clone()));
     Ok(Held {
@@ -261,6 +280,13 @@ async fn heartbeat(store: Store, run: String, seq: u64, stop: CancellationToken)
     }
 }
 
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.beat.cancel();
+        held_here().remove(&(self.run.clone(), self.seq));
+    }
+}
+
 impl Held {
     /// Lets go: the next record says `released` (nothing is written if someone took the run
     /// over meanwhile, which only happens once this process was taken for gone).
@@ -284,6 +310,24 @@ impl Held {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[tokio::test]
+    async fn a_hold_dropped_without_letting_go_frees_the_run_in_a_process_that_lives_on() {
+        let store = crate::store::open("memory://").unwrap();
+        let held = take(&store, "wf_dropped", "wf_dropped").await.unwrap();
+        assert_eq!(
+            current(&store, "wf_dropped").await.unwrap().unwrap().2,
+            Liveness::Live
+        );
+        drop(held);
+        assert_eq!(
+            current(&store, "wf_dropped").await.unwrap().unwrap().2,
+            Liveness::Gone,
+            "interrupted, though this process is alive"
+        );
+        let again = take(&store, "wf_dropped", "wf_resume").await.unwrap();
+        again.release().await;
+    }
 
     #[tokio::test]
     async fn one_process_holds_a_run_until_it_lets_go() {

@@ -843,7 +843,8 @@ impl ClientService for ClientSvc {
         self.authorize(&req, "fetch run sources")?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        // A few chunks ahead of the client at most: the stream's own pace is the flow control.
+        let (tx, rx) = mpsc::channel(8);
         let store = self.coordinator.store().clone();
         tokio::spawn(async move {
             let req = v1::SourceRequest {
@@ -851,10 +852,13 @@ impl ClientService for ClientSvc {
                 repo: r.repo,
                 commit: r.commit,
                 have_packs: r.have_packs,
+                acked: 0,
             };
-            crate::source::serve_to(store, req, |d| tx.send(Ok(d)).is_ok()).await;
+            crate::source::serve_to(store, req, crate::source::Sink::Stream(tx)).await;
         });
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn source_have(
@@ -889,13 +893,22 @@ impl ClientService for ClientSvc {
         let mut rx = crate::source::Receiver::start(self.coordinator.store().clone(), &first)
             .await
             .map_err(Status::invalid_argument)?;
-        rx.push(&first.data)
-            .await
-            .map_err(Status::invalid_argument)?;
-        while let Some(chunk) = chunks.message().await? {
-            rx.push(&chunk.data)
+        // A pack that fails part way is dropped from the store, not left half uploaded.
+        let received = async {
+            rx.push(&first.data)
                 .await
                 .map_err(Status::invalid_argument)?;
+            while let Some(chunk) = chunks.message().await? {
+                rx.push(&chunk.data)
+                    .await
+                    .map_err(Status::invalid_argument)?;
+            }
+            Ok::<_, Status>(())
+        }
+        .await;
+        if let Err(e) = received {
+            rx.abort().await;
+            return Err(e);
         }
         let (pack, bytes) = rx.finish().await.map_err(Status::unavailable)?;
         tracing::info!(repo = %first.repo, commit = %first.tip, pack = %pack, bytes, "stored a source pack");

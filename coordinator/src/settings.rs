@@ -169,6 +169,127 @@ impl RunSettings {
         if self.backend.is_empty() {
             return Err("a backend must be named (e.g. echo or exec)".into());
         }
+        if let Some(source) = &self.source {
+            source.validate()?;
+        }
         Ok(())
+    }
+}
+
+impl SourceRef {
+    /// The repository id a URL source has (what every launcher computes from the URL).
+    pub fn url_repo(url: &str) -> String {
+        use sha2::Digest;
+        hex::encode(&sha2::Sha256::digest(url.as_bytes())[..16])
+    }
+
+    /// Checks what workers will be told to fetch or check out.
+    pub fn validate(&self) -> Result<(), String> {
+        if !crate::source::valid_id(&self.repo) || self.repo.starts_with('-') {
+            return Err(format!(
+                "source repository {:?} is not an id (letters, digits, - and _)",
+                self.repo
+            ));
+        }
+        match &self.url {
+            None => {
+                let hex = self.commit.chars().all(|c| c.is_ascii_hexdigit());
+                if !hex || !matches!(self.commit.len(), 40 | 64) {
+                    return Err(format!(
+                        "source commit {:?} is not a full commit id (40 or 64 hex digits)",
+                        self.commit
+                    ));
+                }
+            }
+            Some(url) => {
+                if url.is_empty()
+                    || url.len() > 4096
+                    || url.starts_with('-')
+                    || url.chars().any(char::is_control)
+                {
+                    return Err(format!(
+                        "source URL {url:?} cannot be fetched: give git+URL#REF, e.g. git+https://host/repo.git#main"
+                    ));
+                }
+                let rev = &self.commit;
+                let plain = !rev.is_empty()
+                    && rev.len() <= 256
+                    && !rev.starts_with('-')
+                    && !rev.contains("..")
+                    && rev
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+                if !plain {
+                    return Err(format!(
+                        "source ref {rev:?} is not a branch, tag or commit name"
+                    ));
+                }
+                if self.repo != Self::url_repo(url) {
+                    return Err(format!(
+                        "source repository {:?} is not the id of {url:?}; leave it to the launcher",
+                        self.repo
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(source: SourceRef) -> Result<(), String> {
+        RunSettings {
+            source: Some(source),
+            ..RunSettings::default()
+        }
+        .validate()
+    }
+
+    #[test]
+    fn a_source_names_a_full_commit_or_a_plain_ref_of_its_own_url() {
+        let snap = |repo: &str, commit: &str| SourceRef {
+            repo: repo.into(),
+            commit: commit.into(),
+            url: None,
+            origin: String::new(),
+        };
+        let c40 = "a".repeat(40);
+        assert_eq!(with(snap("0123abcd", &c40)), Ok(()));
+        assert_eq!(with(snap("0123abcd", &"b".repeat(64))), Ok(()));
+        for (repo, commit) in [
+            ("../x", c40.as_str()),
+            ("-x", c40.as_str()),
+            ("", c40.as_str()),
+            ("r", "HEAD"),
+            ("r", "abc"),
+            ("r", &"g".repeat(40)),
+        ] {
+            let e = with(snap(repo, commit)).unwrap_err();
+            assert!(e.starts_with("source "), "{repo} {commit}: {e}");
+        }
+        let url = |url: &str, rev: &str| SourceRef {
+            repo: SourceRef::url_repo(url),
+            commit: rev.into(),
+            url: Some(url.into()),
+            origin: String::new(),
+        };
+        assert_eq!(with(url("https://h/r.git", "main")), Ok(()));
+        assert_eq!(with(url("https://h/r.git", "release/1.2")), Ok(()));
+        for (u, rev) in [
+            ("https://h/r.git", "--upload-pack=x"),
+            ("https://h/r.git", "a..b"),
+            ("https://h/r.git", "a b"),
+            ("--upload-pack=x", "main"),
+            ("https://h/r\n.git", "main"),
+        ] {
+            assert!(with(url(u, rev)).is_err(), "{u} {rev}");
+        }
+        // A URL source under another repository's id (its cache on the workers) is refused.
+        let mut other = url("https://h/r.git", "main");
+        other.repo = "0123abcd".into();
+        assert!(with(other).unwrap_err().contains("not the id of"));
     }
 }

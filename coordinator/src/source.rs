@@ -65,6 +65,8 @@ pub struct Receiver {
     prerequisites: Vec<String>,
     hasher: Sha256,
     bytes: u64,
+    /// The size the client announced: a pack that ends short (or long) is not filed.
+    total: u64,
     incoming: object_store::path::Path,
     upload: WriteMultipart,
 }
@@ -113,6 +115,7 @@ impl Receiver {
             prerequisites: first.prerequisites.clone(),
             hasher: Sha256::new(),
             bytes: 0,
+            total: first.total_bytes,
             incoming,
             upload: WriteMultipart::new(upload),
         })
@@ -132,9 +135,23 @@ impl Receiver {
         Ok(())
     }
 
+    /// Gives the upload up: its parts are dropped from the store.
+    pub async fn abort(self) {
+        let _ = self.upload.abort().await;
+    }
+
     /// Files the pack under its hash (a pack already there stays) and records the commits.
+    /// A commit already recorded with its pack in the store keeps its record: an upload
+    /// never repoints a commit other runs use.
     pub async fn finish(self) -> Result<(String, u64), String> {
         let err = |e: &dyn std::fmt::Display| format!("cannot store the source: {e}");
+        if self.bytes != self.total {
+            let _ = self.upload.abort().await;
+            return Err(format!(
+                "the source upload ended after {} of the {} bytes it announced; launch again",
+                self.bytes, self.total
+            ));
+        }
         let sha = hex::encode(self.hasher.finalize());
         self.upload.finish().await.map_err(|e| err(&e))?;
         let pack = keys::source_pack(&self.repo, &sha);
@@ -148,13 +165,33 @@ impl Receiver {
         let body = Bytes::from(serde_json::to_vec(&record).map_err(|e| err(&e))?);
         // The tip last: a commit is only ever recorded once its pack is stored.
         for c in self.also.iter().chain(std::iter::once(&self.tip)) {
+            let key = keys::source_commit(&self.repo, c);
+            if intact(&self.store, &self.repo, &key).await {
+                continue;
+            }
             self.store
-                .put_overwrite(&keys::source_commit(&self.repo, c), body.clone())
+                .put_overwrite(&key, body.clone())
                 .await
                 .map_err(|e| err(&e))?;
         }
         Ok((sha, self.bytes))
     }
+}
+
+/// Whether the commit record at `key` is readable and its pack is in the store.
+async fn intact(store: &Store, repo: &str, key: &object_store::path::Path) -> bool {
+    let Ok(Some(body)) = store.get(key).await else {
+        return false;
+    };
+    let Ok(record) = serde_json::from_slice::<CommitRecord>(&body) else {
+        return false;
+    };
+    valid_id(&record.pack)
+        && store
+            .inner
+            .head(&keys::source_pack(repo, &record.pack))
+            .await
+            .is_ok()
 }
 
 /// The packs that make `commit` complete, dependencies first: `(pack, tip)` pairs.
@@ -192,24 +229,65 @@ pub async fn chain(
     Ok(out)
 }
 
-/// Answers a worker's `SourceRequest` on its link: every pack of the commit's chain it does
-/// not have, in chunks, then `done` (or `error`).
+/// Data a worker may leave unacknowledged (`SourceRequest.acked`) before more is read.
+pub const WINDOW: u64 = 16 << 20;
+/// Longest wait for a worker's acknowledgment before the transfer is given up (a worker
+/// indexing a pack of gigabytes takes a while before it reads on).
+const ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+/// Where a source transfer goes.
+#[derive(Debug)]
+pub enum Sink {
+    /// A worker's link, with the worker's acknowledgments (`SourceRequest.acked`): at most
+    /// [`WINDOW`] bytes are ahead of them, so the link's queue never holds a whole pack.
+    Link {
+        tx: mpsc::UnboundedSender<CoordinatorMessage>,
+        acked: tokio::sync::watch::Receiver<u64>,
+        sent: u64,
+    },
+    /// A client's stream; the bounded channel is its own flow control.
+    Stream(mpsc::Sender<Result<v1::SourceData, tonic::Status>>),
+}
+
+impl Sink {
+    /// Sends one piece; `false`: the other end is gone (or stopped taking it).
+    async fn send(&mut self, d: v1::SourceData) -> bool {
+        match self {
+            Sink::Link { tx, acked, sent } => {
+                while sent.saturating_sub(*acked.borrow()) > WINDOW {
+                    tokio::select! {
+                        r = tokio::time::timeout(ACK_WAIT, acked.changed()) => {
+                            if !matches!(r, Ok(Ok(()))) {
+                                return false;
+                            }
+                        }
+                        () = tx.closed() => return false,
+                    }
+                }
+                *sent += d.data.len() as u64;
+                tx.send(CoordinatorMessage {
+                    msg: Some(coordinator_message::Msg::SourceData(d)),
+                })
+                .is_ok()
+            }
+            Sink::Stream(tx) => tx.send(Ok(d)).await.is_ok(),
+        }
+    }
+}
+
+/// Answers a worker's `SourceRequest` on its link.
 pub async fn serve(
     store: Store,
     req: v1::SourceRequest,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
+    acked: tokio::sync::watch::Receiver<u64>,
 ) {
-    serve_to(store, req, |d| {
-        tx.send(CoordinatorMessage {
-            msg: Some(coordinator_message::Msg::SourceData(d)),
-        })
-        .is_ok()
-    })
-    .await;
+    serve_to(store, req, Sink::Link { tx, acked, sent: 0 }).await;
 }
 
-/// [`serve`], to any sink (`false` from `send`: the receiver is gone).
-pub async fn serve_to(store: Store, req: v1::SourceRequest, send: impl Fn(v1::SourceData) -> bool) {
+/// Every pack of the commit's chain the requester does not have, in chunks, then `done` (or
+/// `error`), to `sink`.
+pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
     let fail = |error: String| v1::SourceData {
         request: req.id,
         error,
@@ -217,16 +295,17 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, send: impl Fn(v1::So
         ..v1::SourceData::default()
     };
     if !valid_id(&req.repo) {
-        send(fail(format!(
+        sink.send(fail(format!(
             "{:?} does not name a source repository",
             req.repo
-        )));
+        )))
+        .await;
         return;
     }
     let packs = match chain(&store, &req.repo, &req.commit).await {
         Ok(p) => p,
         Err(e) => {
-            send(fail(e));
+            sink.send(fail(e)).await;
             return;
         }
     };
@@ -240,7 +319,8 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, send: impl Fn(v1::So
         let size = match store.inner.head(&key).await {
             Ok(m) => m.size,
             Err(e) => {
-                send(fail(format!("cannot read source pack {pack}: {e}")));
+                sink.send(fail(format!("cannot read source pack {pack}: {e}")))
+                    .await;
                 return;
             }
         };
@@ -250,19 +330,23 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, send: impl Fn(v1::So
             let data = match store.inner.get_range(&key, at..end).await {
                 Ok(d) => d,
                 Err(e) => {
-                    send(fail(format!("cannot read source pack {pack}: {e}")));
+                    sink.send(fail(format!("cannot read source pack {pack}: {e}")))
+                        .await;
                     return;
                 }
             };
             let last = end >= size;
-            if !send(v1::SourceData {
-                request: req.id,
-                pack: pack.clone(),
-                tip: tip.clone(),
-                data: data.to_vec(),
-                last_of_pack: last,
-                ..v1::SourceData::default()
-            }) {
+            if !sink
+                .send(v1::SourceData {
+                    request: req.id,
+                    pack: pack.clone(),
+                    tip: tip.clone(),
+                    data: data.to_vec(),
+                    last_of_pack: last,
+                    ..v1::SourceData::default()
+                })
+                .await
+            {
                 return;
             }
             at = end;
@@ -274,11 +358,12 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, send: impl Fn(v1::So
         count += 1;
     }
     tracing::info!(repo = %req.repo, commit = %req.commit, packs = count, bytes = sent, "sent a source");
-    send(v1::SourceData {
+    sink.send(v1::SourceData {
         request: req.id,
         done: true,
         ..v1::SourceData::default()
-    });
+    })
+    .await;
 }
 
 /// Stores `bytes` as a pack completing `tip` (tests and embedded callers).
@@ -339,8 +424,10 @@ mod tests {
                 repo: "r1".into(),
                 commit: "c2".into(),
                 have_packs: vec![a],
+                acked: 0,
             },
             tx,
+            tokio::sync::watch::channel(0).1,
         )
         .await;
         let mut got = Vec::new();
@@ -355,5 +442,81 @@ mod tests {
             (b.as_str(), &b"second"[..])
         );
         assert!(got[0].last_of_pack && got[1].done && got[1].error.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_that_acknowledges_nothing_gets_a_window_and_no_more() {
+        let store = crate::store::open("memory://").unwrap();
+        let size = 40usize << 20;
+        put_pack(&store, "r1", "c1", vec![], vec![7u8; size])
+            .await
+            .unwrap();
+        let request = |id| v1::SourceRequest {
+            id,
+            repo: "r1".into(),
+            commit: "c1".into(),
+            ..v1::SourceRequest::default()
+        };
+        let data = |m: CoordinatorMessage| match m.msg {
+            Some(coordinator_message::Msg::SourceData(d)) => d,
+            other => panic!("{other:?}"),
+        };
+        // No acknowledgment ever: a window's worth comes, then the transfer is given up.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (_acks, acked) = tokio::sync::watch::channel(0u64);
+        tokio::spawn(serve(store.clone(), request(1), tx, acked));
+        let mut got = 0u64;
+        while let Some(m) = rx.recv().await {
+            let d = data(m);
+            assert!(!d.done, "never all of it");
+            got += d.data.len() as u64;
+        }
+        assert!(got > 0 && got <= WINDOW + CHUNK as u64, "{got}");
+        // Acknowledged as it comes: all of it, then done.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (acks, acked) = tokio::sync::watch::channel(0u64);
+        tokio::spawn(serve(store, request(2), tx, acked));
+        let mut got = 0u64;
+        loop {
+            let d = data(rx.recv().await.unwrap());
+            if d.done {
+                break;
+            }
+            got += d.data.len() as u64;
+            acks.send_replace(got);
+        }
+        assert_eq!(got, size as u64);
+    }
+
+    #[tokio::test]
+    async fn an_upload_never_repoints_a_recorded_commit_and_a_short_one_is_not_filed() {
+        let store = crate::store::open("memory://").unwrap();
+        let a = put_pack(&store, "r1", "c1", vec![], b"first".to_vec())
+            .await
+            .unwrap();
+        // Another upload claiming c1 (a different pack): c1 keeps its own.
+        put_pack(&store, "r1", "c1", vec![], b"not c1".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(
+            chain(&store, "r1", "c1").await.unwrap(),
+            [(a, "c1".to_owned())]
+        );
+        // A pack that ends before the size it announced is refused and records nothing.
+        let mut r = Receiver::start(
+            store.clone(),
+            &v1::SourceUpload {
+                repo: "r1".into(),
+                tip: "c5".into(),
+                total_bytes: 100,
+                ..v1::SourceUpload::default()
+            },
+        )
+        .await
+        .unwrap();
+        r.push(b"only ten b").await.unwrap();
+        let e = r.finish().await.unwrap_err();
+        assert!(e.contains("10 of the 100 bytes"), "{e}");
+        assert!(have(&store, "r1", &["c5".into()]).await.unwrap().is_empty());
     }
 }

@@ -17,7 +17,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_proto::v1::{self, FailureKind, WorkerMessage, worker_message};
-use tokio::process::Command;
 use tokio::sync::mpsc;
 
 use crate::backend::Error;
@@ -25,6 +24,11 @@ use crate::worktree::git;
 
 /// Longest wait for the next piece of a source from the coordinator.
 const QUIET: Duration = Duration::from_secs(120);
+/// The worker acknowledges what it took of a source this often (the coordinator keeps at
+/// most its window, 16 MiB, unacknowledged).
+const ACK_EVERY: u64 = 4 << 20;
+/// Longest `git fetch` of a URL source.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// The worker's source cache.
 #[derive(Debug)]
@@ -33,6 +37,9 @@ pub struct Sources {
     next: AtomicU64,
     waiting: Mutex<HashMap<u64, mpsc::UnboundedSender<v1::SourceData>>>,
     repos: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    allow_file: bool,
+    /// The largest result this worker sends (a change travels in it).
+    max_result: usize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -52,15 +59,54 @@ fn plain(s: &str) -> bool {
         && !s.contains("..")
 }
 
+/// Whether a fetch URL names this machine's disk (`file://`, or a plain path, which git
+/// reads as one).
+fn is_local(url: &str) -> bool {
+    let lower = url.to_ascii_lowercase();
+    if lower.starts_with("file:") {
+        return true;
+    }
+    match url.split_once("://") {
+        Some((scheme, _)) => scheme.is_empty(),
+        // `host:path` is ssh (scp form); anything else (`/srv/r`, `./r`, `r`) is a path.
+        None => !url
+            .split_once(':')
+            .is_some_and(|(host, _)| !host.is_empty() && !host.contains('/')),
+    }
+}
+
 impl Sources {
-    /// A cache under `root` (the worker's workspace root).
-    pub fn new(root: &Path) -> Sources {
+    /// A cache under `root` (the worker's workspace root); `allow_file`: URL sources may
+    /// name this machine's own paths.
+    pub fn new(root: &Path, allow_file: bool) -> Sources {
+        Self::with_limit(root, allow_file, flotilla_proto::frag::MAX_MESSAGE_BYTES)
+    }
+
+    /// [`Sources::new`] for a worker whose results are at most `max_result` bytes.
+    pub fn with_limit(root: &Path, allow_file: bool, max_result: usize) -> Sources {
         Sources {
             root: root.join(".flotilla").join("sources"),
             next: AtomicU64::new(1),
             waiting: Mutex::default(),
             repos: Mutex::default(),
+            allow_file,
+            max_result,
         }
+    }
+
+    /// Whether a result of `text_len` bytes with `change` fits this worker's results: `Err`
+    /// names the sizes.
+    pub fn fits(&self, text_len: usize, change: &v1::Change) -> Result<(), String> {
+        let len = text_len + change.pack.len() + (64 << 10);
+        let limit = self.max_result.min(flotilla_proto::frag::MAX_MESSAGE_BYTES);
+        if len <= limit {
+            return Ok(());
+        }
+        Err(format!(
+            "the agent's change is {} MiB of new objects, over the limit of {} MiB for one result (--max-result-mib)",
+            change.pack.len().div_ceil(1 << 20),
+            limit >> 20
+        ))
     }
 
     /// A piece of a source the coordinator sent: to the request waiting for it.
@@ -82,10 +128,12 @@ impl Sources {
     }
 
     /// The cached repository with `task`'s commit in it, and the commit's id.
+    /// `again`: fetch the commit's packs even if the commit is there (its trees are not).
     async fn ensure(
         &self,
         task: &v1::TaskSpec,
         link: &mpsc::UnboundedSender<WorkerMessage>,
+        again: bool,
     ) -> Result<(PathBuf, String), Error> {
         let repo = &task.source_repo;
         if !plain(repo) || repo.contains('/') {
@@ -111,25 +159,61 @@ impl Sources {
                     format!("{rev:?} is not a ref to fetch"),
                 ));
             }
-            git(
-                &bare,
-                &[
-                    "-c",
-                    "protocol.ext.allow=never",
-                    "fetch",
-                    "--quiet",
-                    "--",
-                    &task.source_url,
-                    rev,
-                ],
-            )
-            .await
-            .map_err(|e| {
-                Error::new(
-                    FailureKind::Retryable,
-                    format!("cannot fetch {}#{rev}: {e}", task.source_url),
-                )
-            })?;
+            let url = &task.source_url;
+            let local = is_local(url);
+            if local && !self.allow_file {
+                return Err(Error::new(
+                    FailureKind::Invalid,
+                    format!(
+                        "{url:?} is a path on the worker: workers fetch only https, http, ssh and git URLs unless started with --allow-file-sources"
+                    ),
+                ));
+            }
+            let file = if self.allow_file { "always" } else { "never" };
+            let file_rule = format!("protocol.file.allow={file}");
+            let args = [
+                "-c",
+                "protocol.allow=never",
+                "-c",
+                "protocol.https.allow=always",
+                "-c",
+                "protocol.http.allow=always",
+                "-c",
+                "protocol.ssh.allow=always",
+                "-c",
+                "protocol.git.allow=always",
+                "-c",
+                &file_rule,
+                "-c",
+                "http.lowSpeedLimit=1024",
+                "-c",
+                "http.lowSpeedTime=120",
+                "fetch",
+                "--quiet",
+                "--no-recurse-submodules",
+                "--",
+                url,
+                rev,
+            ];
+            let fetch = git(&bare, &args);
+            match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    return Err(Error::new(
+                        FailureKind::Retryable,
+                        format!("cannot fetch {url}#{rev}: {e}"),
+                    ));
+                }
+                Err(_) => {
+                    return Err(Error::new(
+                        FailureKind::Retryable,
+                        format!(
+                            "fetching {url}#{rev} took more than {} minutes",
+                            FETCH_TIMEOUT.as_secs() / 60
+                        ),
+                    ));
+                }
+            }
             let commit = git(&bare, &["rev-parse", "FETCH_HEAD^{commit}"])
                 .await
                 .map_err(|e| worker_error("cannot read what was fetched", &e))?;
@@ -142,9 +226,10 @@ impl Sources {
                 format!("{commit:?} is not a commit id"),
             ));
         }
-        if git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
-            .await
-            .is_ok()
+        if !again
+            && git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+                .await
+                .is_ok()
         {
             return Ok((bare, commit));
         }
@@ -199,6 +284,7 @@ impl Sources {
                 repo: repo.to_owned(),
                 commit: commit.to_owned(),
                 have_packs: applied,
+                acked: 0,
             })),
         });
         if sent.is_err() {
@@ -208,6 +294,8 @@ impl Sources {
             ));
         }
         let mut current: Option<(String, std::fs::File, PathBuf)> = None;
+        // What is written to disk so far, and what the coordinator was last told of it.
+        let (mut received, mut told) = (0u64, 0u64);
         loop {
             let d = match tokio::time::timeout(QUIET, rx.recv()).await {
                 Ok(Some(d)) => d,
@@ -247,6 +335,17 @@ impl Sources {
                 f.write_all(&d.data)
                     .map_err(|e| worker_error("cannot write the source", &e.to_string()))?;
             }
+            received += d.data.len() as u64;
+            if received - told >= ACK_EVERY {
+                told = received;
+                let _ = link.send(WorkerMessage {
+                    msg: Some(worker_message::Msg::SourceRequest(v1::SourceRequest {
+                        id,
+                        acked: received,
+                        ..v1::SourceRequest::default()
+                    })),
+                });
+            }
             if d.last_of_pack
                 && let Some((pack, f, path)) = current.take()
             {
@@ -280,17 +379,21 @@ impl Sources {
         link: &mpsc::UnboundedSender<WorkerMessage>,
     ) -> Result<crate::worktree::Worktree, Error> {
         for round in 0..2 {
-            let (bare, commit) = self.ensure(task, link).await?;
+            let (bare, commit) = self.ensure(task, link, round > 0).await?;
             if let Some(wt) = crate::worktree::Worktree::existing(&bare, dir).await {
                 return Ok(wt);
             }
             match crate::worktree::Worktree::detached(&bare, dir, &commit).await {
                 Ok(wt) => return Ok(wt),
                 Err(e) if round == 0 => {
-                    // The cache is only a cache: drop it and fetch again.
+                    // The cache is only a cache, but other calls' checkouts live on it: this
+                    // call's directory goes, and every pack is fetched again (objects already
+                    // there are kept; missing ones come back).
                     tracing::warn!(repo = %task.source_repo, error = %e, "the cached source is unusable; fetching it again");
                     let _held = self.repo_lock(&task.source_repo).lock_owned().await;
-                    let _ = std::fs::remove_dir_all(&bare);
+                    let _ = std::fs::remove_dir_all(dir);
+                    let _ = git(&bare, &["worktree", "prune"]).await;
+                    let _ = std::fs::remove_file(bare.join("flotilla-packs"));
                 }
                 Err(e) => return Err(worker_error("cannot check out the source", &e)),
             }
@@ -302,9 +405,7 @@ impl Sources {
 /// Indexes one received pack into `bare`.
 async fn index_pack(bare: &Path, pack: &Path) -> Result<(), String> {
     let file = std::fs::File::open(pack).map_err(|e| e.to_string())?;
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(bare)
+    let out = crate::worktree::git_command(bare)
         .args(["index-pack", "--stdin"])
         .stdin(file)
         .output()
@@ -329,11 +430,9 @@ pub async fn change_of(
     if !wt.changed().await {
         return Ok(None);
     }
-    let dirty = git(&wt.path, &["status", "--porcelain"])
-        .await
-        .map_err(failed)?;
+    let dirty = wt.git(&["status", "--porcelain"]).await.map_err(failed)?;
     if !dirty.is_empty() {
-        git(&wt.path, &["add", "-A"]).await.map_err(failed)?;
+        wt.git(&["add", "-A"]).await.map_err(failed)?;
         // The agent is the author: its label, and an address naming the run and call.
         let name: String = spec
             .label
@@ -348,9 +447,8 @@ pub async fn change_of(
         };
         let email = format!("agent-{call}@{run}.flotilla");
         let message = format!("flotilla: agent {:?} (#{call}) of run {run}", spec.label);
-        let out = Command::new("git")
-            .arg("-C")
-            .arg(&wt.path)
+        let out = wt
+            .command()
             .args(["commit", "-q", "--no-verify", "-m", &message])
             .env("GIT_AUTHOR_NAME", &name)
             .env("GIT_AUTHOR_EMAIL", &email)
@@ -365,9 +463,7 @@ pub async fn change_of(
             ));
         }
     }
-    let commit = git(&wt.path, &["rev-parse", "HEAD"])
-        .await
-        .map_err(failed)?;
+    let commit = wt.git(&["rev-parse", "HEAD"]).await.map_err(failed)?;
     if commit == wt.base {
         return Ok(None);
     }
@@ -377,7 +473,8 @@ pub async fn change_of(
     )
     .await;
     let (mut files, mut insertions, mut deletions) = (Vec::new(), 0u32, 0u32);
-    for line in git(&wt.path, &["diff", "--numstat", &wt.base, &commit])
+    for line in wt
+        .git(&["diff", "--numstat", &wt.base, &commit])
         .await
         .map_err(failed)?
         .lines()
@@ -390,9 +487,7 @@ pub async fn change_of(
             files.push(f.to_owned());
         }
     }
-    let mut child = Command::new("git")
-        .arg("-C")
-        .arg(wt.repo())
+    let mut child = crate::worktree::git_command(wt.repo())
         .args(["pack-objects", "--revs", "--stdout", "-q"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -424,4 +519,83 @@ pub async fn change_of(
         insertions,
         deletions,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[tokio::test]
+    async fn a_worker_fetches_no_path_of_its_own_disk_unless_allowed() {
+        let root = tempfile::tempdir().unwrap();
+        let upstream = root.path().join("upstream");
+        std::fs::create_dir_all(&upstream).unwrap();
+        git(&upstream, &["init", "-q", "-b", "main"]).await.unwrap();
+        git(
+            &upstream,
+            &[
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@t",
+                "commit",
+                "-q",
+                "--allow-empty",
+                "-m",
+                "one",
+            ],
+        )
+        .await
+        .unwrap();
+        let (link, _rx) = mpsc::unbounded_channel();
+        for url in [
+            format!("file://{}", upstream.display()),
+            upstream.display().to_string(),
+        ] {
+            let task = v1::TaskSpec {
+                source_repo: "abc123".into(),
+                source_commit: "main".into(),
+                source_url: url.clone(),
+                ..Default::default()
+            };
+            let refused = Sources::new(root.path(), false)
+                .ensure(&task, &link, false)
+                .await
+                .unwrap_err();
+            assert_eq!(refused.kind, FailureKind::Invalid, "{url}");
+            assert!(
+                refused.message.contains("--allow-file-sources"),
+                "{}",
+                refused.message
+            );
+            let (_, commit) = Sources::new(root.path(), true)
+                .ensure(&task, &link, false)
+                .await
+                .unwrap();
+            assert_eq!(commit.len(), 40, "{url}: {commit}");
+        }
+    }
+
+    #[test]
+    fn paths_and_file_urls_are_local_and_network_urls_are_not() {
+        for url in [
+            "file:///srv/r.git",
+            "FILE:///srv/r.git",
+            "/srv/r.git",
+            "./r",
+            "r.git",
+            "://x",
+        ] {
+            assert!(is_local(url), "{url}");
+        }
+        for url in [
+            "https://host/r.git",
+            "ssh://git@host/r.git",
+            "git@host:team/r.git",
+            "git://host/r.git",
+        ] {
+            assert!(!is_local(url), "{url}");
+        }
+    }
 }

@@ -49,6 +49,8 @@ pub struct WorkerOptions {
     /// The largest result (outcome) this worker sends; a bigger one fails its call with its
     /// size (at most [`flotilla_proto::frag::MAX_MESSAGE_BYTES`]).
     pub max_result_bytes: usize,
+    /// Sources named by `file://` URLs or local paths may be fetched.
+    pub allow_file_sources: bool,
 }
 
 /// A worker with its backends.
@@ -115,7 +117,11 @@ impl Worker {
     /// longer than the lease TTL (the coordinator has restarted them elsewhere by then), it
     /// cancels them.
     pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
-        let sources = Arc::new(crate::source::Sources::new(&self.opts.workspace));
+        let sources = Arc::new(crate::source::Sources::with_limit(
+            &self.opts.workspace,
+            self.opts.allow_file_sources,
+            self.opts.max_result_bytes,
+        ));
         let workspace = if self.opts.shared_workspace {
             Workspace::shared(&self.opts.workspace)
         } else {
@@ -521,6 +527,19 @@ async fn run_attempt_in(
                         Some(wt) if !spec.source_repo.is_empty() => {
                             if let Ok(out) = result.as_mut() {
                                 match crate::source::change_of(wt, &spec, &a.run_id, a.call).await {
+                                    Ok(Some(c))
+                                        if let Err(e) = sources.fits(out.text.len(), &c) =>
+                                    {
+                                        // Too big to send: the checkout stays, so the work
+                                        // is not thrown away with the result.
+                                        result = Err(Error::new(
+                                            FailureKind::Terminal,
+                                            format!(
+                                                "{e}; its checkout stays at {} on this worker; have the agent commit less (generated files, build output) or raise --max-result-mib",
+                                                wt.path.display()
+                                            ),
+                                        ));
+                                    }
                                     Ok(change) => {
                                         if let Some(c) = &change {
                                             events.transcript(serde_json::json!({
@@ -533,6 +552,16 @@ async fn run_attempt_in(
                                     }
                                     Err(e) => result = Err(e),
                                 }
+                            } else if let Err(e) = &result
+                                && matches!(
+                                    e.kind,
+                                    FailureKind::Terminal
+                                        | FailureKind::Schema
+                                        | FailureKind::Invalid
+                                )
+                            {
+                                // The call ends here: no later attempt will want its checkout.
+                                wt.discard().await;
                             }
                         }
                         Some(wt) => {
@@ -583,7 +612,6 @@ async fn run_attempt_in(
     }
 }
 
-/// With `isolation: 'worktree'`, the attempt's fresh git worktree (W20).
 /// The call's checkout: of the run's source when it has one (every call its own), else a
 /// worktree of the workspace's repository for `isolation: 'worktree'`, else none.
 async fn checkout_for(
@@ -738,6 +766,7 @@ mod tests {
                 labels: HashMap::new(),
                 shared_workspace: false,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
+                allow_file_sources: false,
             },
             vec![Arc::new(Echo)],
         )

@@ -32,6 +32,10 @@ pub struct Worktree {
     /// An earlier attempt of the call made it (and may have left work in it).
     pub reused: bool,
     repo: PathBuf,
+    /// The worktree's own git directory (`<common>/worktrees/<name>`), found from the
+    /// repository's side: every git command on the checkout names it, so a `.git` file the
+    /// agent rewrote (to a directory with hooks or filters of its choosing) is never read.
+    admin: PathBuf,
 }
 
 /// What happened to a worktree after its attempt.
@@ -43,13 +47,30 @@ pub enum Finished {
     Kept,
 }
 
-/// Runs git in `dir`: its trimmed stdout, or its stderr as the error.
-pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
-    let out = Command::new("git")
-        .arg("-C")
+/// `git -C dir` with hooks, an fsmonitor command and the `ext::` transport off, no
+/// terminal prompts, killed when dropped.
+pub(crate) fn git_command(dir: &Path) -> Command {
+    let mut c = Command::new("git");
+    c.arg("-C")
         .arg(dir)
-        .args(args)
+        .args([
+            "-c",
+            "core.hooksPath=/dev/null",
+            "-c",
+            "core.fsmonitor=false",
+        ])
+        .args(["-c", "protocol.ext.allow=never"])
         .env("GIT_TERMINAL_PROMPT", "0")
+        .kill_on_drop(true);
+    c
+}
+
+/// Runs git in `dir`: its trimmed stdout, or its stderr as the error. What an agent can
+/// write in its checkout never runs here: hooks and an fsmonitor command are off, and a
+/// git killed by a timeout (the future dropped) dies with it.
+pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = git_command(dir)
+        .args(args)
         .output()
         .await
         .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
@@ -58,6 +79,38 @@ pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     } else {
         Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
     }
+}
+
+/// The git directory of the worktree at `path` of the repository `repo`: the entry of
+/// `<common>/worktrees` whose `gitdir` names `path/.git`.
+async fn admin_dir(repo: &Path, path: &Path) -> Option<PathBuf> {
+    let common = git(repo, &["rev-parse", "--git-common-dir"]).await.ok()?;
+    let common = repo.join(common);
+    let want = path.canonicalize().ok()?.join(".git");
+    for entry in std::fs::read_dir(common.join("worktrees")).ok()?.flatten() {
+        let Ok(named) = std::fs::read_to_string(entry.path().join("gitdir")) else {
+            continue;
+        };
+        let named = PathBuf::from(named.trim());
+        let named = match named.parent().and_then(|p| p.canonicalize().ok()) {
+            Some(dir) => dir.join(".git"),
+            None => named,
+        };
+        if named == want {
+            return Some(entry.path());
+        }
+    }
+    None
+}
+
+/// Runs git on the checkout at `path` whose git directory is `admin` (never the one its
+/// `.git` file names).
+async fn git_in(admin: &Path, path: &Path, args: &[&str]) -> Result<String, String> {
+    let dir = format!("--git-dir={}", admin.display());
+    let tree = format!("--work-tree={}", path.display());
+    let mut all = vec![dir.as_str(), tree.as_str()];
+    all.extend_from_slice(args);
+    git(path, &all).await
 }
 
 fn plain_name(s: &str) -> bool {
@@ -100,8 +153,12 @@ impl Worktree {
             .unwrap_or_default();
         let _git = GIT.lock().await;
         // An earlier attempt of this call: its worktree, with whatever it wrote.
-        if path.is_dir()
-            && git(&path, &["rev-parse", "--abbrev-ref", "HEAD"])
+        let earlier = match path.is_dir() {
+            true => admin_dir(&repo, &path).await,
+            false => None,
+        };
+        if let Some(admin) = earlier
+            && git_in(&admin, &path, &["rev-parse", "--abbrev-ref", "HEAD"])
                 .await
                 .as_deref()
                 == Ok(branch.as_str())
@@ -120,6 +177,7 @@ impl Worktree {
                 base,
                 reused: true,
                 repo,
+                admin,
             });
         }
         // Branch from the default branch when the repository has a remote, else from HEAD (W20).
@@ -171,6 +229,9 @@ impl Worktree {
         std::fs::write(base_file(&path), &base)
             .map_err(|e| format!("cannot write {}: {e}", base_file(&path).display()))?;
         let path = path.canonicalize().unwrap_or(path);
+        let admin = admin_dir(&repo, &path)
+            .await
+            .ok_or_else(|| format!("git made no worktree at {}", path.display()))?;
         let workdir = path.join(inside);
         std::fs::create_dir_all(&workdir)
             .map_err(|e| format!("cannot create {}: {e}", workdir.display()))?;
@@ -181,6 +242,7 @@ impl Worktree {
             base,
             reused: false,
             repo,
+            admin,
         })
     }
 
@@ -245,6 +307,9 @@ impl Worktree {
         std::fs::write(base_file(dir), commit)
             .map_err(|e| format!("cannot write {}: {e}", base_file(dir).display()))?;
         let path = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+        let admin = admin_dir(repo, &path)
+            .await
+            .ok_or_else(|| format!("git made no worktree at {}", path.display()))?;
         Ok(Worktree {
             workdir: path.clone(),
             path,
@@ -252,16 +317,14 @@ impl Worktree {
             base: commit.to_owned(),
             reused: false,
             repo: repo.to_owned(),
+            admin,
         })
     }
 
     /// The checkout an earlier attempt of the call made at `dir`, if it is there.
     pub async fn existing(repo: &Path, dir: &Path) -> Option<Worktree> {
         let path = dir.canonicalize().ok()?;
-        let top = git(&path, &["rev-parse", "--show-toplevel"]).await.ok()?;
-        if Path::new(&top).canonicalize().ok()? != path {
-            return None;
-        }
+        let admin = admin_dir(repo, &path).await?;
         let base = std::fs::read_to_string(base_file(&path))
             .ok()?
             .trim()
@@ -273,16 +336,32 @@ impl Worktree {
             base,
             reused: true,
             repo: repo.to_owned(),
+            admin,
         })
+    }
+
+    /// Runs git on this checkout (its own git directory named, see [`Worktree::admin`]).
+    pub async fn git(&self, args: &[&str]) -> Result<String, String> {
+        git_in(&self.admin, &self.path, args).await
+    }
+
+    /// A git command on this checkout, to add arguments, input or environment to.
+    pub fn command(&self) -> Command {
+        let mut c = git_command(&self.path);
+        c.arg(format!("--git-dir={}", self.admin.display()))
+            .arg(format!("--work-tree={}", self.path.display()));
+        c
     }
 
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.
     pub async fn changed(&self) -> bool {
-        let dirty = git(&self.path, &["status", "--porcelain"])
+        let dirty = self
+            .git(&["status", "--porcelain"])
             .await
             .map(|s| !s.is_empty())
             .unwrap_or(true);
-        let moved = git(&self.path, &["rev-parse", "HEAD"])
+        let moved = self
+            .git(&["rev-parse", "HEAD"])
             .await
             .map(|head| head != self.base)
             .unwrap_or(true);
@@ -294,26 +373,24 @@ impl Worktree {
     /// holds the agent's whole change, and both stay.
     pub async fn finish_as(&self, message: &str) -> Finished {
         if self.changed().await {
-            let dirty = git(&self.path, &["status", "--porcelain"])
+            let dirty = self
+                .git(&["status", "--porcelain"])
                 .await
                 .is_ok_and(|s| !s.is_empty());
             if dirty {
                 let committed = async {
-                    git(&self.path, &["add", "-A"]).await?;
-                    git(
-                        &self.path,
-                        &[
-                            "-c",
-                            "user.name=flotilla",
-                            "-c",
-                            "user.email=flotilla@localhost",
-                            "commit",
-                            "-q",
-                            "--no-verify",
-                            "-m",
-                            message,
-                        ],
-                    )
+                    self.git(&["add", "-A"]).await?;
+                    self.git(&[
+                        "-c",
+                        "user.name=flotilla",
+                        "-c",
+                        "user.email=flotilla@localhost",
+                        "commit",
+                        "-q",
+                        "--no-verify",
+                        "-m",
+                        message,
+                    ])
                     .await
                 }
                 .await;

@@ -28,21 +28,18 @@ impl std::fmt::Debug for EtcdLeaseStore {
     }
 }
 
-/// Classifies an etcd error: a request etcd refuses as such (a malformed transaction, a
-/// request too large, no permission) is `Refused` and never retried; anything else (no
-/// leader, a broken connection, a timeout) is `Unavailable`.
+/// Classifies an etcd error: a request etcd refuses as such (a malformed transaction, too
+/// many operations, a request too large, no permission) is `Refused` and never retried;
+/// anything else is `Unavailable`, including etcd's transient refusals: "not leader" and
+/// "not capable" (`FailedPrecondition`), an expired auth token (`Unauthenticated`) and an
+/// auth store that moved on ("revision of auth store is old", `InvalidArgument`).
 fn unavailable(e: etcd_client::Error) -> Error {
     use tonic::Code;
     match &e {
         etcd_client::Error::GRpcStatus(status)
-            if matches!(
-                status.code(),
-                Code::InvalidArgument
-                    | Code::PermissionDenied
-                    | Code::Unauthenticated
-                    | Code::FailedPrecondition
-                    | Code::OutOfRange
-            ) =>
+            if status.code() == Code::PermissionDenied
+                || (status.code() == Code::InvalidArgument
+                    && !status.message().contains("auth store is old")) =>
         {
             Error::Refused(status.message().to_owned())
         }
@@ -366,6 +363,35 @@ mod tests {
         assert!(matches!(err, Error::Refused(_)), "{err:?}");
         assert!(!err.is_retryable());
         assert!(err.to_string().contains("too many operations"), "{err}");
+    }
+
+    #[test]
+    fn etcd_s_transient_refusals_are_retried() {
+        use tonic::{Code, Status};
+        let class =
+            |code, msg: &str| unavailable(etcd_client::Error::GRpcStatus(Status::new(code, msg)));
+        for (code, msg) in [
+            (Code::FailedPrecondition, "etcdserver: not leader"),
+            (Code::FailedPrecondition, "etcdserver: not capable"),
+            (Code::Unauthenticated, "etcdserver: invalid auth token"),
+            (
+                Code::InvalidArgument,
+                "etcdserver: revision of auth store is old",
+            ),
+            (Code::Unavailable, "etcdserver: no leader"),
+        ] {
+            assert!(matches!(class(code, msg), Error::Unavailable(_)), "{msg}");
+        }
+        for (code, msg) in [
+            (
+                Code::InvalidArgument,
+                "etcdserver: too many operations in txn request",
+            ),
+            (Code::InvalidArgument, "etcdserver: request is too large"),
+            (Code::PermissionDenied, "etcdserver: permission denied"),
+        ] {
+            assert!(matches!(class(code, msg), Error::Refused(_)), "{msg}");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

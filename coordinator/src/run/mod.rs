@@ -1260,7 +1260,19 @@ impl RunEngine {
                             pack: Some(ch.pack),
                         });
                     }
-                    _ => self.journal_call(call),
+                    // A source the workers fetched by URL has no head here: said, never lost
+                    // without a word.
+                    (Some(ch), None) => {
+                        let line = format!(
+                            "agent \"{}\" changed {} file(s), but this run's source is fetched by URL and its changes are not kept; launch from a checkout of the repository (--source auto) to get them back as branches",
+                            c.label,
+                            ch.files.len()
+                        );
+                        self.failures.push(line.clone());
+                        self.event(RunEvent::Failure { line });
+                        self.journal_call(call);
+                    }
+                    (None, _) => self.journal_call(call),
                 }
             }
             CallResult::Failed { failure, message } => {
@@ -1682,6 +1694,7 @@ mod tests {
                 labels: HashMap::new(),
                 shared_workspace: false,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
+                allow_file_sources: false,
             },
             vec![Arc::new(Echo)],
         );

@@ -516,6 +516,7 @@ pub fn spawn_with(
         gated: HashMap::new(),
         unplaceable: HashMap::new(),
         sources,
+        source_acks: HashMap::new(),
         timers: DelayQueue::new(),
     };
     tokio::spawn(d.run(rx, cancel));
@@ -543,10 +544,14 @@ struct Dispatcher {
     gates: HashMap<String, Instant>,
     gated: HashMap<String, Vec<CallId>>,
     /// Calls set aside because no attached worker offers their backend and model: since when,
-    /// and why. They go back to their queues whenever a worker becomes ready.
-    unplaceable: HashMap<CallId, (Instant, String)>,
+    /// why, and when they give up. They go back to their queues whenever a worker becomes
+    /// ready.
+    unplaceable: HashMap<CallId, (Instant, String, Instant)>,
     /// Where runs' sources are (answers to workers' `SourceRequest`s).
     sources: Option<crate::store::Store>,
+    /// Source transfers under way, by worker and request: where the worker's acknowledgments
+    /// go (see [`crate::source::serve`]).
+    source_acks: HashMap<(u64, u64), tokio::sync::watch::Sender<u64>>,
     timers: DelayQueue<Timer>,
 }
 
@@ -735,10 +740,25 @@ impl Dispatcher {
             worker_message::Msg::Fragment(_) => {}
             // The store is read off the actor; the answer goes straight to the worker's link.
             worker_message::Msg::SourceRequest(req) => {
+                if let Some(acks) = self.source_acks.get(&(worker, req.id))
+                    && !acks.is_closed()
+                {
+                    if req.acked > 0 {
+                        acks.send_replace(req.acked);
+                    }
+                    return;
+                }
+                // Transfers that ended leave their entries; they go as new ones come.
+                self.source_acks.retain(|_, a| !a.is_closed());
+                if req.acked > 0 {
+                    return;
+                }
                 let tx = self.workers.get(&worker).and_then(|w| w.tx.clone());
                 match (&self.sources, tx) {
                     (Some(store), Some(tx)) => {
-                        tokio::spawn(crate::source::serve(store.clone(), req, tx));
+                        let (acks, acked) = tokio::sync::watch::channel(0u64);
+                        self.source_acks.insert((worker, req.id), acks);
+                        tokio::spawn(crate::source::serve(store.clone(), req, tx, acked));
                     }
                     (None, Some(tx)) => {
                         let _ = tx.send(CoordinatorMessage {
@@ -1201,12 +1221,37 @@ impl Dispatcher {
             Timer::Lapse(worker, link) => self.lapse_backstop(worker, link),
             Timer::NoWorker(run, call) => {
                 let id: CallId = (run, call);
-                let waiting = self.calls.get(&id).is_some_and(|c| {
-                    matches!(c.phase, Phase::Held | Phase::Queued) && c.attempt == 0
-                });
-                if let Some((since, reason)) = self.unplaceable.remove(&id)
-                    && waiting
-                {
+                // A timer of an earlier wait of the call (set aside, placed, set aside again)
+                // is not this wait's.
+                let due = self
+                    .unplaceable
+                    .get(&id)
+                    .is_some_and(|(_, _, deadline)| Instant::now() >= *deadline);
+                if !due {
+                    return;
+                }
+                let Some(c) = self.calls.get(&id) else {
+                    self.unplaceable.remove(&id);
+                    return;
+                };
+                let waiting = matches!(c.phase, Phase::Held | Phase::Queued);
+                // A worker that can run it attached meanwhile (and is merely busy): it waits
+                // in its queue like any other call.
+                let capable = self
+                    .workers
+                    .values()
+                    .any(|w| w.ready() && w.offers(&c.ticket.task));
+                let Some((since, reason, _)) = self.unplaceable.remove(&id) else {
+                    return;
+                };
+                if capable {
+                    if let Some(r) = self.runs.get(&id.0) {
+                        let _ = r.reg.events.send(CallEvent::Waiting {
+                            call: id.1,
+                            reason: None,
+                        });
+                    }
+                } else if waiting {
                     let waited = human(since.elapsed());
                     self.fail(
                         &id,
@@ -1373,10 +1418,11 @@ impl Dispatcher {
             call: id.1,
             reason: Some(reason.clone()),
         });
+        let deadline = Instant::now() + wait;
         self.unplaceable
-            .insert(id.clone(), (Instant::now(), reason));
+            .insert(id.clone(), (Instant::now(), reason, deadline));
         self.timers
-            .insert_at(Timer::NoWorker(id.0.clone(), id.1), Instant::now() + wait);
+            .insert_at(Timer::NoWorker(id.0.clone(), id.1), deadline);
     }
 
     /// A worker became ready: the calls set aside for want of one go back to their queues.
@@ -2369,5 +2415,36 @@ mod tests {
         // Its old wait never fails it afterwards.
         tokio::time::sleep(Duration::from_secs(900)).await;
         assert!(finished(&mut events).await.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_set_aside_whose_worker_is_merely_busy_when_its_wait_ends_keeps_waiting() {
+        let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+        let _echo = FakeWorker::attach(&d, 2);
+        // (A stall timeout past the worker wait, so only the wait can end a call here.)
+        let (run, mut events) = register(&d, "wf_busy", 4, Duration::from_secs(3600));
+        d.submit(&run, ticket_for(0, "claude-code"));
+        d.submit(&run, ticket_for(1, "claude-code"));
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        // One slot: call 0 runs, call 1 waits for the slot, past the end of its wait.
+        let mut claude = FakeWorker::attach_offering(&d, "claude-1", 1, &[], &["claude-code"]);
+        let a = claude.assignment().await;
+        tokio::time::sleep(Duration::from_secs(700)).await;
+        assert!(
+            finished(&mut events).await.is_empty(),
+            "a call with a capable worker is not failed for want of one"
+        );
+        claude.complete(&a, "first");
+        let b = claude.assignment().await;
+        assert_ne!(a.call, b.call);
+        claude.complete(&b, "second");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let done = finished(&mut events).await;
+        assert_eq!(done.len(), 2, "{done:?}");
+        assert!(
+            done.iter()
+                .all(|(_, r)| matches!(r, CallResult::Completed(_))),
+            "{done:?}"
+        );
     }
 }

@@ -163,15 +163,28 @@ fn a_launch_sends_its_repository_once_and_every_call_works_in_a_checkout_of_it()
 
 #[test]
 fn a_git_url_source_is_fetched_by_the_workers_and_outside_a_repository_there_is_none() {
-    let c =
-        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    // A path on the worker's own disk is fetched only by a worker that allows it.
+    let c = Cluster::start_workers_with(
+        1,
+        2,
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "sh",
+            "--allow-file-sources",
+        ],
+        Vec::new(),
+    );
     let repo = c.path().join("upstream");
     user_repo(&repo);
     let script = c.path().join("cat.js");
     std::fs::write(
         &script,
         "export const meta = { name: 'cat', description: 'reads the code' };\n\
-         return await agent('cat sub/tracked.txt; ls bulk | wc -l');",
+         const text = await agent('cat sub/tracked.txt; ls bulk | wc -l');\n\
+         await agent('echo more >> sub/tracked.txt; echo edited', { label: 'edit' });\n\
+         return text;",
     )
     .unwrap();
     // A URL the workers fetch themselves (here a path on this machine): the committed tree.
@@ -192,6 +205,14 @@ fn a_git_url_source_is_fetched_by_the_workers_and_outside_a_repository_there_is_
     assert!(
         text.starts_with("committed\n") && text.contains("200"),
         "{text}"
+    );
+    // An edit of a URL source has nowhere to go: the run says so.
+    let failures = flotilla_tests::failures(&r);
+    assert!(
+        failures
+            .iter()
+            .any(|l| l.contains("\"edit\" changed 1 file(s)") && l.contains("not kept")),
+        "{failures:?}"
     );
     // Outside a repository: no source, said on stderr; the agent gets a scratch directory.
     let elsewhere = tempfile::tempdir().unwrap();
@@ -616,4 +637,200 @@ fn a_worker_whose_source_cache_is_damaged_fetches_it_again() {
         r["agents"][0]["attempts"], 1,
         "fetched again within the attempt: {r}"
     );
+    // Worse: the commits are there but their trees are not, so the checkout itself fails.
+    let listed = git(
+        &cache,
+        &[
+            "cat-file",
+            "--batch-all-objects",
+            "--batch-check=%(objecttype) %(objectname)",
+        ],
+    );
+    let commits: Vec<(String, Vec<u8>)> = listed
+        .lines()
+        .filter_map(|l| l.strip_prefix("commit "))
+        .map(|id| {
+            let body = Command::new("git")
+                .arg("-C")
+                .arg(&cache)
+                .args(["cat-file", "commit", id])
+                .output()
+                .unwrap();
+            assert!(body.status.success(), "{body:?}");
+            (id.to_owned(), body.stdout)
+        })
+        .collect();
+    assert!(!commits.is_empty(), "{listed}");
+    for f in std::fs::read_dir(cache.join("objects/pack")).unwrap() {
+        std::fs::remove_file(f.unwrap().path()).unwrap();
+    }
+    for (id, body) in &commits {
+        let mut put = Command::new("git")
+            .arg("-C")
+            .arg(&cache)
+            .args(["hash-object", "-t", "commit", "-w", "--stdin"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        put.stdin.take().unwrap().write_all(body).unwrap();
+        let written = put.wait_with_output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&written.stdout).trim(), id);
+    }
+    let (code, r) = c.wait(launch(&c, &repo, &script)["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "kept", "{r}");
+    assert_eq!(
+        r["agents"][0]["attempts"], 1,
+        "checked out again within the attempt: {r}"
+    );
+    let log = std::fs::read_to_string(c.path().join("worker-0.log")).unwrap_or_default();
+    assert!(log.contains("the cached source is unusable"), "{log}");
+}
+
+#[test]
+fn an_agent_that_repoints_its_checkout_s_git_runs_nothing_on_the_worker() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let marker = c.path().join("ran-on-the-worker");
+    // The agent makes a git directory of its own whose config runs a command as a clean
+    // filter, hook and fsmonitor, points its checkout's `.git` at it, and edits a file: the
+    // worker records the change without reading that directory.
+    let m = marker.display();
+    let prompt = format!(
+        "git init -q --bare evil && \
+         printf '[filter \"x\"]\\n\\tclean = sh -c \"touch {m}; cat\"\\n[core]\\n\\tfsmonitor = touch {m}\\n' >> evil/config && \
+         mkdir -p evil/hooks && printf '#!/bin/sh\\ntouch {m}\\n' > evil/hooks/post-commit && chmod +x evil/hooks/post-commit && \
+         echo '* filter=x' > .gitattributes && echo \"gitdir: $PWD/evil\" > .git && \
+         echo edited >> same.txt && echo done"
+    );
+    let script = c.path().join("evil.js");
+    std::fs::write(
+        &script,
+        format!(
+            "export const meta = {{ name: 'evil', description: 'repoints .git' }};\n\
+             return await agent({prompt:?}, {{ label: 'evil' }});"
+        ),
+    )
+    .unwrap();
+    let out = launch(&c, &repo, &script);
+    let run = out["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "done", "{r}");
+    assert!(
+        !marker.exists(),
+        "a command of the agent's git directory ran on the worker"
+    );
+    // Its edit still came back (its own git directory is only a file of its tree).
+    let changes = c.client_in(&repo, &["changes", &run, "--json"]);
+    assert_eq!(changes.code, 0, "{changes:?}");
+    assert!(changes.stdout.contains("same.txt"), "{changes:?}");
+}
+
+#[test]
+fn a_change_too_big_to_send_fails_its_call_and_keeps_its_checkout() {
+    let c = Cluster::start_workers_with(
+        1,
+        1,
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "sh",
+            "--max-result-mib",
+            "1",
+        ],
+        Vec::new(),
+    );
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let script = c.path().join("big.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'big', description: 'writes 3 MiB of noise' };\n\
+         return await agent('head -c 3000000 /dev/urandom > noise.bin; echo wrote', { label: 'noise' });",
+    )
+    .unwrap();
+    let (code, r) = c.wait(launch(&c, &repo, &script)["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    let failures = flotilla_tests::failures(&r);
+    let line = failures
+        .iter()
+        .find(|l| l.contains("\"noise\""))
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(line.contains("over the limit of 1 MiB"), "{line}");
+    let kept = line
+        .split("its checkout stays at ")
+        .nth(1)
+        .and_then(|rest| rest.split(" on this worker").next())
+        .unwrap_or_else(|| panic!("{line}"));
+    let noise = Path::new(kept).join("noise.bin");
+    assert_eq!(
+        std::fs::metadata(&noise).map(|m| m.len()).ok(),
+        Some(3_000_000),
+        "{line}"
+    );
+}
+
+#[test]
+fn a_source_bigger_than_the_transfer_window_reaches_the_worker() {
+    let c =
+        Cluster::start_workers_with(1, 1, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    // 40 MiB that does not compress: more than twice the 16 MiB the coordinator sends ahead
+    // of the worker's acknowledgments.
+    let mut noise = vec![0u8; 40 << 20];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for b in noise.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    std::fs::write(repo.join("noise.bin"), &noise).unwrap();
+    commit_all(&repo, "noise");
+    let script = c.path().join("size.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'size', description: 'sizes the noise' };\n\
+         return await agent('wc -c < noise.bin');",
+    )
+    .unwrap();
+    let (code, r) = c.wait(launch(&c, &repo, &script)["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"].as_str().map(str::trim), Some("41943040"), "{r}");
+}
+
+#[test]
+fn a_call_that_fails_for_good_leaves_no_checkout_and_one_that_succeeds_none_either() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    let script = c.path().join("fail.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'fail', description: 'edits, then fails' };\n\
+         const a = await agent('echo half > half.txt; exit 3', { label: 'fails' });\n\
+         const b = await agent('echo whole > whole.txt; echo ok', { label: 'works' });\n\
+         return [a, b];",
+    )
+    .unwrap();
+    let run = launch(&c, &repo, &script)["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"][1], "ok", "{r}");
+    assert!(r["result"][0].is_null(), "{r}");
+    for call in ["0", "1"] {
+        let dir = c.path().join("ws-0").join(&run).join(call);
+        assert!(!dir.exists(), "{} is left on the worker", dir.display());
+    }
 }
