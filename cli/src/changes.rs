@@ -62,6 +62,81 @@ fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// `head` with each of `submodules` (plain files in it) replaced by the link your HEAD has at
+/// that path (or by nothing, where it has none), as a commit on `head`; and the submodules
+/// whose files the run changed since `snapshot`.
+fn relinked(
+    local: &Path,
+    head: &str,
+    snapshot: &str,
+    submodules: &[String],
+) -> Result<(String, Vec<String>), String> {
+    let tmp = tempfile::tempdir().map_err(|e| format!("cannot make a temporary index: {e}"))?;
+    let index = tmp.path().join("index");
+    let run = |args: &[&str]| -> Result<String, String> {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(local)
+            .args(args)
+            .env("GIT_INDEX_FILE", &index)
+            .env("GIT_LITERAL_PATHSPECS", "1")
+            .env("GIT_TERMINAL_PROMPT", "0")
+            .output()
+            .map_err(|e| format!("cannot run git: {e}"))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim_end().to_owned())
+        } else {
+            Err(format!(
+                "git {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    };
+    let mut touched = Vec::new();
+    run(&["read-tree", head])?;
+    for path in submodules {
+        if !run(&["diff", "--name-only", snapshot, head, "--", path])?.is_empty() {
+            touched.push(path.clone());
+        }
+        run(&[
+            "rm",
+            "--cached",
+            "-r",
+            "-q",
+            "-f",
+            "--ignore-unmatch",
+            "--",
+            path,
+        ])?;
+        let mine = run(&["ls-tree", "HEAD", "--", path])?;
+        if let Some(rest) = mine.strip_prefix("160000 commit ")
+            && let Some((link, _)) = rest.split_once('\t')
+        {
+            run(&[
+                "update-index",
+                "--add",
+                "--cacheinfo",
+                &format!("160000,{link},{path}"),
+            ])?;
+        }
+    }
+    let tree = run(&["write-tree"])?;
+    let commit = run(&[
+        "-c",
+        "user.name=flotilla",
+        "-c",
+        "user.email=flotilla@localhost",
+        "commit-tree",
+        &tree,
+        "-p",
+        head,
+        "-m",
+        "flotilla: the run's head with your submodule links",
+    ])?;
+    Ok((commit, touched))
+}
+
 async fn changes_of(client: &mut Client, run: &str) -> Result<RunChanges, i32> {
     let reply = client
         .changes(v1::RunRef { run_id: run.into() })
@@ -312,7 +387,29 @@ pub async fn apply(a: ApplyArgs) -> i32 {
                 ),
             );
         }
-        let branch = format!("flotilla/{}/head", c.run_id);
+        let mut branch = format!("flotilla/{}/head", c.run_id);
+        if !src.submodules.is_empty() {
+            // The head holds the submodules as plain files: what merges is the head with your
+            // branch's submodule links put back; edits inside them stay on the head branch.
+            match relinked(&local, &head, &src.commit, &src.submodules) {
+                Ok((commit, touched)) => {
+                    if !touched.is_empty() {
+                        eprintln!(
+                            "agents changed files inside submodules {}: not merged (a submodule is its own repository); see them with `git diff {} {branch} -- {}` and apply them inside each submodule",
+                            touched.join(", "),
+                            &src.commit[..src.commit.len().min(12)],
+                            touched.join(" ")
+                        );
+                    }
+                    let linked = format!("flotilla/{}/head-linked", c.run_id);
+                    if let Err(e) = git(&local, &["branch", "-f", &linked, &commit]) {
+                        return fail(1, format!("cannot set branch {linked}: {e}"));
+                    }
+                    branch = linked;
+                }
+                Err(e) => return fail(1, e),
+            }
+        }
         let message = format!("Merge the changes of flotilla run {}", c.run_id);
         if let Err(e) = git(&local, &["merge", "--no-edit", "-m", &message, &branch]) {
             let _ = git(&local, &["merge", "--abort"]);

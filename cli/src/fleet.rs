@@ -733,6 +733,10 @@ pub struct LaunchArgs {
     /// The most a launch sends of the repository's objects, in MiB [default: 2048].
     #[arg(long, env = "FLOTILLA_MAX_SOURCE_MIB", value_name = "MIB")]
     max_source_mib: Option<u64>,
+    /// Send checked-out submodules' files with the source (as plain files in its snapshot);
+    /// without it they are recorded by commit and their directories stay empty.
+    #[arg(long, env = "FLOTILLA_SUBMODULES")]
+    submodules: bool,
 }
 
 pub async fn launch(a: LaunchArgs) -> i32 {
@@ -884,14 +888,14 @@ async fn send_source(
             Uploaded::default(),
         ))),
         Choice::Auto => {
-            let Some(snap) = crate::source::snapshot(cwd)? else {
+            let Some(snap) = crate::source::snapshot_with(cwd, a.submodules)? else {
                 eprintln!(
                     "source: {} is not in a git repository, so the agents get scratch directories (--source none); launch from a checkout to send its code",
                     cwd.display()
                 );
                 return Ok(None);
             };
-            for note in crate::source::notes(&snap.root) {
+            for note in crate::source::notes(&snap) {
                 eprintln!("source: {note}");
             }
             let max = a.max_source_mib.unwrap_or(2048).saturating_mul(1 << 20);
@@ -916,6 +920,7 @@ async fn send_source(
                     commit: snap.commit,
                     url: None,
                     origin: snap.origin,
+                    submodules: snap.submodules,
                 },
                 up,
             )))

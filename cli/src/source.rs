@@ -55,24 +55,54 @@ pub struct Snapshot {
     pub head: Option<String>,
     /// For display: the root and the branch (or "detached at …").
     pub origin: String,
+    /// Submodules sent as plain files (`--submodules`), by path.
+    pub submodules: Vec<String>,
+    /// Submodules that stay links (not checked out here).
+    pub skipped: Vec<String>,
+    /// Object directories of those submodules, which the snapshot's objects come from too.
+    pub alternates: Vec<PathBuf>,
 }
 
-/// The snapshot of the repository holding `cwd`; `None` outside a repository.
-pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
-    let Ok(root) = git(cwd, &["rev-parse", "--show-toplevel"], &[]) else {
-        return Ok(None);
-    };
-    let root = PathBuf::from(root);
-    let head = git(
-        &root,
-        &["rev-parse", "--verify", "-q", "HEAD^{commit}"],
-        &[],
-    )
-    .ok();
-    let branch = git(&root, &["symbolic-ref", "-q", "--short", "HEAD"], &[]).ok();
+impl Snapshot {
+    /// The environment git needs to read the snapshot's objects (its submodules' too).
+    fn env(&self) -> Vec<(&'static str, String)> {
+        alternates_env(&self.alternates)
+    }
+}
+
+fn alternates_env(dirs: &[PathBuf]) -> Vec<(&'static str, String)> {
+    if dirs.is_empty() {
+        return Vec::new();
+    }
+    let joined = dirs
+        .iter()
+        .map(|d| d.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(":");
+    vec![("GIT_ALTERNATE_OBJECT_DIRECTORIES", joined)]
+}
+
+/// What following submodules gathered.
+#[derive(Default)]
+struct Followed {
+    paths: Vec<String>,
+    skipped: Vec<String>,
+    alternates: Vec<PathBuf>,
+}
+
+/// The tree of the working tree at `root` (HEAD, uncommitted and untracked files), through a
+/// temporary index; with `follow`, each checked-out submodule's own working tree replaces its
+/// link (recursively), and its objects are read through `followed.alternates`.
+fn working_tree(
+    root: &Path,
+    head: Option<&str>,
+    follow: bool,
+    prefix: &str,
+    followed: &mut Followed,
+) -> Result<String, String> {
     // A temporary index, seeded from the real one so unchanged files are not hashed again.
     let real_index = PathBuf::from(git(
-        &root,
+        root,
         &["rev-parse", "--path-format=absolute", "--git-path", "index"],
         &[],
     )?);
@@ -84,12 +114,96 @@ pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
     let index_s = index.to_string_lossy().into_owned();
     let env = [("GIT_INDEX_FILE", index_s.as_str())];
     if !real_index.exists()
-        && let Some(h) = &head
+        && let Some(h) = head
     {
-        git(&root, &["read-tree", h], &env)?;
+        git(root, &["read-tree", h], &env)?;
     }
-    git(&root, &["add", "-A", "--", "."], &env)?;
-    let tree = git(&root, &["write-tree"], &env)?;
+    git(root, &["add", "-A", "--", "."], &env)?;
+    if follow {
+        let staged = git(root, &["ls-files", "-s", "-z"], &env)?;
+        let links: Vec<String> = staged
+            .split('\0')
+            .filter_map(|e| e.strip_prefix("160000 "))
+            .filter_map(|e| e.split_once('\t').map(|(_, path)| path.to_owned()))
+            .collect();
+        for path in links {
+            let sub = root.join(&path);
+            let top = git(&sub, &["rev-parse", "--show-toplevel"], &[]).ok();
+            let checked_out =
+                top.is_some_and(|t| Path::new(&t).canonicalize().ok() == sub.canonicalize().ok());
+            if !checked_out {
+                followed.skipped.push(format!("{prefix}{path}"));
+                continue;
+            }
+            let objects = PathBuf::from(git(
+                &sub,
+                &[
+                    "rev-parse",
+                    "--path-format=absolute",
+                    "--git-path",
+                    "objects",
+                ],
+                &[],
+            )?);
+            if objects.to_string_lossy().contains(':') {
+                return Err(format!(
+                    "submodule {prefix}{path}: its objects are at {}, a path with ':' that git cannot be pointed at; launch without --submodules",
+                    objects.display()
+                ));
+            }
+            followed.alternates.push(objects);
+            let sub_head = git(&sub, &["rev-parse", "--verify", "-q", "HEAD^{commit}"], &[]).ok();
+            let tree = working_tree(
+                &sub,
+                sub_head.as_deref(),
+                true,
+                &format!("{prefix}{path}/"),
+                followed,
+            )?;
+            let alts = alternates_env(&followed.alternates);
+            let mut env2: Vec<(&str, &str)> = env.to_vec();
+            env2.extend(alts.iter().map(|(k, v)| (*k, v.as_str())));
+            git(
+                root,
+                &["update-index", "--force-remove", "--", &path],
+                &env2,
+            )?;
+            git(
+                root,
+                &["read-tree", &format!("--prefix={path}/"), &tree],
+                &env2,
+            )?;
+            followed.paths.push(format!("{prefix}{path}"));
+        }
+    }
+    let alts = alternates_env(&followed.alternates);
+    let mut env2: Vec<(&str, &str)> = env.to_vec();
+    env2.extend(alts.iter().map(|(k, v)| (*k, v.as_str())));
+    git(root, &["write-tree"], &env2)
+}
+
+/// The snapshot of the repository holding `cwd`; `None` outside a repository.
+pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
+    snapshot_with(cwd, false)
+}
+
+/// [`snapshot`]; with `submodules`, checked-out submodules travel as plain files.
+pub fn snapshot_with(cwd: &Path, submodules: bool) -> Result<Option<Snapshot>, String> {
+    let Ok(root) = git(cwd, &["rev-parse", "--show-toplevel"], &[]) else {
+        return Ok(None);
+    };
+    let root = PathBuf::from(root);
+    let head = git(
+        &root,
+        &["rev-parse", "--verify", "-q", "HEAD^{commit}"],
+        &[],
+    )
+    .ok();
+    let branch = git(&root, &["symbolic-ref", "-q", "--short", "HEAD"], &[]).ok();
+    let mut followed = Followed::default();
+    let tree = working_tree(&root, head.as_deref(), submodules, "", &mut followed)?;
+    let alts = alternates_env(&followed.alternates);
+    let alts: Vec<(&str, &str)> = alts.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let commit = match &head {
         Some(h) if git(&root, &["rev-parse", &format!("{h}^{{tree}}")], &[])? == tree => h.clone(),
         _ => {
@@ -99,7 +213,7 @@ pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
                 None => "0 +0000".to_owned(),
             };
             let date = format!("@{date}");
-            let ident = [
+            let mut ident = vec![
                 ("GIT_AUTHOR_NAME", "flotilla"),
                 ("GIT_AUTHOR_EMAIL", "flotilla@localhost"),
                 ("GIT_COMMITTER_NAME", "flotilla"),
@@ -107,6 +221,7 @@ pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
                 ("GIT_AUTHOR_DATE", date.as_str()),
                 ("GIT_COMMITTER_DATE", date.as_str()),
             ];
+            ident.extend(alts.iter().copied());
             let mut args = vec![
                 "commit-tree",
                 tree.as_str(),
@@ -140,15 +255,35 @@ pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
         commit,
         head,
         origin,
+        submodules: followed.paths,
+        skipped: followed.skipped,
+        alternates: followed.alternates,
     }))
 }
 
-/// What a user should know about how a repository travels (each said once per launch):
-/// submodules are recorded by commit and not sent, Git LFS files travel as their pointers.
-pub fn notes(root: &Path) -> Vec<String> {
+/// What a user should know about how a snapshot travels (each said once per launch).
+pub fn notes(s: &Snapshot) -> Vec<String> {
+    notes_at(&s.root, &s.submodules, &s.skipped)
+}
+
+/// Submodules are recorded by commit and not sent (or, followed, travel as plain files),
+/// Git LFS files travel as their pointers.
+fn notes_at(root: &Path, followed: &[String], skipped: &[String]) -> Vec<String> {
     let mut out = Vec::new();
-    if root.join(".gitmodules").is_file() {
-        out.push("submodules are recorded by their commit and not sent: their directories are empty on the workers".to_owned());
+    if !followed.is_empty() {
+        out.push(format!(
+            "submodules {} travel as plain files (--submodules); `flotilla apply --merge` keeps your submodule links and leaves agents' edits inside them on the run's head branch",
+            followed.join(", ")
+        ));
+    }
+    if !skipped.is_empty() {
+        out.push(format!(
+            "submodules {} are not checked out here, so they are recorded by their commit only",
+            skipped.join(", ")
+        ));
+    }
+    if followed.is_empty() && skipped.is_empty() && root.join(".gitmodules").is_file() {
+        out.push("submodules are recorded by their commit and not sent: their directories are empty on the workers (pass --submodules to send them)".to_owned());
     }
     let lfs = git(
         root,
@@ -283,6 +418,7 @@ pub fn build_pack(s: &Snapshot, held: &[String]) -> Result<(tempfile::NamedTempF
     let mut child = Command::new("git")
         .arg("-C")
         .arg(&s.root)
+        .envs(s.env())
         .args([
             "pack-objects",
             "--revs",
@@ -365,6 +501,7 @@ pub fn url_source(url: &str, rev: &str) -> SourceRef {
         commit: rev.to_owned(),
         url: Some(url.to_owned()),
         origin: format!("{url}#{rev}"),
+        submodules: Vec::new(),
     }
 }
 
@@ -435,7 +572,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         sh(dir, &["init", "-q"]);
-        assert!(notes(dir).is_empty());
+        assert!(notes_at(dir, &[], &[]).is_empty());
         std::fs::write(
             dir.join(".gitattributes"),
             "*.bin filter=lfs diff=lfs merge=lfs -text\n",
@@ -447,7 +584,7 @@ mod tests {
         )
         .unwrap();
         sh(dir, &["add", "."]);
-        let n = notes(dir);
+        let n = notes_at(dir, &[], &[]);
         assert_eq!(n.len(), 2, "{n:?}");
         assert!(n[0].contains("submodules") && n[1].contains("LFS"));
     }

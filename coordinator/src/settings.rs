@@ -98,6 +98,9 @@ pub struct SourceRef {
     /// Where it came from, for display (a path and branch, or the URL).
     #[serde(default)]
     pub origin: String,
+    /// Submodules that travel as plain files in the snapshot (`--submodules`), by path.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub submodules: Vec<String>,
 }
 
 impl Default for RunSettings {
@@ -191,6 +194,20 @@ impl SourceRef {
                 self.repo
             ));
         }
+        for path in &self.submodules {
+            let plain = !path.is_empty()
+                && path.len() <= 4096
+                && !path.starts_with('/')
+                && !path.chars().any(char::is_control)
+                && path
+                    .split('/')
+                    .all(|c| !c.is_empty() && c != "." && c != "..");
+            if !plain || self.url.is_some() {
+                return Err(format!(
+                    "source submodule path {path:?} is not a path inside the repository"
+                ));
+            }
+        }
         match &self.url {
             None => {
                 let hex = self.commit.chars().all(|c| c.is_ascii_hexdigit());
@@ -255,6 +272,7 @@ mod tests {
             commit: commit.into(),
             url: None,
             origin: String::new(),
+            submodules: Vec::new(),
         };
         let c40 = "a".repeat(40);
         assert_eq!(with(snap("0123abcd", &c40)), Ok(()));
@@ -275,6 +293,7 @@ mod tests {
             commit: rev.into(),
             url: Some(url.into()),
             origin: String::new(),
+            submodules: Vec::new(),
         };
         assert_eq!(with(url("https://h/r.git", "main")), Ok(()));
         assert_eq!(with(url("https://h/r.git", "release/1.2")), Ok(()));
@@ -286,6 +305,13 @@ mod tests {
             ("https://h/r\n.git", "main"),
         ] {
             assert!(with(url(u, rev)).is_err(), "{u} {rev}");
+        }
+        let mut sub = snap("0123abcd", &c40);
+        sub.submodules = vec!["vendor/lib".into()];
+        assert_eq!(with(sub.clone()), Ok(()));
+        for bad in ["", "/etc", "a/../b", "a//b", "x\n"] {
+            sub.submodules = vec![bad.into()];
+            assert!(with(sub.clone()).is_err(), "{bad:?}");
         }
         // A URL source under another repository's id (its cache on the workers) is refused.
         let mut other = url("https://h/r.git", "main");

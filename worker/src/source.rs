@@ -48,7 +48,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// A git failure of the worker itself (a full disk, say): the attempt may go elsewhere.
 fn worker_error(what: &str, e: &str) -> Error {
-    Error::new(FailureKind::Retryable, format!("{what}: {e}"))
+    let full = e.contains("No space left on device") || e.contains("os error 28");
+    let hint = if full {
+        "; this worker's disk is full: free space under its --workspace, or give it a larger one"
+    } else {
+        ""
+    };
+    Error::new(FailureKind::Retryable, format!("{what}: {e}{hint}"))
 }
 
 fn plain(s: &str) -> bool {
@@ -293,7 +299,9 @@ impl Sources {
                 "the coordinator link is gone",
             ));
         }
-        let mut current: Option<(String, std::fs::File, PathBuf)> = None;
+        // The pack being received: its file goes whatever happens (a full disk must not stay
+        // full of a pack that never arrived).
+        let mut current: Option<(String, tempfile::NamedTempFile)> = None;
         // What is written to disk so far, and what the coordinator was last told of it.
         let (mut received, mut told) = (0u64, 0u64);
         loop {
@@ -324,13 +332,15 @@ impl Sources {
             if d.done {
                 return Ok(());
             }
-            if current.as_ref().is_none_or(|(p, ..)| *p != d.pack) {
-                let path = bare.join(format!("incoming-{id}.pack"));
-                let f = std::fs::File::create(&path)
+            if current.as_ref().is_none_or(|(p, _)| *p != d.pack) {
+                let f = tempfile::Builder::new()
+                    .prefix("incoming-")
+                    .suffix(".pack")
+                    .tempfile_in(bare)
                     .map_err(|e| worker_error("cannot write the source", &e.to_string()))?;
-                current = Some((d.pack.clone(), f, path));
+                current = Some((d.pack.clone(), f));
             }
-            if let Some((_, f, _)) = current.as_mut() {
+            if let Some((_, f)) = current.as_mut() {
                 use std::io::Write;
                 f.write_all(&d.data)
                     .map_err(|e| worker_error("cannot write the source", &e.to_string()))?;
@@ -347,11 +357,10 @@ impl Sources {
                 });
             }
             if d.last_of_pack
-                && let Some((pack, f, path)) = current.take()
+                && let Some((pack, f)) = current.take()
             {
+                let indexed = index_pack(bare, f.path()).await;
                 drop(f);
-                let indexed = index_pack(bare, &path).await;
-                let _ = std::fs::remove_file(&path);
                 indexed.map_err(|e| worker_error("cannot index the source", &e))?;
                 if plain(&d.tip) {
                     let _ = git(
@@ -395,7 +404,12 @@ impl Sources {
                     let _ = git(&bare, &["worktree", "prune"]).await;
                     let _ = std::fs::remove_file(bare.join("flotilla-packs"));
                 }
-                Err(e) => return Err(worker_error("cannot check out the source", &e)),
+                Err(e) => {
+                    // Nothing half made stays (on a full disk, it would keep it full).
+                    let _ = std::fs::remove_dir_all(dir);
+                    let _ = git(&bare, &["worktree", "prune"]).await;
+                    return Err(worker_error("cannot check out the source", &e));
+                }
             }
         }
         Err(worker_error("cannot check out the source", "giving up"))

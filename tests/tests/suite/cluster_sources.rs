@@ -834,3 +834,205 @@ fn a_call_that_fails_for_good_leaves_no_checkout_and_one_that_succeeds_none_eith
         assert!(!dir.exists(), "{} is left on the worker", dir.display());
     }
 }
+
+/// A small tmpfs mounted over a directory for one test (unmounted when dropped).
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &Path, size: &str) -> SmallDisk {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "this test mounts a small tmpfs and needs root (CAP_SYS_ADMIN): {out:?}"
+        );
+        SmallDisk(dir.to_owned())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_worker_whose_disk_fills_fails_the_attempt_with_the_reason_and_keeps_serving() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    // The worker's whole workspace (its source cache included) on 16 MiB.
+    let disk = c.path().join("ws-0");
+    let _small = SmallDisk::mount(&disk, "16m");
+    let big = c.path().join("big");
+    clean_repo(&big);
+    let mut noise = vec![0u8; 24 << 20];
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for b in noise.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    std::fs::write(big.join("noise.bin"), &noise).unwrap();
+    commit_all(&big, "noise");
+    let script = c.path().join("read.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'read', description: 'reads' };\n\
+         return await agent('cat notes/keep.txt', { label: 'reader' });",
+    )
+    .unwrap();
+    let out = c.client_in(
+        &big,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--backend",
+            "exec",
+            "--attempts",
+            "2",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let (code, r) = c.wait(out.json()["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert!(r["result"].is_null(), "{r}");
+    let failures = flotilla_tests::failures(&r);
+    assert!(
+        failures
+            .iter()
+            .any(|l| l.contains("\"reader\"") && l.contains("disk is full")),
+        "{failures:?}"
+    );
+    // Nothing of the pack that did not fit is left, and the same worker serves the next run.
+    let leftovers: Vec<_> = walk(&disk)
+        .into_iter()
+        .filter(|p| p.to_string_lossy().contains("incoming-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    let small = c.path().join("small");
+    clean_repo(&small);
+    let (code, r) = c.wait(launch(&c, &small, &script)["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "kept", "{r}");
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        }
+        out.push(p);
+    }
+    out
+}
+
+#[test]
+fn with_submodules_their_files_travel_and_apply_keeps_the_links() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let lib = c.path().join("lib");
+    flotilla_tests::git_repo(&lib);
+    std::fs::write(lib.join("lib.txt"), "library\n").unwrap();
+    commit_all(&lib, "lib");
+    let repo = c.path().join("repo");
+    clean_repo(&repo);
+    git(
+        &repo,
+        &[
+            "-c",
+            "protocol.file.allow=always",
+            "submodule",
+            "add",
+            "-q",
+            lib.to_str().unwrap(),
+            "vendor/lib",
+        ],
+    );
+    commit_all(&repo, "add lib");
+    let link = git(&repo, &["ls-tree", "HEAD", "--", "vendor/lib"]);
+    assert!(link.starts_with("160000 commit "), "{link}");
+    // An uncommitted edit inside the submodule travels too.
+    std::fs::write(repo.join("vendor/lib/lib.txt"), "library\nlocal edit\n").unwrap();
+    let script = c.path().join("sub.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'sub', description: 'reads and edits a submodule' };\n\
+         return await agent('cat vendor/lib/lib.txt; echo top >> same.txt; echo sub >> vendor/lib/lib.txt', { label: 'both' });",
+    )
+    .unwrap();
+    // Without --submodules the directory is empty on the worker, and the launch says so.
+    let ls = c.path().join("ls.js");
+    std::fs::write(
+        &ls,
+        "export const meta = { name: 'ls', description: 'lists' };\n\
+         return await agent('ls -A vendor/lib | wc -l');",
+    )
+    .unwrap();
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            ls.to_str().unwrap(),
+            "--json",
+            "--backend",
+            "exec",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stderr.contains("pass --submodules"), "{out:?}");
+    let (code, r) = c.wait(out.json()["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"].as_str().map(str::trim), Some("0"), "{r}");
+    // With it, its files (and the uncommitted edit) are there.
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--backend",
+            "exec",
+            "--submodules",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr
+            .contains("submodules vendor/lib travel as plain files"),
+        "{out:?}"
+    );
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "library\nlocal edit", "{r}");
+    // Apply: the top-level edit merges, the submodule link is the user's, and the edit
+    // inside the submodule is named, not merged.
+    std::fs::write(repo.join("vendor/lib/lib.txt"), "library\n").unwrap();
+    let applied = c.client_in(&repo, &["apply", &run, "--merge"]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    assert!(
+        applied.stderr.contains("inside submodules vendor/lib"),
+        "{applied:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(repo.join("same.txt")).unwrap(),
+        "zero\ntop\n"
+    );
+    assert_eq!(git(&repo, &["ls-tree", "HEAD", "--", "vendor/lib"]), link);
+    assert_eq!(
+        git(&repo, &["status", "--porcelain"]),
+        "",
+        "nothing stray in the user's tree"
+    );
+    let head = format!("flotilla/{run}/head");
+    let inside = git(&repo, &["show", &format!("{head}:vendor/lib/lib.txt")]);
+    assert_eq!(inside, "library\nlocal edit\nsub\n");
+}
