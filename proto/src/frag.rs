@@ -226,6 +226,12 @@ impl Reassembler {
 /// failure of its call that says how big it was and what to do.
 pub fn fit_outcome(mut o: v1::Outcome, limit: usize) -> v1::Outcome {
     let limit = limit.min(MAX_MESSAGE_BYTES);
+    if o.encoded_len() > limit
+        && let Some(v1::outcome::Result::Failure(f)) = o.result.as_mut()
+    {
+        // An unfinished attempt's leftovers are a nicety: the failure goes without them.
+        f.partial = None;
+    }
     let len = o.encoded_len();
     if len <= limit {
         return o;
@@ -238,6 +244,7 @@ pub fn fit_outcome(mut o: v1::Outcome, limit: usize) -> v1::Outcome {
             mib(limit)
         ),
         retry_after_ms: 0,
+        partial: None,
     }));
     o
 }

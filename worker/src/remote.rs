@@ -72,38 +72,50 @@ pub async fn serve(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let (links_tx, links_rx) = mpsc::unbounded_channel();
+    // `cancel` stops the worker: it interrupts what it runs and sends those outcomes (with
+    // what each attempt left, W58) on the link it has; the link goes only then, or after
+    // DRAIN_WAIT.
     let stop = cancel.child_token();
+    let link_stop = CancellationToken::new();
+    let connected = CancellationToken::new();
     let run = {
-        let stop = stop.clone();
-        async move { worker.serve(links_rx, stop).await }
+        let (stop, link_stop, connected) = (stop.clone(), link_stop.clone(), connected.clone());
+        async move {
+            worker.serve(links_rx, stop).await;
+            tokio::select! {
+                () = connected.cancelled() => {}
+                () = tokio::time::sleep(DRAIN_WAIT) => link_stop.cancel(),
+            }
+        }
     };
     let connect = async move {
-        let res = connect_loop(channels, &opts, &links_tx, &cancel).await;
+        let res = connect_loop(channels, &opts, &links_tx, &link_stop, &stop).await;
         drop(links_tx);
+        // Refused or cancelled: the worker stops and cancels what it runs.
+        stop.cancel();
+        connected.cancel();
         res
     };
-    let (res, ()) = tokio::join!(
-        async {
-            let res = connect.await;
-            // Refused or cancelled: the worker stops and cancels what it runs.
-            stop.cancel();
-            res
-        },
-        run
-    );
+    let (res, ()) = tokio::join!(connect, run);
     res
 }
 
+/// Longest a stopping worker keeps its link for the outcomes of what it interrupted.
+const DRAIN_WAIT: Duration = Duration::from_secs(10);
+
+/// Attaches, and again whenever a link ends, until `cancel` fires; once `stopping` fires no
+/// new link is made (the current one stays for the worker's last outcomes).
 async fn connect_loop(
     channels: Vec<(String, Channel)>,
     opts: &RemoteOptions,
     links: &mpsc::UnboundedSender<Link>,
     cancel: &CancellationToken,
+    stopping: &CancellationToken,
 ) -> Result<(), Error> {
     let mut backoff = Duration::from_millis(100);
     let mut hangups = 0u32;
     let mut at = 0usize;
-    while !cancel.is_cancelled() {
+    while !cancel.is_cancelled() && !stopping.is_cancelled() {
         let (endpoint, channel) = &channels[at % channels.len()];
         match attach_once(channel.clone(), links, cancel).await {
             Ok(()) => {
@@ -121,6 +133,7 @@ async fn connect_loop(
                 backoff = Duration::from_millis(100);
                 tokio::select! {
                     _ = cancel.cancelled() => break,
+                    _ = stopping.cancelled() => break,
                     _ = tokio::time::sleep(Duration::from_millis(250)) => {}
                 }
                 continue;
@@ -157,6 +170,7 @@ async fn connect_loop(
         }
         tokio::select! {
             _ = cancel.cancelled() => break,
+            _ = stopping.cancelled() => break,
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);

@@ -225,13 +225,26 @@ impl Sources {
                 .map_err(|e| worker_error("cannot read what was fetched", &e))?;
             return Ok((bare, commit));
         }
-        let commit = task.source_commit.clone();
-        if !commit.chars().all(|c| c.is_ascii_hexdigit()) || commit.is_empty() {
+        let hex = |id: &str| !id.is_empty() && id.chars().all(|c| c.is_ascii_hexdigit());
+        let bad = if !hex(&task.source_commit) {
+            Some(&task.source_commit)
+        } else if !task.source_partial.is_empty() && !hex(&task.source_partial) {
+            Some(&task.source_partial)
+        } else {
+            None
+        };
+        if let Some(id) = bad {
             return Err(Error::new(
                 FailureKind::Invalid,
-                format!("{commit:?} is not a commit id"),
+                format!("{id:?} is not a commit id"),
             ));
         }
+        // An earlier attempt's leftovers hold the call's base.
+        let commit = if task.source_partial.is_empty() {
+            task.source_commit.clone()
+        } else {
+            task.source_partial.clone()
+        };
         if !again
             && git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
                 .await
@@ -389,10 +402,23 @@ impl Sources {
     ) -> Result<crate::worktree::Worktree, Error> {
         for round in 0..2 {
             let (bare, commit) = self.ensure(task, link, round > 0).await?;
+            let partial = &task.source_partial;
             if let Some(wt) = crate::worktree::Worktree::existing(&bare, dir).await {
-                return Ok(wt);
+                if partial.is_empty() || wt.partial() == *partial {
+                    return Ok(wt);
+                }
+                // The call's latest leftovers came from an attempt elsewhere: this checkout
+                // is behind them.
+                wt.discard().await;
             }
             match crate::worktree::Worktree::detached(&bare, dir, &commit).await {
+                Ok(mut wt) if !partial.is_empty() => {
+                    wt.unpack_partial(partial, &task.source_commit)
+                        .await
+                        .map_err(|e| worker_error("cannot check out the source", &e))?;
+                    wt.reused = true;
+                    return Ok(wt);
+                }
                 Ok(wt) => return Ok(wt),
                 Err(e) if round == 0 => {
                     // The cache is only a cache, but other calls' checkouts live on it: this
@@ -481,6 +507,37 @@ pub async fn change_of(
     if commit == wt.base {
         return Ok(None);
     }
+    packed(wt, spec, commit).await.map(Some).map_err(failed)
+}
+
+/// What an unfinished attempt left in its checkout, for the call's next attempt on any worker
+/// (W58): a [`crate::worktree::Worktree::snapshot`] of it with the objects it adds to the
+/// call's base. `None` when it left nothing. The checkout itself stays as the agent left it.
+pub async fn partial_of(
+    wt: &crate::worktree::Worktree,
+    spec: &v1::TaskSpec,
+    (run, call, attempt): (&str, u64, u32),
+) -> Result<Option<v1::Change>, String> {
+    if !wt.changed().await {
+        return Ok(None);
+    }
+    let message = format!(
+        "flotilla: what attempt {attempt} of agent {:?} (#{call}) of run {run} left",
+        spec.label
+    );
+    let commit = wt.snapshot(&message).await?;
+    let change = packed(wt, spec, commit).await?;
+    crate::worktree::mark_partial(&wt.path, &change.commit)?;
+    Ok(Some(change))
+}
+
+/// `commit` of the checkout as a change: its files and line counts since the call's base,
+/// and a pack of the objects it adds.
+async fn packed(
+    wt: &crate::worktree::Worktree,
+    spec: &v1::TaskSpec,
+    commit: String,
+) -> Result<v1::Change, String> {
     let _ = git(
         wt.repo(),
         &["update-ref", &format!("refs/flotilla/{commit}"), &commit],
@@ -489,8 +546,7 @@ pub async fn change_of(
     let (mut files, mut insertions, mut deletions) = (Vec::new(), 0u32, 0u32);
     for line in wt
         .git(&["diff", "--numstat", &wt.base, &commit])
-        .await
-        .map_err(failed)?
+        .await?
         .lines()
     {
         let mut parts = line.splitn(3, '\t');
@@ -507,24 +563,19 @@ pub async fn change_of(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| failed(e.to_string()))?;
+        .map_err(|e| e.to_string())?;
     if let Some(mut stdin) = child.stdin.take() {
         use tokio::io::AsyncWriteExt;
         stdin
             .write_all(format!("{commit}\n^{}\n", wt.base).as_bytes())
             .await
-            .map_err(|e| failed(e.to_string()))?;
+            .map_err(|e| e.to_string())?;
     }
-    let out = child
-        .wait_with_output()
-        .await
-        .map_err(|e| failed(e.to_string()))?;
+    let out = child.wait_with_output().await.map_err(|e| e.to_string())?;
     if !out.status.success() {
-        return Err(failed(
-            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        ));
+        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
     }
-    Ok(Some(v1::Change {
+    Ok(v1::Change {
         repo: spec.source_repo.clone(),
         base: wt.base.clone(),
         commit,
@@ -532,7 +583,7 @@ pub async fn change_of(
         files,
         insertions,
         deletions,
-    }))
+    })
 }
 
 #[cfg(test)]

@@ -480,12 +480,15 @@ async fn run_attempt_in(
     spec: v1::TaskSpec,
     cancel: CancellationToken,
 ) -> v1::Outcome {
+    let mut partial = None;
     let result = match backend {
         Err(e) => Err(e),
         Ok(backend) => match parse_schema(&spec) {
             Err(e) => Err(e),
-            Ok(schema) => match checkout_for(&a, &spec, &workspace, &sources, &link, &events).await
-            {
+            Ok(schema) => match tokio::select! {
+                r = checkout_for(&a, &spec, &workspace, &sources, &link, &events) => r,
+                () = cancel.cancelled() => Err(Error::new(FailureKind::Cancelled, "cancelled while its checkout was made")),
+            } {
                 Err(e) => Err(e),
                 Ok(worktree) => {
                     let scratch = workspace.clone();
@@ -562,6 +565,32 @@ async fn run_attempt_in(
                             {
                                 // The call ends here: no later attempt will want its checkout.
                                 wt.discard().await;
+                            } else if result.is_err() && spec.source_url.is_empty() {
+                                // Another attempt may follow, on any worker: what this one
+                                // left goes with its failure (W58). The checkout stays too.
+                                match crate::source::partial_of(
+                                    wt,
+                                    &spec,
+                                    (&a.run_id, a.call, a.attempt),
+                                )
+                                .await
+                                {
+                                    Ok(Some(c)) => match sources.fits(0, &c) {
+                                        Ok(()) => {
+                                            events.transcript(serde_json::json!({
+                                                "type": "partial", "commit": c.commit, "base": c.base, "files": c.files,
+                                            }));
+                                            partial = Some(c);
+                                        }
+                                        Err(e) => {
+                                            tracing::warn!(run = %a.run_id, call = a.call, error = %e, "what the attempt left is too big to send; only a retry on this worker keeps it")
+                                        }
+                                    },
+                                    Ok(None) => {}
+                                    Err(e) => {
+                                        tracing::warn!(run = %a.run_id, call = a.call, error = %e, "cannot record what the attempt left; only a retry on this worker keeps it")
+                                    }
+                                }
                             }
                         }
                         Some(wt) => {
@@ -597,6 +626,7 @@ async fn run_attempt_in(
                 kind: e.kind as i32,
                 message: e.message,
                 retry_after_ms: e.retry_after.map_or(0, |d| d.as_millis() as u64),
+                partial,
             }),
             e.usage,
         ),

@@ -265,6 +265,7 @@ impl Worktree {
             let _ = git(&self.repo, &["worktree", "prune"]).await;
         }
         let _ = std::fs::remove_file(base_file(&self.path));
+        let _ = std::fs::remove_file(partial_file(&self.path));
         if let Some(run_dir) = self.path.parent() {
             let _ = std::fs::remove_dir(run_dir);
         }
@@ -368,6 +369,61 @@ impl Worktree {
         dirty || moved
     }
 
+    /// A commit of everything in the checkout now (tracked, untracked, and what the agent
+    /// committed) on its HEAD, made through a scratch index: the agent's index and files stay
+    /// as they are. Its parent is HEAD, so a checkout of it can be put back as uncommitted
+    /// changes (`git reset HEAD^`).
+    pub async fn snapshot(&self, message: &str) -> Result<String, String> {
+        let index = tempfile::Builder::new()
+            .prefix("flotilla-index-")
+            .tempfile_in(&self.admin)
+            .map_err(|e| format!("cannot make a scratch index: {e}"))?;
+        match std::fs::copy(self.admin.join("index"), index.path()) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot copy the checkout's index: {e}")),
+        }
+        let run = |args: Vec<&str>| {
+            let mut c = self.command();
+            c.args(&args)
+                .env("GIT_INDEX_FILE", index.path())
+                .env("GIT_AUTHOR_NAME", "flotilla")
+                .env("GIT_AUTHOR_EMAIL", "flotilla@localhost")
+                .env("GIT_COMMITTER_NAME", "flotilla")
+                .env("GIT_COMMITTER_EMAIL", "flotilla@localhost");
+            async move {
+                let out = c.output().await.map_err(|e| e.to_string())?;
+                if out.status.success() {
+                    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+                } else {
+                    Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+                }
+            }
+        };
+        run(vec!["add", "-A"]).await?;
+        let tree = run(vec!["write-tree"]).await?;
+        run(vec!["commit-tree", &tree, "-p", "HEAD", "-m", message]).await
+    }
+
+    /// Puts the files of `partial` (a [`Worktree::snapshot`] an attempt elsewhere made) into
+    /// this checkout of it as uncommitted changes on its parent, and records `base` as the
+    /// commit the call started from.
+    pub async fn unpack_partial(&mut self, partial: &str, base: &str) -> Result<(), String> {
+        self.git(&["reset", "-q", "HEAD^"]).await?;
+        std::fs::write(base_file(&self.path), base)
+            .map_err(|e| format!("cannot write {}: {e}", base_file(&self.path).display()))?;
+        mark_partial(&self.path, partial)?;
+        self.base = base.to_owned();
+        Ok(())
+    }
+
+    /// The earlier attempt's leftovers this checkout holds (see [`mark_partial`]).
+    pub fn partial(&self) -> String {
+        std::fs::read_to_string(partial_file(&self.path))
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default()
+    }
+
     /// Removes the worktree and its branch if nothing changed. Otherwise what the agent left
     /// uncommitted becomes a commit on its branch (`message`, by "flotilla"), so the branch
     /// holds the agent's whole change, and both stay.
@@ -425,6 +481,18 @@ impl Worktree {
         }
         Finished::Removed
     }
+}
+
+/// Beside a worktree: the last partial commit of its leftovers sent to the coordinator (or
+/// unpacked into it). A later attempt told to start from another one does not reuse it.
+fn partial_file(path: &Path) -> PathBuf {
+    path.with_extension("partial")
+}
+
+/// Records that the checkout at `path` holds what partial commit `commit` holds.
+pub fn mark_partial(path: &Path, commit: &str) -> Result<(), String> {
+    std::fs::write(partial_file(path), commit)
+        .map_err(|e| format!("cannot write {}: {e}", partial_file(path).display()))
 }
 
 /// Beside a worktree: the commit it started from (so a later attempt of the call knows).

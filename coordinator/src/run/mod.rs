@@ -970,6 +970,7 @@ impl RunEngine {
                 .as_ref()
                 .and_then(|s| s.url.clone())
                 .unwrap_or_default(),
+            source_partial: String::new(),
         };
         self.init.dispatch.submit(
             &self.run,

@@ -260,6 +260,13 @@ enum Msg {
     },
     Stats(tokio::sync::oneshot::Sender<Stats>),
     Workers(tokio::sync::oneshot::Sender<Vec<WorkerView>>),
+    /// What an attempt left is stored (`Ok`: the partial commit and its base) or not.
+    PartialStored {
+        run: Arc<str>,
+        call: u64,
+        attempt: u32,
+        stored: Result<(String, String), String>,
+    },
 }
 
 /// One attached worker, as `flotilla workers` shows it.
@@ -394,7 +401,27 @@ struct CallState {
     ready_at: Instant,
     /// The current attempt's trace span (`attempt`, a child of the call's).
     attempt_span: tracing::Span,
+    /// The source commit the last assignment started from.
+    sent_base: String,
+    /// What the latest attempt that left anything left, stored: the next attempt starts
+    /// from it, on any worker (W58).
+    partial: Option<Partial>,
+    /// A retry waits for what this attempt leaves (its outcome, then the store), and
+    /// whether it is due meanwhile.
+    salvage: Option<u32>,
+    salvage_due: bool,
 }
+
+/// An unfinished attempt's leftovers, in the store.
+#[derive(Debug, Clone)]
+struct Partial {
+    attempt: u32,
+    base: String,
+    commit: String,
+}
+
+/// Longest wait of a restarted call for what its interrupted attempt leaves.
+const SALVAGE_WAIT: Duration = Duration::from_secs(30);
 
 impl CallState {
     /// Back in its run's queue: ready to run from now (dispatch latency counts from here).
@@ -480,6 +507,9 @@ enum Timer {
     Orphans(u64, u64),
     /// A call that no attached worker can run fails if it still cannot by now.
     NoWorker(Arc<str>, u64),
+    /// A restarted call stops waiting for what its interrupted attempt leaves: (run, call,
+    /// attempt).
+    Salvage(Arc<str>, u64, u32),
 }
 
 /// Starts the dispatcher with default options. Worker liveness leases go to `leases`.
@@ -621,6 +651,10 @@ impl Dispatcher {
                         limit_waits: 0,
                         ready_at: Instant::now(),
                         attempt_span: tracing::Span::none(),
+                        sent_base: String::new(),
+                        partial: None,
+                        salvage: None,
+                        salvage_due: false,
                     },
                 );
                 self.claim_orphans(&claim);
@@ -670,6 +704,12 @@ impl Dispatcher {
                 self.rr.retain(|r| *r != run);
                 self.prefixes.retain(|(r, _), _| *r != run);
             }
+            Msg::PartialStored {
+                run,
+                call,
+                attempt,
+                stored,
+            } => self.partial_stored(&(run, call), attempt, stored),
             Msg::Attach(end) => self.attach(end),
             Msg::FromWorker { worker, msg } => self.on_worker(worker, msg),
             Msg::LinkClosed { worker, link } => self.link_closed(worker, link),
@@ -858,6 +898,22 @@ impl Dispatcher {
                 && c.worker == Some(worker)
                 && (c.fence == Some(o.fence) || c.adopted_fence == Some(o.fence))
         });
+        let awaited = self
+            .calls
+            .get(&id)
+            .is_some_and(|c| c.salvage == Some(o.attempt) && c.worker == Some(worker));
+        if !current && awaited {
+            // The interrupted attempt of a restarted call: what it left is all we want.
+            let partial = match o.result {
+                Some(outcome::Result::Failure(f)) => f.partial,
+                _ => None,
+            };
+            let storing = partial.is_some_and(|p| self.keep_partial(&id, o.attempt, p));
+            if !storing {
+                self.salvaged(&id, o.attempt);
+            }
+            return;
+        }
         if !current {
             // An attempt from a coordinator that went away, not claimed yet: keep its outcome
             // for the run that takes it over.
@@ -883,8 +939,24 @@ impl Dispatcher {
             Some(outcome::Result::Completed(done)) => {
                 self.finish(&id, CallResult::Completed(done));
             }
-            Some(outcome::Result::Failure(f)) => {
+            Some(outcome::Result::Failure(mut f)) => {
                 let kind = FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal);
+                let again = matches!(
+                    kind,
+                    FailureKind::RateLimited
+                        | FailureKind::Retryable
+                        | FailureKind::Cancelled
+                        | FailureKind::Unspecified
+                );
+                if again
+                    && let Some(p) = f.partial.take()
+                    && self.keep_partial(&id, o.attempt, p)
+                    && let Some(c) = self.calls.get_mut(&id)
+                {
+                    // The retry waits until it is stored.
+                    c.salvage = Some(o.attempt);
+                    c.salvage_due = false;
+                }
                 match kind {
                     FailureKind::RateLimited => {
                         let waits = self.calls.get_mut(&id).map_or(0, |c| {
@@ -1017,6 +1089,7 @@ impl Dispatcher {
 
     /// Counts a failed attempt; starts another one or fails the call at the limit.
     fn retry_or_fail(&mut self, id: &CallId, retry: Retry) {
+        let salvageable = self.salvageable(id);
         let Some(r) = self.runs.get(&id.0) else {
             self.calls.remove(id);
             return;
@@ -1075,6 +1148,17 @@ impl Dispatcher {
             _ => &crate::metrics::RESTARTS_TRANSIENT,
         });
         match retry {
+            Retry::Stalled { .. } | Retry::User | Retry::Paused if salvageable => {
+                // What the interrupted attempt left comes with its outcome (W58): the retry
+                // waits for it, a while.
+                c.phase = Phase::Waiting;
+                c.salvage = Some(attempt);
+                c.salvage_due = true;
+                self.timers.insert_at(
+                    Timer::Salvage(id.0.clone(), id.1, attempt),
+                    Instant::now() + SALVAGE_WAIT,
+                );
+            }
             Retry::Stalled { .. } | Retry::User | Retry::Paused => {
                 // Same prompt, fresh transcript, at once and ahead of the queue.
                 c.make_ready();
@@ -1087,6 +1171,100 @@ impl Dispatcher {
                 c.phase = Phase::Waiting;
                 self.timers
                     .insert_at(Timer::Retry(id.0.clone(), id.1), Instant::now() + backoff);
+            }
+        }
+    }
+
+    /// Whether a restarted call's interrupted attempt can still send what it left: the run
+    /// has a stored source and the attempt's worker is attached.
+    fn salvageable(&self, id: &CallId) -> bool {
+        let stored =
+            self.sources.is_some() && self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
+        stored
+            && self
+                .calls
+                .get(id)
+                .and_then(|c| c.worker)
+                .and_then(|w| self.workers.get(&w))
+                .is_some_and(|w| w.tx.is_some())
+    }
+
+    /// Stores what attempt `attempt` of a call left (off the actor; `PartialStored` comes
+    /// back). `false`: nothing to store, or it is not this call's.
+    fn keep_partial(&mut self, id: &CallId, attempt: u32, p: v1::Change) -> bool {
+        let Some(store) = self.sources.clone() else {
+            return false;
+        };
+        let Some(c) = self.calls.get(id) else {
+            return false;
+        };
+        let stored = self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
+        let hex = |s: &str| s.len() >= 40 && s.chars().all(|c| c.is_ascii_hexdigit());
+        if !stored
+            || p.pack.is_empty()
+            || p.repo != c.ticket.task.source_repo
+            || p.base != c.sent_base
+            || !hex(&p.commit)
+        {
+            tracing::warn!(run = %id.0, call = id.1, attempt, "ignoring leftovers that do not match the attempt's source");
+            return false;
+        }
+        let (tx, run, call) = (self.tx.clone(), id.0.clone(), id.1);
+        tokio::spawn(async move {
+            let stored =
+                crate::source::put_pack(&store, &p.repo, &p.commit, vec![p.base.clone()], p.pack)
+                    .await
+                    .map(|_| (p.base, p.commit));
+            let _ = tx.send(Msg::PartialStored {
+                run,
+                call,
+                attempt,
+                stored,
+            });
+        });
+        true
+    }
+
+    fn partial_stored(
+        &mut self,
+        id: &CallId,
+        attempt: u32,
+        stored: Result<(String, String), String>,
+    ) {
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        match stored {
+            Ok((base, commit)) => {
+                if c.partial.as_ref().is_none_or(|p| p.attempt < attempt) {
+                    tracing::info!(run = %id.0, call = id.1, attempt, commit = %commit, "the next attempt starts from what this one left");
+                    c.partial = Some(Partial {
+                        attempt,
+                        base,
+                        commit,
+                    });
+                }
+            }
+            Err(e) => {
+                tracing::warn!(run = %id.0, call = id.1, attempt, error = %e, "cannot store what the attempt left; the next attempt starts without it unless it runs on the same worker");
+            }
+        }
+        self.salvaged(id, attempt);
+    }
+
+    /// The wait for what attempt `attempt` left is over: a retry that is due goes.
+    fn salvaged(&mut self, id: &CallId, attempt: u32) {
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        if c.salvage != Some(attempt) {
+            return;
+        }
+        c.salvage = None;
+        if std::mem::take(&mut c.salvage_due) && c.phase == Phase::Waiting {
+            c.make_ready();
+            if let Some(r) = self.runs.get_mut(&id.0) {
+                r.queue.push_front(id.1);
             }
         }
     }
@@ -1261,9 +1439,16 @@ impl Dispatcher {
                 }
             }
             Timer::Orphans(worker, link) => self.drop_orphans(worker, link),
+            Timer::Salvage(run, call, attempt) => self.salvaged(&(run, call), attempt),
             Timer::Retry(run, call) => {
                 let id: CallId = (run, call);
                 if let Some(c) = self.calls.get_mut(&id)
+                    && c.phase == Phase::Waiting
+                    && c.salvage.is_some()
+                {
+                    // Still storing what the last attempt left: it goes once that is done.
+                    c.salvage_due = true;
+                } else if let Some(c) = self.calls.get_mut(&id)
                     && c.phase == Phase::Waiting
                 {
                     c.make_ready();
@@ -1599,9 +1784,13 @@ impl Dispatcher {
             outcome = tracing::field::Empty,
         );
         let mut task = c.ticket.task.clone();
-        if let Some(head) = self.runs.get(&id.0).and_then(|r| r.reg.head.as_ref()) {
+        if let Some(p) = &c.partial {
+            task.source_commit = p.base.clone();
+            task.source_partial = p.commit.clone();
+        } else if let Some(head) = self.runs.get(&id.0).and_then(|r| r.reg.head.as_ref()) {
             task.source_commit = head.borrow().clone();
         }
+        c.sent_base = task.source_commit.clone();
         let assignment = v1::Assignment {
             run_id: id.0.to_string(),
             call: id.1,
@@ -1850,6 +2039,123 @@ mod tests {
         );
         // Usage of both attempts is still counted.
         w.no_message_for(Duration::from_millis(500)).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_from_it() {
+        let store = crate::store::open("memory://").unwrap();
+        let d = spawn_with(
+            MemoryLeaseStore::new(),
+            DispatchOptions::default(),
+            Some(store.clone()),
+            CancellationToken::new(),
+        );
+        let mut w = FakeWorker::attach(&d, 4);
+        let (tx, _events) = mpsc::unbounded_channel();
+        let run: Arc<str> = Arc::from("wf_salvage");
+        let base = "a".repeat(40);
+        crate::source::put_pack(&store, "r1", &base, vec![], b"the source".to_vec())
+            .await
+            .unwrap();
+        let (_head_tx, head) = tokio::sync::watch::channel(base.clone());
+        d.register(RunRegistration {
+            run_id: run.clone(),
+            concurrency: 4,
+            stall_timeout: Duration::from_millis(300),
+            max_attempts: 4,
+            stagger: Duration::ZERO,
+            budget_total: None,
+            worker_wait: Duration::from_secs(600),
+            head: Some(head),
+            shared: Arc::new(ScriptShared::default()),
+            events: tx,
+        });
+        let mut t = ticket(0);
+        t.task.source_repo = "r1".into();
+        d.submit(&run, t);
+        let first = w.assignment().await;
+        assert_eq!(first.task.as_ref().unwrap().source_commit, base);
+        assert!(matches!(
+            w.next().await,
+            coordinator_message::Msg::Cancel(_)
+        ));
+        // The interrupted attempt answers with what it left: the restart starts from that.
+        let partial = "b".repeat(40);
+        w.send(worker_message::Msg::Outcome(v1::Outcome {
+            run_id: first.run_id.clone(),
+            call: 0,
+            attempt: first.attempt,
+            result: Some(outcome::Result::Failure(v1::Failure {
+                kind: FailureKind::Cancelled as i32,
+                message: "cancelled".into(),
+                retry_after_ms: 0,
+                partial: Some(v1::Change {
+                    repo: "r1".into(),
+                    base: base.clone(),
+                    commit: partial.clone(),
+                    pack: b"objects".to_vec(),
+                    ..v1::Change::default()
+                }),
+            })),
+            usage: None,
+            fence: first.fence,
+            call_key: first.call_key.clone(),
+        }));
+        let second = w.assignment().await;
+        assert_eq!(second.attempt, 2);
+        let task = second.task.as_ref().unwrap();
+        assert_eq!(
+            (&task.source_commit, &task.source_partial),
+            (&base, &partial)
+        );
+        let stored = crate::source::chain(&store, "r1", &partial).await.unwrap();
+        assert_eq!(
+            stored.len(),
+            2,
+            "the leftovers are in the store: {stored:?}"
+        );
+        // An attempt that never answers holds the restart back SALVAGE_WAIT at most, and the
+        // next one still starts from the last leftovers.
+        assert!(matches!(
+            w.next().await,
+            coordinator_message::Msg::Cancel(_)
+        ));
+        let asked = Instant::now();
+        let third = w.assignment().await;
+        assert_eq!(third.attempt, 3);
+        let waited = asked.elapsed();
+        assert!(
+            waited >= SALVAGE_WAIT && waited < SALVAGE_WAIT + Duration::from_secs(1),
+            "{waited:?}"
+        );
+        assert_eq!(third.task.as_ref().unwrap().source_partial, partial);
+        // Leftovers that do not match the attempt (another base) are not taken.
+        assert!(matches!(
+            w.next().await,
+            coordinator_message::Msg::Cancel(_)
+        ));
+        w.send(worker_message::Msg::Outcome(v1::Outcome {
+            run_id: third.run_id.clone(),
+            call: 0,
+            attempt: third.attempt,
+            result: Some(outcome::Result::Failure(v1::Failure {
+                kind: FailureKind::Cancelled as i32,
+                message: "cancelled".into(),
+                retry_after_ms: 0,
+                partial: Some(v1::Change {
+                    repo: "r1".into(),
+                    base: "c".repeat(40),
+                    commit: "d".repeat(40),
+                    pack: b"objects".to_vec(),
+                    ..v1::Change::default()
+                }),
+            })),
+            usage: None,
+            fence: third.fence,
+            call_key: third.call_key.clone(),
+        }));
+        let fourth = w.assignment().await;
+        assert_eq!(fourth.task.as_ref().unwrap().source_partial, partial);
     }
 
     #[tokio::test(start_paused = true)]

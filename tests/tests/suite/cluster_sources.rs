@@ -1036,3 +1036,134 @@ fn with_submodules_their_files_travel_and_apply_keeps_the_links() {
     let inside = git(&repo, &["show", &format!("{head}:vendor/lib/lib.txt")]);
     assert_eq!(inside, "library\nlocal edit\nsub\n");
 }
+
+/// The checkout directories of `run` on worker `i` that hold `file`.
+fn checkouts_with(c: &Cluster, i: usize, run: &str, file: &str) -> Vec<std::path::PathBuf> {
+    let dir = c.path().join(format!("ws-{i}")).join(run);
+    std::fs::read_dir(&dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.join(file).exists())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_retry_on_another_worker_starts_from_what_the_interrupted_attempt_left() {
+    let mut c =
+        Cluster::start_workers_with(2, 1, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    flotilla_tests::git_repo(&repo);
+    std::fs::write(repo.join("base.txt"), "base\n").unwrap();
+    commit_all(&repo, "base");
+    // The first attempt leaves a file and a draft, then hangs; a later one finishes the work
+    // it finds.
+    let script = c.path().join("resume.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'resume', description: 'incremental retries' };\n\
+         return await agent('if [ -e progress.txt ]; then echo second >> progress.txt; echo resumed in $(pwd); \
+         cat progress.txt draft.txt; git status --porcelain; else echo first > progress.txt; echo draft > draft.txt; \
+         echo tracked >> base.txt; sleep 600; fi', { label: 'worker' });\n",
+    )
+    .unwrap();
+    let launched = launch(&c, &repo, &script);
+    let run = launched["run_id"].as_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let first = loop {
+        if let Some(i) = (0..2).find(|&i| !checkouts_with(&c, i, &run, "draft.txt").is_empty()) {
+            break i;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first attempt never wrote its draft"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // That worker is stopped (a deploy, a scale-down): it interrupts the attempt and sends
+    // what it left with the interruption; the other worker picks the call up from there.
+    c.signal_worker(first, "-TERM");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let text = r["result"].as_str().unwrap_or_else(|| panic!("{r}"));
+    let other = format!("ws-{}", 1 - first);
+    assert!(
+        text.contains("resumed in") && text.contains(&other),
+        "the retry ran on the other worker: {text}"
+    );
+    assert!(
+        text.contains("first\nsecond\ndraft\n"),
+        "it found the first attempt's files: {text}"
+    );
+    // As on Claude Code's disk: what the first attempt wrote is there uncommitted.
+    for line in [" M base.txt", "?? draft.txt", "?? progress.txt"] {
+        assert!(text.contains(line), "{line:?} in {text}");
+    }
+    let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
+    assert!(
+        log.contains("the next attempt starts from what this one left"),
+        "{log}"
+    );
+    // The call's change is the whole work, both attempts', and comes home as such.
+    let fresh = c.path().join("fresh");
+    let cloned = Command::new("git")
+        .args(["clone", "-q"])
+        .arg(&repo)
+        .arg(&fresh)
+        .output()
+        .unwrap();
+    assert!(cloned.status.success(), "{cloned:?}");
+    git(&fresh, &["config", "user.name", "t"]);
+    git(&fresh, &["config", "user.email", "t@t"]);
+    let applied = c.client_in(&fresh, &["apply", &run, "--merge"]);
+    assert_eq!(applied.code, 0, "{applied:?}");
+    for (f, want) in [
+        ("progress.txt", "first\nsecond\n"),
+        ("draft.txt", "draft\n"),
+        ("base.txt", "base\ntracked\n"),
+    ] {
+        assert_eq!(std::fs::read_to_string(fresh.join(f)).unwrap(), want, "{f}");
+    }
+
+    // A stall: the watchdog interrupts the attempt, and the restart waits for what it left
+    // before it goes (to whichever worker is free).
+    c.start_worker(first, 1);
+    c.wait_for_workers(2);
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'stall', description: 'a stalled attempt' };\n\
+         return await agent('if [ -e progress.txt ]; then echo second >> progress.txt; cat progress.txt; \
+         else echo first > progress.txt; sleep 600; fi', { label: 'staller' });\n",
+    )
+    .unwrap();
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "exec",
+            "--stall-timeout",
+            "1s",
+            "--attempts",
+            "2",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "first\nsecond", "{r}");
+    let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&run)
+                && l.contains("the next attempt starts from what this one left")),
+        "{log}"
+    );
+}
