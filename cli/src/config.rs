@@ -167,6 +167,10 @@ pub struct ConfigFile {
     /// Worker: `git+file://` and local-path sources may be fetched (off: a launcher could
     /// otherwise read repositories on the worker's disk).
     pub allow_file_sources: Option<bool>,
+    /// Worker: hosts URL sources may name although they resolve to loopback or link-local
+    /// addresses (`*`: any).
+    #[serde(default)]
+    pub allow_source_hosts: Vec<String>,
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,

@@ -58,6 +58,8 @@ impl Embedded {
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
                 // Embedded, the launcher is the machine's user: their own paths are theirs.
                 allow_file_sources: true,
+                // The user's own machine: whatever the user's git reaches.
+                allow_source_hosts: vec!["*".into()],
             },
             backends,
         );

@@ -538,6 +538,16 @@ pub struct WorkerArgs {
     /// from its own disk. Off by default: only https, http, ssh and git URLs are fetched.
     #[arg(long, env = "FLOTILLA_ALLOW_FILE_SOURCES")]
     allow_file_sources: bool,
+    /// Hosts a URL source may name although they resolve to this machine or its link
+    /// (loopback, link-local: a cloud metadata service, say), comma-separated; `*` for any.
+    /// Off by default, so a launcher cannot point workers at their own services.
+    #[arg(
+        long,
+        env = "FLOTILLA_ALLOW_SOURCE_HOSTS",
+        value_delimiter = ',',
+        value_name = "HOST"
+    )]
+    allow_source_host: Vec<String>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -632,6 +642,11 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             shared_workspace: false,
             max_result_bytes: (max_result_mib as usize) << 20,
             allow_file_sources: a.allow_file_sources || file.allow_file_sources == Some(true),
+            allow_source_hosts: if a.allow_source_host.is_empty() {
+                file.allow_source_hosts.clone()
+            } else {
+                a.allow_source_host.clone()
+            },
         },
         backends,
     );

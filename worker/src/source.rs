@@ -38,6 +38,8 @@ pub struct Sources {
     waiting: Mutex<HashMap<u64, mpsc::UnboundedSender<v1::SourceData>>>,
     repos: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     allow_file: bool,
+    /// Hosts URL sources may name although they resolve to this machine or its link.
+    allow_hosts: Vec<String>,
     /// The largest result this worker sends (a change travels in it).
     max_result: usize,
 }
@@ -63,6 +65,53 @@ fn plain(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'))
         && !s.starts_with('-')
         && !s.contains("..")
+}
+
+/// The host and port a network fetch URL names (`scheme://[user@]host[:port]/…` or scp-like
+/// `[user@]host:path`).
+fn url_host(url: &str) -> Option<(String, u16)> {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (scheme.to_ascii_lowercase(), rest),
+        None => ("ssh".to_owned(), url),
+    };
+    let default = match scheme.as_str() {
+        "https" => 443,
+        "http" => 80,
+        "git" => 9418,
+        _ => 22,
+    };
+    let authority = if url.contains("://") {
+        rest.split(['/', '?', '#']).next()?
+    } else {
+        rest.split_once(':')?.0
+    };
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (h, after) = v6.split_once(']')?;
+        (h, after.strip_prefix(':').and_then(|p| p.parse().ok()))
+    } else if url.contains("://") {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (h, p.parse().ok()),
+            None => (authority, None),
+        }
+    } else {
+        (authority, None)
+    };
+    (!host.is_empty()).then(|| (host.to_owned(), port.unwrap_or(default)))
+}
+
+/// Loopback, link-local or unspecified: the machine itself or its link.
+fn inward(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return inward(IpAddr::V4(v4));
+            }
+            v6.is_loopback() || v6.is_unspecified() || (v6.segments()[0] & 0xffc0) == 0xfe80
+        }
+    }
 }
 
 /// Whether a fetch URL names this machine's disk (`file://`, or a plain path, which git
@@ -96,8 +145,48 @@ impl Sources {
             waiting: Mutex::default(),
             repos: Mutex::default(),
             allow_file,
+            allow_hosts: Vec::new(),
             max_result,
         }
+    }
+
+    /// These hosts may be fetched from although they resolve to loopback or link-local
+    /// addresses (`*`: any host).
+    pub fn allowing_hosts(mut self, hosts: Vec<String>) -> Sources {
+        self.allow_hosts = hosts;
+        self
+    }
+
+    /// Refuses a network URL whose host is this machine or on its link (loopback,
+    /// link-local, unspecified), unless the worker allows that host: a launcher must not
+    /// point workers at their own services or a cloud metadata endpoint.
+    async fn check_host(&self, url: &str) -> Result<(), Error> {
+        let Some((host, port)) = url_host(url) else {
+            return Ok(());
+        };
+        if self
+            .allow_hosts
+            .iter()
+            .any(|h| h == "*" || h.eq_ignore_ascii_case(&host))
+        {
+            return Ok(());
+        }
+        // A name that does not resolve is git's to report.
+        let Ok(addrs) = tokio::net::lookup_host((host.as_str(), port)).await else {
+            return Ok(());
+        };
+        for addr in addrs {
+            if inward(addr.ip()) {
+                return Err(Error::new(
+                    FailureKind::Invalid,
+                    format!(
+                        "{url:?} names {host}, which is {}, an address of the worker itself or its link; start the worker with --allow-source-host {host} to fetch from it",
+                        addr.ip()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Whether a result of `text_len` bytes with `change` fits this worker's results: `Err`
@@ -175,6 +264,9 @@ impl Sources {
                     ),
                 ));
             }
+            if !local {
+                self.check_host(url).await?;
+            }
             let file = if self.allow_file { "always" } else { "never" };
             let file_rule = format!("protocol.file.allow={file}");
             let args = [
@@ -190,6 +282,9 @@ impl Sources {
                 "protocol.git.allow=always",
                 "-c",
                 &file_rule,
+                // A redirect could lead where the host check did not look.
+                "-c",
+                "http.followRedirects=false",
                 "-c",
                 "http.lowSpeedLimit=1024",
                 "-c",
@@ -640,6 +735,77 @@ mod tests {
                 .unwrap();
             assert_eq!(commit.len(), 40, "{url}: {commit}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_url_source_may_not_name_the_worker_itself_or_its_link_unless_allowed() {
+        let root = tempfile::tempdir().unwrap();
+        let (link, _rx) = mpsc::unbounded_channel();
+        for url in [
+            "http://127.0.0.1:2379/r.git",
+            "https://169.254.169.254/latest/meta-data",
+            "http://[::1]:8443/r.git",
+            "http://[::ffff:127.0.0.1]/r.git",
+            "git://0.0.0.0/r.git",
+            "ssh://git@127.0.0.2:22/r.git",
+            "git@127.0.0.1:team/r.git",
+            "http://user:secret@localhost:1/r.git",
+        ] {
+            let task = v1::TaskSpec {
+                source_repo: "abc123".into(),
+                source_commit: "main".into(),
+                source_url: url.into(),
+                ..Default::default()
+            };
+            let refused = Sources::new(root.path(), false)
+                .ensure(&task, &link, false)
+                .await
+                .unwrap_err();
+            assert_eq!(refused.kind, FailureKind::Invalid, "{url}");
+            assert!(
+                refused.message.contains("--allow-source-host"),
+                "{url}: {}",
+                refused.message
+            );
+        }
+        // Allowed by name: git is asked (and finds nothing listening there).
+        let task = v1::TaskSpec {
+            source_repo: "abc123".into(),
+            source_commit: "main".into(),
+            source_url: "http://127.0.0.1:1/r.git".into(),
+            ..Default::default()
+        };
+        let failed = Sources::new(root.path(), false)
+            .allowing_hosts(vec!["127.0.0.1".into()])
+            .ensure(&task, &link, false)
+            .await
+            .unwrap_err();
+        assert_eq!(failed.kind, FailureKind::Retryable, "{}", failed.message);
+        assert!(
+            failed.message.contains("cannot fetch"),
+            "{}",
+            failed.message
+        );
+    }
+
+    #[test]
+    fn a_fetch_url_names_its_host_and_port() {
+        for (url, want) in [
+            ("https://git.example/r.git", Some(("git.example", 443))),
+            ("http://h:8080/r", Some(("h", 8080))),
+            ("ssh://git@h/r.git", Some(("h", 22))),
+            ("git://h/r", Some(("h", 9418))),
+            ("git@h:team/r.git", Some(("h", 22))),
+            ("https://u:p@[fe80::1]:444/r", Some(("fe80::1", 444))),
+            ("https:///r", None),
+        ] {
+            let got = url_host(url);
+            assert_eq!(got.as_ref().map(|(h, p)| (h.as_str(), *p)), want, "{url}");
+        }
+        assert!(inward("169.254.169.254".parse().unwrap()));
+        assert!(inward("fe80::1".parse().unwrap()));
+        assert!(!inward("10.0.0.1".parse().unwrap()));
+        assert!(!inward("2001:db8::1".parse().unwrap()));
     }
 
     #[test]

@@ -51,6 +51,9 @@ pub struct WorkerOptions {
     pub max_result_bytes: usize,
     /// Sources named by `file://` URLs or local paths may be fetched.
     pub allow_file_sources: bool,
+    /// Hosts a URL source may name although they resolve to this machine or its link
+    /// (loopback, link-local such as a cloud metadata service); `*`: any.
+    pub allow_source_hosts: Vec<String>,
 }
 
 /// A worker with its backends.
@@ -117,11 +120,14 @@ impl Worker {
     /// longer than the lease TTL (the coordinator has restarted them elsewhere by then), it
     /// cancels them.
     pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
-        let sources = Arc::new(crate::source::Sources::with_limit(
-            &self.opts.workspace,
-            self.opts.allow_file_sources,
-            self.opts.max_result_bytes,
-        ));
+        let sources = Arc::new(
+            crate::source::Sources::with_limit(
+                &self.opts.workspace,
+                self.opts.allow_file_sources,
+                self.opts.max_result_bytes,
+            )
+            .allowing_hosts(self.opts.allow_source_hosts.clone()),
+        );
         let workspace = if self.opts.shared_workspace {
             Workspace::shared(&self.opts.workspace)
         } else {
@@ -797,6 +803,7 @@ mod tests {
                 shared_workspace: false,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
                 allow_file_sources: false,
+                allow_source_hosts: Vec::new(),
             },
             vec![Arc::new(Echo)],
         )

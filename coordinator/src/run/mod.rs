@@ -1696,6 +1696,7 @@ mod tests {
                 shared_workspace: false,
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
                 allow_file_sources: false,
+                allow_source_hosts: Vec::new(),
             },
             vec![Arc::new(Echo)],
         );
