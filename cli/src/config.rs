@@ -171,6 +171,8 @@ pub struct ConfigFile {
     /// addresses (`*`: any).
     #[serde(default)]
     pub allow_source_hosts: Vec<String>,
+    /// Worker: `on` (bubblewrap, the default) or `off`.
+    pub sandbox: Option<String>,
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,

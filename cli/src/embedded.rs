@@ -30,6 +30,23 @@ impl Embedded {
         workspace: std::path::PathBuf,
         exec_cmd: Option<&str>,
     ) -> anyhow::Result<Embedded> {
+        Self::start_sandboxed(
+            store_url,
+            slots,
+            workspace,
+            exec_cmd,
+            flotilla_worker::sandbox::Sandbox::Off,
+        )
+    }
+
+    /// [`Embedded::start`] with the agents' processes in `sandbox`.
+    pub fn start_sandboxed(
+        store_url: &str,
+        slots: u32,
+        workspace: std::path::PathBuf,
+        exec_cmd: Option<&str>,
+        sandbox: flotilla_worker::sandbox::Sandbox,
+    ) -> anyhow::Result<Embedded> {
         let store = store::open(store_url)?;
         let coordinator = Arc::new(Coordinator::with_options(
             store,
@@ -60,6 +77,7 @@ impl Embedded {
                 allow_file_sources: true,
                 // The user's own machine: whatever the user's git reaches.
                 allow_source_hosts: vec!["*".into()],
+                sandbox,
             },
             backends,
         );
@@ -85,12 +103,14 @@ pub async fn run(
     r: ResolvedRun,
     mode: progress::Mode,
     serve: Option<std::net::SocketAddr>,
+    sandbox: flotilla_worker::sandbox::Sandbox,
 ) -> anyhow::Result<Report> {
-    let embedded = Embedded::start(
+    let embedded = Embedded::start_sandboxed(
         &r.store_url,
         r.settings.concurrency,
         r.workspace.clone(),
         r.exec_cmd.as_deref(),
+        sandbox,
     )?;
     let resolver = Arc::new(DirResolver::standard(&r.cwd, &r.workflows_dirs));
     let launched = embedded

@@ -548,6 +548,10 @@ pub struct WorkerArgs {
         value_name = "HOST"
     )]
     allow_source_host: Vec<String>,
+    /// Run every agent's processes in a bubblewrap sandbox (`on`, the default: the worker
+    /// does not start without one) or not (`off`: agents can reach all this worker can).
+    #[arg(long, env = "FLOTILLA_SANDBOX", value_name = "on|off")]
+    sandbox: Option<String>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -600,6 +604,41 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             format!("--max-result-mib must be between 1 and {limit_mib} (got {max_result_mib})"),
         );
     }
+    let workspace = a.workspace.clone().unwrap_or_else(|| {
+        dirs::data_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("flotilla")
+            .join("workspaces")
+    });
+    let sandbox = match a
+        .sandbox
+        .as_deref()
+        .or(file.sandbox.as_deref())
+        .unwrap_or("on")
+    {
+        "on" | "bwrap" => match crate::sandbox_with_api().await {
+            Ok(s) => {
+                eprintln!("flotilla worker: {}", s.describe());
+                s
+            }
+            Err(e) => {
+                return fail(
+                    2,
+                    format!(
+                        "{e}\nagents run sandboxed by default: install bubblewrap (Debian: apt-get install bubblewrap) where unprivileged user namespaces are allowed, or start with --sandbox off to run them unconfined"
+                    ),
+                );
+            }
+        },
+        "off" => {
+            eprintln!(
+                "flotilla worker: WARNING: {}",
+                flotilla_worker::sandbox::OFF_WARNING
+            );
+            flotilla_worker::sandbox::Sandbox::Off
+        }
+        other => return fail(2, format!("--sandbox takes on or off (got {other:?})")),
+    };
     let mut backends: Vec<Arc<dyn AgentBackend>> = Vec::new();
     for b in &a.backends {
         match b.as_str() {
@@ -627,12 +666,6 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             }
         }
     }
-    let workspace = a.workspace.unwrap_or_else(|| {
-        dirs::data_dir()
-            .unwrap_or_else(std::env::temp_dir)
-            .join("flotilla")
-            .join("workspaces")
-    });
     let worker = Worker::new(
         WorkerOptions {
             name: name.clone(),
@@ -647,6 +680,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             } else {
                 a.allow_source_host.clone()
             },
+            sandbox,
         },
         backends,
     );

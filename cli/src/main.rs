@@ -42,6 +42,9 @@ struct Cli {
 enum Command {
     /// Run a workflow script in this process and print its result.
     Run(Box<RunArgs>),
+    /// Inside an agent's sandbox: relays the model API to its loopback while PROGRAM runs.
+    #[command(name = "sandbox-relay", hide = true)]
+    SandboxRelay(SandboxRelayArgs),
     /// List stored runs.
     Runs(ListArgs),
     /// Print the report of a stored run.
@@ -120,6 +123,11 @@ pub struct RunArgs {
         default_missing_value = "127.0.0.1:0"
     )]
     pub serve: Option<std::net::SocketAddr>,
+    /// Run the agents' processes in a bubblewrap sandbox: each sees its working directory
+    /// read-write, the system read-only, no network and nothing else of this machine. Off by
+    /// default here, as Claude Code's agents run as you locally.
+    #[arg(long, env = "FLOTILLA_SANDBOX_LOCAL")]
+    pub sandbox: bool,
     #[command(flatten)]
     pub settings: config::SettingFlags,
     /// TOML config file with the same keys as the flags (snake_case).
@@ -164,6 +172,16 @@ struct LogsArgs {
 }
 
 #[derive(Debug, Args)]
+struct SandboxRelayArgs {
+    #[arg(long)]
+    listen: String,
+    #[arg(long)]
+    to: PathBuf,
+    #[arg(last = true, required = true)]
+    program: Vec<String>,
+}
+
+#[derive(Debug, Args)]
 struct ShowArgs {
     run_id: String,
     /// Object store URL (file:///path or memory://).
@@ -187,6 +205,16 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Command::SandboxRelay(a) = &cli.command {
+        // No telemetry, no config: a program in a sandbox, and its relay.
+        let code = rt.block_on(flotilla_worker::gateway::relay(
+            &a.listen,
+            &a.to,
+            &a.program[0],
+            &a.program[1..],
+        ));
+        return ExitCode::from(code.clamp(0, 255) as u8);
+    }
     let service = match &cli.command {
         Command::Coordinator(_) => "flotilla-coordinator",
         Command::Worker(_) => "flotilla-worker",
@@ -196,6 +224,7 @@ fn main() -> ExitCode {
         let telemetry = telemetry::init(service);
         let code = match cli.command {
             Command::Run(args) => run(*args).await,
+            Command::SandboxRelay(_) => 0,
             Command::Runs(args) => match args.coordinator {
                 Some(coordinator) => {
                     let remote = fleet::ClientArgs {
@@ -245,6 +274,14 @@ fn main() -> ExitCode {
     ExitCode::from(code.clamp(0, 255) as u8)
 }
 
+/// Bubblewrap, with the model API relayed in by this binary.
+pub async fn sandbox_with_api() -> Result<flotilla_worker::sandbox::Sandbox, String> {
+    let s = flotilla_worker::sandbox::Sandbox::bubblewrap().await?;
+    let me =
+        std::env::current_exe().map_err(|e| format!("cannot find this program's own path: {e}"))?;
+    s.with_api(me).await
+}
+
 /// Prints an error the way every command does, and returns the exit status.
 pub fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
     eprintln!("error: {}", term::clean_text(&message.to_string()));
@@ -272,7 +309,28 @@ async fn run(args: RunArgs) -> i32 {
             ),
         );
     }
-    let report = match embedded::run(resolved, progress::Mode::pick(bars, lines), args.serve).await
+    let sandbox = if args.sandbox {
+        match sandbox_with_api().await {
+            Ok(s) => s,
+            Err(e) => {
+                return fail(
+                    2,
+                    format!(
+                        "--sandbox: {e}; install bubblewrap (Debian: apt-get install bubblewrap) where unprivileged user namespaces are allowed"
+                    ),
+                );
+            }
+        }
+    } else {
+        flotilla_worker::sandbox::Sandbox::Off
+    };
+    let report = match embedded::run(
+        resolved,
+        progress::Mode::pick(bars, lines),
+        args.serve,
+        sandbox,
+    )
+    .await
     {
         Ok(r) => r,
         Err(e) => {

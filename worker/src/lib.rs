@@ -10,7 +10,9 @@
 //! object storage. Start reading at [`worker::Worker::run`].
 
 pub mod backend;
+pub mod gateway;
 pub mod remote;
+pub mod sandbox;
 pub mod source;
 pub mod worker;
 pub mod workspace;

@@ -633,11 +633,6 @@ async fn packed(
     spec: &v1::TaskSpec,
     commit: String,
 ) -> Result<v1::Change, String> {
-    let _ = git(
-        wt.repo(),
-        &["update-ref", &format!("refs/flotilla/{commit}"), &commit],
-    )
-    .await;
     let (mut files, mut insertions, mut deletions) = (Vec::new(), 0u32, 0u32);
     for line in wt
         .git(&["diff", "--numstat", &wt.base, &commit])
@@ -652,7 +647,8 @@ async fn packed(
             files.push(f.to_owned());
         }
     }
-    let mut child = crate::worktree::git_command(wt.repo())
+    let mut child = wt
+        .repo_command()
         .args(["pack-objects", "--revs", "--stdout", "-q"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -670,6 +666,34 @@ async fn packed(
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
     }
+    // Objects a sandboxed agent's commits made live in the checkout's git directory, which
+    // goes with it: into the cache with them (index-pack checks each).
+    let own = wt.admin().join("objects");
+    if std::fs::read_dir(&own).is_ok_and(|mut d| d.next().is_some()) {
+        let mut index = crate::worktree::git_command(wt.repo())
+            .args(["index-pack", "--stdin"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        if let Some(mut stdin) = index.stdin.take() {
+            use tokio::io::AsyncWriteExt;
+            stdin
+                .write_all(&out.stdout)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let indexed = index.wait_with_output().await.map_err(|e| e.to_string())?;
+        if !indexed.status.success() {
+            return Err(String::from_utf8_lossy(&indexed.stderr).trim().to_owned());
+        }
+    }
+    let _ = git(
+        wt.repo(),
+        &["update-ref", &format!("refs/flotilla/{commit}"), &commit],
+    )
+    .await;
     Ok(v1::Change {
         repo: spec.source_repo.clone(),
         base: wt.base.clone(),

@@ -54,6 +54,8 @@ pub struct WorkerOptions {
     /// Hosts a URL source may name although they resolve to this machine or its link
     /// (loopback, link-local such as a cloud metadata service); `*`: any.
     pub allow_source_hosts: Vec<String>,
+    /// Where agents' processes run.
+    pub sandbox: crate::sandbox::Sandbox,
 }
 
 /// A worker with its backends.
@@ -196,8 +198,9 @@ impl Worker {
                             let workspace = workspace.clone();
                             let sources = sources.clone();
                             let limit = self.opts.max_result_bytes;
+                            let sandbox = self.opts.sandbox.clone();
                             tracker.spawn(async move {
-                                let outcome = run_attempt(a, backend, workspace, sources, tx.clone(), token).await;
+                                let outcome = run_attempt(a, backend, (workspace, sandbox), sources, tx.clone(), token).await;
                                 let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
                                 // Into the outbox before leaving `running`, so it is always held.
                                 let _ = tx.send(WorkerMessage {
@@ -417,7 +420,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 async fn run_attempt(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
-    workspace: Workspace,
+    (workspace, sandbox): (Workspace, crate::sandbox::Sandbox),
     sources: Arc<crate::source::Sources>,
     tx: mpsc::UnboundedSender<WorkerMessage>,
     cancel: CancellationToken,
@@ -452,7 +455,7 @@ async fn run_attempt(
     let outcome = run_attempt_in(
         a,
         backend,
-        workspace,
+        (workspace, sandbox),
         (sources, link),
         events,
         sink,
@@ -476,7 +479,7 @@ async fn run_attempt(
 async fn run_attempt_in(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
-    workspace: Workspace,
+    (workspace, sandbox): (Workspace, crate::sandbox::Sandbox),
     (sources, link): (
         Arc<crate::source::Sources>,
         mpsc::UnboundedSender<WorkerMessage>,
@@ -507,6 +510,7 @@ async fn run_attempt_in(
                         schema,
                         workspace,
                         worktree: worktree.clone(),
+                        sandbox,
                     };
                     let result = if spec.timeout_ms > 0 {
                         // On timeout the attempt is cancelled the normal way, so the backend kills
@@ -804,6 +808,7 @@ mod tests {
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
                 allow_file_sources: false,
                 allow_source_hosts: Vec::new(),
+                sandbox: crate::sandbox::Sandbox::Off,
             },
             vec![Arc::new(Echo)],
         )

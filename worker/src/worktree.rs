@@ -103,14 +103,40 @@ async fn admin_dir(repo: &Path, path: &Path) -> Option<PathBuf> {
     None
 }
 
-/// Runs git on the checkout at `path` whose git directory is `admin` (never the one its
-/// `.git` file names).
+/// git on the checkout at `path` whose git directory is `admin`: never the one its `.git`
+/// file names, with the common directory named too (an agent may rewrite `admin/commondir`),
+/// and the objects an agent's commits made in a sandbox (`admin/objects`) in view.
+fn command_in(admin: &Path, path: &Path) -> Command {
+    let mut c = git_command(path);
+    c.arg(format!("--git-dir={}", admin.display()))
+        .arg(format!("--work-tree={}", path.display()));
+    pin_common(&mut c, admin);
+    c
+}
+
+/// Names `admin`'s common directory (`<common>/worktrees/NAME`) and its own objects for `c`.
+fn pin_common(c: &mut Command, admin: &Path) {
+    if let Some(common) = admin.parent().and_then(Path::parent) {
+        c.env("GIT_COMMON_DIR", common);
+    }
+    let own = admin.join("objects");
+    if own.is_dir() {
+        c.env("GIT_ALTERNATE_OBJECT_DIRECTORIES", own);
+    }
+}
+
+/// Runs git on the checkout at `path` whose git directory is `admin` (see [`command_in`]).
 async fn git_in(admin: &Path, path: &Path, args: &[&str]) -> Result<String, String> {
-    let dir = format!("--git-dir={}", admin.display());
-    let tree = format!("--work-tree={}", path.display());
-    let mut all = vec![dir.as_str(), tree.as_str()];
-    all.extend_from_slice(args);
-    git(path, &all).await
+    let out = command_in(admin, path)
+        .args(args)
+        .output()
+        .await
+        .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
 }
 
 fn plain_name(s: &str) -> bool {
@@ -348,10 +374,27 @@ impl Worktree {
 
     /// A git command on this checkout, to add arguments, input or environment to.
     pub fn command(&self) -> Command {
-        let mut c = git_command(&self.path);
-        c.arg(format!("--git-dir={}", self.admin.display()))
-            .arg(format!("--work-tree={}", self.path.display()));
+        command_in(&self.admin, &self.path)
+    }
+
+    /// A git command on the repository, seeing the objects of this checkout's agent too.
+    pub fn repo_command(&self) -> Command {
+        let mut c = git_command(&self.repo);
+        pin_common(&mut c, &self.admin);
         c
+    }
+
+    /// The checkout's own git directory (`<common>/worktrees/NAME`).
+    pub fn admin(&self) -> &Path {
+        &self.admin
+    }
+
+    /// The repository's common git directory.
+    pub fn common_dir(&self) -> PathBuf {
+        self.admin
+            .parent()
+            .and_then(Path::parent)
+            .map_or_else(|| self.repo.clone(), Path::to_owned)
     }
 
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.

@@ -1697,6 +1697,7 @@ mod tests {
                 max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
                 allow_file_sources: false,
                 allow_source_hosts: Vec::new(),
+                sandbox: flotilla_worker::sandbox::Sandbox::Off,
             },
             vec![Arc::new(Echo)],
         );

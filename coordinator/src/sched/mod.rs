@@ -1295,7 +1295,8 @@ impl Dispatcher {
         if !paused {
             return;
         }
-        // Interrupt what runs (its partial work is not kept) and put it back in front.
+        // Interrupt what runs and put it back in front; what each attempt left comes with
+        // its outcome and is where its next attempt starts (W58).
         let running: Vec<CallId> = self
             .calls
             .iter()
@@ -1303,8 +1304,13 @@ impl Dispatcher {
             .map(|(id, _)| id.clone())
             .collect();
         for id in running.into_iter().rev() {
+            let salvageable = self.salvageable(&id);
             self.send_cancel(&id, "the run was paused");
             self.leave_running(&id);
+            if salvageable && let Some(c) = self.calls.get_mut(&id) {
+                c.salvage = Some(c.attempt);
+                c.salvage_due = false;
+            }
             let (attempt, counted) = self
                 .calls
                 .get(&id)
@@ -1770,6 +1776,9 @@ impl Dispatcher {
         };
         c.fence = Some(fence);
         c.last_progress = Instant::now();
+        // A new attempt: no earlier one holds it back any more.
+        c.salvage = None;
+        c.salvage_due = false;
         c.stall_key = Some(self.timers.insert_at(
             Timer::Stall(id.0.clone(), id.1, c.attempt),
             Instant::now() + stall,

@@ -22,7 +22,6 @@ use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
 use super::lines::{self, BoundedLines};
-use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use super::procs::{GroupGuard, kill_group};
@@ -320,6 +319,31 @@ fn failure_of(result: &Value, limit_wait: Duration) -> Error {
     }
 }
 
+/// Settings of the worker's environment a sandboxed CLI still gets (none is a secret).
+const PASSED: &[&str] = &[
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_SMALL_FAST_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+    "CLAUDE_CODE_MAX_OUTPUT_TOKENS",
+    "MAX_THINKING_TOKENS",
+    "DISABLE_AUTOUPDATER",
+    "DISABLE_TELEMETRY",
+];
+
+/// The directory of the npm package the CLI's executable belongs to (the nearest with a
+/// `package.json`), else the executable's own directory: what the sandbox shows of it.
+fn package_root(bin: &std::path::Path) -> PathBuf {
+    let dir = bin.parent().unwrap_or(bin);
+    dir.ancestors()
+        .take(4)
+        .find(|d| d.join("package.json").is_file())
+        .unwrap_or(dir)
+        .to_owned()
+}
+
 #[async_trait::async_trait]
 impl AgentBackend for ClaudeCode {
     fn name(&self) -> &'static str {
@@ -332,7 +356,6 @@ impl AgentBackend for ClaudeCode {
         events: &Events,
         cancel: CancellationToken,
     ) -> Result<Output, Error> {
-        let workdir = task.workdir()?;
         let config = tempfile::Builder::new()
             .prefix("flotilla-claude-")
             .tempdir()
@@ -342,13 +365,55 @@ impl AgentBackend for ClaudeCode {
                     format!("cannot make a config dir: {e}"),
                 )
             })?;
-        let mut cmd = Command::new(&self.bin);
-        cmd.args(self.args(task))
-            .current_dir(&workdir)
-            .env("CLAUDE_CONFIG_DIR", config.path())
-            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
-            .env("CLAUDE_CODE_MAX_RETRIES", self.max_retries.to_string())
-            .stdin(Stdio::piped())
+        let mut env = vec![
+            (
+                "CLAUDE_CONFIG_DIR".to_owned(),
+                config.path().display().to_string(),
+            ),
+            (
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".into(),
+                "1".into(),
+            ),
+            (
+                "CLAUDE_CODE_MAX_RETRIES".into(),
+                self.max_retries.to_string(),
+            ),
+        ];
+        // In a sandbox the CLI reaches the model through the worker's gateway, with a key of
+        // this attempt's that stops working when it ends; its config lives in its own home.
+        let token = task.sandbox.api_token();
+        let mut program = self.bin.clone().into_os_string();
+        let mut jail = task.jail(Vec::new())?;
+        if task.sandbox.is_on() {
+            let bin = crate::sandbox::find_on_path(&self.bin.to_string_lossy())
+                .and_then(|b| b.canonicalize().ok())
+                .ok_or_else(|| {
+                    Error::new(
+                        FailureKind::Terminal,
+                        format!(
+                            "cannot find {}; install Claude Code (npm install @anthropic-ai/claude-code) or set FLOTILLA_CLAUDE_BIN",
+                            self.bin.display()
+                        ),
+                    )
+                })?;
+            jail.ro.push(package_root(&bin));
+            program = bin.into_os_string();
+            env[0].1 = format!("{}/.claude", crate::sandbox::HOME);
+            env.push(("ANTHROPIC_BASE_URL".into(), crate::sandbox::API_URL.into()));
+            if let Some(t) = &token {
+                env.push(("ANTHROPIC_API_KEY".into(), t.value.clone()));
+            }
+            for name in PASSED {
+                if let Ok(v) = std::env::var(name) {
+                    env.push(((*name).to_owned(), v));
+                }
+            }
+            jail.api = true;
+        }
+        jail.env.extend(env);
+        let args: Vec<std::ffi::OsString> = self.args(task).into_iter().map(Into::into).collect();
+        let mut cmd = task.command(&program, &args, &jail);
+        cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)

@@ -16,7 +16,6 @@ use std::time::Duration;
 use flotilla_proto::v1::{FailureKind, ProgressKind, Usage};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use super::lines::{self, BoundedLines};
@@ -88,12 +87,13 @@ impl AgentBackend for Exec {
         cancel: CancellationToken,
     ) -> Result<Output, Error> {
         let workdir = task.workdir()?;
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c")
-            .arg(&self.command)
-            .current_dir(&workdir)
-            .envs(Self::env_for(task, &workdir))
-            .stdin(Stdio::piped())
+        let jail = task.jail(Self::env_for(task, &workdir))?;
+        let mut cmd = task.command(
+            "sh".as_ref(),
+            &["-c".into(), self.command.clone().into()],
+            &jail,
+        );
+        cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)

@@ -42,6 +42,8 @@ pub struct Task {
     pub workspace: Workspace,
     /// The attempt's git worktree, with `isolation: 'worktree'` (made before the backend runs).
     pub worktree: Option<crate::worktree::Worktree>,
+    /// Where the agent's processes run.
+    pub sandbox: crate::sandbox::Sandbox,
 }
 
 impl Task {
@@ -54,6 +56,52 @@ impl Task {
         self.workspace
             .dir_for(&self.run_id, self.call, &self.spec.cwd)
             .map_err(|e| Error::new(FailureKind::Invalid, e))
+    }
+
+    /// What the attempt's sandbox shows: its checkout (or call directory) read-write, the
+    /// checkout's repository read-only but for the checkout's own git directory, `env`.
+    pub fn jail(&self, env: Vec<(String, String)>) -> Result<crate::sandbox::Jail, Error> {
+        let workdir = self.workdir()?;
+        let mut jail = crate::sandbox::Jail {
+            workdir: workdir.clone(),
+            env,
+            ..Default::default()
+        };
+        match &self.worktree {
+            Some(wt) => {
+                let common = wt.common_dir();
+                let own = wt.admin().join("objects");
+                std::fs::create_dir_all(&own).map_err(|e| {
+                    Error::new(
+                        FailureKind::Retryable,
+                        format!("cannot make {}: {e}", own.display()),
+                    )
+                })?;
+                jail.ro.push(common.clone());
+                jail.rw.push(wt.path.clone());
+                jail.rw.push(wt.admin().to_owned());
+                jail.env.extend([
+                    ("GIT_OBJECT_DIRECTORY".into(), own.display().to_string()),
+                    (
+                        "GIT_ALTERNATE_OBJECT_DIRECTORIES".into(),
+                        common.join("objects").display().to_string(),
+                    ),
+                ]);
+            }
+            None if self.workspace.is_shared() => jail.rw.push(self.workspace.root().to_owned()),
+            None => jail.rw.push(workdir),
+        }
+        Ok(jail)
+    }
+
+    /// `program args` as this attempt's process (see [`crate::sandbox::Sandbox::command`]).
+    pub fn command(
+        &self,
+        program: &std::ffi::OsStr,
+        args: &[std::ffi::OsString],
+        jail: &crate::sandbox::Jail,
+    ) -> tokio::process::Command {
+        self.sandbox.command(program, args, jail)
     }
 }
 

@@ -1,0 +1,285 @@
+//! The model API as sandboxed agents reach it (issue 13): a reverse proxy the worker runs
+//! outside the sandboxes, on a unix socket that each sandbox sees (and a relay inside turns
+//! into `127.0.0.1:PORT`, see [`relay`]).
+//!
+//! The API key stays with the worker. An agent is given a token of its attempt as its key;
+//! the gateway takes requests that carry a live token, puts the worker's key in its place and
+//! forwards them to the worker's API (`ANTHROPIC_BASE_URL`, else Anthropic's), streaming the
+//! answer back. A token stops working when its attempt ends; a request without a live one is
+//! refused with 401 and a message saying so.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
+
+/// Where sandboxed agents' API requests go, and the worker's key for them.
+#[derive(Debug)]
+pub struct Gateway {
+    socket: PathBuf,
+    upstream: String,
+    key: Option<(HeaderName, HeaderValue)>,
+    tokens: Mutex<HashSet<String>>,
+    client: reqwest::Client,
+}
+
+/// A token of one attempt: valid until dropped.
+#[derive(Debug)]
+pub struct Token {
+    gateway: Arc<Gateway>,
+    pub value: String,
+}
+
+impl Drop for Token {
+    fn drop(&mut self) {
+        lock(&self.gateway.tokens).remove(&self.value);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The largest request body an agent may send (a prompt with its context).
+const MAX_REQUEST: usize = 64 << 20;
+
+impl Gateway {
+    /// Serves on a socket in `dir` (made private to the worker's user), with the key and
+    /// API address of the worker's environment.
+    pub async fn start(dir: &Path) -> Result<Arc<Gateway>, String> {
+        let upstream = std::env::var("ANTHROPIC_BASE_URL")
+            .ok()
+            .filter(|u| !u.trim().is_empty())
+            .unwrap_or_else(|| "https://api.anthropic.com".into());
+        let key = match (
+            std::env::var("ANTHROPIC_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty()),
+            std::env::var("ANTHROPIC_AUTH_TOKEN")
+                .ok()
+                .filter(|k| !k.is_empty()),
+        ) {
+            (Some(k), _) => Some((HeaderName::from_static("x-api-key"), k)),
+            (None, Some(t)) => Some((
+                HeaderName::from_static("authorization"),
+                format!("Bearer {t}"),
+            )),
+            (None, None) => None,
+        };
+        let key = match key {
+            Some((h, v)) => Some((
+                h,
+                HeaderValue::from_str(&v)
+                    .map_err(|_| "the worker's API key is not a valid header value".to_owned())?,
+            )),
+            None => None,
+        };
+        Self::start_with(dir, upstream, key).await
+    }
+
+    /// [`Gateway::start`] with an explicit API address and key header.
+    pub async fn start_with(
+        dir: &Path,
+        upstream: String,
+        key: Option<(HeaderName, HeaderValue)>,
+    ) -> Result<Arc<Gateway>, String> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        let socket = dir.join("api.sock");
+        let _ = std::fs::remove_file(&socket);
+        let listener = tokio::net::UnixListener::bind(&socket)
+            .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+        let client = reqwest::Client::builder()
+            .build()
+            .map_err(|e| format!("cannot make an HTTP client: {e}"))?;
+        let g = Arc::new(Gateway {
+            socket,
+            upstream: upstream.trim_end_matches('/').to_owned(),
+            key,
+            tokens: Mutex::default(),
+            client,
+        });
+        let serving = g.clone();
+        let app = axum::Router::new().fallback(move |req: Request<Body>| {
+            let g = serving.clone();
+            async move { g.forward(req).await }
+        });
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "the sandbox API gateway stopped");
+            }
+        });
+        Ok(g)
+    }
+
+    /// The socket sandboxes reach the gateway on.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// A new token, valid until it is dropped.
+    pub fn token(self: &Arc<Gateway>) -> Token {
+        let mut bytes = [0u8; 24];
+        let _ = getrandom::fill(&mut bytes);
+        let value: String = std::iter::once("flotilla-attempt-".to_owned())
+            .chain(bytes.iter().map(|b| format!("{b:02x}")))
+            .collect();
+        lock(&self.tokens).insert(value.clone());
+        Token {
+            gateway: self.clone(),
+            value,
+        }
+    }
+
+    fn presented(&self, headers: &HeaderMap) -> Option<String> {
+        let from_key = headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let from_bearer = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::to_owned);
+        let tokens = lock(&self.tokens);
+        [from_key, from_bearer]
+            .into_iter()
+            .flatten()
+            .find(|t| tokens.contains(t))
+    }
+
+    async fn forward(&self, req: Request<Body>) -> Response<Body> {
+        let refuse = |status: StatusCode, message: String| {
+            let body = serde_json::json!({
+                "type": "error",
+                "error": {"type": "authentication_error", "message": message},
+            });
+            Response::builder()
+                .status(status)
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_string()))
+                .unwrap_or_default()
+        };
+        if self.presented(req.headers()).is_none() {
+            return refuse(
+                StatusCode::UNAUTHORIZED,
+                "flotilla: this request carries no live attempt token (a token stops working when its attempt ends)".into(),
+            );
+        }
+        let (parts, body) = req.into_parts();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", axum::http::uri::PathAndQuery::as_str);
+        let body = match axum::body::to_bytes(body, MAX_REQUEST).await {
+            Ok(b) => b,
+            Err(e) => {
+                return refuse(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!(
+                        "flotilla: cannot read the request ({e}); at most {} MiB",
+                        MAX_REQUEST >> 20
+                    ),
+                );
+            }
+        };
+        let mut out = self
+            .client
+            .request(parts.method.clone(), format!("{}{path}", self.upstream))
+            .body(body);
+        for (name, value) in &parts.headers {
+            let skip = matches!(
+                name.as_str(),
+                "x-api-key"
+                    | "authorization"
+                    | "host"
+                    | "content-length"
+                    | "connection"
+                    | "transfer-encoding"
+            );
+            if !skip {
+                out = out.header(name, value);
+            }
+        }
+        if let Some((name, value)) = &self.key {
+            out = out.header(name, value);
+        }
+        let mut resp = match out.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                return refuse(
+                    StatusCode::BAD_GATEWAY,
+                    format!("flotilla: the worker cannot reach the model API: {e}"),
+                );
+            }
+        };
+        let mut builder = Response::builder().status(resp.status());
+        for (name, value) in resp.headers() {
+            if !matches!(
+                name.as_str(),
+                "content-length" | "connection" | "transfer-encoding"
+            ) {
+                builder = builder.header(name, value);
+            }
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(16);
+        tokio::spawn(async move {
+            loop {
+                match resp.chunk().await {
+                    Ok(Some(chunk)) => {
+                        if tx.send(Ok(chunk)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(e) => {
+                        let _ = tx.send(Err(std::io::Error::other(e))).await;
+                        return;
+                    }
+                }
+            }
+        });
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+        builder.body(Body::from_stream(stream)).unwrap_or_default()
+    }
+}
+
+/// Inside a sandbox: listens on `listen` (its own loopback) and relays every connection to
+/// the unix socket `to`, while `program args` runs; exits with the program's status.
+pub async fn relay(listen: &str, to: &Path, program: &str, args: &[String]) -> i32 {
+    let listener = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("flotilla sandbox relay: cannot listen on {listen}: {e}");
+            return 125;
+        }
+    };
+    let to = to.to_owned();
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            let to = to.clone();
+            tokio::spawn(async move {
+                if let Ok(mut unix) = tokio::net::UnixStream::connect(&to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut tcp, &mut unix).await;
+                }
+            });
+        }
+    });
+    let mut child = match tokio::process::Command::new(program).args(args).spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("flotilla sandbox relay: cannot start {program}: {e}");
+            return 127;
+        }
+    };
+    match child.wait().await {
+        Ok(s) => {
+            use std::os::unix::process::ExitStatusExt;
+            s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9))
+        }
+        Err(_) => 1,
+    }
+}

@@ -1,0 +1,340 @@
+//! Agents' processes run in a sandbox (issue 13): bubblewrap on Linux.
+//!
+//! An agent's process gets new user, PID, IPC, UTS and network namespaces (only a loopback
+//! of its own), the system read-only (`/usr` and the few files of `/etc` programs need), a
+//! private `/tmp` with its `HOME` in it, and read-write only its attempt's checkout. Nothing
+//! of the worker is there: not its `--tls-dir`, config file, environment, workspace root or
+//! other attempts. Inside, the agent is uid 1000 with no capabilities and cannot make user
+//! namespaces of its own, so it cannot undo a read-only mount. It dies with the attempt: the
+//! sandbox's PID 1 goes when bubblewrap does, and the kernel ends the whole namespace.
+//!
+//! A source checkout's git directory lives in the worker's cache: the repository is bound
+//! read-only, the checkout's own git directory (`worktrees/NAME`) read-write, and objects an
+//! agent's commits make go to `worktrees/NAME/objects` (the worker folds them into its cache
+//! through `git index-pack`, which checks every one). The worker's own git on a checkout
+//! names the common directory itself, so nothing the agent writes there redirects it.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio::process::Command;
+
+/// Whether and how agents' processes are confined.
+#[derive(Debug, Clone, Default)]
+pub enum Sandbox {
+    /// As the worker's own user, with everything it can reach.
+    #[default]
+    Off,
+    Bwrap(Arc<Bwrap>),
+}
+
+/// A working bubblewrap.
+#[derive(Debug)]
+pub struct Bwrap {
+    bin: PathBuf,
+    /// Files the sandbox shows as `/etc/passwd`, `/etc/group` and the agent's git config,
+    /// and the gateway's socket: a directory of the worker's own (mode 0700), outside its
+    /// workspace, removed with the sandbox.
+    etc: PathBuf,
+    state: Arc<tempfile::TempDir>,
+    /// The model API for agents that need it: the gateway outside, and the flotilla binary
+    /// that relays it inside (see [`crate::gateway`]).
+    api: Option<(Arc<crate::gateway::Gateway>, PathBuf)>,
+}
+
+/// Where the model API is, inside a sandbox.
+pub const API_URL: &str = "http://127.0.0.1:47119";
+const API_LISTEN: &str = "127.0.0.1:47119";
+const RELAY_AT: &str = "/run/flotilla/flotilla";
+const SOCKET_AT: &str = "/run/flotilla/api.sock";
+
+/// What one attempt's sandbox shows besides the system: read-write and read-only paths
+/// (each at its own path), the environment, and where the process starts; `api`: the model
+/// API at [`API_URL`].
+#[derive(Debug, Clone, Default)]
+pub struct Jail {
+    pub rw: Vec<PathBuf>,
+    pub ro: Vec<PathBuf>,
+    pub env: Vec<(String, String)>,
+    pub workdir: PathBuf,
+    pub api: bool,
+}
+
+/// Where the agent's home is, inside.
+pub const HOME: &str = "/tmp/home";
+const PATH: &str = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin";
+/// Read-only files and directories of `/etc` a program may need, when the machine has them.
+const ETC: &[&str] = &[
+    "/etc/alternatives",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/pki",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/mime.types",
+];
+
+impl Sandbox {
+    /// Bubblewrap, checked by making a sandbox (`bwrap` on `PATH`, or `FLOTILLA_BWRAP`).
+    /// `Err` says why there is none and what to do.
+    pub async fn bubblewrap() -> Result<Sandbox, String> {
+        let bin = std::env::var_os("FLOTILLA_BWRAP").map_or_else(
+            || find_on_path("bwrap").unwrap_or_else(|| PathBuf::from("bwrap")),
+            PathBuf::from,
+        );
+        let state = tempfile::Builder::new()
+            .prefix("flotilla-sandbox-")
+            .tempdir()
+            .map_err(|e| format!("cannot make the sandbox's directory: {e}"))?;
+        let etc = state.path().to_owned();
+        for (name, body) in [
+            ("passwd", "agent:x:1000:1000:agent:/tmp/home:/bin/sh\n"),
+            ("group", "agent:x:1000:\n"),
+            (
+                "gitconfig",
+                "[user]\n\tname = flotilla agent\n\temail = agent@flotilla.invalid\n[safe]\n\tdirectory = *\n",
+            ),
+        ] {
+            std::fs::write(etc.join(name), body)
+                .map_err(|e| format!("cannot write {}: {e}", etc.join(name).display()))?;
+        }
+        let b = Bwrap {
+            bin,
+            etc,
+            state: Arc::new(state),
+            api: None,
+        };
+        let mut probe = b.command(
+            "true".as_ref(),
+            &[],
+            &Jail {
+                workdir: PathBuf::from("/"),
+                ..Jail::default()
+            },
+        );
+        let out = probe
+            .output()
+            .await
+            .map_err(|e| format!("cannot run {}: {e}", b.bin.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{} cannot make a sandbox here: {}",
+                b.bin.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(Sandbox::Bwrap(Arc::new(b)))
+    }
+
+    /// This sandbox with the model API for the agents that use one: a gateway (holding the
+    /// worker's key) outside, relayed inside by `relay`, the flotilla binary.
+    pub async fn with_api(self, relay: PathBuf) -> Result<Sandbox, String> {
+        let Sandbox::Bwrap(b) = self else {
+            return Ok(self);
+        };
+        let dir = b.etc.join("api");
+        let gateway = crate::gateway::Gateway::start(&dir).await?;
+        Ok(Sandbox::Bwrap(Arc::new(Bwrap {
+            bin: b.bin.clone(),
+            etc: b.etc.clone(),
+            state: b.state.clone(),
+            api: Some((gateway, relay)),
+        })))
+    }
+
+    /// What an agent can reach, for the worker's start.
+    pub fn describe(&self) -> String {
+        match self {
+            Sandbox::Off => OFF_WARNING.to_owned(),
+            Sandbox::Bwrap(b) => {
+                let api = b.api.as_ref().map_or_else(String::new, |(g, _)| {
+                    format!("; model API gateway on {}", g.socket().display())
+                });
+                format!(
+                    "agents run in a bubblewrap sandbox ({}): their checkout read-write, the system read-only, no network but the model API{api}",
+                    b.bin.display()
+                )
+            }
+        }
+    }
+
+    pub fn is_on(&self) -> bool {
+        matches!(self, Sandbox::Bwrap(_))
+    }
+
+    /// A key for one attempt's agent, valid until dropped, when agents reach the model API
+    /// through the gateway.
+    pub fn api_token(&self) -> Option<crate::gateway::Token> {
+        match self {
+            Sandbox::Bwrap(b) => b.api.as_ref().map(|(g, _)| g.token()),
+            Sandbox::Off => None,
+        }
+    }
+
+    /// `program args` as the attempt's process: in the sandbox when there is one (with only
+    /// `jail.env` and a minimal environment), else as is (the worker's environment and
+    /// `jail.env`), starting in `jail.workdir`.
+    pub fn command(&self, program: &std::ffi::OsStr, args: &[OsString], jail: &Jail) -> Command {
+        match self {
+            Sandbox::Off => {
+                let mut c = Command::new(program);
+                c.args(args)
+                    .envs(jail.env.iter().map(|(k, v)| (k, v)))
+                    .current_dir(&jail.workdir);
+                c
+            }
+            Sandbox::Bwrap(b) => {
+                let mut c = b.command(program, args, jail);
+                // bubblewrap itself starts anywhere; the agent in `jail.workdir`.
+                c.current_dir("/");
+                c
+            }
+        }
+    }
+}
+
+impl Bwrap {
+    fn command(&self, program: &std::ffi::OsStr, args: &[OsString], jail: &Jail) -> Command {
+        let mut a: Vec<OsString> = Vec::new();
+        let mut push = |xs: &[&str]| a.extend(xs.iter().map(OsString::from));
+        push(&[
+            "--die-with-parent",
+            "--new-session",
+            "--unshare-user",
+            "--uid",
+            "1000",
+            "--gid",
+            "1000",
+            "--disable-userns",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-net",
+            "--unshare-cgroup-try",
+            "--hostname",
+            "sandbox",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            PATH,
+            "--setenv",
+            "HOME",
+            HOME,
+            "--setenv",
+            "USER",
+            "agent",
+            "--setenv",
+            "LOGNAME",
+            "agent",
+            "--setenv",
+            "TMPDIR",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--setenv",
+            "GIT_CONFIG_GLOBAL",
+            "/etc/gitconfig-agent",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+        ]);
+        for top in ["/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin"] {
+            let p = Path::new(top);
+            match std::fs::read_link(p) {
+                Ok(target) => {
+                    a.extend(["--symlink".into(), target.into_os_string(), top.into()]);
+                }
+                Err(_) if p.is_dir() => {
+                    a.extend(["--ro-bind".into(), top.into(), top.into()]);
+                }
+                Err(_) => {}
+            }
+        }
+        for e in ETC {
+            a.extend(["--ro-bind-try".into(), (*e).into(), (*e).into()]);
+        }
+        for (file, at) in [
+            ("passwd", "/etc/passwd"),
+            ("group", "/etc/group"),
+            ("gitconfig", "/etc/gitconfig-agent"),
+        ] {
+            a.extend([
+                "--ro-bind".into(),
+                self.etc.join(file).into_os_string(),
+                at.into(),
+            ]);
+        }
+        a.extend(
+            [
+                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME,
+            ]
+            .iter()
+            .map(OsString::from),
+        );
+        // Read-only first, so a read-write path inside one (a checkout's own git directory
+        // inside the repository) is bound over it.
+        for p in &jail.ro {
+            a.extend([
+                "--ro-bind".into(),
+                p.clone().into_os_string(),
+                p.clone().into(),
+            ]);
+        }
+        for p in &jail.rw {
+            a.extend([
+                "--bind".into(),
+                p.clone().into_os_string(),
+                p.clone().into(),
+            ]);
+        }
+        for (k, v) in &jail.env {
+            a.extend(["--setenv".into(), k.into(), v.into()]);
+        }
+        a.extend(["--chdir".into(), jail.workdir.clone().into_os_string()]);
+        match (&self.api, jail.api) {
+            (Some((gateway, relay)), true) => {
+                a.extend([
+                    "--ro-bind".into(),
+                    relay.clone().into_os_string(),
+                    RELAY_AT.into(),
+                    "--bind".into(),
+                    gateway.socket().to_owned().into_os_string(),
+                    SOCKET_AT.into(),
+                    "--".into(),
+                    RELAY_AT.into(),
+                    "sandbox-relay".into(),
+                    "--listen".into(),
+                    API_LISTEN.into(),
+                    "--to".into(),
+                    SOCKET_AT.into(),
+                    "--".into(),
+                ]);
+            }
+            _ => a.push("--".into()),
+        }
+        a.push(program.to_owned());
+        a.extend(args.iter().cloned());
+        let mut c = Command::new(&self.bin);
+        c.args(a).env_clear();
+        c
+    }
+}
+
+/// `name` on the worker's `PATH`, as an absolute path.
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
+    if name.contains('/') {
+        return Some(PathBuf::from(name));
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// What `--sandbox off` leaves an agent, said on every start.
+pub const OFF_WARNING: &str = "agents run without a sandbox (--sandbox off): as this worker's user, they can read its --tls-dir key and certificate, its config file and environment (API keys), every attempt's checkout under --workspace, and reach every address this machine can";
