@@ -39,6 +39,9 @@ enum BenchKind {
     /// Send a generated repository as a run's source, relaunch after a one-file change, check
     /// it out warm and cold: each against git doing the same alone.
     Source(crate::bench_source::SourceArgs),
+    /// Time no-op exec attempts and real-CLI "say hi" attempts without and with the agents'
+    /// sandbox.
+    Sandbox(crate::bench_sandbox::SandboxArgs),
 }
 
 #[derive(Debug, Args)]
@@ -199,6 +202,7 @@ struct FanoutReport {
 pub async fn run(args: BenchArgs) -> i32 {
     match args.what {
         BenchKind::Source(a) => crate::bench_source::run(a).await,
+        BenchKind::Sandbox(a) => crate::bench_sandbox::run(a).await,
         BenchKind::Resume(a) => match resume_bench(&a).await {
             Ok(r) => {
                 if a.json {

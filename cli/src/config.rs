@@ -173,6 +173,14 @@ pub struct ConfigFile {
     pub allow_source_hosts: Vec<String>,
     /// Worker: `on` (bubblewrap, the default) or `off`.
     pub sandbox: Option<String>,
+    /// Worker: hosts sandboxed agents may reach (HOST or HOST:PORT).
+    #[serde(default)]
+    pub allow_net: Vec<String>,
+    /// Worker: per-attempt limits (see `flotilla worker --help`).
+    pub memory_mib: Option<u64>,
+    pub max_procs: Option<u64>,
+    pub tmp_mib: Option<u64>,
+    pub max_attempt_time: Option<String>,
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,

@@ -78,6 +78,7 @@ impl Embedded {
                 // The user's own machine: whatever the user's git reaches.
                 allow_source_hosts: vec!["*".into()],
                 sandbox,
+                limits: flotilla_worker::limits::Limits::default(),
             },
             backends,
         );

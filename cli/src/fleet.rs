@@ -552,6 +552,28 @@ pub struct WorkerArgs {
     /// does not start without one) or not (`off`: agents can reach all this worker can).
     #[arg(long, env = "FLOTILLA_SANDBOX", value_name = "on|off")]
     sandbox: Option<String>,
+    /// Hosts sandboxed agents may reach besides the model API, through the worker's proxy:
+    /// HOST (any port) or HOST:PORT, comma-separated. Everything else is refused.
+    #[arg(
+        long,
+        env = "FLOTILLA_ALLOW_NET",
+        value_delimiter = ',',
+        value_name = "HOST[:PORT]"
+    )]
+    allow_net: Vec<String>,
+    /// Memory one attempt's processes may use, in MiB; 0 for no limit [default: 4096].
+    #[arg(long, env = "FLOTILLA_MEMORY_MIB", value_name = "MIB")]
+    memory_mib: Option<u64>,
+    /// Processes one attempt may run at once; 0 for no limit [default: 1024].
+    #[arg(long, env = "FLOTILLA_MAX_PROCS", value_name = "N")]
+    max_procs: Option<u64>,
+    /// Size of a sandboxed attempt's private /tmp, in MiB [default: 1024].
+    #[arg(long, env = "FLOTILLA_TMP_MIB", value_name = "MIB")]
+    tmp_mib: Option<u64>,
+    /// Longest one attempt may run (a shorter `timeout` of the call wins); 0 for none
+    /// [default: 4h].
+    #[arg(long, env = "FLOTILLA_MAX_ATTEMPT_TIME", value_name = "DUR")]
+    max_attempt_time: Option<String>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -616,7 +638,13 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
         .or(file.sandbox.as_deref())
         .unwrap_or("on")
     {
-        "on" | "bwrap" => match crate::sandbox_with_api().await {
+        "on" | "bwrap" => match crate::sandbox_with_api(if a.allow_net.is_empty() {
+            file.allow_net.clone()
+        } else {
+            a.allow_net.clone()
+        })
+        .await
+        {
             Ok(s) => {
                 eprintln!("flotilla worker: {}", s.describe());
                 s
@@ -639,6 +667,27 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
         }
         other => return fail(2, format!("--sandbox takes on or off (got {other:?})")),
     };
+    let mut settings = flotilla_worker::limits::Settings::default();
+    if let Some(m) = a.memory_mib.or(file.memory_mib) {
+        settings.memory = (m > 0).then_some(m << 20);
+    }
+    if let Some(p) = a.max_procs.or(file.max_procs) {
+        settings.procs = (p > 0).then_some(p);
+    }
+    if let Some(t) = a.tmp_mib.or(file.tmp_mib) {
+        if t == 0 {
+            return fail(2, "--tmp-mib must be at least 1");
+        }
+        settings.tmp = t << 20;
+    }
+    if let Some(w) = a.max_attempt_time.clone().or(file.max_attempt_time.clone()) {
+        match crate::config::parse_duration("--max-attempt-time", &w) {
+            Ok(d) => settings.wall = (!d.is_zero()).then_some(d),
+            Err(e) => return fail(2, e),
+        }
+    }
+    let limits = flotilla_worker::limits::Limits::detect(settings);
+    eprintln!("flotilla worker: {}", limits.describe());
     let mut backends: Vec<Arc<dyn AgentBackend>> = Vec::new();
     for b in &a.backends {
         match b.as_str() {
@@ -681,6 +730,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
                 a.allow_source_host.clone()
             },
             sandbox,
+            limits,
         },
         backends,
     );

@@ -10,6 +10,7 @@
 mod approve;
 mod bench;
 mod bench_fleet;
+mod bench_sandbox;
 mod bench_source;
 mod certs;
 mod changes;
@@ -173,10 +174,9 @@ struct LogsArgs {
 
 #[derive(Debug, Args)]
 struct SandboxRelayArgs {
-    #[arg(long)]
-    listen: String,
-    #[arg(long)]
-    to: PathBuf,
+    /// LISTEN=SOCKET: a loopback address inside, and the unix socket it leads to.
+    #[arg(long = "relay")]
+    relays: Vec<String>,
     #[arg(last = true, required = true)]
     program: Vec<String>,
 }
@@ -207,9 +207,14 @@ fn main() -> ExitCode {
     };
     if let Command::SandboxRelay(a) = &cli.command {
         // No telemetry, no config: a program in a sandbox, and its relay.
+        let relays: Vec<(String, PathBuf)> = a
+            .relays
+            .iter()
+            .filter_map(|r| r.split_once('='))
+            .map(|(l, s)| (l.to_owned(), PathBuf::from(s)))
+            .collect();
         let code = rt.block_on(flotilla_worker::gateway::relay(
-            &a.listen,
-            &a.to,
+            &relays,
             &a.program[0],
             &a.program[1..],
         ));
@@ -275,11 +280,13 @@ fn main() -> ExitCode {
 }
 
 /// Bubblewrap, with the model API relayed in by this binary.
-pub async fn sandbox_with_api() -> Result<flotilla_worker::sandbox::Sandbox, String> {
+pub async fn sandbox_with_api(
+    allow_net: Vec<String>,
+) -> Result<flotilla_worker::sandbox::Sandbox, String> {
     let s = flotilla_worker::sandbox::Sandbox::bubblewrap().await?;
     let me =
         std::env::current_exe().map_err(|e| format!("cannot find this program's own path: {e}"))?;
-    s.with_api(me).await
+    s.with_network(me, allow_net).await
 }
 
 /// Prints an error the way every command does, and returns the exit status.
@@ -310,7 +317,7 @@ async fn run(args: RunArgs) -> i32 {
         );
     }
     let sandbox = if args.sandbox {
-        match sandbox_with_api().await {
+        match sandbox_with_api(Vec::new()).await {
             Ok(s) => s,
             Err(e) => {
                 return fail(

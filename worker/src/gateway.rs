@@ -247,27 +247,30 @@ impl Gateway {
     }
 }
 
-/// Inside a sandbox: listens on `listen` (its own loopback) and relays every connection to
-/// the unix socket `to`, while `program args` runs; exits with the program's status.
-pub async fn relay(listen: &str, to: &Path, program: &str, args: &[String]) -> i32 {
-    let listener = match tokio::net::TcpListener::bind(listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("flotilla sandbox relay: cannot listen on {listen}: {e}");
-            return 125;
-        }
-    };
-    let to = to.to_owned();
-    tokio::spawn(async move {
-        while let Ok((mut tcp, _)) = listener.accept().await {
-            let to = to.clone();
-            tokio::spawn(async move {
-                if let Ok(mut unix) = tokio::net::UnixStream::connect(&to).await {
-                    let _ = tokio::io::copy_bidirectional(&mut tcp, &mut unix).await;
-                }
-            });
-        }
-    });
+/// Inside a sandbox: for each `(listen, socket)` of `relays`, listens on `listen` (the
+/// sandbox's own loopback) and relays every connection to the unix socket, while
+/// `program args` runs; exits with the program's status.
+pub async fn relay(relays: &[(String, PathBuf)], program: &str, args: &[String]) -> i32 {
+    for (listen, to) in relays {
+        let listener = match tokio::net::TcpListener::bind(listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("flotilla sandbox relay: cannot listen on {listen}: {e}");
+                return 125;
+            }
+        };
+        let to = to.clone();
+        tokio::spawn(async move {
+            while let Ok((mut tcp, _)) = listener.accept().await {
+                let to = to.clone();
+                tokio::spawn(async move {
+                    if let Ok(mut unix) = tokio::net::UnixStream::connect(&to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut tcp, &mut unix).await;
+                    }
+                });
+            }
+        });
+    }
     let mut child = match tokio::process::Command::new(program).args(args).spawn() {
         Ok(c) => c,
         Err(e) => {
@@ -282,4 +285,153 @@ pub async fn relay(listen: &str, to: &Path, program: &str, args: &[String]) -> i
         }
         Err(_) => 1,
     }
+}
+
+/// The rest of the network as sandboxed agents reach it: an HTTP proxy on a unix socket in
+/// `dir` that opens only hosts of `allow` (`HOST` for any port, `HOST:PORT`; `CONNECT` for
+/// TLS and anything tunnelled, absolute-form requests for plain HTTP). A refusal is an
+/// HTTP 403 whose body names the host and the flag, so the agent's tool output says why.
+/// A request for `api` (the model API's address inside a sandbox) goes to the gateway's
+/// socket `gateway`.
+pub async fn start_proxy(
+    dir: &Path,
+    allow: Vec<String>,
+    (api, gateway): (&str, PathBuf),
+) -> Result<PathBuf, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+    let socket = dir.join("net.sock");
+    let _ = std::fs::remove_file(&socket);
+    let listener = tokio::net::UnixListener::bind(&socket)
+        .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    let allow = Arc::new(allow);
+    let api = Arc::new((api.to_owned(), gateway));
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let allow = allow.clone();
+            let api = api.clone();
+            tokio::spawn(async move {
+                if let Err(e) = proxy_one(conn, &allow, &api).await {
+                    tracing::debug!(error = %e, "sandbox proxy connection ended");
+                }
+            });
+        }
+    });
+    Ok(socket)
+}
+
+/// Whether `host:port` is in `allow`.
+fn allowed(allow: &[String], host: &str, port: u16) -> bool {
+    allow.iter().any(|a| {
+        let a = a.trim();
+        match a.rsplit_once(':') {
+            Some((h, p)) if p.parse::<u16>().is_ok() => {
+                h.eq_ignore_ascii_case(host) && p.parse::<u16>() == Ok(port)
+            }
+            _ => a.eq_ignore_ascii_case(host),
+        }
+    })
+}
+
+/// A connection the proxy opened: TCP, or the gateway's socket.
+trait Upstream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Upstream for T {}
+
+async fn proxy_one(
+    mut conn: tokio::net::UnixStream,
+    allow: &[String],
+    (api, gateway): &(String, PathBuf),
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // The request head, at most 64 KiB.
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if head.len() > 64 << 10 || conn.read(&mut byte).await? == 0 {
+            return Ok(());
+        }
+        head.push(byte[0]);
+    }
+    let text = String::from_utf8_lossy(&head).into_owned();
+    let mut lines = text.split("\r\n");
+    let first = lines.next().unwrap_or_default();
+    let mut parts = first.split(' ');
+    let (method, target, version) = (
+        parts.next().unwrap_or_default(),
+        parts.next().unwrap_or_default(),
+        parts.next().unwrap_or("HTTP/1.1"),
+    );
+    let (authority, rest, tunnel) = if method.eq_ignore_ascii_case("CONNECT") {
+        (target.to_owned(), String::new(), true)
+    } else if let Some(after) = target.strip_prefix("http://") {
+        let (auth, path) = after.split_at(after.find('/').unwrap_or(after.len()));
+        let path = if path.is_empty() { "/" } else { path };
+        (auth.to_owned(), path.to_owned(), false)
+    } else {
+        let body = "flotilla: this proxy takes CONNECT host:port and http:// requests\n";
+        let answer = format!(
+            "HTTP/1.1 400 Bad Request\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        return conn.write_all(answer.as_bytes()).await;
+    };
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if p.parse::<u16>().is_ok() => (h.to_owned(), p.parse().unwrap_or(80)),
+        _ => (authority.clone(), if tunnel { 443 } else { 80 }),
+    };
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let to_api = ["127.0.0.1", "localhost"]
+        .iter()
+        .any(|h| format!("{h}:{port}") == *api && host.eq_ignore_ascii_case(h));
+    if !to_api && !allowed(allow, &host, port) {
+        tracing::info!(host = %host, port, "the sandbox proxy refused a host that is not allowed");
+        let body = format!(
+            "flotilla: {host}:{port} is not reachable from this sandbox; the worker allows only the model API and its --allow-net hosts\n"
+        );
+        let answer = format!(
+            "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        return conn.write_all(answer.as_bytes()).await;
+    }
+    let opened: std::io::Result<Box<dyn Upstream>> = if to_api {
+        tokio::net::UnixStream::connect(gateway)
+            .await
+            .map(|s| Box::new(s) as Box<dyn Upstream>)
+    } else {
+        tokio::net::TcpStream::connect((host.as_str(), port))
+            .await
+            .map(|s| Box::new(s) as Box<dyn Upstream>)
+    };
+    let mut upstream = match opened {
+        Ok(u) => u,
+        Err(e) => {
+            let body = format!("flotilla: cannot reach {host}:{port}: {e}\n");
+            let answer = format!(
+                "HTTP/1.1 502 Bad Gateway\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            return conn.write_all(answer.as_bytes()).await;
+        }
+    };
+    if tunnel {
+        conn.write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+            .await?;
+    } else {
+        // The request again, in origin form, and its headers but the proxy's own.
+        let mut out = format!("{method} {rest} {version}\r\n");
+        for l in lines.filter(|l| !l.is_empty()) {
+            let name = l.split(':').next().unwrap_or_default().to_ascii_lowercase();
+            if !name.starts_with("proxy-") {
+                out.push_str(l);
+                out.push_str("\r\n");
+            }
+        }
+        out.push_str("\r\n");
+        upstream.write_all(out.as_bytes()).await?;
+    }
+    tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
+    Ok(())
 }

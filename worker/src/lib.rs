@@ -11,6 +11,7 @@
 
 pub mod backend;
 pub mod gateway;
+pub mod limits;
 pub mod remote;
 pub mod sandbox;
 pub mod source;

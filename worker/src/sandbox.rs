@@ -38,9 +38,17 @@ pub struct Bwrap {
     /// workspace, removed with the sandbox.
     etc: PathBuf,
     state: Arc<tempfile::TempDir>,
-    /// The model API for agents that need it: the gateway outside, and the flotilla binary
-    /// that relays it inside (see [`crate::gateway`]).
-    api: Option<(Arc<crate::gateway::Gateway>, PathBuf)>,
+    /// The network as agents reach it (see [`crate::gateway`]).
+    api: Option<Net>,
+}
+
+/// The model API gateway and the proxy outside, and the flotilla binary that relays them
+/// inside.
+#[derive(Debug)]
+struct Net {
+    gateway: Arc<crate::gateway::Gateway>,
+    proxy: PathBuf,
+    relay: PathBuf,
 }
 
 /// Where the model API is, inside a sandbox.
@@ -48,6 +56,10 @@ pub const API_URL: &str = "http://127.0.0.1:47119";
 const API_LISTEN: &str = "127.0.0.1:47119";
 const RELAY_AT: &str = "/run/flotilla/flotilla";
 const SOCKET_AT: &str = "/run/flotilla/api.sock";
+/// The proxy to `--allow-net` hosts, inside a sandbox.
+pub const PROXY_URL: &str = "http://127.0.0.1:3128";
+const PROXY_LISTEN: &str = "127.0.0.1:3128";
+const PROXY_AT: &str = "/run/flotilla/net.sock";
 
 /// What one attempt's sandbox shows besides the system: read-write and read-only paths
 /// (each at its own path), the environment, and where the process starts; `api`: the model
@@ -59,6 +71,10 @@ pub struct Jail {
     pub env: Vec<(String, String)>,
     pub workdir: PathBuf,
     pub api: bool,
+    /// Size of the private `/tmp`, in bytes (0: the kernel's default).
+    pub tmp_size: u64,
+    /// A command that starts first, outside, and runs the rest (the attempt's limits).
+    pub prefix: Vec<OsString>,
 }
 
 /// Where the agent's home is, inside.
@@ -131,19 +147,28 @@ impl Sandbox {
         Ok(Sandbox::Bwrap(Arc::new(b)))
     }
 
-    /// This sandbox with the model API for the agents that use one: a gateway (holding the
-    /// worker's key) outside, relayed inside by `relay`, the flotilla binary.
-    pub async fn with_api(self, relay: PathBuf) -> Result<Sandbox, String> {
+    /// This sandbox with the network agents may have: the model API through a gateway
+    /// that holds the worker's key, and the hosts of `allow` through a proxy (everything
+    /// else refused with the reason), both outside and relayed inside by `relay`, the
+    /// flotilla binary.
+    pub async fn with_network(self, relay: PathBuf, allow: Vec<String>) -> Result<Sandbox, String> {
         let Sandbox::Bwrap(b) = self else {
             return Ok(self);
         };
         let dir = b.etc.join("api");
         let gateway = crate::gateway::Gateway::start(&dir).await?;
+        let proxy =
+            crate::gateway::start_proxy(&dir, allow, (API_LISTEN, gateway.socket().to_owned()))
+                .await?;
         Ok(Sandbox::Bwrap(Arc::new(Bwrap {
             bin: b.bin.clone(),
             etc: b.etc.clone(),
             state: b.state.clone(),
-            api: Some((gateway, relay)),
+            api: Some(Net {
+                gateway,
+                proxy,
+                relay,
+            }),
         })))
     }
 
@@ -152,8 +177,8 @@ impl Sandbox {
         match self {
             Sandbox::Off => OFF_WARNING.to_owned(),
             Sandbox::Bwrap(b) => {
-                let api = b.api.as_ref().map_or_else(String::new, |(g, _)| {
-                    format!("; model API gateway on {}", g.socket().display())
+                let api = b.api.as_ref().map_or_else(String::new, |n| {
+                    format!("; model API gateway on {}", n.gateway.socket().display())
                 });
                 format!(
                     "agents run in a bubblewrap sandbox ({}): their checkout read-write, the system read-only, no network but the model API{api}",
@@ -171,7 +196,7 @@ impl Sandbox {
     /// through the gateway.
     pub fn api_token(&self) -> Option<crate::gateway::Token> {
         match self {
-            Sandbox::Bwrap(b) => b.api.as_ref().map(|(g, _)| g.token()),
+            Sandbox::Bwrap(b) => b.api.as_ref().map(|n| n.gateway.token()),
             Sandbox::Off => None,
         }
     }
@@ -182,7 +207,7 @@ impl Sandbox {
     pub fn command(&self, program: &std::ffi::OsStr, args: &[OsString], jail: &Jail) -> Command {
         match self {
             Sandbox::Off => {
-                let mut c = Command::new(program);
+                let mut c = prefixed(&jail.prefix, program);
                 c.args(args)
                     .envs(jail.env.iter().map(|(k, v)| (k, v)))
                     .current_dir(&jail.workdir);
@@ -271,11 +296,17 @@ impl Bwrap {
             ]);
         }
         a.extend(
-            [
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME,
-            ]
-            .iter()
-            .map(OsString::from),
+            ["--proc", "/proc", "--dev", "/dev"]
+                .iter()
+                .map(OsString::from),
+        );
+        if jail.tmp_size > 0 {
+            a.extend(["--size".into(), jail.tmp_size.to_string().into()]);
+        }
+        a.extend(
+            ["--tmpfs", "/tmp", "--dir", HOME]
+                .iter()
+                .map(OsString::from),
         );
         // Read-only first, so a read-write path inside one (a checkout's own git directory
         // inside the repository) is bound over it.
@@ -297,32 +328,62 @@ impl Bwrap {
             a.extend(["--setenv".into(), k.into(), v.into()]);
         }
         a.extend(["--chdir".into(), jail.workdir.clone().into_os_string()]);
-        match (&self.api, jail.api) {
-            (Some((gateway, relay)), true) => {
+        match &self.api {
+            Some(net) => {
+                for (k, v) in [
+                    ("HTTP_PROXY", PROXY_URL),
+                    ("HTTPS_PROXY", PROXY_URL),
+                    ("http_proxy", PROXY_URL),
+                    ("https_proxy", PROXY_URL),
+                ] {
+                    a.extend(["--setenv".into(), k.into(), v.into()]);
+                }
                 a.extend([
                     "--ro-bind".into(),
-                    relay.clone().into_os_string(),
+                    net.relay.clone().into_os_string(),
                     RELAY_AT.into(),
                     "--bind".into(),
-                    gateway.socket().to_owned().into_os_string(),
-                    SOCKET_AT.into(),
+                    net.proxy.clone().into_os_string(),
+                    PROXY_AT.into(),
+                ]);
+                if jail.api {
+                    a.extend([
+                        "--bind".into(),
+                        net.gateway.socket().to_owned().into_os_string(),
+                        SOCKET_AT.into(),
+                    ]);
+                }
+                a.extend([
                     "--".into(),
                     RELAY_AT.into(),
                     "sandbox-relay".into(),
-                    "--listen".into(),
-                    API_LISTEN.into(),
-                    "--to".into(),
-                    SOCKET_AT.into(),
-                    "--".into(),
+                    "--relay".into(),
+                    format!("{PROXY_LISTEN}={PROXY_AT}").into(),
                 ]);
+                if jail.api {
+                    a.extend(["--relay".into(), format!("{API_LISTEN}={SOCKET_AT}").into()]);
+                }
+                a.push("--".into());
             }
-            _ => a.push("--".into()),
+            None => a.push("--".into()),
         }
         a.push(program.to_owned());
         a.extend(args.iter().cloned());
-        let mut c = Command::new(&self.bin);
+        let mut c = prefixed(&jail.prefix, self.bin.as_os_str());
         c.args(a).env_clear();
         c
+    }
+}
+
+/// `program` run by `prefix` when there is one.
+fn prefixed(prefix: &[OsString], program: &std::ffi::OsStr) -> Command {
+    match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(program);
+            c
+        }
+        None => Command::new(program),
     }
 }
 

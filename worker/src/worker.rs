@@ -56,6 +56,8 @@ pub struct WorkerOptions {
     pub allow_source_hosts: Vec<String>,
     /// Where agents' processes run.
     pub sandbox: crate::sandbox::Sandbox,
+    /// What one attempt may use.
+    pub limits: crate::limits::Limits,
 }
 
 /// A worker with its backends.
@@ -198,7 +200,7 @@ impl Worker {
                             let workspace = workspace.clone();
                             let sources = sources.clone();
                             let limit = self.opts.max_result_bytes;
-                            let sandbox = self.opts.sandbox.clone();
+                            let sandbox = (self.opts.sandbox.clone(), self.opts.limits.clone());
                             tracker.spawn(async move {
                                 let outcome = run_attempt(a, backend, (workspace, sandbox), sources, tx.clone(), token).await;
                                 let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
@@ -420,7 +422,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 async fn run_attempt(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
-    (workspace, sandbox): (Workspace, crate::sandbox::Sandbox),
+    (workspace, sandbox): (Workspace, (crate::sandbox::Sandbox, crate::limits::Limits)),
     sources: Arc<crate::source::Sources>,
     tx: mpsc::UnboundedSender<WorkerMessage>,
     cancel: CancellationToken,
@@ -479,7 +481,7 @@ async fn run_attempt(
 async fn run_attempt_in(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
-    (workspace, sandbox): (Workspace, crate::sandbox::Sandbox),
+    (workspace, (sandbox, limits)): (Workspace, (crate::sandbox::Sandbox, crate::limits::Limits)),
     (sources, link): (
         Arc<crate::source::Sources>,
         mpsc::UnboundedSender<WorkerMessage>,
@@ -501,6 +503,9 @@ async fn run_attempt_in(
                 Err(e) => Err(e),
                 Ok(worktree) => {
                     let scratch = workspace.clone();
+                    let attempt_limits =
+                        Arc::new(limits.attempt(&format!("{}-{}-{}", a.run_id, a.call, a.attempt)));
+                    let wall = limits.settings.wall;
                     let task = Task {
                         run_id: a.run_id.clone(),
                         call: a.call,
@@ -511,11 +516,20 @@ async fn run_attempt_in(
                         workspace,
                         worktree: worktree.clone(),
                         sandbox,
+                        limits: attempt_limits.clone(),
+                        tmp_size: limits.settings.tmp,
                     };
-                    let result = if spec.timeout_ms > 0 {
+                    // The script's timeout, or the worker's longest attempt, whichever is less.
+                    let asked =
+                        (spec.timeout_ms > 0).then(|| Duration::from_millis(spec.timeout_ms));
+                    let limit = match (asked, wall) {
+                        (Some(a), Some(w)) => Some(a.min(w)),
+                        (a, w) => a.or(w),
+                    };
+                    let by_worker = limit.is_some() && limit == wall && asked != limit;
+                    let result = if let Some(limit) = limit {
                         // On timeout the attempt is cancelled the normal way, so the backend kills
                         // what it started before the outcome is sent.
-                        let limit = Duration::from_millis(spec.timeout_ms);
                         let token = cancel.child_token();
                         let run = backend.run(&task, &events, token.clone());
                         tokio::pin!(run);
@@ -526,7 +540,11 @@ async fn run_attempt_in(
                                 let _ = run.await;
                                 Err(Error::new(
                                     FailureKind::Timeout,
-                                    format!("agent timed out after {}", humanize(limit)),
+                                    if by_worker {
+                                        format!("agent timed out after {}, the worker's longest attempt (--max-attempt-time)", humanize(limit))
+                                    } else {
+                                        format!("agent timed out after {}", humanize(limit))
+                                    },
                                 ))
                             }
                         }
@@ -534,6 +552,13 @@ async fn run_attempt_in(
                         backend.run(&task, &events, cancel.clone()).await
                     };
                     let mut result = result;
+                    // A limit the attempt went over is why it ended, whatever the backend saw.
+                    if let Some(why) = attempt_limits.exceeded() {
+                        let usage = result.as_ref().err().map(|e| e.usage).unwrap_or_default();
+                        let mut e = Error::new(FailureKind::Terminal, why);
+                        e.usage = usage;
+                        result = Err(e);
+                    }
                     match &worktree {
                         // A source checkout: a finished agent's edits go back as its change;
                         // an unfinished attempt's stay for the next one (W58).
@@ -809,6 +834,7 @@ mod tests {
                 allow_file_sources: false,
                 allow_source_hosts: Vec::new(),
                 sandbox: crate::sandbox::Sandbox::Off,
+                limits: crate::limits::Limits::default(),
             },
             vec![Arc::new(Echo)],
         )

@@ -1698,6 +1698,7 @@ mod tests {
                 allow_file_sources: false,
                 allow_source_hosts: Vec::new(),
                 sandbox: flotilla_worker::sandbox::Sandbox::Off,
+                limits: flotilla_worker::limits::Limits::default(),
             },
             vec![Arc::new(Echo)],
         );

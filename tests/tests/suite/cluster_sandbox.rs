@@ -38,6 +38,8 @@ fn an_agent_in_the_sandbox_reaches_nothing_of_the_worker() {
     let ws = c.path().join("ws-0");
     let port = c.worker_url().rsplit(':').next().unwrap().to_owned();
     let wpid = c.worker_pid(0);
+    let etcd = flotilla_tests::services::Etcd::start();
+    let etcd_port = etcd.endpoint().rsplit(':').next().unwrap().to_owned();
     let outside = c.path().join("pwned");
     std::fs::create_dir_all(&ws).unwrap();
     std::fs::write(ws.join("operator-notes.txt"), "not for agents\n").unwrap();
@@ -69,6 +71,14 @@ fn an_agent_in_the_sandbox_reaches_nothing_of_the_worker() {
         ),
         ("write-system", "echo x > /usr/pwned".to_owned()),
         ("signal-worker", format!("kill -0 {wpid}")),
+        (
+            "ptrace-worker",
+            format!("python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL(None).ptrace(16, {wpid}, 0, 0))'"),
+        ),
+        (
+            "etcd-port",
+            format!("python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {etcd_port}), 2)'"),
+        ),
         ("remount", "mount -o remount,rw /usr".to_owned()),
     ];
     let mut body = TRY.to_owned();
@@ -264,4 +274,242 @@ fn a_worker_without_a_sandbox_refuses_to_start_unless_told_and_then_says_what_ag
         "{text}"
     );
     assert!(text.contains("attached"), "it serves: {text}");
+}
+
+#[test]
+fn an_attempt_over_its_limits_fails_naming_them_and_the_worker_goes_on() {
+    let c = Cluster::start_workers_with(
+        1,
+        4,
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "sh",
+            "--memory-mib",
+            "64",
+            "--max-procs",
+            "64",
+            "--tmp-mib",
+            "16",
+        ],
+        Vec::new(),
+    );
+    let log = std::fs::read_to_string(c.path().join("worker-0.log")).unwrap();
+    assert!(
+        log.contains("attempt limits: memory 64 MiB, processes 64, /tmp 16 MiB"),
+        "the worker says its limits and how it keeps them: {log}"
+    );
+    let src = c.path().join("repo");
+    repo(&src);
+    let script = c.path().join("greedy.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'greedy', description: 'goes over its limits' };\n\
+         const [memory, bomb, tmp, calm] = await parallel([\n\
+           () => agent('python3 -c \"x = bytearray(512 * 1024 * 1024); print(len(x))\"', { label: 'memory' }),\n\
+           () => agent('f() { f | f & }; f; sleep 3; echo survived', { label: 'bomb' }),\n\
+           () => agent('dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1 | grep -o \"No space left\"; echo tmp done', { label: 'tmp' }),\n\
+           () => agent('echo calm', { label: 'calm' }),\n\
+         ]);\n\
+         return { memory, bomb, tmp, calm };\n",
+    )
+    .unwrap();
+    let out = c.client_in(
+        &src,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "exec",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"]["calm"], "calm", "{r}");
+    assert!(r["result"]["memory"].is_null(), "{r}");
+    assert!(r["result"]["bomb"].is_null(), "{r}");
+    let failures = r["failures"].to_string();
+    assert!(failures.contains("memory limit of 64 MiB"), "{failures}");
+    assert!(failures.contains("more than 64 processes"), "{failures}");
+    let tmp = r["result"]["tmp"].as_str().unwrap_or_else(|| panic!("{r}"));
+    assert!(
+        tmp.contains("No space left") && tmp.ends_with("tmp done"),
+        "{tmp}"
+    );
+    // The worker goes on.
+    let again = c.launch(
+        "again",
+        "return await agent('echo still here');",
+        &["--backend", "exec"],
+    );
+    let (code, r) = c.wait(&again);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "still here", "{r}");
+}
+
+#[test]
+fn an_attempt_over_the_worker_s_longest_time_ends_naming_it() {
+    let c = Cluster::start_workers_with(
+        1,
+        1,
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "sh",
+            "--max-attempt-time",
+            "1s",
+        ],
+        Vec::new(),
+    );
+    let run = c.launch(
+        "slow",
+        "return await agent('sleep 60; echo late');",
+        &["--backend", "exec"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert!(r["result"].is_null(), "{r}");
+    let failures = r["failures"].to_string();
+    assert!(failures.contains("--max-attempt-time"), "{failures}");
+}
+
+/// Answers every connection with `body` over HTTP, until the test ends.
+fn http_server(body: &'static str) -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut s in listener.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    port
+}
+
+#[test]
+fn an_agent_reaches_the_allowed_hosts_through_the_proxy_and_nothing_else() {
+    let allowed = http_server("allowed host");
+    let other = http_server("other host");
+    let c = Cluster::start_workers_with(
+        1,
+        2,
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "sh",
+            "--allow-net",
+            &format!("127.0.0.1:{allowed}"),
+        ],
+        Vec::new(),
+    );
+    let fetch = |port: u16| {
+        format!(
+            "python3 -c \\\"import urllib.request as u, urllib.error as e\\ntry: print(u.urlopen('http://127.0.0.1:{port}/').read().decode())\\nexcept e.HTTPError as x: print(x.code, x.read().decode().strip())\\\""
+        )
+    };
+    let direct = format!(
+        "python3 -c \\\"import socket; socket.create_connection(('127.0.0.1', {allowed}), 2)\\\" 2>/dev/null && echo direct reached || echo direct refused"
+    );
+    let body = format!("{}; {}; {direct}", fetch(allowed), fetch(other));
+    let run = c.launch(
+        "net",
+        &format!("return await agent(\"{body}\");"),
+        &["--backend", "exec"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let text = r["result"].as_str().unwrap_or_else(|| panic!("{r}"));
+    assert!(text.contains("allowed host"), "{text}");
+    assert!(!text.contains("other host"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "403 flotilla: 127.0.0.1:{other} is not reachable from this sandbox"
+        )),
+        "the refusal says why: {text}"
+    );
+    assert!(
+        text.contains("direct refused"),
+        "no way around the proxy: {text}"
+    );
+}
+
+/// `flotilla bench sandbox` runs and reports its figures (`BENCH_SANDBOX_ROUNDS` for more
+/// rounds than the suite's three, to measure).
+#[test]
+fn the_sandbox_benchmark_runs_and_reports_its_figures() {
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    let rounds = std::env::var("BENCH_SANDBOX_ROUNDS").unwrap_or_else(|_| "3".into());
+    let mut cmd = std::process::Command::new(flotilla_tests::binary());
+    cmd.args([
+        "bench", "sandbox", "--claude", "--json", "--rounds", &rounds,
+    ])
+    .envs(fake.env())
+    .env("FLOTILLA_CLAUDE_BIN", crate::claude::claude_bin());
+    let out = flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(600));
+    assert_eq!(out.code, 0, "{out:?}");
+    eprintln!("{}", out.stdout);
+    let r: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    for k in [
+        "exec_ratio",
+        "claude_ratio",
+        "exec_plain_ms",
+        "claude_sandboxed_ms",
+    ] {
+        assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
+    }
+}
+
+#[test]
+fn an_embedded_run_with_sandbox_keeps_agents_to_the_repository() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("repo");
+    repo(&src);
+    let secret = dir.path().join("secret.txt");
+    std::fs::write(&secret, "outside the repository\n").unwrap();
+    let script = src.join("look.js");
+    std::fs::write(
+        &script,
+        format!(
+            "export const meta = {{ name: 'look', description: 'sandboxed locally' }};\n\
+             return await agent('cat {} 2>/dev/null || echo refused; cat code.txt; echo edit >> code.txt; pwd');",
+            secret.display()
+        ),
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let mut cmd = std::process::Command::new(flotilla_tests::binary());
+        cmd.args(["run", "look.js", "--backend", "exec", "--exec-cmd", "sh", "--yes", "--json"])
+            .args(extra)
+            .arg("--store")
+            .arg(format!("file://{}", dir.path().join("store").display()))
+            .current_dir(&src);
+        flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(120))
+    };
+    // By default, as Claude Code's agents: the user's machine is theirs.
+    let out = run(&[]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.json()["result"].as_str().unwrap().contains("outside the repository"));
+    let out = run(&["--sandbox"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let text = out.json()["result"].as_str().unwrap().to_owned();
+    assert!(text.starts_with("refused\ncode\n"), "{text}");
+    assert!(text.ends_with(src.to_str().unwrap()), "in the repository: {text}");
+    assert_eq!(
+        std::fs::read_to_string(src.join("code.txt")).unwrap(),
+        "code\nedit\nedit\n",
+        "the repository is the agent's to edit"
+    );
 }

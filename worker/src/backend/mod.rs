@@ -44,6 +44,10 @@ pub struct Task {
     pub worktree: Option<crate::worktree::Worktree>,
     /// Where the agent's processes run.
     pub sandbox: crate::sandbox::Sandbox,
+    /// The attempt's memory and process limits.
+    pub limits: std::sync::Arc<crate::limits::Attempt>,
+    /// Size of the sandbox's `/tmp`.
+    pub tmp_size: u64,
 }
 
 impl Task {
@@ -65,6 +69,7 @@ impl Task {
         let mut jail = crate::sandbox::Jail {
             workdir: workdir.clone(),
             env,
+            tmp_size: self.tmp_size,
             ..Default::default()
         };
         match &self.worktree {
@@ -101,7 +106,9 @@ impl Task {
         args: &[std::ffi::OsString],
         jail: &crate::sandbox::Jail,
     ) -> tokio::process::Command {
-        self.sandbox.command(program, args, jail)
+        let mut jail = jail.clone();
+        jail.prefix = self.limits.prefix();
+        self.sandbox.command(program, args, &jail)
     }
 }
 

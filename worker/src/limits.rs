@@ -1,0 +1,307 @@
+//! Limits of one attempt's processes (issue 13): memory and processes through a cgroup of
+//! the attempt's own (cgroup v2 where this worker may make one, else v1's `memory` and
+//! `pids` controllers), through rlimits when neither is writable; which one is said at start.
+//! Wall time is the worker's `--max-attempt-time`. An attempt that goes over one ends with a
+//! failure naming it; the worker and its other attempts go on.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// What the worker allows one attempt.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub memory: Option<u64>,
+    pub procs: Option<u64>,
+    /// Size of the sandbox's private `/tmp`.
+    pub tmp: u64,
+    pub wall: Option<Duration>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            memory: Some(4 << 30),
+            procs: Some(1024),
+            tmp: 1 << 30,
+            wall: Some(Duration::from_secs(4 * 3600)),
+        }
+    }
+}
+
+/// How memory and process limits are enforced here.
+#[derive(Debug, Clone)]
+enum How {
+    /// A cgroup v2 directory this worker made attempts' groups in.
+    V2(PathBuf),
+    /// cgroup v1: the worker's groups under the `memory` and `pids` hierarchies.
+    V1 {
+        memory: PathBuf,
+        pids: PathBuf,
+    },
+    Rlimits,
+    None,
+}
+
+/// The worker's limits and how it enforces them.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub settings: Settings,
+    how: How,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            settings: Settings {
+                memory: None,
+                procs: None,
+                tmp: 1 << 30,
+                wall: None,
+            },
+            how: How::None,
+        }
+    }
+}
+
+/// This process's own cgroup in the hierarchy `controller` names (`""`: v2's).
+fn own_cgroup(controller: &str) -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    text.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let matches = if controller.is_empty() {
+            controllers.is_empty()
+        } else {
+            controllers.split(',').any(|c| c == controller)
+        };
+        matches.then(|| path.to_owned())
+    })
+}
+
+/// Makes `dir` (a cgroup) if it can; `true` when it is there and writable.
+fn make_group(dir: &Path) -> bool {
+    std::fs::create_dir_all(dir).is_ok() && dir.join("cgroup.procs").exists()
+}
+
+fn is_cgroup2(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+}
+
+impl Limits {
+    /// Finds how `settings` can be enforced on this machine (cgroup v2, v1, else rlimits).
+    pub fn detect(settings: Settings) -> Limits {
+        let tag = format!("flotilla-{}", std::process::id());
+        let root = Path::new("/sys/fs/cgroup");
+        let how = if is_cgroup2(root) {
+            own_cgroup("")
+                .map(|own| root.join(own.trim_start_matches('/')))
+                .and_then(|own| {
+                    // The worker's group takes its processes' place; attempts' groups go
+                    // next to it, under a parent with the controllers on.
+                    let base = own.join(&tag);
+                    let ok = make_group(&base)
+                        && std::fs::write(own.join("cgroup.subtree_control"), "+memory +pids")
+                            .is_ok()
+                        && std::fs::write(base.join("cgroup.subtree_control"), "+memory +pids")
+                            .is_ok();
+                    ok.then_some(How::V2(base))
+                })
+                .unwrap_or(How::Rlimits)
+        } else {
+            let memory = own_cgroup("memory").map(|own| {
+                root.join("memory")
+                    .join(own.trim_start_matches('/'))
+                    .join(&tag)
+            });
+            let pids = own_cgroup("pids").map(|own| {
+                root.join("pids")
+                    .join(own.trim_start_matches('/'))
+                    .join(&tag)
+            });
+            match (memory, pids) {
+                (Some(m), Some(p)) if make_group(&m) && make_group(&p) => {
+                    How::V1 { memory: m, pids: p }
+                }
+                _ => How::Rlimits,
+            }
+        };
+        Limits { settings, how }
+    }
+
+    /// What is enforced and how, for the worker's start.
+    pub fn describe(&self) -> String {
+        let s = &self.settings;
+        let mib =
+            |b: Option<u64>| b.map_or_else(|| "none".to_owned(), |b| format!("{} MiB", b >> 20));
+        let how = match &self.how {
+            How::V2(_) => "a cgroup v2 group per attempt",
+            How::V1 { .. } => "cgroup v1 memory and pids groups per attempt",
+            How::Rlimits => {
+                "rlimits (no writable cgroup here: the memory limit is of address space, and the process limit does not bind a worker running as root)"
+            }
+            How::None => "not enforced",
+        };
+        format!(
+            "attempt limits: memory {}, processes {}, /tmp {} MiB, wall time {}; through {how}",
+            mib(s.memory),
+            s.procs.map_or_else(|| "none".to_owned(), |p| p.to_string()),
+            s.tmp >> 20,
+            s.wall
+                .map_or_else(|| "none".to_owned(), |w| format!("{}s", w.as_secs())),
+        )
+    }
+
+    /// The limits of one attempt (its groups are made now and go when it is dropped).
+    pub fn attempt(&self, name: &str) -> Attempt {
+        let mut a = Attempt {
+            settings: self.settings.clone(),
+            groups: Vec::new(),
+            rlimits: false,
+        };
+        let put = |dir: &Path, file: &str, value: u64| {
+            std::fs::write(dir.join(file), value.to_string()).is_ok()
+        };
+        match &self.how {
+            How::V2(base) => {
+                let dir = base.join(name);
+                if make_group(&dir) {
+                    if let Some(m) = self.settings.memory {
+                        put(&dir, "memory.max", m);
+                        put(&dir, "memory.swap.max", 0);
+                    }
+                    if let Some(p) = self.settings.procs {
+                        put(&dir, "pids.max", p);
+                    }
+                    a.groups.push(dir);
+                }
+            }
+            How::V1 { memory, pids } => {
+                let (m, p) = (memory.join(name), pids.join(name));
+                if make_group(&m) {
+                    if let Some(limit) = self.settings.memory {
+                        put(&m, "memory.limit_in_bytes", limit);
+                        put(&m, "memory.memsw.limit_in_bytes", limit);
+                    }
+                    a.groups.push(m);
+                }
+                if make_group(&p) {
+                    if let Some(limit) = self.settings.procs {
+                        put(&p, "pids.max", limit);
+                    }
+                    a.groups.push(p);
+                }
+            }
+            How::Rlimits => a.rlimits = true,
+            How::None => {}
+        }
+        a
+    }
+}
+
+/// One attempt's groups.
+#[derive(Debug)]
+pub struct Attempt {
+    settings: Settings,
+    groups: Vec<PathBuf>,
+    rlimits: bool,
+}
+
+impl Attempt {
+    /// A command that puts the attempt's process (and so all it starts) in the attempt's
+    /// groups, or under its rlimits, then runs it: `sh` writing its own pid to each group's
+    /// `cgroup.procs` before it `exec`s, or `prlimit`.
+    pub fn prefix(&self) -> Vec<OsString> {
+        if !self.groups.is_empty() {
+            let mut p: Vec<OsString> = vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "n=$1; shift; while [ \"$n\" -gt 0 ]; do echo $$ > \"$1\" || exit 125; shift; n=$((n-1)); done; exec \"$@\"".into(),
+                "flotilla-limits".into(),
+                self.groups.len().to_string().into(),
+            ];
+            p.extend(
+                self.groups
+                    .iter()
+                    .map(|g| g.join("cgroup.procs").into_os_string()),
+            );
+            return p;
+        }
+        if self.rlimits
+            && let Some(prlimit) = crate::sandbox::find_on_path("prlimit")
+        {
+            let mut p: Vec<OsString> = vec![prlimit.into_os_string()];
+            if let Some(m) = self.settings.memory {
+                p.push(format!("--as={m}").into());
+            }
+            if let Some(n) = self.settings.procs {
+                p.push(format!("--nproc={n}").into());
+            }
+            p.push("--".into());
+            return p;
+        }
+        Vec::new()
+    }
+
+    /// The limit the attempt went over, if it did (read from its groups' event counters).
+    pub fn exceeded(&self) -> Option<String> {
+        let count = |file: PathBuf, key: &str| -> u64 {
+            std::fs::read_to_string(file)
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix(key).map(|n| n.trim().parse().unwrap_or(0)))
+                .unwrap_or(0)
+        };
+        for g in &self.groups {
+            let (oom, pids) = if g.join("memory.events").exists() || g.join("pids.events").exists()
+            {
+                (
+                    count(g.join("memory.events"), "oom_kill "),
+                    count(g.join("pids.events"), "max "),
+                )
+            } else {
+                (
+                    count(g.join("memory.oom_control"), "oom_kill "),
+                    count(g.join("pids.events"), "max "),
+                )
+            };
+            if oom > 0 {
+                return Some(format!(
+                    "the agent went over its memory limit of {} MiB and was killed (the worker's --memory-mib)",
+                    self.settings.memory.unwrap_or(0) >> 20
+                ));
+            }
+            if pids > 0 {
+                return Some(format!(
+                    "the agent tried to run more than {} processes at once (the worker's --max-procs)",
+                    self.settings.procs.unwrap_or(0)
+                ));
+            }
+        }
+        None
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        for g in &self.groups {
+            // What is left in the group dies with the attempt; then the group goes.
+            for _ in 0..50 {
+                let left = std::fs::read_to_string(g.join("cgroup.procs")).unwrap_or_default();
+                let pids: Vec<i32> = left.lines().filter_map(|l| l.trim().parse().ok()).collect();
+                if pids.is_empty() {
+                    break;
+                }
+                for pid in pids {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = std::fs::remove_dir(g);
+        }
+    }
+}
