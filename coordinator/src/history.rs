@@ -149,6 +149,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                     model: String::new(),
                     input_tokens: 0,
                     output_tokens: 0,
+                    disk_bytes: 0,
                     waiting: None,
                 });
                 match state.as_str() {
@@ -193,6 +194,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
             model: String::new(),
             input_tokens: 0,
             output_tokens: 0,
+            disk_bytes: 0,
             waiting: None,
         });
         a.status = "completed".into();

@@ -138,6 +138,10 @@ pub struct AgentReport {
     pub input_tokens: u64,
     #[serde(default)]
     pub output_tokens: u64,
+    /// The most its attempts' checkouts (or working directories) held, in bytes (0 when no
+    /// worker measured it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub disk_bytes: u64,
     /// Why a live agent waits although the run has room (no attached worker offers its
     /// backend and model); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -171,4 +175,8 @@ impl Report {
             changes: None,
         }
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

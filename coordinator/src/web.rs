@@ -1311,6 +1311,7 @@ mod tests {
             model: String::new(),
             input_tokens: 0,
             output_tokens: 0,
+            disk_bytes: 0,
             waiting: None,
         }
     }

@@ -552,6 +552,15 @@ async fn run_attempt_in(
                         backend.run(&task, &events, cancel.clone()).await
                     };
                     let mut result = result;
+                    // What its checkout holds now, in its usage.
+                    let disk = match &worktree {
+                        Some(wt) => disk_use(&wt.path),
+                        None => task_dir_use(&scratch, &a, &spec),
+                    };
+                    match result.as_mut() {
+                        Ok(out) => out.usage.disk_bytes = disk,
+                        Err(e) => e.usage.disk_bytes = disk,
+                    }
                     // A limit the attempt went over is why it ended, whatever the backend saw.
                     if let Some(why) = attempt_limits.exceeded() {
                         let usage = result.as_ref().err().map(|e| e.usage).unwrap_or_default();
@@ -675,6 +684,36 @@ async fn run_attempt_in(
         fence: a.fence,
         call_key: a.call_key,
     }
+}
+
+/// Bytes of the files under `dir` (a checkout: its `.git` file is one of them), not following
+/// links.
+fn disk_use(dir: &std::path::Path) -> u64 {
+    let mut total = 0u64;
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => todo.push(e.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
+
+/// [`disk_use`] of a call's own directory (none for a shared workspace: that is the user's).
+fn task_dir_use(workspace: &Workspace, a: &Assignment, spec: &v1::TaskSpec) -> u64 {
+    if workspace.is_shared() {
+        return 0;
+    }
+    workspace
+        .dir_for(&a.run_id, a.call, &spec.cwd)
+        .map_or(0, |d| disk_use(&d))
 }
 
 /// The call's checkout: of the run's source when it has one (every call its own), else a

@@ -199,6 +199,8 @@ struct Call {
     error: Option<String>,
     usage: UsageRecord,
     live_tokens: u64,
+    /// The most its attempts' checkouts held.
+    disk_bytes: u64,
     worker: Option<Arc<str>>,
     result: Option<Value>,
     /// Why it waits although the run has room: no attached worker offers its backend.
@@ -863,6 +865,7 @@ impl RunEngine {
             error: None,
             usage: UsageRecord::default(),
             live_tokens: 0,
+            disk_bytes: 0,
             worker: None,
             result: None,
             waiting_for: None,
@@ -1120,6 +1123,7 @@ impl RunEngine {
                     .fetch_add(u.output_tokens, Ordering::Relaxed);
                 if let Some(c) = self.calls.get_mut(call as usize) {
                     c.usage.add(&u);
+                    c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);
                 }
             }
             CallEvent::Retrying {
@@ -1597,6 +1601,7 @@ impl RunEngine {
                 model: c.model.clone(),
                 input_tokens: c.usage.input_tokens,
                 output_tokens: c.usage.output_tokens,
+                disk_bytes: c.disk_bytes,
                 waiting: if live { c.waiting_for.clone() } else { None },
             });
         }

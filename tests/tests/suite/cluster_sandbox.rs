@@ -20,11 +20,17 @@ const TRY: &str = "try() { if sh -c \"$2\" >/dev/null 2>&1; then echo \"REACHED 
 #[test]
 fn an_agent_in_the_sandbox_reaches_nothing_of_the_worker() {
     let secret = "sk-worker-secret-7d1c0e";
+    let conf_dir = tempfile::tempdir().unwrap();
+    let config = conf_dir.path().join("worker.toml");
+    std::fs::write(&config, format!("# {secret}\nexec_cmd = \"sh\"\n")).unwrap();
     let mut c = Cluster::start_workers_with(
         1,
         4,
         &["--backend", "exec", "--exec-cmd", "sh"],
-        vec![("ANTHROPIC_API_KEY".into(), secret.into())],
+        vec![
+            ("ANTHROPIC_API_KEY".into(), secret.into()),
+            ("FLOTILLA_CONFIG".into(), config.display().to_string()),
+        ],
     );
     let log = std::fs::read_to_string(c.path().join("worker-0.log")).unwrap();
     assert!(
@@ -56,6 +62,7 @@ fn an_agent_in_the_sandbox_reaches_nothing_of_the_worker() {
         ),
         ("worker-environ", format!("cat /proc/{wpid}/environ")),
         ("env-secret", format!("env | grep {secret}")),
+        ("config-file", format!("cat {}", config.display())),
         (
             "coordinator-port",
             format!(
@@ -73,11 +80,15 @@ fn an_agent_in_the_sandbox_reaches_nothing_of_the_worker() {
         ("signal-worker", format!("kill -0 {wpid}")),
         (
             "ptrace-worker",
-            format!("python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL(None).ptrace(16, {wpid}, 0, 0))'"),
+            format!(
+                "python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL(None).ptrace(16, {wpid}, 0, 0))'"
+            ),
         ),
         (
             "etcd-port",
-            format!("python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {etcd_port}), 2)'"),
+            format!(
+                "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {etcd_port}), 2)'"
+            ),
         ),
         ("remount", "mount -o remount,rw /usr".to_owned()),
     ];
@@ -311,6 +322,7 @@ fn an_attempt_over_its_limits_fails_naming_them_and_the_worker_goes_on() {
            () => agent('f() { f | f & }; f; sleep 3; echo survived', { label: 'bomb' }),\n\
            () => agent('dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1 | grep -o \"No space left\"; echo tmp done', { label: 'tmp' }),\n\
            () => agent('echo calm', { label: 'calm' }),\n\
+           () => agent('head -c 1048576 /dev/zero > blob.bin; echo wrote', { label: 'blob' }),\n\
          ]);\n\
          return { memory, bomb, tmp, calm };\n",
     )
@@ -341,6 +353,17 @@ fn an_attempt_over_its_limits_fails_naming_them_and_the_worker_goes_on() {
     assert!(
         tmp.contains("No space left") && tmp.ends_with("tmp done"),
         "{tmp}"
+    );
+    // What each checkout held is in the report.
+    let blob = r["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["label"] == "blob")
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(
+        blob["disk_bytes"].as_u64().unwrap_or(0) >= 1 << 20,
+        "the checkout's disk use: {blob}"
     );
     // The worker goes on.
     let again = c.launch(
@@ -491,22 +514,39 @@ fn an_embedded_run_with_sandbox_keeps_agents_to_the_repository() {
     .unwrap();
     let run = |extra: &[&str]| {
         let mut cmd = std::process::Command::new(flotilla_tests::binary());
-        cmd.args(["run", "look.js", "--backend", "exec", "--exec-cmd", "sh", "--yes", "--json"])
-            .args(extra)
-            .arg("--store")
-            .arg(format!("file://{}", dir.path().join("store").display()))
-            .current_dir(&src);
+        cmd.args([
+            "run",
+            "look.js",
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "sh",
+            "--yes",
+            "--json",
+        ])
+        .args(extra)
+        .arg("--store")
+        .arg(format!("file://{}", dir.path().join("store").display()))
+        .current_dir(&src);
         flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(120))
     };
     // By default, as Claude Code's agents: the user's machine is theirs.
     let out = run(&[]);
     assert_eq!(out.code, 0, "{out:?}");
-    assert!(out.json()["result"].as_str().unwrap().contains("outside the repository"));
+    assert!(
+        out.json()["result"]
+            .as_str()
+            .unwrap()
+            .contains("outside the repository")
+    );
     let out = run(&["--sandbox"]);
     assert_eq!(out.code, 0, "{out:?}");
     let text = out.json()["result"].as_str().unwrap().to_owned();
     assert!(text.starts_with("refused\ncode\n"), "{text}");
-    assert!(text.ends_with(src.to_str().unwrap()), "in the repository: {text}");
+    assert!(
+        text.ends_with(src.to_str().unwrap()),
+        "in the repository: {text}"
+    );
     assert_eq!(
         std::fs::read_to_string(src.join("code.txt")).unwrap(),
         "code\nedit\nedit\n",

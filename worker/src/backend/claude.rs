@@ -268,6 +268,7 @@ fn usage_of(result: &Value, tool_calls: u32) -> v1::Usage {
             .and_then(Value::as_f64)
             .unwrap_or(0.0),
         tool_calls,
+        disk_bytes: 0,
     }
 }
 
