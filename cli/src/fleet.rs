@@ -632,6 +632,11 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             .join("flotilla")
             .join("workspaces")
     });
+    // The workspace is the worker's alone: no other user of the machine reads its checkouts.
+    if std::fs::create_dir_all(&workspace).is_ok() {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&workspace, std::fs::Permissions::from_mode(0o700));
+    }
     let sandbox = match a
         .sandbox
         .as_deref()

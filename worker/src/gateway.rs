@@ -92,7 +92,9 @@ impl Gateway {
         let _ = std::fs::remove_file(&socket);
         let listener = tokio::net::UnixListener::bind(&socket)
             .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+        // No redirects: one to another host would take the key with it.
         let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("cannot make an HTTP client: {e}"))?;
         let g = Arc::new(Gateway {
@@ -167,6 +169,21 @@ impl Gateway {
             return refuse(
                 StatusCode::UNAUTHORIZED,
                 "flotilla: this request carries no live attempt token (a token stops working when its attempt ends)".into(),
+            );
+        }
+        // What an agent needs of the API, and no more of what the key can do (files,
+        // batches, admin).
+        let path = req.uri().path();
+        let model_call = (req.method() == axum::http::Method::POST
+            && (path == "/v1/messages" || path == "/v1/messages/count_tokens"))
+            || (req.method() == axum::http::Method::GET && path.starts_with("/v1/models"));
+        if !model_call {
+            return refuse(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "flotilla: {} {path} is not open to agents (only POST /v1/messages, /v1/messages/count_tokens and GET /v1/models)",
+                    req.method()
+                ),
             );
         }
         let (parts, body) = req.into_parts();
@@ -342,14 +359,21 @@ async fn proxy_one(
     (api, gateway): &(String, PathBuf),
 ) -> std::io::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    // The request head, at most 64 KiB.
+    // The request head, at most 64 KiB, within 30 s.
     let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if head.len() > 64 << 10 || conn.read(&mut byte).await? == 0 {
-            return Ok(());
+    let read_head = async {
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if head.len() > 64 << 10 || conn.read(&mut byte).await? == 0 {
+                return Ok::<bool, std::io::Error>(false);
+            }
+            head.push(byte[0]);
         }
-        head.push(byte[0]);
+        Ok(true)
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(30), read_head).await {
+        Ok(Ok(true)) => {}
+        _ => return Ok(()),
     }
     let text = String::from_utf8_lossy(&head).into_owned();
     let mut lines = text.split("\r\n");
@@ -385,7 +409,14 @@ async fn proxy_one(
     let to_api = ["127.0.0.1", "localhost"]
         .iter()
         .any(|h| format!("{h}:{port}") == *api && host.eq_ignore_ascii_case(h));
-    if !to_api && !allowed(allow, &host, port) {
+    // A name allowed by name must not lead to the worker itself or its link (the
+    // coordinator, etcd or a metadata service there): only an address allowed as such does.
+    let inward = !to_api
+        && host.parse::<std::net::IpAddr>().is_err()
+        && tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .is_ok_and(|mut a| a.any(|a| crate::source::inward(a.ip())));
+    if !to_api && (inward || !allowed(allow, &host, port)) {
         tracing::info!(host = %host, port, "the sandbox proxy refused a host that is not allowed");
         let body = format!(
             "flotilla: {host}:{port} is not reachable from this sandbox; the worker allows only the model API and its --allow-net hosts\n"

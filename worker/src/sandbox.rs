@@ -61,13 +61,12 @@ pub const PROXY_URL: &str = "http://127.0.0.1:3128";
 const PROXY_LISTEN: &str = "127.0.0.1:3128";
 const PROXY_AT: &str = "/run/flotilla/net.sock";
 
-/// What one attempt's sandbox shows besides the system: read-write and read-only paths
-/// (each at its own path), the environment, and where the process starts; `api`: the model
-/// API at [`API_URL`].
+/// What one attempt's sandbox shows besides the system: paths in the order they are
+/// mounted (a later one over an earlier one), the environment, and where the process starts;
+/// `api`: the model API at [`API_URL`].
 #[derive(Debug, Clone, Default)]
 pub struct Jail {
-    pub rw: Vec<PathBuf>,
-    pub ro: Vec<PathBuf>,
+    pub mounts: Vec<Mount>,
     pub env: Vec<(String, String)>,
     pub workdir: PathBuf,
     pub api: bool,
@@ -75,6 +74,17 @@ pub struct Jail {
     pub tmp_size: u64,
     /// A command that starts first, outside, and runs the rest (the attempt's limits).
     pub prefix: Vec<OsString>,
+}
+
+/// One path a sandbox shows, at its own path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mount {
+    Ro(PathBuf),
+    Rw(PathBuf),
+    /// Read-only if it is there.
+    RoIfThere(PathBuf),
+    /// An empty directory over it.
+    Hide(PathBuf),
 }
 
 /// Where the agent's home is, inside.
@@ -224,8 +234,9 @@ impl Sandbox {
 }
 
 impl Bwrap {
-    fn command(&self, program: &std::ffi::OsStr, args: &[OsString], jail: &Jail) -> Command {
-        let mut a: Vec<OsString> = Vec::new();
+    /// Namespaces, the system read-only, `/proc`, `/dev`, a private `/tmp` (of `tmp_size`
+    /// bytes, when not 0) and the agent's identity files.
+    fn base(&self, a: &mut Vec<OsString>, tmp_size: u64) {
         let mut push = |xs: &[&str]| a.extend(xs.iter().map(OsString::from));
         push(&[
             "--die-with-parent",
@@ -236,6 +247,8 @@ impl Bwrap {
             "--gid",
             "1000",
             "--disable-userns",
+            "--cap-drop",
+            "ALL",
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",
@@ -243,28 +256,6 @@ impl Bwrap {
             "--unshare-cgroup-try",
             "--hostname",
             "sandbox",
-            "--clearenv",
-            "--setenv",
-            "PATH",
-            PATH,
-            "--setenv",
-            "HOME",
-            HOME,
-            "--setenv",
-            "USER",
-            "agent",
-            "--setenv",
-            "LOGNAME",
-            "agent",
-            "--setenv",
-            "TMPDIR",
-            "/tmp",
-            "--setenv",
-            "LANG",
-            "C.UTF-8",
-            "--setenv",
-            "GIT_CONFIG_GLOBAL",
-            "/etc/gitconfig-agent",
             "--ro-bind",
             "/usr",
             "/usr",
@@ -300,30 +291,64 @@ impl Bwrap {
                 .iter()
                 .map(OsString::from),
         );
-        if jail.tmp_size > 0 {
-            a.extend(["--size".into(), jail.tmp_size.to_string().into()]);
+        // /dev/shm is memory too: as big as /tmp at most.
+        let size = if tmp_size > 0 { tmp_size } else { 64 << 20 };
+        a.extend([
+            "--size".into(),
+            size.to_string().into(),
+            "--tmpfs".into(),
+            "/dev/shm".into(),
+        ]);
+        if tmp_size > 0 {
+            a.extend(["--size".into(), tmp_size.to_string().into()]);
         }
         a.extend(
             ["--tmpfs", "/tmp", "--dir", HOME]
                 .iter()
                 .map(OsString::from),
         );
-        // Read-only first, so a read-write path inside one (a checkout's own git directory
-        // inside the repository) is bound over it.
-        for p in &jail.ro {
-            a.extend([
-                "--ro-bind".into(),
-                p.clone().into_os_string(),
-                p.clone().into(),
-            ]);
+    }
+
+    fn mounts(a: &mut Vec<OsString>, mounts: &[Mount]) {
+        for m in mounts {
+            let (flag, p) = match m {
+                Mount::Ro(p) => ("--ro-bind", p),
+                Mount::Rw(p) => ("--bind", p),
+                Mount::RoIfThere(p) => ("--ro-bind-try", p),
+                Mount::Hide(p) => {
+                    a.extend(["--tmpfs".into(), p.clone().into_os_string()]);
+                    continue;
+                }
+            };
+            a.extend([flag.into(), p.clone().into_os_string(), p.clone().into()]);
         }
-        for p in &jail.rw {
-            a.extend([
-                "--bind".into(),
-                p.clone().into_os_string(),
-                p.clone().into(),
-            ]);
+    }
+
+    /// The rest read-only: nothing but the mounts above (and `/tmp`) takes writes.
+    fn seal(a: &mut Vec<OsString>) {
+        a.extend(
+            ["--remount-ro", "/dev", "--remount-ro", "/"]
+                .iter()
+                .map(OsString::from),
+        );
+    }
+
+    fn command(&self, program: &std::ffi::OsStr, args: &[OsString], jail: &Jail) -> Command {
+        let mut a: Vec<OsString> = Vec::new();
+        a.push("--clearenv".into());
+        for (k, v) in [
+            ("PATH", PATH),
+            ("HOME", HOME),
+            ("USER", "agent"),
+            ("LOGNAME", "agent"),
+            ("TMPDIR", "/tmp"),
+            ("LANG", "C.UTF-8"),
+            ("GIT_CONFIG_GLOBAL", "/etc/gitconfig-agent"),
+        ] {
+            a.extend(["--setenv".into(), k.into(), v.into()]);
         }
+        self.base(&mut a, jail.tmp_size);
+        Self::mounts(&mut a, &jail.mounts);
         for (k, v) in &jail.env {
             a.extend(["--setenv".into(), k.into(), v.into()]);
         }
@@ -353,6 +378,7 @@ impl Bwrap {
                         SOCKET_AT.into(),
                     ]);
                 }
+                Self::seal(&mut a);
                 a.extend([
                     "--".into(),
                     RELAY_AT.into(),
@@ -365,7 +391,10 @@ impl Bwrap {
                 }
                 a.push("--".into());
             }
-            None => a.push("--".into()),
+            None => {
+                Self::seal(&mut a);
+                a.push("--".into());
+            }
         }
         a.push(program.to_owned());
         a.extend(args.iter().cloned());
@@ -373,6 +402,41 @@ impl Bwrap {
         c.args(a).env_clear();
         c
     }
+}
+
+/// The sandbox the worker's own git runs in on checkouts (set once, when agents are
+/// sandboxed): what an agent left there is never read by a git outside one.
+static GIT_JAIL: std::sync::OnceLock<Sandbox> = std::sync::OnceLock::new();
+
+/// Runs the worker's git on checkouts in `s` from now on (when it is a sandbox).
+pub fn jail_git(s: &Sandbox) {
+    if s.is_on() {
+        let _ = GIT_JAIL.set(s.clone());
+    }
+}
+
+/// `git` for the worker on a checkout: in a sandbox that shows `mounts` (read-write the
+/// common directory but its config, hooks and info; the checkout), with no network and none
+/// of the worker's environment but what the caller sets, when agents are sandboxed; else
+/// plain. The command's arguments follow `git`.
+pub fn worker_git(mounts: &[Mount]) -> Command {
+    let Some(Sandbox::Bwrap(b)) = GIT_JAIL.get() else {
+        return Command::new("git");
+    };
+    let mut a: Vec<OsString> = Vec::new();
+    b.base(&mut a, 64 << 20);
+    Bwrap::mounts(&mut a, mounts);
+    Bwrap::seal(&mut a);
+    a.extend(["--".into(), "git".into()]);
+    let mut c = Command::new(&b.bin);
+    c.args(a)
+        .env_clear()
+        .env("PATH", PATH)
+        .env("HOME", HOME)
+        .env("LANG", "C.UTF-8")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null");
+    c
 }
 
 /// `program` run by `prefix` when there is one.

@@ -44,6 +44,13 @@ pub struct Sources {
     max_result: usize,
 }
 
+impl Sources {
+    /// The largest change this worker could send.
+    pub fn max_change(&self) -> usize {
+        self.max_result.min(flotilla_proto::frag::MAX_MESSAGE_BYTES)
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -101,7 +108,7 @@ fn url_host(url: &str) -> Option<(String, u16)> {
 }
 
 /// Loopback, link-local or unspecified: the machine itself or its link.
-fn inward(ip: std::net::IpAddr) -> bool {
+pub(crate) fn inward(ip: std::net::IpAddr) -> bool {
     use std::net::IpAddr;
     match ip {
         IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
@@ -522,13 +529,13 @@ impl Sources {
                     tracing::warn!(repo = %task.source_repo, error = %e, "the cached source is unusable; fetching it again");
                     let _held = self.repo_lock(&task.source_repo).lock_owned().await;
                     let _ = std::fs::remove_dir_all(dir);
-                    let _ = git(&bare, &["worktree", "prune"]).await;
+                    let _ = crate::worktree::git_locked(&bare, &["worktree", "prune"]).await;
                     let _ = std::fs::remove_file(bare.join("flotilla-packs"));
                 }
                 Err(e) => {
                     // Nothing half made stays (on a full disk, it would keep it full).
                     let _ = std::fs::remove_dir_all(dir);
-                    let _ = git(&bare, &["worktree", "prune"]).await;
+                    let _ = crate::worktree::git_locked(&bare, &["worktree", "prune"]).await;
                     return Err(worker_error("cannot check out the source", &e));
                 }
             }
@@ -558,8 +565,8 @@ async fn index_pack(bare: &Path, pack: &Path) -> Result<(), String> {
 pub async fn change_of(
     wt: &crate::worktree::Worktree,
     spec: &v1::TaskSpec,
-    run: &str,
-    call: u64,
+    (run, call): (&str, u64),
+    limit: usize,
 ) -> Result<Option<v1::Change>, Error> {
     let failed = |e: String| worker_error("cannot record the agent's change", &e);
     if !wt.changed().await {
@@ -602,7 +609,10 @@ pub async fn change_of(
     if commit == wt.base {
         return Ok(None);
     }
-    packed(wt, spec, commit).await.map(Some).map_err(failed)
+    packed(wt, spec, commit, limit)
+        .await
+        .map(Some)
+        .map_err(failed)
 }
 
 /// What an unfinished attempt left in its checkout, for the call's next attempt on any worker
@@ -612,6 +622,7 @@ pub async fn partial_of(
     wt: &crate::worktree::Worktree,
     spec: &v1::TaskSpec,
     (run, call, attempt): (&str, u64, u32),
+    limit: usize,
 ) -> Result<Option<v1::Change>, String> {
     if !wt.changed().await {
         return Ok(None);
@@ -621,17 +632,19 @@ pub async fn partial_of(
         spec.label
     );
     let commit = wt.snapshot(&message).await?;
-    let change = packed(wt, spec, commit).await?;
+    let change = packed(wt, spec, commit, limit).await?;
     crate::worktree::mark_partial(&wt.path, &change.commit)?;
     Ok(Some(change))
 }
 
 /// `commit` of the checkout as a change: its files and line counts since the call's base,
 /// and a pack of the objects it adds.
+/// A pack over `limit` bytes is cut there (it is never sent: the caller sees it does not fit).
 async fn packed(
     wt: &crate::worktree::Worktree,
     spec: &v1::TaskSpec,
     commit: String,
+    limit: usize,
 ) -> Result<v1::Change, String> {
     let (mut files, mut insertions, mut deletions) = (Vec::new(), 0u32, 0u32);
     for line in wt
@@ -662,10 +675,37 @@ async fn packed(
             .await
             .map_err(|e| e.to_string())?;
     }
+    // Read no more than fits: an agent that leaves gigabytes must not take the worker's
+    // memory with them.
+    let mut pack = Vec::new();
+    if let Some(stdout) = child.stdout.take() {
+        use tokio::io::AsyncReadExt;
+        stdout
+            .take(limit as u64 + 1)
+            .read_to_end(&mut pack)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    if pack.len() > limit {
+        let _ = child.kill().await;
+        return Ok(v1::Change {
+            repo: spec.source_repo.clone(),
+            base: wt.base.clone(),
+            commit,
+            pack,
+            files,
+            insertions,
+            deletions,
+        });
+    }
     let out = child.wait_with_output().await.map_err(|e| e.to_string())?;
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
     }
+    let out = std::process::Output {
+        stdout: pack,
+        ..out
+    };
     // Objects a sandboxed agent's commits made live in the checkout's git directory, which
     // goes with it: into the cache with them (index-pack checks each).
     let own = wt.admin().join("objects");

@@ -124,6 +124,7 @@ impl Worker {
     /// longer than the lease TTL (the coordinator has restarted them elsewhere by then), it
     /// cancels them.
     pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
+        crate::sandbox::jail_git(&self.opts.sandbox);
         let sources = Arc::new(
             crate::source::Sources::with_limit(
                 &self.opts.workspace,
@@ -552,6 +553,11 @@ async fn run_attempt_in(
                         backend.run(&task, &events, cancel.clone()).await
                     };
                     let mut result = result;
+                    // The agent is gone: its checkout's git directory is made plain before
+                    // the worker's git reads it.
+                    if let Some(wt) = &worktree {
+                        wt.sanitize();
+                    }
                     // What its checkout holds now, in its usage.
                     let disk = match &worktree {
                         Some(wt) => disk_use(&wt.path),
@@ -573,7 +579,14 @@ async fn run_attempt_in(
                         // an unfinished attempt's stay for the next one (W58).
                         Some(wt) if !spec.source_repo.is_empty() => {
                             if let Ok(out) = result.as_mut() {
-                                match crate::source::change_of(wt, &spec, &a.run_id, a.call).await {
+                                match crate::source::change_of(
+                                    wt,
+                                    &spec,
+                                    (&a.run_id, a.call),
+                                    sources.max_change(),
+                                )
+                                .await
+                                {
                                     Ok(Some(c))
                                         if let Err(e) = sources.fits(out.text.len(), &c) =>
                                     {
@@ -616,6 +629,7 @@ async fn run_attempt_in(
                                     wt,
                                     &spec,
                                     (&a.run_id, a.call, a.attempt),
+                                    sources.max_change(),
                                 )
                                 .await
                                 {
@@ -687,7 +701,7 @@ async fn run_attempt_in(
 }
 
 /// Bytes of the files under `dir` (a checkout: its `.git` file is one of them), not following
-/// links.
+/// links; set-user-ID and set-group-ID bits are cleared on the way.
 fn disk_use(dir: &std::path::Path) -> u64 {
     let mut total = 0u64;
     let mut todo = vec![dir.to_owned()];
@@ -698,7 +712,19 @@ fn disk_use(dir: &std::path::Path) -> u64 {
         for e in entries.flatten() {
             match e.metadata() {
                 Ok(m) if m.is_dir() => todo.push(e.path()),
-                Ok(m) => total += m.len(),
+                Ok(m) => {
+                    total += m.len();
+                    // No set-user-ID file an agent made outlives its sandbox (inside, it
+                    // was the worker's user).
+                    use std::os::unix::fs::PermissionsExt;
+                    let mode = m.permissions().mode();
+                    if m.is_file() && mode & 0o6000 != 0 {
+                        let _ = std::fs::set_permissions(
+                            e.path(),
+                            std::fs::Permissions::from_mode(mode & !0o6000),
+                        );
+                    }
+                }
                 Err(_) => {}
             }
         }

@@ -18,6 +18,25 @@ use tokio::sync::Mutex;
 /// Serializes `git worktree add/remove` (they take repository-wide locks).
 static GIT: Mutex<()> = Mutex::const_new(());
 
+/// Longest the worker's git on a checkout may take.
+const GIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+/// Longest `git worktree add/remove/prune` may hold [`GIT`] (what another checkout's git
+/// directory holds must never wedge every checkout of the worker).
+const LOCKED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// [`git`] for a command run holding [`GIT`], cut off after [`LOCKED_TIMEOUT`].
+pub(crate) async fn git_locked(dir: &Path, args: &[&str]) -> Result<String, String> {
+    tokio::time::timeout(LOCKED_TIMEOUT, git(dir, args))
+        .await
+        .map_err(|_| {
+            format!(
+                "git {} took more than {} s",
+                args.join(" "),
+                LOCKED_TIMEOUT.as_secs()
+            )
+        })?
+}
+
 /// One call's worktree.
 #[derive(Debug, Clone)]
 pub struct Worktree {
@@ -50,7 +69,12 @@ pub enum Finished {
 /// `git -C dir` with hooks, an fsmonitor command and the `ext::` transport off, no
 /// terminal prompts, killed when dropped.
 pub(crate) fn git_command(dir: &Path) -> Command {
-    let mut c = Command::new("git");
+    hardened(Command::new("git"), dir)
+}
+
+/// `git` (as `c`) run in `dir`, with what a repository could make it run turned off, and
+/// no automatic gc or maintenance (a shared cache is not the agent's to repack).
+fn hardened(mut c: Command, dir: &Path) -> Command {
     c.arg("-C")
         .arg(dir)
         .args([
@@ -58,6 +82,10 @@ pub(crate) fn git_command(dir: &Path) -> Command {
             "core.hooksPath=/dev/null",
             "-c",
             "core.fsmonitor=false",
+            "-c",
+            "gc.auto=0",
+            "-c",
+            "maintenance.auto=false",
         ])
         .args(["-c", "protocol.ext.allow=never"])
         .env("GIT_TERMINAL_PROMPT", "0")
@@ -88,7 +116,13 @@ async fn admin_dir(repo: &Path, path: &Path) -> Option<PathBuf> {
     let common = repo.join(common);
     let want = path.canonicalize().ok()?.join(".git");
     for entry in std::fs::read_dir(common.join("worktrees")).ok()?.flatten() {
-        let Ok(named) = std::fs::read_to_string(entry.path().join("gitdir")) else {
+        // Only a plain file, and only its start: what an agent left there (a FIFO, a link
+        // to /dev/zero) must not hang or exhaust the worker.
+        let gitdir = entry.path().join("gitdir");
+        if !std::fs::symlink_metadata(&gitdir).is_ok_and(|m| m.is_file() && m.len() < 4096) {
+            continue;
+        }
+        let Ok(named) = std::fs::read_to_string(&gitdir) else {
             continue;
         };
         let named = PathBuf::from(named.trim());
@@ -106,16 +140,47 @@ async fn admin_dir(repo: &Path, path: &Path) -> Option<PathBuf> {
 /// git on the checkout at `path` whose git directory is `admin`: never the one its `.git`
 /// file names, with the common directory named too (an agent may rewrite `admin/commondir`),
 /// and the objects an agent's commits made in a sandbox (`admin/objects`) in view.
-fn command_in(admin: &Path, path: &Path) -> Command {
-    let mut c = git_command(path);
+fn command_in(admin: &Path, path: &Path, mounts: &[crate::sandbox::Mount]) -> Command {
+    let mut c = hardened(crate::sandbox::worker_git(mounts), path);
     c.arg(format!("--git-dir={}", admin.display()))
         .arg(format!("--work-tree={}", path.display()));
     pin_common(&mut c, admin);
     c
 }
 
+/// What the worker's git on a source checkout at `path` (a repository of its own) sees when
+/// it runs sandboxed: the checkout, and the cache's objects it borrows (`objects`, as the
+/// worker knows them, never as the checkout's alternates file says), read-only.
+fn own_jail(objects: &Path, path: &Path) -> Vec<crate::sandbox::Mount> {
+    use crate::sandbox::Mount;
+    vec![Mount::Ro(objects.to_owned()), Mount::Rw(path.to_owned())]
+}
+
+/// What the worker's git on the checkout at `path` (git directory `admin`) sees when it runs
+/// sandboxed: the repository (its config, hooks and info read-only, so nothing there is ever
+/// the agent's) and the checkout.
+fn jailed(admin: &Path, path: &Path) -> Vec<crate::sandbox::Mount> {
+    use crate::sandbox::Mount;
+    let common = admin
+        .parent()
+        .and_then(Path::parent)
+        .unwrap_or(admin)
+        .to_owned();
+    vec![
+        Mount::Rw(common.clone()),
+        Mount::RoIfThere(common.join("config")),
+        Mount::RoIfThere(common.join("hooks")),
+        Mount::RoIfThere(common.join("info")),
+        Mount::Rw(path.to_owned()),
+    ]
+}
+
 /// Names `admin`'s common directory (`<common>/worktrees/NAME`) and its own objects for `c`.
 fn pin_common(c: &mut Command, admin: &Path) {
+    if admin.file_name() == Some(std::ffi::OsStr::new(".git")) {
+        // A repository of its own: nothing shared to pin.
+        return;
+    }
     if let Some(common) = admin.parent().and_then(Path::parent) {
         c.env("GIT_COMMON_DIR", common);
     }
@@ -126,11 +191,22 @@ fn pin_common(c: &mut Command, admin: &Path) {
 }
 
 /// Runs git on the checkout at `path` whose git directory is `admin` (see [`command_in`]).
-async fn git_in(admin: &Path, path: &Path, args: &[&str]) -> Result<String, String> {
-    let out = command_in(admin, path)
-        .args(args)
-        .output()
+async fn git_in(
+    admin: &Path,
+    path: &Path,
+    mounts: &[crate::sandbox::Mount],
+    args: &[&str],
+) -> Result<String, String> {
+    let run = command_in(admin, path, mounts).args(args).output();
+    let out = tokio::time::timeout(GIT_TIMEOUT, run)
         .await
+        .map_err(|_| {
+            format!(
+                "git {} took more than {} minutes",
+                args.first().unwrap_or(&""),
+                GIT_TIMEOUT.as_secs() / 60
+            )
+        })?
         .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
@@ -184,9 +260,14 @@ impl Worktree {
             false => None,
         };
         if let Some(admin) = earlier
-            && git_in(&admin, &path, &["rev-parse", "--abbrev-ref", "HEAD"])
-                .await
-                .as_deref()
+            && git_in(
+                &admin,
+                &path,
+                &jailed(&admin, &path),
+                &["rev-parse", "--abbrev-ref", "HEAD"],
+            )
+            .await
+            .as_deref()
                 == Ok(branch.as_str())
         {
             // The commit it started from, as its first attempt wrote it down.
@@ -274,21 +355,25 @@ impl Worktree {
 
     /// Removes the worktree whatever it holds (its commits stay in the repository).
     pub async fn discard(&self) {
-        let _git = GIT.lock().await;
-        if git(
-            &self.repo,
-            &[
-                "worktree",
-                "remove",
-                "--force",
-                &self.path.to_string_lossy(),
-            ],
-        )
-        .await
-        .is_err()
-        {
+        if self.own_repo() {
             let _ = std::fs::remove_dir_all(&self.path);
-            let _ = git(&self.repo, &["worktree", "prune"]).await;
+        } else {
+            let _git = GIT.lock().await;
+            if git_locked(
+                &self.repo,
+                &[
+                    "worktree",
+                    "remove",
+                    "--force",
+                    &self.path.to_string_lossy(),
+                ],
+            )
+            .await
+            .is_err()
+            {
+                let _ = std::fs::remove_dir_all(&self.path);
+                let _ = git_locked(&self.repo, &["worktree", "prune"]).await;
+            }
         }
         let _ = std::fs::remove_file(base_file(&self.path));
         let _ = std::fs::remove_file(partial_file(&self.path));
@@ -308,7 +393,9 @@ impl Worktree {
     }
 
     /// A checkout of `commit` of the (bare) repository `repo` at `dir`, on no branch: a run
-    /// source's checkout for one call.
+    /// source's checkout for one call. It is a repository of its own that borrows the
+    /// cache's objects (`objects/info/alternates`): what its agent writes in its `.git`
+    /// (config, hooks, objects of its commits) is its own, and never touches the cache.
     pub async fn detached(repo: &Path, dir: &Path, commit: &str) -> Result<Worktree, String> {
         if let Some(parent) = dir.parent() {
             std::fs::create_dir_all(parent)
@@ -316,72 +403,139 @@ impl Worktree {
         }
         // An empty directory in the way (a scratch directory of an earlier version).
         let _ = std::fs::remove_dir(dir);
-        {
-            let _git = GIT.lock().await;
+        let objects =
+            PathBuf::from(git(repo, &["rev-parse", "--absolute-git-dir"]).await?).join("objects");
+        let made = async {
             git(
-                repo,
-                &[
-                    "worktree",
-                    "add",
-                    "--quiet",
-                    "--detach",
-                    &dir.to_string_lossy(),
-                    commit,
-                ],
+                dir.parent().unwrap_or(dir),
+                &["init", "-q", &dir.to_string_lossy()],
             )
             .await?;
+            let admin = dir.join(".git");
+            std::fs::write(
+                admin.join("objects").join("info").join("alternates"),
+                format!("{}\n", objects.display()),
+            )
+            .map_err(|e| format!("cannot write {}: {e}", admin.display()))?;
+            // The files, from the cache's objects (the worker's git, on a directory no agent
+            // has had yet).
+            git(dir, &["checkout", "-q", "--detach", commit]).await
+        };
+        if let Err(e) = made.await {
+            let _ = std::fs::remove_dir_all(dir);
+            return Err(e);
         }
         std::fs::write(base_file(dir), commit)
             .map_err(|e| format!("cannot write {}: {e}", base_file(dir).display()))?;
         let path = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
-        let admin = admin_dir(repo, &path)
-            .await
-            .ok_or_else(|| format!("git made no worktree at {}", path.display()))?;
         Ok(Worktree {
             workdir: path.clone(),
+            admin: path.join(".git"),
             path,
             branch: String::new(),
             base: commit.to_owned(),
             reused: false,
             repo: repo.to_owned(),
-            admin,
         })
     }
 
-    /// The checkout an earlier attempt of the call made at `dir`, if it is there.
+    /// The checkout an earlier attempt of the call made at `dir`, if it is there (a
+    /// repository of its own: its `.git` a directory, not something an agent put there).
     pub async fn existing(repo: &Path, dir: &Path) -> Option<Worktree> {
         let path = dir.canonicalize().ok()?;
-        let admin = admin_dir(repo, &path).await?;
+        if !std::fs::symlink_metadata(path.join(".git")).is_ok_and(|m| m.is_dir()) {
+            return None;
+        }
         let base = std::fs::read_to_string(base_file(&path))
             .ok()?
             .trim()
             .to_owned();
         Some(Worktree {
             workdir: path.clone(),
+            admin: path.join(".git"),
             path,
             branch: String::new(),
             base,
             reused: true,
             repo: repo.to_owned(),
-            admin,
         })
     }
 
     /// Runs git on this checkout (its own git directory named, see [`Worktree::admin`]).
     pub async fn git(&self, args: &[&str]) -> Result<String, String> {
-        git_in(&self.admin, &self.path, args).await
+        git_in(&self.admin, &self.path, &self.mounts(), args).await
     }
 
     /// A git command on this checkout, to add arguments, input or environment to.
     pub fn command(&self) -> Command {
-        command_in(&self.admin, &self.path)
+        command_in(&self.admin, &self.path, &self.mounts())
+    }
+
+    /// What the worker's git on this checkout sees when it runs sandboxed.
+    fn mounts(&self) -> Vec<crate::sandbox::Mount> {
+        if self.own_repo() {
+            own_jail(&self.repo.join("objects"), &self.path)
+        } else {
+            jailed(&self.admin, &self.path)
+        }
     }
 
     /// A git command on the repository, seeing the objects of this checkout's agent too.
     pub fn repo_command(&self) -> Command {
-        let mut c = git_command(&self.repo);
+        if self.own_repo() {
+            return self.command();
+        }
+        let mut c = hardened(
+            crate::sandbox::worker_git(&jailed(&self.admin, &self.path)),
+            &self.repo,
+        );
         pin_common(&mut c, &self.admin);
         c
+    }
+
+    /// A source checkout: a repository of its own (not a worktree of `repo`).
+    pub fn own_repo(&self) -> bool {
+        self.admin == self.path.join(".git")
+    }
+
+    /// Makes the checkout's git directory plain again once its agent is gone: anything in
+    /// it that is not a regular file or a directory (a link to a file of the worker's, a
+    /// FIFO that would hang git) goes, and so does worktree-only config.
+    pub fn sanitize(&self) {
+        // Never a link to somewhere else: then there is nothing here to clean (and the
+        // worker's git on it fails).
+        if !std::fs::symlink_metadata(&self.admin).is_ok_and(|m| m.is_dir()) {
+            let _ = std::fs::remove_file(&self.admin);
+            return;
+        }
+        let mut todo = vec![self.admin.clone()];
+        while let Some(dir) = todo.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let Ok(t) = e.file_type() else { continue };
+                if t.is_dir() {
+                    todo.push(e.path());
+                } else if !t.is_file() {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let _ = std::fs::remove_file(self.admin.join("config.worktree"));
+        if self.own_repo() {
+            // A repository of its own has no business naming another git directory, and it
+            // borrows the cache's objects, nothing else.
+            let _ = std::fs::remove_file(self.admin.join("commondir"));
+            let _ = std::fs::remove_file(self.admin.join("gitdir"));
+            let info = self.admin.join("objects").join("info");
+            if std::fs::symlink_metadata(&info).is_ok_and(|m| m.is_dir()) {
+                let _ = std::fs::write(
+                    info.join("alternates"),
+                    format!("{}\n", self.repo.join("objects").display()),
+                );
+            }
+        }
     }
 
     /// The checkout's own git directory (`<common>/worktrees/NAME`).
@@ -500,7 +654,7 @@ impl Worktree {
             return Finished::Kept;
         }
         let _git = GIT.lock().await;
-        let removed = git(
+        let removed = git_locked(
             &self.repo,
             &[
                 "worktree",
@@ -512,7 +666,7 @@ impl Worktree {
         .await;
         if removed.is_err() {
             let _ = std::fs::remove_dir_all(&self.path);
-            let _ = git(&self.repo, &["worktree", "prune"]).await;
+            let _ = git_locked(&self.repo, &["worktree", "prune"]).await;
         }
         if !self.branch.is_empty() {
             let _ = git(&self.repo, &["branch", "-D", &self.branch]).await;

@@ -553,3 +553,87 @@ fn an_embedded_run_with_sandbox_keeps_agents_to_the_repository() {
         "the repository is the agent's to edit"
     );
 }
+
+/// Traps an agent sets for the git the worker runs on its checkout afterwards: a nested
+/// repository whose filter would run a command, links from the checkout's git directory to
+/// files of the worker's, a FIFO that would hang git, a set-user-ID copy of a program. None
+/// springs; the change still comes home and the worker goes on.
+#[test]
+fn traps_for_the_worker_s_git_spring_on_nothing() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let src = c.path().join("repo");
+    repo(&src);
+    let sprung = c.path().join("sprung");
+    let victim = c.path().join("victim.txt");
+    std::fs::write(&victim, "the worker's file\n").unwrap();
+    let trap = format!(
+        "set -e; admin=.git; \
+         mkdir sub; cd sub; git init -q; git config filter.pwn.clean 'sh -c \"id > {sprung}; cat\"'; \
+         git config filter.pwn.smudge cat; echo '* filter=pwn' > .gitattributes; echo x > f; \
+         git add -A; git -c user.name=a -c user.email=a@a commit -qm sub; echo y > f; cd ..; git add sub; \
+         echo '* filter=pwn' >> .gitattributes; \
+         ln -sf {victim} $admin/COMMIT_EDITMSG; mkdir -p $admin/logs; ln -sf {victim} $admin/logs/HEAD; \
+         printf '[extensions]\\n' > $admin/config.worktree; \
+         cp /usr/bin/id suid-id; chmod 4755 suid-id; \
+         echo kept > kept.txt; rm -f $admin/ORIG_HEAD; mkfifo $admin/ORIG_HEAD; echo set",
+        sprung = sprung.display(),
+        victim = victim.display(),
+    );
+    let launch_in_repo = |name: &str, body: &str| {
+        let script = c.path().join(format!("{name}.js"));
+        std::fs::write(
+            &script,
+            format!("export const meta = {{ name: '{name}', description: 'traps' }};\n{body}\n"),
+        )
+        .unwrap();
+        let out = c.client_in(
+            &src,
+            &[
+                "launch",
+                script.to_str().unwrap(),
+                "--json",
+                "--backend",
+                "exec",
+            ],
+        );
+        assert_eq!(out.code, 0, "{out:?}");
+        out.json()["run_id"].as_str().unwrap().to_owned()
+    };
+    let run = launch_in_repo(
+        "trap",
+        &format!("return await agent({});", serde_json::Value::String(trap)),
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "set", "{r}");
+    assert!(
+        !sprung.exists(),
+        "the agent's filter never ran on the worker"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&victim).unwrap(),
+        "the worker's file\n",
+        "no worker file was written through the agent's links"
+    );
+    let mut setuid = Vec::new();
+    let mut todo = vec![c.path().join("ws-0")];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            if m.is_dir() {
+                todo.push(e.path());
+            } else if m.is_file() && m.permissions().mode() & 0o6000 != 0 {
+                setuid.push(e.path());
+            }
+        }
+    }
+    assert!(setuid.is_empty(), "no set-user-ID file stays: {setuid:?}");
+    assert_eq!(r["changes"]["merged"], 1, "the change came home: {r}");
+    // The worker goes on: the next checkout of the same repository is made.
+    let again = launch_in_repo("again", "return await agent('cat code.txt');");
+    let (code, r) = c.wait(&again);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "code", "{r}");
+}

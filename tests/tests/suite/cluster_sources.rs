@@ -696,15 +696,15 @@ fn an_agent_that_repoints_its_checkout_s_git_runs_nothing_on_the_worker() {
     let repo = c.path().join("repo");
     clean_repo(&repo);
     let marker = c.path().join("ran-on-the-worker");
-    // The agent makes a git directory of its own whose config runs a command as a clean
-    // filter, hook and fsmonitor, points its checkout's `.git` at it, and edits a file: the
-    // worker records the change without reading that directory.
+    // The agent's checkout is a repository of its own: it writes a clean filter, an
+    // fsmonitor and a hook that run a command into its git config, and edits a file. The
+    // worker's git on the checkout runs in a sandbox of its own, so none of them reaches the
+    // worker; the change is still recorded.
     let m = marker.display();
     let prompt = format!(
-        "git init -q --bare evil && \
-         printf '[filter \"x\"]\\n\\tclean = sh -c \"touch {m}; cat\"\\n[core]\\n\\tfsmonitor = touch {m}\\n' >> evil/config && \
-         mkdir -p evil/hooks && printf '#!/bin/sh\\ntouch {m}\\n' > evil/hooks/post-commit && chmod +x evil/hooks/post-commit && \
-         echo '* filter=x' > .gitattributes && echo \"gitdir: $PWD/evil\" > .git && \
+        "printf '[filter \"x\"]\\n\\tclean = sh -c \"touch {m}; cat\"\\n[core]\\n\\tfsmonitor = touch {m}\\n' >> .git/config && \
+         mkdir -p .git/hooks && printf '#!/bin/sh\\ntouch {m}\\n' > .git/hooks/post-commit && chmod +x .git/hooks/post-commit && \
+         echo '* filter=x' > .gitattributes && \
          echo edited >> same.txt && echo done"
     );
     let script = c.path().join("evil.js");

@@ -338,9 +338,14 @@ const PASSED: &[&str] = &[
 /// `package.json`), else the executable's own directory: what the sandbox shows of it.
 fn package_root(bin: &std::path::Path) -> PathBuf {
     let dir = bin.parent().unwrap_or(bin);
+    // Only Claude Code's own package: never a project or home directory that happens to
+    // hold a package.json.
     dir.ancestors()
         .take(4)
-        .find(|d| d.join("package.json").is_file())
+        .find(|d| {
+            std::fs::read_to_string(d.join("package.json"))
+                .is_ok_and(|p| p.contains("\"@anthropic-ai/claude-code\""))
+        })
         .unwrap_or(dir)
         .to_owned()
 }
@@ -397,7 +402,8 @@ impl AgentBackend for ClaudeCode {
                         ),
                     )
                 })?;
-            jail.ro.push(package_root(&bin));
+            jail.mounts
+                .push(crate::sandbox::Mount::Ro(package_root(&bin)));
             program = bin.into_os_string();
             env[0].1 = format!("{}/.claude", crate::sandbox::HOME);
             env.push(("ANTHROPIC_BASE_URL".into(), crate::sandbox::API_URL.into()));

@@ -73,6 +73,15 @@ impl Task {
             ..Default::default()
         };
         match &self.worktree {
+            Some(wt) if wt.own_repo() => {
+                use crate::sandbox::Mount;
+                // A source checkout is a repository of its own: it and the cache's objects it
+                // borrows (read-only) are all there is.
+                jail.mounts.extend([
+                    Mount::Ro(wt.repo().join("objects")),
+                    Mount::Rw(wt.path.clone()),
+                ]);
+            }
             Some(wt) => {
                 let common = wt.common_dir();
                 let own = wt.admin().join("objects");
@@ -82,9 +91,15 @@ impl Task {
                         format!("cannot make {}: {e}", own.display()),
                     )
                 })?;
-                jail.ro.push(common.clone());
-                jail.rw.push(wt.path.clone());
-                jail.rw.push(wt.admin().to_owned());
+                use crate::sandbox::Mount;
+                // The repository read-only, other checkouts' git directories hidden, this
+                // one's read-write, and its agent's objects in it.
+                jail.mounts.extend([
+                    Mount::Ro(common.clone()),
+                    Mount::Hide(common.join("worktrees")),
+                    Mount::Rw(wt.path.clone()),
+                    Mount::Rw(wt.admin().to_owned()),
+                ]);
                 jail.env.extend([
                     ("GIT_OBJECT_DIRECTORY".into(), own.display().to_string()),
                     (
@@ -93,8 +108,19 @@ impl Task {
                     ),
                 ]);
             }
-            None if self.workspace.is_shared() => jail.rw.push(self.workspace.root().to_owned()),
-            None => jail.rw.push(workdir),
+            None if self.workspace.is_shared() => {
+                use crate::sandbox::Mount;
+                // The user's repository, but what their own git and flotilla would run.
+                let root = self.workspace.root();
+                jail.mounts.extend([
+                    Mount::Rw(root.to_owned()),
+                    Mount::RoIfThere(root.join(".git").join("hooks")),
+                    Mount::RoIfThere(root.join(".git").join("config")),
+                    Mount::RoIfThere(root.join(".git").join("info")),
+                    Mount::RoIfThere(root.join(".flotilla")),
+                ]);
+            }
+            None => jail.mounts.push(crate::sandbox::Mount::Rw(workdir)),
         }
         Ok(jail)
     }
