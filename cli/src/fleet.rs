@@ -574,6 +574,10 @@ pub struct WorkerArgs {
     /// [default: 4h].
     #[arg(long, env = "FLOTILLA_MAX_ATTEMPT_TIME", value_name = "DUR")]
     max_attempt_time: Option<String>,
+    /// How attempts' memory and process limits are held: `auto` (a cgroup per attempt where
+    /// this worker may make one, else rlimits) or `rlimits` [default: auto].
+    #[arg(long, env = "FLOTILLA_LIMITS_VIA", value_name = "auto|rlimits")]
+    limits_via: Option<String>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -691,7 +695,17 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             Err(e) => return fail(2, e),
         }
     }
-    let limits = flotilla_worker::limits::Limits::detect(settings);
+    let rlimits = match a.limits_via.as_deref().unwrap_or("auto") {
+        "auto" => false,
+        "rlimits" => true,
+        other => {
+            return fail(
+                2,
+                format!("--limits-via takes auto or rlimits (got {other:?})"),
+            );
+        }
+    };
+    let limits = flotilla_worker::limits::Limits::detect_with(settings, rlimits);
     eprintln!("flotilla worker: {}", limits.describe());
     let mut backends: Vec<Arc<dyn AgentBackend>> = Vec::new();
     for b in &a.backends {

@@ -92,9 +92,16 @@ fn is_cgroup2(path: &Path) -> bool {
 impl Limits {
     /// Finds how `settings` can be enforced on this machine (cgroup v2, v1, else rlimits).
     pub fn detect(settings: Settings) -> Limits {
+        Self::detect_with(settings, false)
+    }
+
+    /// [`Limits::detect`]; `rlimits`: through rlimits even where a cgroup could be made.
+    pub fn detect_with(settings: Settings, rlimits: bool) -> Limits {
         let tag = format!("flotilla-{}", std::process::id());
         let root = Path::new("/sys/fs/cgroup");
-        let how = if is_cgroup2(root) {
+        let how = if rlimits {
+            How::Rlimits
+        } else if is_cgroup2(root) {
             own_cgroup("")
                 .map(|own| root.join(own.trim_start_matches('/')))
                 .and_then(|own| {
@@ -151,6 +158,31 @@ impl Limits {
             s.wall
                 .map_or_else(|| "none".to_owned(), |w| format!("{}s", w.as_secs())),
         )
+    }
+
+    /// A group for the worker's own git on checkouts (what an agent left there could make it
+    /// run): 2 GiB and 256 processes at most, for the worker's life.
+    pub fn worker_git(&self) -> Attempt {
+        let mut l = self.clone();
+        l.settings.memory = Some(2 << 30);
+        l.settings.procs = Some(256);
+        l.attempt("worker-git")
+    }
+
+    /// Under rlimits, which say nothing of why a process ended: what the limits are, to
+    /// add to an attempt's failure.
+    pub fn rlimits_hint(&self) -> Option<String> {
+        matches!(self.how, How::Rlimits).then(|| {
+            format!(
+                " (this worker holds each attempt to {} of address space and {} processes by rlimits)",
+                self.settings
+                    .memory
+                    .map_or_else(|| "any amount".to_owned(), |m| format!("{} MiB", m >> 20)),
+                self.settings
+                    .procs
+                    .map_or_else(|| "any number of".to_owned(), |p| p.to_string()),
+            )
+        })
     }
 
     /// The limits of one attempt (its groups are made now and go when it is dropped).
@@ -253,31 +285,28 @@ impl Attempt {
                 .find_map(|l| l.strip_prefix(key).map(|n| n.trim().parse().unwrap_or(0)))
                 .unwrap_or(0)
         };
+        let (mut oom, mut pids) = (0, 0);
         for g in &self.groups {
-            let (oom, pids) = if g.join("memory.events").exists() || g.join("pids.events").exists()
-            {
-                (
-                    count(g.join("memory.events"), "oom_kill "),
-                    count(g.join("pids.events"), "max "),
-                )
+            if g.join("memory.events").exists() || g.join("pids.events").exists() {
+                oom += count(g.join("memory.events"), "oom_kill ");
+                pids += count(g.join("pids.events"), "max ");
             } else {
-                (
-                    count(g.join("memory.oom_control"), "oom_kill "),
-                    count(g.join("pids.events"), "max "),
-                )
-            };
-            if oom > 0 {
-                return Some(format!(
-                    "the agent went over its memory limit of {} MiB and was killed (the worker's --memory-mib)",
-                    self.settings.memory.unwrap_or(0) >> 20
-                ));
+                oom += count(g.join("memory.oom_control"), "oom_kill ");
+                pids += count(g.join("pids.events"), "max ");
             }
-            if pids > 0 {
-                return Some(format!(
-                    "the agent tried to run more than {} processes at once (the worker's --max-procs)",
-                    self.settings.procs.unwrap_or(0)
-                ));
-            }
+        }
+        // Processes first: a fork bomb runs into both, and that is what it did.
+        if pids > 0 {
+            return Some(format!(
+                "the agent tried to run more than {} processes at once (the worker's --max-procs)",
+                self.settings.procs.unwrap_or(0)
+            ));
+        }
+        if oom > 0 {
+            return Some(format!(
+                "the agent went over its memory limit of {} MiB and was killed (the worker's --memory-mib)",
+                self.settings.memory.unwrap_or(0) >> 20
+            ));
         }
         None
     }

@@ -406,12 +406,14 @@ impl Bwrap {
 
 /// The sandbox the worker's own git runs in on checkouts (set once, when agents are
 /// sandboxed): what an agent left there is never read by a git outside one.
-static GIT_JAIL: std::sync::OnceLock<Sandbox> = std::sync::OnceLock::new();
+static GIT_JAIL: std::sync::OnceLock<(Sandbox, crate::limits::Attempt)> =
+    std::sync::OnceLock::new();
 
-/// Runs the worker's git on checkouts in `s` from now on (when it is a sandbox).
-pub fn jail_git(s: &Sandbox) {
-    if s.is_on() {
-        let _ = GIT_JAIL.set(s.clone());
+/// Runs the worker's git on checkouts in `s`, under `limits`, from now on (when `s` is a
+/// sandbox).
+pub fn jail_git(s: &Sandbox, limits: &crate::limits::Limits) {
+    if s.is_on() && GIT_JAIL.get().is_none() {
+        let _ = GIT_JAIL.set((s.clone(), limits.worker_git()));
     }
 }
 
@@ -420,7 +422,7 @@ pub fn jail_git(s: &Sandbox) {
 /// of the worker's environment but what the caller sets, when agents are sandboxed; else
 /// plain. The command's arguments follow `git`.
 pub fn worker_git(mounts: &[Mount]) -> Command {
-    let Some(Sandbox::Bwrap(b)) = GIT_JAIL.get() else {
+    let Some((Sandbox::Bwrap(b), limits)) = GIT_JAIL.get() else {
         return Command::new("git");
     };
     let mut a: Vec<OsString> = Vec::new();
@@ -428,7 +430,7 @@ pub fn worker_git(mounts: &[Mount]) -> Command {
     Bwrap::mounts(&mut a, mounts);
     Bwrap::seal(&mut a);
     a.extend(["--".into(), "git".into()]);
-    let mut c = Command::new(&b.bin);
+    let mut c = prefixed(&limits.prefix(), b.bin.as_os_str());
     c.args(a)
         .env_clear()
         .env("PATH", PATH)

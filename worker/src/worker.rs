@@ -124,7 +124,7 @@ impl Worker {
     /// longer than the lease TTL (the coordinator has restarted them elsewhere by then), it
     /// cancels them.
     pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
-        crate::sandbox::jail_git(&self.opts.sandbox);
+        crate::sandbox::jail_git(&self.opts.sandbox, &self.opts.limits);
         let sources = Arc::new(
             crate::source::Sources::with_limit(
                 &self.opts.workspace,
@@ -573,6 +573,10 @@ async fn run_attempt_in(
                         let mut e = Error::new(FailureKind::Terminal, why);
                         e.usage = usage;
                         result = Err(e);
+                    } else if let (Err(e), Some(hint)) = (result.as_mut(), limits.rlimits_hint())
+                        && e.kind == FailureKind::Terminal
+                    {
+                        e.message.push_str(&hint);
                     }
                     match &worktree {
                         // A source checkout: a finished agent's edits go back as its change;

@@ -637,3 +637,41 @@ fn traps_for_the_worker_s_git_spring_on_nothing() {
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], "code", "{r}");
 }
+
+#[test]
+fn where_no_cgroup_is_made_rlimits_hold_an_attempt_and_its_failure_says_them() {
+    let c = Cluster::start_workers_with(
+        1,
+        2,
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "sh",
+            "--memory-mib",
+            "256",
+            "--limits-via",
+            "rlimits",
+        ],
+        Vec::new(),
+    );
+    let log = std::fs::read_to_string(c.path().join("worker-0.log")).unwrap();
+    assert!(log.contains("through rlimits"), "{log}");
+    let run = c.launch(
+        "hog",
+        "return await parallel([\n\
+           () => agent('python3 -c \"x = bytearray(1024 * 1024 * 1024)\"', { label: 'hog' }),\n\
+           () => agent('echo calm', { label: 'calm' }),\n\
+         ]);",
+        &["--backend", "exec"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"][1], "calm", "{r}");
+    assert!(r["result"][0].is_null(), "{r}");
+    let failures = r["failures"].to_string();
+    assert!(
+        failures.contains("MemoryError") && failures.contains("256 MiB of address space"),
+        "{failures}"
+    );
+}
