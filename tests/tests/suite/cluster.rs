@@ -69,8 +69,10 @@ fn a_killed_worker_s_calls_finish_on_the_others() {
         "return (await parallel(Array.from({ length: 24 }, (_, i) => () => agent('slow ' + i + ' [[sleep:1500]]')))).filter(Boolean).length;",
         &["--stagger", "0", "--concurrency", "12"],
     );
-    // Let the attempts start everywhere, then kill a worker in the middle of them.
-    std::thread::sleep(Duration::from_millis(700));
+    // Every slot of every worker busy, then a worker is killed in the middle of them.
+    wait_until("12 attempts are running", Duration::from_secs(30), || {
+        status(&c, &run)["running"].as_u64().unwrap_or(0) >= 12
+    });
     c.signal_worker(0, "-9");
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
@@ -232,7 +234,9 @@ fn a_frozen_worker_s_late_outcomes_are_fenced_off() {
         "return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('job ' + i + ' [[sleep:1500]]')))).filter(Boolean).length;",
         &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "10m"],
     );
-    std::thread::sleep(Duration::from_millis(500));
+    wait_until("both workers run 4 attempts", Duration::from_secs(30), || {
+        status(&c, &run)["running"].as_u64().unwrap_or(0) >= 8
+    });
     c.signal_worker(0, "-STOP");
     // Past its lease TTL (plus the keep-alive pings that find its stream dead), the lease
     // lapses and its calls restart on worker 1; then it wakes up and answers late.
@@ -242,7 +246,10 @@ fn a_frozen_worker_s_late_outcomes_are_fenced_off() {
         &["lease lapsed"],
         Duration::from_secs(30),
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // Its calls run again on worker 1 when it wakes up.
+    wait_until("the restarted attempts run", Duration::from_secs(30), || {
+        status(&c, &run)["running"].as_u64().unwrap_or(0) >= 4
+    });
     c.signal_worker(0, "-CONT");
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
@@ -266,7 +273,9 @@ fn a_worker_cut_off_briefly_keeps_its_attempts() {
         "return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('job ' + i + ' [[sleep:2500]]')))).filter(Boolean).length;",
         &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "10m"],
     );
-    std::thread::sleep(Duration::from_millis(700));
+    wait_until("8 attempts are running", Duration::from_secs(30), || {
+        status(&c, &run)["running"].as_u64().unwrap_or(0) >= 8
+    });
     // Both workers lose their streams mid-attempt and reconnect within the lease TTL.
     c.proxy.as_ref().unwrap().cut();
     let (code, r) = c.wait(&run);
@@ -344,7 +353,9 @@ fn worker_leases_live_in_etcd_and_a_restart_of_etcd_does_not_fail_the_run() {
         "return (await parallel(Array.from({ length: 12 }, (_, i) => () => agent('job ' + i + ' [[sleep:800]]')))).filter(Boolean).length;",
         &["--stagger", "0", "--concurrency", "4"],
     );
-    std::thread::sleep(Duration::from_millis(300));
+    wait_until("attempts are running", Duration::from_secs(30), || {
+        status(&c, &run)["running"].as_u64().unwrap_or(0) >= 4
+    });
     etcd.restart();
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
