@@ -707,6 +707,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     };
     let limits = flotilla_worker::limits::Limits::detect_with(settings, rlimits);
     eprintln!("flotilla worker: {}", limits.describe());
+    let groups = limits.clone();
     let mut backends: Vec<Arc<dyn AgentBackend>> = Vec::new();
     for b in &a.backends {
         match b.as_str() {
@@ -761,7 +762,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     };
     let serving = flotilla_worker::remote::serve(worker, opts, cancel.clone());
     tokio::pin!(serving);
-    tokio::select! {
+    let code = tokio::select! {
         _ = shutdown_signal() => {
             cancel.cancel();
             let _ = serving.await;
@@ -771,7 +772,10 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             Ok(()) => 0,
             Err(e) => fail(1, e),
         },
-    }
+    };
+    // Its cgroups go with it (those of a worker killed outright, when the next one starts).
+    groups.cleanup();
+    code
 }
 
 // ---- clients ------------------------------------------------------------------------------

@@ -80,6 +80,36 @@ fn own_cgroup(controller: &str) -> Option<String> {
 }
 
 /// Makes `dir` (a cgroup) if it can; `true` when it is there and writable.
+/// Removes the groups of workers that are gone (`flotilla-<pid>` beside `base` whose pid no
+/// longer runs): a worker killed outright leaves its groups behind.
+fn sweep(base: &Path) {
+    let Some(parent) = base.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("flotilla-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if Path::new("/proc").join(pid.to_string()).exists() {
+            continue;
+        }
+        if let Ok(children) = std::fs::read_dir(e.path()) {
+            for c in children.flatten() {
+                if c.path().join("cgroup.procs").exists() {
+                    let _ = std::fs::remove_dir(c.path());
+                }
+            }
+        }
+        let _ = std::fs::remove_dir(e.path());
+    }
+}
+
 fn make_group(dir: &Path) -> bool {
     std::fs::create_dir_all(dir).is_ok() && dir.join("cgroup.procs").exists()
 }
@@ -134,7 +164,34 @@ impl Limits {
                 _ => How::Rlimits,
             }
         };
+        match &how {
+            How::V2(base) => sweep(base),
+            How::V1 { memory, pids } => {
+                sweep(memory);
+                sweep(pids);
+            }
+            How::Rlimits | How::None => {}
+        }
         Limits { settings, how }
+    }
+
+    /// Removes this worker's own groups (at its end; attempts' groups go with them).
+    pub fn cleanup(&self) {
+        let bases: Vec<&PathBuf> = match &self.how {
+            How::V2(base) => vec![base],
+            How::V1 { memory, pids } => vec![memory, pids],
+            How::Rlimits | How::None => Vec::new(),
+        };
+        for base in bases {
+            if let Ok(children) = std::fs::read_dir(base) {
+                for c in children.flatten() {
+                    if c.path().join("cgroup.procs").exists() {
+                        let _ = std::fs::remove_dir(c.path());
+                    }
+                }
+            }
+            let _ = std::fs::remove_dir(base);
+        }
     }
 
     /// What is enforced and how, for the worker's start.

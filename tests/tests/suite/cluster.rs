@@ -234,9 +234,11 @@ fn a_frozen_worker_s_late_outcomes_are_fenced_off() {
         "return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('job ' + i + ' [[sleep:1500]]')))).filter(Boolean).length;",
         &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "10m"],
     );
-    wait_until("both workers run 4 attempts", Duration::from_secs(30), || {
-        status(&c, &run)["running"].as_u64().unwrap_or(0) >= 8
-    });
+    wait_until(
+        "both workers run 4 attempts",
+        Duration::from_secs(30),
+        || status(&c, &run)["running"].as_u64().unwrap_or(0) >= 8,
+    );
     c.signal_worker(0, "-STOP");
     // Past its lease TTL (plus the keep-alive pings that find its stream dead), the lease
     // lapses and its calls restart on worker 1; then it wakes up and answers late.
@@ -247,9 +249,11 @@ fn a_frozen_worker_s_late_outcomes_are_fenced_off() {
         Duration::from_secs(30),
     );
     // Its calls run again on worker 1 when it wakes up.
-    wait_until("the restarted attempts run", Duration::from_secs(30), || {
-        status(&c, &run)["running"].as_u64().unwrap_or(0) >= 4
-    });
+    wait_until(
+        "the restarted attempts run",
+        Duration::from_secs(30),
+        || status(&c, &run)["running"].as_u64().unwrap_or(0) >= 4,
+    );
     c.signal_worker(0, "-CONT");
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");

@@ -311,6 +311,26 @@ fn an_attempt_over_its_limits_fails_naming_them_and_the_worker_goes_on() {
         log.contains("attempt limits: memory 64 MiB, processes 64, /tmp 16 MiB"),
         "the worker says its limits and how it keeps them: {log}"
     );
+    // Groups of workers that are gone (killed outright by earlier tests) were swept.
+    if log.contains("through cgroup v1") {
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+        let memory = own
+            .lines()
+            .find_map(|l| l.split_once(":memory:").map(|(_, p)| p.to_owned()))
+            .unwrap();
+        let dir =
+            std::path::Path::new("/sys/fs/cgroup/memory").join(memory.trim_start_matches('/'));
+        let stale: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+            .filter(|n| {
+                n.strip_prefix("flotilla-")
+                    .is_some_and(|pid| !std::path::Path::new("/proc").join(pid).exists())
+            })
+            .collect();
+        assert!(stale.is_empty(), "stale groups: {stale:?}");
+    }
     let src = c.path().join("repo");
     repo(&src);
     let script = c.path().join("greedy.js");
