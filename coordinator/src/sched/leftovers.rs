@@ -1,0 +1,156 @@
+//! What unfinished attempts left (W58 on the fleet): a call's next attempt starts from the
+//! files its last interrupted attempt left, on any worker.
+//!
+//! An attempt that ends unfinished sends its leftovers with its failure (`Failure.partial`);
+//! the dispatcher stores them off the actor and records them here once stored. A restart
+//! after a stall or a user's restart (or a pause) waits for the interrupted attempt's outcome,
+//! at most [`WAIT`]; a retry after a failure that carried leftovers waits until they are
+//! stored. This module owns that state: per call, the stored leftovers and what a retry
+//! waits for.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::CallId;
+
+/// Longest a restarted call waits for what its interrupted attempt leaves.
+pub(super) const WAIT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Default)]
+struct Entry {
+    /// The latest stored leftovers: (attempt, base, partial commit).
+    stored: Option<(u32, String, String)>,
+    /// The attempt whose leftovers (outcome, then store) a retry waits for.
+    awaiting: Option<u32>,
+    /// The retry would go now, but for the wait.
+    due: bool,
+}
+
+/// Leftovers of the calls of every run.
+#[derive(Debug, Default)]
+pub(super) struct Leftovers {
+    calls: HashMap<CallId, Entry>,
+}
+
+impl Leftovers {
+    /// `id`'s retry waits for what attempt `attempt` leaves; `due`: it would go now.
+    pub(super) fn wait_for(&mut self, id: &CallId, attempt: u32, due: bool) {
+        let e = self.calls.entry(id.clone()).or_default();
+        e.awaiting = Some(attempt);
+        e.due = due;
+    }
+
+    /// Whether `id`'s retry waits for attempt `attempt`.
+    pub(super) fn awaits(&self, id: &CallId, attempt: u32) -> bool {
+        self.calls
+            .get(id)
+            .is_some_and(|e| e.awaiting == Some(attempt))
+    }
+
+    /// Whether `id`'s retry waits for anything.
+    pub(super) fn waiting(&self, id: &CallId) -> bool {
+        self.calls.get(id).is_some_and(|e| e.awaiting.is_some())
+    }
+
+    /// `id`'s retry came due while it waits.
+    pub(super) fn set_due(&mut self, id: &CallId) {
+        if let Some(e) = self.calls.get_mut(id) {
+            e.due = true;
+        }
+    }
+
+    /// The wait for attempt `attempt` is over: whether the retry is due now (`false` when
+    /// it was not waiting for that attempt).
+    pub(super) fn end_wait(&mut self, id: &CallId, attempt: u32) -> bool {
+        match self.calls.get_mut(id) {
+            Some(e) if e.awaiting == Some(attempt) => {
+                e.awaiting = None;
+                std::mem::take(&mut e.due)
+            }
+            _ => false,
+        }
+    }
+
+    /// Attempt `attempt`'s leftovers are stored as `commit` on `base`; `false` when newer
+    /// ones are there already.
+    pub(super) fn stored(
+        &mut self,
+        id: &CallId,
+        attempt: u32,
+        base: String,
+        commit: String,
+    ) -> bool {
+        let e = self.calls.entry(id.clone()).or_default();
+        if e.stored.as_ref().is_some_and(|(a, ..)| *a >= attempt) {
+            return false;
+        }
+        e.stored = Some((attempt, base, commit));
+        true
+    }
+
+    /// Where `id`'s next attempt starts: the base and the leftovers' commit.
+    pub(super) fn start_of(&self, id: &CallId) -> Option<(&str, &str)> {
+        self.calls
+            .get(id)
+            .and_then(|e| e.stored.as_ref())
+            .map(|(_, b, c)| (b.as_str(), c.as_str()))
+    }
+
+    /// A new attempt of `id` is sent: nothing earlier holds it back any more.
+    pub(super) fn sent(&mut self, id: &CallId) {
+        if let Some(e) = self.calls.get_mut(id) {
+            e.awaiting = None;
+            e.due = false;
+        }
+    }
+
+    /// `id` is gone.
+    pub(super) fn forget(&mut self, id: &CallId) {
+        self.calls.remove(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn id(n: u64) -> CallId {
+        (Arc::from("wf_x"), n)
+    }
+
+    #[test]
+    fn a_wait_ends_once_for_its_own_attempt_and_says_whether_the_retry_is_due() {
+        let mut l = Leftovers::default();
+        l.wait_for(&id(0), 1, false);
+        assert!(l.awaits(&id(0), 1) && !l.awaits(&id(0), 2) && l.waiting(&id(0)));
+        assert!(
+            !l.end_wait(&id(0), 2),
+            "another attempt's end changes nothing"
+        );
+        l.set_due(&id(0));
+        assert!(l.end_wait(&id(0), 1), "due while it waited: it goes now");
+        assert!(!l.end_wait(&id(0), 1), "and only once");
+        assert!(!l.waiting(&id(0)));
+        // A stall's wait is due from the start; a new attempt ends every wait.
+        l.wait_for(&id(1), 3, true);
+        l.sent(&id(1));
+        assert!(!l.waiting(&id(1)) && !l.end_wait(&id(1), 3));
+    }
+
+    #[test]
+    fn the_newest_stored_leftovers_are_where_the_next_attempt_starts() {
+        let mut l = Leftovers::default();
+        assert_eq!(l.start_of(&id(0)), None);
+        assert!(l.stored(&id(0), 2, "b".into(), "p2".into()));
+        assert!(
+            !l.stored(&id(0), 1, "b".into(), "p1".into()),
+            "older ones arrive late"
+        );
+        assert_eq!(l.start_of(&id(0)), Some(("b", "p2")));
+        assert!(l.stored(&id(0), 3, "b".into(), "p3".into()));
+        assert_eq!(l.start_of(&id(0)), Some(("b", "p3")));
+        l.forget(&id(0));
+        assert_eq!(l.start_of(&id(0)), None);
+    }
+}

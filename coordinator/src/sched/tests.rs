@@ -1,0 +1,903 @@
+use super::*;
+use crate::lease::memory::MemoryLeaseStore;
+use flotilla_proto::link::{Link, link_pair};
+
+struct FakeWorker {
+    link: Link,
+}
+
+impl FakeWorker {
+    fn attach(d: &DispatchHandle, slots: u32) -> FakeWorker {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Self::attach_as(d, &format!("fake-{n}"), slots, &[])
+    }
+
+    /// Attaches as `name`, holding `held` from an earlier link.
+    fn attach_as(
+        d: &DispatchHandle,
+        name: &str,
+        slots: u32,
+        held: &[&v1::Assignment],
+    ) -> FakeWorker {
+        Self::attach_offering(d, name, slots, held, &["echo"])
+    }
+
+    fn attach_offering(
+        d: &DispatchHandle,
+        name: &str,
+        slots: u32,
+        held: &[&v1::Assignment],
+        backends: &[&str],
+    ) -> FakeWorker {
+        let (link, end) = link_pair();
+        d.attach(end);
+        let w = FakeWorker { link };
+        w.send(worker_message::Msg::Hello(v1::Hello {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            name: name.into(),
+            backends: backends.iter().map(|b| (*b).to_owned()).collect(),
+            slots,
+            held: held
+                .iter()
+                .map(|a| v1::AttemptRef {
+                    run_id: a.run_id.clone(),
+                    call: a.call,
+                    attempt: a.attempt,
+                    fence: a.fence,
+                    call_key: a.call_key.clone(),
+                })
+                .collect(),
+            ..v1::Hello::default()
+        }));
+        w
+    }
+
+    fn send(&self, msg: worker_message::Msg) {
+        self.link.tx.send(WorkerMessage { msg: Some(msg) }).unwrap();
+    }
+
+    /// Next assignment or cancel (skipping the welcome).
+    async fn next(&mut self) -> coordinator_message::Msg {
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(60), self.link.rx.recv())
+                .await
+                .expect("a message from the dispatcher")
+                .expect("link open")
+                .msg
+                .unwrap();
+            if !matches!(m, coordinator_message::Msg::Welcome(_)) {
+                return m;
+            }
+        }
+    }
+
+    async fn assignment(&mut self) -> v1::Assignment {
+        match self.next().await {
+            coordinator_message::Msg::Assign(a) => a,
+            other => panic!("expected an assignment, got {other:?}"),
+        }
+    }
+
+    fn complete(&self, a: &v1::Assignment, text: &str) {
+        self.send(worker_message::Msg::Outcome(v1::Outcome {
+            run_id: a.run_id.clone(),
+            call: a.call,
+            attempt: a.attempt,
+            result: Some(outcome::Result::Completed(v1::Completed {
+                text: text.into(),
+                json: None,
+                change: None,
+            })),
+            usage: Some(v1::Usage {
+                output_tokens: 1,
+                ..v1::Usage::default()
+            }),
+            fence: a.fence,
+            call_key: a.call_key.clone(),
+        }));
+    }
+
+    /// Nothing but a welcome arrives for `d`.
+    async fn no_message_for(&mut self, d: Duration) {
+        let until = Instant::now() + d;
+        while let Ok(Some(m)) = tokio::time::timeout_at(until, self.link.rx.recv()).await {
+            if !matches!(m.msg, Some(coordinator_message::Msg::Welcome(_))) {
+                panic!("unexpected message {m:?}");
+            }
+        }
+    }
+}
+
+fn register(
+    d: &DispatchHandle,
+    run: &str,
+    concurrency: usize,
+    stall: Duration,
+) -> (Arc<str>, mpsc::UnboundedReceiver<CallEvent>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let id: Arc<str> = Arc::from(run);
+    d.register(RunRegistration {
+        run_id: id.clone(),
+        concurrency,
+        stall_timeout: stall,
+        max_attempts: 3,
+        stagger: Duration::ZERO,
+        budget_total: None,
+        worker_wait: Duration::from_secs(600),
+        head: None,
+        shared: Arc::new(ScriptShared::default()),
+        events: tx,
+    });
+    (id, rx)
+}
+
+fn ticket(call: u64) -> Ticket {
+    Ticket {
+        call,
+        key: format!("k{call}"),
+        task: v1::TaskSpec {
+            prompt: format!("p{call}"),
+            backend: "echo".into(),
+            ..v1::TaskSpec::default()
+        },
+        prefix_group: 1,
+        span: tracing::Span::none(),
+    }
+}
+
+async fn finished(rx: &mut mpsc::UnboundedReceiver<CallEvent>) -> Vec<(u64, CallResult)> {
+    let mut out = Vec::new();
+    while let Ok(ev) = rx.try_recv() {
+        if let CallEvent::Finished { call, result } = ev {
+            out.push((call, result));
+        }
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_late_outcome_of_a_stalled_attempt_is_never_accepted() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 4);
+    let (run, mut events) = register(&d, "wf_fence", 4, Duration::from_millis(300));
+    d.submit(&run, ticket(0));
+    let first = w.assignment().await;
+    assert_eq!(first.attempt, 1);
+    // No progress: the watchdog cancels attempt 1 and starts attempt 2.
+    match w.next().await {
+        coordinator_message::Msg::Cancel(c) => assert_eq!(c.attempt, 1),
+        other => panic!("expected a cancel, got {other:?}"),
+    }
+    let second = w.assignment().await;
+    assert_eq!(second.attempt, 2);
+    // The stalled attempt answers late: dropped.
+    w.complete(&first, "stale");
+    w.complete(&second, "fresh");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 1, "exactly one accepted result: {done:?}");
+    assert_eq!(
+        done[0].1,
+        CallResult::Completed(v1::Completed {
+            text: "fresh".into(),
+            json: None,
+            change: None,
+        })
+    );
+    // Usage of both attempts is still counted.
+    w.no_message_for(Duration::from_millis(500)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_from_it() {
+    let store = crate::store::open("memory://").unwrap();
+    let d = spawn_with(
+        MemoryLeaseStore::new(),
+        DispatchOptions::default(),
+        Some(store.clone()),
+        CancellationToken::new(),
+    );
+    let mut w = FakeWorker::attach(&d, 4);
+    let (tx, _events) = mpsc::unbounded_channel();
+    let run: Arc<str> = Arc::from("wf_salvage");
+    let base = "a".repeat(40);
+    crate::source::put_pack(&store, "r1", &base, vec![], b"the source".to_vec())
+        .await
+        .unwrap();
+    let (_head_tx, head) = tokio::sync::watch::channel(base.clone());
+    d.register(RunRegistration {
+        run_id: run.clone(),
+        concurrency: 4,
+        stall_timeout: Duration::from_millis(300),
+        max_attempts: 4,
+        stagger: Duration::ZERO,
+        budget_total: None,
+        worker_wait: Duration::from_secs(600),
+        head: Some(head),
+        shared: Arc::new(ScriptShared::default()),
+        events: tx,
+    });
+    let mut t = ticket(0);
+    t.task.source_repo = "r1".into();
+    d.submit(&run, t);
+    let first = w.assignment().await;
+    assert_eq!(first.task.as_ref().unwrap().source_commit, base);
+    assert!(matches!(
+        w.next().await,
+        coordinator_message::Msg::Cancel(_)
+    ));
+    // The interrupted attempt answers with what it left: the restart starts from that.
+    let partial = "b".repeat(40);
+    w.send(worker_message::Msg::Outcome(v1::Outcome {
+        run_id: first.run_id.clone(),
+        call: 0,
+        attempt: first.attempt,
+        result: Some(outcome::Result::Failure(v1::Failure {
+            kind: FailureKind::Cancelled as i32,
+            message: "cancelled".into(),
+            retry_after_ms: 0,
+            partial: Some(v1::Change {
+                repo: "r1".into(),
+                base: base.clone(),
+                commit: partial.clone(),
+                pack: b"objects".to_vec(),
+                ..v1::Change::default()
+            }),
+        })),
+        usage: None,
+        fence: first.fence,
+        call_key: first.call_key.clone(),
+    }));
+    let second = w.assignment().await;
+    assert_eq!(second.attempt, 2);
+    let task = second.task.as_ref().unwrap();
+    assert_eq!(
+        (&task.source_commit, &task.source_partial),
+        (&base, &partial)
+    );
+    let stored = crate::source::chain(&store, "r1", &partial).await.unwrap();
+    assert_eq!(
+        stored.len(),
+        2,
+        "the leftovers are in the store: {stored:?}"
+    );
+    // An attempt that never answers holds the restart back leftovers::WAIT at most, and the
+    // next one still starts from the last leftovers.
+    assert!(matches!(
+        w.next().await,
+        coordinator_message::Msg::Cancel(_)
+    ));
+    let asked = Instant::now();
+    let third = w.assignment().await;
+    assert_eq!(third.attempt, 3);
+    let waited = asked.elapsed();
+    assert!(
+        waited >= leftovers::WAIT && waited < leftovers::WAIT + Duration::from_secs(1),
+        "{waited:?}"
+    );
+    assert_eq!(third.task.as_ref().unwrap().source_partial, partial);
+    // Leftovers that do not match the attempt (another base) are not taken.
+    assert!(matches!(
+        w.next().await,
+        coordinator_message::Msg::Cancel(_)
+    ));
+    w.send(worker_message::Msg::Outcome(v1::Outcome {
+        run_id: third.run_id.clone(),
+        call: 0,
+        attempt: third.attempt,
+        result: Some(outcome::Result::Failure(v1::Failure {
+            kind: FailureKind::Cancelled as i32,
+            message: "cancelled".into(),
+            retry_after_ms: 0,
+            partial: Some(v1::Change {
+                repo: "r1".into(),
+                base: "c".repeat(40),
+                commit: "d".repeat(40),
+                pack: b"objects".to_vec(),
+                ..v1::Change::default()
+            }),
+        })),
+        usage: None,
+        fence: third.fence,
+        call_key: third.call_key.clone(),
+    }));
+    let fourth = w.assignment().await;
+    assert_eq!(fourth.task.as_ref().unwrap().source_partial, partial);
+}
+
+#[tokio::test(start_paused = true)]
+async fn assignments_never_exceed_free_slots_or_the_run_cap() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 2);
+    let (run, mut events) = register(&d, "wf_slots", 10, Duration::from_secs(60));
+    for i in 0..5 {
+        d.submit(&run, ticket(i));
+    }
+    let a = w.assignment().await;
+    let b = w.assignment().await;
+    w.no_message_for(Duration::from_millis(100)).await;
+    w.complete(&a, "a");
+    let c = w.assignment().await;
+    assert_eq!(c.call, 2, "submission order");
+    w.no_message_for(Duration::from_millis(100)).await;
+    w.complete(&b, "b");
+    w.complete(&c, "c");
+    let d1 = w.assignment().await;
+    let d2 = w.assignment().await;
+    w.complete(&d1, "d");
+    w.complete(&d2, "e");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(finished(&mut events).await.len(), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_worker_s_attempts_restart_elsewhere_once_its_lease_lapses() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut first = FakeWorker::attach(&d, 1);
+    let (run, mut events) = register(&d, "wf_lost", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    let a = first.assignment().await;
+    assert_eq!(a.attempt, 1);
+    assert!(a.fence > 0, "the assignment carries its key's revision");
+    let mut second = FakeWorker::attach(&d, 1);
+    drop(first);
+    // The first worker may come back within its lease TTL: nothing moves before that.
+    second.no_message_for(WORKER_LEASE_TTL * 9 / 10).await;
+    let b = second.assignment().await;
+    assert_eq!((b.call, b.attempt), (0, 2));
+    assert!(b.fence > a.fence);
+    second.complete(&b, "done");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_that_comes_back_in_time_keeps_its_attempts() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+    let mut other = FakeWorker::attach(&d, 1);
+    let (run, mut events) = register(&d, "wf_back", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    let a = tokio::select! {
+        a = first.assignment() => a,
+        _ = other.assignment() => panic!("the first worker has more free slots"),
+    };
+    drop(first);
+    tokio::time::sleep(WORKER_LEASE_TTL / 2).await;
+    let mut back = FakeWorker::attach_as(&d, "w1", 1, &[&a]);
+    back.no_message_for(WORKER_LEASE_TTL * 2).await;
+    other.no_message_for(Duration::from_millis(1)).await;
+    back.complete(&a, "kept");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 1);
+    match &done[0].1 {
+        CallResult::Completed(c) => assert_eq!(c.text, "kept"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outcome_sent_right_after_the_reattaching_hello_is_accepted() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+    let (run, mut events) = register(&d, "wf_burst", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    let a = first.assignment().await;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Hello and the kept outcome in one burst, before the dispatcher has seen either.
+    let back = FakeWorker::attach_as(&d, "w1", 1, &[&a]);
+    back.complete(&a, "kept");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 1, "the kept outcome is accepted");
+    // And the slot came back: the next call goes to the same worker.
+    let mut back = back;
+    d.submit(&run, ticket(1));
+    let b = back.assignment().await;
+    assert_eq!(b.call, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_link_that_closes_before_its_hello_is_handled_leaves_the_worker_cut_off() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+    let (run, mut events) = register(&d, "wf_flap", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    let a = first.assignment().await;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Reattaches and vanishes at once; it never comes back.
+    drop(FakeWorker::attach_as(&d, "w1", 1, &[&a]));
+    let mut other = FakeWorker::attach_as(&d, "w2", 1, &[]);
+    let b = other.assignment().await;
+    assert_eq!(
+        (b.call, b.attempt),
+        (0, 2),
+        "restarted once w1's lease lapsed"
+    );
+    other.complete(&b, "done");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(finished(&mut events).await.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_taken_over_claims_the_attempts_workers_still_run() {
+    // A fresh dispatcher (the new coordinator); the worker still runs attempt 3 of call 0
+    // from the old one, and one attempt of a call whose key no longer matches.
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let held = v1::Assignment {
+        run_id: "wf_taken".into(),
+        call: 0,
+        attempt: 3,
+        call_key: "k0".into(),
+        fence: 99,
+        ..v1::Assignment::default()
+    };
+    let stale = v1::Assignment {
+        run_id: "wf_taken".into(),
+        call: 1,
+        attempt: 1,
+        call_key: "not-k1".into(),
+        fence: 98,
+        ..v1::Assignment::default()
+    };
+    let mut w = FakeWorker::attach_as(&d, "w1", 4, &[&held, &stale]);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (run, mut events) = register(&d, "wf_taken", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    d.submit(&run, ticket(1));
+    // Call 1 is a new attempt; call 0 is not sent again.
+    let a = w.assignment().await;
+    assert_eq!((a.call, a.attempt), (1, 1));
+    // The stale attempt is cancelled once nobody claimed it.
+    match w.next().await {
+        coordinator_message::Msg::Cancel(c) => assert_eq!((c.call, c.attempt), (1, 1)),
+        other => panic!("expected a cancel, got {other:?}"),
+    }
+    w.complete(&held, "kept across the failover");
+    w.complete(&a, "new");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let mut done = finished(&mut events).await;
+    done.sort_by_key(|(c, _)| *c);
+    assert_eq!(done.len(), 2, "{done:?}");
+    match &done[0].1 {
+        CallResult::Completed(c) => assert_eq!(c.text, "kept across the failover"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outcome_sent_before_the_run_is_taken_over_is_kept_for_it() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let held = v1::Assignment {
+        run_id: "wf_early".into(),
+        call: 0,
+        attempt: 2,
+        call_key: "k0".into(),
+        fence: 42,
+        ..v1::Assignment::default()
+    };
+    let mut w = FakeWorker::attach_as(&d, "w1", 2, &[&held]);
+    // Finished while its coordinator was gone: the outcome follows the Hello at once.
+    w.complete(&held, "done before the takeover");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (run, mut events) = register(&d, "wf_early", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 1, "{done:?}");
+    match &done[0].1 {
+        CallResult::Completed(c) => assert_eq!(c.text, "done before the takeover"),
+        other => panic!("{other:?}"),
+    }
+    // Nothing was sent again, and the slot is free for the next call.
+    d.submit(&run, ticket(1));
+    let a = w.assignment().await;
+    assert_eq!(a.call, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_that_comes_back_without_an_attempt_loses_it_at_once() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+    let (run, _events) = register(&d, "wf_forgot", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    let a = first.assignment().await;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut back = FakeWorker::attach_as(&d, "w1", 1, &[]);
+    let b = tokio::time::timeout(Duration::from_secs(1), back.assignment())
+        .await
+        .expect("restarted without waiting for the lease");
+    assert_eq!((b.call, b.attempt), (a.call, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_back_after_its_lease_lapsed_is_fenced() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut first = FakeWorker::attach_as(&d, "w1", 1, &[]);
+    let (run, mut events) = register(&d, "wf_late", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    let a = first.assignment().await;
+    drop(first);
+    let mut second = FakeWorker::attach_as(&d, "w2", 1, &[]);
+    let b = second.assignment().await;
+    assert_eq!(b.attempt, 2);
+    // Back too late, still holding attempt 1: told to stop it, and its outcome is dropped.
+    let mut late = FakeWorker::attach_as(&d, "w1", 1, &[&a]);
+    match late.next().await {
+        coordinator_message::Msg::Cancel(c) => assert_eq!((c.call, c.attempt), (0, 1)),
+        other => panic!("expected a cancel, got {other:?}"),
+    }
+    late.complete(&a, "zombie");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(finished(&mut events).await.is_empty());
+    second.complete(&b, "real");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 1);
+    match &done[0].1 {
+        CallResult::Completed(c) => assert_eq!(c.text, "real"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn runs_take_turns() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 1);
+    let (a, _ea) = register(&d, "wf_a", 10, Duration::from_secs(60));
+    let (b, _eb) = register(&d, "wf_b", 10, Duration::from_secs(60));
+    for i in 0..3 {
+        d.submit(&a, ticket(i));
+    }
+    for i in 0..3 {
+        d.submit(&b, ticket(i));
+    }
+    let mut order = Vec::new();
+    for _ in 0..6 {
+        let x = w.assignment().await;
+        order.push(x.run_id.clone());
+        w.complete(&x, "ok");
+    }
+    let switches = order.windows(2).filter(|p| p[0] != p[1]).count();
+    assert!(switches >= 4, "runs alternate: {order:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_with_another_protocol_major_is_refused() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let (mut link, end) = link_pair();
+    d.attach(end);
+    link.tx
+        .send(WorkerMessage {
+            msg: Some(worker_message::Msg::Hello(v1::Hello {
+                protocol_version: "9.0".into(),
+                slots: 4,
+                ..v1::Hello::default()
+            })),
+        })
+        .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), link.rx.recv())
+        .await
+        .unwrap();
+    assert!(got.is_none(), "the link is closed without a welcome");
+    assert_eq!(d.stats().await.unwrap().workers, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_stagger_cap_holds_for_the_current_leader_however_long_it_runs() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 8);
+    let (tx, _events) = mpsc::unbounded_channel();
+    let run: Arc<str> = Arc::from("wf_stagger");
+    d.register(RunRegistration {
+        run_id: run.clone(),
+        concurrency: 8,
+        stall_timeout: Duration::from_secs(3600),
+        max_attempts: 3,
+        stagger: Duration::from_secs(1),
+        budget_total: None,
+        worker_wait: Duration::from_secs(600),
+        head: None,
+        shared: Arc::new(ScriptShared::default()),
+        events: tx,
+    });
+    d.submit(&run, ticket(0));
+    let leader = w.assignment().await;
+    assert_eq!(leader.call, 0);
+    d.submit(&run, ticket(1));
+    let started = Instant::now();
+    let held = w.assignment().await;
+    assert_eq!(held.call, 1);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "held until the cap"
+    );
+    // Long after the cap, the leader still has not answered: new calls go at once.
+    tokio::time::sleep(Duration::from_secs(400)).await;
+    d.submit(&run, ticket(2));
+    let at = Instant::now();
+    let late = w.assignment().await;
+    assert_eq!(late.call, 2);
+    assert!(at.elapsed() < Duration::from_millis(10), "not held again");
+}
+
+/// A lease store that behaves like etcd where the memory store is lenient: no immediate
+/// writes (the key writer runs), a transaction naming a key twice is refused, and writes
+/// of keys under `poison` are refused as etcd refuses a malformed request.
+struct EtcdLike {
+    inner: Arc<MemoryLeaseStore>,
+    poison: Option<String>,
+    batches: std::sync::Mutex<Vec<Vec<lease::BatchOp>>>,
+}
+
+impl EtcdLike {
+    fn new(poison: Option<&str>) -> Arc<Self> {
+        Arc::new(EtcdLike {
+            inner: MemoryLeaseStore::new(),
+            poison: poison.map(str::to_owned),
+            batches: std::sync::Mutex::default(),
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl LeaseStore for EtcdLike {
+    async fn grant(&self, ttl: Duration) -> Result<LeaseId, lease::Error> {
+        self.inner.grant(ttl).await
+    }
+    async fn keep_alive(&self, l: LeaseId) -> Result<(), lease::Error> {
+        self.inner.keep_alive(l).await
+    }
+    async fn revoke(&self, l: LeaseId) -> Result<(), lease::Error> {
+        self.inner.revoke(l).await
+    }
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        l: Option<LeaseId>,
+    ) -> Result<Revision, lease::Error> {
+        self.inner.put(key, value, l).await
+    }
+    async fn campaign(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        l: LeaseId,
+    ) -> Result<Option<Revision>, lease::Error> {
+        self.inner.campaign(key, value, l).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<lease::KeyValue>, lease::Error> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<lease::KeyValue>, lease::Error> {
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, lease::Error> {
+        self.inner.delete(key).await
+    }
+    async fn write_batch(&self, ops: Vec<lease::BatchOp>) -> Result<Revision, lease::Error> {
+        self.batches.lock().unwrap().push(ops.clone());
+        let mut keys = HashSet::new();
+        if !ops.iter().all(|op| keys.insert(op.key().to_owned())) {
+            return Err(lease::Error::Refused(
+                "etcdserver: duplicate key given in txn request".into(),
+            ));
+        }
+        if let Some(p) = &self.poison
+            && ops.iter().any(|op| op.key().starts_with(p.as_str()))
+        {
+            return Err(lease::Error::Refused(
+                "etcdserver: request is too large".into(),
+            ));
+        }
+        self.inner.write_batch(ops).await
+    }
+    async fn watch(
+        &self,
+        prefix: &str,
+    ) -> Result<mpsc::UnboundedReceiver<WatchEvent>, lease::Error> {
+        self.inner.watch(prefix).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stall_restart_writes_each_attempt_key_once_per_batch_and_the_next_run_goes_on() {
+    let store = EtcdLike::new(None);
+    let d = spawn(store.clone(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 4);
+    let (run, mut events) = register(&d, "wf_twice", 4, Duration::from_millis(300));
+    d.submit(&run, ticket(0));
+    let first = w.assignment().await;
+    // No progress: the restart deletes attempt 1's key and puts attempt 2's.
+    match w.next().await {
+        coordinator_message::Msg::Cancel(c) => assert_eq!(c.attempt, 1),
+        other => panic!("expected a cancel, got {other:?}"),
+    }
+    let second = w.assignment().await;
+    assert_eq!((second.call, second.attempt), (0, 2));
+    assert!(second.fence > first.fence);
+    w.complete(&second, "done");
+    // Another run on the same dispatcher is not held up by the first one's keys.
+    let (other, mut other_events) = register(&d, "wf_after", 4, Duration::from_secs(60));
+    d.submit(&other, ticket(0));
+    let a = w.assignment().await;
+    assert_eq!(&*a.run_id, "wf_after");
+    w.complete(&a, "after");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(finished(&mut events).await.len(), 1);
+    assert_eq!(finished(&mut other_events).await.len(), 1);
+    for batch in store.batches.lock().unwrap().iter() {
+        let mut keys = HashSet::new();
+        assert!(
+            batch.iter().all(|op| keys.insert(op.key().to_owned())),
+            "a batch named a key twice: {batch:?}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_the_store_refuses_fails_its_call_and_blocks_nothing_else() {
+    let store = EtcdLike::new(Some("/flotilla/attempts/wf_poison/"));
+    let d = spawn(store.clone(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 4);
+    let (poison, mut poison_events) = register(&d, "wf_poison", 4, Duration::from_secs(60));
+    let (fine, mut fine_events) = register(&d, "wf_fine", 4, Duration::from_secs(60));
+    d.submit(&poison, ticket(0));
+    d.submit(&fine, ticket(0));
+    let a = w.assignment().await;
+    assert_eq!(
+        &*a.run_id, "wf_fine",
+        "only the call whose key was written goes out"
+    );
+    w.complete(&a, "fine");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let failed = finished(&mut poison_events).await;
+    match failed.as_slice() {
+        [
+            (
+                0,
+                CallResult::Failed {
+                    failure: CallFailure::Terminal,
+                    message,
+                },
+            ),
+        ] => {
+            assert!(message.contains("request is too large"), "{message}");
+        }
+        other => panic!("expected the poisoned call to fail, got {other:?}"),
+    }
+    assert_eq!(finished(&mut fine_events).await.len(), 1);
+    // Its slot came back: four more calls go out at once.
+    for i in 1..5 {
+        d.submit(&fine, ticket(i));
+    }
+    for _ in 1..5 {
+        let a = w.assignment().await;
+        w.complete(&a, "more");
+    }
+}
+
+fn ticket_for(call: u64, backend: &str) -> Ticket {
+    let mut t = ticket(call);
+    t.task.backend = backend.into();
+    t
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_no_worker_can_run_says_why_blocks_nothing_and_fails_after_its_wait() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 2);
+    let (run, mut events) = register(&d, "wf_nobackend", 4, Duration::from_secs(600));
+    d.submit(&run, ticket_for(0, "claude-code"));
+    d.submit(&run, ticket_for(1, "echo"));
+    // The echo call behind it goes out at once.
+    let a = w.assignment().await;
+    assert_eq!(a.call, 1);
+    w.complete(&a, "echoed");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let mut reason = None;
+    while let Ok(ev) = events.try_recv() {
+        if let CallEvent::Waiting { call: 0, reason: r } = ev {
+            reason = r;
+        }
+    }
+    let reason = reason.expect("a reason for the wait");
+    assert!(
+        reason.contains("no attached worker offers backend \"claude-code\"")
+            && reason.contains("echo"),
+        "{reason}"
+    );
+    // Nothing changes until the wait (600 s in `register`) runs out; then it fails.
+    tokio::time::sleep(Duration::from_secs(599)).await;
+    assert!(finished(&mut events).await.is_empty());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    match finished(&mut events).await.as_slice() {
+        [
+            (
+                0,
+                CallResult::Failed {
+                    failure: CallFailure::Terminal,
+                    message,
+                },
+            ),
+        ] => {
+            assert!(
+                message.contains("claude-code") && message.contains("gave up"),
+                "{message}"
+            );
+        }
+        other => panic!("expected call 0 to fail, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_set_aside_runs_once_a_worker_that_offers_its_backend_attaches() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let _echo = FakeWorker::attach(&d, 2);
+    let (run, mut events) = register(&d, "wf_later", 4, Duration::from_secs(600));
+    d.submit(&run, ticket_for(0, "claude-code"));
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let mut claude = FakeWorker::attach_offering(&d, "claude-1", 1, &[], &["claude-code"]);
+    let a = claude.assignment().await;
+    assert_eq!(a.call, 0);
+    claude.complete(&a, "done");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let mut cleared = false;
+    let mut done = 0;
+    while let Ok(ev) = events.try_recv() {
+        match ev {
+            CallEvent::Waiting {
+                call: 0,
+                reason: None,
+            } => cleared = true,
+            CallEvent::Finished {
+                result: CallResult::Completed(_),
+                ..
+            } => done += 1,
+            _ => {}
+        }
+    }
+    assert!(cleared, "the wait is over once it runs");
+    assert_eq!(done, 1);
+    // Its old wait never fails it afterwards.
+    tokio::time::sleep(Duration::from_secs(900)).await;
+    assert!(finished(&mut events).await.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_set_aside_whose_worker_is_merely_busy_when_its_wait_ends_keeps_waiting() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let _echo = FakeWorker::attach(&d, 2);
+    // (A stall timeout past the worker wait, so only the wait can end a call here.)
+    let (run, mut events) = register(&d, "wf_busy", 4, Duration::from_secs(3600));
+    d.submit(&run, ticket_for(0, "claude-code"));
+    d.submit(&run, ticket_for(1, "claude-code"));
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    // One slot: call 0 runs, call 1 waits for the slot, past the end of its wait.
+    let mut claude = FakeWorker::attach_offering(&d, "claude-1", 1, &[], &["claude-code"]);
+    let a = claude.assignment().await;
+    tokio::time::sleep(Duration::from_secs(700)).await;
+    assert!(
+        finished(&mut events).await.is_empty(),
+        "a call with a capable worker is not failed for want of one"
+    );
+    claude.complete(&a, "first");
+    let b = claude.assignment().await;
+    assert_ne!(a.call, b.call);
+    claude.complete(&b, "second");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 2, "{done:?}");
+    assert!(
+        done.iter()
+            .all(|(_, r)| matches!(r, CallResult::Completed(_))),
+        "{done:?}"
+    );
+}
