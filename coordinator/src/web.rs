@@ -1,8 +1,13 @@
 //! The coordinator's HTTP face: session pages and their JSON, behind sign-in.
 //!
-//! - `GET /runs/{run}`: the session page of a run (live while it runs here: the page polls
-//!   `/runs/{run}/status.json`; read from storage when it ran elsewhere or earlier).
+//! - `GET /runs/{run}`: the session page of a run (live while it runs here: the changing part
+//!   arrives as HTML over server-sent events from `/runs/{run}/events`; read from storage when
+//!   it ran elsewhere or earlier).
 //! - `GET /runs/{run}/status.json`, `GET /runs.json`: the same data as JSON.
+//! - `GET /runs/{run}/agents/{index}`: one agent, its transcript and its change's diff;
+//!   `GET /runs/{run}/diff`: the run's whole diff.
+//! - `POST /runs/{run}/control`: pause, resume, stop or restart (W54–W56).
+//! - `GET /metrics`: Prometheus exposition of the coordinator's metrics.
 //! - `GET /runs`: the runs in the store.
 //! - `GET /login?token=T[&next=/runs/…]`: checks a session token and keeps it in a cookie.
 //!

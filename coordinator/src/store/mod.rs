@@ -1,7 +1,7 @@
 //! Object storage: where runs live.
 //!
 //! There is no storage trait of our own: a store is an `Arc<dyn ObjectStore>` built by
-//! [`open`] from a URL (`file:///path`, `memory://`; `s3://bucket/prefix` comes with the fleet).
+//! [`open`] from a URL (`file:///path`, `memory://`, `s3://bucket/prefix`).
 //! Object keys are built only in [`keys`]. Writers:
 //! - [`journal::Journal`]: completed calls, group-committed into create-only segments; a result
 //!   is handed to the script only after its segment is durable.
