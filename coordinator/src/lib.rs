@@ -20,6 +20,7 @@ pub mod limits;
 pub mod listen;
 pub mod metrics;
 pub mod owner;
+pub mod reject;
 pub mod report;
 pub mod run;
 pub mod saved;

@@ -15,6 +15,7 @@
 
 pub mod resume;
 
+use crate::reject::RejectCode;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -603,7 +604,7 @@ impl RunEngine {
         }
     }
 
-    fn reject(&self, id: u64, code: &'static str, message: impl Into<String>) {
+    fn reject(&self, id: u64, code: RejectCode, message: impl Into<String>) {
         (self.reply)(HostReply::Agent {
             id,
             result: Err(HostError::new(code, message)),
@@ -646,7 +647,7 @@ impl RunEngine {
                             .map_err(|e| format!("workflow {:?} cannot run: {e}", found.name))?;
                         Ok((found.name, script::runnable_body(&prepared)))
                     })
-                    .map_err(|e| HostError::new("WORKFLOW_NOT_FOUND", e));
+                    .map_err(|e| HostError::new(RejectCode::WorkflowNotFound, e));
                 (self.reply)(HostReply::Workflow { id, result });
             }
             ScriptOp::Finished(_) => {}
@@ -693,7 +694,7 @@ impl RunEngine {
         {
             self.reject(
                 id,
-                "BUDGET_EXCEEDED",
+                RejectCode::BudgetExceeded,
                 format!(
                     "money budget exceeded (${:.4} / ${limit}); no new agent starts",
                     self.usage.cost_usd
@@ -705,7 +706,7 @@ impl RunEngine {
         if self.calls.len() as u64 >= max {
             self.reject(
                 id,
-                "AGENT_CAP",
+                RejectCode::AgentCap,
                 format!(
                     "agent cap reached: this run already started {max} agents (the limit per run, set with --max-agents); \
                      a loop over budget.remaining() never ends without a budget — cap the iterations or set --budget"
@@ -715,13 +716,13 @@ impl RunEngine {
         }
         // Checked before anything is recorded: one call must fit the worker stream.
         if let Err(e) = flotilla_proto::frag::check_call_size(prompt.len() + opts_json.len()) {
-            self.reject(id, "TOO_LARGE", e);
+            self.reject(id, RejectCode::TooLarge, e);
             return;
         }
         let mut spec = match CallSpec::parse(prompt, opts_json, &self.init.settings.backend, "") {
             Ok(s) => s,
             Err(e) => {
-                self.reject(id, "INVALID_OPTION", e);
+                self.reject(id, RejectCode::InvalidOption, e);
                 return;
             }
         };
@@ -744,7 +745,7 @@ impl RunEngine {
                         .join(", ");
                     self.reject(
                         id,
-                        "UNKNOWN_AGENT_TYPE",
+                        RejectCode::UnknownAgentType,
                         format!(
                             "unknown agentType {:?}: the available agent types are {list} (custom agents live in .claude/agents/*.md)",
                             spec.agent_type
@@ -772,7 +773,7 @@ impl RunEngine {
             if let Err(e) = check {
                 self.reject(
                     id,
-                    "SCHEMA_INVALID",
+                    RejectCode::SchemaInvalid,
                     format!("agent() schema rejected before start: {e}"),
                 );
                 return;
@@ -783,7 +784,7 @@ impl RunEngine {
             if spent >= total {
                 self.reject(
                     id,
-                    "BUDGET_EXCEEDED",
+                    RejectCode::BudgetExceeded,
                     format!(
                         "token budget exceeded ({spent} / {total} output tokens); in-flight agents will complete and their results are kept"
                     ),
@@ -1295,10 +1296,18 @@ impl RunEngine {
                             self.failures.push(line.clone());
                             self.event(RunEvent::Failure { line });
                         }
-                        CallFailure::Schema => self.reject(id, "SCHEMA_FAILED", message.clone()),
-                        CallFailure::Invalid => self.reject(id, "INVALID_AGENT", message.clone()),
-                        CallFailure::Stalled => self.reject(id, "STALLED", message.clone()),
-                        CallFailure::Budget => self.reject(id, "BUDGET_EXCEEDED", message.clone()),
+                        CallFailure::Schema => {
+                            self.reject(id, RejectCode::SchemaFailed, message.clone())
+                        }
+                        CallFailure::Invalid => {
+                            self.reject(id, RejectCode::InvalidAgent, message.clone())
+                        }
+                        CallFailure::Stalled => {
+                            self.reject(id, RejectCode::Stalled, message.clone())
+                        }
+                        CallFailure::Budget => {
+                            self.reject(id, RejectCode::BudgetExceeded, message.clone())
+                        }
                     }
                 }
                 self.event(RunEvent::Call {

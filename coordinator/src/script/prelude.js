@@ -7,6 +7,8 @@
 // determinism guard (W07). What the host does: everything that touches run state.
 (function (host) {
   'use strict';
+  // Every code a call rejects with (reject.rs is the list).
+  const CODES = host.codes;
   const MAX_ITEMS = 4096;
   const RealDate = Date;
   const realEval = eval;
@@ -53,18 +55,18 @@
   }
 
   function isBudgetError(e) {
-    return e instanceof Error && e.code === 'BUDGET_EXCEEDED';
+    return e instanceof Error && e.code === CODES.BUDGET_EXCEEDED;
   }
 
   // --- combinators -------------------------------------------------------------------------
 
   function parallel(thunks) {
     if (!Array.isArray(thunks)) {
-      throw typeError('parallel() takes an array of functions, e.g. parallel(items.map(x => () => agent(...))); got ' + (thunks === null ? 'null' : typeof thunks), 'INVALID_ARGUMENT');
+      throw typeError('parallel() takes an array of functions, e.g. parallel(items.map(x => () => agent(...))); got ' + (thunks === null ? 'null' : typeof thunks), CODES.INVALID_ARGUMENT);
     }
     if (thunks.length > MAX_ITEMS) {
       const e = new RangeError('parallel() accepts at most ' + MAX_ITEMS + ' items, got ' + thunks.length + '; split the list into batches');
-      e.code = 'TOO_MANY_ITEMS';
+      e.code = CODES.TOO_MANY_ITEMS;
       throw e;
     }
     let dropped = 0;
@@ -91,16 +93,16 @@
   function pipeline(items) {
     const stages = Array.prototype.slice.call(arguments, 1);
     if (!Array.isArray(items)) {
-      throw typeError('pipeline() takes an array of items as its first argument, then one function per stage; got ' + (items === null ? 'null' : typeof items), 'INVALID_ARGUMENT');
+      throw typeError('pipeline() takes an array of items as its first argument, then one function per stage; got ' + (items === null ? 'null' : typeof items), CODES.INVALID_ARGUMENT);
     }
     if (items.length > MAX_ITEMS) {
       const e = new RangeError('pipeline() accepts at most ' + MAX_ITEMS + ' items, got ' + items.length + '; split the list into batches');
-      e.code = 'TOO_MANY_ITEMS';
+      e.code = CODES.TOO_MANY_ITEMS;
       throw e;
     }
     for (let s = 0; s < stages.length; s++) {
       if (typeof stages[s] !== 'function') {
-        throw typeError('pipeline() stage ' + (s + 1) + ' is not a function (got ' + typeof stages[s] + ')', 'INVALID_ARGUMENT');
+        throw typeError('pipeline() stage ' + (s + 1) + ' is not a function (got ' + typeof stages[s] + ')', CODES.INVALID_ARGUMENT);
       }
     }
     let dropped = 0;
@@ -133,17 +135,17 @@
 
     function agent(prompt, opts) {
       if (typeof prompt !== 'string') {
-        return Promise.reject(typeError('agent() needs a prompt string as its first argument, got ' + (prompt === null ? 'null' : typeof prompt), 'INVALID_PROMPT'));
+        return Promise.reject(typeError('agent() needs a prompt string as its first argument, got ' + (prompt === null ? 'null' : typeof prompt), CODES.INVALID_PROMPT));
       }
       let optsJson = '{}';
       if (opts !== undefined && opts !== null) {
         if (typeof opts !== 'object' || Array.isArray(opts)) {
-          return Promise.reject(typeError('agent() options must be an object, got ' + (Array.isArray(opts) ? 'an array' : typeof opts), 'INVALID_OPTION'));
+          return Promise.reject(typeError('agent() options must be an object, got ' + (Array.isArray(opts) ? 'an array' : typeof opts), CODES.INVALID_OPTION));
         }
         try {
           optsJson = JSONstringify(opts);
         } catch (e) {
-          return Promise.reject(typeError('agent() options must be plain data (JSON): ' + shortDescribe(e), 'INVALID_OPTION'));
+          return Promise.reject(typeError('agent() options must be plain data (JSON): ' + shortDescribe(e), CODES.INVALID_OPTION));
         }
       }
       let group;
@@ -181,17 +183,17 @@
     let ref;
     if (typeof nameOrRef === 'string') ref = nameOrRef;
     else if (nameOrRef && typeof nameOrRef === 'object' && typeof nameOrRef.scriptPath === 'string') ref = { scriptPath: nameOrRef.scriptPath };
-    else return Promise.reject(typeError('workflow() takes a saved workflow name or { scriptPath }', 'INVALID_ARGUMENT'));
+    else return Promise.reject(typeError('workflow() takes a saved workflow name or { scriptPath }', CODES.INVALID_ARGUMENT));
     return host.resolveWorkflow(JSONstringify(ref)).then(function (found) {
       const scope = makeScope(found.name);
       let fn;
       try {
         fn = realEval('(async function (agent, parallel, pipeline, phase, log, workflow, args, budget) {' + found.body + '\n})');
       } catch (e) {
-        throw makeError('workflow "' + found.name + '" has a syntax error: ' + shortDescribe(e), 'WORKFLOW_SYNTAX');
+        throw makeError('workflow "' + found.name + '" has a syntax error: ' + shortDescribe(e), CODES.WORKFLOW_SYNTAX);
       }
       const nested = function () {
-        return Promise.reject(makeError('workflow() cannot be nested: "' + found.name + '" was started by workflow(), so it cannot start another workflow', 'WORKFLOW_NESTED'));
+        return Promise.reject(makeError('workflow() cannot be nested: "' + found.name + '" was started by workflow(), so it cannot start another workflow', CODES.WORKFLOW_NESTED));
       };
       return fn(scope.agent, parallel, pipeline, scope.phase, scope.log, nested, childArgs, budget);
     });
@@ -200,7 +202,7 @@
   // --- determinism guard (W07) -------------------------------------------------------------
 
   function refuse(what, hint) {
-    throw makeError(what + ' is not allowed in workflow scripts: it would break resume, because a relaunched run must repeat the same agent() calls; ' + hint, 'NONDETERMINISTIC');
+    throw makeError(what + ' is not allowed in workflow scripts: it would break resume, because a relaunched run must repeat the same agent() calls; ' + hint, CODES.NONDETERMINISTIC);
   }
   function GuardedDate() {
     if (!new.target) refuse('Date()', 'pass timestamps in through args');

@@ -120,11 +120,11 @@ pub enum HostReply {
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostError {
     pub message: String,
-    pub code: &'static str,
+    pub code: crate::reject::RejectCode,
 }
 
 impl HostError {
-    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: crate::reject::RejectCode, message: impl Into<String>) -> Self {
         HostError {
             message: message.into(),
             code,
@@ -594,7 +594,7 @@ fn make_error<'js>(
 ) -> rquickjs::Result<Value<'js>> {
     let factory = host.borrow().error_factory.clone();
     match factory {
-        Some(f) => f.call((e.message.as_str(), e.code)),
+        Some(f) => f.call((e.message.as_str(), e.code.as_str())),
         None => Ok(rquickjs::String::from_str(ctx.clone(), &e.message)?.into_value()),
     }
 }
@@ -619,6 +619,11 @@ fn install_host<'js>(
     host: &Rc<RefCell<Host<'js>>>,
 ) -> rquickjs::Result<()> {
     let h = Object::new(ctx.clone())?;
+    let codes = Object::new(ctx.clone())?;
+    for c in crate::reject::RejectCode::ALL {
+        codes.set(c.as_str(), c.as_str())?;
+    }
+    h.set("codes", codes)?;
 
     let hs = host.clone();
     h.set(
@@ -862,7 +867,7 @@ mod tests {
                 ScriptOp::Agent { id, prompt, .. } => {
                     seen.push(format!("agent:{prompt}"));
                     let result = match prompt.strip_prefix("reject:") {
-                        Some(m) => Err(HostError::new("TEST", m)),
+                        Some(m) => Err(HostError::new(crate::reject::RejectCode::InvalidAgent, m)),
                         None => Ok(serde_json::to_string(&prompt).unwrap()),
                     };
                     reply.send(HostReply::Agent { id, result }).unwrap();
@@ -874,7 +879,10 @@ mod tests {
                     reply
                         .send(HostReply::Workflow {
                             id,
-                            result: Err(HostError::new("NF", "none")),
+                            result: Err(HostError::new(
+                                crate::reject::RejectCode::WorkflowNotFound,
+                                "none",
+                            )),
                         })
                         .unwrap();
                 }
