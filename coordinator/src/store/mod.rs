@@ -152,8 +152,17 @@ impl Error {
     }
 }
 
-/// Opens a store from a URL.
+/// Opens a store from a URL, an S3 one configured from this process's environment.
 pub fn open(url: &str) -> Result<Store, Error> {
+    open_with(url, &std::env::vars().collect())
+}
+
+/// Opens a store from a URL, an S3 one configured from `env` (the `AWS_*` and
+/// `FLOTILLA_S3_*` variables, as a map: nothing is read from the process's environment).
+pub fn open_with(
+    url: &str,
+    env: &std::collections::HashMap<String, String>,
+) -> Result<Store, Error> {
     if url == "memory://" || url == "memory:///" || url == "memory" {
         return Ok(Store {
             url: "memory://".into(),
@@ -200,7 +209,7 @@ pub fn open(url: &str) -> Result<Store, Error> {
         });
     }
     if let Some(rest) = url.strip_prefix("s3://") {
-        return open_s3(url, rest);
+        return open_s3(url, rest, env);
     }
     Err(Error::BadUrl { url: url.into() })
 }
@@ -209,7 +218,11 @@ pub fn open(url: &str) -> Result<Store, Error> {
 /// `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` or
 /// `AWS_ENDPOINT` for S3-compatible servers, `AWS_ALLOW_HTTP`). Path-style requests; an
 /// `http://` endpoint allows plain HTTP.
-fn open_s3(url: &str, rest: &str) -> Result<Store, Error> {
+fn open_s3(
+    url: &str,
+    rest: &str,
+    env: &std::collections::HashMap<String, String>,
+) -> Result<Store, Error> {
     use object_store::aws::AmazonS3Builder;
     let (bucket, prefix) = match rest.split_once('/') {
         Some((b, p)) => (b, p.trim_matches('/')),
@@ -220,9 +233,9 @@ fn open_s3(url: &str, rest: &str) -> Result<Store, Error> {
     }
     // Without credentials the S3 client asks the cloud instance metadata service, an address
     // outside this machine that hangs or answers for someone else's role: only when asked.
-    let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.is_empty());
-    let instance =
-        std::env::var("FLOTILLA_S3_INSTANCE_CREDENTIALS").is_ok_and(|v| v == "1" || v == "true");
+    let var = |k: &str| env.get(k).cloned();
+    let set = |k: &str| var(k).is_some_and(|v| !v.is_empty());
+    let instance = var("FLOTILLA_S3_INSTANCE_CREDENTIALS").is_some_and(|v| v == "1" || v == "true");
     let have = (set("AWS_ACCESS_KEY_ID") && set("AWS_SECRET_ACCESS_KEY"))
         || set("AWS_WEB_IDENTITY_TOKEN_FILE")
         || set("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
@@ -234,7 +247,16 @@ fn open_s3(url: &str, rest: &str) -> Result<Store, Error> {
             fix: "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_WEB_IDENTITY_TOKEN_FILE), or FLOTILLA_S3_INSTANCE_CREDENTIALS=1 to use the cloud instance's metadata service",
         });
     }
-    let mut builder = AmazonS3Builder::from_env()
+    // What `AmazonS3Builder::from_env` reads, from the map.
+    let mut builder = AmazonS3Builder::new();
+    for (key, value) in env {
+        if key.starts_with("AWS_")
+            && let Ok(config_key) = key.to_ascii_lowercase().parse()
+        {
+            builder = builder.with_config(config_key, value);
+        }
+    }
+    let mut builder = builder
         .with_bucket_name(bucket)
         .with_virtual_hosted_style_request(false)
         .with_client_options(
@@ -242,19 +264,18 @@ fn open_s3(url: &str, rest: &str) -> Result<Store, Error> {
                 .with_timeout(std::time::Duration::from_secs(30))
                 .with_connect_timeout(std::time::Duration::from_secs(5)),
         );
-    let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
-        .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
-        .or_else(|_| std::env::var("AWS_ENDPOINT"))
-        .ok();
+    let endpoint = var("AWS_ENDPOINT_URL_S3")
+        .or_else(|| var("AWS_ENDPOINT_URL"))
+        .or_else(|| var("AWS_ENDPOINT"));
     if let Some(ep) = &endpoint {
         builder = builder.with_endpoint(ep.clone());
         if ep.starts_with("http://") {
             builder = builder.with_allow_http(true);
         }
     }
-    if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+    if var("AWS_REGION").is_none() && var("AWS_DEFAULT_REGION").is_none() {
         builder = builder.with_region("us-east-1");
-    } else if let Ok(region) = std::env::var("AWS_REGION") {
+    } else if let Some(region) = var("AWS_REGION") {
         builder = builder.with_region(region);
     }
     let s3 = builder.build().map_err(|e| Error::Open {
@@ -567,21 +588,31 @@ mod tests {
     use super::*;
     use flotilla_tests::services::S3;
 
-    #[allow(unsafe_code)]
-    fn set_env(vars: &[(String, String)]) {
-        for (k, v) in vars {
-            // SAFETY: this test binary sets these variables before any other thread reads them
-            // (the only test that touches AWS_* variables).
-            unsafe { std::env::set_var(k, v) };
-        }
+    fn env_of(vars: &[(String, String)]) -> std::collections::HashMap<String, String> {
+        vars.iter().cloned().collect()
+    }
+
+    #[test]
+    fn an_s3_store_is_configured_from_the_map_it_is_given_and_nothing_else() {
+        flotilla_proto::tls::install_crypto_provider();
+        // Whatever this process's environment holds, an empty map has no credentials.
+        let e = open_with("s3://bucket", &std::collections::HashMap::new()).unwrap_err();
+        assert!(e.to_string().contains("no S3 credentials"), "{e}");
+        let env = env_of(&[
+            ("AWS_ACCESS_KEY_ID".into(), "k".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "s".into()),
+            ("AWS_ENDPOINT_URL".into(), "http://127.0.0.1:9".into()),
+        ]);
+        let s = open_with("s3://bucket/team", &env).unwrap();
+        assert_eq!(s.url, "s3://bucket/team");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn s3_store_writes_once_lists_and_reads_back() {
         flotilla_proto::tls::install_crypto_provider();
         let s3 = S3::start();
-        set_env(&s3.env());
-        let store = open(&format!("s3://{}/team-a", s3.bucket)).unwrap();
+        let env = env_of(&s3.env());
+        let store = open_with(&format!("s3://{}/team-a", s3.bucket), &env).unwrap();
         store.check().await.unwrap();
         let key = keys::calls_segment("wf_s3test-001", 1, 0);
         store
@@ -613,10 +644,10 @@ mod tests {
                 .is_none()
         );
         // The prefix keeps teams apart.
-        let other = open(&format!("s3://{}/team-b", s3.bucket)).unwrap();
+        let other = open_with(&format!("s3://{}/team-b", s3.bucket), &env).unwrap();
         assert!(other.list_prefixes(&keys::runs()).await.unwrap().is_empty());
         // A missing bucket is an error at check time.
-        let missing = open("s3://no-such-bucket").unwrap();
+        let missing = open_with("s3://no-such-bucket", &env).unwrap();
         assert!(missing.check().await.is_err());
     }
 }
