@@ -353,6 +353,17 @@ fn allowed(allow: &[String], host: &str, port: u16) -> bool {
 trait Upstream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Upstream for T {}
 
+/// The proxy's own answer: `status` with `why` as its plain-text body, and the connection
+/// closed.
+async fn answer(conn: &mut tokio::net::UnixStream, status: &str, why: &str) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let text = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{why}\n",
+        why.len() + 1
+    );
+    conn.write_all(text.as_bytes()).await
+}
+
 async fn proxy_one(
     mut conn: tokio::net::UnixStream,
     allow: &[String],
@@ -391,12 +402,12 @@ async fn proxy_one(
         let path = if path.is_empty() { "/" } else { path };
         (auth.to_owned(), path.to_owned(), false)
     } else {
-        let body = "flotilla: this proxy takes CONNECT host:port and http:// requests\n";
-        let answer = format!(
-            "HTTP/1.1 400 Bad Request\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        return conn.write_all(answer.as_bytes()).await;
+        return answer(
+            &mut conn,
+            "400 Bad Request",
+            "flotilla: this proxy takes CONNECT host:port and http:// requests",
+        )
+        .await;
     };
     let (host, port) = match authority.rsplit_once(':') {
         Some((h, p)) if p.parse::<u16>().is_ok() => (h.to_owned(), p.parse().unwrap_or(80)),
@@ -418,14 +429,10 @@ async fn proxy_one(
             .is_ok_and(|mut a| a.any(|a| crate::source::inward(a.ip())));
     if !to_api && (inward || !allowed(allow, &host, port)) {
         tracing::info!(host = %host, port, "the sandbox proxy refused a host that is not allowed");
-        let body = format!(
-            "flotilla: {host}:{port} is not reachable from this sandbox; the worker allows only the model API and its --allow-net hosts\n"
+        let why = format!(
+            "flotilla: {host}:{port} is not reachable from this sandbox; the worker allows only the model API and its --allow-net hosts"
         );
-        let answer = format!(
-            "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        return conn.write_all(answer.as_bytes()).await;
+        return answer(&mut conn, "403 Forbidden", &why).await;
     }
     let opened: std::io::Result<Box<dyn Upstream>> = if to_api {
         tokio::net::UnixStream::connect(gateway)
@@ -439,12 +446,8 @@ async fn proxy_one(
     let mut upstream = match opened {
         Ok(u) => u,
         Err(e) => {
-            let body = format!("flotilla: cannot reach {host}:{port}: {e}\n");
-            let answer = format!(
-                "HTTP/1.1 502 Bad Gateway\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            return conn.write_all(answer.as_bytes()).await;
+            let why = format!("flotilla: cannot reach {host}:{port}: {e}");
+            return answer(&mut conn, "502 Bad Gateway", &why).await;
         }
     };
     if tunnel {

@@ -343,14 +343,12 @@ impl Attempt {
                 .unwrap_or(0)
         };
         let (mut oom, mut pids) = (0, 0);
+        // v2 counts OOM kills in memory.events, v1 in memory.oom_control (the other is
+        // missing and counts 0); pids.events is the same in both.
         for g in &self.groups {
-            if g.join("memory.events").exists() || g.join("pids.events").exists() {
-                oom += count(g.join("memory.events"), "oom_kill ");
-                pids += count(g.join("pids.events"), "max ");
-            } else {
-                oom += count(g.join("memory.oom_control"), "oom_kill ");
-                pids += count(g.join("pids.events"), "max ");
-            }
+            oom += count(g.join("memory.events"), "oom_kill ")
+                + count(g.join("memory.oom_control"), "oom_kill ");
+            pids += count(g.join("pids.events"), "max ");
         }
         // Processes first: a fork bomb runs into both, and that is what it did.
         if pids > 0 {

@@ -97,8 +97,12 @@ fn hardened(mut c: Command, dir: &Path) -> Command {
 /// write in its checkout never runs here: hooks and an fsmonitor command are off, and a
 /// git killed by a timeout (the future dropped) dies with it.
 pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
-    let out = git_command(dir)
-        .args(args)
+    run(git_command(dir).args(args)).await
+}
+
+/// A git command's trimmed stdout, or its stderr as the error.
+async fn run(c: &mut Command) -> Result<String, String> {
+    let out = c
         .output()
         .await
         .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
@@ -161,11 +165,7 @@ fn own_jail(objects: &Path, path: &Path) -> Vec<crate::sandbox::Mount> {
 /// the agent's) and the checkout.
 fn jailed(admin: &Path, path: &Path) -> Vec<crate::sandbox::Mount> {
     use crate::sandbox::Mount;
-    let common = admin
-        .parent()
-        .and_then(Path::parent)
-        .unwrap_or(admin)
-        .to_owned();
+    let common = common_of(admin).unwrap_or(admin).to_owned();
     vec![
         Mount::Rw(common.clone()),
         Mount::RoIfThere(common.join("config")),
@@ -175,13 +175,19 @@ fn jailed(admin: &Path, path: &Path) -> Vec<crate::sandbox::Mount> {
     ]
 }
 
+/// The common git directory of the worktree whose own git directory is `admin`
+/// (`<common>/worktrees/NAME`).
+fn common_of(admin: &Path) -> Option<&Path> {
+    admin.parent().and_then(Path::parent)
+}
+
 /// Names `admin`'s common directory (`<common>/worktrees/NAME`) and its own objects for `c`.
 fn pin_common(c: &mut Command, admin: &Path) {
     if admin.file_name() == Some(std::ffi::OsStr::new(".git")) {
         // A repository of its own: nothing shared to pin.
         return;
     }
-    if let Some(common) = admin.parent().and_then(Path::parent) {
+    if let Some(common) = common_of(admin) {
         c.env("GIT_COMMON_DIR", common);
     }
     let own = admin.join("objects");
@@ -197,8 +203,8 @@ async fn git_in(
     mounts: &[crate::sandbox::Mount],
     args: &[&str],
 ) -> Result<String, String> {
-    let run = command_in(admin, path, mounts).args(args).output();
-    let out = tokio::time::timeout(GIT_TIMEOUT, run)
+    let mut c = command_in(admin, path, mounts);
+    tokio::time::timeout(GIT_TIMEOUT, run(c.args(args)))
         .await
         .map_err(|_| {
             format!(
@@ -207,12 +213,6 @@ async fn git_in(
                 GIT_TIMEOUT.as_secs() / 60
             )
         })?
-        .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
-    }
 }
 
 fn plain_name(s: &str) -> bool {
@@ -545,10 +545,7 @@ impl Worktree {
 
     /// The repository's common git directory.
     pub fn common_dir(&self) -> PathBuf {
-        self.admin
-            .parent()
-            .and_then(Path::parent)
-            .map_or_else(|| self.repo.clone(), Path::to_owned)
+        common_of(&self.admin).map_or_else(|| self.repo.clone(), Path::to_owned)
     }
 
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.
