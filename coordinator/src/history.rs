@@ -4,6 +4,7 @@
 //! and journal; its report is rebuilt from those (status as last recorded, agents from call
 //! events, completed ones from the journal), so nothing stored is ever hidden.
 
+use crate::call::{Mark, Status};
 use std::collections::BTreeMap;
 
 use serde::Serialize;
@@ -138,7 +139,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                 let a = agents.entry(*index).or_insert_with(|| AgentReport {
                     label: label.clone(),
                     group: group.clone(),
-                    status: "cancelled".into(),
+                    status: Status::Cancelled,
                     attempts: 0,
                     cached: false,
                     start_ms: None,
@@ -152,23 +153,23 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                     disk_bytes: 0,
                     waiting: None,
                 });
-                match state.as_str() {
-                    "running" => {
+                match state {
+                    Mark::Running => {
                         a.start_ms.get_or_insert(e.t);
                         if let Some(n) = attempt {
                             a.attempts = a.attempts.max(*n);
                         }
                     }
-                    "cached" => {
+                    Mark::Cached => {
                         a.cached = true;
                         a.start_ms = Some(e.t);
                     }
-                    "completed" => {
-                        a.status = "completed".into();
+                    Mark::Completed => {
+                        a.status = Status::Completed;
                         a.end_ms.get_or_insert(e.t);
                     }
-                    "failed" => {
-                        a.status = "failed".into();
+                    Mark::Failed => {
+                        a.status = Status::Failed;
                         a.error.clone_from(detail);
                         a.end_ms.get_or_insert(e.t);
                     }
@@ -183,7 +184,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         let a = agents.entry(c.index).or_insert_with(|| AgentReport {
             label: c.label.clone(),
             group: c.group.clone(),
-            status: "completed".into(),
+            status: Status::Completed,
             attempts: c.attempts,
             cached: c.cached_from.is_some(),
             start_ms: None,
@@ -197,7 +198,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
             disk_bytes: 0,
             waiting: None,
         });
-        a.status = "completed".into();
+        a.status = Status::Completed;
         a.key.clone_from(&c.key);
         a.attempts = a.attempts.max(c.attempts);
         a.input_tokens = c.usage.input_tokens;
@@ -215,7 +216,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
             .filter(|a| !a.cached && a.attempts > 0)
             .count() as u64,
         attempts: agents.iter().map(|a| u64::from(a.attempts)).sum(),
-        errors: agents.iter().filter(|a| a.status == "failed").count() as u64,
+        errors: agents.iter().filter(|a| a.status == Status::Failed).count() as u64,
         input_tokens: agents.iter().map(|a| a.input_tokens).sum(),
         output_tokens: agents.iter().map(|a| a.output_tokens).sum(),
         cost_usd: 0.0,

@@ -11,6 +11,7 @@
 //! Start reading at [`coordinator::Coordinator::launch`], then [`run::RunEngine::run`].
 
 pub mod bundled;
+pub mod call;
 pub mod coordinator;
 pub mod head;
 pub mod history;

@@ -119,8 +119,8 @@ pub struct ReportUsage {
 pub struct AgentReport {
     pub label: String,
     pub group: String,
-    /// `completed`, `failed` or `cancelled`.
-    pub status: String,
+    /// `completed`, `failed` or `cancelled` (and, in a live report, `queued` or `running`).
+    pub status: crate::call::Status,
     pub attempts: u32,
     pub cached: bool,
     /// When it took a worker slot (served, for a cached call), ms since the run started.

@@ -1107,7 +1107,7 @@ fn render_live(d: &PageData, all: bool) -> String {
                  <td class=\"st {st}\">{st}{cached}</td><td>{model}</td><td>{tokens}</td><td>{attempts}</td><td>{elapsed}</td><td>{buttons}</td></tr>",
                 i = a.index,
                 label = esc(&a.label),
-                st = esc(&a.status),
+                st = a.status.as_str(),
                 model = esc(&a.model),
                 tokens = a.input_tokens + a.output_tokens,
                 attempts = a.attempts,
@@ -1187,7 +1187,7 @@ fn render_agent(a: &crate::report::AgentReport, d: &history::AgentDetail) -> Str
         "<section class=agent><h2>#{} {} <small class=\"st {st}\">{st}</small></h2>",
         a.index,
         esc(&a.label),
-        st = esc(&a.status)
+        st = a.status.as_str()
     );
     out.push_str(&format!(
         "<h3>Prompt</h3><pre class=prompt>{}</pre>",
@@ -1305,7 +1305,7 @@ mod tests {
         crate::report::AgentReport {
             label: format!("a{index}"),
             group: "G".into(),
-            status: status.into(),
+            status: serde_json::from_value(serde_json::json!(status)).expect("a status"),
             attempts: 1,
             cached: false,
             start_ms: Some(index),

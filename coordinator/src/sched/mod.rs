@@ -8,8 +8,9 @@
 //! What the dispatcher decides:
 //! - **order**: runs take turns (round robin) so one big run cannot starve another; within a
 //!   run, calls go in submission order; a restarted call goes to the front;
-//! - **limits**: per-run concurrency (W38), worker slots, the run's token budget at dispatch
-//!   time (W35);
+//! - **limits**: per-run concurrency (W38) and worker slots; the run engine owns the budgets
+//!   and says when they stop calls, and the calls end here, where their outcomes come in
+//!   (a call whose outcome is in already is not stopped);
 //! - **prefix stagger** (W60): the first call of a prefix group goes alone; the others of the
 //!   group wait until its response begins or the hold cap passes;
 //! - **usage-limit waits** (W59): a rate-limited attempt makes its call wait `retry_after`
@@ -30,7 +31,6 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use flotilla_proto::link::CoordinatorEnd;
@@ -44,8 +44,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{DelayQueue, delay_queue};
 
+pub use crate::call::{CallEvent, CallFailure, CallResult, Retry};
+use crate::call::{State, human};
 use crate::lease::{self, LeaseId, LeaseStore, Revision, WatchEvent};
-use crate::script::ScriptShared;
 
 mod leftovers;
 mod workers;
@@ -90,14 +91,11 @@ pub struct RunRegistration {
     pub stall_timeout: Duration,
     pub max_attempts: u32,
     pub stagger: Duration,
-    pub budget_total: Option<u64>,
     /// How long a call waits for an attached worker that offers its backend and model.
     pub worker_wait: Duration,
     /// The run's head (fleet runs with a source): every attempt starts from it as it stands
     /// when the attempt is sent.
     pub head: Option<tokio::sync::watch::Receiver<String>>,
-    /// Spent output tokens (shared with the script's `budget.spent()`).
-    pub shared: Arc<ScriptShared>,
     pub events: mpsc::UnboundedSender<CallEvent>,
 }
 
@@ -113,90 +111,6 @@ pub struct Ticket {
     pub span: tracing::Span,
 }
 
-/// Why a call is being tried again.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Retry {
-    /// No progress for the stall timeout.
-    Stalled { after: Duration },
-    /// Usage or rate limit: waits, does not count as an attempt.
-    RateLimited { wait: Duration },
-    /// A transient failure (or a lost worker).
-    Transient { message: String },
-    /// Restarted by the user (W56): counts as an attempt, starts again at once.
-    User,
-    /// Interrupted by a pause (W54): not counted; starts again when the run resumes.
-    Paused,
-}
-
-/// How a call ended, as the script will see it.
-#[derive(Debug, Clone, PartialEq)]
-pub enum CallResult {
-    Completed(v1::Completed),
-    Failed {
-        failure: CallFailure,
-        message: String,
-    },
-}
-
-/// Classified final failures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallFailure {
-    /// A terminal error: the call resolves to `null` (W23).
-    Terminal,
-    /// Structured output never validated: rejects (W14).
-    Schema,
-    /// The task cannot run as asked: rejects (W24).
-    Invalid,
-    /// Every attempt stalled: rejects (W58).
-    Stalled,
-    /// The token budget was exhausted before dispatch: rejects (W35).
-    Budget,
-}
-
-/// What happens to a call, reported to its run.
-#[derive(Debug, Clone)]
-pub enum CallEvent {
-    /// An attempt took a worker slot.
-    Started {
-        call: u64,
-        attempt: u32,
-        worker: Arc<str>,
-    },
-    Progress {
-        call: u64,
-        attempt: u32,
-        output_tokens: u64,
-    },
-    Transcript {
-        call: u64,
-        attempt: u32,
-        events: Vec<String>,
-    },
-    /// Usage of an attempt that ended (current or not).
-    Usage {
-        call: u64,
-        attempt: u32,
-        usage: v1::Usage,
-    },
-    Retrying {
-        call: u64,
-        attempt: u32,
-        retry: Retry,
-        /// Attempts counted against the limit so far.
-        counted: u32,
-    },
-    /// Why a call waits although the run has room for it (no attached worker offers its
-    /// backend and model); `None` once it no longer waits for that.
-    Waiting {
-        call: u64,
-        reason: Option<String>,
-    },
-    Finished {
-        call: u64,
-        result: CallResult,
-    },
-}
-
 enum Msg {
     Register(RunRegistration),
     Submit {
@@ -206,6 +120,7 @@ enum Msg {
     Cancel {
         run: Arc<str>,
         call: u64,
+        reason: String,
     },
     CloseRun {
         run: Arc<str>,
@@ -223,6 +138,11 @@ enum Msg {
         failure: CallFailure,
         message: String,
     },
+    /// W35: the run's token budget is spent.
+    BudgetSpent {
+        run: Arc<str>,
+        message: String,
+    },
     /// W56: one call's running attempt is abandoned and a new one starts at once.
     RestartCall {
         run: Arc<str>,
@@ -231,7 +151,7 @@ enum Msg {
     Attach(CoordinatorEnd),
     FromWorker {
         worker: u64,
-        msg: WorkerMessage,
+        msg: Box<WorkerMessage>,
     },
     /// A worker's link ended (`link` tells a stale link from the current one).
     LinkClosed {
@@ -317,10 +237,12 @@ impl DispatchHandle {
             ticket: Box::new(ticket),
         });
     }
-    pub fn cancel(&self, run: &Arc<str>, call: u64) {
+    /// Cancels one call (its run ended it): a running attempt is told `reason`.
+    pub fn cancel(&self, run: &Arc<str>, call: u64, reason: &str) {
         let _ = self.tx.send(Msg::Cancel {
             run: run.clone(),
             call,
+            reason: reason.to_owned(),
         });
     }
     /// Pauses (`true`) or resumes a run.
@@ -330,12 +252,21 @@ impl DispatchHandle {
             paused,
         });
     }
-    /// Stops one call: it ends `Failed` with `failure` and `message`.
+    /// Stops one call: unless its outcome is in already, it ends `Failed` with `failure` and
+    /// `message` (the dispatcher is where an outcome and a stop meet, so it decides).
     pub fn stop_call(&self, run: &Arc<str>, call: u64, failure: CallFailure, message: &str) {
         let _ = self.tx.send(Msg::StopCall {
             run: run.clone(),
             call,
             failure,
+            message: message.to_owned(),
+        });
+    }
+    /// The run's token budget is spent (W35): every call of it that has not started ends
+    /// `Failed` with `message`, now or when it would start; running ones complete.
+    pub fn budget_spent(&self, run: &Arc<str>, message: &str) {
+        let _ = self.tx.send(Msg::BudgetSpent {
+            run: run.clone(),
             message: message.to_owned(),
         });
     }
@@ -372,17 +303,10 @@ impl DispatchHandle {
 
 type CallId = (Arc<str>, u64);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Queued,
-    Held,
-    Waiting,
-    Running,
-}
-
 struct CallState {
     ticket: Ticket,
-    phase: Phase,
+    /// Only the live states: the dispatcher forgets a call once it ends.
+    state: State,
     attempt: u32,
     counted: u32,
     worker: Option<u64>,
@@ -407,9 +331,19 @@ struct CallState {
 }
 
 impl CallState {
+    /// Moves along the call lifecycle ([`State::allows`]).
+    fn set(&mut self, to: State) {
+        let moved = self.state.go(to);
+        debug_assert!(
+            moved,
+            "call {} cannot go from {:?} to {:?}",
+            self.ticket.call, self.state, to
+        );
+    }
+
     /// Back in its run's queue: ready to run from now (dispatch latency counts from here).
     fn make_ready(&mut self) {
-        self.phase = Phase::Queued;
+        self.set(State::Queued);
         self.ready_at = Instant::now();
     }
 }
@@ -419,6 +353,8 @@ struct RunState {
     running: usize,
     queue: VecDeque<u64>,
     paused: bool,
+    /// The token budget is spent: calls that have not started end with this.
+    budget_spent: Option<String>,
 }
 
 struct WorkerState {
@@ -609,6 +545,7 @@ impl Dispatcher {
                         running: 0,
                         queue: VecDeque::new(),
                         paused: false,
+                        budget_spent: None,
                     },
                 );
                 self.rr.push_back(id);
@@ -624,7 +561,7 @@ impl Dispatcher {
                     (run, ticket.call),
                     CallState {
                         ticket,
-                        phase: Phase::Queued,
+                        state: State::Queued,
                         attempt: 0,
                         counted: 0,
                         worker: None,
@@ -642,7 +579,7 @@ impl Dispatcher {
                 );
                 self.claim_orphans(&claim);
             }
-            Msg::Cancel { run, call } => self.cancel_call(&(run, call), "cancelled by the run"),
+            Msg::Cancel { run, call, reason } => self.cancel_call(&(run, call), &reason),
             Msg::PauseRun { run, paused } => self.pause_run(&run, paused),
             Msg::StopCall {
                 run,
@@ -661,12 +598,13 @@ impl Dispatcher {
                     }
                 }
             }
+            Msg::BudgetSpent { run, message } => self.budget_spent(&run, message),
             Msg::RestartCall { run, call } => {
                 let id = (run, call);
                 let running = self
                     .calls
                     .get(&id)
-                    .is_some_and(|c| c.phase == Phase::Running);
+                    .is_some_and(|c| c.state == State::Running);
                 if running {
                     self.send_cancel(&id, "restarted by the user");
                     self.leave_running(&id);
@@ -694,7 +632,7 @@ impl Dispatcher {
                 stored,
             } => self.partial_stored(&(run, call), attempt, stored),
             Msg::Attach(end) => self.attach(end),
-            Msg::FromWorker { worker, msg } => self.on_worker(worker, msg),
+            Msg::FromWorker { worker, msg } => self.on_worker(worker, *msg),
             Msg::LinkClosed { worker, link } => self.link_closed(worker, link),
             Msg::Watch(ev) => self.watched(ev),
             Msg::LeaseGranted {
@@ -804,7 +742,7 @@ impl Dispatcher {
         let Some(c) = self.calls.get_mut(&id) else {
             return;
         };
-        if c.phase != Phase::Running
+        if c.state != State::Running
             || c.attempt != p.attempt
             || c.worker != Some(worker)
             || c.fence.is_none()
@@ -851,7 +789,7 @@ impl Dispatcher {
         if let Some(r) = self.runs.get_mut(run) {
             for call in held.into_iter().rev() {
                 if let Some(c) = self.calls.get_mut(&(run.clone(), call))
-                    && c.phase == Phase::Held
+                    && c.state == State::Held
                 {
                     c.make_ready();
                     r.queue.push_front(call);
@@ -876,7 +814,7 @@ impl Dispatcher {
             });
         }
         let current = self.calls.get(&id).is_some_and(|c| {
-            c.phase == Phase::Running
+            c.state == State::Running
                 && c.attempt == o.attempt
                 && c.worker == Some(worker)
                 && (c.fence == Some(o.fence) || c.adopted_fence == Some(o.fence))
@@ -901,7 +839,7 @@ impl Dispatcher {
         if !current {
             // An attempt from a coordinator that went away, not claimed yet: keep its outcome
             // for the run that takes it over.
-            let claimable = self.calls.get(&id).is_none_or(|c| c.phase == Phase::Queued);
+            let claimable = self.calls.get(&id).is_none_or(|c| c.state == State::Queued);
             if claimable
                 && let Some(w) = self.workers.get_mut(&worker)
                 && w.orphans.iter().any(|a| {
@@ -987,7 +925,7 @@ impl Dispatcher {
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
-        if c.phase != Phase::Running {
+        if c.state != State::Running {
             return;
         }
         if let Some(key) = c.stall_key.take() {
@@ -1023,13 +961,7 @@ impl Dispatcher {
     fn finish(&mut self, id: &CallId, result: CallResult) {
         self.leftovers.forget(id);
         if let Some(c) = self.calls.remove(id) {
-            c.attempt_span.record(
-                "outcome",
-                match &result {
-                    CallResult::Completed(_) => "completed",
-                    CallResult::Failed { .. } => "failed",
-                },
-            );
+            c.attempt_span.record("outcome", result.span_outcome());
             if let Some(key) = c.stall_key {
                 self.timers.remove(&key);
             }
@@ -1051,7 +983,7 @@ impl Dispatcher {
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
-        c.phase = Phase::Waiting;
+        c.set(State::Waiting);
         let gate = gate_of(&c.ticket.task);
         let counted = c.counted;
         let e = self.gates.entry(gate.clone()).or_insert(until);
@@ -1086,24 +1018,7 @@ impl Dispatcher {
         c.counted += 1;
         let (counted, attempt) = (c.counted, c.attempt);
         if counted >= max {
-            let (failure, message) = match &retry {
-                Retry::Stalled { .. } => (
-                    CallFailure::Stalled,
-                    format!(
-                        "agent stalled on all {max} attempts (no progress for {}ms each)",
-                        stall_timeout.as_millis()
-                    ),
-                ),
-                Retry::Transient { message } => (
-                    CallFailure::Terminal,
-                    format!("agent failed on all {max} attempts; last error: {message}"),
-                ),
-                Retry::RateLimited { .. } => (CallFailure::Terminal, "rate limited".into()),
-                Retry::User | Retry::Paused => (
-                    CallFailure::Terminal,
-                    format!("agent restarted by the user after {max} attempts; no attempts left"),
-                ),
-            };
+            let (failure, message) = retry.exhausted(max, stall_timeout);
             self.fail(id, failure, message);
             return;
         }
@@ -1113,16 +1028,7 @@ impl Dispatcher {
             retry: retry.clone(),
             counted,
         });
-        c.attempt_span.record(
-            "outcome",
-            match &retry {
-                Retry::Stalled { .. } => "stalled",
-                Retry::User => "restarted",
-                Retry::Paused => "paused",
-                Retry::RateLimited { .. } => "rate_limited",
-                Retry::Transient { .. } => "retried",
-            },
-        );
+        c.attempt_span.record("outcome", retry.span_outcome());
         crate::metrics::inc(match &retry {
             Retry::Stalled { .. } => &crate::metrics::RESTARTS_STALL,
             Retry::User => &crate::metrics::RESTARTS_USER,
@@ -1131,30 +1037,26 @@ impl Dispatcher {
             }
             _ => &crate::metrics::RESTARTS_TRANSIENT,
         });
-        match retry {
-            Retry::Stalled { .. } | Retry::User | Retry::Paused if salvageable => {
-                // What the interrupted attempt left comes with its outcome (W58): the retry
-                // waits for it, a while.
-                c.phase = Phase::Waiting;
-                self.leftovers.wait_for(id, attempt, true);
-                self.timers.insert_at(
-                    Timer::Salvage(id.0.clone(), id.1, attempt),
-                    Instant::now() + leftovers::WAIT,
-                );
+        if retry.at_once() && salvageable {
+            // What the interrupted attempt left comes with its outcome (W58): the retry
+            // waits for it, a while.
+            c.set(State::Waiting);
+            self.leftovers.wait_for(id, attempt, true);
+            self.timers.insert_at(
+                Timer::Salvage(id.0.clone(), id.1, attempt),
+                Instant::now() + leftovers::WAIT,
+            );
+        } else if retry.at_once() {
+            // Same prompt, fresh transcript, at once and ahead of the queue.
+            c.make_ready();
+            if let Some(r) = self.runs.get_mut(&id.0) {
+                r.queue.push_front(id.1);
             }
-            Retry::Stalled { .. } | Retry::User | Retry::Paused => {
-                // Same prompt, fresh transcript, at once and ahead of the queue.
-                c.make_ready();
-                if let Some(r) = self.runs.get_mut(&id.0) {
-                    r.queue.push_front(id.1);
-                }
-            }
-            _ => {
-                let backoff = Duration::from_millis((100u64 << counted.min(6)).min(5_000));
-                c.phase = Phase::Waiting;
-                self.timers
-                    .insert_at(Timer::Retry(id.0.clone(), id.1), Instant::now() + backoff);
-            }
+        } else {
+            let backoff = Duration::from_millis((100u64 << counted.min(6)).min(5_000));
+            c.set(State::Waiting);
+            self.timers
+                .insert_at(Timer::Retry(id.0.clone(), id.1), Instant::now() + backoff);
         }
     }
 
@@ -1237,7 +1139,7 @@ impl Dispatcher {
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
-        if due && c.phase == Phase::Waiting {
+        if due && c.state == State::Waiting {
             c.make_ready();
             if let Some(r) = self.runs.get_mut(&id.0) {
                 r.queue.push_front(id.1);
@@ -1249,7 +1151,7 @@ impl Dispatcher {
         let Some(c) = self.calls.get(id) else {
             return;
         };
-        if c.phase == Phase::Running {
+        if c.state == State::Running {
             self.send_cancel(id, reason);
             self.leave_running(id);
         }
@@ -1258,6 +1160,23 @@ impl Dispatcher {
             && let Some(key) = c.stall_key
         {
             self.timers.remove(&key);
+        }
+    }
+
+    /// Ends the calls of `run` that have not started: the budget is spent (W35).
+    fn budget_spent(&mut self, run: &Arc<str>, message: String) {
+        let Some(r) = self.runs.get_mut(run) else {
+            return;
+        };
+        r.budget_spent = Some(message.clone());
+        let unstarted: Vec<CallId> = self
+            .calls
+            .iter()
+            .filter(|((r, _), c)| r == run && c.attempt == 0)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in unstarted {
+            self.fail(&id, CallFailure::Budget, message.clone());
         }
     }
 
@@ -1277,7 +1196,7 @@ impl Dispatcher {
         let running: Vec<CallId> = self
             .calls
             .iter()
-            .filter(|((r, _), c)| r == run && c.phase == Phase::Running)
+            .filter(|((r, _), c)| r == run && c.state == State::Running)
             .map(|(id, _)| id.clone())
             .collect();
         for id in running.into_iter().rev() {
@@ -1332,7 +1251,7 @@ impl Dispatcher {
                     return;
                 };
                 c.stall_key = None;
-                if c.phase != Phase::Running || c.attempt != attempt {
+                if c.state != State::Running || c.attempt != attempt {
                     return;
                 }
                 let now = Instant::now();
@@ -1394,7 +1313,7 @@ impl Dispatcher {
                     self.unplaceable.remove(&id);
                     return;
                 };
-                let waiting = matches!(c.phase, Phase::Held | Phase::Queued);
+                let waiting = matches!(c.state, State::Held | State::Queued);
                 // A worker that can run it attached meanwhile (and is merely busy): it waits
                 // in its queue like any other call.
                 let capable = self
@@ -1428,12 +1347,12 @@ impl Dispatcher {
                     && self
                         .calls
                         .get(&id)
-                        .is_some_and(|c| c.phase == Phase::Waiting)
+                        .is_some_and(|c| c.state == State::Waiting)
                 {
                     // Still storing what the last attempt left: it goes once that is done.
                     self.leftovers.set_due(&id);
                 } else if let Some(c) = self.calls.get_mut(&id)
-                    && c.phase == Phase::Waiting
+                    && c.state == State::Waiting
                 {
                     c.make_ready();
                     if let Some(r) = self.runs.get_mut(&id.0) {
@@ -1464,7 +1383,7 @@ impl Dispatcher {
             .rev()
         {
             if let Some(c) = self.calls.get_mut(&id)
-                && c.phase == Phase::Held
+                && c.state == State::Held
             {
                 c.make_ready();
                 if let Some(r) = self.runs.get_mut(&id.0) {
@@ -1533,7 +1452,7 @@ impl Dispatcher {
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
-        c.phase = Phase::Held;
+        c.set(State::Held);
         if self.unplaceable.contains_key(id) {
             return;
         }
@@ -1599,7 +1518,7 @@ impl Dispatcher {
         let ids: Vec<CallId> = self.unplaceable.keys().cloned().collect();
         for id in ids {
             if let Some(c) = self.calls.get_mut(&id)
-                && c.phase == Phase::Held
+                && c.state == State::Held
             {
                 c.make_ready();
                 if let Some(r) = self.runs.get_mut(&id.0) {
@@ -1613,26 +1532,19 @@ impl Dispatcher {
         let Some(r) = self.runs.get(&id.0) else {
             return Placement::Gone;
         };
-        let (stagger, total, shared) = (r.reg.stagger, r.reg.budget_total, r.reg.shared.clone());
+        let (stagger, spent) = (r.reg.stagger, r.budget_spent.clone());
         let Some(c) = self.calls.get(id) else {
             return Placement::Gone;
         };
-        if c.phase != Phase::Queued {
+        if c.state != State::Queued {
             return Placement::Gone;
         }
         // Budget at dispatch (W35); restarts of an admitted call are not new spending.
         if c.attempt == 0
-            && let Some(total) = total
+            && let Some(message) = spent
         {
-            let spent = shared.spent.load(Ordering::Relaxed);
-            if spent >= total {
-                self.fail(
-                    id,
-                    CallFailure::Budget,
-                    format!("token budget exceeded ({spent} / {total} output tokens); in-flight agents will complete and their results are kept"),
-                );
-                return Placement::Parked;
-            }
+            self.fail(id, CallFailure::Budget, message);
+            return Placement::Parked;
         }
         // Usage-limit gate of the backend/model.
         let gate = gate_of(&c.ticket.task);
@@ -1641,7 +1553,7 @@ impl Dispatcher {
         {
             let until = *until;
             if let Some(c) = self.calls.get_mut(id) {
-                c.phase = Phase::Held;
+                c.set(State::Held);
             }
             let list = self.gated.entry(gate.clone()).or_default();
             if list.is_empty() {
@@ -1667,7 +1579,7 @@ impl Dispatcher {
                     Some(_) => {
                         p.held.push(id.1);
                         if let Some(c) = self.calls.get_mut(id) {
-                            c.phase = Phase::Held;
+                            c.set(State::Held);
                         }
                         return Placement::Parked;
                     }
@@ -1726,7 +1638,7 @@ impl Dispatcher {
             });
         }
         crate::metrics::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
-        c.phase = Phase::Running;
+        c.set(State::Running);
         c.worker = Some(wid);
         c.fence = None;
         c.captured = None;
@@ -1815,14 +1727,6 @@ enum Placement {
     /// No worker can take it now; it goes back to the front.
     NoWorker,
     Gone,
-}
-
-fn human(d: Duration) -> String {
-    if d.as_secs() >= 60 {
-        format!("{}m{}s", d.as_secs() / 60, d.as_secs() % 60)
-    } else {
-        format!("{:.1}s", d.as_secs_f64())
-    }
 }
 
 /// The W3C trace context of `span`, for an assignment (empty when nothing is traced).

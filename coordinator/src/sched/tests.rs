@@ -1,6 +1,7 @@
 use super::*;
 use crate::lease::memory::MemoryLeaseStore;
 use flotilla_proto::link::{Link, link_pair};
+use std::sync::atomic::Ordering;
 
 struct FakeWorker {
     link: Link,
@@ -123,10 +124,8 @@ fn register(
         stall_timeout: stall,
         max_attempts: 3,
         stagger: Duration::ZERO,
-        budget_total: None,
         worker_wait: Duration::from_secs(600),
         head: None,
-        shared: Arc::new(ScriptShared::default()),
         events: tx,
     });
     (id, rx)
@@ -212,10 +211,8 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
         stall_timeout: Duration::from_millis(300),
         max_attempts: 4,
         stagger: Duration::ZERO,
-        budget_total: None,
         worker_wait: Duration::from_secs(600),
         head: Some(head),
-        shared: Arc::new(ScriptShared::default()),
         events: tx,
     });
     let mut t = ticket(0);
@@ -601,10 +598,8 @@ async fn the_stagger_cap_holds_for_the_current_leader_however_long_it_runs() {
         stall_timeout: Duration::from_secs(3600),
         max_attempts: 3,
         stagger: Duration::from_secs(1),
-        budget_total: None,
         worker_wait: Duration::from_secs(600),
         head: None,
-        shared: Arc::new(ScriptShared::default()),
         events: tx,
     });
     d.submit(&run, ticket(0));
@@ -900,4 +895,108 @@ async fn a_call_set_aside_whose_worker_is_merely_busy_when_its_wait_ends_keeps_w
             .all(|(_, r)| matches!(r, CallResult::Completed(_))),
         "{done:?}"
     );
+}
+
+/// Waits for `n` `Finished` events of a run.
+async fn finished_n(
+    rx: &mut mpsc::UnboundedReceiver<CallEvent>,
+    n: usize,
+) -> Vec<(u64, CallResult)> {
+    let mut out = Vec::new();
+    while out.len() < n {
+        let ev = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .expect("an event")
+            .expect("events open");
+        if let CallEvent::Finished { call, result } = ev {
+            out.push((call, result));
+        }
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_spent_budget_ends_the_calls_that_have_not_started_and_lets_running_ones_finish() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 1);
+    let (run, mut events) = register(&d, "wf_budget", 1, Duration::from_secs(600));
+    for call in 0..3 {
+        d.submit(&run, ticket(call));
+    }
+    let running = w.assignment().await;
+    assert_eq!(running.call, 0);
+    d.budget_spent(&run, "token budget exceeded (9 / 9 output tokens)");
+    let ended = finished_n(&mut events, 2).await;
+    let mut calls: Vec<u64> = ended.iter().map(|(c, _)| *c).collect();
+    calls.sort_unstable();
+    assert_eq!(calls, [1, 2], "only the calls that had not started end");
+    for (_, r) in &ended {
+        assert!(
+            matches!(r, CallResult::Failed { failure: CallFailure::Budget, message } if message.contains("9 / 9")),
+            "{r:?}"
+        );
+    }
+    // The running one completes, and what is submitted later ends at dispatch.
+    w.complete(&running, "done");
+    d.submit(&run, ticket(3));
+    let later = finished_n(&mut events, 2).await;
+    assert!(
+        matches!(later[0], (0, CallResult::Completed(_))),
+        "{later:?}"
+    );
+    assert!(
+        matches!(
+            later[1],
+            (
+                3,
+                CallResult::Failed {
+                    failure: CallFailure::Budget,
+                    ..
+                }
+            )
+        ),
+        "{later:?}"
+    );
+    w.no_message_for(Duration::from_millis(200)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stop_that_meets_an_outcome_already_in_keeps_the_result() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 2);
+    let (run, mut events) = register(&d, "wf_stop_race", 2, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    d.submit(&run, ticket(1));
+    let a0 = w.assignment().await;
+    let a1 = w.assignment().await;
+    w.complete(&a0, "kept");
+    // The run stops both once call 0's outcome is in: call 0 keeps its result.
+    let first = finished_n(&mut events, 1).await;
+    d.stop_call(&run, 0, CallFailure::Budget, "money budget exceeded");
+    d.stop_call(&run, 1, CallFailure::Budget, "money budget exceeded");
+    let rest = finished_n(&mut events, 1).await;
+    assert!(
+        matches!(&first[0], (0, CallResult::Completed(c)) if c.text == "kept"),
+        "{first:?}"
+    );
+    assert!(
+        matches!(
+            rest[0],
+            (
+                1,
+                CallResult::Failed {
+                    failure: CallFailure::Budget,
+                    ..
+                }
+            )
+        ),
+        "{rest:?}"
+    );
+    match w.next().await {
+        coordinator_message::Msg::Cancel(c) => assert_eq!((c.call, c.attempt), (a1.call, 1)),
+        other => panic!("expected a cancel of call 1, got {other:?}"),
+    }
+    w.no_message_for(Duration::from_millis(200)).await;
+    let again = finished(&mut events).await;
+    assert!(again.is_empty(), "each call ends once: {again:?}");
 }

@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{CallEvent, CallFailure, CallId, Dispatcher, Msg, Phase, Retry, Timer, WorkerState};
+use super::{CallEvent, CallFailure, CallId, Dispatcher, Msg, Retry, State, Timer, WorkerState};
 use crate::lease::{self, BatchOp, LeaseId, LeaseStore, Revision, WatchEvent};
 
 /// Most attempt-key writes in one batch (etcd's default limit of operations per transaction).
@@ -380,7 +380,7 @@ impl Dispatcher {
                     msg = rx.recv() => match msg {
                         Some(msg) => {
                             let worker = target.load(Ordering::Acquire);
-                            if inbox.send(Msg::FromWorker { worker, msg }).is_err() {
+                            if inbox.send(Msg::FromWorker { worker, msg: Box::new(msg) }).is_err() {
                                 return;
                             }
                         }
@@ -510,7 +510,7 @@ impl Dispatcher {
             .filter(|a| !held.contains(*a))
             .filter(|(run, call, attempt)| {
                 !self.calls.get(&(run.clone(), *call)).is_some_and(|c| {
-                    c.phase == Phase::Running
+                    c.state == State::Running
                         && c.attempt == *attempt
                         && c.worker == Some(wid)
                         && c.fence.is_none()
@@ -533,7 +533,7 @@ impl Dispatcher {
                 .calls
                 .get(&(Arc::from(a.run_id.as_str()), a.call))
                 .is_some_and(|c| {
-                    c.phase == Phase::Running
+                    c.state == State::Running
                         && c.attempt == a.attempt
                         && c.worker == Some(wid)
                         && c.fence == Some(a.fence)
@@ -585,7 +585,7 @@ impl Dispatcher {
         let Some(key) = self
             .calls
             .get(id)
-            .filter(|c| c.phase == Phase::Queued)
+            .filter(|c| c.state == State::Queued)
             .map(|c| c.ticket.key.clone())
         else {
             return;
@@ -614,7 +614,7 @@ impl Dispatcher {
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
-        if c.phase != Phase::Queued {
+        if c.state != State::Queued {
             return;
         }
         let Some(w) = self.workers.get_mut(&wid) else {
@@ -624,7 +624,7 @@ impl Dispatcher {
             return;
         };
         c.attempt = c.attempt.max(a.attempt);
-        c.phase = Phase::Running;
+        c.set(State::Running);
         c.worker = Some(wid);
         c.fence = None;
         c.adopted_fence = Some(a.fence);
@@ -757,7 +757,7 @@ impl Dispatcher {
         if let Some((run, call)) = lease::keys::parse_attempt(&key) {
             let id: CallId = (Arc::from(run), call);
             let lapsed = self.calls.get(&id).and_then(|c| {
-                let current = c.phase == Phase::Running && c.fence.is_some_and(|f| revision > f);
+                let current = c.state == State::Running && c.fence.is_some_and(|f| revision > f);
                 current.then_some((c.worker, c.attempt))
             });
             if let Some((Some(wid), attempt)) = lapsed {
@@ -828,7 +828,7 @@ impl Dispatcher {
             w.busy = w.busy.saturating_sub(1);
         }
         let current = self.calls.get(id).is_some_and(|c| {
-            c.phase == Phase::Running && c.attempt == attempt && c.worker == Some(wid)
+            c.state == State::Running && c.attempt == attempt && c.worker == Some(wid)
         });
         if current {
             self.leave_running(id);
@@ -842,9 +842,9 @@ impl Dispatcher {
             let state = self
                 .calls
                 .get(&id)
-                .map(|c| (c.phase, c.attempt, c.worker, c.fence));
+                .map(|c| (c.state, c.attempt, c.worker, c.fence));
             match state {
-                Some((Phase::Running, attempt, Some(w), None))
+                Some((State::Running, attempt, Some(w), None))
                     if attempt == p.attempt && w == p.worker =>
                 {
                     self.send_assignment(&id, revision);
@@ -857,7 +857,7 @@ impl Dispatcher {
                     {
                         w.busy = w.busy.saturating_sub(1);
                     }
-                    if !matches!(other, Some((Phase::Running, ..))) {
+                    if !matches!(other, Some((State::Running, ..))) {
                         self.write_key(KeyOp::Delete {
                             key: lease::keys::attempt(&p.run, p.call),
                         });
@@ -882,7 +882,7 @@ impl Dispatcher {
                 }
             }
             let current = self.calls.get(&id).is_some_and(|c| {
-                c.phase == Phase::Running
+                c.state == State::Running
                     && c.attempt == p.attempt
                     && c.worker == Some(p.worker)
                     && c.fence.is_none()

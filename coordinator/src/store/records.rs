@@ -140,7 +140,7 @@ pub enum RunEvent {
         index: u64,
         label: String,
         group: String,
-        state: String,
+        state: crate::call::Mark,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         attempt: Option<u32>,
         #[serde(default, skip_serializing_if = "Option::is_none")]

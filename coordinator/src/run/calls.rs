@@ -1,0 +1,422 @@
+//! One call's way through its run: admitted (or rejected, or served from the run it resumes),
+//! sent to the dispatcher, followed through its [`CallEvent`]s, and ended with its result on
+//! its way to the journal.
+
+use super::*;
+
+impl RunEngine {
+    pub(super) fn on_agent(&mut self, id: u64, req: admit::Request) {
+        if self.stopping {
+            return;
+        }
+        let spent = admit::Spent {
+            calls: self.calls.len() as u64,
+            cost_usd: self.usage.cost_usd,
+            output_tokens: self.init.shared.spent.load(Ordering::Relaxed),
+        };
+        let (types, resolver) = (&mut self.agent_types, &self.init.resolver);
+        let mut known = || types.get_or_insert_with(|| resolver.agent_types()).clone();
+        let admission = self.admitter.admit(
+            req,
+            &self.init.settings,
+            spent,
+            &mut known,
+            self.init.resume.as_ref(),
+        );
+        match admission {
+            admit::Admission::Rejected(code, message) => self.reject(id, code, message),
+            admit::Admission::Cached(admitted, record) => self.serve(id, admitted, *record),
+            admit::Admission::Dispatch(admitted) => self.dispatch(id, admitted),
+        }
+    }
+
+    /// The record of a new call, with its trace span (under its phase's).
+    pub(super) fn new_call(&mut self, id: u64, a: &admit::Admitted) -> Call {
+        self.ensure_group(&a.group);
+        let index = self.calls.len() as u64;
+        let phase = self
+            .phase_spans
+            .entry(a.group.clone())
+            .or_insert_with(|| {
+                tracing::info_span!(
+                    parent: &self.span,
+                    "phase",
+                    workflow.run_id = %self.init.run_id,
+                    phase = %a.group,
+                )
+            })
+            .clone();
+        let span = tracing::info_span!(
+            parent: &phase,
+            "agent",
+            workflow.run_id = %self.init.run_id,
+            workflow.name = %self.init.workflow.name,
+            index,
+            label = %a.spec.label,
+            model = %a.spec.model,
+            attempts = tracing::field::Empty,
+            input_tokens = tracing::field::Empty,
+            output_tokens = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        Call {
+            span,
+            script_id: id,
+            key: a.key.clone(),
+            label: a.spec.label.clone(),
+            group: a.group.clone(),
+            model: a.spec.model.clone(),
+            state: State::Queued,
+            cached: false,
+            cached_from: None,
+            attempts: 0,
+            start_ms: None,
+            end_ms: None,
+            error: None,
+            usage: UsageRecord::default(),
+            live_tokens: 0,
+            disk_bytes: 0,
+            worker: None,
+            result: None,
+            waiting_for: None,
+            isolated: a.spec.isolation == "worktree",
+            change: None,
+            own_journal: false,
+        }
+    }
+
+    /// Serves a call from the run this one resumes: its change goes to the head again (never
+    /// re-run, design.md), then its result to the journal.
+    pub(super) fn serve(&mut self, id: u64, a: admit::Admitted, record: CallRecord) {
+        let mut call = self.new_call(id, &a);
+        let (index, now) = (self.calls.len() as u64, self.now_ms());
+        call.span.record("outcome", "cached");
+        call.span = tracing::Span::none();
+        call.cached = true;
+        call.cached_from = Some(
+            record
+                .cached_from
+                .clone()
+                .or_else(|| self.init.resume.as_ref().map(|s| s.run_id.clone()))
+                .unwrap_or_default(),
+        );
+        call.set(State::Journaling);
+        call.start_ms = Some(now);
+        call.end_ms = Some(now);
+        call.result = record.result;
+        call.own_journal = self
+            .init
+            .resume
+            .as_ref()
+            .is_some_and(|s| s.run_id == self.init.run_id);
+        let own = call.own_journal;
+        self.calls.push(call);
+        if let (Some(head), Some(mut ch)) = (&self.head, record.change) {
+            ch.head_after = None;
+            let _ = head.send(crate::head::Apply {
+                call: index,
+                label: a.spec.label.clone(),
+                record: ch,
+                pack: None,
+            });
+        } else if own {
+            // Adopted after a failover: the result is in this run's own journal already.
+            self.on_ack(JournalAck::Durable(vec![index]));
+        } else {
+            self.journal_call(index);
+        }
+        self.event(RunEvent::Call {
+            index,
+            label: a.spec.label,
+            group: a.group,
+            state: Mark::Cached,
+            attempt: None,
+            detail: None,
+        });
+    }
+
+    /// Sends an admitted call to the dispatcher.
+    pub(super) fn dispatch(&mut self, id: u64, a: admit::Admitted) {
+        let call = self.new_call(id, &a);
+        let index = self.calls.len() as u64;
+        let span = call.span.clone();
+        self.calls.push(call);
+        // Served calls are not: the page finds their prompt in the run they came from.
+        self.event(RunEvent::Prompt {
+            index,
+            prompt: a.spec.prompt.clone(),
+        });
+        self.event(RunEvent::Call {
+            index,
+            label: a.spec.label.clone(),
+            group: a.group.clone(),
+            state: Mark::Queued,
+            attempt: None,
+            detail: None,
+        });
+        let ticket = Ticket {
+            call: index,
+            key: a.key.clone(),
+            task: a.task(&self.init.settings),
+            span,
+            prefix_group: a.prefix_group(index),
+        };
+        self.init.dispatch.submit(&self.run, ticket);
+    }
+
+    pub(super) fn on_call_event(&mut self, ev: CallEvent) {
+        self.dirty = true;
+        let now = self.now_ms();
+        match ev {
+            CallEvent::Started {
+                call,
+                attempt,
+                worker,
+            } => {
+                self.attempts_total += 1;
+                let Some(c) = self.calls.get_mut(call as usize) else {
+                    return;
+                };
+                if c.state == State::Queued {
+                    c.set(State::Running);
+                }
+                c.attempts = c.attempts.max(attempt);
+                c.start_ms.get_or_insert(now);
+                c.worker = Some(worker.clone());
+                c.live_tokens = 0;
+                let (label, group) = (c.label.clone(), c.group.clone());
+                self.event(RunEvent::Call {
+                    index: call,
+                    label,
+                    group,
+                    state: Mark::Running,
+                    attempt: Some(attempt),
+                    detail: Some(worker.to_string()),
+                });
+            }
+            CallEvent::Progress {
+                call,
+                output_tokens,
+                ..
+            } => {
+                if let Some(c) = self.calls.get_mut(call as usize) {
+                    c.live_tokens = c.live_tokens.max(output_tokens);
+                }
+                if self.waiting.is_some() {
+                    self.waiting = None;
+                }
+            }
+            CallEvent::Transcript {
+                call,
+                attempt,
+                events,
+            } => self.store_transcript(call, attempt, events),
+            CallEvent::Usage { call, usage, .. } => {
+                let u = UsageRecord::from(&usage);
+                self.usage.add(&u);
+                self.init
+                    .shared
+                    .spent
+                    .fetch_add(u.output_tokens, Ordering::Relaxed);
+                self.check_money();
+                self.check_tokens();
+                if let Some(c) = self.calls.get_mut(call as usize) {
+                    c.usage.add(&u);
+                    c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);
+                }
+            }
+            CallEvent::Retrying {
+                call,
+                attempt,
+                retry,
+                counted,
+            } => {
+                let Some(c) = self.calls.get(call as usize) else {
+                    return;
+                };
+                let (label, group) = (c.label.clone(), c.group.clone());
+                let line = retry.log_line(&label, attempt, counted, self.init.settings.attempts);
+                if let Retry::RateLimited { wait } = &retry {
+                    self.waiting = Some(format!(
+                        "usage limit: agent \"{label}\" waits {} before retrying",
+                        human(*wait)
+                    ));
+                }
+                if let Some(c) = self.calls.get_mut(call as usize)
+                    && c.state == State::Running
+                {
+                    c.set(State::Queued);
+                }
+                self.logs.push(line.clone());
+                self.event(RunEvent::Log { line });
+                self.event(RunEvent::Call {
+                    index: call,
+                    label,
+                    group,
+                    state: retry.mark(),
+                    attempt: Some(attempt),
+                    detail: None,
+                });
+            }
+            CallEvent::Waiting { call, reason } => {
+                let Some(c) = self.calls.get_mut(call as usize) else {
+                    return;
+                };
+                c.waiting_for.clone_from(&reason);
+                if let Some(reason) = reason
+                    && self.waits_logged.insert(reason.clone())
+                {
+                    let line = format!(
+                        "[wait] agent \"{}\" waits: {reason}; it fails after {} unless such a worker attaches",
+                        c.label,
+                        human(Duration::from_millis(self.init.settings.worker_wait_ms))
+                    );
+                    self.logs.push(line.clone());
+                    self.event(RunEvent::Log { line });
+                }
+            }
+            CallEvent::Finished { call, result } => self.on_finished(call, result, now),
+        }
+    }
+
+    pub(super) fn on_finished(&mut self, call: u64, result: CallResult, now: u64) {
+        let stopping = self.stopping;
+        let Some(c) = self.calls.get_mut(call as usize) else {
+            return;
+        };
+        if !c.state.is_live() {
+            return;
+        }
+        c.end_ms = Some(now);
+        c.waiting_for = None;
+        c.span.record("attempts", c.attempts);
+        c.span.record("input_tokens", c.usage.input_tokens);
+        c.span.record("output_tokens", c.usage.output_tokens);
+        c.span.record("outcome", result.span_outcome());
+        c.span = tracing::Span::none();
+        match result {
+            CallResult::Completed(done) => {
+                let value = match done.json {
+                    Some(json) => serde_json::from_str(&json).unwrap_or(Value::String(json)),
+                    None => Value::String(done.text),
+                };
+                c.result = Some(value);
+                c.set(State::Journaling);
+                match (done.change, &self.head) {
+                    // Its change goes into the head (or onto its branch) before it is journaled.
+                    (Some(ch), Some(head)) => {
+                        let _ = head.send(crate::head::Apply {
+                            call,
+                            label: c.label.clone(),
+                            record: crate::head::ChangeRecord {
+                                commit: ch.commit,
+                                base: ch.base,
+                                files: ch.files,
+                                insertions: ch.insertions,
+                                deletions: ch.deletions,
+                                head_after: None,
+                                conflicts: Vec::new(),
+                                isolated: c.isolated,
+                            },
+                            pack: Some(ch.pack),
+                        });
+                    }
+                    // A source the workers fetched by URL has no head here: said, never lost
+                    // without a word.
+                    (Some(ch), None) => {
+                        let line = format!(
+                            "agent \"{}\" changed {} file(s), but this run's source is fetched by URL and its changes are not kept; launch from a checkout of the repository (--source auto) to get them back as branches",
+                            c.label,
+                            ch.files.len()
+                        );
+                        self.failures.push(line.clone());
+                        self.event(RunEvent::Failure { line });
+                        self.journal_call(call);
+                    }
+                    (None, _) => self.journal_call(call),
+                }
+            }
+            CallResult::Failed { failure, message } => {
+                c.set(State::Failed);
+                c.error = Some(message.clone());
+                let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());
+                if !stopping {
+                    match failure.reject_code() {
+                        None => {
+                            (self.reply)(HostReply::Agent {
+                                id,
+                                result: Ok("null".into()),
+                            });
+                            let line = format!("agent \"{label}\" failed: {message}");
+                            self.failures.push(line.clone());
+                            self.event(RunEvent::Failure { line });
+                        }
+                        Some(code) => self.reject(id, code, message.clone()),
+                    }
+                }
+                self.event(RunEvent::Call {
+                    index: call,
+                    label,
+                    group,
+                    state: Mark::Failed,
+                    attempt: None,
+                    detail: Some(message),
+                });
+            }
+        }
+    }
+
+    /// A change applied to the head (or kept on its branch): said, then journaled with its call.
+    pub(super) fn on_applied(&mut self, a: crate::head::Applied) {
+        self.dirty = true;
+        let Some(c) = self.calls.get_mut(a.call as usize) else {
+            return;
+        };
+        let label = c.label.clone();
+        let branch = format!("flotilla/{}/{}", self.init.run_id, a.call);
+        let line = match a.result {
+            Ok(record) => {
+                let line = if !record.conflicts.is_empty() {
+                    Some(format!(
+                        "agent \"{label}\" changed files that conflict with the run's head ({}); its change is on branch {branch} (`flotilla apply {} --agent {}`)",
+                        record.conflicts.join(", "),
+                        self.init.run_id,
+                        a.call
+                    ))
+                } else {
+                    None
+                };
+                c.change = Some(record);
+                line
+            }
+            Err(e) => {
+                // The result stands; only the change could not be kept.
+                Some(format!(
+                    "agent \"{label}\" changed files, but the change could not be kept: {e}"
+                ))
+            }
+        };
+        let own = c.own_journal;
+        if let Some(line) = line {
+            self.failures.push(line.clone());
+            self.event(RunEvent::Failure { line });
+        }
+        if own {
+            self.on_ack(JournalAck::Durable(vec![a.call]));
+        } else {
+            self.journal_call(a.call);
+        }
+    }
+
+    pub(super) fn store_transcript(&mut self, call: u64, attempt: u32, events: Vec<String>) {
+        let events = events
+            .into_iter()
+            .map(|e| serde_json::from_str(&e).unwrap_or(Value::String(e)))
+            .collect();
+        self.transcripts.push(TranscriptLine {
+            call,
+            attempt,
+            events,
+        });
+    }
+}

@@ -1,0 +1,227 @@
+//! What others see of a run: the live [`Snapshot`] (progress displays, the session page) and
+//! the [`Report`].
+
+use super::*;
+
+/// Live view of a run for progress displays.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub run_id: String,
+    pub workflow: WorkflowInfo,
+    pub status: Option<RunStatus>,
+    pub elapsed_ms: u64,
+    pub groups: Vec<GroupProgress>,
+    pub logs: Arc<Vec<String>>,
+    pub agents: u64,
+    pub done: u64,
+    pub failed: u64,
+    pub running: u64,
+    pub cached: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// A wait in progress, if any: a usage limit, or agents no attached worker can run.
+    pub waiting: Option<String>,
+    /// When the run started here (so `elapsed` keeps growing between snapshots).
+    pub since: Option<Instant>,
+}
+
+impl Snapshot {
+    /// Milliseconds since the run started: growing while it runs, fixed once it ended.
+    pub fn elapsed_now_ms(&self) -> u64 {
+        match (self.since, self.status) {
+            (Some(since), Some(s)) if !s.is_final() => {
+                (since.elapsed().as_millis() as u64).max(self.elapsed_ms)
+            }
+            _ => self.elapsed_ms,
+        }
+    }
+}
+
+/// Progress of one group.
+#[derive(Debug, Clone, Default)]
+pub struct GroupProgress {
+    pub title: String,
+    pub total: u64,
+    pub done: u64,
+    pub failed: u64,
+    pub running: u64,
+    pub output_tokens: u64,
+}
+
+impl RunEngine {
+    pub(super) fn publish(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        self.dirty = false;
+        let mut groups: Vec<GroupProgress> = self
+            .groups
+            .iter()
+            .map(|t| GroupProgress {
+                title: t.clone(),
+                ..GroupProgress::default()
+            })
+            .collect();
+        let mut snap = Snapshot {
+            run_id: self.init.run_id.clone(),
+            workflow: self.init.workflow.clone(),
+            status: Some(self.status),
+            elapsed_ms: self.now_ms(),
+            logs: {
+                if self.published_logs.len() != self.logs.len() {
+                    self.published_logs = Arc::new(self.logs.clone());
+                }
+                self.published_logs.clone()
+            },
+            input_tokens: self.usage.input_tokens,
+            output_tokens: self.usage.output_tokens,
+            waiting: self
+                .init
+                .store
+                .health
+                .problem()
+                .or_else(|| self.waiting.clone())
+                .or_else(|| self.no_worker_summary()),
+            since: Some(self.started),
+            ..Snapshot::default()
+        };
+        for c in &self.calls {
+            snap.agents += 1;
+            let Some(g) = self
+                .group_index
+                .get(&c.group)
+                .and_then(|&i| groups.get_mut(i))
+            else {
+                continue;
+            };
+            g.total += 1;
+            g.output_tokens += c.usage.output_tokens.max(c.live_tokens);
+            match c.state {
+                State::Completed | State::Journaling => {
+                    g.done += 1;
+                    snap.done += 1;
+                }
+                State::Failed | State::Cancelled => {
+                    g.failed += 1;
+                    snap.failed += 1;
+                }
+                State::Running => {
+                    g.running += 1;
+                    snap.running += 1;
+                }
+                State::Queued | State::Held | State::Waiting => {}
+            }
+            if c.cached {
+                snap.cached += 1;
+            }
+        }
+        snap.groups = groups;
+        let _ = self.snapshot.send(Arc::new(snap));
+    }
+
+    /// What the calls that no attached worker can run wait for, in one line.
+    pub(super) fn no_worker_summary(&self) -> Option<String> {
+        let mut waiting = self.calls.iter().filter_map(|c| c.waiting_for.as_ref());
+        let first = waiting.next()?;
+        let more = waiting.count();
+        Some(if more == 0 {
+            format!("1 agent waits: {first}")
+        } else {
+            format!("{} agents wait: {first}", more + 1)
+        })
+    }
+
+    pub(super) fn report(&self) -> Report {
+        self.report_with(false)
+    }
+
+    /// The report; `live` keeps the states of calls that have not ended instead of calling
+    /// them cancelled.
+    pub(super) fn report_with(&self, live: bool) -> Report {
+        let mut usage = ReportUsage {
+            agents: self.calls.len() as u64,
+            attempts: self.attempts_total,
+            input_tokens: self.usage.input_tokens,
+            output_tokens: self.usage.output_tokens,
+            cost_usd: self.usage.cost_usd,
+            duration_ms: self.now_ms(),
+            ..ReportUsage::default()
+        };
+        let mut agents = Vec::with_capacity(self.calls.len());
+        for (i, c) in self.calls.iter().enumerate() {
+            if c.cached {
+                usage.cached += 1;
+            } else if c.attempts > 0 {
+                usage.dispatched += 1;
+            }
+            if c.state == State::Failed {
+                usage.errors += 1;
+            }
+            agents.push(AgentReport {
+                label: c.label.clone(),
+                group: c.group.clone(),
+                status: c.state.status(live),
+                attempts: c.attempts,
+                cached: c.cached,
+                start_ms: c.start_ms,
+                end_ms: c.end_ms,
+                error: c.error.clone(),
+                index: i as u64,
+                key: c.key.clone(),
+                model: c.model.clone(),
+                input_tokens: c.usage.input_tokens,
+                output_tokens: c.usage.output_tokens,
+                disk_bytes: c.disk_bytes,
+                waiting: if live { c.waiting_for.clone() } else { None },
+            });
+        }
+        let mut groups: Vec<GroupReport> = self
+            .groups
+            .iter()
+            .map(|t| GroupReport {
+                title: t.clone(),
+                agents: Vec::new(),
+            })
+            .collect();
+        for c in &self.calls {
+            if let Some(g) = self
+                .group_index
+                .get(&c.group)
+                .and_then(|&i| groups.get_mut(i))
+            {
+                g.agents.push(c.label.clone());
+            }
+        }
+        Report {
+            run_id: self.init.run_id.clone(),
+            status: self.status,
+            result: self.result.clone(),
+            error: self.error.clone(),
+            workflow: self.init.workflow.clone(),
+            usage,
+            agents,
+            groups,
+            logs: self.logs.clone(),
+            failures: self.failures.clone(),
+            script_path: self.init.script_path.clone(),
+            parent_run_id: self.init.parent_run_id.clone(),
+            store: Some(self.init.store.url.clone()),
+            changes: self.head_watch.as_ref().map(|head| {
+                let of = |f: &dyn Fn(&crate::head::ChangeRecord) -> bool| {
+                    self.calls
+                        .iter()
+                        .filter_map(|c| c.change.as_ref())
+                        .filter(|r| f(r))
+                        .count() as u64
+                };
+                crate::report::ChangesSummary {
+                    merged: of(&|r| r.head_after.is_some()),
+                    isolated: of(&|r| r.isolated),
+                    conflicted: of(&|r| !r.conflicts.is_empty()),
+                    head: head.borrow().clone(),
+                    apply: format!("flotilla apply {}", self.init.run_id),
+                }
+            }),
+        }
+    }
+}
