@@ -3,11 +3,11 @@
 //! - A link attaches and says `Hello`. The worker is known by its name (a remote worker's
 //!   certificate CN). A name seen before, whose lease has not lapsed, is the same worker coming
 //!   back: the new link takes over its state, and the attempts it lists in `Hello` carry on.
-//! - Each named worker has a lease task ([`worker_lease`]) that grants its lease, writes its
+//! - Each named worker has a lease task ([`worker_lease`](super::keys::worker_lease)) that grants its lease, writes its
 //!   registration key under it and renews it while the worker is attached. While the worker is
 //!   cut off, nobody renews it.
 //! - Every attempt is a key under its worker's lease, written by the key writer
-//!   ([`spawn_key_writer`]) in batches, in order, before the assignment is sent; the batch's
+//!   ([`spawn_key_writer`](super::keys::spawn_key_writer)) in batches, in order, before the assignment is sent; the batch's
 //!   revision is the attempt's fence.
 //! - A watch on attempt keys sees them vanish when a lease lapses; a vanished key of a current
 //!   attempt restarts its call. A watch on registrations retires workers that never came back.
@@ -15,324 +15,23 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use flotilla_proto::link::CoordinatorEnd;
 use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::keys::{KeyOp, LeaseCtl, PendingPut, Refusal, worker_lease};
 use super::{CallEvent, CallFailure, CallId, Dispatcher, Msg, Retry, State, Timer, WorkerState};
-use crate::lease::{self, BatchOp, LeaseId, LeaseStore, Revision, WatchEvent};
-
-/// Most attempt-key writes in one batch (etcd's default limit of operations per transaction).
-const BATCH_MAX: usize = 128;
-/// Longest wait between retries of a lease-store write that failed.
-const MAX_RETRY: Duration = Duration::from_secs(2);
-
-/// An attempt whose key is being written.
-#[derive(Debug, Clone)]
-pub(super) struct PendingPut {
-    pub run: Arc<str>,
-    pub call: u64,
-    pub attempt: u32,
-    pub worker: u64,
-    pub lease: LeaseId,
-}
-
-/// One attempt-key write.
-#[derive(Debug)]
-pub(super) enum KeyOp {
-    Put {
-        put: PendingPut,
-        key: String,
-        value: Vec<u8>,
-        lease: LeaseId,
-    },
-    Delete {
-        key: String,
-    },
-}
-
-impl KeyOp {
-    /// The key of `attempt` of call `id` on worker `wid`, under the worker's `lease`.
-    pub(super) fn attempt(
-        id: &CallId,
-        wid: u64,
-        worker: &str,
-        attempt: u32,
-        lease: LeaseId,
-    ) -> KeyOp {
-        KeyOp::Put {
-            put: PendingPut {
-                run: id.0.clone(),
-                call: id.1,
-                attempt,
-                worker: wid,
-                lease,
-            },
-            key: lease::keys::attempt(&id.0, id.1),
-            value: serde_json::json!({"worker": worker, "attempt": attempt})
-                .to_string()
-                .into_bytes(),
-            lease,
-        }
-    }
-
-    fn batch_op(&self) -> BatchOp {
-        match self {
-            KeyOp::Put {
-                key, value, lease, ..
-            } => BatchOp::Put {
-                key: key.clone(),
-                value: value.clone(),
-                lease: Some(*lease),
-            },
-            KeyOp::Delete { key } => BatchOp::Delete { key: key.clone() },
-        }
-    }
-
-    fn into_put(self) -> Option<PendingPut> {
-        match self {
-            KeyOp::Put { put, .. } => Some(put),
-            KeyOp::Delete { .. } => None,
-        }
-    }
-}
-
-/// Controls a worker's lease task.
-#[derive(Debug)]
-pub(super) struct LeaseCtl {
-    attached: watch::Sender<bool>,
-    stop: CancellationToken,
-}
-
-impl LeaseCtl {
-    pub fn stop(&self) {
-        self.stop.cancel();
-    }
-    fn set_attached(&self, attached: bool) {
-        self.attached.send_replace(attached);
-    }
-}
-
-/// Writes attempt keys in order, in batches; tells the dispatcher what got written.
-pub(super) fn spawn_key_writer(
-    leases: Arc<dyn LeaseStore>,
-    inbox: mpsc::UnboundedSender<Msg>,
-    cancel: CancellationToken,
-) -> mpsc::UnboundedSender<KeyOp> {
-    let (tx, mut rx) = mpsc::unbounded_channel::<KeyOp>();
-    tokio::spawn(async move {
-        let mut buf = Vec::with_capacity(BATCH_MAX);
-        loop {
-            let n = tokio::select! {
-                _ = cancel.cancelled() => return,
-                n = rx.recv_many(&mut buf, BATCH_MAX) => n,
-            };
-            if n == 0 {
-                return;
-            }
-            let ops = std::mem::take(&mut buf);
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                () = write_ops(&*leases, ops, &inbox) => {}
-            }
-        }
-    });
-    tx
-}
-
-/// Why the lease store would not write an attempt key.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Refusal {
-    /// The worker's lease is gone: the call goes back to its queue.
-    LeaseGone,
-    /// The store refused the write itself (permanent): the call fails with this reason.
-    Refused(String),
-}
-
-/// Writes one batch (one write per key, the last one winning), retrying while the store is
-/// unavailable. A batch the store refuses is written again one key at a time, so only the
-/// writes it refuses on their own fail: one poison write never blocks the keys behind it.
-async fn write_ops(leases: &dyn LeaseStore, ops: Vec<KeyOp>, inbox: &mpsc::UnboundedSender<Msg>) {
-    let batch = lease::coalesce(ops.iter().map(KeyOp::batch_op).collect());
-    match write_retrying(leases, batch).await {
-        Ok(revision) => {
-            let puts = ops.into_iter().filter_map(KeyOp::into_put).collect();
-            let _ = inbox.send(Msg::Written { puts, revision });
-        }
-        Err(why) => {
-            if let Refusal::Refused(e) = &why {
-                tracing::error!(error = %e, writes = ops.len(), "the lease store refused a batch of attempt keys; writing them one at a time");
-            }
-            for op in ops {
-                let single = vec![op.batch_op()];
-                let res = write_retrying(leases, single).await;
-                if let Err(Refusal::Refused(e)) = &res {
-                    tracing::error!(key = %op.batch_op().key(), error = %e, "the lease store refused an attempt key");
-                }
-                let Some(put) = op.into_put() else { continue };
-                let _ = match res {
-                    Ok(revision) => inbox.send(Msg::Written {
-                        puts: vec![put],
-                        revision,
-                    }),
-                    Err(why) => inbox.send(Msg::Refused {
-                        puts: vec![put],
-                        why,
-                    }),
-                };
-            }
-        }
-    }
-}
-
-/// `Err` for a dead lease or a refused write; an unavailable store is retried until it answers.
-async fn write_retrying(leases: &dyn LeaseStore, batch: Vec<BatchOp>) -> Result<Revision, Refusal> {
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        match leases.write_batch(batch.clone()).await {
-            Ok(rev) => return Ok(rev),
-            Err(lease::Error::LeaseGone(_)) => return Err(Refusal::LeaseGone),
-            Err(lease::Error::Refused(e)) => return Err(Refusal::Refused(e)),
-            Err(lease::Error::Unavailable(e)) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "cannot write attempt keys; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_RETRY);
-            }
-        }
-    }
-}
-
-/// Watches attempt keys and worker registrations for the dispatcher.
-pub(super) fn spawn_watches(
-    leases: Arc<dyn LeaseStore>,
-    inbox: mpsc::UnboundedSender<Msg>,
-    cancel: CancellationToken,
-) {
-    for prefix in [lease::keys::ATTEMPTS, lease::keys::WORKERS] {
-        let leases = leases.clone();
-        let inbox = inbox.clone();
-        let cancel = cancel.clone();
-        tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(100);
-            let mut events = loop {
-                match leases.watch(prefix).await {
-                    Ok(rx) => break rx,
-                    Err(e) => {
-                        tracing::warn!(prefix, error = %e, "cannot watch the lease store; retrying");
-                        tokio::select! {
-                            _ = cancel.cancelled() => return,
-                            _ = tokio::time::sleep(backoff) => {}
-                        }
-                        backoff = (backoff * 2).min(MAX_RETRY);
-                    }
-                }
-            };
-            loop {
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    ev = events.recv() => match ev {
-                        // Only deletions matter; puts are our own writes.
-                        Some(ev @ WatchEvent::Delete { .. }) => {
-                            if inbox.send(Msg::Watch(ev)).is_err() {
-                                return;
-                            }
-                        }
-                        Some(WatchEvent::Put(_)) => {}
-                        None => return,
-                    },
-                }
-            }
-        });
-    }
-}
-
-/// Holds a worker's liveness lease and registration key. Renews the lease while the worker is
-/// attached; while it is cut off, waits (the lease runs out unless the worker comes back). A
-/// lease that lapsed anyway (the store was down longer than the TTL) is granted anew.
-async fn worker_lease(
-    leases: Arc<dyn LeaseStore>,
-    ttl: Duration,
-    name: Arc<str>,
-    info: Vec<u8>,
-    mut attached: watch::Receiver<bool>,
-    stop: CancellationToken,
-    inbox: mpsc::UnboundedSender<Msg>,
-) {
-    let key = lease::keys::worker(&name);
-    let mut lease: Option<LeaseId> = None;
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let up = *attached.borrow_and_update();
-        let mut wait = ttl / 3;
-        if up {
-            match lease {
-                None => match leases.grant(ttl).await {
-                    Ok(id) => match leases.put(&key, info.clone(), Some(id)).await {
-                        Ok(revision) => {
-                            lease = Some(id);
-                            backoff = Duration::from_millis(100);
-                            let _ = inbox.send(Msg::LeaseGranted {
-                                worker: name.clone(),
-                                lease: id,
-                                revision,
-                            });
-                        }
-                        Err(e) => {
-                            tracing::warn!(worker = %name, error = %e, "cannot register the worker");
-                            wait = backoff;
-                        }
-                    },
-                    Err(e) => {
-                        tracing::warn!(worker = %name, error = %e, "cannot grant the worker's lease");
-                        wait = backoff;
-                    }
-                },
-                Some(id) => match leases.keep_alive(id).await {
-                    Ok(()) => {}
-                    Err(lease::Error::LeaseGone(_)) => {
-                        tracing::warn!(worker = %name, "the worker's lease lapsed; granting a new one");
-                        lease = None;
-                        let _ = inbox.send(Msg::LeaseLost {
-                            worker: name.clone(),
-                            lease: id,
-                        });
-                        continue;
-                    }
-                    Err(e) => {
-                        crate::metrics::inc(&crate::metrics::LEASE_RENEWAL_FAILURES);
-                        tracing::warn!(worker = %name, error = %e, "cannot renew the worker's lease; retrying");
-                        wait = backoff;
-                    }
-                },
-            }
-            backoff = (backoff * 2).min(MAX_RETRY);
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = tokio::time::sleep(wait) => {}
-                r = attached.changed() => if r.is_err() { break },
-            }
-        } else {
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                r = attached.changed() => if r.is_err() { break },
-            }
-        }
-    }
-    if let Some(id) = lease {
-        let _ = leases.revoke(id).await;
-    }
-}
+use crate::lease::{self, LeaseId, Revision, WatchEvent};
 
 impl Dispatcher {
     /// Writes an attempt key: at once when the store can (in memory), else through the key
     /// writer. A put's assignment goes out once its key is written.
     pub(super) fn write_key(&mut self, op: KeyOp) {
         let Some(res) = self.leases.write_batch_now(&[op.batch_op()]) else {
-            let _ = self.keys.send(op);
+            let _ = self.fleet.keys.send(op);
             return;
         };
         let Some(put) = op.into_put() else { return };
@@ -344,12 +43,12 @@ impl Dispatcher {
     }
 
     pub(super) fn attach(&mut self, end: CoordinatorEnd) {
-        let id = self.next_worker;
-        self.next_worker += 1;
+        let id = self.fleet.next_worker;
+        self.fleet.next_worker += 1;
         let CoordinatorEnd { tx, mut rx } = end;
         let alive = CancellationToken::new();
         let target = Arc::new(AtomicU64::new(id));
-        self.workers.insert(
+        self.fleet.workers.insert(
             id,
             WorkerState {
                 name: Arc::from(format!("worker-{id}")),
@@ -394,7 +93,7 @@ impl Dispatcher {
     }
 
     pub(super) fn hello(&mut self, link_id: u64, h: v1::Hello) {
-        let Some(w) = self.workers.get_mut(&link_id) else {
+        let Some(w) = self.fleet.workers.get_mut(&link_id) else {
             return;
         };
         if w.named {
@@ -406,7 +105,7 @@ impl Dispatcher {
                 "refusing a worker that speaks protocol {} (this coordinator speaks {})",
                 h.protocol_version, flotilla_proto::PROTOCOL_VERSION);
             w.link_alive.cancel();
-            self.workers.remove(&link_id);
+            self.fleet.workers.remove(&link_id);
             return;
         }
         let name: Arc<str> = if h.name.is_empty() {
@@ -419,19 +118,19 @@ impl Dispatcher {
             .iter()
             .map(|a| (Arc::from(a.run_id.as_str()), a.call, a.attempt))
             .collect();
-        let wid = match self.by_name.get(&name).copied() {
-            Some(old) if old != link_id && self.workers.contains_key(&old) => {
+        let wid = match self.fleet.by_name.get(&name).copied() {
+            Some(old) if old != link_id && self.fleet.workers.contains_key(&old) => {
                 self.adopt(old, link_id, &h, &held)
             }
             _ => {
-                let w = self.workers.get_mut(&link_id).expect("checked above");
+                let w = self.fleet.workers.get_mut(&link_id).expect("checked above");
                 w.name = name.clone();
                 w.named = true;
                 w.slots = h.slots;
                 w.backends = h.backends.iter().cloned().collect();
                 w.models = h.models.iter().cloned().collect();
                 w.labels = h.labels.clone().into_iter().collect();
-                self.by_name.insert(name.clone(), link_id);
+                self.fleet.by_name.insert(name.clone(), link_id);
                 let info = serde_json::json!({
                     "slots": h.slots,
                     "backends": h.backends,
@@ -475,12 +174,12 @@ impl Dispatcher {
         h: &v1::Hello,
         held: &HashSet<(Arc<str>, u64, u32)>,
     ) -> u64 {
-        let Some(fresh) = self.workers.remove(&link_id) else {
+        let Some(fresh) = self.fleet.workers.remove(&link_id) else {
             return wid;
         };
         fresh.target.store(wid, Ordering::Release);
-        self.adopted.insert(link_id, wid);
-        let Some(w) = self.workers.get_mut(&wid) else {
+        self.fleet.adopted.insert(link_id, wid);
+        let Some(w) = self.fleet.workers.get_mut(&wid) else {
             return wid;
         };
         if w.tx.is_some() {
@@ -546,7 +245,7 @@ impl Dispatcher {
     }
 
     fn cancel_stray(&self, wid: u64, a: &v1::AttemptRef, reason: &str) {
-        if let Some(tx) = self.workers.get(&wid).and_then(|w| w.tx.as_ref()) {
+        if let Some(tx) = self.fleet.workers.get(&wid).and_then(|w| w.tx.as_ref()) {
             let _ = tx.send(CoordinatorMessage {
                 msg: Some(coordinator_message::Msg::Cancel(v1::Cancel {
                     run_id: a.run_id.clone(),
@@ -560,7 +259,7 @@ impl Dispatcher {
 
     /// Cancels the held attempts no run claimed.
     pub(super) fn drop_orphans(&mut self, wid: u64, link: u64) {
-        let Some(w) = self.workers.get_mut(&wid) else {
+        let Some(w) = self.fleet.workers.get_mut(&wid) else {
             return;
         };
         if w.link != link {
@@ -590,7 +289,7 @@ impl Dispatcher {
         else {
             return;
         };
-        let found = self.workers.iter().find_map(|(wid, w)| {
+        let found = self.fleet.workers.iter().find_map(|(wid, w)| {
             if !w.ready() {
                 return None;
             }
@@ -600,7 +299,11 @@ impl Dispatcher {
                 .map(|i| (*wid, i))
         });
         if let Some((wid, i)) = found {
-            let a = self.workers.get_mut(&wid).map(|w| w.orphans.swap_remove(i));
+            let a = self
+                .fleet
+                .workers
+                .get_mut(&wid)
+                .map(|w| w.orphans.swap_remove(i));
             if let Some(a) = a {
                 self.adopt_attempt(id, wid, &a);
             }
@@ -617,7 +320,7 @@ impl Dispatcher {
         if c.state != State::Queued {
             return;
         }
-        let Some(w) = self.workers.get_mut(&wid) else {
+        let Some(w) = self.fleet.workers.get_mut(&wid) else {
             return;
         };
         let Some(lease) = w.lease else {
@@ -660,7 +363,7 @@ impl Dispatcher {
     /// Sends `Welcome` once the worker is named and has a lease.
     fn welcome(&mut self, wid: u64) {
         let ttl = self.opts.worker_ttl;
-        let Some(w) = self.workers.get_mut(&wid) else {
+        let Some(w) = self.fleet.workers.get_mut(&wid) else {
             return;
         };
         if w.welcomed || !w.ready() {
@@ -692,10 +395,10 @@ impl Dispatcher {
     }
 
     pub(super) fn lease_granted(&mut self, name: &Arc<str>, lease: LeaseId, revision: Revision) {
-        let Some(wid) = self.by_name.get(name).copied() else {
+        let Some(wid) = self.fleet.by_name.get(name).copied() else {
             return;
         };
-        if let Some(w) = self.workers.get_mut(&wid) {
+        if let Some(w) = self.fleet.workers.get_mut(&wid) {
             w.lease = Some(lease);
             w.reg_revision = revision;
         }
@@ -703,10 +406,10 @@ impl Dispatcher {
     }
 
     pub(super) fn lease_lost(&mut self, name: &Arc<str>, lease: LeaseId) {
-        let Some(wid) = self.by_name.get(name).copied() else {
+        let Some(wid) = self.fleet.by_name.get(name).copied() else {
             return;
         };
-        if let Some(w) = self.workers.get_mut(&wid)
+        if let Some(w) = self.fleet.workers.get_mut(&wid)
             && w.lease == Some(lease)
         {
             // Its attempt keys went with the lease; the watch restarts those calls. No new
@@ -717,15 +420,15 @@ impl Dispatcher {
 
     pub(super) fn link_closed(&mut self, wid: u64, link: u64) {
         let ttl = self.opts.worker_ttl;
-        let wid = self.adopted.remove(&link).unwrap_or(wid);
-        let Some(w) = self.workers.get_mut(&wid) else {
+        let wid = self.fleet.adopted.remove(&link).unwrap_or(wid);
+        let Some(w) = self.fleet.workers.get_mut(&wid) else {
             return;
         };
         if w.link != link {
             return;
         }
         if !w.named {
-            self.workers.remove(&wid);
+            self.fleet.workers.remove(&wid);
             return;
         }
         tracing::info!(worker = %w.name, attempts = w.running.len(), "worker cut off; its attempts wait for it for one lease TTL");
@@ -742,6 +445,7 @@ impl Dispatcher {
     /// renewal its lease is gone for sure.
     pub(super) fn lapse_backstop(&mut self, wid: u64, link: u64) {
         let lapsed = self
+            .fleet
             .workers
             .get(&wid)
             .is_some_and(|w| w.link == link && w.tx.is_none());
@@ -762,13 +466,14 @@ impl Dispatcher {
             });
             if let Some((Some(wid), attempt)) = lapsed {
                 let name = self
+                    .fleet
                     .workers
                     .get(&wid)
                     .map_or_else(|| "?".to_owned(), |w| w.name.to_string());
                 tracing::info!(run = %id.0, call, attempt, worker = %name, "attempt key vanished (the worker's lease lapsed); restarting the call");
                 // A worker still attached (its lease lapsed while the store was out of reach)
                 // is told to stop; its slot comes back with that attempt's outcome.
-                let attached = self.workers.get(&wid).is_some_and(|w| w.tx.is_some());
+                let attached = self.fleet.workers.get(&wid).is_some_and(|w| w.tx.is_some());
                 let message = format!("worker {name}'s lease lapsed");
                 if attached {
                     self.send_cancel(&id, "its lease lapsed; restarted elsewhere");
@@ -779,10 +484,11 @@ impl Dispatcher {
                 }
             }
         } else if let Some(name) = lease::keys::parse_worker(&key) {
-            let Some(wid) = self.by_name.get(name).copied() else {
+            let Some(wid) = self.fleet.by_name.get(name).copied() else {
                 return;
             };
             let lapsed = self
+                .fleet
                 .workers
                 .get(&wid)
                 .is_some_and(|w| w.tx.is_none() && revision > w.reg_revision);
@@ -794,7 +500,7 @@ impl Dispatcher {
 
     /// A cut-off worker's lease is gone: forget it and restart whatever it still had.
     fn worker_lapsed(&mut self, wid: u64) {
-        let Some(w) = self.workers.get(&wid) else {
+        let Some(w) = self.fleet.workers.get(&wid) else {
             return;
         };
         let name = w.name.clone();
@@ -808,21 +514,21 @@ impl Dispatcher {
                 format!("worker {name} went away"),
             );
         }
-        if let Some(w) = self.workers.remove(&wid) {
+        if let Some(w) = self.fleet.workers.remove(&wid) {
             w.link_alive.cancel();
             if let Some(ctl) = &w.ctl {
                 ctl.stop();
             }
         }
-        if self.by_name.get(&name) == Some(&wid) {
-            self.by_name.remove(&name);
+        if self.fleet.by_name.get(&name) == Some(&wid) {
+            self.fleet.by_name.remove(&name);
         }
     }
 
     /// Gives back the slot of `attempt` on `wid` and, if it is the call's current attempt,
     /// restarts the call (counted as a failed attempt).
     fn lose_attempt(&mut self, wid: u64, id: &CallId, attempt: u32, message: String) {
-        if let Some(w) = self.workers.get_mut(&wid)
+        if let Some(w) = self.fleet.workers.get_mut(&wid)
             && w.running.remove(&(id.0.clone(), id.1, attempt))
         {
             w.busy = w.busy.saturating_sub(1);
@@ -852,7 +558,7 @@ impl Dispatcher {
                 other => {
                     // Cancelled or lost before it was sent: give the slot back, and take the
                     // key away unless a newer attempt's key (written after it) replaces it.
-                    if let Some(w) = self.workers.get_mut(&p.worker)
+                    if let Some(w) = self.fleet.workers.get_mut(&p.worker)
                         && w.running.remove(&(p.run.clone(), p.call, p.attempt))
                     {
                         w.busy = w.busy.saturating_sub(1);
@@ -873,7 +579,7 @@ impl Dispatcher {
     pub(super) fn refused(&mut self, puts: Vec<PendingPut>, why: Refusal) {
         for p in puts {
             let id: CallId = (p.run.clone(), p.call);
-            if let Some(w) = self.workers.get_mut(&p.worker) {
+            if let Some(w) = self.fleet.workers.get_mut(&p.worker) {
                 if w.running.remove(&(p.run.clone(), p.call, p.attempt)) {
                     w.busy = w.busy.saturating_sub(1);
                 }

@@ -1,0 +1,244 @@
+//! The dispatcher's face: what runs register and submit, what they hear back, and the
+//! [`DispatchHandle`] that sends it all to the dispatcher's inbox.
+
+use super::*;
+
+/// Default TTL of a worker's liveness lease.
+pub const WORKER_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// How the dispatcher treats workers.
+#[derive(Debug, Clone)]
+pub struct DispatchOptions {
+    /// TTL of each worker's liveness lease: how long a cut-off worker keeps its attempts.
+    pub worker_ttl: Duration,
+    /// The workers are all there is (the embedded mode): a call none of the attached workers
+    /// can run fails at once instead of waiting for one that offers its backend.
+    pub fixed_fleet: bool,
+}
+
+impl Default for DispatchOptions {
+    fn default() -> Self {
+        DispatchOptions {
+            worker_ttl: WORKER_LEASE_TTL,
+            fixed_fleet: false,
+        }
+    }
+}
+
+/// The limits and channels of one run.
+#[derive(Debug, Clone)]
+pub struct RunRegistration {
+    pub run_id: Arc<str>,
+    pub concurrency: usize,
+    pub stall_timeout: Duration,
+    pub max_attempts: u32,
+    pub stagger: Duration,
+    /// How long a call waits for an attached worker that offers its backend and model.
+    pub worker_wait: Duration,
+    /// The run's head (fleet runs with a source): every attempt starts from it as it stands
+    /// when the attempt is sent.
+    pub head: Option<tokio::sync::watch::Receiver<String>>,
+    pub events: mpsc::UnboundedSender<CallEvent>,
+}
+
+/// One call to run.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    pub call: u64,
+    pub key: String,
+    pub task: v1::TaskSpec,
+    pub prefix_group: u64,
+    /// The call's trace span; each attempt's span is its child, and travels to the worker in
+    /// the assignment's `trace_context` (W3C trace context).
+    pub span: tracing::Span,
+}
+
+pub(super) enum Msg {
+    Register(RunRegistration),
+    Submit {
+        run: Arc<str>,
+        ticket: Box<Ticket>,
+    },
+    Cancel {
+        run: Arc<str>,
+        call: u64,
+        reason: String,
+    },
+    CloseRun {
+        run: Arc<str>,
+    },
+    /// W54: a paused run starts nothing; its running attempts are interrupted and go back to
+    /// the front of its queue (not counted as attempts).
+    PauseRun {
+        run: Arc<str>,
+        paused: bool,
+    },
+    /// W55: one call stops; it ends failed (why: `failure`, `message`).
+    StopCall {
+        run: Arc<str>,
+        call: u64,
+        failure: CallFailure,
+        message: String,
+    },
+    /// W35: the run's token budget is spent.
+    BudgetSpent {
+        run: Arc<str>,
+        message: String,
+    },
+    /// W56: one call's running attempt is abandoned and a new one starts at once.
+    RestartCall {
+        run: Arc<str>,
+        call: u64,
+    },
+    Attach(CoordinatorEnd),
+    FromWorker {
+        worker: u64,
+        msg: Box<WorkerMessage>,
+    },
+    /// A worker's link ended (`link` tells a stale link from the current one).
+    LinkClosed {
+        worker: u64,
+        link: u64,
+    },
+    Watch(WatchEvent),
+    LeaseGranted {
+        worker: Arc<str>,
+        lease: LeaseId,
+        revision: Revision,
+    },
+    LeaseLost {
+        worker: Arc<str>,
+        lease: LeaseId,
+    },
+    /// Attempt keys are written; their assignments may go.
+    Written {
+        puts: Vec<PendingPut>,
+        revision: Revision,
+    },
+    /// Attempt keys the store would not write (their worker's lease is gone, or the store
+    /// refused them).
+    Refused {
+        puts: Vec<PendingPut>,
+        why: Refusal,
+    },
+    Stats(tokio::sync::oneshot::Sender<Stats>),
+    Workers(tokio::sync::oneshot::Sender<Vec<WorkerView>>),
+    /// What an attempt left is stored (`Ok`: the partial commit and its base) or not.
+    PartialStored {
+        run: Arc<str>,
+        call: u64,
+        attempt: u32,
+        stored: Result<(String, String), String>,
+    },
+}
+
+/// One attached worker, as `flotilla workers` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerView {
+    pub name: String,
+    /// Its stream is up (otherwise it is cut off and its lease is running out).
+    pub attached: bool,
+    pub slots: u32,
+    pub busy: u32,
+    pub backends: Vec<String>,
+    pub models: Vec<String>,
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+/// Counters for tests and metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    pub workers: usize,
+    pub slots: u32,
+    pub busy: u32,
+    pub queued: usize,
+    pub running: usize,
+    /// Attempts assigned since the dispatcher started.
+    pub assigned: u64,
+}
+
+/// Cheap handle to the dispatcher.
+#[derive(Clone)]
+pub struct DispatchHandle {
+    pub(super) tx: mpsc::UnboundedSender<Msg>,
+}
+
+impl std::fmt::Debug for DispatchHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatchHandle").finish_non_exhaustive()
+    }
+}
+
+impl DispatchHandle {
+    pub fn register(&self, reg: RunRegistration) {
+        let _ = self.tx.send(Msg::Register(reg));
+    }
+    pub fn submit(&self, run: &Arc<str>, ticket: Ticket) {
+        let _ = self.tx.send(Msg::Submit {
+            run: run.clone(),
+            ticket: Box::new(ticket),
+        });
+    }
+    /// Cancels one call (its run ended it): a running attempt is told `reason`.
+    pub fn cancel(&self, run: &Arc<str>, call: u64, reason: &str) {
+        let _ = self.tx.send(Msg::Cancel {
+            run: run.clone(),
+            call,
+            reason: reason.to_owned(),
+        });
+    }
+    /// Pauses (`true`) or resumes a run.
+    pub fn pause_run(&self, run: &Arc<str>, paused: bool) {
+        let _ = self.tx.send(Msg::PauseRun {
+            run: run.clone(),
+            paused,
+        });
+    }
+    /// Stops one call: unless its outcome is in already, it ends `Failed` with `failure` and
+    /// `message` (the dispatcher is where an outcome and a stop meet, so it decides).
+    pub fn stop_call(&self, run: &Arc<str>, call: u64, failure: CallFailure, message: &str) {
+        let _ = self.tx.send(Msg::StopCall {
+            run: run.clone(),
+            call,
+            failure,
+            message: message.to_owned(),
+        });
+    }
+    /// The run's token budget is spent (W35): every call of it that has not started ends
+    /// `Failed` with `message`, now or when it would start; running ones complete.
+    pub fn budget_spent(&self, run: &Arc<str>, message: &str) {
+        let _ = self.tx.send(Msg::BudgetSpent {
+            run: run.clone(),
+            message: message.to_owned(),
+        });
+    }
+    /// Restarts one running call as a new attempt.
+    pub fn restart_call(&self, run: &Arc<str>, call: u64) {
+        let _ = self.tx.send(Msg::RestartCall {
+            run: run.clone(),
+            call,
+        });
+    }
+    /// Cancels everything of a run and forgets it.
+    pub fn close_run(&self, run: &Arc<str>) {
+        let _ = self.tx.send(Msg::CloseRun { run: run.clone() });
+    }
+    /// Attaches a worker link (an in-process worker, or a gRPC stream bridged to channels).
+    pub fn attach(&self, end: CoordinatorEnd) {
+        let _ = self.tx.send(Msg::Attach(end));
+    }
+    /// The workers with a lease: attached, or cut off and not yet lapsed.
+    pub async fn workers(&self) -> Vec<WorkerView> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(Msg::Workers(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    pub async fn stats(&self) -> Option<Stats> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(Msg::Stats(tx)).ok()?;
+        rx.await.ok()
+    }
+}

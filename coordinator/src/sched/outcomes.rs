@@ -1,0 +1,417 @@
+//! What an attempt's progress and outcome do to its call: only the current attempt's outcome,
+//! with its fence, is accepted; a failure is judged ([`retry::verdict`]) and the call fails,
+//! waits for a usage limit, or goes again; what an unfinished attempt left is kept for the next
+//! one (W58).
+
+use super::*;
+
+impl Dispatcher {
+    pub(super) fn progress(&mut self, worker: u64, p: v1::Progress) {
+        let id: CallId = (Arc::from(p.run_id.as_str()), p.call);
+        let Some(c) = self.calls.get_mut(&id) else {
+            return;
+        };
+        if c.state != State::Running
+            || c.attempt != p.attempt
+            || c.worker != Some(worker)
+            || c.fence.is_none()
+        {
+            return;
+        }
+        c.last_progress = Instant::now();
+        let kind = ProgressKind::try_from(p.kind).unwrap_or(ProgressKind::Unspecified);
+        match kind {
+            ProgressKind::ToolStarted => c.in_tool = true,
+            ProgressKind::ToolFinished => c.in_tool = false,
+            ProgressKind::StructuredCaptured => c.captured = Some(p.detail),
+            _ => {}
+        }
+        let began = matches!(
+            kind,
+            ProgressKind::ResponseStarted | ProgressKind::Output | ProgressKind::StructuredCaptured
+        );
+        let group = c.ticket.prefix_group;
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Progress {
+                call: id.1,
+                attempt: p.attempt,
+                output_tokens: p.output_tokens,
+            });
+        }
+        if began {
+            self.open_prefix(&id.0, group, Some(id.1), true);
+        }
+    }
+
+    pub(super) fn outcome(&mut self, worker: u64, o: v1::Outcome) {
+        let id: CallId = (Arc::from(o.run_id.as_str()), o.call);
+        if let Some(w) = self.fleet.workers.get_mut(&worker)
+            && w.running.remove(&(id.0.clone(), id.1, o.attempt))
+        {
+            w.busy = w.busy.saturating_sub(1);
+        }
+        let usage = o.usage.unwrap_or_default();
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Usage {
+                call: o.call,
+                attempt: o.attempt,
+                usage,
+            });
+        }
+        let current = self.calls.get(&id).is_some_and(|c| {
+            c.state == State::Running
+                && c.attempt == o.attempt
+                && c.worker == Some(worker)
+                && (c.fence == Some(o.fence) || c.adopted_fence == Some(o.fence))
+        });
+        let awaited = self.leftovers.awaits(&id, o.attempt)
+            && self
+                .calls
+                .get(&id)
+                .is_some_and(|c| c.worker == Some(worker));
+        if !current && awaited {
+            // The interrupted attempt of a restarted call: what it left is all we want.
+            let partial = match o.result {
+                Some(outcome::Result::Failure(f)) => f.partial,
+                _ => None,
+            };
+            let storing = partial.is_some_and(|p| self.keep_partial(&id, o.attempt, p));
+            if !storing {
+                self.salvaged(&id, o.attempt);
+            }
+            return;
+        }
+        if !current {
+            // An attempt from a coordinator that went away, not claimed yet: keep its outcome
+            // for the run that takes it over.
+            let claimable = self.calls.get(&id).is_none_or(|c| c.state == State::Queued);
+            if claimable
+                && let Some(w) = self.fleet.workers.get_mut(&worker)
+                && w.orphans.iter().any(|a| {
+                    a.run_id == *id.0
+                        && a.call == id.1
+                        && a.attempt == o.attempt
+                        && a.fence == o.fence
+                })
+            {
+                w.orphan_outcomes.insert((id.0.clone(), id.1, o.attempt), o);
+                self.claim_orphans(&id);
+                return;
+            }
+            tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
+            return;
+        }
+        self.leave_running(&id);
+        match o.result {
+            Some(outcome::Result::Completed(done)) => {
+                self.finish(&id, CallResult::Completed(done));
+            }
+            Some(outcome::Result::Failure(mut f)) => {
+                let kind = FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal);
+                if retry::goes_again(kind)
+                    && let Some(p) = f.partial.take()
+                    && self.keep_partial(&id, o.attempt, p)
+                {
+                    // The retry waits until it is stored.
+                    self.leftovers.wait_for(&id, o.attempt, false);
+                }
+                let limit_waits = match (kind, self.calls.get_mut(&id)) {
+                    (FailureKind::RateLimited, Some(c)) => {
+                        c.limit_waits += 1;
+                        c.limit_waits
+                    }
+                    _ => 0,
+                };
+                match retry::verdict(kind, f.message, f.retry_after_ms, limit_waits) {
+                    retry::Verdict::Fail(failure, message) => self.fail(&id, failure, message),
+                    retry::Verdict::WaitLimit(wait) => self.wait_rate_limit(&id, wait, o.attempt),
+                    retry::Verdict::Retry(r) => self.retry_or_fail(&id, r),
+                }
+            }
+            None => self.retry_or_fail(
+                &id,
+                Retry::Transient {
+                    message: "the worker sent an outcome without a result".into(),
+                },
+            ),
+        }
+    }
+
+    /// Bookkeeping when a call's current attempt stops running.
+    pub(super) fn leave_running(&mut self, id: &CallId) {
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        if c.state != State::Running {
+            return;
+        }
+        if let Some(key) = c.stall_key.take() {
+            self.timers.remove(&key);
+        }
+        let sent = c.fence.take().is_some();
+        c.adopted_fence = None;
+        c.make_ready();
+        c.in_tool = false;
+        let group = c.ticket.prefix_group;
+        if let Some(r) = self.runs.get_mut(&id.0) {
+            r.running = r.running.saturating_sub(1);
+        }
+        if sent {
+            self.write_key(KeyOp::Delete {
+                key: lease::keys::attempt(&id.0, id.1),
+            });
+        }
+        // A leader that ends without its response beginning hands the lead on.
+        let held = self.stagger.ended(&id.0, group, id.1, Instant::now());
+        self.requeue_held(&id.0, held);
+    }
+
+    pub(super) fn finish(&mut self, id: &CallId, result: CallResult) {
+        self.leftovers.forget(id);
+        if let Some(c) = self.calls.remove(id) {
+            c.attempt_span.record("outcome", result.span_outcome());
+            if let Some(key) = c.stall_key {
+                self.timers.remove(&key);
+            }
+        }
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r
+                .reg
+                .events
+                .send(CallEvent::Finished { call: id.1, result });
+        }
+    }
+
+    pub(super) fn fail(&mut self, id: &CallId, failure: CallFailure, message: String) {
+        self.finish(id, CallResult::Failed { failure, message });
+    }
+
+    pub(super) fn wait_rate_limit(&mut self, id: &CallId, wait: Duration, attempt: u32) {
+        let until = Instant::now() + wait;
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        c.set(State::Waiting);
+        let counted = c.counted;
+        self.gates.close(gates::gate_of(&c.ticket.task), until);
+        self.timers
+            .insert_at(Timer::Retry(id.0.clone(), id.1), until);
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Retrying {
+                call: id.1,
+                attempt,
+                retry: Retry::RateLimited { wait },
+                counted,
+            });
+        }
+    }
+
+    /// Counts a failed attempt; starts another one or fails the call at the limit.
+    pub(super) fn retry_or_fail(&mut self, id: &CallId, retry: Retry) {
+        let salvageable = self.salvageable(id);
+        let Some(r) = self.runs.get(&id.0) else {
+            self.calls.remove(id);
+            self.leftovers.forget(id);
+            return;
+        };
+        let max = r.reg.max_attempts;
+        let stall_timeout = r.reg.stall_timeout;
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        c.counted += 1;
+        let (counted, attempt) = (c.counted, c.attempt);
+        if counted >= max {
+            let (failure, message) = retry.exhausted(max, stall_timeout);
+            self.fail(id, failure, message);
+            return;
+        }
+        let _ = r.reg.events.send(CallEvent::Retrying {
+            call: id.1,
+            attempt,
+            retry: retry.clone(),
+            counted,
+        });
+        c.attempt_span.record("outcome", retry.span_outcome());
+        crate::metrics::inc(retry::restart_counter(&retry));
+        if retry.at_once() && salvageable {
+            // What the interrupted attempt left comes with its outcome (W58): the retry
+            // waits for it, a while.
+            c.set(State::Waiting);
+            self.leftovers.wait_for(id, attempt, true);
+            self.timers.insert_at(
+                Timer::Salvage(id.0.clone(), id.1, attempt),
+                Instant::now() + leftovers::WAIT,
+            );
+        } else if retry.at_once() {
+            // Same prompt, fresh transcript, at once and ahead of the queue.
+            c.make_ready();
+            if let Some(r) = self.runs.get_mut(&id.0) {
+                r.queue.push_front(id.1);
+            }
+        } else {
+            let backoff = retry::backoff(counted);
+            c.set(State::Waiting);
+            self.timers
+                .insert_at(Timer::Retry(id.0.clone(), id.1), Instant::now() + backoff);
+        }
+    }
+
+    /// Whether a restarted call's interrupted attempt can still send what it left: the run
+    /// has a stored source and the attempt's worker is attached.
+    pub(super) fn salvageable(&self, id: &CallId) -> bool {
+        let stored =
+            self.sources.is_some() && self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
+        stored
+            && self
+                .calls
+                .get(id)
+                .and_then(|c| c.worker)
+                .is_some_and(|w| self.fleet.link(w).is_some())
+    }
+
+    /// Stores what attempt `attempt` of a call left (off the actor; `PartialStored` comes
+    /// back). `false`: nothing to store, or it is not this call's.
+    pub(super) fn keep_partial(&mut self, id: &CallId, attempt: u32, p: v1::Change) -> bool {
+        let Some(store) = self.sources.clone() else {
+            return false;
+        };
+        let Some(c) = self.calls.get(id) else {
+            return false;
+        };
+        let stored = self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
+        let hex = |s: &str| s.len() >= 40 && s.chars().all(|c| c.is_ascii_hexdigit());
+        if !stored
+            || p.pack.is_empty()
+            || p.repo != c.ticket.task.source_repo
+            || p.base != c.sent_base
+            || !hex(&p.commit)
+        {
+            tracing::warn!(run = %id.0, call = id.1, attempt, "ignoring leftovers that do not match the attempt's source");
+            return false;
+        }
+        let (tx, run, call) = (self.tx.clone(), id.0.clone(), id.1);
+        tokio::spawn(async move {
+            let stored =
+                crate::source::put_pack(&store, &p.repo, &p.commit, vec![p.base.clone()], p.pack)
+                    .await
+                    .map(|_| (p.base, p.commit));
+            let _ = tx.send(Msg::PartialStored {
+                run,
+                call,
+                attempt,
+                stored,
+            });
+        });
+        true
+    }
+
+    pub(super) fn partial_stored(
+        &mut self,
+        id: &CallId,
+        attempt: u32,
+        stored: Result<(String, String), String>,
+    ) {
+        if !self.calls.contains_key(id) {
+            return;
+        }
+        match stored {
+            Ok((base, commit)) => {
+                let shown = commit.clone();
+                if self.leftovers.stored(id, attempt, base, commit) {
+                    tracing::info!(run = %id.0, call = id.1, attempt, commit = %shown, "the next attempt starts from what this one left");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(run = %id.0, call = id.1, attempt, error = %e, "cannot store what the attempt left; the next attempt starts without it unless it runs on the same worker");
+            }
+        }
+        self.salvaged(id, attempt);
+    }
+
+    /// The wait for what attempt `attempt` left is over: a retry that is due goes.
+    pub(super) fn salvaged(&mut self, id: &CallId, attempt: u32) {
+        let due = self.leftovers.end_wait(id, attempt);
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        if due && c.state == State::Waiting {
+            c.make_ready();
+            if let Some(r) = self.runs.get_mut(&id.0) {
+                r.queue.push_front(id.1);
+            }
+        }
+    }
+
+    /// The stall timer of attempt `attempt` is due: a quiet attempt (no tool call in flight) is
+    /// cancelled and the call goes again (W58), or completes with the structured output it
+    /// captured; otherwise the timer is set again.
+    pub(super) fn stall_due(&mut self, id: &CallId, attempt: u32) {
+        let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
+            return;
+        };
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        c.stall_key = None;
+        if c.state != State::Running || c.attempt != attempt {
+            return;
+        }
+        let now = Instant::now();
+        let quiet = now.saturating_duration_since(c.last_progress);
+        if c.in_tool || quiet < stall {
+            let at = if c.in_tool {
+                now + stall
+            } else {
+                c.last_progress + stall
+            };
+            c.stall_key = Some(
+                self.timers
+                    .insert_at(Timer::Stall(id.0.clone(), id.1, attempt), at),
+            );
+            return;
+        }
+        let captured = c.captured.take();
+        self.send_cancel(id, "stalled");
+        self.leave_running(id);
+        if let Some(json) = captured {
+            // W58: a stall after a valid structured output counts as success.
+            self.finish(
+                id,
+                CallResult::Completed(v1::Completed {
+                    text: json.clone(),
+                    json: Some(json),
+                    change: None,
+                }),
+            );
+        } else {
+            crate::metrics::inc(&crate::metrics::STALLS);
+            self.retry_or_fail(id, Retry::Stalled { after: quiet });
+        }
+    }
+
+    /// A retry's wait is over: the call goes to the front of its queue (unless what its last
+    /// attempt left is still being stored), and its gate may open.
+    pub(super) fn retry_due(&mut self, id: &CallId) {
+        if self.leftovers.waiting(id)
+            && self
+                .calls
+                .get(id)
+                .is_some_and(|c| c.state == State::Waiting)
+        {
+            // Still storing what the last attempt left: it goes once that is done.
+            self.leftovers.set_due(id);
+        } else if let Some(c) = self.calls.get_mut(id)
+            && c.state == State::Waiting
+        {
+            c.make_ready();
+            if let Some(r) = self.runs.get_mut(&id.0) {
+                r.queue.push_front(id.1);
+            }
+        }
+        let gate = self.calls.get(id).map(|c| gates::gate_of(&c.ticket.task));
+        if let Some(g) = gate {
+            self.release_gate(&g);
+        }
+    }
+}

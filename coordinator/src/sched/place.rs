@@ -1,0 +1,314 @@
+//! Placement: which call goes to which worker slot, and when. Runs take turns; a call passes
+//! the budget, its usage-limit gate and its prefix group's stagger, then takes the free slot of
+//! a worker that offers its backend and model; its attempt key is written under that worker's
+//! lease, and only then is the assignment sent.
+
+use super::*;
+
+impl Dispatcher {
+    /// Dispatches as much as slots, limits and holds allow.
+    pub(super) fn pump(&mut self) {
+        let mut blocked: HashSet<Arc<str>> = HashSet::new();
+        let mut turns = 0usize;
+        loop {
+            if !self.fleet.has_free_slot() {
+                return;
+            }
+            // Next run in turn that can take a call.
+            let runs = &self.runs;
+            let picked = self.turns.next(|run| {
+                !blocked.contains(run)
+                    && runs.get(run).is_some_and(|r| {
+                        !r.paused && !r.queue.is_empty() && r.running < r.reg.concurrency
+                    })
+            });
+            let Some(run) = picked else { return };
+            turns += 1;
+            if turns > 1_000_000 {
+                tracing::error!("dispatcher pump made no progress; stopping this round");
+                return;
+            }
+            let Some(call) = self.runs.get_mut(&run).and_then(|r| r.queue.pop_front()) else {
+                continue;
+            };
+            let id: CallId = (run.clone(), call);
+            match self.place(&id) {
+                Placement::Dispatched | Placement::Parked | Placement::Gone => {}
+                Placement::Unplaceable => self.set_aside(&id),
+                Placement::NoWorker => {
+                    if let Some(r) = self.runs.get_mut(&run) {
+                        r.queue.push_front(call);
+                    }
+                    blocked.insert(run);
+                }
+            }
+        }
+    }
+
+    /// Puts a call no attached worker can run aside, says why once, and starts its wait.
+    pub(super) fn set_aside(&mut self, id: &CallId) {
+        let Some(r) = self.runs.get(&id.0) else {
+            return;
+        };
+        let wait = r.reg.worker_wait;
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        c.set(State::Held);
+        if self.unplaceable.contains_key(id) {
+            return;
+        }
+        let reason = self.fleet.why_none_offers(&c.ticket.task);
+        let attached = self.fleet.ready_count();
+        if self.opts.fixed_fleet && attached > 0 {
+            self.fail(
+                id,
+                CallFailure::Terminal,
+                format!("{reason}, and no other worker can attach to this process"),
+            );
+            return;
+        }
+        let _ = r.reg.events.send(CallEvent::Waiting {
+            call: id.1,
+            reason: Some(reason.clone()),
+        });
+        let deadline = Instant::now() + wait;
+        self.unplaceable
+            .insert(id.clone(), (Instant::now(), reason, deadline));
+        self.timers
+            .insert_at(Timer::NoWorker(id.0.clone(), id.1), deadline);
+    }
+
+    /// A worker became ready: the calls set aside for want of one go back to their queues.
+    pub(super) fn requeue_unplaceable(&mut self) {
+        let ids: Vec<CallId> = self.unplaceable.keys().cloned().collect();
+        for id in ids {
+            if let Some(c) = self.calls.get_mut(&id)
+                && c.state == State::Held
+            {
+                c.make_ready();
+                if let Some(r) = self.runs.get_mut(&id.0) {
+                    r.queue.push_front(id.1);
+                }
+            }
+        }
+    }
+
+    /// A call that no attached worker could run has waited its `--worker-wait`: it fails,
+    /// unless a worker that can run it attached meanwhile.
+    pub(super) fn no_worker_due(&mut self, id: &CallId) {
+        // A timer of an earlier wait of the call (set aside, placed, set aside again)
+        // is not this wait's.
+        let due = self
+            .unplaceable
+            .get(id)
+            .is_some_and(|(_, _, deadline)| Instant::now() >= *deadline);
+        if !due {
+            return;
+        }
+        let Some(c) = self.calls.get(id) else {
+            self.unplaceable.remove(id);
+            return;
+        };
+        let waiting = matches!(c.state, State::Held | State::Queued);
+        // A worker that can run it attached meanwhile (and is merely busy): it waits
+        // in its queue like any other call.
+        let capable = self.fleet.capable(&c.ticket.task);
+        let Some((since, reason, _)) = self.unplaceable.remove(id) else {
+            return;
+        };
+        if capable {
+            if let Some(r) = self.runs.get(&id.0) {
+                let _ = r.reg.events.send(CallEvent::Waiting {
+                    call: id.1,
+                    reason: None,
+                });
+            }
+        } else if waiting {
+            let waited = human(since.elapsed());
+            self.fail(
+                id,
+                CallFailure::Terminal,
+                format!("{reason}; waited {waited} (--worker-wait) and gave up"),
+            );
+        }
+    }
+
+    pub(super) fn place(&mut self, id: &CallId) -> Placement {
+        let Some(r) = self.runs.get(&id.0) else {
+            return Placement::Gone;
+        };
+        let (stagger, spent) = (r.reg.stagger, r.budget_spent.clone());
+        let Some(c) = self.calls.get(id) else {
+            return Placement::Gone;
+        };
+        if c.state != State::Queued {
+            return Placement::Gone;
+        }
+        // Budget at dispatch (W35); restarts of an admitted call are not new spending.
+        if c.attempt == 0
+            && let Some(message) = spent
+        {
+            self.fail(id, CallFailure::Budget, message);
+            return Placement::Parked;
+        }
+        // Usage-limit gate of the backend/model.
+        let now = Instant::now();
+        let gate = gates::gate_of(&c.ticket.task);
+        if let Some(until) = self.gates.closed(&gate, now) {
+            if let Some(c) = self.calls.get_mut(id) {
+                c.set(State::Held);
+            }
+            if self.gates.park(&gate, id.clone()) {
+                self.timers.insert_at(Timer::Gate(gate), until);
+            }
+            return Placement::Parked;
+        }
+        // Prefix stagger.
+        let group = c.ticket.prefix_group;
+        let turn = self.stagger.turn(&id.0, group, id.1, stagger, now);
+        if turn == stagger::Turn::Held {
+            if let Some(c) = self.calls.get_mut(id) {
+                c.set(State::Held);
+            }
+            return Placement::Parked;
+        }
+        // A worker with the backend (and model, when it lists models) and a free slot.
+        let Some(wid) = self.fleet.pick(&c.ticket.task) else {
+            return if self.fleet.capable(&c.ticket.task) {
+                Placement::NoWorker
+            } else {
+                Placement::Unplaceable
+            };
+        };
+        if turn == stagger::Turn::Lead {
+            self.stagger.lead(&id.0, group, id.1, now);
+            self.timers
+                .insert_at(Timer::Hold(id.0.clone(), group, id.1), now + stagger);
+        }
+        self.assign(id, wid);
+        Placement::Dispatched
+    }
+
+    /// Takes a slot on `wid` for the call's next attempt and writes the attempt key; the
+    /// assignment goes out once the key is written ([`Dispatcher::written`]).
+    pub(super) fn assign(&mut self, id: &CallId, wid: u64) {
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        let Some(w) = self.fleet.workers.get_mut(&wid) else {
+            return;
+        };
+        let Some(lease) = w.lease else {
+            return;
+        };
+        c.attempt += 1;
+        self.assigned += 1;
+        if self.unplaceable.remove(id).is_some()
+            && let Some(r) = self.runs.get(&id.0)
+        {
+            let _ = r.reg.events.send(CallEvent::Waiting {
+                call: id.1,
+                reason: None,
+            });
+        }
+        crate::metrics::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
+        c.set(State::Running);
+        c.worker = Some(wid);
+        c.fence = None;
+        c.captured = None;
+        c.in_tool = false;
+        w.busy += 1;
+        w.running.insert((id.0.clone(), id.1, c.attempt));
+        let op = KeyOp::attempt(id, wid, &w.name, c.attempt, lease);
+        if let Some(r) = self.runs.get_mut(&id.0) {
+            r.running += 1;
+        }
+        self.write_key(op);
+    }
+
+    /// Sends the assignment of a call whose attempt key is written at `fence`.
+    pub(super) fn send_assignment(&mut self, id: &CallId, fence: Revision) {
+        let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
+            return;
+        };
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        let Some(wid) = c.worker else { return };
+        let Some(w) = self.fleet.workers.get(&wid) else {
+            return;
+        };
+        c.fence = Some(fence);
+        c.last_progress = Instant::now();
+        // A new attempt: no earlier one holds it back any more.
+        self.leftovers.sent(id);
+        c.stall_key = Some(self.timers.insert_at(
+            Timer::Stall(id.0.clone(), id.1, c.attempt),
+            Instant::now() + stall,
+        ));
+        c.attempt_span = tracing::info_span!(
+            parent: &c.ticket.span,
+            "attempt",
+            workflow.run_id = %id.0,
+            index = id.1,
+            attempt = c.attempt,
+            worker = %w.name,
+            outcome = tracing::field::Empty,
+        );
+        let mut task = c.ticket.task.clone();
+        if let Some((base, partial)) = self.leftovers.start_of(id) {
+            task.source_commit = base.to_owned();
+            task.source_partial = partial.to_owned();
+        } else if let Some(head) = self.runs.get(&id.0).and_then(|r| r.reg.head.as_ref()) {
+            task.source_commit = head.borrow().clone();
+        }
+        c.sent_base = task.source_commit.clone();
+        let assignment = v1::Assignment {
+            run_id: id.0.to_string(),
+            call: id.1,
+            attempt: c.attempt,
+            call_key: c.ticket.key.clone(),
+            task: Some(task),
+            trace_context: trace_context(&c.attempt_span),
+            fence,
+        };
+        let attempt = c.attempt;
+        // A worker cut off right now misses this; it does not list the attempt when it comes
+        // back, so the attempt is restarted then (or when its lease lapses). An adopted
+        // attempt runs already: nothing to send.
+        if let (None, Some(tx)) = (c.adopted_fence, &w.tx) {
+            let _ = tx.send(CoordinatorMessage {
+                msg: Some(coordinator_message::Msg::Assign(assignment)),
+            });
+        }
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Started {
+                call: id.1,
+                attempt,
+                worker: w.name.clone(),
+            });
+        }
+    }
+}
+
+pub(super) enum Placement {
+    Dispatched,
+    /// No attached worker offers its backend and model at all: it is set aside (the rest
+    /// of the run goes on) until a worker that does becomes ready, or its wait runs out.
+    Unplaceable,
+    /// Held, gated or failed: not in the queue any more, nothing to retry now.
+    Parked,
+    /// No worker can take it now; it goes back to the front.
+    NoWorker,
+    Gone,
+}
+
+/// The W3C trace context of `span`, for an assignment (empty when nothing is traced).
+fn trace_context(span: &tracing::Span) -> HashMap<String, String> {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let mut out = HashMap::new();
+    let cx = span.context();
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut out));
+    out
+}
