@@ -14,8 +14,8 @@ use clap::Args;
 use flotilla_coordinator::head::RunChanges;
 use flotilla_proto::v1;
 
+use crate::client::{ClientArgs, rpc_fail};
 use crate::fail;
-use crate::fleet::{ClientArgs, rpc_fail};
 
 #[derive(Debug, Args)]
 pub struct ChangesArgs {

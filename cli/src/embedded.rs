@@ -9,7 +9,6 @@ use flotilla_coordinator::lease::memory::MemoryLeaseStore;
 use flotilla_coordinator::store;
 use flotilla_coordinator::workflows::DirResolver;
 use flotilla_coordinator::{Coordinator, LaunchRequest, Report};
-use flotilla_worker::backend::{echo::Echo, exec::Exec};
 use flotilla_worker::{AgentBackend, Worker, WorkerOptions, link_pair};
 use tokio_util::sync::CancellationToken;
 
@@ -56,15 +55,11 @@ impl Embedded {
                 ..Default::default()
             },
         ));
-        let mut backends: Vec<Arc<dyn AgentBackend>> = vec![
-            Arc::new(Echo),
-            Arc::new(flotilla_worker::backend::claude::ClaudeCode::from_env()),
-            Arc::new(flotilla_worker::backend::anthropic::Anthropic::from_env()),
-            Arc::new(flotilla_worker::backend::openai::OpenAi::from_env()),
-        ];
-        if let Some(cmd) = exec_cmd {
-            backends.push(Arc::new(Exec::new(cmd)));
-        }
+        // Every backend of the build (exec only with its command).
+        let backends: Vec<Arc<dyn AgentBackend>> = flotilla_worker::backend::NAMES
+            .iter()
+            .filter_map(|name| flotilla_worker::backend::by_name(name, exec_cmd).ok())
+            .collect();
         let worker = Worker::new(
             WorkerOptions {
                 name: "local".into(),
@@ -139,7 +134,7 @@ pub async fn run(
     let run_id = handle.run_id.clone();
     let run_for_signal = run_id.clone();
     // With --serve, the session page of this run on loopback (no sign-in: local only).
-    let registry = Arc::new(flotilla_coordinator::server::RunRegistry::default());
+    let registry = Arc::new(flotilla_coordinator::api::RunRegistry::default());
     let pages = CancellationToken::new();
     let mut served = None;
     let mut handle = Some(handle);

@@ -14,10 +14,11 @@ mod bench_sandbox;
 mod bench_source;
 mod certs;
 mod changes;
+mod client;
 mod config;
 mod embedded;
-mod fleet;
 mod progress;
+mod serve;
 mod source;
 mod stored;
 mod telemetry;
@@ -57,35 +58,35 @@ enum Command {
     /// Make a development CA and certificates for mTLS.
     Certs(certs::CertsArgs),
     /// Run a coordinator: workers attach to it, clients launch runs on it.
-    Coordinator(Box<fleet::CoordinatorArgs>),
+    Coordinator(Box<serve::coordinator::CoordinatorArgs>),
     /// Run a worker attached to a coordinator.
-    Worker(fleet::WorkerArgs),
+    Worker(serve::worker::WorkerArgs),
     /// Start a run on a coordinator and return at once with its id and session URL.
-    Launch(Box<fleet::LaunchArgs>),
+    Launch(Box<client::LaunchArgs>),
     /// Wait for a run on a coordinator to end and print its report.
-    Wait(fleet::RunRefArgs),
+    Wait(client::RunRefArgs),
     /// Show a running run's progress.
-    Status(fleet::RunRefArgs),
+    Status(client::RunRefArgs),
     /// Follow a run on a coordinator until it ends: progress bars on a terminal, plain lines
     /// otherwise; then its report.
-    Watch(fleet::RunRefArgs),
+    Watch(client::RunRefArgs),
     /// Stop a run on a coordinator, or one of its agents (`--agent`).
-    Stop(fleet::AgentRefArgs),
+    Stop(client::AgentRefArgs),
     /// Pause a run: running agents are interrupted, nothing new starts.
-    Pause(fleet::RunRefArgs),
+    Pause(client::RunRefArgs),
     /// Resume a run: a paused one goes on; any other starts again from its completed calls.
-    Resume(fleet::ResumeArgs),
+    Resume(client::ResumeArgs),
     /// Restart one running agent of a run as a new attempt.
-    Restart(fleet::AgentRefArgs),
+    Restart(client::AgentRefArgs),
     /// What a fleet run's agents changed in its source: each agent's change and the run head.
     Changes(changes::ChangesArgs),
     /// Bring a fleet run's changes into this repository as branches (`--merge`: and merge).
     Apply(changes::ApplyArgs),
     /// List the workers attached to a coordinator.
-    Workers(fleet::WorkersArgs),
+    Workers(client::WorkersArgs),
     /// Session tokens for the coordinator's pages.
     #[command(subcommand)]
-    Token(fleet::TokenCommand),
+    Token(client::TokenCommand),
     /// Saved workflows: list, show, save in the project, push to a coordinator.
     #[command(subcommand)]
     Workflows(workflows_cmd::WorkflowsCommand),
@@ -145,7 +146,7 @@ struct ListArgs {
     #[arg(long, env = "FLOTILLA_COORDINATOR")]
     coordinator: Option<String>,
     #[command(flatten)]
-    tls: fleet::TlsArgs,
+    tls: client::TlsArgs,
     #[arg(long)]
     json: bool,
 }
@@ -166,7 +167,7 @@ struct LogsArgs {
     #[arg(long, env = "FLOTILLA_COORDINATOR")]
     coordinator: Option<String>,
     #[command(flatten)]
-    tls: fleet::TlsArgs,
+    tls: client::TlsArgs,
     /// One JSON event per line.
     #[arg(long)]
     json: bool,
@@ -232,22 +233,22 @@ fn main() -> ExitCode {
             Command::SandboxRelay(_) => 0,
             Command::Runs(args) => match args.coordinator {
                 Some(coordinator) => {
-                    let remote = fleet::ClientArgs {
+                    let remote = client::ClientArgs {
                         coordinator: Some(coordinator),
                         tls: args.tls,
                     };
-                    fleet::list_remote(remote, args.json).await
+                    client::list_remote(remote, args.json).await
                 }
                 None => stored::list(args.store, args.json).await,
             },
             Command::Show(args) => stored::show(args.store, &args.run_id, args.json).await,
             Command::Logs(a) => match a.coordinator {
                 Some(coordinator) => {
-                    let remote = fleet::ClientArgs {
+                    let remote = client::ClientArgs {
                         coordinator: Some(coordinator),
                         tls: a.tls,
                     };
-                    fleet::logs_remote(remote, &a.run_id, a.agent.as_deref(), a.attempt, a.json)
+                    client::logs_remote(remote, &a.run_id, a.agent.as_deref(), a.attempt, a.json)
                         .await
                 }
                 None => {
@@ -256,20 +257,20 @@ fn main() -> ExitCode {
             },
             Command::Bench(args) => bench::run(args).await,
             Command::Certs(args) => certs::run(args),
-            Command::Coordinator(args) => fleet::coordinator(*args).await,
-            Command::Worker(args) => fleet::worker(args).await,
-            Command::Launch(args) => fleet::launch(*args).await,
-            Command::Wait(args) => fleet::wait(args).await,
-            Command::Status(args) => fleet::status(args).await,
-            Command::Watch(args) => fleet::watch(args).await,
-            Command::Stop(args) => fleet::stop(args).await,
-            Command::Pause(args) => fleet::control(args, "pause").await,
-            Command::Resume(args) => fleet::resume(args).await,
-            Command::Restart(args) => fleet::restart(args).await,
+            Command::Coordinator(args) => serve::coordinator::coordinator(*args).await,
+            Command::Worker(args) => serve::worker::worker(args).await,
+            Command::Launch(args) => client::launch(*args).await,
+            Command::Wait(args) => client::wait(args).await,
+            Command::Status(args) => client::status(args).await,
+            Command::Watch(args) => client::watch(args).await,
+            Command::Stop(args) => client::stop(args).await,
+            Command::Pause(args) => client::control(args, "pause").await,
+            Command::Resume(args) => client::resume(args).await,
+            Command::Restart(args) => client::restart(args).await,
             Command::Changes(args) => changes::changes(args).await,
             Command::Apply(args) => changes::apply(args).await,
-            Command::Workers(args) => fleet::workers(args).await,
-            Command::Token(fleet::TokenCommand::Create(args)) => fleet::token_create(args).await,
+            Command::Workers(args) => client::workers(args).await,
+            Command::Token(client::TokenCommand::Create(args)) => client::token_create(args).await,
             Command::Workflows(cmd) => workflows_cmd::run(cmd).await,
         };
         telemetry.shutdown().await;

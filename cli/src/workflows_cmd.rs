@@ -12,8 +12,8 @@ use flotilla_coordinator::workflows::{self, DirResolver};
 use flotilla_proto::v1;
 use serde_json::{Value, json};
 
+use crate::client::ClientArgs;
 use crate::fail;
-use crate::fleet::ClientArgs;
 use crate::term::clean;
 
 #[derive(Debug, Subcommand)]

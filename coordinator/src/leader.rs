@@ -17,9 +17,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::RunRegistry;
 use crate::coordinator::Coordinator;
 use crate::lease::{self, LeaseId, LeaseStore};
-use crate::server::RunRegistry;
 
 /// How often a standby checks whether the leader is still there.
 const POLL: Duration = Duration::from_millis(500);

@@ -10,6 +10,7 @@
 //!
 //! Start reading at [`coordinator::Coordinator::launch`], then [`run::RunEngine::run`].
 
+pub mod api;
 pub mod bundled;
 pub mod call;
 pub mod coordinator;
@@ -27,7 +28,6 @@ pub mod run;
 pub mod saved;
 pub mod sched;
 pub mod script;
-pub mod server;
 pub mod settings;
 pub mod source;
 pub mod spec;

@@ -46,6 +46,8 @@ pub enum ErrorKind {
     Fenced,
     /// The request itself is wrong (bad script, bad flag, bad option).
     Invalid,
+    /// The caller may not do this (its certificate's role, a token that does not verify).
+    Denied,
     /// A bug or an unexpected failure.
     Internal,
 }
@@ -57,10 +59,10 @@ impl ErrorKind {
     }
 
     /// The process exit status a CLI command uses for an error of this kind: 2 for requests
-    /// that were refused as given, 1 otherwise.
+    /// that were refused as given (fix the request), 1 otherwise.
     pub fn exit_code(self) -> i32 {
         match self {
-            ErrorKind::Invalid | ErrorKind::NotFound => 2,
+            ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Conflict => 2,
             _ => 1,
         }
     }
@@ -73,7 +75,43 @@ impl ErrorKind {
             ErrorKind::Unavailable => tonic::Code::Unavailable,
             ErrorKind::Fenced => tonic::Code::Aborted,
             ErrorKind::Invalid => tonic::Code::InvalidArgument,
+            ErrorKind::Denied => tonic::Code::PermissionDenied,
             ErrorKind::Internal => tonic::Code::Internal,
+        }
+    }
+
+    /// A gRPC status of this kind saying `message`.
+    pub fn status(self, message: impl Into<String>) -> tonic::Status {
+        tonic::Status::new(self.grpc_code(), message)
+    }
+
+    /// The HTTP status code of this kind.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorKind::NotFound => 404,
+            ErrorKind::Conflict | ErrorKind::Fenced => 409,
+            ErrorKind::Unavailable => 503,
+            ErrorKind::Invalid => 400,
+            ErrorKind::Denied => 403,
+            ErrorKind::Internal => 500,
+        }
+    }
+
+    /// The kind of a gRPC status a peer sent (a transport failure is `Unavailable`).
+    pub fn from_grpc(code: tonic::Code) -> ErrorKind {
+        use tonic::Code;
+        match code {
+            Code::NotFound => ErrorKind::NotFound,
+            Code::FailedPrecondition | Code::AlreadyExists => ErrorKind::Conflict,
+            Code::Aborted => ErrorKind::Fenced,
+            Code::InvalidArgument | Code::OutOfRange => ErrorKind::Invalid,
+            Code::PermissionDenied | Code::Unauthenticated => ErrorKind::Denied,
+            Code::Unavailable
+            | Code::Unknown
+            | Code::Cancelled
+            | Code::DeadlineExceeded
+            | Code::ResourceExhausted => ErrorKind::Unavailable,
+            _ => ErrorKind::Internal,
         }
     }
 }
@@ -88,6 +126,31 @@ mod tests {
         assert!(protocol_compatible("1.7"));
         assert!(!protocol_compatible("2.0"));
         assert!(!protocol_compatible(""));
+    }
+
+    #[test]
+    fn every_kind_goes_through_grpc_and_back_unchanged() {
+        for k in [
+            ErrorKind::NotFound,
+            ErrorKind::Conflict,
+            ErrorKind::Unavailable,
+            ErrorKind::Fenced,
+            ErrorKind::Invalid,
+            ErrorKind::Denied,
+            ErrorKind::Internal,
+        ] {
+            let s = k.status("why");
+            assert_eq!(ErrorKind::from_grpc(s.code()), k, "{k:?}");
+            assert_eq!(s.message(), "why");
+            assert!((400..600).contains(&k.http_status()), "{k:?}");
+        }
+        assert_eq!(
+            ErrorKind::from_grpc(tonic::Code::Unknown),
+            ErrorKind::Unavailable,
+            "a broken connection is worth retrying"
+        );
+        assert_eq!(ErrorKind::Conflict.exit_code(), 2);
+        assert_eq!(ErrorKind::Denied.exit_code(), 1);
     }
 
     #[test]

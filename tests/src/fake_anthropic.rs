@@ -11,8 +11,8 @@
 //! - `[[status:N]]`: an HTTP error N (`overloaded_error` for 529, `rate_limit_error` for 429);
 //! - `[[fail-first:N:CODE]]`: the first N requests of that prompt fail with CODE, later ones
 //!   are answered;
-//! - `[[stall-first:N]]`: the first N requests of that prompt get `message_start` and then
-//!   nothing, on a connection held open;
+//! - `[[stall-first:N]]`: the first N requests of that prompt get `message_start` (the first
+//!   chunk, for chat completions) and then nothing, on a connection held open;
 //! - otherwise the text `fake reply to: PROMPT`.
 //!
 //! Prompt caching is simulated (§2.5): the prefix tools → system → messages is hashed up to each
@@ -248,7 +248,7 @@ fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64, cache: &Cach
             }
             ok
         } else if method == "POST" && path.starts_with("/v1/chat/completions") {
-            answer_chat(&mut conn, &body, id)
+            answer_chat(&mut conn, &body, id, cache)
         } else {
             // HEAD / and anything else: an empty 200.
             conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
@@ -538,20 +538,9 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
     (ok, read)
 }
 
-/// Starts a streamed answer and then sends nothing more, holding the connection until the
-/// client goes away (or two minutes pass).
-fn stall_stream(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
-    let model = body.get("model").cloned().unwrap_or(json!("fake"));
-    let start = json!({"type": "message_start", "message": {"id": format!("msg_fake_{id}"),
-        "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": null, "stop_sequence": null,
-        "usage": {"input_tokens": 1, "output_tokens": 1}}});
-    let head = format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nrequest-id: req_fake_{id}\r\ncontent-length: 100000\r\n\r\nevent: message_start\ndata: {start}\n\n"
-    );
-    if conn.write_all(head.as_bytes()).is_err() {
-        return false;
-    }
+/// Holds a connection open, reading and dropping what comes, until the client closes it (or
+/// two minutes pass).
+fn hold_open(conn: &mut TcpStream) -> bool {
     let _ = conn.set_read_timeout(Some(std::time::Duration::from_millis(500)));
     let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
     let mut buf = [0u8; 1024];
@@ -568,6 +557,23 @@ fn stall_stream(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
         }
     }
     false
+}
+
+/// Starts a streamed answer and then sends nothing more, holding the connection until the
+/// client goes away (or two minutes pass).
+fn stall_stream(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
+    let model = body.get("model").cloned().unwrap_or(json!("fake"));
+    let start = json!({"type": "message_start", "message": {"id": format!("msg_fake_{id}"),
+        "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": null, "stop_sequence": null,
+        "usage": {"input_tokens": 1, "output_tokens": 1}}});
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nrequest-id: req_fake_{id}\r\ncontent-length: 100000\r\n\r\nevent: message_start\ndata: {start}\n\n"
+    );
+    if conn.write_all(head.as_bytes()).is_err() {
+        return false;
+    }
+    hold_open(conn)
 }
 
 fn answer_with(
@@ -724,7 +730,7 @@ fn answer_with(
 }
 
 /// Writes the response to one `/v1/chat/completions` request.
-fn answer_chat(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
+fn answer_chat(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> bool {
     let prompt = body
         .get("messages")
         .and_then(Value::as_array)
@@ -736,6 +742,19 @@ fn answer_chat(conn: &mut TcpStream, body: &Value, id: u64) -> bool {
                 .map(str::to_owned)
         })
         .unwrap_or_default();
+    // `[[stall-first:N]]`: the first N requests of this prompt get the stream's first chunk and
+    // then nothing, on a connection held open.
+    let stall = marker(&prompt, "stall-first")
+        .and_then(|n| n.parse::<u32>().ok())
+        .is_some_and(|n| cache.count(&format!("chat-stall:{prompt}")) <= n);
+    if stall {
+        let first = json!({"id": format!("chatcmpl-fake-{id}"), "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 100000\r\n\r\ndata: {first}\n\n"
+        );
+        return conn.write_all(head.as_bytes()).is_ok() && hold_open(conn);
+    }
     if let Some(code) = marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()) {
         let err =
             json!({"error": {"message": format!("fake error {code}"), "type": "server_error"}})

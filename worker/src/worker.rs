@@ -532,7 +532,8 @@ async fn run_attempt_in(
                         // On timeout the attempt is cancelled the normal way, so the backend kills
                         // what it started before the outcome is sent.
                         let token = cancel.child_token();
-                        let run = backend.run(&task, &events, token.clone());
+                        let run =
+                            crate::backend::run_attempt(&*backend, &task, &events, token.clone());
                         tokio::pin!(run);
                         tokio::select! {
                             r = &mut run => r,
@@ -550,7 +551,7 @@ async fn run_attempt_in(
                             }
                         }
                     } else {
-                        backend.run(&task, &events, cancel.clone()).await
+                        crate::backend::run_attempt(&*backend, &task, &events, cancel.clone()).await
                     };
                     let mut result = result;
                     // The agent is gone: its checkout's git directory is made plain before

@@ -45,7 +45,12 @@ impl std::fmt::Debug for Anthropic {
 impl Anthropic {
     /// From the worker's environment.
     pub fn from_env() -> Anthropic {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// From the variables `get` gives (the same names as in the environment).
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Anthropic {
+        let var = |k: &str| get(k).filter(|v| !v.is_empty());
         Anthropic {
             client: super::http::client(),
             base: var("ANTHROPIC_BASE_URL")

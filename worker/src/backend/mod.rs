@@ -7,10 +7,16 @@
 //! (W13–W14), so every backend shares one retry rule.
 //!
 //! Implementations: [`echo::Echo`] (deterministic, `spec/echo-backend.md`),
-//! [`exec::Exec`] (any command) and [`claude::ClaudeCode`] (the Claude Code CLI).
+//! [`exec::Exec`] (any command), [`claude::ClaudeCode`] (the Claude Code CLI),
+//! [`anthropic::Anthropic`] (the Messages API) and [`openai::OpenAi`] (a chat-completions
+//! API); a worker and the embedded mode both make them by name with [`by_name`]. The worker
+//! runs each attempt through [`run_attempt`], so every transcript ends the same way whatever
+//! the backend. Every backend passes the conformance suite (`conformance.rs`).
 
 pub mod anthropic;
 pub mod claude;
+#[cfg(test)]
+mod conformance;
 pub mod echo;
 pub mod exec;
 mod http;
@@ -28,6 +34,32 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::workspace::Workspace;
+
+/// The backends this build offers, by name.
+pub const NAMES: [&str; 5] = ["echo", "exec", "claude-code", "anthropic", "openai"];
+
+/// The backend called `name`; `exec_cmd` is the exec backend's command. The HTTP and CLI
+/// backends read their endpoints and keys from the environment.
+pub fn by_name(name: &str, exec_cmd: Option<&str>) -> Result<Arc<dyn AgentBackend>, String> {
+    // The HTTP backends' clients need a TLS provider (idempotent).
+    flotilla_proto::tls::install_crypto_provider();
+    Ok(match name {
+        "echo" => Arc::new(echo::Echo),
+        "claude-code" => Arc::new(claude::ClaudeCode::from_env()),
+        "anthropic" => Arc::new(anthropic::Anthropic::from_env()),
+        "openai" => Arc::new(openai::OpenAi::from_env()),
+        "exec" => match exec_cmd {
+            Some(cmd) => Arc::new(exec::Exec::new(cmd.to_owned())),
+            None => return Err("--backend exec needs --exec-cmd CMD".into()),
+        },
+        other => {
+            return Err(format!(
+                "unknown backend {other:?}: this worker offers {}",
+                NAMES.join(", ")
+            ));
+        }
+    })
+}
 
 /// One attempt as a backend sees it.
 #[derive(Debug, Clone)]
@@ -198,6 +230,47 @@ pub trait AgentBackend: Send + Sync + 'static {
         events: &Events,
         cancel: CancellationToken,
     ) -> Result<Output, Error>;
+}
+
+/// Runs one attempt of `backend`: its transcript always ends with one `result` event saying
+/// how the attempt ended (added here when the backend did not end with one itself).
+pub async fn run_attempt(
+    backend: &dyn AgentBackend,
+    task: &Task,
+    events: &Events,
+    cancel: CancellationToken,
+) -> Result<Output, Error> {
+    let tail = Arc::new(Tail {
+        inner: events.inner.clone(),
+        ended: std::sync::atomic::AtomicBool::new(false),
+    });
+    let outcome = backend.run(task, &Events::new(tail.clone()), cancel).await;
+    if !tail.ended.load(std::sync::atomic::Ordering::SeqCst) {
+        events.transcript(match &outcome {
+            Ok(_) => serde_json::json!({"type": "result", "is_error": false}),
+            Err(e) => serde_json::json!({"type": "result", "is_error": true, "error": e.message}),
+        });
+    }
+    outcome
+}
+
+/// Passes events on and remembers whether the last transcript event was a `result`.
+struct Tail {
+    inner: Arc<dyn EventSink>,
+    ended: std::sync::atomic::AtomicBool,
+}
+
+impl EventSink for Tail {
+    fn progress(&self, kind: ProgressKind, output_tokens: u64, detail: String) {
+        self.inner.progress(kind, output_tokens, detail);
+    }
+
+    fn transcript(&self, event: Value) {
+        let result = event.get("type").and_then(Value::as_str) == Some("result");
+        self.ended
+            .store(result, std::sync::atomic::Ordering::SeqCst);
+        self.inner.transcript(event);
+    }
 }
 
 /// Where a running attempt sends progress and transcript events.

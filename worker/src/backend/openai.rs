@@ -37,7 +37,12 @@ impl std::fmt::Debug for OpenAi {
 
 impl OpenAi {
     pub fn from_env() -> OpenAi {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// From the variables `get` gives (the same names as in the environment).
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> OpenAi {
+        let var = |k: &str| get(k).filter(|v| !v.is_empty());
         OpenAi {
             client: super::http::client(),
             base: var("OPENAI_BASE_URL")

@@ -1,0 +1,339 @@
+//! `flotilla launch` and `flotilla resume`: a run sent to a coordinator, with its source.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use flotilla_coordinator::workflows::{DirResolver, FoundWorkflow, WorkflowResolver};
+use flotilla_proto::v1::client_service_client::ClientServiceClient;
+use flotilla_proto::v1::{self};
+
+use crate::client::*;
+use crate::{config, fail};
+
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    #[command(flatten)]
+    run: crate::RunArgs,
+    #[command(flatten)]
+    remote: ClientArgs,
+    /// The code the agents work on: `auto` (the repository you launch from, with its
+    /// uncommitted and untracked files; none outside one), `none` (a scratch directory per
+    /// agent), or `git+URL#REF` (a repository the workers fetch themselves).
+    #[arg(long, env = "FLOTILLA_SOURCE", value_name = "auto|none|git+URL#REF")]
+    source: Option<String>,
+    /// The most a launch sends of the repository's objects, in MiB [default: 2048].
+    #[arg(long, env = "FLOTILLA_MAX_SOURCE_MIB", value_name = "MIB")]
+    max_source_mib: Option<u64>,
+    /// Send checked-out submodules' files with the source (as plain files in its snapshot);
+    /// without it they are recorded by commit and their directories stay empty.
+    #[arg(long, env = "FLOTILLA_SUBMODULES")]
+    submodules: bool,
+}
+
+pub async fn launch(a: LaunchArgs) -> i32 {
+    if a.run.serve.is_some() {
+        return fail(
+            2,
+            "--serve is for `flotilla run`; on the fleet the coordinator serves every run's page at its --http address",
+        );
+    }
+    let file = match config::load(a.run.config.as_deref()) {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
+    let mut client = match a.remote.client_with(&file) {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    // A name may be a workflow saved on the coordinator.
+    let server = if std::path::Path::new(&a.run.script).exists() || a.run.script.ends_with(".js") {
+        Vec::new()
+    } else {
+        match client
+            .list_workflows(v1::ListWorkflowsRequest {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            })
+            .await
+        {
+            Ok(r) => r
+                .into_inner()
+                .workflows
+                .into_iter()
+                .map(FoundWorkflow::from)
+                .collect(),
+            Err(s) => return rpc_fail(&s),
+        }
+    };
+    let resolved = match config::resolve_run_with(&a.run, &server, false) {
+        Ok(r) => r,
+        Err(e) => return fail(2, e),
+    };
+    if let crate::approve::Decision::Exit(code) =
+        crate::approve::gate(&resolved, a.run.yes, a.run.plan)
+    {
+        return code;
+    }
+    let dirs = DirResolver::standard(&resolved.cwd, &resolved.workflows_dirs);
+    let workflows = dirs
+        .list()
+        .into_iter()
+        .filter_map(|(path, meta)| {
+            let meta = meta.ok()?;
+            let source = flotilla_coordinator::limits::read_file(
+                &path,
+                flotilla_coordinator::limits::SCRIPT_BYTES,
+                "workflow",
+            )
+            .ok()?;
+            Some(v1::SavedWorkflow {
+                name: meta.name,
+                source,
+                origin: path.display().to_string(),
+            })
+        })
+        .collect::<Vec<_>>();
+    // The coordinator's own saved workflows come after the caller's, for `workflow(name)`.
+    let mut workflows = workflows;
+    for w in server {
+        if !workflows.iter().any(|c| c.name == w.name) {
+            workflows.push(w.into());
+        }
+    }
+    let types = dirs.agent_types();
+    let agent_definitions = types
+        .iter()
+        .filter_map(|t| {
+            Some(v1::AgentDefinition {
+                prompt: t.prompt.clone()?,
+                name: t.name.clone(),
+                model: t.model.clone().unwrap_or_default(),
+                description: t.description.clone().unwrap_or_default(),
+                tools: t.tools.clone(),
+            })
+        })
+        .collect();
+    let agent_types = types
+        .into_iter()
+        .map(|t| (t.name, t.model.unwrap_or_default()))
+        .collect();
+    let mut resolved = resolved;
+    let sent = match send_source(&mut client, &a, &resolved.cwd).await {
+        Ok(s) => s,
+        Err(e) => return fail(2, e),
+    };
+    resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
+    let settings_json = match serde_json::to_string(&resolved.settings) {
+        Ok(s) => s,
+        Err(e) => return fail(1, e),
+    };
+    let req = v1::LaunchRequest {
+        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        script: resolved.source,
+        origin: resolved.origin,
+        args_json: resolved.args.map(|v| v.to_string()),
+        settings_json,
+        resume_from: resolved.resume.unwrap_or_default(),
+        workflows,
+        agent_types,
+        agent_definitions,
+        inherit: false,
+        saved_name: resolved.saved_name.clone().unwrap_or_default(),
+    };
+    match client.launch(req).await {
+        Ok(r) => {
+            let reply = r.into_inner();
+            if a.run.json && reply.status != "rejected" {
+                let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+                if let Some((src, up)) = &sent {
+                    v["source"] = serde_json::json!({
+                        "repo": src.repo, "commit": src.commit, "origin": src.origin,
+                        "uploaded_bytes": up.bytes, "uploaded_objects": up.objects,
+                    });
+                }
+                println!("{v}");
+                return 0;
+            }
+            print_launched(reply, a.run.json, None)
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+/// Decides the run's source and sends what the store lacks of it (`--source`).
+pub(crate) async fn send_source(
+    client: &mut ClientServiceClient<tonic::transport::Channel>,
+    a: &LaunchArgs,
+    cwd: &std::path::Path,
+) -> Result<
+    Option<(
+        flotilla_coordinator::settings::SourceRef,
+        crate::source::Uploaded,
+    )>,
+    String,
+> {
+    use crate::source::{Choice, Uploaded};
+    match crate::source::parse_choice(a.source.as_deref())? {
+        Choice::None => Ok(None),
+        Choice::Url { url, rev } => Ok(Some((
+            crate::source::url_source(&url, &rev),
+            Uploaded::default(),
+        ))),
+        Choice::Auto => {
+            let Some(snap) = crate::source::snapshot_with(cwd, a.submodules)? else {
+                eprintln!(
+                    "source: {} is not in a git repository, so the agents get scratch directories (--source none); launch from a checkout to send its code",
+                    cwd.display()
+                );
+                return Ok(None);
+            };
+            for note in crate::source::notes(&snap) {
+                eprintln!("source: {note}");
+            }
+            let max = a.max_source_mib.unwrap_or(2048).saturating_mul(1 << 20);
+            let up = crate::source::upload(client, &snap, max).await?;
+            eprintln!(
+                "source: {} at {} ({})",
+                crate::term::clean(&snap.origin),
+                &snap.commit[..snap.commit.len().min(12)],
+                if up.bytes == 0 {
+                    "the coordinator has it already".to_owned()
+                } else {
+                    format!(
+                        "sent {} objects, {} KiB",
+                        up.objects,
+                        up.bytes.div_ceil(1024)
+                    )
+                }
+            );
+            Ok(Some((
+                flotilla_coordinator::settings::SourceRef {
+                    repo: snap.repo,
+                    commit: snap.commit,
+                    url: None,
+                    origin: snap.origin,
+                    submodules: snap.submodules,
+                },
+                up,
+            )))
+        }
+    }
+}
+
+/// Prints what a launch answered (the rejected report with `--json`, or the new run);
+/// returns the exit status. `resumes`: the run it resumes, if any.
+pub(crate) fn print_launched(reply: v1::LaunchReply, json: bool, resumes: Option<&str>) -> i32 {
+    if reply.status == "rejected" {
+        if json {
+            println!("{}", reply.report_json);
+        }
+        return fail(2, reply.error);
+    }
+    if json {
+        let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+        if let Some(parent) = resumes {
+            v["resumed_from"] = parent.into();
+        }
+        println!("{v}");
+    } else if let Some(parent) = resumes {
+        println!(
+            "run {}  session {}  (resumes {parent})",
+            reply.run_id, reply.session_url
+        );
+    } else {
+        println!("run {}  session {}", reply.run_id, reply.session_url);
+    }
+    0
+}
+
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    #[command(flatten)]
+    run: RunRefArgs,
+    /// Run this script instead of the stored one (an edited version).
+    #[arg(long, value_name = "FILE")]
+    script: Option<PathBuf>,
+    /// `args` for the script as JSON [default: the stored run's].
+    #[arg(long)]
+    args: Option<String>,
+    /// content (reuse any completed call with the same key) or prefix (W51's ordered rule).
+    #[arg(long, default_value = "content")]
+    replay: String,
+}
+
+/// `flotilla resume RUN`: a paused run on the coordinator goes on; any other run (ended,
+/// stopped, or run by a coordinator that is gone) starts again as a new run that reuses
+/// its completed calls.
+pub async fn resume(a: ResumeArgs) -> i32 {
+    let mut client = match a.run.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    if a.script.is_none() && a.args.is_none() {
+        match client
+            .control(v1::ControlRequest {
+                run_id: a.run.run_id.clone(),
+                action: "resume".into(),
+                agent: String::new(),
+            })
+            .await
+        {
+            Ok(r) => {
+                eprintln!("{}", r.into_inner().message);
+                return 0;
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return rpc_fail(&s),
+        }
+    }
+    let script = match &a.script {
+        None => String::new(),
+        Some(p) => match flotilla_coordinator::limits::read_file(
+            p,
+            flotilla_coordinator::limits::SCRIPT_BYTES,
+            "script",
+        ) {
+            Ok(s) => s,
+            Err(e) => return fail(2, e),
+        },
+    };
+    if let Some(args) = &a.args
+        && let Err(e) = serde_json::from_str::<serde_json::Value>(args)
+    {
+        return fail(2, format!("--args is not valid JSON: {e}"));
+    }
+    let replay = match a.replay.parse() {
+        Ok(m) => m,
+        Err(e) => return fail(2, e),
+    };
+    let settings = flotilla_coordinator::RunSettings {
+        replay,
+        ..Default::default()
+    };
+    let settings_json = match serde_json::to_string(&settings) {
+        Ok(s) => s,
+        Err(e) => return fail(1, e),
+    };
+    match client
+        .launch(v1::LaunchRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            script,
+            origin: a
+                .script
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            args_json: a.args.clone(),
+            settings_json,
+            resume_from: a.run.run_id.clone(),
+            workflows: Vec::new(),
+            agent_types: Default::default(),
+            agent_definitions: Vec::new(),
+            saved_name: String::new(),
+            inherit: true,
+        })
+        .await
+    {
+        Ok(r) => print_launched(r.into_inner(), a.run.json, Some(&a.run.run_id)),
+        Err(s) => rpc_fail(&s),
+    }
+}

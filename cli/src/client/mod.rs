@@ -1,0 +1,204 @@
+//! The client commands that talk to a coordinator over gRPC + mTLS (`launch`, `wait`,
+//! `status`, `stop`, `workers`, ...), and the identity flags every fleet command shares.
+//!
+//! Identity: `--tls-dir DIR` with `--name NAME` picks `DIR/NAME.crt`, `DIR/NAME.key` and
+//! `DIR/ca.crt` (defaults: `coordinator` for the coordinator, the host name for a worker,
+//! `client` for client commands); `--cert/--key/--ca` name files directly. `--insecure` turns
+//! TLS off and is accepted only on loopback addresses.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use flotilla_proto::tls::TlsFiles;
+use flotilla_proto::v1::client_service_client::ClientServiceClient;
+use tonic::transport::Channel;
+
+use crate::{config, fail};
+
+mod fleet;
+mod launch;
+mod runs;
+
+pub use fleet::*;
+pub use launch::*;
+pub use runs::*;
+
+/// Identity flags shared by every fleet command.
+#[derive(Debug, Args, Clone, Default)]
+pub struct TlsArgs {
+    /// Directory with ca.crt and NAME.crt/NAME.key (from `flotilla certs`).
+    #[arg(long, env = "FLOTILLA_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// Which identity in --tls-dir to use.
+    #[arg(long, env = "FLOTILLA_NAME")]
+    pub name: Option<String>,
+    /// Certificate file (instead of --tls-dir/--name).
+    #[arg(long, env = "FLOTILLA_CERT")]
+    pub cert: Option<PathBuf>,
+    /// Private key file.
+    #[arg(long, env = "FLOTILLA_KEY")]
+    pub key: Option<PathBuf>,
+    /// CA certificate file.
+    #[arg(long, env = "FLOTILLA_CA")]
+    pub ca: Option<PathBuf>,
+    /// Plain text without TLS (loopback development only).
+    #[arg(long, env = "FLOTILLA_INSECURE")]
+    pub insecure: bool,
+}
+
+impl TlsArgs {
+    /// Fills what flags and environment left unset from a config file.
+    pub fn fill(&mut self, file: &config::ConfigFile) {
+        if self.tls_dir.is_none() {
+            self.tls_dir.clone_from(&file.tls_dir);
+        }
+        if self.name.is_none() {
+            self.name.clone_from(&file.name);
+        }
+        if self.cert.is_none() {
+            self.cert.clone_from(&file.cert);
+        }
+        if self.key.is_none() {
+            self.key.clone_from(&file.key);
+        }
+        if self.ca.is_none() {
+            self.ca.clone_from(&file.ca);
+        }
+        self.insecure |= file.insecure.unwrap_or(false);
+    }
+
+    /// The identity files, or `None` with --insecure on a loopback address.
+    pub fn files(
+        &self,
+        default_name: &str,
+        addr_is_loopback: bool,
+    ) -> Result<Option<TlsFiles>, String> {
+        if self.insecure {
+            if !addr_is_loopback {
+                return Err("--insecure is allowed only on loopback addresses (127.0.0.1, ::1, localhost); use --tls-dir elsewhere".into());
+            }
+            eprintln!(
+                "warning: --insecure: no TLS, no authentication; anyone on this machine can connect"
+            );
+            return Ok(None);
+        }
+        let name = self.name.clone().unwrap_or_else(|| default_name.to_owned());
+        let from_dir = self.tls_dir.as_ref().map(|d| TlsFiles::in_dir(d, &name));
+        let pick = |given: &Option<PathBuf>, from: Option<PathBuf>, flag: &str| {
+            given.clone().or(from).ok_or_else(|| {
+                format!("no {flag}: pass --tls-dir DIR (from `flotilla certs`) or --{flag}, or --insecure for loopback development")
+            })
+        };
+        Ok(Some(TlsFiles {
+            ca: pick(&self.ca, from_dir.as_ref().map(|f| f.ca.clone()), "ca")?,
+            cert: pick(
+                &self.cert,
+                from_dir.as_ref().map(|f| f.cert.clone()),
+                "cert",
+            )?,
+            key: pick(&self.key, from_dir.as_ref().map(|f| f.key.clone()), "key")?,
+        }))
+    }
+}
+
+pub(crate) fn loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h == "localhost"
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+pub(crate) fn host_of(url: &str) -> String {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    match authority.rsplit_once(':') {
+        Some((h, _)) => h.to_owned(),
+        None => authority.to_owned(),
+    }
+}
+
+/// Where the coordinator is and who we are.
+#[derive(Debug, Args, Clone)]
+pub struct ClientArgs {
+    /// Coordinator address (https://host:port).
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    pub coordinator: Option<String>,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+impl ClientArgs {
+    /// A client, with what flags and environment left unset taken from `file`.
+    pub fn client_with(
+        &self,
+        file: &config::ConfigFile,
+    ) -> Result<ClientServiceClient<Channel>, String> {
+        let mut tls = self.tls.clone();
+        tls.fill(file);
+        let coordinator = self
+            .coordinator
+            .clone()
+            .or_else(|| file.coordinator.clone())
+            .ok_or("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)")?;
+        let files = tls.files("client", loopback_host(&host_of(&coordinator)))?;
+        let channel = flotilla_proto::tls::channel(&coordinator, files.as_ref())?;
+        // Reports with big results come back whole: the limits are explicit, both ways.
+        Ok(ClientServiceClient::new(channel)
+            .max_decoding_message_size(flotilla_proto::frag::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(flotilla_proto::frag::MAX_MESSAGE_BYTES))
+    }
+
+    pub fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
+        self.client_with(&config::ConfigFile::default())
+    }
+}
+
+/// Prints a failed call the way every client command does; returns the exit status.
+pub fn rpc_fail(s: &tonic::Status) -> i32 {
+    let (code, msg) = rpc_error(s);
+    fail(code, msg)
+}
+
+/// A status error as a user reads it, with its exit code.
+pub(crate) fn rpc_error(s: &tonic::Status) -> (i32, String) {
+    let code = flotilla_proto::ErrorKind::from_grpc(s.code()).exit_code();
+    let msg = match s.code() {
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+            format!("the coordinator refused this client: {}", s.message())
+        }
+        tonic::Code::Unavailable
+        | tonic::Code::Unknown
+        | tonic::Code::Internal
+        | tonic::Code::Cancelled => flotilla_proto::tls::explain(s),
+        _ => s.message().to_owned(),
+    };
+    (code, msg)
+}
+
+#[derive(Debug, Args)]
+pub struct RunRefArgs {
+    run_id: String,
+    #[arg(long)]
+    json: bool,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    remote: ClientArgs,
+}
+
+impl RunRefArgs {
+    fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
+        self.remote
+            .client_with(&config::load(self.config.as_deref())?)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct AgentRefArgs {
+    #[command(flatten)]
+    run: RunRefArgs,
+    /// One agent of the run: its index (as `flotilla show` lists them) or its label.
+    #[arg(long)]
+    agent: Option<String>,
+}

@@ -1,0 +1,276 @@
+//! The client commands on one run: `wait`, `logs`, `watch`, `status`, `pause`, `stop`,
+//! `restart`, and `runs` on a coordinator.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use flotilla_coordinator::Report;
+use flotilla_coordinator::api::SnapshotView;
+use flotilla_proto::v1::{self};
+
+use crate::client::*;
+use crate::{fail, print_report};
+
+pub async fn wait(a: RunRefArgs) -> i32 {
+    let mut client = match a.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client.wait(v1::RunRef { run_id: a.run_id }).await {
+        Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
+            Ok(report) => print_report(&report, a.json),
+            Err(e) => fail(
+                1,
+                format!("the coordinator sent a report this client cannot read: {e}"),
+            ),
+        },
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+/// `flotilla logs RUN --coordinator URL`: transcripts through the coordinator, which reads
+/// its own store.
+pub async fn logs_remote(
+    remote: ClientArgs,
+    run: &str,
+    agent: Option<&str>,
+    attempt: Option<u32>,
+    json: bool,
+) -> i32 {
+    let mut client = match remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    let reply = client
+        .transcripts(v1::TranscriptsRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            run_id: run.to_owned(),
+            agent: agent.unwrap_or_default().to_owned(),
+            attempt: attempt.unwrap_or(0),
+        })
+        .await;
+    let reply = match reply {
+        Ok(r) => r.into_inner(),
+        Err(s) if s.code() == tonic::Code::NotFound => return fail(2, s.message()),
+        Err(s) => return rpc_fail(&s),
+    };
+    let mut found = Vec::with_capacity(reply.agents_json.len());
+    for a in &reply.agents_json {
+        match serde_json::from_str::<flotilla_coordinator::history::AgentTranscript>(a) {
+            Ok(t) => found.push(t),
+            Err(e) => {
+                return fail(
+                    1,
+                    format!("the coordinator sent a transcript this client cannot read: {e}"),
+                );
+            }
+        }
+    }
+    crate::stored::print_transcripts(&found, json)
+}
+
+/// Follows a run on a coordinator: progress bars on a terminal, plain lines otherwise, then
+/// the report (as `run` prints it).
+pub async fn watch(a: RunRefArgs) -> i32 {
+    use std::io::IsTerminal;
+    let mut client = match a.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    let bars = !a.json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    let mode = crate::progress::Mode::pick(bars, !bars && !a.json);
+    let (tx, rx) =
+        tokio::sync::watch::channel(Arc::new(flotilla_coordinator::run::Snapshot::default()));
+    let view = crate::progress::start(mode, rx);
+    let run = v1::RunRef {
+        run_id: a.run_id.clone(),
+    };
+    loop {
+        match client.status(run.clone()).await {
+            Ok(r) => match serde_json::from_str::<SnapshotView>(&r.into_inner().snapshot_json) {
+                Ok(s) => {
+                    let ended = s.status.is_some_and(|st| st.is_final());
+                    let _ = tx.send(Arc::new(s.to_snapshot()));
+                    if ended {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    view.finish().await;
+                    return fail(
+                        1,
+                        format!("the coordinator sent a status this client cannot read: {e}"),
+                    );
+                }
+            },
+            // Not running there (ended before, or elsewhere): the report says the rest.
+            Err(s) if s.code() == tonic::Code::NotFound => break,
+            Err(s) => {
+                view.finish().await;
+                return rpc_fail(&s);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    view.finish().await;
+    match client.wait(run).await {
+        Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
+            Ok(report) => print_report(&report, a.json),
+            Err(e) => fail(
+                1,
+                format!("the coordinator sent a report this client cannot read: {e}"),
+            ),
+        },
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+pub async fn status(a: RunRefArgs) -> i32 {
+    let mut client = match a.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .status(v1::RunRef {
+            run_id: a.run_id.clone(),
+        })
+        .await
+    {
+        Ok(r) => {
+            let r = r.into_inner();
+            if a.json {
+                println!("{}", r.snapshot_json);
+                return 0;
+            }
+            match serde_json::from_str::<SnapshotView>(&r.snapshot_json) {
+                Ok(s) => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = writeln!(
+                        out,
+                        "{} {} · {}/{} agents done · {} running · {} failed · {} tokens · {} ms",
+                        s.run_id,
+                        s.status.map_or("running", |st| st.as_str()),
+                        s.done,
+                        s.agents,
+                        s.running,
+                        s.failed,
+                        s.output_tokens,
+                        s.elapsed_ms
+                    );
+                    for (title, done, total) in &s.groups {
+                        let _ = writeln!(
+                            out,
+                            "  [{}] {done}/{total}",
+                            if title.is_empty() {
+                                "(no phase)"
+                            } else {
+                                title
+                            }
+                        );
+                    }
+                    0
+                }
+                Err(e) => fail(1, e),
+            }
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+/// `pause` / `resume` a run.
+pub async fn control(a: RunRefArgs, action: &str) -> i32 {
+    control_call(&a, action, "").await
+}
+
+pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str) -> i32 {
+    let mut client = match a.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .control(v1::ControlRequest {
+            run_id: a.run_id.clone(),
+            action: action.to_owned(),
+            agent: agent.to_owned(),
+        })
+        .await
+    {
+        Ok(r) => {
+            let msg = r.into_inner().message;
+            if a.json {
+                println!("{}", serde_json::json!({ "message": msg }));
+            } else {
+                eprintln!("{msg}");
+            }
+            0
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+pub async fn restart(a: AgentRefArgs) -> i32 {
+    let Some(agent) = a.agent.as_deref() else {
+        return fail(
+            2,
+            "name the agent to restart: --agent INDEX or --agent LABEL",
+        );
+    };
+    control_call(&a.run, "restart_agent", agent).await
+}
+
+pub async fn stop(a: AgentRefArgs) -> i32 {
+    if let Some(agent) = a.agent.as_deref() {
+        return control_call(&a.run, "stop_agent", agent).await;
+    }
+    let a = a.run;
+    let mut client = match a.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client
+        .stop(v1::RunRef {
+            run_id: a.run_id.clone(),
+        })
+        .await
+    {
+        Ok(_) => {
+            eprintln!("stopping {}", a.run_id);
+            0
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+/// `flotilla runs --coordinator URL`: the coordinator's store, listed by the coordinator.
+pub async fn list_remote(remote: ClientArgs, json: bool) -> i32 {
+    let mut client = match remote.client() {
+        Ok(c) => c,
+        Err(e) => return fail(2, e),
+    };
+    match client.list_runs(v1::ListRunsRequest {}).await {
+        Ok(r) => {
+            let text = r.into_inner().runs_json;
+            if json {
+                println!("{text}");
+                return 0;
+            }
+            let runs: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap_or_default();
+            println!(
+                "{:<18} {:<10} {:<7} {:<21} WORKFLOW",
+                "RUN", "STATUS", "AGENTS", "CREATED"
+            );
+            for r in runs {
+                println!(
+                    "{:<18} {:<10} {:<7} {:<21} {}",
+                    r["run_id"].as_str().unwrap_or(""),
+                    r["status"].as_str().unwrap_or(""),
+                    r["agents"],
+                    r["created"].as_str().unwrap_or(""),
+                    crate::term::clean(r["workflow"].as_str().unwrap_or(""))
+                );
+            }
+            0
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}

@@ -1,0 +1,479 @@
+//! `flotilla coordinator`: the gRPC face, the session pages, the store and the leases.
+
+use super::*;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use flotilla_coordinator::api::{self as server, RunRegistry, ServerOptions};
+use flotilla_coordinator::lease::LeaseStore;
+use flotilla_coordinator::lease::etcd::EtcdLeaseStore;
+use flotilla_coordinator::lease::memory::MemoryLeaseStore;
+use flotilla_coordinator::{Coordinator, store};
+use flotilla_proto::tls::TlsFiles;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::*;
+use crate::{config, fail};
+
+#[derive(Debug, Args)]
+pub struct CoordinatorArgs {
+    /// gRPC address for workers and clients [default: 127.0.0.1:7443].
+    #[arg(long, env = "FLOTILLA_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Address of the session pages (session URLs point here) [default: 127.0.0.1:7080].
+    #[arg(long, env = "FLOTILLA_HTTP")]
+    http: Option<SocketAddr>,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
+    /// Object store URL (file:///path, memory://).
+    #[arg(long, env = "FLOTILLA_STORE")]
+    store: Option<String>,
+    /// etcd endpoints for leases (http://host:2379 or https://; comma-separated). Without it,
+    /// leases live in this process's memory.
+    #[arg(long, env = "FLOTILLA_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// CA, certificate and key for an https:// etcd (default: the coordinator's own files).
+    #[arg(long, env = "FLOTILLA_ETCD_CA")]
+    etcd_ca: Option<PathBuf>,
+    #[arg(long, env = "FLOTILLA_ETCD_CERT")]
+    etcd_cert: Option<PathBuf>,
+    #[arg(long, env = "FLOTILLA_ETCD_KEY")]
+    etcd_key: Option<PathBuf>,
+    /// TTL of each worker's liveness lease: a worker cut off this long loses its attempts to
+    /// other workers; one that comes back sooner keeps them [default: 10s].
+    #[arg(long, env = "FLOTILLA_WORKER_TTL")]
+    worker_ttl: Option<String>,
+    /// With --etcd: the address other coordinators forward requests to
+    /// [default: https://LISTEN].
+    #[arg(long, env = "FLOTILLA_ADVERTISE")]
+    advertise: Option<String>,
+    /// Run saved workflows only (pushed with `flotilla workflows push`, or bundled): launches
+    /// of inline scripts are refused.
+    #[arg(long, env = "FLOTILLA_SAVED_ONLY")]
+    saved_only: bool,
+    /// A client (by certificate name) that may push workflows; repeatable. Holders of a
+    /// `coordinator` certificate always may; nobody else.
+    #[arg(
+        long = "publisher",
+        env = "FLOTILLA_PUBLISHERS",
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
+    publishers: Vec<String>,
+    /// Let a push take the name of a bundled workflow (deep-research, code-review, ...).
+    #[arg(long, env = "FLOTILLA_ALLOW_SHADOW_BUNDLED")]
+    allow_shadow_bundled: bool,
+    /// Where the coordinator merges runs' changes and renders their diffs (a git cache of
+    /// run sources; only a cache) [default: the user cache directory].
+    #[arg(long, env = "FLOTILLA_CACHE_DIR", value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Longest a TLS handshake may take before the connection is closed [default: 10s].
+    #[arg(long, env = "FLOTILLA_HANDSHAKE_TIMEOUT", value_name = "DUR")]
+    handshake_timeout: Option<String>,
+    /// A connection with no traffic either way for this long is closed [default: 5m].
+    #[arg(long, env = "FLOTILLA_IDLE_TIMEOUT", value_name = "DUR")]
+    idle_timeout: Option<String>,
+    /// Connections open at once on each listener (gRPC, pages); past it new ones are closed
+    /// at once [default: 4096].
+    #[arg(long, env = "FLOTILLA_MAX_CONNECTIONS", value_name = "N")]
+    max_connections: Option<usize>,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// The listeners' limits from flags, then the config file, then the defaults.
+fn listen_limits(
+    a: &CoordinatorArgs,
+    file: &config::ConfigFile,
+) -> Result<flotilla_coordinator::listen::Limits, String> {
+    let mut limits = flotilla_coordinator::listen::Limits::default();
+    if let Some(s) = a
+        .handshake_timeout
+        .as_ref()
+        .or(file.handshake_timeout.as_ref())
+    {
+        limits.handshake = config::parse_duration("--handshake-timeout", s)?;
+    }
+    if let Some(s) = a.idle_timeout.as_ref().or(file.idle_timeout.as_ref()) {
+        limits.idle = config::parse_duration("--idle-timeout", s)?;
+    }
+    if let Some(n) = a.max_connections.or(file.max_connections) {
+        limits.max_connections = n;
+    }
+    if limits.handshake.is_zero() || limits.idle.is_zero() || limits.max_connections == 0 {
+        return Err(
+            "--handshake-timeout, --idle-timeout and --max-connections must be above zero".into(),
+        );
+    }
+    Ok(limits)
+}
+
+async fn lease_store(a: &Settings, own: Option<&TlsFiles>) -> Result<Arc<dyn LeaseStore>, String> {
+    if a.etcd.is_empty() {
+        return Ok(MemoryLeaseStore::new());
+    }
+    let https = a.etcd.iter().any(|e| e.starts_with("https://"));
+    let tls = if https {
+        let files = TlsFiles {
+            ca: a
+                .etcd_ca
+                .clone()
+                .or_else(|| own.map(|f| f.ca.clone()))
+                .ok_or("an https:// etcd needs --etcd-ca (or the coordinator's --tls-dir)")?,
+            cert: a
+                .etcd_cert
+                .clone()
+                .or_else(|| own.map(|f| f.cert.clone()))
+                .ok_or("an https:// etcd needs --etcd-cert")?,
+            key: a
+                .etcd_key
+                .clone()
+                .or_else(|| own.map(|f| f.key.clone()))
+                .ok_or("an https:// etcd needs --etcd-key")?,
+        };
+        let host = host_of(&a.etcd[0]);
+        Some(files.client_config(&host).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    let store = EtcdLeaseStore::connect(&a.etcd, tls)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(Arc::new(store))
+}
+
+/// A coordinator's settings, in layers: the config file, then the environment, then flags
+/// (clap reads each flag's environment variable), then the defaults — checked before anything
+/// starts.
+#[derive(Debug, Clone)]
+struct Settings {
+    listen: SocketAddr,
+    http: SocketAddr,
+    store_url: String,
+    etcd: Vec<String>,
+    /// CA, certificate and key for an https:// etcd (the coordinator's own files if unset).
+    etcd_ca: Option<PathBuf>,
+    etcd_cert: Option<PathBuf>,
+    etcd_key: Option<PathBuf>,
+    worker_ttl: std::time::Duration,
+    advertise: Option<String>,
+    cache_dir: PathBuf,
+    publishers: Vec<String>,
+    shadow_bundled: bool,
+    saved_only: bool,
+    limits: flotilla_coordinator::listen::Limits,
+}
+
+impl Settings {
+    fn layered(a: &CoordinatorArgs, file: &config::ConfigFile) -> Result<Settings, String> {
+        let pick = |flag: &Option<PathBuf>, from_file: &Option<PathBuf>| {
+            flag.clone().or_else(|| from_file.clone())
+        };
+        Ok(Settings {
+            listen: a
+                .listen
+                .or(file.listen)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7443))),
+            http: a
+                .http
+                .or(file.http)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7080))),
+            store_url: config::store_url(a.store.clone().or_else(|| file.store.clone())),
+            etcd: if a.etcd.is_empty() {
+                file.etcd.clone()
+            } else {
+                a.etcd.clone()
+            },
+            etcd_ca: pick(&a.etcd_ca, &file.etcd_ca),
+            etcd_cert: pick(&a.etcd_cert, &file.etcd_cert),
+            etcd_key: pick(&a.etcd_key, &file.etcd_key),
+            worker_ttl: worker_ttl(a.worker_ttl.as_ref().or(file.worker_ttl.as_ref()))?,
+            advertise: a.advertise.clone().or_else(|| file.advertise.clone()),
+            cache_dir: pick(&a.cache_dir, &file.cache_dir).unwrap_or_else(|| {
+                dirs::cache_dir()
+                    .unwrap_or_else(std::env::temp_dir)
+                    .join("flotilla")
+                    .join("coordinator")
+            }),
+            publishers: if a.publishers.is_empty() {
+                file.publishers.clone()
+            } else {
+                a.publishers.clone()
+            },
+            shadow_bundled: a.allow_shadow_bundled || file.allow_shadow_bundled.unwrap_or(false),
+            saved_only: a.saved_only || file.saved_only.unwrap_or(false),
+            limits: listen_limits(a, file)?,
+        })
+    }
+}
+
+/// `--worker-ttl`: at least etcd's shortest lease.
+fn worker_ttl(given: Option<&String>) -> Result<std::time::Duration, String> {
+    let Some(s) = given else {
+        return Ok(flotilla_coordinator::sched::WORKER_LEASE_TTL);
+    };
+    let d = config::parse_duration("--worker-ttl", s)?;
+    if d < std::time::Duration::from_secs(2) {
+        return Err(
+            "--worker-ttl must be at least 2s (etcd's shortest lease); e.g. --worker-ttl 10s"
+                .into(),
+        );
+    }
+    Ok(d)
+}
+
+/// The key session tokens are signed with: derived from the coordinator's private key, so
+/// coordinators sharing it accept each other's tokens and a restart signs nobody out. Without
+/// TLS there is none, and the pages are served on loopback only.
+fn token_key(
+    tls: Option<&TlsFiles>,
+    http: SocketAddr,
+) -> Result<Option<flotilla_coordinator::web::TokenKey>, String> {
+    match tls {
+        Some(files) => std::fs::read(&files.key)
+            .map(|secret| Some(flotilla_coordinator::web::TokenKey::derive(&secret)))
+            .map_err(|e| format!("cannot read {}: {e}", files.key.display())),
+        None if http.ip().is_loopback() => Ok(None),
+        None => Err(format!(
+            "--insecure serves the session pages without sign-in, so only on loopback; use --http 127.0.0.1:{} (or TLS)",
+            http.port()
+        )),
+    }
+}
+
+/// With etcd, coordinators form a group: one leads, the others stand by and take over. `lost`
+/// fires when this one's lease lapses.
+async fn join_group(
+    coordinator: &Arc<Coordinator>,
+    registry: &Arc<RunRegistry>,
+    s: &Settings,
+    tls: bool,
+    lost: CancellationToken,
+) -> Result<(), String> {
+    let advertise = s.advertise.clone().unwrap_or_else(|| {
+        let scheme = if tls { "https" } else { "http" };
+        format!("{scheme}://{}", s.listen)
+    });
+    let l = flotilla_coordinator::leader::Leadership::start(
+        coordinator.clone(),
+        registry.clone(),
+        coordinator.leases().clone(),
+        advertise.clone(),
+        s.worker_ttl,
+        lost,
+    )
+    .await?;
+    let releaser = l.clone();
+    registry.on_end(Arc::new(move |run: String| {
+        let l = releaser.clone();
+        tokio::spawn(async move { l.release(&run).await });
+    }));
+    coordinator.set_leadership(l);
+    eprintln!("coordinator group member at {advertise} (one leads; the others stand by)");
+    Ok(())
+}
+
+/// Who may push, and whether launches are allowed: the disable switch is read again on every
+/// launch (the environment, then the config file).
+fn launch_policy(s: &Settings, config_path: Option<PathBuf>) -> server::LaunchPolicy {
+    server::LaunchPolicy {
+        publishers: s.publishers.clone(),
+        shadow_bundled: s.shadow_bundled,
+        saved_only: s.saved_only,
+        disabled: Arc::new(move || {
+            let file = config::load(config_path.as_deref()).unwrap_or_default();
+            config::workflows_disabled(&file)
+        }),
+    }
+}
+
+pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
+    let file = match config::load(a.config.as_deref()) {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
+    a.tls.fill(&file);
+    let s = match Settings::layered(&a, &file) {
+        Ok(s) => s,
+        Err(e) => return fail(2, e),
+    };
+    let tls = match a.tls.files("coordinator", s.listen.ip().is_loopback()) {
+        Ok(t) => t,
+        Err(e) => return fail(2, e),
+    };
+    let tokens = match token_key(tls.as_ref(), s.http) {
+        Ok(t) => t,
+        Err(e) => return fail(2, e),
+    };
+    let store = match store::open(&s.store_url) {
+        Ok(st) => st,
+        Err(e) => return fail(2, e),
+    };
+    if let Err(e) = store.check().await {
+        return fail(1, format!("the store does not answer: {e}"));
+    }
+    let leases = match lease_store(&s, tls.as_ref()).await {
+        Ok(l) => l,
+        Err(e) => return fail(1, e),
+    };
+    let coordinator = Arc::new(Coordinator::with_options(
+        store,
+        leases,
+        flotilla_coordinator::sched::DispatchOptions {
+            worker_ttl: s.worker_ttl,
+            ..Default::default()
+        },
+    ));
+    coordinator.set_cache_dir(s.cache_dir.clone());
+    let registry = Arc::new(RunRegistry::default());
+    let lost = CancellationToken::new();
+    if !s.etcd.is_empty()
+        && let Err(e) = join_group(&coordinator, &registry, &s, tls.is_some(), lost.clone()).await
+    {
+        return fail(1, e);
+    }
+    let opts = ServerOptions {
+        listen: s.listen,
+        tls,
+        limits: s.limits,
+        keepalive: s.worker_ttl / 3,
+        tokens: tokens.clone(),
+        session_base: format!("http://{}", s.http),
+        policy: launch_policy(&s, a.config.clone()),
+    };
+    announce(&s, &opts);
+    serve_until_stopped(coordinator, registry, &s, opts, lost).await
+}
+
+fn announce(s: &Settings, opts: &ServerOptions) {
+    let leases_at = if s.etcd.is_empty() {
+        "in memory".to_owned()
+    } else {
+        format!("in etcd at {}", s.etcd.join(","))
+    };
+    eprintln!(
+        "flotilla coordinator listening on {} ({}), store {}, leases {leases_at}",
+        s.listen,
+        if opts.tls.is_some() {
+            "mTLS"
+        } else {
+            "insecure"
+        },
+        s.store_url,
+    );
+    eprintln!(
+        "session pages on http://{}/runs ({})",
+        s.http,
+        if opts.tokens.is_some() {
+            "sign in with `flotilla token create`"
+        } else {
+            "no sign-in: --insecure"
+        }
+    );
+}
+
+/// Serves gRPC and the pages until a signal, a lost lease or a failed listener ends it.
+async fn serve_until_stopped(
+    coordinator: Arc<Coordinator>,
+    registry: Arc<RunRegistry>,
+    s: &Settings,
+    opts: ServerOptions,
+    lost: CancellationToken,
+) -> i32 {
+    let cancel = CancellationToken::new();
+    let pages = tokio::spawn(flotilla_coordinator::web::serve(
+        coordinator.clone(),
+        registry.clone(),
+        flotilla_coordinator::web::WebOptions {
+            listen: s.http,
+            auth: opts.tokens.clone(),
+            limits: s.limits,
+        },
+        cancel.clone(),
+    ));
+    let serving = tokio::spawn(server::serve(
+        coordinator.clone(),
+        registry,
+        opts,
+        cancel.clone(),
+    ));
+    let ended = |r: Result<Result<(), String>, tokio::task::JoinError>| match r {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => fail(1, e),
+        Err(e) => fail(1, e),
+    };
+    let code = tokio::select! {
+        _ = shutdown_signal() => 0,
+        _ = lost.cancelled() => fail(1, "this coordinator's lease in etcd lapsed, so another coordinator may own its runs now; stopping (restart it to rejoin as a standby)"),
+        r = serving => ended(r),
+        r = pages => ended(r),
+    };
+    cancel.cancel();
+    coordinator.shutdown();
+    code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        coordinator: CoordinatorArgs,
+    }
+
+    fn args(flags: &[&str]) -> CoordinatorArgs {
+        Cli::try_parse_from(std::iter::once("coordinator").chain(flags.iter().copied()))
+            .expect("flags parse")
+            .coordinator
+    }
+
+    fn file(toml: &str) -> config::ConfigFile {
+        toml::from_str(toml).expect("a config file")
+    }
+
+    #[test]
+    fn flags_win_over_the_file_and_the_file_over_the_defaults() {
+        let f = file(
+            "listen = \"127.0.0.1:9000\"\netcd = [\"http://127.0.0.1:2379\"]\nworker_ttl = \"4s\"\npublishers = [\"ci\"]\nsaved_only = true\nmax_connections = 7\n",
+        );
+        let s =
+            Settings::layered(&args(&["--worker-ttl", "6s", "--publisher", "ops"]), &f).unwrap();
+        assert_eq!(s.listen, "127.0.0.1:9000".parse().unwrap());
+        assert_eq!(
+            s.worker_ttl,
+            std::time::Duration::from_secs(6),
+            "the flag wins"
+        );
+        assert_eq!(s.publishers, ["ops"]);
+        assert_eq!(s.etcd, ["http://127.0.0.1:2379"]);
+        assert!(s.saved_only);
+        assert_eq!(s.limits.max_connections, 7);
+        let d = Settings::layered(&args(&[]), &file("")).unwrap();
+        assert_eq!(d.listen, "127.0.0.1:7443".parse().unwrap());
+        assert_eq!(d.http, "127.0.0.1:7080".parse().unwrap());
+        assert_eq!(d.worker_ttl, flotilla_coordinator::sched::WORKER_LEASE_TTL);
+        assert!(d.etcd.is_empty() && !d.saved_only && d.publishers.is_empty());
+    }
+
+    #[test]
+    fn bad_values_are_refused_by_the_flag_that_sets_them() {
+        let bad = |flags: &[&str]| Settings::layered(&args(flags), &file("")).unwrap_err();
+        assert!(bad(&["--worker-ttl", "1s"]).contains("at least 2s"));
+        assert!(bad(&["--worker-ttl", "later"]).contains("--worker-ttl"));
+        assert!(bad(&["--max-connections", "0"]).contains("--max-connections"));
+        assert!(bad(&["--idle-timeout", "nope"]).contains("--idle-timeout"));
+        let open = token_key(None, "0.0.0.0:7080".parse().unwrap()).unwrap_err();
+        assert!(open.contains("only on loopback"), "{open}");
+        assert!(
+            token_key(None, "127.0.0.1:7080".parse().unwrap())
+                .unwrap()
+                .is_none()
+        );
+    }
+}

@@ -1,0 +1,30 @@
+//! The server roles of the `flotilla` binary: `flotilla coordinator` and `flotilla worker`.
+//! Each takes its settings in layers — the config file, then the environment, then flags — into
+//! one settings type that is checked before anything starts.
+
+pub mod coordinator;
+pub mod worker;
+
+pub(crate) fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "worker".into())
+}
+
+pub(crate) async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,0 +1,393 @@
+//! `flotilla worker`: attach to a coordinator and run its assignments.
+
+use super::*;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use flotilla_worker::{AgentBackend, Worker, WorkerOptions};
+use tokio_util::sync::CancellationToken;
+
+use crate::client::*;
+use crate::{config, fail};
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// Coordinator address (https://host:port).
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    coordinator: Option<String>,
+    /// Backends this worker offers (echo, exec); repeatable [default: echo].
+    #[arg(long = "backend", env = "FLOTILLA_BACKENDS", value_delimiter = ',')]
+    backends: Vec<String>,
+    /// Command of the exec backend.
+    #[arg(long, env = "FLOTILLA_EXEC_CMD")]
+    exec_cmd: Option<String>,
+    /// Attempts this worker runs at once [default: 16].
+    #[arg(long, env = "FLOTILLA_SLOTS")]
+    slots: Option<u32>,
+    /// Root of the agents' working directories.
+    #[arg(long, env = "FLOTILLA_WORKSPACE")]
+    workspace: Option<PathBuf>,
+    /// The largest result one agent may return, in MiB; a bigger one fails its call with
+    /// its size [default and most: 256].
+    #[arg(long, env = "FLOTILLA_MAX_RESULT_MIB", value_name = "MIB")]
+    max_result_mib: Option<u64>,
+    /// Let runs name `git+file://` (or local path) sources, which this worker then reads
+    /// from its own disk. Off by default: only https, http, ssh and git URLs are fetched.
+    #[arg(long, env = "FLOTILLA_ALLOW_FILE_SOURCES")]
+    allow_file_sources: bool,
+    /// Hosts a URL source may name although they resolve to this machine or its link
+    /// (loopback, link-local: a cloud metadata service, say), comma-separated; `*` for any.
+    /// Off by default, so a launcher cannot point workers at their own services.
+    #[arg(
+        long,
+        env = "FLOTILLA_ALLOW_SOURCE_HOSTS",
+        value_delimiter = ',',
+        value_name = "HOST"
+    )]
+    allow_source_host: Vec<String>,
+    /// Run every agent's processes in a bubblewrap sandbox (`on`, the default: the worker
+    /// does not start without one) or not (`off`: agents can reach all this worker can).
+    #[arg(long, env = "FLOTILLA_SANDBOX", value_name = "on|off")]
+    sandbox: Option<String>,
+    /// Hosts sandboxed agents may reach besides the model API, through the worker's proxy:
+    /// HOST (any port) or HOST:PORT, comma-separated. Everything else is refused.
+    #[arg(
+        long,
+        env = "FLOTILLA_ALLOW_NET",
+        value_delimiter = ',',
+        value_name = "HOST[:PORT]"
+    )]
+    allow_net: Vec<String>,
+    /// Memory one attempt's processes may use, in MiB; 0 for no limit [default: 4096].
+    #[arg(long, env = "FLOTILLA_MEMORY_MIB", value_name = "MIB")]
+    memory_mib: Option<u64>,
+    /// Processes one attempt may run at once; 0 for no limit [default: 1024].
+    #[arg(long, env = "FLOTILLA_MAX_PROCS", value_name = "N")]
+    max_procs: Option<u64>,
+    /// Size of a sandboxed attempt's private /tmp, in MiB [default: 1024].
+    #[arg(long, env = "FLOTILLA_TMP_MIB", value_name = "MIB")]
+    tmp_mib: Option<u64>,
+    /// Longest one attempt may run (a shorter `timeout` of the call wins); 0 for none
+    /// [default: 4h].
+    #[arg(long, env = "FLOTILLA_MAX_ATTEMPT_TIME", value_name = "DUR")]
+    max_attempt_time: Option<String>,
+    /// How attempts' memory and process limits are held: `auto` (a cgroup per attempt where
+    /// this worker may make one, else rlimits) or `rlimits` [default: auto].
+    #[arg(long, env = "FLOTILLA_LIMITS_VIA", value_name = "auto|rlimits")]
+    limits_via: Option<String>,
+    /// TOML file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// A worker's settings, in layers: the config file, then the environment, then flags (clap
+/// reads each flag's environment variable), then the defaults — checked before anything starts.
+#[derive(Debug, Clone, PartialEq)]
+struct Settings {
+    coordinator: String,
+    backends: Vec<String>,
+    exec_cmd: Option<String>,
+    slots: u32,
+    workspace: PathBuf,
+    max_result_mib: u64,
+    allow_file_sources: bool,
+    allow_source_hosts: Vec<String>,
+    /// `false`: `--sandbox off`.
+    sandbox: bool,
+    allow_net: Vec<String>,
+    limits: flotilla_worker::limits::Settings,
+    /// `--limits-via rlimits`.
+    rlimits: bool,
+}
+
+/// The first layer that has a list.
+fn list(flag: &[String], file: &[String]) -> Vec<String> {
+    if flag.is_empty() { file } else { flag }.to_vec()
+}
+
+impl Settings {
+    fn layered(a: &WorkerArgs, file: &config::ConfigFile) -> Result<Settings, String> {
+        let coordinator = a.coordinator.clone().or_else(|| file.coordinator.clone()).ok_or(
+            "no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)",
+        )?;
+        let mut backends = list(&a.backends, &file.backends);
+        if backends.is_empty() {
+            backends = vec!["echo".into()];
+        }
+        let slots = a.slots.or(file.slots).unwrap_or(16);
+        if slots == 0 {
+            return Err("--slots must be at least 1".into());
+        }
+        let limit_mib = (flotilla_proto::frag::MAX_MESSAGE_BYTES >> 20) as u64;
+        let max_result_mib = a
+            .max_result_mib
+            .or(file.max_result_mib)
+            .unwrap_or(limit_mib);
+        if max_result_mib == 0 || max_result_mib > limit_mib {
+            return Err(format!(
+                "--max-result-mib must be between 1 and {limit_mib} (got {max_result_mib})"
+            ));
+        }
+        let sandbox = match a
+            .sandbox
+            .as_deref()
+            .or(file.sandbox.as_deref())
+            .unwrap_or("on")
+        {
+            "on" | "bwrap" => true,
+            "off" => false,
+            other => return Err(format!("--sandbox takes on or off (got {other:?})")),
+        };
+        let rlimits = match a.limits_via.as_deref().unwrap_or("auto") {
+            "auto" => false,
+            "rlimits" => true,
+            other => {
+                return Err(format!(
+                    "--limits-via takes auto or rlimits (got {other:?})"
+                ));
+            }
+        };
+        Ok(Settings {
+            coordinator,
+            backends,
+            exec_cmd: a.exec_cmd.clone().or_else(|| file.exec_cmd.clone()),
+            slots,
+            workspace: a
+                .workspace
+                .clone()
+                .or_else(|| file.workspace.clone())
+                .unwrap_or_else(|| {
+                    dirs::data_dir()
+                        .unwrap_or_else(std::env::temp_dir)
+                        .join("flotilla")
+                        .join("workspaces")
+                }),
+            max_result_mib,
+            allow_file_sources: a.allow_file_sources || file.allow_file_sources == Some(true),
+            allow_source_hosts: list(&a.allow_source_host, &file.allow_source_hosts),
+            sandbox,
+            allow_net: list(&a.allow_net, &file.allow_net),
+            limits: Self::attempt_limits(a, file)?,
+            rlimits,
+        })
+    }
+
+    /// What one attempt may use: memory, processes, `/tmp`, time.
+    fn attempt_limits(
+        a: &WorkerArgs,
+        file: &config::ConfigFile,
+    ) -> Result<flotilla_worker::limits::Settings, String> {
+        let mut limits = flotilla_worker::limits::Settings::default();
+        if let Some(m) = a.memory_mib.or(file.memory_mib) {
+            limits.memory = (m > 0).then_some(m << 20);
+        }
+        if let Some(p) = a.max_procs.or(file.max_procs) {
+            limits.procs = (p > 0).then_some(p);
+        }
+        if let Some(t) = a.tmp_mib.or(file.tmp_mib) {
+            if t == 0 {
+                return Err("--tmp-mib must be at least 1".into());
+            }
+            limits.tmp = t << 20;
+        }
+        if let Some(w) = a
+            .max_attempt_time
+            .as_ref()
+            .or(file.max_attempt_time.as_ref())
+        {
+            let d = config::parse_duration("--max-attempt-time", w)?;
+            limits.wall = (!d.is_zero()).then_some(d);
+        }
+        Ok(limits)
+    }
+}
+
+/// The sandbox the settings ask for: bubblewrap (the worker does not start without it), or
+/// none, said loudly.
+async fn sandbox(s: &Settings) -> Result<flotilla_worker::sandbox::Sandbox, String> {
+    if !s.sandbox {
+        eprintln!(
+            "flotilla worker: WARNING: {}",
+            flotilla_worker::sandbox::OFF_WARNING
+        );
+        return Ok(flotilla_worker::sandbox::Sandbox::Off);
+    }
+    match crate::sandbox_with_api(s.allow_net.clone()).await {
+        Ok(sb) => {
+            eprintln!("flotilla worker: {}", sb.describe());
+            Ok(sb)
+        }
+        Err(e) => Err(format!(
+            "{e}\nagents run sandboxed by default: install bubblewrap (Debian: apt-get install bubblewrap) where unprivileged user namespaces are allowed, or start with --sandbox off to run them unconfined"
+        )),
+    }
+}
+
+pub async fn worker(mut a: WorkerArgs) -> i32 {
+    let file = match config::load(a.config.as_deref()) {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
+    a.tls.fill(&file);
+    let s = match Settings::layered(&a, &file) {
+        Ok(s) => s,
+        Err(e) => return fail(2, e),
+    };
+    let name = a.tls.name.clone().unwrap_or_else(hostname);
+    let tls = match a.tls.files(&name, loopback_host(&host_of(&s.coordinator))) {
+        Ok(t) => t,
+        Err(e) => return fail(2, e),
+    };
+    // The workspace is the worker's alone: no other user of the machine reads its checkouts.
+    if std::fs::create_dir_all(&s.workspace).is_ok() {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&s.workspace, std::fs::Permissions::from_mode(0o700));
+    }
+    let sandbox = match sandbox(&s).await {
+        Ok(sb) => sb,
+        Err(e) => return fail(2, e),
+    };
+    let limits = flotilla_worker::limits::Limits::detect_with(s.limits.clone(), s.rlimits);
+    eprintln!("flotilla worker: {}", limits.describe());
+    let groups = limits.clone();
+    let backends: Result<Vec<Arc<dyn AgentBackend>>, String> = s
+        .backends
+        .iter()
+        .map(|b| flotilla_worker::backend::by_name(b, s.exec_cmd.as_deref()))
+        .collect();
+    let backends = match backends {
+        Ok(b) => b,
+        Err(e) => return fail(2, e),
+    };
+    let worker = Worker::new(
+        WorkerOptions {
+            name: name.clone(),
+            slots: s.slots,
+            workspace: s.workspace.clone(),
+            labels: Default::default(),
+            shared_workspace: false,
+            max_result_bytes: (s.max_result_mib as usize) << 20,
+            allow_file_sources: s.allow_file_sources,
+            allow_source_hosts: s.allow_source_hosts.clone(),
+            sandbox,
+            limits,
+        },
+        backends,
+    );
+    let cancel = CancellationToken::new();
+    eprintln!(
+        "flotilla worker {name}: {} slots, coordinator {}",
+        s.slots, s.coordinator
+    );
+    let opts = flotilla_worker::remote::RemoteOptions {
+        endpoint: s.coordinator.clone(),
+        tls,
+    };
+    let serving = flotilla_worker::remote::serve(worker, opts, cancel.clone());
+    tokio::pin!(serving);
+    let code = tokio::select! {
+        _ = shutdown_signal() => {
+            cancel.cancel();
+            let _ = serving.await;
+            0
+        }
+        r = &mut serving => match r {
+            Ok(()) => 0,
+            Err(e) => fail(1, e),
+        },
+    };
+    // Its cgroups go with it (those of a worker killed outright, when the next one starts).
+    groups.cleanup();
+    code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        worker: WorkerArgs,
+    }
+
+    fn args(flags: &[&str]) -> WorkerArgs {
+        Cli::try_parse_from(std::iter::once("worker").chain(flags.iter().copied()))
+            .expect("flags parse")
+            .worker
+    }
+
+    fn file(toml: &str) -> config::ConfigFile {
+        toml::from_str(toml).expect("a config file")
+    }
+
+    #[test]
+    fn flags_win_over_the_file_and_the_file_over_the_defaults() {
+        let f = file(
+            "coordinator = \"https://from-file:7443\"\nslots = 3\nbackends = [\"exec\"]\nexec_cmd = \"cat\"\nmemory_mib = 512\n",
+        );
+        let s = Settings::layered(&args(&["--slots", "9"]), &f).unwrap();
+        assert_eq!(s.coordinator, "https://from-file:7443");
+        assert_eq!(s.slots, 9, "the flag wins");
+        assert_eq!(s.backends, ["exec"], "the file's list, no flag given");
+        assert_eq!(s.limits.memory, Some(512 << 20));
+        let s = Settings::layered(
+            &args(&[
+                "--coordinator",
+                "https://flag:1",
+                "--backend",
+                "echo,claude-code",
+            ]),
+            &f,
+        )
+        .unwrap();
+        assert_eq!(s.coordinator, "https://flag:1");
+        assert_eq!(s.backends, ["echo", "claude-code"]);
+        let d = Settings::layered(&args(&["--coordinator", "https://c:1"]), &file("")).unwrap();
+        assert_eq!(d.slots, 16);
+        assert_eq!(d.backends, ["echo"]);
+        assert!(d.sandbox);
+        assert_eq!(d.limits, flotilla_worker::limits::Settings::default());
+    }
+
+    #[test]
+    fn bad_values_are_refused_by_the_flag_that_sets_them() {
+        let c = ["--coordinator", "https://c:1"];
+        let bad = |extra: &[&str]| {
+            let flags: Vec<&str> = c.iter().chain(extra).copied().collect();
+            Settings::layered(&args(&flags), &file("")).unwrap_err()
+        };
+        assert!(bad(&["--slots", "0"]).contains("--slots"));
+        assert!(bad(&["--max-result-mib", "0"]).contains("--max-result-mib"));
+        assert!(bad(&["--sandbox", "maybe"]).contains("--sandbox"));
+        assert!(bad(&["--limits-via", "magic"]).contains("--limits-via"));
+        assert!(bad(&["--tmp-mib", "0"]).contains("--tmp-mib"));
+        assert!(bad(&["--max-attempt-time", "soon"]).contains("--max-attempt-time"));
+        let none = Settings::layered(&args(&[]), &file("")).unwrap_err();
+        assert!(none.contains("--coordinator"), "{none}");
+        let off = Settings::layered(&args(&[c[0], c[1], "--memory-mib", "0"]), &file("")).unwrap();
+        assert_eq!(off.limits.memory, None, "0 is no limit");
+    }
+
+    #[test]
+    fn every_backend_name_is_known_and_exec_needs_its_command() {
+        for name in flotilla_worker::backend::NAMES {
+            assert!(
+                flotilla_worker::backend::by_name(name, Some("cat")).is_ok(),
+                "{name}"
+            );
+        }
+        let e = flotilla_worker::backend::by_name("exec", None)
+            .err()
+            .unwrap();
+        assert!(e.contains("--exec-cmd"), "{e}");
+        let e = flotilla_worker::backend::by_name("gpt-pilot", None)
+            .err()
+            .unwrap();
+        assert!(e.contains("echo, exec, claude-code"), "{e}");
+    }
+}

@@ -1,0 +1,603 @@
+//! `ClientService`: launch, wait, status, stop, control, list runs and workers, tokens — what
+//! `flotilla` and other clients ask a coordinator, forwarded to the leader when this one
+//! does not lead.
+
+use super::*;
+
+pub(super) struct ClientSvc {
+    pub(super) coordinator: Arc<Coordinator>,
+    pub(super) registry: Arc<RunRegistry>,
+    pub(super) secure: bool,
+    pub(super) session_base: String,
+    pub(super) tokens: Option<crate::web::TokenKey>,
+    /// This coordinator's TLS files (a standby calls the leader with them).
+    pub(super) tls: Option<TlsFiles>,
+    pub(super) to_leader:
+        tokio::sync::Mutex<Option<(String, ClientServiceClient<tonic::transport::Channel>)>>,
+    pub(super) policy: LaunchPolicy,
+}
+
+/// Life of a session token when the caller does not say.
+pub(super) const DEFAULT_TOKEN_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+
+impl ClientSvc {
+    /// A client of the leader when this coordinator is a standby; `None` when it leads (or
+    /// runs alone).
+    pub(super) async fn leader_client(
+        &self,
+    ) -> Result<Option<ClientServiceClient<tonic::transport::Channel>>, Status> {
+        let Some(l) = self.coordinator.leadership() else {
+            return Ok(None);
+        };
+        if l.is_leader() {
+            return Ok(None);
+        }
+        let addr = l.wait_for_leader(LEADER_WAIT).await.ok_or_else(|| {
+            ErrorKind::Unavailable
+                .status("no coordinator leads yet (is etcd reachable?); try again")
+        })?;
+        if l.is_leader() {
+            return Ok(None);
+        }
+        let mut cached = self.to_leader.lock().await;
+        if let Some((a, c)) = cached.as_ref()
+            && *a == addr
+        {
+            return Ok(Some(c.clone()));
+        }
+        let channel = tls::channel(&addr, self.tls.as_ref()).map_err(|e| {
+            ErrorKind::Unavailable.status(format!("cannot reach the leader at {addr}: {e}"))
+        })?;
+        let client = ClientServiceClient::new(channel);
+        *cached = Some((addr, client.clone()));
+        Ok(Some(client))
+    }
+
+    pub(super) fn authorize<T>(&self, req: &Request<T>, what: &str) -> Result<(), Status> {
+        if self.secure {
+            tls::require_role(req, &[Role::Client, Role::Coordinator], what)?;
+        }
+        Ok(())
+    }
+
+    /// Who is pushing a workflow, if they may: a `coordinator` certificate, or a client the
+    /// operator listed as a publisher. (Without TLS, on loopback, anyone may.)
+    pub(super) fn publisher<T>(&self, req: &Request<T>) -> Result<String, Status> {
+        if !self.secure {
+            return Ok("insecure".into());
+        }
+        let peer = tls::require_role(req, &[Role::Client, Role::Coordinator], "save workflows")?;
+        if peer.role == Role::Coordinator || self.policy.publishers.contains(&peer.name) {
+            return Ok(peer.name);
+        }
+        Err(ErrorKind::Denied.status(format!(
+            "{} may not push workflows to this coordinator: a push changes what everyone's `launch NAME` runs, so only the publishers its operator names may (`--publisher {}` or `publishers` in its config)",
+            peer.name, peer.name
+        )))
+    }
+
+    pub(super) fn session_url(&self, run: &str) -> String {
+        format!("{}/runs/{run}", self.session_base.trim_end_matches('/'))
+    }
+
+    pub(super) async fn stored_report(&self, run: &str) -> Result<Report, Status> {
+        history::load_report(self.coordinator.store(), run)
+            .await
+            .map_err(|e| match e.kind() {
+                ErrorKind::NotFound => ErrorKind::NotFound
+                    .status(format!("no run {run} on this coordinator or in its store")),
+                _ => ErrorKind::Unavailable.status(format!("cannot read run {run}: {e}")),
+            })
+    }
+}
+
+/// A failure of the connection rather than an answer.
+pub(super) fn is_transport(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
+}
+
+pub(super) fn to_json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
+    serde_json::to_string(v).map_err(|e| ErrorKind::Internal.status(format!("cannot encode: {e}")))
+}
+
+#[tonic::async_trait]
+impl ClientService for ClientSvc {
+    async fn ping(&self, req: Request<v1::PingRequest>) -> Result<Response<v1::PingReply>, Status> {
+        self.authorize(&req, "ping")?;
+        Ok(Response::new(v1::PingReply {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        }))
+    }
+
+    async fn launch(
+        &self,
+        req: Request<v1::LaunchRequest>,
+    ) -> Result<Response<v1::LaunchReply>, Status> {
+        self.authorize(&req, "launch runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.launch(req.into_inner()).await;
+        }
+        let mut r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        if (self.policy.disabled)() {
+            return Err(ErrorKind::Conflict.status(
+                "workflows are disabled on this coordinator (FLOTILLA_DISABLE_WORKFLOWS or disable_workflows in its config file): new runs are refused, runs in progress keep going",
+            ));
+        }
+        if self.policy.saved_only && !r.inherit {
+            if r.saved_name.is_empty() {
+                return Err(ErrorKind::Denied.status(
+                    "this coordinator runs saved workflows only: launch a pushed or bundled one by name (`flotilla workflows list --coordinator URL`); a publisher of this coordinator can push yours with `flotilla workflows push FILE`",
+                ));
+            }
+            let name = r.saved_name.trim_start_matches('/').to_owned();
+            let found = match crate::saved::get(self.coordinator.store(), &name)
+                .await
+                .map_err(|e| ErrorKind::Unavailable.status(e))?
+            {
+                Some(w) => w,
+                None => crate::bundled::find(&name).ok_or_else(|| {
+                    ErrorKind::NotFound.status(format!(
+                        "no saved workflow {name:?} on this coordinator (`flotilla workflows list --coordinator URL` lists them); a publisher of this coordinator can push it with `flotilla workflows push FILE`"
+                    ))
+                })?,
+            };
+            r.script = found.source;
+            r.origin = found.origin;
+            // Nested workflow() calls, too, reach only what this coordinator holds: the
+            // pushed workflows (bundled ones are found after them anyway).
+            r.workflows = crate::saved::list(self.coordinator.store())
+                .await
+                .map_err(|e| ErrorKind::Unavailable.status(e))?
+                .into_iter()
+                .map(v1::SavedWorkflow::from)
+                .collect();
+        }
+        let settings: RunSettings = serde_json::from_str(&r.settings_json)
+            .map_err(|e| ErrorKind::Invalid.status(format!("run settings are not valid: {e}")))?;
+        let args =
+            match &r.args_json {
+                None => None,
+                Some(text) => Some(serde_json::from_str(text).map_err(|e| {
+                    ErrorKind::Invalid.status(format!("args are not valid JSON: {e}"))
+                })?),
+            };
+        let resolver = CarriedWorkflows {
+            workflows: r.workflows.into_iter().map(FoundWorkflow::from).collect(),
+            agent_types: {
+                let mut types: Vec<AgentType> = r
+                    .agent_definitions
+                    .into_iter()
+                    .map(|d| AgentType {
+                        model: (!d.model.is_empty()).then_some(d.model),
+                        description: (!d.description.is_empty()).then_some(d.description),
+                        prompt: Some(d.prompt),
+                        tools: d.tools,
+                        name: d.name,
+                    })
+                    .collect();
+                for (name, model) in r.agent_types {
+                    if !types.iter().any(|t| t.name == name) {
+                        let mut t = AgentType::builtin(&name);
+                        t.model = (!model.is_empty()).then_some(model);
+                        types.push(t);
+                    }
+                }
+                types
+            },
+        };
+        let launched = self
+            .coordinator
+            .launch(LaunchRequest {
+                source: r.script,
+                origin: (!r.origin.is_empty()).then_some(r.origin),
+                args,
+                settings,
+                resume_from: (!r.resume_from.is_empty()).then_some(r.resume_from),
+                inherit: r.inherit,
+                resolver: Arc::new(resolver),
+            })
+            .await;
+        match launched {
+            Ok(handle) => {
+                let run_id = handle.run_id.clone();
+                self.registry.track(handle);
+                Ok(Response::new(v1::LaunchReply {
+                    session_url: self.session_url(&run_id),
+                    run_id,
+                    status: "running".into(),
+                    error: String::new(),
+                    report_json: String::new(),
+                }))
+            }
+            Err(rejected) => {
+                // Nothing was stored: no run id to hand out.
+                let report =
+                    Report::rejected("", rejected.workflow.clone(), rejected.message.clone());
+                Ok(Response::new(v1::LaunchReply {
+                    run_id: String::new(),
+                    session_url: String::new(),
+                    status: "rejected".into(),
+                    error: rejected.message,
+                    report_json: to_json(&report)?,
+                }))
+            }
+        }
+    }
+
+    async fn wait(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let run = req.into_inner().run_id;
+        // Across a failover the run moves: wait where it runs, and follow it.
+        let mut adopting = 0u32;
+        let report = loop {
+            let rx = self.registry.lock().get(&run).map(|e| e.report.clone());
+            if let Some(mut rx) = rx {
+                break loop {
+                    if let Some(r) = rx.borrow_and_update().clone() {
+                        break (*r).clone();
+                    }
+                    if rx.changed().await.is_err() {
+                        return Err(ErrorKind::Internal.status("the run ended without a report"));
+                    }
+                };
+            }
+            if let Some(mut leader) = self.leader_client().await? {
+                match leader
+                    .wait(v1::RunRef {
+                        run_id: run.clone(),
+                    })
+                    .await
+                {
+                    Ok(r) => return Ok(r),
+                    Err(s) if is_transport(&s) => {
+                        tracing::info!(run, error = %s, "lost the leader while waiting; following the run");
+                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                        continue;
+                    }
+                    Err(s) => return Err(s),
+                }
+            }
+            let report = self.stored_report(&run).await?;
+            if report.status.is_final() {
+                break report;
+            }
+            // Leading, and the run is live without us: it is about to be adopted.
+            if self.coordinator.leadership().is_some() && adopting < 120 {
+                adopting += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+            return Err(ErrorKind::Conflict.status(format!(
+                "run {run} is not running on this coordinator and has not finished; its owner may have died (resume it with `flotilla resume {run}`)"
+            )));
+        };
+        Ok(Response::new(v1::ReportReply {
+            report_json: to_json(&report)?,
+            finished: true,
+        }))
+    }
+
+    async fn report(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        if !self.registry.lock().contains_key(&req.get_ref().run_id)
+            && let Some(mut leader) = self.leader_client().await?
+        {
+            return leader.report(req.into_inner()).await;
+        }
+        let run = req.into_inner().run_id;
+        let done = self
+            .registry
+            .lock()
+            .get(&run)
+            .map(|e| e.report.borrow().clone());
+        let report = match done {
+            Some(Some(r)) => (*r).clone(),
+            _ => self.stored_report(&run).await?,
+        };
+        Ok(Response::new(v1::ReportReply {
+            finished: report.status.is_final(),
+            report_json: to_json(&report)?,
+        }))
+    }
+
+    async fn status(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StatusReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.status(req.into_inner()).await;
+        }
+        let run = req.into_inner().run_id;
+        let entry = self
+            .registry
+            .lock()
+            .get(&run)
+            .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().is_some()));
+        let (snap, finished) = entry.ok_or_else(|| {
+            ErrorKind::NotFound.status(format!(
+                "run {run} is not running on this coordinator; see `flotilla show {run}`"
+            ))
+        })?;
+        Ok(Response::new(v1::StatusReply {
+            snapshot_json: to_json(&SnapshotView::from(&*snap))?,
+            finished,
+        }))
+    }
+
+    async fn stop(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StopReply>, Status> {
+        self.authorize(&req, "stop runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.stop(req.into_inner()).await;
+        }
+        let run = req.into_inner().run_id;
+        let stopper = self.registry.lock().get(&run).map(|e| e.stopper.clone());
+        let stopped = stopper.is_some_and(|s| s.send(Control::Stop).is_ok());
+        if !stopped {
+            return Err(
+                ErrorKind::NotFound.status(format!("run {run} is not running on this coordinator"))
+            );
+        }
+        Ok(Response::new(v1::StopReply { stopped }))
+    }
+
+    async fn list_runs(
+        &self,
+        req: Request<v1::ListRunsRequest>,
+    ) -> Result<Response<v1::ListRunsReply>, Status> {
+        self.authorize(&req, "list runs")?;
+        let runs = history::list_runs(self.coordinator.store())
+            .await
+            .map_err(|e| ErrorKind::Unavailable.status(format!("cannot list runs: {e}")))?;
+        Ok(Response::new(v1::ListRunsReply {
+            runs_json: to_json(&runs)?,
+        }))
+    }
+
+    async fn list_workers(
+        &self,
+        req: Request<v1::ListWorkersRequest>,
+    ) -> Result<Response<v1::ListWorkersReply>, Status> {
+        self.authorize(&req, "list workers")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.list_workers(req.into_inner()).await;
+        }
+        let workers = self
+            .coordinator
+            .dispatch()
+            .workers()
+            .await
+            .into_iter()
+            .map(|w| v1::WorkerInfo {
+                name: w.name,
+                slots: w.slots,
+                busy: w.busy,
+                backends: w.backends,
+                models: w.models,
+                labels: w.labels.into_iter().collect(),
+                attached: w.attached,
+            })
+            .collect();
+        Ok(Response::new(v1::ListWorkersReply { workers }))
+    }
+
+    async fn control(
+        &self,
+        req: Request<v1::ControlRequest>,
+    ) -> Result<Response<v1::ControlReply>, Status> {
+        self.authorize(&req, "control runs")?;
+        if let Some(mut leader) = self.leader_client().await? {
+            return leader.control(req.into_inner()).await;
+        }
+        let v1::ControlRequest {
+            run_id,
+            action,
+            agent,
+        } = req.into_inner();
+        let message = self.registry.control(&run_id, &action, &agent).await?;
+        Ok(Response::new(v1::ControlReply { message }))
+    }
+
+    async fn changes(
+        &self,
+        req: Request<v1::RunRef>,
+    ) -> Result<Response<v1::ChangesReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let run = req.into_inner().run_id;
+        // The journal is in the shared store: any coordinator of a group answers.
+        let changes = crate::head::changes_of(self.coordinator.store(), &run)
+            .await
+            .map_err(|e| match e.kind() {
+                ErrorKind::NotFound => ErrorKind::NotFound.status(e.to_string()),
+                _ => ErrorKind::Unavailable.status(e.to_string()),
+            })?;
+        Ok(Response::new(v1::ChangesReply {
+            changes_json: to_json(&changes)?,
+        }))
+    }
+
+    type FetchSourceStream = StreamOf<v1::SourceData>;
+
+    async fn fetch_source(
+        &self,
+        req: Request<v1::FetchSourceRequest>,
+    ) -> Result<Response<Self::FetchSourceStream>, Status> {
+        self.authorize(&req, "fetch run sources")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        // A few chunks ahead of the client at most: the stream's own pace is the flow control.
+        let (tx, rx) = mpsc::channel(8);
+        let store = self.coordinator.store().clone();
+        tokio::spawn(async move {
+            let req = v1::SourceRequest {
+                id: 0,
+                repo: r.repo,
+                commit: r.commit,
+                have_packs: r.have_packs,
+                acked: 0,
+            };
+            crate::source::serve_to(store, req, crate::source::Sink::Stream(tx)).await;
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn source_have(
+        &self,
+        req: Request<v1::SourceHaveRequest>,
+    ) -> Result<Response<v1::SourceHaveReply>, Status> {
+        self.authorize(&req, "upload run sources")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        if r.commits.len() > 10_000 {
+            return Err(ErrorKind::Invalid.status("ask about at most 10,000 commits at once"));
+        }
+        // Sources live in the shared store: any coordinator of a group answers.
+        let held = crate::source::have(self.coordinator.store(), &r.repo, &r.commits)
+            .await
+            .map_err(|e| ErrorKind::Unavailable.status(format!("cannot read the store: {e}")))?;
+        Ok(Response::new(v1::SourceHaveReply { held }))
+    }
+
+    async fn put_source(
+        &self,
+        req: Request<Streaming<v1::SourceUpload>>,
+    ) -> Result<Response<v1::PutSourceReply>, Status> {
+        self.authorize(&req, "upload run sources")?;
+        let mut chunks = req.into_inner();
+        let first = chunks
+            .message()
+            .await?
+            .ok_or_else(|| ErrorKind::Invalid.status("an empty source upload"))?;
+        let mut rx = crate::source::Receiver::start(self.coordinator.store().clone(), &first)
+            .await
+            .map_err(|e| ErrorKind::Invalid.status(e))?;
+        // A pack that fails part way is dropped from the store, not left half uploaded.
+        let received = async {
+            rx.push(&first.data)
+                .await
+                .map_err(|e| ErrorKind::Invalid.status(e))?;
+            while let Some(chunk) = chunks.message().await? {
+                rx.push(&chunk.data)
+                    .await
+                    .map_err(|e| ErrorKind::Invalid.status(e))?;
+            }
+            Ok::<_, Status>(())
+        }
+        .await;
+        if let Err(e) = received {
+            rx.abort().await;
+            return Err(e);
+        }
+        let (pack, bytes) = rx
+            .finish()
+            .await
+            .map_err(|e| ErrorKind::Unavailable.status(e))?;
+        tracing::info!(repo = %first.repo, commit = %first.tip, pack = %pack, bytes, "stored a source pack");
+        Ok(Response::new(v1::PutSourceReply { pack, bytes }))
+    }
+
+    async fn push_workflow(
+        &self,
+        req: Request<v1::PushWorkflowRequest>,
+    ) -> Result<Response<v1::PushWorkflowReply>, Status> {
+        let by = self.publisher(&req)?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        let rules = crate::saved::PushRules {
+            shadow_bundled: self.policy.shadow_bundled,
+        };
+        let record = crate::saved::push(self.coordinator.store(), &r.source, &by, rules)
+            .await
+            .map_err(|e| ErrorKind::Invalid.status(e))?;
+        tracing::info!(workflow = %record.name, by = %record.by, sha256 = %record.sha256,
+            replaced = ?record.replaced, "workflow pushed");
+        Ok(Response::new(v1::PushWorkflowReply {
+            origin: crate::saved::origin(&record.name),
+            replaced: record.replaced.is_some(),
+            name: record.name,
+            sha256: record.sha256,
+            pushed_by: record.by,
+        }))
+    }
+
+    async fn list_workflows(
+        &self,
+        req: Request<v1::ListWorkflowsRequest>,
+    ) -> Result<Response<v1::ListWorkflowsReply>, Status> {
+        self.authorize(&req, "list workflows")?;
+        check_version(&req.get_ref().protocol_version)?;
+        let workflows = crate::saved::list(self.coordinator.store())
+            .await
+            .map_err(|e| ErrorKind::Unavailable.status(e))?
+            .into_iter()
+            .map(v1::SavedWorkflow::from)
+            .collect();
+        Ok(Response::new(v1::ListWorkflowsReply { workflows }))
+    }
+
+    async fn transcripts(
+        &self,
+        req: Request<v1::TranscriptsRequest>,
+    ) -> Result<Response<v1::TranscriptsReply>, Status> {
+        self.authorize(&req, "read runs")?;
+        let r = req.into_inner();
+        check_version(&r.protocol_version)?;
+        // Transcripts are in the shared store: any coordinator of a group can answer.
+        let report = match self.registry.live_report(&r.run_id).await {
+            Some(rep) => (*rep).clone(),
+            None => self.stored_report(&r.run_id).await?,
+        };
+        let agent = (!r.agent.is_empty()).then_some(r.agent.as_str());
+        let attempt = (r.attempt > 0).then_some(r.attempt);
+        let found = history::transcripts(self.coordinator.store(), &report, agent, attempt)
+            .await
+            .map_err(|e| match e {
+                history::TranscriptError::NoAgent(m) => ErrorKind::NotFound.status(m),
+                history::TranscriptError::Store(e) => {
+                    ErrorKind::Unavailable.status(format!("cannot read the transcripts: {e}"))
+                }
+            })?;
+        Ok(Response::new(v1::TranscriptsReply {
+            agents_json: found.iter().map(to_json).collect::<Result<Vec<_>, _>>()?,
+        }))
+    }
+
+    async fn create_token(
+        &self,
+        req: Request<v1::CreateTokenRequest>,
+    ) -> Result<Response<v1::CreateTokenReply>, Status> {
+        self.authorize(&req, "create session tokens")?;
+        let Some(key) = &self.tokens else {
+            return Err(ErrorKind::Conflict
+                .status("this coordinator runs --insecure: its pages need no token"));
+        };
+        let subject = tls::peer_of(&req)?.name;
+        let ttl = match req.into_inner().ttl_secs {
+            0 => DEFAULT_TOKEN_TTL,
+            s => std::time::Duration::from_secs(s),
+        };
+        if ttl > crate::web::MAX_TOKEN_TTL {
+            return Err(ErrorKind::Invalid
+                .status("a session token lives at most 30 days; ask for a shorter --ttl"));
+        }
+        let token = key.issue(&subject, ttl);
+        let claims = key
+            .verify(&token)
+            .map_err(|e| ErrorKind::Internal.status(format!("cannot issue a token: {e}")))?;
+        Ok(Response::new(v1::CreateTokenReply {
+            login_url: format!(
+                "{}/login?token={token}",
+                self.session_base.trim_end_matches('/')
+            ),
+            token,
+            subject,
+            expires_unix: claims.exp,
+        }))
+    }
+}
+
+/// How long a standby waits for some coordinator to lead before it gives up on a request.
+pub(super) const LEADER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);

@@ -1,0 +1,175 @@
+//! The runs this coordinator holds in memory: their handles, snapshots and reports, and the
+//! reader that brings back a run that is not here from storage.
+
+use super::*;
+
+/// The runs this coordinator is running (or has finished since it started).
+#[derive(Default)]
+pub struct RunRegistry {
+    pub(super) runs: Mutex<HashMap<String, RunEntry>>,
+    /// Called with a run's id once its report is stored.
+    pub(super) on_end: std::sync::OnceLock<Arc<dyn Fn(String) + Send + Sync>>,
+}
+
+impl std::fmt::Debug for RunRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunRegistry").finish_non_exhaustive()
+    }
+}
+
+pub(super) struct RunEntry {
+    pub(super) snapshot: watch::Receiver<Arc<Snapshot>>,
+    pub(super) stopper: mpsc::UnboundedSender<Control>,
+    pub(super) report: watch::Receiver<Option<Arc<Report>>>,
+}
+
+impl RunRegistry {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunEntry>> {
+        self.runs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Every run this process tracks: its snapshot and whether it has ended.
+    pub fn all(&self) -> Vec<(Arc<Snapshot>, bool)> {
+        self.lock()
+            .values()
+            .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().is_some()))
+            .collect()
+    }
+
+    /// The live snapshot of a run this coordinator runs, and its report once it has ended.
+    pub fn live(&self, run: &str) -> Option<(Arc<Snapshot>, Option<Arc<Report>>)> {
+        self.lock()
+            .get(run)
+            .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().clone()))
+    }
+
+    /// The report of a run this coordinator runs: the final one once it has ended, else the
+    /// report as it stands now (calls that have not ended show `queued` or `running`).
+    pub async fn live_report(&self, run: &str) -> Option<Arc<Report>> {
+        let (stopper, done) = {
+            let runs = self.lock();
+            let e = runs.get(run)?;
+            (e.stopper.clone(), e.report.borrow().clone())
+        };
+        if let Some(r) = done {
+            return Some(r);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        stopper.send(Control::Report(tx)).ok()?;
+        match rx.await {
+            Ok(r) => Some(Arc::new(r)),
+            // It ended meanwhile: its final report is there now.
+            Err(_) => self.lock().get(run).and_then(|e| e.report.borrow().clone()),
+        }
+    }
+
+    /// Pauses or resumes a run, stops it, or stops or restarts one of its agents (W54–W56):
+    /// the one path the client API and the session page share. `action` is `pause`,
+    /// `resume`, `stop`, `stop_agent` or `restart_agent`.
+    pub async fn control(&self, run_id: &str, action: &str, agent: &str) -> Result<String, Status> {
+        let stopper = self.lock().get(run_id).map(|e| {
+            let finished = e.report.borrow().is_some();
+            let paused = e.snapshot.borrow().status == Some(RunStatus::Paused);
+            (e.stopper.clone(), finished, paused, e.snapshot.clone())
+        });
+        let Some((stopper, false, paused, mut snapshot)) = stopper else {
+            return Err(ErrorKind::NotFound
+                .status(format!("run {run_id} is not running on this coordinator")));
+        };
+        let gone = || ErrorKind::NotFound.status(format!("run {run_id} has ended"));
+        match action {
+            "stop" => {
+                stopper.send(Control::Stop).map_err(|_| gone())?;
+                Ok(format!("stopping {run_id}"))
+            }
+            "pause" | "resume" => {
+                let pause = action == "pause";
+                if pause == paused {
+                    return Err(ErrorKind::Conflict.status(format!(
+                        "run {run_id} is {} already",
+                        if paused { "paused" } else { "running" }
+                    )));
+                }
+                stopper.send(Control::Pause(pause)).map_err(|_| gone())?;
+                // Answer once the run shows it, so a second request sees the new state.
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                    loop {
+                        let now = snapshot.borrow_and_update().status == Some(RunStatus::Paused);
+                        if now == pause || snapshot.changed().await.is_err() {
+                            break;
+                        }
+                    }
+                })
+                .await;
+                Ok(format!(
+                    "{} {run_id}",
+                    if pause { "paused" } else { "resumed" }
+                ))
+            }
+            "stop_agent" | "restart_agent" => {
+                if agent.is_empty() {
+                    return Err(ErrorKind::Invalid.status(
+                        "name the agent: its index (as `flotilla status` shows) or its label",
+                    ));
+                }
+                let action = if action == "stop_agent" {
+                    AgentAction::Stop
+                } else {
+                    AgentAction::Restart
+                };
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                stopper
+                    .send(Control::Agent {
+                        action,
+                        agent: agent.to_owned(),
+                        reply: tx,
+                    })
+                    .map_err(|_| gone())?;
+                rx.await
+                    .map_err(|_| gone())?
+                    .map_err(|e| ErrorKind::Conflict.status(e))
+            }
+            other => Err(ErrorKind::Invalid.status(format!(
+                "unknown action {other:?}: use pause, resume, stop, stop_agent or restart_agent"
+            ))),
+        }
+    }
+
+    /// Waits for a tracked run's final report (`None` for a run this process does not track).
+    pub async fn wait_report(&self, run: &str) -> Option<Arc<Report>> {
+        let mut rx = self.lock().get(run)?.report.clone();
+        loop {
+            if let Some(r) = rx.borrow_and_update().clone() {
+                return Some(r);
+            }
+            rx.changed().await.ok()?;
+        }
+    }
+
+    /// Sets what happens when a tracked run ends (once).
+    pub fn on_end(&self, f: Arc<dyn Fn(String) + Send + Sync>) {
+        let _ = self.on_end.set(f);
+    }
+
+    /// Tracks a launched run until it ends.
+    pub fn track(&self, handle: RunHandle) {
+        let (report_tx, report_rx) = watch::channel(None);
+        let entry = RunEntry {
+            snapshot: handle.snapshot.clone(),
+            stopper: handle.stopper(),
+            report: report_rx,
+        };
+        let run_id = handle.run_id.clone();
+        self.lock().insert(run_id.clone(), entry);
+        let on_end = self.on_end.get().cloned();
+        tokio::spawn(async move {
+            let report = handle.wait().await;
+            let _ = report_tx.send(Some(Arc::new(report)));
+            if let Some(f) = on_end {
+                f(run_id);
+            }
+        });
+    }
+}

@@ -1,0 +1,100 @@
+//! `WorkerService`: a remote worker's `Attach` stream, bridged onto the channels an in-process
+//! worker uses, so the dispatcher cannot tell them apart.
+
+use super::*;
+
+pub(super) fn check_version(theirs: &str) -> Result<(), Status> {
+    if flotilla_proto::protocol_compatible(theirs) {
+        Ok(())
+    } else {
+        Err(ErrorKind::Conflict.status(format!(
+            "protocol version {theirs:?} is not compatible with this coordinator's {}; upgrade the older side",
+            flotilla_proto::PROTOCOL_VERSION
+        )))
+    }
+}
+
+pub(super) struct WorkerSvc {
+    pub(super) coordinator: Arc<Coordinator>,
+    pub(super) secure: bool,
+}
+
+pub(super) type StreamOf<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkerService for WorkerSvc {
+    type AttachStream = StreamOf<CoordinatorMessage>;
+
+    async fn attach(
+        &self,
+        req: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let name = if self.secure {
+            Some(tls::require_role(&req, &[Role::Worker], "attach as a worker")?.name)
+        } else {
+            None
+        };
+        if let Some(l) = self.coordinator.leadership()
+            && !l.is_leader()
+        {
+            return Err(ErrorKind::Unavailable.status(format!(
+                "this coordinator is a standby; the leader is {}",
+                l.leader().unwrap_or_else(|| "not known yet".into())
+            )));
+        }
+        let mut inbound = req.into_inner();
+        // The first message must be a compatible Hello.
+        let first = inbound.message().await?.ok_or_else(|| {
+            ErrorKind::Invalid.status("the worker closed its stream before Hello")
+        })?;
+        let Some(worker_message::Msg::Hello(mut hello)) = first.msg else {
+            return Err(ErrorKind::Invalid.status("a worker stream must start with Hello"));
+        };
+        check_version(&hello.protocol_version)?;
+        if let Some(name) = name {
+            // A worker is known by its certificate, whatever it calls itself.
+            hello.name = name;
+        }
+        tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");
+        let hello_name = hello.name.clone();
+        let (to_worker_tx, to_worker_rx) = mpsc::unbounded_channel();
+        let (from_worker_tx, from_worker_rx) = mpsc::unbounded_channel();
+        let _ = from_worker_tx.send(WorkerMessage {
+            msg: Some(worker_message::Msg::Hello(hello)),
+        });
+        self.coordinator.dispatch().attach(CoordinatorEnd {
+            tx: to_worker_tx,
+            rx: from_worker_rx,
+        });
+        let worker = hello_name;
+        tokio::spawn(async move {
+            let mut pieces = frag::Reassembler::default();
+            loop {
+                match inbound.message().await {
+                    Ok(Some(msg)) => match pieces.push(msg) {
+                        Ok(Some(msg)) => {
+                            if from_worker_tx.send(msg).is_err() {
+                                break;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(worker = %worker, error = %e, "dropped a message from the worker");
+                        }
+                    },
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(worker = %worker, error = %e, "worker stream ended");
+                        break;
+                    }
+                }
+            }
+            // Dropping the sender tells the dispatcher the worker is gone.
+        });
+        // Big assignments go out in fragments (see `frag`); the run engine refuses an
+        // agent() call too big to send at all before it is queued.
+        let frames_rx = frag::splitting(to_worker_rx, "worker");
+        let out = UnboundedReceiverStream::new(frames_rx).map(Ok);
+        Ok(Response::new(Box::pin(out)))
+    }
+}

@@ -1,0 +1,259 @@
+//! Who may see the pages: signed page tokens (HMAC, with an expiry), the login link that
+//! turns one into a cookie, and the guard every route goes through.
+
+use super::*;
+
+/// Name of the cookie that carries a session token.
+pub const COOKIE: &str = "flotilla_session";
+
+/// Longest a session token may live.
+pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Signs and checks session tokens (HMAC-SHA256).
+#[derive(Clone)]
+pub struct TokenKey(ring::hmac::Key);
+
+impl std::fmt::Debug for TokenKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenKey(..)")
+    }
+}
+
+/// What a token says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claims {
+    /// Who it was issued to (the CN of the certificate that asked for it).
+    pub sub: String,
+    /// Expiry, seconds since the Unix epoch.
+    pub exp: u64,
+}
+
+pub(super) fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl TokenKey {
+    /// A key derived from secret bytes (the coordinator's private key file).
+    pub fn derive(secret: &[u8]) -> TokenKey {
+        let seed = ring::digest::digest(
+            &ring::digest::SHA256,
+            &[b"flotilla session token v1\0".as_slice(), secret].concat(),
+        );
+        TokenKey(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, seed.as_ref()))
+    }
+
+    /// A token for `sub`, valid for `ttl` (at most [`MAX_TOKEN_TTL`]).
+    pub fn issue(&self, sub: &str, ttl: Duration) -> String {
+        let claims = Claims {
+            sub: sub.to_owned(),
+            exp: now_secs() + ttl.min(MAX_TOKEN_TTL).as_secs(),
+        };
+        let body = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&claims).unwrap_or_default());
+        let tag = ring::hmac::sign(&self.0, body.as_bytes());
+        format!("v1.{body}.{}", URL_SAFE_NO_PAD.encode(tag.as_ref()))
+    }
+
+    /// The claims of a valid, unexpired token.
+    pub fn verify(&self, token: &str) -> Result<Claims, &'static str> {
+        let mut parts = token.trim().split('.');
+        let (Some("v1"), Some(body), Some(tag), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err("not a flotilla session token");
+        };
+        let tag = URL_SAFE_NO_PAD
+            .decode(tag)
+            .map_err(|_| "not a flotilla session token")?;
+        ring::hmac::verify(&self.0, body.as_bytes(), &tag)
+            .map_err(|_| "the token was not issued by this fleet's coordinator")?;
+        let claims: Claims = URL_SAFE_NO_PAD
+            .decode(body)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or("not a flotilla session token")?;
+        if claims.exp <= now_secs() {
+            return Err("the token has expired; create a new one with `flotilla token create`");
+        }
+        Ok(claims)
+    }
+}
+
+/// Who the pages answer.
+#[derive(Debug, Clone)]
+pub enum Access {
+    /// Session tokens from `flotilla token create` (the fleet).
+    Tokens(TokenKey),
+    /// A page on loopback without sign-in (an `--insecure` coordinator): only requests whose
+    /// `Host` is this address, so a web page elsewhere cannot reach it by DNS rebinding.
+    Loopback { port: u16 },
+    /// `flotilla run --serve`: loopback `Host` only, and the run's random key, which the
+    /// printed URL carries (`?key=`) and the first visit keeps in a cookie.
+    Keyed { port: u16, key: String },
+}
+
+impl Access {
+    fn tokens(&self) -> Option<&TokenKey> {
+        match self {
+            Access::Tokens(k) => Some(k),
+            _ => None,
+        }
+    }
+}
+
+/// Name of the cookie that carries a `--serve` page's key.
+pub const KEY_COOKIE: &str = "flotilla_key";
+
+/// A random key for a `--serve` page (128 bits, URL-safe).
+pub fn new_page_key() -> String {
+    let mut b = [0u8; 16];
+    if getrandom::fill(&mut b).is_err() {
+        // Without entropy the page would be guessable: fail closed to a key nobody has.
+        return "unavailable".into();
+    }
+    URL_SAFE_NO_PAD.encode(b)
+}
+
+pub(super) fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// The `Host` check and the page key, before any route (the fleet's tokens are checked by
+/// each route).
+pub(super) async fn guard(
+    State(web): State<Web>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (port, key) = match &web.access {
+        Access::Tokens(_) => return next.run(req).await,
+        Access::Loopback { port } => (*port, None),
+        Access::Keyed { port, key } => (*port, Some(key.clone())),
+    };
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    let ours = ["127.0.0.1", "localhost", "[::1]"]
+        .iter()
+        .any(|h| host == format!("{h}:{port}"));
+    if !ours {
+        let why = format!(
+            "this page answers only at http://127.0.0.1:{port} (the request was for host {host:?}): a page on loopback is not served to other names, so a web site cannot reach it"
+        );
+        return (StatusCode::FORBIDDEN, why).into_response();
+    }
+    let Some(key) = key else {
+        return next.run(req).await;
+    };
+    let from_query = req.uri().query().and_then(|q| {
+        q.split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == "key")
+            .map(|(_, v)| v.to_owned())
+    });
+    let from_cookie = cookie(req.headers(), KEY_COOKIE);
+    let from_bearer = token_of(req.headers());
+    let given = [&from_query, &from_cookie, &from_bearer];
+    if !given
+        .iter()
+        .any(|k| k.as_deref().is_some_and(|k| same(k, &key)))
+    {
+        return (
+            StatusCode::UNAUTHORIZED,
+            "this page needs its key: open the URL `flotilla run --serve` printed (it ends in ?key=…)",
+        )
+            .into_response();
+    }
+    let mut resp = next.run(req).await;
+    if from_query.is_some() && from_cookie.is_none() {
+        let cookie = format!("{KEY_COOKIE}={key}; Path=/; HttpOnly; SameSite=Strict");
+        if let Ok(v) = header::HeaderValue::from_str(&cookie) {
+            resp.headers_mut().append(header::SET_COOKIE, v);
+        }
+    }
+    resp
+}
+
+pub(super) fn token_of(headers: &HeaderMap) -> Option<String> {
+    if let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        && let Some(t) = v.strip_prefix("Bearer ")
+    {
+        return Some(t.trim().to_owned());
+    }
+    cookie(headers, COOKIE)
+}
+
+/// The value of cookie `name`.
+pub(super) fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.to_owned())
+}
+
+/// Why a request is refused; `Ok` when it may go on.
+pub(super) fn check(web: &Web, headers: &HeaderMap) -> Result<(), &'static str> {
+    let Some(key) = web.access.tokens() else {
+        return Ok(());
+    };
+    let token = token_of(headers).ok_or(
+        "sign in first: run `flotilla token create` (with your client certificate) and open the link it prints",
+    )?;
+    key.verify(&token).map(|_| ())
+}
+
+pub(super) fn refuse(why: &str, json: bool) -> Response {
+    let body = if json {
+        serde_json::json!({ "error": why })
+            .to_string()
+            .into_response()
+    } else {
+        Html(page("Sign in", &format!("<p class=err>{}</p>", esc(why)))).into_response()
+    };
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer realm=\"flotilla\"")],
+        body,
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+pub(super) struct LoginQuery {
+    pub(super) token: String,
+    pub(super) next: Option<String>,
+}
+
+pub(super) async fn login(State(web): State<Web>, Query(q): Query<LoginQuery>) -> Response {
+    let Some(key) = web.access.tokens() else {
+        return Redirect::to("/runs").into_response();
+    };
+    let claims = match key.verify(&q.token) {
+        Ok(c) => c,
+        Err(why) => return refuse(why, false),
+    };
+    // Only paths on this site (no `//host` redirects).
+    let next = q
+        .next
+        .filter(|n| n.starts_with('/') && !n.starts_with("//"))
+        .unwrap_or_else(|| "/runs".to_owned());
+    let max_age = claims.exp.saturating_sub(now_secs());
+    let cookie = format!(
+        "{COOKIE}={}; Path=/; HttpOnly; SameSite=Lax; Max-Age={max_age}",
+        q.token.trim()
+    );
+    (
+        StatusCode::SEE_OTHER,
+        [(header::SET_COOKIE, cookie), (header::LOCATION, next)],
+    )
+        .into_response()
+}

@@ -1,0 +1,281 @@
+//! `/metrics`: the Prometheus text exposition of this coordinator — its runs and their agents,
+//! the dispatcher and the fleet, and the process counters of [`crate::metrics`].
+
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::metrics as m;
+use crate::run::Snapshot;
+use crate::sched::{Stats, WorkerView};
+
+/// Prometheus text format: runs and agents of this coordinator, the dispatcher and the fleet.
+pub(super) async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    let tracked = Tracked::of(web.registry.all());
+    let stats = web.coordinator.dispatch().stats().await.unwrap_or_default();
+    let workers = web.coordinator.dispatch().workers().await;
+    let body = render(&tracked, &stats, &workers);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// What the tracked runs add up to.
+#[derive(Debug, Default, PartialEq)]
+struct Tracked {
+    runs: BTreeMap<&'static str, u64>,
+    agents: BTreeMap<&'static str, u64>,
+    output_tokens: u64,
+}
+
+impl Tracked {
+    /// Runs by status (a run that has not ended is `running` or `paused`), agents by state.
+    fn of(runs: impl IntoIterator<Item = (Arc<Snapshot>, bool)>) -> Tracked {
+        let mut t = Tracked::default();
+        for (snap, ended) in runs {
+            let status = snap.status.map_or("pending", RunStatus::as_str);
+            let shown = match (ended, status) {
+                (true, s) => s,
+                (false, "paused") => "paused",
+                (false, _) => "running",
+            };
+            *t.runs.entry(shown).or_default() += 1;
+            let queued = snap
+                .agents
+                .saturating_sub(snap.done + snap.failed + snap.running);
+            for (state, n) in [
+                ("done", snap.done),
+                ("failed", snap.failed),
+                ("running", snap.running),
+                ("cached", snap.cached),
+                ("queued", queued),
+            ] {
+                *t.agents.entry(state).or_default() += n;
+            }
+            t.output_tokens += snap.output_tokens;
+        }
+        t
+    }
+}
+
+/// One exposition, family by family.
+#[derive(Default)]
+struct Exposition(String);
+
+impl Exposition {
+    fn family(&mut self, name: &str, kind: &str, help: &str, rows: &[(String, u64)]) {
+        self.0
+            .push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, value) in rows {
+            self.0.push_str(&format!("{name}{labels} {value}\n"));
+        }
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, value: u64) {
+        self.family(name, "gauge", help, &[(String::new(), value)]);
+    }
+
+    fn counter(&mut self, name: &str, help: &str, value: u64) {
+        self.family(name, "counter", help, &[(String::new(), value)]);
+    }
+}
+
+/// `{key="value"}`, the value escaped.
+fn label(key: &str, value: &str) -> String {
+    format!(
+        "{{{key}=\"{}\"}}",
+        value.replace('\\', "\\\\").replace('"', "\\\"")
+    )
+}
+
+/// One row per name of `names`, labeled `key`, counted in `counts` (0 when absent).
+fn by(key: &str, names: &[&str], counts: &BTreeMap<&'static str, u64>) -> Vec<(String, u64)> {
+    names
+        .iter()
+        .map(|n| (label(key, n), counts.get(n).copied().unwrap_or(0)))
+        .collect()
+}
+
+fn render(t: &Tracked, stats: &Stats, workers: &[WorkerView]) -> String {
+    let mut e = Exposition::default();
+    let statuses = [
+        "running",
+        "paused",
+        "completed",
+        "failed",
+        "stopped",
+        "rejected",
+    ];
+    e.family(
+        "flotilla_runs",
+        "gauge",
+        "Runs tracked by this coordinator, by status.",
+        &by("status", &statuses, &t.runs),
+    );
+    e.family(
+        "flotilla_agents",
+        "gauge",
+        "agent() calls of the tracked runs, by status.",
+        &by(
+            "status",
+            &["queued", "running", "done", "failed", "cached"],
+            &t.agents,
+        ),
+    );
+    e.gauge(
+        "flotilla_output_tokens",
+        "Output tokens of the tracked runs.",
+        t.output_tokens,
+    );
+    fleet(&mut e, stats, workers);
+    process(&mut e);
+    e.0
+}
+
+/// The dispatcher and the workers.
+fn fleet(e: &mut Exposition, stats: &Stats, workers: &[WorkerView]) {
+    let attached = workers.iter().filter(|w| w.attached).count() as u64;
+    e.gauge(
+        "flotilla_queue_depth",
+        "Calls waiting for a worker slot.",
+        stats.queued as u64,
+    );
+    e.counter(
+        "flotilla_attempts_assigned_total",
+        "Attempts assigned to workers since the coordinator started.",
+        stats.assigned,
+    );
+    e.family(
+        "flotilla_worker_slots",
+        "gauge",
+        "Worker slots, busy and free.",
+        &[
+            (label("state", "busy"), u64::from(stats.busy)),
+            (
+                label("state", "free"),
+                u64::from(stats.slots.saturating_sub(stats.busy)),
+            ),
+        ],
+    );
+    e.family(
+        "flotilla_workers",
+        "gauge",
+        "Workers with a lease, attached or cut off.",
+        &[
+            (label("state", "attached"), attached),
+            (label("state", "cut_off"), workers.len() as u64 - attached),
+        ],
+    );
+}
+
+/// The process counters and histograms.
+fn process(e: &mut Exposition) {
+    e.counter(
+        "flotilla_stalls_total",
+        "Attempts ended by the stall watchdog (no progress for the stall timeout).",
+        m::get(&m::STALLS),
+    );
+    e.family(
+        "flotilla_restarts_total",
+        "counter",
+        "Calls started again, by reason.",
+        &[
+            (label("reason", "stall"), m::get(&m::RESTARTS_STALL)),
+            (label("reason", "lease_lapsed"), m::get(&m::RESTARTS_LAPSE)),
+            (label("reason", "user"), m::get(&m::RESTARTS_USER)),
+            (label("reason", "transient"), m::get(&m::RESTARTS_TRANSIENT)),
+        ],
+    );
+    e.counter(
+        "flotilla_lease_renewal_failures_total",
+        "Failed renewals of worker leases (each is retried).",
+        m::get(&m::LEASE_RENEWAL_FAILURES),
+    );
+    e.counter(
+        "flotilla_storage_write_retries_total",
+        "Object-store writes that failed and were retried.",
+        m::get(&m::STORAGE_WRITE_RETRIES),
+    );
+    e.0.push_str(&m::DISPATCH_LATENCY.render(
+        "flotilla_dispatch_latency_seconds",
+        "From a call being ready to run to its attempt being assigned to a worker.",
+    ));
+    e.0.push_str(&m::STORAGE_WRITE_LATENCY.render(
+        "flotilla_storage_write_seconds",
+        "One object-store write, retries included.",
+    ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(status: RunStatus, agents: u64, done: u64, running: u64) -> Arc<Snapshot> {
+        Arc::new(Snapshot {
+            status: Some(status),
+            agents,
+            done,
+            running,
+            output_tokens: 10,
+            ..Snapshot::default()
+        })
+    }
+
+    #[test]
+    fn runs_count_by_status_and_agents_by_state() {
+        let t = Tracked::of([
+            (snap(RunStatus::Running, 5, 2, 1), false),
+            (snap(RunStatus::Paused, 1, 0, 0), false),
+            (snap(RunStatus::Completed, 3, 3, 0), true),
+        ]);
+        assert_eq!(t.runs.get("running"), Some(&1));
+        assert_eq!(t.runs.get("paused"), Some(&1));
+        assert_eq!(t.runs.get("completed"), Some(&1));
+        assert_eq!(t.agents.get("done"), Some(&5));
+        assert_eq!(t.agents.get("queued"), Some(&3));
+        assert_eq!(t.output_tokens, 30);
+    }
+
+    #[test]
+    fn every_family_is_declared_once_and_every_sample_parses() {
+        let t = Tracked::of([(snap(RunStatus::Running, 2, 1, 1), false)]);
+        let stats = Stats {
+            slots: 4,
+            busy: 1,
+            ..Stats::default()
+        };
+        let workers = [WorkerView {
+            name: "w\"1".into(),
+            attached: false,
+            slots: 4,
+            busy: 1,
+            backends: vec![],
+            models: vec![],
+            labels: Default::default(),
+        }];
+        let text = render(&t, &stats, &workers);
+        let mut types = std::collections::HashSet::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let name = rest.split(' ').next().unwrap();
+                assert!(types.insert(name.to_owned()), "{name} declared twice");
+            } else if !line.starts_with('#') {
+                let (_, value) = line.rsplit_once(' ').expect("a sample has a value");
+                assert!(value.parse::<f64>().is_ok(), "{line}");
+            }
+        }
+        assert!(
+            text.contains("flotilla_worker_slots{state=\"free\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("flotilla_workers{state=\"cut_off\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("flotilla_agents{status=\"running\"} 1\n"),
+            "{text}"
+        );
+        assert_eq!(label("k", "a\"b\\c"), "{k=\"a\\\"b\\\\c\"}");
+    }
+}

@@ -1,0 +1,124 @@
+//! The coordinator's HTTP face: session pages and their JSON, behind sign-in.
+//!
+//! - `GET /runs/{run}`: the session page of a run (live while it runs here: the changing part
+//!   arrives as HTML over server-sent events from `/runs/{run}/events`; read from storage when
+//!   it ran elsewhere or earlier).
+//! - `GET /runs/{run}/status.json`, `GET /runs.json`: the same data as JSON.
+//! - `GET /runs/{run}/agents/{index}`: one agent, its transcript and its change's diff;
+//!   `GET /runs/{run}/diff`: the run's whole diff.
+//! - `POST /runs/{run}/control`: pause, resume, stop or restart (W54–W56).
+//! - `GET /metrics`: Prometheus exposition of the coordinator's metrics.
+//! - `GET /runs`: the runs in the store.
+//! - `GET /login?token=T[&next=/runs/…]`: checks a session token and keeps it in a cookie.
+//!
+//! Access: every route but `/login` needs a session token, as `Authorization: Bearer T` or
+//! the `flotilla_session` cookie. Tokens come from `flotilla token create` (an mTLS call, so
+//! only holders of a client certificate get one); they are signed with a key derived from the
+//! coordinator's private key ([`TokenKey`]), so every coordinator sharing that key accepts
+//! them and a restart does not sign anyone out. A coordinator started `--insecure` on
+//! loopback serves the pages to anyone (development only).
+//!
+//! Files: `auth.rs` (tokens, sign-in and the guard), `routes.rs` (the handlers), `render.rs`
+//! (the HTML), `metrics.rs` (the Prometheus exposition).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::get;
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{RunRegistry, SnapshotView};
+use flotilla_proto::ErrorKind;
+
+use crate::coordinator::Coordinator;
+use crate::history;
+use crate::report::{Report, RunStatus};
+
+/// The HTTP status of an error of `kind` (the one map is [`ErrorKind`]).
+fn http(kind: ErrorKind) -> StatusCode {
+    StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+mod auth;
+mod metrics;
+mod render;
+mod routes;
+
+use auth::*;
+pub use auth::{Access, COOKIE, Claims, KEY_COOKIE, MAX_TOKEN_TTL, TokenKey, new_page_key};
+pub use render::esc;
+use render::*;
+use routes::*;
+
+/// How the pages are served.
+#[derive(Debug, Clone)]
+pub struct WebOptions {
+    pub listen: SocketAddr,
+    /// `None`: no sign-in (an `--insecure` coordinator on loopback).
+    pub auth: Option<TokenKey>,
+    /// Connection limit and idle timeout of the listener.
+    pub limits: crate::listen::Limits,
+}
+
+#[derive(Clone)]
+struct Web {
+    coordinator: Arc<Coordinator>,
+    registry: Arc<RunRegistry>,
+    access: Access,
+}
+
+/// Serves the pages until `cancel` fires.
+pub async fn serve(
+    coordinator: Arc<Coordinator>,
+    registry: Arc<RunRegistry>,
+    opts: WebOptions,
+    cancel: CancellationToken,
+) -> Result<(), String> {
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|e| format!("cannot serve session pages on {}: {e}", opts.listen))?;
+    let access = match opts.auth {
+        Some(key) => Access::Tokens(key),
+        None => Access::Loopback {
+            port: listener
+                .local_addr()
+                .map_or(opts.listen.port(), |a| a.port()),
+        },
+    };
+    let listener = crate::listen::Limited::new(listener, opts.limits);
+    axum::serve(listener, router(coordinator, registry, access))
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await
+        .map_err(|e| format!("session pages on {}: {e}", opts.listen))
+}
+
+/// The routes (public for tests).
+pub fn router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>, access: Access) -> Router {
+    let web = Web {
+        coordinator,
+        registry,
+        access,
+    };
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/runs") }))
+        .route("/login", get(login))
+        .route("/runs", get(runs_page))
+        .route("/runs.json", get(runs_json))
+        .route("/runs/{run}", get(run_page))
+        .route("/runs/{run}/status.json", get(run_json))
+        .route("/runs/{run}/events", get(run_events))
+        .route("/runs/{run}/agents/{index}", get(agent_page))
+        .route("/runs/{run}/diff", get(run_diff))
+        .route("/runs/{run}/control", axum::routing::post(control))
+        .route("/metrics", get(metrics::metrics))
+        .layer(axum::middleware::from_fn_with_state(web.clone(), guard))
+        .with_state(web)
+}

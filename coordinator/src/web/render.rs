@@ -1,0 +1,490 @@
+//! HTML: a run's page (live and final), one agent's detail, and the page frame with its style
+//! and script. Everything shown is escaped ([`esc`]).
+
+use super::*;
+
+/// W42: more than 25 agents, or more than 1.5 million tokens.
+pub(super) const LARGE_AGENTS: u64 = 25;
+
+pub(super) const LARGE_TOKENS: u64 = 1_500_000;
+
+/// Rows a phase lists unless the reader asks for all of them (`?all=1`): a big fan-out
+/// would otherwise send thousands of rows on every update.
+pub(super) const PHASE_ROWS: usize = 100;
+
+/// Which agents of a big phase are listed: every running and failed one, then the latest
+/// completed ones, then the next queued ones, up to [`PHASE_ROWS`]; in index order.
+pub(super) fn rows_to_show<'a>(
+    agents: &[&'a crate::report::AgentReport],
+) -> Vec<&'a crate::report::AgentReport> {
+    if agents.len() <= PHASE_ROWS {
+        return agents.to_vec();
+    }
+    let mut keep = std::collections::BTreeSet::new();
+    for a in agents {
+        if matches!(a.status.as_str(), "running" | "failed") {
+            keep.insert(a.index);
+        }
+    }
+    let room = |keep: &std::collections::BTreeSet<u64>| keep.len() < PHASE_ROWS;
+    let completed_room = PHASE_ROWS.saturating_sub(10);
+    for a in agents.iter().rev() {
+        if keep.len() >= completed_room {
+            break;
+        }
+        if a.status != "queued" {
+            keep.insert(a.index);
+        }
+    }
+    for a in agents {
+        if !room(&keep) {
+            break;
+        }
+        if a.status == "queued" {
+            keep.insert(a.index);
+        }
+    }
+    agents
+        .iter()
+        .filter(|a| keep.contains(&a.index))
+        .copied()
+        .collect()
+}
+
+/// The part of the page that changes while the run goes on (sent again over SSE); `all`
+/// lists every agent of every phase.
+pub(super) fn render_live(d: &PageData, all: bool) -> String {
+    let mut out = counters(d);
+    out.push_str("<div id=phases>");
+    for g in &d.report.groups {
+        out.push_str(&phase_table(d, &g.title, all));
+    }
+    out.push_str("</div>");
+    out.push_str(&outcome(&d.report));
+    out
+}
+
+/// The counters, the warnings, the changes line, the run's buttons and its log.
+fn counters(d: &PageData) -> String {
+    let r = &*d.report;
+    let u = &r.usage;
+    let status = r.status.as_str();
+    let done = r.agents.iter().filter(|a| a.status == "completed").count();
+    let failed = r.agents.iter().filter(|a| a.status == "failed").count();
+    let running = r.agents.iter().filter(|a| a.status == "running").count();
+    let mut out = String::new();
+    out.push_str(&format!(
+        "<p class=counters><span class=\"st {status}\" id=status>{status}</span> \
+         · agents <b id=done>{done}</b> done / <b id=agents>{total}</b> \
+         · running <b id=running>{running}</b> · failed <b id=failed>{failed}</b> \
+         · tokens <b id=tokens>{tin} in / {tout} out</b> · cost <b id=cost>${cost:.4}</b> \
+         · elapsed <b id=elapsed>{elapsed}</b></p>",
+        total = u.agents,
+        tin = u.input_tokens,
+        tout = u.output_tokens,
+        cost = u.cost_usd,
+        elapsed = fmt_ms(u.duration_ms),
+    ));
+    let mut warnings = Vec::new();
+    if u.agents > LARGE_AGENTS || u.input_tokens + u.output_tokens > LARGE_TOKENS {
+        warnings.push(format!(
+            "Large workflow: {} agents, {} tokens so far",
+            u.agents,
+            u.input_tokens + u.output_tokens
+        ));
+    }
+    if let Some(w) = &d.waiting {
+        warnings.push(w.clone());
+    }
+    for w in warnings {
+        out.push_str(&format!("<p class=warn>{}</p>", esc(&w)));
+    }
+    if let Some(c) = &r.changes {
+        let changed = c.merged + c.isolated + c.conflicted;
+        if changed > 0 {
+            out.push_str(&format!(
+                "<p class=changes>{changed} agents changed files ({} merged into the run head, {} on their own branches, {} in conflict) — <a href=\"/runs/{}/diff\">the run's diff</a>; <code>{}</code> brings them home</p>",
+                c.merged,
+                c.isolated,
+                c.conflicted,
+                esc(&r.run_id),
+                esc(&c.apply)
+            ));
+        }
+    }
+    if d.here && d.live() {
+        let (action, label) = if r.status == RunStatus::Paused {
+            ("resume", "Resume")
+        } else {
+            ("pause", "Pause")
+        };
+        out.push_str(&format!(
+            "<p class=buttons><button data-action={action}>{label}</button> \
+             <button data-action=stop class=danger>Stop run</button></p>"
+        ));
+    }
+    if !r.logs.is_empty() {
+        out.push_str("<pre id=logs>");
+        for line in &r.logs {
+            out.push_str(&esc(line));
+            out.push('\n');
+        }
+        out.push_str("</pre>");
+    }
+    out
+}
+
+/// One phase: its summary and its agents' rows (the running and failed always, the rest up to
+/// [`PHASE_ROWS`] unless `all`).
+fn phase_table(d: &PageData, title: &str, all: bool) -> String {
+    let (r, mut out) = (&*d.report, String::new());
+    let u = &r.usage;
+    let agents: Vec<_> = r.agents.iter().filter(|a| a.group == title).collect();
+    let done = agents.iter().filter(|a| a.status == "completed").count();
+    let tokens: u64 = agents
+        .iter()
+        .map(|a| a.input_tokens + a.output_tokens)
+        .sum();
+    let elapsed = span_ms(agents.iter().map(|a| (a.start_ms, a.end_ms)), u.duration_ms);
+    out.push_str(&format!(
+        "<section class=phase><h3>{} <small>{done}/{} agents · {tokens} tokens · {}</small></h3>\
+         <table><thead><tr><th>#</th><th>agent</th><th>status</th><th>model</th><th>tokens</th><th>attempts</th><th>elapsed</th><th></th></tr></thead><tbody>",
+        esc(title),
+        agents.len(),
+        fmt_ms(elapsed),
+    ));
+    let shown = if all {
+        agents.clone()
+    } else {
+        rows_to_show(&agents)
+    };
+    let hidden = agents.len() - shown.len();
+    for a in shown {
+        let elapsed = match (a.start_ms, a.end_ms) {
+            (Some(s), Some(e)) => fmt_ms(e.saturating_sub(s)),
+            (Some(s), None) if d.live() => fmt_ms(u.duration_ms.saturating_sub(s)),
+            _ => String::new(),
+        };
+        let buttons = match a.status.as_str() {
+            "running" if d.here && d.live() => format!(
+                "<button data-action=stop_agent data-target={i}>stop</button> \
+                 <button data-action=restart_agent data-target={i}>restart</button>",
+                i = a.index
+            ),
+            "queued" if d.here && d.live() => format!(
+                "<button data-action=stop_agent data-target={i}>stop</button>",
+                i = a.index
+            ),
+            _ => String::new(),
+        };
+        let cached = if a.cached { " (cached)" } else { "" };
+        out.push_str(&format!(
+            "<tr id=agent-{i}><td>{i}</td><td><a href=\"#agent-{i}\" data-agent={i}>{label}</a></td>\
+             <td class=\"st {st}\">{st}{cached}</td><td>{model}</td><td>{tokens}</td><td>{attempts}</td><td>{elapsed}</td><td>{buttons}</td></tr>",
+            i = a.index,
+            label = esc(&a.label),
+            st = a.status.as_str(),
+            model = esc(&a.model),
+            tokens = a.input_tokens + a.output_tokens,
+            attempts = a.attempts,
+        ));
+    }
+    if hidden > 0 {
+        out.push_str(&format!(
+            "<tr class=more><td colspan=8>{hidden} more agents of this phase are not listed \
+             (running and failed ones always are) · <a href=\"?all=1\">show all</a></td></tr>"
+        ));
+    }
+    out.push_str("</tbody></table></section>");
+    out
+}
+
+/// The run's error, its failure lines and, once it ended, its result.
+fn outcome(r: &Report) -> String {
+    let mut out = String::new();
+    if let Some(err) = &r.error {
+        out.push_str(&format!("<h2>Error</h2><pre class=err>{}</pre>", esc(err)));
+    }
+    if !r.failures.is_empty() {
+        out.push_str("<h2>Failures</h2><pre>");
+        for f in &r.failures {
+            out.push_str(&esc(f));
+            out.push('\n');
+        }
+        out.push_str("</pre>");
+    }
+    if r.status.is_final() {
+        let result = serde_json::to_string_pretty(&r.result).unwrap_or_default();
+        out.push_str(&format!(
+            "<h2>Result</h2><pre id=result>{}</pre>",
+            esc(&result)
+        ));
+    }
+    out
+}
+
+/// Wall time covered by a set of agents (first start to last end, or now).
+pub(super) fn span_ms(spans: impl Iterator<Item = (Option<u64>, Option<u64>)>, now: u64) -> u64 {
+    let mut first = None::<u64>;
+    let mut last = 0u64;
+    for (s, e) in spans {
+        if let Some(s) = s {
+            first = Some(first.map_or(s, |f| f.min(s)));
+            last = last.max(e.unwrap_or(now));
+        }
+    }
+    first.map_or(0, |f| last.saturating_sub(f))
+}
+
+pub(super) fn render_run(d: &PageData, all: bool) -> String {
+    let r = &*d.report;
+    let name = if r.workflow.name.is_empty() {
+        "workflow"
+    } else {
+        &r.workflow.name
+    };
+    let body = format!(
+        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>\
+         <div id=live>{}</div><div id=detail></div>",
+        esc(name),
+        esc(&r.run_id),
+        esc(&r.workflow.description),
+        render_live(d, all),
+    );
+    page_with(
+        &format!("{name} · flotilla"),
+        &body,
+        &[
+            ("run", r.run_id.as_str()),
+            ("live", if d.live() { "1" } else { "0" }),
+        ],
+    )
+}
+
+/// One agent's prompt, result and transcripts, as a fragment for the page.
+pub(super) fn render_agent(a: &crate::report::AgentReport, d: &history::AgentDetail) -> String {
+    let mut out = format!(
+        "<section class=agent><h2>#{} {} <small class=\"st {st}\">{st}</small></h2>",
+        a.index,
+        esc(&a.label),
+        st = a.status.as_str()
+    );
+    out.push_str(&format!(
+        "<h3>Prompt</h3><pre class=prompt>{}</pre>",
+        esc(d.prompt.as_deref().unwrap_or("(not stored)"))
+    ));
+    if let Some(err) = &a.error {
+        out.push_str(&format!("<h3>Error</h3><pre class=err>{}</pre>", esc(err)));
+    }
+    match &d.result {
+        Some(serde_json::Value::String(t)) => {
+            out.push_str(&format!(
+                "<h3>Result</h3><pre class=result>{}</pre>",
+                esc(t)
+            ));
+        }
+        Some(v) => out.push_str(&format!(
+            "<h3>Result</h3><pre class=result>{}</pre>",
+            esc(&serde_json::to_string_pretty(v).unwrap_or_default())
+        )),
+        None => {}
+    }
+    if d.attempts.is_empty() {
+        let why = if a.cached {
+            "served from an earlier run: no transcript here"
+        } else {
+            "no transcript stored yet"
+        };
+        out.push_str(&format!("<p class=note>{why}</p>"));
+    }
+    for (n, events) in &d.attempts {
+        out.push_str(&format!(
+            "<h3>Transcript, attempt {n}</h3><pre class=transcript>"
+        ));
+        for e in events {
+            out.push_str(&esc(&history::transcript_line(e)));
+            out.push('\n');
+        }
+        out.push_str("</pre>");
+    }
+    out.push_str("</section>");
+    out
+}
+
+pub(super) fn fmt_ms(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 120_000 {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    } else {
+        format!("{}m{:02}s", ms / 60_000, (ms / 1000) % 60)
+    }
+}
+
+/// Escapes text for HTML.
+pub fn esc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+pub(super) const STYLE: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}\
+h1 small,h3 small{color:#888;font-weight:normal;font-size:70%}table{border-collapse:collapse}\
+td,th{padding:2px 10px;border-bottom:1px solid #eee;text-align:left}\
+pre{background:#f6f6f6;padding:8px;max-height:30em;overflow:auto;white-space:pre-wrap}.err{color:#b00}\
+.warn{color:#a60;font-weight:bold}.danger{color:#b00}#notice{color:#06c}\
+.st.completed{color:#070}.st.failed,.st.rejected{color:#b00}.st.running{color:#06c}.st.paused{color:#a60}";
+
+/// The page's script: follows the run over server-sent events (the server sends the changing
+/// part of the page as HTML), opens an agent's detail on click, and sends the buttons' actions
+/// to the same control path the CLI uses.
+pub(super) const SCRIPT: &str = r#"const run=document.body.dataset.run;
+async function openAgent(i){const r=await fetch('/runs/'+run+'/agents/'+i,{credentials:'same-origin'});
+const d=document.getElementById('detail');d.innerHTML=await r.text();d.dataset.agent=i;}
+async function act(action,agent){const r=await fetch('/runs/'+run+'/control',{method:'POST',credentials:'same-origin',
+headers:{'content-type':'application/json','x-flotilla':'1'},body:JSON.stringify({action:action,agent:agent||''})});
+const v=await r.json();document.getElementById('notice').textContent=v.message||v.error;}
+function bind(){document.querySelectorAll('[data-agent]').forEach(a=>a.onclick=e=>{e.preventDefault();openAgent(a.dataset.agent);});
+document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>act(b.dataset.action,b.dataset.target));}
+function show(html){document.getElementById('live').innerHTML=html;bind();
+const d=document.getElementById('detail');if(d.dataset.agent)openAgent(d.dataset.agent);}
+if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+'/events'+location.search);
+es.addEventListener('update',e=>show(e.data));es.addEventListener('end',e=>{show(e.data);es.close();});}
+bind();"#;
+
+pub(super) fn page(title: &str, body: &str) -> String {
+    page_with(title, body, &[])
+}
+
+pub(super) fn page_with(title: &str, body: &str, data: &[(&str, &str)]) -> String {
+    let attrs: String = data
+        .iter()
+        .map(|(k, v)| format!(" data-{k}=\"{}\"", esc(v)))
+        .collect();
+    format!(
+        "<!doctype html><html><head><meta charset=utf-8><title>{}</title><style>{STYLE}</style></head>\
+         <body{attrs}><nav><a href=\"/runs\">runs</a></nav>{body}<script>{SCRIPT}</script></body></html>",
+        esc(title)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent(index: u64, status: &str) -> crate::report::AgentReport {
+        crate::report::AgentReport {
+            label: format!("a{index}"),
+            group: "G".into(),
+            status: serde_json::from_value(serde_json::json!(status)).expect("a status"),
+            attempts: 1,
+            cached: false,
+            start_ms: Some(index),
+            end_ms: None,
+            error: None,
+            index,
+            key: String::new(),
+            model: String::new(),
+            input_tokens: 0,
+            output_tokens: 0,
+            disk_bytes: 0,
+            waiting: None,
+        }
+    }
+
+    #[test]
+    fn a_big_phase_lists_running_and_failed_agents_and_says_how_many_it_hides() {
+        let all: Vec<_> = (0..1000u64)
+            .map(|i| match i {
+                500 => agent(i, "failed"),
+                600..=615 => agent(i, "running"),
+                i if i < 600 => agent(i, "completed"),
+                _ => agent(i, "queued"),
+            })
+            .collect();
+        let refs: Vec<_> = all.iter().collect();
+        let shown = rows_to_show(&refs);
+        assert_eq!(shown.len(), PHASE_ROWS);
+        for must in [500, 600, 615] {
+            assert!(shown.iter().any(|a| a.index == must), "{must}");
+        }
+        assert!(shown.iter().any(|a| a.status == "queued"));
+        assert!(
+            shown.windows(2).all(|w| w[0].index < w[1].index),
+            "index order"
+        );
+        let small: Vec<_> = all.iter().take(10).collect();
+        assert_eq!(rows_to_show(&small).len(), 10);
+
+        let report = Report {
+            run_id: "wf_x".into(),
+            status: RunStatus::Running,
+            result: serde_json::Value::Null,
+            error: None,
+            workflow: Default::default(),
+            usage: Default::default(),
+            agents: all.clone(),
+            groups: vec![crate::report::GroupReport {
+                title: "G".into(),
+                agents: Vec::new(),
+            }],
+            logs: Vec::new(),
+            failures: Vec::new(),
+            script_path: None,
+            parent_run_id: None,
+            store: None,
+            changes: None,
+        };
+        let d = PageData {
+            report: Arc::new(report),
+            waiting: None,
+            here: true,
+        };
+        let page = render_live(&d, false);
+        assert!(
+            page.contains("900 more agents of this phase are not listed"),
+            "{page}"
+        );
+        assert_eq!(page.matches("<tr id=agent-").count(), PHASE_ROWS);
+        let full = render_live(&d, true);
+        assert_eq!(full.matches("<tr id=agent-").count(), 1000);
+        assert!(!full.contains("more agents of this phase"));
+        // Restart only where an agent runs; a queued one can only be stopped.
+        assert!(full.contains("data-action=restart_agent data-target=600>"));
+        assert!(!full.contains("data-action=restart_agent data-target=700>"));
+        assert!(full.contains("data-action=stop_agent data-target=700>"));
+    }
+
+    #[test]
+    fn tokens_verify_only_with_their_key_and_until_they_expire() {
+        let key = TokenKey::derive(b"secret");
+        let t = key.issue("alice", Duration::from_secs(60));
+        assert_eq!(key.verify(&t).unwrap().sub, "alice");
+        assert!(TokenKey::derive(b"other").verify(&t).is_err());
+        // A changed body breaks the signature.
+        let mut parts: Vec<&str> = t.split('.').collect();
+        let forged = URL_SAFE_NO_PAD.encode(br#"{"sub":"mallory","exp":99999999999}"#);
+        parts[1] = &forged;
+        assert!(key.verify(&parts.join(".")).is_err());
+        assert!(key.verify("garbage").is_err());
+        let expired = key.issue("alice", Duration::ZERO);
+        assert!(key.verify(&expired).unwrap_err().contains("expired"));
+    }
+
+    #[test]
+    fn html_is_escaped() {
+        assert_eq!(
+            esc("<a href='x'>&\""),
+            "&lt;a href=&#39;x&#39;&gt;&amp;&quot;"
+        );
+    }
+}

@@ -1,0 +1,422 @@
+//! The routes: a run's page, its live events (SSE), one agent, the diffs, the controls, and
+//! the list of runs — each as HTML and JSON.
+
+use super::*;
+
+/// What a page shows of a run: live from this coordinator, or its stored report.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct RunView {
+    #[serde(flatten)]
+    pub(super) snapshot: SnapshotView,
+    pub(super) finished: bool,
+    /// The report once the run has ended.
+    pub(super) report: Option<Report>,
+}
+
+/// A run's report from storage (it is not running here), or the HTTP error to answer with.
+pub(super) async fn stored_report(web: &Web, run: &str) -> Result<Report, (StatusCode, String)> {
+    history::load_report(web.coordinator.store(), run)
+        .await
+        .map_err(|e| match e.kind() {
+            ErrorKind::NotFound => (
+                http(ErrorKind::NotFound),
+                format!("no run {run} on this coordinator or in its store"),
+            ),
+            _ => (
+                http(ErrorKind::Unavailable),
+                format!("cannot read run {run}: {e}"),
+            ),
+        })
+}
+
+pub(super) async fn view(web: &Web, run: &str) -> Result<RunView, (StatusCode, String)> {
+    if let Some((snap, report)) = web.registry.live(run) {
+        return Ok(RunView {
+            snapshot: SnapshotView::from(&*snap),
+            finished: report.is_some(),
+            report: report.map(|r| (*r).clone()),
+        });
+    }
+    let report = stored_report(web, run).await?;
+    Ok(RunView {
+        snapshot: SnapshotView::from_report(&report),
+        finished: report.status.is_final(),
+        report: Some(report),
+    })
+}
+
+pub(super) async fn run_json(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    match view(&web, &run).await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err((code, msg)) => (code, axum::Json(serde_json::json!({ "error": msg }))).into_response(),
+    }
+}
+
+/// `?all=1` on a run's page and event stream: list every agent of every phase.
+#[derive(Deserialize, Default)]
+pub(super) struct AllQuery {
+    #[serde(default)]
+    pub(super) all: Option<String>,
+}
+
+impl AllQuery {
+    fn all(&self) -> bool {
+        self.all.as_deref().is_some_and(|v| v == "1" || v == "true")
+    }
+}
+
+pub(super) async fn run_page(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    Query(q): Query<AllQuery>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, false);
+    }
+    match page_data(&web, &run).await {
+        Ok(d) => Html(render_run(&d, q.all())).into_response(),
+        Err((code, msg)) => (
+            code,
+            Html(page(
+                "Not found",
+                &format!("<p class=err>{}</p>", esc(&msg)),
+            )),
+        )
+            .into_response(),
+    }
+}
+
+/// Server-sent events: the changing part of the page, as HTML, whenever it changes (every
+/// half second at most while the run is here, every two seconds when read from storage);
+/// `end` carries the last one.
+pub(super) async fn run_events(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    Query(q): Query<AllQuery>,
+    headers: HeaderMap,
+) -> Response {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    let all = q.all();
+    let stream = futures::stream::unfold(
+        (web, run, None::<String>, false),
+        move |(web, run, last, done)| async move {
+            if done {
+                return None;
+            }
+            let mut last = last;
+            loop {
+                let data = page_data(&web, &run).await;
+                let d = match data {
+                    Ok(d) => d,
+                    Err((_, msg)) => {
+                        let ev = Event::default()
+                            .event("end")
+                            .data(format!("<p class=err>{}</p>", esc(&msg)));
+                        return Some((
+                            Ok::<_, std::convert::Infallible>(ev),
+                            (web, run, last, true),
+                        ));
+                    }
+                };
+                let html = render_live(&d, all);
+                if !d.live() {
+                    let ev = Event::default().event("end").data(html);
+                    return Some((Ok(ev), (web, run, None, true)));
+                }
+                if last.as_deref() != Some(html.as_str()) {
+                    let ev = Event::default().event("update").data(html.clone());
+                    return Some((Ok(ev), (web, run, Some(html), false)));
+                }
+                last = Some(html);
+                let pause = if d.here { 500 } else { 2000 };
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+            }
+        },
+    );
+    // The first update goes out at once; later ones no faster than the pause above.
+    let paced = futures::StreamExt::then(stream, {
+        let mut first = true;
+        move |ev| {
+            let wait = !std::mem::take(&mut first);
+            async move {
+                if wait {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                ev
+            }
+        }
+    });
+    Sse::new(paced)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// One agent's prompt, result and transcripts (an HTML fragment for the page).
+pub(super) async fn agent_page(
+    State(web): State<Web>,
+    Path((run, index)): Path<(String, u64)>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, false);
+    }
+    let d = match page_data(&web, &run).await {
+        Ok(d) => d,
+        Err((code, msg)) => {
+            return (code, Html(format!("<p class=err>{}</p>", esc(&msg)))).into_response();
+        }
+    };
+    let Some(a) = d.report.agents.iter().find(|a| a.index == index) else {
+        return (
+            http(ErrorKind::NotFound),
+            Html(format!(
+                "<p class=err>run {} has no agent #{index}</p>",
+                esc(&run)
+            )),
+        )
+            .into_response();
+    };
+    match history::agent_detail(web.coordinator.store(), &run, index, a.attempts).await {
+        Ok(detail) => {
+            let mut html = render_agent(a, &detail);
+            if let Some(ch) = &detail.change {
+                html.push_str(&render_change(&web, &run, index, ch).await);
+            }
+            Html(html).into_response()
+        }
+        Err(e) => (
+            http(ErrorKind::Unavailable),
+            Html(format!(
+                "<p class=err>cannot read agent #{index}: {}</p>",
+                esc(&e.to_string())
+            )),
+        )
+            .into_response(),
+    }
+}
+
+/// An agent's change: its files, where it went, and its diff.
+pub(super) async fn render_change(
+    web: &Web,
+    run: &str,
+    index: u64,
+    ch: &crate::head::ChangeRecord,
+) -> String {
+    let placed = if ch.isolated {
+        "on its own branch (isolated)".to_owned()
+    } else if !ch.conflicts.is_empty() {
+        format!(
+            "conflicted with the run head ({}): on its own branch",
+            ch.conflicts.join(", ")
+        )
+    } else if ch.head_after.is_some() {
+        "merged into the run head".to_owned()
+    } else {
+        "not applied".to_owned()
+    };
+    let mut out = format!(
+        "<section class=change><h3>Change</h3><p>{} files, +{} −{}, {} — branch <code>flotilla/{}/{index}</code> after <code>flotilla apply {}</code></p>",
+        ch.files.len(),
+        ch.insertions,
+        ch.deletions,
+        esc(&placed),
+        esc(run),
+        esc(run)
+    );
+    let repo = crate::head::changes_of(web.coordinator.store(), run)
+        .await
+        .ok()
+        .and_then(|c| c.source)
+        .map(|s| s.repo);
+    if let Some(repo) = repo {
+        match crate::head::diff(
+            web.coordinator.store(),
+            &repo,
+            &ch.base,
+            &ch.commit,
+            &web.coordinator.cache_dir(),
+        )
+        .await
+        {
+            Ok(d) => out.push_str(&format!("<pre class=diff>{}</pre>", esc(&d))),
+            Err(e) => out.push_str(&format!(
+                "<p class=err>cannot show the diff: {}</p>",
+                esc(&e)
+            )),
+        }
+    }
+    out.push_str("</section>");
+    out
+}
+
+/// The run's whole change: its source against its head.
+pub(super) async fn run_diff(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, false);
+    }
+    let c = match crate::head::changes_of(web.coordinator.store(), &run).await {
+        Ok(c) => c,
+        Err(e) => {
+            return (
+                http(e.kind()),
+                Html(format!("<p class=err>{}</p>", esc(&e.to_string()))),
+            )
+                .into_response();
+        }
+    };
+    let (Some(src), Some(head)) = (c.source, c.head) else {
+        return Html(page(&run, "<p class=note>this run has no source</p>")).into_response();
+    };
+    let body = match crate::head::diff(
+        web.coordinator.store(),
+        &src.repo,
+        &src.commit,
+        &head,
+        &web.coordinator.cache_dir(),
+    )
+    .await
+    {
+        Ok(d) => format!(
+            "<h2>Run {} — its head against its source</h2><p>{} agents changed files; <code>flotilla apply {}</code> brings them home</p><pre class=diff>{}</pre>",
+            esc(&run),
+            c.changes.len(),
+            esc(&run),
+            esc(&d)
+        ),
+        Err(e) => format!("<p class=err>cannot show the diff: {}</p>", esc(&e)),
+    };
+    Html(page(&run, &body)).into_response()
+}
+
+#[derive(Deserialize)]
+pub(super) struct ControlBody {
+    pub(super) action: String,
+    #[serde(default)]
+    pub(super) agent: String,
+}
+
+/// The page's buttons: pause, resume or stop the run, stop or restart one agent. Needs the
+/// `x-flotilla` header, which a cross-site form cannot send.
+pub(super) async fn control(
+    State(web): State<Web>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+    axum::Json(body): axum::Json<ControlBody>,
+) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    if !headers.contains_key("x-flotilla") {
+        return (
+            http(ErrorKind::Denied),
+            axum::Json(serde_json::json!({"error": "send the x-flotilla header (the page does)"})),
+        )
+            .into_response();
+    }
+    match web.registry.control(&run, &body.action, &body.agent).await {
+        Ok(message) => axum::Json(serde_json::json!({ "message": message })).into_response(),
+        Err(s) => (
+            http(ErrorKind::from_grpc(s.code())),
+            axum::Json(serde_json::json!({ "error": s.message() })),
+        )
+            .into_response(),
+    }
+}
+
+pub(super) async fn runs_json(State(web): State<Web>, headers: HeaderMap) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, true);
+    }
+    match history::list_runs(web.coordinator.store()).await {
+        Ok(runs) => axum::Json(runs).into_response(),
+        Err(e) => (
+            http(ErrorKind::Unavailable),
+            axum::Json(serde_json::json!({ "error": format!("cannot list runs: {e}") })),
+        )
+            .into_response(),
+    }
+}
+
+pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Response {
+    if let Err(why) = check(&web, &headers) {
+        return refuse(why, false);
+    }
+    let runs = match history::list_runs(web.coordinator.store()).await {
+        Ok(r) => r,
+        Err(e) => {
+            return (
+                http(ErrorKind::Unavailable),
+                Html(page(
+                    "Runs",
+                    &format!("<p class=err>cannot list runs: {}</p>", esc(&e.to_string())),
+                )),
+            )
+                .into_response();
+        }
+    };
+    let mut rows = String::new();
+    for r in runs.iter().rev() {
+        rows.push_str(&format!(
+            "<tr><td><a href=\"/runs/{id}\">{id}</a></td><td>{wf}</td><td class=\"st {st}\">{st}</td><td>{agents}</td><td>{created}</td></tr>",
+            id = esc(&r.run_id),
+            wf = esc(&r.workflow),
+            st = r.status.as_str(),
+            agents = r.agents,
+            created = esc(&r.created),
+        ));
+    }
+    let body = format!(
+        "<table><thead><tr><th>run</th><th>workflow</th><th>status</th><th>agents</th><th>created</th></tr></thead><tbody>{rows}</tbody></table>"
+    );
+    Html(page("Runs", &body)).into_response()
+}
+
+/// What the page shows of a run: its report (final, or as it stands now with live states),
+/// the usage-limit wait in progress, and whether it can still change.
+pub(super) struct PageData {
+    pub(super) report: Arc<Report>,
+    pub(super) waiting: Option<String>,
+    /// Running on this coordinator (buttons work, updates every half second).
+    pub(super) here: bool,
+}
+
+impl PageData {
+    pub(super) fn live(&self) -> bool {
+        !self.report.status.is_final()
+    }
+}
+
+pub(super) async fn page_data(web: &Web, run: &str) -> Result<PageData, (StatusCode, String)> {
+    if let Some(report) = web.registry.live_report(run).await {
+        let waiting = web
+            .registry
+            .live(run)
+            .and_then(|(snap, _)| snap.waiting.clone());
+        return Ok(PageData {
+            report,
+            waiting,
+            here: true,
+        });
+    }
+    let report = stored_report(web, run).await?;
+    Ok(PageData {
+        report: Arc::new(report),
+        waiting: None,
+        here: false,
+    })
+}
