@@ -312,7 +312,7 @@ pub async fn agent_detail(
         }
         change = c.change;
         result = match (c.result, c.payload) {
-            (Some(v), _) => Some(v),
+            (Some(v), _) => Some(v.value()),
             (None, Some(sha)) => match store.get(&keys::payload(&sha)).await? {
                 Some(body) => serde_json::from_slice(&body).ok(),
                 None => None,

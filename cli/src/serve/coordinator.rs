@@ -419,23 +419,7 @@ async fn serve_until_stopped(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        coordinator: CoordinatorArgs,
-    }
-
-    fn args(flags: &[&str]) -> CoordinatorArgs {
-        Cli::try_parse_from(std::iter::once("coordinator").chain(flags.iter().copied()))
-            .expect("flags parse")
-            .coordinator
-    }
-
-    fn file(toml: &str) -> config::ConfigFile {
-        toml::from_str(toml).expect("a config file")
-    }
+    use crate::serve::testing::{args, file};
 
     #[test]
     fn flags_win_over_the_file_and_the_file_over_the_defaults() {

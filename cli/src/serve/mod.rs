@@ -28,3 +28,27 @@ pub(crate) async fn shutdown_signal() {
         _ = term.recv() => {}
     }
 }
+
+/// What the roles' tests parse their settings from.
+#[cfg(test)]
+pub(crate) mod testing {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli<T: clap::Args> {
+        #[command(flatten)]
+        role: T,
+    }
+
+    /// A role's flags as clap reads them (the environment of this process included).
+    pub fn args<T: clap::Args>(flags: &[&str]) -> T {
+        Cli::<T>::try_parse_from(std::iter::once("flotilla").chain(flags.iter().copied()))
+            .expect("flags parse")
+            .role
+    }
+
+    /// A config file's settings.
+    pub fn file(toml: &str) -> crate::config::ConfigFile {
+        toml::from_str(toml).expect("a config file")
+    }
+}

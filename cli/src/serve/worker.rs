@@ -307,23 +307,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        worker: WorkerArgs,
-    }
-
-    fn args(flags: &[&str]) -> WorkerArgs {
-        Cli::try_parse_from(std::iter::once("worker").chain(flags.iter().copied()))
-            .expect("flags parse")
-            .worker
-    }
-
-    fn file(toml: &str) -> config::ConfigFile {
-        toml::from_str(toml).expect("a config file")
-    }
+    use crate::serve::testing::{args, file};
 
     #[test]
     fn flags_win_over_the_file_and_the_file_over_the_defaults() {

@@ -270,7 +270,7 @@ impl Admitter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::records::UsageRecord;
+    use crate::store::records::{RawJson, UsageRecord};
 
     fn settings() -> RunSettings {
         RunSettings {
@@ -315,7 +315,7 @@ mod tests {
             key: key.into(),
             label: String::new(),
             group: String::new(),
-            result: Some(Value::String(format!("served {index}"))),
+            result: Some(RawJson::string(&format!("served {index}"))),
             payload: None,
             usage: UsageRecord::default(),
             attempts: 1,
@@ -500,7 +500,7 @@ mod tests {
         match served {
             Admission::Cached(ad, r) => {
                 assert_eq!(ad.key, kb);
-                assert_eq!(r.result, Some(Value::String("served 0".into())));
+                assert_eq!(r.result, Some(RawJson::string("served 0")));
             }
             other => panic!("{other:?}"),
         }

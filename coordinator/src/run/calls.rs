@@ -297,8 +297,8 @@ impl RunEngine {
         match result {
             CallResult::Completed(done) => {
                 let value = match done.json {
-                    Some(json) => serde_json::from_str(&json).unwrap_or(Value::String(json)),
-                    None => Value::String(done.text),
+                    Some(json) => RawJson::or_string(json),
+                    None => RawJson::string(&done.text),
                 };
                 c.result = Some(value);
                 c.set(State::Journaling);
@@ -409,10 +409,7 @@ impl RunEngine {
     }
 
     pub(super) fn store_transcript(&mut self, call: u64, attempt: u32, events: Vec<String>) {
-        let events = events
-            .into_iter()
-            .map(|e| serde_json::from_str(&e).unwrap_or(Value::String(e)))
-            .collect();
+        let events = events.into_iter().map(RawJson::or_string).collect();
         self.transcripts.push(TranscriptLine {
             call,
             attempt,

@@ -111,6 +111,11 @@ impl RunEngine {
         self.init.shared.stop.store(true, Ordering::Relaxed);
         (self.reply)(HostReply::Stop);
         self.init.dispatch.close_run(&self.run);
+        self.cancel_live();
+    }
+
+    /// Whatever is still queued or running is cancelled: the script no longer waits for it.
+    pub(super) fn cancel_live(&mut self) {
         let now = self.now_ms();
         for c in &mut self.calls {
             if c.state.is_live() {

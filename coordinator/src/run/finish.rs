@@ -45,7 +45,7 @@ impl RunEngine {
                     let json = c
                         .result
                         .as_ref()
-                        .map_or_else(|| "null".to_owned(), Value::to_string);
+                        .map_or_else(|| "null".to_owned(), |r| r.get().to_owned());
                     let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());
                     if !self.stopping {
                         (self.reply)(HostReply::Agent {
@@ -114,13 +114,7 @@ impl RunEngine {
         }
         // Whatever is still queued or running is cancelled: the script no longer waits for it.
         self.init.dispatch.close_run(&self.run);
-        let now = self.now_ms();
-        for c in &mut self.calls {
-            if c.state.is_live() {
-                c.set(State::Cancelled);
-                c.end_ms.get_or_insert(now);
-            }
-        }
+        self.cancel_live();
         // Changes still being applied to the head are journaled first.
         if self.head.take().is_some() {
             while let Some(a) = applied_rx.recv().await {

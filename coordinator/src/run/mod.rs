@@ -41,7 +41,9 @@ use crate::sched::{
 use crate::script::{self, HostError, HostReply, ScriptEnd, ScriptOp, ScriptShared, source};
 use crate::settings::RunSettings;
 use crate::store::journal::{EventLog, Journal, JournalAck, TranscriptLine, TranscriptLog};
-use crate::store::records::{CallRecord, EventRecord, RunEvent, UsageRecord, WorkflowInfo};
+use crate::store::records::{
+    CallRecord, EventRecord, RawJson, RunEvent, UsageRecord, WorkflowInfo,
+};
 use crate::store::{Store, keys};
 use crate::workflows::{WorkflowRef, WorkflowResolver};
 use resume::ResumeSource;
@@ -154,7 +156,8 @@ struct Call {
     /// The most its attempts' checkouts held.
     disk_bytes: u64,
     worker: Option<Arc<str>>,
-    result: Option<Value>,
+    /// Its result as JSON text: parsed again only by the script.
+    result: Option<RawJson>,
     /// Why it waits although the run has room: no attached worker offers its backend.
     waiting_for: Option<String>,
     /// `isolation: 'worktree'`: its change stays on its branch, out of the head.

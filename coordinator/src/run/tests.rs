@@ -131,7 +131,10 @@ async fn a_result_reaches_the_script_only_after_its_journal_segment_is_durable()
         .await
         .unwrap();
     assert_eq!(stored.len(), 1);
-    assert_eq!(stored[0].result, Some(Value::String("hello".into())));
+    assert_eq!(
+        stored[0].result,
+        Some(crate::store::records::RawJson::string("hello"))
+    );
     ops.send(ScriptOp::Finished(ScriptEnd::Returned(None)))
         .unwrap();
     assert_eq!(handle.wait().await.status, RunStatus::Completed);

@@ -109,7 +109,7 @@ async fn write_segment(
     let mut body = Vec::with_capacity(batch.len() * 256);
     for mut record in batch {
         if let Some(result) = &record.result {
-            let json = result.to_string();
+            let json = result.get().to_owned();
             if json.len() > PAYLOAD_THRESHOLD {
                 let sha = hex::encode(Sha256::digest(json.as_bytes()));
                 store
@@ -362,8 +362,8 @@ pub async fn read_events(store: &Store, run: &str) -> Result<Vec<EventRecord>, s
 pub struct TranscriptLine {
     pub call: u64,
     pub attempt: u32,
-    /// Normalized transcript events, in order.
-    pub events: Vec<serde_json::Value>,
+    /// Normalized transcript events, in order, as the worker sent them.
+    pub events: Vec<super::records::RawJson>,
 }
 
 /// The writer of a run's transcripts.
@@ -431,7 +431,7 @@ pub async fn read_transcript(
                 && t.call == call
                 && t.attempt == attempt
             {
-                out.extend(t.events);
+                out.extend(t.events.iter().map(super::records::RawJson::value));
             }
         }
     }

@@ -75,6 +75,56 @@ impl From<&flotilla_proto::v1::Usage> for UsageRecord {
     }
 }
 
+/// JSON kept as its text: checked to be JSON when it comes in, parsed only where something
+/// looks into it (schema validation, the script's edge, a page). Results and transcript
+/// events travel from the backend to the journal and the script as this.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RawJson(Box<serde_json::value::RawValue>);
+
+impl RawJson {
+    /// `text` if it is JSON; otherwise it comes back.
+    pub fn parse(text: String) -> Result<RawJson, String> {
+        match serde_json::from_str::<&serde_json::value::RawValue>(&text) {
+            Ok(_) => serde_json::value::RawValue::from_string(text)
+                .map(RawJson)
+                .map_err(|e| e.to_string()),
+            Err(_) => Err(text),
+        }
+    }
+
+    /// `text` as a JSON string.
+    pub fn string(text: &str) -> RawJson {
+        RawJson(serde_json::value::to_raw_value(text).expect("a string is JSON"))
+    }
+
+    /// `text` if it is JSON, else `text` as a JSON string.
+    pub fn or_string(text: String) -> RawJson {
+        RawJson::parse(text).unwrap_or_else(|t| RawJson::string(&t))
+    }
+
+    /// Of a value.
+    pub fn of(value: &Value) -> RawJson {
+        RawJson(serde_json::value::to_raw_value(value).expect("a value is JSON"))
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// Parsed.
+    pub fn value(&self) -> Value {
+        serde_json::from_str(self.get()).unwrap_or(Value::Null)
+    }
+}
+
+impl PartialEq for RawJson {
+    fn eq(&self, other: &RawJson) -> bool {
+        self.get() == other.get()
+    }
+}
+
 /// One line of `runs/{run}/calls/*.jsonl`: an `agent()` call that completed with a value.
 /// Calls that resolved `null` or rejected are not journaled, so they always run again.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -87,7 +137,7 @@ pub struct CallRecord {
     pub group: String,
     /// The value handed to the script (a string for text results), unless it is in `payload`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub result: Option<Value>,
+    pub result: Option<RawJson>,
     /// sha256 of a large result stored under `payloads/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
@@ -146,4 +196,24 @@ pub enum RunEvent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
     },
+}
+
+#[cfg(test)]
+mod raw_tests {
+    use super::*;
+
+    #[test]
+    fn raw_json_is_checked_kept_as_written_and_read_back() {
+        let r = RawJson::parse("{\"b\": 1,  \"a\": [true]}".into()).unwrap();
+        assert_eq!(r.get(), "{\"b\": 1,  \"a\": [true]}", "kept as written");
+        assert_eq!(r.value(), serde_json::json!({"b": 1, "a": [true]}));
+        assert_eq!(RawJson::parse("not json".into()).unwrap_err(), "not json");
+        assert_eq!(
+            RawJson::or_string("plain text".into()).get(),
+            "\"plain text\""
+        );
+        let line = serde_json::to_string(&serde_json::json!({"x": 1})).unwrap();
+        let back: RawJson = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, RawJson::of(&serde_json::json!({"x": 1})));
+    }
 }

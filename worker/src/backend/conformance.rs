@@ -307,14 +307,13 @@ async fn exec_conforms() {
     .await;
 }
 
-#[tokio::test]
-async fn anthropic_conforms_against_the_fake_api() {
+/// An HTTP backend against the fake: the same prompts for each.
+fn http_case(name: &'static str, make: impl Fn(&FakeAnthropic) -> Arc<dyn AgentBackend>) -> Case {
     flotilla_proto::tls::install_crypto_provider();
     let fake = FakeAnthropic::start();
-    let backend = super::anthropic::Anthropic::from_vars(&fake_vars(&fake));
-    conforms(Case {
-        name: "anthropic",
-        backend: Arc::new(backend),
+    Case {
+        name,
+        backend: make(&fake),
         plain: "hello there",
         answer: "fake reply to: hello there",
         slow: "hold on [[stall-first:5]]",
@@ -322,25 +321,21 @@ async fn anthropic_conforms_against_the_fake_api() {
         invalid: r#"give [[json:{"n": "one"}]]"#,
         dir: dir(),
         _fake: Some(fake),
-    })
+    }
+}
+
+#[tokio::test]
+async fn anthropic_conforms_against_the_fake_api() {
+    conforms(http_case("anthropic", |fake| {
+        Arc::new(super::anthropic::Anthropic::from_vars(&fake_vars(fake)))
+    }))
     .await;
 }
 
 #[tokio::test]
 async fn openai_conforms_against_the_fake_api() {
-    flotilla_proto::tls::install_crypto_provider();
-    let fake = FakeAnthropic::start();
-    let backend = super::openai::OpenAi::from_vars(&fake_vars(&fake));
-    conforms(Case {
-        name: "openai",
-        backend: Arc::new(backend),
-        plain: "hello there",
-        answer: "fake reply to: hello there",
-        slow: "hold on [[stall-first:5]]",
-        valid: r#"give [[json:{"n": 1}]]"#,
-        invalid: r#"give [[json:{"n": "one"}]]"#,
-        dir: dir(),
-        _fake: Some(fake),
-    })
+    conforms(http_case("openai", |fake| {
+        Arc::new(super::openai::OpenAi::from_vars(&fake_vars(fake)))
+    }))
     .await;
 }

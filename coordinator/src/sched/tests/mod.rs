@@ -147,14 +147,19 @@ fn ticket(call: u64) -> Ticket {
     }
 }
 
+/// The `Finished` events already sent.
 async fn finished(rx: &mut mpsc::UnboundedReceiver<CallEvent>) -> Vec<(u64, CallResult)> {
     let mut out = Vec::new();
     while let Ok(ev) = rx.try_recv() {
-        if let CallEvent::Finished { call, result } = ev {
-            out.push((call, result));
-        }
+        keep_finished(ev, &mut out);
     }
     out
+}
+
+fn keep_finished(ev: CallEvent, out: &mut Vec<(u64, CallResult)>) {
+    if let CallEvent::Finished { call, result } = ev {
+        out.push((call, result));
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -479,9 +484,7 @@ async fn finished_n(
             .await
             .expect("an event")
             .expect("events open");
-        if let CallEvent::Finished { call, result } = ev {
-            out.push((call, result));
-        }
+        keep_finished(ev, &mut out);
     }
     out
 }
