@@ -73,6 +73,61 @@ pub async fn launch(a: LaunchArgs) -> i32 {
     {
         return code;
     }
+    let (workflows, agent_types, agent_definitions) = carried(&resolved, server);
+    let mut resolved = resolved;
+    let sent = match send_source(&mut client, &a, &resolved.cwd).await {
+        Ok(s) => s,
+        Err(e) => return fail(2, e),
+    };
+    resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
+    let settings_json = match serde_json::to_string(&resolved.settings) {
+        Ok(s) => s,
+        Err(e) => return fail(1, e),
+    };
+    let req = v1::LaunchRequest {
+        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        script: resolved.source,
+        origin: resolved.origin,
+        args_json: resolved.args.map(|v| v.to_string()),
+        settings_json,
+        resume_from: resolved.resume.unwrap_or_default(),
+        workflows,
+        agent_types,
+        agent_definitions,
+        inherit: false,
+        saved_name: resolved.saved_name.clone().unwrap_or_default(),
+    };
+    match client.launch(req).await {
+        Ok(r) => {
+            let reply = r.into_inner();
+            if a.run.json && reply.status != "rejected" {
+                let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+                if let Some((src, up)) = &sent {
+                    v["source"] = serde_json::json!({
+                        "repo": src.repo, "commit": src.commit, "origin": src.origin,
+                        "uploaded_bytes": up.bytes, "uploaded_objects": up.objects,
+                    });
+                }
+                println!("{v}");
+                return 0;
+            }
+            print_launched(reply, a.run.json, None)
+        }
+        Err(s) => rpc_fail(&s),
+    }
+}
+
+/// What a launch carries to the coordinator from the launching machine: the workflows it can
+/// see (the coordinator's own come after them, for `workflow(name)`), the agent types' models,
+/// and the custom agent types' definitions.
+fn carried(
+    resolved: &config::ResolvedRun,
+    server: Vec<FoundWorkflow>,
+) -> (
+    Vec<v1::SavedWorkflow>,
+    std::collections::HashMap<String, String>,
+    Vec<v1::AgentDefinition>,
+) {
     let dirs = DirResolver::standard(&resolved.cwd, &resolved.workflows_dirs);
     let workflows = dirs
         .list()
@@ -116,47 +171,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         .into_iter()
         .map(|t| (t.name, t.model.unwrap_or_default()))
         .collect();
-    let mut resolved = resolved;
-    let sent = match send_source(&mut client, &a, &resolved.cwd).await {
-        Ok(s) => s,
-        Err(e) => return fail(2, e),
-    };
-    resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
-    let settings_json = match serde_json::to_string(&resolved.settings) {
-        Ok(s) => s,
-        Err(e) => return fail(1, e),
-    };
-    let req = v1::LaunchRequest {
-        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-        script: resolved.source,
-        origin: resolved.origin,
-        args_json: resolved.args.map(|v| v.to_string()),
-        settings_json,
-        resume_from: resolved.resume.unwrap_or_default(),
-        workflows,
-        agent_types,
-        agent_definitions,
-        inherit: false,
-        saved_name: resolved.saved_name.clone().unwrap_or_default(),
-    };
-    match client.launch(req).await {
-        Ok(r) => {
-            let reply = r.into_inner();
-            if a.run.json && reply.status != "rejected" {
-                let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
-                if let Some((src, up)) = &sent {
-                    v["source"] = serde_json::json!({
-                        "repo": src.repo, "commit": src.commit, "origin": src.origin,
-                        "uploaded_bytes": up.bytes, "uploaded_objects": up.objects,
-                    });
-                }
-                println!("{v}");
-                return 0;
-            }
-            print_launched(reply, a.run.json, None)
-        }
-        Err(s) => rpc_fail(&s),
-    }
+    (workflows, agent_types, agent_definitions)
 }
 
 /// Decides the run's source and sends what the store lacks of it (`--source`).

@@ -419,25 +419,77 @@ fn transient(e: &object_store::Error) -> bool {
     )
 }
 
+/// A write, its whole time (retries included) observed as the storage write latency.
+async fn timed<T>(write: impl std::future::Future<Output = T>) -> T {
+    let started = std::time::Instant::now();
+    let out = write.await;
+    crate::metrics::STORAGE_WRITE_LATENCY.observe(started.elapsed());
+    out
+}
+
 async fn backoff(attempt: u32) {
     let ms = (50u64 << attempt.min(7)).min(5_000);
     tokio::time::sleep(Duration::from_millis(ms)).await;
 }
 
-impl Store {
-    /// Writes an object that must not exist yet. Finding it already there counts as success
-    /// (a retry of a write that landed).
-    pub async fn put_create(&self, key: &Path, body: Bytes) -> Result<(), Error> {
-        let timed = std::time::Instant::now();
-        let r = self.put_create_untimed(key, body).await;
-        crate::metrics::STORAGE_WRITE_LATENCY.observe(timed.elapsed());
-        r
-    }
+/// How long one store call goes on through transient failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Patience {
+    /// A write the run waits for: retried for [`RETRY_FOR`], each failure counted and shown
+    /// in [`Store::health`] while it lasts.
+    Durable,
+    /// A read or a claim: a few tries, then the error.
+    Brief,
+}
 
-    async fn put_create_untimed(&self, key: &Path, body: Bytes) -> Result<(), Error> {
+impl Store {
+    /// Runs `op` until it answers, retrying transient failures as `patience` says. `op` maps
+    /// the answers that are not failures (an object already there, one that is missing) to
+    /// `Ok` itself.
+    async fn retrying<T, F, Fut>(
+        &self,
+        key: &Path,
+        patience: Patience,
+        mut op: F,
+    ) -> Result<T, object_store::Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, object_store::Error>>,
+    {
         let started = tokio::time::Instant::now();
         let mut attempt = 0;
         loop {
+            match op().await {
+                Ok(v) => {
+                    if patience == Patience::Durable {
+                        self.health.answered(&self.url);
+                    }
+                    return Ok(v);
+                }
+                Err(e) if transient(&e) => {
+                    let more = match patience {
+                        Patience::Durable => started.elapsed() < RETRY_FOR,
+                        Patience::Brief => attempt < 5,
+                    };
+                    if !more {
+                        return Err(e);
+                    }
+                    if patience == Patience::Durable {
+                        crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
+                        self.health.failed(&self.url, key, &e);
+                    }
+                    backoff(attempt).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Writes an object that must not exist yet. Finding it already there counts as success
+    /// (a retry of a write that landed).
+    pub async fn put_create(&self, key: &Path, body: Bytes) -> Result<(), Error> {
+        let put = || async {
             let opts = PutOptions {
                 mode: PutMode::Create,
                 ..PutOptions::default()
@@ -447,101 +499,76 @@ impl Store {
                 .put_opts(key, PutPayload::from(body.clone()), opts)
                 .await
             {
-                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
-                    self.health.answered(&self.url);
-                    return Ok(());
-                }
-                Err(e) if transient(&e) && started.elapsed() < RETRY_FOR => {
-                    crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
-                    self.health.failed(&self.url, key, &e);
-                    backoff(attempt).await;
-                    attempt += 1;
-                }
-                Err(source) => return Err(write_error(key, source)),
+                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+                Err(e) => Err(e),
             }
-        }
+        };
+        timed(self.retrying(key, Patience::Durable, put))
+            .await
+            .map_err(|source| write_error(key, source))
     }
 
     /// Writes an object that must not exist yet, and says whether this call created it:
     /// `false` when another writer's object is there (a claim lost to someone else). A retry
     /// that finds its own earlier write (same bytes) counts as created.
     pub async fn put_create_exclusive(&self, key: &Path, body: Bytes) -> Result<bool, Error> {
-        let opts = PutOptions {
-            mode: PutMode::Create,
-            ..PutOptions::default()
-        };
-        let mut attempt = 0;
-        loop {
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let put = || async {
+            let tried = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let opts = PutOptions {
+                mode: PutMode::Create,
+                ..PutOptions::default()
+            };
             match self
                 .inner
-                .put_opts(key, PutPayload::from(body.clone()), opts.clone())
+                .put_opts(key, PutPayload::from(body.clone()), opts)
                 .await
             {
-                Ok(_) => return Ok(true),
-                Err(object_store::Error::AlreadyExists { .. }) => {
-                    let there = self.get(key).await?;
-                    return Ok(there.as_ref() == Some(&body) && attempt > 0);
-                }
-                Err(e) if transient(&e) && attempt < 5 => {
-                    backoff(attempt).await;
-                    attempt += 1;
-                }
-                Err(source) => return Err(write_error(key, source)),
+                Ok(_) => Ok(None),
+                // Someone's object: ours only if an earlier try of this call wrote it.
+                Err(object_store::Error::AlreadyExists { .. }) => Ok(Some(tried > 0)),
+                Err(e) => Err(e),
             }
+        };
+        match self.retrying(key, Patience::Brief, put).await {
+            Ok(None) => Ok(true),
+            Ok(Some(retried)) => Ok(retried && self.get(key).await?.as_ref() == Some(&body)),
+            Err(source) => Err(write_error(key, source)),
         }
     }
 
     /// Writes (or replaces) an object.
     pub async fn put_overwrite(&self, key: &Path, body: Bytes) -> Result<(), Error> {
-        let timed = std::time::Instant::now();
-        let r = self.put_overwrite_untimed(key, body).await;
-        crate::metrics::STORAGE_WRITE_LATENCY.observe(timed.elapsed());
-        r
-    }
-
-    async fn put_overwrite_untimed(&self, key: &Path, body: Bytes) -> Result<(), Error> {
-        let started = tokio::time::Instant::now();
-        let mut attempt = 0;
-        loop {
-            match self.inner.put(key, PutPayload::from(body.clone())).await {
-                Ok(_) => {
-                    self.health.answered(&self.url);
-                    return Ok(());
-                }
-                Err(e) if transient(&e) && started.elapsed() < RETRY_FOR => {
-                    crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
-                    self.health.failed(&self.url, key, &e);
-                    backoff(attempt).await;
-                    attempt += 1;
-                }
-                Err(source) => return Err(write_error(key, source)),
-            }
-        }
+        let put = || async {
+            self.inner
+                .put(key, PutPayload::from(body.clone()))
+                .await
+                .map(|_| ())
+        };
+        timed(self.retrying(key, Patience::Durable, put))
+            .await
+            .map_err(|source| write_error(key, source))
     }
 
     /// Reads an object; `Ok(None)` when it does not exist.
     pub async fn get(&self, key: &Path) -> Result<Option<Bytes>, Error> {
-        let mut attempt = 0;
-        loop {
-            let res = match self.inner.get(key).await {
+        let get = || async {
+            let read = match self.inner.get(key).await {
                 Ok(r) => r.bytes().await,
                 Err(e) => Err(e),
             };
-            match res {
-                Ok(b) => return Ok(Some(b)),
-                Err(object_store::Error::NotFound { .. }) => return Ok(None),
-                Err(e) if transient(&e) && attempt < 5 => {
-                    backoff(attempt).await;
-                    attempt += 1;
-                }
-                Err(source) => {
-                    return Err(Error::Storage {
-                        key: key.to_string(),
-                        source,
-                    });
-                }
+            match read {
+                Ok(b) => Ok(Some(b)),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(e),
             }
-        }
+        };
+        self.retrying(key, Patience::Brief, get)
+            .await
+            .map_err(|source| Error::Storage {
+                key: key.to_string(),
+                source,
+            })
     }
 
     /// Lists the objects directly under a prefix (sorted by key).
