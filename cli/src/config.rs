@@ -525,14 +525,15 @@ pub fn resolve_run_with(
         let resolver =
             flotilla_coordinator::workflows::DirResolver::standard(&cwd, &workflows_dirs);
         let name = args.script.trim_start_matches('/');
-        let found = match resolver.find_saved(name)? {
+        let found = match resolver.find_saved(name).map_err(|e| e.to_string())? {
             Some(f) => f,
             None => match server.iter().find(|w| w.name == name) {
                 Some(f) => f.clone(),
                 None => flotilla_coordinator::workflows::WorkflowResolver::resolve(
                     &resolver,
                     &flotilla_coordinator::workflows::WorkflowRef::Name(name.to_owned()),
-                )?,
+                )
+                .map_err(|e| e.to_string())?,
             },
         };
         (found.source, found.origin)

@@ -250,7 +250,7 @@ impl Coordinator {
             if let Some(parent) = parent {
                 l.claim_resume(parent, run)
                     .await
-                    .map_err(|m| refused(m, ErrorKind::Conflict))?;
+                    .map_err(|e| refused(e.to_string(), e.kind()))?;
             }
             return Ok(Vec::new());
         }
@@ -395,9 +395,9 @@ impl Coordinator {
                     .map_err(store_err)?;
             }
             if let Some(l) = self.leadership.get() {
-                l.own(&run_id).await.map_err(|message| Rejected {
-                    message,
-                    kind: ErrorKind::Unavailable,
+                l.own(&run_id).await.map_err(|e| Rejected {
+                    message: e.to_string(),
+                    kind: e.kind(),
                     workflow: workflow.clone(),
                 })?;
             }

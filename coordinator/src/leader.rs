@@ -21,6 +21,35 @@ use crate::api::RunRegistry;
 use crate::coordinator::Coordinator;
 use crate::lease::{self, LeaseId, LeaseStore};
 
+/// Why the fleet would not let this coordinator own, or resume, a run.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("run {run} is owned by another coordinator")]
+    OwnedElsewhere { run: String },
+    #[error(
+        "run {run} is still live on the fleet (its coordinator runs it, or will adopt it); stop it with `flotilla stop {run}` and wait for its report, then resume"
+    )]
+    StillLive { run: String },
+    #[error(
+        "run {run} is being resumed already, by run {by}; wait for it to end (`flotilla wait {by}`) or stop it, or resume {by} instead"
+    )]
+    BeingResumed { run: String, by: String },
+    #[error("{doing}: {source}")]
+    Etcd {
+        doing: String,
+        #[source]
+        source: lease::Error,
+    },
+}
+
+impl ClaimError {
+    pub fn kind(&self) -> flotilla_proto::ErrorKind {
+        match self {
+            ClaimError::Etcd { .. } => flotilla_proto::ErrorKind::Unavailable,
+            _ => flotilla_proto::ErrorKind::Conflict,
+        }
+    }
+}
 /// How often a standby checks whether the leader is still there.
 const POLL: Duration = Duration::from_millis(500);
 
@@ -90,7 +119,7 @@ impl Leadership {
     }
 
     /// Marks a run as live and owned by this coordinator (before it starts).
-    pub async fn own(&self, run: &str) -> Result<(), String> {
+    pub async fn own(&self, run: &str) -> Result<(), ClaimError> {
         self.leases
             .put(
                 &lease::keys::run_live(run),
@@ -98,7 +127,10 @@ impl Leadership {
                 None,
             )
             .await
-            .map_err(|e| format!("cannot record run {run} in etcd: {e}"))?;
+            .map_err(|source| ClaimError::Etcd {
+                doing: format!("cannot record run {run} in etcd"),
+                source,
+            })?;
         match self
             .leases
             .campaign(
@@ -109,16 +141,24 @@ impl Leadership {
             .await
         {
             Ok(Some(_)) => Ok(()),
-            Ok(None) => Err(format!("run {run} is owned by another coordinator")),
-            Err(e) => Err(format!("cannot take ownership of run {run}: {e}")),
+            Ok(None) => Err(ClaimError::OwnedElsewhere {
+                run: run.to_owned(),
+            }),
+            Err(source) => Err(ClaimError::Etcd {
+                doing: format!("cannot take ownership of run {run}"),
+                source,
+            }),
         }
     }
 
     /// W52: `run` resumes `parent`. Refused while `parent` is live on the fleet (its
     /// coordinator runs it, or will adopt it) or another run resumes it; the claim lives under
     /// this coordinator's lease until `run`'s report is stored.
-    pub async fn claim_resume(&self, parent: &str, run: &str) -> Result<(), String> {
-        let etcd = |e: lease::Error| format!("cannot check run {parent} in etcd: {e}");
+    pub async fn claim_resume(&self, parent: &str, run: &str) -> Result<(), ClaimError> {
+        let etcd = |source: lease::Error| ClaimError::Etcd {
+            doing: format!("cannot check run {parent} in etcd"),
+            source,
+        };
         if self
             .leases
             .get(&lease::keys::run_live(parent))
@@ -126,9 +166,9 @@ impl Leadership {
             .map_err(etcd)?
             .is_some()
         {
-            return Err(format!(
-                "run {parent} is still live on the fleet (its coordinator runs it, or will adopt it); stop it with `flotilla stop {parent}` and wait for its report, then resume"
-            ));
+            return Err(ClaimError::StillLive {
+                run: parent.to_owned(),
+            });
         }
         let key = lease::keys::run_resumer(parent);
         match self
@@ -151,9 +191,10 @@ impl Leadership {
                     .flatten()
                     .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
                     .unwrap_or_else(|| "another run".into());
-                Err(format!(
-                    "run {parent} is being resumed already, by run {by}; wait for it to end (`flotilla wait {by}`) or stop it, or resume {by} instead"
-                ))
+                Err(ClaimError::BeingResumed {
+                    run: parent.to_owned(),
+                    by,
+                })
             }
         }
     }

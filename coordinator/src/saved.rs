@@ -51,34 +51,68 @@ pub struct PushRules {
     pub shadow_bundled: bool,
 }
 
+/// Why a push or a read of saved workflows failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SavedError {
+    #[error("the workflow's meta is not a literal with name and description (W02): {0}")]
+    Meta(String),
+    #[error("the workflow does not load: {0}")]
+    Load(String),
+    #[error("meta.name {0:?} cannot name a saved workflow: use letters, digits, '-', '_' and '.'")]
+    BadName(String),
+    #[error(
+        "{0:?} is the name of a bundled workflow: pushing it would change what everyone's `launch {0}` runs; give yours another meta.name (or start the coordinator with --allow-shadow-bundled)"
+    )]
+    Bundled(String),
+    #[error("cannot {doing}: {source}")]
+    Store {
+        doing: &'static str,
+        #[source]
+        source: crate::store::Error,
+    },
+    #[error("cannot encode the record: {0}")]
+    Encode(String),
+}
+
+impl SavedError {
+    pub fn kind(&self) -> flotilla_proto::ErrorKind {
+        use flotilla_proto::ErrorKind;
+        match self {
+            SavedError::Meta(_) | SavedError::Load(_) | SavedError::BadName(_) => {
+                ErrorKind::Invalid
+            }
+            SavedError::Bundled(_) => ErrorKind::Conflict,
+            SavedError::Store { source, .. } => source.kind(),
+            SavedError::Encode(_) => ErrorKind::Internal,
+        }
+    }
+}
+
+/// A store error while doing `doing`.
+fn store_err(doing: &'static str) -> impl Fn(crate::store::Error) -> SavedError {
+    move |source| SavedError::Store { doing, source }
+}
+
 /// Checks and stores a workflow pushed by `by`; its name comes from its literal meta.
 pub async fn push(
     store: &Store,
     text: &str,
     by: &str,
     rules: PushRules,
-) -> Result<PushRecord, String> {
-    let meta = source::read_meta(text).map_err(|e| {
-        format!("the workflow's meta is not a literal with name and description (W02): {e}")
-    })?;
-    source::prepare(text).map_err(|e| format!("the workflow does not load: {e}"))?;
+) -> Result<PushRecord, SavedError> {
+    let meta = source::read_meta(text).map_err(|e| SavedError::Meta(e.to_string()))?;
+    source::prepare(text).map_err(|e| SavedError::Load(e.to_string()))?;
     if !valid_name(&meta.name) {
-        return Err(format!(
-            "meta.name {:?} cannot name a saved workflow: use letters, digits, '-', '_' and '.'",
-            meta.name
-        ));
+        return Err(SavedError::BadName(meta.name));
     }
     if !rules.shadow_bundled && crate::bundled::find(&meta.name).is_some() {
-        return Err(format!(
-            "{:?} is the name of a bundled workflow: pushing it would change what everyone's `launch {}` runs; give yours another meta.name (or start the coordinator with --allow-shadow-bundled)",
-            meta.name, meta.name
-        ));
+        return Err(SavedError::Bundled(meta.name));
     }
     let k = keys::saved_workflow(&meta.name);
     let replaced = store
         .get(&k)
         .await
-        .map_err(|e| format!("cannot read the store: {e}"))?
+        .map_err(store_err("read the store"))?
         .map(|old| hex::encode(Sha256::digest(&old)));
     let now = std::time::SystemTime::now();
     let at_ms = now
@@ -91,23 +125,23 @@ pub async fn push(
         sha256: hex::encode(Sha256::digest(text.as_bytes())),
         replaced,
     };
-    let body = serde_json::to_vec(&record).map_err(|e| format!("cannot encode the record: {e}"))?;
+    let body = serde_json::to_vec(&record).map_err(|e| SavedError::Encode(e.to_string()))?;
     store
         .put_create(
             &keys::workflow_push(&meta.name, at_ms, &record.sha256),
             Bytes::from(body),
         )
         .await
-        .map_err(|e| format!("cannot record the push: {e}"))?;
+        .map_err(store_err("record the push"))?;
     store
         .put_overwrite(&k, Bytes::from(text.to_owned()))
         .await
-        .map_err(|e| format!("cannot write the store: {e}"))?;
+        .map_err(store_err("write the store"))?;
     Ok(record)
 }
 
 /// Every recorded push of `name`, oldest first.
-pub async fn pushes(store: &Store, name: &str) -> Result<Vec<PushRecord>, String> {
+pub async fn pushes(store: &Store, name: &str) -> Result<Vec<PushRecord>, SavedError> {
     if !valid_name(name) {
         return Ok(Vec::new());
     }
@@ -115,12 +149,9 @@ pub async fn pushes(store: &Store, name: &str) -> Result<Vec<PushRecord>, String
     for k in store
         .list_objects(&keys::workflow_pushes(name))
         .await
-        .map_err(|e| format!("cannot list the store: {e}"))?
+        .map_err(store_err("list the store"))?
     {
-        if let Some(body) = store
-            .get(&k)
-            .await
-            .map_err(|e| format!("cannot read the store: {e}"))?
+        if let Some(body) = store.get(&k).await.map_err(store_err("read the store"))?
             && let Ok(r) = serde_json::from_slice(&body)
         {
             out.push(r);
@@ -130,14 +161,14 @@ pub async fn pushes(store: &Store, name: &str) -> Result<Vec<PushRecord>, String
 }
 
 /// The saved workflow called `name`, if there is one.
-pub async fn get(store: &Store, name: &str) -> Result<Option<FoundWorkflow>, String> {
+pub async fn get(store: &Store, name: &str) -> Result<Option<FoundWorkflow>, SavedError> {
     if !valid_name(name) {
         return Ok(None);
     }
     let found = store
         .get(&keys::saved_workflow(name))
         .await
-        .map_err(|e| format!("cannot read the store: {e}"))?;
+        .map_err(store_err("read the store"))?;
     Ok(found.map(|b| FoundWorkflow {
         name: name.to_owned(),
         source: String::from_utf8_lossy(&b).into_owned(),
@@ -146,11 +177,11 @@ pub async fn get(store: &Store, name: &str) -> Result<Option<FoundWorkflow>, Str
 }
 
 /// Every saved workflow, by name.
-pub async fn list(store: &Store) -> Result<Vec<FoundWorkflow>, String> {
+pub async fn list(store: &Store) -> Result<Vec<FoundWorkflow>, SavedError> {
     let keys = store
         .list_objects(&keys::saved_workflows())
         .await
-        .map_err(|e| format!("cannot list the store: {e}"))?;
+        .map_err(store_err("list the store"))?;
     let mut out = Vec::new();
     for k in keys {
         let Some(name) = k.filename().and_then(|f| f.strip_suffix(".js")) else {
@@ -197,7 +228,7 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(e.contains("literal"), "{e}");
+        assert!(e.to_string().contains("literal"), "{e}");
         let e = push(
             &store,
             "export const meta = { name: '../up', description: 'd' };",
@@ -206,7 +237,8 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(e.contains("cannot name"), "{e}");
+        assert!(e.to_string().contains("cannot name"), "{e}");
+        assert_eq!(e.kind(), flotilla_proto::ErrorKind::Invalid);
     }
 
     #[tokio::test]
@@ -216,7 +248,8 @@ mod tests {
         let e = push(&store, text, "mallory", PushRules::default())
             .await
             .unwrap_err();
-        assert!(e.contains("bundled workflow"), "{e}");
+        assert!(e.to_string().contains("bundled workflow"), "{e}");
+        assert_eq!(e.kind(), flotilla_proto::ErrorKind::Conflict);
         assert!(list(&store).await.unwrap().is_empty());
         assert!(pushes(&store, "deep-research").await.unwrap().is_empty());
         let allowed = PushRules {

@@ -21,16 +21,39 @@ pub enum WorkflowRef {
     Path(String),
 }
 
+/// Why a workflow reference found nothing to run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkflowError {
+    #[error("workflow() takes a saved workflow name or {{ scriptPath }}")]
+    BadReference,
+    #[error("{0:?} is not a workflow name")]
+    NotAName(String),
+    #[error("unknown workflow {name:?}: {hint}")]
+    Unknown { name: String, hint: String },
+    /// A script that cannot be read (or has no literal meta), with why.
+    #[error("{0}")]
+    Unreadable(String),
+}
+
+impl WorkflowError {
+    pub fn kind(&self) -> flotilla_proto::ErrorKind {
+        match self {
+            WorkflowError::Unknown { .. } => flotilla_proto::ErrorKind::NotFound,
+            _ => flotilla_proto::ErrorKind::Invalid,
+        }
+    }
+}
+
 impl WorkflowRef {
     /// Reads the JSON the prelude sends: a string, or `{ "scriptPath": ... }`.
-    pub fn from_json(text: &str) -> Result<WorkflowRef, String> {
+    pub fn from_json(text: &str) -> Result<WorkflowRef, WorkflowError> {
         match serde_json::from_str::<Value>(text) {
             Ok(Value::String(name)) => Ok(WorkflowRef::Name(name)),
             Ok(Value::Object(m)) => match m.get("scriptPath") {
                 Some(Value::String(p)) => Ok(WorkflowRef::Path(p.clone())),
-                _ => Err("workflow() takes a saved workflow name or { scriptPath }".into()),
+                _ => Err(WorkflowError::BadReference),
             },
-            _ => Err("workflow() takes a saved workflow name or { scriptPath }".into()),
+            _ => Err(WorkflowError::BadReference),
         }
     }
 }
@@ -123,7 +146,7 @@ fn builtins() -> Vec<AgentType> {
 
 /// Resolves workflow references of a run, and knows which agent types exist.
 pub trait WorkflowResolver: Send + Sync + 'static {
-    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String>;
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, WorkflowError>;
 
     /// The `agentType` names a call may use: the built-ins plus custom agents.
     fn agent_types(&self) -> Vec<AgentType> {
@@ -142,14 +165,15 @@ pub trait WorkflowResolver: Send + Sync + 'static {
 pub struct NoWorkflows;
 
 impl WorkflowResolver for NoWorkflows {
-    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, WorkflowError> {
         Err(match reference {
-            WorkflowRef::Name(n) => {
-                format!("unknown workflow {n:?}: no saved workflows are available here")
-            }
-            WorkflowRef::Path(p) => {
-                format!("cannot read workflow script {p:?}: no files are available here")
-            }
+            WorkflowRef::Name(n) => WorkflowError::Unknown {
+                name: n.clone(),
+                hint: "no saved workflows are available here".into(),
+            },
+            WorkflowRef::Path(p) => WorkflowError::Unreadable(format!(
+                "cannot read workflow script {p:?}: no files are available here"
+            )),
         })
     }
 }
@@ -167,7 +191,7 @@ impl WorkflowResolver for CarriedWorkflows {
         Some(self.clone())
     }
 
-    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, WorkflowError> {
         match reference {
             WorkflowRef::Name(name) => {
                 let name = name.strip_prefix('/').unwrap_or(name);
@@ -176,11 +200,11 @@ impl WorkflowResolver for CarriedWorkflows {
                     .find(|w| w.name == name)
                     .cloned()
                     .or_else(|| crate::bundled::find(name))
-                    .ok_or_else(|| {
-                        format!(
-                            "unknown workflow {name:?}: the launch carried no saved workflow of that name; \
-                             save it in .flotilla/workflows/ where you launch from"
-                        )
+                    .ok_or_else(|| WorkflowError::Unknown {
+                        name: name.to_owned(),
+                        hint: "the launch carried no saved workflow of that name; \
+                               save it in .flotilla/workflows/ where you launch from"
+                            .into(),
                     })
             }
             WorkflowRef::Path(p) => self
@@ -193,10 +217,10 @@ impl WorkflowResolver for CarriedWorkflows {
                 })
                 .cloned()
                 .ok_or_else(|| {
-                    format!(
+                    WorkflowError::Unreadable(format!(
                         "workflow({{ scriptPath: {p:?} }}) cannot be read on the coordinator; \
                          save the workflow in .flotilla/workflows/ and call it by name"
-                    )
+                    ))
                 }),
         }
     }
@@ -256,10 +280,10 @@ impl DirResolver {
 
     /// The project or personal workflow called `name` (closest first; a `meta.name` match
     /// beats a file-name match), without the bundled ones.
-    pub fn find_saved(&self, name: &str) -> Result<Option<FoundWorkflow>, String> {
+    pub fn find_saved(&self, name: &str) -> Result<Option<FoundWorkflow>, WorkflowError> {
         let name = name.strip_prefix('/').unwrap_or(name);
         if name.is_empty() || name.contains('/') || name.contains('\\') || name.contains("..") {
-            return Err(format!("{name:?} is not a workflow name"));
+            return Err(WorkflowError::NotAName(name.to_owned()));
         }
         let mut by_stem = None;
         for (path, meta) in self.list() {
@@ -414,17 +438,16 @@ impl WorkflowResolver for DirResolver {
         out
     }
 
-    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, String> {
+    fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, WorkflowError> {
         match reference {
             WorkflowRef::Path(p) => {
                 let path = absolute(&self.cwd, Path::new(p));
-                let source = crate::limits::read_file(
-                    &path,
-                    crate::limits::SCRIPT_BYTES,
-                    "workflow script",
-                )?;
-                let meta = source::read_meta(&source)
-                    .map_err(|e| format!("workflow script {}: {e}", path.display()))?;
+                let source =
+                    crate::limits::read_file(&path, crate::limits::SCRIPT_BYTES, "workflow script")
+                        .map_err(WorkflowError::Unreadable)?;
+                let meta = source::read_meta(&source).map_err(|e| {
+                    WorkflowError::Unreadable(format!("workflow script {}: {e}", path.display()))
+                })?;
                 Ok(FoundWorkflow {
                     name: meta.name,
                     source,
@@ -439,22 +462,26 @@ impl WorkflowResolver for DirResolver {
                 if let Some(found) = crate::bundled::find(name) {
                     return Ok(found);
                 }
-                Err(format!(
-                    "unknown workflow {name:?}: no saved workflow has that name (searched {}); \
-                     save it in .flotilla/workflows/ or pass --workflows-dir",
-                    self.dirs
-                        .iter()
-                        .map(|d| d.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
+                Err(WorkflowError::Unknown {
+                    name: name.to_owned(),
+                    hint: format!(
+                        "no saved workflow has that name (searched {}); \
+                         save it in .flotilla/workflows/ or pass --workflows-dir",
+                        self.dirs
+                            .iter()
+                            .map(|d| d.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                })
             }
         }
     }
 }
 
-fn read_found(path: &Path, name: String) -> Result<FoundWorkflow, String> {
-    let source = crate::limits::read_file(path, crate::limits::SCRIPT_BYTES, "workflow script")?;
+fn read_found(path: &Path, name: String) -> Result<FoundWorkflow, WorkflowError> {
+    let source = crate::limits::read_file(path, crate::limits::SCRIPT_BYTES, "workflow script")
+        .map_err(WorkflowError::Unreadable)?;
     Ok(FoundWorkflow {
         name,
         source,
@@ -502,7 +529,8 @@ mod tests {
         let by_stem = r.resolve(&WorkflowRef::Name("other".into())).unwrap();
         assert_eq!(by_stem.name, "named-differently");
         let e = r.resolve(&WorkflowRef::Name("nope".into())).unwrap_err();
-        assert!(e.contains("unknown workflow \"nope\""), "{e}");
+        assert!(e.to_string().contains("unknown workflow \"nope\""), "{e}");
+        assert_eq!(e.kind(), flotilla_proto::ErrorKind::NotFound);
         assert!(r.resolve(&WorkflowRef::Name("../x".into())).is_err());
     }
 

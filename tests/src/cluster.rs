@@ -12,12 +12,22 @@ use serde_json::Value;
 
 use crate::{Output, binary, run_with_timeout};
 
-/// A free TCP port on 127.0.0.1.
+/// A free TCP port on 127.0.0.1, never one this process was given before (the kernel may
+/// hand the same port out again once its listener is closed, and two servers of one test
+/// would then race for it).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Runs a command to completion, panicking on failure.

@@ -178,6 +178,19 @@ async fn connect_loop(
     Ok(())
 }
 
+/// One `Attach` stream over `channel` as a [`Link`], carried by a task of its own until the
+/// stream ends or `cancel` fires (the link's `rx` then ends). What [`serve`] gives the worker
+/// for each connection; the link suite holds it to the same rules as an in-process link.
+pub async fn link_over(
+    channel: Channel,
+    cancel: CancellationToken,
+) -> Option<(Link, tokio::task::JoinHandle<Result<(), tonic::Status>>)> {
+    let (links_tx, mut links_rx) = mpsc::unbounded_channel();
+    let carried = tokio::spawn(async move { attach_once(channel, &links_tx, &cancel).await });
+    let link = links_rx.recv().await?;
+    Some((link, carried))
+}
+
 /// One connection: hands the worker a link and carries it until the stream ends.
 async fn attach_once(
     channel: Channel,

@@ -136,7 +136,7 @@ impl ClientService for ClientSvc {
             let name = r.saved_name.trim_start_matches('/').to_owned();
             let found = match crate::saved::get(self.coordinator.store(), &name)
                 .await
-                .map_err(|e| ErrorKind::Unavailable.status(e))?
+                .map_err(|e| e.kind().status(e.to_string()))?
             {
                 Some(w) => w,
                 None => crate::bundled::find(&name).ok_or_else(|| {
@@ -151,7 +151,7 @@ impl ClientService for ClientSvc {
             // pushed workflows (bundled ones are found after them anyway).
             r.workflows = crate::saved::list(self.coordinator.store())
                 .await
-                .map_err(|e| ErrorKind::Unavailable.status(e))?
+                .map_err(|e| e.kind().status(e.to_string()))?
                 .into_iter()
                 .map(v1::SavedWorkflow::from)
                 .collect();
@@ -511,7 +511,7 @@ impl ClientService for ClientSvc {
         };
         let record = crate::saved::push(self.coordinator.store(), &r.source, &by, rules)
             .await
-            .map_err(|e| ErrorKind::Invalid.status(e))?;
+            .map_err(|e| e.kind().status(e.to_string()))?;
         tracing::info!(workflow = %record.name, by = %record.by, sha256 = %record.sha256,
             replaced = ?record.replaced, "workflow pushed");
         Ok(Response::new(v1::PushWorkflowReply {
@@ -531,7 +531,7 @@ impl ClientService for ClientSvc {
         check_version(&req.get_ref().protocol_version)?;
         let workflows = crate::saved::list(self.coordinator.store())
             .await
-            .map_err(|e| ErrorKind::Unavailable.status(e))?
+            .map_err(|e| e.kind().status(e.to_string()))?
             .into_iter()
             .map(v1::SavedWorkflow::from)
             .collect();

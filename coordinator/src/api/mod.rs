@@ -41,6 +41,8 @@ use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
 use crate::{LaunchRequest, history};
 
 mod client;
+#[cfg(test)]
+mod links;
 mod registry;
 mod snapshot;
 mod worker_bridge;
@@ -49,6 +51,7 @@ use client::*;
 pub use registry::RunRegistry;
 pub use snapshot::SnapshotView;
 use worker_bridge::*;
+pub use worker_bridge::{StreamOf, bridge};
 
 /// How the coordinator listens.
 #[derive(Debug, Clone)]

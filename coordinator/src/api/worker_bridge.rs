@@ -19,7 +19,7 @@ pub(super) struct WorkerSvc {
     pub(super) secure: bool,
 }
 
-pub(super) type StreamOf<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+pub type StreamOf<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl WorkerService for WorkerSvc {
@@ -56,45 +56,59 @@ impl WorkerService for WorkerSvc {
             hello.name = name;
         }
         tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");
-        let hello_name = hello.name.clone();
-        let (to_worker_tx, to_worker_rx) = mpsc::unbounded_channel();
-        let (from_worker_tx, from_worker_rx) = mpsc::unbounded_channel();
-        let _ = from_worker_tx.send(WorkerMessage {
-            msg: Some(worker_message::Msg::Hello(hello)),
-        });
-        self.coordinator.dispatch().attach(CoordinatorEnd {
-            tx: to_worker_tx,
-            rx: from_worker_rx,
-        });
-        let worker = hello_name;
-        tokio::spawn(async move {
-            let mut pieces = frag::Reassembler::default();
-            loop {
-                match inbound.message().await {
-                    Ok(Some(msg)) => match pieces.push(msg) {
-                        Ok(Some(msg)) => {
-                            if from_worker_tx.send(msg).is_err() {
-                                break;
-                            }
+        let (end, out) = bridge(hello, inbound);
+        self.coordinator.dispatch().attach(end);
+        Ok(Response::new(out))
+    }
+}
+
+/// Bridges a worker's `Attach` stream (its `Hello` read already) onto the channels an
+/// in-process worker uses: the coordinator's end of the link, and the stream of messages to
+/// send the worker. Big messages travel in fragments both ways (see `frag`); when the worker's
+/// stream ends, the end's `rx` ends.
+pub fn bridge(
+    hello: v1::Hello,
+    mut inbound: Streaming<WorkerMessage>,
+) -> (CoordinatorEnd, StreamOf<CoordinatorMessage>) {
+    let worker = hello.name.clone();
+    let (to_worker_tx, to_worker_rx) = mpsc::unbounded_channel();
+    let (from_worker_tx, from_worker_rx) = mpsc::unbounded_channel();
+    let _ = from_worker_tx.send(WorkerMessage {
+        msg: Some(worker_message::Msg::Hello(hello)),
+    });
+    tokio::spawn(async move {
+        let mut pieces = frag::Reassembler::default();
+        loop {
+            match inbound.message().await {
+                Ok(Some(msg)) => match pieces.push(msg) {
+                    Ok(Some(msg)) => {
+                        if from_worker_tx.send(msg).is_err() {
+                            break;
                         }
-                        Ok(None) => {}
-                        Err(e) => {
-                            tracing::warn!(worker = %worker, error = %e, "dropped a message from the worker");
-                        }
-                    },
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!(worker = %worker, error = %e, "worker stream ended");
-                        break;
                     }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(worker = %worker, error = %e, "dropped a message from the worker");
+                    }
+                },
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(worker = %worker, error = %e, "worker stream ended");
+                    break;
                 }
             }
-            // Dropping the sender tells the dispatcher the worker is gone.
-        });
-        // Big assignments go out in fragments (see `frag`); the run engine refuses an
-        // agent() call too big to send at all before it is queued.
-        let frames_rx = frag::splitting(to_worker_rx, "worker");
-        let out = UnboundedReceiverStream::new(frames_rx).map(Ok);
-        Ok(Response::new(Box::pin(out)))
-    }
+        }
+        // Dropping the sender tells the dispatcher the worker is gone.
+    });
+    // Big assignments go out in fragments (see `frag`); the run engine refuses an agent()
+    // call too big to send at all before it is queued.
+    let frames_rx = frag::splitting(to_worker_rx, "worker");
+    let out = UnboundedReceiverStream::new(frames_rx).map(Ok);
+    (
+        CoordinatorEnd {
+            tx: to_worker_tx,
+            rx: from_worker_rx,
+        },
+        Box::pin(out),
+    )
 }

@@ -513,6 +513,7 @@ impl RunEngine {
             ScriptOp::ResolveWorkflow { id, reference } => {
                 let result = WorkflowRef::from_json(&reference)
                     .and_then(|r| self.init.resolver.resolve(&r))
+                    .map_err(|e| e.to_string())
                     .and_then(|found| {
                         let prepared = source::prepare(&found.source)
                             .map_err(|e| format!("workflow {:?} cannot run: {e}", found.name))?;
