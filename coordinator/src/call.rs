@@ -90,40 +90,9 @@ impl State {
     }
 }
 
-/// Where a call stands, as the report, the API and the session page spell it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    Queued,
-    Running,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
-impl Status {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Status::Queued => "queued",
-            Status::Running => "running",
-            Status::Completed => "completed",
-            Status::Failed => "failed",
-            Status::Cancelled => "cancelled",
-        }
-    }
-}
-
-impl std::fmt::Display for Status {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl PartialEq<&str> for Status {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
-    }
-}
+/// Where a call stands, as the report, the API and the session page spell it (its shape
+/// crosses the wire, so it lives in [`flotilla_proto::wire`]).
+pub use flotilla_proto::wire::CallStatus as Status;
 
 /// What just happened to a call, as its run's event log spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

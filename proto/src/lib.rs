@@ -6,6 +6,8 @@
 //! - [`schema`]: the JSON Schema rules of structured results (W13–W15): preflight of a schema
 //!   before any agent starts, and validation of a submission. The coordinator preflights, the
 //!   worker validates each submission; both use this module so they cannot disagree.
+//! - [`wire`]: the JSON shapes that cross the wire besides the messages: the run report and
+//!   a run's live view.
 //! - [`ErrorKind`]: the small classification every crate's errors map to, and the one place
 //!   where a kind becomes an exit status or (later) a `tonic::Code`.
 //!
@@ -15,6 +17,7 @@ pub mod frag;
 pub mod link;
 pub mod schema;
 pub mod tls;
+pub mod wire;
 
 /// Generated protocol types, version 1.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]

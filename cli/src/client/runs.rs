@@ -90,7 +90,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
             Ok(r) => match serde_json::from_str::<SnapshotView>(&r.into_inner().snapshot_json) {
                 Ok(s) => {
                     let ended = s.status.is_some_and(|st| st.is_final());
-                    let _ = tx.send(Arc::new(s.to_snapshot()));
+                    let _ = tx.send(Arc::new(flotilla_coordinator::run::Snapshot::from(&s)));
                     if ended {
                         break;
                     }
@@ -157,7 +157,8 @@ pub async fn status(a: RunRefArgs) -> i32 {
                         s.output_tokens,
                         s.elapsed_ms
                     );
-                    for (title, done, total) in &s.groups {
+                    for g in &s.groups {
+                        let (title, done, total) = (&g.title, g.done + g.failed, g.total);
                         let _ = writeln!(
                             out,
                             "  [{}] {done}/{total}",

@@ -28,11 +28,7 @@ pub struct Manifest {
     pub flotilla_version: String,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct WorkflowInfo {
-    pub name: String,
-    pub description: String,
-}
+pub use flotilla_proto::wire::WorkflowInfo;
 
 /// Token and cost counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

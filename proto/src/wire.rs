@@ -1,0 +1,379 @@
+//! The JSON shapes that cross the wire besides the protocol messages: the run report (what
+//! `flotilla run --json` prints, what `result.json` stores, what `flotilla show` reads back and
+//! what `Wait` and `Report` answer with), and the live view of a run (`Status`, the session
+//! page's JSON). Both ends read and write them with serde; nothing else defines them.
+//!
+//! The report is also the per-agent census (W81): every accepted `agent()` call with its
+//! status, attempts and the error that made it `null` or throw.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A workflow's name and description (from its `meta`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkflowInfo {
+    pub name: String,
+    pub description: String,
+}
+
+/// Where a call stands, as the report, the API and the session page spell it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CallStatus {
+    Queued,
+    Running,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl CallStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallStatus::Queued => "queued",
+            CallStatus::Running => "running",
+            CallStatus::Completed => "completed",
+            CallStatus::Failed => "failed",
+            CallStatus::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl std::fmt::Display for CallStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for CallStatus {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+/// How a run ended (or stands).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Pending,
+    Running,
+    /// Paused by a user (W54): nothing new starts until it resumes.
+    Paused,
+    Completed,
+    Failed,
+    Stopped,
+    /// The launch was refused (syntax or `meta` error, bad args, nothing to resume).
+    Rejected,
+    /// It never ended: the process that drove it is gone (killed, or its machine lost) and
+    /// nothing holds it any more. `resume` goes on from its completed calls.
+    Interrupted,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Pending => "pending",
+            RunStatus::Running => "running",
+            RunStatus::Paused => "paused",
+            RunStatus::Completed => "completed",
+            RunStatus::Failed => "failed",
+            RunStatus::Stopped => "stopped",
+            RunStatus::Rejected => "rejected",
+            RunStatus::Interrupted => "interrupted",
+        }
+    }
+
+    /// Process exit status for a run that ended this way.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            RunStatus::Completed => 0,
+            RunStatus::Rejected => 2,
+            _ => 1,
+        }
+    }
+
+    pub fn is_final(self) -> bool {
+        !matches!(
+            self,
+            RunStatus::Pending | RunStatus::Running | RunStatus::Paused
+        )
+    }
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    /// Empty (and left out of the JSON) for a launch that was refused: no run was stored.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub run_id: String,
+    pub status: RunStatus,
+    pub result: Value,
+    pub error: Option<String>,
+    pub workflow: WorkflowInfo,
+    pub usage: ReportUsage,
+    pub agents: Vec<AgentReport>,
+    pub groups: Vec<GroupReport>,
+    pub logs: Vec<String>,
+    pub failures: Vec<String>,
+    pub script_path: Option<String>,
+    #[serde(default)]
+    pub parent_run_id: Option<String>,
+    #[serde(default)]
+    pub store: Option<String>,
+    /// What the agents changed in the run's source (fleet runs with a source).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changes: Option<ChangesSummary>,
+}
+
+/// A run's changes in brief, with how to bring them home.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ChangesSummary {
+    /// Agents whose change is in the run head, on their branch only, or in conflict.
+    pub merged: u64,
+    pub isolated: u64,
+    pub conflicted: u64,
+    /// The run head (the source's commit with the merged changes).
+    pub head: String,
+    /// The command that brings them into the user's repository.
+    pub apply: String,
+}
+
+/// Run-wide counters.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ReportUsage {
+    /// Accepted `agent()` calls.
+    pub agents: u64,
+    /// Calls sent to a backend at least once (not served by resume).
+    pub dispatched: u64,
+    /// Calls served from the resume source.
+    pub cached: u64,
+    /// Backend sessions started (restarts included).
+    pub attempts: u64,
+    /// Calls that resolved `null` or threw.
+    pub errors: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    #[serde(default)]
+    pub cost_usd: f64,
+    pub duration_ms: u64,
+}
+
+/// One accepted `agent()` call.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AgentReport {
+    pub label: String,
+    pub group: String,
+    /// `completed`, `failed` or `cancelled` (and, in a live report, `queued` or `running`).
+    pub status: CallStatus,
+    pub attempts: u32,
+    pub cached: bool,
+    /// When it took a worker slot (served, for a cached call), ms since the run started.
+    pub start_ms: Option<u64>,
+    /// When its slot was freed, ms since the run started.
+    pub end_ms: Option<u64>,
+    pub error: Option<String>,
+    #[serde(default)]
+    pub index: u64,
+    #[serde(default)]
+    pub key: String,
+    #[serde(default)]
+    pub model: String,
+    #[serde(default)]
+    pub input_tokens: u64,
+    #[serde(default)]
+    pub output_tokens: u64,
+    /// The most its attempts' checkouts (or working directories) held, in bytes (0 when no
+    /// worker measured it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub disk_bytes: u64,
+    /// Why a live agent waits although the run has room (no attached worker offers its
+    /// backend and model); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
+}
+
+/// A progress group, in display order (declared `meta.phases` first).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GroupReport {
+    pub title: String,
+    pub agents: Vec<String>,
+}
+
+impl Report {
+    /// The report of a launch that was refused before anything ran.
+    pub fn rejected(run_id: &str, workflow: WorkflowInfo, error: String) -> Report {
+        Report {
+            run_id: run_id.to_owned(),
+            status: RunStatus::Rejected,
+            result: Value::Null,
+            error: Some(error),
+            workflow,
+            usage: ReportUsage::default(),
+            agents: Vec::new(),
+            groups: Vec::new(),
+            logs: Vec::new(),
+            failures: Vec::new(),
+            script_path: None,
+            parent_run_id: None,
+            store: None,
+            changes: None,
+        }
+    }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The parts of a run's live state a client shows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotView {
+    pub run_id: String,
+    pub workflow: String,
+    #[serde(default)]
+    pub description: String,
+    pub status: Option<RunStatus>,
+    pub elapsed_ms: u64,
+    pub agents: u64,
+    pub done: u64,
+    pub failed: u64,
+    pub running: u64,
+    pub cached: u64,
+    #[serde(default)]
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub logs: Vec<String>,
+    /// Progress by group, in display order.
+    pub groups: Vec<GroupView>,
+    /// Why the run waits although it has room, if it does.
+    #[serde(default)]
+    pub waiting: Option<String>,
+}
+
+/// One group's progress.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GroupView {
+    pub title: String,
+    pub total: u64,
+    pub done: u64,
+    pub failed: u64,
+    pub running: u64,
+    pub output_tokens: u64,
+}
+
+impl SnapshotView {
+    /// The same view of a run that ended, from its report.
+    pub fn from_report(r: &Report) -> SnapshotView {
+        let groups = r
+            .groups
+            .iter()
+            .map(|g| {
+                let mine = || r.agents.iter().filter(|a| a.group == g.title);
+                GroupView {
+                    title: g.title.clone(),
+                    total: g.agents.len() as u64,
+                    done: mine().filter(|a| a.status == CallStatus::Completed).count() as u64,
+                    failed: mine().filter(|a| a.status == CallStatus::Failed).count() as u64,
+                    running: 0,
+                    output_tokens: mine().map(|a| a.output_tokens).sum(),
+                }
+            })
+            .collect();
+        SnapshotView {
+            run_id: r.run_id.clone(),
+            workflow: r.workflow.name.clone(),
+            description: r.workflow.description.clone(),
+            status: Some(r.status),
+            elapsed_ms: r.usage.duration_ms,
+            agents: r.usage.agents,
+            done: r
+                .agents
+                .iter()
+                .filter(|a| a.status == CallStatus::Completed)
+                .count() as u64,
+            failed: r.usage.errors,
+            running: 0,
+            cached: r.usage.cached,
+            input_tokens: r.usage.input_tokens,
+            output_tokens: r.usage.output_tokens,
+            logs: r.logs.clone(),
+            groups,
+            waiting: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent(group: &str, status: CallStatus, tokens: u64) -> AgentReport {
+        AgentReport {
+            label: "a".into(),
+            group: group.into(),
+            status,
+            attempts: 1,
+            cached: false,
+            start_ms: None,
+            end_ms: None,
+            error: None,
+            index: 0,
+            key: String::new(),
+            model: String::new(),
+            input_tokens: 0,
+            output_tokens: tokens,
+            disk_bytes: 0,
+            waiting: None,
+        }
+    }
+
+    #[test]
+    fn a_finished_run_s_view_counts_its_groups_from_its_agents() {
+        let mut r = Report::rejected("wf_x", WorkflowInfo::default(), "e".into());
+        r.status = RunStatus::Completed;
+        r.agents = vec![
+            agent("G", CallStatus::Completed, 3),
+            agent("G", CallStatus::Failed, 4),
+            agent("H", CallStatus::Completed, 5),
+        ];
+        r.groups = vec![
+            GroupReport {
+                title: "G".into(),
+                agents: vec!["a".into(), "a".into()],
+            },
+            GroupReport {
+                title: "H".into(),
+                agents: vec!["a".into()],
+            },
+        ];
+        let v = SnapshotView::from_report(&r);
+        assert_eq!(v.done, 2);
+        assert_eq!(
+            v.groups[0],
+            GroupView {
+                title: "G".into(),
+                total: 2,
+                done: 1,
+                failed: 1,
+                running: 0,
+                output_tokens: 7
+            }
+        );
+        let back: SnapshotView = serde_json::from_str(&serde_json::to_string(&v).unwrap()).unwrap();
+        assert_eq!(back, v);
+    }
+
+    #[test]
+    fn statuses_are_spelled_one_way() {
+        assert_eq!(
+            serde_json::to_string(&CallStatus::Cancelled).unwrap(),
+            "\"cancelled\""
+        );
+        assert_eq!(
+            serde_json::to_string(&RunStatus::Interrupted).unwrap(),
+            "\"interrupted\""
+        );
+        assert!(RunStatus::Stopped.is_final() && !RunStatus::Paused.is_final());
+        assert_eq!(RunStatus::Rejected.exit_code(), 2);
+    }
+}
