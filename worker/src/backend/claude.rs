@@ -40,30 +40,48 @@ pub struct ClaudeCode {
     /// How long a call waits after the CLI gave up on a rate limit (it does not say how long
     /// the limit lasts): `FLOTILLA_LIMIT_WAIT`, default 30 s.
     pub limit_wait: Duration,
+    /// The model API's endpoint and credentials for an unsandboxed CLI (`ANTHROPIC_BASE_URL`,
+    /// `ANTHROPIC_API_KEY`, `ANTHROPIC_AUTH_TOKEN`), as the worker was given them; a sandboxed
+    /// one reaches the API through the worker's gateway instead.
+    pub api_env: Vec<(String, String)>,
 }
 
 impl ClaudeCode {
     /// From the environment: `FLOTILLA_CLAUDE_BIN` (default `claude` on `PATH`) and
     /// `FLOTILLA_ALLOW_TOOLS` (comma-separated).
     pub fn from_env() -> ClaudeCode {
-        let bin = std::env::var_os("FLOTILLA_CLAUDE_BIN")
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// From the variables `get` gives (the same names as in the environment).
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> ClaudeCode {
+        let bin = get("FLOTILLA_CLAUDE_BIN")
+            .filter(|b| !b.is_empty())
             .map_or_else(|| PathBuf::from("claude"), PathBuf::from);
-        let allow = std::env::var("FLOTILLA_ALLOW_TOOLS")
+        let allow = get("FLOTILLA_ALLOW_TOOLS")
             .unwrap_or_default()
             .split(',')
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .map(str::to_owned)
             .collect();
-        let limit_wait = std::env::var("FLOTILLA_LIMIT_WAIT")
-            .ok()
+        let limit_wait = get("FLOTILLA_LIMIT_WAIT")
             .and_then(|v| parse_wait(&v))
             .unwrap_or(Duration::from_secs(30));
+        let api_env = [
+            "ANTHROPIC_BASE_URL",
+            "ANTHROPIC_API_KEY",
+            "ANTHROPIC_AUTH_TOKEN",
+        ]
+        .into_iter()
+        .filter_map(|k| get(k).map(|v| (k.to_owned(), v)))
+        .collect();
         ClaudeCode {
             bin,
             allow,
             max_retries: 2,
             limit_wait,
+            api_env,
         }
     }
 
@@ -416,6 +434,8 @@ impl AgentBackend for ClaudeCode {
                 }
             }
             jail.api = true;
+        } else {
+            env.extend(self.api_env.iter().cloned());
         }
         jail.env.extend(env);
         let args: Vec<std::ffi::OsString> = self.args(task).into_iter().map(Into::into).collect();

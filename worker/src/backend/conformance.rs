@@ -4,8 +4,7 @@
 //! no process behind; a structured result is validated against the call's schema, and one that
 //! never validates fails the call with `Schema` after the call's submissions. The HTTP
 //! backends run against the local fake of the model APIs (`flotilla-tests`), never the
-//! network. (The Claude Code CLI is held to the same rules end to end in `tests/suite/claude.rs`,
-//! with the real binary.)
+//! network; the Claude Code CLI is the real, pinned binary (`.tools/claude`) against that fake.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -98,7 +97,7 @@ impl Case {
     }
 }
 
-/// This process's children, by pid (a cancelled attempt must leave none).
+/// This process's live children, by pid (a cancelled attempt must leave none).
 fn children() -> Vec<u32> {
     let mut out = Vec::new();
     for task in std::fs::read_dir("/proc/self/task")
@@ -113,8 +112,16 @@ fn children() -> Vec<u32> {
             );
         }
     }
+    out.retain(|pid| state(*pid).is_some_and(|s| s != "Z"));
     out.sort_unstable();
     out
+}
+
+/// A process's state letter (`Z`: dead, its status not read yet), if it exists.
+fn state(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_whitespace().next().map(str::to_owned)
 }
 
 /// Processes still in process group `pgid`.
@@ -196,7 +203,12 @@ async fn a_cancel_ends_the_attempt_and_leaves_no_process(c: &Case) {
     let e = r.expect_err("a cancelled attempt does not complete");
     assert_eq!(e.kind, FailureKind::Cancelled, "{}: {e}", c.name);
     check_transcript(c.name, &seen.transcript.lock().unwrap(), true);
-    // Its processes are gone once it returned (reaped: no zombie either).
+    // Its processes are gone once it returned; the kernel may take a moment to finish off
+    // what was killed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while children().iter().any(|p| !before.contains(p)) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let after = children();
     let left: Vec<&u32> = after.iter().filter(|p| !before.contains(p)).collect();
     assert!(
@@ -336,6 +348,39 @@ async fn anthropic_conforms_against_the_fake_api() {
 async fn openai_conforms_against_the_fake_api() {
     conforms(http_case("openai", |fake| {
         Arc::new(super::openai::OpenAi::from_vars(&fake_vars(fake)))
+    }))
+    .await;
+}
+
+/// The pinned Claude Code CLI (`.ci/run` installs it under `.tools/claude`); a missing one is
+/// a failure with the install command, never a skip.
+fn claude_bin() -> String {
+    if let Ok(p) = std::env::var("FLOTILLA_CLAUDE_BIN") {
+        return p;
+    }
+    let p = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../.tools/claude/node_modules/.bin/claude");
+    assert!(
+        p.exists(),
+        "the pinned Claude Code CLI is missing at {}; install it with `npm install --prefix .tools/claude @anthropic-ai/claude-code@2.1.332` (.ci/run does)",
+        p.display()
+    );
+    p.display().to_string()
+}
+
+#[tokio::test]
+async fn claude_code_conforms_against_the_fake_api() {
+    let bin = claude_bin();
+    conforms(http_case("claude-code", move |fake| {
+        let vars = fake_vars(fake);
+        let get = |k: &str| {
+            if k == "FLOTILLA_CLAUDE_BIN" {
+                Some(bin.clone())
+            } else {
+                vars(k)
+            }
+        };
+        Arc::new(super::claude::ClaudeCode::from_vars(&get))
     }))
     .await;
 }

@@ -232,8 +232,9 @@ pub trait AgentBackend: Send + Sync + 'static {
     ) -> Result<Output, Error>;
 }
 
-/// Runs one attempt of `backend`: its transcript always ends with one `result` event saying
-/// how the attempt ended (added here when the backend did not end with one itself).
+/// Runs one attempt of `backend`: its transcript always ends with a `result` event saying how
+/// the attempt ended (added here when the backend did not end with one, or ended with one that
+/// says otherwise: a CLI whose session succeeded although its result failed the schema).
 pub async fn run_attempt(
     backend: &dyn AgentBackend,
     task: &Task,
@@ -242,10 +243,11 @@ pub async fn run_attempt(
 ) -> Result<Output, Error> {
     let tail = Arc::new(Tail {
         inner: events.inner.clone(),
-        ended: std::sync::atomic::AtomicBool::new(false),
+        ended: std::sync::Mutex::new(None),
     });
     let outcome = backend.run(task, &Events::new(tail.clone()), cancel).await;
-    if !tail.ended.load(std::sync::atomic::Ordering::SeqCst) {
+    let said = *tail.ended.lock().unwrap_or_else(|e| e.into_inner());
+    if said != Some(outcome.is_err()) {
         events.transcript(match &outcome {
             Ok(_) => serde_json::json!({"type": "result", "is_error": false}),
             Err(e) => serde_json::json!({"type": "result", "is_error": true, "error": e.message}),
@@ -254,10 +256,11 @@ pub async fn run_attempt(
     outcome
 }
 
-/// Passes events on and remembers whether the last transcript event was a `result`.
+/// Passes events on and remembers whether the last transcript event was a `result`, and
+/// whether it said the attempt failed.
 struct Tail {
     inner: Arc<dyn EventSink>,
-    ended: std::sync::atomic::AtomicBool,
+    ended: std::sync::Mutex<Option<bool>>,
 }
 
 impl EventSink for Tail {
@@ -266,9 +269,13 @@ impl EventSink for Tail {
     }
 
     fn transcript(&self, event: Value) {
-        let result = event.get("type").and_then(Value::as_str) == Some("result");
-        self.ended
-            .store(result, std::sync::atomic::Ordering::SeqCst);
+        let result = (event.get("type").and_then(Value::as_str) == Some("result")).then(|| {
+            event
+                .get("is_error")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
+        });
+        *self.ended.lock().unwrap_or_else(|e| e.into_inner()) = result;
         self.inner.transcript(event);
     }
 }
