@@ -3,7 +3,7 @@
 //! progress view.
 
 use super::*;
-pub use flotilla_proto::wire::{GroupView, SnapshotView};
+pub use flotilla_proto::wire::SnapshotView;
 
 impl From<&Snapshot> for SnapshotView {
     fn from(s: &Snapshot) -> Self {
@@ -21,18 +21,7 @@ impl From<&Snapshot> for SnapshotView {
             input_tokens: s.input_tokens,
             output_tokens: s.output_tokens,
             logs: s.logs.iter().cloned().collect(),
-            groups: s
-                .groups
-                .iter()
-                .map(|g| GroupView {
-                    title: g.title.clone(),
-                    total: g.total,
-                    done: g.done,
-                    failed: g.failed,
-                    running: g.running,
-                    output_tokens: g.output_tokens,
-                })
-                .collect(),
+            groups: s.groups.clone(),
             waiting: s.waiting.clone(),
         }
     }
@@ -49,18 +38,7 @@ impl From<&SnapshotView> for Snapshot {
             },
             status: v.status,
             elapsed_ms: v.elapsed_ms,
-            groups: v
-                .groups
-                .iter()
-                .map(|g| crate::run::GroupProgress {
-                    title: g.title.clone(),
-                    total: g.total,
-                    done: g.done,
-                    failed: g.failed,
-                    running: g.running,
-                    output_tokens: g.output_tokens,
-                })
-                .collect(),
+            groups: v.groups.clone(),
             logs: Arc::new(v.logs.clone()),
             agents: v.agents,
             done: v.done,

@@ -37,16 +37,8 @@ impl Snapshot {
     }
 }
 
-/// Progress of one group.
-#[derive(Debug, Clone, Default)]
-pub struct GroupProgress {
-    pub title: String,
-    pub total: u64,
-    pub done: u64,
-    pub failed: u64,
-    pub running: u64,
-    pub output_tokens: u64,
-}
+/// Progress of one group: the same shape the live view sends over the wire.
+pub use flotilla_proto::wire::GroupView as GroupProgress;
 
 impl RunEngine {
     pub(super) fn publish(&mut self) {
