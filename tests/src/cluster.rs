@@ -305,13 +305,7 @@ impl Cluster {
 
     /// A client command against the coordinator at `url`.
     pub fn client_at(&self, url: &str, args: &[&str]) -> Output {
-        let mut cmd = Command::new(&self.bin);
-        cmd.args(args)
-            .env("AWS_EC2_METADATA_DISABLED", "true")
-            .args(["--coordinator", url, "--name", "client", "--tls-dir"])
-            .arg(self.pki())
-            .current_dir(self.path());
-        run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
+        self.client_at_in(url, self.path(), args)
     }
 
     pub fn path(&self) -> &Path {
@@ -451,19 +445,7 @@ impl Cluster {
 
     /// A client command against this coordinator (client identity).
     pub fn client(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new(&self.bin);
-        cmd.args(args)
-            .env("AWS_EC2_METADATA_DISABLED", "true")
-            .args([
-                "--coordinator",
-                &self.url(),
-                "--name",
-                "client",
-                "--tls-dir",
-            ])
-            .arg(self.pki())
-            .current_dir(self.path());
-        run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
+        self.client_in(self.path(), args)
     }
 
     /// A client command run from `dir` (a repository a launch sends as its source).
@@ -506,6 +488,12 @@ impl Cluster {
 
     /// Writes a script and launches it; returns the run id.
     pub fn launch(&self, name: &str, body: &str, extra: &[&str]) -> String {
+        self.launch_in(self.path(), name, body, extra)
+    }
+
+    /// Launches workflow `name` with `body` from `dir` (a repository it sends as its source);
+    /// its run id.
+    pub fn launch_in(&self, dir: &Path, name: &str, body: &str, extra: &[&str]) -> String {
         let script = self.path().join(format!("{name}.js"));
         std::fs::write(
             &script,
@@ -516,7 +504,7 @@ impl Cluster {
         .expect("write script");
         let mut args = vec!["launch", script.to_str().expect("utf-8"), "--json"];
         args.extend_from_slice(extra);
-        let out = self.client(&args);
+        let out = self.client_in(dir, &args);
         assert_eq!(out.code, 0, "launch failed: {out:?}");
         out.json()["run_id"].as_str().expect("run_id").to_owned()
     }

@@ -102,34 +102,20 @@ fn an_agent_in_the_sandbox_reaches_nothing_of_the_worker() {
         dir = c.path().display(),
         out = outside.display()
     ));
-    let script = c.path().join("hostile.js");
-    std::fs::write(
-        &script,
-        format!(
-            "export const meta = {{ name: 'hostile', description: 'tries to escape' }};\n\
-             const [slow, probe] = await parallel([\n\
+    let body = format!(
+        "const [slow, probe] = await parallel([\n\
                () => agent('sleep 2; echo slow done', {{ label: 'slow' }}),\n\
                () => agent({}, {{ label: 'probe' }}),\n\
              ]);\n\
              return {{ slow, probe }};\n",
-            serde_json::Value::String(body)
-        ),
-    )
-    .unwrap();
-    let out = c.client_in(
-        &src,
-        &[
-            "launch",
-            script.to_str().unwrap(),
-            "--json",
-            "--stagger",
-            "0",
-            "--backend",
-            "exec",
-        ],
+        serde_json::Value::String(body)
     );
-    assert_eq!(out.code, 0, "{out:?}");
-    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let run = c.launch_in(
+        &src,
+        "hostile",
+        &body,
+        &["--stagger", "0", "--backend", "exec"],
+    );
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
     let text = r["result"]["probe"]
@@ -173,30 +159,16 @@ fn the_real_claude_cli_cannot_read_the_worker_key_and_its_token_dies_with_the_at
     let src = c.path().join("repo");
     repo(&src);
     let key = c.pki().join("worker-0.key");
-    let script = c.path().join("cat.js");
-    std::fs::write(
-        &script,
-        format!(
-            "export const meta = {{ name: 'cat', description: 'reads the key' }};\n\
-             return await agent('read it [[bash:cat {} || echo refused; printenv ANTHROPIC_API_KEY > token.txt; echo kept]]', {{ tools: ['Bash'], label: 'cat' }});",
-            key.display()
-        ),
-    )
-    .unwrap();
-    let out = c.client_in(
-        &src,
-        &[
-            "launch",
-            script.to_str().unwrap(),
-            "--json",
-            "--stagger",
-            "0",
-            "--backend",
-            "claude-code",
-        ],
+    let body = format!(
+        "return await agent('read it [[bash:cat {} || echo refused; printenv ANTHROPIC_API_KEY > token.txt; echo kept]]', {{ tools: ['Bash'], label: 'cat' }});",
+        key.display()
     );
-    assert_eq!(out.code, 0, "{out:?}");
-    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let run = c.launch_in(
+        &src,
+        "cat",
+        &body,
+        &["--stagger", "0", "--backend", "claude-code"],
+    );
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
     let text = r["result"].as_str().unwrap_or_else(|| panic!("{r}"));
@@ -333,34 +305,20 @@ fn an_attempt_over_its_limits_fails_naming_them_and_the_worker_goes_on() {
     }
     let src = c.path().join("repo");
     repo(&src);
-    let script = c.path().join("greedy.js");
-    std::fs::write(
-        &script,
-        "export const meta = { name: 'greedy', description: 'goes over its limits' };\n\
-         const [memory, bomb, tmp, calm] = await parallel([\n\
+    let body = "const [memory, bomb, tmp, calm] = await parallel([\n\
            () => agent('python3 -c \"x = bytearray(512 * 1024 * 1024); print(len(x))\"', { label: 'memory' }),\n\
            () => agent('f() { f | f & }; f; sleep 3; echo survived', { label: 'bomb' }),\n\
            () => agent('dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1 | grep -o \"No space left\"; echo tmp done', { label: 'tmp' }),\n\
            () => agent('echo calm', { label: 'calm' }),\n\
            () => agent('head -c 1048576 /dev/zero > blob.bin; echo wrote', { label: 'blob' }),\n\
          ]);\n\
-         return { memory, bomb, tmp, calm };\n",
-    )
-    .unwrap();
-    let out = c.client_in(
+         return { memory, bomb, tmp, calm };\n";
+    let run = c.launch_in(
         &src,
-        &[
-            "launch",
-            script.to_str().unwrap(),
-            "--json",
-            "--stagger",
-            "0",
-            "--backend",
-            "exec",
-        ],
+        "greedy",
+        body,
+        &["--stagger", "0", "--backend", "exec"],
     );
-    assert_eq!(out.code, 0, "{out:?}");
-    let run = out.json()["run_id"].as_str().unwrap().to_owned();
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"]["calm"], "calm", "{r}");
@@ -600,26 +558,8 @@ fn traps_for_the_worker_s_git_spring_on_nothing() {
         sprung = sprung.display(),
         victim = victim.display(),
     );
-    let launch_in_repo = |name: &str, body: &str| {
-        let script = c.path().join(format!("{name}.js"));
-        std::fs::write(
-            &script,
-            format!("export const meta = {{ name: '{name}', description: 'traps' }};\n{body}\n"),
-        )
-        .unwrap();
-        let out = c.client_in(
-            &src,
-            &[
-                "launch",
-                script.to_str().unwrap(),
-                "--json",
-                "--backend",
-                "exec",
-            ],
-        );
-        assert_eq!(out.code, 0, "{out:?}");
-        out.json()["run_id"].as_str().unwrap().to_owned()
-    };
+    let launch_in_repo =
+        |name: &str, body: &str| c.launch_in(&src, name, body, &["--backend", "exec"]);
     let run = launch_in_repo(
         "trap",
         &format!("return await agent({});", serde_json::Value::String(trap)),
