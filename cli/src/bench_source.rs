@@ -144,7 +144,8 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
             vec![],
             data,
         )
-        .await?;
+        .await
+        .map_err(|e| e.to_string())?;
         up.push(ms(t));
         pack_bytes = bytes;
         snap = Some(s);

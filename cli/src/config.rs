@@ -313,7 +313,7 @@ pub fn settings_from(
         || file.force_model.unwrap_or(false)
         || std::env::var("CLAUDE_CODE_SUBAGENT_MODEL_FORCE").is_ok_and(|v| v == "1" || v == "true");
     if let Some(r) = pick_s(&flags.replay, &file.replay) {
-        s.replay = r.parse::<ReplayMode>()?;
+        s.replay = r.parse::<ReplayMode>().map_err(|e| e.to_string())?;
     }
     if let Some(v) = flags.concurrency.or(file.concurrency) {
         s.concurrency = v;
@@ -363,7 +363,7 @@ pub fn settings_from(
                 .into(),
         );
     }
-    s.validate()?;
+    s.validate().map_err(|e| e.to_string())?;
     Ok(Merged {
         settings: s,
         exec_cmd,
@@ -438,7 +438,7 @@ fn meta_defaults(
             .ok_or_else(|| bad("model", "a model name"))?
             .to_owned();
     }
-    s.validate()
+    s.validate().map_err(|e| e.to_string())
 }
 
 /// Whether new runs are refused (W67): `FLOTILLA_DISABLE_WORKFLOWS=1` (or Claude Code's

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 use tokio::sync::{mpsc, watch};
 
+use crate::source::SourceError;
 use crate::store::Store;
 
 /// What a call changed in its run's source, as journaled with it.
@@ -56,7 +57,7 @@ pub struct Apply {
 #[derive(Debug)]
 pub struct Applied {
     pub call: u64,
-    pub result: Result<ChangeRecord, String>,
+    pub result: Result<ChangeRecord, SourceError>,
 }
 
 /// Starts the keeper of a run whose source is `repo` at `start`. Changes go in on the returned
@@ -104,7 +105,11 @@ struct Keeper {
     bare: PathBuf,
 }
 
-async fn git(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<(bool, String), String> {
+async fn git(
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(bool, String), SourceError> {
     let out = Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -113,28 +118,30 @@ async fn git(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<(bool, S
         .env("GIT_TERMINAL_PROMPT", "0")
         .output()
         .await
-        .map_err(|e| format!("cannot run git on the coordinator: {e}; install git there"))?;
+        .map_err(SourceError::NoGit)?;
     let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     if out.status.success() || out.status.code() == Some(1) {
         Ok((out.status.success(), text))
     } else {
-        Err(format!(
-            "git {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(SourceError::Git {
+            args: args.join(" "),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        })
     }
 }
 
-async fn ok(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, String> {
+async fn ok(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, SourceError> {
     match git(dir, args, env).await? {
         (true, out) => Ok(out),
-        (false, _) => Err(format!("git {} failed", args.join(" "))),
+        (false, _) => Err(SourceError::Git {
+            args: args.join(" "),
+            stderr: "it answered no".into(),
+        }),
     }
 }
 
 impl Keeper {
-    async fn apply(&self, head: &str, a: &Apply) -> Result<ChangeRecord, String> {
+    async fn apply(&self, head: &str, a: &Apply) -> Result<ChangeRecord, SourceError> {
         let mut r = a.record.clone();
         if let Some(pack) = &a.pack {
             crate::source::put_pack(
@@ -233,7 +240,7 @@ impl Keeper {
 
     /// Makes `commit` present in the cache, from the store's packs. Keepers of runs of the
     /// same repository and the session page's diffs share the cache: one fills it at a time.
-    async fn ensure(&self, commit: &str) -> Result<(), String> {
+    async fn ensure(&self, commit: &str) -> Result<(), SourceError> {
         let lock = {
             static CACHES: std::sync::Mutex<
                 std::collections::BTreeMap<PathBuf, std::sync::Arc<tokio::sync::Mutex<()>>>,
@@ -247,8 +254,7 @@ impl Keeper {
         };
         let _filling = lock.lock().await;
         if !self.bare.join("HEAD").exists() {
-            std::fs::create_dir_all(&self.bare)
-                .map_err(|e| format!("cannot make the coordinator's source cache: {e}"))?;
+            std::fs::create_dir_all(&self.bare).map_err(SourceError::Cache)?;
             ok(&self.bare, &["init", "--bare", "-q"], &[]).await?;
         }
         if ok(
@@ -268,13 +274,13 @@ impl Keeper {
                 .prefix("incoming-")
                 .suffix(".pack")
                 .tempfile_in(&self.bare)
-                .map_err(|e| format!("cannot write to the coordinator's source cache: {e}"))?;
+                .map_err(SourceError::Cache)?;
             let got = match self.store.inner.get(&key).await {
                 Ok(got) => got,
                 Err(object_store::Error::NotFound { .. }) => {
-                    return Err(format!("source pack {pack} is missing from the store"));
+                    return Err(SourceError::MissingPack(pack));
                 }
-                Err(e) => return Err(format!("cannot read source pack {pack}: {e}")),
+                Err(source) => return Err(SourceError::ReadPack { pack, source }),
             };
             {
                 use futures::StreamExt;
@@ -282,14 +288,14 @@ impl Keeper {
                 let mut out = tmp.as_file();
                 let mut stream = got.into_stream();
                 while let Some(chunk) = stream.next().await {
-                    let chunk =
-                        chunk.map_err(|e| format!("cannot read source pack {pack}: {e}"))?;
-                    out.write_all(&chunk).map_err(|e| {
-                        format!("cannot write to the coordinator's source cache: {e}")
+                    let chunk = chunk.map_err(|source| SourceError::ReadPack {
+                        pack: pack.clone(),
+                        source,
                     })?;
+                    out.write_all(&chunk).map_err(SourceError::Cache)?;
                 }
             }
-            let file = tmp.reopen().map_err(|e| e.to_string())?;
+            let file = tmp.reopen().map_err(SourceError::Cache)?;
             let out = Command::new("git")
                 .arg("-C")
                 .arg(&self.bare)
@@ -297,13 +303,13 @@ impl Keeper {
                 .stdin(file)
                 .output()
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(SourceError::NoGit)?;
             drop(tmp);
             if !out.status.success() {
-                return Err(format!(
-                    "cannot index source pack {pack}: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
+                return Err(SourceError::Git {
+                    args: format!("index-pack (source pack {pack})"),
+                    stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+                });
             }
             let _ = ok(
                 &self.bare,
@@ -327,7 +333,7 @@ pub async fn diff(
     base: &str,
     commit: &str,
     cache: &Path,
-) -> Result<String, String> {
+) -> Result<String, SourceError> {
     let keeper = Keeper {
         store: store.clone(),
         repo: repo.to_owned(),
@@ -348,7 +354,7 @@ pub async fn diff(
 }
 
 /// `commit` and what it adds over `not`, as one pack.
-async fn pack_objects(repo: &Path, commit: &str, not: &[&str]) -> Result<Vec<u8>, String> {
+async fn pack_objects(repo: &Path, commit: &str, not: &[&str]) -> Result<Vec<u8>, SourceError> {
     let mut child = Command::new("git")
         .arg("-C")
         .arg(repo)
@@ -357,7 +363,7 @@ async fn pack_objects(repo: &Path, commit: &str, not: &[&str]) -> Result<Vec<u8>
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| e.to_string())?;
+        .map_err(SourceError::NoGit)?;
     if let Some(mut stdin) = child.stdin.take() {
         use tokio::io::AsyncWriteExt;
         let mut revs = format!("{commit}\n");
@@ -367,11 +373,23 @@ async fn pack_objects(repo: &Path, commit: &str, not: &[&str]) -> Result<Vec<u8>
         stdin
             .write_all(revs.as_bytes())
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| SourceError::Git {
+                args: "pack-objects".into(),
+                stderr: e.to_string(),
+            })?;
     }
-    let out = child.wait_with_output().await.map_err(|e| e.to_string())?;
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| SourceError::Git {
+            args: "pack-objects".into(),
+            stderr: e.to_string(),
+        })?;
     if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+        return Err(SourceError::Git {
+            args: "pack-objects".into(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
     }
     Ok(out.stdout)
 }

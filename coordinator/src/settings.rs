@@ -16,6 +16,75 @@ pub const MAX_SCRIPT_MEMORY_MB: u64 = 16 * 1024;
 /// How long a call waits for a worker that offers its backend, by default.
 pub const DEFAULT_WORKER_WAIT_MS: u64 = 10 * 60 * 1000;
 
+/// A run setting that cannot be used; each message names the setting and what it takes.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SettingsError {
+    #[error("unknown replay mode {0:?}: use content or prefix")]
+    Replay(String),
+    #[error("concurrency must be at least 1")]
+    Concurrency,
+    #[error("--budget-usd must be a positive amount of dollars, e.g. --budget-usd 5")]
+    BudgetUsd,
+    #[error("attempts must be at least 1")]
+    Attempts,
+    #[error("schema attempts must be at least 1")]
+    SchemaAttempts,
+    #[error("the stall timeout must be longer than 0")]
+    NoStallTimeout,
+    #[error("the stall timeout must be at most 7 days")]
+    StallTimeout,
+    #[error("the stagger cap must be at most 1 hour (0 turns it off)")]
+    Stagger,
+    #[error("the script CPU limit must be longer than 0")]
+    NoScriptCpu,
+    #[error("the script CPU limit must be at most 1 hour")]
+    ScriptCpu,
+    #[error("the script memory limit must be at least 8 MiB")]
+    ScriptMemoryLow,
+    #[error(
+        "the script memory limit must be at most {MAX_SCRIPT_MEMORY_MB} MiB (16 GiB); the script only orchestrates, agents do the work"
+    )]
+    ScriptMemoryHigh,
+    #[error("the worker wait must be longer than 0")]
+    NoWorkerWait,
+    #[error("a backend must be named (e.g. echo or exec)")]
+    NoBackend,
+    #[error("source repository {0:?} is not an id (letters, digits, - and _)")]
+    SourceRepo(String),
+    #[error("source submodule path {0:?} is not a path inside the repository")]
+    Submodule(String),
+    #[error("source commit {0:?} is not a full commit id (40 or 64 hex digits)")]
+    SourceCommit(String),
+    #[error(
+        "source URL {0:?} cannot be fetched: give git+URL#REF, e.g. git+https://host/repo.git#main"
+    )]
+    SourceUrl(String),
+    #[error("source ref {0:?} is not a branch, tag or commit name")]
+    SourceRef(String),
+    #[error("source repository {repo:?} is not the id of {url:?}; leave it to the launcher")]
+    NotTheUrlsRepo { repo: String, url: String },
+}
+
+impl SettingsError {
+    /// Every one is the caller's to fix.
+    pub fn kind(&self) -> flotilla_proto::ErrorKind {
+        flotilla_proto::ErrorKind::Invalid
+    }
+
+    /// Whether it is about the run's source (what a launcher sent, not what a user typed).
+    pub fn is_source(&self) -> bool {
+        matches!(
+            self,
+            SettingsError::SourceRepo(_)
+                | SettingsError::Submodule(_)
+                | SettingsError::SourceCommit(_)
+                | SettingsError::SourceUrl(_)
+                | SettingsError::SourceRef(_)
+                | SettingsError::NotTheUrlsRepo { .. }
+        )
+    }
+}
+
 /// How a resumed run reuses the results of its source run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -30,14 +99,12 @@ pub enum ReplayMode {
 }
 
 impl std::str::FromStr for ReplayMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = SettingsError;
+    fn from_str(s: &str) -> Result<Self, SettingsError> {
         match s {
             "content" => Ok(ReplayMode::Content),
             "prefix" => Ok(ReplayMode::Prefix),
-            other => Err(format!(
-                "unknown replay mode {other:?}: use content or prefix"
-            )),
+            other => Err(SettingsError::Replay(other.to_owned())),
         }
     }
 }
@@ -128,49 +195,36 @@ impl Default for RunSettings {
 
 impl RunSettings {
     /// Checks the settings; the error names the setting and the fix.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.concurrency == 0 {
-            return Err("concurrency must be at least 1".into());
-        }
-        if self.budget_usd.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
-            return Err(
-                "--budget-usd must be a positive amount of dollars, e.g. --budget-usd 5".into(),
-            );
-        }
-        if self.attempts == 0 {
-            return Err("attempts must be at least 1".into());
-        }
-        if self.schema_attempts == 0 {
-            return Err("schema attempts must be at least 1".into());
-        }
-        if self.stall_timeout_ms == 0 {
-            return Err("the stall timeout must be longer than 0".into());
-        }
-        if self.stall_timeout_ms > MAX_STALL_TIMEOUT_MS {
-            return Err("the stall timeout must be at most 7 days".into());
-        }
-        if self.stagger_ms > MAX_STAGGER_MS {
-            return Err("the stagger cap must be at most 1 hour (0 turns it off)".into());
-        }
-        if self.script_cpu_ms > MAX_SCRIPT_CPU_MS {
-            return Err("the script CPU limit must be at most 1 hour".into());
-        }
-        if self.script_memory_mb < 8 {
-            return Err("the script memory limit must be at least 8 MiB".into());
-        }
-        if self.script_memory_mb > MAX_SCRIPT_MEMORY_MB {
-            return Err(format!(
-                "the script memory limit must be at most {MAX_SCRIPT_MEMORY_MB} MiB (16 GiB); the script only orchestrates, agents do the work"
-            ));
-        }
-        if self.worker_wait_ms == 0 {
-            return Err("the worker wait must be longer than 0".into());
-        }
-        if self.script_cpu_ms == 0 {
-            return Err("the script CPU limit must be longer than 0".into());
-        }
-        if self.backend.is_empty() {
-            return Err("a backend must be named (e.g. echo or exec)".into());
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        let checks = [
+            (self.concurrency == 0, SettingsError::Concurrency),
+            (
+                self.budget_usd.is_some_and(|b| !(b > 0.0 && b.is_finite())),
+                SettingsError::BudgetUsd,
+            ),
+            (self.attempts == 0, SettingsError::Attempts),
+            (self.schema_attempts == 0, SettingsError::SchemaAttempts),
+            (self.stall_timeout_ms == 0, SettingsError::NoStallTimeout),
+            (
+                self.stall_timeout_ms > MAX_STALL_TIMEOUT_MS,
+                SettingsError::StallTimeout,
+            ),
+            (self.stagger_ms > MAX_STAGGER_MS, SettingsError::Stagger),
+            (
+                self.script_cpu_ms > MAX_SCRIPT_CPU_MS,
+                SettingsError::ScriptCpu,
+            ),
+            (self.script_memory_mb < 8, SettingsError::ScriptMemoryLow),
+            (
+                self.script_memory_mb > MAX_SCRIPT_MEMORY_MB,
+                SettingsError::ScriptMemoryHigh,
+            ),
+            (self.worker_wait_ms == 0, SettingsError::NoWorkerWait),
+            (self.script_cpu_ms == 0, SettingsError::NoScriptCpu),
+            (self.backend.is_empty(), SettingsError::NoBackend),
+        ];
+        if let Some((_, e)) = checks.into_iter().find(|(bad, _)| *bad) {
+            return Err(e);
         }
         if let Some(source) = &self.source {
             source.validate()?;
@@ -187,12 +241,9 @@ impl SourceRef {
     }
 
     /// Checks what workers will be told to fetch or check out.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SettingsError> {
         if !crate::source::valid_id(&self.repo) || self.repo.starts_with('-') {
-            return Err(format!(
-                "source repository {:?} is not an id (letters, digits, - and _)",
-                self.repo
-            ));
+            return Err(SettingsError::SourceRepo(self.repo.clone()));
         }
         for path in &self.submodules {
             let plain = !path.is_empty()
@@ -203,19 +254,14 @@ impl SourceRef {
                     .split('/')
                     .all(|c| !c.is_empty() && c != "." && c != "..");
             if !plain || self.url.is_some() {
-                return Err(format!(
-                    "source submodule path {path:?} is not a path inside the repository"
-                ));
+                return Err(SettingsError::Submodule(path.clone()));
             }
         }
         match &self.url {
             None => {
                 let hex = self.commit.chars().all(|c| c.is_ascii_hexdigit());
                 if !hex || !matches!(self.commit.len(), 40 | 64) {
-                    return Err(format!(
-                        "source commit {:?} is not a full commit id (40 or 64 hex digits)",
-                        self.commit
-                    ));
+                    return Err(SettingsError::SourceCommit(self.commit.clone()));
                 }
             }
             Some(url) => {
@@ -224,9 +270,7 @@ impl SourceRef {
                     || url.starts_with('-')
                     || url.chars().any(char::is_control)
                 {
-                    return Err(format!(
-                        "source URL {url:?} cannot be fetched: give git+URL#REF, e.g. git+https://host/repo.git#main"
-                    ));
+                    return Err(SettingsError::SourceUrl(url.clone()));
                 }
                 let rev = &self.commit;
                 let plain = !rev.is_empty()
@@ -237,15 +281,13 @@ impl SourceRef {
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
                 if !plain {
-                    return Err(format!(
-                        "source ref {rev:?} is not a branch, tag or commit name"
-                    ));
+                    return Err(SettingsError::SourceRef(rev.clone()));
                 }
                 if self.repo != Self::url_repo(url) {
-                    return Err(format!(
-                        "source repository {:?} is not the id of {url:?}; leave it to the launcher",
-                        self.repo
-                    ));
+                    return Err(SettingsError::NotTheUrlsRepo {
+                        repo: self.repo.clone(),
+                        url: url.clone(),
+                    });
                 }
             }
         }
@@ -257,7 +299,7 @@ impl SourceRef {
 mod tests {
     use super::*;
 
-    fn with(source: SourceRef) -> Result<(), String> {
+    fn with(source: SourceRef) -> Result<(), SettingsError> {
         RunSettings {
             source: Some(source),
             ..RunSettings::default()
@@ -286,7 +328,8 @@ mod tests {
             ("r", &"g".repeat(40)),
         ] {
             let e = with(snap(repo, commit)).unwrap_err();
-            assert!(e.starts_with("source "), "{repo} {commit}: {e}");
+            assert!(e.is_source(), "{repo} {commit}: {e}");
+            assert!(e.to_string().starts_with("source "), "{repo} {commit}: {e}");
         }
         let url = |url: &str, rev: &str| SourceRef {
             repo: SourceRef::url_repo(url),
@@ -304,18 +347,56 @@ mod tests {
             ("--upload-pack=x", "main"),
             ("https://h/r\n.git", "main"),
         ] {
-            assert!(with(url(u, rev)).is_err(), "{u} {rev}");
+            assert!(with(url(u, rev)).is_err_and(|e| e.is_source()), "{u} {rev}");
         }
         let mut sub = snap("0123abcd", &c40);
         sub.submodules = vec!["vendor/lib".into()];
         assert_eq!(with(sub.clone()), Ok(()));
         for bad in ["", "/etc", "a/../b", "a//b", "x\n"] {
             sub.submodules = vec![bad.into()];
-            assert!(with(sub.clone()).is_err(), "{bad:?}");
+            assert_eq!(with(sub.clone()), Err(SettingsError::Submodule(bad.into())));
         }
         // A URL source under another repository's id (its cache on the workers) is refused.
         let mut other = url("https://h/r.git", "main");
         other.repo = "0123abcd".into();
-        assert!(with(other).unwrap_err().contains("not the id of"));
+        assert!(matches!(
+            with(other),
+            Err(SettingsError::NotTheUrlsRepo { .. })
+        ));
+    }
+
+    #[test]
+    fn each_bad_setting_is_named() {
+        let bad = |f: fn(&mut RunSettings)| {
+            let mut s = RunSettings::default();
+            f(&mut s);
+            s.validate().unwrap_err()
+        };
+        assert_eq!(RunSettings::default().validate(), Ok(()));
+        assert_eq!(bad(|s| s.concurrency = 0), SettingsError::Concurrency);
+        assert_eq!(bad(|s| s.budget_usd = Some(-1.0)), SettingsError::BudgetUsd);
+        assert_eq!(
+            bad(|s| s.budget_usd = Some(f64::NAN)),
+            SettingsError::BudgetUsd
+        );
+        assert_eq!(bad(|s| s.attempts = 0), SettingsError::Attempts);
+        assert_eq!(
+            bad(|s| s.stall_timeout_ms = 0),
+            SettingsError::NoStallTimeout
+        );
+        assert_eq!(
+            bad(|s| s.script_memory_mb = 4),
+            SettingsError::ScriptMemoryLow
+        );
+        assert_eq!(bad(|s| s.script_cpu_ms = 0), SettingsError::NoScriptCpu);
+        assert_eq!(bad(|s| s.backend.clear()), SettingsError::NoBackend);
+        assert_eq!(
+            "fast".parse::<ReplayMode>(),
+            Err(SettingsError::Replay("fast".into()))
+        );
+        assert_eq!(
+            bad(|s| s.attempts = 0).kind(),
+            flotilla_proto::ErrorKind::Invalid
+        );
     }
 }

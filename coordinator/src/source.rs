@@ -25,6 +25,71 @@ pub const CHUNK: usize = 1 << 20;
 /// The largest pack the coordinator takes.
 pub const MAX_PACK_BYTES: u64 = 8 << 30;
 
+/// Why a source could not be taken, found, sent or merged.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("a source upload must name its repository and commit")]
+    Unnamed,
+    #[error("the source pack is {0} bytes, more than this coordinator takes ({MAX_PACK_BYTES})")]
+    TooLarge(u64),
+    #[error("the source pack is larger than this coordinator takes ({MAX_PACK_BYTES} bytes)")]
+    Overran,
+    #[error(
+        "the source upload ended after {got} of the {announced} bytes it announced; launch again"
+    )]
+    Short { got: u64, announced: u64 },
+    #[error("{0:?} is not a commit id")]
+    NotACommit(String),
+    #[error("{0:?} does not name a source repository")]
+    NotARepo(String),
+    #[error(
+        "the store has no commit {commit} of source {repo}; launch the run again from its repository"
+    )]
+    NoCommit { repo: String, commit: String },
+    #[error("the record of commit {commit} is unreadable: {reason}")]
+    BadRecord { commit: String, reason: String },
+    #[error("source pack {0} is missing from the store")]
+    MissingPack(String),
+    #[error("cannot read source pack {pack}: {source}")]
+    ReadPack {
+        pack: String,
+        #[source]
+        source: object_store::Error,
+    },
+    #[error("cannot store the source: {0}")]
+    Write(#[from] object_store::Error),
+    #[error("cannot read the source's records: {0}")]
+    Store(#[from] Error),
+    #[error("cannot run git on the coordinator: {0}; install git there")]
+    NoGit(#[source] std::io::Error),
+    #[error("git {args} failed: {stderr}")]
+    Git { args: String, stderr: String },
+    #[error("cannot use the coordinator's source cache: {0}")]
+    Cache(#[source] std::io::Error),
+}
+
+impl SourceError {
+    pub fn kind(&self) -> flotilla_proto::ErrorKind {
+        use flotilla_proto::ErrorKind;
+        match self {
+            SourceError::Unnamed
+            | SourceError::TooLarge(_)
+            | SourceError::Overran
+            | SourceError::Short { .. }
+            | SourceError::NotACommit(_)
+            | SourceError::NotARepo(_) => ErrorKind::Invalid,
+            SourceError::NoCommit { .. } => ErrorKind::NotFound,
+            SourceError::ReadPack { .. } | SourceError::Write(_) => ErrorKind::Unavailable,
+            SourceError::Store(e) => e.kind(),
+            SourceError::BadRecord { .. }
+            | SourceError::MissingPack(_)
+            | SourceError::NoGit(_)
+            | SourceError::Git { .. }
+            | SourceError::Cache(_) => ErrorKind::Internal,
+        }
+    }
+}
+
 /// Where a commit is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommitRecord {
@@ -83,30 +148,23 @@ impl std::fmt::Debug for Receiver {
 
 impl Receiver {
     /// From the first chunk's header.
-    pub async fn start(store: Store, first: &v1::SourceUpload) -> Result<Receiver, String> {
+    pub async fn start(store: Store, first: &v1::SourceUpload) -> Result<Receiver, SourceError> {
         if !valid_id(&first.repo) || !valid_id(&first.tip) {
-            return Err("a source upload must name its repository and commit".into());
+            return Err(SourceError::Unnamed);
         }
         if first.total_bytes > MAX_PACK_BYTES {
-            return Err(format!(
-                "the source pack is {} bytes, more than this coordinator takes ({MAX_PACK_BYTES})",
-                first.total_bytes
-            ));
+            return Err(SourceError::TooLarge(first.total_bytes));
         }
-        if first
+        if let Some(bad) = first
             .also
             .iter()
             .chain(&first.prerequisites)
-            .any(|c| !valid_id(c))
+            .find(|c| !valid_id(c))
         {
-            return Err("a source upload names a commit that is not a commit id".into());
+            return Err(SourceError::NotACommit(bad.clone()));
         }
         let incoming = keys::source_incoming(&first.repo, &crate::coordinator::new_run_id());
-        let upload = store
-            .inner
-            .put_multipart(&incoming)
-            .await
-            .map_err(|e| format!("cannot store the source: {e}"))?;
+        let upload = store.inner.put_multipart(&incoming).await?;
         Ok(Receiver {
             store,
             repo: first.repo.clone(),
@@ -121,16 +179,13 @@ impl Receiver {
         })
     }
 
-    pub async fn push(&mut self, data: &[u8]) -> Result<(), String> {
+    pub async fn push(&mut self, data: &[u8]) -> Result<(), SourceError> {
         self.bytes += data.len() as u64;
         if self.bytes > MAX_PACK_BYTES {
-            return Err("the source pack is larger than this coordinator takes".into());
+            return Err(SourceError::Overran);
         }
         self.hasher.update(data);
-        self.upload
-            .wait_for_capacity(4)
-            .await
-            .map_err(|e| format!("cannot store the source: {e}"))?;
+        self.upload.wait_for_capacity(4).await?;
         self.upload.write(data);
         Ok(())
     }
@@ -143,36 +198,32 @@ impl Receiver {
     /// Files the pack under its hash (a pack already there stays) and records the commits.
     /// A commit already recorded with its pack in the store keeps its record: an upload
     /// never repoints a commit other runs use.
-    pub async fn finish(self) -> Result<(String, u64), String> {
-        let err = |e: &dyn std::fmt::Display| format!("cannot store the source: {e}");
+    pub async fn finish(self) -> Result<(String, u64), SourceError> {
         if self.bytes != self.total {
             let _ = self.upload.abort().await;
-            return Err(format!(
-                "the source upload ended after {} of the {} bytes it announced; launch again",
-                self.bytes, self.total
-            ));
+            return Err(SourceError::Short {
+                got: self.bytes,
+                announced: self.total,
+            });
         }
         let sha = hex::encode(self.hasher.finalize());
-        self.upload.finish().await.map_err(|e| err(&e))?;
+        self.upload.finish().await?;
         let pack = keys::source_pack(&self.repo, &sha);
         let copied = self.store.inner.copy(&self.incoming, &pack).await;
         let _ = self.store.inner.delete(&self.incoming).await;
-        copied.map_err(|e| err(&e))?;
+        copied?;
         let record = CommitRecord {
             pack: sha.clone(),
             prerequisites: self.prerequisites,
         };
-        let body = Bytes::from(serde_json::to_vec(&record).map_err(|e| err(&e))?);
+        let body = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
         // The tip last: a commit is only ever recorded once its pack is stored.
         for c in self.also.iter().chain(std::iter::once(&self.tip)) {
             let key = keys::source_commit(&self.repo, c);
             if intact(&self.store, &self.repo, &key).await {
                 continue;
             }
-            self.store
-                .put_overwrite(&key, body.clone())
-                .await
-                .map_err(|e| err(&e))?;
+            self.store.put_overwrite(&key, body.clone()).await?;
         }
         Ok((sha, self.bytes))
     }
@@ -199,7 +250,7 @@ pub async fn chain(
     store: &Store,
     repo: &str,
     commit: &str,
-) -> Result<Vec<(String, String)>, String> {
+) -> Result<Vec<(String, String)>, SourceError> {
     let mut out: Vec<(String, String)> = Vec::new();
     let mut todo = vec![commit.to_owned()];
     let mut seen = std::collections::HashSet::new();
@@ -208,17 +259,20 @@ pub async fn chain(
             continue;
         }
         if !valid_id(&c) {
-            return Err(format!("{c:?} is not a commit id"));
+            return Err(SourceError::NotACommit(c));
         }
         let body = store
             .get(&keys::source_commit(repo, &c))
-            .await
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| {
-                format!("the store has no commit {c} of source {repo}; launch the run again from its repository")
+            .await?
+            .ok_or_else(|| SourceError::NoCommit {
+                repo: repo.to_owned(),
+                commit: c.clone(),
             })?;
-        let r: CommitRecord = serde_json::from_slice(&body)
-            .map_err(|e| format!("the record of commit {c} is unreadable: {e}"))?;
+        let r: CommitRecord =
+            serde_json::from_slice(&body).map_err(|e| SourceError::BadRecord {
+                commit: c.clone(),
+                reason: e.to_string(),
+            })?;
         if !out.iter().any(|(p, _)| *p == r.pack) {
             out.push((r.pack, c));
         }
@@ -288,18 +342,15 @@ pub async fn serve(
 /// Every pack of the commit's chain the requester does not have, in chunks, then `done` (or
 /// `error`), to `sink`.
 pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
-    let fail = |error: String| v1::SourceData {
+    let fail = |error: SourceError| v1::SourceData {
         request: req.id,
-        error,
+        error: error.to_string(),
         done: true,
         ..v1::SourceData::default()
     };
     if !valid_id(&req.repo) {
-        sink.send(fail(format!(
-            "{:?} does not name a source repository",
-            req.repo
-        )))
-        .await;
+        sink.send(fail(SourceError::NotARepo(req.repo.clone())))
+            .await;
         return;
     }
     let packs = match chain(&store, &req.repo, &req.commit).await {
@@ -319,8 +370,11 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
         let size = match store.inner.head(&key).await {
             Ok(m) => m.size,
             Err(e) => {
-                sink.send(fail(format!("cannot read source pack {pack}: {e}")))
-                    .await;
+                sink.send(fail(SourceError::ReadPack {
+                    pack: pack.clone(),
+                    source: e,
+                }))
+                .await;
                 return;
             }
         };
@@ -330,8 +384,11 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
             let data = match store.inner.get_range(&key, at..end).await {
                 Ok(d) => d,
                 Err(e) => {
-                    sink.send(fail(format!("cannot read source pack {pack}: {e}")))
-                        .await;
+                    sink.send(fail(SourceError::ReadPack {
+                        pack: pack.clone(),
+                        source: e,
+                    }))
+                    .await;
                     return;
                 }
             };
@@ -373,7 +430,7 @@ pub async fn put_pack(
     tip: &str,
     prerequisites: Vec<String>,
     bytes: Vec<u8>,
-) -> Result<String, String> {
+) -> Result<String, SourceError> {
     let mut r = Receiver::start(
         store.clone(),
         &v1::SourceUpload {
@@ -414,7 +471,11 @@ mod tests {
             [(a.clone(), "c1".to_owned()), (b.clone(), "c2".to_owned())]
         );
         let e = chain(&store, "r1", "c9").await.unwrap_err();
-        assert!(e.contains("no commit c9"), "{e}");
+        assert!(
+            matches!(&e, SourceError::NoCommit { commit, .. } if commit == "c9"),
+            "{e}"
+        );
+        assert_eq!(e.kind(), flotilla_proto::ErrorKind::NotFound);
         // A worker that has the first pack gets only the second, in chunks, then done.
         let (tx, mut rx) = mpsc::unbounded_channel();
         serve(
@@ -516,7 +577,8 @@ mod tests {
         .unwrap();
         r.push(b"only ten b").await.unwrap();
         let e = r.finish().await.unwrap_err();
-        assert!(e.contains("10 of the 100 bytes"), "{e}");
+        assert!(e.to_string().contains("10 of the 100 bytes"), "{e}");
+        assert_eq!(e.kind(), flotilla_proto::ErrorKind::Invalid);
         assert!(have(&store, "r1", &["c5".into()]).await.unwrap().is_empty());
     }
 }

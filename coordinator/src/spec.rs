@@ -20,6 +20,45 @@ pub const KEY_VERSION: &str = "v1";
 pub const LABEL_CHARS: usize = 60;
 const EFFORTS: [&str; 5] = ["low", "medium", "high", "xhigh", "max"];
 
+/// Why a call's options were refused; each message names the option and what it takes.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpecError {
+    #[error("agent() options must be an object")]
+    NotAnObject,
+    #[error("agent() option `{option}` must be a string, got {got}")]
+    NotAString {
+        option: &'static str,
+        got: &'static str,
+    },
+    #[error("agent() option `effort` must be one of {}, got {given:?}", EFFORTS.join(", "), given = .0)]
+    Effort(String),
+    #[error("agent() option isolation: 'remote' is unavailable; use 'worktree' or leave it out")]
+    RemoteIsolation,
+    #[error("agent() option `isolation` must be 'worktree', got {0:?}")]
+    Isolation(String),
+    #[error("agent() option `tools` must be a list of tool names, found {0}")]
+    ToolName(&'static str),
+    #[error("agent() option `tools` must be a list of tool names, got {0}")]
+    Tools(&'static str),
+    #[error(
+        "agent() option `timeout` must be a positive number of milliseconds or a duration like '5m'"
+    )]
+    TimeoutNumber,
+    #[error(
+        "agent() option `timeout` {given:?} is not a duration ({reason}); use e.g. '90s' or '5m'"
+    )]
+    TimeoutDuration { given: String, reason: String },
+    #[error("agent() option `timeout` must be milliseconds or a duration string, got {0}")]
+    Timeout(&'static str),
+}
+
+impl SpecError {
+    /// Every refusal is the script's to fix.
+    pub fn kind(&self) -> flotilla_proto::ErrorKind {
+        flotilla_proto::ErrorKind::Invalid
+    }
+}
+
 /// The normalized options of one call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallSpec {
@@ -45,19 +84,19 @@ impl CallSpec {
         opts_json: &str,
         backend: &str,
         default_model: &str,
-    ) -> Result<CallSpec, String> {
+    ) -> Result<CallSpec, SpecError> {
         let options: Map<String, Value> = match serde_json::from_str(opts_json) {
             Ok(Value::Object(m)) => m,
-            Ok(_) | Err(_) => return Err("agent() options must be an object".into()),
+            Ok(_) | Err(_) => return Err(SpecError::NotAnObject),
         };
-        let string = |name: &str| -> Result<Option<String>, String> {
-            match options.get(name) {
+        let string = |option: &'static str| -> Result<Option<String>, SpecError> {
+            match options.get(option) {
                 None | Some(Value::Null) => Ok(None),
                 Some(Value::String(s)) => Ok(Some(s.clone())),
-                Some(other) => Err(format!(
-                    "agent() option `{name}` must be a string, got {}",
-                    json_kind(other)
-                )),
+                Some(other) => Err(SpecError::NotAString {
+                    option,
+                    got: json_kind(other),
+                }),
             }
         };
         let label = string("label")?
@@ -68,26 +107,14 @@ impl CallSpec {
             .unwrap_or_else(|| default_model.to_owned());
         let effort = string("effort")?.unwrap_or_default();
         if !effort.is_empty() && !EFFORTS.contains(&effort.as_str()) {
-            return Err(format!(
-                "agent() option `effort` must be one of {}, got {effort:?}",
-                EFFORTS.join(", ")
-            ));
+            return Err(SpecError::Effort(effort));
         }
         let agent_type = string("agentType")?.unwrap_or_default();
         let isolation = string("isolation")?.unwrap_or_default();
         match isolation.as_str() {
             "" | "worktree" => {}
-            "remote" => {
-                return Err(
-                    "agent() option isolation: 'remote' is unavailable; use 'worktree' or leave it out"
-                        .into(),
-                );
-            }
-            other => {
-                return Err(format!(
-                    "agent() option `isolation` must be 'worktree', got {other:?}"
-                ));
-            }
+            "remote" => return Err(SpecError::RemoteIsolation),
+            other => return Err(SpecError::Isolation(other.to_owned())),
         }
         let cwd = string("cwd")?.unwrap_or_default();
         let tools = match options.get("tools") {
@@ -97,45 +124,26 @@ impl CallSpec {
                 for item in items {
                     match item {
                         Value::String(s) => tools.push(s.clone()),
-                        other => {
-                            return Err(format!(
-                                "agent() option `tools` must be a list of tool names, found {}",
-                                json_kind(other)
-                            ));
-                        }
+                        other => return Err(SpecError::ToolName(json_kind(other))),
                     }
                 }
                 tools
             }
-            Some(other) => {
-                return Err(format!(
-                    "agent() option `tools` must be a list of tool names, got {}",
-                    json_kind(other)
-                ));
-            }
+            Some(other) => return Err(SpecError::Tools(json_kind(other))),
         };
         let timeout_ms = match options.get("timeout") {
             None | Some(Value::Null) => 0,
             Some(Value::Number(n)) => match n.as_f64() {
                 Some(ms) if ms > 0.0 && ms.is_finite() => ms.round() as u64,
-                _ => {
-                    return Err(
-                        "agent() option `timeout` must be a positive number of milliseconds or a duration like '5m'"
-                            .into(),
-                    );
-                }
+                _ => return Err(SpecError::TimeoutNumber),
             },
             Some(Value::String(s)) => humantime::parse_duration(s)
                 .map(|d| d.as_millis() as u64)
-                .map_err(|e| {
-                    format!("agent() option `timeout` {s:?} is not a duration ({e}); use e.g. '90s' or '5m'")
+                .map_err(|e| SpecError::TimeoutDuration {
+                    given: s.clone(),
+                    reason: e.to_string(),
                 })?,
-            Some(other) => {
-                return Err(format!(
-                    "agent() option `timeout` must be milliseconds or a duration string, got {}",
-                    json_kind(other)
-                ));
-            }
+            Some(other) => return Err(SpecError::Timeout(json_kind(other))),
         };
         let schema = match options.get("schema") {
             None | Some(Value::Null) => None,
@@ -271,14 +279,53 @@ mod tests {
 
     #[test]
     fn bad_values_of_known_options_are_refused_by_name() {
-        let e = CallSpec::parse("p".into(), r#"{"effort": "fast"}"#, "echo", "").unwrap_err();
-        assert!(e.contains("`effort`"), "{e}");
-        let e = CallSpec::parse("p".into(), r#"{"isolation": "remote"}"#, "echo", "").unwrap_err();
-        assert!(e.contains("unavailable"), "{e}");
-        let e = CallSpec::parse("p".into(), r#"{"tools": "Bash"}"#, "echo", "").unwrap_err();
-        assert!(e.contains("`tools`"), "{e}");
-        let e = CallSpec::parse("p".into(), r#"{"model": 3}"#, "echo", "").unwrap_err();
-        assert!(e.contains("`model`"), "{e}");
+        let refused = |opts: &str| CallSpec::parse("p".into(), opts, "echo", "").unwrap_err();
+        let e = refused(r#"{"effort": "fast"}"#);
+        assert_eq!(e, SpecError::Effort("fast".into()));
+        assert!(
+            e.to_string()
+                .contains("`effort` must be one of low, medium"),
+            "{e}"
+        );
+        assert_eq!(
+            refused(r#"{"isolation": "remote"}"#),
+            SpecError::RemoteIsolation
+        );
+        assert_eq!(
+            refused(r#"{"isolation": "vm"}"#),
+            SpecError::Isolation("vm".into())
+        );
+        assert_eq!(
+            refused(r#"{"tools": "Bash"}"#),
+            SpecError::Tools("a string")
+        );
+        assert_eq!(
+            refused(r#"{"tools": ["Bash", 1]}"#),
+            SpecError::ToolName("a number")
+        );
+        let e = refused(r#"{"model": 3}"#);
+        assert_eq!(
+            e,
+            SpecError::NotAString {
+                option: "model",
+                got: "a number"
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "agent() option `model` must be a string, got a number"
+        );
+        assert_eq!(refused(r#"{"timeout": -1}"#), SpecError::TimeoutNumber);
+        assert!(matches!(
+            refused(r#"{"timeout": "soon"}"#),
+            SpecError::TimeoutDuration { .. }
+        ));
+        assert_eq!(
+            refused(r#"{"timeout": true}"#),
+            SpecError::Timeout("a boolean")
+        );
+        assert_eq!(refused("[1]"), SpecError::NotAnObject);
+        assert_eq!(e.kind(), flotilla_proto::ErrorKind::Invalid);
         assert_eq!(spec("p", r#"{"timeout": "2s"}"#).timeout_ms, 2000);
         assert_eq!(spec("p", r#"{"timeout": 150}"#).timeout_ms, 150);
     }

@@ -473,16 +473,16 @@ impl ClientService for ClientSvc {
             .ok_or_else(|| ErrorKind::Invalid.status("an empty source upload"))?;
         let mut rx = crate::source::Receiver::start(self.coordinator.store().clone(), &first)
             .await
-            .map_err(|e| ErrorKind::Invalid.status(e))?;
+            .map_err(|e| e.kind().status(e.to_string()))?;
         // A pack that fails part way is dropped from the store, not left half uploaded.
         let received = async {
             rx.push(&first.data)
                 .await
-                .map_err(|e| ErrorKind::Invalid.status(e))?;
+                .map_err(|e| e.kind().status(e.to_string()))?;
             while let Some(chunk) = chunks.message().await? {
                 rx.push(&chunk.data)
                     .await
-                    .map_err(|e| ErrorKind::Invalid.status(e))?;
+                    .map_err(|e| e.kind().status(e.to_string()))?;
             }
             Ok::<_, Status>(())
         }
@@ -494,7 +494,7 @@ impl ClientService for ClientSvc {
         let (pack, bytes) = rx
             .finish()
             .await
-            .map_err(|e| ErrorKind::Unavailable.status(e))?;
+            .map_err(|e| e.kind().status(e.to_string()))?;
         tracing::info!(repo = %first.repo, commit = %first.tip, pack = %pack, bytes, "stored a source pack");
         Ok(Response::new(v1::PutSourceReply { pack, bytes }))
     }

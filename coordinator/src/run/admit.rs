@@ -212,7 +212,7 @@ impl Admitter {
         flotilla_proto::frag::check_call_size(prompt.len() + opts_json.len())
             .map_err(|e| (RejectCode::TooLarge, e))?;
         let mut spec = CallSpec::parse(prompt, opts_json, &settings.backend, "")
-            .map_err(|e| (RejectCode::InvalidOption, e))?;
+            .map_err(|e| (RejectCode::InvalidOption, e.to_string()))?;
         let (type_model, agent_def) = if spec.agent_type.is_empty() {
             (None, None)
         } else {

@@ -295,7 +295,8 @@ impl Dispatcher {
             let stored =
                 crate::source::put_pack(&store, &p.repo, &p.commit, vec![p.base.clone()], p.pack)
                     .await
-                    .map(|_| (p.base, p.commit));
+                    .map(|_| (p.base, p.commit))
+                    .map_err(|e| e.to_string());
             let _ = tx.send(Msg::PartialStored {
                 run,
                 call,

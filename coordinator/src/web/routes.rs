@@ -252,7 +252,7 @@ pub(super) async fn render_change(
             Ok(d) => out.push_str(&format!("<pre class=diff>{}</pre>", esc(&d))),
             Err(e) => out.push_str(&format!(
                 "<p class=err>cannot show the diff: {}</p>",
-                esc(&e)
+                esc(&e.to_string())
             )),
         }
     }
@@ -298,7 +298,10 @@ pub(super) async fn run_diff(
             esc(&run),
             esc(&d)
         ),
-        Err(e) => format!("<p class=err>cannot show the diff: {}</p>", esc(&e)),
+        Err(e) => format!(
+            "<p class=err>cannot show the diff: {}</p>",
+            esc(&e.to_string())
+        ),
     };
     Html(page(&run, &body)).into_response()
 }
