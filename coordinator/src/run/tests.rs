@@ -16,12 +16,7 @@ struct Harness {
 
 fn harness() -> Harness {
     let faulty = FaultyStore::new(Arc::new(InMemory::new()));
-    let store = Store {
-        url: "memory://".into(),
-        inner: faulty.clone(),
-        local_root: None,
-        health: Arc::default(),
-    };
+    let store = Store::over("memory://", faulty.clone(), None);
     let dispatch = crate::sched::spawn(MemoryLeaseStore::new(), CancellationToken::new());
     let workspace = tempfile::tempdir().unwrap();
     let worker = Worker::new(

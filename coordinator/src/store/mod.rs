@@ -8,16 +8,21 @@
 //! - [`journal::EventLog`]: run events (status, phases, logs, call transitions), batched.
 //! - transcripts and payloads through [`put_create`].
 //!
-//! Every write retries transient errors with backoff; a create-only write that finds its
-//! object already there counts as done (a retried write is idempotent).
+//! Every store is layered ([`Store::over`]): [`metered::Metered`] times each write,
+//! [`retry::Retrying`] retries transient failures with backoff, then the store itself. No
+//! caller writes a retry loop of its own; a create-only write that finds its object already
+//! there counts as done (a retried write is idempotent).
 
 pub mod faulty;
 pub mod journal;
 pub mod keys;
+pub mod metered;
 pub mod records;
+pub mod retry;
+
+pub use retry::{Health, Patience, RETRY_FOR};
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use object_store::memory::InMemory;
@@ -33,66 +38,6 @@ pub struct Store {
     pub local_root: Option<std::path::PathBuf>,
     /// Whether writes are failing right now (shared by every clone).
     pub health: Arc<Health>,
-}
-
-/// Writes that keep failing with transient errors: since when and why. They are retried
-/// (nothing is lost), and the user is told: a log line at most once a minute, and in the
-/// run's status.
-#[derive(Debug, Default)]
-pub struct Health {
-    failing: std::sync::Mutex<Option<(std::time::Instant, String)>>,
-}
-
-impl Health {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(std::time::Instant, String)>> {
-        self.failing
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn failed(&self, url: &str, key: &Path, e: &object_store::Error) {
-        let mut f = self.lock();
-        let now = std::time::Instant::now();
-        let (since, last_said) = match f.as_ref() {
-            Some((since, _)) => (*since, LAST_SAID.load(std::sync::atomic::Ordering::Relaxed)),
-            None => (now, 0),
-        };
-        *f = Some((since, e.to_string()));
-        drop(f);
-        let now_s = unix_secs();
-        if now_s.saturating_sub(last_said) >= 60 {
-            LAST_SAID.store(now_s, std::sync::atomic::Ordering::Relaxed);
-            tracing::warn!(store = url, %key, error = %e, failing_for = ?since.elapsed(),
-                "storage writes are failing; retrying (results wait until the store answers; nothing is lost)");
-        }
-    }
-
-    fn answered(&self, url: &str) {
-        let mut f = self.lock();
-        if let Some((since, _)) = f.take() {
-            tracing::warn!(store = url, after = ?since.elapsed(), "the store answers again");
-            LAST_SAID.store(0, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    /// What is wrong right now, for a status line.
-    pub fn problem(&self) -> Option<String> {
-        self.lock().as_ref().map(|(since, e)| {
-            format!(
-                "storage writes failing for {}s, retrying: {e}",
-                since.elapsed().as_secs()
-            )
-        })
-    }
-}
-
-/// When a storage warning was last logged (seconds since the epoch; one line a minute).
-static LAST_SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-fn unix_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 impl std::fmt::Debug for Store {
@@ -164,12 +109,7 @@ pub fn open_with(
     env: &std::collections::HashMap<String, String>,
 ) -> Result<Store, Error> {
     if url == "memory://" || url == "memory:///" || url == "memory" {
-        return Ok(Store {
-            url: "memory://".into(),
-            inner: Arc::new(InMemory::new()),
-            local_root: None,
-            health: Arc::default(),
-        });
+        return Ok(Store::over("memory://", Arc::new(InMemory::new()), None));
     }
     if let Some(path) = url.strip_prefix("file://") {
         if !path.starts_with('/') {
@@ -201,12 +141,7 @@ pub fn open_with(
                 source: Box::new(e),
             }
         })?;
-        return Ok(Store {
-            url: url.into(),
-            inner: Arc::new(fs),
-            local_root: Some(path.into()),
-            health: Arc::default(),
-        });
+        return Ok(Store::over(url, Arc::new(fs), Some(path.into())));
     }
     if let Some(rest) = url.strip_prefix("s3://") {
         return open_s3(url, rest, env);
@@ -287,15 +222,27 @@ fn open_s3(
     } else {
         Arc::new(object_store::prefix::PrefixStore::new(s3, prefix))
     };
-    Ok(Store {
-        url: url.into(),
-        inner,
-        local_root: None,
-        health: Arc::default(),
-    })
+    Ok(Store::over(url, inner, None))
 }
 
 impl Store {
+    /// The store at `url` over `raw`, with the layers every store has: writes metered, then
+    /// transient failures retried.
+    pub fn over(
+        url: &str,
+        raw: Arc<dyn ObjectStore>,
+        local_root: Option<std::path::PathBuf>,
+    ) -> Store {
+        let health = Arc::<Health>::default();
+        let retrying = retry::Retrying::new(raw, url, health.clone());
+        Store {
+            url: url.into(),
+            inner: Arc::new(metered::Metered::new(Arc::new(retrying))),
+            local_root,
+            health,
+        }
+    }
+
     /// Checks that the store answers (a missing bucket or wrong keys show up here, at startup,
     /// instead of at the first completed agent).
     pub async fn check(&self) -> Result<(), Error> {
@@ -310,85 +257,9 @@ impl Store {
     }
 }
 
-/// How long transient storage errors are retried before a write gives up.
-pub const RETRY_FOR: Duration = Duration::from_secs(600);
-
-/// A storage error that retrying cannot fix: what is wrong, and what to do.
-fn permanent(e: &object_store::Error) -> Option<(&'static str, &'static str)> {
-    use std::io::ErrorKind as K;
-    match e {
-        object_store::Error::PermissionDenied { .. }
-        | object_store::Error::Unauthenticated { .. } => {
-            return Some((
-                "the store refuses this identity",
-                "check the store's credentials and permissions",
-            ));
-        }
-        object_store::Error::NotSupported { .. } | object_store::Error::NotImplemented { .. } => {
-            return Some(("the store does not support this write", "use another store"));
-        }
-        _ => {}
-    }
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = source {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            let found = match (io.kind(), io.raw_os_error()) {
-                (K::PermissionDenied, _) | (_, Some(1 | 13)) => Some((
-                    "permission denied",
-                    "make the store directory writable by this user, or pass --store file:///a/writable/dir",
-                )),
-                (K::StorageFull | K::QuotaExceeded, _) | (_, Some(28 | 122)) => Some((
-                    "no space left on the store's disk",
-                    "free some space (nothing stored is lost), then resume the run",
-                )),
-                (K::ReadOnlyFilesystem, _) | (_, Some(30)) => Some((
-                    "the store's file system is read-only",
-                    "pass --store file:///a/writable/dir",
-                )),
-                // Creating a parent directory where a file is (the object store reports
-                // a file in the way of the object itself as `AlreadyExists`, not this).
-                (K::NotADirectory | K::AlreadyExists, _) | (_, Some(17 | 20)) => Some((
-                    "a part of the store path is a file, not a directory",
-                    "pass --store file:///a/directory",
-                )),
-                (K::IsADirectory, _) | (_, Some(21)) => Some((
-                    "a directory is in the way of a stored object",
-                    "remove it from the store directory",
-                )),
-                (K::FileTooLarge, _) | (_, Some(27)) => Some((
-                    "the object is larger than the file system allows",
-                    "use a store on another file system",
-                )),
-                _ => None,
-            };
-            if found.is_some() {
-                return found;
-            }
-        }
-        source = err.source();
-    }
-    let text = e.to_string();
-    if text.contains("NoSuchBucket") || text.contains("specified bucket does not exist") {
-        return Some((
-            "the bucket does not exist",
-            "create it, or fix the bucket in --store s3://BUCKET/prefix",
-        ));
-    }
-    if text.contains("AccessDenied")
-        || text.contains("InvalidAccessKeyId")
-        || text.contains("SignatureDoesNotMatch")
-    {
-        return Some((
-            "the store refuses these credentials",
-            "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy",
-        ));
-    }
-    None
-}
-
 /// The error of a write that gave up on `key`.
 fn write_error(key: &Path, source: object_store::Error) -> Error {
-    match permanent(&source) {
+    match retry::permanent(&source) {
         Some((problem, fix)) => Error::Refused {
             key: key.to_string(),
             problem,
@@ -402,173 +273,60 @@ fn write_error(key: &Path, source: object_store::Error) -> Error {
     }
 }
 
-fn transient(e: &object_store::Error) -> bool {
-    if permanent(e).is_some() {
-        return false;
-    }
-    !matches!(
-        e,
-        object_store::Error::NotFound { .. }
-            | object_store::Error::AlreadyExists { .. }
-            | object_store::Error::Precondition { .. }
-            | object_store::Error::NotSupported { .. }
-            | object_store::Error::NotImplemented { .. }
-            | object_store::Error::InvalidPath { .. }
-            | object_store::Error::PermissionDenied { .. }
-            | object_store::Error::Unauthenticated { .. }
-    )
-}
-
-/// A write, its whole time (retries included) observed as the storage write latency.
-async fn timed<T>(write: impl std::future::Future<Output = T>) -> T {
-    let started = std::time::Instant::now();
-    let out = write.await;
-    crate::metrics::STORAGE_WRITE_LATENCY.observe(started.elapsed());
-    out
-}
-
-async fn backoff(attempt: u32) {
-    let ms = (50u64 << attempt.min(7)).min(5_000);
-    tokio::time::sleep(Duration::from_millis(ms)).await;
-}
-
-/// How long one store call goes on through transient failures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Patience {
-    /// A write the run waits for: retried for [`RETRY_FOR`], each failure counted and shown
-    /// in [`Store::health`] while it lasts.
-    Durable,
-    /// A read or a claim: a few tries, then the error.
-    Brief,
-}
-
 impl Store {
-    /// Runs `op` until it answers, retrying transient failures as `patience` says. `op` maps
-    /// the answers that are not failures (an object already there, one that is missing) to
-    /// `Ok` itself.
-    async fn retrying<T, F, Fut>(
-        &self,
-        key: &Path,
-        patience: Patience,
-        mut op: F,
-    ) -> Result<T, object_store::Error>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T, object_store::Error>>,
-    {
-        let started = tokio::time::Instant::now();
-        let mut attempt = 0;
-        loop {
-            match op().await {
-                Ok(v) => {
-                    if patience == Patience::Durable {
-                        self.health.answered(&self.url);
-                    }
-                    return Ok(v);
-                }
-                Err(e) if transient(&e) => {
-                    let more = match patience {
-                        Patience::Durable => started.elapsed() < RETRY_FOR,
-                        Patience::Brief => attempt < 5,
-                    };
-                    if !more {
-                        return Err(e);
-                    }
-                    if patience == Patience::Durable {
-                        crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
-                        self.health.failed(&self.url, key, &e);
-                    }
-                    backoff(attempt).await;
-                    attempt += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
     /// Writes an object that must not exist yet. Finding it already there counts as success
     /// (a retry of a write that landed).
     pub async fn put_create(&self, key: &Path, body: Bytes) -> Result<(), Error> {
-        let put = || async {
-            let opts = PutOptions {
-                mode: PutMode::Create,
-                ..PutOptions::default()
-            };
-            match self
-                .inner
-                .put_opts(key, PutPayload::from(body.clone()), opts)
-                .await
-            {
-                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
-                Err(e) => Err(e),
-            }
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
         };
-        timed(self.retrying(key, Patience::Durable, put))
-            .await
-            .map_err(|source| write_error(key, source))
+        match self.inner.put_opts(key, PutPayload::from(body), opts).await {
+            Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+            Err(source) => Err(write_error(key, source)),
+        }
     }
 
     /// Writes an object that must not exist yet, and says whether this call created it:
     /// `false` when another writer's object is there (a claim lost to someone else). A retry
-    /// that finds its own earlier write (same bytes) counts as created.
+    /// that finds its own earlier write (same bytes) counts as created ([`retry`]). A claim
+    /// does not wait out an outage: it is retried briefly.
     pub async fn put_create_exclusive(&self, key: &Path, body: Bytes) -> Result<bool, Error> {
-        let tries = std::sync::atomic::AtomicU32::new(0);
-        let put = || async {
-            let tried = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let opts = PutOptions {
-                mode: PutMode::Create,
-                ..PutOptions::default()
-            };
-            match self
-                .inner
-                .put_opts(key, PutPayload::from(body.clone()), opts)
-                .await
-            {
-                Ok(_) => Ok(None),
-                // Someone's object: ours only if an earlier try of this call wrote it.
-                Err(object_store::Error::AlreadyExists { .. }) => Ok(Some(tried > 0)),
-                Err(e) => Err(e),
-            }
+        let mut opts = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
         };
-        match self.retrying(key, Patience::Brief, put).await {
-            Ok(None) => Ok(true),
-            Ok(Some(retried)) => Ok(retried && self.get(key).await?.as_ref() == Some(&body)),
+        opts.extensions.insert(Patience::Brief);
+        match self.inner.put_opts(key, PutPayload::from(body), opts).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
             Err(source) => Err(write_error(key, source)),
         }
     }
 
     /// Writes (or replaces) an object.
     pub async fn put_overwrite(&self, key: &Path, body: Bytes) -> Result<(), Error> {
-        let put = || async {
-            self.inner
-                .put(key, PutPayload::from(body.clone()))
-                .await
-                .map(|_| ())
-        };
-        timed(self.retrying(key, Patience::Durable, put))
+        self.inner
+            .put(key, PutPayload::from(body))
             .await
+            .map(|_| ())
             .map_err(|source| write_error(key, source))
     }
 
     /// Reads an object; `Ok(None)` when it does not exist.
     pub async fn get(&self, key: &Path) -> Result<Option<Bytes>, Error> {
-        let get = || async {
-            let read = match self.inner.get(key).await {
-                Ok(r) => r.bytes().await,
-                Err(e) => Err(e),
-            };
-            match read {
-                Ok(b) => Ok(Some(b)),
-                Err(object_store::Error::NotFound { .. }) => Ok(None),
-                Err(e) => Err(e),
-            }
+        let read = match self.inner.get(key).await {
+            Ok(r) => r.bytes().await,
+            Err(e) => Err(e),
         };
-        self.retrying(key, Patience::Brief, get)
-            .await
-            .map_err(|source| Error::Storage {
+        match read {
+            Ok(b) => Ok(Some(b)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(source) => Err(Error::Storage {
                 key: key.to_string(),
                 source,
-            })
+            }),
+        }
     }
 
     /// Lists the objects directly under a prefix (sorted by key).
