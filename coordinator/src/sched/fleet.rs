@@ -5,13 +5,19 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use flotilla_proto::v1::{self, CoordinatorMessage};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use flotilla_proto::link::CoordinatorEnd;
+use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::WorkerView;
 use super::keys::{KeyOp, LeaseCtl};
+use super::{Msg, WorkerView};
 use crate::lease::{LeaseId, Revision};
+
+/// An attempt holding a slot: (run, call, attempt).
+pub(super) type Slot = (Arc<str>, u64, u32);
 
 pub(super) struct WorkerState {
     pub(super) name: Arc<str>,
@@ -34,7 +40,7 @@ pub(super) struct WorkerState {
     pub(super) models: HashSet<String>,
     pub(super) labels: std::collections::BTreeMap<String, String>,
     /// Assignments this worker holds a slot for: (run, call, attempt).
-    pub(super) running: HashSet<(Arc<str>, u64, u32)>,
+    pub(super) running: HashSet<Slot>,
     /// Attempts it held when it attached that this coordinator did not assign: a run taken
     /// over from a coordinator that went away may claim them (see `workers.rs`).
     pub(super) orphans: Vec<v1::AttemptRef>,
@@ -50,6 +56,14 @@ impl WorkerState {
     /// May take assignments: attached, named, with a live lease.
     pub(super) fn ready(&self) -> bool {
         self.tx.is_some() && self.named && self.lease.is_some()
+    }
+
+    /// Takes what a `Hello` says the worker has.
+    fn describe(&mut self, h: &v1::Hello) {
+        self.slots = h.slots;
+        self.backends = h.backends.iter().cloned().collect();
+        self.models = h.models.iter().cloned().collect();
+        self.labels = h.labels.clone().into_iter().collect();
     }
 
     /// Has the task's backend (and model, when it lists models).
@@ -188,6 +202,190 @@ impl Fleet {
     pub fn link(&self, wid: u64) -> Option<&mpsc::UnboundedSender<CoordinatorMessage>> {
         self.workers.get(&wid).and_then(|w| w.tx.as_ref())
     }
+
+    /// A new link, as a worker not named yet. Its reader sends what comes in to `inbox`,
+    /// tagged with the worker it belongs to, and says when the link closes.
+    pub(super) fn attach(&mut self, end: CoordinatorEnd, inbox: mpsc::UnboundedSender<Msg>) {
+        let id = self.next_worker;
+        self.next_worker += 1;
+        let CoordinatorEnd { tx, mut rx } = end;
+        let alive = CancellationToken::new();
+        let target = Arc::new(AtomicU64::new(id));
+        self.workers.insert(
+            id,
+            WorkerState {
+                name: Arc::from(format!("worker-{id}")),
+                tx: Some(tx),
+                link: id,
+                link_alive: alive.clone(),
+                target: target.clone(),
+                named: false,
+                welcomed: false,
+                slots: 0,
+                busy: 0,
+                backends: HashSet::new(),
+                models: HashSet::new(),
+                labels: Default::default(),
+                orphans: Vec::new(),
+                orphan_outcomes: Default::default(),
+                running: HashSet::new(),
+                lease: None,
+                reg_revision: 0,
+                ctl: None,
+            },
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = alive.cancelled() => break,
+                    msg = rx.recv() => match msg {
+                        Some(msg) => {
+                            let worker = target.load(Ordering::Acquire);
+                            if inbox.send(Msg::FromWorker { worker, msg: Box::new(msg) }).is_err() {
+                                return;
+                            }
+                        }
+                        None => break,
+                    },
+                }
+            }
+            let worker = target.load(Ordering::Acquire);
+            let _ = inbox.send(Msg::LinkClosed { worker, link: id });
+        });
+    }
+
+    /// Names the worker on link `link_id` from its `Hello`: a worker seen for the first time.
+    pub(super) fn register(&mut self, link_id: u64, name: Arc<str>, h: &v1::Hello) {
+        if let Some(w) = self.workers.get_mut(&link_id) {
+            w.name = name.clone();
+            w.named = true;
+            w.describe(h);
+            self.by_name.insert(name, link_id);
+        }
+    }
+
+    /// A worker known by name came back on link `link_id`: the link takes over the worker's
+    /// state (`wid`), and messages the link's reader tags from now on go to it. `false`: one of
+    /// the two is gone.
+    pub(super) fn take_over(&mut self, wid: u64, link_id: u64, h: &v1::Hello) -> bool {
+        let Some(fresh) = self.workers.remove(&link_id) else {
+            return false;
+        };
+        fresh.target.store(wid, Ordering::Release);
+        self.adopted.insert(link_id, wid);
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return false;
+        };
+        if w.tx.is_some() {
+            tracing::warn!(worker = %w.name, "worker attached again; closing its previous stream");
+        } else {
+            tracing::info!(worker = %w.name, held = h.held.len(), "worker reattached");
+        }
+        w.link_alive.cancel();
+        w.tx = fresh.tx;
+        w.link = fresh.link;
+        w.link_alive = fresh.link_alive;
+        w.target = fresh.target;
+        w.welcomed = false;
+        w.describe(h);
+        if let Some(ctl) = &w.ctl {
+            ctl.set_attached(true);
+        }
+        true
+    }
+
+    /// Takes a slot on `wid` for an attempt.
+    pub(super) fn take_slot(&mut self, wid: u64, run: &Arc<str>, call: u64, attempt: u32) {
+        if let Some(w) = self.workers.get_mut(&wid)
+            && w.running.insert((run.clone(), call, attempt))
+        {
+            w.busy += 1;
+        }
+    }
+
+    /// Gives back the slot an attempt held on `wid`, if it held one.
+    pub(super) fn free_slot(&mut self, wid: u64, run: &Arc<str>, call: u64, attempt: u32) {
+        if let Some(w) = self.workers.get_mut(&wid)
+            && w.running.remove(&(run.clone(), call, attempt))
+        {
+            w.busy = w.busy.saturating_sub(1);
+        }
+    }
+
+    /// Tells `wid` to stop an attempt, if it is attached.
+    pub(super) fn cancel(&self, wid: u64, run: &str, call: u64, attempt: u32, reason: &str) {
+        if let Some(tx) = self.link(wid) {
+            let _ = tx.send(CoordinatorMessage {
+                msg: Some(coordinator_message::Msg::Cancel(v1::Cancel {
+                    run_id: run.to_owned(),
+                    call,
+                    attempt,
+                    reason: reason.to_owned(),
+                })),
+            });
+        }
+    }
+
+    /// A worker's lease was granted: the worker it belongs to, if it is still known.
+    pub(super) fn lease_granted(
+        &mut self,
+        name: &Arc<str>,
+        lease: LeaseId,
+        revision: Revision,
+    ) -> Option<u64> {
+        let wid = self.by_name.get(name).copied()?;
+        let w = self.workers.get_mut(&wid)?;
+        w.lease = Some(lease);
+        w.reg_revision = revision;
+        Some(wid)
+    }
+
+    /// A worker's lease is gone: it takes no new assignments until the lease task has a new
+    /// one. (Its attempt keys went with the lease; the watch restarts those calls.)
+    pub(super) fn lease_lost(&mut self, name: &Arc<str>, lease: LeaseId) {
+        if let Some(wid) = self.by_name.get(name)
+            && let Some(w) = self.workers.get_mut(wid)
+            && w.lease == Some(lease)
+        {
+            w.lease = None;
+        }
+    }
+
+    /// Link `link` of the worker closed. `true`: a named worker is now cut off (its attempts
+    /// wait for it); a worker that never said who it is is forgotten at once.
+    pub(super) fn cut_off(&mut self, wid: u64, link: u64) -> bool {
+        let Some(w) = self.workers.get_mut(&wid) else {
+            return false;
+        };
+        if w.link != link {
+            return false;
+        }
+        if !w.named {
+            self.workers.remove(&wid);
+            return false;
+        }
+        tracing::info!(worker = %w.name, attempts = w.running.len(), "worker cut off; its attempts wait for it for one lease TTL");
+        w.tx = None;
+        w.welcomed = false;
+        if let Some(ctl) = &w.ctl {
+            ctl.set_attached(false);
+        }
+        true
+    }
+
+    /// Forgets a worker whose lease is gone (its link closed, its lease task stopped): its
+    /// name and the attempts it was running.
+    pub(super) fn retire(&mut self, wid: u64) -> Option<(Arc<str>, Vec<Slot>)> {
+        let w = self.workers.remove(&wid)?;
+        w.link_alive.cancel();
+        if let Some(ctl) = &w.ctl {
+            ctl.stop();
+        }
+        if self.by_name.get(&w.name) == Some(&wid) {
+            self.by_name.remove(&w.name);
+        }
+        Some((w.name, w.running.into_iter().collect()))
+    }
 }
 
 #[cfg(test)]
@@ -273,5 +471,63 @@ mod tests {
         let names: Vec<String> = f.views().into_iter().map(|v| v.name).collect();
         assert_eq!(names, ["a", "b"]);
         assert_eq!(f.views()[0].backends, ["echo", "exec"]);
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_comes_back_keeps_its_slots_and_a_retired_one_is_forgotten() {
+        let (inbox, mut got) = mpsc::unbounded_channel();
+        let mut f = Fleet::new(mpsc::unbounded_channel().0);
+        let hello = |slots| v1::Hello {
+            name: "w1".into(),
+            slots,
+            backends: vec!["echo".into()],
+            ..v1::Hello::default()
+        };
+        // First link: named, granted a lease, running one attempt.
+        let (_first_worker, first) = flotilla_proto::link::link_pair();
+        f.attach(first, inbox.clone());
+        f.register(0, Arc::from("w1"), &hello(2));
+        let name: Arc<str> = Arc::from("w1");
+        assert_eq!(f.lease_granted(&name, 7, 3), Some(0));
+        let run: Arc<str> = Arc::from("wf_r");
+        f.take_slot(0, &run, 1, 1);
+        f.take_slot(0, &run, 1, 1);
+        assert_eq!(f.workers[&0].busy, 1, "one attempt holds one slot");
+        // Its link closes: cut off, not forgotten.
+        assert!(f.cut_off(0, 0));
+        assert!(!f.workers[&0].ready());
+        // A second link says it is w1 again: it takes over, with the slot still held.
+        let (mut second_worker, second) = flotilla_proto::link::link_pair();
+        f.attach(second, inbox.clone());
+        assert!(f.take_over(0, 1, &hello(4)));
+        assert_eq!(f.resolve(1), 0);
+        let w = &f.workers[&0];
+        assert!(w.ready() && w.slots == 4 && w.busy == 1);
+        // What the new link says now reaches the worker's state, and a cancel goes out on it.
+        second_worker.tx.send(v1::WorkerMessage::default()).unwrap();
+        // (The old link's reader, stopped by the takeover, says it closed first.)
+        let Some(Msg::LinkClosed { worker: 0, link: 0 }) = got.recv().await else {
+            panic!("the old link's reader did not stop")
+        };
+        let Some(Msg::FromWorker { worker, .. }) = got.recv().await else {
+            panic!("the new link's message did not arrive")
+        };
+        assert_eq!(worker, 0);
+        f.cancel(0, "wf_r", 1, 1, "test");
+        assert!(second_worker.rx.recv().await.is_some());
+        // A link closing that is not the current one changes nothing.
+        assert!(!f.cut_off(0, 0));
+        f.free_slot(0, &run, 1, 1);
+        f.free_slot(0, &run, 1, 1);
+        assert_eq!(f.workers[&0].busy, 0);
+        f.take_slot(0, &run, 2, 1);
+        let (retired, running) = f.retire(0).unwrap();
+        assert_eq!((&*retired, running), ("w1", vec![(run, 2, 1)]));
+        assert!(f.workers.is_empty() && f.by_name.is_empty());
+        // A link that never says who it is is forgotten when it closes.
+        let (_third_worker, third) = flotilla_proto::link::link_pair();
+        f.attach(third, inbox);
+        assert!(!f.cut_off(2, 2));
+        assert!(f.workers.is_empty());
     }
 }

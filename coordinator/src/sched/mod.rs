@@ -72,7 +72,7 @@ pub use handle::{
     DispatchHandle, DispatchOptions, RunRegistration, Stats, Ticket, WORKER_LEASE_TTL, WorkerView,
 };
 
-use fleet::{Fleet, WorkerState};
+use fleet::Fleet;
 use keys::{KeyOp, PendingPut, Refusal};
 
 type CallId = (Arc<str>, u64);
@@ -288,7 +288,7 @@ impl Dispatcher {
                 lease,
                 revision,
             } => self.lease_granted(&worker, lease, revision),
-            Msg::LeaseLost { worker, lease } => self.lease_lost(&worker, lease),
+            Msg::LeaseLost { worker, lease } => self.fleet.lease_lost(&worker, lease),
             Msg::Written { puts, revision } => self.written(puts, revision),
             Msg::Refused { puts, why } => self.refused(puts, why),
             Msg::Workers(reply) => {
@@ -533,15 +533,8 @@ impl Dispatcher {
 
     fn send_cancel(&self, id: &CallId, reason: &str) {
         let Some(c) = self.calls.get(id) else { return };
-        if let Some(tx) = c.worker.and_then(|w| self.fleet.link(w)) {
-            let _ = tx.send(CoordinatorMessage {
-                msg: Some(coordinator_message::Msg::Cancel(v1::Cancel {
-                    run_id: id.0.to_string(),
-                    call: id.1,
-                    attempt: c.attempt,
-                    reason: reason.to_owned(),
-                })),
-            });
+        if let Some(wid) = c.worker {
+            self.fleet.cancel(wid, &id.0, id.1, c.attempt, reason);
         }
     }
 

@@ -45,11 +45,7 @@ impl Dispatcher {
 
     pub(super) fn outcome(&mut self, worker: u64, o: v1::Outcome) {
         let id: CallId = (Arc::from(o.run_id.as_str()), o.call);
-        if let Some(w) = self.fleet.workers.get_mut(&worker)
-            && w.running.remove(&(id.0.clone(), id.1, o.attempt))
-        {
-            w.busy = w.busy.saturating_sub(1);
-        }
+        self.fleet.free_slot(worker, &id.0, id.1, o.attempt);
         let usage = o.usage.unwrap_or_default();
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r.reg.events.send(CallEvent::Usage {

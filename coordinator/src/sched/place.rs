@@ -196,10 +196,12 @@ impl Dispatcher {
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
-        let Some(w) = self.fleet.workers.get_mut(&wid) else {
-            return;
-        };
-        let Some(lease) = w.lease else {
+        let Some((lease, name)) = self
+            .fleet
+            .workers
+            .get(&wid)
+            .and_then(|w| Some((w.lease?, w.name.clone())))
+        else {
             return;
         };
         c.attempt += 1;
@@ -218,9 +220,8 @@ impl Dispatcher {
         c.fence = None;
         c.captured = None;
         c.in_tool = false;
-        w.busy += 1;
-        w.running.insert((id.0.clone(), id.1, c.attempt));
-        let op = KeyOp::attempt(id, wid, &w.name, c.attempt, lease);
+        self.fleet.take_slot(wid, &id.0, id.1, c.attempt);
+        let op = KeyOp::attempt(id, wid, &name, c.attempt, lease);
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running += 1;
         }

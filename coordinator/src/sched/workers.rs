@@ -1,4 +1,7 @@
-//! Workers as the dispatcher sees them: links, liveness leases, attempt keys, reconnects.
+//! What happens to calls when workers come and go. The workers themselves — their links,
+//! slots, leases and names — are the [`Fleet`](super::fleet::Fleet)'s; this file moves the
+//! calls those events touch (takeovers, lapses, orphaned attempts, attempt keys written or
+//! refused).
 //!
 //! - A link attaches and says `Hello`. The worker is known by its name (a remote worker's
 //!   certificate CN). A name seen before, whose lease has not lapsed, is the same worker coming
@@ -14,7 +17,6 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use flotilla_proto::link::CoordinatorEnd;
 use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
@@ -23,7 +25,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::keys::{KeyOp, LeaseCtl, PendingPut, Refusal, worker_lease};
-use super::{CallEvent, CallFailure, CallId, Dispatcher, Msg, Retry, State, Timer, WorkerState};
+use super::{CallEvent, CallFailure, CallId, Dispatcher, Retry, State, Timer};
 use crate::lease::{self, LeaseId, Revision, WatchEvent};
 
 impl Dispatcher {
@@ -43,53 +45,7 @@ impl Dispatcher {
     }
 
     pub(super) fn attach(&mut self, end: CoordinatorEnd) {
-        let id = self.fleet.next_worker;
-        self.fleet.next_worker += 1;
-        let CoordinatorEnd { tx, mut rx } = end;
-        let alive = CancellationToken::new();
-        let target = Arc::new(AtomicU64::new(id));
-        self.fleet.workers.insert(
-            id,
-            WorkerState {
-                name: Arc::from(format!("worker-{id}")),
-                tx: Some(tx),
-                link: id,
-                link_alive: alive.clone(),
-                target: target.clone(),
-                named: false,
-                welcomed: false,
-                slots: 0,
-                busy: 0,
-                backends: HashSet::new(),
-                models: HashSet::new(),
-                labels: Default::default(),
-                orphans: Vec::new(),
-                orphan_outcomes: Default::default(),
-                running: HashSet::new(),
-                lease: None,
-                reg_revision: 0,
-                ctl: None,
-            },
-        );
-        let inbox = self.tx.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = alive.cancelled() => break,
-                    msg = rx.recv() => match msg {
-                        Some(msg) => {
-                            let worker = target.load(Ordering::Acquire);
-                            if inbox.send(Msg::FromWorker { worker, msg: Box::new(msg) }).is_err() {
-                                return;
-                            }
-                        }
-                        None => break,
-                    },
-                }
-            }
-            let worker = target.load(Ordering::Acquire);
-            let _ = inbox.send(Msg::LinkClosed { worker, link: id });
-        });
+        self.fleet.attach(end, self.tx.clone());
     }
 
     pub(super) fn hello(&mut self, link_id: u64, h: v1::Hello) {
@@ -123,14 +79,8 @@ impl Dispatcher {
                 self.adopt(old, link_id, &h, &held)
             }
             _ => {
+                self.fleet.register(link_id, name.clone(), &h);
                 let w = self.fleet.workers.get_mut(&link_id).expect("checked above");
-                w.name = name.clone();
-                w.named = true;
-                w.slots = h.slots;
-                w.backends = h.backends.iter().cloned().collect();
-                w.models = h.models.iter().cloned().collect();
-                w.labels = h.labels.clone().into_iter().collect();
-                self.fleet.by_name.insert(name.clone(), link_id);
                 let info = serde_json::json!({
                     "slots": h.slots,
                     "backends": h.backends,
@@ -174,32 +124,12 @@ impl Dispatcher {
         h: &v1::Hello,
         held: &HashSet<(Arc<str>, u64, u32)>,
     ) -> u64 {
-        let Some(fresh) = self.fleet.workers.remove(&link_id) else {
+        if !self.fleet.take_over(wid, link_id, h) {
+            return wid;
+        }
+        let Some(w) = self.fleet.workers.get(&wid) else {
             return wid;
         };
-        fresh.target.store(wid, Ordering::Release);
-        self.fleet.adopted.insert(link_id, wid);
-        let Some(w) = self.fleet.workers.get_mut(&wid) else {
-            return wid;
-        };
-        if w.tx.is_some() {
-            tracing::warn!(worker = %w.name, "worker attached again; closing its previous stream");
-        } else {
-            tracing::info!(worker = %w.name, held = held.len(), "worker reattached");
-        }
-        w.link_alive.cancel();
-        w.tx = fresh.tx;
-        w.link = fresh.link;
-        w.link_alive = fresh.link_alive;
-        w.target = fresh.target;
-        w.welcomed = false;
-        w.slots = h.slots;
-        w.backends = h.backends.iter().cloned().collect();
-        w.models = h.models.iter().cloned().collect();
-        w.labels = h.labels.clone().into_iter().collect();
-        if let Some(ctl) = &w.ctl {
-            ctl.set_attached(true);
-        }
         // Slots of attempts it no longer holds come back, and the current ones among them
         // restart. An assignment whose key is still being written was never sent; it keeps
         // its slot and goes out on this link.
@@ -245,16 +175,7 @@ impl Dispatcher {
     }
 
     fn cancel_stray(&self, wid: u64, a: &v1::AttemptRef, reason: &str) {
-        if let Some(tx) = self.fleet.workers.get(&wid).and_then(|w| w.tx.as_ref()) {
-            let _ = tx.send(CoordinatorMessage {
-                msg: Some(coordinator_message::Msg::Cancel(v1::Cancel {
-                    run_id: a.run_id.clone(),
-                    call: a.call,
-                    attempt: a.attempt,
-                    reason: reason.to_owned(),
-                })),
-            });
-        }
+        self.fleet.cancel(wid, &a.run_id, a.call, a.attempt, reason);
     }
 
     /// Cancels the held attempts no run claimed.
@@ -320,12 +241,13 @@ impl Dispatcher {
         if c.state != State::Queued {
             return;
         }
-        let Some(w) = self.fleet.workers.get_mut(&wid) else {
+        let Some(w) = self.fleet.workers.get(&wid) else {
             return;
         };
         let Some(lease) = w.lease else {
             return;
         };
+        let name = w.name.clone();
         c.attempt = c.attempt.max(a.attempt);
         c.set(State::Running);
         c.worker = Some(wid);
@@ -333,13 +255,16 @@ impl Dispatcher {
         c.adopted_fence = Some(a.fence);
         c.captured = None;
         c.in_tool = false;
-        w.busy += 1;
-        w.running.insert((id.0.clone(), id.1, c.attempt));
-        tracing::info!(run = %id.0, call = id.1, attempt = c.attempt, worker = %w.name, "re-attached an attempt that outlived its coordinator");
-        let finished = w.orphan_outcomes.remove(&(id.0.clone(), id.1, c.attempt));
+        let attempt = c.attempt;
+        self.fleet.take_slot(wid, &id.0, id.1, attempt);
+        tracing::info!(run = %id.0, call = id.1, attempt, worker = %name, "re-attached an attempt that outlived its coordinator");
+        let finished = self
+            .fleet
+            .workers
+            .get_mut(&wid)
+            .and_then(|w| w.orphan_outcomes.remove(&(id.0.clone(), id.1, attempt)));
         if let Some(o) = finished {
             // It ended while nobody owned it: take its outcome now.
-            let (attempt, name) = (c.attempt, w.name.clone());
             if let Some(r) = self.runs.get_mut(&id.0) {
                 r.running += 1;
                 r.queue.retain(|call| *call != id.1);
@@ -352,7 +277,7 @@ impl Dispatcher {
             self.outcome(wid, o);
             return;
         }
-        let op = KeyOp::attempt(id, wid, &w.name, c.attempt, lease);
+        let op = KeyOp::attempt(id, wid, &name, attempt, lease);
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running += 1;
             r.queue.retain(|call| *call != id.1);
@@ -395,50 +320,17 @@ impl Dispatcher {
     }
 
     pub(super) fn lease_granted(&mut self, name: &Arc<str>, lease: LeaseId, revision: Revision) {
-        let Some(wid) = self.fleet.by_name.get(name).copied() else {
-            return;
-        };
-        if let Some(w) = self.fleet.workers.get_mut(&wid) {
-            w.lease = Some(lease);
-            w.reg_revision = revision;
-        }
-        self.welcome(wid);
-    }
-
-    pub(super) fn lease_lost(&mut self, name: &Arc<str>, lease: LeaseId) {
-        let Some(wid) = self.fleet.by_name.get(name).copied() else {
-            return;
-        };
-        if let Some(w) = self.fleet.workers.get_mut(&wid)
-            && w.lease == Some(lease)
-        {
-            // Its attempt keys went with the lease; the watch restarts those calls. No new
-            // assignments until the lease task has a new lease.
-            w.lease = None;
+        if let Some(wid) = self.fleet.lease_granted(name, lease, revision) {
+            self.welcome(wid);
         }
     }
 
     pub(super) fn link_closed(&mut self, wid: u64, link: u64) {
-        let ttl = self.opts.worker_ttl;
         let wid = self.fleet.adopted.remove(&link).unwrap_or(wid);
-        let Some(w) = self.fleet.workers.get_mut(&wid) else {
-            return;
-        };
-        if w.link != link {
-            return;
+        if self.fleet.cut_off(wid, link) {
+            let at = Instant::now() + self.opts.worker_ttl * 3;
+            self.timers.insert_at(Timer::Lapse(wid, link), at);
         }
-        if !w.named {
-            self.fleet.workers.remove(&wid);
-            return;
-        }
-        tracing::info!(worker = %w.name, attempts = w.running.len(), "worker cut off; its attempts wait for it for one lease TTL");
-        w.tx = None;
-        w.welcomed = false;
-        if let Some(ctl) = &w.ctl {
-            ctl.set_attached(false);
-        }
-        self.timers
-            .insert_at(Timer::Lapse(wid, link), Instant::now() + ttl * 3);
     }
 
     /// A cut-off worker that was not seen lapsing through the watch: after three TTLs without
@@ -500,12 +392,10 @@ impl Dispatcher {
 
     /// A cut-off worker's lease is gone: forget it and restart whatever it still had.
     fn worker_lapsed(&mut self, wid: u64) {
-        let Some(w) = self.fleet.workers.get(&wid) else {
+        let Some((name, running)) = self.fleet.retire(wid) else {
             return;
         };
-        let name = w.name.clone();
-        tracing::info!(worker = %name, attempts = w.running.len(), "worker lease lapsed; restarting its attempts elsewhere");
-        let running: Vec<_> = w.running.iter().cloned().collect();
+        tracing::info!(worker = %name, attempts = running.len(), "worker lease lapsed; restarting its attempts elsewhere");
         for (run, call, attempt) in running {
             self.lose_attempt(
                 wid,
@@ -514,25 +404,12 @@ impl Dispatcher {
                 format!("worker {name} went away"),
             );
         }
-        if let Some(w) = self.fleet.workers.remove(&wid) {
-            w.link_alive.cancel();
-            if let Some(ctl) = &w.ctl {
-                ctl.stop();
-            }
-        }
-        if self.fleet.by_name.get(&name) == Some(&wid) {
-            self.fleet.by_name.remove(&name);
-        }
     }
 
     /// Gives back the slot of `attempt` on `wid` and, if it is the call's current attempt,
     /// restarts the call (counted as a failed attempt).
     fn lose_attempt(&mut self, wid: u64, id: &CallId, attempt: u32, message: String) {
-        if let Some(w) = self.fleet.workers.get_mut(&wid)
-            && w.running.remove(&(id.0.clone(), id.1, attempt))
-        {
-            w.busy = w.busy.saturating_sub(1);
-        }
+        self.fleet.free_slot(wid, &id.0, id.1, attempt);
         let current = self.calls.get(id).is_some_and(|c| {
             c.state == State::Running && c.attempt == attempt && c.worker == Some(wid)
         });
@@ -558,11 +435,7 @@ impl Dispatcher {
                 other => {
                     // Cancelled or lost before it was sent: give the slot back, and take the
                     // key away unless a newer attempt's key (written after it) replaces it.
-                    if let Some(w) = self.fleet.workers.get_mut(&p.worker)
-                        && w.running.remove(&(p.run.clone(), p.call, p.attempt))
-                    {
-                        w.busy = w.busy.saturating_sub(1);
-                    }
+                    self.fleet.free_slot(p.worker, &p.run, p.call, p.attempt);
                     if !matches!(other, Some((State::Running, ..))) {
                         self.write_key(KeyOp::Delete {
                             key: lease::keys::attempt(&p.run, p.call),
@@ -579,13 +452,12 @@ impl Dispatcher {
     pub(super) fn refused(&mut self, puts: Vec<PendingPut>, why: Refusal) {
         for p in puts {
             let id: CallId = (p.run.clone(), p.call);
-            if let Some(w) = self.fleet.workers.get_mut(&p.worker) {
-                if w.running.remove(&(p.run.clone(), p.call, p.attempt)) {
-                    w.busy = w.busy.saturating_sub(1);
-                }
-                if why == Refusal::LeaseGone && w.lease == Some(p.lease) {
-                    w.lease = None;
-                }
+            self.fleet.free_slot(p.worker, &p.run, p.call, p.attempt);
+            if why == Refusal::LeaseGone
+                && let Some(w) = self.fleet.workers.get_mut(&p.worker)
+                && w.lease == Some(p.lease)
+            {
+                w.lease = None;
             }
             let current = self.calls.get(&id).is_some_and(|c| {
                 c.state == State::Running
