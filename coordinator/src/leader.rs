@@ -1,8 +1,12 @@
 //! Coordinators sharing one etcd: one leader, run ownership, failover.
 //!
-//! - Every coordinator holds a lease of its own, renewed while the process lives. A
-//!   coordinator whose lease is gone anyway (cut off from etcd longer than the TTL) has been
-//!   replaced: it stops at once (`lost` fires) rather than write over its successor.
+//! - Every coordinator holds a lease of its own, renewed while the process lives. It acts only
+//!   within its [`Tenure`]: four fifths of the TTL past the start of its last renewal that
+//!   succeeded. A coordinator that cannot renew in time (cut off from etcd, or frozen) is
+//!   suspended before any successor can take over: it does not lead and its store writes
+//!   nothing until a renewal succeeds (which proves nobody took over). One that learns its
+//!   lease is gone steps down for good and stops (`lost` fires) rather than write over its
+//!   successor.
 //! - The leader holds `/flotilla/leader` (its address) under that lease. Only the leader
 //!   takes workers and runs; the others are standbys that forward client requests to it.
 //! - Each run holds `/flotilla/runs/{run}/owner` under its owner's lease, and a marker
@@ -19,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::RunRegistry;
 use crate::coordinator::Coordinator;
-use crate::lease::{self, LeaseId, LeaseStore};
+use crate::lease::{self, LeaseId, LeaseStore, Tenure};
 
 /// Why the fleet would not let this coordinator own, or resume, a run.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +64,8 @@ pub struct Leadership {
     advertise: String,
     leading: AtomicBool,
     leader: watch::Sender<Option<String>>,
+    /// Until when it may act on its lease (shared with the gate of its store).
+    tenure: Arc<Tenure>,
     /// Runs this coordinator started as resumes: run → the run it resumes.
     resumes: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
@@ -74,20 +80,24 @@ impl std::fmt::Debug for Leadership {
 }
 
 impl Leadership {
-    /// Grants this coordinator's lease and starts campaigning. `lost` fires if the lease is
-    /// ever gone: the process must stop.
+    /// Grants this coordinator's lease and starts campaigning. `tenure` follows the lease
+    /// (give the same one to the store's gate, [`crate::store::Store::gated`]). `lost` fires
+    /// when the tenure ends: the process must stop.
     pub async fn start(
         coordinator: Arc<Coordinator>,
         registry: Arc<RunRegistry>,
         leases: Arc<dyn LeaseStore>,
         advertise: String,
         ttl: Duration,
+        tenure: Arc<Tenure>,
         lost: CancellationToken,
     ) -> Result<Arc<Leadership>, String> {
+        let sent = std::time::Instant::now();
         let lease = leases
             .grant(ttl)
             .await
             .map_err(|e| format!("cannot take a lease in etcd: {e}"))?;
+        tenure.renewed(sent, ttl);
         let (leader, _) = watch::channel(None);
         let me = Arc::new(Leadership {
             leases,
@@ -95,6 +105,7 @@ impl Leadership {
             advertise,
             leading: AtomicBool::new(false),
             leader,
+            tenure,
             resumes: std::sync::Mutex::default(),
         });
         tokio::spawn(keep_alive(me.clone(), ttl, lost.clone()));
@@ -103,7 +114,16 @@ impl Leadership {
     }
 
     pub fn is_leader(&self) -> bool {
-        self.leading.load(Ordering::Acquire)
+        self.leading.load(Ordering::Acquire) && self.tenure.holds()
+    }
+
+    /// Ends the tenure: nothing more is written, the coordinator no longer leads, and `lost`
+    /// stops the process.
+    fn step_down(&self, why: &str, lost: &CancellationToken) {
+        self.tenure.end();
+        self.leading.store(false, Ordering::Release);
+        tracing::error!("{why}");
+        lost.cancel();
     }
 
     /// The leader's address, when known.
@@ -294,26 +314,64 @@ impl Leadership {
     }
 }
 
-/// Renews the coordinator's lease; a lease found gone means another coordinator may own
-/// our runs by now, so `lost` fires.
+/// Renews the coordinator's lease every third of its TTL. A renewal that has not succeeded
+/// by the end of the tenure suspends the coordinator (said once); one that succeeds later
+/// ends the suspension. A lease found gone ends the tenure, and `lost` fires.
 async fn keep_alive(me: Arc<Leadership>, ttl: Duration, lost: CancellationToken) {
+    let mut suspended = false;
     loop {
-        tokio::select! {
+        let sent = std::time::Instant::now();
+        let deadline = me.tenure.deadline().map(tokio::time::Instant::from_std);
+        // A renewal that does not answer (etcd cut off: packets lost, not refused) is given up
+        // and tried again.
+        let renewed = tokio::select! {
             _ = lost.cancelled() => return,
-            _ = tokio::time::sleep(ttl / 3) => {}
-        }
-        match me.leases.keep_alive(me.lease).await {
-            Ok(()) => {}
-            Err(lease::Error::LeaseGone(_)) => {
-                tracing::error!(
-                    "this coordinator's lease in etcd lapsed; another coordinator may own its runs now"
+            r = tokio::time::timeout(ttl / 3, me.leases.keep_alive(me.lease)) => r,
+            () = sleep_until_some(deadline), if !suspended => {
+                suspended = true;
+                tracing::error!("this coordinator could not renew its lease in etcd in time (cut off from etcd, or frozen): it stops leading and writing until it can, so no other coordinator's work is overwritten");
+                continue;
+            }
+        };
+        let pause = match renewed {
+            Ok(Ok(())) => {
+                me.tenure.renewed(sent, ttl);
+                if std::mem::take(&mut suspended) {
+                    tracing::warn!(
+                        "this coordinator renewed its lease again (nobody took over): it carries on"
+                    );
+                }
+                ttl / 3
+            }
+            Ok(Err(lease::Error::LeaseGone(_))) => {
+                me.step_down(
+                    "this coordinator's lease in etcd lapsed; another coordinator may own its runs now",
+                    &lost,
                 );
-                me.leading.store(false, Ordering::Release);
-                lost.cancel();
                 return;
             }
-            Err(e) => tracing::warn!(error = %e, "cannot renew the coordinator's lease; retrying"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot renew the coordinator's lease; retrying");
+                ttl / 10
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "etcd did not answer the renewal of the coordinator's lease; retrying"
+                );
+                ttl / 10
+            }
+        };
+        tokio::select! {
+            _ = lost.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
         }
+    }
+}
+
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -373,5 +431,129 @@ async fn campaign(
             _ = lost.cancelled() => return,
             _ = tokio::time::sleep(POLL) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::memory::MemoryLeaseStore;
+    use crate::lease::{BatchOp, KeyValue, Revision, WatchEvent};
+    use tokio::sync::mpsc;
+
+    /// A lease store whose keep-alives stop answering once cut off (etcd out of reach).
+    struct CutOff {
+        inner: Arc<MemoryLeaseStore>,
+        cut: AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl LeaseStore for CutOff {
+        async fn grant(&self, ttl: Duration) -> Result<LeaseId, lease::Error> {
+            self.inner.grant(ttl).await
+        }
+        async fn keep_alive(&self, lease: LeaseId) -> Result<(), lease::Error> {
+            if self.cut.load(Ordering::Acquire) {
+                std::future::pending::<()>().await;
+            }
+            self.inner.keep_alive(lease).await
+        }
+        async fn revoke(&self, lease: LeaseId) -> Result<(), lease::Error> {
+            self.inner.revoke(lease).await
+        }
+        async fn put(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+            lease: Option<LeaseId>,
+        ) -> Result<Revision, lease::Error> {
+            self.inner.put(key, value, lease).await
+        }
+        async fn campaign(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+            lease: LeaseId,
+        ) -> Result<Option<Revision>, lease::Error> {
+            self.inner.campaign(key, value, lease).await
+        }
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, lease::Error> {
+            self.inner.get(key).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, lease::Error> {
+            self.inner.list(prefix).await
+        }
+        async fn delete(&self, key: &str) -> Result<bool, lease::Error> {
+            self.inner.delete(key).await
+        }
+        async fn write_batch(&self, ops: Vec<BatchOp>) -> Result<Revision, lease::Error> {
+            self.inner.write_batch(ops).await
+        }
+        async fn watch(
+            &self,
+            prefix: &str,
+        ) -> Result<mpsc::UnboundedReceiver<WatchEvent>, lease::Error> {
+            self.inner.watch(prefix).await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_coordinator_cut_off_from_etcd_steps_down_before_its_lease_lapses() {
+        let ttl = Duration::from_millis(900);
+        let leases = Arc::new(CutOff {
+            inner: MemoryLeaseStore::new(),
+            cut: AtomicBool::new(false),
+        });
+        let tenure = Arc::new(Tenure::open());
+        let sent = std::time::Instant::now();
+        let lease = leases.grant(ttl).await.unwrap();
+        tenure.renewed(sent, ttl);
+        let me = Arc::new(Leadership {
+            leases: leases.clone(),
+            lease,
+            advertise: "https://10.0.0.1:7443".into(),
+            leading: AtomicBool::new(true),
+            leader: watch::channel(None).0,
+            tenure: tenure.clone(),
+            resumes: std::sync::Mutex::default(),
+        });
+        let lost = CancellationToken::new();
+        tokio::spawn(keep_alive(me.clone(), ttl, lost.clone()));
+        // Renewals that succeed move the tenure on.
+        let first = tenure.deadline().unwrap();
+        while tenure.deadline().unwrap() <= first {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(me.is_leader() && !lost.is_cancelled());
+        // Cut off: it stops leading by itself, while etcd still holds its lease (no
+        // successor can have taken over yet).
+        leases.cut.store(true, Ordering::Release);
+        while tenure.holds() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!me.is_leader());
+        assert_eq!(
+            leases.inner.keep_alive(lease).await,
+            Ok(()),
+            "the lease lapsed before the coordinator stopped leading"
+        );
+        assert!(!lost.is_cancelled(), "suspended, not deposed");
+        // etcd answers again and the lease is still there: it carries on.
+        leases.cut.store(false, Ordering::Release);
+        while !tenure.holds() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(me.is_leader());
+        // Cut off until the lease is gone: when etcd answers, it steps down for good.
+        leases.cut.store(true, Ordering::Release);
+        while tenure.holds() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        leases.inner.revoke(lease).await.unwrap();
+        leases.cut.store(false, Ordering::Release);
+        tokio::time::timeout(Duration::from_secs(10), lost.cancelled())
+            .await
+            .expect("a coordinator whose lease lapsed never stepped down");
+        assert!(tenure.ended() && !me.is_leader());
     }
 }

@@ -251,6 +251,7 @@ async fn join_group(
     registry: &Arc<RunRegistry>,
     s: &Settings,
     tls: bool,
+    tenure: Arc<flotilla_coordinator::lease::Tenure>,
     lost: CancellationToken,
 ) -> Result<(), String> {
     let advertise = s.advertise.clone().unwrap_or_else(|| {
@@ -263,6 +264,7 @@ async fn join_group(
         coordinator.leases().clone(),
         advertise.clone(),
         s.worker_ttl,
+        tenure,
         lost,
     )
     .await?;
@@ -315,9 +317,21 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     if let Err(e) = store.check().await {
         return fail(1, format!("the store does not answer: {e}"));
     }
+    // In a group, the store writes only while this coordinator's lease is sure to be held.
+    let tenure = Arc::new(flotilla_coordinator::lease::Tenure::open());
+    let store = if s.etcd.is_empty() {
+        store
+    } else {
+        store.gated(tenure.clone())
+    };
     let leases = match lease_store(&s, tls.as_ref()).await {
         Ok(l) => l,
         Err(e) => return fail(1, e),
+    };
+    let leases: Arc<dyn flotilla_coordinator::lease::LeaseStore> = if s.etcd.is_empty() {
+        leases
+    } else {
+        flotilla_coordinator::lease::tenure::GatedLeases::new(leases, tenure.clone())
     };
     let coordinator = Arc::new(Coordinator::with_options(
         store,
@@ -331,7 +345,15 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     let registry = Arc::new(RunRegistry::default());
     let lost = CancellationToken::new();
     if !s.etcd.is_empty()
-        && let Err(e) = join_group(&coordinator, &registry, &s, tls.is_some(), lost.clone()).await
+        && let Err(e) = join_group(
+            &coordinator,
+            &registry,
+            &s,
+            tls.is_some(),
+            tenure,
+            lost.clone(),
+        )
+        .await
     {
         return fail(1, e);
     }

@@ -14,6 +14,9 @@
 
 pub mod etcd;
 pub mod memory;
+pub mod tenure;
+
+pub use tenure::Tenure;
 
 #[cfg(test)]
 pub(crate) mod conformance;

@@ -14,6 +14,7 @@
 //! there counts as done (a retried write is idempotent).
 
 pub mod faulty;
+pub mod gate;
 pub mod journal;
 pub mod keys;
 pub mod metered;
@@ -38,6 +39,8 @@ pub struct Store {
     pub local_root: Option<std::path::PathBuf>,
     /// Whether writes are failing right now (shared by every clone).
     pub health: Arc<Health>,
+    /// The store under the layers (see [`Store::gated`]).
+    raw: Arc<dyn ObjectStore>,
 }
 
 impl std::fmt::Debug for Store {
@@ -234,12 +237,27 @@ impl Store {
         local_root: Option<std::path::PathBuf>,
     ) -> Store {
         let health = Arc::<Health>::default();
-        let retrying = retry::Retrying::new(raw, url, health.clone());
+        let retrying = retry::Retrying::new(raw.clone(), url, health.clone());
         Store {
             url: url.into(),
             inner: Arc::new(metered::Metered::new(Arc::new(retrying))),
             local_root,
             health,
+            raw,
+        }
+    }
+
+    /// This store with a [`gate::Gate`] under its retries: once `tenure` is over, no write
+    /// goes through, not even one that was being retried (each try asks the gate).
+    pub fn gated(&self, tenure: Arc<crate::lease::Tenure>) -> Store {
+        let gate = Arc::new(gate::Gate::new(self.raw.clone(), tenure));
+        let retrying = retry::Retrying::new(gate.clone(), &self.url, self.health.clone());
+        Store {
+            url: self.url.clone(),
+            inner: Arc::new(metered::Metered::new(Arc::new(retrying))),
+            local_root: self.local_root.clone(),
+            health: self.health.clone(),
+            raw: gate,
         }
     }
 

@@ -108,6 +108,12 @@ impl Health {
 /// A storage error that retrying cannot fix: what is wrong, and what to do.
 pub(super) fn permanent(e: &object_store::Error) -> Option<(&'static str, &'static str)> {
     use std::io::ErrorKind as K;
+    if super::gate::is_deposed(e) {
+        return Some((
+            "this coordinator is no longer in office",
+            "nothing: another coordinator of the group carries its runs on",
+        ));
+    }
     match e {
         object_store::Error::PermissionDenied { .. }
         | object_store::Error::Unauthenticated { .. } => {
