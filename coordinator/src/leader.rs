@@ -117,6 +117,13 @@ impl Leadership {
         self.leading.load(Ordering::Acquire) && self.tenure.holds()
     }
 
+    /// Whether this coordinator holds the leader's seat, in office or suspended: clients are
+    /// served here either way (a suspended leader's writes wait for its tenure; forwarding
+    /// them would send them back to itself).
+    pub fn holds_seat(&self) -> bool {
+        self.leading.load(Ordering::Acquire) && !self.tenure.ended()
+    }
+
     /// Ends the tenure: nothing more is written, the coordinator no longer leads, and `lost`
     /// stops the process.
     fn step_down(&self, why: &str, lost: &CancellationToken) {

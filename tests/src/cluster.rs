@@ -543,24 +543,28 @@ impl Cluster {
 
 /// The journal of `run` in an S3 store (`bucket/prefix`), read over plain HTTP from the
 /// test's S3 server (moto takes unsigned requests).
-fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> Vec<Value> {
+pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> Vec<Value> {
     let endpoint = env
         .iter()
         .find(|(k, _)| k == "AWS_ENDPOINT_URL")
         .map(|(_, v)| v.clone())
         .expect("AWS_ENDPOINT_URL for the S3 store");
-    let port: u16 = endpoint
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.trim_end_matches('/').parse().ok())
-        .expect("endpoint port");
+    let (host, port) = endpoint
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
+        .expect("endpoint host:port");
+    let get = |path: &str, headers: &[(&str, &str)]| {
+        crate::http_request_to(&host, port, "GET", path, headers, None)
+    };
     let (bucket, prefix) = bucket_prefix.split_once('/').unwrap_or((bucket_prefix, ""));
     let dir = if prefix.is_empty() {
         format!("runs/{run}/calls/")
     } else {
         format!("{prefix}/runs/{run}/calls/")
     };
-    let listing = crate::http_get(port, &format!("/{bucket}?list-type=2&prefix={dir}"), &[]);
+    let listing = get(&format!("/{bucket}?list-type=2&prefix={dir}"), &[]);
     assert_eq!(listing.status, 200, "{listing:?}");
     let mut keys: Vec<&str> = listing
         .body
@@ -573,7 +577,7 @@ fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> Vec<V
         .flat_map(|k| {
             // moto checks that a GET of an object is signed, not how.
             let auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00";
-            let obj = crate::http_get(port, &format!("/{bucket}/{k}"), &[("Authorization", auth)]);
+            let obj = get(&format!("/{bucket}/{k}"), &[("Authorization", auth)]);
             assert_eq!(obj.status, 200, "{obj:?}");
             obj.body
                 .lines()

@@ -10,6 +10,8 @@
 
 pub mod cluster;
 pub mod fake_anthropic;
+pub mod hostfleet;
+pub mod netbed;
 pub mod otlp;
 pub mod proxy;
 pub mod services;
@@ -346,13 +348,25 @@ pub fn http_request(
     headers: &[(&str, &str)],
     body: Option<&str>,
 ) -> HttpResponse {
+    http_request_to("127.0.0.1", port, method, path, headers, body)
+}
+
+/// Any request on `host`:`port` (an address of a test server: loopback, or a host of a
+/// [`netbed::NetBed`] from a thread inside it).
+pub fn http_request_to(
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
     use std::io::Write;
-    let mut s =
-        std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to the page server");
+    let mut s = std::net::TcpStream::connect((host, port)).expect("connect to the test server");
     s.set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
     let mut req =
-        format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
+        format!("{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::cluster::free_port;
 
-fn find(binary: &str, install: &str) -> PathBuf {
+pub(crate) fn find(binary: &str, install: &str) -> PathBuf {
     let path = std::env::var_os("PATH").unwrap_or_default();
     for dir in std::env::split_paths(&path) {
         let candidate = dir.join(binary);
@@ -202,7 +202,7 @@ pub struct S3 {
     _dir: tempfile::TempDir,
 }
 
-fn moto_server() -> PathBuf {
+pub(crate) fn moto_server() -> PathBuf {
     if let Some(p) = std::env::var_os("FLOTILLA_MOTO_SERVER") {
         return PathBuf::from(p);
     }

@@ -29,14 +29,14 @@ impl ClientSvc {
         let Some(l) = self.coordinator.leadership() else {
             return Ok(None);
         };
-        if l.is_leader() {
+        if l.holds_seat() {
             return Ok(None);
         }
         let addr = l.wait_for_leader(LEADER_WAIT).await.ok_or_else(|| {
             ErrorKind::Unavailable
                 .status("no coordinator leads yet (is etcd reachable?); try again")
         })?;
-        if l.is_leader() {
+        if l.holds_seat() {
             return Ok(None);
         }
         let mut cached = self.to_leader.lock().await;

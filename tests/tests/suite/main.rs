@@ -11,6 +11,7 @@ mod claude;
 mod cli;
 mod cluster;
 mod cluster_defects;
+mod cluster_hosts;
 mod cluster_sandbox;
 mod cluster_sources;
 mod combinators;

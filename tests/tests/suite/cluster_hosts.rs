@@ -1,0 +1,283 @@
+//! The fleet on many hosts (issue 15): etcd, S3, coordinators and workers each in a network
+//! namespace of its own, joined by a switch, with faults made where they happen — links cut
+//! (packets dropped, not refused), processes frozen and killed, etcd members lost.
+//!
+//! Each nemesis runs a fan-out of sleeping echo agents and checks the invariants: the run
+//! completes, every call's result is journaled exactly once (none lost, none accepted
+//! twice), and the faults cost a bounded number of extra attempts.
+//! (Module name `cluster_*`: nextest runs these one at a time, see .config/nextest.toml.)
+
+use std::time::{Duration, Instant};
+
+use flotilla_tests::hostfleet::{HostFleet, Plan, coordinator_host, etcd_host, worker_host};
+use serde_json::Value;
+
+const CALLS: usize = 200;
+
+/// A fan-out of `CALLS` agents that sleep `ms` each.
+fn fan_out(f: &HostFleet, at: usize, name: &str, ms: u64) -> String {
+    f.launch(
+        at,
+        name,
+        &format!(
+            "return (await parallel(Array.from({{ length: {CALLS} }}, (_, i) => () => agent('job ' + i + ' [[sleep:{ms}]]')))).filter(Boolean).length;"
+        ),
+        &["--stagger", "0", "--concurrency", "32", "--stall-timeout", "10m"],
+    )
+}
+
+fn wait_until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Completed calls, as coordinator `at` reports them.
+fn done(f: &HostFleet, at: usize, run: &str) -> u64 {
+    f.status(at, run)["done"].as_u64().unwrap_or(0)
+}
+
+/// The worker entry named `name` in `workers --json` from coordinator `at`.
+fn worker_entry(f: &HostFleet, at: usize, name: &str) -> Option<Value> {
+    let out = f.client_at(at, &["workers", "--json"]);
+    if out.code != 0 {
+        return None;
+    }
+    out.json()
+        .as_array()?
+        .iter()
+        .find(|w| w["name"] == name)
+        .cloned()
+}
+
+/// The extra attempts a run took: attempts beyond one per call.
+fn extra_attempts(report: &Value) -> u64 {
+    report["usage"]["attempts"]
+        .as_u64()
+        .unwrap_or(0)
+        .saturating_sub(CALLS as u64)
+}
+
+/// When a line containing `needle` was first logged by `label` (the log line's RFC 3339 time).
+fn logged_at(f: &HostFleet, label: &str, needle: &str) -> Option<String> {
+    f.log_text(label)
+        .lines()
+        .find(|l| l.contains(needle))
+        .and_then(|l| l.split_whitespace().next())
+        .map(strip_ansi)
+}
+
+/// `text` without terminal colour codes (`ESC [ ... m`).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Milliseconds into the day of an RFC 3339 time (`2026-12-01T22:10:01.123456Z`).
+fn seconds_of_day(t: &str) -> i64 {
+    let time = t
+        .split('T')
+        .nth(1)
+        .unwrap_or_default()
+        .trim_end_matches('Z');
+    let mut parts = time.split(':');
+    let h: f64 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0.0);
+    let m: f64 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0.0);
+    let s: f64 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0.0);
+    ((h * 3600.0 + m * 60.0 + s) * 1000.0) as i64
+}
+
+#[test]
+fn the_bed_cuts_heals_and_loses_packets_between_its_hosts_only() {
+    use flotilla_tests::netbed::NetBed;
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    let bed = NetBed::new(&["a", "b", "c"]);
+    let addr: SocketAddr = format!("{}:9000", bed.ip("a")).parse().unwrap();
+    // A listener opened inside host a belongs to a's network, whichever thread accepts.
+    let listener = bed.within("a", move || TcpListener::bind(addr).unwrap());
+    std::thread::spawn(move || for _ in listener.incoming() {});
+    let connect = |from: &str| {
+        bed.within(from, move || {
+            TcpStream::connect_timeout(&addr, Duration::from_millis(700)).map(|_| ())
+        })
+    };
+    connect("b").unwrap();
+    connect("c").unwrap();
+    // A cut drops packets: the connection times out, it is not refused; other hosts still
+    // reach a.
+    bed.cut("a", "b");
+    let e = connect("b").unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    connect("c").unwrap();
+    bed.heal("a", "b");
+    bed.heal("a", "b");
+    connect("b").unwrap();
+    bed.isolate("a");
+    assert!(connect("c").is_err());
+    bed.heal_all();
+    connect("c").unwrap();
+    // All packets lost, then none.
+    bed.loss("a", 100);
+    assert!(connect("b").is_err());
+    bed.loss("a", 0);
+    connect("b").unwrap();
+}
+
+#[test]
+fn a_worker_cut_off_past_its_ttl_is_fenced_and_nothing_is_lost() {
+    let f = HostFleet::start(Plan::default());
+    let run = fan_out(&f, 0, "cut-worker", 1500);
+    wait_until("worker-0 runs attempts", Duration::from_secs(60), || {
+        worker_entry(&f, 0, "worker-0").is_some_and(|w| w["busy"].as_u64() > Some(0))
+    });
+    for c in 0..f.plan.coordinators {
+        f.bed.cut(&worker_host(0), &coordinator_host(c));
+    }
+    // Past its TTL its lease lapses: the coordinator forgets it and runs its calls elsewhere.
+    f.wait_for_log("coord-0", "worker lease lapsed", Duration::from_secs(60));
+    wait_until("worker-0 to be gone", Duration::from_secs(30), || {
+        worker_entry(&f, 0, "worker-0").is_none()
+    });
+    f.bed.heal_all();
+    // It comes back and reports what it held: every such outcome is refused.
+    f.wait_for_workers(f.plan.workers, Duration::from_secs(60));
+    let report = f.assert_completed_once_each(0, &run, CALLS);
+    assert_eq!(report["result"], CALLS);
+    let extra = extra_attempts(&report);
+    assert!(
+        extra <= 2 * u64::from(f.plan.slots),
+        "{extra} extra attempts for one worker's {} slots",
+        f.plan.slots
+    );
+}
+
+#[test]
+fn the_leader_cut_off_from_etcd_stops_leading_before_its_successor_leads() {
+    let f = HostFleet::start(Plan::default());
+    let run = fan_out(&f, 0, "cut-leader", 1500);
+    wait_until("some calls done", Duration::from_secs(60), || {
+        done(&f, 0, &run) >= 20
+    });
+    // Cut from etcd only: its workers and the store still reach it.
+    f.bed.cut(&coordinator_host(0), &etcd_host(0));
+    f.wait_for_log("coord-1", "this coordinator leads", Duration::from_secs(60));
+    let suspended = logged_at(&f, "coord-0", "could not renew its lease in etcd in time")
+        .expect("the cut-off leader never stopped leading");
+    let successor = logged_at(&f, "coord-1", "this coordinator leads").expect("logged");
+    // RFC 3339 times of one clock compare as strings.
+    assert!(
+        suspended < successor,
+        "the old leader stopped leading at {suspended}, after its successor led at {successor}"
+    );
+    // Healed, the old leader learns its lease is gone and stops; its workers go to the
+    // successor, which carries the run to the end.
+    f.bed.heal_all();
+    f.wait_for_log("coord-0", "lease in etcd lapsed", Duration::from_secs(60));
+    let report = f.assert_completed_once_each(1, &run, CALLS);
+    assert_eq!(report["result"], CALLS);
+    eprintln!(
+        "the old leader stopped leading {} ms before its successor led ({suspended}, {successor})",
+        seconds_of_day(&successor) - seconds_of_day(&suspended)
+    );
+}
+
+#[test]
+fn a_frozen_leader_wakes_as_a_zombie_and_writes_nothing() {
+    let mut f = HostFleet::start(Plan::default());
+    let run = fan_out(&f, 0, "zombie", 1500);
+    wait_until("some calls done", Duration::from_secs(60), || {
+        done(&f, 0, &run) >= 20
+    });
+    f.bed.signal("coord-0", "STOP");
+    // Frozen past its TTL: the standby leads and adopts the run, and the workers move to it.
+    f.wait_for_log(
+        "coord-1",
+        "adopted a run whose coordinator is gone",
+        Duration::from_secs(60),
+    );
+    f.wait_for_workers(f.plan.workers, Duration::from_secs(60));
+    wait_until(
+        "progress under the successor",
+        Duration::from_secs(60),
+        || done(&f, 1, &run) >= 40,
+    );
+    f.bed.signal("coord-0", "CONT");
+    // Awake, it finds its tenure over before anything else, then that its lease is gone.
+    wait_until("the zombie to stop", Duration::from_secs(60), || {
+        f.bed.exited("coord-0").is_some()
+    });
+    // It woke up to lapsed worker leases and tried to restart their calls: every attempt
+    // key it went to write was held back, and it stopped once etcd said its lease was gone.
+    let log = strip_ansi(&f.log_text("coord-0"));
+    let held = log
+        .find("it writes to etcd again once it does")
+        .expect("the zombie wrote to etcd unchecked");
+    let gone = log
+        .find("lease in etcd lapsed")
+        .expect("never learned it was deposed");
+    assert!(held < gone, "{log}");
+    let report = f.assert_completed_once_each(1, &run, CALLS);
+    assert_eq!(report["result"], CALLS);
+}
+
+#[test]
+fn the_store_cut_off_for_thirty_seconds_pauses_the_run_and_loses_nothing() {
+    let f = HostFleet::start(Plan::default());
+    let run = fan_out(&f, 0, "store-outage", 1000);
+    wait_until("some calls done", Duration::from_secs(60), || {
+        done(&f, 0, &run) >= 20
+    });
+    // Packets to and from the S3 server vanish: requests hang until their timeouts, and
+    // writes are retried; the outage is the scenario's thirty seconds.
+    f.bed.isolate("s3");
+    std::thread::sleep(Duration::from_secs(30));
+    let status = f.status(0, &run);
+    assert_ne!(status["status"], "failed", "{status}");
+    f.bed.heal_all();
+    let report = f.assert_completed_once_each(0, &run, CALLS);
+    assert_eq!(report["result"], CALLS);
+}
+
+#[test]
+fn etcd_loses_one_member_unnoticed_and_two_without_failing_a_run() {
+    let mut f = HostFleet::start(Plan {
+        etcd_members: 3,
+        ..Plan::default()
+    });
+    let run = fan_out(&f, 0, "etcd-members", 1000);
+    wait_until("some calls done", Duration::from_secs(60), || {
+        done(&f, 0, &run) >= 20
+    });
+    // One of three: quorum stays.
+    f.bed.signal(&etcd_host(2), "KILL");
+    let at = done(&f, 0, &run);
+    wait_until(
+        "progress without one member",
+        Duration::from_secs(60),
+        || done(&f, 0, &run) >= at + 20,
+    );
+    // Two of three: no quorum. Dispatch waits, no run fails; an outage of ten seconds.
+    f.bed.signal(&etcd_host(1), "KILL");
+    std::thread::sleep(Duration::from_secs(10));
+    let status = f.status(0, &run);
+    assert_ne!(status["status"], "failed", "{status}");
+    f.start_etcd(1);
+    f.start_etcd(2);
+    f.wait_for_etcd();
+    let report = f.assert_completed_once_each(0, &run, CALLS);
+    assert_eq!(report["result"], CALLS);
+}
