@@ -448,10 +448,19 @@ impl HostFleet {
                 .entry(rec["index"].as_u64().expect("journal index"))
                 .or_default() += 1;
         }
-        assert_eq!(seen.len(), calls, "every call journaled once: {seen:?}");
+        let missing: Vec<u64> = (0..calls as u64)
+            .filter(|i| !seen.contains_key(i))
+            .take(20)
+            .collect();
         assert!(
-            seen.values().all(|n| *n == 1),
-            "a result was accepted twice: {seen:?}"
+            missing.is_empty() && seen.len() == calls,
+            "{} of {calls} calls journaled; missing (first 20): {missing:?}",
+            seen.len()
+        );
+        let twice: Vec<(&u64, &usize)> = seen.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(
+            twice.is_empty(),
+            "results accepted more than once: {twice:?}"
         );
         report
     }

@@ -287,6 +287,15 @@ impl NetBed {
         }
     }
 
+    /// Forgets process `label`, which has exited, so its label can be started again.
+    pub fn forget(&mut self, label: &str) {
+        if let Some(i) = self.started.iter().position(|s| s.label == label) {
+            let mut s = self.started.remove(i);
+            let _ = s.child.kill();
+            let _ = s.child.wait();
+        }
+    }
+
     /// Whether process `label` has exited (and how).
     pub fn exited(&mut self, label: &str) -> Option<std::process::ExitStatus> {
         let s = self

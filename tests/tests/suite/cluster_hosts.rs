@@ -281,3 +281,160 @@ fn etcd_loses_one_member_unnoticed_and_two_without_failing_a_run() {
     let report = f.assert_completed_once_each(0, &run, CALLS);
     assert_eq!(report["result"], CALLS);
 }
+
+/// A small deterministic generator (xorshift64*): a seed gives the same schedule again.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// A number in `lo..=hi`.
+    fn within(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+/// Whichever coordinator leads now, waiting for one (a fault may leave the seat empty for a
+/// TTL or so).
+fn leader_now(f: &HostFleet) -> usize {
+    let mut found = None;
+    wait_until("a leader", Duration::from_secs(60), || {
+        found = f.leader();
+        found.is_some()
+    });
+    found.expect("a leader")
+}
+
+/// Restarts what a fault left stopped: a coordinator that stepped down for good (it exits,
+/// by design) comes back as a standby.
+fn restart_stopped_coordinators(f: &mut HostFleet) {
+    for c in 0..f.plan.coordinators {
+        if f.bed.exited(&coordinator_host(c)).is_some() {
+            f.bed.forget(&coordinator_host(c));
+            f.start_coordinator(c);
+        }
+    }
+}
+
+/// A random schedule of the faults above, one at a time, for `FLOTILLA_NEMESIS_SECS` seconds
+/// (default 30) from seed `FLOTILLA_NEMESIS_SEED` (default 1; printed, so a failing schedule
+/// can be run again). `tools/nemesis` runs long ones.
+#[test]
+fn a_random_schedule_of_faults_loses_nothing() {
+    let seed: u64 = std::env::var("FLOTILLA_NEMESIS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let secs: u64 = std::env::var("FLOTILLA_NEMESIS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    eprintln!("nemesis schedule: seed {seed}, {secs} s (FLOTILLA_NEMESIS_SEED={seed} replays it)");
+    let mut rng = Rng::new(seed);
+    let mut f = HostFleet::start(Plan {
+        etcd_members: 3,
+        ..Plan::default()
+    });
+    // Enough work to outlast the schedule: 32 slots, a second per agent.
+    let calls = ((secs * 32) as usize).max(CALLS);
+    let run = f.launch(
+        0,
+        "nemesis",
+        &format!(
+            "return (await parallel(Array.from({{ length: {calls} }}, (_, i) => () => agent('job ' + i + ' [[sleep:1000]]')))).filter(Boolean).length;"
+        ),
+        &[
+            "--stagger",
+            "0",
+            "--concurrency",
+            "32",
+            "--stall-timeout",
+            "10m",
+            "--max-agents",
+            &calls.to_string(),
+        ],
+    );
+    let started = Instant::now();
+    let mut step = 0;
+    while started.elapsed() < Duration::from_secs(secs) {
+        step += 1;
+        let hold = Duration::from_millis(rng.within(1_000, 6_000));
+        let at = started.elapsed().as_secs_f32();
+        match rng.within(0, 5) {
+            0 => {
+                let w = worker_host(rng.within(0, f.plan.workers as u64 - 1) as usize);
+                eprintln!("{at:6.1}s #{step}: cut {w} from the coordinators for {hold:?}");
+                for c in 0..f.plan.coordinators {
+                    f.bed.cut(&w, &coordinator_host(c));
+                }
+                std::thread::sleep(hold);
+            }
+            1 => {
+                let l = coordinator_host(leader_now(&f));
+                eprintln!("{at:6.1}s #{step}: cut the leader {l} from etcd for {hold:?}");
+                for e in 0..f.plan.etcd_members {
+                    f.bed.cut(&l, &etcd_host(e));
+                }
+                std::thread::sleep(hold);
+            }
+            2 => {
+                let l = coordinator_host(leader_now(&f));
+                eprintln!("{at:6.1}s #{step}: freeze the leader {l} for {hold:?}");
+                f.bed.signal(&l, "STOP");
+                std::thread::sleep(hold);
+                f.bed.signal(&l, "CONT");
+            }
+            3 => {
+                let e = etcd_host(rng.within(0, f.plan.etcd_members as u64 - 1) as usize);
+                eprintln!("{at:6.1}s #{step}: kill etcd member {e} for {hold:?}");
+                f.bed.signal(&e, "KILL");
+                std::thread::sleep(hold);
+                let i = e.trim_start_matches("etcd-").parse().expect("member");
+                f.start_etcd(i);
+            }
+            4 => {
+                eprintln!("{at:6.1}s #{step}: cut the store off for {hold:?}");
+                f.bed.isolate("s3");
+                std::thread::sleep(hold);
+            }
+            _ => {
+                let w = worker_host(rng.within(0, f.plan.workers as u64 - 1) as usize);
+                eprintln!("{at:6.1}s #{step}: {w} loses 30% of its packets for {hold:?}");
+                f.bed.loss(&w, 30);
+                std::thread::sleep(hold);
+            }
+        }
+        f.bed.heal_all();
+        // A calm moment between faults.
+        std::thread::sleep(Duration::from_millis(rng.within(300, 2_000)));
+        restart_stopped_coordinators(&mut f);
+    }
+    f.bed.heal_all();
+    f.wait_for_etcd();
+    // A leader whose lease lapsed in the last fault stops a moment after it learns so.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        restart_stopped_coordinators(&mut f);
+        if f.leader().is_some()
+            && (0..f.plan.coordinators).all(|c| f.bed.exited(&coordinator_host(c)).is_none())
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    f.wait_for_workers(f.plan.workers, Duration::from_secs(120));
+    let leader = leader_now(&f);
+    let report = f.assert_completed_once_each(leader, &run, calls);
+    assert_eq!(report["result"], calls);
+    eprintln!(
+        "seed {seed}: {step} faults in {secs} s; {} attempts for {calls} calls",
+        report["usage"]["attempts"]
+    );
+}
