@@ -6,6 +6,7 @@
 //! reuse one keep-alive stream per lease.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
@@ -16,10 +17,17 @@ use tokio::sync::{Mutex, mpsc};
 
 use super::{BatchOp, Error, KeyValue, LeaseId, LeaseStore, Revision, WatchEvent};
 
+/// The keep-alive stream of one lease (`None` until opened, and after it broke).
+type Keeper = Arc<Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>>;
+
 /// The etcd lease store.
 pub struct EtcdLeaseStore {
     client: Client,
-    keepers: Mutex<HashMap<LeaseId, (LeaseKeeper, LeaseKeepAliveStream)>>,
+    /// One stream per lease, each behind a lock of its own: a renewal that hangs on a stream
+    /// to a member that died holds up only its own lease, never the others'.
+    keepers: std::sync::Mutex<HashMap<LeaseId, Keeper>>,
+    /// The TTL each lease was granted with: a renewal waits for an answer a third of it.
+    ttls: std::sync::Mutex<HashMap<LeaseId, Duration>>,
 }
 
 impl std::fmt::Debug for EtcdLeaseStore {
@@ -66,6 +74,18 @@ fn kv_of(kv: &etcd_client::KeyValue) -> KeyValue {
 }
 
 impl EtcdLeaseStore {
+    /// Drops what is kept for a lease that is gone.
+    fn forget(&self, lease: LeaseId) {
+        self.keepers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&lease);
+        self.ttls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&lease);
+    }
+
     /// Connects to etcd at `endpoints` (`http://host:port`, or `https://` with `tls`).
     pub async fn connect(endpoints: &[String], tls: Option<TlsOptions>) -> Result<Self, Error> {
         let mut opts = ConnectOptions::new()
@@ -83,7 +103,8 @@ impl EtcdLeaseStore {
         })?;
         let store = EtcdLeaseStore {
             client,
-            keepers: Mutex::new(HashMap::new()),
+            keepers: std::sync::Mutex::default(),
+            ttls: std::sync::Mutex::default(),
         };
         // The first request is where an unreachable etcd or a refused TLS identity shows up;
         // fail at startup with the address in the message.
@@ -107,43 +128,69 @@ impl LeaseStore for EtcdLeaseStore {
             .lease_grant(secs, None)
             .await
             .map_err(unavailable)?;
+        self.ttls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(resp.id(), ttl);
         Ok(resp.id())
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<(), Error> {
-        let mut keepers = self.keepers.lock().await;
-        let (keeper, stream) = match keepers.entry(lease) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                let pair = self
-                    .client
-                    .clone()
-                    .lease_keep_alive(lease)
-                    .await
-                    .map_err(|err| lease_error(lease, err))?;
-                e.insert(pair)
-            }
-        };
-        let renewed = async {
-            keeper.keep_alive().await?;
-            stream.message().await
+        let keeper = self
+            .keepers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(lease)
+            .or_default()
+            .clone();
+        let wait = self
+            .ttls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&lease)
+            .map_or(Duration::from_secs(2), |ttl| *ttl / 3)
+            .max(Duration::from_millis(200));
+        let mut held = keeper.lock().await;
+        if held.is_none() {
+            let pair = tokio::time::timeout(wait, self.client.clone().lease_keep_alive(lease))
+                .await
+                .map_err(|_| Error::Unavailable("etcd did not answer in time".into()))?
+                .map_err(|err| lease_error(lease, err))?;
+            *held = Some(pair);
         }
+        let Some((keeper_tx, stream)) = held.as_mut() else {
+            return Err(Error::Unavailable("no keep-alive stream".into()));
+        };
+        let renewed = tokio::time::timeout(wait, async {
+            keeper_tx.keep_alive().await?;
+            stream.message().await
+        })
         .await;
         match renewed {
-            Ok(Some(resp)) if resp.ttl() > 0 => Ok(()),
-            Ok(_) => {
-                keepers.remove(&lease);
+            Ok(Ok(Some(resp))) if resp.ttl() > 0 => Ok(()),
+            Ok(Ok(_)) => {
+                *held = None;
+                self.forget(lease);
                 Err(Error::LeaseGone(lease))
             }
-            Err(e) => {
-                keepers.remove(&lease);
+            Ok(Err(e)) => {
+                // A stream that broke (its member went away) is opened again next time.
+                *held = None;
                 Err(lease_error(lease, e))
+            }
+            Err(_) => {
+                // No answer: the stream may be stuck on a member that is gone; the next
+                // renewal opens a new one (the client picks a live member).
+                *held = None;
+                Err(Error::Unavailable(format!(
+                    "etcd did not answer the renewal of lease {lease} within {wait:?}"
+                )))
             }
         }
     }
 
     async fn revoke(&self, lease: LeaseId) -> Result<(), Error> {
-        self.keepers.lock().await.remove(&lease);
+        self.forget(lease);
         self.client
             .clone()
             .lease_revoke(lease)
