@@ -235,7 +235,12 @@ fn read_config(path: Option<&Path>) -> Result<ConfigFile, String> {
         flotilla_coordinator::limits::SMALL_FILE_BYTES,
         "config file",
     )?;
-    toml::from_str(&text).map_err(|e| format!("config file {} is invalid: {e}", path.display()))
+    parse_config(&text, &path.display().to_string())
+}
+
+/// Reads a config file's text; `origin` names it in the error.
+pub fn parse_config(text: &str, origin: &str) -> Result<ConfigFile, String> {
+    toml::from_str(text).map_err(|e| format!("config file {origin} is invalid: {e}"))
 }
 
 /// The default store: `file://` under the user's data directory.
@@ -630,5 +635,42 @@ mod tests {
             RunSettings::default(),
             "the sample documents the defaults"
         );
+    }
+}
+
+/// Property-based fuzzing of the config parser (`tools/fuzz` runs it long).
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    const VALID: &str = "coordinator = \"https://10.0.0.1:7443\"\nbackend = \"echo\"\nconcurrency = 8\n\
+        budget_usd = 2.5\nstore = \"s3://runs/team\"\netcd = [\"http://10.0.0.2:2379\"]\n\
+        stall_timeout = \"5m\"\ndisable_workflows = false\n";
+
+    proptest! {
+        #[test]
+        fn any_text_is_answered_without_a_panic(text in "\\PC{0,300}") {
+            let _ = parse_config(&text, "fuzz.toml");
+        }
+
+        #[test]
+        fn a_damaged_config_is_answered_and_its_error_names_the_file(
+            cuts in prop::collection::vec((0usize..VALID.len(), "[=\\[\\]\"'#\\n a-z0-9.]{1,4}"), 1..5),
+        ) {
+            let mut text = VALID.to_owned();
+            for (at, piece) in cuts {
+                text.insert_str(at.min(text.len()), &piece);
+            }
+            if let Err(e) = parse_config(&text, "fuzz.toml") {
+                prop_assert!(e.contains("fuzz.toml"), "{}", e);
+            }
+        }
+    }
+
+    #[test]
+    fn the_valid_config_parses() {
+        let c = parse_config(VALID, "fuzz.toml").unwrap();
+        assert_eq!(c.concurrency, Some(8));
     }
 }

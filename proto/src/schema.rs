@@ -257,3 +257,83 @@ mod tests {
         assert!(e.contains("required"), "{e}");
     }
 }
+
+/// Property-based fuzzing (`tools/fuzz` runs it long): any JSON as a schema, and schema-shaped
+/// objects built from the keywords preflight looks at.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            "[a-z]{0,6}|string|object|array|integer|number|boolean|null".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                prop::collection::btree_map(keyword(), inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn keyword() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("type".to_owned()),
+            Just("properties".to_owned()),
+            Just("required".to_owned()),
+            Just("additionalProperties".to_owned()),
+            Just("minimum".to_owned()),
+            Just("maximum".to_owned()),
+            Just("exclusiveMinimum".to_owned()),
+            Just("minLength".to_owned()),
+            Just("maxLength".to_owned()),
+            Just("minItems".to_owned()),
+            Just("maxItems".to_owned()),
+            Just("enum".to_owned()),
+            Just("const".to_owned()),
+            Just("items".to_owned()),
+            Just("pattern".to_owned()),
+            Just("anyOf".to_owned()),
+            Just("allOf".to_owned()),
+            Just("$ref".to_owned()),
+            "[a-z]{1,5}",
+        ]
+    }
+
+    proptest! {
+        /// Preflight answers every input without panicking, and what it lets through compiles
+        /// and validates any instance without panicking (the module's invariant).
+        #[test]
+        fn preflight_never_panics_and_what_it_passes_compiles(schema in json(), instance in json()) {
+            if preflight(&schema).is_ok() {
+                match Validator::new(&schema) {
+                    Ok(v) => {
+                        let _ = v.validate(&instance);
+                    }
+                    Err(e) => prop_assert!(false, "preflight passed {schema} but it does not compile: {e}"),
+                }
+            }
+        }
+
+        /// An object schema with arbitrary keywords under `properties`.
+        #[test]
+        fn object_schemas_with_any_properties_are_judged(props in prop::collection::btree_map("[a-z]{1,4}", json(), 0..5), required in prop::collection::vec("[a-z]{1,4}", 0..3)) {
+            let schema = serde_json::json!({
+                "type": "object",
+                "properties": props,
+                "required": required,
+            });
+            if preflight(&schema).is_ok() {
+                prop_assert!(Validator::new(&schema).is_ok());
+            }
+        }
+    }
+}

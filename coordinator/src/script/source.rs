@@ -1594,3 +1594,74 @@ mod tests {
         assert!(e.to_string().contains("at line 2"));
     }
 }
+
+/// Property-based fuzzing of the meta reader and the lexer (`tools/fuzz` runs it long): any
+/// text, and a valid script with random damage, is answered without a panic, and a script
+/// that passes keeps its shape.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    const VALID: &str = "export const meta = { name: 'fuzz', description: 'a workflow', phases: [{ title: 'one' }] };\n\
+        // a comment with `backticks` and ${braces}\n\
+        const r = await agent(`item ${args?.n ?? 1}`, { label: 'a', schema: { type: 'object' } });\n\
+        const re = /[a-z]+\\/x/g; const s = \"q\\\"uote\" + 'it\\'s';\n\
+        return { r, n: [1, 2.5e3, 0x1f].length };\n";
+
+    /// Pieces of JavaScript that tokenizers trip over.
+    fn piece() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("`".to_owned()),
+            Just("${".to_owned()),
+            Just("}".to_owned()),
+            Just("/*".to_owned()),
+            Just("*/".to_owned()),
+            Just("//".to_owned()),
+            Just("/".to_owned()),
+            Just("'".to_owned()),
+            Just("\"".to_owned()),
+            Just("\\".to_owned()),
+            Just("\n".to_owned()),
+            Just("export const meta =".to_owned()),
+            Just("\u{2028}".to_owned()),
+            Just("\u{feff}".to_owned()),
+            any::<char>().prop_map(String::from),
+            "[ -~]{0,8}",
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn any_text_is_answered_without_a_panic(text in "\\PC{0,400}") {
+            let _ = read_meta(&text);
+            let _ = prepare(&text);
+        }
+
+        #[test]
+        fn a_damaged_script_is_answered_and_a_passing_one_keeps_its_length(
+            cuts in prop::collection::vec((0usize..VALID.len(), piece()), 1..6),
+        ) {
+            let mut text = VALID.to_owned();
+            for (at, piece) in cuts {
+                let mut at = at.min(text.len());
+                while !text.is_char_boundary(at) {
+                    at -= 1;
+                }
+                text.insert_str(at, &piece);
+            }
+            let _ = read_meta(&text);
+            if let Ok(p) = prepare(&text) {
+                // The body is the source with only the meta's `export` blanked.
+                prop_assert_eq!(p.body.chars().count(), text.chars().count());
+                prop_assert!(p.meta_line >= 1);
+            }
+        }
+    }
+
+    #[test]
+    fn the_valid_script_passes() {
+        let p = prepare(VALID).unwrap();
+        assert_eq!(p.meta.name, "fuzz");
+    }
+}

@@ -437,3 +437,85 @@ pub async fn read_transcript(
     }
     Ok(out)
 }
+
+/// Property-based fuzzing of the journal reader (`tools/fuzz` runs it long): segments of any
+/// bytes, and valid records with garbage lines between them.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
+    }
+
+    fn record(index: u64) -> String {
+        format!(
+            r#"{{"index":{index},"key":"v1:k:{index}","label":"a{index}","group":"","result":"r{index}","attempts":1}}"#
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_in_a_segment_are_read_without_a_panic(segments in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..600), 1..4)) {
+            let rt = runtime();
+            let store = crate::store::open("memory://").expect("store");
+            rt.block_on(async {
+                for (seq, bytes) in segments.into_iter().enumerate() {
+                    store
+                        .put_create(&keys::calls_segment("wf_fuzz-000", 1, seq as u64), bytes.into())
+                        .await
+                        .expect("write");
+                }
+                let _ = read_calls_checked(&store, "wf_fuzz-000").await;
+            });
+        }
+
+        /// Every valid record is read back, whatever lines of garbage sit between them, and
+        /// each garbage line is either skipped as blank or counted as unreadable.
+        #[test]
+        fn valid_records_survive_garbage_lines(
+            lines in prop::collection::vec(prop_oneof![
+                (0u64..1000).prop_map(Ok),
+                prop::collection::vec(any::<u8>().prop_filter("no newline", |b| *b != b'\n'), 0..80).prop_map(Err),
+            ], 0..40),
+        ) {
+            let rt = runtime();
+            let store = crate::store::open("memory://").expect("store");
+            let mut text = Vec::new();
+            let mut valid = std::collections::BTreeSet::new();
+            let mut garbage = 0usize;
+            for line in &lines {
+                match line {
+                    Ok(i) => {
+                        if valid.insert(*i) {
+                            text.extend_from_slice(record(*i).as_bytes());
+                        } else {
+                            continue;
+                        }
+                    }
+                    Err(bytes) => {
+                        if !bytes.iter().all(u8::is_ascii_whitespace) {
+                            garbage += 1;
+                        }
+                        text.extend_from_slice(bytes);
+                    }
+                }
+                text.push(b'\n');
+            }
+            let read = rt.block_on(async {
+                store
+                    .put_create(&keys::calls_segment("wf_fuzz-001", 1, 0), text.into())
+                    .await
+                    .expect("write");
+                read_calls_checked(&store, "wf_fuzz-001").await.expect("read")
+            });
+            let got: std::collections::BTreeSet<u64> = read.calls.iter().map(|c| c.index).collect();
+            prop_assert!(valid.is_subset(&got), "lost {:?}", valid.difference(&got).collect::<Vec<_>>());
+            let unreadable: usize = read.unreadable.iter().map(|u| u.records).sum();
+            prop_assert!(read.calls.len() + unreadable <= valid.len() + garbage);
+        }
+    }
+}

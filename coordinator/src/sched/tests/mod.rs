@@ -111,6 +111,7 @@ impl FakeWorker {
 }
 
 mod fleet;
+mod fuzz;
 
 fn register(
     d: &DispatchHandle,
