@@ -564,14 +564,35 @@ pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> V
     } else {
         format!("{prefix}/runs/{run}/calls/")
     };
-    let listing = get(&format!("/{bucket}?list-type=2&prefix={dir}"), &[]);
-    assert_eq!(listing.status, 200, "{listing:?}");
-    let mut keys: Vec<&str> = listing
-        .body
-        .split("<Key>")
-        .skip(1)
-        .filter_map(|k| k.split("</Key>").next())
-        .collect();
+    // A listing answers at most 1,000 keys a page; a long run has more segments than that.
+    let mut keys: Vec<String> = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let mut path = format!("/{bucket}?list-type=2&prefix={dir}");
+        if let Some(t) = &token {
+            path.push_str("&continuation-token=");
+            path.push_str(&percent_encode(t));
+        }
+        let listing = get(&path, &[]);
+        assert_eq!(listing.status, 200, "{listing:?}");
+        keys.extend(
+            listing
+                .body
+                .split("<Key>")
+                .skip(1)
+                .filter_map(|k| k.split("</Key>").next())
+                .map(str::to_owned),
+        );
+        token = listing
+            .body
+            .split("<NextContinuationToken>")
+            .nth(1)
+            .and_then(|t| t.split("</NextContinuationToken>").next())
+            .map(str::to_owned);
+        if token.is_none() {
+            break;
+        }
+    }
     keys.sort_unstable();
     keys.iter()
         .flat_map(|k| {
@@ -583,6 +604,19 @@ pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> V
                 .lines()
                 .map(|l| serde_json::from_str(l).expect("journal line is JSON"))
                 .collect::<Vec<Value>>()
+        })
+        .collect()
+}
+
+/// `text` with everything but unreserved characters percent-encoded (for a query value).
+fn percent_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
         })
         .collect()
 }

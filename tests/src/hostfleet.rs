@@ -335,6 +335,21 @@ impl HostFleet {
         run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
     }
 
+    /// The last `lines` lines of every coordinator's and worker's log.
+    pub fn log_tails(&self, lines: usize) -> String {
+        let labels = (0..self.plan.coordinators)
+            .map(coordinator_host)
+            .chain((0..self.plan.workers).map(worker_host));
+        let mut out = String::new();
+        for label in labels {
+            let text = self.log_text(&label);
+            let all: Vec<&str> = text.lines().collect();
+            let tail = &all[all.len().saturating_sub(lines)..];
+            out.push_str(&format!("--- {label} (last {} lines)\n{}\n", tail.len(), tail.join("\n")));
+        }
+        out
+    }
+
     /// Waits until `needle` is in process `label`'s log.
     pub fn wait_for_log(&self, label: &str, needle: &str, within: Duration) {
         let deadline = Instant::now() + within;
@@ -386,8 +401,9 @@ impl HostFleet {
             }
             assert!(
                 Instant::now() < deadline,
-                "{n} workers never attached; coordinator log:\n{}",
-                self.log_text("coord-0")
+                "{n} workers never attached (leader: {:?});\n{}",
+                self.leader(),
+                self.log_tails(30)
             );
             std::thread::sleep(Duration::from_millis(200));
         }

@@ -342,13 +342,15 @@ fn a_random_schedule_of_faults_loses_nothing() {
         etcd_members: 3,
         ..Plan::default()
     });
-    // Enough work to outlast the schedule: 32 slots, a second per agent.
-    let calls = ((secs * 32) as usize).max(CALLS);
+    // Enough work to outlast the schedule on 32 slots: a second per agent, up to the 4,096
+    // items one parallel() takes, then longer agents.
+    let calls = ((secs * 32) as usize).clamp(CALLS, 4096);
+    let sleep_ms = (secs * 32_000 / calls as u64).max(1000);
     let run = f.launch(
         0,
         "nemesis",
         &format!(
-            "return (await parallel(Array.from({{ length: {calls} }}, (_, i) => () => agent('job ' + i + ' [[sleep:1000]]')))).filter(Boolean).length;"
+            "return (await parallel(Array.from({{ length: {calls} }}, (_, i) => () => agent('job ' + i + ' [[sleep:{sleep_ms}]]')))).filter(Boolean).length;"
         ),
         &[
             "--stagger",
