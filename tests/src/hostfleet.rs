@@ -345,7 +345,11 @@ impl HostFleet {
             let text = self.log_text(&label);
             let all: Vec<&str> = text.lines().collect();
             let tail = &all[all.len().saturating_sub(lines)..];
-            out.push_str(&format!("--- {label} (last {} lines)\n{}\n", tail.len(), tail.join("\n")));
+            out.push_str(&format!(
+                "--- {label} (last {} lines)\n{}\n",
+                tail.len(),
+                tail.join("\n")
+            ));
         }
         out
     }
