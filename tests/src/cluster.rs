@@ -494,19 +494,10 @@ impl Cluster {
     /// Launches workflow `name` with `body` from `dir` (a repository it sends as its source);
     /// its run id.
     pub fn launch_in(&self, dir: &Path, name: &str, body: &str, extra: &[&str]) -> String {
-        let script = self.path().join(format!("{name}.js"));
-        std::fs::write(
-            &script,
-            format!(
-                "export const meta = {{ name: '{name}', description: 'cluster test' }};\n{body}\n"
-            ),
-        )
-        .expect("write script");
+        let script = crate::write_workflow(self.path(), name, "cluster test", body);
         let mut args = vec!["launch", script.to_str().expect("utf-8"), "--json"];
         args.extend_from_slice(extra);
-        let out = self.client_in(dir, &args);
-        assert_eq!(out.code, 0, "launch failed: {out:?}");
-        out.json()["run_id"].as_str().expect("run_id").to_owned()
+        crate::launched_run_id(&self.client_in(dir, &args))
     }
 
     /// `flotilla wait RUN --json`.

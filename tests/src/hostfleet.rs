@@ -415,19 +415,10 @@ impl HostFleet {
 
     /// Writes a script and launches it through coordinator `at`; its run id.
     pub fn launch(&self, at: usize, name: &str, body: &str, extra: &[&str]) -> String {
-        let script = self.path().join(format!("{name}.js"));
-        std::fs::write(
-            &script,
-            format!(
-                "export const meta = {{ name: '{name}', description: 'fleet on hosts' }};\n{body}\n"
-            ),
-        )
-        .expect("write script");
+        let script = crate::write_workflow(self.path(), name, "fleet on hosts", body);
         let mut args = vec!["launch", script.to_str().expect("utf-8"), "--json"];
         args.extend_from_slice(extra);
-        let out = self.client_at(at, &args);
-        assert_eq!(out.code, 0, "launch failed: {out:?}");
-        out.json()["run_id"].as_str().expect("run_id").to_owned()
+        crate::launched_run_id(&self.client_at(at, &args))
     }
 
     /// The run's status as coordinator `at` reports it (`Value::Null` when it cannot answer).

@@ -340,6 +340,25 @@ pub fn http_get(port: u16, path: &str, headers: &[(&str, &str)]) -> HttpResponse
     http_request(port, "GET", path, headers, None)
 }
 
+/// Writes workflow `name` (with `body` after its meta) as `dir/{name}.js`.
+pub fn write_workflow(dir: &Path, name: &str, description: &str, body: &str) -> PathBuf {
+    let script = dir.join(format!("{name}.js"));
+    std::fs::write(
+        &script,
+        format!(
+            "export const meta = {{ name: '{name}', description: '{description}' }};\n{body}\n"
+        ),
+    )
+    .expect("write script");
+    script
+}
+
+/// The run id a `launch --json` printed, which must have succeeded.
+pub fn launched_run_id(out: &Output) -> String {
+    assert_eq!(out.code, 0, "launch failed: {out:?}");
+    out.json()["run_id"].as_str().expect("run_id").to_owned()
+}
+
 /// Any request on 127.0.0.1:`port`, with an optional body; no redirects followed.
 pub fn http_request(
     port: u16,

@@ -236,7 +236,16 @@ impl Store {
         raw: Arc<dyn ObjectStore>,
         local_root: Option<std::path::PathBuf>,
     ) -> Store {
-        let health = Arc::<Health>::default();
+        Store::layered(url, raw, local_root, Arc::default())
+    }
+
+    /// `raw` with the retrying and metering layers on top, reporting to `health`.
+    fn layered(
+        url: &str,
+        raw: Arc<dyn ObjectStore>,
+        local_root: Option<std::path::PathBuf>,
+        health: Arc<Health>,
+    ) -> Store {
         let retrying = retry::Retrying::new(raw.clone(), url, health.clone());
         Store {
             url: url.into(),
@@ -251,14 +260,12 @@ impl Store {
     /// goes through, not even one that was being retried (each try asks the gate).
     pub fn gated(&self, tenure: Arc<crate::lease::Tenure>) -> Store {
         let gate = Arc::new(gate::Gate::new(self.raw.clone(), tenure));
-        let retrying = retry::Retrying::new(gate.clone(), &self.url, self.health.clone());
-        Store {
-            url: self.url.clone(),
-            inner: Arc::new(metered::Metered::new(Arc::new(retrying))),
-            local_root: self.local_root.clone(),
-            health: self.health.clone(),
-            raw: gate,
-        }
+        Store::layered(
+            &self.url,
+            gate,
+            self.local_root.clone(),
+            self.health.clone(),
+        )
     }
 
     /// Checks that the store answers (a missing bucket or wrong keys show up here, at startup,

@@ -527,6 +527,13 @@ mod tests {
         opts
     }
 
+    /// A claim: a create-only write that does not wait out an outage.
+    async fn claim(store: &Retrying, key: &Path, body: &'static [u8]) -> Result<PutResult> {
+        store
+            .put_opts(key, PutPayload::from_static(body), create(Patience::Brief))
+            .await
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_write_waits_out_transient_failures_and_the_health_says_so_meanwhile() {
         let (flaky, store, health) = layered(Flaky {
@@ -578,22 +585,8 @@ mod tests {
             ..Flaky::default()
         });
         let key = Path::from("claims/c");
-        store
-            .put_opts(
-                &key,
-                PutPayload::from_static(b"mine"),
-                create(Patience::Brief),
-            )
-            .await
-            .unwrap();
-        let e = store
-            .put_opts(
-                &key,
-                PutPayload::from_static(b"yours"),
-                create(Patience::Brief),
-            )
-            .await
-            .unwrap_err();
+        claim(&store, &key, b"mine").await.unwrap();
+        let e = claim(&store, &key, b"yours").await.unwrap_err();
         assert!(
             matches!(e, object_store::Error::AlreadyExists { .. }),
             "{e}"
@@ -608,14 +601,7 @@ mod tests {
             .await
             .unwrap();
         *flaky.fail_puts.lock().unwrap() = 1;
-        let e = store
-            .put_opts(
-                &key,
-                PutPayload::from_static(b"mine"),
-                create(Patience::Brief),
-            )
-            .await
-            .unwrap_err();
+        let e = claim(&store, &key, b"mine").await.unwrap_err();
         assert!(
             matches!(e, object_store::Error::AlreadyExists { .. }),
             "{e}"
@@ -630,10 +616,7 @@ mod tests {
             ..Flaky::default()
         });
         let key = Path::from("claims/c");
-        store
-            .put_opts(&key, PutPayload::from_static(b"x"), create(Patience::Brief))
-            .await
-            .unwrap_err();
+        claim(&store, &key, b"x").await.unwrap_err();
         assert_eq!(flaky.calls.load(Ordering::Relaxed), BRIEF_TRIES);
         store.get(&key).await.unwrap_err();
         assert_eq!(flaky.calls.load(Ordering::Relaxed), 2 * BRIEF_TRIES);
