@@ -42,6 +42,9 @@ enum BenchKind {
     /// Time no-op exec attempts and real-CLI "say hi" attempts without and with the agents'
     /// sandbox.
     Sandbox(crate::bench_sandbox::SandboxArgs),
+    /// The fleet at scale: N agents in flight over W worker processes, the leader killed
+    /// with all of them out, a big run resumed, failover with a backlog.
+    Fleet(crate::bench_scale::FleetArgs),
 }
 
 #[derive(Debug, Args)]
@@ -135,7 +138,7 @@ async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, String> {
                 if stats.is_some_and(|s| s.assigned > before) {
                     first_dispatch = Some(start.elapsed());
                 } else {
-                    tokio::time::sleep(Duration::from_micros(200)).await;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             }
         }
@@ -203,6 +206,7 @@ pub async fn run(args: BenchArgs) -> i32 {
     match args.what {
         BenchKind::Source(a) => crate::bench_source::run(a).await,
         BenchKind::Sandbox(a) => crate::bench_sandbox::run(a).await,
+        BenchKind::Fleet(a) => crate::bench_scale::run(a).await,
         BenchKind::Resume(a) => match resume_bench(&a).await {
             Ok(r) => {
                 if a.json {

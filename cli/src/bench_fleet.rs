@@ -36,10 +36,10 @@ pub struct Report {
 }
 
 /// A store URL and the environment a process needs to use it.
-type StoreSetup = (String, Vec<(String, String)>);
+pub(crate) type StoreSetup = (String, Vec<(String, String)>);
 
 /// Children killed on drop.
-struct Procs(Vec<Child>);
+pub(crate) struct Procs(pub(crate) Vec<Child>);
 
 impl Drop for Procs {
     fn drop(&mut self) {
@@ -50,20 +50,20 @@ impl Drop for Procs {
     }
 }
 
-fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, String> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .map_err(|e| format!("no free port: {e}"))
 }
 
-fn find(binary: &str) -> Option<PathBuf> {
+pub(crate) fn find(binary: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .map(|d| d.join(binary))
         .find(|p| p.is_file())
 }
 
-fn http_ok(port: u16, method: &str, path: &str, expect: &str) -> bool {
+pub(crate) fn http_ok(port: u16, method: &str, path: &str, expect: &str) -> bool {
     let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
         return false;
     };
@@ -79,7 +79,7 @@ fn http_ok(port: u16, method: &str, path: &str, expect: &str) -> bool {
     body.contains(expect)
 }
 
-fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<(), String> {
+pub(crate) fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !ready() {
         if Instant::now() > deadline {
@@ -90,7 +90,7 @@ fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<(), String>
     Ok(())
 }
 
-fn spawn(cmd: &mut Command, log: &Path) -> Result<Child, String> {
+pub(crate) fn spawn(cmd: &mut Command, log: &Path) -> Result<Child, String> {
     let file = std::fs::File::create(log).map_err(|e| e.to_string())?;
     cmd.stdin(Stdio::null())
         .stdout(file.try_clone().map_err(|e| e.to_string())?)
@@ -256,14 +256,9 @@ async fn raw_rpcs(
     Ok(started.elapsed())
 }
 
-/// Starts etcd and moto for the durable measurement.
-fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup), String> {
-    let etcd = find("etcd").ok_or("--distributed needs etcd for the durable figure (apt-get install etcd-server), or pass --no-durable")?;
-    let moto = std::env::var_os("FLOTILLA_MOTO_SERVER")
-        .map(PathBuf::from)
-        .or_else(|| Some(PathBuf::from(".venv-svc/bin/moto_server")).filter(|p| p.is_file()))
-        .or_else(|| find("moto_server"))
-        .ok_or("--distributed needs moto_server for the durable figure (pip install 'moto[server]'), or pass --no-durable")?;
+/// Starts an etcd on free loopback ports; returns its client URL and port.
+pub(crate) fn start_etcd(dir: &Path, procs: &mut Procs) -> Result<(String, u16), String> {
+    let etcd = find("etcd").ok_or("this benchmark needs etcd (apt-get install etcd-server)")?;
     let (client, peer) = (free_port()?, free_port()?);
     let curl = format!("http://127.0.0.1:{client}");
     let purl = format!("http://127.0.0.1:{peer}");
@@ -292,6 +287,17 @@ fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup
     wait_until("etcd", || {
         http_ok(client, "GET", "/health", "\"health\":\"true\"")
     })?;
+    Ok((curl, client))
+}
+
+/// Starts etcd and moto for the durable measurement.
+fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup), String> {
+    let moto = std::env::var_os("FLOTILLA_MOTO_SERVER")
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from(".venv-svc/bin/moto_server")).filter(|p| p.is_file()))
+        .or_else(|| find("moto_server"))
+        .ok_or("--distributed needs moto_server for the durable figure (pip install 'moto[server]'), or pass --no-durable")?;
+    let (curl, _) = start_etcd(dir, procs)?;
     let s3 = free_port()?;
     let mut m = Command::new(moto);
     m.args(["-H", "127.0.0.1", "-p", &s3.to_string()]);

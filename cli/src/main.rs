@@ -7,10 +7,12 @@
 //! Settings come from, in increasing precedence: a TOML file (`--config`), `FLOTILLA_*`
 //! environment variables, flags. See [`config`].
 
+mod agents_cmd;
 mod approve;
 mod bench;
 mod bench_fleet;
 mod bench_sandbox;
+mod bench_scale;
 mod bench_source;
 mod certs;
 mod changes;
@@ -53,6 +55,9 @@ enum Command {
     Show(ShowArgs),
     /// Print the transcript of an agent's attempt (tool calls, text, result).
     Logs(LogsArgs),
+    /// List a run's agents a page at a time, by status or phase (from a store or a
+    /// coordinator).
+    Agents(agents_cmd::AgentsArgs),
     /// Measure the runtime (see `flotilla bench fanout --help`).
     Bench(bench::BenchArgs),
     /// Make a development CA and certificates for mTLS.
@@ -106,6 +111,11 @@ pub struct RunArgs {
     /// Print one JSON report on stdout instead of the result.
     #[arg(long)]
     pub json: bool,
+    /// With --json: list every agent. By default a report lists at most 1000, those that
+    /// did not complete first, and counts the rest in `agents_omitted` (`flotilla agents`
+    /// pages through all of them).
+    #[arg(long)]
+    pub full: bool,
     /// Resume from an earlier run: completed calls are served from it (W51).
     #[arg(long, value_name = "RUN_ID")]
     pub resume: Option<String>,
@@ -190,6 +200,9 @@ struct ShowArgs {
     store: Option<String>,
     #[arg(long)]
     json: bool,
+    /// List every agent (by default at most 1000, those that did not complete first).
+    #[arg(long)]
+    full: bool,
 }
 
 fn main() -> ExitCode {
@@ -241,7 +254,10 @@ fn main() -> ExitCode {
                 }
                 None => stored::list(args.store, args.json).await,
             },
-            Command::Show(args) => stored::show(args.store, &args.run_id, args.json).await,
+            Command::Show(args) => {
+                stored::show(args.store, &args.run_id, args.json, args.full).await
+            }
+            Command::Agents(args) => agents_cmd::run(args).await,
             Command::Logs(a) => match a.coordinator {
                 Some(coordinator) => {
                     let remote = client::ClientArgs {
@@ -304,7 +320,7 @@ async fn run(args: RunArgs) -> i32 {
     if let approve::Decision::Exit(code) = approve::gate(&resolved, args.yes, args.plan) {
         return code;
     }
-    let json = args.json;
+    let (json, full) = (args.json, args.full);
     let bars = !json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
     let lines = !json && !bars;
     if let Some(addr) = args.serve
@@ -349,13 +365,20 @@ async fn run(args: RunArgs) -> i32 {
             return fail(code, format!("{e:#}"));
         }
     };
-    print_report(&report, json)
+    print_report(&report, json, full)
 }
 
 /// Prints a finished run: the JSON report, or the result plus a summary line.
-pub fn print_report(report: &Report, json: bool) -> i32 {
+pub fn print_report(report: &Report, json: bool, full: bool) -> i32 {
     let mut out = std::io::stdout().lock();
     if json {
+        let brief;
+        let report = if full {
+            report
+        } else {
+            brief = report.brief(flotilla_coordinator::report::REPORT_AGENTS);
+            &brief
+        };
         match serde_json::to_string_pretty(report) {
             Ok(s) => {
                 let _ = writeln!(out, "{s}");

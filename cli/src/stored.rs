@@ -48,7 +48,7 @@ pub async fn list(store_flag: Option<String>, json: bool) -> i32 {
     0
 }
 
-pub async fn show(store_flag: Option<String>, run: &str, json: bool) -> i32 {
+pub async fn show(store_flag: Option<String>, run: &str, json: bool, full: bool) -> i32 {
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
         Ok(s) => s,
@@ -57,6 +57,11 @@ pub async fn show(store_flag: Option<String>, run: &str, json: bool) -> i32 {
     let report = match history::load_report(&store, run).await {
         Ok(r) => r,
         Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    let report = if full {
+        report
+    } else {
+        report.brief(flotilla_coordinator::report::REPORT_AGENTS)
     };
     if json {
         let _ = writeln!(
@@ -113,6 +118,13 @@ pub async fn show(store_flag: Option<String>, run: &str, json: bool) -> i32 {
                     .unwrap_or_default()
             );
         }
+    }
+    if report.agents_omitted > 0 {
+        let _ = writeln!(
+            out,
+            "\n… and {} more agents: `flotilla agents {}` pages through them, `--full` lists them here",
+            report.agents_omitted, report.run_id
+        );
     }
     for l in &report.logs {
         let _ = writeln!(out, "log: {l}");

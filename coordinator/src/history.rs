@@ -231,6 +231,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                 .map(|a| a.label.clone())
                 .collect(),
             title,
+            agents_omitted: 0,
         })
         .collect();
     Ok(Report {
@@ -247,6 +248,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         script_path: Some(store.display_path(&keys::script(run))),
         parent_run_id: m.parent_run_id.clone(),
         store: Some(store.url.clone()),
+        agents_omitted: 0,
         changes: m.settings.source.as_ref().map(|src| {
             let records: Vec<&crate::head::ChangeRecord> =
                 calls.iter().filter_map(|c| c.change.as_ref()).collect();

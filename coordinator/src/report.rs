@@ -2,5 +2,5 @@
 //! is where the coordinator's code finds it.
 
 pub use flotilla_proto::wire::{
-    AgentReport, ChangesSummary, GroupReport, Report, ReportUsage, RunStatus,
+    AgentReport, ChangesSummary, GroupReport, REPORT_AGENTS, Report, ReportUsage, RunStatus,
 };

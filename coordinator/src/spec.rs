@@ -165,20 +165,37 @@ impl CallSpec {
         })
     }
 
-    fn identity_without_prompt(&self) -> Value {
-        let mut tools = self.tools.clone();
-        tools.sort();
-        serde_json::json!({
-            "backend": self.backend,
-            "model": self.model,
-            "effort": self.effort,
-            "agentType": self.agent_type,
-            "schema": self.schema.as_ref().map(canonical),
-            "isolation": self.isolation,
-            "cwd": self.cwd,
-            "tools": tools,
-            "timeout": self.timeout_ms,
-        })
+    /// What decides what the agent does besides its prompt, as the JSON that call keys hash:
+    /// the same bytes as ever (keys in this order, compact), written without building a
+    /// `Value` first (it runs once per call, a hundred thousand times on a big resume).
+    fn identity_bytes(&self) -> Vec<u8> {
+        #[derive(serde::Serialize)]
+        struct Identity<'a> {
+            backend: &'a str,
+            model: &'a str,
+            effort: &'a str,
+            #[serde(rename = "agentType")]
+            agent_type: &'a str,
+            schema: Option<Value>,
+            isolation: &'a str,
+            cwd: &'a str,
+            tools: Vec<&'a str>,
+            timeout: u64,
+        }
+        let mut tools: Vec<&str> = self.tools.iter().map(String::as_str).collect();
+        tools.sort_unstable();
+        let id = Identity {
+            backend: &self.backend,
+            model: &self.model,
+            effort: &self.effort,
+            agent_type: &self.agent_type,
+            schema: self.schema.as_ref().map(canonical),
+            isolation: &self.isolation,
+            cwd: &self.cwd,
+            tools,
+            timeout: self.timeout_ms,
+        };
+        serde_json::to_vec(&id).unwrap_or_default()
     }
 
     /// Hash of everything that decides what the agent does (not `label`, not `phase`).
@@ -188,13 +205,13 @@ impl CallSpec {
         h.update([0]);
         h.update(self.prompt.as_bytes());
         h.update([0]);
-        h.update(self.identity_without_prompt().to_string().as_bytes());
+        h.update(self.identity_bytes());
         hex::encode(&h.finalize()[..16])
     }
 
     /// Hash of what calls must share to share a prompt-cache prefix (W60).
     pub fn prefix_group(&self) -> u64 {
-        let digest = Sha256::digest(self.identity_without_prompt().to_string().as_bytes());
+        let digest = Sha256::digest(self.identity_bytes());
         let mut bytes = [0u8; 8];
         bytes.copy_from_slice(&digest[..8]);
         u64::from_le_bytes(bytes)
@@ -246,6 +263,38 @@ mod tests {
 
     fn spec(prompt: &str, opts: &str) -> CallSpec {
         CallSpec::parse(prompt.into(), opts, "echo", "").unwrap()
+    }
+
+    /// Call keys already in journals must keep matching: the identity is byte for byte the
+    /// JSON object it has always been.
+    #[test]
+    fn the_identity_is_the_json_object_keys_were_always_hashed_from() {
+        for opts in [
+            "{}",
+            r#"{"model": "opus", "effort": "high", "agentType": "reviewer", "isolation": "worktree", "cwd": "sub/dir", "tools": ["Write", "Bash", "Read"], "timeout": 90000, "schema": {"type": "object", "required": ["b", "a"], "properties": {"z": {"type": "string", "description": "quote \" and \u00e9"}, "a": {"type": "number"}}}}"#,
+            r#"{"timeout": "2m", "schema": true}"#,
+        ] {
+            let s = spec("p", opts);
+            let mut tools = s.tools.clone();
+            tools.sort();
+            let reference = serde_json::json!({
+                "backend": s.backend,
+                "model": s.model,
+                "effort": s.effort,
+                "agentType": s.agent_type,
+                "schema": s.schema.as_ref().map(canonical),
+                "isolation": s.isolation,
+                "cwd": s.cwd,
+                "tools": tools,
+                "timeout": s.timeout_ms,
+            })
+            .to_string();
+            assert_eq!(
+                String::from_utf8(s.identity_bytes()).unwrap(),
+                reference,
+                "{opts}"
+            );
+        }
     }
 
     #[test]

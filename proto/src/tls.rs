@@ -320,7 +320,10 @@ pub fn looks_like_rejected_client_cert(status: &tonic::Status) -> bool {
 pub fn explain(status: &tonic::Status) -> String {
     let chain = error_chain(status);
     let lower = chain.to_ascii_lowercase();
-    if is_tls_rejection(status) || looks_like_rejected_client_cert(status) {
+    // A reply had begun: the connection was up, so this is no handshake refusal.
+    if lower.contains("error reading a body") {
+        format!("the connection to the coordinator broke in the middle of a reply ({chain})")
+    } else if is_tls_rejection(status) || looks_like_rejected_client_cert(status) {
         format!(
             "the TLS handshake failed — the certificate is not signed by the CA the other side trusts, or none was sent ({chain})"
         )
@@ -338,5 +341,23 @@ pub fn explain(status: &tonic::Status) -> String {
         format!("cannot reach the coordinator ({chain})")
     } else {
         chain
+    }
+}
+
+#[cfg(test)]
+mod explain_tests {
+    #[test]
+    fn a_connection_that_broke_mid_reply_is_not_called_a_certificate_problem() {
+        let broke = tonic::Status::unknown(
+            "h2 protocol error: error reading a body from connection: stream closed because of a broken pipe",
+        );
+        let why = super::explain(&broke);
+        assert!(
+            why.starts_with("the connection to the coordinator broke"),
+            "{why}"
+        );
+        let refused =
+            tonic::Status::unknown("transport error: connection closed before message completed");
+        assert!(super::explain(&refused).contains("TLS handshake failed"));
     }
 }

@@ -123,7 +123,14 @@ pub struct Report {
     /// What the agents changed in the run's source (fleet runs with a source).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub changes: Option<ChangesSummary>,
+    /// Agents a brief report leaves out of `agents` ([`Report::brief`]); 0 in a full one.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub agents_omitted: u64,
 }
+
+/// Agents a report lists unless the full one is asked for (`--full`): a run of 100,000
+/// agents would otherwise print tens of megabytes of JSON.
+pub const REPORT_AGENTS: usize = 1000;
 
 /// A run's changes in brief, with how to bring them home.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -197,6 +204,9 @@ pub struct AgentReport {
 pub struct GroupReport {
     pub title: String,
     pub agents: Vec<String>,
+    /// The group's agents a brief report leaves out of `agents`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub agents_omitted: u64,
 }
 
 impl Report {
@@ -217,6 +227,63 @@ impl Report {
             parent_run_id: None,
             store: None,
             changes: None,
+            agents_omitted: 0,
+        }
+    }
+
+    /// The report with at most `limit` agents listed: every one that did not complete
+    /// (failed, cancelled, still running) first, then completed ones, shown in index order;
+    /// `agents_omitted` (also per group) counts the rest. Counters, logs and the result are
+    /// whole. A report within the limit comes back unchanged.
+    pub fn brief(&self, limit: usize) -> Report {
+        if self.agents.len() <= limit {
+            return self.clone();
+        }
+        let mut keep: Vec<usize> = (0..self.agents.len())
+            .filter(|&i| self.agents[i].status != CallStatus::Completed)
+            .take(limit)
+            .collect();
+        let room = limit - keep.len();
+        keep.extend(
+            (0..self.agents.len())
+                .filter(|&i| self.agents[i].status == CallStatus::Completed)
+                .take(room),
+        );
+        keep.sort_unstable();
+        let agents: Vec<AgentReport> = keep.iter().map(|&i| self.agents[i].clone()).collect();
+        let groups = self
+            .groups
+            .iter()
+            .map(|g| {
+                let listed: Vec<String> = agents
+                    .iter()
+                    .filter(|a| a.group == g.title)
+                    .map(|a| a.label.clone())
+                    .collect();
+                let total = g.agents.len() as u64 + g.agents_omitted;
+                GroupReport {
+                    title: g.title.clone(),
+                    agents_omitted: total.saturating_sub(listed.len() as u64),
+                    agents: listed,
+                }
+            })
+            .collect();
+        Report {
+            agents_omitted: self.agents_omitted + (self.agents.len() - agents.len()) as u64,
+            agents,
+            groups,
+            run_id: self.run_id.clone(),
+            status: self.status,
+            result: self.result.clone(),
+            error: self.error.clone(),
+            workflow: self.workflow.clone(),
+            usage: self.usage.clone(),
+            logs: self.logs.clone(),
+            failures: self.failures.clone(),
+            script_path: self.script_path.clone(),
+            parent_run_id: self.parent_run_id.clone(),
+            store: self.store.clone(),
+            changes: self.changes.clone(),
         }
     }
 }
@@ -328,6 +395,59 @@ mod tests {
     }
 
     #[test]
+    fn a_brief_report_lists_what_did_not_complete_first_and_counts_the_rest() {
+        let mut r = Report::rejected("wf_big", WorkflowInfo::default(), "e".into());
+        r.status = RunStatus::Failed;
+        r.agents = (0..5000u64)
+            .map(|i| {
+                let status = if i % 1000 == 999 {
+                    CallStatus::Failed
+                } else {
+                    CallStatus::Completed
+                };
+                let mut a = agent(if i < 2500 { "G" } else { "H" }, status, 1);
+                a.index = i;
+                a.label = format!("a{i}");
+                a
+            })
+            .collect();
+        r.groups = ["G", "H"]
+            .iter()
+            .map(|g| GroupReport {
+                title: (*g).into(),
+                agents: r
+                    .agents
+                    .iter()
+                    .filter(|a| a.group == *g)
+                    .map(|a| a.label.clone())
+                    .collect(),
+                agents_omitted: 0,
+            })
+            .collect();
+        let b = r.brief(100);
+        assert_eq!(b.agents.len(), 100);
+        assert_eq!(b.agents_omitted, 4900);
+        for failed in [999, 1999, 2999, 3999, 4999] {
+            assert!(b.agents.iter().any(|a| a.index == failed), "{failed}");
+        }
+        assert!(b.agents.windows(2).all(|w| w[0].index < w[1].index));
+        let listed: u64 = b.groups.iter().map(|g| g.agents.len() as u64).sum();
+        let omitted: u64 = b.groups.iter().map(|g| g.agents_omitted).sum();
+        assert_eq!((listed, listed + omitted), (100, 5000));
+        // The JSON says so; a small report is unchanged and says nothing.
+        let json = serde_json::to_value(&b).unwrap();
+        assert_eq!(json["agents_omitted"], 4900);
+        assert_eq!(r.brief(5000), r);
+        assert!(
+            serde_json::to_value(&r)
+                .unwrap()
+                .get("agents_omitted")
+                .is_none()
+        );
+        assert_eq!(b.brief(100), b, "brief twice is brief once");
+    }
+
+    #[test]
     fn a_finished_run_s_view_counts_its_groups_from_its_agents() {
         let mut r = Report::rejected("wf_x", WorkflowInfo::default(), "e".into());
         r.status = RunStatus::Completed;
@@ -340,10 +460,12 @@ mod tests {
             GroupReport {
                 title: "G".into(),
                 agents: vec!["a".into(), "a".into()],
+                agents_omitted: 0,
             },
             GroupReport {
                 title: "H".into(),
                 agents: vec!["a".into()],
+                agents_omitted: 0,
             },
         ];
         let v = SnapshotView::from_report(&r);

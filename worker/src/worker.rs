@@ -326,6 +326,7 @@ impl Kept {
                 attempt: o.attempt,
                 fence: o.fence,
                 call_key: o.call_key.clone(),
+                ended: true,
             });
         }
         held
@@ -378,6 +379,7 @@ fn running_refs(running: &Running) -> Vec<v1::AttemptRef> {
             attempt: *attempt,
             fence: *fence,
             call_key: key.clone(),
+            ended: false,
         })
         .collect()
 }
@@ -435,6 +437,8 @@ async fn run_attempt(
         call: a.call,
         attempt: a.attempt,
         buffer: Mutex::new(Vec::new()),
+        keepalive_every: keepalive_every(a.stall_timeout_ms),
+        last_sent: Mutex::new(None),
     });
     let events = Events::new(sink.clone());
     let spec = a.task.clone().unwrap_or_default();
@@ -841,6 +845,20 @@ struct LinkSink {
     call: u64,
     attempt: u32,
     buffer: Mutex<Vec<String>>,
+    /// Keep-alives closer together than this after the last progress sent are not sent.
+    keepalive_every: Duration,
+    last_sent: Mutex<Option<Instant>>,
+}
+
+/// How often an attempt's keep-alive goes to the coordinator: five times per stall timeout,
+/// at least every 2 s and at most every 50 ms. (A backend may keep alive far more often; ten
+/// thousand sleeping agents at 20 a second each would be 200,000 messages a second.)
+fn keepalive_every(stall_timeout_ms: u64) -> Duration {
+    if stall_timeout_ms == 0 {
+        return Duration::from_secs(2);
+    }
+    Duration::from_millis(stall_timeout_ms / 5)
+        .clamp(Duration::from_millis(50), Duration::from_secs(2))
 }
 
 impl LinkSink {
@@ -862,6 +880,16 @@ impl LinkSink {
 
 impl EventSink for LinkSink {
     fn progress(&self, kind: ProgressKind, output_tokens: u64, detail: String) {
+        {
+            let mut last = lock(&self.last_sent);
+            let now = Instant::now();
+            if kind == ProgressKind::Keepalive
+                && last.is_some_and(|t| now.duration_since(t) < self.keepalive_every)
+            {
+                return;
+            }
+            *last = Some(now);
+        }
         let _ = self.tx.send(WorkerMessage {
             msg: Some(worker_message::Msg::Progress(v1::Progress {
                 run_id: self.run_id.clone(),
@@ -910,6 +938,48 @@ mod tests {
         )
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn keep_alives_go_out_a_few_times_per_stall_timeout_and_other_progress_always() {
+        assert_eq!(keepalive_every(0), Duration::from_secs(2));
+        assert_eq!(keepalive_every(300), Duration::from_millis(60));
+        assert_eq!(keepalive_every(100), Duration::from_millis(50));
+        assert_eq!(keepalive_every(600_000), Duration::from_secs(2));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let sink = LinkSink {
+            tx,
+            run_id: "wf_k".into(),
+            call: 0,
+            attempt: 1,
+            buffer: Mutex::new(Vec::new()),
+            keepalive_every: keepalive_every(1000),
+            last_sent: Mutex::new(None),
+        };
+        let kinds = |rx: &mut mpsc::UnboundedReceiver<WorkerMessage>| {
+            let mut out = Vec::new();
+            while let Ok(m) = rx.try_recv() {
+                if let Some(worker_message::Msg::Progress(p)) = m.msg {
+                    out.push(p.kind);
+                }
+            }
+            out
+        };
+        let keepalive = ProgressKind::Keepalive as i32;
+        for _ in 0..20 {
+            sink.progress(ProgressKind::Keepalive, 0, String::new());
+            tokio::time::advance(Duration::from_millis(5)).await;
+        }
+        assert_eq!(kinds(&mut rx), vec![keepalive], "one in the first 100 ms");
+        sink.progress(ProgressKind::Output, 3, String::new());
+        assert_eq!(kinds(&mut rx), vec![ProgressKind::Output as i32]);
+        tokio::time::advance(Duration::from_millis(200)).await;
+        sink.progress(ProgressKind::Keepalive, 0, String::new());
+        assert_eq!(
+            kinds(&mut rx),
+            vec![keepalive],
+            "the next once 200 ms passed"
+        );
+    }
+
     async fn next(end: &mut CoordinatorEnd) -> worker_message::Msg {
         loop {
             let m = tokio::time::timeout(Duration::from_secs(30), end.rx.recv())
@@ -953,6 +1023,7 @@ mod tests {
             }),
             trace_context: HashMap::new(),
             fence,
+            stall_timeout_ms: 0,
         }
     }
 

@@ -180,6 +180,10 @@ pub struct RunRefArgs {
     run_id: String,
     #[arg(long)]
     json: bool,
+    /// With --json: list every agent of the report (by default at most 1000, those that
+    /// did not complete first).
+    #[arg(long)]
+    full: bool,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,

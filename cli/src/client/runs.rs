@@ -18,7 +18,7 @@ pub async fn wait(a: RunRefArgs) -> i32 {
     };
     match client.wait(v1::RunRef { run_id: a.run_id }).await {
         Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
-            Ok(report) => print_report(&report, a.json),
+            Ok(report) => print_report(&report, a.json, a.full),
             Err(e) => fail(
                 1,
                 format!("the coordinator sent a report this client cannot read: {e}"),
@@ -115,7 +115,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
     view.finish().await;
     match client.wait(run).await {
         Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
-            Ok(report) => print_report(&report, a.json),
+            Ok(report) => print_report(&report, a.json, a.full),
             Err(e) => fail(
                 1,
                 format!("the coordinator sent a report this client cannot read: {e}"),

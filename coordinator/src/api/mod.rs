@@ -63,7 +63,8 @@ pub struct ServerOptions {
     pub limits: crate::listen::Limits,
     /// Base of session URLs (`http://host:port`).
     pub session_base: String,
-    /// HTTP/2 keep-alive interval and timeout on every stream.
+    /// HTTP/2 keep-alive interval on every stream; the timeout is half again as long (a
+    /// worker starved of CPU for a moment should not lose its link, and its attempts with it).
     pub keepalive: std::time::Duration,
     /// Signs session tokens for the pages (`None` without TLS).
     pub tokens: Option<crate::web::TokenKey>,
@@ -132,7 +133,7 @@ pub async fn serve(
     // HTTP/2 pings find a frozen or cut-off worker's stream within two intervals.
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(opts.keepalive))
-        .http2_keepalive_timeout(Some(opts.keepalive));
+        .http2_keepalive_timeout(Some(opts.keepalive * 3 / 2));
     let router = builder
         .add_service(
             WorkerServiceServer::new(workers)

@@ -21,7 +21,18 @@ pub(super) struct RunEntry {
     pub(super) snapshot: watch::Receiver<Arc<Snapshot>>,
     pub(super) stopper: mpsc::UnboundedSender<Control>,
     pub(super) report: watch::Receiver<Option<Arc<Report>>>,
+    /// The last live report asked of the run, and when: every reader within
+    /// [`LIVE_REPORT_EVERY`] shares it, so many viewers of a big run cost the run one report
+    /// per tick, not one each.
+    pub(super) live: Arc<tokio::sync::Mutex<Option<SharedReport>>>,
 }
+
+/// A live report and when the run made it.
+pub(super) type SharedReport = (tokio::time::Instant, Arc<Report>);
+
+/// How long a live report is shared before the run is asked for a new one (the session
+/// page's update tick).
+pub const LIVE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(450);
 
 impl RunRegistry {
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunEntry>> {
@@ -48,18 +59,29 @@ impl RunRegistry {
     /// The report of a run this coordinator runs: the final one once it has ended, else the
     /// report as it stands now (calls that have not ended show `queued` or `running`).
     pub async fn live_report(&self, run: &str) -> Option<Arc<Report>> {
-        let (stopper, done) = {
+        let (stopper, done, live) = {
             let runs = self.lock();
             let e = runs.get(run)?;
-            (e.stopper.clone(), e.report.borrow().clone())
+            (e.stopper.clone(), e.report.borrow().clone(), e.live.clone())
         };
         if let Some(r) = done {
             return Some(r);
         }
+        // One reader asks the run; the others wait here and take what it got.
+        let mut shared = live.lock().await;
+        if let Some((at, r)) = shared.as_ref()
+            && at.elapsed() < LIVE_REPORT_EVERY
+        {
+            return Some(r.clone());
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
         stopper.send(Control::Report(tx)).ok()?;
         match rx.await {
-            Ok(r) => Some(Arc::new(r)),
+            Ok(r) => {
+                let r = Arc::new(r);
+                *shared = Some((tokio::time::Instant::now(), r.clone()));
+                Some(r)
+            }
             // It ended meanwhile: its final report is there now.
             Err(_) => self.lock().get(run).and_then(|e| e.report.borrow().clone()),
         }
@@ -160,6 +182,7 @@ impl RunRegistry {
             snapshot: handle.snapshot.clone(),
             stopper: handle.stopper(),
             report: report_rx,
+            live: Arc::default(),
         };
         let run_id = handle.run_id.clone();
         self.lock().insert(run_id.clone(), entry);
@@ -171,5 +194,56 @@ impl RunRegistry {
                 f(run_id);
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn many_readers_of_a_live_run_cost_it_one_report_per_tick() {
+        let registry = Arc::new(RunRegistry::default());
+        let (_snapshot, snapshot) = watch::channel(Arc::new(Snapshot::default()));
+        let (_report, report) = watch::channel(None);
+        let (stopper, mut controls) = mpsc::unbounded_channel();
+        registry.lock().insert(
+            "wf_many".into(),
+            RunEntry {
+                snapshot,
+                stopper,
+                report,
+                live: Arc::default(),
+            },
+        );
+        // The run: answers every report it is asked for, and counts them.
+        let asked = Arc::new(AtomicUsize::new(0));
+        tokio::spawn({
+            let asked = asked.clone();
+            async move {
+                while let Some(c) = controls.recv().await {
+                    if let Control::Report(reply) = c {
+                        asked.fetch_add(1, Ordering::SeqCst);
+                        let r = Report::rejected("wf_many", Default::default(), "live".into());
+                        let _ = reply.send(r);
+                    }
+                }
+            }
+        });
+        let readers: Vec<_> = (0..50)
+            .map(|_| {
+                let registry = registry.clone();
+                tokio::spawn(async move { registry.live_report("wf_many").await })
+            })
+            .collect();
+        for r in readers {
+            assert_eq!(r.await.unwrap().unwrap().run_id, "wf_many");
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "fifty readers, one report");
+        tokio::time::advance(LIVE_REPORT_EVERY).await;
+        assert!(registry.live_report("wf_many").await.is_some());
+        assert_eq!(asked.load(Ordering::SeqCst), 2, "a tick later, a fresh one");
     }
 }

@@ -49,7 +49,14 @@ impl ResumeSource {
                 key: keys::manifest(run).to_string(),
                 reason: e.to_string(),
             })?;
+        let started = std::time::Instant::now();
         let read = journal::read_calls_checked(store, run).await?;
+        tracing::info!(
+            run,
+            calls = read.calls.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "read the journal of the run resumed"
+        );
         let warning = read.summary();
         if read.calls.is_empty() {
             return Err(ResumeError::NoResults {

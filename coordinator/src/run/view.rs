@@ -173,6 +173,7 @@ impl RunEngine {
             .map(|t| GroupReport {
                 title: t.clone(),
                 agents: Vec::new(),
+                agents_omitted: 0,
             })
             .collect();
         for c in &self.calls {
@@ -198,6 +199,7 @@ impl RunEngine {
             script_path: self.init.script_path.clone(),
             parent_run_id: self.init.parent_run_id.clone(),
             store: Some(self.init.store.url.clone()),
+            agents_omitted: 0,
             changes: self.head_watch.as_ref().map(|head| {
                 let of = |f: &dyn Fn(&crate::head::ChangeRecord) -> bool| {
                     self.calls

@@ -43,7 +43,7 @@ pub(super) struct WorkerState {
     pub(super) running: HashSet<Slot>,
     /// Attempts it held when it attached that this coordinator did not assign: a run taken
     /// over from a coordinator that went away may claim them (see `workers.rs`).
-    pub(super) orphans: Vec<v1::AttemptRef>,
+    pub(super) orphans: Orphans,
     /// Outcomes of orphans that arrived before a run claimed them.
     pub(super) orphan_outcomes: HashMap<(Arc<str>, u64, u32), v1::Outcome>,
     /// Its liveness lease, once granted, and the revision of its registration key.
@@ -52,10 +52,91 @@ pub(super) struct WorkerState {
     pub(super) ctl: Option<Arc<LeaseCtl>>,
 }
 
+/// Attempts a worker held when it attached that this coordinator did not assign, by call. A
+/// run taken over from a coordinator that went away claims the ones it still wants (same
+/// call and key); until then, or until they are dropped, the ones still running keep their
+/// slots, so the calls of other orphans are not started again in their place.
+#[derive(Debug, Default)]
+pub(super) struct Orphans {
+    by_call: HashMap<(Arc<str>, u64), v1::AttemptRef>,
+    /// Slots kept for orphans that still run.
+    pub(super) reserved: u32,
+}
+
+impl Orphans {
+    /// What a `Hello` lists, on a worker with `slots` slots. Of two attempts of one call, the
+    /// one still running (else the later one) is the one to claim.
+    pub(super) fn of(held: &[v1::AttemptRef], slots: u32) -> Orphans {
+        let mut by_call: HashMap<(Arc<str>, u64), v1::AttemptRef> = HashMap::new();
+        for a in held {
+            let k = (Arc::<str>::from(a.run_id.as_str()), a.call);
+            let better = by_call
+                .get(&k)
+                .is_none_or(|b| (!a.ended, a.attempt) > (!b.ended, b.attempt));
+            if better {
+                by_call.insert(k, a.clone());
+            }
+        }
+        let running = by_call.values().filter(|a| !a.ended).count();
+        Orphans {
+            reserved: u32::try_from(running).unwrap_or(u32::MAX).min(slots),
+            by_call,
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.by_call.is_empty()
+    }
+
+    /// The calls they belong to.
+    pub(super) fn calls(&self) -> Vec<(Arc<str>, u64)> {
+        self.by_call.keys().cloned().collect()
+    }
+
+    /// The orphan of call `id` if its key is `key`, taken out (a claim).
+    pub(super) fn take(&mut self, id: &(Arc<str>, u64), key: &str) -> Option<v1::AttemptRef> {
+        if self.by_call.get(id)?.call_key != key {
+            return None;
+        }
+        let a = self.by_call.remove(id)?;
+        if !a.ended {
+            self.reserved = self.reserved.saturating_sub(1);
+        }
+        Some(a)
+    }
+
+    /// An outcome of `attempt` (with `fence`) of call `id` arrived: `true` if it is this
+    /// orphan's, which now holds no slot.
+    pub(super) fn ended(&mut self, id: &(Arc<str>, u64), attempt: u32, fence: i64) -> bool {
+        let Some(a) = self.by_call.get_mut(id) else {
+            return false;
+        };
+        if a.attempt != attempt || a.fence != fence {
+            return false;
+        }
+        if !a.ended {
+            a.ended = true;
+            self.reserved = self.reserved.saturating_sub(1);
+        }
+        true
+    }
+
+    /// All that are left, taken out.
+    pub(super) fn drain(&mut self) -> Vec<v1::AttemptRef> {
+        self.reserved = 0;
+        self.by_call.drain().map(|(_, a)| a).collect()
+    }
+}
+
 impl WorkerState {
     /// May take assignments: attached, named, with a live lease.
     pub(super) fn ready(&self) -> bool {
         self.tx.is_some() && self.named && self.lease.is_some()
+    }
+
+    /// Slots not free for a new attempt: busy, or kept for orphans that still run there.
+    pub(super) fn taken(&self) -> u32 {
+        self.busy.saturating_add(self.orphans.reserved)
     }
 
     /// Takes what a `Hello` says the worker has.
@@ -105,7 +186,9 @@ impl Fleet {
 
     /// Some ready worker has a free slot.
     pub fn has_free_slot(&self) -> bool {
-        self.workers.values().any(|w| w.ready() && w.busy < w.slots)
+        self.workers
+            .values()
+            .any(|w| w.ready() && w.taken() < w.slots)
     }
 
     /// The ready worker with the most free slots that offers the task (the lowest id among
@@ -113,8 +196,8 @@ impl Fleet {
     pub fn pick(&self, task: &v1::TaskSpec) -> Option<u64> {
         self.workers
             .iter()
-            .filter(|(_, w)| w.ready() && w.busy < w.slots && w.offers(task))
-            .max_by_key(|(wid, w)| (w.slots - w.busy, std::cmp::Reverse(**wid)))
+            .filter(|(_, w)| w.ready() && w.taken() < w.slots && w.offers(task))
+            .max_by_key(|(wid, w)| (w.slots - w.taken(), std::cmp::Reverse(**wid)))
             .map(|(wid, _)| *wid)
     }
 
@@ -226,7 +309,7 @@ impl Fleet {
                 backends: HashSet::new(),
                 models: HashSet::new(),
                 labels: Default::default(),
-                orphans: Vec::new(),
+                orphans: Orphans::default(),
                 orphan_outcomes: Default::default(),
                 running: HashSet::new(),
                 lease: None,
@@ -412,7 +495,7 @@ mod tests {
                 models: HashSet::new(),
                 labels: Default::default(),
                 running: HashSet::new(),
-                orphans: Vec::new(),
+                orphans: Orphans::default(),
                 orphan_outcomes: HashMap::new(),
                 lease: Some(wid as LeaseId + 1),
                 reg_revision: 0,

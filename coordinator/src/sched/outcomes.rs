@@ -83,12 +83,7 @@ impl Dispatcher {
             let claimable = self.calls.get(&id).is_none_or(|c| c.state == State::Queued);
             if claimable
                 && let Some(w) = self.fleet.workers.get_mut(&worker)
-                && w.orphans.iter().any(|a| {
-                    a.run_id == *id.0
-                        && a.call == id.1
-                        && a.attempt == o.attempt
-                        && a.fence == o.fence
-                })
+                && w.orphans.ended(&id, o.attempt, o.fence)
             {
                 w.orphan_outcomes.insert((id.0.clone(), id.1, o.attempt), o);
                 self.claim_orphans(&id);

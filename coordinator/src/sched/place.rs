@@ -273,6 +273,7 @@ impl Dispatcher {
             task: Some(task),
             trace_context: trace_context(&c.attempt_span),
             fence,
+            stall_timeout_ms: u64::try_from(stall.as_millis()).unwrap_or(u64::MAX),
         };
         let attempt = c.attempt;
         // A worker cut off right now misses this; it does not list the attempt when it comes

@@ -104,7 +104,7 @@ impl Dispatcher {
                 // Nothing it holds was assigned here; a run taken over from a coordinator that
                 // went away may claim some (same run, call and key). The rest are cancelled
                 // after one TTL.
-                w.orphans = h.held.clone();
+                w.orphans = super::fleet::Orphans::of(&h.held, h.slots);
                 if !w.orphans.is_empty() {
                     let at = Instant::now() + self.opts.worker_ttl;
                     self.timers.insert_at(Timer::Orphans(link_id, link_id), at);
@@ -186,7 +186,7 @@ impl Dispatcher {
         if w.link != link {
             return;
         }
-        let left = std::mem::take(&mut w.orphans);
+        let left = w.orphans.drain();
         for ((run, call, attempt), o) in w.orphan_outcomes.drain() {
             tracing::info!(run = %run, call, attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
         }
@@ -210,24 +210,14 @@ impl Dispatcher {
         else {
             return;
         };
-        let found = self.fleet.workers.iter().find_map(|(wid, w)| {
-            if !w.ready() {
-                return None;
-            }
-            w.orphans
-                .iter()
-                .position(|a| a.run_id == *id.0 && a.call == id.1 && a.call_key == key)
-                .map(|i| (*wid, i))
-        });
-        if let Some((wid, i)) = found {
-            let a = self
-                .fleet
-                .workers
-                .get_mut(&wid)
-                .map(|w| w.orphans.swap_remove(i));
-            if let Some(a) = a {
-                self.adopt_attempt(id, wid, &a);
-            }
+        let found = self
+            .fleet
+            .workers
+            .iter_mut()
+            .filter(|(_, w)| w.ready())
+            .find_map(|(wid, w)| w.orphans.take(id, &key).map(|a| (*wid, a)));
+        if let Some((wid, a)) = found {
+            self.adopt_attempt(id, wid, &a);
         }
     }
 
@@ -296,11 +286,7 @@ impl Dispatcher {
         }
         w.welcomed = true;
         // Calls already submitted that this worker's held attempts belong to.
-        let claims: Vec<CallId> = w
-            .orphans
-            .iter()
-            .map(|a| (Arc::<str>::from(a.run_id.as_str()), a.call))
-            .collect();
+        let claims: Vec<CallId> = w.orphans.calls();
         if let Some(tx) = &w.tx {
             let _ = tx.send(CoordinatorMessage {
                 msg: Some(coordinator_message::Msg::Welcome(v1::Welcome {

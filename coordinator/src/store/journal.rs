@@ -76,10 +76,23 @@ async fn journal_loop(
     let mut seq = 0u64;
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(r) => batch.push(r),
-                Err(_) => break,
+        // What is queued now, and whatever a burst still adds while the producer gets a
+        // turn: a lone record waits for nothing, a burst (a resume's cached calls) goes out
+        // in a few big segments instead of many small ones.
+        loop {
+            let had = batch.len();
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(r) => batch.push(r),
+                    Err(_) => break,
+                }
+            }
+            if batch.len() >= MAX_BATCH || (batch.len() == had && had > 1) {
+                break;
+            }
+            tokio::task::yield_now().await;
+            if rx.is_empty() {
+                break;
             }
         }
         let indices: Vec<u64> = batch.iter().map(|r| r.index).collect();
@@ -190,13 +203,26 @@ impl CallsRead {
     }
 }
 
+/// Journal segments read at once.
+const READ_AHEAD: usize = 32;
+
 /// Reads every completed call of a run, resolving payload references. A line that does not
 /// parse (a truncated or corrupt segment) or whose payload is missing is skipped and listed
 /// in `unreadable`, so one damaged object costs only its own calls, never the run.
 pub async fn read_calls_checked(store: &Store, run: &str) -> Result<CallsRead, super::Error> {
+    use futures::StreamExt;
     let mut out = CallsRead::default();
-    for key in store.list_objects(&keys::calls_dir(run)).await? {
-        let Some(bytes) = store.get(&key).await? else {
+    let segments = store.list_objects(&keys::calls_dir(run)).await?;
+    // Several segments in flight at once (a remote store answers each in a round trip), taken
+    // in order.
+    let mut bodies = futures::stream::iter(segments)
+        .map(|key| async move {
+            let body = store.get(&key).await;
+            (key, body)
+        })
+        .buffered(READ_AHEAD);
+    while let Some((key, body)) = bodies.next().await {
+        let Some(bytes) = body? else {
             continue;
         };
         let mut bad = 0usize;

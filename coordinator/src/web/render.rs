@@ -12,8 +12,9 @@ pub(super) const LARGE_TOKENS: u64 = 1_500_000;
 /// would otherwise send thousands of rows on every update.
 pub(super) const PHASE_ROWS: usize = 100;
 
-/// Which agents of a big phase are listed: every running and failed one, then the latest
-/// completed ones, then the next queued ones, up to [`PHASE_ROWS`]; in index order.
+/// Which agents of a big phase are listed, [`PHASE_ROWS`] at most: the failed ones, then the
+/// running ones, then the latest completed ones, then the next queued ones; in index order.
+/// (Ten thousand agents in flight still make a hundred rows.)
 pub(super) fn rows_to_show<'a>(
     agents: &[&'a crate::report::AgentReport],
 ) -> Vec<&'a crate::report::AgentReport> {
@@ -21,29 +22,33 @@ pub(super) fn rows_to_show<'a>(
         return agents.to_vec();
     }
     let mut keep = std::collections::BTreeSet::new();
-    for a in agents {
-        if matches!(a.status.as_str(), "running" | "failed") {
-            keep.insert(a.index);
+    let take = |keep: &mut std::collections::BTreeSet<u64>,
+                limit: usize,
+                it: &mut dyn Iterator<Item = &&'a crate::report::AgentReport>,
+                pick: &dyn Fn(&crate::report::AgentReport) -> bool| {
+        for a in it {
+            if keep.len() >= limit {
+                break;
+            }
+            if pick(a) {
+                keep.insert(a.index);
+            }
         }
-    }
-    let room = |keep: &std::collections::BTreeSet<u64>| keep.len() < PHASE_ROWS;
-    let completed_room = PHASE_ROWS.saturating_sub(10);
-    for a in agents.iter().rev() {
-        if keep.len() >= completed_room {
-            break;
-        }
-        if a.status != "queued" {
-            keep.insert(a.index);
-        }
-    }
-    for a in agents {
-        if !room(&keep) {
-            break;
-        }
-        if a.status == "queued" {
-            keep.insert(a.index);
-        }
-    }
+    };
+    // Room is left for some completed and queued ones whatever fails or runs.
+    let urgent = PHASE_ROWS - 20;
+    take(&mut keep, urgent / 2, &mut agents.iter(), &|a| {
+        a.status == "failed"
+    });
+    take(&mut keep, urgent, &mut agents.iter(), &|a| {
+        a.status == "running"
+    });
+    take(&mut keep, PHASE_ROWS - 10, &mut agents.iter().rev(), &|a| {
+        !matches!(a.status.as_str(), "queued" | "running" | "failed")
+    });
+    take(&mut keep, PHASE_ROWS, &mut agents.iter(), &|a| {
+        a.status == "queued"
+    });
     agents
         .iter()
         .filter(|a| keep.contains(&a.index))
@@ -402,6 +407,24 @@ mod tests {
     }
 
     #[test]
+    fn ten_thousand_agents_in_flight_still_make_a_page_of_rows() {
+        let all: Vec<_> = (0..12_000u64)
+            .map(|i| match i {
+                0..1000 => agent(i, "completed"),
+                1000..1500 => agent(i, "failed"),
+                1500..11_500 => agent(i, "running"),
+                _ => agent(i, "queued"),
+            })
+            .collect();
+        let refs: Vec<_> = all.iter().collect();
+        let shown = rows_to_show(&refs);
+        assert_eq!(shown.len(), PHASE_ROWS);
+        for status in ["failed", "running", "completed", "queued"] {
+            assert!(shown.iter().any(|a| a.status == status), "{status}");
+        }
+    }
+
+    #[test]
     fn a_big_phase_lists_running_and_failed_agents_and_says_how_many_it_hides() {
         let all: Vec<_> = (0..1000u64)
             .map(|i| match i {
@@ -436,6 +459,7 @@ mod tests {
             groups: vec![crate::report::GroupReport {
                 title: "G".into(),
                 agents: Vec::new(),
+                agents_omitted: 0,
             }],
             logs: Vec::new(),
             failures: Vec::new(),
@@ -443,6 +467,7 @@ mod tests {
             parent_run_id: None,
             store: None,
             changes: None,
+            agents_omitted: 0,
         };
         let d = PageData {
             report: Arc::new(report),

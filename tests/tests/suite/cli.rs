@@ -131,3 +131,67 @@ fn large_results_are_stored_once_as_payloads_and_resume_reads_them() {
     assert_eq!(again["result"], 300000);
     assert_eq!(again["usage"]["cached"], 1);
 }
+
+#[test]
+fn a_big_run_s_report_is_brief_unless_asked_and_its_agents_page_through() {
+    let env = Env::new();
+    let s = env.script(
+        "big",
+        "const calls = [];\nfor (let i = 0; i < 1200; i++) calls.push(agent(i === 1100 ? 'broken [[fail]]' : 'item ' + i, { label: 'item ' + i }));\nreturn (await Promise.all(calls)).filter(r => r === null).length;",
+    );
+    let (code, r) = env.run(&s, &["--max-agents", "2000", "--concurrency", "64"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 1);
+    let listed = r["agents"].as_array().unwrap();
+    assert_eq!(listed.len(), 1000);
+    assert_eq!(r["agents_omitted"], 200);
+    assert_eq!(r["usage"]["agents"], 1200, "the counters are whole");
+    assert!(
+        listed
+            .iter()
+            .any(|a| a["index"] == 1100 && a["status"] == "failed"),
+        "the failed agent is listed although it is past the first thousand"
+    );
+    let run = r["run_id"].as_str().unwrap();
+    let full = env.flotilla(&["show", run, "--json", "--full"]).json();
+    assert_eq!(full["agents"].as_array().unwrap().len(), 1200);
+    assert!(full.get("agents_omitted").is_none());
+    let brief = env.flotilla(&["show", run]);
+    assert!(brief.stdout.contains("200 more agents"), "{}", brief.stdout);
+
+    // Every agent, a page at a time.
+    let failed = env
+        .flotilla(&["agents", run, "--status", "failed", "--json"])
+        .json();
+    assert_eq!(failed["total"], 1);
+    assert_eq!(failed["agents"][0]["label"], "item 1100");
+    let last = env
+        .flotilla(&[
+            "agents", run, "--offset", "1150", "--limit", "100", "--json",
+        ])
+        .json();
+    assert_eq!(
+        (
+            last["total"].as_u64(),
+            last["agents"].as_array().unwrap().len()
+        ),
+        (Some(1200), 50)
+    );
+    assert!(last["next_offset"].is_null());
+    let first = env.flotilla(&["agents", run, "--limit", "10"]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    assert!(
+        first
+            .stderr
+            .contains("agents 1–10 of 1200 (next page: --offset 10)"),
+        "{}",
+        first.stderr
+    );
+    let bad = env.flotilla(&["agents", run, "--status", "done"]);
+    assert_eq!(bad.code, 2);
+    assert!(
+        bad.stderr.contains("use one of queued, running"),
+        "{}",
+        bad.stderr
+    );
+}

@@ -143,6 +143,50 @@ async fn a_run_taken_over_claims_the_attempts_workers_still_run() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn orphans_keep_their_slots_until_claimed_so_no_other_orphan_s_call_starts_there() {
+    // After a failover, w1 is back first and holds calls 2 and 3 of the run; w2, still on
+    // its way, holds calls 0 and 1. The run is taken over and submits 0 and 1 first: they
+    // must wait for w2 instead of starting again in w1's slots, which would leave w1's own
+    // attempts unclaimed and cancelled.
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let held = |call: u64| v1::Assignment {
+        run_id: "wf_busy".into(),
+        call,
+        attempt: 1,
+        call_key: format!("k{call}"),
+        fence: 10 + call as i64,
+        ..v1::Assignment::default()
+    };
+    let (h0, h1, h2, h3) = (held(0), held(1), held(2), held(3));
+    let mut w1 = FakeWorker::attach_as(&d, "w1", 2, &[&h2, &h3]);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (run, mut events) = register(&d, "wf_busy", 4, Duration::from_secs(600));
+    d.submit(&run, ticket(0));
+    d.submit(&run, ticket(1));
+    w1.no_message_for(Duration::from_millis(50)).await;
+    d.submit(&run, ticket(2));
+    d.submit(&run, ticket(3));
+    let mut w2 = FakeWorker::attach_as(&d, "w2", 2, &[&h0, &h1]);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    for (w, a) in [(&w1, &h2), (&w1, &h3), (&w2, &h0), (&w2, &h1)] {
+        w.complete(a, &format!("kept {}", a.call));
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let mut done = finished(&mut events).await;
+    done.sort_by_key(|(c, _)| *c);
+    assert_eq!(done.len(), 4, "{done:?}");
+    for (call, r) in &done {
+        match r {
+            CallResult::Completed(c) => assert_eq!(c.text, format!("kept {call}")),
+            other => panic!("call {call}: {other:?}"),
+        }
+    }
+    // Nothing was started again, and no orphan was cancelled.
+    w1.no_message_for(Duration::from_millis(50)).await;
+    w2.no_message_for(Duration::from_millis(50)).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_outcome_sent_before_the_run_is_taken_over_is_kept_for_it() {
     let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
     let held = v1::Assignment {

@@ -47,6 +47,7 @@ impl FakeWorker {
                     attempt: a.attempt,
                     fence: a.fence,
                     call_key: a.call_key.clone(),
+                    ended: false,
                 })
                 .collect(),
             ..v1::Hello::default()

@@ -1,0 +1,173 @@
+//! `flotilla agents RUN`: a run's agents a page at a time, filtered by status or phase. A big
+//! run's report lists at most [`REPORT_AGENTS`](flotilla_coordinator::report::REPORT_AGENTS)
+//! of them; this lists any of them, from a store or from a coordinator.
+
+use std::io::Write;
+
+use clap::Args;
+use flotilla_coordinator::report::{AgentReport, Report};
+use flotilla_coordinator::{history, store};
+use flotilla_proto::v1;
+use serde::Serialize;
+
+use crate::{client, config, fail, term};
+
+#[derive(Debug, Args)]
+pub struct AgentsArgs {
+    run_id: String,
+    /// Only agents with this status: queued, running, completed, failed or cancelled.
+    #[arg(long)]
+    status: Option<String>,
+    /// Only agents of this phase (its title; "" for agents outside any phase).
+    #[arg(long)]
+    phase: Option<String>,
+    /// Skip this many agents (after the filters).
+    #[arg(long, default_value_t = 0)]
+    offset: usize,
+    /// List at most this many.
+    #[arg(long, default_value_t = 100)]
+    limit: usize,
+    /// Object store URL (file:///path, s3://bucket/prefix).
+    #[arg(long, env = "FLOTILLA_STORE")]
+    store: Option<String>,
+    /// Ask this coordinator instead of reading a store (a live run shows its live states).
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    coordinator: Option<String>,
+    #[command(flatten)]
+    tls: client::TlsArgs,
+    /// One JSON object: the page, the total and the next offset.
+    #[arg(long)]
+    json: bool,
+}
+
+const STATUSES: [&str; 5] = ["queued", "running", "completed", "failed", "cancelled"];
+
+#[derive(Serialize)]
+struct Page<'a> {
+    run_id: &'a str,
+    /// Agents that pass the filters.
+    total: usize,
+    offset: usize,
+    limit: usize,
+    /// The offset of the next page, if there is one.
+    next_offset: Option<usize>,
+    agents: Vec<&'a AgentReport>,
+}
+
+pub async fn run(a: AgentsArgs) -> i32 {
+    if let Some(s) = &a.status
+        && !STATUSES.contains(&s.as_str())
+    {
+        return fail(
+            2,
+            format!(
+                "--status {s:?} is not a status; use one of {}",
+                STATUSES.join(", ")
+            ),
+        );
+    }
+    if a.limit == 0 {
+        return fail(2, "--limit must be at least 1");
+    }
+    let report = match &a.coordinator {
+        Some(c) => match remote(c, &a).await {
+            Ok(r) => r,
+            Err(code) => return code,
+        },
+        None => {
+            let url = config::store_url(a.store.clone());
+            let store = match store::open(&url) {
+                Ok(s) => s,
+                Err(e) => return fail(e.kind().exit_code(), e),
+            };
+            match history::load_report(&store, &a.run_id).await {
+                Ok(r) => r,
+                Err(e) => return fail(e.kind().exit_code(), e),
+            }
+        }
+    };
+    let matching: Vec<&AgentReport> = report
+        .agents
+        .iter()
+        .filter(|g| a.status.as_deref().is_none_or(|s| g.status.as_str() == s))
+        .filter(|g| a.phase.as_deref().is_none_or(|p| g.group == p))
+        .collect();
+    let total = matching.len();
+    let page: Vec<&AgentReport> = matching.into_iter().skip(a.offset).take(a.limit).collect();
+    let end = a.offset + page.len();
+    let next_offset = (end < total).then_some(end);
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let p = Page {
+            run_id: &report.run_id,
+            total,
+            offset: a.offset,
+            limit: a.limit,
+            next_offset,
+            agents: page,
+        };
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&p).unwrap_or_default()
+        );
+        return 0;
+    }
+    let _ = writeln!(
+        out,
+        "{:>7}  {:<9} {:>8}  {:<20} LABEL",
+        "INDEX", "STATUS", "ATTEMPTS", "PHASE"
+    );
+    for g in &page {
+        let error = g
+            .error
+            .as_deref()
+            .map(|e| format!(" — {}", term::clean(e)))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{:>7}  {:<9} {:>8}  {:<20} {}{}{error}",
+            g.index,
+            g.status.as_str(),
+            g.attempts,
+            term::clean(&g.group),
+            term::clean(&g.label),
+            if g.cached { " (cached)" } else { "" },
+        );
+    }
+    let _ = out.flush();
+    if page.is_empty() {
+        eprintln!("no agents at offset {} of {total}", a.offset);
+    } else {
+        eprintln!(
+            "agents {}–{end} of {total}{}",
+            a.offset + 1,
+            next_offset
+                .map(|n| format!(" (next page: --offset {n})"))
+                .unwrap_or_default()
+        );
+    }
+    0
+}
+
+/// The run's report from a coordinator: live while it runs there, else the stored one.
+async fn remote(coordinator: &str, a: &AgentsArgs) -> Result<Report, i32> {
+    let remote = client::ClientArgs {
+        coordinator: Some(coordinator.to_owned()),
+        tls: a.tls.clone(),
+    };
+    let mut c = remote.client().map_err(|e| fail(2, e))?;
+    let reply = c
+        .report(v1::RunRef {
+            run_id: a.run_id.clone(),
+        })
+        .await
+        .map_err(|s| client::rpc_fail(&s))?
+        .into_inner();
+    serde_json::from_str(&reply.report_json).map_err(|e| {
+        fail(
+            1,
+            format!("the coordinator sent a report this client cannot read: {e}"),
+        )
+    })
+}
