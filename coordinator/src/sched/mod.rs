@@ -215,7 +215,9 @@ struct Dispatcher {
     runs: HashMap<Arc<str>, RunState>,
     /// Fair share: runs take turns.
     turns: fair::Turns,
-    calls: HashMap<CallId, CallState>,
+    /// Boxed: a call's state is several hundred bytes, and a table sized for ten thousand
+    /// calls in flight would otherwise hold that much in every empty slot too.
+    calls: HashMap<CallId, Box<CallState>>,
     fleet: Fleet,
     /// Prefix stagger (W60).
     stagger: stagger::Stagger,
@@ -329,7 +331,8 @@ impl Dispatcher {
         };
         r.queue.push_back(ticket.call);
         let id = (run, ticket.call);
-        self.calls.insert(id.clone(), CallState::new(ticket));
+        self.calls
+            .insert(id.clone(), Box::new(CallState::new(ticket)));
         self.claim_orphans(&id);
     }
 
