@@ -27,14 +27,8 @@ pub struct AgentsArgs {
     /// List at most this many.
     #[arg(long, default_value_t = 100)]
     limit: usize,
-    /// Object store URL (file:///path, s3://bucket/prefix).
-    #[arg(long, env = "FLOTILLA_STORE")]
-    store: Option<String>,
-    /// Ask this coordinator instead of reading a store (a live run shows its live states).
-    #[arg(long, env = "FLOTILLA_COORDINATOR")]
-    coordinator: Option<String>,
     #[command(flatten)]
-    tls: client::TlsArgs,
+    from: client::ReadFrom,
     /// One JSON object: the page, the total and the next offset.
     #[arg(long)]
     json: bool,
@@ -69,13 +63,13 @@ pub async fn run(a: AgentsArgs) -> i32 {
     if a.limit == 0 {
         return fail(2, "--limit must be at least 1");
     }
-    let report = match &a.coordinator {
+    let report = match &a.from.coordinator {
         Some(c) => match remote(c, &a).await {
             Ok(r) => r,
             Err(code) => return code,
         },
         None => {
-            let url = config::store_url(a.store.clone());
+            let url = config::store_url(a.from.store.clone());
             let store = match store::open(&url) {
                 Ok(s) => s,
                 Err(e) => return fail(e.kind().exit_code(), e),
@@ -154,7 +148,7 @@ pub async fn run(a: AgentsArgs) -> i32 {
 async fn remote(coordinator: &str, a: &AgentsArgs) -> Result<Report, i32> {
     let remote = client::ClientArgs {
         coordinator: Some(coordinator.to_owned()),
-        tls: a.tls.clone(),
+        tls: a.from.tls.clone(),
     };
     let mut c = remote.client().map_err(|e| fail(2, e))?;
     let reply = c

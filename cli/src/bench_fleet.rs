@@ -176,27 +176,31 @@ async fn fleet(
     }
 }
 
-async fn fan_out(
+/// Launches `script` on the echo backend with room for `agents` calls, `concurrency` at once,
+/// no stagger; the new run's id.
+pub(crate) async fn launch_echo(
     client: &mut ClientServiceClient<Channel>,
-    calls: u64,
+    script: &str,
+    args: serde_json::Value,
+    agents: u64,
     concurrency: u32,
-) -> Result<Duration, String> {
+    resume_from: Option<&str>,
+) -> Result<String, String> {
     let settings = flotilla_coordinator::RunSettings {
         backend: "echo".into(),
         concurrency,
-        max_agents: calls,
+        max_agents: agents,
         stagger_ms: 0,
         ..flotilla_coordinator::RunSettings::default()
     };
-    let started = Instant::now();
     let launched = client
         .launch(v1::LaunchRequest {
             protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-            script: crate::bench::SCRIPT.into(),
+            script: script.into(),
             origin: "bench".into(),
-            args_json: Some(serde_json::json!({ "n": calls }).to_string()),
+            args_json: Some(args.to_string()),
             settings_json: serde_json::to_string(&settings).map_err(|e| e.to_string())?,
-            resume_from: String::new(),
+            resume_from: resume_from.unwrap_or_default().into(),
             workflows: Vec::new(),
             agent_types: Default::default(),
             agent_definitions: Vec::new(),
@@ -209,10 +213,26 @@ async fn fan_out(
     if launched.status != "running" {
         return Err(format!("bench launch refused: {}", launched.error));
     }
+    Ok(launched.run_id)
+}
+
+async fn fan_out(
+    client: &mut ClientServiceClient<Channel>,
+    calls: u64,
+    concurrency: u32,
+) -> Result<Duration, String> {
+    let started = Instant::now();
+    let run_id = launch_echo(
+        client,
+        crate::bench::SCRIPT,
+        serde_json::json!({ "n": calls }),
+        calls,
+        concurrency,
+        None,
+    )
+    .await?;
     let report = client
-        .wait(v1::RunRef {
-            run_id: launched.run_id,
-        })
+        .wait(v1::RunRef { run_id })
         .await
         .map_err(|e| flotilla_proto::tls::explain(&e))?
         .into_inner();
@@ -321,6 +341,20 @@ fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup
     Ok((curl, ("s3://bench/runs".to_owned(), env)))
 }
 
+/// A development CA in `pki` with a loopback `coordinator`, a `bench-client` and
+/// `bench-worker-0..workers`.
+pub(crate) fn bench_pki(pki: &Path, workers: u32) -> Result<(), String> {
+    crate::certs::init(pki, 1, false)?;
+    let loopback = ["127.0.0.1".to_owned()];
+    crate::certs::issue(pki, "coordinator", Role::Coordinator, &loopback, 1, false)?;
+    crate::certs::issue(pki, "bench-client", Role::Client, &[], 1, false)?;
+    for i in 0..workers {
+        let name = format!("bench-worker-{i}");
+        crate::certs::issue(pki, &name, Role::Worker, &[], 1, false)?;
+    }
+    Ok(())
+}
+
 /// Runs the distributed fan-out benchmark.
 pub async fn fanout(
     calls: u64,
@@ -333,26 +367,7 @@ pub async fn fanout(
     }
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let pki = dir.path().join("pki");
-    crate::certs::init(&pki, 1, false)?;
-    crate::certs::issue(
-        &pki,
-        "coordinator",
-        Role::Coordinator,
-        &["127.0.0.1".into()],
-        1,
-        false,
-    )?;
-    crate::certs::issue(&pki, "bench-client", Role::Client, &[], 1, false)?;
-    for i in 0..workers {
-        crate::certs::issue(
-            &pki,
-            &format!("bench-worker-{i}"),
-            Role::Worker,
-            &[],
-            1,
-            false,
-        )?;
-    }
+    bench_pki(&pki, workers)?;
     let slots = concurrency.div_ceil(workers);
     let mut procs = Procs(Vec::new());
 

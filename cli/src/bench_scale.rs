@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use flotilla_proto::tls::{Role, TlsFiles};
+use flotilla_proto::tls::TlsFiles;
 use flotilla_proto::v1::client_service_client::ClientServiceClient;
 use flotilla_proto::v1::{self};
 use serde::Serialize;
@@ -222,36 +222,15 @@ impl Bed {
         concurrency: u32,
         resume_from: Option<&str>,
     ) -> Result<String, String> {
-        let settings = flotilla_coordinator::RunSettings {
-            backend: "echo".into(),
+        crate::bench_fleet::launch_echo(
+            client,
+            SCRIPT,
+            serde_json::json!({ "n": n, "prompt": prompt, "last": last }),
+            n,
             concurrency,
-            max_agents: n,
-            stagger_ms: 0,
-            ..flotilla_coordinator::RunSettings::default()
-        };
-        let launched = client
-            .launch(v1::LaunchRequest {
-                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-                script: SCRIPT.into(),
-                origin: "bench".into(),
-                args_json: Some(
-                    serde_json::json!({ "n": n, "prompt": prompt, "last": last }).to_string(),
-                ),
-                settings_json: serde_json::to_string(&settings).map_err(|e| e.to_string())?,
-                resume_from: resume_from.unwrap_or_default().into(),
-                workflows: Vec::new(),
-                agent_types: Default::default(),
-                agent_definitions: Vec::new(),
-                saved_name: String::new(),
-                inherit: false,
-            })
-            .await
-            .map_err(|e| flotilla_proto::tls::explain(&e))?
-            .into_inner();
-        if launched.status != "running" {
-            return Err(format!("bench launch refused: {}", launched.error));
-        }
-        Ok(launched.run_id)
+            resume_from,
+        )
+        .await
     }
 }
 
@@ -377,6 +356,22 @@ async fn snapshot(
     serde_json::from_str(&r.snapshot_json).ok()
 }
 
+/// Polls the run's status until `ready` holds of it.
+async fn until_status(
+    what: &str,
+    limit: Duration,
+    client: &ClientServiceClient<Channel>,
+    run: &str,
+    ready: impl Fn(&flotilla_proto::wire::SnapshotView) -> bool,
+) -> Result<(), String> {
+    let ready = &ready;
+    poll(what, limit, || {
+        let mut c = client.clone();
+        async move { snapshot(&mut c, run).await.filter(|s| ready(s)).map(|_| ()) }
+    })
+    .await
+}
+
 /// Waits for the run's report and checks that every call's result is in it.
 async fn finished(
     client: &mut ClientServiceClient<Channel>,
@@ -451,20 +446,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
         None => tmp.path().to_path_buf(),
     };
     let pki = dir.join("pki");
-    crate::certs::init(&pki, 1, false)?;
-    crate::certs::issue(
-        &pki,
-        "coordinator",
-        Role::Coordinator,
-        &["127.0.0.1".into()],
-        1,
-        false,
-    )?;
-    crate::certs::issue(&pki, "bench-client", Role::Client, &[], 1, false)?;
-    for i in 0..a.workers {
-        let name = format!("bench-worker-{i}");
-        crate::certs::issue(&pki, &name, Role::Worker, &[], 1, false)?;
-    }
+    crate::bench_fleet::bench_pki(&pki, a.workers)?;
     let mut procs = Procs(Vec::new());
     let (etcd, etcd_port) = start_etcd(&dir, &mut procs)?;
     let store_dir = dir.join("store");
@@ -554,15 +536,8 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     let limit = hold
         .saturating_sub(Duration::from_secs(1))
         .max(Duration::from_secs(1));
-    poll("all calls running", limit, || {
-        let mut c = client.clone();
-        let run = run.clone();
-        async move {
-            snapshot(&mut c, &run)
-                .await
-                .filter(|s| s.running >= a.inflight)
-                .map(|_| ())
-        }
+    until_status("all calls running", limit, &client, &run, |s| {
+        s.running >= a.inflight
     })
     .await
     .map_err(|e| format!("{e}: raise --hold or lower --inflight"))?;
@@ -592,15 +567,9 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     let killed = Instant::now();
     bed.coords[leader].kill();
     let mut next = bed.client(successor)?;
-    poll("the adoption", Duration::from_secs(60) + ttl * 4, || {
-        let mut c = next.clone();
-        let run = run.clone();
-        async move {
-            snapshot(&mut c, &run)
-                .await
-                .filter(|s| s.agents >= a.inflight)
-                .map(|_| ())
-        }
+    let limit = Duration::from_secs(60) + ttl * 4;
+    until_status("the adoption", limit, &next, &run, |s| {
+        s.agents >= a.inflight
     })
     .await?;
     report.adopt_ms = ms(killed.elapsed());
@@ -711,20 +680,10 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
             None,
         )
         .await?;
-    poll(
-        "a quarter of the backlog done",
-        Duration::from_secs(300),
-        || {
-            let mut c = client.clone();
-            let run = run.clone();
-            async move {
-                snapshot(&mut c, &run)
-                    .await
-                    .filter(|s| s.done >= n / 4)
-                    .map(|_| ())
-            }
-        },
-    )
+    let limit = Duration::from_secs(300);
+    until_status("a quarter of the backlog done", limit, &client, &run, |s| {
+        s.done >= n / 4
+    })
     .await?;
     let successor = 1 - leader;
     let before = assigned(&bed.metrics(successor).unwrap_or_default());

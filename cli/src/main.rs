@@ -170,14 +170,8 @@ struct LogsArgs {
     /// Which attempt [default: the last].
     #[arg(long)]
     attempt: Option<u32>,
-    /// Object store URL (file:///path, s3://bucket/prefix).
-    #[arg(long, env = "FLOTILLA_STORE")]
-    store: Option<String>,
-    /// Ask this coordinator instead of reading a store (no storage credentials needed).
-    #[arg(long, env = "FLOTILLA_COORDINATOR")]
-    coordinator: Option<String>,
     #[command(flatten)]
-    tls: client::TlsArgs,
+    from: client::ReadFrom,
     /// One JSON event per line.
     #[arg(long)]
     json: bool,
@@ -258,17 +252,24 @@ fn main() -> ExitCode {
                 stored::show(args.store, &args.run_id, args.json, args.full).await
             }
             Command::Agents(args) => agents_cmd::run(args).await,
-            Command::Logs(a) => match a.coordinator {
+            Command::Logs(a) => match a.from.coordinator {
                 Some(coordinator) => {
                     let remote = client::ClientArgs {
                         coordinator: Some(coordinator),
-                        tls: a.tls,
+                        tls: a.from.tls,
                     };
                     client::logs_remote(remote, &a.run_id, a.agent.as_deref(), a.attempt, a.json)
                         .await
                 }
                 None => {
-                    stored::logs(a.store, &a.run_id, a.agent.as_deref(), a.attempt, a.json).await
+                    stored::logs(
+                        a.from.store,
+                        &a.run_id,
+                        a.agent.as_deref(),
+                        a.attempt,
+                        a.json,
+                    )
+                    .await
                 }
             },
             Command::Bench(args) => bench::run(args).await,

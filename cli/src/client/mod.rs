@@ -117,6 +117,20 @@ pub(crate) fn host_of(url: &str) -> String {
     }
 }
 
+/// Where a finished or running run is read from: a store, or a coordinator.
+#[derive(Debug, Args, Clone)]
+pub struct ReadFrom {
+    /// Object store URL (file:///path, s3://bucket/prefix).
+    #[arg(long, env = "FLOTILLA_STORE")]
+    pub store: Option<String>,
+    /// Ask this coordinator instead of reading a store (no storage credentials needed; a
+    /// run it runs shows its live state).
+    #[arg(long, env = "FLOTILLA_COORDINATOR")]
+    pub coordinator: Option<String>,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
 /// Where the coordinator is and who we are.
 #[derive(Debug, Args, Clone)]
 pub struct ClientArgs {
