@@ -90,8 +90,14 @@ pub(crate) fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<
     Ok(())
 }
 
+/// Starts `cmd` with its output appended to `log` (a process started again keeps the log of
+/// the one before).
 pub(crate) fn spawn(cmd: &mut Command, log: &Path) -> Result<Child, String> {
-    let file = std::fs::File::create(log).map_err(|e| e.to_string())?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| format!("{}: {e}", log.display()))?;
     cmd.stdin(Stdio::null())
         .stdout(file.try_clone().map_err(|e| e.to_string())?)
         .stderr(file)

@@ -159,8 +159,7 @@ impl Bed {
             .args(["--worker-ttl", &self.ttl])
             .arg("--tls-dir")
             .arg(&self.pki);
-        // Append: a restarted coordinator keeps the first one's log.
-        let child = spawn_appending(&mut cmd, &log)?;
+        let child = spawn(&mut cmd, &log)?;
         let c = Coord {
             child: Some(child),
             grpc,
@@ -190,11 +189,11 @@ impl Bed {
     }
 
     /// The coordinator that has all `workers` attached: the leader.
-    async fn wait_leader(&self, workers: u64, skip: Option<usize>) -> Result<usize, String> {
+    async fn wait_leader(&self, workers: u64) -> Result<usize, String> {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             for i in 0..self.coords.len() {
-                if Some(i) == skip || self.coords[i].child.is_none() {
+                if self.coords[i].child.is_none() {
                     continue;
                 }
                 if let Some(m) = self.metrics(i)
@@ -212,41 +211,27 @@ impl Bed {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-
-    async fn launch(
-        &self,
-        client: &mut ClientServiceClient<Channel>,
-        n: u64,
-        prompt: &str,
-        last: &str,
-        concurrency: u32,
-        resume_from: Option<&str>,
-    ) -> Result<String, String> {
-        crate::bench_fleet::launch_echo(
-            client,
-            SCRIPT,
-            serde_json::json!({ "n": n, "prompt": prompt, "last": last }),
-            n,
-            concurrency,
-            resume_from,
-        )
-        .await
-    }
 }
 
-fn spawn_appending(cmd: &mut Command, log: &Path) -> Result<Child, String> {
-    if !log.exists() {
-        return spawn(cmd, log);
-    }
-    let file = std::fs::OpenOptions::new()
-        .append(true)
-        .open(log)
-        .map_err(|e| e.to_string())?;
-    cmd.stdin(std::process::Stdio::null())
-        .stdout(file.try_clone().map_err(|e| e.to_string())?)
-        .stderr(file)
-        .spawn()
-        .map_err(|e| format!("cannot start {cmd:?}: {e}"))
+/// Launches [`SCRIPT`]: `n` echo agents, `prompt` plus the index for each but the last,
+/// `last` for the last one.
+async fn launch(
+    client: &mut ClientServiceClient<Channel>,
+    n: u64,
+    prompt: &str,
+    last: &str,
+    concurrency: u32,
+    resume_from: Option<&str>,
+) -> Result<String, String> {
+    crate::bench_fleet::launch_echo(
+        client,
+        SCRIPT,
+        serde_json::json!({ "n": n, "prompt": prompt, "last": last }),
+        n,
+        concurrency,
+        resume_from,
+    )
+    .await
 }
 
 /// A plain HTTP GET on loopback; the body of a 200, or None.
@@ -500,7 +485,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
         .await?,
     );
     let workers = u64::from(a.workers);
-    let leader = bed.wait_leader(workers, None).await?;
+    let leader = bed.wait_leader(workers).await?;
     let mut client = bed.client(leader)?;
     let mut report = FleetReport {
         workers: a.workers,
@@ -513,9 +498,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
 
     // Warm up: connections, the script engine, the workers' slots.
     let warm = a.inflight.min(1000);
-    let run = bed
-        .launch(&mut client, warm, "warm", "warm last", concurrency, None)
-        .await?;
+    let run = launch(&mut client, warm, "warm", "warm last", concurrency, None).await?;
     finished(&mut client, &run, warm).await?;
 
     // 1. All in flight at once.
@@ -530,9 +513,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     );
     let sleep = format!("[[sleep:{}]] hold", hold.as_millis());
     let started = Instant::now();
-    let run = bed
-        .launch(&mut client, a.inflight, &sleep, &sleep, concurrency, None)
-        .await?;
+    let run = launch(&mut client, a.inflight, &sleep, &sleep, concurrency, None).await?;
     let limit = hold
         .saturating_sub(Duration::from_secs(1))
         .max(Duration::from_secs(1));
@@ -577,7 +558,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     let restarts = assigned(&bed.metrics(successor).unwrap_or_default()) - standby_assigned;
     report.adopted_restarts = restarts.max(0.0) as u64;
     bed.start_coordinator(leader)?;
-    let leader = bed.wait_leader(workers, None).await?;
+    let leader = bed.wait_leader(workers).await?;
     let mut client = bed.client(leader)?;
 
     // 3. A big run, then the same run resumed with its last prompt changed.
@@ -600,9 +581,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     });
     let started = Instant::now();
     let concurrency = u32::try_from(slots * workers).unwrap_or(u32::MAX);
-    let big = bed
-        .launch(&mut client, a.calls, "big", "big last", concurrency, None)
-        .await?;
+    let big = launch(&mut client, a.calls, "big", "big last", concurrency, None).await?;
     let first = finished(&mut client, &big, a.calls).await;
     sampling.store(false, Ordering::Relaxed);
     let peak = sampler.join().unwrap_or(0);
@@ -613,16 +592,15 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     report.rss_per_completed_call_bytes = (peak as f64 - before as f64) * 1024.0 / a.calls as f64;
     let before = assigned(&bed.metrics(leader).unwrap_or_default());
     let started = Instant::now();
-    let resumed = bed
-        .launch(
-            &mut client,
-            a.calls,
-            "big",
-            "big last, edited",
-            concurrency,
-            Some(&big),
-        )
-        .await?;
+    let resumed = launch(
+        &mut client,
+        a.calls,
+        "big",
+        "big last, edited",
+        concurrency,
+        Some(&big),
+    )
+    .await?;
     poll(
         "the resume's first dispatch",
         Duration::from_secs(600),
@@ -670,16 +648,15 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     // slots at a time, a second each: a steady stream of dispatches, not a saturated leader.
     let concurrency = (concurrency / 10).max(1);
     let n = u64::from(concurrency) * 4;
-    let run = bed
-        .launch(
-            &mut client,
-            n,
-            "[[sleep:1000]] backlog",
-            "[[sleep:1000]] backlog last",
-            concurrency,
-            None,
-        )
-        .await?;
+    let run = launch(
+        &mut client,
+        n,
+        "[[sleep:1000]] backlog",
+        "[[sleep:1000]] backlog last",
+        concurrency,
+        None,
+    )
+    .await?;
     let limit = Duration::from_secs(300);
     until_status("a quarter of the backlog done", limit, &client, &run, |s| {
         s.done >= n / 4

@@ -80,14 +80,13 @@ async fn journal_loop(
         // turn: a lone record waits for nothing, a burst (a resume's cached calls) goes out
         // in a few big segments instead of many small ones.
         loop {
-            let had = batch.len();
             while batch.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(r) => batch.push(r),
                     Err(_) => break,
                 }
             }
-            if batch.len() >= MAX_BATCH || (batch.len() == had && had > 1) {
+            if batch.len() >= MAX_BATCH {
                 break;
             }
             tokio::task::yield_now().await;
