@@ -63,6 +63,9 @@ pub struct Leadership {
     lease: LeaseId,
     advertise: String,
     leading: AtomicBool,
+    /// Whether it leads and may act now: false while suspended and once stepped down (its
+    /// workers are handed back then, see [`Leadership::office`]).
+    office: watch::Sender<bool>,
     leader: watch::Sender<Option<String>>,
     /// Until when it may act on its lease (shared with the gate of its store).
     tenure: Arc<Tenure>,
@@ -104,6 +107,7 @@ impl Leadership {
             lease,
             advertise,
             leading: AtomicBool::new(false),
+            office: watch::Sender::new(false),
             leader,
             tenure,
             resumes: std::sync::Mutex::default(),
@@ -129,8 +133,17 @@ impl Leadership {
     fn step_down(&self, why: &str, lost: &CancellationToken) {
         self.tenure.end();
         self.leading.store(false, Ordering::Release);
+        self.office.send_replace(false);
         tracing::error!("{why}");
         lost.cancel();
+    }
+
+    /// Whether this coordinator leads and may act, as it changes. A worker link watches it:
+    /// a leader that is suspended (cut off from etcd, or frozen) hands its workers back, so
+    /// they attach to whichever coordinator leads next instead of waiting out the fault with
+    /// one that cannot dispatch.
+    pub fn office(&self) -> watch::Receiver<bool> {
+        self.office.subscribe()
     }
 
     /// The leader's address, when known.
@@ -336,6 +349,7 @@ async fn keep_alive(me: Arc<Leadership>, ttl: Duration, lost: CancellationToken)
             r = tokio::time::timeout(ttl / 3, me.leases.keep_alive(me.lease)) => r,
             () = sleep_until_some(deadline), if !suspended => {
                 suspended = true;
+                me.office.send_replace(false);
                 tracing::error!("this coordinator could not renew its lease in etcd in time (cut off from etcd, or frozen): it stops leading and writing until it can, so no other coordinator's work is overwritten");
                 continue;
             }
@@ -344,6 +358,7 @@ async fn keep_alive(me: Arc<Leadership>, ttl: Duration, lost: CancellationToken)
             Ok(Ok(())) => {
                 me.tenure.renewed(sent, ttl);
                 if std::mem::take(&mut suspended) {
+                    me.office.send_replace(me.leading.load(Ordering::Acquire));
                     tracing::warn!(
                         "this coordinator renewed its lease again (nobody took over): it carries on"
                     );
@@ -406,6 +421,7 @@ async fn campaign(
             Ok(Some(_)) => {
                 tracing::info!(address = %me.advertise, "this coordinator leads");
                 me.leading.store(true, Ordering::Release);
+                me.office.send_replace(me.tenure.holds());
                 me.leader.send_replace(Some(me.advertise.clone()));
                 // Runs of a coordinator that went away; again now and then, in case one's
                 // owner key lapses later.
@@ -520,6 +536,7 @@ mod tests {
             lease,
             advertise: "https://10.0.0.1:7443".into(),
             leading: AtomicBool::new(true),
+            office: watch::Sender::new(true),
             leader: watch::channel(None).0,
             tenure: tenure.clone(),
             resumes: std::sync::Mutex::default(),
@@ -539,6 +556,12 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(!me.is_leader());
+        // Its worker links watch `office`: they are handed back now.
+        let mut office = me.office();
+        tokio::time::timeout(Duration::from_secs(5), office.wait_for(|v| !v))
+            .await
+            .expect("a suspended leader stayed in office")
+            .unwrap();
         assert_eq!(
             leases.inner.keep_alive(lease).await,
             Ok(()),
@@ -551,6 +574,10 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(me.is_leader());
+        tokio::time::timeout(Duration::from_secs(5), office.wait_for(|v| *v))
+            .await
+            .expect("a leader that renewed again did not take its workers back")
+            .unwrap();
         // Cut off until the lease is gone: when etcd answers, it steps down for good.
         leases.cut.store(true, Ordering::Release);
         while tenure.holds() {
@@ -561,6 +588,6 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), lost.cancelled())
             .await
             .expect("a coordinator whose lease lapsed never stepped down");
-        assert!(tenure.ended() && !me.is_leader());
+        assert!(tenure.ended() && !me.is_leader() && !*me.office().borrow());
     }
 }

@@ -57,9 +57,39 @@ impl WorkerService for WorkerSvc {
         }
         tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");
         let (end, out) = bridge(hello, inbound);
+        let out = match self.coordinator.leadership() {
+            Some(l) => hand_back_out_of_office(out, l.office()),
+            None => out,
+        };
         self.coordinator.dispatch().attach(end);
         Ok(Response::new(out))
     }
+}
+
+/// `out`, ended with a standby's refusal once `office` says this coordinator no longer leads
+/// (suspended, or stepped down). The worker then tries the next coordinator of its group, as
+/// it does when a standby turns it away, and keeps running what it holds: whoever leads next
+/// takes the link and the attempts over. A suspension that ends with the lease renewed
+/// (nobody took over) brings the workers straight back here.
+fn hand_back_out_of_office(
+    out: StreamOf<CoordinatorMessage>,
+    office: watch::Receiver<bool>,
+) -> StreamOf<CoordinatorMessage> {
+    let handed_back = ErrorKind::Unavailable.status(
+        "this coordinator is a standby now: it could not renew its lease in etcd in time; attach to the coordinator that leads",
+    );
+    Box::pin(futures::stream::unfold(Some((out, office)), move |state| {
+        let handed_back = handed_back.clone();
+        async move {
+            let (mut out, mut office) = state?;
+            let next = tokio::select! {
+                m = out.next() => m,
+                // A closed sender means the leadership itself is gone: the process stops.
+                _ = office.wait_for(|leads| !leads) => return Some((Err(handed_back), None)),
+            };
+            next.map(|m| (m, Some((out, office))))
+        }
+    }))
 }
 
 /// Bridges a worker's `Attach` stream (its `Hello` read already) onto the channels an
@@ -111,4 +141,28 @@ pub fn bridge(
         },
         Box::pin(out),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_link_is_handed_back_with_a_standby_s_refusal_once_out_of_office() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (office, watching) = watch::channel(true);
+        let mut out =
+            hand_back_out_of_office(Box::pin(UnboundedReceiverStream::new(rx).map(Ok)), watching);
+        tx.send(CoordinatorMessage::default()).unwrap();
+        assert!(out.next().await.unwrap().is_ok());
+        office.send_replace(false);
+        let refused = out.next().await.unwrap().unwrap_err();
+        // The worker's connect loop moves on to the next coordinator on exactly this.
+        assert_eq!(refused.code(), tonic::Code::Unavailable);
+        assert!(refused.message().contains("standby"), "{refused:?}");
+        assert!(
+            out.next().await.is_none(),
+            "the stream ends after the refusal"
+        );
+    }
 }

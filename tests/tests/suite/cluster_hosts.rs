@@ -183,8 +183,17 @@ fn the_leader_cut_off_from_etcd_stops_leading_before_its_successor_leads() {
         suspended < successor,
         "the old leader stopped leading at {suspended}, after its successor led at {successor}"
     );
-    // Healed, the old leader learns its lease is gone and stops; its workers go to the
-    // successor, which carries the run to the end.
+    // Suspended, it hands its workers back: they attach to the successor, which adopts the
+    // run and carries it on while the old leader is still cut off.
+    f.wait_for_workers(f.plan.workers, Duration::from_secs(60));
+    let at = done(&f, 1, &run);
+    wait_until(
+        "progress under the successor during the cut",
+        Duration::from_secs(60),
+        || done(&f, 1, &run) >= at + 20,
+    );
+    // Healed, the old leader learns its lease is gone and stops; the successor carries the
+    // run to the end.
     f.bed.heal_all();
     f.wait_for_log("coord-0", "lease in etcd lapsed", Duration::from_secs(60));
     let report = f.assert_completed_once_each(1, &run, CALLS);
