@@ -31,6 +31,9 @@ pub struct Plan {
     pub slots: u32,
     /// The lease TTL of coordinators and workers.
     pub ttl: Duration,
+    /// The network's latency, each way, on every link the fleet uses (worker–coordinator,
+    /// coordinator–etcd, coordinator–S3, etcd–etcd); it stays through faults and heals.
+    pub latency: Duration,
 }
 
 impl Default for Plan {
@@ -41,6 +44,7 @@ impl Default for Plan {
             workers: 4,
             slots: 8,
             ttl: Duration::from_secs(3),
+            latency: Duration::from_millis(5),
         }
     }
 }
@@ -84,6 +88,22 @@ impl HostFleet {
         names.push("client".into());
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let bed = NetBed::new(&refs);
+        if !plan.latency.is_zero() {
+            let etcd: Vec<String> = (0..plan.etcd_members).map(etcd_host).collect();
+            for c in (0..plan.coordinators).map(coordinator_host) {
+                for w in (0..plan.workers).map(worker_host) {
+                    bed.latency(&c, &w, plan.latency);
+                }
+                for e in etcd.iter().map(String::as_str).chain(["s3"]) {
+                    bed.latency(&c, e, plan.latency);
+                }
+            }
+            for (i, a) in etcd.iter().enumerate() {
+                for b in &etcd[i + 1..] {
+                    bed.latency(a, b, plan.latency);
+                }
+            }
+        }
         let mut f = HostFleet {
             bed,
             dir: tempfile::tempdir().expect("temp dir"),

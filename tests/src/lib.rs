@@ -11,6 +11,7 @@
 pub mod cluster;
 pub mod fake_anthropic;
 pub mod hostfleet;
+pub mod latency;
 pub mod netbed;
 pub mod otlp;
 pub mod proxy;

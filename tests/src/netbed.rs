@@ -10,11 +10,10 @@
 //!   [`NetBed::heal_all`] undo it.
 //! - [`NetBed::loss`] drops a share of the packets a host receives, at random (nftables
 //!   `numgen random`).
+//! - [`NetBed::delay`] gives the link between two hosts a latency: each host's packets to the
+//!   other are held that long (see [`crate::latency`]; the kernel here has no `netem`).
 //! - Processes are started in a host ([`NetBed::spawn`]) and can be killed or frozen by
 //!   signal ([`NetBed::signal`]).
-//!
-//! Latency: this machine's kernel has no `netem` queueing discipline, so a link with delay is
-//! a userspace relay (a later step); partitions and loss are the kernel's own.
 //!
 //! A bed is torn down when dropped — its processes killed by PID, its namespaces (and with
 //! them every veth) deleted — also when the test fails. A bed left by a test process that was
@@ -50,6 +49,11 @@ pub struct NetBed {
     tag: String,
     hosts: Vec<Host>,
     started: Vec<Started>,
+    /// Each host's latency relay, started when it first delays a link.
+    relays: std::sync::Mutex<std::collections::HashMap<String, crate::latency::Relay>>,
+    /// The network's own one-way latency from one host to another ([`NetBed::latency`]):
+    /// what [`NetBed::heal_all`] returns a delayed link to.
+    base: std::sync::Mutex<std::collections::HashMap<(String, String), Duration>>,
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -120,6 +124,8 @@ impl NetBed {
             tag: tag.clone(),
             hosts: Vec::new(),
             started: Vec::new(),
+            relays: Default::default(),
+            base: Default::default(),
         };
         let switch = format!("{tag}-switch");
         must_ip(&["netns", "add", &switch]);
@@ -353,7 +359,8 @@ impl NetBed {
         }
     }
 
-    /// Heals every cut and ends every loss.
+    /// Heals every cut and ends every loss; a delayed link gets back the network's own
+    /// latency ([`NetBed::latency`], none unless given).
     pub fn heal_all(&self) {
         for h in &self.hosts {
             self.nft(
@@ -361,6 +368,119 @@ impl NetBed {
                 "flush set inet bed cut\nflush chain inet bed loss\n",
             );
         }
+        let delayed: Vec<String> = self.lock_relays().keys().cloned().collect();
+        for a in delayed {
+            for b in &self.hosts {
+                if b.name != a {
+                    let base = self.base_latency(&a, &b.name);
+                    self.delay_one_way(&a, &b.name, base);
+                }
+            }
+        }
+    }
+
+    /// The network's own latency on the link between `a` and `b`, each way: it stays through
+    /// faults and heals ([`NetBed::delay`] is a fault on top of it).
+    pub fn latency(&self, a: &str, b: &str, one_way: Duration) {
+        let mut base = self.base.lock().unwrap_or_else(|e| e.into_inner());
+        base.insert((a.to_owned(), b.to_owned()), one_way);
+        base.insert((b.to_owned(), a.to_owned()), one_way);
+        drop(base);
+        self.delay(a, b, one_way);
+    }
+
+    fn base_latency(&self, from: &str, to: &str) -> Duration {
+        self.base
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(from.to_owned(), to.to_owned()))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// A fault: the link between `a` and `b` gets a latency of `one_way` each way (the round
+    /// trip takes twice that) until it is set again or healed. Packets already held still
+    /// arrive.
+    pub fn delay(&self, a: &str, b: &str, one_way: Duration) {
+        self.delay_one_way(a, b, one_way);
+        self.delay_one_way(b, a, one_way);
+    }
+
+    /// Host `from` holds its packets to `to` for `delay`.
+    fn delay_one_way(&self, from: &str, to: &str, delay: Duration) {
+        let ns = self.host(from).ns.clone();
+        let to_ip: std::net::Ipv4Addr = self.ip(to).parse().expect("an IPv4 address");
+        let mut relays = self.lock_relays();
+        if !relays.contains_key(from) {
+            if delay.is_zero() {
+                return;
+            }
+            relays.insert(from.to_owned(), self.start_relay(from));
+        }
+        let route = format!("{to_ip}/32");
+        if delay.is_zero() {
+            // Straight out of eth0 again; nothing new is held.
+            let _ = ip(&[
+                "-n",
+                &ns,
+                "route",
+                "del",
+                &route,
+                "dev",
+                crate::latency::DEVICE,
+            ]);
+        } else {
+            must_ip(&[
+                "-n",
+                &ns,
+                "route",
+                "replace",
+                &route,
+                "dev",
+                crate::latency::DEVICE,
+                "src",
+                self.ip(from),
+            ]);
+        }
+        relays[from].set(to_ip, delay);
+    }
+
+    /// Sets host `name` up for delays: the relay (with its TUN device) and the routing of the
+    /// packets it sends on.
+    fn start_relay(&self, name: &str) -> crate::latency::Relay {
+        use crate::latency::{DEVICE, MARK, Relay, TABLE};
+        let ns = self.host(name).ns.clone();
+        let (mark, table) = (format!("{MARK:#x}"), TABLE.to_string());
+        let relay = Relay::start(format!("/run/netns/{ns}")).unwrap_or_else(|e| panic!("{e}"));
+        must_ip(&[
+            "-n", &ns, "rule", "add", "fwmark", &mark, "lookup", &table, "priority", "100",
+        ]);
+        must_ip(&[
+            "-n",
+            &ns,
+            "route",
+            "add",
+            &format!("{SUBNET}.0/24"),
+            "dev",
+            "eth0",
+            "table",
+            &table,
+        ]);
+        // Replies from a delayed peer come in on eth0 while the route to it points at the TUN
+        // device: strict reverse-path filtering would drop them.
+        self.within(name, || {
+            for conf in ["all", "default", "eth0", DEVICE] {
+                let path = format!("/proc/sys/net/ipv4/conf/{conf}/rp_filter");
+                std::fs::write(&path, "0").unwrap_or_else(|e| panic!("write {path}: {e}"));
+            }
+        });
+        relay
+    }
+
+    fn lock_relays(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, crate::latency::Relay>> {
+        self.relays.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Host `a` drops `percent` of the packets it receives, at random (0 ends it).
@@ -425,6 +545,7 @@ impl Drop for NetBed {
             let _ = s.child.kill();
             let _ = s.child.wait();
         }
+        self.lock_relays().clear();
         for h in &self.hosts {
             let _ = ip(&["netns", "del", &h.ns]);
         }

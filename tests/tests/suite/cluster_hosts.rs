@@ -1,6 +1,8 @@
 //! The fleet on many hosts (issue 15): etcd, S3, coordinators and workers each in a network
 //! namespace of its own, joined by a switch, with faults made where they happen — links cut
-//! (packets dropped, not refused), processes frozen and killed, etcd members lost.
+//! (packets dropped, not refused), slowed and lossy, processes frozen and killed, etcd members
+//! lost. Every link the fleet uses has a latency of its own ([`Plan::latency`], 5 ms each way)
+//! through all of it.
 //!
 //! Each nemesis runs a fan-out of sleeping echo agents and checks the invariants: the run
 //! completes, every call's result is journaled exactly once (none lost, none accepted
@@ -135,6 +137,55 @@ fn the_bed_cuts_heals_and_loses_packets_between_its_hosts_only() {
     assert!(connect("b").is_err());
     bed.loss("a", 0);
     connect("b").unwrap();
+    // Latency: 40 ms each way on the link a–b. A connection takes a round trip at least, and
+    // a megabyte echoed through it arrives whole and in order.
+    let echo: SocketAddr = format!("{}:9001", bed.ip("a")).parse().unwrap();
+    let listener = bed.within("a", move || TcpListener::bind(echo).unwrap());
+    std::thread::spawn(move || {
+        for mut c in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut back = c.try_clone().unwrap();
+                let _ = std::io::copy(&mut c, &mut back);
+            });
+        }
+    });
+    let echoed = |from: &str| {
+        bed.within(from, move || {
+            use std::io::{Read, Write};
+            let sent: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+            let start = std::time::Instant::now();
+            let mut c = TcpStream::connect_timeout(&echo, Duration::from_secs(5)).unwrap();
+            let connected = start.elapsed();
+            let mut r = c.try_clone().unwrap();
+            let reader = std::thread::spawn(move || {
+                let mut got = vec![0u8; 1_000_000];
+                r.read_exact(&mut got).map(|()| got)
+            });
+            c.write_all(&sent).unwrap();
+            let got = reader.join().unwrap().unwrap();
+            assert!(got == sent, "the echo came back changed");
+            connected
+        })
+    };
+    bed.delay("a", "b", Duration::from_millis(40));
+    let connected = echoed("b");
+    assert!(
+        connected >= Duration::from_millis(80),
+        "a connection over a link of 40 ms each way took {connected:?}"
+    );
+    // Other links keep no delay of a–b's, and healing ends it.
+    echoed("c");
+    bed.heal_all();
+    echoed("b");
+    // The network's own latency stays through a fault and its heal.
+    bed.latency("a", "c", Duration::from_millis(30));
+    bed.delay("a", "c", Duration::from_millis(100));
+    bed.heal_all();
+    let connected = echoed("c");
+    assert!(
+        connected >= Duration::from_millis(60),
+        "a link of 30 ms each way lost its latency in a heal: {connected:?}"
+    );
 }
 
 #[test]
@@ -263,6 +314,60 @@ fn the_store_cut_off_for_thirty_seconds_pauses_the_run_and_loses_nothing() {
 }
 
 #[test]
+fn the_store_slowed_to_300_ms_round_trips_slows_the_run_and_loses_nothing() {
+    let f = HostFleet::start(Plan::default());
+    let run = fan_out(&f, 0, "store-slow", 1000);
+    wait_until("some calls done", Duration::from_secs(60), || {
+        done(&f, 0, &run) >= 20
+    });
+    // Every request to the S3 server now takes 300 ms more (150 ms each way, on every
+    // packet): journal writes queue up behind it, yet the run goes on.
+    for c in 0..f.plan.coordinators {
+        f.bed
+            .delay(&coordinator_host(c), "s3", Duration::from_millis(150));
+    }
+    let at = done(&f, 0, &run);
+    wait_until(
+        "progress with a slow store",
+        Duration::from_secs(90),
+        || done(&f, 0, &run) >= at + 40,
+    );
+    f.bed.heal_all();
+    let report = f.assert_completed_once_each(0, &run, CALLS);
+    assert_eq!(report["result"], CALLS);
+    assert_eq!(
+        extra_attempts(&report),
+        0,
+        "a slow store restarted attempts"
+    );
+}
+
+#[test]
+fn workers_over_slow_lossy_links_lose_nothing() {
+    let f = HostFleet::start(Plan::default());
+    // Links of 40 ms each way to every worker, and one worker loses 5% of what it receives.
+    for w in 0..f.plan.workers {
+        for c in 0..f.plan.coordinators {
+            f.bed.delay(
+                &worker_host(w),
+                &coordinator_host(c),
+                Duration::from_millis(40),
+            );
+        }
+    }
+    f.bed.loss(&worker_host(0), 5);
+    let run = fan_out(&f, 0, "slow-links", 500);
+    let report = f.assert_completed_once_each(0, &run, CALLS);
+    assert_eq!(report["result"], CALLS);
+    // Slow and lossy, not partitioned: TCP carries it, nothing needs to run again.
+    assert!(
+        extra_attempts(&report) <= u64::from(f.plan.slots),
+        "{} extra attempts over slow links",
+        extra_attempts(&report)
+    );
+}
+
+#[test]
 fn etcd_loses_one_member_unnoticed_and_two_without_failing_a_run() {
     let mut f = HostFleet::start(Plan {
         etcd_members: 3,
@@ -379,7 +484,7 @@ fn a_random_schedule_of_faults_loses_nothing() {
         step += 1;
         let hold = Duration::from_millis(rng.within(1_000, 6_000));
         let at = started.elapsed().as_secs_f32();
-        match rng.within(0, 5) {
+        match rng.within(0, 7) {
             0 => {
                 let w = worker_host(rng.within(0, f.plan.workers as u64 - 1) as usize);
                 eprintln!("{at:6.1}s #{step}: cut {w} from the coordinators for {hold:?}");
@@ -416,10 +521,29 @@ fn a_random_schedule_of_faults_loses_nothing() {
                 f.bed.isolate("s3");
                 std::thread::sleep(hold);
             }
-            _ => {
+            5 => {
                 let w = worker_host(rng.within(0, f.plan.workers as u64 - 1) as usize);
                 eprintln!("{at:6.1}s #{step}: {w} loses 30% of its packets for {hold:?}");
                 f.bed.loss(&w, 30);
+                std::thread::sleep(hold);
+            }
+            6 => {
+                let ms = rng.within(50, 400);
+                eprintln!("{at:6.1}s #{step}: the store {ms} ms slower each way for {hold:?}");
+                for c in 0..f.plan.coordinators {
+                    f.bed
+                        .delay(&coordinator_host(c), "s3", Duration::from_millis(ms));
+                }
+                std::thread::sleep(hold);
+            }
+            _ => {
+                let w = worker_host(rng.within(0, f.plan.workers as u64 - 1) as usize);
+                let ms = rng.within(20, 200);
+                eprintln!("{at:6.1}s #{step}: {w}'s links {ms} ms each way for {hold:?}");
+                for c in 0..f.plan.coordinators {
+                    f.bed
+                        .delay(&w, &coordinator_host(c), Duration::from_millis(ms));
+                }
                 std::thread::sleep(hold);
             }
         }
