@@ -110,6 +110,17 @@ impl RunEngine {
             .as_ref()
             .is_some_and(|s| s.run_id == self.init.run_id);
         let own = call.own_journal;
+        if own {
+            // The same run, carried on after a failover: what the call took before the
+            // failover is this run's too (its attempts, its tokens and cost, its budget).
+            call.attempts = record.attempts;
+            call.usage = record.usage.clone();
+            self.usage.add(&record.usage);
+            self.init
+                .shared
+                .spent
+                .fetch_add(record.usage.output_tokens, Ordering::Relaxed);
+        }
         self.calls.push(call);
         if let (Some(head), Some(mut ch)) = (&self.head, record.change) {
             ch.head_after = None;
@@ -173,7 +184,6 @@ impl RunEngine {
                 attempt,
                 worker,
             } => {
-                self.attempts_total += 1;
                 let Some(c) = self.calls.get_mut(call as usize) else {
                     return;
                 };

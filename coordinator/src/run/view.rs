@@ -132,7 +132,10 @@ impl RunEngine {
     pub(super) fn report_with(&self, live: bool) -> Report {
         let mut usage = ReportUsage {
             agents: self.calls.len() as u64,
-            attempts: self.attempts_total,
+            // Each call's attempts are numbered from 1: the highest is how many it took, also
+            // across a failover (an attempt taken over keeps its number, and calls served
+            // from the run's own journal bring theirs).
+            attempts: self.calls.iter().map(|c| u64::from(c.attempts)).sum(),
             input_tokens: self.usage.input_tokens,
             output_tokens: self.usage.output_tokens,
             cost_usd: self.usage.cost_usd,
