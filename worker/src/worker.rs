@@ -920,6 +920,8 @@ mod tests {
     use crate::backend::echo::Echo;
     use flotilla_proto::link::{CoordinatorEnd, link_pair};
 
+    mod fuzz;
+
     fn worker(dir: &std::path::Path) -> Worker {
         Worker::new(
             WorkerOptions {

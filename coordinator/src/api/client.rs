@@ -91,6 +91,27 @@ impl ClientSvc {
     }
 }
 
+/// A run id as a client names it: a plain name no longer than 128 characters (ids look like
+/// `wf_1a2b3c4d-5e6`). Anything else is refused before it reaches the store, where it could
+/// only fail slowly or name some other path.
+pub(super) fn check_run_id(run: &str) -> Result<(), Status> {
+    let plain = !run.is_empty()
+        && run.len() <= 128
+        && run != "."
+        && run != ".."
+        && run
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if plain {
+        return Ok(());
+    }
+    let shown: String = run.chars().take(40).collect();
+    let more = if shown.len() < run.len() { "…" } else { "" };
+    Err(ErrorKind::Invalid.status(format!(
+        "{shown:?}{more} is not a run id (run ids look like wf_1a2b3c4d-5e6; `flotilla runs` lists them)"
+    )))
+}
+
 /// A failure of the connection rather than an answer.
 pub(super) fn is_transport(s: &Status) -> bool {
     matches!(
@@ -122,6 +143,9 @@ impl ClientService for ClientSvc {
         }
         let mut r = req.into_inner();
         check_version(&r.protocol_version)?;
+        if !r.resume_from.is_empty() {
+            check_run_id(&r.resume_from)?;
+        }
         if (self.policy.disabled)() {
             return Err(ErrorKind::Conflict.status(
                 "workflows are disabled on this coordinator (FLOTILLA_DISABLE_WORKFLOWS or disable_workflows in its config file): new runs are refused, runs in progress keep going",
@@ -156,8 +180,16 @@ impl ClientService for ClientSvc {
                 .map(v1::SavedWorkflow::from)
                 .collect();
         }
-        let settings: RunSettings = serde_json::from_str(&r.settings_json)
-            .map_err(|e| ErrorKind::Invalid.status(format!("run settings are not valid: {e}")))?;
+        // None sent: the defaults, as for any field a client leaves out.
+        let settings_json = match r.settings_json.trim() {
+            "" => "{}",
+            text => text,
+        };
+        let settings: RunSettings = serde_json::from_str(settings_json).map_err(|e| {
+            ErrorKind::Invalid.status(format!(
+                "run settings are not valid: {e}; send a JSON object of run settings, or none for the defaults"
+            ))
+        })?;
         let args =
             match &r.args_json {
                 None => None,
@@ -231,6 +263,7 @@ impl ClientService for ClientSvc {
     async fn wait(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
         self.authorize(&req, "read runs")?;
         let run = req.into_inner().run_id;
+        check_run_id(&run)?;
         // Across a failover the run moves: wait where it runs, and follow it.
         let mut adopting = 0u32;
         let report = loop {
@@ -283,6 +316,7 @@ impl ClientService for ClientSvc {
 
     async fn report(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
         self.authorize(&req, "read runs")?;
+        check_run_id(&req.get_ref().run_id)?;
         if !self.registry.lock().contains_key(&req.get_ref().run_id)
             && let Some(mut leader) = self.leader_client().await?
         {
@@ -306,6 +340,7 @@ impl ClientService for ClientSvc {
 
     async fn status(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StatusReply>, Status> {
         self.authorize(&req, "read runs")?;
+        check_run_id(&req.get_ref().run_id)?;
         if let Some(mut leader) = self.leader_client().await? {
             return leader.status(req.into_inner()).await;
         }
@@ -328,6 +363,7 @@ impl ClientService for ClientSvc {
 
     async fn stop(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StopReply>, Status> {
         self.authorize(&req, "stop runs")?;
+        check_run_id(&req.get_ref().run_id)?;
         if let Some(mut leader) = self.leader_client().await? {
             return leader.stop(req.into_inner()).await;
         }
@@ -387,6 +423,7 @@ impl ClientService for ClientSvc {
         req: Request<v1::ControlRequest>,
     ) -> Result<Response<v1::ControlReply>, Status> {
         self.authorize(&req, "control runs")?;
+        check_run_id(&req.get_ref().run_id)?;
         if let Some(mut leader) = self.leader_client().await? {
             return leader.control(req.into_inner()).await;
         }
@@ -405,6 +442,7 @@ impl ClientService for ClientSvc {
     ) -> Result<Response<v1::ChangesReply>, Status> {
         self.authorize(&req, "read runs")?;
         let run = req.into_inner().run_id;
+        check_run_id(&run)?;
         // The journal is in the shared store: any coordinator of a group answers.
         let changes = crate::head::changes_of(self.coordinator.store(), &run)
             .await
@@ -545,6 +583,7 @@ impl ClientService for ClientSvc {
         self.authorize(&req, "read runs")?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
+        check_run_id(&r.run_id)?;
         // Transcripts are in the shared store: any coordinator of a group can answer.
         let report = match self.registry.live_report(&r.run_id).await {
             Some(rep) => (*rep).clone(),

@@ -42,6 +42,8 @@ use crate::{LaunchRequest, history};
 
 mod client;
 #[cfg(test)]
+mod fuzz;
+#[cfg(test)]
 mod links;
 mod registry;
 mod snapshot;

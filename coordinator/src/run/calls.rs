@@ -114,7 +114,7 @@ impl RunEngine {
             // The same run, carried on after a failover: what the call took before the
             // failover is this run's too (its attempts, its tokens and cost, its budget).
             call.attempts = record.attempts;
-            call.usage = record.usage.clone();
+            call.usage = record.usage;
             self.usage.add(&record.usage);
             self.init
                 .shared
