@@ -144,7 +144,7 @@ impl Admitter {
         let occ = self.occurrences.entry(content.clone()).or_insert(0);
         let key = call_key(&content, *occ);
         *occ += 1;
-        let cached = resume.and_then(|src| self.served(src, &key, spent.calls, settings.replay));
+        let cached = resume.and_then(|src| self.served(src, &key, settings.replay));
         let admitted = Admitted {
             spec,
             key,
@@ -157,20 +157,21 @@ impl Admitter {
         }
     }
 
-    /// The record that serves call `index` with `key`, under the replay rule.
-    fn served(
-        &mut self,
-        src: &ResumeSource,
-        key: &str,
-        index: u64,
-        replay: ReplayMode,
-    ) -> Option<CallRecord> {
+    /// The record that serves the call with `key`, under the replay rule.
+    ///
+    /// Prefix replay (W51) serves calls in the order this run starts them, until the first one
+    /// the source run has no completed result for (changed, failed, or still running then):
+    /// that call and every call this run starts after it run again. A call is matched by its
+    /// content and occurrence, not by its place in the source run's start order: that order
+    /// depends on which calls finished first (W86), so a pipeline run with concurrency would
+    /// otherwise miss at its first reordered call although nothing changed.
+    fn served(&mut self, src: &ResumeSource, key: &str, replay: ReplayMode) -> Option<CallRecord> {
         match replay {
             ReplayMode::Content => src.by_key(key).cloned(),
             ReplayMode::Prefix => {
                 let hit = self
                     .prefix_intact
-                    .then(|| src.at_index(index).filter(|r| r.key == key))
+                    .then(|| src.by_key(key))
                     .flatten()
                     .cloned();
                 self.prefix_intact = hit.is_some();
@@ -478,6 +479,15 @@ mod tests {
             matches!(go(&mut a, 2, "c"), Admission::Dispatch(_)),
             "after the first difference nothing is served"
         );
+        // Unchanged calls started in another order than the source run's (a pipeline whose
+        // stages finished in another order) are all served.
+        let mut a = Admitter::default();
+        for (i, p) in ["c", "a", "b"].iter().enumerate() {
+            assert!(
+                matches!(go(&mut a, i as u64, p), Admission::Cached(..)),
+                "{p} was not served"
+            );
+        }
     }
 
     #[test]

@@ -9,10 +9,9 @@ use crate::store::{self, Store, journal, keys};
 #[derive(Debug, Clone, Default)]
 pub struct ResumeSource {
     pub run_id: String,
-    /// Each record once; the maps point into it (a big run's journal is not copied twice).
+    /// Each record once; the map points into it (a big run's journal is not copied twice).
     records: Vec<CallRecord>,
     by_key: HashMap<String, usize>,
-    by_index: HashMap<u64, usize>,
     /// What could not be read back (those calls run again), for the run's log.
     pub warnings: Vec<String>,
 }
@@ -74,16 +73,13 @@ impl ResumeSource {
 
     pub fn from_records(run: &str, records: Vec<CallRecord>) -> ResumeSource {
         let mut by_key = HashMap::with_capacity(records.len());
-        let mut by_index = HashMap::with_capacity(records.len());
         for (i, r) in records.iter().enumerate() {
-            by_index.insert(r.index, i);
             by_key.insert(r.key.clone(), i);
         }
         ResumeSource {
             run_id: run.to_owned(),
             records,
             by_key,
-            by_index,
             warnings: Vec::new(),
         }
     }
@@ -91,11 +87,6 @@ impl ResumeSource {
     /// Content-keyed lookup.
     pub fn by_key(&self, key: &str) -> Option<&CallRecord> {
         self.by_key.get(key).map(|&i| &self.records[i])
-    }
-
-    /// The completed call that started `index`-th in the source run.
-    pub fn at_index(&self, index: u64) -> Option<&CallRecord> {
-        self.by_index.get(&index).map(|&i| &self.records[i])
     }
 
     pub fn len(&self) -> usize {

@@ -132,7 +132,7 @@ fn resuming_a_missing_run_is_refused() {
 }
 
 #[test]
-fn content_resume_ignores_a_changed_completion_order_that_prefix_resume_trips_on() {
+fn both_replay_modes_ignore_a_changed_completion_order() {
     let env = Env::new();
     // Stage 1 finishes in reverse order, so stage 2 starts in reverse order in the first run;
     // on resume stage 1 is served at once, in order, and stage 2 starts in order.
@@ -164,15 +164,72 @@ fn content_resume_ignores_a_changed_completion_order_that_prefix_resume_trips_on
     );
     assert_eq!(usage(&content, "cached"), 11);
     assert_eq!(content["result"][5], "check 5");
+    // The ordered prefix is this run's start order: check 5, the failed call, is the only
+    // one started after the first miss.
     let mut prefix = fixed.to_vec();
     prefix.extend(["--replay", "prefix"]);
     let (code, ordered) = env.run(&s, &prefix);
     assert_eq!(code, 0, "{ordered}");
-    assert!(
-        usage(&ordered, "dispatched") > 1,
-        "the ordered-prefix rule reruns everything after the first difference in start order: {}",
-        ordered["usage"]
+    assert_eq!(usage(&ordered, "dispatched"), 1, "{}", ordered["usage"]);
+    assert_eq!(ordered["result"], content["result"]);
+}
+
+#[test]
+fn prefix_replay_of_a_pipeline_run_with_concurrency_serves_every_call_up_to_the_first_change() {
+    let env = Env::new();
+    // Three stages of eight items, eight at a time; the sleeps make stages finish out of
+    // order, so later stages start in an order of their own.
+    let s = env.script(
+        "stages",
+        "const items = [0, 1, 2, 3, 4, 5, 6, 7];\n\
+         return await pipeline(items,\n\
+           i => agent('scan ' + i + ' [[sleep:' + ((i * 37) % 5) * 40 + ']]', { label: 'scan ' + i }),\n\
+           (prev, i) => agent('check ' + i + (args.change === i ? ' again' : '') + ' [[sleep:' + ((i * 53) % 7) * 30 + ']]', { label: 'check ' + i }),\n\
+           (prev, i) => agent('fix ' + i, { label: 'fix ' + i }));",
     );
+    let base = ["--stagger", "0", "--concurrency", "8"];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|a| a.to_string()).collect()
+    };
+    let run = |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, r) = env.run(&s, &args);
+        assert_eq!(code, 0, "{r}");
+        r
+    };
+    let first = run(with(&["--args", r#"{"change":-1}"#]));
+    let id = run_id(&first);
+    let again = run(with(&[
+        "--args",
+        r#"{"change":-1}"#,
+        "--resume",
+        &id,
+        "--replay",
+        "prefix",
+    ]));
+    assert_eq!(usage(&again, "dispatched"), 0, "{}", again["usage"]);
+    assert_eq!(usage(&again, "cached"), 24);
+    assert_eq!(again["result"], first["result"]);
+    // One prompt changed: it and every call this run started after it run again, and every
+    // call started before it is served.
+    let changed = run(with(&[
+        "--args",
+        r#"{"change":3}"#,
+        "--resume",
+        &id,
+        "--replay",
+        "prefix",
+    ]));
+    let from = agent(&changed, "check 3")["index"].as_u64().unwrap();
+    for a in changed["agents"].as_array().unwrap() {
+        let before = a["index"].as_u64().unwrap() < from;
+        assert_eq!(
+            a["cached"], before,
+            "{} (started {}; the change started {from})",
+            a["label"], a["index"]
+        );
+    }
+    assert_eq!(usage(&changed, "dispatched"), 24 - from);
 }
 
 #[test]
