@@ -948,11 +948,22 @@ fn a_killed_coordinator_s_run_is_adopted_by_the_standby_and_completes() {
             .all(|a| a["attempts"].as_u64() >= Some(1) && a["output_tokens"].as_u64() > Some(0)),
         "an agent with no attempt or no tokens: {r}"
     );
-    let sum = |field: &str| agents.iter().map(|a| a[field].as_u64().unwrap()).sum::<u64>();
+    let sum = |field: &str| {
+        agents
+            .iter()
+            .map(|a| a[field].as_u64().unwrap())
+            .sum::<u64>()
+    };
     assert_eq!(r["usage"]["attempts"].as_u64(), Some(sum("attempts")));
     assert!(sum("attempts") >= 300);
-    assert_eq!(r["usage"]["output_tokens"].as_u64(), Some(sum("output_tokens")));
-    assert_eq!(r["usage"]["input_tokens"].as_u64(), Some(sum("input_tokens")));
+    assert_eq!(
+        r["usage"]["output_tokens"].as_u64(),
+        Some(sum("output_tokens"))
+    );
+    assert_eq!(
+        r["usage"]["input_tokens"].as_u64(),
+        Some(sum("input_tokens"))
+    );
     let log = std::fs::read_to_string(c.path().join("standby.log")).unwrap();
     assert!(log.contains("adopted a run"), "{log}");
     // Attempts in flight at the kill were not thrown away: the workers kept them and the new
