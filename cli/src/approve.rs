@@ -121,8 +121,13 @@ pub fn plan(r: &ResolvedRun, meta: Option<&Meta>) -> String {
     } else {
         &s.model
     };
+    let chosen = r
+        .backend_chosen
+        .as_deref()
+        .map(|why| format!(" (chosen because {why}; --backend echo for a dry run)"))
+        .unwrap_or_default();
     out.push_str(&format!(
-        "  settings  backend {}, model {model}, {} agents at once, {} attempts each, stall after {} ms\n",
+        "  settings  backend {}{chosen}, model {model}, {} agents at once, {} attempts each, stall after {} ms\n",
         s.backend, s.concurrency, s.attempts, s.stall_timeout_ms
     ));
     let budget = match (s.budget_tokens, s.budget_usd) {

@@ -16,7 +16,9 @@ use serde::Deserialize;
 #[derive(Debug, Args, Default)]
 #[command(allow_negative_numbers = true)]
 pub struct SettingFlags {
-    /// Agent backend: echo (deterministic) or exec (a command per agent).
+    /// Agent backend: claude-code, anthropic, openai, exec (a command per agent) or echo (a
+    /// deterministic dry run) [default: claude-code when the claude CLI is on PATH, else
+    /// anthropic when ANTHROPIC_API_KEY is set, else refused with these choices].
     #[arg(long, env = "FLOTILLA_BACKEND")]
     pub backend: Option<String>,
     /// Command the exec backend runs per agent (`sh -c CMD`; prompt on stdin).
@@ -80,7 +82,7 @@ pub struct SettingFlags {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigFile {
-    /// Agent backend (`echo`, `exec`).
+    /// Agent backend (`claude-code`, `anthropic`, `openai`, `exec`, `echo`).
     pub backend: Option<String>,
     /// Command of the exec backend.
     pub exec_cmd: Option<String>,
@@ -214,6 +216,51 @@ pub struct ResolvedRun {
     pub cwd: PathBuf,
     /// The saved workflow's name when the run was asked for by name (not by path).
     pub saved_name: Option<String>,
+    /// Why the backend is the one it is, when nothing named it (it was found on this
+    /// machine); shown in the plan and said once before the run.
+    pub backend_chosen: Option<String>,
+}
+
+/// The backend a run uses when no flag, config key or `meta.backend` names one:
+/// `FLOTILLA_DEFAULT_BACKEND`, else `claude-code` when the `claude` CLI is here
+/// (`FLOTILLA_CLAUDE_BIN`, else on `PATH`), else `anthropic` when `ANTHROPIC_API_KEY` is set;
+/// else none, with the choices. The second value says why, when it was found here.
+pub fn default_backend() -> Result<(String, Option<String>), String> {
+    if let Ok(b) = std::env::var("FLOTILLA_DEFAULT_BACKEND")
+        && !b.trim().is_empty()
+    {
+        let b = b.trim().to_owned();
+        return match b.as_str() {
+            "echo" | "exec" | "claude-code" | "anthropic" | "openai" => Ok((b, None)),
+            other => Err(format!(
+                "FLOTILLA_DEFAULT_BACKEND={other:?} is not a backend: use echo, exec, claude-code, anthropic or openai"
+            )),
+        };
+    }
+    let claude = match std::env::var_os("FLOTILLA_CLAUDE_BIN") {
+        Some(bin) => Path::new(&bin)
+            .is_file()
+            .then_some("FLOTILLA_CLAUDE_BIN names the claude CLI"),
+        None => on_path("claude").then_some("the claude CLI is on PATH"),
+    };
+    if let Some(why) = claude {
+        return Ok(("claude-code".into(), Some(why.into())));
+    }
+    if std::env::var_os("ANTHROPIC_API_KEY").is_some_and(|k| !k.is_empty()) {
+        return Ok(("anthropic".into(), Some("ANTHROPIC_API_KEY is set".into())));
+    }
+    Err("no agent backend: the claude CLI is not on PATH and ANTHROPIC_API_KEY is not set; pass --backend claude-code (install Claude Code), --backend anthropic (set ANTHROPIC_API_KEY), --backend openai, --backend exec --exec-cmd CMD, or --backend echo for a dry run that calls no model".into())
+}
+
+/// Whether an executable file called `name` is in a directory of `PATH`.
+fn on_path(name: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::var_os("PATH").is_some_and(|paths| {
+        std::env::split_paths(&paths).any(|dir| {
+            std::fs::metadata(dir.join(name))
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+    })
 }
 
 /// Parses a duration: `300ms`, `5s`, `3m`, `1h`, or a plain number of milliseconds.
@@ -544,8 +591,17 @@ pub fn resolve_run_with(
         (found.source, found.origin)
     };
     let mut settings = settings;
+    let mut meta_backend = false;
     if let Ok(meta) = flotilla_coordinator::script::source::read_meta(&source) {
         meta_defaults(&mut settings, &meta.raw, &args.settings, &file)?;
+        meta_backend = meta.raw.get("backend").is_some();
+    }
+    // Nothing named a backend: the one this machine has, or a refusal with the choices.
+    let mut backend_chosen = None;
+    if args.settings.backend.is_none() && file.backend.is_none() && !meta_backend {
+        let (backend, why) = default_backend()?;
+        settings.backend = backend;
+        backend_chosen = why;
     }
     // Agents work where the run was started, as Claude Code's do: the repository root when
     // inside one, else this directory; --workspace DIR says otherwise.
@@ -564,6 +620,7 @@ pub fn resolve_run_with(
         workflows_dirs,
         cwd,
         saved_name,
+        backend_chosen,
     })
 }
 

@@ -199,8 +199,39 @@ struct ShowArgs {
     full: bool,
 }
 
+impl Command {
+    /// Whether the command was asked for JSON output (its refusals are JSON too).
+    fn json(&self) -> bool {
+        match self {
+            Command::Run(a) => a.json,
+            Command::Launch(a) => a.json(),
+            Command::Wait(a) => a.json(),
+            Command::Resume(a) => a.json(),
+            _ => false,
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // A bad flag of a command asked for JSON is a refusal like any other.
+        Err(e) if e.use_stderr() && std::env::args_os().skip(1).any(|a| a == "--json") => {
+            JSON_REFUSALS.store(true, std::sync::atomic::Ordering::Relaxed);
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or_default();
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            let _ = e.print();
+            let refusal = serde_json::json!({
+                "status": "rejected",
+                "error": { "code": "invalid", "message": term::clean_text(first) },
+            });
+            println!("{refusal}");
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
+    JSON_REFUSALS.store(cli.command.json(), std::sync::atomic::Ordering::Relaxed);
     flotilla_proto::tls::install_crypto_provider();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -297,6 +328,16 @@ fn main() -> ExitCode {
     ExitCode::from(code.clamp(0, 255) as u8)
 }
 
+/// Says once, on stderr, which backend a run got when nothing named one.
+pub fn say_backend_chosen(r: &config::ResolvedRun) {
+    if let Some(why) = &r.backend_chosen {
+        eprintln!(
+            "backend {} ({why}; pass --backend to choose, --backend echo for a dry run)",
+            r.settings.backend
+        );
+    }
+}
+
 /// Bubblewrap, with the model API relayed in by this binary.
 pub async fn sandbox_with_api(
     allow_net: Vec<String>,
@@ -309,7 +350,30 @@ pub async fn sandbox_with_api(
 
 /// Prints an error the way every command does, and returns the exit status.
 pub fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
-    eprintln!("error: {}", term::clean_text(&message.to_string()));
+    let kind = if code == 2 {
+        flotilla_proto::ErrorKind::Invalid
+    } else {
+        flotilla_proto::ErrorKind::Unavailable
+    };
+    fail_as(kind, code, message)
+}
+
+/// Whether this command was asked for `--json`: its refusals are then one JSON object on
+/// stdout too (set once, before the command runs).
+static JSON_REFUSALS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A refusal of `kind`: the error line on stderr and, with `--json`, the object
+/// `{"status":"rejected","error":{"code","message"}}` on stdout; returns `code`.
+pub fn fail_as(kind: flotilla_proto::ErrorKind, code: i32, message: impl std::fmt::Display) -> i32 {
+    let message = term::clean_text(&message.to_string()).into_owned();
+    eprintln!("error: {message}");
+    if JSON_REFUSALS.load(std::sync::atomic::Ordering::Relaxed) {
+        let refusal = serde_json::json!({
+            "status": "rejected",
+            "error": { "code": kind.name(), "message": message },
+        });
+        println!("{refusal}");
+    }
     code
 }
 
@@ -321,6 +385,7 @@ async fn run(args: RunArgs) -> i32 {
     if let approve::Decision::Exit(code) = approve::gate(&resolved, args.yes, args.plan) {
         return code;
     }
+    say_backend_chosen(&resolved);
     let (json, full) = (args.json, args.full);
     let bars = !json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
     let lines = !json && !bars;

@@ -252,6 +252,9 @@ pub fn summary(report: &Report) {
         report.run_id
     ));
     eprintln!("{line}");
+    for w in &report.warnings {
+        eprintln!("  warning: {}", clean(w));
+    }
     if let Some(c) = &report.changes {
         let changed = c.merged + c.isolated + c.conflicted;
         if changed > 0 {

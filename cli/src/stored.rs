@@ -97,6 +97,9 @@ pub async fn show(store_flag: Option<String>, run: &str, json: bool, full: bool)
         u.input_tokens, u.output_tokens
     );
     let _ = writeln!(out, "duration  {} ms", u.duration_ms);
+    for w in &report.warnings {
+        let _ = writeln!(out, "warning   {w}");
+    }
     for g in &report.groups {
         let title = if g.title.is_empty() {
             "(no phase)"

@@ -240,6 +240,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         result: Value::Null,
         error,
         workflow: m.workflow.clone(),
+        warnings: usage.large_workflow().into_iter().collect(),
         usage,
         agents,
         groups,

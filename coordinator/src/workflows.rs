@@ -415,6 +415,56 @@ fn absolute(base: &Path, p: &Path) -> PathBuf {
     }
 }
 
+impl DirResolver {
+    /// W10: a `scriptPath` is read only where the run may read scripts — the project (the
+    /// repository holding the working directory, else that directory) and the workflow
+    /// directories — with symlinks resolved first, and only if it is a plain file (never a
+    /// device, a pipe or `/dev/stdin`).
+    fn confined_script(&self, p: &str) -> Result<PathBuf, WorkflowError> {
+        let path = absolute(&self.cwd, Path::new(p));
+        let real = path.canonicalize().map_err(|e| {
+            WorkflowError::Unreadable(format!("workflow script {}: {e}", path.display()))
+        })?;
+        let meta = std::fs::metadata(&real).map_err(|e| {
+            WorkflowError::Unreadable(format!("workflow script {}: {e}", real.display()))
+        })?;
+        if !meta.is_file() {
+            use std::os::unix::fs::FileTypeExt;
+            let t = meta.file_type();
+            let what = if t.is_char_device() || t.is_block_device() {
+                "a device"
+            } else if t.is_dir() {
+                "a directory"
+            } else if t.is_fifo() || t.is_socket() {
+                "a pipe or socket"
+            } else {
+                "not a plain file"
+            };
+            return Err(WorkflowError::Unreadable(format!(
+                "workflow({{ scriptPath: {p:?} }}) is {what} ({}), not a script; a workflow script is a .js file in the project or a workflow directory",
+                real.display()
+            )));
+        }
+        let project = repo_root(&self.cwd).unwrap_or_else(|| self.cwd.clone());
+        let roots: Vec<PathBuf> = std::iter::once(project)
+            .chain(self.dirs.iter().cloned())
+            .filter_map(|d| d.canonicalize().ok())
+            .collect();
+        if roots.iter().any(|r| real.starts_with(r)) {
+            return Ok(real);
+        }
+        Err(WorkflowError::Unreadable(format!(
+            "workflow({{ scriptPath: {p:?} }}) is {}, outside what this run may read scripts from ({}); copy it into the project or a workflow directory, or pass its directory with --workflows-dir",
+            real.display(),
+            roots
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )))
+    }
+}
+
 impl WorkflowResolver for DirResolver {
     fn agent_types(&self) -> Vec<AgentType> {
         let mut out = builtins();
@@ -441,7 +491,7 @@ impl WorkflowResolver for DirResolver {
     fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, WorkflowError> {
         match reference {
             WorkflowRef::Path(p) => {
-                let path = absolute(&self.cwd, Path::new(p));
+                let path = self.confined_script(p)?;
                 let source =
                     crate::limits::read_file(&path, crate::limits::SCRIPT_BYTES, "workflow script")
                         .map_err(WorkflowError::Unreadable)?;
@@ -492,6 +542,44 @@ fn read_found(path: &Path, name: String) -> Result<FoundWorkflow, WorkflowError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_script_path_is_read_only_from_the_project_and_the_workflow_dirs() {
+        let top = tempfile::tempdir().unwrap();
+        let project = top.path().join("project");
+        let outside = top.path().join("elsewhere");
+        std::fs::create_dir_all(project.join(".git")).unwrap();
+        std::fs::create_dir_all(project.join("sub")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        let script = "export const meta = { name: 'x', description: 'd' };\nreturn 1;\n";
+        std::fs::write(project.join("ok.js"), script).unwrap();
+        std::fs::write(outside.join("secret.js"), script).unwrap();
+        std::os::unix::fs::symlink(outside.join("secret.js"), project.join("link.js")).unwrap();
+        let r = DirResolver::standard(&project.join("sub"), &[]);
+        let read = |p: &str| r.resolve(&WorkflowRef::Path(p.into()));
+        assert!(read("../ok.js").is_ok(), "{:?}", read("../ok.js"));
+        for (p, says) in [
+            ("/dev/stdin", "is a"),
+            ("/dev/zero", "is a device"),
+            ("..", "is a directory"),
+            (
+                "../../elsewhere/secret.js",
+                "outside what this run may read",
+            ),
+            ("../link.js", "outside what this run may read"),
+        ] {
+            let e = read(p).expect_err(p).to_string();
+            assert!(e.contains(says), "{p}: {e}");
+        }
+        // A workflow directory given with --workflows-dir may be read from.
+        let r = DirResolver::standard(&project, std::slice::from_ref(&outside));
+        assert!(
+            r.resolve(&WorkflowRef::Path(
+                outside.join("secret.js").display().to_string()
+            ))
+            .is_ok()
+        );
+    }
 
     fn write(dir: &Path, file: &str, name: &str) {
         std::fs::create_dir_all(dir).unwrap();

@@ -56,6 +56,19 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Its name in JSON (`error.code` of a refusal a command prints with `--json`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::Conflict => "conflict",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Fenced => "fenced",
+            ErrorKind::Invalid => "invalid",
+            ErrorKind::Denied => "denied",
+            ErrorKind::Internal => "internal",
+        }
+    }
+
     /// Whether retrying the same request later can succeed.
     pub fn is_retryable(self) -> bool {
         matches!(self, ErrorKind::Unavailable)

@@ -126,6 +126,27 @@ pub struct Report {
     /// Agents a brief report leaves out of `agents` ([`Report::brief`]); 0 in a full one.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub agents_omitted: u64,
+    /// Advisories about the run as a whole (W42's large workflow).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
+/// W42: a run of more than this many agents, or more tokens than [`LARGE_TOKENS`], is a large
+/// workflow (an advisory: nothing is paused or limited).
+pub const LARGE_AGENTS: u64 = 25;
+pub const LARGE_TOKENS: u64 = 1_500_000;
+
+impl ReportUsage {
+    /// W42's advisory, when these counters make a large workflow.
+    pub fn large_workflow(&self) -> Option<String> {
+        let tokens = self.input_tokens + self.output_tokens;
+        (self.agents > LARGE_AGENTS || tokens > LARGE_TOKENS).then(|| {
+            format!(
+                "Large workflow: {} agents, {tokens} tokens (more than {LARGE_AGENTS} agents or {LARGE_TOKENS} tokens); follow it on its session page, or list its agents with `flotilla agents RUN`",
+                self.agents
+            )
+        })
+    }
 }
 
 /// Agents a report lists unless the full one is asked for (`--full`): a run of 100,000
@@ -228,6 +249,7 @@ impl Report {
             store: None,
             changes: None,
             agents_omitted: 0,
+            warnings: Vec::new(),
         }
     }
 
@@ -284,6 +306,7 @@ impl Report {
             parent_run_id: self.parent_run_id.clone(),
             store: self.store.clone(),
             changes: self.changes.clone(),
+            warnings: self.warnings.clone(),
         }
     }
 }

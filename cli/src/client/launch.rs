@@ -73,6 +73,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
     {
         return code;
     }
+    crate::say_backend_chosen(&resolved);
     let (workflows, agent_types, agent_definitions) = carried(&resolved, server);
     let mut resolved = resolved;
     let sent = match send_source(&mut client, &a, &resolved.cwd).await {
@@ -273,6 +274,18 @@ pub struct ResumeArgs {
     /// content (reuse any completed call with the same key) or prefix (W51's ordered rule).
     #[arg(long, default_value = "content")]
     replay: String,
+}
+
+impl LaunchArgs {
+    pub fn json(&self) -> bool {
+        self.run.json
+    }
+}
+
+impl ResumeArgs {
+    pub fn json(&self) -> bool {
+        self.run.json()
+    }
 }
 
 /// `flotilla resume RUN`: a paused run on the coordinator goes on; any other run (ended,

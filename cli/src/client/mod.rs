@@ -13,7 +13,7 @@ use flotilla_proto::tls::TlsFiles;
 use flotilla_proto::v1::client_service_client::ClientServiceClient;
 use tonic::transport::Channel;
 
-use crate::{config, fail};
+use crate::config;
 
 mod fleet;
 mod launch;
@@ -170,7 +170,7 @@ impl ClientArgs {
 /// Prints a failed call the way every client command does; returns the exit status.
 pub fn rpc_fail(s: &tonic::Status) -> i32 {
     let (code, msg) = rpc_error(s);
-    fail(code, msg)
+    crate::fail_as(flotilla_proto::ErrorKind::from_grpc(s.code()), code, msg)
 }
 
 /// A status error as a user reads it, with its exit code.
@@ -203,6 +203,12 @@ pub struct RunRefArgs {
     config: Option<PathBuf>,
     #[command(flatten)]
     remote: ClientArgs,
+}
+
+impl RunRefArgs {
+    pub fn json(&self) -> bool {
+        self.json
+    }
 }
 
 impl RunRefArgs {

@@ -194,6 +194,7 @@ impl RunEngine {
             result: self.result.clone(),
             error: self.error.clone(),
             workflow: self.init.workflow.clone(),
+            warnings: usage.large_workflow().into_iter().collect(),
             usage,
             agents,
             groups,

@@ -256,9 +256,12 @@ fn looks_like_typescript(line: &str) -> bool {
             .any(|w| w[0] == "as" && (typed(w[1]) || w[1] == "const"))
 }
 
+/// What the body is wrapped in; it shares line 1 with the body so line numbers stay those of
+/// the file.
+const WRAP_PREFIX: &str = "(async function () {";
+
 fn wrap(body: &str) -> String {
-    // The prefix shares line 1 with the body so line numbers stay those of the file.
-    format!("(async function () {{{body}\n}})")
+    format!("{WRAP_PREFIX}{body}\n}})")
 }
 
 fn eval_opts() -> EvalOptions {
@@ -432,7 +435,7 @@ fn drive<'js>(
     let called: rquickjs::Result<Promise> = main.call(());
     let promise = match called.catch(ctx) {
         Ok(p) => p,
-        Err(e) => return ScriptEnd::Failed(classify(ctx, e, meter, limits)),
+        Err(e) => return ScriptEnd::Failed(classify(ctx, e, meter, limits, &input.body)),
     };
     if let Some(end) = tripped(meter, limits) {
         return end;
@@ -464,7 +467,7 @@ fn drive<'js>(
                             None,
                         ),
                     },
-                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits)),
+                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits, &input.body)),
                 };
             }
             rquickjs::promise::PromiseState::Rejected => {
@@ -476,7 +479,7 @@ fn drive<'js>(
                         "the script's promise rejected without a reason".into(),
                         None,
                     ),
-                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits)),
+                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits, &input.body)),
                 };
             }
             rquickjs::promise::PromiseState::Pending => {}
@@ -738,6 +741,7 @@ fn classify<'js>(
     e: CaughtError<'js>,
     meter: &Meter,
     limits: ScriptLimits,
+    body: &str,
 ) -> ScriptFailure {
     if let Some(ScriptEnd::Failed(f)) = tripped(meter, limits) {
         return f;
@@ -767,7 +771,115 @@ fn classify<'js>(
             line: line_of(ex.stack().as_deref()),
         };
     }
-    failure_from(ctx, FailureKind::Thrown, e, Some(meter))
+    let stack = match &e {
+        CaughtError::Exception(ex) => ex.stack(),
+        _ => None,
+    };
+    let mut f = failure_from(ctx, FailureKind::Thrown, e, Some(meter));
+    if let Some(at) = position_of(stack.as_deref()) {
+        f.message = name_the_culprit(&f.message, body, at);
+    }
+    f
+}
+
+/// The first `script.js:LINE:COLUMN` of a QuickJS stack trace.
+fn position_of(stack: Option<&str>) -> Option<(u32, u32)> {
+    let stack = stack?;
+    let needle = format!("{SCRIPT_FILE}:");
+    let mut rest = stack;
+    while let Some(pos) = rest.find(&needle) {
+        let after = &rest[pos + needle.len()..];
+        let mut parts = after.splitn(3, |c: char| !c.is_ascii_digit());
+        if let (Some(line), Some(col)) = (parts.next(), parts.next())
+            && let (Ok(line), Ok(col)) = (line.parse(), col.parse())
+        {
+            return Some((line, col));
+        }
+        rest = after;
+    }
+    None
+}
+
+/// What QuickJS leaves out of two TypeErrors a script author meets most, named from the
+/// script's own text at the error's position, the way Node names them:
+/// `not a function` becomes `budget.remainingCost is not a function`, and a property read
+/// of `undefined` or `null` says which expression was (`o.deep is undefined`). Anything the
+/// text does not show plainly is left as it was.
+fn name_the_culprit(message: &str, body: &str, (line, col): (u32, u32)) -> String {
+    let Some(text) = body.lines().nth(line.saturating_sub(1) as usize) else {
+        return message.to_owned();
+    };
+    // Line 1 shares its start with the wrapper (`wrap`); QuickJS counts that line's columns
+    // one lower than the others' (measured).
+    let col = if line == 1 {
+        col.saturating_sub(WRAP_PREFIX.len() as u32 - 1)
+    } else {
+        col
+    };
+    let chars: Vec<char> = text.chars().collect();
+    let at = (col as usize).saturating_sub(1);
+    if at >= chars.len() {
+        return message.to_owned();
+    }
+    let ident = |c: char| c.is_alphanumeric() || c == '_' || c == '$';
+    let chain = |c: char| ident(c) || c == '.' || c == '?';
+    let take = |from: usize, to: usize| -> String {
+        chars[from..to]
+            .iter()
+            .collect::<String>()
+            .trim_matches(|c| c == '.' || c == '?')
+            .to_owned()
+    };
+    if message.ends_with("TypeError: not a function") {
+        // The position is the callee's last name: the chain before it, the name after it,
+        // and a call right behind.
+        let mut start = at;
+        while start > 0 && chain(chars[start - 1]) {
+            start -= 1;
+        }
+        let mut end = at;
+        while end < chars.len() && ident(chars[end]) {
+            end += 1;
+        }
+        let called = chars[end..].iter().find(|c| !c.is_whitespace());
+        let callee = take(start, end);
+        if !callee.is_empty() && matches!(called, Some('(' | '`')) {
+            return message.replace("not a function", &format!("{callee} is not a function"));
+        }
+    } else if let Some(what) = ["of undefined", "of null"].into_iter().find(|w| {
+        message.ends_with(&format!(
+            "TypeError: cannot read property '{}' {w}",
+            property_of(message)
+        ))
+    }) {
+        // The position is the start of the expression read from.
+        let mut end = at;
+        while end < chars.len() && chain(chars[end]) {
+            end += 1;
+        }
+        let read = take(at, end);
+        let prop = property_of(message);
+        // `a.b.c.d` read `c` of `a.b`: the object is the chain up to the property's name.
+        let parts: Vec<&str> = read.split('.').map(|p| p.trim_matches('?')).collect();
+        let object = parts
+            .iter()
+            .skip(1)
+            .position(|p| *p == prop)
+            .map(|k| parts[..=k].join("."));
+        if let Some(object) = object.filter(|o| !o.is_empty()) {
+            let was = what.trim_start_matches("of ");
+            return format!("{message} ({object} is {was})");
+        }
+    }
+    message.to_owned()
+}
+
+/// The property named in QuickJS's `cannot read property 'NAME' of …`.
+fn property_of(message: &str) -> &str {
+    message
+        .split_once("cannot read property '")
+        .and_then(|(_, rest)| rest.split_once('\''))
+        .map_or("", |(p, _)| p)
 }
 
 fn failure_from<'js>(
@@ -1068,6 +1180,38 @@ mod tests {
             ScriptEnd::Failed(f) => assert_eq!(f.kind, FailureKind::CpuLimit, "{f}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_type_error_names_what_was_called_or_read_from_the_script_text() {
+        let message = |body: &str| match run_script(body, ScriptLimits::default()).0 {
+            ScriptEnd::Failed(f) => f.message,
+            other => panic!("{other:?}"),
+        };
+        let m = message("const x = 1;\nreturn  budget.remainingCost();");
+        assert!(
+            m.contains("line 2")
+                && m.ends_with("TypeError: budget.remainingCost is not a function"),
+            "{m}"
+        );
+        let m = message("const o = { a: {} };\n  o.a.f(1);");
+        assert!(m.ends_with("o.a.f is not a function"), "{m}");
+        // On line 1 too, whose start the wrapper shares.
+        let m = message("return budget.spentCost();");
+        assert!(m.ends_with("budget.spentCost is not a function"), "{m}");
+        let m = message("const o = {};\nreturn o.deep.name;");
+        assert!(
+            m.ends_with("cannot read property 'name' of undefined (o.deep is undefined)"),
+            "{m}"
+        );
+        let m = message("const o = { a: null };\nreturn o.a.b.c;");
+        assert!(
+            m.ends_with("cannot read property 'b' of null (o.a is null)"),
+            "{m}"
+        );
+        // What the text does not show plainly is left as QuickJS says it.
+        let m = message("const f = [3];\nreturn f[0]();");
+        assert!(m.ends_with("TypeError: not a function"), "{m}");
     }
 
     #[test]

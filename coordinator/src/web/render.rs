@@ -3,11 +3,6 @@
 
 use super::*;
 
-/// W42: more than 25 agents, or more than 1.5 million tokens.
-pub(super) const LARGE_AGENTS: u64 = 25;
-
-pub(super) const LARGE_TOKENS: u64 = 1_500_000;
-
 /// Rows a phase lists unless the reader asks for all of them (`?all=1`): a big fan-out
 /// would otherwise send thousands of rows on every update.
 pub(super) const PHASE_ROWS: usize = 100;
@@ -91,7 +86,7 @@ fn counters(d: &PageData) -> String {
         elapsed = fmt_ms(u.duration_ms),
     ));
     let mut warnings = Vec::new();
-    if u.agents > LARGE_AGENTS || u.input_tokens + u.output_tokens > LARGE_TOKENS {
+    if u.large_workflow().is_some() {
         warnings.push(format!(
             "Large workflow: {} agents, {} tokens so far",
             u.agents,
@@ -468,6 +463,7 @@ mod tests {
             store: None,
             changes: None,
             agents_omitted: 0,
+            warnings: Vec::new(),
         };
         let d = PageData {
             report: Arc::new(report),

@@ -35,6 +35,171 @@ fn bad_flags_and_bad_args_are_usage_errors() {
 }
 
 #[test]
+fn refusals_with_json_are_one_json_object_on_stdout_with_their_code() {
+    let env = Env::new();
+    let s = env.script("x", "return args;");
+    let s = s.to_str().unwrap();
+    let refused = |args: &[&str], code: i32, kind: &str, says: &str| {
+        let out = env.flotilla(args);
+        assert_eq!(out.code, code, "{args:?}: {out:?}");
+        let v: serde_json::Value = serde_json::from_str(out.stdout.trim())
+            .unwrap_or_else(|e| panic!("{args:?}: stdout is not one JSON object ({e}): {out:?}"));
+        assert_eq!(v["status"], "rejected", "{v}");
+        assert_eq!(v["error"]["code"], kind, "{args:?}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{args:?}: {message}");
+    };
+    refused(
+        &["run", s, "--json", "--args", "{bad"],
+        2,
+        "invalid",
+        "--args is not valid JSON",
+    );
+    refused(
+        &["run", "no-such-workflow", "--json"],
+        2,
+        "invalid",
+        "unknown workflow \"no-such-workflow\"",
+    );
+    refused(
+        &["run", s, "--json", "--concurrency", "lots"],
+        2,
+        "invalid",
+        "--concurrency",
+    );
+    refused(
+        &["run", s, "--json", "--no-such-flag"],
+        2,
+        "invalid",
+        "--no-such-flag",
+    );
+    refused(&["launch", s, "--json"], 2, "invalid", "no coordinator");
+    refused(
+        &["wait", "wf_00000000-000", "--json"],
+        2,
+        "invalid",
+        "no coordinator",
+    );
+    refused(
+        &["resume", "wf_00000000-000", "--json"],
+        2,
+        "invalid",
+        "no coordinator",
+    );
+    // Without --json, stdout stays empty.
+    let out = env.flotilla(&["run", s, "--args", "{bad"]);
+    assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{out:?}");
+}
+
+#[test]
+fn without_a_backend_named_the_one_this_machine_has_is_used_or_the_choices_are_given() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let s = env.script("x", "return 1;");
+    let s = s.to_str().unwrap();
+    let named = env.script("named", "return 1;");
+    std::fs::write(
+        &named,
+        "export const meta = { name: 'named', description: 'd', backend: 'echo' };\nreturn 1;\n",
+    )
+    .unwrap();
+    let bin = env.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let empty = env.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let claude = bin.join("claude");
+    std::fs::write(&claude, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&claude, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The suite's own default (echo, from .cargo/config.toml) taken away: what a user gets.
+    let plan = |args: &[&str], vars: &[(&str, &str)]| {
+        let mut cmd = env.command(args, vars);
+        cmd.env_remove("FLOTILLA_DEFAULT_BACKEND")
+            .env_remove("ANTHROPIC_API_KEY")
+            .env_remove("FLOTILLA_CLAUDE_BIN");
+        cmd.envs(vars.iter().copied());
+        flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(30))
+    };
+    let path_with = bin.to_str().unwrap();
+    let path_without = empty.to_str().unwrap();
+    let out = plan(&["run", s, "--plan"], &[("PATH", path_with)]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        out.stdout
+            .contains("backend claude-code (chosen because the claude CLI is on PATH"),
+        "{out:?}"
+    );
+    let out = plan(
+        &["run", s, "--plan"],
+        &[("PATH", path_without), ("ANTHROPIC_API_KEY", "sk-test")],
+    );
+    assert!(
+        out.stdout
+            .contains("backend anthropic (chosen because ANTHROPIC_API_KEY is set"),
+        "{out:?}"
+    );
+    // Neither: refused, with the choices (a dry run among them), in JSON too.
+    let out = plan(&["run", s, "--json"], &[("PATH", path_without)]);
+    assert_eq!(out.code, 2, "{out:?}");
+    let v: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("no agent backend") && message.contains("--backend echo for a dry run"),
+        "{message}"
+    );
+    // Named by a flag or by the script's meta: that one, and nothing is said of a choice.
+    for args in [
+        vec!["run", s, "--plan", "--backend", "echo"],
+        vec!["run", named.to_str().unwrap(), "--plan"],
+    ] {
+        let out = plan(&args, &[("PATH", path_with)]);
+        assert!(
+            out.stdout.contains("backend echo, model"),
+            "{args:?}: {out:?}"
+        );
+    }
+    // A run says which backend it got, once.
+    let out = plan(
+        &["run", s],
+        &[
+            ("PATH", path_without),
+            ("FLOTILLA_CLAUDE_BIN", claude.to_str().unwrap()),
+        ],
+    );
+    assert!(
+        out.stderr
+            .contains("backend claude-code (FLOTILLA_CLAUDE_BIN names the claude CLI;"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_large_workflow_is_said_in_the_json_report_the_plain_output_and_show() {
+    let env = Env::new();
+    let s = env.script(
+        "big",
+        "return (await parallel(Array.from({ length: 30 }, (_, i) => () => agent('a ' + i)))).length;",
+    );
+    let (code, r) = env.run(&s, &["--stagger", "0"]);
+    assert_eq!(code, 0, "{r}");
+    let w = r["warnings"][0].as_str().unwrap_or_default();
+    assert!(w.starts_with("Large workflow: 30 agents"), "{r}");
+    let plain = env.flotilla(&["run", s.to_str().unwrap(), "--stagger", "0"]);
+    assert!(
+        plain.stderr.contains("warning: Large workflow: 30 agents"),
+        "{plain:?}"
+    );
+    let shown = env.flotilla(&["show", r["run_id"].as_str().unwrap()]);
+    assert!(
+        shown.stdout.contains("warning   Large workflow: 30 agents"),
+        "{shown:?}"
+    );
+    // A small run says nothing of the kind.
+    let small = env.script("small", "return await agent('one');");
+    let (_, r) = env.run(&small, &[]);
+    assert!(r.get("warnings").is_none(), "{r}");
+}
+
+#[test]
 fn runs_lists_and_show_reopens_stored_runs() {
     let env = Env::new();
     let s = env.script("listed", "log('hi');\nreturn await agent('p');");
