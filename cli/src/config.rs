@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 /// Settings flags shared by commands that start runs. Counts take negative numbers as values
 /// (so `--concurrency -1` is told it must be at least 1, not that `-1` is an unknown flag).
-#[derive(Debug, Args, Default)]
+#[derive(Debug, Clone, Args, Default)]
 #[command(allow_negative_numbers = true)]
 pub struct SettingFlags {
     /// Agent backend: claude-code, anthropic, openai, exec (a command per agent) or echo (a

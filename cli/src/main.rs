@@ -19,6 +19,7 @@ mod changes;
 mod client;
 mod config;
 mod embedded;
+mod mcp;
 mod progress;
 mod serve;
 mod source;
@@ -95,6 +96,9 @@ enum Command {
     /// Saved workflows: list, show, save in the project, push to a coordinator.
     #[command(subcommand)]
     Workflows(workflows_cmd::WorkflowsCommand),
+    /// An MCP server on stdio with Claude Code's Workflow tool and its companions
+    /// (`claude mcp add flotilla -- flotilla mcp --backend claude-code`).
+    Mcp(mcp::McpArgs),
 }
 
 /// Flags of `flotilla run`.
@@ -320,6 +324,7 @@ fn main() -> ExitCode {
             Command::Workers(args) => client::workers(args).await,
             Command::Token(client::TokenCommand::Create(args)) => client::token_create(args).await,
             Command::Workflows(cmd) => workflows_cmd::run(cmd).await,
+            Command::Mcp(args) => mcp::serve(args).await,
         };
         telemetry.shutdown().await;
         code

@@ -167,41 +167,56 @@ fn winner(entries: &[Entry], i: usize) -> Option<usize> {
         .position(|o| o.meta.is_ok() && o.name == e.name)
 }
 
+/// The listing `workflows list --json` prints, of this machine's workflows (and the bundled
+/// ones), with `dirs` searched first.
+pub async fn rows(dirs: &[PathBuf]) -> Result<Vec<Value>, String> {
+    let at = Where {
+        workflows_dirs: dirs.to_vec(),
+        remote: ClientArgs {
+            coordinator: None,
+            tls: Default::default(),
+        },
+    };
+    Ok(json_rows(&entries(&at).await?))
+}
+
+fn json_rows(all: &[Entry]) -> Vec<Value> {
+    all.iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let mut row = json!({
+                "name": e.name,
+                "origin": e.origin,
+                "location": e.location,
+            });
+            match &e.meta {
+                Ok(m) => {
+                    row["description"] = json!(m.description);
+                    row["whenToUse"] = json!(m.when_to_use);
+                    row["offered"] = json!(true);
+                    if let Some(w) = winner(all, i).filter(|w| *w != i) {
+                        row["shadowedBy"] = json!(all[w].location);
+                    }
+                }
+                Err(why) => {
+                    row["offered"] = json!(false);
+                    row["error"] = json!(why);
+                }
+            }
+            row
+        })
+        .collect()
+}
+
 async fn list(a: ListArgs) -> i32 {
     let all = match entries(&a.at).await {
         Ok(e) => e,
         Err(e) => return fail(2, e),
     };
     if a.json {
-        let rows: Vec<Value> = all
-            .iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let mut row = json!({
-                    "name": e.name,
-                    "origin": e.origin,
-                    "location": e.location,
-                });
-                match &e.meta {
-                    Ok(m) => {
-                        row["description"] = json!(m.description);
-                        row["whenToUse"] = json!(m.when_to_use);
-                        row["offered"] = json!(true);
-                        if let Some(w) = winner(&all, i).filter(|w| *w != i) {
-                            row["shadowedBy"] = json!(all[w].location);
-                        }
-                    }
-                    Err(why) => {
-                        row["offered"] = json!(false);
-                        row["error"] = json!(why);
-                    }
-                }
-                row
-            })
-            .collect();
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).unwrap_or_default()
+            serde_json::to_string_pretty(&json_rows(&all)).unwrap_or_default()
         );
         return 0;
     }

@@ -6,6 +6,8 @@
 //! What it answers is scripted by markers in the last user text:
 //! - `[[bash:CMD]]`: a Bash `tool_use` running CMD; after the tool result, the text
 //!   `tool said: OUTPUT`;
+//! - `[[tool:NAME:JSON]]`: a `tool_use` of tool NAME (an MCP tool, say) with JSON as its
+//!   input; after the tool result, `tool said: OUTPUT` too;
 //! - with a `StructuredOutput` tool: a call to it with `[[json:{...}]]`, or with a value made
 //!   up from the schema (strings `"fake"`, numbers `1`, booleans `true`);
 //! - `[[status:N]]`: an HTTP error N (`overloaded_error` for 529, `rate_limit_error` for 429);
@@ -629,6 +631,16 @@ fn answer_with(
         (
             vec![json!({"type": "text", "text": format!("tool said: {}", out.trim())})],
             "end_turn",
+        )
+    } else if let Some((name, input)) = marker(prompt, "tool").and_then(|t| t.split_once(':')) {
+        let input: Value = serde_json::from_str(input).unwrap_or_else(
+            |e| json!({ "fake_error": format!("[[tool:{name}:...]] is not JSON: {e}") }),
+        );
+        (
+            vec![
+                json!({"type": "tool_use", "id": format!("toolu_fake_{id}"), "name": name, "input": input}),
+            ],
+            "tool_use",
         )
     } else if let Some(cmd) = marker(prompt, "bash") {
         (

@@ -982,6 +982,23 @@ mod tests {
         );
     }
 
+    /// `w` serving the links sent on the channel, until the token is cancelled.
+    pub(super) fn serving(
+        w: Worker,
+    ) -> (
+        mpsc::UnboundedSender<Link>,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (links_tx, links_rx) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let serving = tokio::spawn({
+            let cancel = cancel.clone();
+            async move { w.serve(links_rx, cancel).await }
+        });
+        (links_tx, cancel, serving)
+    }
+
     async fn next(end: &mut CoordinatorEnd) -> worker_message::Msg {
         loop {
             let m = tokio::time::timeout(Duration::from_secs(30), end.rx.recv())
@@ -1033,12 +1050,7 @@ mod tests {
     async fn an_attempt_outlives_a_broken_link_and_is_reported_on_the_next() {
         let dir = tempfile::tempdir().unwrap();
         let w = worker(dir.path());
-        let (links_tx, links_rx) = mpsc::unbounded_channel();
-        let cancel = CancellationToken::new();
-        let serving = tokio::spawn({
-            let cancel = cancel.clone();
-            async move { w.serve(links_rx, cancel).await }
-        });
+        let (links_tx, cancel, serving) = serving(w);
         let (link, mut end) = link_pair();
         links_tx.send(link).unwrap();
         assert!(matches!(next(&mut end).await, worker_message::Msg::Hello(h) if h.held.is_empty()));
@@ -1077,12 +1089,7 @@ mod tests {
     async fn attempts_are_given_up_after_the_lease_ttl_without_a_link() {
         let dir = tempfile::tempdir().unwrap();
         let w = worker(dir.path());
-        let (links_tx, links_rx) = mpsc::unbounded_channel();
-        let cancel = CancellationToken::new();
-        let serving = tokio::spawn({
-            let cancel = cancel.clone();
-            async move { w.serve(links_rx, cancel).await }
-        });
+        let (links_tx, cancel, serving) = serving(w);
         let (link, mut end) = link_pair();
         links_tx.send(link).unwrap();
         next(&mut end).await;

@@ -94,7 +94,7 @@ impl ClientSvc {
 /// A run id as a client names it: a plain name no longer than 128 characters (ids look like
 /// `wf_1a2b3c4d-5e6`). Anything else is refused before it reaches the store, where it could
 /// only fail slowly or name some other path.
-pub(super) fn check_run_id(run: &str) -> Result<(), Status> {
+pub fn check_run_id(run: &str) -> Result<(), Status> {
     let plain = !run.is_empty()
         && run.len() <= 128
         && run != "."

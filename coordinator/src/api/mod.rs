@@ -49,6 +49,7 @@ mod registry;
 mod snapshot;
 mod worker_bridge;
 
+pub use client::check_run_id;
 use client::*;
 pub use registry::RunRegistry;
 pub use snapshot::SnapshotView;

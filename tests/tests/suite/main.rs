@@ -18,6 +18,7 @@ mod combinators;
 mod defects;
 mod exec;
 mod limits;
+mod mcp;
 mod openai;
 mod resume;
 mod script;

@@ -180,12 +180,7 @@ proptest! {
         std::fs::create_dir_all(&root).expect("workspace");
         let w = worker(&root);
         let (assigned, outcomes, honest) = rt.block_on(async move {
-            let (links_tx, links_rx) = mpsc::unbounded_channel();
-            let cancel = CancellationToken::new();
-            let serving = tokio::spawn({
-                let cancel = cancel.clone();
-                async move { w.serve(links_rx, cancel).await }
-            });
+            let (links_tx, cancel, serving) = serving(w);
             let (link, mut end) = link_pair();
             links_tx.send(link).expect("a link");
             let mut assigned = std::collections::HashSet::new();

@@ -1,0 +1,571 @@
+//! `flotilla mcp`: an MCP server on stdio, so a stock `claude` starts workflows here with the
+//! same tool it knows (`claude mcp add flotilla -- flotilla mcp`). Its tools:
+//!
+//! - `Workflow`: the input of Claude Code's Workflow tool (`script`, `name`, `scriptPath`,
+//!   `args`, `resumeFromRunId`; `title` and `description` accepted and ignored) and its launch
+//!   output (W44–W46): `status: "remote_launched"`, `runId`, `taskId`, `sessionUrl`,
+//!   `scriptPath`, and `error` for a launch that was refused (a syntax or meta error with its
+//!   line). It returns at once; the run goes on in this process.
+//! - `WorkflowStatus`, `WorkflowResult` (the whole result, a page at a time), `WorkflowStop`
+//!   and `WorkflowList`.
+//!
+//! This step runs workflows on this machine: each run is a `flotilla run` process of its own,
+//! started in a process group of its own with the server's flags, so it outlives the Claude
+//! Code session that launched it (Claude Code signals its MCP servers when a session ends).
+//! Its session page is served on loopback with a key in its URL. Names and relative paths
+//! resolve from the server's working directory, as in the CLI; finished runs are read from
+//! the store the settings name (any later session can read them).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use clap::Args;
+use flotilla_coordinator::history;
+use flotilla_coordinator::report::Report;
+use flotilla_proto::wire::SnapshotView;
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{CallToolResult, ContentBlock, Implementation, ServerCapabilities, ServerConfig};
+use rmcp::{ErrorData, ServerHandler, ServiceExt, tool, tool_handler, tool_router};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+use crate::config;
+
+#[derive(Debug, Clone, Args)]
+pub struct McpArgs {
+    #[command(flatten)]
+    settings: config::SettingFlags,
+    /// TOML config file with the same keys as the flags (snake_case).
+    #[arg(long, env = "FLOTILLA_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+}
+
+/// A `Workflow` call: Claude Code's Workflow tool input (W44).
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkflowInput {
+    /// The workflow script itself: `export const meta = { name, description }` first, then
+    /// the body (`agent()`, `parallel()`, `pipeline()`, `phase()`, `log()`, `workflow()`).
+    script: Option<String>,
+    /// The name of a saved workflow (project, personal or bundled; `/name` works too).
+    name: Option<String>,
+    /// A script file, relative to the server's working directory; wins over `script` and
+    /// `name`.
+    script_path: Option<String>,
+    /// The script's `args`: any JSON value.
+    args: Option<Value>,
+    /// Resume this earlier run: its completed agents are served from storage (W51).
+    resume_from_run_id: Option<String>,
+    /// Accepted and ignored (the script's meta names the run).
+    title: Option<String>,
+    /// Accepted and ignored.
+    description: Option<String>,
+}
+
+/// A run named by its id.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunInput {
+    /// The run id a `Workflow` call returned (`wf_…`).
+    run_id: String,
+}
+
+/// A page of a run's result.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResultInput {
+    /// The run id a `Workflow` call returned (`wf_…`).
+    run_id: String,
+    /// Where the page starts in the result's JSON text, in characters (0 for the first).
+    offset: Option<u64>,
+    /// The page's length in characters [default 20000, which Claude Code shows inline].
+    limit: Option<u64>,
+}
+
+/// The characters of a result page unless the caller asks for another size.
+const PAGE: u64 = 20_000;
+
+/// A run this server started: its process, and its session page.
+struct Started {
+    pid: u32,
+    ended: Arc<AtomicBool>,
+    /// `http://127.0.0.1:PORT` and the page key.
+    page: (String, String),
+}
+
+#[derive(Clone)]
+pub struct Flotilla {
+    args: Arc<McpArgs>,
+    /// The flags `flotilla mcp` was given, passed on to every `flotilla run` it starts.
+    passed: Arc<Vec<std::ffi::OsString>>,
+    runs: Arc<Mutex<HashMap<String, Started>>>,
+    tool_router: ToolRouter<Self>,
+}
+
+const WORKFLOW_TOOL: &str = "Start a workflow: a short JavaScript script that orchestrates many agents, each `agent(prompt, opts)` call one full agent session. The run happens in Flotilla (on this machine, or a team's fleet), not in this conversation: the call returns at once with the run id and a session URL; follow it with WorkflowStatus and read what it returned with WorkflowResult. The script starts with `export const meta = { name, description }`; its body may `await agent(...)`, `parallel([...thunks])`, `pipeline(items, ...stages)`, `phase(title)`, `log(text)` and `workflow(name, args)`, reads `args` and `budget`, and returns a JSON value. Give `script` inline, or `name` for a saved workflow (WorkflowList shows them), or `scriptPath` for a file. A script that does not compile comes back at once with `error` and its line.";
+
+#[tool_router]
+impl Flotilla {
+    pub fn new(args: McpArgs, passed: Vec<std::ffi::OsString>) -> Flotilla {
+        Flotilla {
+            args: Arc::new(args),
+            passed: Arc::new(passed),
+            runs: Arc::default(),
+            tool_router: Self::tool_router(),
+        }
+    }
+
+    #[tool(name = "Workflow", description = WORKFLOW_TOOL)]
+    async fn workflow(
+        &self,
+        Parameters(input): Parameters<WorkflowInput>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let _ = (&input.title, &input.description);
+        Ok(CallToolResult::structured(self.launch(input).await))
+    }
+
+    #[tool(
+        name = "WorkflowStatus",
+        description = "How a run started with Workflow is doing: its status, agents done of all, failed and running, tokens, cost, its phases and recent log lines."
+    )]
+    async fn workflow_status(
+        &self,
+        Parameters(input): Parameters<RunInput>,
+    ) -> Result<CallToolResult, ErrorData> {
+        Ok(answer(self.status(&input.run_id).await))
+    }
+
+    #[tool(
+        name = "WorkflowResult",
+        description = "What a finished run returned, whole: the result's JSON text a page at a time (`offset`, `limit`; `nextOffset` is set while more follows), with the run's status, error and usage. A run still going answers with its status."
+    )]
+    async fn workflow_result(
+        &self,
+        Parameters(input): Parameters<ResultInput>,
+    ) -> Result<CallToolResult, ErrorData> {
+        Ok(answer(self.result(&input).await))
+    }
+
+    #[tool(
+        name = "WorkflowStop",
+        description = "Stops a run started with Workflow: running agents are stopped, nothing new starts, and its report is stored (it can be resumed with resumeFromRunId)."
+    )]
+    async fn workflow_stop(
+        &self,
+        Parameters(input): Parameters<RunInput>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let started = self
+            .runs
+            .lock()
+            .await
+            .get(&input.run_id)
+            .map(|s| (s.pid, s.ended.clone()));
+        let Some((pid, ended)) = started else {
+            return Ok(refused(&format!(
+                "run {} was not started by this session, so it cannot be stopped here (`flotilla runs` lists the stored ones)",
+                input.run_id
+            )));
+        };
+        if !ended.load(Ordering::Acquire) {
+            // Its own Ctrl-C: it stops its agents and stores its report.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGINT,
+            );
+        }
+        Ok(CallToolResult::structured(
+            json!({ "runId": input.run_id, "stopping": true }),
+        ))
+    }
+
+    #[tool(
+        name = "WorkflowList",
+        description = "The workflows Workflow can start by `name`: the project's, yours and the bundled ones, each with its description and when to use it."
+    )]
+    async fn workflow_list(&self) -> Result<CallToolResult, ErrorData> {
+        let rows = crate::workflows_cmd::rows(&self.args.settings.workflows_dirs).await;
+        Ok(answer(rows.map(|rows| json!({ "workflows": rows }))))
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for Flotilla {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("flotilla", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Flotilla runs dynamic workflows: Workflow starts one and returns at once with a run id and a session URL; WorkflowStatus follows it, WorkflowResult reads what it returned, WorkflowStop stops it, WorkflowList names the saved ones.",
+            )
+    }
+}
+
+/// A tool's answer: its JSON, or a refusal.
+fn answer(r: Result<Value, String>) -> CallToolResult {
+    match r {
+        Ok(v) => CallToolResult::structured(v),
+        Err(e) => refused(&e),
+    }
+}
+
+/// A refusal the caller reads: a tool error with the message.
+fn refused(message: &str) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(message.to_owned())])
+}
+
+fn not_here(run: &str) -> String {
+    format!(
+        "no run {run} here: give the runId a Workflow call returned (stored runs are listed by `flotilla runs`)"
+    )
+}
+
+impl Flotilla {
+    /// W45/W46: the launch's answer, a refusal included (`error`, no run id).
+    async fn launch(&self, input: WorkflowInput) -> Value {
+        let refused = |error: String| json!({ "status": "remote_launched", "error": error });
+        let (script, inline) = match (&input.script_path, &input.name, &input.script) {
+            (Some(p), _, _) => (p.clone(), None),
+            (None, Some(n), _) => (n.clone(), None),
+            (None, None, Some(s)) => match save_inline(s) {
+                Ok(path) => (path.display().to_string(), Some(path)),
+                Err(e) => return refused(e),
+            },
+            (None, None, None) => {
+                return refused(
+                    "give `script` (the workflow itself), `name` (a saved workflow) or `scriptPath` (a file)".into(),
+                );
+            }
+        };
+        let args = match input.args.as_ref().map(serde_json::to_string).transpose() {
+            Ok(a) => a,
+            Err(e) => return refused(format!("args cannot be sent as JSON: {e}")),
+        };
+        // What `flotilla run` would refuse before it starts (an unknown name, a script path
+        // that cannot be read, bad settings) is answered here, at once.
+        let run_args = crate::RunArgs {
+            script: script.clone(),
+            args: args.clone(),
+            args_file: None,
+            json: true,
+            full: false,
+            resume: input.resume_from_run_id.clone(),
+            yes: true,
+            plan: false,
+            serve: None,
+            sandbox: false,
+            settings: self.args.settings.clone(),
+            config: self.args.config.clone(),
+        };
+        let resolved = match config::resolve_run(&run_args) {
+            Ok(r) => r,
+            Err(e) => return refused(e),
+        };
+        let script_path = inline
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| resolved.origin.clone());
+        let started = match self
+            .start(
+                &script,
+                args.as_deref(),
+                input.resume_from_run_id.as_deref(),
+            )
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                return json!({ "status": "remote_launched", "error": e, "scriptPath": script_path });
+            }
+        };
+        let (run_id, started) = started;
+        let (base, key) = &started.page;
+        let mut out = json!({
+            "status": "remote_launched",
+            "taskId": run_id,
+            "runId": run_id,
+            "sessionUrl": format!("{base}/runs/{run_id}?key={key}"),
+            "scriptPath": script_path,
+        });
+        if let Some(why) = &resolved.backend_chosen {
+            out["warning"] = json!(format!(
+                "backend {} ({why}); pass --backend to `flotilla mcp` to choose",
+                resolved.settings.backend
+            ));
+        }
+        self.runs.lock().await.insert(run_id, started);
+        out
+    }
+
+    /// Starts `flotilla run SCRIPT` in a process group of its own and waits for its session
+    /// page (the run has started) or its end (it was refused: the report's error).
+    async fn start(
+        &self,
+        script: &str,
+        args: Option<&str>,
+        resume: Option<&str>,
+    ) -> Result<(String, Started), String> {
+        use std::os::unix::process::CommandExt;
+        let dir = data_dir().join("runs");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot keep the run's output in {}: {e}", dir.display()))?;
+        let stem = format!("launch-{}-{}", std::process::id(), next_launch());
+        let (out_path, log_path) = (
+            dir.join(format!("{stem}.json")),
+            dir.join(format!("{stem}.log")),
+        );
+        let open = |p: &PathBuf| {
+            std::fs::File::create(p).map_err(|e| format!("cannot write {}: {e}", p.display()))
+        };
+        let me = std::env::current_exe()
+            .map_err(|e| format!("cannot find this program's own path: {e}"))?;
+        let mut cmd = std::process::Command::new(me);
+        cmd.args(["run", script, "--json", "--yes", "--serve=127.0.0.1:0"]);
+        if let Some(a) = args {
+            cmd.args(["--args", a]);
+        }
+        if let Some(r) = resume {
+            cmd.args(["--resume", r]);
+        }
+        cmd.args(self.passed.iter())
+            .stdin(std::process::Stdio::null())
+            .stdout(open(&out_path)?)
+            .stderr(open(&log_path)?)
+            // Not the session's: a signal Claude Code sends its MCP servers does not reach it.
+            .process_group(0);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start `flotilla run`: {e}"))?;
+        let pid = child.id();
+        let ended = Arc::new(AtomicBool::new(false));
+        let (exit_tx, mut exit_rx) = tokio::sync::oneshot::channel();
+        {
+            let ended = ended.clone();
+            std::thread::spawn(move || {
+                let status = child.wait();
+                ended.store(true, Ordering::Release);
+                let _ = exit_tx.send(status.ok().and_then(|s| s.code()));
+            });
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            if let Some(url) = log.lines().find_map(|l| l.strip_prefix("session page: ")) {
+                let (base, rest) = url
+                    .split_once("/runs/")
+                    .ok_or_else(|| format!("`flotilla run` printed an odd session page: {url}"))?;
+                let (run, key) = rest
+                    .split_once("?key=")
+                    .ok_or_else(|| format!("`flotilla run` printed an odd session page: {url}"))?;
+                return Ok((
+                    run.to_owned(),
+                    Started {
+                        pid,
+                        ended,
+                        page: (base.to_owned(), key.trim().to_owned()),
+                    },
+                ));
+            }
+            if let Ok(code) = exit_rx.try_recv() {
+                let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+                let error = serde_json::from_str::<Value>(&out)
+                    .ok()
+                    .and_then(|r| {
+                        r["error"]
+                            .as_str()
+                            .map(str::to_owned)
+                            .or_else(|| r["error"]["message"].as_str().map(str::to_owned))
+                    })
+                    .unwrap_or_else(|| {
+                        format!(
+                            "`flotilla run` ended (exit {code:?}) before its run started: {}",
+                            log.lines().last().unwrap_or("no output")
+                        )
+                    });
+                return Err(error);
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!(
+                    "`flotilla run` did not start its run within a minute; its output is in {}",
+                    log_path.display()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// The live view of a run this session started and whose process still runs it.
+    async fn live(&self, run: &str) -> Option<Value> {
+        let (base, key) = {
+            let runs = self.runs.lock().await;
+            let s = runs.get(run)?;
+            if s.ended.load(Ordering::Acquire) {
+                return None;
+            }
+            s.page.clone()
+        };
+        let port: u16 = base.rsplit(':').next()?.parse().ok()?;
+        let v = get_json(port, &format!("/runs/{run}/status.json?key={key}")).await?;
+        // Ended, its report is in the store (read from there).
+        (v["finished"] == false).then_some(v)
+    }
+
+    async fn status(&self, run: &str) -> Result<Value, String> {
+        if let Some(mut v) = self.live(run).await {
+            if let Some(o) = v.as_object_mut() {
+                o.remove("report");
+            }
+            return Ok(v);
+        }
+        let report = self.stored(run).await?;
+        let mut v =
+            serde_json::to_value(SnapshotView::from_report(&report)).map_err(|e| e.to_string())?;
+        v["costUsd"] = json!(report.usage.cost_usd);
+        v["finished"] = json!(true);
+        Ok(v)
+    }
+
+    async fn result(&self, input: &ResultInput) -> Result<Value, String> {
+        let run = &input.run_id;
+        if let Some(v) = self.live(run).await {
+            return Ok(json!({
+                "runId": run,
+                "status": "running",
+                "finished": false,
+                "done": v["done"],
+                "agents": v["agents"],
+                "message": "the run is still going; ask again when WorkflowStatus says it finished",
+            }));
+        }
+        let report = self.stored(run).await?;
+        let text = serde_json::to_string(&report.result).map_err(|e| e.to_string())?;
+        let chars: Vec<char> = text.chars().collect();
+        let total = chars.len() as u64;
+        let offset = input.offset.unwrap_or(0).min(total);
+        let limit = input.limit.unwrap_or(PAGE).max(1);
+        let end = offset.saturating_add(limit).min(total);
+        let page: String = chars[offset as usize..end as usize].iter().collect();
+        let mut out = json!({
+            "runId": run,
+            "status": report.status.as_str(),
+            "finished": true,
+            "offset": offset,
+            "totalChars": total,
+            "nextOffset": if end < total { json!(end) } else { Value::Null },
+            "resultJson": page,
+            "usage": report.usage,
+        });
+        if let Some(e) = &report.error {
+            out["error"] = json!(e);
+        }
+        if !report.warnings.is_empty() {
+            out["warnings"] = json!(report.warnings);
+        }
+        Ok(out)
+    }
+
+    /// A run's report from the store the settings name (this session's or any earlier one's).
+    async fn stored(&self, run: &str) -> Result<Report, String> {
+        flotilla_coordinator::api::check_run_id(run).map_err(|s| s.message().to_owned())?;
+        // A run of this session whose process is still storing its report: a moment more.
+        let ended = self.runs.lock().await.get(run).map(|s| s.ended.clone());
+        let file = config::load(self.args.config.as_deref())?;
+        let merged = config::settings_from(&self.args.settings, &file, true)?;
+        let store = flotilla_coordinator::store::open(&config::store_url(merged.store))
+            .map_err(|e| e.to_string())?;
+        if let Some(ended) = ended {
+            for _ in 0..200 {
+                if ended.load(Ordering::Acquire) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+        history::load_report(&store, run)
+            .await
+            .map_err(|e| format!("{}: {e}", not_here(run)))
+    }
+}
+
+/// Where this server keeps inline scripts and its runs' output.
+fn data_dir() -> PathBuf {
+    dirs::data_local_dir()
+        .unwrap_or_else(std::env::temp_dir)
+        .join("flotilla")
+}
+
+fn next_launch() -> u64 {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// `GET path` of a session page on loopback, as JSON (`None`: no answer, or not JSON).
+async fn get_json(port: u16, path: &str) -> Option<Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::net::TcpStream::connect(("127.0.0.1", port)),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+    conn.write_all(req.as_bytes()).await.ok()?;
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut raw))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return None;
+    }
+    // A chunked answer: its one chunk (the pages answer small JSON in one).
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body.split_once("\r\n")?
+            .1
+            .rsplit_once("\r\n0")?
+            .0
+            .trim_end()
+    } else {
+        body
+    };
+    serde_json::from_str(body).ok()
+}
+
+/// Keeps an inline script where a person can read it again (as Claude Code does), under the
+/// local data directory, named by its content.
+fn save_inline(script: &str) -> Result<PathBuf, String> {
+    use sha2::Digest;
+    let dir = data_dir().join("scripts");
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| format!("cannot keep the script in {}: {e}", dir.display()))?;
+    let digest = hex::encode(sha2::Sha256::digest(script.as_bytes()));
+    let path = dir.join(format!("wf-{}.js", &digest[..12]));
+    std::fs::write(&path, script)
+        .map_err(|e| format!("cannot keep the script in {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// `flotilla mcp`: serves the tools on stdin/stdout until the client goes. The runs it
+/// started go on in their own processes.
+pub async fn serve(args: McpArgs) -> i32 {
+    // The flags after `mcp`, for every `flotilla run` it starts.
+    let passed: Vec<std::ffi::OsString> = std::env::args_os()
+        .skip_while(|a| a != "mcp")
+        .skip(1)
+        .collect();
+    let server = Flotilla::new(args, passed);
+    let service = match server.serve(rmcp::transport::stdio()).await {
+        Ok(s) => s,
+        Err(e) => return crate::fail(1, format!("the MCP client did not start a session: {e}")),
+    };
+    let _ = service.waiting().await;
+    0
+}
