@@ -126,6 +126,15 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
             source: None,
         });
     }
+    for w in resolver.plugin_workflows() {
+        out.push(Entry {
+            meta: source::read_meta(&w.source).map_err(|e| e.to_string()),
+            name: w.name,
+            origin: "plugin",
+            location: w.origin,
+            source: Some(w.source),
+        });
+    }
     let wants_remote = at.remote.coordinator.is_some();
     if wants_remote {
         let mut client = at.remote.client()?;

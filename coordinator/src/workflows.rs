@@ -243,8 +243,78 @@ pub struct DirResolver {
     pub dirs: Vec<PathBuf>,
     /// Directories of custom agent definitions (`*.md`, name from the front matter).
     pub agent_dirs: Vec<PathBuf>,
+    /// Installed and enabled Claude Code plugins (W21, W62–W63): their agents are types named
+    /// `plugin:agent`, their workflows run as `plugin:name`.
+    pub plugins: Vec<Plugin>,
     /// Base for relative `scriptPath`s.
     pub cwd: PathBuf,
+}
+
+/// An installed Claude Code plugin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plugin {
+    pub name: String,
+    pub root: PathBuf,
+}
+
+/// The plugins Claude Code has installed under `claude_home` (`plugins/installed_plugins.json`,
+/// as `claude plugin install` writes it) and that are enabled for a session in `cwd`: by
+/// `enabledPlugins` in the user's `settings.json` or the project's `.claude/settings.json` or
+/// `.claude/settings.local.json`. A project- or local-scope install counts only in its project.
+pub fn installed_plugins(claude_home: &Path, cwd: &Path) -> Vec<Plugin> {
+    let read = |p: &Path| -> Option<Value> {
+        let text =
+            crate::limits::read_file(p, crate::limits::SMALL_FILE_BYTES, "Claude Code settings")
+                .ok()?;
+        serde_json::from_str(&text).ok()
+    };
+    let Some(installed) = read(&claude_home.join("plugins").join("installed_plugins.json")) else {
+        return Vec::new();
+    };
+    let roots = project_roots(cwd);
+    let mut settings: Vec<Value> =
+        vec![read(&claude_home.join("settings.json")).unwrap_or_default()];
+    for d in &roots {
+        for f in ["settings.json", "settings.local.json"] {
+            settings.extend(read(&d.join(".claude").join(f)));
+        }
+    }
+    // The closest setting of a plugin wins (project over user).
+    let enabled = |id: &str| {
+        settings
+            .iter()
+            .rev()
+            .find_map(|s| s["enabledPlugins"][id].as_bool())
+            .unwrap_or(false)
+    };
+    let mut out = Vec::new();
+    let Some(plugins) = installed["plugins"].as_object() else {
+        return out;
+    };
+    for (id, installs) in plugins {
+        let name = id.split('@').next().unwrap_or(id).to_owned();
+        if name.is_empty() || !enabled(id) {
+            continue;
+        }
+        for i in installs.as_array().into_iter().flatten() {
+            let scope = i["scope"].as_str().unwrap_or("user");
+            let here = match i["projectPath"].as_str() {
+                Some(p) if scope != "user" => roots.iter().any(|r| r == Path::new(p)),
+                _ => true,
+            };
+            if let Some(root) = i["installPath"].as_str().filter(|_| here) {
+                let root = PathBuf::from(root);
+                if root.is_dir() && !out.iter().any(|p: &Plugin| p.name == name) {
+                    out.push(Plugin {
+                        name: name.clone(),
+                        root,
+                    });
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
 }
 
 impl DirResolver {
@@ -271,9 +341,14 @@ impl DirResolver {
         dirs.retain(|d| seen.insert(d.clone()));
         let mut seen = std::collections::HashSet::new();
         agent_dirs.retain(|d| seen.insert(d.clone()));
+        let plugins = personal_homes()
+            .1
+            .map(|claude| installed_plugins(&claude, cwd))
+            .unwrap_or_default();
         DirResolver {
             dirs,
             agent_dirs,
+            plugins,
             cwd: cwd.to_path_buf(),
         }
     }
@@ -282,6 +357,9 @@ impl DirResolver {
     /// beats a file-name match), without the bundled ones.
     pub fn find_saved(&self, name: &str) -> Result<Option<FoundWorkflow>, WorkflowError> {
         let name = name.strip_prefix('/').unwrap_or(name);
+        if name.contains(':') {
+            return Ok(self.plugin_workflows().into_iter().find(|w| w.name == name));
+        }
         if name.is_empty() || name.contains('/') || name.contains('\\') || name.contains("..") {
             return Err(WorkflowError::NotAName(name.to_owned()));
         }
@@ -299,6 +377,38 @@ impl DirResolver {
             Some((path, meta_name)) => read_found(&path, meta_name).map(Some),
             None => Ok(None),
         }
+    }
+
+    /// The plugins' workflows (`workflows/*.js` at a plugin's root), named `plugin:name`.
+    pub fn plugin_workflows(&self) -> Vec<FoundWorkflow> {
+        let mut out = Vec::new();
+        for p in &self.plugins {
+            let Ok(entries) = std::fs::read_dir(p.root.join("workflows")) else {
+                continue;
+            };
+            let mut files: Vec<PathBuf> = entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|f| f.extension().is_some_and(|e| e == "js"))
+                .collect();
+            files.sort();
+            for f in files {
+                let Ok(source) =
+                    crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
+                else {
+                    continue;
+                };
+                let Ok(meta) = source::read_meta(&source) else {
+                    continue;
+                };
+                out.push(FoundWorkflow {
+                    name: format!("{}:{}", p.name, meta.name),
+                    source,
+                    origin: f.display().to_string(),
+                });
+            }
+        }
+        out
     }
 
     /// Every `.js` file in the search path with its statically read meta (or why not).
@@ -485,6 +595,25 @@ impl WorkflowResolver for DirResolver {
                 }
             }
         }
+        // A plugin's agents, named after it (`ravenclaude-core:architect`).
+        for p in &self.plugins {
+            let Ok(entries) = std::fs::read_dir(p.root.join("agents")) else {
+                continue;
+            };
+            let mut paths: Vec<PathBuf> =
+                entries.filter_map(Result::ok).map(|e| e.path()).collect();
+            paths.sort();
+            for path in paths {
+                if path.extension().is_some_and(|e| e == "md")
+                    && let Some(mut t) = agent_definition(&path)
+                {
+                    t.name = format!("{}:{}", p.name, t.name);
+                    if !out.iter().any(|o| o.name == t.name) {
+                        out.push(t);
+                    }
+                }
+            }
+        }
         out
     }
 
@@ -606,6 +735,7 @@ mod tests {
         let r = DirResolver {
             dirs: DirResolver::standard(&sub, &[]).dirs[..6].to_vec(),
             agent_dirs: Vec::new(),
+            plugins: Vec::new(),
             cwd: sub.clone(),
         };
         let found = r.resolve(&WorkflowRef::Name("triage".into())).unwrap();
@@ -635,6 +765,7 @@ mod tests {
         let r = DirResolver {
             dirs: vec![dir],
             agent_dirs: Vec::new(),
+            plugins: Vec::new(),
             cwd: tmp.path().into(),
         };
         assert!(r.resolve(&WorkflowRef::Name("bad".into())).is_err());
@@ -663,6 +794,7 @@ mod tests {
         let r = DirResolver {
             dirs: Vec::new(),
             agent_dirs: vec![dir],
+            plugins: Vec::new(),
             cwd: tmp.path().into(),
         };
         let types = r.agent_types();

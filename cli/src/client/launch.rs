@@ -148,8 +148,14 @@ fn carried(
             })
         })
         .collect::<Vec<_>>();
-    // The coordinator's own saved workflows come after the caller's, for `workflow(name)`.
+    // The caller's plugins' workflows (`plugin:name`), then the coordinator's own saved ones,
+    // for `workflow(name)`.
     let mut workflows = workflows;
+    workflows.extend(
+        dirs.plugin_workflows()
+            .into_iter()
+            .map(v1::SavedWorkflow::from),
+    );
     for w in server {
         if !workflows.iter().any(|c| c.name == w.name) {
             workflows.push(w.into());
@@ -240,7 +246,10 @@ pub(crate) async fn send_source(
 pub(crate) fn print_launched(reply: v1::LaunchReply, json: bool, resumes: Option<&str>) -> i32 {
     if reply.status == "rejected" {
         if json {
+            // The rejected report is the one JSON object (not a second refusal after it).
             println!("{}", reply.report_json);
+            eprintln!("error: {}", crate::term::clean_text(&reply.error));
+            return 2;
         }
         return fail(2, reply.error);
     }

@@ -439,3 +439,157 @@ fn a_saved_claude_code_workflow_runs_by_name_on_the_fleet_and_resolves_its_child
     );
     assert_eq!(r["workflow"]["name"], "outer");
 }
+
+/// Makes a marketplace on disk with one plugin (an agent, a workflow) and installs it with the
+/// real CLI, in `env`'s home.
+fn install_plugin(env: &Env) {
+    // A marketplace on disk with one plugin, installed the way a user does it.
+    env.file(
+        "mkt/.claude-plugin/marketplace.json",
+        &json!({ "name": "local-mkt", "owner": { "name": "t" },
+                 "plugins": [{ "name": "ravenclaude-core", "source": "./plugins/ravenclaude-core", "description": "core" }] })
+            .to_string(),
+    );
+    env.file(
+        "mkt/plugins/ravenclaude-core/.claude-plugin/plugin.json",
+        r#"{"name":"ravenclaude-core","version":"1.0.0","description":"core"}"#,
+    );
+    env.file(
+        "mkt/plugins/ravenclaude-core/agents/architect.md",
+        "---\nname: architect\ndescription: designs things\n---\nYou design.\n",
+    );
+    env.file(
+        "mkt/plugins/ravenclaude-core/workflows/triage.js",
+        &wf(
+            "triage",
+            "triage from a plugin",
+            "return 'triaged ' + args.n;",
+        ),
+    );
+    claude_plugin(
+        env.path(),
+        &[
+            "marketplace",
+            "add",
+            env.path().join("mkt").to_str().unwrap(),
+        ],
+    );
+    claude_plugin(env.path(), &["install", "ravenclaude-core@local-mkt"]);
+}
+
+/// `claude plugin …` (the pinned CLI), with the environment's home as the user's.
+fn claude_plugin(home: &std::path::Path, args: &[&str]) {
+    let mut cmd = Command::new(super::claude::claude_bin());
+    cmd.arg("plugin")
+        .args(args)
+        .current_dir(home)
+        .env("HOME", home)
+        .env_remove("CLAUDE_CONFIG_DIR")
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+        .stdin(Stdio::null());
+    let out = flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(120));
+    assert_eq!(out.code, 0, "claude plugin {args:?}: {out:?}");
+}
+
+#[test]
+fn a_plugin_installed_by_claude_gives_its_agent_types_and_workflows_by_its_name() {
+    let env = Env::new();
+    install_plugin(&env);
+    let (code, r) = env.run_body(
+        "return await agent('plan it', { agentType: 'ravenclaude-core:architect', label: 'a' });",
+        &["--backend", "echo"],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["status"], "completed", "{r}");
+    let (code, r) = env.run_body(
+        "return await agent('plan it', { agentType: 'ravenclaude-core:nope' });",
+        &["--backend", "echo"],
+    );
+    assert_ne!(code, 0, "{r}");
+    let shown = r.to_string();
+    assert!(
+        shown.contains("unknown agentType") && shown.contains("ravenclaude-core:architect"),
+        "{r}"
+    );
+    // Its workflow runs by `plugin:name`, and is listed.
+    let out = env.flotilla(&[
+        "run",
+        "ravenclaude-core:triage",
+        "--args",
+        r#"{"n":7}"#,
+        "--json",
+        "--backend",
+        "echo",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json()["result"], "triaged 7");
+    let rows = listed(&env, &[]);
+    assert!(
+        rows.iter()
+            .any(|w| w["name"] == "ravenclaude-core:triage" && w["origin"] == "plugin"),
+        "{rows:?}"
+    );
+    // Disabled, it is gone.
+    claude_plugin(env.path(), &["disable", "ravenclaude-core@local-mkt"]);
+    let out = env.flotilla(&[
+        "run",
+        "ravenclaude-core:triage",
+        "--json",
+        "--backend",
+        "echo",
+    ]);
+    assert_eq!(out.code, 2, "{out:?}");
+}
+
+#[test]
+fn a_plugin_s_agent_type_and_workflow_resolve_on_the_fleet() {
+    let c = Cluster::start(1, 4);
+    let home = Env::new();
+    install_plugin(&home);
+    std::fs::create_dir_all(c.path().join(".git")).unwrap();
+    let script = c.path().join("uses-plugin.js");
+    std::fs::write(
+        &script,
+        wf(
+            "uses-plugin",
+            "an agent and a workflow of a plugin",
+            "const t = await workflow('ravenclaude-core:triage', { n: 3 });\nreturn { t, a: await agent('design', { agentType: 'ravenclaude-core:architect' }) };",
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(&c.bin);
+    cmd.args([
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "echo",
+    ])
+    .args(["--coordinator", &c.url(), "--name", "client", "--tls-dir"])
+    .arg(c.pki())
+    .current_dir(c.path())
+    .env("HOME", home.path())
+    .env_remove("CLAUDE_CONFIG_DIR")
+    .env("AWS_EC2_METADATA_DISABLED", "true");
+    let out = flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(60));
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        json!({ "t": "triaged 3", "a": "design" }),
+        "{r}"
+    );
+    // A launch the coordinator refuses is one JSON object too (its rejected report).
+    std::fs::write(&script, "export const meta = { name: 7 };\nreturn 1;\n").unwrap();
+    let out = c.client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "echo",
+    ]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert_eq!(out.json()["status"], "rejected", "{out:?}");
+}
