@@ -383,16 +383,7 @@ impl DirResolver {
     pub fn plugin_workflows(&self) -> Vec<FoundWorkflow> {
         let mut out = Vec::new();
         for p in &self.plugins {
-            let Ok(entries) = std::fs::read_dir(p.root.join("workflows")) else {
-                continue;
-            };
-            let mut files: Vec<PathBuf> = entries
-                .filter_map(Result::ok)
-                .map(|e| e.path())
-                .filter(|f| f.extension().is_some_and(|e| e == "js"))
-                .collect();
-            files.sort();
-            for f in files {
+            for f in files_in(&p.root.join("workflows"), "js") {
                 let Ok(source) =
                     crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
                 else {
@@ -415,16 +406,7 @@ impl DirResolver {
     pub fn list(&self) -> Vec<(PathBuf, Result<source::Meta, String>)> {
         let mut out = Vec::new();
         for dir in &self.dirs {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            let mut files: Vec<PathBuf> = entries
-                .filter_map(Result::ok)
-                .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|e| e == "js"))
-                .collect();
-            files.sort();
-            for f in files {
+            for f in files_in(dir, "js") {
                 let meta = crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
                     .and_then(|s| source::read_meta(&s).map_err(|e| e.to_string()));
                 out.push((f, meta));
@@ -517,6 +499,20 @@ fn agent_definition(path: &Path) -> Option<AgentType> {
     Some(t)
 }
 
+/// The files of `dir` whose names end in `.ext`, sorted (none when it cannot be read).
+fn files_in(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == ext))
+        .collect();
+    files.sort();
+    files
+}
+
 fn absolute(base: &Path, p: &Path) -> PathBuf {
     if p.is_absolute() {
         p.to_path_buf()
@@ -580,15 +576,8 @@ impl WorkflowResolver for DirResolver {
         let mut out = builtins();
         // Closest directory first: the first definition of a name wins.
         for dir in &self.agent_dirs {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            let mut paths: Vec<PathBuf> =
-                entries.filter_map(Result::ok).map(|e| e.path()).collect();
-            paths.sort();
-            for path in paths {
-                if path.extension().is_some_and(|e| e == "md")
-                    && let Some(t) = agent_definition(&path)
+            for path in files_in(dir, "md") {
+                if let Some(t) = agent_definition(&path)
                     && !out.iter().any(|o| o.name == t.name)
                 {
                     out.push(t);
@@ -597,16 +586,8 @@ impl WorkflowResolver for DirResolver {
         }
         // A plugin's agents, named after it (`ravenclaude-core:architect`).
         for p in &self.plugins {
-            let Ok(entries) = std::fs::read_dir(p.root.join("agents")) else {
-                continue;
-            };
-            let mut paths: Vec<PathBuf> =
-                entries.filter_map(Result::ok).map(|e| e.path()).collect();
-            paths.sort();
-            for path in paths {
-                if path.extension().is_some_and(|e| e == "md")
-                    && let Some(mut t) = agent_definition(&path)
-                {
+            for path in files_in(&p.root.join("agents"), "md") {
+                if let Some(mut t) = agent_definition(&path) {
                     t.name = format!("{}:{}", p.name, t.name);
                     if !out.iter().any(|o| o.name == t.name) {
                         out.push(t);
