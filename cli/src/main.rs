@@ -96,8 +96,9 @@ enum Command {
     /// Saved workflows: list, show, save in the project, push to a coordinator.
     #[command(subcommand)]
     Workflows(workflows_cmd::WorkflowsCommand),
-    /// An MCP server on stdio with Claude Code's Workflow tool and its companions
-    /// (`claude mcp add flotilla -- flotilla mcp --backend claude-code`).
+    /// An MCP server on stdio with Claude Code's Workflow tool and its companions, for runs
+    /// on a fleet (`claude mcp add flotilla -- flotilla mcp --coordinator URL --tls-dir DIR`)
+    /// or on this machine (`claude mcp add flotilla -- flotilla mcp`).
     Mcp(mcp::McpArgs),
 }
 

@@ -9,12 +9,21 @@
 //! - `WorkflowStatus`, `WorkflowResult` (the whole result, a page at a time), `WorkflowStop`
 //!   and `WorkflowList`.
 //!
-//! This step runs workflows on this machine: each run is a `flotilla run` process of its own,
-//! started in a process group of its own with the server's flags, so it outlives the Claude
-//! Code session that launched it (Claude Code signals its MCP servers when a session ends).
-//! Its session page is served on loopback with a key in its URL. Names and relative paths
-//! resolve from the server's working directory, as in the CLI; finished runs are read from
-//! the store the settings name (any later session can read them).
+//! Two modes, as the CLI has:
+//!
+//! - **On a fleet** (`--coordinator URL --tls-dir DIR`, or `coordinator` in `--config`): a
+//!   `Workflow` call is a `flotilla launch` from the server's working directory (the caller's
+//!   repository is the run's source, `--source` as for `launch`); the coordinator runs it
+//!   and serves its session page, and the other tools ask the coordinator. Nothing of the
+//!   run is in this process, so it goes on when the Claude Code session ends.
+//! - **On this machine** (no coordinator): each run is a `flotilla run` process of its own,
+//!   started in a process group of its own with the server's flags, so it outlives the
+//!   Claude Code session that launched it (Claude Code signals its MCP servers when a session
+//!   ends). Its session page is served on loopback with a key in its URL; finished runs are
+//!   read from the store the settings name (any later session can read them).
+//!
+//! Names and relative paths resolve from the server's working directory in both, as in the
+//! CLI.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -34,7 +43,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
+use crate::client::{ClientArgs, SourceFlags};
 use crate::config;
+use flotilla_proto::v1::{self, client_service_client::ClientServiceClient};
+use tonic::transport::Channel;
 
 #[derive(Debug, Clone, Args)]
 pub struct McpArgs {
@@ -43,7 +55,23 @@ pub struct McpArgs {
     /// TOML config file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Run workflows on this coordinator's fleet (with --tls-dir) instead of on this machine.
+    #[command(flatten)]
+    remote: ClientArgs,
+    #[command(flatten)]
+    source: SourceFlags,
 }
+
+/// The coordinator a fleet-mode server launches on.
+#[derive(Clone)]
+struct Fleet {
+    client: ClientServiceClient<Channel>,
+    /// Its address and this client's identity, the config file's filled in.
+    remote: ClientArgs,
+}
+
+/// How long a tool waits for a coordinator's answer before it says so.
+const RPC_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A `Workflow` call: Claude Code's Workflow tool input (W44).
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -104,18 +132,21 @@ pub struct Flotilla {
     /// The flags `flotilla mcp` was given, passed on to every `flotilla run` it starts.
     passed: Arc<Vec<std::ffi::OsString>>,
     runs: Arc<Mutex<HashMap<String, Started>>>,
+    /// `Some`: runs go to this coordinator's fleet.
+    fleet: Option<Fleet>,
     tool_router: ToolRouter<Self>,
 }
 
-const WORKFLOW_TOOL: &str = "Start a workflow: a short JavaScript script that orchestrates many agents, each `agent(prompt, opts)` call one full agent session. The run happens in Flotilla (on this machine, or a team's fleet), not in this conversation: the call returns at once with the run id and a session URL; follow it with WorkflowStatus and read what it returned with WorkflowResult. The script starts with `export const meta = { name, description }`; its body may `await agent(...)`, `parallel([...thunks])`, `pipeline(items, ...stages)`, `phase(title)`, `log(text)` and `workflow(name, args)`, reads `args` and `budget`, and returns a JSON value. Give `script` inline, or `name` for a saved workflow (WorkflowList shows them), or `scriptPath` for a file. A script that does not compile comes back at once with `error` and its line.";
+const WORKFLOW_TOOL: &str = "Start a workflow: a short JavaScript script that orchestrates many agents, each `agent(prompt, opts)` call one full agent session. The run happens in Flotilla (on this machine, or on a team's fleet of workers, where the agents work in checkouts of this repository), not in this conversation: the call returns at once with the run id and a session URL; follow it with WorkflowStatus and read what it returned with WorkflowResult. The script starts with `export const meta = { name, description }`; its body may `await agent(...)`, `parallel([...thunks])`, `pipeline(items, ...stages)`, `phase(title)`, `log(text)` and `workflow(name, args)`, reads `args` and `budget`, and returns a JSON value. Give `script` inline, or `name` for a saved workflow (WorkflowList shows them), or `scriptPath` for a file. A script that does not compile comes back at once with `error` and its line.";
 
 #[tool_router]
 impl Flotilla {
-    pub fn new(args: McpArgs, passed: Vec<std::ffi::OsString>) -> Flotilla {
+    fn new(args: McpArgs, passed: Vec<std::ffi::OsString>, fleet: Option<Fleet>) -> Flotilla {
         Flotilla {
             args: Arc::new(args),
             passed: Arc::new(passed),
             runs: Arc::default(),
+            fleet,
             tool_router: Self::tool_router(),
         }
     }
@@ -159,6 +190,19 @@ impl Flotilla {
         &self,
         Parameters(input): Parameters<RunInput>,
     ) -> Result<CallToolResult, ErrorData> {
+        if let Some(fleet) = &self.fleet {
+            let mut client = fleet.client.clone();
+            let stopped = rpc(client.stop(v1::RunRef {
+                run_id: input.run_id.clone(),
+            }))
+            .await;
+            return Ok(match stopped {
+                Ok(_) => {
+                    CallToolResult::structured(json!({ "runId": input.run_id, "stopping": true }))
+                }
+                Err(s) => refused(&said(&s)),
+            });
+        }
         let started = self
             .runs
             .lock()
@@ -185,10 +229,17 @@ impl Flotilla {
 
     #[tool(
         name = "WorkflowList",
-        description = "The workflows Workflow can start by `name`: the project's, yours and the bundled ones, each with its description and when to use it."
+        description = "The workflows Workflow can start by `name`: the project's, yours, those saved on the fleet's coordinator and the bundled ones, each with its description and when to use it."
     )]
     async fn workflow_list(&self) -> Result<CallToolResult, ErrorData> {
-        let rows = crate::workflows_cmd::rows(&self.args.settings.workflows_dirs).await;
+        let remote = match &self.fleet {
+            Some(f) => f.remote.clone(),
+            None => ClientArgs {
+                coordinator: None,
+                tls: Default::default(),
+            },
+        };
+        let rows = crate::workflows_cmd::rows(&self.args.settings.workflows_dirs, remote).await;
         Ok(answer(rows.map(|rows| json!({ "workflows": rows }))))
     }
 }
@@ -215,6 +266,55 @@ fn answer(r: Result<Value, String>) -> CallToolResult {
 /// A refusal the caller reads: a tool error with the message.
 fn refused(message: &str) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(message.to_owned())])
+}
+
+/// A call to the coordinator, given [`RPC_TIMEOUT`] to answer.
+async fn rpc<T>(
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    match tokio::time::timeout(RPC_TIMEOUT, call).await {
+        Ok(r) => r.map(tonic::Response::into_inner),
+        Err(_) => Err(no_answer()),
+    }
+}
+
+fn no_answer() -> tonic::Status {
+    tonic::Status::deadline_exceeded(format!(
+        "the coordinator did not answer within {} s; is it up and reachable from here?",
+        RPC_TIMEOUT.as_secs()
+    ))
+}
+
+/// A coordinator's refusal as the caller reads it.
+fn said(s: &tonic::Status) -> String {
+    crate::client::rpc_error(s).1
+}
+
+/// What a launch answers (W45): the run and where to watch it.
+fn launched(run: &str, url: &str, script_path: &str) -> Value {
+    json!({
+        "status": "remote_launched",
+        "taskId": run,
+        "runId": run,
+        "sessionUrl": url,
+        "scriptPath": script_path,
+    })
+}
+
+/// The launch's warning when no flag, setting or meta chose the backend.
+fn backend_warning(r: &config::ResolvedRun) -> Option<String> {
+    r.backend_chosen.as_ref().map(|why| {
+        format!(
+            "backend {} ({why}); pass --backend to `flotilla mcp` to choose",
+            r.settings.backend
+        )
+    })
+}
+
+/// A run as a tool sees it: still going (its live view), or ended (its report).
+enum Progress {
+    Running(Value),
+    Ended(Box<Report>),
 }
 
 fn not_here(run: &str) -> String {
@@ -244,8 +344,6 @@ impl Flotilla {
             Ok(a) => a,
             Err(e) => return refused(format!("args cannot be sent as JSON: {e}")),
         };
-        // What `flotilla run` would refuse before it starts (an unknown name, a script path
-        // that cannot be read, bad settings) is answered here, at once.
         let run_args = crate::RunArgs {
             script: script.clone(),
             args: args.clone(),
@@ -260,13 +358,17 @@ impl Flotilla {
             settings: self.args.settings.clone(),
             config: self.args.config.clone(),
         };
+        let inline = inline.map(|p| p.display().to_string());
+        if let Some(fleet) = &self.fleet {
+            return self.launch_on(fleet, &run_args, inline).await;
+        }
+        // What `flotilla run` would refuse before it starts (an unknown name, a script path
+        // that cannot be read, bad settings) is answered here, at once.
         let resolved = match config::resolve_run(&run_args) {
             Ok(r) => r,
             Err(e) => return refused(e),
         };
-        let script_path = inline
-            .map(|p| p.display().to_string())
-            .unwrap_or_else(|| resolved.origin.clone());
+        let script_path = inline.unwrap_or_else(|| resolved.origin.clone());
         let started = match self
             .start(
                 &script,
@@ -282,21 +384,170 @@ impl Flotilla {
         };
         let (run_id, started) = started;
         let (base, key) = &started.page;
-        let mut out = json!({
-            "status": "remote_launched",
-            "taskId": run_id,
-            "runId": run_id,
-            "sessionUrl": format!("{base}/runs/{run_id}?key={key}"),
-            "scriptPath": script_path,
-        });
-        if let Some(why) = &resolved.backend_chosen {
-            out["warning"] = json!(format!(
-                "backend {} ({why}); pass --backend to `flotilla mcp` to choose",
-                resolved.settings.backend
-            ));
+        let mut out = launched(
+            &run_id,
+            &format!("{base}/runs/{run_id}?key={key}"),
+            &script_path,
+        );
+        if let Some(w) = backend_warning(&resolved) {
+            out["warning"] = json!(w);
         }
         self.runs.lock().await.insert(run_id, started);
         out
+    }
+
+    /// A launch on the fleet: as `flotilla launch` from the server's working directory.
+    async fn launch_on(
+        &self,
+        fleet: &Fleet,
+        run_args: &crate::RunArgs,
+        inline: Option<String>,
+    ) -> Value {
+        let mut client = fleet.client.clone();
+        let refused = |error: String, path: Option<&str>| {
+            let mut v = json!({ "status": "remote_launched", "error": error });
+            if let Some(p) = path {
+                v["scriptPath"] = json!(p);
+            }
+            v
+        };
+        let prepared =
+            match tokio::time::timeout(RPC_TIMEOUT, crate::client::prepare(&mut client, run_args))
+                .await
+            {
+                Ok(Ok(p)) => p,
+                Ok(Err(e)) => return refused(e.message(), inline.as_deref()),
+                Err(_) => return refused(said(&no_answer()), inline.as_deref()),
+            };
+        let script_path = inline.unwrap_or_else(|| prepared.resolved.origin.clone());
+        let warning = backend_warning(&prepared.resolved);
+        // A big repository's first upload may take a while: no timeout over the whole send.
+        let sent = crate::client::send(&mut client, prepared, &self.args.source).await;
+        let reply = match sent {
+            Ok(s) => s.reply,
+            Err(e) => return refused(e.message(), Some(&script_path)),
+        };
+        if reply.status == "rejected" {
+            return refused(reply.error, Some(&script_path));
+        }
+        let mut out = launched(&reply.run_id, &reply.session_url, &script_path);
+        if let Some(w) = warning {
+            out["warning"] = json!(w);
+        }
+        out
+    }
+
+    /// The live view of a run this session started and whose process still runs it.
+    async fn live(&self, run: &str) -> Option<Value> {
+        let (base, key) = {
+            let runs = self.runs.lock().await;
+            let s = runs.get(run)?;
+            if s.ended.load(Ordering::Acquire) {
+                return None;
+            }
+            s.page.clone()
+        };
+        let port: u16 = base.rsplit(':').next()?.parse().ok()?;
+        let v = get_json(port, &format!("/runs/{run}/status.json?key={key}")).await?;
+        // Ended, its report is in the store (read from there).
+        (v["finished"] == false).then_some(v)
+    }
+
+    /// A running run's view, or its report once it has ended (on the fleet or here).
+    async fn progress(&self, run: &str) -> Result<Progress, String> {
+        flotilla_coordinator::api::check_run_id(run).map_err(|s| s.message().to_owned())?;
+        let Some(fleet) = &self.fleet else {
+            if let Some(v) = self.live(run).await {
+                return Ok(Progress::Running(v));
+            }
+            return Ok(Progress::Ended(Box::new(self.stored(run).await?)));
+        };
+        let mut client = fleet.client.clone();
+        let reference = v1::RunRef {
+            run_id: run.to_owned(),
+        };
+        match rpc(client.status(reference.clone())).await {
+            Ok(r) if !r.finished => {
+                let mut v: Value = serde_json::from_str(&r.snapshot_json).map_err(|e| {
+                    format!("the coordinator sent a status this server cannot read: {e}")
+                })?;
+                v["finished"] = json!(false);
+                return Ok(Progress::Running(v));
+            }
+            Ok(_) => {}
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return Err(said(&s)),
+        }
+        // Ended, or not running there: the coordinator's report (from its store).
+        let reply = rpc(client.wait(reference)).await.map_err(|s| {
+            if s.code() == tonic::Code::NotFound {
+                format!("{}: {}", not_here(run), s.message())
+            } else {
+                said(&s)
+            }
+        })?;
+        serde_json::from_str::<Report>(&reply.report_json)
+            .map(|r| Progress::Ended(Box::new(r)))
+            .map_err(|e| format!("the coordinator sent a report this server cannot read: {e}"))
+    }
+
+    async fn status(&self, run: &str) -> Result<Value, String> {
+        match self.progress(run).await? {
+            Progress::Running(mut v) => {
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("report");
+                }
+                Ok(v)
+            }
+            Progress::Ended(report) => {
+                let mut v = serde_json::to_value(SnapshotView::from_report(&report))
+                    .map_err(|e| e.to_string())?;
+                v["costUsd"] = json!(report.usage.cost_usd);
+                v["finished"] = json!(true);
+                Ok(v)
+            }
+        }
+    }
+
+    async fn result(&self, input: &ResultInput) -> Result<Value, String> {
+        let run = &input.run_id;
+        let report = match self.progress(run).await? {
+            Progress::Running(v) => {
+                return Ok(json!({
+                    "runId": run,
+                    "status": "running",
+                    "finished": false,
+                    "done": v["done"],
+                    "agents": v["agents"],
+                    "message": "the run is still going; ask again when WorkflowStatus says it finished",
+                }));
+            }
+            Progress::Ended(report) => report,
+        };
+        let text = serde_json::to_string(&report.result).map_err(|e| e.to_string())?;
+        let chars: Vec<char> = text.chars().collect();
+        let total = chars.len() as u64;
+        let offset = input.offset.unwrap_or(0).min(total);
+        let limit = input.limit.unwrap_or(PAGE).max(1);
+        let end = offset.saturating_add(limit).min(total);
+        let page: String = chars[offset as usize..end as usize].iter().collect();
+        let mut out = json!({
+            "runId": run,
+            "status": report.status.as_str(),
+            "finished": true,
+            "offset": offset,
+            "totalChars": total,
+            "nextOffset": if end < total { json!(end) } else { Value::Null },
+            "resultJson": page,
+            "usage": report.usage,
+        });
+        if let Some(e) = &report.error {
+            out["error"] = json!(e);
+        }
+        if !report.warnings.is_empty() {
+            out["warnings"] = json!(report.warnings);
+        }
+        Ok(out)
     }
 
     /// Starts `flotilla run SCRIPT` in a process group of its own and waits for its session
@@ -396,76 +647,6 @@ impl Flotilla {
         }
     }
 
-    /// The live view of a run this session started and whose process still runs it.
-    async fn live(&self, run: &str) -> Option<Value> {
-        let (base, key) = {
-            let runs = self.runs.lock().await;
-            let s = runs.get(run)?;
-            if s.ended.load(Ordering::Acquire) {
-                return None;
-            }
-            s.page.clone()
-        };
-        let port: u16 = base.rsplit(':').next()?.parse().ok()?;
-        let v = get_json(port, &format!("/runs/{run}/status.json?key={key}")).await?;
-        // Ended, its report is in the store (read from there).
-        (v["finished"] == false).then_some(v)
-    }
-
-    async fn status(&self, run: &str) -> Result<Value, String> {
-        if let Some(mut v) = self.live(run).await {
-            if let Some(o) = v.as_object_mut() {
-                o.remove("report");
-            }
-            return Ok(v);
-        }
-        let report = self.stored(run).await?;
-        let mut v =
-            serde_json::to_value(SnapshotView::from_report(&report)).map_err(|e| e.to_string())?;
-        v["costUsd"] = json!(report.usage.cost_usd);
-        v["finished"] = json!(true);
-        Ok(v)
-    }
-
-    async fn result(&self, input: &ResultInput) -> Result<Value, String> {
-        let run = &input.run_id;
-        if let Some(v) = self.live(run).await {
-            return Ok(json!({
-                "runId": run,
-                "status": "running",
-                "finished": false,
-                "done": v["done"],
-                "agents": v["agents"],
-                "message": "the run is still going; ask again when WorkflowStatus says it finished",
-            }));
-        }
-        let report = self.stored(run).await?;
-        let text = serde_json::to_string(&report.result).map_err(|e| e.to_string())?;
-        let chars: Vec<char> = text.chars().collect();
-        let total = chars.len() as u64;
-        let offset = input.offset.unwrap_or(0).min(total);
-        let limit = input.limit.unwrap_or(PAGE).max(1);
-        let end = offset.saturating_add(limit).min(total);
-        let page: String = chars[offset as usize..end as usize].iter().collect();
-        let mut out = json!({
-            "runId": run,
-            "status": report.status.as_str(),
-            "finished": true,
-            "offset": offset,
-            "totalChars": total,
-            "nextOffset": if end < total { json!(end) } else { Value::Null },
-            "resultJson": page,
-            "usage": report.usage,
-        });
-        if let Some(e) = &report.error {
-            out["error"] = json!(e);
-        }
-        if !report.warnings.is_empty() {
-            out["warnings"] = json!(report.warnings);
-        }
-        Ok(out)
-    }
-
     /// A run's report from the store the settings name (this session's or any earlier one's).
     async fn stored(&self, run: &str) -> Result<Report, String> {
         flotilla_coordinator::api::check_run_id(run).map_err(|s| s.message().to_owned())?;
@@ -494,6 +675,33 @@ fn data_dir() -> PathBuf {
     dirs::data_local_dir()
         .unwrap_or_else(std::env::temp_dir)
         .join("flotilla")
+}
+
+/// How long the output files of a run started here are kept (its report is in the store).
+const OUTPUT_KEPT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Removes the runs' output files (`launch-*.json`, `launch-*.log`) older than `kept`.
+fn prune_outputs(dir: &std::path::Path, kept: Duration) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let now = std::time::SystemTime::now();
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name();
+        let ours = name.to_str().is_some_and(|n| {
+            n.starts_with("launch-") && (n.ends_with(".json") || n.ends_with(".log"))
+        });
+        let old = e
+            .metadata()
+            .ok()
+            .filter(std::fs::Metadata::is_file)
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| now.duration_since(t).ok())
+            .is_some_and(|age| age > kept);
+        if ours && old {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 fn next_launch() -> u64 {
@@ -553,6 +761,27 @@ fn save_inline(script: &str) -> Result<PathBuf, String> {
     Ok(path)
 }
 
+/// The coordinator the flags or the config file name, with a client for it; `None` when they
+/// name none (runs happen on this machine).
+fn fleet_of(args: &McpArgs) -> Result<Option<Fleet>, String> {
+    let file = config::load(args.config.as_deref())?;
+    let mut remote = args.remote.clone();
+    remote.tls.fill(&file);
+    remote.coordinator = remote.coordinator.or_else(|| file.coordinator.clone());
+    if remote.coordinator.is_none() {
+        let (s, t) = (&args.source, &args.remote.tls);
+        if s.source.is_some() || s.max_source_mib.is_some() || s.submodules {
+            return Err("--source, --max-source-mib and --submodules are for a fleet: add --coordinator https://host:port --tls-dir DIR (here each agent works in the workspace)".into());
+        }
+        if t.tls_dir.is_some() || t.cert.is_some() || t.key.is_some() || t.insecure {
+            return Err("a client identity (--tls-dir, --cert, --key, --insecure) is for a fleet: add --coordinator https://host:port, or drop it to run workflows on this machine".into());
+        }
+        return Ok(None);
+    }
+    let client = remote.client()?;
+    Ok(Some(Fleet { client, remote }))
+}
+
 /// `flotilla mcp`: serves the tools on stdin/stdout until the client goes. The runs it
 /// started go on in their own processes.
 pub async fn serve(args: McpArgs) -> i32 {
@@ -561,11 +790,51 @@ pub async fn serve(args: McpArgs) -> i32 {
         .skip_while(|a| a != "mcp")
         .skip(1)
         .collect();
-    let server = Flotilla::new(args, passed);
+    let fleet = match fleet_of(&args) {
+        Ok(f) => f,
+        Err(e) => return crate::fail(2, e),
+    };
+    if fleet.is_none() {
+        prune_outputs(&data_dir().join("runs"), OUTPUT_KEPT);
+    }
+    let server = Flotilla::new(args, passed, fleet);
     let service = match server.serve(rmcp::transport::stdio()).await {
         Ok(s) => s,
         Err(e) => return crate::fail(1, format!("the MCP client did not start a session: {e}")),
     };
     let _ = service.waiting().await;
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_old_output_files_of_runs_are_pruned() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = std::time::SystemTime::now() - Duration::from_secs(10 * 24 * 3600);
+        for name in [
+            "launch-1-0.json",
+            "launch-1-0.log",
+            "notes.txt",
+            "launch-2-0.log",
+        ] {
+            std::fs::write(dir.path().join(name), "x").unwrap();
+        }
+        for name in ["launch-1-0.json", "launch-1-0.log", "notes.txt"] {
+            let f = std::fs::File::options()
+                .write(true)
+                .open(dir.path().join(name))
+                .unwrap();
+            f.set_modified(old).unwrap();
+        }
+        prune_outputs(dir.path(), OUTPUT_KEPT);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["launch-2-0.log", "notes.txt"]);
+    }
 }

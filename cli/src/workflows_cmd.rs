@@ -177,14 +177,11 @@ fn winner(entries: &[Entry], i: usize) -> Option<usize> {
 }
 
 /// The listing `workflows list --json` prints, of this machine's workflows (and the bundled
-/// ones), with `dirs` searched first.
-pub async fn rows(dirs: &[PathBuf]) -> Result<Vec<Value>, String> {
+/// ones), with `dirs` searched first, and those saved on `remote`'s coordinator if it names one.
+pub async fn rows(dirs: &[PathBuf], remote: ClientArgs) -> Result<Vec<Value>, String> {
     let at = Where {
         workflows_dirs: dirs.to_vec(),
-        remote: ClientArgs {
-            coordinator: None,
-            tls: Default::default(),
-        },
+        remote,
     };
     Ok(json_rows(&entries(&at).await?))
 }

@@ -250,6 +250,55 @@ pub struct DirResolver {
     pub cwd: PathBuf,
 }
 
+/// A plugin's workflow files (W62): those its manifest's `workflows` field names (a path or a
+/// list of paths, files or directories, relative to the plugin's root), which replaces the
+/// default scan of its `workflows/` directory. A path that leaves the plugin's root (through
+/// `..` or a symlink) is skipped, as is a manifest that cannot be read.
+fn plugin_workflow_files(root: &Path) -> Vec<PathBuf> {
+    let manifest = root.join(".claude-plugin").join("plugin.json");
+    let listed = crate::limits::read_file(&manifest, crate::limits::SMALL_FILE_BYTES, "plugin")
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|m| match m.get("workflows")? {
+            Value::String(one) => Some(vec![one.clone()]),
+            Value::Array(many) => Some(
+                many.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect(),
+            ),
+            _ => None,
+        });
+    let Some(listed) = listed else {
+        return files_in(&root.join("workflows"), "js");
+    };
+    let Ok(real_root) = root.canonicalize() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for entry in listed {
+        let Ok(path) = root.join(&entry).canonicalize() else {
+            continue;
+        };
+        if !path.starts_with(&real_root) {
+            continue;
+        }
+        let found = if path.is_dir() {
+            files_in(&path, "js")
+                .into_iter()
+                .filter_map(|f| f.canonicalize().ok())
+                .collect()
+        } else {
+            vec![path]
+        };
+        for f in found {
+            if f.starts_with(&real_root) && f.is_file() && !out.contains(&f) {
+                out.push(f);
+            }
+        }
+    }
+    out
+}
+
 /// An installed Claude Code plugin.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plugin {
@@ -383,7 +432,7 @@ impl DirResolver {
     pub fn plugin_workflows(&self) -> Vec<FoundWorkflow> {
         let mut out = Vec::new();
         for p in &self.plugins {
-            for f in files_in(&p.root.join("workflows"), "js") {
+            for f in plugin_workflow_files(&p.root) {
                 let Ok(source) =
                     crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
                 else {
@@ -816,5 +865,62 @@ mod tests {
             WorkflowRef::Path("x.js".into())
         );
         assert!(WorkflowRef::from_json("3").is_err());
+    }
+
+    #[test]
+    fn a_plugin_manifest_s_workflows_field_replaces_the_default_scan_and_stays_in_the_plugin() {
+        let top = tempfile::tempdir().unwrap();
+        let root = top.path().join("plugin");
+        let wf = |name: &str| {
+            format!("export const meta = {{ name: '{name}', description: 'd' }};\nreturn 1;\n")
+        };
+        for (file, name) in [
+            ("workflows/scanned.js", "scanned"),
+            ("flows/a.js", "a"),
+            ("flows/b.js", "b"),
+            ("extra/one.js", "one"),
+            ("../outside.js", "outside"),
+        ] {
+            let path = root.join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, wf(name)).unwrap();
+        }
+        std::os::unix::fs::symlink(top.path().join("outside.js"), root.join("flows/link.js"))
+            .unwrap();
+        let resolver = |manifest: Option<&str>| {
+            let dir = root.join(".claude-plugin");
+            std::fs::create_dir_all(&dir).unwrap();
+            match manifest {
+                Some(m) => std::fs::write(dir.join("plugin.json"), m).unwrap(),
+                None => {
+                    let _ = std::fs::remove_file(dir.join("plugin.json"));
+                }
+            }
+            let r = DirResolver {
+                dirs: Vec::new(),
+                agent_dirs: Vec::new(),
+                plugins: vec![Plugin {
+                    name: "p".into(),
+                    root: root.clone(),
+                }],
+                cwd: top.path().to_path_buf(),
+            };
+            let mut names: Vec<String> = r.plugin_workflows().into_iter().map(|w| w.name).collect();
+            names.sort();
+            names
+        };
+        assert_eq!(resolver(None), ["p:scanned"]);
+        assert_eq!(
+            resolver(Some(
+                r#"{"name":"p","workflows":["./flows","./extra/one.js","../outside.js","./missing"]}"#
+            )),
+            ["p:a", "p:b", "p:one"]
+        );
+        assert_eq!(
+            resolver(Some(r#"{"name":"p","workflows":"./extra/one.js"}"#)),
+            ["p:one"]
+        );
+        // A manifest without the field keeps the default scan.
+        assert_eq!(resolver(Some(r#"{"name":"p"}"#)), ["p:scanned"]);
     }
 }

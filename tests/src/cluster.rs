@@ -248,6 +248,20 @@ impl Cluster {
         c
     }
 
+    /// Like [`Cluster::start`], with extra coordinator flags and extra worker flags.
+    pub fn start_configured(
+        workers: usize,
+        slots: u32,
+        coordinator_args: &[&str],
+        worker_args: &[&str],
+    ) -> Cluster {
+        let mut c = Self::prepare(workers, None, None);
+        c.coordinator_args = coordinator_args.iter().map(|a| (*a).to_owned()).collect();
+        c.worker_args = worker_args.iter().map(|a| (*a).to_owned()).collect();
+        c.start_all(workers, slots);
+        c
+    }
+
     /// Two coordinators sharing etcd and a store; workers know both and attach to the one
     /// that leads (the first, once it does).
     pub fn start_group(

@@ -16,18 +16,124 @@ pub struct LaunchArgs {
     run: crate::RunArgs,
     #[command(flatten)]
     remote: ClientArgs,
+    #[command(flatten)]
+    source: SourceFlags,
+}
+
+/// What code a fleet run's agents work on (`launch`, and `mcp` on a fleet).
+#[derive(Debug, Clone, Args, Default)]
+pub struct SourceFlags {
     /// The code the agents work on: `auto` (the repository you launch from, with its
     /// uncommitted and untracked files; none outside one), `none` (a scratch directory per
     /// agent), or `git+URL#REF` (a repository the workers fetch themselves).
     #[arg(long, env = "FLOTILLA_SOURCE", value_name = "auto|none|git+URL#REF")]
-    source: Option<String>,
+    pub source: Option<String>,
     /// The most a launch sends of the repository's objects, in MiB [default: 2048].
     #[arg(long, env = "FLOTILLA_MAX_SOURCE_MIB", value_name = "MIB")]
-    max_source_mib: Option<u64>,
+    pub max_source_mib: Option<u64>,
     /// Send checked-out submodules' files with the source (as plain files in its snapshot);
     /// without it they are recorded by commit and their directories stay empty.
     #[arg(long, env = "FLOTILLA_SUBMODULES")]
-    submodules: bool,
+    pub submodules: bool,
+}
+
+/// Why a launch did not reach the coordinator: the caller's input, or the call itself.
+pub(crate) enum NotSent {
+    Input(String),
+    Rpc(tonic::Status),
+}
+
+impl NotSent {
+    /// Prints it as every client command does; the exit status.
+    pub(crate) fn print(self) -> i32 {
+        match self {
+            NotSent::Input(e) => fail(2, e),
+            NotSent::Rpc(s) => rpc_fail(&s),
+        }
+    }
+
+    pub(crate) fn message(&self) -> String {
+        match self {
+            NotSent::Input(e) => e.clone(),
+            NotSent::Rpc(s) => rpc_error(s).1,
+        }
+    }
+}
+
+/// A launch resolved on this machine (the coordinator's saved workflows included), not sent.
+pub(crate) struct Prepared {
+    pub resolved: config::ResolvedRun,
+    server: Vec<FoundWorkflow>,
+}
+
+/// Resolves `run` as the coordinator will run it: a name may be a workflow saved there.
+pub(crate) async fn prepare(
+    client: &mut ClientServiceClient<tonic::transport::Channel>,
+    run: &crate::RunArgs,
+) -> Result<Prepared, NotSent> {
+    let server = if std::path::Path::new(&run.script).exists() || run.script.ends_with(".js") {
+        Vec::new()
+    } else {
+        client
+            .list_workflows(v1::ListWorkflowsRequest {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            })
+            .await
+            .map_err(NotSent::Rpc)?
+            .into_inner()
+            .workflows
+            .into_iter()
+            .map(FoundWorkflow::from)
+            .collect()
+    };
+    let resolved = config::resolve_run_with(run, &server, false).map_err(NotSent::Input)?;
+    Ok(Prepared { resolved, server })
+}
+
+/// A launch as the coordinator answered it, with the source it sent.
+pub(crate) struct Sent {
+    pub reply: v1::LaunchReply,
+    pub source: Option<(
+        flotilla_coordinator::settings::SourceRef,
+        crate::source::Uploaded,
+    )>,
+}
+
+/// Sends a prepared launch: its source first (what the store lacks of it), then the run.
+pub(crate) async fn send(
+    client: &mut ClientServiceClient<tonic::transport::Channel>,
+    prepared: Prepared,
+    source: &SourceFlags,
+) -> Result<Sent, NotSent> {
+    let Prepared {
+        mut resolved,
+        server,
+    } = prepared;
+    let (workflows, agent_types, agent_definitions) = carried(&resolved, server);
+    let sent = send_source(client, source, &resolved.cwd)
+        .await
+        .map_err(NotSent::Input)?;
+    resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
+    let settings_json = serde_json::to_string(&resolved.settings)
+        .map_err(|e| NotSent::Input(format!("the run's settings cannot be sent: {e}")))?;
+    let req = v1::LaunchRequest {
+        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        script: resolved.source,
+        origin: resolved.origin,
+        args_json: resolved.args.map(|v| v.to_string()),
+        settings_json,
+        resume_from: resolved.resume.unwrap_or_default(),
+        workflows,
+        agent_types,
+        agent_definitions,
+        inherit: false,
+        saved_name: resolved.saved_name.clone().unwrap_or_default(),
+    };
+    let reply = client.launch(req).await.map_err(NotSent::Rpc)?.into_inner();
+    Ok(Sent {
+        reply,
+        source: sent,
+    })
 }
 
 pub async fn launch(a: LaunchArgs) -> i32 {
@@ -45,77 +151,32 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };
-    // A name may be a workflow saved on the coordinator.
-    let server = if std::path::Path::new(&a.run.script).exists() || a.run.script.ends_with(".js") {
-        Vec::new()
-    } else {
-        match client
-            .list_workflows(v1::ListWorkflowsRequest {
-                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-            })
-            .await
-        {
-            Ok(r) => r
-                .into_inner()
-                .workflows
-                .into_iter()
-                .map(FoundWorkflow::from)
-                .collect(),
-            Err(s) => return rpc_fail(&s),
-        }
-    };
-    let resolved = match config::resolve_run_with(&a.run, &server, false) {
-        Ok(r) => r,
-        Err(e) => return fail(2, e),
+    let prepared = match prepare(&mut client, &a.run).await {
+        Ok(p) => p,
+        Err(e) => return e.print(),
     };
     if let crate::approve::Decision::Exit(code) =
-        crate::approve::gate(&resolved, a.run.yes, a.run.plan)
+        crate::approve::gate(&prepared.resolved, a.run.yes, a.run.plan)
     {
         return code;
     }
-    crate::say_backend_chosen(&resolved);
-    let (workflows, agent_types, agent_definitions) = carried(&resolved, server);
-    let mut resolved = resolved;
-    let sent = match send_source(&mut client, &a, &resolved.cwd).await {
+    crate::say_backend_chosen(&prepared.resolved);
+    let Sent { reply, source } = match send(&mut client, prepared, &a.source).await {
         Ok(s) => s,
-        Err(e) => return fail(2, e),
+        Err(e) => return e.print(),
     };
-    resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
-    let settings_json = match serde_json::to_string(&resolved.settings) {
-        Ok(s) => s,
-        Err(e) => return fail(1, e),
-    };
-    let req = v1::LaunchRequest {
-        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-        script: resolved.source,
-        origin: resolved.origin,
-        args_json: resolved.args.map(|v| v.to_string()),
-        settings_json,
-        resume_from: resolved.resume.unwrap_or_default(),
-        workflows,
-        agent_types,
-        agent_definitions,
-        inherit: false,
-        saved_name: resolved.saved_name.clone().unwrap_or_default(),
-    };
-    match client.launch(req).await {
-        Ok(r) => {
-            let reply = r.into_inner();
-            if a.run.json && reply.status != "rejected" {
-                let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
-                if let Some((src, up)) = &sent {
-                    v["source"] = serde_json::json!({
-                        "repo": src.repo, "commit": src.commit, "origin": src.origin,
-                        "uploaded_bytes": up.bytes, "uploaded_objects": up.objects,
-                    });
-                }
-                println!("{v}");
-                return 0;
-            }
-            print_launched(reply, a.run.json, None)
+    if a.run.json && reply.status != "rejected" {
+        let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+        if let Some((src, up)) = &source {
+            v["source"] = serde_json::json!({
+                "repo": src.repo, "commit": src.commit, "origin": src.origin,
+                "uploaded_bytes": up.bytes, "uploaded_objects": up.objects,
+            });
         }
-        Err(s) => rpc_fail(&s),
+        println!("{v}");
+        return 0;
     }
+    print_launched(reply, a.run.json, None)
 }
 
 /// What a launch carries to the coordinator from the launching machine: the workflows it can
@@ -184,7 +245,7 @@ fn carried(
 /// Decides the run's source and sends what the store lacks of it (`--source`).
 pub(crate) async fn send_source(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
-    a: &LaunchArgs,
+    a: &SourceFlags,
     cwd: &std::path::Path,
 ) -> Result<
     Option<(

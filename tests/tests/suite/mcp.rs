@@ -1,8 +1,11 @@
 //! `flotilla mcp` (issue 16): Claude Code's Workflow tool and its companions over MCP on
-//! stdio, driven by a real MCP client (rmcp's) against the built binary, embedded.
+//! stdio, driven by a real MCP client (rmcp's) and by the real `claude` CLI against the built
+//! binary, embedded and on a fleet.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use flotilla_tests::cluster::Cluster;
 use flotilla_tests::{Env, http_get};
 use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, CallToolResult};
@@ -195,7 +198,7 @@ fn claude_with_flotilla(
     fake: &flotilla_tests::fake_anthropic::FakeAnthropic,
     prompt: &str,
 ) -> String {
-    let config = json!({ "mcpServers": { "flotilla": {
+    let server = json!({
         "type": "stdio",
         "command": env.bin.to_str().unwrap(),
         "args": ["mcp", "--backend", "echo", "--stagger", "0"],
@@ -204,12 +207,26 @@ fn claude_with_flotilla(
             "FLOTILLA_WORKSPACE": env.workspace().to_str().unwrap(),
             "HOME": env.path().to_str().unwrap(),
         },
-    }}});
-    let config_file = env.file("mcp.json", &config.to_string());
-    let claude_dir = env.path().join("claude-config");
+    });
+    claude_with_server(env.path(), env.path(), server, fake, prompt)
+}
+
+/// `claude -p PROMPT` run in `dir` with `server` as its `flotilla` MCP server (`home`: its
+/// HOME and configuration).
+fn claude_with_server(
+    dir: &Path,
+    home: &Path,
+    server: Value,
+    fake: &flotilla_tests::fake_anthropic::FakeAnthropic,
+    prompt: &str,
+) -> String {
+    let config = json!({ "mcpServers": { "flotilla": server } });
+    let config_file = home.join("mcp.json");
+    std::fs::write(&config_file, config.to_string()).unwrap();
+    let claude_dir = home.join("claude-config");
     std::fs::create_dir_all(&claude_dir).unwrap();
     let mut cmd = std::process::Command::new(super::claude::claude_bin());
-    cmd.current_dir(env.path())
+    cmd.current_dir(dir)
         .args([
             "-p",
             prompt,
@@ -220,7 +237,7 @@ fn claude_with_flotilla(
         .arg("--mcp-config")
         .arg(&config_file)
         .args(["--strict-mcp-config", "--allowedTools", "mcp__flotilla"])
-        .env("HOME", env.path())
+        .env("HOME", home)
         .env("CLAUDE_CONFIG_DIR", &claude_dir)
         .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
         .env("AWS_EC2_METADATA_DISABLED", "true")
@@ -306,6 +323,270 @@ fn a_stock_claude_launches_a_workflow_through_the_mcp_tool_and_reads_its_whole_r
         json!({ "script": "export const meta = { name: 'b', description: 'd' };\nreturn (;" });
     let said = claude_with_flotilla(
         &env,
+        &fake,
+        &format!("go [[tool:mcp__flotilla__Workflow:{input}]]"),
+    );
+    let refused = tool_answer(&said);
+    assert!(
+        refused["error"].as_str().unwrap().contains("line 2"),
+        "{refused}"
+    );
+}
+
+/// A repository for a fleet run's source: a committed file and an uncommitted edit of it.
+fn caller_repo(dir: &Path) {
+    flotilla_tests::git_repo(dir);
+    std::fs::write(dir.join("marker.txt"), "committed\n").unwrap();
+    flotilla_tests::commit_all(dir, "marker");
+    std::fs::write(dir.join("marker.txt"), "from the caller's checkout\n").unwrap();
+}
+
+/// The `flotilla mcp` command line on `c`'s fleet (exec agents: a prompt is a shell script).
+fn fleet_mcp_args(c: &Cluster) -> Vec<String> {
+    [
+        "mcp",
+        "--backend",
+        "exec",
+        "--stagger",
+        "0",
+        "--coordinator",
+        &c.url(),
+        "--name",
+        "client",
+        "--tls-dir",
+        c.pki().to_str().unwrap(),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// A session token of the cluster's client, for its pages.
+fn page_token(c: &Cluster) -> String {
+    let t = c.client(&["token", "create", "--json"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    t.json()["token"].as_str().unwrap().to_owned()
+}
+
+/// GET of a coordinator page URL with a session token.
+fn get_page(c: &Cluster, url: &str, token: &str) -> flotilla_tests::HttpResponse {
+    let path = url
+        .strip_prefix(&format!("http://127.0.0.1:{}", c.http_port))
+        .unwrap_or_else(|| panic!("not the coordinator's page: {url}"));
+    http_get(
+        c.http_port,
+        path,
+        &[("Authorization", &format!("Bearer {token}"))],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_fleet_the_workflow_tool_launches_on_the_coordinator_with_the_caller_s_repository() {
+    let c = Cluster::start_configured(
+        2,
+        2,
+        &["--publisher", "client"],
+        &["--backend", "exec", "--exec-cmd", "sh"],
+    );
+    let repo = c.path().join("repo");
+    caller_repo(&repo);
+    // A workflow pushed to the coordinator is listed, and runs by name.
+    let pushed = flotilla_tests::write_workflow(
+        c.path(),
+        "fleet-greeting",
+        "pushed to the fleet",
+        "return await agent('echo pushed ' + args.who);",
+    );
+    let out = c.client(&["workflows", "push", pushed.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{out:?}");
+
+    let mut cmd = tokio::process::Command::new(&c.bin);
+    cmd.args(fleet_mcp_args(&c))
+        .current_dir(&repo)
+        .env("HOME", c.path())
+        .env("AWS_EC2_METADATA_DISABLED", "true");
+    let client: Client =
+        ().serve(TokioChildProcess::new(cmd).expect("spawn"))
+            .await
+            .expect("an MCP session");
+
+    // Three agents read the caller's checkout (uncommitted edit included); a big result.
+    let script = "export const meta = { name: 'fleet-read', description: 'reads the caller repo' };\n\
+                  const rs = await parallel([1, 2, 3].map(i => () => agent('cat marker.txt; echo call ' + i)));\n\
+                  return { rs, pad: 'z'.repeat(130000) };";
+    let launched = ok(&client, "Workflow", json!({ "script": script })).await;
+    assert_eq!(launched["status"], "remote_launched", "{launched}");
+    assert!(launched.get("error").is_none(), "{launched}");
+    let run = launched["runId"].as_str().unwrap().to_owned();
+    let url = launched["sessionUrl"].as_str().unwrap();
+    // The coordinator serves its page (after sign-in), not this machine.
+    let token = page_token(&c);
+    let page = get_page(&c, url, &token);
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(page.body.contains(&run), "the page does not show the run");
+    // The run is the coordinator's: `flotilla wait` there sees it complete.
+    let (code, report) = c.wait(&run);
+    assert_eq!(code, 0, "{report}");
+    let status = finished(&client, &run).await;
+    assert_eq!(status["status"], "completed", "{status}");
+    assert_eq!(status["agents"], 3, "{status}");
+    let mut text = String::new();
+    let mut offset = 0u64;
+    loop {
+        let page = ok(
+            &client,
+            "WorkflowResult",
+            json!({ "runId": run, "offset": offset }),
+        )
+        .await;
+        text.push_str(page["resultJson"].as_str().unwrap());
+        match page["nextOffset"].as_u64() {
+            Some(next) => offset = next,
+            None => break,
+        }
+    }
+    let result: Value = serde_json::from_str(&text).expect("the pages make the JSON result");
+    for (i, r) in result["rs"].as_array().unwrap().iter().enumerate() {
+        let r = r.as_str().unwrap();
+        assert!(r.contains("from the caller's checkout"), "{r}");
+        assert!(r.contains(&format!("call {}", i + 1)), "{r}");
+    }
+    assert_eq!(result["pad"].as_str().unwrap().len(), 130_000);
+
+    // By name, a pushed workflow, and WorkflowList names it with the bundled ones.
+    let listed = ok(&client, "WorkflowList", json!({})).await;
+    let rows = listed["workflows"].as_array().unwrap();
+    assert!(
+        rows.iter()
+            .any(|w| w["name"] == "fleet-greeting" && w["origin"] == "server"),
+        "{listed}"
+    );
+    assert!(rows.iter().any(|w| w["origin"] == "bundled"), "{listed}");
+    let named = ok(
+        &client,
+        "Workflow",
+        json!({ "name": "fleet-greeting", "args": { "who": "ann" } }),
+    )
+    .await;
+    let named_run = named["runId"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{named}"))
+        .to_owned();
+    let done = finished(&client, &named_run).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let page = ok(&client, "WorkflowResult", json!({ "runId": named_run })).await;
+    assert!(
+        page["resultJson"].as_str().unwrap().contains("pushed ann"),
+        "{page}"
+    );
+
+    // Refusals: a syntax error with its line, an unknown name; nothing launched.
+    let broken = ok(
+        &client,
+        "Workflow",
+        json!({ "script": "export const meta = { name: 'b', description: 'd' };\nconst x = ;\nreturn x;" }),
+    )
+    .await;
+    assert!(broken.get("runId").is_none(), "{broken}");
+    assert!(
+        broken["error"].as_str().unwrap().contains("line 2"),
+        "{broken}"
+    );
+    let unknown = ok(&client, "Workflow", json!({ "name": "no-such-workflow" })).await;
+    assert!(
+        unknown["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown workflow"),
+        "{unknown}"
+    );
+
+    // Stop: the coordinator stops the run.
+    let long = ok(
+        &client,
+        "Workflow",
+        json!({ "script": "export const meta = { name: 'long', description: 'd' };\nreturn await agent('sleep 60');" }),
+    )
+    .await;
+    let long = long["runId"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{long}"))
+        .to_owned();
+    let running = ok(&client, "WorkflowResult", json!({ "runId": long })).await;
+    assert_eq!(running["finished"], false, "{running}");
+    ok(&client, "WorkflowStop", json!({ "runId": long })).await;
+    let stopped = finished(&client, &long).await;
+    assert_eq!(stopped["status"], "stopped", "{stopped}");
+    let r = call(
+        &client,
+        "WorkflowStatus",
+        json!({ "runId": "wf_00000000-000" }),
+    )
+    .await;
+    assert_eq!(r.is_error, Some(true), "{r:?}");
+    client.cancel().await.expect("the session ends");
+}
+
+#[test]
+fn a_stock_claude_launches_on_the_fleet_through_the_mcp_tool_and_reads_the_whole_result() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    caller_repo(&repo);
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    let args = fleet_mcp_args(&c);
+    let server = json!({
+        "type": "stdio",
+        "command": c.bin.to_str().unwrap(),
+        "args": args,
+        "env": { "HOME": c.path().to_str().unwrap(), "AWS_EC2_METADATA_DISABLED": "true" },
+    });
+    let home = c.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let input = json!({
+        "script": "export const meta = { name: 'via-claude', description: 'launched from Claude Code' };\nconst r = await agent('cat marker.txt');\nreturn { r, pad: 'y'.repeat(110000) };",
+    });
+    let said = claude_with_server(
+        &repo,
+        &home,
+        server.clone(),
+        &fake,
+        &format!("start it [[tool:mcp__flotilla__Workflow:{input}]]"),
+    );
+    let launched = tool_answer(&said);
+    assert_eq!(launched["status"], "remote_launched", "{launched}");
+    let run = launched["runId"].as_str().expect("a run id").to_owned();
+    let page = get_page(
+        &c,
+        launched["sessionUrl"].as_str().unwrap(),
+        &page_token(&c),
+    );
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(page.body.contains(&run));
+    // The run is the coordinator's; it ends there whatever the CLI's session did.
+    let (code, report) = c.wait(&run);
+    assert_eq!(code, 0, "{report}");
+    let said = claude_with_server(
+        &repo,
+        &home,
+        server.clone(),
+        &fake,
+        &format!(
+            "its result [[tool:mcp__flotilla__WorkflowResult:{}]]",
+            json!({ "runId": run, "offset": 0, "limit": 20000 })
+        ),
+    );
+    let page = tool_answer(&said);
+    assert_eq!(page["status"], "completed", "{page}");
+    let text = page["resultJson"].as_str().unwrap();
+    assert_eq!(text.chars().count(), 20000);
+    assert!(text.contains("from the caller's checkout"), "{text:.300}");
+    assert!(page["totalChars"].as_u64().unwrap() > 110_000, "{page}");
+    let input =
+        json!({ "script": "export const meta = { name: 'b', description: 'd' };\nreturn (;" });
+    let said = claude_with_server(
+        &repo,
+        &home,
+        server,
         &fake,
         &format!("go [[tool:mcp__flotilla__Workflow:{input}]]"),
     );
