@@ -253,7 +253,7 @@ pub fn default_backend() -> Result<(String, Option<String>), String> {
 }
 
 /// Whether an executable file called `name` is in a directory of `PATH`.
-fn on_path(name: &str) -> bool {
+pub(crate) fn on_path(name: &str) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::env::var_os("PATH").is_some_and(|paths| {
         std::env::split_paths(&paths).any(|dir| {

@@ -18,6 +18,7 @@ mod certs;
 mod changes;
 mod client;
 mod config;
+mod dev;
 mod embedded;
 mod mcp;
 mod progress;
@@ -63,6 +64,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Make a development CA and certificates for mTLS.
     Certs(certs::CertsArgs),
+    /// Start a real fleet on this machine (a CA, a coordinator, workers as processes, a file
+    /// store, memory leases or `--etcd`) and print how to launch on it; Ctrl-C stops it all.
+    Dev(dev::DevArgs),
     /// Run a coordinator: workers attach to it, clients launch runs on it.
     Coordinator(Box<serve::coordinator::CoordinatorArgs>),
     /// Run a worker attached to a coordinator.
@@ -218,6 +222,8 @@ impl Command {
 }
 
 fn main() -> ExitCode {
+    // A coordinator or worker that `flotilla dev` started ends with it.
+    dev::exit_with_parent();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // A bad flag of a command asked for JSON is a refusal like any other.
@@ -310,6 +316,7 @@ fn main() -> ExitCode {
             },
             Command::Bench(args) => bench::run(args).await,
             Command::Certs(args) => certs::run(args),
+            Command::Dev(args) => dev::dev(args).await,
             Command::Coordinator(args) => serve::coordinator::coordinator(*args).await,
             Command::Worker(args) => serve::worker::worker(args).await,
             Command::Launch(args) => client::launch(*args).await,

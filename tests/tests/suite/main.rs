@@ -16,6 +16,7 @@ mod cluster_sandbox;
 mod cluster_sources;
 mod combinators;
 mod defects;
+mod dev;
 mod exec;
 mod limits;
 mod mcp;
