@@ -331,6 +331,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         write_result: false,
         owners: Vec::new(),
         cache_dir: None,
+        indexed: None,
     };
     let handle = run::start(
         init,

@@ -76,6 +76,38 @@ pub struct SettingFlags {
     /// Root of the agents' working directories.
     #[arg(long, env = "FLOTILLA_WORKSPACE", value_name = "DIR")]
     pub workspace: Option<PathBuf>,
+    /// A label of the run, for finding it again (`flotilla runs --label KEY=VALUE`;
+    /// repeatable).
+    #[arg(long = "label", value_name = "KEY=VALUE")]
+    pub labels: Vec<String>,
+}
+
+/// `KEY=VALUE` labels as flags give them, checked; an error names the bad one and the form.
+pub fn parse_labels(
+    given: &[String],
+) -> Result<std::collections::BTreeMap<String, String>, String> {
+    use flotilla_coordinator::settings::{MAX_LABELS, valid_label_key, valid_label_value};
+    let mut out = std::collections::BTreeMap::new();
+    for l in given {
+        let (k, v) = l
+            .split_once('=')
+            .ok_or_else(|| format!("--label {l:?} is not KEY=VALUE, e.g. --label team=payments"))?;
+        if !valid_label_key(k) {
+            return Err(format!(
+                "--label {l:?}: the key must be 1 to 63 lower-case letters, digits, - _ . or /, starting with a letter or digit"
+            ));
+        }
+        if !valid_label_value(v) {
+            return Err(format!(
+                "--label {l:?}: the value must be at most 256 printable characters"
+            ));
+        }
+        out.insert(k.to_owned(), v.to_owned());
+    }
+    if out.len() > MAX_LABELS {
+        return Err(format!("at most {MAX_LABELS} labels per run"));
+    }
+    Ok(out)
 }
 
 /// The TOML config file. Every field is optional; flags and environment win.
@@ -158,6 +190,13 @@ pub struct ConfigFile {
     pub idle_timeout: Option<String>,
     /// Coordinator: connections open at once on each listener.
     pub max_connections: Option<usize>,
+    /// Coordinator: delete runs older than this (`30d`), as `flotilla gc` does, every
+    /// `retention_every`.
+    pub retention: Option<String>,
+    /// Coordinator: keep failed and interrupted runs whatever their age.
+    pub retention_keep_failed: Option<bool>,
+    /// Coordinator: how often the retention sweep runs (`24h`).
+    pub retention_every: Option<String>,
     /// Worker: backends it offers.
     #[serde(default)]
     pub backends: Vec<String>,
@@ -370,6 +409,7 @@ pub fn settings_from(
     if let Some(v) = flags.concurrency.or(file.concurrency) {
         s.concurrency = v;
     }
+    s.labels = parse_labels(&flags.labels)?;
     if let Some(v) = pick_s(&flags.stall_timeout, &file.stall_timeout) {
         s.stall_timeout_ms = parse_duration("--stall-timeout", &v)?.as_millis() as u64;
     }

@@ -55,6 +55,8 @@ enum Command {
     Runs(ListArgs),
     /// Print the report of a stored run.
     Show(ShowArgs),
+    /// Delete old runs (`--older-than 30d`) and the stored objects no other run uses.
+    Gc(stored::GcArgs),
     /// Print the transcript of an agent's attempt (tool calls, text, result).
     Logs(LogsArgs),
     /// List a run's agents a page at a time, by status or phase (from a store or a
@@ -168,6 +170,8 @@ struct ListArgs {
     tls: client::TlsArgs,
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    filter: stored::FilterArgs,
 }
 
 #[derive(Debug, Args)]
@@ -286,10 +290,11 @@ fn main() -> ExitCode {
                         coordinator: Some(coordinator),
                         tls: args.tls,
                     };
-                    client::list_remote(remote, args.json).await
+                    client::list_remote(remote, &args.filter, args.json).await
                 }
-                None => stored::list(args.store, args.json).await,
+                None => stored::list(args.store, &args.filter, args.json).await,
             },
+            Command::Gc(args) => stored::gc(args).await,
             Command::Show(args) => {
                 stored::show(args.store, &args.run_id, args.json, args.full).await
             }

@@ -2,20 +2,84 @@
 
 use std::io::Write;
 
-use flotilla_coordinator::{history, store};
+use flotilla_coordinator::{history, index, store};
 
 use crate::{config, fail};
 
-pub async fn list(store_flag: Option<String>, json: bool) -> i32 {
-    let url = config::store_url(store_flag);
-    let store = match store::open(&url) {
-        Ok(s) => s,
-        Err(e) => return fail(e.kind().exit_code(), e),
+/// Which runs `flotilla runs` lists, a page at a time.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FilterArgs {
+    /// Runs of this workflow (its `meta.name`).
+    #[arg(long)]
+    workflow: Option<String>,
+    /// Runs in this status: running, paused, completed, failed, stopped, interrupted.
+    #[arg(long)]
+    status: Option<String>,
+    /// Runs created since then: a duration back from now (`24h`, `7d`) or an RFC 3339 time.
+    #[arg(long, value_name = "DUR|TIME")]
+    since: Option<String>,
+    /// Runs with this label (`launch --label`; repeatable: every one must match).
+    #[arg(long = "label", value_name = "KEY=VALUE")]
+    labels: Vec<String>,
+    /// Runs per page [default: 100, at most 1000].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    limit: Option<u64>,
+    /// The page after this token (printed at the end of a page that has more).
+    #[arg(long, value_name = "TOKEN")]
+    after: Option<String>,
+}
+
+impl FilterArgs {
+    /// The index filter; an error names the bad flag and its form.
+    pub fn filter(&self) -> Result<index::Filter, String> {
+        let status = match &self.status {
+            None => None,
+            Some(s) => Some(
+                serde_json::from_value::<flotilla_coordinator::RunStatus>(
+                    serde_json::Value::String(s.clone()),
+                )
+                .map_err(|_| {
+                    format!(
+                        "--status {s:?} is not a run status: use running, paused, completed, failed, stopped or interrupted"
+                    )
+                })?,
+            ),
+        };
+        let since_unix = match &self.since {
+            None => None,
+            Some(t) => Some(since(t)?),
+        };
+        Ok(index::Filter {
+            workflow: self.workflow.clone(),
+            status,
+            since_unix,
+            before_unix: None,
+            labels: config::parse_labels(&self.labels)?,
+            limit: self.limit.map(|l| l as usize),
+            after: self.after.clone(),
+        })
+    }
+}
+
+/// `--since`: seconds since the epoch of a time, or of now minus a duration.
+fn since(t: &str) -> Result<u64, String> {
+    let now = std::time::SystemTime::now();
+    let at = match humantime::parse_rfc3339_weak(t) {
+        Ok(at) => at,
+        Err(_) => {
+            let d = config::parse_duration("--since", t).map_err(|_| {
+                format!("--since {t:?} is neither a duration (24h, 7d) nor a time (2026-11-01T00:00:00Z)")
+            })?;
+            now.checked_sub(d).unwrap_or(std::time::UNIX_EPOCH)
+        }
     };
-    let runs = match history::list_runs(&store).await {
-        Ok(r) => r,
-        Err(e) => return fail(1, format!("cannot list runs in {url}: {e}")),
-    };
+    Ok(at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()))
+}
+
+/// Prints a page of runs; the exit status.
+pub fn print_runs(runs: &[history::RunSummary], next: Option<&str>, json: bool, from: &str) -> i32 {
     let mut out = std::io::stdout().lock();
     if json {
         let _ = writeln!(
@@ -23,29 +87,48 @@ pub async fn list(store_flag: Option<String>, json: bool) -> i32 {
             "{}",
             serde_json::to_string_pretty(&runs).unwrap_or_default()
         );
-        return 0;
-    }
-    if runs.is_empty() {
-        eprintln!("no runs in {url}");
-        return 0;
-    }
-    let _ = writeln!(
-        out,
-        "{:<18} {:<10} {:<7} {:<21} WORKFLOW",
-        "RUN", "STATUS", "AGENTS", "CREATED"
-    );
-    for r in runs {
+    } else if runs.is_empty() {
+        eprintln!("no runs in {from} match");
+    } else {
         let _ = writeln!(
             out,
-            "{:<18} {:<10} {:<7} {:<21} {}",
-            r.run_id,
-            r.status.as_str(),
-            r.agents,
-            r.created,
-            crate::term::clean(&r.workflow)
+            "{:<18} {:<11} {:<7} {:<25} {:<24} LABELS",
+            "RUN", "STATUS", "AGENTS", "CREATED", "WORKFLOW"
         );
+        for r in runs {
+            let labels: Vec<String> = r.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let _ = writeln!(
+                out,
+                "{:<18} {:<11} {:<7} {:<25} {:<24} {}",
+                r.run_id,
+                r.status.as_str(),
+                r.agents,
+                r.created,
+                crate::term::clean(&r.workflow),
+                crate::term::clean(&labels.join(","))
+            );
+        }
+    }
+    if let Some(next) = next {
+        eprintln!("more runs follow: add --after {next}");
     }
     0
+}
+
+pub async fn list(store_flag: Option<String>, filter: &FilterArgs, json: bool) -> i32 {
+    let filter = match filter.filter() {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
+    let url = config::store_url(store_flag);
+    let store = match store::open(&url) {
+        Ok(s) => s,
+        Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    match index::page(&store, &filter).await {
+        Ok(page) => print_runs(&page.runs, page.next.as_deref(), json, &url),
+        Err(e) => fail(1, format!("cannot list runs in {url}: {e}")),
+    }
 }
 
 pub async fn show(store_flag: Option<String>, run: &str, json: bool, full: bool) -> i32 {
@@ -206,4 +289,74 @@ pub fn print_transcripts(found: &[history::AgentTranscript], json: bool) -> i32 
         }
     }
     0
+}
+
+/// `flotilla gc`: retention on a store.
+#[derive(Debug, clap::Args)]
+pub struct GcArgs {
+    /// Delete runs created longer ago than this (`30d`, `12h`), with the stored results and
+    /// sources no other run uses.
+    #[arg(long, value_name = "DUR")]
+    older_than: String,
+    /// Keep failed and interrupted runs whatever their age.
+    #[arg(long)]
+    keep_failed: bool,
+    /// Say what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print what was deleted as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Object store URL (file:///path, s3://bucket/prefix) [default: the local store].
+    #[arg(long, env = "FLOTILLA_STORE")]
+    store: Option<String>,
+}
+
+pub async fn gc(a: GcArgs) -> i32 {
+    let older_than = match config::parse_duration("--older-than", &a.older_than) {
+        Ok(d) if d.as_secs() >= 1 => d,
+        Ok(_) => return fail(2, "--older-than must be at least 1s; e.g. --older-than 30d"),
+        Err(e) => return fail(2, e),
+    };
+    let url = config::store_url(a.store);
+    let store = match store::open(&url) {
+        Ok(s) => s,
+        Err(e) => return fail(e.kind().exit_code(), e),
+    };
+    let policy = flotilla_coordinator::gc::Policy {
+        older_than,
+        keep_failed: a.keep_failed,
+        dry_run: a.dry_run,
+    };
+    match flotilla_coordinator::gc::sweep(&store, &policy, &Default::default()).await {
+        Ok(swept) => {
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&swept).unwrap_or_default()
+                );
+            } else {
+                println!("{}", swept_line(&swept));
+                for k in &swept.kept {
+                    println!("  kept {}: {}", k.run_id, k.why);
+                }
+            }
+            0
+        }
+        Err(e) => fail(e.kind().exit_code(), format!("cannot sweep {url}: {e}")),
+    }
+}
+
+/// One line of what a sweep did.
+pub fn swept_line(s: &flotilla_coordinator::gc::Swept) -> String {
+    format!(
+        "{} {} runs ({} objects), {} payloads and {} source objects, {}; kept {} old runs",
+        if s.dry_run { "would delete" } else { "deleted" },
+        s.runs.len(),
+        s.objects,
+        s.payloads,
+        s.source_objects,
+        flotilla_coordinator::limits::human_bytes(s.bytes as usize),
+        s.kept.len()
+    )
 }

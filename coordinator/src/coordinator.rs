@@ -358,7 +358,7 @@ impl Coordinator {
             script_origin: req.origin.clone(),
             args: req.args.clone(),
             settings: req.settings.clone(),
-            created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            created: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
             parent_run_id: req.resume_from.clone(),
             generation: self.generation,
             flotilla_version: env!("CARGO_PKG_VERSION").into(),
@@ -378,6 +378,9 @@ impl Coordinator {
             })?;
             self.store
                 .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
+                .await
+                .map_err(store_err)?;
+            crate::index::record(&self.store, &crate::index::Entry::created(&manifest))
                 .await
                 .map_err(store_err)?;
             if let Some(carried) = req.resolver.carried()
@@ -434,6 +437,7 @@ impl Coordinator {
             resume,
             parent_run_id: req.resume_from,
             owners,
+            indexed: crate::index::Entry::created(&manifest),
         })
     }
 
@@ -520,6 +524,7 @@ impl Coordinator {
             resume,
             parent_run_id: manifest.parent_run_id.clone(),
             owners: Vec::new(),
+            indexed: crate::index::Entry::created(&manifest),
         })
     }
 
@@ -559,6 +564,7 @@ impl Coordinator {
             write_result: true,
             owners: s.owners,
             cache_dir: Some(self.cache_dir()),
+            indexed: Some(s.indexed),
         };
         Ok(run::start(
             init,
@@ -583,6 +589,8 @@ struct StartEngine {
     resume: Option<ResumeSource>,
     parent_run_id: Option<String>,
     owners: Vec<crate::owner::Held>,
+    /// The run's index entry, rewritten when it ends.
+    indexed: crate::index::Entry,
 }
 
 /// A new run id: `wf_` + 8 hex + `-` + 3 hex, like Claude Code's (W45).

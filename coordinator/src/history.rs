@@ -15,16 +15,8 @@ use crate::store::journal::{read_calls, read_calls_checked, read_events};
 use crate::store::records::{Manifest, RunEvent};
 use crate::store::{Error, Store, keys};
 
-/// One line of `flotilla runs`.
-#[derive(Debug, Clone, Serialize)]
-pub struct RunSummary {
-    pub run_id: String,
-    pub status: RunStatus,
-    pub workflow: String,
-    pub created: String,
-    pub agents: u64,
-    pub parent_run_id: Option<String>,
-}
+/// One line of `flotilla runs`: a run as listings show it: its entry in the run index.
+pub type RunSummary = crate::index::Entry;
 
 async fn manifest(store: &Store, run: &str) -> Result<Manifest, Error> {
     let key = keys::manifest(run);
@@ -38,26 +30,14 @@ async fn manifest(store: &Store, run: &str) -> Result<Manifest, Error> {
     })
 }
 
-/// Every run in the store, newest first.
+/// The newest runs of the store, at most [`crate::index::MAX_PAGE`] ([`crate::index::page`]
+/// filters and pages).
 pub async fn list_runs(store: &Store) -> Result<Vec<RunSummary>, Error> {
-    let mut out = Vec::new();
-    for dir in store.list_prefixes(&keys::runs()).await? {
-        let Some(run) = dir.filename() else { continue };
-        let Ok(m) = manifest(store, run).await else {
-            continue;
-        };
-        let report = load_report(store, run).await.ok();
-        out.push(RunSummary {
-            run_id: m.run_id.clone(),
-            status: report.as_ref().map_or(RunStatus::Running, |r| r.status),
-            workflow: m.workflow.name.clone(),
-            created: m.created.clone(),
-            agents: report.as_ref().map_or(0, |r| r.usage.agents),
-            parent_run_id: m.parent_run_id.clone(),
-        });
-    }
-    out.sort_by(|a, b| b.created.cmp(&a.created).then(b.run_id.cmp(&a.run_id)));
-    Ok(out)
+    let all = crate::index::Filter {
+        limit: Some(crate::index::MAX_PAGE),
+        ..Default::default()
+    };
+    Ok(crate::index::page(store, &all).await?.runs)
 }
 
 /// The report of a stored run.

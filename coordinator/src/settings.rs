@@ -2,6 +2,8 @@
 //! Every field is an ordinary run option: a CLI flag, a config key and a launch-request field.
 //! They are stored in the run's manifest, so a resumed or reopened run knows how it ran.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// Longest stall timeout accepted.
@@ -49,6 +51,12 @@ pub enum SettingsError {
     NoWorkerWait,
     #[error("a backend must be named (e.g. echo or exec)")]
     NoBackend,
+    #[error("a run carries at most {MAX_LABELS} labels")]
+    Labels,
+    #[error(
+        "label {0:?} is not KEY=VALUE with a key of lower-case letters, digits, - _ . and / (at most 63) and a value of at most 256 printable characters"
+    )]
+    Label(String),
     #[error("source repository {0:?} is not an id (letters, digits, - and _)")]
     SourceRepo(String),
     #[error("source submodule path {0:?} is not a path inside the repository")]
@@ -150,6 +158,28 @@ pub struct RunSettings {
     /// in the store, or one the workers fetch themselves. `None`: a scratch directory per
     /// agent (and, embedded, the run's own directory).
     pub source: Option<SourceRef>,
+    /// The run's labels (`--label KEY=VALUE`), for finding it again (`flotilla runs --label`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The most labels a run carries.
+pub const MAX_LABELS: usize = 32;
+
+/// Whether `key` is a label key: 1 to 63 of lower-case letters, digits, `-`, `_`, `.` and
+/// `/`, starting with a letter or digit.
+pub fn valid_label_key(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= 63
+        && key.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && key.chars().all(|c| {
+            c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.' | '/')
+        })
+}
+
+/// Whether `value` is a label value: at most 256 printable characters.
+pub fn valid_label_value(value: &str) -> bool {
+    value.chars().count() <= 256 && !value.chars().any(char::is_control)
 }
 
 /// A run's source.
@@ -189,6 +219,7 @@ impl Default for RunSettings {
             script_cpu_ms: 10_000,
             worker_wait_ms: DEFAULT_WORKER_WAIT_MS,
             source: None,
+            labels: BTreeMap::new(),
         }
     }
 }
@@ -228,6 +259,14 @@ impl RunSettings {
         }
         if let Some(source) = &self.source {
             source.validate()?;
+        }
+        if self.labels.len() > MAX_LABELS {
+            return Err(SettingsError::Labels);
+        }
+        for (k, v) in &self.labels {
+            if !valid_label_key(k) || !valid_label_value(v) {
+                return Err(SettingsError::Label(k.clone()));
+            }
         }
         Ok(())
     }

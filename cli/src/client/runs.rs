@@ -243,34 +243,43 @@ pub async fn stop(a: AgentRefArgs) -> i32 {
 }
 
 /// `flotilla runs --coordinator URL`: the coordinator's store, listed by the coordinator.
-pub async fn list_remote(remote: ClientArgs, json: bool) -> i32 {
+pub async fn list_remote(
+    remote: ClientArgs,
+    filter: &crate::stored::FilterArgs,
+    json: bool,
+) -> i32 {
+    let filter = match filter.filter() {
+        Ok(f) => f,
+        Err(e) => return fail(2, e),
+    };
     let mut client = match remote.client() {
         Ok(c) => c,
         Err(e) => return fail(2, e),
     };
-    match client.list_runs(v1::ListRunsRequest {}).await {
+    let filter_json = match serde_json::to_string(&filter) {
+        Ok(f) => f,
+        Err(e) => return fail(1, e),
+    };
+    match client.list_runs(v1::ListRunsRequest { filter_json }).await {
         Ok(r) => {
-            let text = r.into_inner().runs_json;
-            if json {
-                println!("{text}");
-                return 0;
-            }
-            let runs: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap_or_default();
-            println!(
-                "{:<18} {:<10} {:<7} {:<21} WORKFLOW",
-                "RUN", "STATUS", "AGENTS", "CREATED"
-            );
-            for r in runs {
-                println!(
-                    "{:<18} {:<10} {:<7} {:<21} {}",
-                    r["run_id"].as_str().unwrap_or(""),
-                    r["status"].as_str().unwrap_or(""),
-                    r["agents"],
-                    r["created"].as_str().unwrap_or(""),
-                    crate::term::clean(r["workflow"].as_str().unwrap_or(""))
-                );
-            }
-            0
+            let r = r.into_inner();
+            let runs: Vec<flotilla_coordinator::history::RunSummary> =
+                match serde_json::from_str(&r.runs_json) {
+                    Ok(runs) => runs,
+                    Err(e) => {
+                        return fail(
+                            1,
+                            format!("the coordinator sent runs this client cannot read: {e}"),
+                        );
+                    }
+                };
+            let next = (!r.next.is_empty()).then_some(r.next.as_str());
+            crate::stored::print_runs(
+                &runs,
+                next,
+                json,
+                remote.coordinator.as_deref().unwrap_or("the coordinator"),
+            )
         }
         Err(s) => rpc_fail(&s),
     }

@@ -80,6 +80,16 @@ pub struct CoordinatorArgs {
     /// at once [default: 4096].
     #[arg(long, env = "FLOTILLA_MAX_CONNECTIONS", value_name = "N")]
     max_connections: Option<usize>,
+    /// Delete runs older than this (`30d`) and the stored objects no other run uses, every
+    /// --retention-every, while this coordinator leads [default: keep everything].
+    #[arg(long, env = "FLOTILLA_RETENTION", value_name = "DUR")]
+    retention: Option<String>,
+    /// With --retention: keep failed and interrupted runs whatever their age.
+    #[arg(long, env = "FLOTILLA_RETENTION_KEEP_FAILED")]
+    retention_keep_failed: bool,
+    /// How often the retention sweep runs [default: 24h].
+    #[arg(long, env = "FLOTILLA_RETENTION_EVERY", value_name = "DUR")]
+    retention_every: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -165,6 +175,37 @@ struct Settings {
     shadow_bundled: bool,
     saved_only: bool,
     limits: flotilla_coordinator::listen::Limits,
+    /// The retention policy and how often it runs, if any.
+    retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,
+}
+
+/// `--retention` and its companions.
+fn retention(
+    a: &CoordinatorArgs,
+    file: &config::ConfigFile,
+) -> Result<Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>, String> {
+    let Some(older) = a.retention.as_ref().or(file.retention.as_ref()) else {
+        return Ok(None);
+    };
+    let older_than = config::parse_duration("--retention", older)?;
+    if older_than < std::time::Duration::from_secs(1) {
+        return Err("--retention must be at least 1s; e.g. --retention 30d".into());
+    }
+    let every = match a.retention_every.as_ref().or(file.retention_every.as_ref()) {
+        Some(e) => config::parse_duration("--retention-every", e)?,
+        None => std::time::Duration::from_secs(24 * 3600),
+    };
+    if every < std::time::Duration::from_secs(1) {
+        return Err("--retention-every must be at least 1s; e.g. --retention-every 24h".into());
+    }
+    Ok(Some((
+        flotilla_coordinator::gc::Policy {
+            older_than,
+            keep_failed: a.retention_keep_failed || file.retention_keep_failed.unwrap_or(false),
+            dry_run: false,
+        },
+        every,
+    )))
 }
 
 impl Settings {
@@ -206,6 +247,7 @@ impl Settings {
             shadow_bundled: a.allow_shadow_bundled || file.allow_shadow_bundled.unwrap_or(false),
             saved_only: a.saved_only || file.saved_only.unwrap_or(false),
             limits: listen_limits(a, file)?,
+            retention: retention(a, file)?,
         })
     }
 }
@@ -418,10 +460,19 @@ async fn serve_until_stopped(
     ));
     let serving = tokio::spawn(server::serve(
         coordinator.clone(),
-        registry,
+        registry.clone(),
         opts,
         cancel.clone(),
     ));
+    if let Some((policy, every)) = s.retention.clone() {
+        tokio::spawn(retain(
+            coordinator.clone(),
+            registry.clone(),
+            policy,
+            every,
+            cancel.clone(),
+        ));
+    }
     let ended = |r: Result<Result<(), String>, tokio::task::JoinError>| match r {
         Ok(Ok(())) => 0,
         Ok(Err(e)) => fail(1, e),
@@ -436,6 +487,45 @@ async fn serve_until_stopped(
     cancel.cancel();
     coordinator.shutdown();
     code
+}
+
+/// The retention sweep, every `every` while this coordinator leads (a standby sweeps
+/// nothing: the leader's sweep covers the shared store).
+async fn retain(
+    coordinator: Arc<Coordinator>,
+    registry: Arc<RunRegistry>,
+    policy: flotilla_coordinator::gc::Policy,
+    every: std::time::Duration,
+    cancel: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        if coordinator
+            .leadership()
+            .is_some_and(|l| !*l.office().borrow())
+        {
+            continue;
+        }
+        match flotilla_coordinator::gc::sweep(coordinator.store(), &policy, &registry.running_ids())
+            .await
+        {
+            Ok(swept) => tracing::info!(
+                runs = swept.runs.len(),
+                kept = swept.kept.len(),
+                payloads = swept.payloads,
+                source_objects = swept.source_objects,
+                bytes = swept.bytes,
+                "retention: {}",
+                crate::stored::swept_line(&swept)
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "retention: the sweep stopped; the next one goes on")
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -383,11 +383,33 @@ impl ClientService for ClientSvc {
         req: Request<v1::ListRunsRequest>,
     ) -> Result<Response<v1::ListRunsReply>, Status> {
         self.authorize(&req, "list runs")?;
-        let runs = history::list_runs(self.coordinator.store())
+        let text = req.into_inner().filter_json;
+        let filter: crate::index::Filter = if text.trim().is_empty() {
+            crate::index::Filter::default()
+        } else {
+            if text.len() > 64 << 10 {
+                return Err(ErrorKind::Invalid.status(format!(
+                    "the run filter is {} bytes; at most 64 KiB",
+                    text.len()
+                )));
+            }
+            serde_json::from_str(&text).map_err(|e| {
+                ErrorKind::Invalid.status(format!("the run filter is not valid: {e}"))
+            })?
+        };
+        if let Some(after) = &filter.after
+            && (after.len() > 256 || after.contains('/') || after.starts_with('.'))
+        {
+            return Err(ErrorKind::Invalid.status(
+                "the page token is not one a listing gave: pass the `next` of the page before",
+            ));
+        }
+        let page = crate::index::page(self.coordinator.store(), &filter)
             .await
             .map_err(|e| ErrorKind::Unavailable.status(format!("cannot list runs: {e}")))?;
         Ok(Response::new(v1::ListRunsReply {
-            runs_json: to_json(&runs)?,
+            runs_json: to_json(&page.runs)?,
+            next: page.next.unwrap_or_default(),
         }))
     }
 

@@ -94,6 +94,30 @@ enum Call {
     Fetch(v1::FetchSourceRequest),
     Put(Vec<v1::SourceUpload>),
     Lists,
+    /// A listing with a filter: odd JSON, or a filter with odd values.
+    ListRuns(String),
+}
+
+fn filter_like() -> impl Strategy<Value = String> {
+    (
+        name_like(),
+        name_like(),
+        any::<u64>(),
+        prop_oneof![Just("failed".to_owned()), "\\PC{0,8}"],
+        any::<u64>(),
+    )
+        .prop_map(|(workflow, after, limit, status, since)| {
+            serde_json::json!({
+                "workflow": workflow,
+                "after": after,
+                "limit": limit,
+                "status": status,
+                "since_unix": since,
+                "before_unix": since,
+                "labels": { workflow.clone(): after },
+            })
+            .to_string()
+        })
 }
 
 fn launch() -> impl Strategy<Value = v1::LaunchRequest> {
@@ -174,6 +198,7 @@ fn call() -> impl Strategy<Value = Call> {
         )
         .prop_map(Call::Put),
         1 => Just(Call::Lists),
+        1 => prop_oneof![json_like(), filter_like()].prop_map(Call::ListRuns),
     ]
 }
 
@@ -237,9 +262,13 @@ async fn send(client: &mut ClientServiceClient<Channel>, call: Call) -> Result<(
             .put_source(req(tokio_stream::iter(pieces)))
             .await
             .map(drop),
+        Call::ListRuns(filter_json) => client
+            .list_runs(req(v1::ListRunsRequest { filter_json }))
+            .await
+            .map(drop),
         Call::Lists => {
             let runs = client
-                .list_runs(req(v1::ListRunsRequest {}))
+                .list_runs(req(v1::ListRunsRequest::default()))
                 .await
                 .map(drop);
             let workers = client

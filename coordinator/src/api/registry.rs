@@ -41,6 +41,15 @@ impl RunRegistry {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The runs this process drives that have not ended.
+    pub fn running_ids(&self) -> std::collections::HashSet<String> {
+        self.lock()
+            .iter()
+            .filter(|(_, e)| e.report.borrow().is_none())
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// Every run this process tracks: its snapshot and whether it has ended.
     pub fn all(&self) -> Vec<(Arc<Snapshot>, bool)> {
         self.lock()

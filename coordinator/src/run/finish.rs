@@ -167,6 +167,12 @@ impl RunEngine {
                 }
                 Err(e) => tracing::error!(error = %e, "cannot encode the run report"),
             }
+            if let Some(entry) = &self.init.indexed
+                && let Err(e) = crate::index::record(&self.init.store, &entry.ended(&report)).await
+            {
+                // Listing reads the report of a run whose entry still says running.
+                tracing::warn!(run = %self.run, error = %e, "cannot update the run index");
+            }
         }
         for held in std::mem::take(&mut self.init.owners) {
             held.release().await;

@@ -136,6 +136,8 @@ pub struct EngineInit {
     pub owners: Vec<crate::owner::Held>,
     /// Where the coordinator merges agents' changes into the run head (a git cache).
     pub cache_dir: Option<std::path::PathBuf>,
+    /// The run's entry in the run index, rewritten with its end (`None`: not indexed).
+    pub indexed: Option<crate::index::Entry>,
 }
 
 struct Call {

@@ -74,6 +74,7 @@ fn engine(
         write_result: true,
         owners: Vec::new(),
         cache_dir: None,
+        indexed: None,
     };
     let handle = start(
         init,

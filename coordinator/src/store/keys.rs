@@ -10,6 +10,7 @@
 //! runs/{run}/owner/{seq}.json              who drives the run (create-only; see `owner`)
 //! payloads/{sha256}                        large results, stored once by content hash
 //! workflows/{name}.js                      workflows saved on the server
+//! index/runs/{countdown}-{run}.json         the run index (see `index`): newest first
 //! sources/{repo}/packs/{sha256}.pack       git objects of run sources, stored once
 //! sources/{repo}/commits/{commit}.json     which pack holds a commit, and what it needs
 //! ```
@@ -101,6 +102,17 @@ pub fn source_commit(repo: &str, commit: &str) -> Path {
 /// A pack being received, before its hash is known.
 pub fn source_incoming(repo: &str, id: &str) -> Path {
     Path::from(format!("sources/{repo}/incoming/{id}"))
+}
+
+/// The run index's directory.
+pub fn index_runs() -> Path {
+    Path::from("index/runs")
+}
+
+/// A run's index entry: `countdown` is its creation time in milliseconds, counted down from
+/// a far date, so that key order is newest first.
+pub fn index_entry(countdown: u64, run: &str) -> Path {
+    Path::from(format!("index/runs/{countdown:013}-{run}.json"))
 }
 
 pub fn saved_workflows() -> Path {

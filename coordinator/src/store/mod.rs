@@ -384,6 +384,94 @@ impl Store {
         Ok(out)
     }
 
+    /// Up to `max` objects under `prefix` (at any depth) whose keys sort after
+    /// `prefix/after`, in key order.
+    pub async fn list_from(
+        &self,
+        prefix: &Path,
+        after: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<Path>, Error> {
+        use futures::StreamExt;
+        let offset = after.map(|a| Path::from(format!("{prefix}/{a}")));
+        let stream = match &offset {
+            Some(o) => self.inner.list_with_offset(Some(prefix), o),
+            None => self.inner.list(Some(prefix)),
+        };
+        // S3 and memory list in key order, so a page is the listing's first `max`; a directory
+        // on disk lists in no order, so it is read whole and sorted.
+        let sorted = self.local_root.is_none();
+        let mut all: Vec<Path> = Vec::new();
+        let mut stream = stream;
+        while let Some(item) = stream.next().await {
+            let meta = item.map_err(|source| Error::Storage {
+                key: prefix.to_string(),
+                source,
+            })?;
+            all.push(meta.location);
+            if sorted && all.len() >= max {
+                break;
+            }
+        }
+        all.sort();
+        all.truncate(max);
+        Ok(all)
+    }
+
+    /// Every object under `prefix` (at any depth) with its size and time.
+    pub async fn list_all(&self, prefix: &Path) -> Result<Vec<object_store::ObjectMeta>, Error> {
+        use futures::TryStreamExt;
+        let mut all: Vec<object_store::ObjectMeta> = self
+            .inner
+            .list(Some(prefix))
+            .try_collect()
+            .await
+            .map_err(|source| Error::Storage {
+                key: prefix.to_string(),
+                source,
+            })?;
+        all.sort_by(|a, b| a.location.cmp(&b.location));
+        Ok(all)
+    }
+
+    /// On a store on the local disk, removes the directories under `prefix` that deletes left
+    /// empty (object stores have no directories; a disk keeps them). Elsewhere nothing.
+    pub fn prune_empty_dirs(&self, prefix: &Path) {
+        fn prune(dir: &std::path::Path) -> bool {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return false;
+            };
+            let mut empty = true;
+            for e in entries.flatten() {
+                let p = e.path();
+                // Only real directories: a symlink is never followed.
+                let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+                if !(is_dir && prune(&p)) {
+                    empty = false;
+                }
+            }
+            empty && std::fs::remove_dir(dir).is_ok()
+        }
+        if let Some(root) = &self.local_root {
+            prune(&root.join(prefix.as_ref()));
+        }
+    }
+
+    /// Deletes an object; one that is not there counts as deleted.
+    pub async fn delete(&self, key: &Path) -> Result<(), Error> {
+        use futures::StreamExt;
+        let mut done = self
+            .inner
+            .delete_stream(futures::stream::once(futures::future::ready(Ok(key.clone()))).boxed());
+        while let Some(r) = done.next().await {
+            match r {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(source) => return Err(write_error(key, source)),
+            }
+        }
+        Ok(())
+    }
+
     /// A path a user can open for a stored object, when the store is on the local disk.
     pub fn display_path(&self, key: &Path) -> String {
         match &self.local_root {

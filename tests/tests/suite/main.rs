@@ -15,6 +15,7 @@ mod cluster_hosts;
 mod cluster_sandbox;
 mod cluster_sources;
 mod combinators;
+mod day2;
 mod defects;
 mod dev;
 mod exec;

@@ -1,0 +1,313 @@
+//! Retention: deletes runs older than a cutoff, and the shared objects nothing else uses.
+//!
+//! A run is deleted when it was created before the cutoff, has ended (a run still running,
+//! paused, or driven by a live owner is never touched), is not being run by this process,
+//! is not the run a live resume reads from, and — with `keep_failed` — did not fail. Its
+//! objects go first, its manifest after them, its index entry last, so a sweep cut short is
+//! finished by the next one and never leaves a listed run without its objects silently.
+//!
+//! Shared objects are deleted only when no remaining run references them and they are older
+//! than the cutoff themselves (a newer one may belong to a run being written now):
+//! `payloads/` (large results, referenced by the runs' journals) and `sources/` (commit
+//! records and packs, referenced by the runs' manifests and by each other's prerequisites).
+//! A payload is looked at once more just before it is deleted, and kept if it was written
+//! again meanwhile (a new run that stored the same result).
+
+use std::collections::{BTreeSet, HashSet};
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+
+use crate::index::{self, Entry};
+use crate::report::RunStatus;
+use crate::source::CommitRecord;
+use crate::store::records::Manifest;
+use crate::store::{Error, Store, keys};
+use object_store::ObjectStoreExt;
+
+/// What a sweep deletes.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Runs created longer ago than this go.
+    pub older_than: Duration,
+    /// Keep failed and interrupted runs whatever their age.
+    pub keep_failed: bool,
+    /// Say what would go, delete nothing.
+    pub dry_run: bool,
+}
+
+/// What a sweep deleted (or, dry, would delete).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Swept {
+    pub dry_run: bool,
+    /// The runs deleted, oldest last.
+    pub runs: Vec<String>,
+    /// Old runs kept: still running or driven, resumed from, or failed with `keep_failed`.
+    pub kept: Vec<Kept>,
+    pub objects: u64,
+    pub bytes: u64,
+    pub payloads: u64,
+    pub source_objects: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Kept {
+    pub run_id: String,
+    pub why: String,
+}
+
+/// Deletes what `policy` says from `store`; `running_here` names the runs this process
+/// drives (never deleted, whatever their entries say).
+pub async fn sweep(
+    store: &Store,
+    policy: &Policy,
+    running_here: &HashSet<String>,
+) -> Result<Swept, Error> {
+    let cutoff = SystemTime::now()
+        .checked_sub(policy.older_than)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let cutoff_ms = cutoff
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let mut out = Swept {
+        dry_run: policy.dry_run,
+        ..Swept::default()
+    };
+    let every = read_index(store, None).await?;
+    // Runs that a run not yet ended resumes from: its journal is still being read.
+    let resumed: HashSet<&str> = every
+        .iter()
+        .filter(|e| !e.status.is_final())
+        .filter_map(|e| e.parent_run_id.as_deref())
+        .collect();
+    let created_before = |e: &Entry| {
+        humantime::parse_rfc3339_weak(&e.created)
+            .ok()
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .is_some_and(|d| d.as_millis() < cutoff_ms)
+    };
+    let mut victims = Vec::new();
+    for e in every.iter().filter(|e| created_before(e)) {
+        let why = if !e.status.is_final() {
+            Some(format!("it is {}", e.status.as_str()))
+        } else if running_here.contains(&e.run_id) {
+            Some("this coordinator runs it".to_owned())
+        } else if resumed.contains(e.run_id.as_str()) {
+            Some("a running run resumes from it".to_owned())
+        } else if policy.keep_failed
+            && matches!(e.status, RunStatus::Failed | RunStatus::Interrupted)
+        {
+            Some(format!("it {} (--keep-failed)", e.status.as_str()))
+        } else {
+            None
+        };
+        match why {
+            Some(why) => out.kept.push(Kept {
+                run_id: e.run_id.clone(),
+                why,
+            }),
+            None => victims.push(e.clone()),
+        }
+    }
+    for e in &victims {
+        let (n, bytes) = delete_run(store, e, policy.dry_run).await?;
+        out.objects += n;
+        out.bytes += bytes;
+        out.runs.push(e.run_id.clone());
+    }
+    let gone: HashSet<&str> = victims.iter().map(|e| e.run_id.as_str()).collect();
+    let remaining: Vec<&Entry> = every
+        .iter()
+        .filter(|e| !gone.contains(e.run_id.as_str()))
+        .collect();
+    let (payloads, pbytes) = sweep_payloads(store, &remaining, cutoff, policy.dry_run).await?;
+    out.payloads = payloads;
+    out.bytes += pbytes;
+    let (sources, sbytes) = sweep_sources(store, &remaining, cutoff, policy.dry_run).await?;
+    out.source_objects = sources;
+    out.bytes += sbytes;
+    Ok(out)
+}
+
+/// Every entry of the index (its statuses checked against the runs' owners).
+async fn read_index(store: &Store, before_unix: Option<u64>) -> Result<Vec<Entry>, Error> {
+    let mut filter = index::Filter {
+        limit: Some(index::MAX_PAGE),
+        before_unix,
+        ..index::Filter::default()
+    };
+    let mut all = Vec::new();
+    loop {
+        let page = index::page(store, &filter).await?;
+        all.extend(page.runs);
+        match page.next {
+            Some(n) => filter.after = Some(n),
+            None => return Ok(all),
+        }
+    }
+}
+
+/// Deletes one run: its objects, then its manifest, then its index entry. How many objects
+/// and bytes.
+async fn delete_run(store: &Store, e: &Entry, dry: bool) -> Result<(u64, u64), Error> {
+    let objects = store.list_all(&keys::run_dir(&e.run_id)).await?;
+    let manifest = keys::manifest(&e.run_id);
+    let (mut n, mut bytes) = (0u64, 0u64);
+    for o in objects.iter().filter(|o| o.location != manifest) {
+        n += 1;
+        bytes += o.size;
+        if !dry {
+            store.delete(&o.location).await?;
+        }
+    }
+    if let Some(m) = objects.iter().find(|o| o.location == manifest) {
+        n += 1;
+        bytes += m.size;
+        if !dry {
+            store.delete(&manifest).await?;
+        }
+    }
+    if !dry {
+        index::forget(store, e).await?;
+        store.prune_empty_dirs(&keys::run_dir(&e.run_id));
+    }
+    Ok((n, bytes))
+}
+
+/// The payloads the runs' journals reference.
+async fn referenced_payloads(store: &Store, runs: &[&Entry]) -> Result<HashSet<String>, Error> {
+    let mut out = HashSet::new();
+    for e in runs {
+        for seg in store.list_objects(&keys::calls_dir(&e.run_id)).await? {
+            let Some(body) = store.get(&seg).await? else {
+                continue;
+            };
+            for line in body.split(|b| *b == b'\n') {
+                if let Ok(v) = serde_json::from_slice::<serde_json::Value>(line)
+                    && let Some(sha) = v.get("payload").and_then(|p| p.as_str())
+                {
+                    out.insert(sha.to_owned());
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn sweep_payloads(
+    store: &Store,
+    remaining: &[&Entry],
+    cutoff: SystemTime,
+    dry: bool,
+) -> Result<(u64, u64), Error> {
+    let all = store
+        .list_all(&object_store::path::Path::from("payloads"))
+        .await?;
+    if all.is_empty() {
+        return Ok((0, 0));
+    }
+    let wanted = referenced_payloads(store, remaining).await?;
+    let (mut n, mut bytes) = (0, 0);
+    for o in all {
+        let Some(sha) = o.location.filename() else {
+            continue;
+        };
+        if wanted.contains(sha) || SystemTime::from(o.last_modified) >= cutoff {
+            continue;
+        }
+        // Written again since the listing (a new run stored the same result): keep it.
+        if !dry && !still_old(store, &o.location, cutoff).await? {
+            continue;
+        }
+        n += 1;
+        bytes += o.size;
+        if !dry {
+            store.delete(&o.location).await?;
+        }
+    }
+    Ok((n, bytes))
+}
+
+async fn still_old(
+    store: &Store,
+    key: &object_store::path::Path,
+    cutoff: SystemTime,
+) -> Result<bool, Error> {
+    match store.inner.head(key).await {
+        Ok(meta) => Ok(SystemTime::from(meta.last_modified) < cutoff),
+        Err(object_store::Error::NotFound { .. }) => Ok(false),
+        Err(source) => Err(Error::Storage {
+            key: key.to_string(),
+            source,
+        }),
+    }
+}
+
+/// The source objects the remaining runs need: their commits' records and the packs of those
+/// and of every prerequisite, transitively.
+async fn referenced_sources(
+    store: &Store,
+    runs: &[&Entry],
+) -> Result<BTreeSet<object_store::path::Path>, Error> {
+    let mut keep = BTreeSet::new();
+    let mut todo: Vec<(String, String)> = Vec::new();
+    for e in runs {
+        let Some(body) = store.get(&keys::manifest(&e.run_id)).await? else {
+            continue;
+        };
+        let Ok(m) = serde_json::from_slice::<Manifest>(&body) else {
+            continue;
+        };
+        if let Some(src) = m.settings.source
+            && src.url.is_none()
+        {
+            todo.push((src.repo, src.commit));
+        }
+    }
+    while let Some((repo, commit)) = todo.pop() {
+        let key = keys::source_commit(&repo, &commit);
+        if !keep.insert(key.clone()) {
+            continue;
+        }
+        let Some(body) = store.get(&key).await? else {
+            continue;
+        };
+        let Ok(record) = serde_json::from_slice::<CommitRecord>(&body) else {
+            continue;
+        };
+        keep.insert(keys::source_pack(&repo, &record.pack));
+        todo.extend(record.prerequisites.into_iter().map(|c| (repo.clone(), c)));
+    }
+    Ok(keep)
+}
+
+async fn sweep_sources(
+    store: &Store,
+    remaining: &[&Entry],
+    cutoff: SystemTime,
+    dry: bool,
+) -> Result<(u64, u64), Error> {
+    let all = store
+        .list_all(&object_store::path::Path::from("sources"))
+        .await?;
+    if all.is_empty() {
+        return Ok((0, 0));
+    }
+    let keep = referenced_sources(store, remaining).await?;
+    let (mut n, mut bytes) = (0, 0);
+    // Commit records before packs: a record never names a pack that is gone.
+    let (records, others): (Vec<_>, Vec<_>) = all
+        .into_iter()
+        .partition(|o| o.location.as_ref().contains("/commits/"));
+    for o in records.into_iter().chain(others) {
+        if keep.contains(&o.location) || SystemTime::from(o.last_modified) >= cutoff {
+            continue;
+        }
+        n += 1;
+        bytes += o.size;
+        if !dry {
+            store.delete(&o.location).await?;
+        }
+    }
+    Ok((n, bytes))
+}

@@ -1,0 +1,357 @@
+//! The run index: one small object per run under `index/runs/`, so runs are listed, filtered
+//! and paged without reading every run's report.
+//!
+//! An entry is written when a run is created (status `running`) and written again when it
+//! ends (its final status, agents and end time). Its key starts with the run's creation time
+//! counted down from a far date, so a listing in key order is newest first, and a page ends
+//! where the next begins (`after`, the last key of a page). A store written before the index
+//! existed is indexed on its first listing, from the runs' manifests and reports.
+//!
+//! A run whose entry says `running` is checked against its owner when listed: one whose
+//! driver is gone shows as `interrupted`, as [`crate::history::load_report`] says.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::report::{Report, RunStatus};
+use crate::store::records::Manifest;
+use crate::store::{Error, Store, keys};
+
+/// What the index knows of a run (also a row of `flotilla runs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub run_id: String,
+    pub status: RunStatus,
+    pub workflow: String,
+    /// RFC 3339, seconds.
+    pub created: String,
+    /// When it ended (RFC 3339), if it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
+    pub agents: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_run_id: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Entry {
+    /// The entry of a run just created.
+    pub fn created(m: &Manifest) -> Entry {
+        Entry {
+            run_id: m.run_id.clone(),
+            status: RunStatus::Running,
+            workflow: m.workflow.name.clone(),
+            created: m.created.clone(),
+            ended: None,
+            agents: 0,
+            parent_run_id: m.parent_run_id.clone(),
+            labels: m.settings.labels.clone(),
+        }
+    }
+
+    /// This entry once the run has ended with `report`.
+    pub fn ended(&self, report: &Report) -> Entry {
+        Entry {
+            status: report.status,
+            agents: report.usage.agents,
+            ended: Some(now_rfc3339()),
+            ..self.clone()
+        }
+    }
+
+    fn created_ms(&self) -> u64 {
+        humantime::parse_rfc3339_weak(&self.created)
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+
+    /// Its key: newest first in key order.
+    pub fn key(&self) -> object_store::path::Path {
+        keys::index_entry(countdown(self.created_ms()), &self.run_id)
+    }
+}
+
+/// Milliseconds of a date far ahead (the year 2286): creation times count down from it.
+const FAR_MS: u64 = 9_999_999_999_999;
+
+fn countdown(ms: u64) -> u64 {
+    FAR_MS.saturating_sub(ms)
+}
+
+fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+/// Writes (or rewrites) a run's entry.
+pub async fn record(store: &Store, entry: &Entry) -> Result<(), Error> {
+    let body = serde_json::to_vec(entry).map_err(|e| Error::Corrupt {
+        key: entry.key().to_string(),
+        reason: e.to_string(),
+    })?;
+    store.put_overwrite(&entry.key(), Bytes::from(body)).await
+}
+
+/// Which runs a listing wants, and where its page starts.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Filter {
+    /// Runs of this workflow (its `meta.name`).
+    pub workflow: Option<String>,
+    /// Runs in this status (`running`, `completed`, `failed`, `stopped`, `interrupted`, ...).
+    pub status: Option<RunStatus>,
+    /// Runs created at or after this time (seconds since the epoch).
+    pub since_unix: Option<u64>,
+    /// Runs created before this time (seconds since the epoch).
+    pub before_unix: Option<u64>,
+    /// Runs that carry every one of these labels.
+    pub labels: BTreeMap<String, String>,
+    /// The most runs a page holds [default 100, at most 1000].
+    pub limit: Option<usize>,
+    /// Where the page starts: the `next` of the page before.
+    pub after: Option<String>,
+}
+
+/// Runs per page unless the caller says.
+pub const PAGE: usize = 100;
+/// The most a page holds.
+pub const MAX_PAGE: usize = 1000;
+
+/// A page of runs, newest first; `next` is set while more may follow.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Page {
+    pub runs: Vec<Entry>,
+    pub next: Option<String>,
+}
+
+impl Filter {
+    fn wants(&self, e: &Entry) -> bool {
+        self.workflow.as_ref().is_none_or(|w| *w == e.workflow)
+            && self.status.is_none_or(|s| s == e.status)
+            && self
+                .labels
+                .iter()
+                .all(|(k, v)| e.labels.get(k).is_some_and(|have| have == v))
+    }
+}
+
+/// A page of the runs `filter` wants.
+pub async fn page(store: &Store, filter: &Filter) -> Result<Page, Error> {
+    backfill_if_new(store).await?;
+    let limit = filter.limit.unwrap_or(PAGE).clamp(1, MAX_PAGE);
+    // Keys are newest first: `before` starts the listing at its time, `since` ends it.
+    let start = match (&filter.after, filter.before_unix) {
+        (Some(after), _) => Some(after.clone()),
+        (None, Some(before)) => Some(format!("{:013}.", countdown(before.saturating_mul(1000)))),
+        (None, None) => None,
+    };
+    let stop = filter
+        .since_unix
+        .map(|since| format!("{:013}.", countdown(since.saturating_mul(1000))));
+    let mut out = Page::default();
+    let mut cursor = start;
+    'pages: loop {
+        let batch = store
+            .list_from(&keys::index_runs(), cursor.as_deref(), 512)
+            .await?;
+        if batch.is_empty() {
+            break;
+        }
+        let names: Vec<String> = batch
+            .iter()
+            .filter_map(|p| p.filename().map(str::to_owned))
+            .collect();
+        cursor = names.last().cloned();
+        let bodies = futures::future::join_all(batch.iter().map(|k| store.get(k))).await;
+        for (name, body) in names.iter().zip(bodies) {
+            if stop.as_ref().is_some_and(|s| name.as_str() > s.as_str()) {
+                break 'pages;
+            }
+            let Some(body) = body? else { continue };
+            let Ok(mut entry) = serde_json::from_slice::<Entry>(&body) else {
+                continue;
+            };
+            if entry.status == RunStatus::Running || entry.status == RunStatus::Paused {
+                entry.status = live_status(store, &entry).await?;
+            }
+            if !filter.wants(&entry) {
+                continue;
+            }
+            if out.runs.len() == limit {
+                // One more matches: the page ends at the entry before it.
+                out.next = out
+                    .runs
+                    .last()
+                    .map(|e| e.key().filename().unwrap_or("").to_owned());
+                break 'pages;
+            }
+            out.runs.push(entry);
+        }
+        if batch.len() < 512 {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// A `running` entry's status as its owner has it: `interrupted` when its driver is gone.
+async fn live_status(store: &Store, e: &Entry) -> Result<RunStatus, Error> {
+    if store.get(&keys::result(&e.run_id)).await?.is_some() {
+        // It ended, but the entry was not rewritten (the end's write failed): the report.
+        return Ok(crate::history::load_report(store, &e.run_id)
+            .await
+            .map_or(e.status, |r| r.status));
+    }
+    match crate::owner::current(store, &e.run_id).await? {
+        Some((_, _, live)) if live != crate::owner::Liveness::Live => Ok(RunStatus::Interrupted),
+        _ => Ok(e.status),
+    }
+}
+
+/// Indexes a store that has runs and no index (written before there was one).
+async fn backfill_if_new(store: &Store) -> Result<(), Error> {
+    if !store
+        .list_from(&keys::index_runs(), None, 1)
+        .await?
+        .is_empty()
+    {
+        return Ok(());
+    }
+    backfill(store).await.map(|_| ())
+}
+
+/// Writes an entry for every run of the store that has a manifest; how many.
+pub async fn backfill(store: &Store) -> Result<usize, Error> {
+    let mut n = 0;
+    for dir in store.list_prefixes(&keys::runs()).await? {
+        let Some(run) = dir.filename() else { continue };
+        let Some(body) = store.get(&keys::manifest(run)).await? else {
+            continue;
+        };
+        let Ok(m) = serde_json::from_slice::<Manifest>(&body) else {
+            continue;
+        };
+        let mut entry = Entry::created(&m);
+        if let Ok(report) = crate::history::load_report(store, run).await
+            && report.status.is_final()
+        {
+            entry.status = report.status;
+            entry.agents = report.usage.agents;
+        }
+        record(store, &entry).await?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Removes a run's entry (retention).
+pub async fn forget(store: &Store, entry: &Entry) -> Result<(), Error> {
+    store.delete(&entry.key()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(run: &str, created: &str, workflow: &str, status: RunStatus) -> Entry {
+        Entry {
+            run_id: run.into(),
+            status,
+            workflow: workflow.into(),
+            created: created.into(),
+            ended: None,
+            agents: 1,
+            parent_run_id: None,
+            labels: BTreeMap::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn pages_are_newest_first_filtered_and_end_where_the_next_begins() {
+        let store = crate::store::open("memory://").unwrap();
+        let mut all = Vec::new();
+        for i in 0..25u32 {
+            let mut e = entry(
+                &format!("wf_{i:08x}-000"),
+                &format!("2026-11-{:02}T10:00:00Z", 1 + i),
+                if i % 2 == 0 { "even" } else { "odd" },
+                if i % 5 == 0 {
+                    RunStatus::Failed
+                } else {
+                    RunStatus::Completed
+                },
+            );
+            if i % 3 == 0 {
+                e.labels.insert("team".into(), "core".into());
+            }
+            record(&store, &e).await.unwrap();
+            all.push(e);
+        }
+        // Every run, a page of 10 at a time, newest first.
+        let mut seen = Vec::new();
+        let mut filter = Filter {
+            limit: Some(10),
+            ..Filter::default()
+        };
+        loop {
+            let p = page(&store, &filter).await.unwrap();
+            seen.extend(p.runs.iter().map(|e| e.run_id.clone()));
+            match p.next {
+                Some(n) => filter.after = Some(n),
+                None => break,
+            }
+        }
+        let newest_first: Vec<String> = all.iter().rev().map(|e| e.run_id.clone()).collect();
+        assert_eq!(seen, newest_first);
+        // Filters, each and together.
+        let ids = |f: Filter| {
+            let store = store.clone();
+            async move {
+                page(&store, &f)
+                    .await
+                    .unwrap()
+                    .runs
+                    .into_iter()
+                    .map(|e| e.run_id)
+                    .collect::<Vec<_>>()
+            }
+        };
+        let failed_even = ids(Filter {
+            workflow: Some("even".into()),
+            status: Some(RunStatus::Failed),
+            ..Filter::default()
+        })
+        .await;
+        assert_eq!(
+            failed_even,
+            ["wf_00000014-000", "wf_0000000a-000", "wf_00000000-000"]
+        );
+        let core = ids(Filter {
+            labels: [("team".to_owned(), "core".to_owned())].into(),
+            ..Filter::default()
+        })
+        .await;
+        assert_eq!(core.len(), 9);
+        let since = humantime::parse_rfc3339("2026-11-20T10:00:00Z")
+            .unwrap()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let recent = ids(Filter {
+            since_unix: Some(since),
+            ..Filter::default()
+        })
+        .await;
+        assert_eq!(recent.len(), 6, "{recent:?}");
+        let older = ids(Filter {
+            before_unix: Some(since),
+            ..Filter::default()
+        })
+        .await;
+        assert_eq!(older.len(), 19, "{older:?}");
+        assert_eq!(recent.len() + older.len(), all.len());
+    }
+}

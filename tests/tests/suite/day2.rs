@@ -1,0 +1,352 @@
+//! Day-2 tools (issue 17): `flotilla runs` filtered and paged by workflow, status, time and
+//! label, and retention (`flotilla gc`), which deletes old runs and the stored objects nothing
+//! else uses, never a live run or an object a remaining run references.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use flotilla_tests::Env;
+use serde_json::Value;
+
+fn ids(listed: &Value) -> Vec<String> {
+    listed
+        .as_array()
+        .unwrap_or_else(|| panic!("not a list: {listed}"))
+        .iter()
+        .map(|r| r["run_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn run_id(env: &Env, script: &Path, extra: &[&str]) -> (i32, String) {
+    let (code, report) = env.run(script, &[&["--stagger", "0"], extra].concat());
+    let id = report["run_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no run id: {report}"))
+        .to_owned();
+    (code, id)
+}
+
+/// Files under `dir` (recursively), as paths relative to it.
+fn files_under(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap().display().to_string());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn runs_are_listed_by_workflow_status_time_and_label_a_page_at_a_time() {
+    let env = Env::new();
+    let alpha = env.script("alpha", "return await agent('a');");
+    let beta = env.script("beta", "await agent('b'); throw new Error('beta fails');");
+    let mut made = Vec::new();
+    for i in 0..5 {
+        let team = if i % 2 == 0 { "team=core" } else { "team=web" };
+        let (code, id) = run_id(&env, &alpha, &["--label", team, "--label", "tier=1"]);
+        assert_eq!(code, 0);
+        made.push(id);
+    }
+    let (code, failed) = run_id(&env, &beta, &["--label", "team=core"]);
+    assert_ne!(code, 0);
+    made.push(failed.clone());
+
+    let list = |args: &[&str]| {
+        let out = env.flotilla(&[&["runs", "--json"], args].concat());
+        assert_eq!(out.code, 0, "{out:?}");
+        (out.json(), out.stderr)
+    };
+    let (all, _) = list(&[]);
+    let newest_first: Vec<String> = made.iter().rev().cloned().collect();
+    assert_eq!(ids(&all), newest_first);
+    assert_eq!(all[0]["labels"]["team"], "core", "{all}");
+    let (core, _) = list(&["--label", "team=core"]);
+    assert_eq!(
+        ids(&core),
+        [
+            made[5].clone(),
+            made[4].clone(),
+            made[2].clone(),
+            made[0].clone()
+        ]
+    );
+    let (both, _) = list(&["--label", "team=core", "--label", "tier=1"]);
+    assert_eq!(
+        ids(&both),
+        [made[4].clone(), made[2].clone(), made[0].clone()]
+    );
+    let (fails, _) = list(&["--status", "failed"]);
+    assert_eq!(ids(&fails), std::slice::from_ref(&failed));
+    let (by_name, _) = list(&["--workflow", "beta"]);
+    assert_eq!(ids(&by_name), std::slice::from_ref(&failed));
+    let (recent, _) = list(&["--since", "1h"]);
+    assert_eq!(recent.as_array().unwrap().len(), 6);
+    let (none, _) = list(&["--since", "2999-01-01T00:00:00Z"]);
+    assert_eq!(none.as_array().unwrap().len(), 0);
+
+    // Pages of two: every run once, in order, each page naming where the next begins.
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = vec!["--limit", "2"];
+        if let Some(a) = &after {
+            args.extend(["--after", a]);
+        }
+        let (page, stderr) = list(&args);
+        seen.extend(ids(&page));
+        match stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("more runs follow: add --after "))
+        {
+            Some(token) => after = Some(token.trim().to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, newest_first);
+
+    // Bad filters are refused by name.
+    for (args, says) in [
+        (vec!["runs", "--status", "done"], "--status"),
+        (vec!["runs", "--label", "Team"], "KEY=VALUE"),
+        (vec!["runs", "--since", "yesterday"], "--since"),
+        (
+            vec!["run", alpha.to_str().unwrap(), "--label", "BAD KEY=x"],
+            "--label",
+        ),
+    ] {
+        let out = env.flotilla(&args);
+        assert_eq!(out.code, 2, "{args:?}: {out:?}");
+        assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
+    }
+}
+
+#[test]
+fn gc_deletes_old_ended_runs_and_what_only_they_used_never_a_live_run_or_a_shared_payload() {
+    let env = Env::new();
+    let store = env.path().join("store");
+    // Two runs with the same big result (one payload, stored once), one of them failing.
+    let shared = "const r = await agent('pad ' + 'q'.repeat(300000));";
+    let kept_script = env.script(
+        "keeps",
+        &format!("{shared}\nthrow new Error('fails after');"),
+    );
+    let gone_script = env.script("goes", &format!("{shared}\nreturn r.length;"));
+    let small = env.script("small", "return await agent('small');");
+    let (code, failed) = run_id(&env, &kept_script, &[]);
+    assert_ne!(code, 0);
+    let (code, gone) = run_id(&env, &gone_script, &[]);
+    assert_eq!(code, 0);
+    let (code, small_run) = run_id(&env, &small, &[]);
+    assert_eq!(code, 0);
+    let payloads = files_under(&store.join("payloads"));
+    assert_eq!(
+        payloads.len(),
+        1,
+        "one payload for the two equal results: {payloads:?}"
+    );
+
+    // A live run in another process: never deleted.
+    let long = env.script("long", "return await agent('wait [[sleep:60000]]');");
+    let mut live = env
+        .command(
+            &["run", long.to_str().unwrap(), "--json", "--stagger", "0"],
+            &[],
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let live_id = loop {
+        let out = env.flotilla(&["runs", "--json", "--status", "running"]);
+        if let Some(id) = ids(&out.json()).first() {
+            break id.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the long run never showed: {out:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+
+    // Wait until all four are older than a second (what --older-than 1s looks at).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let dry = loop {
+        let out = env.flotilla(&["gc", "--older-than", "1s", "--dry-run", "--json"]);
+        assert_eq!(out.code, 0, "{out:?}");
+        let v = out.json();
+        if v["runs"].as_array().unwrap().len() + v["kept"].as_array().unwrap().len() == 4 {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "{v}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(dry["dry_run"], true);
+    assert_eq!(dry["runs"].as_array().unwrap().len(), 3, "{dry}");
+    assert!(
+        dry["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["run_id"] == live_id.as_str()
+                && k["why"].as_str().unwrap().contains("running")),
+        "{dry}"
+    );
+    // A dry run deletes nothing.
+    assert_eq!(env.flotilla(&["show", &gone, "--json"]).code, 0);
+
+    let out = env.flotilla(&["gc", "--older-than", "1s", "--keep-failed", "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let swept = out.json();
+    let mut deleted: Vec<String> = swept["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_owned())
+        .collect();
+    deleted.sort();
+    let mut expected = vec![gone.clone(), small_run.clone()];
+    expected.sort();
+    assert_eq!(deleted, expected, "{swept}");
+    for run in [&gone, &small_run] {
+        let shown = env.flotilla(&["show", run]);
+        assert_ne!(shown.code, 0, "{run} is still there");
+        assert!(
+            !store.join("runs").join(run).exists(),
+            "{run}'s objects are left"
+        );
+    }
+    // The failed run keeps its payload, and its journal still reads whole.
+    assert_eq!(files_under(&store.join("payloads")), payloads);
+    let failed_report = env.flotilla(&["show", &failed, "--json"]);
+    assert_eq!(failed_report.code, 0, "{failed_report:?}");
+    assert_eq!(failed_report.json()["status"], "failed");
+    // Resumed, its call is served from its journal, big result (the payload) and all.
+    let (_, resumed) = env.run(&kept_script, &["--stagger", "0", "--resume", &failed]);
+    assert_eq!(resumed["agents"][0]["cached"], true, "{resumed}");
+    assert!(
+        resumed["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("fails after"),
+        "{resumed}"
+    );
+    // The live run is untouched and still goes on.
+    let listed = env.flotilla(&["runs", "--json"]).json();
+    assert!(ids(&listed).contains(&live_id));
+
+    // Killed, it is interrupted: old, ended, and without --keep-failed it goes; then nothing
+    // references the payload, so it goes too.
+    live.kill().unwrap();
+    live.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = env.flotilla(&["runs", "--json", "--status", "interrupted"]);
+        if ids(&out.json()).contains(&live_id) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never interrupted: {out:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The resume is a run too: wait until it is a second old as well.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = env.flotilla(&["gc", "--older-than", "1s", "--dry-run", "--json"]);
+        assert_eq!(out.code, 0, "{out:?}");
+        if out.json()["runs"].as_array().unwrap().len() == 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{out:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = env.flotilla(&["gc", "--older-than", "1s"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains("deleted 3 runs"), "{}", out.stdout);
+    assert!(out.stdout.contains("1 payloads"), "{}", out.stdout);
+    assert!(files_under(&store.join("payloads")).is_empty());
+    let listed = env.flotilla(&["runs", "--json"]).json();
+    assert!(ids(&listed).is_empty(), "{listed}");
+    assert!(files_under(&store.join("index")).is_empty());
+}
+
+#[test]
+fn a_coordinator_s_retention_deletes_ended_runs_and_keeps_a_running_run_and_its_source() {
+    let c = flotilla_tests::cluster::Cluster::start_coordinator_with(
+        1,
+        4,
+        &["--retention", "1s", "--retention-every", "1s"],
+    );
+    let repo = c.path().join("repo");
+    flotilla_tests::git_repo(&repo);
+    std::fs::write(repo.join("code.txt"), "the code\n").unwrap();
+    flotilla_tests::commit_all(&repo, "code");
+    let long = c.launch_in(
+        &repo,
+        "long",
+        "return await agent('wait [[sleep:60000]]');",
+        &["--label", "kind=long", "--stagger", "0"],
+    );
+    let quick = c.launch_in(
+        &repo,
+        "quick",
+        "return await agent('quick');",
+        &["--label", "kind=quick", "--stagger", "0"],
+    );
+    let store = c.path().join("store");
+    // The fleet lists by label too (the coordinator reads its index).
+    let listed = c.client(&["runs", "--json", "--label", "kind=long"]);
+    assert_eq!(listed.code, 0, "{listed:?}");
+    assert_eq!(ids(&listed.json()), std::slice::from_ref(&long));
+    let (code, report) = c.wait(&quick);
+    assert_eq!(code, 0, "{report}");
+
+    // The sweep takes the ended run; the running one and the source it uses stay.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = ids(&c.client(&["runs", "--json"]).json());
+        if !now.contains(&quick) {
+            assert!(now.contains(&long), "{now:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "retention never took {quick}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(!store.join("runs").join(&quick).exists());
+    let sources = files_under(&store.join("sources"));
+    assert!(
+        sources.iter().any(|f| f.contains("/commits/"))
+            && sources.iter().any(|f| f.ends_with(".pack")),
+        "the running run's source went: {sources:?}"
+    );
+    let status = c.client(&["status", &long, "--json"]);
+    assert_eq!(status.code, 0, "the long run is not running: {status:?}");
+
+    // Stopped, it ends, and then it and its source go.
+    let out = c.client(&["stop", &long]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = ids(&c.client(&["runs", "--json"]).json());
+        if now.is_empty() && files_under(&store.join("sources")).is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left: {now:?} {:?}",
+            files_under(&store.join("sources"))
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
