@@ -332,6 +332,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         owners: Vec::new(),
         cache_dir: None,
         indexed: None,
+        notifier: None,
     };
     let handle = run::start(
         init,

@@ -76,10 +76,27 @@ pub struct SettingFlags {
     /// Root of the agents' working directories.
     #[arg(long, env = "FLOTILLA_WORKSPACE", value_name = "DIR")]
     pub workspace: Option<PathBuf>,
+    /// POST the run's end here (signed with FLOTILLA_NOTIFY_SECRET embedded, or the
+    /// coordinator's --notify-secret-file), retried with backoff.
+    #[arg(long, env = "FLOTILLA_NOTIFY", value_name = "URL")]
+    pub notify: Option<String>,
     /// A label of the run, for finding it again (`flotilla runs --label KEY=VALUE`;
     /// repeatable).
     #[arg(long = "label", value_name = "KEY=VALUE")]
     pub labels: Vec<String>,
+}
+
+/// The webhook signer of `FLOTILLA_NOTIFY_SECRET`, if it is set.
+pub fn notifier_from_env()
+-> anyhow::Result<Option<std::sync::Arc<flotilla_coordinator::notify::Notifier>>> {
+    match std::env::var("FLOTILLA_NOTIFY_SECRET") {
+        Ok(secret) if !secret.is_empty() => {
+            let n = flotilla_coordinator::notify::Notifier::new(secret.as_bytes())
+                .map_err(|e| anyhow::anyhow!("FLOTILLA_NOTIFY_SECRET: {e}"))?;
+            Ok(Some(std::sync::Arc::new(n)))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// `KEY=VALUE` labels as flags give them, checked; an error names the bad one and the form.
@@ -190,6 +207,10 @@ pub struct ConfigFile {
     pub idle_timeout: Option<String>,
     /// Coordinator: connections open at once on each listener.
     pub max_connections: Option<usize>,
+    /// POST each run's end to this URL (`--notify`).
+    pub notify: Option<String>,
+    /// Coordinator: the file with the secret that signs webhooks.
+    pub notify_secret_file: Option<PathBuf>,
     /// Coordinator: delete runs older than this (`30d`), as `flotilla gc` does, every
     /// `retention_every`.
     pub retention: Option<String>,
@@ -410,6 +431,10 @@ pub fn settings_from(
         s.concurrency = v;
     }
     s.labels = parse_labels(&flags.labels)?;
+    s.notify = pick_s(&flags.notify, &file.notify);
+    if let Some(url) = &s.notify {
+        flotilla_coordinator::notify::check_url(url)?;
+    }
     if let Some(v) = pick_s(&flags.stall_timeout, &file.stall_timeout) {
         s.stall_timeout_ms = parse_duration("--stall-timeout", &v)?.as_millis() as u64;
     }

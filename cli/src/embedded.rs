@@ -108,6 +108,10 @@ pub async fn run(
         r.exec_cmd.as_deref(),
         sandbox,
     )?;
+    if let Some(n) = crate::config::notifier_from_env()? {
+        embedded.coordinator.set_notifier(n);
+    }
+    let notifies = r.settings.notify.is_some();
     let resolver = Arc::new(DirResolver::standard(&r.cwd, &r.workflows_dirs));
     let launched = embedded
         .coordinator
@@ -207,6 +211,13 @@ pub async fn run(
     }
     interrupts.abort();
     view.finish().await;
+    let mut report = report;
+    if notifies && let Some(n) = embedded.coordinator.notifier() {
+        // The webhook goes out before this process ends (its retries included).
+        n.drain(std::time::Duration::from_secs(120)).await;
+        report.notify =
+            flotilla_coordinator::notify::stored(embedded.coordinator.store(), &run_id).await;
+    }
     embedded.shutdown();
     Ok(report)
 }

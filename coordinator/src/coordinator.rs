@@ -72,6 +72,8 @@ pub struct Coordinator {
     leadership: std::sync::OnceLock<Arc<crate::leader::Leadership>>,
     /// Where run heads are merged (a git cache); a temporary directory unless set.
     cache_dir: std::sync::OnceLock<std::path::PathBuf>,
+    /// Signs and sends runs' end webhooks (`--notify`); unset, a run that asks is refused.
+    notifier: std::sync::OnceLock<Arc<crate::notify::Notifier>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -109,6 +111,7 @@ impl Coordinator {
             generation: 1,
             leadership: std::sync::OnceLock::new(),
             cache_dir: std::sync::OnceLock::new(),
+            notifier: std::sync::OnceLock::new(),
         }
     }
 
@@ -128,6 +131,16 @@ impl Coordinator {
     /// Sets where run heads are merged (`--cache-dir`).
     pub fn set_cache_dir(&self, dir: std::path::PathBuf) {
         let _ = self.cache_dir.set(dir);
+    }
+
+    /// Sets what signs and sends the runs' end webhooks.
+    pub fn set_notifier(&self, n: Arc<crate::notify::Notifier>) {
+        let _ = self.notifier.set(n);
+    }
+
+    /// What signs and sends the runs' end webhooks, if set.
+    pub fn notifier(&self) -> Option<&Arc<crate::notify::Notifier>> {
+        self.notifier.get()
     }
 
     pub fn leadership(&self) -> Option<&Arc<crate::leader::Leadership>> {
@@ -308,6 +321,12 @@ impl Coordinator {
         req.settings.validate().map_err(|e| {
             Rejected::invalid(format!("invalid run settings: {e}"), workflow.clone())
         })?;
+        if req.settings.notify.is_some() && self.notifier.get().is_none() {
+            return Err(Rejected::invalid(
+                "--notify needs a secret to sign the webhook with, and none is set here: give the coordinator --notify-secret-file FILE (embedded: set FLOTILLA_NOTIFY_SECRET)".to_owned(),
+                workflow.clone(),
+            ));
+        }
         let body = script::runnable_body(&prepared);
         runtime::check_syntax(&body).map_err(|e| Rejected::invalid(e.message, workflow.clone()))?;
         let args_json = match &req.args {
@@ -565,6 +584,7 @@ impl Coordinator {
             owners: s.owners,
             cache_dir: Some(self.cache_dir()),
             indexed: Some(s.indexed),
+            notifier: self.notifier.get().cloned(),
         };
         Ok(run::start(
             init,

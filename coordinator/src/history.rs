@@ -45,8 +45,13 @@ pub async fn load_report(store: &Store, run: &str) -> Result<Report, Error> {
     let m = manifest(store, run).await?;
     let mut notes = Vec::new();
     if let Some(body) = store.get(&keys::result(run)).await? {
-        match serde_json::from_slice(&body) {
-            Ok(r) => return Ok(r),
+        match serde_json::from_slice::<Report>(&body) {
+            Ok(mut r) => {
+                if m.settings.notify.is_some() {
+                    r.notify = crate::notify::stored(store, run).await;
+                }
+                return Ok(r);
+            }
             // A damaged report hides nothing: the events and the journal say the same.
             Err(e) => notes.push(format!(
                 "[history] {} is unreadable ({e}); this report was rebuilt from the run's events and journal",
@@ -107,7 +112,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
             }
             RunEvent::Log { line } => logs.push(line.clone()),
             RunEvent::Failure { line } => failures.push(line.clone()),
-            RunEvent::Prompt { .. } => {}
+            RunEvent::Prompt { .. } | RunEvent::Notified { .. } => {}
             RunEvent::Call {
                 index,
                 label,
@@ -221,6 +226,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         error,
         workflow: m.workflow.clone(),
         warnings: usage.large_workflow().into_iter().collect(),
+        notify: None,
         usage,
         agents,
         groups,

@@ -2,5 +2,6 @@
 //! is where the coordinator's code finds it.
 
 pub use flotilla_proto::wire::{
-    AgentReport, ChangesSummary, GroupReport, REPORT_AGENTS, Report, ReportUsage, RunStatus,
+    AgentReport, ChangesSummary, Delivery, GroupReport, REPORT_AGENTS, Report, ReportUsage,
+    RunStatus,
 };

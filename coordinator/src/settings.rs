@@ -51,6 +51,8 @@ pub enum SettingsError {
     NoWorkerWait,
     #[error("a backend must be named (e.g. echo or exec)")]
     NoBackend,
+    #[error("{0}")]
+    Notify(String),
     #[error("a run carries at most {MAX_LABELS} labels")]
     Labels,
     #[error(
@@ -161,6 +163,9 @@ pub struct RunSettings {
     /// The run's labels (`--label KEY=VALUE`), for finding it again (`flotilla runs --label`).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// A URL the run's end is POSTed to, signed (`--notify`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notify: Option<String>,
 }
 
 /// The most labels a run carries.
@@ -220,6 +225,7 @@ impl Default for RunSettings {
             worker_wait_ms: DEFAULT_WORKER_WAIT_MS,
             source: None,
             labels: BTreeMap::new(),
+            notify: None,
         }
     }
 }
@@ -259,6 +265,9 @@ impl RunSettings {
         }
         if let Some(source) = &self.source {
             source.validate()?;
+        }
+        if let Some(url) = &self.notify {
+            crate::notify::check_url(url).map_err(SettingsError::Notify)?;
         }
         if self.labels.len() > MAX_LABELS {
             return Err(SettingsError::Labels);

@@ -129,6 +129,26 @@ pub struct Report {
     /// Advisories about the run as a whole (W42's large workflow).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+    /// The webhook of the run's end (`--notify`), once it was delivered or given up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify: Option<Delivery>,
+}
+
+/// How a run's end was delivered to its webhook.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Delivery {
+    pub url: String,
+    /// The receiver answered 2xx.
+    pub delivered: bool,
+    pub attempts: u32,
+    /// The last HTTP status, if any answer came.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// Why the last attempt failed, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// RFC 3339 time of the last attempt.
+    pub at: String,
 }
 
 /// W42: a run of more than this many agents, or more tokens than [`LARGE_TOKENS`], is a large
@@ -250,6 +270,7 @@ impl Report {
             changes: None,
             agents_omitted: 0,
             warnings: Vec::new(),
+            notify: None,
         }
     }
 
@@ -307,6 +328,7 @@ impl Report {
             store: self.store.clone(),
             changes: self.changes.clone(),
             warnings: self.warnings.clone(),
+            notify: self.notify.clone(),
         }
     }
 }

@@ -80,6 +80,11 @@ pub struct CoordinatorArgs {
     /// at once [default: 4096].
     #[arg(long, env = "FLOTILLA_MAX_CONNECTIONS", value_name = "N")]
     max_connections: Option<usize>,
+    /// The file with the secret (at least 16 bytes) that signs runs' end webhooks
+    /// (`launch --notify URL`); without it (or FLOTILLA_NOTIFY_SECRET) such launches are
+    /// refused.
+    #[arg(long, env = "FLOTILLA_NOTIFY_SECRET_FILE", value_name = "FILE")]
+    notify_secret_file: Option<PathBuf>,
     /// Delete runs older than this (`30d`) and the stored objects no other run uses, every
     /// --retention-every, while this coordinator leads [default: keep everything].
     #[arg(long, env = "FLOTILLA_RETENTION", value_name = "DUR")]
@@ -177,6 +182,26 @@ struct Settings {
     limits: flotilla_coordinator::listen::Limits,
     /// The retention policy and how often it runs, if any.
     retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,
+}
+
+/// The webhook signer: `--notify-secret-file`, else `FLOTILLA_NOTIFY_SECRET`.
+fn notifier(
+    a: &CoordinatorArgs,
+    file: &config::ConfigFile,
+) -> Result<Option<Arc<flotilla_coordinator::notify::Notifier>>, String> {
+    let Some(path) = a
+        .notify_secret_file
+        .as_ref()
+        .or(file.notify_secret_file.as_ref())
+    else {
+        return config::notifier_from_env().map_err(|e| e.to_string());
+    };
+    let secret = std::fs::read(path)
+        .map_err(|e| format!("cannot read --notify-secret-file {}: {e}", path.display()))?;
+    let secret = secret.trim_ascii();
+    flotilla_coordinator::notify::Notifier::new(secret)
+        .map(|n| Some(Arc::new(n)))
+        .map_err(|e| format!("--notify-secret-file {}: {e}", path.display()))
 }
 
 /// `--retention` and its companions.
@@ -384,6 +409,11 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         },
     ));
     coordinator.set_cache_dir(s.cache_dir.clone());
+    match notifier(&a, &file) {
+        Ok(Some(n)) => coordinator.set_notifier(n),
+        Ok(None) => {}
+        Err(e) => return fail(2, e),
+    }
     let registry = Arc::new(RunRegistry::default());
     let lost = CancellationToken::new();
     if !s.etcd.is_empty()

@@ -173,6 +173,16 @@ impl RunEngine {
                 // Listing reads the report of a run whose entry still says running.
                 tracing::warn!(run = %self.run, error = %e, "cannot update the run index");
             }
+            if let (Some(url), Some(n)) = (&self.init.settings.notify, &self.init.notifier) {
+                n.spawn(
+                    self.init.store.clone(),
+                    self.init.generation,
+                    url.clone(),
+                    &report,
+                    &self.init.settings.labels,
+                    report.usage.duration_ms,
+                );
+            }
         }
         for held in std::mem::take(&mut self.init.owners) {
             held.release().await;

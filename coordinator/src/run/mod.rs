@@ -138,6 +138,8 @@ pub struct EngineInit {
     pub cache_dir: Option<std::path::PathBuf>,
     /// The run's entry in the run index, rewritten with its end (`None`: not indexed).
     pub indexed: Option<crate::index::Entry>,
+    /// Sends the end webhook when the run's settings name one.
+    pub notifier: Option<Arc<crate::notify::Notifier>>,
 }
 
 struct Call {

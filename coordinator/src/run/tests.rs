@@ -75,6 +75,7 @@ fn engine(
         owners: Vec::new(),
         cache_dir: None,
         indexed: None,
+        notifier: None,
     };
     let handle = start(
         init,

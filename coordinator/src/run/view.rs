@@ -195,6 +195,7 @@ impl RunEngine {
             error: self.error.clone(),
             workflow: self.init.workflow.clone(),
             warnings: usage.large_workflow().into_iter().collect(),
+            notify: None,
             usage,
             agents,
             groups,

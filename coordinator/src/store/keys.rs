@@ -8,6 +8,7 @@
 //! runs/{run}/transcripts/{gen}-{seq}.jsonl   transcript events of many attempts, batched
 //! runs/{run}/result.json                   the final report
 //! runs/{run}/owner/{seq}.json              who drives the run (create-only; see `owner`)
+//! runs/{run}/notify.json                   how its end webhook was delivered
 //! payloads/{sha256}                        large results, stored once by content hash
 //! workflows/{name}.js                      workflows saved on the server
 //! index/runs/{countdown}-{run}.json         the run index (see `index`): newest first
@@ -69,6 +70,11 @@ pub fn transcript_segment(run: &str, generation: u64, seq: u64) -> Path {
 
 pub fn result(run: &str) -> Path {
     Path::from(format!("runs/{run}/result.json"))
+}
+
+/// How the run's end webhook was delivered (`--notify`).
+pub fn notify(run: &str) -> Path {
+    Path::from(format!("runs/{run}/notify.json"))
 }
 
 pub fn payload(sha256_hex: &str) -> Path {

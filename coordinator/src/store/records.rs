@@ -192,6 +192,16 @@ pub enum RunEvent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
     },
+    /// The run's end webhook was delivered, or given up (`--notify`).
+    Notified {
+        url: String,
+        delivered: bool,
+        attempts: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        status: Option<u16>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
 }
 
 #[cfg(test)]

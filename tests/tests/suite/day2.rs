@@ -350,3 +350,226 @@ fn a_coordinator_s_retention_deletes_ended_runs_and_keeps_a_running_run_and_its_
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// A webhook receiver on loopback: answers each request with the next status of `answers`
+/// (then 200), and keeps what it was sent.
+struct Hook {
+    port: u16,
+    got: std::sync::Arc<std::sync::Mutex<Vec<(Vec<(String, String)>, String)>>>,
+}
+
+impl Hook {
+    fn start(answers: Vec<u16>) -> Hook {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = got.clone();
+        std::thread::spawn(move || {
+            let mut answers = answers.into_iter();
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut headers = Vec::new();
+                let mut line = String::new();
+                let _ = reader.read_line(&mut line);
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    if let Some((k, v)) = line.trim_end().split_once(':') {
+                        headers.push((k.to_ascii_lowercase(), v.trim().to_owned()));
+                    }
+                }
+                let len: usize = headers
+                    .iter()
+                    .find(|(k, _)| k == "content-length")
+                    .and_then(|(_, v)| v.parse().ok())
+                    .unwrap_or(0);
+                let mut body = vec![0; len];
+                let _ = reader.read_exact(&mut body);
+                kept.lock()
+                    .unwrap()
+                    .push((headers, String::from_utf8_lossy(&body).into_owned()));
+                let status = answers.next().unwrap_or(200);
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                );
+            }
+        });
+        Hook { port, got }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/hook", self.port)
+    }
+
+    fn requests(&self) -> Vec<(Vec<(String, String)>, String)> {
+        self.got.lock().unwrap().clone()
+    }
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> &'a str {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map_or("", |(_, v)| v.as_str())
+}
+
+/// Checks `X-Flotilla-Signature: t=UNIX,v1=HEX` against `secret` and the body.
+fn signed_by(secret: &str, headers: &[(String, String)], body: &str) -> bool {
+    let sig = header(headers, "x-flotilla-signature");
+    let Some((t, v1)) = sig
+        .strip_prefix("t=")
+        .and_then(|rest| rest.split_once(",v1="))
+    else {
+        return false;
+    };
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
+    let Ok(tag) = hex::decode(v1) else {
+        return false;
+    };
+    ring::hmac::verify(&key, format!("{t}.{body}").as_bytes(), &tag).is_ok()
+}
+
+const SECRET: &str = "a webhook secret of the test";
+
+#[test]
+fn a_run_s_end_is_posted_signed_retried_on_5xx_and_recorded() {
+    let env = Env::new();
+    let hook = Hook::start(vec![503, 502]);
+    let script = env.script("hooked", "return await agent('done');");
+    let out = env.flotilla_with_env(
+        &[
+            "run",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--notify",
+            &hook.url(),
+            "--label",
+            "team=core",
+        ],
+        &[("FLOTILLA_NOTIFY_SECRET", SECRET)],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let report = out.json();
+    let run = report["run_id"].as_str().unwrap().to_owned();
+    assert_eq!(report["notify"]["delivered"], true, "{report}");
+    assert_eq!(report["notify"]["attempts"], 3, "{report}");
+    assert_eq!(report["notify"]["status"], 200, "{report}");
+    let got = hook.requests();
+    assert_eq!(got.len(), 3, "two refused, then delivered");
+    // The same delivery each time, signed over its time and body.
+    let id = header(&got[0].0, "x-flotilla-delivery").to_owned();
+    assert!(!id.is_empty());
+    for (headers, body) in &got {
+        assert_eq!(header(headers, "x-flotilla-delivery"), id);
+        assert_eq!(header(headers, "x-flotilla-event"), "run.ended");
+        assert!(signed_by(SECRET, headers, body), "{headers:?}");
+        assert!(!signed_by("another secret entirely", headers, body));
+    }
+    let body: Value = serde_json::from_str(&got[2].1).unwrap();
+    assert_eq!(body["run_id"], run.as_str());
+    assert_eq!(body["status"], "completed");
+    assert_eq!(body["labels"]["team"], "core");
+    assert_eq!(body["usage"]["agents"], 1);
+    // Recorded: `show` reports it, and it is an event of the run.
+    let shown = env.flotilla(&["show", &run, "--json"]).json();
+    assert_eq!(shown["notify"], report["notify"]);
+    let events = env.path().join("store/runs").join(&run).join("events");
+    let recorded = std::fs::read_dir(&events)
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .any(|text| text.contains("\"type\":\"notified\"") && text.contains("\"delivered\":true"));
+    assert!(recorded, "no notified event in {}", events.display());
+}
+
+#[test]
+fn a_webhook_refused_with_4xx_is_not_retried_and_the_run_still_completes() {
+    let env = Env::new();
+    let hook = Hook::start(vec![400]);
+    let script = env.script("hooked", "return await agent('done');");
+    let args = [
+        "run",
+        script.to_str().unwrap(),
+        "--json",
+        "--stagger",
+        "0",
+        "--notify",
+        &hook.url(),
+    ];
+    let out = env.flotilla_with_env(&args, &[("FLOTILLA_NOTIFY_SECRET", SECRET)]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let report = out.json();
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["notify"]["delivered"], false, "{report}");
+    assert_eq!(report["notify"]["attempts"], 1, "{report}");
+    assert!(
+        report["notify"]["error"].as_str().unwrap().contains("400"),
+        "{report}"
+    );
+    assert_eq!(hook.requests().len(), 1);
+    // Without a secret there is nothing to sign with: refused before anything runs.
+    let out = env.flotilla(&args);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert_eq!(out.json()["status"], "rejected", "{out:?}");
+    assert!(
+        out.json()["error"]
+            .to_string()
+            .contains("FLOTILLA_NOTIFY_SECRET"),
+        "{out:?}"
+    );
+    let out = env.flotilla(&["run", script.to_str().unwrap(), "--notify", "ftp://x/y"]);
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(out.stderr.contains("http:// or https://"), "{}", out.stderr);
+}
+
+#[test]
+fn a_fleet_run_s_end_is_posted_by_its_coordinator() {
+    let secret_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(secret_file.path(), format!("{SECRET}\n")).unwrap();
+    let c = flotilla_tests::cluster::Cluster::start_coordinator_with(
+        1,
+        2,
+        &["--notify-secret-file", secret_file.path().to_str().unwrap()],
+    );
+    let hook = Hook::start(vec![]);
+    let run = c.launch(
+        "fleet-hook",
+        "return await agent('on the fleet');",
+        &["--notify", &hook.url(), "--stagger", "0"],
+    );
+    let (code, report) = c.wait(&run);
+    assert_eq!(code, 0, "{report}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hook.requests().is_empty() {
+        assert!(Instant::now() < deadline, "the coordinator never posted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (headers, body) = &hook.requests()[0];
+    assert!(signed_by(SECRET, headers, body));
+    let body: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(body["run_id"], run.as_str());
+    assert_eq!(body["status"], "completed");
+    // The delivery is in the store with the run.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let shown = env_show(&c, &run);
+        if shown["notify"]["delivered"] == true {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{shown}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn env_show(c: &flotilla_tests::cluster::Cluster, run: &str) -> Value {
+    let mut cmd = std::process::Command::new(&c.bin);
+    cmd.args(["show", run, "--json", "--store", &c.store_url()]);
+    flotilla_tests::run_with_timeout(cmd, Duration::from_secs(30)).json()
+}
