@@ -355,8 +355,11 @@ fn a_coordinator_s_retention_deletes_ended_runs_and_keeps_a_running_run_and_its_
 /// (then 200), and keeps what it was sent.
 struct Hook {
     port: u16,
-    got: std::sync::Arc<std::sync::Mutex<Vec<(Vec<(String, String)>, String)>>>,
+    got: std::sync::Arc<std::sync::Mutex<Vec<Request>>>,
 }
+
+/// A request a [`Hook`] received: its headers (names lower-cased) and body.
+type Request = (Vec<(String, String)>, String);
 
 impl Hook {
     fn start(answers: Vec<u16>) -> Hook {
@@ -406,7 +409,7 @@ impl Hook {
         format!("http://127.0.0.1:{}/hook", self.port)
     }
 
-    fn requests(&self) -> Vec<(Vec<(String, String)>, String)> {
+    fn requests(&self) -> Vec<Request> {
         self.got.lock().unwrap().clone()
     }
 }
