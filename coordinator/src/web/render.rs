@@ -464,6 +464,7 @@ mod tests {
             changes: None,
             agents_omitted: 0,
             warnings: Vec::new(),
+            notify: None,
         };
         let d = PageData {
             report: Arc::new(report),
