@@ -138,6 +138,29 @@ impl Leadership {
         lost.cancel();
     }
 
+    /// Hands leadership over at once (a graceful shutdown): stops writing and leading, hands
+    /// its workers back, then revokes its lease, which frees the leader's seat and its runs'
+    /// owner keys, so a standby takes over now instead of when the lease would lapse. `lost`
+    /// stops its campaign and renewals.
+    pub async fn resign(&self, lost: &CancellationToken) {
+        let was_leading = self.leading.load(Ordering::Acquire);
+        // Writes end first: nothing this process still does lands after a successor starts.
+        self.tenure.end();
+        self.leading.store(false, Ordering::Release);
+        self.office.send_replace(false);
+        lost.cancel();
+        match self.leases.revoke(self.lease).await {
+            Ok(()) => tracing::info!(
+                was_leading,
+                "this coordinator resigned: its lease is revoked, so a standby takes over its runs and workers now"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "cannot revoke this coordinator's lease; a standby takes over when it lapses"
+            ),
+        }
+    }
+
     /// Whether this coordinator leads and may act, as it changes. A worker link watches it:
     /// a leader that is suspended (cut off from etcd, or frozen) hands its workers back, so
     /// they attach to whichever coordinator leads next instead of waiting out the fault with

@@ -281,7 +281,23 @@ impl Cluster {
         store: (String, Vec<(String, String)>),
         worker_args: &[&str],
     ) -> Cluster {
+        Self::start_group_ttl(workers, slots, etcd, store, worker_args, None)
+    }
+
+    /// Like [`Cluster::start_group_with`], with the coordinators' `--worker-ttl` (also the TTL
+    /// of their own leases).
+    pub fn start_group_ttl(
+        workers: usize,
+        slots: u32,
+        etcd: String,
+        store: (String, Vec<(String, String)>),
+        worker_args: &[&str],
+        ttl: Option<Duration>,
+    ) -> Cluster {
         let mut c = Self::prepare(workers, Some(etcd), Some(store));
+        if let Some(ttl) = ttl {
+            c.worker_ttl = ttl;
+        }
         c.worker_args = worker_args.iter().map(|a| (*a).to_owned()).collect();
         c.start_coordinator();
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -509,7 +509,14 @@ async fn serve_until_stopped(
         Err(e) => fail(1, e),
     };
     let code = tokio::select! {
-        _ = shutdown_signal() => 0,
+        _ = shutdown_signal() => {
+            // In a group: hand over at once rather than leave the runs and workers waiting
+            // for this coordinator's lease to lapse.
+            if let Some(l) = coordinator.leadership() {
+                l.resign(&lost).await;
+            }
+            0
+        }
         _ = lost.cancelled() => fail(1, "this coordinator's lease in etcd lapsed, so another coordinator may own its runs now; stopping (restart it to rejoin as a standby)"),
         r = serving => ended(r),
         r = pages => ended(r),

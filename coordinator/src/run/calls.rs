@@ -116,6 +116,9 @@ impl RunEngine {
             call.attempts = record.attempts;
             call.usage = record.usage;
             self.usage.add(&record.usage);
+            if let Some(early) = self.early_usage.remove(&index) {
+                call.usage.add(&early);
+            }
             self.init
                 .shared
                 .spent
@@ -148,8 +151,11 @@ impl RunEngine {
 
     /// Sends an admitted call to the dispatcher.
     pub(super) fn dispatch(&mut self, id: u64, a: admit::Admitted) {
-        let call = self.new_call(id, &a);
+        let mut call = self.new_call(id, &a);
         let index = self.calls.len() as u64;
+        if let Some(early) = self.early_usage.remove(&index) {
+            call.usage.add(&early);
+        }
         let span = call.span.clone();
         self.calls.push(call);
         // Served calls are not: the page finds their prompt in the run they came from.
@@ -233,6 +239,8 @@ impl RunEngine {
                 if let Some(c) = self.calls.get_mut(call as usize) {
                     c.usage.add(&u);
                     c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);
+                } else {
+                    self.early_usage.entry(call).or_default().add(&u);
                 }
             }
             CallEvent::Retrying {

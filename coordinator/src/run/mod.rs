@@ -202,6 +202,11 @@ pub struct RunEngine {
     published_logs: Arc<Vec<String>>,
     failures: Vec<String>,
     usage: UsageRecord,
+    /// Usage reported for calls the script has not made (yet): an attempt that outlived a
+    /// failed-over coordinator reports before the replaying script reaches its call. It is
+    /// in `usage` already, and goes to its call when the call is made, so the run's usage
+    /// stays the sum of its agents'.
+    early_usage: HashMap<u64, UsageRecord>,
     agent_types: Option<Vec<crate::workflows::AgentType>>,
     journal: Option<Journal>,
     journal_task: Option<tokio::task::JoinHandle<()>>,
@@ -290,6 +295,7 @@ impl RunEngine {
             published_logs: Arc::new(Vec::new()),
             failures: Vec::new(),
             usage: UsageRecord::default(),
+            early_usage: HashMap::new(),
             agent_types: None,
             journal: None,
             journal_task: None,

@@ -1232,3 +1232,74 @@ fn one_trace_per_run_reaches_an_otlp_receiver_with_worker_spans_under_their_atte
         assert_eq!(agent.attributes["index"], worker_span.attributes["index"]);
     }
 }
+
+#[test]
+fn a_leader_stopped_with_sigterm_hands_over_at_once_and_the_run_completes() {
+    let etcd = flotilla_tests::services::Etcd::start();
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/handover", s3.bucket);
+    // A 30 s lease: a standby that waited for it to lapse would take 30 s to lead.
+    let mut c = Cluster::start_group_ttl(
+        2,
+        4,
+        etcd.endpoint(),
+        (url, s3.env()),
+        &[],
+        Some(Duration::from_secs(30)),
+    );
+    let script = c.path().join("fanout.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'fanout', description: 'handover test' };\n\
+         return (await parallel(Array.from({ length: 120 }, (_, i) => () => agent('job ' + i + ' [[sleep:200]]')))).filter(Boolean).length;\n",
+    )
+    .unwrap();
+    let out = c.client_at(
+        &c.standby_url(),
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--concurrency",
+            "8",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    wait_until("20 calls are journaled", Duration::from_secs(60), || {
+        c.journal(&run).len() >= 20
+    });
+    let mut leader = c.take_coordinator().unwrap();
+    nix_kill(leader.id(), "-TERM");
+    let status = leader.wait().unwrap();
+    assert!(
+        status.success(),
+        "the leader did not stop cleanly: {status}"
+    );
+    let before = c.journal(&run).len();
+    assert!(before < 120, "the stop came too late to test anything");
+    // The standby leads well inside the 30 s the lease would have taken to lapse.
+    wait_for_log(
+        &c,
+        "standby.log",
+        &["this coordinator leads"],
+        Duration::from_secs(20),
+    );
+    let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
+    assert!(log.contains("this coordinator resigned"), "{log}");
+    let out = c.client_at(&c.standby_url(), &["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json()["result"], 120, "{}", out.stdout);
+    assert_one_result_per_call(&c, &run, 120);
+}
+
+fn nix_kill(pid: u32, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {signal} {pid}");
+}
