@@ -117,6 +117,16 @@ impl Leadership {
         Ok(me)
     }
 
+    /// Its role now, for a readiness probe: `leader`, `standby` (its lease renewed, so etcd
+    /// answers), or `suspended` (it could not renew in time, or it has stepped down).
+    pub fn role(&self) -> &'static str {
+        match (self.leading.load(Ordering::Acquire), self.tenure.holds()) {
+            (true, true) => "leader",
+            (false, true) => "standby",
+            _ => "suspended",
+        }
+    }
+
     pub fn is_leader(&self) -> bool {
         self.leading.load(Ordering::Acquire) && self.tenure.holds()
     }

@@ -59,6 +59,8 @@ pub struct Cluster {
     pub proxy: Option<crate::proxy::Proxy>,
     /// A second coordinator of the group (same etcd and store): its port and process.
     pub standby: Option<(u16, Child)>,
+    /// The standby's session pages.
+    pub standby_http_port: u16,
     /// Extra flags and environment of every worker started from now on.
     pub worker_args: Vec<String>,
     pub worker_env: Vec<(String, String)>,
@@ -207,6 +209,7 @@ impl Cluster {
             worker_ttl: Duration::from_secs(3),
             proxy: None,
             standby: None,
+            standby_http_port: 0,
             worker_args: Vec::new(),
             worker_env: Vec::new(),
             coordinator_args: Vec::new(),
@@ -309,7 +312,8 @@ impl Cluster {
             std::thread::sleep(Duration::from_millis(100));
         }
         let port = free_port();
-        let child = c.spawn_coordinator(port, free_port(), "standby");
+        c.standby_http_port = free_port();
+        let child = c.spawn_coordinator(port, c.standby_http_port, "standby");
         c.standby = Some((port, child));
         // Clients may go to the standby at once: wait until it listens.
         let deadline = Instant::now() + Duration::from_secs(30);

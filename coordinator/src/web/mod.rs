@@ -10,6 +10,9 @@
 //! - `GET /metrics`: Prometheus exposition of the coordinator's metrics.
 //! - `GET /runs`: the runs in the store.
 //! - `GET /login?token=T[&next=/runs/…]`: checks a session token and keeps it in a cookie.
+//! - `GET /healthz` (no sign-in): 200 when this coordinator can serve — it leads, or stands
+//!   by with its lease renewed (etcd answers), and its store takes writes — else 503 with
+//!   why; `GET /livez`: 200 while the process answers.
 //!
 //! Access: every route but `/login` needs a session token, as `Authorization: Bearer T` or
 //! the `flotilla_session` cookie. Tokens come from `flotilla token create` (an mTLS call, so
@@ -100,6 +103,21 @@ pub async fn serve(
         .map_err(|e| format!("session pages on {}: {e}", opts.listen))
 }
 
+/// Readiness (for a load balancer or Kubernetes): its role and its store, 503 unless both
+/// are well. Says nothing about runs, so it needs no sign-in.
+async fn healthz(State(web): State<Web>) -> Response {
+    let role = web.coordinator.leadership().map_or("single", |l| l.role());
+    let store = web.coordinator.store().health.problem();
+    let ready = role != "suspended" && store.is_none();
+    let body = serde_json::json!({ "ready": ready, "role": role, "store": store.as_deref().unwrap_or("ok") });
+    let code = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, axum::Json(body)).into_response()
+}
+
 /// The routes (public for tests).
 pub fn router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>, access: Access) -> Router {
     let web = Web {
@@ -119,6 +137,8 @@ pub fn router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>, access:
         .route("/runs/{run}/diff", get(run_diff))
         .route("/runs/{run}/control", axum::routing::post(control))
         .route("/metrics", get(metrics::metrics))
+        .route("/healthz", get(healthz))
+        .route("/livez", get(|| async { "ok\n" }))
         .layer(axum::middleware::from_fn_with_state(web.clone(), guard))
         .with_state(web)
 }

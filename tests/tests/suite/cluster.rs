@@ -1271,6 +1271,26 @@ fn a_leader_stopped_with_sigterm_hands_over_at_once_and_the_run_completes() {
     wait_until("20 calls are journaled", Duration::from_secs(60), || {
         c.journal(&run).len() >= 20
     });
+    // Both are ready, each in its role (no sign-in needed for the probe).
+    let health = |port: u16| {
+        let r = http_get(port, "/healthz", &[]);
+        (
+            r.status,
+            serde_json::from_str::<Value>(&r.body).unwrap_or_default(),
+        )
+    };
+    let (code, leading) = health(c.http_port);
+    assert_eq!(
+        (code, leading["role"].as_str()),
+        (200, Some("leader")),
+        "{leading}"
+    );
+    let (code, standing) = health(c.standby_http_port);
+    assert_eq!(
+        (code, standing["role"].as_str()),
+        (200, Some("standby")),
+        "{standing}"
+    );
     let mut leader = c.take_coordinator().unwrap();
     nix_kill(leader.id(), "-TERM");
     let status = leader.wait().unwrap();
@@ -1289,6 +1309,7 @@ fn a_leader_stopped_with_sigterm_hands_over_at_once_and_the_run_completes() {
     );
     let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
     assert!(log.contains("this coordinator resigned"), "{log}");
+    assert_eq!(health(c.standby_http_port).1["role"], "leader");
     let out = c.client_at(&c.standby_url(), &["wait", &run, "--json"]);
     assert_eq!(out.code, 0, "{out:?}");
     assert_eq!(out.json()["result"], 120, "{}", out.stdout);

@@ -541,6 +541,10 @@ fn a_fleet_run_s_end_is_posted_by_its_coordinator() {
         2,
         &["--notify-secret-file", secret_file.path().to_str().unwrap()],
     );
+    // A coordinator alone (no etcd) is ready as `single`.
+    let probe = flotilla_tests::http_get(c.http_port, "/healthz", &[]);
+    assert_eq!(probe.status, 200, "{}", probe.body);
+    assert!(probe.body.contains("\"role\":\"single\""), "{}", probe.body);
     let hook = Hook::start(vec![]);
     let run = c.launch(
         "fleet-hook",
