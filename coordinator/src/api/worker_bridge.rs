@@ -21,6 +21,40 @@ pub(super) struct WorkerSvc {
 
 pub type StreamOf<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
+/// A worker's name: its certificate's `cn`, or `cn/INSTANCE` when it calls itself that
+/// (INSTANCE: 1 to 63 letters, digits, `-`, `_` and `.`).
+pub fn instance_name(cn: &str, said: &str) -> String {
+    match said.strip_prefix(cn).and_then(|r| r.strip_prefix('/')) {
+        Some(i)
+            if !i.is_empty()
+                && i.len() <= 63
+                && i.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) =>
+        {
+            format!("{cn}/{i}")
+        }
+        _ => cn.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod instance_tests {
+    #[test]
+    fn replicas_of_one_certificate_are_told_apart_and_nothing_else_is_taken() {
+        use super::instance_name as n;
+        assert_eq!(
+            n("worker", "worker/flotilla-worker-7d9f-x2"),
+            "worker/flotilla-worker-7d9f-x2"
+        );
+        assert_eq!(n("worker", "worker"), "worker");
+        assert_eq!(n("worker", "other/pod"), "worker");
+        assert_eq!(n("worker", "worker/"), "worker");
+        assert_eq!(n("worker", "worker/a/b"), "worker");
+        assert_eq!(n("worker", "workerx/a"), "worker");
+        assert_eq!(n("worker", &format!("worker/{}", "a".repeat(64))), "worker");
+    }
+}
+
 #[tonic::async_trait]
 impl WorkerService for WorkerSvc {
     type AttachStream = StreamOf<CoordinatorMessage>;
@@ -52,8 +86,10 @@ impl WorkerService for WorkerSvc {
         };
         check_version(&hello.protocol_version)?;
         if let Some(name) = name {
-            // A worker is known by its certificate, whatever it calls itself.
-            hello.name = name;
+            // A worker is known by its certificate, whatever it calls itself; replicas that
+            // share one certificate (a Kubernetes Deployment) tell themselves apart as
+            // `CN/INSTANCE`.
+            hello.name = instance_name(&name, &hello.name);
         }
         tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");
         let (end, out) = bridge(hello, inbound);

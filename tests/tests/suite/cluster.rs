@@ -1324,3 +1324,54 @@ fn nix_kill(pid: u32, signal: &str) {
         .success();
     assert!(ok, "kill {signal} {pid}");
 }
+
+#[test]
+fn replicas_sharing_one_worker_certificate_attach_side_by_side() {
+    let c = Cluster::start(1, 2);
+    let pki = c.pki();
+    let mut extra = Vec::new();
+    for instance in ["a", "b"] {
+        let child = std::process::Command::new(&c.bin)
+            .args(["worker", "--coordinator", &c.url(), "--slots", "2"])
+            .args(["--name", &format!("worker-0/{instance}")])
+            .arg("--cert")
+            .arg(pki.join("worker-0.crt"))
+            .arg("--key")
+            .arg(pki.join("worker-0.key"))
+            .arg("--ca")
+            .arg(pki.join("ca.crt"))
+            .arg("--workspace")
+            .arg(c.path().join(format!("ws-{instance}")))
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        extra.push(child);
+    }
+    c.wait_for_workers(3);
+    let listed = c.client(&["workers", "--json"]).json();
+    let mut names: Vec<String> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["name"].as_str().unwrap().to_owned())
+        .collect();
+    names.sort();
+    assert!(names[0].starts_with("worker-0"), "{names:?}");
+    assert!(names[1].starts_with("worker-0/a"), "{names:?}");
+    assert!(names[2].starts_with("worker-0/b"), "{names:?}");
+    let run = c.launch(
+        "shared",
+        "return (await parallel(Array.from({ length: 12 }, (_, i) => () => agent('x' + i + ' [[sleep:200]]')))).length;",
+        &["--stagger", "0"],
+    );
+    let (code, report) = c.wait(&run);
+    assert_eq!(code, 0, "{report}");
+    assert_eq!(report["result"], 12);
+    for mut child in extra {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
