@@ -207,6 +207,8 @@ pub struct ConfigFile {
     pub idle_timeout: Option<String>,
     /// Coordinator: connections open at once on each listener.
     pub max_connections: Option<usize>,
+    /// Coordinator: the name other coordinators' certificates are checked for.
+    pub peer_name: Option<String>,
     /// POST each run's end to this URL (`--notify`).
     pub notify: Option<String>,
     /// Coordinator: the file with the secret that signs webhooks.

@@ -245,6 +245,16 @@ pub fn channel(
     endpoint: &str,
     tls: Option<&TlsFiles>,
 ) -> Result<tonic::transport::Channel, String> {
+    channel_as(endpoint, tls, None)
+}
+
+/// Like [`channel`], verifying the server's certificate for `server_name` instead of the
+/// address's host (peers reached at addresses no certificate can name, such as pod IPs).
+pub fn channel_as(
+    endpoint: &str,
+    tls: Option<&TlsFiles>,
+    server_name: Option<&str>,
+) -> Result<tonic::transport::Channel, String> {
     use std::time::Duration;
     let mut ep = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
         .map_err(|_| format!("invalid coordinator address {endpoint:?}: use https://host:port"))?
@@ -260,11 +270,14 @@ pub fn channel(
                     "coordinator address {endpoint:?} is not https://; TLS needs https:// (or pass --insecure for plain text on loopback)"
                 ));
             }
-            let host = ep
-                .uri()
-                .host()
-                .map(str::to_owned)
-                .ok_or_else(|| format!("coordinator address {endpoint:?} has no host"))?;
+            let host = match server_name {
+                Some(name) => name.to_owned(),
+                None => ep
+                    .uri()
+                    .host()
+                    .map(str::to_owned)
+                    .ok_or_else(|| format!("coordinator address {endpoint:?} has no host"))?,
+            };
             ep = ep
                 .tls_config(files.client_config(&host).map_err(|e| e.to_string())?)
                 .map_err(|e| format!("invalid TLS configuration for {endpoint}: {e}"))?;

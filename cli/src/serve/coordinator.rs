@@ -80,6 +80,11 @@ pub struct CoordinatorArgs {
     /// at once [default: 4096].
     #[arg(long, env = "FLOTILLA_MAX_CONNECTIONS", value_name = "N")]
     max_connections: Option<usize>,
+    /// The name coordinators' certificates carry, checked when a standby calls the leader at
+    /// its --advertise address (for addresses no certificate names, such as pod IPs)
+    /// [default: the address's host].
+    #[arg(long, env = "FLOTILLA_PEER_NAME", value_name = "NAME")]
+    peer_name: Option<String>,
     /// The file with the secret (at least 16 bytes) that signs runs' end webhooks
     /// (`launch --notify URL`); without it (or FLOTILLA_NOTIFY_SECRET) such launches are
     /// refused.
@@ -180,6 +185,7 @@ struct Settings {
     shadow_bundled: bool,
     saved_only: bool,
     limits: flotilla_coordinator::listen::Limits,
+    peer_name: Option<String>,
     /// The retention policy and how often it runs, if any.
     retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,
 }
@@ -273,6 +279,7 @@ impl Settings {
             saved_only: a.saved_only || file.saved_only.unwrap_or(false),
             limits: listen_limits(a, file)?,
             retention: retention(a, file)?,
+            peer_name: a.peer_name.clone().or_else(|| file.peer_name.clone()),
         })
     }
 }
@@ -437,6 +444,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         tokens: tokens.clone(),
         session_base: format!("http://{}", s.http),
         policy: launch_policy(&s, a.config.clone()),
+        peer_name: s.peer_name.clone(),
     };
     announce(&s, &opts);
     serve_until_stopped(coordinator, registry, &s, opts, lost).await

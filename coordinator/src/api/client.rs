@@ -15,6 +15,8 @@ pub(super) struct ClientSvc {
     pub(super) to_leader:
         tokio::sync::Mutex<Option<(String, ClientServiceClient<tonic::transport::Channel>)>>,
     pub(super) policy: LaunchPolicy,
+    /// The name the leader's certificate is checked for (`--peer-name`).
+    pub(super) peer_name: Option<String>,
 }
 
 /// Life of a session token when the caller does not say.
@@ -45,9 +47,10 @@ impl ClientSvc {
         {
             return Ok(Some(c.clone()));
         }
-        let channel = tls::channel(&addr, self.tls.as_ref()).map_err(|e| {
-            ErrorKind::Unavailable.status(format!("cannot reach the leader at {addr}: {e}"))
-        })?;
+        let channel = tls::channel_as(&addr, self.tls.as_ref(), self.peer_name.as_deref())
+            .map_err(|e| {
+                ErrorKind::Unavailable.status(format!("cannot reach the leader at {addr}: {e}"))
+            })?;
         let client = ClientServiceClient::new(channel);
         *cached = Some((addr, client.clone()));
         Ok(Some(client))

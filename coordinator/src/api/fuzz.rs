@@ -355,6 +355,7 @@ impl Server {
             keepalive: Duration::from_secs(10),
             tokens: None,
             policy: LaunchPolicy::default(),
+            peer_name: None,
         };
         let cancel = CancellationToken::new();
         let served = tokio::spawn(serve(

@@ -73,6 +73,9 @@ pub struct ServerOptions {
     pub tokens: Option<crate::web::TokenKey>,
     /// Who may start what.
     pub policy: LaunchPolicy,
+    /// The name other coordinators' certificates are checked for when a standby calls the
+    /// leader (`--peer-name`); `None`: the host of the leader's advertised address.
+    pub peer_name: Option<String>,
 }
 
 /// What a coordinator lets clients start.
@@ -132,6 +135,7 @@ pub async fn serve(
         tls: tls_files,
         to_leader: tokio::sync::Mutex::new(None),
         policy: opts.policy.clone(),
+        peer_name: opts.peer_name.clone(),
     };
     // HTTP/2 pings find a frozen or cut-off worker's stream within two intervals.
     let mut builder = tonic::transport::Server::builder()
