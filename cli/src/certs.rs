@@ -55,6 +55,42 @@ enum CertsCommand {
         #[arg(long)]
         force: bool,
     },
+    /// Make what is missing of a CA and a set of certificates (idempotent: an init step of a
+    /// deployment): the CA if there is none, then each NAME:ROLE without a certificate.
+    Ensure {
+        #[arg(long, default_value = "pki")]
+        dir: PathBuf,
+        /// A certificate to have: NAME:ROLE (repeatable), e.g. coordinator:coordinator.
+        #[arg(long = "cert", value_name = "NAME:ROLE", required = true)]
+        certs: Vec<String>,
+        /// Host names and IP addresses the server certificates are valid for (repeatable).
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+    },
+}
+
+/// `certs ensure`: the CA and each `NAME:ROLE` certificate, made only where missing.
+pub fn ensure(dir: &Path, wanted: &[String], hosts: &[String]) -> Result<String, String> {
+    let mut made = Vec::new();
+    if !dir.join("ca.crt").exists() {
+        init(dir, 3650, false)?;
+        made.push("ca".to_owned());
+    }
+    for w in wanted {
+        let (name, role) = w
+            .split_once(':')
+            .ok_or_else(|| format!("--cert {w:?} is not NAME:ROLE, e.g. worker:worker"))?;
+        let role = role.parse::<Role>()?;
+        if !dir.join(format!("{name}.crt")).exists() {
+            issue(dir, name, role, hosts, 825, true)?;
+            made.push(name.to_owned());
+        }
+    }
+    Ok(if made.is_empty() {
+        format!("{} has every certificate already", dir.display())
+    } else {
+        format!("made {} in {}", made.join(", "), dir.display())
+    })
 }
 
 pub fn run(args: CertsArgs) -> i32 {
@@ -70,6 +106,7 @@ pub fn run(args: CertsArgs) -> i32 {
         } => role
             .parse::<Role>()
             .and_then(|role| issue(&dir, &name, role, &hosts, days, force)),
+        CertsCommand::Ensure { dir, certs, hosts } => ensure(&dir, &certs, &hosts),
     };
     match res {
         Ok(msg) => {

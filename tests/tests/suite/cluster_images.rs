@@ -227,3 +227,173 @@ fn the_image_runs_a_coordinator_and_workers_and_a_replaced_worker_keeps_the_flee
     attached(2);
     run("after the replacement");
 }
+
+/// A loopback port free now whose neighbour ten thousand up is free too (SeaweedFS serves
+/// gRPC there), from a range below the ephemeral one.
+fn weed_port(taken: &mut Vec<u16>) -> u16 {
+    let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let start = 20000 + (std::process::id() % 5000) as u16;
+    let p = (start..30000)
+        .find(|p| !taken.contains(p) && free(*p) && free(*p + 10000))
+        .expect("a free port pair");
+    taken.push(p);
+    p
+}
+
+#[test]
+fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash_and_goes() {
+    let home = tempfile::tempdir().unwrap();
+    let project = format!("flotillatest{}", std::process::id());
+    let mut taken = Vec::new();
+    let mut env: Vec<(String, String)> = vec![
+        ("FLOTILLA_HOME".into(), home.path().display().to_string()),
+        ("FLOTILLA_PROJECT".into(), project.clone()),
+        (
+            "FLOTILLA_IMAGE".into(),
+            format!("localhost/flotilla:compose-{}", std::process::id()),
+        ),
+    ];
+    for var in [
+        "FLOTILLA_PORT_A",
+        "FLOTILLA_PORT_B",
+        "FLOTILLA_HTTP_A",
+        "FLOTILLA_HTTP_B",
+        "FLOTILLA_ETCD_PORT",
+        "FLOTILLA_ETCD_PEER_PORT",
+        "FLOTILLA_S3_PORT",
+        "FLOTILLA_S3_MASTER_PORT",
+        "FLOTILLA_S3_VOLUME_PORT",
+        "FLOTILLA_S3_FILER_PORT",
+    ] {
+        env.push((var.into(), weed_port(&mut taken).to_string()));
+    }
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).unwrap().1.clone();
+    // The image of this build (the script would build a release one when it is missing).
+    let image = get("FLOTILLA_IMAGE");
+    let mut build = Command::new(repo().join("deploy/images/build"));
+    build.args(["--binary", binary().to_str().unwrap(), "--tag", &image]);
+    assert_eq!(run_with_timeout(build, Duration::from_secs(300)).code, 0);
+    struct Down {
+        env: Vec<(String, String)>,
+        image: String,
+    }
+    impl Drop for Down {
+        fn drop(&mut self) {
+            let mut down = Command::new(repo().join("deploy/compose/down"));
+            down.envs(self.env.iter().cloned());
+            let _ = run_with_timeout(down, Duration::from_secs(300));
+            let _ = podman(&["rmi", "-f", &self.image]);
+        }
+    }
+    let guard = Down {
+        env: env.clone(),
+        image: image.clone(),
+    };
+
+    let mut up = Command::new(repo().join("deploy/compose/up"));
+    up.envs(env.iter().cloned());
+    let out = run_with_timeout(up, Duration::from_secs(600));
+    assert_eq!(out.code, 0, "{out:?}");
+    let pki = out.stdout.trim().to_owned();
+    assert!(out.stderr.contains("flotilla launch"), "{}", out.stderr);
+    // Either coordinator serves clients (a standby forwards to the leader).
+    let coordinators = format!("https://127.0.0.1:{}", get("FLOTILLA_PORT_B"));
+    let client = |args: &[&str]| {
+        flotilla(
+            home.path(),
+            &[
+                args,
+                &[
+                    "--coordinator",
+                    &coordinators,
+                    "--tls-dir",
+                    &pki,
+                    "--name",
+                    "client",
+                ],
+            ]
+            .concat(),
+        )
+    };
+    let attached = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let out = client(&["workers", "--json"]);
+            let now = out
+                .json()
+                .as_array()
+                .map_or(0, |a| a.iter().filter(|w| w["state"] == "attached").count());
+            if out.code == 0 && now == n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{n} workers never attached: {out:?}"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    attached(3);
+    let script = flotilla_tests::write_workflow(
+        home.path(),
+        "compose-run",
+        "on the compose stack",
+        "return (await parallel(Array.from({ length: 24 }, (_, i) => () => agent('c' + i + ' [[sleep:500]]')))).length;",
+    );
+    let out = client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "echo",
+        "--stagger",
+        "0",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+
+    // A worker crashes (its process killed outright): its container is started again, and
+    // the run completes with every call.
+    let worker = format!("{project}_worker-1_1");
+    let pid = podman(&["inspect", "-f", "{{.State.Pid}}", &worker]);
+    assert_eq!(pid.code, 0, "{pid:?}");
+    let killed = Command::new("kill")
+        .args(["-9", pid.stdout.trim()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = podman(&[
+            "inspect",
+            "-f",
+            "{{.RestartCount}} {{.State.Status}}",
+            &worker,
+        ]);
+        let text = r.stdout.trim().to_owned();
+        if text.ends_with("running") && !text.starts_with("0 ") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker was not started again: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = client(&["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let report = out.json();
+    assert_eq!(report["status"], "completed", "{report}");
+    assert_eq!(report["result"], 24, "{report}");
+    attached(3);
+
+    // Down: nothing of the project is left.
+    drop(guard);
+    let left = podman(&[
+        "ps",
+        "-aq",
+        "--filter",
+        &format!("label=io.podman.compose.project={project}"),
+    ]);
+    assert!(left.stdout.trim().is_empty(), "left running: {left:?}");
+}

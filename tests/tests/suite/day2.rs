@@ -363,8 +363,13 @@ type Request = (Vec<(String, String)>, String);
 
 impl Hook {
     fn start(answers: Vec<u16>) -> Hook {
+        Self::start_on(0, answers)
+    }
+
+    /// A receiver on `port` (0: any free one).
+    fn start_on(port: u16, answers: Vec<u16>) -> Hook {
         use std::io::{BufRead, BufReader, Read, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
         let port = listener.local_addr().unwrap().port();
         let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let kept = got.clone();
@@ -579,4 +584,48 @@ fn env_show(c: &flotilla_tests::cluster::Cluster, run: &str) -> Value {
     let mut cmd = std::process::Command::new(&c.bin);
     cmd.args(["show", run, "--json", "--store", &c.store_url()]);
     flotilla_tests::run_with_timeout(cmd, Duration::from_secs(30)).json()
+}
+
+#[test]
+fn a_receiver_down_for_a_while_gets_exactly_one_delivery_once_it_is_up() {
+    let env = Env::new();
+    // Down: connections are taken and dropped at once (each attempt fails), counted.
+    let down = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = down.local_addr().unwrap().port();
+    let script = env.script("hooked", "return await agent('done');");
+    let url = format!("http://127.0.0.1:{port}/hook");
+    let child = env
+        .command(
+            &[
+                "run",
+                script.to_str().unwrap(),
+                "--json",
+                "--stagger",
+                "0",
+                "--notify",
+                &url,
+            ],
+            &[("FLOTILLA_NOTIFY_SECRET", SECRET)],
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The first attempt reaches the receiver while it is down.
+    let (conn, _) = down.accept().unwrap();
+    drop(conn);
+    drop(down);
+    // Then it comes up on the same port; the retry finds it.
+    let hook = Hook::start_on(port, vec![]);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["notify"]["delivered"], true, "{report}");
+    assert!(
+        report["notify"]["attempts"].as_u64().unwrap() >= 2,
+        "{report}"
+    );
+    let got = hook.requests();
+    assert_eq!(got.len(), 1, "exactly one delivery reached the receiver");
+    assert!(signed_by(SECRET, &got[0].0, &got[0].1));
 }

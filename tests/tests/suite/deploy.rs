@@ -193,3 +193,43 @@ fn the_manifests_run_the_binary_with_flags_it_takes() {
         );
     }
 }
+
+#[test]
+fn certs_ensure_makes_what_is_missing_and_nothing_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let ensure = |extra: &[&str]| {
+        let mut cmd = Command::new(flotilla_tests::binary());
+        cmd.args(["certs", "ensure", "--dir"])
+            .arg(&pki)
+            .args([
+                "--cert",
+                "coordinator:coordinator",
+                "--cert",
+                "worker:worker",
+                "--host",
+                "127.0.0.1",
+            ])
+            .args(extra);
+        run_with_timeout(cmd, Duration::from_secs(30))
+    };
+    let first = ensure(&[]);
+    assert_eq!(first.code, 0, "{first:?}");
+    assert!(
+        first.stdout.contains("made ca, coordinator, worker"),
+        "{first:?}"
+    );
+    let key = std::fs::read(pki.join("coordinator.key")).unwrap();
+    let again = ensure(&[]);
+    assert_eq!(again.code, 0, "{again:?}");
+    assert!(
+        again.stdout.contains("every certificate already"),
+        "{again:?}"
+    );
+    assert_eq!(std::fs::read(pki.join("coordinator.key")).unwrap(), key);
+    let more = ensure(&["--cert", "client:client"]);
+    assert!(more.stdout.contains("made client"), "{more:?}");
+    let bad = ensure(&["--cert", "nobody"]);
+    assert_eq!(bad.code, 2, "{bad:?}");
+    assert!(bad.stderr.contains("NAME:ROLE"), "{bad:?}");
+}
