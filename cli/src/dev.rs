@@ -237,6 +237,18 @@ fn default_backends(exec_cmd: bool) -> Vec<String> {
     out
 }
 
+/// Why the fleet cannot start, when one of its processes has ended: its name, status and
+/// the end of its log.
+fn died_starting(procs: &mut Procs, logs: &Path) -> Option<String> {
+    let (i, status) = procs.ended()?;
+    let name = &procs.list[i].name;
+    Some(format!(
+        "{name} ended ({status}) while starting; its log ({}/{name}.log) ends:\n{}",
+        logs.display(),
+        tail(&logs.join(format!("{name}.log")))
+    ))
+}
+
 fn tail(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
@@ -314,13 +326,8 @@ async fn up(a: DevArgs) -> Result<i32, String> {
     // Up when it answers an authenticated call: a sign-in token for the pages.
     let deadline = Instant::now() + Duration::from_secs(60);
     let token = loop {
-        if let Some((i, status)) = procs.ended() {
-            let name = procs.list[i].name.clone();
-            return Err(format!(
-                "{name} ended ({status}) while starting; its log ({}/{name}.log) ends:\n{}",
-                logs.display(),
-                tail(&logs.join(format!("{name}.log")))
-            ));
+        if let Some(why) = died_starting(&mut procs, &logs) {
+            return Err(why);
         }
         match client
             .create_token(v1::CreateTokenRequest { ttl_secs: 0 })
@@ -490,13 +497,8 @@ async fn wait_for_workers(
 ) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        if let Some((i, status)) = procs.ended() {
-            let name = procs.list[i].name.clone();
-            return Err(format!(
-                "{name} ended ({status}) while starting; its log ({}/{name}.log) ends:\n{}",
-                logs.display(),
-                tail(&logs.join(format!("{name}.log")))
-            ));
+        if let Some(why) = died_starting(procs, logs) {
+            return Err(why);
         }
         if let Ok(r) = client.list_workers(v1::ListWorkersRequest {}).await
             && r.into_inner().workers.len() >= n

@@ -200,25 +200,49 @@ async fn sweep_payloads(
     cutoff: SystemTime,
     dry: bool,
 ) -> Result<(u64, u64), Error> {
-    let all = store
-        .list_all(&object_store::path::Path::from("payloads"))
-        .await?;
-    if all.is_empty() {
+    let Some(all) = listed(store, "payloads").await? else {
         return Ok((0, 0));
-    }
+    };
     let wanted = referenced_payloads(store, remaining).await?;
-    let (mut n, mut bytes) = (0, 0);
+    let mut candidates = Vec::new();
     for o in all {
-        let Some(sha) = o.location.filename() else {
-            continue;
-        };
-        if wanted.contains(sha) || SystemTime::from(o.last_modified) >= cutoff {
-            continue;
+        let unused = o
+            .location
+            .filename()
+            .is_some_and(|sha| !wanted.contains(sha));
+        if unused && SystemTime::from(o.last_modified) < cutoff {
+            // Written again since the listing (a new run stored the same result): keep it.
+            if dry || still_old(store, &o.location, cutoff).await? {
+                candidates.push(o);
+            }
         }
-        // Written again since the listing (a new run stored the same result): keep it.
-        if !dry && !still_old(store, &o.location, cutoff).await? {
-            continue;
-        }
+    }
+    let swept = delete_all(store, candidates, dry).await?;
+    if !dry {
+        store.prune_empty_dirs(&object_store::path::Path::from("payloads"));
+    }
+    Ok(swept)
+}
+
+/// Everything under `prefix`, or `None` when there is nothing.
+async fn listed(
+    store: &Store,
+    prefix: &str,
+) -> Result<Option<Vec<object_store::ObjectMeta>>, Error> {
+    let all = store
+        .list_all(&object_store::path::Path::from(prefix))
+        .await?;
+    Ok((!all.is_empty()).then_some(all))
+}
+
+/// Deletes `objects` in order (unless `dry`); how many and their bytes.
+async fn delete_all(
+    store: &Store,
+    objects: Vec<object_store::ObjectMeta>,
+    dry: bool,
+) -> Result<(u64, u64), Error> {
+    let (mut n, mut bytes) = (0, 0);
+    for o in objects {
         n += 1;
         bytes += o.size;
         if !dry {
@@ -287,27 +311,18 @@ async fn sweep_sources(
     cutoff: SystemTime,
     dry: bool,
 ) -> Result<(u64, u64), Error> {
-    let all = store
-        .list_all(&object_store::path::Path::from("sources"))
-        .await?;
-    if all.is_empty() {
+    let Some(all) = listed(store, "sources").await? else {
         return Ok((0, 0));
-    }
+    };
     let keep = referenced_sources(store, remaining).await?;
-    let (mut n, mut bytes) = (0, 0);
     // Commit records before packs: a record never names a pack that is gone.
     let (records, others): (Vec<_>, Vec<_>) = all
         .into_iter()
+        .filter(|o| !keep.contains(&o.location) && SystemTime::from(o.last_modified) < cutoff)
         .partition(|o| o.location.as_ref().contains("/commits/"));
-    for o in records.into_iter().chain(others) {
-        if keep.contains(&o.location) || SystemTime::from(o.last_modified) >= cutoff {
-            continue;
-        }
-        n += 1;
-        bytes += o.size;
-        if !dry {
-            store.delete(&o.location).await?;
-        }
+    let swept = delete_all(store, records.into_iter().chain(others).collect(), dry).await?;
+    if !dry {
+        store.prune_empty_dirs(&object_store::path::Path::from("sources"));
     }
-    Ok((n, bytes))
+    Ok(swept)
 }
