@@ -66,6 +66,11 @@ impl Output {
             )
         })
     }
+
+    /// The stdout as JSON, or `null` when it is not (a command that failed, for a poll).
+    pub fn json_or_null(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or(Value::Null)
+    }
 }
 
 /// A test environment: its own store, workspace and script directory.

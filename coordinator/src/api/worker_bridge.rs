@@ -21,19 +21,27 @@ pub(super) struct WorkerSvc {
 
 pub type StreamOf<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-/// A worker's name: its certificate's `cn`, or `cn/INSTANCE` when it calls itself that
-/// (INSTANCE: 1 to 63 letters, digits, `-`, `_` and `.`).
+/// A worker's name: its certificate's `cn`, and the instance it calls itself after a slash
+/// (`cn/INSTANCE` when it says `INSTANCE` or `cn/INSTANCE`; INSTANCE: 1 to 63 letters,
+/// digits, `-`, `_` and `.`, such as a pod's host name). Replicas that share one certificate
+/// are told apart; the identity is still the certificate's.
 pub fn instance_name(cn: &str, said: &str) -> String {
-    match said.strip_prefix(cn).and_then(|r| r.strip_prefix('/')) {
-        Some(i)
-            if !i.is_empty()
-                && i.len() <= 63
-                && i.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) =>
-        {
-            format!("{cn}/{i}")
-        }
-        _ => cn.to_owned(),
+    if said == cn {
+        return cn.to_owned();
+    }
+    let instance = said
+        .strip_prefix(cn)
+        .and_then(|r| r.strip_prefix('/'))
+        .unwrap_or(said);
+    let valid = !instance.is_empty()
+        && instance.len() <= 63
+        && instance
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if valid {
+        format!("{cn}/{instance}")
+    } else {
+        cn.to_owned()
     }
 }
 
@@ -48,6 +56,10 @@ mod instance_tests {
         );
         assert_eq!(n("worker", "worker"), "worker");
         assert_eq!(n("worker", "other/pod"), "worker");
+        assert_eq!(
+            n("worker", "flotilla-worker-7d9f-x2"),
+            "worker/flotilla-worker-7d9f-x2"
+        );
         assert_eq!(n("worker", "worker/"), "worker");
         assert_eq!(n("worker", "worker/a/b"), "worker");
         assert_eq!(n("worker", "workerx/a"), "worker");
@@ -87,8 +99,8 @@ impl WorkerService for WorkerSvc {
         check_version(&hello.protocol_version)?;
         if let Some(name) = name {
             // A worker is known by its certificate, whatever it calls itself; replicas that
-            // share one certificate (a Kubernetes Deployment) tell themselves apart as
-            // `CN/INSTANCE`.
+            // share one certificate (a Kubernetes Deployment) are told apart by the instance
+            // they name (`CN/INSTANCE`: their host names).
             hello.name = instance_name(&name, &hello.name);
         }
         tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");

@@ -397,3 +397,196 @@ fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash
     ]);
     assert!(left.stdout.trim().is_empty(), "left running: {left:?}");
 }
+
+/// The manifests of `deploy/kubernetes` as `podman kube play` can run them here: the
+/// Deployments and the ConfigMap (it ignores Services and budgets), on the host's loopback
+/// (no pod network may be used), a file store and one coordinator (no etcd), the secrets as
+/// host paths (podman 4.3 crashes on secret volumes), the workers unsandboxed (the image
+/// has no bubblewrap), no container ports (nothing to map on the host network), and the
+/// pod IP given (podman has none).
+/// Everything else — args, env, probes, security contexts, volumes — is
+/// as written.
+fn for_kube_play(image: &str, pki: &Path, port: u16, http: u16, suffix: &str) -> String {
+    let dir = repo().join("deploy/kubernetes");
+    let mut docs = Vec::new();
+    for file in ["settings.yaml", "coordinator.yaml", "worker.yaml"] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        for doc in text.split("\n---\n") {
+            if doc.contains("kind: Deployment") || doc.contains("kind: ConfigMap") {
+                docs.push(doc.to_owned());
+            }
+        }
+    }
+    let pki = pki.display().to_string();
+    let mut out = docs.join("\n---\n");
+    for (from, to) in [
+        ("image: flotilla\n", format!("image: {image}\n")),
+        // Names of this test's own (pods are named after their Deployment).
+        (
+            "\n  name: flotilla-coordinator\n",
+            format!("\n  name: flotilla-coordinator-{suffix}\n"),
+        ),
+        (
+            "\n  name: flotilla-worker\n",
+            format!("\n  name: flotilla-worker-{suffix}\n"),
+        ),
+        (
+            "s3://flotilla/runs",
+            "file:///var/lib/flotilla/store".to_owned(),
+        ),
+        (
+            "  FLOTILLA_ETCD: \"https://etcd.flotilla.svc:2379\"\n",
+            String::new(),
+        ),
+        ("replicas: 2", "replicas: 1".to_owned()),
+        ("replicas: 3", "replicas: 2".to_owned()),
+        (
+            "--listen=0.0.0.0:7443",
+            format!("--listen=127.0.0.1:{port}"),
+        ),
+        ("--http=0.0.0.0:7080", format!("--http=127.0.0.1:{http}")),
+        ("port: http\n", format!("port: {http}\n")),
+        // podman does not know the pod's IP; on the host network it is loopback.
+        (
+            "            - name: POD_IP\n              valueFrom:\n                fieldRef:\n                  fieldPath: status.podIP\n",
+            "            - name: POD_IP\n              value: \"127.0.0.1\"\n".to_owned(),
+        ),
+        // On the host network there is nothing to map (podman refuses port mappings there).
+        (
+            "          ports:\n            - name: grpc\n              containerPort: 7443\n            - name: http\n              containerPort: 7080\n",
+            String::new(),
+        ),
+        (
+            "--coordinator=https://flotilla-coordinator:7443",
+            format!("--coordinator=https://127.0.0.1:{port}"),
+        ),
+        (
+            "            - --slots=8\n",
+            "            - --slots=4\n            - --sandbox=off\n".to_owned(),
+        ),
+        (
+            "      automountServiceAccountToken: false\n",
+            "      automountServiceAccountToken: false\n      hostNetwork: true\n".to_owned(),
+        ),
+        (
+            "          secret:\n            secretName: flotilla-pki\n            defaultMode: 0400\n",
+            format!("          hostPath:\n            path: {pki}\n"),
+        ),
+        (
+            "          secret:\n            secretName: flotilla-worker-pki\n            defaultMode: 0400\n",
+            format!("          hostPath:\n            path: {pki}\n"),
+        ),
+    ] {
+        assert!(
+            out.contains(from),
+            "the manifests changed: {from:?} is not in them"
+        );
+        out = out.replace(from, &to);
+    }
+    out
+}
+
+#[test]
+fn the_kubernetes_deployments_come_up_as_real_pods_and_serve_a_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = format!("localhost/flotilla:kube-{}", std::process::id());
+    let mut build = Command::new(repo().join("deploy/images/build"));
+    build.args(["--binary", binary().to_str().unwrap(), "--tag", &image]);
+    assert_eq!(run_with_timeout(build, Duration::from_secs(300)).code, 0);
+    let pki = dir.path().join("pki");
+    let out = flotilla(
+        dir.path(),
+        &[
+            "certs",
+            "ensure",
+            "--dir",
+            pki.to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--host",
+            "flotilla-coordinator",
+            "--cert",
+            "coordinator:coordinator",
+            "--cert",
+            "worker:worker",
+            "--cert",
+            "client:client",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    for key in ["coordinator.key", "worker.key"] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(pki.join(key), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let (port, http) = (free_port(), free_port());
+    let played = dir.path().join("played.yaml");
+    std::fs::write(
+        &played,
+        for_kube_play(&image, &pki, port, http, &std::process::id().to_string()),
+    )
+    .unwrap();
+    struct Down(PathBuf, String);
+    impl Drop for Down {
+        fn drop(&mut self) {
+            let _ = podman(&["kube", "down", self.0.to_str().unwrap()]);
+            let _ = podman(&["rmi", "-f", &self.1]);
+        }
+    }
+    let _down = Down(played.clone(), image.clone());
+    let out = podman(&["kube", "play", played.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{out:?}");
+
+    let url = format!("https://127.0.0.1:{port}");
+    let client = |args: &[&str]| {
+        flotilla(
+            dir.path(),
+            &[
+                args,
+                &[
+                    "--coordinator",
+                    &url,
+                    "--tls-dir",
+                    pki.to_str().unwrap(),
+                    "--name",
+                    "client",
+                ],
+            ]
+            .concat(),
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let ready = http_get(http, "/healthz", &[]).status == 200;
+        let out = client(&["workers", "--json"]);
+        let n = out.json_or_null().as_array().map_or(0, Vec::len);
+        if ready && n == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pods never served (ready {ready}, {n} workers): {out:?} {:?}",
+            podman(&["ps", "-a"])
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let script = flotilla_tests::write_workflow(
+        dir.path(),
+        "in-pods",
+        "runs in pods",
+        "return (await parallel(Array.from({ length: 6 }, (_, i) => () => agent('p' + i)))).length;",
+    );
+    let out = client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "echo",
+        "--stagger",
+        "0",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let out = client(&["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json()["result"], 6);
+}
