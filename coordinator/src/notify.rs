@@ -37,6 +37,8 @@ pub struct Notifier {
     key: ring::hmac::Key,
     client: reqwest::Client,
     pending: std::sync::Mutex<JoinSet<()>>,
+    /// The runs whose deliveries this process is making now.
+    in_flight: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// The first backoff; doubled after each retry.
     backoff: Duration,
 }
@@ -86,6 +88,7 @@ impl Notifier {
             key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret),
             client,
             pending: std::sync::Mutex::new(JoinSet::new()),
+            in_flight: Arc::default(),
             backoff: Duration::from_secs(1),
         })
     }
@@ -126,8 +129,33 @@ impl Notifier {
             "labels": labels,
             "parent_run_id": report.parent_run_id,
         });
-        let body = serde_json::to_vec(&body).unwrap_or_default();
         let run = report.run_id.clone();
+        let letter = Letter {
+            delivery: format!(
+                "{run}-{}",
+                crate::coordinator::new_run_id().trim_start_matches("wf_")
+            ),
+            run_id: run,
+            url,
+            generation,
+            elapsed_ms,
+            body,
+        };
+        self.send(store, letter, true);
+    }
+
+    /// Delivers `letter` in the background; `new`: it is kept in the outbox first, so a
+    /// coordinator that restarts before it is done sends it then ([`Notifier::resume`]).
+    fn send(self: &Arc<Self>, store: Store, letter: Letter, new: bool) {
+        {
+            let mut flying = self
+                .in_flight
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !flying.insert(letter.run_id.clone()) {
+                return;
+            }
+        }
         let me = self.clone();
         let mut pending = self
             .pending
@@ -136,9 +164,44 @@ impl Notifier {
         // Finished deliveries are reaped here, so the set holds only those still going.
         while pending.try_join_next().is_some() {}
         pending.spawn(async move {
-            let delivery = me.deliver(&url, &run, &body).await;
-            record(&store, &run, generation, elapsed_ms, &delivery).await;
+            let key = keys::notify_outbox(&letter.run_id);
+            if new {
+                let body = serde_json::to_vec(&letter).unwrap_or_default();
+                if let Err(e) = store.put_overwrite(&key, Bytes::from(body)).await {
+                    tracing::warn!(run = %letter.run_id, error = %e, "cannot keep the webhook in the outbox; it is sent, but not again after a restart");
+                }
+            }
+            let body = serde_json::to_vec(&letter.body).unwrap_or_default();
+            let delivery = me.deliver(&letter.url, &letter.delivery, &body).await;
+            record(&store, &letter.run_id, letter.generation, letter.elapsed_ms, &delivery).await;
+            if let Err(e) = store.delete(&key).await {
+                tracing::warn!(run = %letter.run_id, error = %e, "cannot take the webhook out of the outbox");
+            }
+            me.in_flight
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&letter.run_id);
         });
+    }
+
+    /// Sends what the outbox holds that this process is not sending already: deliveries a
+    /// coordinator that stopped or died did not finish. How many it took up.
+    pub async fn resume(self: &Arc<Self>, store: &Store) -> Result<usize, crate::store::Error> {
+        let mut n = 0;
+        for key in store.list_objects(&keys::notify_outboxes()).await? {
+            let Some(body) = store.get(&key).await? else {
+                continue;
+            };
+            let Ok(letter) = serde_json::from_slice::<Letter>(&body) else {
+                tracing::warn!(key = %key, "an unreadable webhook in the outbox; dropping it");
+                let _ = store.delete(&key).await;
+                continue;
+            };
+            tracing::info!(run = %letter.run_id, "sending a webhook an earlier coordinator did not finish");
+            self.send(store.clone(), letter, false);
+            n += 1;
+        }
+        Ok(n)
     }
 
     /// Waits (at most `limit`) for the deliveries still going.
@@ -153,11 +216,7 @@ impl Notifier {
             tokio::time::timeout(limit, async { while set.join_next().await.is_some() {} }).await;
     }
 
-    async fn deliver(&self, url: &str, run: &str, body: &[u8]) -> Delivery {
-        let id = format!(
-            "{run}-{}",
-            crate::coordinator::new_run_id().trim_start_matches("wf_")
-        );
+    async fn deliver(&self, url: &str, id: &str, body: &[u8]) -> Delivery {
         let mut out = Delivery {
             url: url.to_owned(),
             delivered: false,
@@ -186,7 +245,7 @@ impl Notifier {
                     concat!("flotilla/", env!("CARGO_PKG_VERSION")),
                 )
                 .header("x-flotilla-event", "run.ended")
-                .header("x-flotilla-delivery", &id)
+                .header("x-flotilla-delivery", id)
                 .header("x-flotilla-signature", self.sign(unix, body))
                 .body(body.to_vec())
                 .send()
@@ -219,6 +278,18 @@ impl Notifier {
         }
         out
     }
+}
+
+/// A delivery to make: what it sends, where, and under which id (kept in the outbox until it
+/// is done).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Letter {
+    run_id: String,
+    url: String,
+    delivery: String,
+    generation: u64,
+    elapsed_ms: u64,
+    body: serde_json::Value,
 }
 
 /// Refuses a URL whose host is, or resolves to, a link-local address (169.254.0.0/16,

@@ -502,6 +502,9 @@ async fn serve_until_stopped(
         opts,
         cancel.clone(),
     ));
+    if let Some(n) = coordinator.notifier().cloned() {
+        tokio::spawn(send_outbox(coordinator.clone(), n, cancel.clone()));
+    }
     if let Some((policy, every)) = s.retention.clone() {
         tokio::spawn(retain(
             coordinator.clone(),
@@ -532,6 +535,27 @@ async fn serve_until_stopped(
     cancel.cancel();
     coordinator.shutdown();
     code
+}
+
+/// Webhooks an earlier coordinator did not finish, taken up while this one leads (at once,
+/// then every few seconds: the outbox is one listing).
+async fn send_outbox(
+    coordinator: Arc<Coordinator>,
+    notifier: Arc<flotilla_coordinator::notify::Notifier>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let leading = coordinator
+            .leadership()
+            .is_none_or(|l| *l.office().borrow());
+        if leading && let Err(e) = notifier.resume(coordinator.store()).await {
+            tracing::warn!(error = %e, "cannot read the webhook outbox; trying again");
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
+        }
+    }
 }
 
 /// The retention sweep, every `every` while this coordinator leads (a standby sweeps

@@ -12,6 +12,7 @@
 //! payloads/{sha256}                        large results, stored once by content hash
 //! workflows/{name}.js                      workflows saved on the server
 //! index/runs/{countdown}-{run}.json         the run index (see `index`): newest first
+//! notify/outbox/{run}.json                 a webhook not yet delivered (see `notify`)
 //! sources/{repo}/packs/{sha256}.pack       git objects of run sources, stored once
 //! sources/{repo}/commits/{commit}.json     which pack holds a commit, and what it needs
 //! ```
@@ -75,6 +76,15 @@ pub fn result(run: &str) -> Path {
 /// How the run's end webhook was delivered (`--notify`).
 pub fn notify(run: &str) -> Path {
     Path::from(format!("runs/{run}/notify.json"))
+}
+
+/// Webhooks not yet delivered (or given up), one per run: sent again after a restart.
+pub fn notify_outboxes() -> Path {
+    Path::from("notify/outbox")
+}
+
+pub fn notify_outbox(run: &str) -> Path {
+    Path::from(format!("notify/outbox/{run}.json"))
 }
 
 pub fn payload(sha256_hex: &str) -> Path {

@@ -629,3 +629,56 @@ fn a_receiver_down_for_a_while_gets_exactly_one_delivery_once_it_is_up() {
     assert_eq!(got.len(), 1, "exactly one delivery reached the receiver");
     assert!(signed_by(SECRET, &got[0].0, &got[0].1));
 }
+
+#[test]
+fn a_webhook_a_killed_coordinator_did_not_finish_is_sent_once_by_the_next_one() {
+    let secret_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(secret_file.path(), SECRET).unwrap();
+    let mut c = flotilla_tests::cluster::Cluster::start_coordinator_with(
+        1,
+        2,
+        &["--notify-secret-file", secret_file.path().to_str().unwrap()],
+    );
+    // The receiver is down: it takes each connection and drops it.
+    let down = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = down.local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}/hook");
+    let run = c.launch(
+        "outlives",
+        "return await agent('done');",
+        &["--notify", &url, "--stagger", "0"],
+    );
+    let (code, _) = c.wait(&run);
+    assert_eq!(code, 0);
+    // Its first attempt fails; the coordinator dies before the next.
+    let (conn, _) = down.accept().unwrap();
+    drop(conn);
+    let mut old = c.take_coordinator().unwrap();
+    old.kill().unwrap();
+    old.wait().unwrap();
+    let outbox = c.path().join("store/notify/outbox");
+    assert_eq!(
+        files_under(&outbox),
+        [format!("{run}.json")],
+        "the undelivered webhook is kept"
+    );
+    drop(down);
+    let hook = Hook::start_on(port, vec![]);
+    // The next coordinator on the same store sends it, once.
+    c.start_coordinator();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let shown = env_show(&c, &run);
+        if shown["notify"]["delivered"] == true {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{shown}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let got = hook.requests();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(signed_by(SECRET, &got[0].0, &got[0].1));
+    let body: Value = serde_json::from_str(&got[0].1).unwrap();
+    assert_eq!(body["run_id"], run.as_str());
+    assert!(files_under(&outbox).is_empty());
+}
