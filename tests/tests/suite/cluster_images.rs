@@ -421,6 +421,9 @@ fn for_kube_play(image: &str, pki: &Path, port: u16, http: u16, suffix: &str) ->
     let mut out = docs.join("\n---\n");
     for (from, to) in [
         ("image: flotilla\n", format!("image: {image}\n")),
+        // The plain image for the workers too (they run unsandboxed here).
+        ("image: flotilla-worker\n", format!("image: {image}\n")),
+        ("            procMount: Unmasked\n", String::new()),
         // Names of this test's own (pods are named after their Deployment).
         (
             "\n  name: flotilla-coordinator\n",
@@ -589,4 +592,178 @@ fn the_kubernetes_deployments_come_up_as_real_pods_and_serve_a_run() {
     let out = client(&["wait", &run, "--json"]);
     assert_eq!(out.code, 0, "{out:?}");
     assert_eq!(out.json()["result"], 6);
+}
+
+#[test]
+fn the_worker_image_runs_the_pinned_claude_cli_in_its_sandbox_against_the_model_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = format!("localhost/flotilla-worker:test-{}", std::process::id());
+    let mut build = Command::new(repo().join("deploy/images/build"));
+    build.args([
+        "worker",
+        "--binary",
+        binary().to_str().unwrap(),
+        "--tag",
+        &image,
+    ]);
+    let out = run_with_timeout(build, Duration::from_secs(900));
+    assert_eq!(out.code, 0, "{out:?}");
+    let mut pod = Pod {
+        tag: image.clone(),
+        names: Vec::new(),
+    };
+    let pki = dir.path().join("pki");
+    let out = flotilla(
+        dir.path(),
+        &[
+            "certs",
+            "ensure",
+            "--dir",
+            pki.to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--cert",
+            "coordinator:coordinator",
+            "--cert",
+            "worker:worker",
+            "--cert",
+            "client:client",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(
+            pki.join("worker.key"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+    }
+    // The coordinator on the host; the worker in its container, on the host's loopback.
+    let port = free_port();
+    let mut coordinator = Command::new(binary())
+        .args(["coordinator", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--http", &format!("127.0.0.1:{}", free_port())])
+        .arg("--store")
+        .arg(format!("file://{}", dir.path().join("store").display()))
+        .arg("--tls-dir")
+        .arg(&pki)
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _coordinator = Kill(&mut coordinator);
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    let name = format!("flotilla-test-claude-worker-{}", std::process::id());
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "-d".into(),
+        "--name".into(),
+        name.clone(),
+        "--network".into(),
+        "host".into(),
+        // bubblewrap in a container: user namespaces (seccomp) and its own /proc (unmasked),
+        // what the Kubernetes manifest asks for too.
+        "--security-opt".into(),
+        "seccomp=unconfined".into(),
+        "--security-opt".into(),
+        "unmask=ALL".into(),
+        "-v".into(),
+        format!("{}:/etc/flotilla/pki:ro", pki.display()),
+    ];
+    for (k, v) in fake.env() {
+        args.push("-e".into());
+        args.push(format!("{k}={v}"));
+    }
+    args.extend(
+        [
+            image.as_str(),
+            "worker",
+            &format!("--coordinator=https://127.0.0.1:{port}"),
+            "--cert=/etc/flotilla/pki/worker.crt",
+            "--key=/etc/flotilla/pki/worker.key",
+            "--ca=/etc/flotilla/pki/ca.crt",
+            "--workspace=/var/lib/flotilla/workspace",
+            "--backend=claude-code",
+            "--slots=2",
+        ]
+        .map(str::to_owned),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = podman(&args);
+    assert_eq!(out.code, 0, "{out:?}");
+    pod.names.push(name.clone());
+    let url = format!("https://127.0.0.1:{port}");
+    let client = |args: &[&str]| {
+        flotilla(
+            dir.path(),
+            &[
+                args,
+                &[
+                    "--coordinator",
+                    &url,
+                    "--tls-dir",
+                    pki.to_str().unwrap(),
+                    "--name",
+                    "client",
+                ],
+            ]
+            .concat(),
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while client(&["workers", "--json"])
+        .json_or_null()
+        .as_array()
+        .map_or(0, Vec::len)
+        != 1
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the worker never attached: {:?}",
+            podman(&["logs", &name])
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let logs = podman(&["logs", &name]);
+    assert!(
+        !logs.stderr.contains("without a sandbox") && !logs.stdout.contains("without a sandbox"),
+        "{logs:?}"
+    );
+    let script = flotilla_tests::write_workflow(
+        dir.path(),
+        "claude-in-a-container",
+        "the claude CLI in the worker image",
+        "return await agent('look [[bash:echo from the container sandbox]]', { tools: ['Bash'] });",
+    );
+    let out = client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "claude-code",
+        "--stagger",
+        "0",
+        "--source",
+        "none",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let out = client(&["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?} {:?}", podman(&["logs", &name]));
+    let report = out.json();
+    assert_eq!(
+        report["result"], "tool said: from the container sandbox",
+        "{report}"
+    );
+    assert!(!fake.requests().is_empty());
 }
