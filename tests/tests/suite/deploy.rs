@@ -63,6 +63,45 @@ fn the_systemd_units_verify_clean_are_hardened_and_their_flags_are_the_binary_s(
         );
         let level = exposure(&unit);
         assert!(level <= most, "{name}: exposure {level} (at most {most})");
+        // Every file ExecStart reads from the credentials directory is a credential the unit
+        // loads by that name (a directory would be loaded as `ID_FILE` credentials, flat).
+        let original = std::fs::read_to_string(repo().join("deploy/systemd").join(name)).unwrap();
+        let loaded: Vec<&str> = original
+            .lines()
+            .filter_map(|l| l.strip_prefix("LoadCredential="))
+            .map(|c| c.split(':').next().unwrap())
+            .collect();
+        let exec_line = original
+            .lines()
+            .find_map(|l| l.strip_prefix("ExecStart="))
+            .unwrap();
+        let mut wanted: Vec<String> = exec_line
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix("${CREDENTIALS_DIRECTORY}/"))
+            .map(str::to_owned)
+            .collect();
+        let words: Vec<&str> = exec_line.split_whitespace().collect();
+        if let Some(i) = words.iter().position(|w| *w == "--tls-dir")
+            && words.get(i + 1) == Some(&"${CREDENTIALS_DIRECTORY}")
+        {
+            let who = words
+                .iter()
+                .position(|w| *w == "--name")
+                .and_then(|j| words.get(j + 1))
+                .expect("--tls-dir with --name");
+            wanted.extend([
+                "ca.crt".to_owned(),
+                format!("{who}.crt"),
+                format!("{who}.key"),
+            ]);
+        }
+        assert!(!wanted.is_empty(), "{name} reads no credentials");
+        for w in &wanted {
+            assert!(
+                loaded.contains(&w.as_str()),
+                "{name} reads credential {w} but loads {loaded:?}"
+            );
+        }
         // ExecStart with the credentials directory and the host name filled in: the binary
         // takes every flag (it stops at the missing config file, not at a flag).
         let text = std::fs::read_to_string(&unit).unwrap();
