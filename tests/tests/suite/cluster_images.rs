@@ -66,6 +66,19 @@ impl Pod {
     }
 }
 
+/// A client command from `dir` against the coordinator at `url`, as `client` of `pki`.
+fn as_client(dir: &Path, url: &str, pki: &Path, args: &[&str]) -> Output {
+    let pki = pki.to_str().unwrap();
+    flotilla(
+        dir,
+        &[
+            args,
+            &["--coordinator", url, "--tls-dir", pki, "--name", "client"],
+        ]
+        .concat(),
+    )
+}
+
 fn flotilla(dir: &Path, args: &[&str]) -> Output {
     let mut cmd = Command::new(binary());
     cmd.args(args)
@@ -157,23 +170,7 @@ fn the_image_runs_a_coordinator_and_workers_and_a_replaced_worker_keeps_the_flee
     let w2 = format!("flotilla-test-worker-b-{unique}");
     worker(&mut pod, &w1);
     worker(&mut pod, &w2);
-    let client = |args: &[&str]| {
-        flotilla(
-            dir.path(),
-            &[
-                args,
-                &[
-                    "--coordinator",
-                    &url,
-                    "--tls-dir",
-                    pki_s,
-                    "--name",
-                    "client",
-                ],
-            ]
-            .concat(),
-        )
-    };
+    let client = |args: &[&str]| as_client(dir.path(), &url, Path::new(pki_s), args);
     let attached = |n: usize| {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -298,23 +295,7 @@ fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash
     assert!(out.stderr.contains("flotilla launch"), "{}", out.stderr);
     // Either coordinator serves clients (a standby forwards to the leader).
     let coordinators = format!("https://127.0.0.1:{}", get("FLOTILLA_PORT_B"));
-    let client = |args: &[&str]| {
-        flotilla(
-            home.path(),
-            &[
-                args,
-                &[
-                    "--coordinator",
-                    &coordinators,
-                    "--tls-dir",
-                    &pki,
-                    "--name",
-                    "client",
-                ],
-            ]
-            .concat(),
-        )
-    };
+    let client = |args: &[&str]| as_client(home.path(), &coordinators, Path::new(&pki), args);
     let attached = |n: usize| {
         let deadline = Instant::now() + Duration::from_secs(90);
         loop {
@@ -540,23 +521,7 @@ fn the_kubernetes_deployments_come_up_as_real_pods_and_serve_a_run() {
     assert_eq!(out.code, 0, "{out:?}");
 
     let url = format!("https://127.0.0.1:{port}");
-    let client = |args: &[&str]| {
-        flotilla(
-            dir.path(),
-            &[
-                args,
-                &[
-                    "--coordinator",
-                    &url,
-                    "--tls-dir",
-                    pki.to_str().unwrap(),
-                    "--name",
-                    "client",
-                ],
-            ]
-            .concat(),
-        )
-    };
+    let client = |args: &[&str]| as_client(dir.path(), &url, &pki, args);
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let ready = http_get(http, "/healthz", &[]).status == 200;
@@ -703,23 +668,7 @@ fn the_worker_image_runs_the_pinned_claude_cli_in_its_sandbox_against_the_model_
     assert_eq!(out.code, 0, "{out:?}");
     pod.names.push(name.clone());
     let url = format!("https://127.0.0.1:{port}");
-    let client = |args: &[&str]| {
-        flotilla(
-            dir.path(),
-            &[
-                args,
-                &[
-                    "--coordinator",
-                    &url,
-                    "--tls-dir",
-                    pki.to_str().unwrap(),
-                    "--name",
-                    "client",
-                ],
-            ]
-            .concat(),
-        )
-    };
+    let client = |args: &[&str]| as_client(dir.path(), &url, &pki, args);
     let deadline = Instant::now() + Duration::from_secs(60);
     while client(&["workers", "--json"])
         .json_or_null()
