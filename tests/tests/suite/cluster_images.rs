@@ -249,6 +249,10 @@ fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash
             "FLOTILLA_IMAGE".into(),
             format!("localhost/flotilla:compose-{}", std::process::id()),
         ),
+        (
+            "FLOTILLA_WORKER_IMAGE".into(),
+            format!("localhost/flotilla-worker:compose-{}", std::process::id()),
+        ),
     ];
     for var in [
         "FLOTILLA_PORT_A",
@@ -265,26 +269,31 @@ fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash
         env.push((var.into(), weed_port(&mut taken).to_string()));
     }
     let get = |k: &str| env.iter().find(|(n, _)| n == k).unwrap().1.clone();
-    // The image of this build (the script would build a release one when it is missing).
-    let image = get("FLOTILLA_IMAGE");
-    let mut build = Command::new(repo().join("deploy/images/build"));
-    build.args(["--binary", binary().to_str().unwrap(), "--tag", &image]);
-    assert_eq!(run_with_timeout(build, Duration::from_secs(300)).code, 0);
+    // The images of this build (the script would build release ones when they are missing).
+    let images = [get("FLOTILLA_IMAGE"), get("FLOTILLA_WORKER_IMAGE")];
+    for (what, image) in ["flotilla", "worker"].iter().zip(&images) {
+        let mut build = Command::new(repo().join("deploy/images/build"));
+        build.args([what, "--binary", binary().to_str().unwrap(), "--tag", image]);
+        let out = run_with_timeout(build, Duration::from_secs(900));
+        assert_eq!(out.code, 0, "{out:?}");
+    }
     struct Down {
         env: Vec<(String, String)>,
-        image: String,
+        images: [String; 2],
     }
     impl Drop for Down {
         fn drop(&mut self) {
             let mut down = Command::new(repo().join("deploy/compose/down"));
             down.envs(self.env.iter().cloned());
             let _ = run_with_timeout(down, Duration::from_secs(300));
-            let _ = podman(&["rmi", "-f", &self.image]);
+            for image in &self.images {
+                let _ = podman(&["rmi", "-f", image]);
+            }
         }
     }
     let guard = Down {
         env: env.clone(),
-        image: image.clone(),
+        images: images.clone(),
     };
 
     let mut up = Command::new(repo().join("deploy/compose/up"));
@@ -315,6 +324,16 @@ fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash
         }
     };
     attached(3);
+    // The workers run sandboxed: each made a bubblewrap sandbox before it attached.
+    for i in 1..=3 {
+        let logs = podman(&["logs", &format!("{project}_worker-{i}_1")]);
+        assert_eq!(logs.code, 0, "{logs:?}");
+        assert!(
+            !logs.stderr.contains("without a sandbox")
+                && !logs.stdout.contains("without a sandbox"),
+            "{logs:?}"
+        );
+    }
     let script = flotilla_tests::write_workflow(
         home.path(),
         "compose-run",
@@ -715,4 +734,238 @@ fn the_worker_image_runs_the_pinned_claude_cli_in_its_sandbox_against_the_model_
         "{report}"
     );
     assert!(!fake.requests().is_empty());
+}
+
+/// `systemctl show -p PROP --value UNIT` in container `name` (`None` until its systemd
+/// answers).
+fn try_unit_property(name: &str, unit: &str, prop: &str) -> Option<String> {
+    let out = podman(&[
+        "exec",
+        name,
+        "systemctl",
+        "show",
+        "-p",
+        prop,
+        "--value",
+        unit,
+    ]);
+    (out.code == 0).then(|| out.stdout.trim().to_owned())
+}
+
+fn unit_property(name: &str, unit: &str, prop: &str) -> String {
+    try_unit_property(name, unit, prop).unwrap_or_else(|| panic!("systemctl show {unit}"))
+}
+
+/// The units of `deploy/systemd`, as written, under a real systemd (PID 1 of a container
+/// of `deploy/images/build systemd`): both start as dynamic users with their certificates
+/// handed over as credentials, the worker's agents run in bubblewrap sandboxes that cannot
+/// read its key, a worker killed outright is started again by the restart policy and the
+/// next run completes, and `systemctl stop` ends the coordinator cleanly.
+#[test]
+fn the_systemd_units_run_under_systemd_sandboxed_restarted_and_stopped_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let tag = format!("localhost/flotilla-systemd:test-{}", std::process::id());
+    let mut build = Command::new(repo().join("deploy/images/build"));
+    build.args([
+        "systemd",
+        "--binary",
+        binary().to_str().unwrap(),
+        "--tag",
+        &tag,
+    ]);
+    let out = run_with_timeout(build, Duration::from_secs(900));
+    assert_eq!(out.code, 0, "{out:?}");
+    let mut pod = Pod {
+        tag: tag.clone(),
+        names: Vec::new(),
+    };
+    // /etc/flotilla as the units' header says: settings and the certificates (keys stay
+    // root's, mode 0600: systemd hands them to the services).
+    let etc = dir.path().join("etc");
+    let pki = etc.join("pki");
+    let out = flotilla(
+        dir.path(),
+        &[
+            "certs",
+            "ensure",
+            "--dir",
+            pki.to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--cert",
+            "coordinator:coordinator",
+            "--cert",
+            "worker:worker",
+            "--cert",
+            "client:client",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let (port, http) = (free_port(), free_port());
+    std::fs::write(
+        etc.join("coordinator.toml"),
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nhttp = \"127.0.0.1:{http}\"\n\
+             store = \"file:///var/lib/flotilla-coordinator/store\"\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        etc.join("worker.toml"),
+        format!(
+            "coordinator = \"https://127.0.0.1:{port}\"\nbackends = [\"echo\", \"exec\"]\n\
+             exec_cmd = \"sh\"\nslots = 4\n"
+        ),
+    )
+    .unwrap();
+    let name = format!("flotilla-test-systemd-{}", std::process::id());
+    let volume = format!("{}:/etc/flotilla:ro", etc.display());
+    let out = podman(&[
+        "run",
+        "-d",
+        "--name",
+        &name,
+        "--network",
+        "host",
+        "--systemd=always",
+        "--cap-add",
+        "SYS_ADMIN",
+        // The worker's agents in bubblewrap: user namespaces and a /proc of their own.
+        "--security-opt",
+        "seccomp=unconfined",
+        "--security-opt",
+        "unmask=ALL",
+        // systemd moves each service's credentials into place from a private mount
+        // namespace: /run must propagate mounts, as it does on a host systemd booted.
+        "--tmpfs",
+        "/run:rw,rshared,mode=755",
+        "-v",
+        &volume,
+        &tag,
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    pod.names.push(name.clone());
+    let journal = || {
+        podman(&[
+            "exec",
+            &name,
+            "journalctl",
+            "--no-pager",
+            "-u",
+            "flotilla-coordinator",
+            "-u",
+            "flotilla-worker",
+        ])
+    };
+    let url = format!("https://127.0.0.1:{port}");
+    let client = |args: &[&str]| as_client(dir.path(), &url, &pki, args);
+    let attached = |restarts_at_least: u64| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let restarts: u64 = try_unit_property(&name, "flotilla-worker", "NRestarts")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            let workers = client(&["workers", "--json"]).json_or_null();
+            let up = workers
+                .as_array()
+                .is_some_and(|a| a.iter().any(|w| w["state"] == "attached"));
+            if up && restarts >= restarts_at_least {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the worker unit never attached: {workers}\n{:?}",
+                journal()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    attached(0);
+    // Both run as the dynamic users systemd made for them, never as root.
+    for unit in ["flotilla-coordinator", "flotilla-worker"] {
+        let pid = unit_property(&name, unit, "MainPID");
+        let uid = podman(&["exec", &name, "stat", "-c", "%u", &format!("/proc/{pid}")]);
+        assert_eq!(uid.code, 0, "{uid:?}");
+        assert_ne!(uid.stdout.trim(), "0", "{unit} runs as root");
+    }
+    let logs = journal();
+    assert!(!logs.stdout.contains("without a sandbox"), "{logs:?}");
+
+    // Exec agents (`sh`) in the worker's sandbox: their own host name, and neither the
+    // credential systemd gave the worker nor the key on disk is theirs to read.
+    let probe = "printf 'host=%s\\n' \"$(cat /proc/sys/kernel/hostname)\"; \
+                 for k in /run/credentials/flotilla-worker.service/worker.key /etc/flotilla/pki/worker.key; do \
+                 if cat \"$k\" >/dev/null 2>&1; then echo \"READ $k\"; else echo \"hidden $k\"; fi; done";
+    let script = flotilla_tests::write_workflow(
+        dir.path(),
+        "under-systemd",
+        "agents of the worker unit",
+        &format!(
+            "return await parallel([1, 2, 3].map(() => () => agent({})));",
+            serde_json::Value::String(probe.into())
+        ),
+    );
+    let out = client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "exec",
+        "--stagger",
+        "0",
+    ]);
+    let run = flotilla_tests::launched_run_id(&out);
+    let out = client(&["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}\n{:?}", journal());
+    let report = out.json();
+    assert_eq!(report["status"], "completed", "{report}");
+    let results = report["result"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{report}"));
+    assert_eq!(results.len(), 3, "{report}");
+    for r in results {
+        let text = r.as_str().unwrap_or_else(|| panic!("{report}"));
+        assert!(text.contains("host=sandbox"), "{text}");
+        assert!(!text.contains("READ"), "an agent read a key: {text}");
+        assert_eq!(text.matches("hidden ").count(), 2, "{text}");
+    }
+
+    // The worker's process killed outright: systemd starts it again, and it serves the next run.
+    let pid = unit_property(&name, "flotilla-worker", "MainPID");
+    let out = podman(&["exec", &name, "sh", "-c", &format!("kill -KILL {pid}")]);
+    assert_eq!(out.code, 0, "{out:?}");
+    attached(1);
+    let script = flotilla_tests::write_workflow(
+        dir.path(),
+        "after-restart",
+        "after the worker unit restarted",
+        "return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('r' + i)))).length;",
+    );
+    let out = client(&[
+        "launch",
+        script.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "echo",
+        "--stagger",
+        "0",
+    ]);
+    let run = flotilla_tests::launched_run_id(&out);
+    let out = client(&["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json()["result"], 8, "{}", out.stdout);
+
+    // systemctl stop: the coordinator ends on SIGTERM, cleanly (no failure, no kill).
+    let out = podman(&["exec", &name, "systemctl", "stop", "flotilla-coordinator"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(
+        unit_property(&name, "flotilla-coordinator", "Result"),
+        "success",
+        "{:?}",
+        journal()
+    );
+    assert_eq!(
+        unit_property(&name, "flotilla-coordinator", "ExecMainStatus"),
+        "0"
+    );
 }
