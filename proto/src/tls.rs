@@ -336,6 +336,10 @@ pub fn explain(status: &tonic::Status) -> String {
     // A reply had begun: the connection was up, so this is no handshake refusal.
     if lower.contains("error reading a body") {
         format!("the connection to the coordinator broke in the middle of a reply ({chain})")
+    } else if lower.contains("not valid for name") {
+        format!(
+            "the coordinator's certificate does not name the address it was reached at: reach it by a name its certificate holds, issue it with that address (`flotilla certs issue --host`), or, for a coordinator reaching its group's leader, give it `--peer-name` with a name the certificate holds ({chain})"
+        )
     } else if is_tls_rejection(status) || looks_like_rejected_client_cert(status) {
         format!(
             "the TLS handshake failed — the certificate is not signed by the CA the other side trusts, or none was sent ({chain})"
@@ -359,6 +363,19 @@ pub fn explain(status: &tonic::Status) -> String {
 
 #[cfg(test)]
 mod explain_tests {
+    #[test]
+    fn a_certificate_for_another_name_is_called_that_not_an_untrusted_one() {
+        let wrong = tonic::Status::unavailable(
+            "invalid peer certificate: certificate not valid for name \"localhost\"; certificate is only valid for IpAddress(127.0.0.1)",
+        );
+        let why = super::explain(&wrong);
+        assert!(
+            why.starts_with("the coordinator's certificate does not name the address"),
+            "{why}"
+        );
+        assert!(why.contains("--peer-name"), "{why}");
+    }
+
     #[test]
     fn a_connection_that_broke_mid_reply_is_not_called_a_certificate_problem() {
         let broke = tonic::Status::unknown(

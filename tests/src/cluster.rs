@@ -67,6 +67,8 @@ pub struct Cluster {
     /// Extra flags and environment of the coordinator.
     pub coordinator_args: Vec<String>,
     pub coordinator_env: Vec<(String, String)>,
+    /// The host coordinators advertise themselves at (`--advertise https://HOST:PORT`).
+    pub advertise_host: Option<String>,
 }
 
 impl Cluster {
@@ -171,6 +173,9 @@ impl Cluster {
                     "coordinator",
                     "--host",
                     "127.0.0.1",
+                    // The name a Service would give it (`--peer-name`): no address has it.
+                    "--host",
+                    "flotilla-coordinator",
                     "--dir",
                 ])
                 .arg(&pki),
@@ -214,6 +219,7 @@ impl Cluster {
             worker_env: Vec::new(),
             coordinator_args: Vec::new(),
             coordinator_env: Vec::new(),
+            advertise_host: None,
         }
     }
 
@@ -302,6 +308,31 @@ impl Cluster {
             c.worker_ttl = ttl;
         }
         c.worker_args = worker_args.iter().map(|a| (*a).to_owned()).collect();
+        c.start_group_members(workers, slots);
+        c
+    }
+
+    /// Like [`Cluster::start_group`], with each coordinator advertising itself to the other
+    /// at `https://{host}:{its port}` — a name its certificate does not hold, as a pod's IP —
+    /// and with these extra coordinator flags (`--peer-name`).
+    pub fn start_group_advertised(
+        workers: usize,
+        slots: u32,
+        etcd: String,
+        store: (String, Vec<(String, String)>),
+        host: &str,
+        coordinator_args: &[&str],
+    ) -> Cluster {
+        let mut c = Self::prepare(workers, Some(etcd), Some(store));
+        c.advertise_host = Some(host.to_owned());
+        c.coordinator_args = coordinator_args.iter().map(|a| (*a).to_owned()).collect();
+        c.start_group_members(workers, slots);
+        c
+    }
+
+    /// The leader, then a standby, then the workers.
+    fn start_group_members(&mut self, workers: usize, slots: u32) {
+        let c = self;
         c.start_coordinator();
         let deadline = Instant::now() + Duration::from_secs(30);
         while !std::fs::read_to_string(c.path().join("coordinator.log"))
@@ -328,7 +359,6 @@ impl Cluster {
             c.start_worker(i, slots);
         }
         c.wait_for_workers(workers);
-        c
     }
 
     /// The standby coordinator's address.
@@ -401,6 +431,9 @@ impl Cluster {
         .arg(self.pki());
         if let Some(etcd) = &self.etcd {
             cmd.args(["--etcd", etcd]);
+        }
+        if let Some(host) = &self.advertise_host {
+            cmd.arg("--advertise").arg(format!("https://{host}:{port}"));
         }
         cmd.args(&self.coordinator_args);
         cmd.envs(

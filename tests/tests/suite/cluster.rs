@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use flotilla_tests::cluster::Cluster;
-use flotilla_tests::{Env, agents, http_get, usage};
+use flotilla_tests::{Env, Output, agents, http_get, usage};
 use serde_json::Value;
 
 /// Each journaled call index appears exactly once: no result accepted twice.
@@ -1374,4 +1374,98 @@ fn replicas_sharing_one_worker_certificate_attach_side_by_side() {
         let _ = child.kill();
         let _ = child.wait();
     }
+}
+
+/// A launch through `url` of `agents` echo agents, waited for there: the run's report.
+fn launch_through(c: &Cluster, url: &str, name: &str, agents: usize) -> Output {
+    let script = c.path().join(format!("{name}.js"));
+    std::fs::write(
+        &script,
+        format!(
+            "export const meta = {{ name: '{name}', description: 'through a standby' }};\n\
+             return (await parallel(Array.from({{ length: {agents} }}, (_, i) => () => agent('p' + i)))).length;\n"
+        ),
+    )
+    .unwrap();
+    let out = c.client_at(
+        url,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+        ],
+    );
+    if out.code != 0 {
+        return out;
+    }
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    c.client_at(url, &["wait", &run, "--json"])
+}
+
+/// Coordinators that advertise themselves at an address their certificates do not name
+/// (a pod's IP: here `localhost`, which the certificate lacks) reach each other with
+/// `--peer-name`, the name they do hold: a standby forwards a launch to the leader, and
+/// after the leader is killed and started again, the new standby forwards to the new leader.
+/// Without `--peer-name` the same forwarding is refused, naming the certificate.
+#[test]
+fn standbys_reach_a_leader_advertised_at_an_unnamed_address_by_its_peer_name() {
+    let s3 = flotilla_tests::services::S3::start();
+    // Without --peer-name: the standby cannot check the leader at `localhost`.
+    {
+        let etcd = flotilla_tests::services::Etcd::start();
+        let url = format!("s3://{}/unnamed", s3.bucket);
+        let c = Cluster::start_group_advertised(
+            1,
+            2,
+            etcd.endpoint(),
+            (url, s3.env()),
+            "localhost",
+            &[],
+        );
+        let out = launch_through(&c, &c.standby_url(), "refused", 2);
+        assert_ne!(out.code, 0, "{out:?}");
+        let text = format!("{}{}", out.stdout, out.stderr).to_lowercase();
+        assert!(text.contains("does not name the address"), "{out:?}");
+        assert!(text.contains("--peer-name"), "{out:?}");
+    }
+    let etcd = flotilla_tests::services::Etcd::start();
+    let url = format!("s3://{}/peer-name", s3.bucket);
+    let mut c = Cluster::start_group_advertised(
+        2,
+        2,
+        etcd.endpoint(),
+        (url, s3.env()),
+        "localhost",
+        &["--peer-name", "flotilla-coordinator"],
+    );
+    let out = launch_through(&c, &c.standby_url(), "forwarded", 6);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json()["result"], 6, "{}", out.stdout);
+
+    // The leader dies; the standby leads. The old leader comes back as a standby and
+    // forwards to the new leader, also advertised at `localhost`.
+    let mut leader = c.take_coordinator().unwrap();
+    leader.kill().unwrap();
+    leader.wait().unwrap();
+    // The role `/healthz` gives, once the coordinator listens.
+    let role = |port: u16| {
+        std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        let r = http_get(port, "/healthz", &[]);
+        let v: Value = serde_json::from_str(&r.body).ok()?;
+        v["role"].as_str().map(str::to_owned)
+    };
+    wait_until("the standby leads", Duration::from_secs(30), || {
+        role(c.standby_http_port).as_deref() == Some("leader")
+    });
+    c.start_coordinator();
+    wait_until(
+        "the restarted coordinator stands by",
+        Duration::from_secs(30),
+        || role(c.http_port).as_deref() == Some("standby"),
+    );
+    let out = launch_through(&c, &c.url(), "after-failover", 6);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json()["result"], 6, "{}", out.stdout);
 }
