@@ -402,6 +402,19 @@ impl Coordinator {
             crate::index::record(&self.store, &crate::index::Entry::created(&manifest))
                 .await
                 .map_err(store_err)?;
+            // The run now holds its source against retention; the source must still be there
+            // (a sweep may have taken it since the client asked whether it was held).
+            if let Some(src) = &req.settings.source
+                && src.url.is_none()
+            {
+                if let Err(e) = crate::source::complete(&self.store, &src.repo, &src.commit).await {
+                    return Err(Rejected {
+                        message: format!("{e} ({})", crate::source::SWEPT_WHILE_LAUNCHING),
+                        kind: e.kind(),
+                        workflow: workflow.clone(),
+                    });
+                }
+            }
             if let Some(carried) = req.resolver.carried()
                 && (!carried.workflows.is_empty() || !carried.agent_types.is_empty())
             {
@@ -433,6 +446,18 @@ impl Coordinator {
             }
             if let (Some(l), Some(parent)) = (self.leadership.get(), &req.resume_from) {
                 l.release_resume(parent, &run_id).await;
+            }
+            if e.message.contains(crate::source::SWEPT_WHILE_LAUNCHING) {
+                // The run never was: what was written of it goes (the client sends the
+                // launch again, with its source).
+                let _ = crate::index::forget(&self.store, &crate::index::Entry::created(&manifest))
+                    .await;
+                if let Ok(objects) = self.store.list_all(&keys::run_dir(&run_id)).await {
+                    for o in objects {
+                        let _ = self.store.delete(&o.location).await;
+                    }
+                }
+                self.store.prune_empty_dirs(&keys::run_dir(&run_id));
             }
             return Err(e);
         }
@@ -640,5 +665,66 @@ mod tests {
         assert!(id.starts_with("wf_"));
         assert_eq!(&id[11..12], "-");
         assert_ne!(id, new_run_id());
+    }
+
+    /// A launch whose source commit is no longer whole in the store by the time its run is
+    /// recorded (retention swept its pack after the client was told it was held) is refused
+    /// with the words a client sends the launch again on, and leaves no run behind.
+    #[tokio::test]
+    async fn a_launch_whose_source_was_swept_meanwhile_is_refused_and_leaves_no_run() {
+        let store = crate::store::open("memory://").unwrap();
+        let commit = "c0".repeat(20);
+        let (repo, commit) = ("r0", commit.as_str());
+        let record = crate::source::CommitRecord {
+            pack: "ab".repeat(32),
+            prerequisites: Vec::new(),
+        };
+        store
+            .put_overwrite(
+                &keys::source_commit(repo, commit),
+                Bytes::from(serde_json::to_vec(&record).unwrap()),
+            )
+            .await
+            .unwrap();
+        let coordinator =
+            Coordinator::new(store.clone(), crate::lease::memory::MemoryLeaseStore::new());
+        let mut settings = RunSettings::default();
+        settings.source = Some(crate::settings::SourceRef {
+            repo: repo.into(),
+            commit: commit.into(),
+            url: None,
+            origin: "here".into(),
+            submodules: Vec::new(),
+        });
+        let refused = coordinator
+            .launch(LaunchRequest {
+                source: "export const meta = { name: 'swept', description: 'd' };\nreturn 1;"
+                    .into(),
+                origin: None,
+                args: None,
+                settings,
+                resume_from: None,
+                inherit: false,
+                resolver: Arc::new(crate::workflows::NoWorkflows),
+            })
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            refused
+                .message
+                .contains(crate::source::SWEPT_WHILE_LAUNCHING),
+            "{}",
+            refused.message
+        );
+        assert!(refused.message.contains(commit), "{}", refused.message);
+        let runs = crate::index::page(&store, &crate::index::Filter::default())
+            .await
+            .unwrap();
+        assert!(runs.runs.is_empty(), "{:?}", runs.runs);
+        assert!(
+            store.list_prefixes(&keys::runs()).await.unwrap().is_empty(),
+            "nothing of the run is left"
+        );
     }
 }

@@ -63,7 +63,8 @@ pub async fn sweep(
     policy: &Policy,
     running_here: &HashSet<String>,
 ) -> Result<Swept, Error> {
-    let cutoff = SystemTime::now()
+    let started = SystemTime::now();
+    let cutoff = started
         .checked_sub(policy.older_than)
         .unwrap_or(SystemTime::UNIX_EPOCH);
     let cutoff_ms = cutoff
@@ -123,7 +124,8 @@ pub async fn sweep(
     let (payloads, pbytes) = sweep_payloads(store, &remaining, cutoff, policy.dry_run).await?;
     out.payloads = payloads;
     out.bytes += pbytes;
-    let (sources, sbytes) = sweep_sources(store, &remaining, cutoff, policy.dry_run).await?;
+    let (sources, sbytes) =
+        sweep_sources(store, &remaining, cutoff, started, policy.dry_run).await?;
     out.source_objects = sources;
     out.bytes += sbytes;
     Ok(out)
@@ -131,10 +133,20 @@ pub async fn sweep(
 
 /// Every entry of the index (its statuses checked against the runs' owners).
 async fn read_index(store: &Store, before_unix: Option<u64>) -> Result<Vec<Entry>, Error> {
+    read_index_where(
+        store,
+        index::Filter {
+            before_unix,
+            ..index::Filter::default()
+        },
+    )
+    .await
+}
+
+async fn read_index_where(store: &Store, filter: index::Filter) -> Result<Vec<Entry>, Error> {
     let mut filter = index::Filter {
         limit: Some(index::MAX_PAGE),
-        before_unix,
-        ..index::Filter::default()
+        ..filter
     };
     let mut all = Vec::new();
     loop {
@@ -267,14 +279,15 @@ async fn still_old(
     }
 }
 
-/// The source objects the remaining runs need: their commits' records and the packs of those
-/// and of every prerequisite, transitively.
+/// The source objects the remaining runs and the `young` commits need: their commits'
+/// records and the packs of those and of every prerequisite, transitively.
 async fn referenced_sources(
     store: &Store,
     runs: &[&Entry],
+    young: Vec<(String, String)>,
 ) -> Result<BTreeSet<object_store::path::Path>, Error> {
     let mut keep = BTreeSet::new();
-    let mut todo: Vec<(String, String)> = Vec::new();
+    let mut todo: Vec<(String, String)> = young;
     for e in runs {
         let Some(body) = store.get(&keys::manifest(&e.run_id)).await? else {
             continue;
@@ -309,12 +322,39 @@ async fn sweep_sources(
     store: &Store,
     remaining: &[&Entry],
     cutoff: SystemTime,
+    started: SystemTime,
     dry: bool,
 ) -> Result<(u64, u64), Error> {
     let Some(all) = listed(store, "sources").await? else {
         return Ok((0, 0));
     };
-    let keep = referenced_sources(store, remaining).await?;
+    // Runs launched since this pass read the index hold their sources too (a launch may
+    // have been told a commit was held before its run existed).
+    let since = started
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs().saturating_sub(1));
+    let newer = read_index_where(
+        store,
+        index::Filter {
+            since_unix: Some(since),
+            ..index::Filter::default()
+        },
+    )
+    .await?;
+    let runs: Vec<&Entry> = remaining.iter().copied().chain(newer.iter()).collect();
+    // A commit recorded since the cutoff keeps what it builds on, however old.
+    let young: Vec<(String, String)> = all
+        .iter()
+        .filter(|o| SystemTime::from(o.last_modified) >= cutoff)
+        .filter_map(|o| {
+            let text = o.location.as_ref();
+            let rest = text.strip_prefix("sources/")?;
+            let (repo, rest) = rest.split_once("/commits/")?;
+            let commit = rest.strip_suffix(".json")?;
+            Some((repo.to_owned(), commit.to_owned()))
+        })
+        .collect();
+    let keep = referenced_sources(store, &runs, young).await?;
     // Commit records before packs: a record never names a pack that is gone.
     let (records, others): (Vec<_>, Vec<_>) = all
         .into_iter()

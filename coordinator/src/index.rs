@@ -140,20 +140,16 @@ impl Filter {
 
 /// A page of the runs `filter` wants.
 pub async fn page(store: &Store, filter: &Filter) -> Result<Page, Error> {
-    backfill_if_new(store).await?;
-    let limit = filter.limit.unwrap_or(PAGE).clamp(1, MAX_PAGE);
-    // Keys are newest first: `before` starts the listing at its time, `since` ends it.
-    let start = match (&filter.after, filter.before_unix) {
-        (Some(after), _) => Some(after.clone()),
-        (None, Some(before)) => Some(format!("{:013}.", countdown(before.saturating_mul(1000)))),
-        (None, None) => None,
-    };
-    let stop = filter
-        .since_unix
-        .map(|since| format!("{:013}.", countdown(since.saturating_mul(1000))));
-    let mut out = Page::default();
-    let mut cursor = start;
-    'pages: loop {
+    match backfill_if_new(store).await {
+        Ok(()) => {}
+        // A store this caller may read but not write (read-only credentials) that has no
+        // index yet: the page is made from the runs themselves, and nothing is written.
+        Err(Error::Refused { .. }) => return page_unindexed(store, filter).await,
+        Err(e) => return Err(e),
+    }
+    let mut pager = Pager::new(filter);
+    let mut cursor = pager.start.clone();
+    loop {
         let batch = store
             .list_from(&keys::index_runs(), cursor.as_deref(), 512)
             .await?;
@@ -167,34 +163,95 @@ pub async fn page(store: &Store, filter: &Filter) -> Result<Page, Error> {
         cursor = names.last().cloned();
         let bodies = futures::future::join_all(batch.iter().map(|k| store.get(k))).await;
         for (name, body) in names.iter().zip(bodies) {
-            if stop.as_ref().is_some_and(|s| name.as_str() > s.as_str()) {
-                break 'pages;
-            }
             let Some(body) = body? else { continue };
-            let Ok(mut entry) = serde_json::from_slice::<Entry>(&body) else {
+            let Ok(entry) = serde_json::from_slice::<Entry>(&body) else {
                 continue;
             };
-            if entry.status == RunStatus::Running || entry.status == RunStatus::Paused {
-                entry.status = live_status(store, &entry).await?;
+            if !pager.offer(store, name, entry).await? {
+                return Ok(pager.out);
             }
-            if !filter.wants(&entry) {
-                continue;
-            }
-            if out.runs.len() == limit {
-                // One more matches: the page ends at the entry before it.
-                out.next = out
-                    .runs
-                    .last()
-                    .map(|e| e.key().filename().unwrap_or("").to_owned());
-                break 'pages;
-            }
-            out.runs.push(entry);
         }
         if batch.len() < 512 {
             break;
         }
     }
-    Ok(out)
+    Ok(pager.out)
+}
+
+/// The page of an unindexed store, from every run's manifest (and report), in key order.
+async fn page_unindexed(store: &Store, filter: &Filter) -> Result<Page, Error> {
+    let mut entries = entries_of_runs(store).await?;
+    entries.sort_by_cached_key(|e| e.key().filename().unwrap_or("").to_owned());
+    let mut pager = Pager::new(filter);
+    for entry in entries {
+        let name = entry.key().filename().unwrap_or("").to_owned();
+        if pager.start.as_ref().is_some_and(|s| name <= *s) {
+            continue;
+        }
+        if !pager.offer(store, &name, entry).await? {
+            break;
+        }
+    }
+    Ok(pager.out)
+}
+
+/// A page being filled, entry by entry in key order (newest first).
+struct Pager<'a> {
+    filter: &'a Filter,
+    limit: usize,
+    /// The listing starts after this key: the `after` token, or the `before` time.
+    start: Option<String>,
+    /// Keys past this are older than `since`.
+    stop: Option<String>,
+    out: Page,
+}
+
+impl<'a> Pager<'a> {
+    fn new(filter: &'a Filter) -> Pager<'a> {
+        // Keys are newest first: `before` starts the listing at its time, `since` ends it.
+        let start = match (&filter.after, filter.before_unix) {
+            (Some(after), _) => Some(after.clone()),
+            (None, Some(before)) => {
+                Some(format!("{:013}.", countdown(before.saturating_mul(1000))))
+            }
+            (None, None) => None,
+        };
+        let stop = filter
+            .since_unix
+            .map(|since| format!("{:013}.", countdown(since.saturating_mul(1000))));
+        Pager {
+            filter,
+            limit: filter.limit.unwrap_or(PAGE).clamp(1, MAX_PAGE),
+            start,
+            stop,
+            out: Page::default(),
+        }
+    }
+
+    /// Takes the entry at key `name`: `false` once the page is done (full, with `next` set,
+    /// or past `since`).
+    async fn offer(&mut self, store: &Store, name: &str, mut entry: Entry) -> Result<bool, Error> {
+        if self.stop.as_ref().is_some_and(|s| name > s.as_str()) {
+            return Ok(false);
+        }
+        if entry.status == RunStatus::Running || entry.status == RunStatus::Paused {
+            entry.status = live_status(store, &entry).await?;
+        }
+        if !self.filter.wants(&entry) {
+            return Ok(true);
+        }
+        if self.out.runs.len() == self.limit {
+            // One more matches: the page ends at the entry before it.
+            self.out.next = self
+                .out
+                .runs
+                .last()
+                .map(|e| e.key().filename().unwrap_or("").to_owned());
+            return Ok(false);
+        }
+        self.out.runs.push(entry);
+        Ok(true)
+    }
 }
 
 /// A `running` entry's status as its owner has it: `interrupted` when its driver is gone.
@@ -225,7 +282,16 @@ async fn backfill_if_new(store: &Store) -> Result<(), Error> {
 
 /// Writes an entry for every run of the store that has a manifest; how many.
 pub async fn backfill(store: &Store) -> Result<usize, Error> {
-    let mut n = 0;
+    let entries = entries_of_runs(store).await?;
+    for entry in &entries {
+        record(store, entry).await?;
+    }
+    Ok(entries.len())
+}
+
+/// The entry of every run of the store that has a manifest, read from the run itself.
+async fn entries_of_runs(store: &Store) -> Result<Vec<Entry>, Error> {
+    let mut out = Vec::new();
     for dir in store.list_prefixes(&keys::runs()).await? {
         let Some(run) = dir.filename() else { continue };
         let Some(body) = store.get(&keys::manifest(run)).await? else {
@@ -241,10 +307,9 @@ pub async fn backfill(store: &Store) -> Result<usize, Error> {
             entry.status = report.status;
             entry.agents = report.usage.agents;
         }
-        record(store, &entry).await?;
-        n += 1;
+        out.push(entry);
     }
-    Ok(n)
+    Ok(out)
 }
 
 /// Removes a run's entry (retention).
@@ -353,5 +418,90 @@ mod tests {
         .await;
         assert_eq!(older.len(), 19, "{older:?}");
         assert_eq!(recent.len() + older.len(), all.len());
+    }
+}
+
+#[cfg(test)]
+mod read_only_tests {
+    use std::sync::Arc;
+
+    use object_store::memory::InMemory;
+    use object_store::{ObjectStore, ObjectStoreExt};
+
+    use super::*;
+    use crate::store::faulty::FaultyStore;
+
+    /// A store written before the index existed, listed by a caller who may not write there
+    /// (index writes refused: no permission): the runs are listed from their manifests,
+    /// filtered and paged as the index would, and nothing is written.
+    #[tokio::test]
+    async fn an_unindexed_store_that_refuses_writes_is_listed_from_its_runs() {
+        let raw = Arc::new(InMemory::new());
+        for i in 0..7u32 {
+            let run = format!("wf_{i:08x}-000");
+            let manifest = serde_json::json!({
+                "run_id": run,
+                "workflow": { "name": if i % 2 == 0 { "even" } else { "odd" }, "description": "" },
+                "script_sha256": "00",
+                "settings": {},
+                "created": format!("2026-10-{:02}T10:00:00.000Z", 1 + i),
+                "generation": 1,
+                "flotilla_version": "0.1.0",
+            });
+            raw.put(
+                &keys::manifest(&run),
+                serde_json::to_vec(&manifest).unwrap().into(),
+            )
+            .await
+            .unwrap();
+        }
+        let faulty = FaultyStore::new(raw.clone());
+        faulty.fail_writes_with_os_error("index/", 13);
+        let store = Store::over("memory://", faulty, None);
+        let mut filter = Filter {
+            limit: Some(3),
+            ..Filter::default()
+        };
+        let mut seen = Vec::new();
+        loop {
+            let p = page(&store, &filter).await.unwrap();
+            seen.extend(p.runs.iter().map(|e| e.run_id.clone()));
+            match p.next {
+                Some(next) => filter.after = Some(next),
+                None => break,
+            }
+        }
+        let newest_first: Vec<String> =
+            (0..7u32).rev().map(|i| format!("wf_{i:08x}-000")).collect();
+        assert_eq!(seen, newest_first);
+        let odd = page(
+            &store,
+            &Filter {
+                workflow: Some("odd".into()),
+                ..Filter::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(odd.runs.len(), 3);
+        assert!(odd.runs.iter().all(|e| e.workflow == "odd"));
+        let since = page(
+            &store,
+            &Filter {
+                since_unix: humantime::parse_rfc3339("2026-10-05T00:00:00Z")
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_secs()),
+                ..Filter::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(since.runs.len(), 3, "{:?}", since.runs);
+        let listed = raw
+            .list_with_delimiter(Some(&keys::index_runs()))
+            .await
+            .unwrap();
+        assert!(listed.objects.is_empty(), "nothing was indexed");
     }
 }

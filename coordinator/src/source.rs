@@ -106,15 +106,21 @@ pub fn valid_id(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
 }
 
-/// Which of `commits` the store holds for `repo`.
+/// Which of `commits` the store holds whole for `repo` (record, pack and the chain it builds
+/// on: a commit whose chain lost a pack is uploaded again).
 pub async fn have(store: &Store, repo: &str, commits: &[String]) -> Result<Vec<String>, Error> {
     let mut held = Vec::new();
     if !valid_id(repo) {
         return Ok(held);
     }
     for c in commits.iter().filter(|c| valid_id(c)) {
-        if store.get(&keys::source_commit(repo, c)).await?.is_some() {
-            held.push(c.clone());
+        if store.get(&keys::source_commit(repo, c)).await?.is_none() {
+            continue;
+        }
+        match complete(store, repo, c).await {
+            Ok(()) => held.push(c.clone()),
+            Err(SourceError::Store(e)) => return Err(e),
+            Err(_) => {}
         }
     }
     Ok(held)
@@ -281,6 +287,31 @@ pub async fn chain(
     // Found tip first; a dependency must be applied before what builds on it.
     out.reverse();
     Ok(out)
+}
+
+/// What a launch refused by [`complete`] says (a client sends such a launch once more).
+pub const SWEPT_WHILE_LAUNCHING: &str = "retention removed it while this run was being launched";
+
+/// Checks that `commit` is whole in the store: its record, every prerequisite's, and every
+/// pack of the chain. A launch asks this once its run's manifest is written: retention that
+/// swept the commit between the client's `SourceHave` and then would otherwise leave a run
+/// whose agents find no source.
+pub async fn complete(store: &Store, repo: &str, commit: &str) -> Result<(), SourceError> {
+    for (pack, _) in chain(store, repo, commit).await? {
+        match store.inner.head(&keys::source_pack(repo, &pack)).await {
+            Ok(_) => {}
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(SourceError::NoCommit {
+                    repo: repo.to_owned(),
+                    commit: commit.to_owned(),
+                });
+            }
+            Err(e) => {
+                return Err(SourceError::ReadPack { pack, source: e });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Data a worker may leave unacknowledged (`SourceRequest.acked`) before more is read.

@@ -110,30 +110,45 @@ pub(crate) async fn send(
         server,
     } = prepared;
     let (workflows, agent_types, agent_definitions) = carried(&resolved, server);
-    let sent = send_source(client, source, &resolved.cwd)
-        .await
-        .map_err(NotSent::Input)?;
-    resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
-    let settings_json = serde_json::to_string(&resolved.settings)
-        .map_err(|e| NotSent::Input(format!("the run's settings cannot be sent: {e}")))?;
-    let req = v1::LaunchRequest {
-        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-        script: resolved.source,
-        origin: resolved.origin,
-        args_json: resolved.args.map(|v| v.to_string()),
-        settings_json,
-        resume_from: resolved.resume.unwrap_or_default(),
-        workflows,
-        agent_types,
-        agent_definitions,
-        inherit: false,
-        saved_name: resolved.saved_name.clone().unwrap_or_default(),
-    };
-    let reply = client.launch(req).await.map_err(NotSent::Rpc)?.into_inner();
-    Ok(Sent {
-        reply,
-        source: sent,
-    })
+    // A source commit the store held when asked may be swept by retention before the run
+    // holds it; the coordinator then refuses the launch, and it is sent once more (the
+    // commit uploaded again).
+    let mut again = true;
+    loop {
+        let sent = send_source(client, source, &resolved.cwd)
+            .await
+            .map_err(NotSent::Input)?;
+        resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
+        let settings_json = serde_json::to_string(&resolved.settings)
+            .map_err(|e| NotSent::Input(format!("the run's settings cannot be sent: {e}")))?;
+        let req = v1::LaunchRequest {
+            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+            script: resolved.source.clone(),
+            origin: resolved.origin.clone(),
+            args_json: resolved.args.as_ref().map(|v| v.to_string()),
+            settings_json,
+            resume_from: resolved.resume.clone().unwrap_or_default(),
+            workflows: workflows.clone(),
+            agent_types: agent_types.clone(),
+            agent_definitions: agent_definitions.clone(),
+            inherit: false,
+            saved_name: resolved.saved_name.clone().unwrap_or_default(),
+        };
+        let reply = client.launch(req).await.map_err(NotSent::Rpc)?.into_inner();
+        if again
+            && reply.status == "rejected"
+            && reply
+                .error
+                .contains(flotilla_coordinator::source::SWEPT_WHILE_LAUNCHING)
+        {
+            again = false;
+            continue;
+        }
+        return Ok(Sent {
+            reply,
+            source: sent,
+        });
+    }
 }
 
 pub async fn launch(a: LaunchArgs) -> i32 {

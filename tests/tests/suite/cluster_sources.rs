@@ -1167,3 +1167,49 @@ fn a_retry_on_another_worker_starts_from_what_the_interrupted_attempt_left() {
         "{log}"
     );
 }
+
+/// A commit whose pack left the store (retention swept it, or someone deleted it) is not
+/// "held": the next launch from the same checkout sends it again and its agents read the
+/// code, where before the launch was told the store had it and its agents found no source.
+#[test]
+fn a_commit_whose_pack_is_gone_is_sent_again_by_the_next_launch() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    flotilla_tests::git_repo(&repo);
+    std::fs::write(repo.join("code.txt"), "the user's code\n").unwrap();
+    commit_all(&repo, "code");
+    let script = c.path().join("read.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'read', description: 'reads the code' };\n\
+         return await agent('cat code.txt');",
+    )
+    .unwrap();
+    let first = launch(&c, &repo, &script);
+    assert!(
+        first["source"]["uploaded_objects"].as_u64() > Some(0),
+        "{first}"
+    );
+    let (code, r) = c.wait(first["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    // Every pack of the store goes; the commit records stay.
+    let mut packs = Vec::new();
+    for entry in walk(&c.path().join("store/sources")) {
+        if entry.extension().is_some_and(|e| e == "pack") {
+            packs.push(entry);
+        }
+    }
+    assert!(!packs.is_empty());
+    for p in &packs {
+        std::fs::remove_file(p).unwrap();
+    }
+    let second = launch(&c, &repo, &script);
+    assert!(
+        second["source"]["uploaded_objects"].as_u64() > Some(0),
+        "the commit is sent again: {second}"
+    );
+    let (code, r) = c.wait(second["run_id"].as_str().unwrap());
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "the user's code", "{r}");
+}
