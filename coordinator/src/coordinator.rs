@@ -406,14 +406,13 @@ impl Coordinator {
             // (a sweep may have taken it since the client asked whether it was held).
             if let Some(src) = &req.settings.source
                 && src.url.is_none()
+                && let Err(e) = crate::source::complete(&self.store, &src.repo, &src.commit).await
             {
-                if let Err(e) = crate::source::complete(&self.store, &src.repo, &src.commit).await {
-                    return Err(Rejected {
-                        message: format!("{e} ({})", crate::source::SWEPT_WHILE_LAUNCHING),
-                        kind: e.kind(),
-                        workflow: workflow.clone(),
-                    });
-                }
+                return Err(Rejected {
+                    message: format!("{e} ({})", crate::source::SWEPT_WHILE_LAUNCHING),
+                    kind: e.kind(),
+                    workflow: workflow.clone(),
+                });
             }
             if let Some(carried) = req.resolver.carried()
                 && (!carried.workflows.is_empty() || !carried.agent_types.is_empty())
@@ -708,8 +707,8 @@ mod tests {
                 resolver: Arc::new(crate::workflows::NoWorkflows),
             })
             .await
-            .err()
-            .expect("refused");
+            .map(|_| ())
+            .expect_err("refused");
         assert!(
             refused
                 .message
