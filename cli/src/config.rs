@@ -51,6 +51,11 @@ pub struct SettingFlags {
     /// agent() calls per run (default 1000).
     #[arg(long, env = "FLOTILLA_MAX_AGENTS", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_agents: Option<u64>,
+    /// Attempts beyond each agent's first that the whole run may make; once spent, a
+    /// failing agent fails instead of trying again. Throttles (429, 529) and usage-limit
+    /// waits are not retries (default: half the run's agents, at least 10).
+    #[arg(long, env = "FLOTILLA_RETRY_BUDGET", value_name = "N")]
+    pub retry_budget: Option<u64>,
     /// Output-token budget of the run (`budget.total`).
     #[arg(long, env = "FLOTILLA_BUDGET", value_name = "TOKENS")]
     pub budget: Option<u64>,
@@ -70,6 +75,10 @@ pub struct SettingFlags {
     /// before it fails with that reason (default 10m).
     #[arg(long, env = "FLOTILLA_WORKER_WAIT", value_name = "DUR")]
     pub worker_wait: Option<String>,
+    /// How long one agent may wait out its provider's throttles (429, 529) in all before it
+    /// fails (default 15m).
+    #[arg(long, env = "FLOTILLA_THROTTLE_WAIT", value_name = "DUR")]
+    pub throttle_wait: Option<String>,
     /// Directory searched first for saved workflows (repeatable).
     #[arg(long = "workflows-dir", value_name = "DIR")]
     pub workflows_dirs: Vec<PathBuf>,
@@ -153,6 +162,8 @@ pub struct ConfigFile {
     pub schema_attempts: Option<u32>,
     /// agent() calls per run.
     pub max_agents: Option<u64>,
+    /// Retries the whole run may make.
+    pub retry_budget: Option<u64>,
     /// Output-token budget per run.
     pub budget: Option<u64>,
     /// Money ceiling per run, in US dollars.
@@ -165,6 +176,8 @@ pub struct ConfigFile {
     pub script_cpu: Option<String>,
     /// How long an agent waits for a worker that offers its backend (`10m`).
     pub worker_wait: Option<String>,
+    /// How long one agent waits out throttles.
+    pub throttle_wait: Option<String>,
     /// Saved-workflow directories searched first.
     #[serde(default)]
     pub workflows_dirs: Vec<PathBuf>,
@@ -245,6 +258,9 @@ pub struct ConfigFile {
     pub max_procs: Option<u64>,
     pub tmp_mib: Option<u64>,
     pub max_attempt_time: Option<String>,
+    /// Worker: its provider account's input tokens per minute and requests at once.
+    pub account_itpm: Option<u64>,
+    pub account_concurrency: Option<u32>,
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,
@@ -446,6 +462,7 @@ pub fn settings_from(
     if let Some(v) = flags.schema_attempts.or(file.schema_attempts) {
         s.schema_attempts = v;
     }
+    s.retry_budget = flags.retry_budget.or(file.retry_budget);
     if let Some(v) = flags.max_agents.or(file.max_agents) {
         s.max_agents = v;
     }
@@ -463,6 +480,9 @@ pub fn settings_from(
     }
     if let Some(v) = pick_s(&flags.script_cpu, &file.script_cpu) {
         s.script_cpu_ms = parse_duration("--script-cpu", &v)?.as_millis() as u64;
+    }
+    if let Some(v) = pick_s(&flags.throttle_wait, &file.throttle_wait) {
+        s.throttle_wait_ms = parse_duration("--throttle-wait", &v)?.as_millis() as u64;
     }
     if let Some(v) = pick_s(&flags.worker_wait, &file.worker_wait) {
         s.worker_wait_ms = parse_duration("--worker-wait", &v)?.as_millis() as u64;

@@ -74,6 +74,7 @@ impl Embedded {
                 allow_source_hosts: vec!["*".into()],
                 sandbox,
                 limits: flotilla_worker::limits::Limits::default(),
+                account_limits: Default::default(),
             },
             backends,
         );

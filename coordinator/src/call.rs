@@ -123,6 +123,9 @@ pub enum Retry {
     Stalled { after: Duration },
     /// Usage or rate limit: waits, does not count as an attempt.
     RateLimited { wait: Duration },
+    /// The provider refused it for rate or load (429, 529) through `account`: waits outside
+    /// the account's window, does not count as an attempt.
+    Throttled { wait: Duration, account: String },
     /// A transient failure (or a lost worker).
     Transient { message: String },
     /// Restarted by the user (W56): counts as an attempt, starts again at once.
@@ -135,7 +138,7 @@ impl Retry {
     pub fn mark(&self) -> Mark {
         match self {
             Retry::Stalled { .. } => Mark::Stalled,
-            Retry::RateLimited { .. } => Mark::Waiting,
+            Retry::RateLimited { .. } | Retry::Throttled { .. } => Mark::Waiting,
             Retry::Transient { .. } => Mark::Retrying,
             Retry::User => Mark::Restarted,
             Retry::Paused => Mark::Interrupted,
@@ -149,6 +152,7 @@ impl Retry {
             Retry::User => "restarted",
             Retry::Paused => "paused",
             Retry::RateLimited { .. } => "rate_limited",
+            Retry::Throttled { .. } => "throttled",
             Retry::Transient { .. } => "retried",
         }
     }
@@ -168,6 +172,10 @@ impl Retry {
             ),
             Retry::RateLimited { wait } => format!(
                 "[limit] agent \"{label}\" is rate limited; waiting {} (the run continues)",
+                human(*wait)
+            ),
+            Retry::Throttled { wait, account } => format!(
+                "[throttle] agent \"{label}\" was throttled by {account}; waiting {} (not counted as an attempt)",
                 human(*wait)
             ),
             Retry::Transient { message } => format!(
@@ -197,6 +205,7 @@ impl Retry {
                 format!("agent failed on all {max} attempts; last error: {message}"),
             ),
             Retry::RateLimited { .. } => (CallFailure::Terminal, "rate limited".into()),
+            Retry::Throttled { .. } => (CallFailure::Terminal, "throttled".into()),
             Retry::User | Retry::Paused => (
                 CallFailure::Terminal,
                 format!("agent restarted by the user after {max} attempts; no attempts left"),
@@ -204,6 +213,10 @@ impl Retry {
         }
     }
 }
+
+/// How the failure of a call begins when its run's retry budget was spent (the call failed
+/// instead of trying again).
+pub const RETRY_BUDGET_SPENT: &str = "the run's retry budget is spent";
 
 /// How a call ended, as the script will see it.
 #[derive(Debug, Clone, PartialEq)]

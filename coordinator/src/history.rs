@@ -206,6 +206,8 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         output_tokens: agents.iter().map(|a| a.output_tokens).sum(),
         cost_usd: 0.0,
         duration_ms: events.last().map_or(0, |e| e.t),
+        // Waits are not events of their own: a report rebuilt from events does not know them.
+        waits: 0,
     };
     let groups = groups
         .into_iter()

@@ -76,6 +76,8 @@ pub static RESTARTS_STALL: AtomicU64 = AtomicU64::new(0);
 pub static RESTARTS_TRANSIENT: AtomicU64 = AtomicU64::new(0);
 pub static RESTARTS_USER: AtomicU64 = AtomicU64::new(0);
 pub static RESTARTS_LAPSE: AtomicU64 = AtomicU64::new(0);
+/// Attempts a provider refused for rate or load (429, 529), each waited out.
+pub static THROTTLES: AtomicU64 = AtomicU64::new(0);
 /// Failed renewals of a worker's lease (each retried).
 pub static LEASE_RENEWAL_FAILURES: AtomicU64 = AtomicU64::new(0);
 /// Failed object-store writes that were retried.

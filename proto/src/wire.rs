@@ -204,6 +204,10 @@ pub struct ReportUsage {
     #[serde(default)]
     pub cost_usd: f64,
     pub duration_ms: u64,
+    /// Waits of its agents for throttles (429, 529) and usage limits: not attempts, and not
+    /// failures.
+    #[serde(default)]
+    pub waits: u64,
 }
 
 /// One accepted `agent()` call.

@@ -93,6 +93,34 @@ impl FakeAnthropic {
             .push((needle.to_owned(), script.to_owned()));
     }
 
+    /// From now on, a Messages request that would make more than `n` in flight at once is
+    /// refused with 429 `rate_limit_error` and `retry-after: 1` (0: no limit).
+    pub fn limit_concurrency(&self, n: u64) {
+        self.cache.limits.max_concurrent.store(n, Ordering::SeqCst);
+    }
+
+    /// For `d` from now, every Messages request is refused with 529 `overloaded_error` and
+    /// `retry-after: 1`.
+    pub fn overload_for(&self, d: std::time::Duration) {
+        *self
+            .cache
+            .limits
+            .overloaded_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now() + d);
+    }
+
+    /// What the limits refused and served so far.
+    pub fn limit_counts(&self) -> LimitCounts {
+        let l = &self.cache.limits;
+        LimitCounts {
+            refused_429: l.refused_429.load(Ordering::SeqCst),
+            refused_529: l.refused_529.load(Ordering::SeqCst),
+            served: l.served.load(Ordering::SeqCst),
+            peak: l.peak.load(Ordering::SeqCst),
+        }
+    }
+
     /// `http://127.0.0.1:PORT`, for `ANTHROPIC_BASE_URL`.
     pub fn base_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
@@ -156,6 +184,62 @@ struct Cache {
     /// `(substring, script)`: a prompt containing the substring is answered as if it were
     /// the script (see [`FakeAnthropic::when`]).
     rules: Mutex<Vec<(String, String)>>,
+    limits: Limits,
+}
+
+/// The provider's limits (Messages API): how many requests it takes at once, and a window of
+/// overload; what it refused and served.
+#[derive(Default)]
+struct Limits {
+    /// Requests at once beyond which it answers 429 with `retry-after: 1` (0: no limit).
+    max_concurrent: AtomicU64,
+    in_flight: AtomicU64,
+    /// Until when every request gets 529 `overloaded_error` with `retry-after: 1`.
+    overloaded_until: Mutex<Option<std::time::Instant>>,
+    refused_429: AtomicU64,
+    refused_529: AtomicU64,
+    served: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// What the fake's limits did (see [`FakeAnthropic::limit_concurrency`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LimitCounts {
+    pub refused_429: u64,
+    pub refused_529: u64,
+    /// Requests answered (an answer begun) within the limits.
+    pub served: u64,
+    /// The most requests in flight at once that it took.
+    pub peak: u64,
+}
+
+impl Limits {
+    /// Takes a request in (`None`), or the status it is refused with.
+    fn admit(&self) -> Option<u16> {
+        let overloaded = self
+            .overloaded_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|t| std::time::Instant::now() < t);
+        if overloaded {
+            self.refused_529.fetch_add(1, Ordering::SeqCst);
+            return Some(529);
+        }
+        let max = self.max_concurrent.load(Ordering::SeqCst);
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        if max > 0 && now > max {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.refused_429.fetch_add(1, Ordering::SeqCst);
+            return Some(429);
+        }
+        self.served.fetch_add(1, Ordering::SeqCst);
+        self.peak.fetch_max(now, Ordering::SeqCst);
+        None
+    }
+
+    fn done(&self) {
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Cache {
@@ -239,8 +323,14 @@ fn serve(conn: TcpStream, seen: &Mutex<Vec<Seen>>, ids: &AtomicU64, cache: &Cach
             seen.len() - 1
         };
         let id = ids.fetch_add(1, Ordering::SeqCst);
-        let ok = if method == "POST" && path.starts_with("/v1/messages") {
+        let refusal = (method == "POST" && path.starts_with("/v1/messages"))
+            .then(|| cache.limits.admit())
+            .flatten();
+        let ok = if let Some(code) = refusal {
+            answer_with(&mut conn, &body, "", id, Some(code), (0, 0, 0))
+        } else if method == "POST" && path.starts_with("/v1/messages") {
             let (ok, read) = answer(&mut conn, &body, id, cache);
+            cache.limits.done();
             if let Some(s) = seen
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())

@@ -21,4 +21,4 @@ pub mod worktree;
 
 pub use backend::{AgentBackend, Error, Events, Output, Task};
 pub use flotilla_proto::link::{CoordinatorEnd, Link, link_pair};
-pub use worker::{Worker, WorkerOptions};
+pub use worker::{AccountLimits, Worker, WorkerOptions};

@@ -58,6 +58,16 @@ pub struct WorkerOptions {
     pub sandbox: crate::sandbox::Sandbox,
     /// What one attempt may use.
     pub limits: crate::limits::Limits,
+    /// The provider accounts' limits this worker declares (input tokens per minute, requests
+    /// at once; 0: not configured), for the coordinator's admission.
+    pub account_limits: AccountLimits,
+}
+
+/// What a worker says of the provider accounts its backends call through.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AccountLimits {
+    pub itpm: u64,
+    pub max_concurrent: u32,
 }
 
 /// A worker with its backends.
@@ -98,6 +108,24 @@ impl Worker {
         self.serve(rx, cancel).await;
     }
 
+    /// The provider accounts of its backends, with the limits it was given.
+    fn accounts(&self) -> Vec<v1::Account> {
+        let mut out: Vec<v1::Account> = self
+            .backends
+            .iter()
+            .filter_map(|(name, b)| {
+                b.account().map(|id| v1::Account {
+                    backend: (*name).to_owned(),
+                    id,
+                    itpm: self.opts.account_limits.itpm,
+                    max_concurrent: self.opts.account_limits.max_concurrent,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.backend.cmp(&b.backend));
+        out
+    }
+
     fn hello(&self, held: Vec<v1::AttemptRef>) -> WorkerMessage {
         let mut models: Vec<String> = self.backends.values().flat_map(|b| b.models()).collect();
         models.sort();
@@ -113,6 +141,7 @@ impl Worker {
                 labels: self.opts.labels.clone(),
                 slots: self.opts.slots,
                 held,
+                accounts: self.accounts(),
             })),
         }
     }
@@ -935,6 +964,7 @@ mod tests {
                 allow_source_hosts: Vec::new(),
                 sandbox: crate::sandbox::Sandbox::Off,
                 limits: crate::limits::Limits::default(),
+                account_limits: AccountLimits::default(),
             },
             vec![Arc::new(Echo)],
         )

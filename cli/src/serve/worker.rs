@@ -76,6 +76,14 @@ pub struct WorkerArgs {
     /// this worker may make one, else rlimits) or `rlimits` [default: auto].
     #[arg(long, env = "FLOTILLA_LIMITS_VIA", value_name = "auto|rlimits")]
     limits_via: Option<String>,
+    /// Input tokens per minute the provider account of this worker's key may take: the
+    /// coordinator paces the starts of its calls to stay under it [default: not paced].
+    #[arg(long, env = "FLOTILLA_ACCOUNT_ITPM", value_name = "TOKENS")]
+    account_itpm: Option<u64>,
+    /// Most requests at once through that account, whatever the adaptive window says
+    /// [default: the window alone].
+    #[arg(long, env = "FLOTILLA_ACCOUNT_CONCURRENCY", value_name = "N")]
+    account_concurrency: Option<u32>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -101,6 +109,8 @@ struct Settings {
     limits: flotilla_worker::limits::Settings,
     /// `--limits-via rlimits`.
     rlimits: bool,
+    /// `--account-itpm`, `--account-concurrency`.
+    accounts: flotilla_worker::AccountLimits,
 }
 
 /// The first layer that has a list.
@@ -172,6 +182,13 @@ impl Settings {
             allow_net: list(&a.allow_net, &file.allow_net),
             limits: Self::attempt_limits(a, file)?,
             rlimits,
+            accounts: flotilla_worker::AccountLimits {
+                itpm: a.account_itpm.or(file.account_itpm).unwrap_or(0),
+                max_concurrent: a
+                    .account_concurrency
+                    .or(file.account_concurrency)
+                    .unwrap_or(0),
+            },
         })
     }
 
@@ -274,6 +291,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             allow_source_hosts: s.allow_source_hosts.clone(),
             sandbox,
             limits,
+            account_limits: s.accounts,
         },
         backends,
     );

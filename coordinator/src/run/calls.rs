@@ -254,11 +254,22 @@ impl RunEngine {
                 };
                 let (label, group) = (c.label.clone(), c.group.clone());
                 let line = retry.log_line(&label, attempt, counted, self.init.settings.attempts);
-                if let Retry::RateLimited { wait } = &retry {
-                    self.waiting = Some(format!(
-                        "usage limit: agent \"{label}\" waits {} before retrying",
-                        human(*wait)
-                    ));
+                match &retry {
+                    Retry::RateLimited { wait } => {
+                        self.waits += 1;
+                        self.waiting = Some(format!(
+                            "usage limit: agent \"{label}\" waits {} before retrying",
+                            human(*wait)
+                        ));
+                    }
+                    Retry::Throttled { wait, account } => {
+                        self.waits += 1;
+                        self.waiting = Some(format!(
+                            "throttled by {account}: agent \"{label}\" waits {} (its admission window shrank)",
+                            human(*wait)
+                        ));
+                    }
+                    _ => {}
                 }
                 if let Some(c) = self.calls.get_mut(call as usize)
                     && c.state == State::Running
@@ -357,6 +368,9 @@ impl RunEngine {
             CallResult::Failed { failure, message } => {
                 c.set(State::Failed);
                 c.error = Some(message.clone());
+                if message.starts_with(crate::call::RETRY_BUDGET_SPENT) {
+                    self.budget_refused += 1;
+                }
                 let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());
                 if !stopping {
                     match failure.reject_code() {

@@ -220,6 +220,10 @@ pub struct RunEngine {
     /// The token budget is spent (the dispatcher was told).
     tokens_spent: bool,
     waiting: Option<String>,
+    /// Throttle and usage-limit waits of its calls (not counted as attempts).
+    waits: u64,
+    /// Calls that failed instead of retrying: the retry budget was spent.
+    budget_refused: u64,
     /// Storage writes were failing when the snapshot was last published.
     storage_failing: bool,
     /// The run head's keeper (fleet runs with a snapshot source).
@@ -307,6 +311,8 @@ impl RunEngine {
             money_spent: false,
             tokens_spent: false,
             waiting: None,
+            waits: 0,
+            budget_refused: 0,
             waits_logged: std::collections::HashSet::new(),
             storage_failing: false,
             head: None,
@@ -383,6 +389,8 @@ impl RunEngine {
             max_attempts: self.init.settings.attempts,
             stagger: Duration::from_millis(self.init.settings.stagger_ms),
             worker_wait: Duration::from_millis(self.init.settings.worker_wait_ms),
+            retry_budget: self.init.settings.retry_budget,
+            throttle_wait: Duration::from_millis(self.init.settings.throttle_wait_ms),
             head: self.head_watch.clone(),
             events: call_tx,
         });

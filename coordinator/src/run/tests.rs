@@ -31,6 +31,7 @@ fn harness() -> Harness {
             allow_source_hosts: Vec::new(),
             sandbox: flotilla_worker::sandbox::Sandbox::Off,
             limits: flotilla_worker::limits::Limits::default(),
+            account_limits: Default::default(),
         },
         vec![Arc::new(Echo)],
     );

@@ -140,6 +140,7 @@ impl RunEngine {
             output_tokens: self.usage.output_tokens,
             cost_usd: self.usage.cost_usd,
             duration_ms: self.now_ms(),
+            waits: self.waits,
             ..ReportUsage::default()
         };
         let mut agents = Vec::with_capacity(self.calls.len());
@@ -194,7 +195,19 @@ impl RunEngine {
             result: self.result.clone(),
             error: self.error.clone(),
             workflow: self.init.workflow.clone(),
-            warnings: usage.large_workflow().into_iter().collect(),
+            warnings: usage
+                .large_workflow()
+                .into_iter()
+                .chain((self.budget_refused > 0).then(|| {
+                    let budget = self.init.settings.retry_budget.unwrap_or_else(|| {
+                        crate::settings::default_retry_budget(self.calls.len() as u64)
+                    });
+                    format!(
+                        "Retry budget spent: {} agents failed instead of trying again (the run's budget is {budget} retries; raise it with --retry-budget)",
+                        self.budget_refused
+                    )
+                }))
+                .collect(),
             notify: None,
             usage,
             agents,

@@ -39,6 +39,8 @@ pub(super) struct WorkerState {
     pub(super) backends: HashSet<String>,
     pub(super) models: HashSet<String>,
     pub(super) labels: std::collections::BTreeMap<String, String>,
+    /// The provider account each of its backends calls through (admission).
+    pub(super) accounts: HashMap<String, Arc<str>>,
     /// Assignments this worker holds a slot for: (run, call, attempt).
     pub(super) running: HashSet<Slot>,
     /// Attempts it held when it attached that this coordinator did not assign: a run taken
@@ -145,6 +147,11 @@ impl WorkerState {
         self.backends = h.backends.iter().cloned().collect();
         self.models = h.models.iter().cloned().collect();
         self.labels = h.labels.clone().into_iter().collect();
+        self.accounts = h
+            .accounts
+            .iter()
+            .map(|a| (a.backend.clone(), Arc::from(a.id.as_str())))
+            .collect();
     }
 
     /// Has the task's backend (and model, when it lists models).
@@ -193,12 +200,32 @@ impl Fleet {
 
     /// The ready worker with the most free slots that offers the task (the lowest id among
     /// equals), if one has a slot free.
+    #[cfg(test)]
     pub fn pick(&self, task: &v1::TaskSpec) -> Option<u64> {
-        self.workers
+        self.pick_where(task, |_| true)
+    }
+
+    /// Like [`Fleet::pick`], among the workers whose account for the task's backend (`None`:
+    /// it names none) `admits`.
+    pub fn pick_where(
+        &self,
+        task: &v1::TaskSpec,
+        mut admits: impl FnMut(Option<&Arc<str>>) -> bool,
+    ) -> Option<u64> {
+        let mut free: Vec<(&u64, &WorkerState)> = self
+            .workers
             .iter()
             .filter(|(_, w)| w.ready() && w.taken() < w.slots && w.offers(task))
-            .max_by_key(|(wid, w)| (w.slots - w.taken(), std::cmp::Reverse(**wid)))
+            .collect();
+        free.sort_by_key(|(wid, w)| (std::cmp::Reverse(w.slots - w.taken()), **wid));
+        free.into_iter()
+            .find(|(_, w)| admits(w.accounts.get(&task.backend)))
             .map(|(wid, _)| *wid)
+    }
+
+    /// The account worker `wid` calls through for `backend`.
+    pub fn account_of(&self, wid: u64, backend: &str) -> Option<Arc<str>> {
+        self.workers.get(&wid)?.accounts.get(backend).cloned()
     }
 
     /// Some ready worker offers the task (busy or not).
@@ -309,6 +336,7 @@ impl Fleet {
                 backends: HashSet::new(),
                 models: HashSet::new(),
                 labels: Default::default(),
+                accounts: HashMap::new(),
                 orphans: Orphans::default(),
                 orphan_outcomes: Default::default(),
                 running: HashSet::new(),
@@ -494,6 +522,7 @@ mod tests {
                 backends: backends.iter().map(|b| (*b).to_owned()).collect(),
                 models: HashSet::new(),
                 labels: Default::default(),
+                accounts: HashMap::new(),
                 running: HashSet::new(),
                 orphans: Orphans::default(),
                 orphan_outcomes: HashMap::new(),

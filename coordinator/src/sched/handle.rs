@@ -35,6 +35,11 @@ pub struct RunRegistration {
     pub stagger: Duration,
     /// How long a call waits for an attached worker that offers its backend and model.
     pub worker_wait: Duration,
+    /// Retries (attempts beyond a call's first) the run may make; `None`: the default share
+    /// of its calls ([`crate::settings::default_retry_budget`]).
+    pub retry_budget: Option<u64>,
+    /// How long one call may wait out throttles in all before it fails.
+    pub throttle_wait: Duration,
     /// The run's head (fleet runs with a source): every attempt starts from it as it stands
     /// when the attempt is sent.
     pub head: Option<tokio::sync::watch::Receiver<String>>,
@@ -155,6 +160,8 @@ pub struct Stats {
     pub running: usize,
     /// Attempts assigned since the dispatcher started.
     pub assigned: u64,
+    /// The provider accounts' admission.
+    pub accounts: Vec<super::admission::AccountView>,
 }
 
 /// Cheap handle to the dispatcher.

@@ -55,6 +55,7 @@ pub use crate::call::{CallEvent, CallFailure, CallResult, Retry};
 use crate::call::{State, human};
 use crate::lease::{self, LeaseId, LeaseStore, Revision, WatchEvent};
 
+mod admission;
 mod fair;
 mod fleet;
 mod gates;
@@ -67,6 +68,7 @@ mod retry;
 mod stagger;
 mod workers;
 
+pub use admission::AccountView;
 use handle::Msg;
 pub use handle::{
     DispatchHandle, DispatchOptions, RunRegistration, Stats, Ticket, WORKER_LEASE_TTL, WorkerView,
@@ -102,6 +104,12 @@ struct CallState {
     attempt_span: tracing::Span,
     /// The source commit the last assignment started from.
     sent_base: String,
+    /// What the current attempt took of its provider account's admission.
+    admitted: Option<admission::Admitted>,
+    /// It waits for room in an account (counted once per wait).
+    held_by_account: bool,
+    /// When the provider first throttled it.
+    throttled_since: Option<Instant>,
 }
 
 impl CallState {
@@ -122,6 +130,9 @@ impl CallState {
             ready_at: Instant::now(),
             attempt_span: tracing::Span::none(),
             sent_base: String::new(),
+            admitted: None,
+            held_by_account: false,
+            throttled_since: None,
         }
     }
 
@@ -149,6 +160,9 @@ struct RunState {
     paused: bool,
     /// The token budget is spent: calls that have not started end with this.
     budget_spent: Option<String>,
+    /// Calls submitted, and retries made (attempts beyond a call's first, counted).
+    submitted: u64,
+    retries: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -167,6 +181,8 @@ enum Timer {
     /// A restarted call stops waiting for what its interrupted attempt leaves: (run, call,
     /// attempt).
     Salvage(Arc<str>, u64, u32),
+    /// An account's token bucket has refilled enough for the call that waits on it.
+    Paced,
 }
 
 /// Starts the dispatcher with default options. Worker liveness leases go to `leases`.
@@ -196,6 +212,8 @@ pub fn spawn_with(
         fleet: Fleet::new(keys),
         stagger: stagger::Stagger::default(),
         gates: gates::Gates::default(),
+        admission: admission::Admission::default(),
+        paced_wake: None,
         unplaceable: HashMap::new(),
         sources,
         source_acks: HashMap::new(),
@@ -223,6 +241,10 @@ struct Dispatcher {
     stagger: stagger::Stagger,
     /// Usage-limit gates (W59).
     gates: gates::Gates,
+    /// Admission per provider account: adaptive windows and pacing.
+    admission: admission::Admission,
+    /// When the pump is woken for a paced account (one timer at a time).
+    paced_wake: Option<Instant>,
     /// Calls set aside because no attached worker offers their backend and model: since when,
     /// why, and when they give up. They go back to their queues whenever a worker becomes
     /// ready.
@@ -305,6 +327,7 @@ impl Dispatcher {
                     queued: self.runs.values().map(|r| r.queue.len()).sum(),
                     running: self.runs.values().map(|r| r.running).sum(),
                     assigned: self.assigned,
+                    accounts: self.admission.views(),
                 });
             }
         }
@@ -320,6 +343,8 @@ impl Dispatcher {
                 queue: VecDeque::new(),
                 paused: false,
                 budget_spent: None,
+                submitted: 0,
+                retries: 0,
             },
         );
         self.turns.join(id);
@@ -330,6 +355,7 @@ impl Dispatcher {
             return;
         };
         r.queue.push_back(ticket.call);
+        r.submitted += 1;
         let id = (run, ticket.call);
         self.calls
             .insert(id.clone(), Box::new(CallState::new(ticket)));
@@ -556,6 +582,8 @@ impl Dispatcher {
             Timer::Orphans(worker, link) => self.drop_orphans(worker, link),
             Timer::Salvage(run, call, attempt) => self.salvaged(&(run, call), attempt),
             Timer::Retry(run, call) => self.retry_due(&(run, call)),
+            // The pump that follows every timer looks again.
+            Timer::Paced => self.paced_wake = None,
         }
     }
 

@@ -46,6 +46,7 @@ impl Dispatcher {
     pub(super) fn outcome(&mut self, worker: u64, o: v1::Outcome) {
         let id: CallId = (Arc::from(o.run_id.as_str()), o.call);
         self.fleet.free_slot(worker, &id.0, id.1, o.attempt);
+        let input_tokens = o.usage.as_ref().map_or(0, |u| u.input_tokens);
         let usage = o.usage.unwrap_or_default();
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r.reg.events.send(CallEvent::Usage {
@@ -92,6 +93,15 @@ impl Dispatcher {
             tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
             return;
         }
+        // The account's verdict on the attempt, before the call moves on.
+        let end = match &o.result {
+            Some(outcome::Result::Completed(_)) => admission::End::Succeeded { input_tokens },
+            Some(outcome::Result::Failure(f)) if f.kind == FailureKind::Throttled as i32 => {
+                admission::End::Throttled
+            }
+            _ => admission::End::Other { input_tokens },
+        };
+        let account = self.release_admission(&id, end);
         self.leave_running(&id);
         match o.result {
             Some(outcome::Result::Completed(done)) => {
@@ -107,15 +117,21 @@ impl Dispatcher {
                     self.leftovers.wait_for(&id, o.attempt, false);
                 }
                 let limit_waits = match (kind, self.calls.get_mut(&id)) {
-                    (FailureKind::RateLimited, Some(c)) => {
+                    (FailureKind::RateLimited | FailureKind::Throttled, Some(c)) => {
                         c.limit_waits += 1;
                         c.limit_waits
                     }
                     _ => 0,
                 };
+                let message = f.message.clone();
                 match retry::verdict(kind, f.message, f.retry_after_ms, limit_waits) {
                     retry::Verdict::Fail(failure, message) => self.fail(&id, failure, message),
                     retry::Verdict::WaitLimit(wait) => self.wait_rate_limit(&id, wait, o.attempt),
+                    retry::Verdict::Throttle(wait) => {
+                        let account =
+                            account.map_or_else(|| "its provider".into(), |a| a.to_string());
+                        self.wait_throttled(&id, wait, o.attempt, account, message);
+                    }
                     retry::Verdict::Retry(r) => self.retry_or_fail(&id, r),
                 }
             }
@@ -128,8 +144,21 @@ impl Dispatcher {
         }
     }
 
+    /// The call's current attempt gives back what it took of its account; which account.
+    pub(super) fn release_admission(
+        &mut self,
+        id: &CallId,
+        end: admission::End,
+    ) -> Option<Arc<str>> {
+        let a = self.calls.get_mut(id)?.admitted.take()?;
+        self.admission.ended(&a, end, Instant::now());
+        Some(a.account)
+    }
+
     /// Bookkeeping when a call's current attempt stops running.
     pub(super) fn leave_running(&mut self, id: &CallId) {
+        // Whatever ended it (a stall, a cancel, a lost worker) says nothing of the account.
+        self.release_admission(id, admission::End::Other { input_tokens: 0 });
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
@@ -197,6 +226,53 @@ impl Dispatcher {
         }
     }
 
+    /// The provider throttled the call's attempt: it waits `wait` and goes again, outside
+    /// the account's window; not counted as an attempt, and nobody else is held.
+    pub(super) fn wait_throttled(
+        &mut self,
+        id: &CallId,
+        wait: Duration,
+        attempt: u32,
+        account: String,
+        message: String,
+    ) {
+        let now = Instant::now();
+        let until = now + wait;
+        let Some(most) = self.runs.get(&id.0).map(|r| r.reg.throttle_wait) else {
+            return;
+        };
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
+        let since = *c.throttled_since.get_or_insert(now);
+        if until.saturating_duration_since(since) > most {
+            let waited = human(now.saturating_duration_since(since));
+            let waits = c.limit_waits;
+            self.fail(
+                id,
+                CallFailure::Terminal,
+                format!(
+                    "throttled by {account} for {waited} ({waits} waits), longer than --throttle-wait {}: {message}",
+                    human(most)
+                ),
+            );
+            return;
+        }
+        c.set(State::Waiting);
+        let counted = c.counted;
+        self.timers
+            .insert_at(Timer::Retry(id.0.clone(), id.1), until);
+        crate::metrics::inc(&crate::metrics::THROTTLES);
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Retrying {
+                call: id.1,
+                attempt,
+                retry: Retry::Throttled { wait, account },
+                counted,
+            });
+        }
+    }
+
     /// Counts a failed attempt; starts another one or fails the call at the limit.
     pub(super) fn retry_or_fail(&mut self, id: &CallId, retry: Retry) {
         let salvageable = self.salvageable(id);
@@ -207,6 +283,11 @@ impl Dispatcher {
         };
         let max = r.reg.max_attempts;
         let stall_timeout = r.reg.stall_timeout;
+        let budget = r
+            .reg
+            .retry_budget
+            .unwrap_or_else(|| crate::settings::default_retry_budget(r.submitted));
+        let spent = r.retries >= budget;
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
@@ -217,6 +298,29 @@ impl Dispatcher {
             self.fail(id, failure, message);
             return;
         }
+        // A user's restart and a pause are not failures: they spend no budget.
+        let costs = !matches!(retry, Retry::User | Retry::Paused);
+        if costs && spent {
+            let why = retry.exhausted(counted, stall_timeout).1;
+            self.fail(
+                id,
+                CallFailure::Terminal,
+                format!(
+                    "{} ({budget} retries, --retry-budget): {why}",
+                    crate::call::RETRY_BUDGET_SPENT
+                ),
+            );
+            return;
+        }
+        if costs && let Some(r) = self.runs.get_mut(&id.0) {
+            r.retries += 1;
+        }
+        let Some(r) = self.runs.get(&id.0) else {
+            return;
+        };
+        let Some(c) = self.calls.get_mut(id) else {
+            return;
+        };
         let _ = r.reg.events.send(CallEvent::Retrying {
             call: id.1,
             attempt,

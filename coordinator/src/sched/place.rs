@@ -173,8 +173,45 @@ impl Dispatcher {
             }
             return Placement::Parked;
         }
-        // A worker with the backend (and model, when it lists models) and a free slot.
-        let Some(wid) = self.fleet.pick(&c.ticket.task) else {
+        // A worker with the backend (and model, when it lists models), a free slot, and room
+        // in the provider account it calls through.
+        let prompt_tokens = prompt_tokens(&c.ticket.task);
+        let (mut full, mut paced): (Option<Arc<str>>, Option<Instant>) = (None, None);
+        let admission = &mut self.admission;
+        let picked = self
+            .fleet
+            .pick_where(&c.ticket.task, |account| match account {
+                None => true,
+                Some(a) => match admission.room(a, prompt_tokens, now) {
+                    Ok(()) => true,
+                    Err(why) => {
+                        if let admission::Full::Paced(at) = why {
+                            paced = Some(paced.map_or(at, |p| p.min(at)));
+                        }
+                        full.get_or_insert_with(|| a.clone());
+                        false
+                    }
+                },
+            });
+        let Some(wid) = picked else {
+            if let Some(account) = full {
+                // A slot is free, but its account has no room: the call waits at the front of
+                // its run's queue until an attempt through the account ends or its bucket
+                // refills.
+                if let Some(c) = self.calls.get_mut(id)
+                    && !c.held_by_account
+                {
+                    c.held_by_account = true;
+                    self.admission.held(&account);
+                }
+                if let Some(at) = paced
+                    && self.paced_wake.is_none_or(|w| at < w)
+                {
+                    self.paced_wake = Some(at);
+                    self.timers.insert_at(Timer::Paced, at);
+                }
+                return Placement::NoWorker;
+            }
             return if self.fleet.capable(&c.ticket.task) {
                 Placement::NoWorker
             } else {
@@ -221,6 +258,14 @@ impl Dispatcher {
         c.captured = None;
         c.in_tool = false;
         self.fleet.take_slot(wid, &id.0, id.1, c.attempt);
+        c.held_by_account = false;
+        c.admitted = self
+            .fleet
+            .account_of(wid, &c.ticket.task.backend)
+            .and_then(|a| {
+                self.admission
+                    .start(&a, prompt_tokens(&c.ticket.task), Instant::now())
+            });
         let op = KeyOp::attempt(id, wid, &name, c.attempt, lease);
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running += 1;
@@ -313,4 +358,9 @@ fn trace_context(span: &tracing::Span) -> HashMap<String, String> {
     let cx = span.context();
     opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut out));
     out
+}
+
+/// About how many input tokens a task's prompt is (four bytes a token), for pacing.
+fn prompt_tokens(task: &v1::TaskSpec) -> u64 {
+    (task.prompt.len() / 4) as u64
 }

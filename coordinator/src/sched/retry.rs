@@ -14,6 +14,11 @@ pub(super) const MIN_LIMIT_WAIT: Duration = Duration::from_millis(50);
 pub(super) const MAX_LIMIT_WAIT: Duration = Duration::from_secs(24 * 3600);
 /// Usage-limit waits one call may go through before it fails.
 pub(super) const MAX_LIMIT_WAITS: u32 = 100;
+/// Throttles (429, 529) one call may wait out before it fails: far more than any burst or
+/// storm of them (at the longest backoff, over eight hours).
+pub(super) const MAX_THROTTLE_WAITS: u32 = 1000;
+/// The longest a throttled call without a `retry-after` waits.
+const MAX_THROTTLE_BACKOFF: Duration = Duration::from_secs(30);
 
 /// What comes of a failed attempt.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,6 +26,9 @@ pub(super) enum Verdict {
     Fail(CallFailure, String),
     /// Wait this long for the usage limit to reset, then go again (not counted as an attempt).
     WaitLimit(Duration),
+    /// The provider throttled it: wait this long, then go again (not counted as an attempt;
+    /// the gate stays open, the account's window shrinks).
+    Throttle(Duration),
     /// Go again, counted against the attempt limit.
     Retry(Retry),
 }
@@ -30,6 +38,7 @@ pub(super) fn goes_again(kind: FailureKind) -> bool {
     matches!(
         kind,
         FailureKind::RateLimited
+            | FailureKind::Throttled
             | FailureKind::Retryable
             | FailureKind::Cancelled
             | FailureKind::Unspecified
@@ -64,6 +73,24 @@ pub(super) fn verdict(
                 Verdict::WaitLimit(wait)
             }
         }
+        FailureKind::Throttled => {
+            if limit_waits > MAX_THROTTLE_WAITS {
+                return Verdict::Fail(
+                    CallFailure::Terminal,
+                    format!(
+                        "throttled: still refused after {MAX_THROTTLE_WAITS} waits ({message})"
+                    ),
+                );
+            }
+            let wait = if retry_after_ms > 0 {
+                Duration::from_millis(retry_after_ms).min(MAX_LIMIT_WAIT)
+            } else {
+                // Doubling from half a second.
+                (Duration::from_millis(500) * (1u32 << limit_waits.saturating_sub(1).min(8)))
+                    .min(MAX_THROTTLE_BACKOFF)
+            };
+            Verdict::Throttle(wait.max(MIN_LIMIT_WAIT))
+        }
         FailureKind::Retryable | FailureKind::Cancelled | FailureKind::Unspecified => {
             Verdict::Retry(Retry::Transient { message })
         }
@@ -95,6 +122,30 @@ pub(super) fn restart_counter(retry: &Retry) -> &'static AtomicU64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_throttle_waits_its_retry_after_or_a_doubling_backoff_and_never_counts() {
+        assert_eq!(
+            verdict(FailureKind::Throttled, "529".into(), 1_000, 1),
+            Verdict::Throttle(Duration::from_secs(1))
+        );
+        let waits: Vec<Verdict> = (1..=8)
+            .map(|n| verdict(FailureKind::Throttled, "429".into(), 0, n))
+            .collect();
+        assert_eq!(waits[0], Verdict::Throttle(Duration::from_millis(500)));
+        assert_eq!(waits[1], Verdict::Throttle(Duration::from_secs(1)));
+        assert_eq!(waits[7], Verdict::Throttle(MAX_THROTTLE_BACKOFF));
+        assert!(matches!(
+            verdict(
+                FailureKind::Throttled,
+                "429".into(),
+                0,
+                MAX_THROTTLE_WAITS + 1
+            ),
+            Verdict::Fail(CallFailure::Terminal, _)
+        ));
+        assert!(goes_again(FailureKind::Throttled));
+    }
 
     #[test]
     fn a_usage_limit_waits_for_its_reset_within_bounds() {

@@ -49,6 +49,12 @@ impl Dispatcher {
     }
 
     pub(super) fn hello(&mut self, link_id: u64, h: v1::Hello) {
+        if self.fleet.workers.contains_key(&link_id) {
+            for a in &h.accounts {
+                self.admission
+                    .declare(&a.id, a.itpm, a.max_concurrent, Instant::now());
+            }
+        }
         let Some(w) = self.fleet.workers.get_mut(&link_id) else {
             return;
         };

@@ -166,6 +166,48 @@ fn fleet(e: &mut Exposition, stats: &Stats, workers: &[WorkerView]) {
             (label("state", "cut_off"), workers.len() as u64 - attached),
         ],
     );
+    accounts(e, stats);
+}
+
+/// Admission per provider account.
+fn accounts(e: &mut Exposition, stats: &Stats) {
+    let rows = |f: &dyn Fn(&crate::sched::AccountView) -> u64| -> Vec<(String, u64)> {
+        stats
+            .accounts
+            .iter()
+            .map(|a| (label("account", &a.id), f(a)))
+            .collect()
+    };
+    e.family(
+        "flotilla_account_window",
+        "gauge",
+        "Calls a provider account's adaptive window lets in at once.",
+        &rows(&|a| u64::from(a.window)),
+    );
+    e.family(
+        "flotilla_account_in_flight",
+        "gauge",
+        "Calls in flight through a provider account.",
+        &rows(&|a| u64::from(a.in_flight)),
+    );
+    e.family(
+        "flotilla_account_throttled_total",
+        "counter",
+        "Attempts a provider account refused for rate or load (429, 529), each waited out.",
+        &rows(&|a| a.throttled),
+    );
+    e.family(
+        "flotilla_account_waits_total",
+        "counter",
+        "Calls that waited for room in a provider account (its window or its pacing).",
+        &rows(&|a| a.held),
+    );
+    e.family(
+        "flotilla_account_started_total",
+        "counter",
+        "Attempts started through a provider account.",
+        &rows(&|a| a.started),
+    );
 }
 
 /// The process counters and histograms.
@@ -242,6 +284,15 @@ mod tests {
         let stats = Stats {
             slots: 4,
             busy: 1,
+            accounts: vec![crate::sched::AccountView {
+                id: "anthropic@api.anthropic.com#0a1b2c3d".into(),
+                window: 12,
+                in_flight: 3,
+                started: 40,
+                throttled: 2,
+                held: 5,
+                itpm: 0,
+            }],
             ..Stats::default()
         };
         let workers = [WorkerView {

@@ -98,19 +98,25 @@ fn an_invalid_structured_output_gets_feedback_until_the_limit() {
 }
 
 #[test]
-fn an_overloaded_api_is_retried_and_then_fails_the_call() {
+fn an_overloaded_api_is_waited_out_and_fails_the_call_only_past_the_throttle_wait() {
     let env = Env::new();
     let fake = FakeAnthropic::start();
     let (code, r) = run(
         &env,
         &fake,
         "return await agent('busy [[status:529]]');",
-        &["--attempts", "2"],
+        // Overloads are waits, not attempts: one attempt allowed, and still it waits them out.
+        &["--attempts", "1", "--throttle-wait", "3s"],
     );
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], Value::Null, "{r}");
-    assert!(r["failures"].to_string().contains("HTTP 529"), "{r}");
-    assert_eq!(posts(&fake).len(), 2, "retried once");
+    let failures = r["failures"].to_string();
+    assert!(failures.contains("HTTP 529"), "{r}");
+    assert!(failures.contains("--throttle-wait"), "{r}");
+    // retry-after: 1 each time, for three seconds.
+    let sent = posts(&fake).len();
+    assert!((3..=5).contains(&sent), "{sent} requests: {r}");
+    assert_eq!(r["usage"]["waits"].as_u64(), Some(sent as u64 - 1), "{r}");
 }
 
 /// W60's value, measured: 20 agents that share a prefix (model, system prompt, tools), with the

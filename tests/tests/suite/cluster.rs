@@ -1469,3 +1469,59 @@ fn standbys_reach_a_leader_advertised_at_an_unnamed_address_by_its_peer_name() {
     assert_eq!(out.code, 0, "{out:?}");
     assert_eq!(out.json()["result"], 6, "{}", out.stdout);
 }
+
+/// Two workers that hold the same key call through one provider account: the coordinator
+/// keeps one admission window for both, so a fan-out over both stays within what the
+/// provider takes, and `/metrics` shows the account's window, calls in flight and throttles.
+#[test]
+fn workers_sharing_a_key_share_one_admission_window() {
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    fake.limit_concurrency(12);
+    let c = Cluster::start_workers_with(2, 32, &["--backend", "anthropic"], fake.env());
+    let run = c.launch(
+        "shared-account",
+        "return (await parallel(Array.from({ length: 150 }, (_, i) => () => agent('item ' + i)))).filter(x => x !== null).length;",
+        &["--stagger", "0", "--concurrency", "64", "--backend", "anthropic"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 150, "{}", r["failures"]);
+    let counts = fake.limit_counts();
+    assert_eq!(
+        r["usage"]["waits"].as_u64(),
+        Some(counts.refused_429),
+        "{counts:?}"
+    );
+    assert!(counts.refused_429 <= 24, "{counts:?}");
+    let t = c.client(&["token", "create", "--json", "--ttl", "1h"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    let bearer = format!("Bearer {}", t.json()["token"].as_str().unwrap());
+    let m = http_get(c.http_port, "/metrics", &[("Authorization", &bearer)]);
+    assert_eq!(m.status, 200, "{m:?}");
+    let windows: Vec<&str> = m
+        .body
+        .lines()
+        .filter(|l| l.starts_with("flotilla_account_window{"))
+        .collect();
+    assert_eq!(windows.len(), 1, "one account for both workers: {}", m.body);
+    assert!(
+        windows[0].contains("account=\"anthropic@127.0.0.1:"),
+        "{}",
+        windows[0]
+    );
+    let throttled = m
+        .body
+        .lines()
+        .find(|l| l.starts_with("flotilla_account_throttled_total{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert_eq!(throttled, Some(counts.refused_429), "{}", m.body);
+    assert!(
+        m.body
+            .lines()
+            .any(|l| l.starts_with("flotilla_account_started_total{")
+                && l.ends_with(&format!(" {}", 150 + counts.refused_429))),
+        "{}",
+        m.body
+    );
+}

@@ -6,8 +6,9 @@
 //! from a forced `StructuredOutput` tool. Prompt caching is explicit: breakpoints on the system
 //! block and on the end of the user turn, with a TTL of `5m` or `1h`
 //! (`FLOTILLA_CACHE_TTL`). Usage includes cache reads and writes; cost comes from a price table
-//! by model family. `retry-after` is honoured on 429; overloaded and 5xx answers are retried by
-//! the coordinator; auth and request errors are terminal.
+//! by model family. 429 and 529 (and `overloaded_error` mid-stream) are throttles: the call
+//! waits `retry-after` and the account admits fewer; other 5xx answers are retried by the
+//! coordinator; auth and request errors are terminal.
 //!
 //! Credentials and endpoint come from the worker's environment: `ANTHROPIC_API_KEY` (or
 //! `ANTHROPIC_AUTH_TOKEN`) and `ANTHROPIC_BASE_URL` (default the public API).
@@ -242,12 +243,12 @@ impl Anthropic {
                     .pointer("/error/message")
                     .and_then(Value::as_str)
                     .unwrap_or("");
-                let failure = if kind == "overloaded_error" || kind == "api_error" {
-                    FailureKind::Retryable
-                } else {
-                    FailureKind::Terminal
-                };
-                return Err(Error::new(failure, format!("anthropic: {kind}: {msg}")));
+                let message = format!("anthropic: {kind}: {msg}");
+                return Err(match kind {
+                    "overloaded_error" | "rate_limit_error" => Error::throttled(None, message),
+                    "api_error" => Error::new(FailureKind::Retryable, message),
+                    _ => Error::new(FailureKind::Terminal, message),
+                });
             }
             _ => {}
         }
@@ -268,6 +269,14 @@ fn add(total: &mut v1::Usage, u: &v1::Usage) {
 impl AgentBackend for Anthropic {
     fn name(&self) -> &'static str {
         "anthropic"
+    }
+
+    fn account(&self) -> Option<String> {
+        Some(super::account_id(
+            "anthropic",
+            &self.base,
+            self.key.as_deref().or(self.bearer.as_deref()),
+        ))
     }
 
     async fn run(

@@ -324,7 +324,12 @@ fn failure_of(result: &Value, limit_wait: Duration) -> Error {
         .unwrap_or_else(|| "the agent failed".into());
     let message = format!("claude: {text}");
     match (status, subtype) {
-        (429, _) => Error::rate_limited(limit_wait, message),
+        // A subscription's usage limit (W59) closes the gate for everyone until its reset;
+        // an API rate limit or overload is the account's throttle.
+        (429, _) if text.to_ascii_lowercase().contains("usage limit") => {
+            Error::rate_limited(limit_wait, message)
+        }
+        (429 | 529, _) => Error::throttled(None, message),
         (500..=599, _) => Error::new(FailureKind::Retryable, message),
         (401 | 403, _) => Error::new(
             FailureKind::Terminal,
@@ -333,7 +338,7 @@ fn failure_of(result: &Value, limit_wait: Duration) -> Error {
         (_, "error_max_turns" | "error_max_budget_usd") => {
             Error::new(FailureKind::Terminal, message)
         }
-        (0, _) if text.contains("overloaded") => Error::new(FailureKind::Retryable, message),
+        (0, _) if text.contains("overloaded") => Error::throttled(None, message),
         _ => Error::new(FailureKind::Terminal, message),
     }
 }
@@ -372,6 +377,22 @@ fn package_root(bin: &std::path::Path) -> PathBuf {
 impl AgentBackend for ClaudeCode {
     fn name(&self) -> &'static str {
         "claude-code"
+    }
+
+    /// The same account as the `anthropic` backend's with this endpoint and key; without a
+    /// key, the CLI's own sign-in (`login`).
+    fn account(&self) -> Option<String> {
+        let var = |k: &str| {
+            self.api_env
+                .iter()
+                .find(|(n, v)| n == k && !v.is_empty())
+                .map(|(_, v)| v.as_str())
+        };
+        let base = var("ANTHROPIC_BASE_URL").unwrap_or("https://api.anthropic.com");
+        let key = var("ANTHROPIC_API_KEY")
+            .or_else(|| var("ANTHROPIC_AUTH_TOKEN"))
+            .unwrap_or("login");
+        Some(super::account_id("anthropic", base, Some(key)))
     }
 
     async fn run(

@@ -16,7 +16,8 @@ pub(crate) fn client() -> reqwest::Client {
         .unwrap_or_default()
 }
 
-/// The failure a non-200 answer means: 429 waits (`retry-after`, else 30 s), 408/409/5xx
+/// The failure a non-200 answer means: 429 and 529 are throttles (the call waits
+/// `retry-after`, else the coordinator's backoff, and its account admits fewer), 408/409/5xx
 /// retry, anything else is terminal; `key_var` names the credential to check on 401/403.
 pub(crate) async fn failure(provider: &str, resp: reqwest::Response, key_var: &str) -> Error {
     let status = resp.status().as_u16();
@@ -47,7 +48,7 @@ pub(crate) async fn failure(provider: &str, resp: reqwest::Response, key_var: &s
         .unwrap_or_else(|| body.chars().take(300).collect());
     let message = format!("{provider}: HTTP {status}: {message}");
     match status {
-        429 => Error::rate_limited(retry_after.unwrap_or(Duration::from_secs(30)), message),
+        429 | 529 => Error::throttled(retry_after, message),
         401 | 403 => Error::new(
             FailureKind::Terminal,
             format!("{message} (check {key_var} on the worker)"),

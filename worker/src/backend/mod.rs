@@ -210,6 +210,29 @@ impl Error {
             ..Error::new(FailureKind::RateLimited, message)
         }
     }
+
+    /// The provider refused for rate or load (429, 529, overloaded): the call waits
+    /// `retry_after` (the coordinator's backoff when `None`) and its account admits fewer.
+    pub fn throttled(retry_after: Option<Duration>, message: impl Into<String>) -> Self {
+        Error {
+            retry_after,
+            ..Error::new(FailureKind::Throttled, message)
+        }
+    }
+}
+
+/// A provider account's id: `PROVIDER@HOST#FINGERPRINT`, where the fingerprint is the first
+/// 8 hex digits of the key's SHA-256 (never the key), or `none` without one. Workers with the
+/// same endpoint and key name the same account.
+pub fn account_id(provider: &str, base_url: &str, secret: Option<&str>) -> String {
+    use sha2::Digest;
+    let rest = base_url.split_once("://").map_or(base_url, |(_, r)| r);
+    let host = rest.split('/').next().unwrap_or(rest);
+    let fingerprint = secret.map_or_else(
+        || "none".to_owned(),
+        |k| hex::encode(&sha2::Sha256::digest(k.as_bytes())[..4]),
+    );
+    format!("{provider}@{host}#{fingerprint}")
 }
 
 /// The backend seam.
@@ -221,6 +244,12 @@ pub trait AgentBackend: Send + Sync + 'static {
     /// Models this backend can run; empty means any model name is accepted.
     fn models(&self) -> Vec<String> {
         Vec::new()
+    }
+
+    /// The provider account its calls go through ([`account_id`]), for the coordinator's
+    /// admission; `None` for backends that call no provider (echo, exec).
+    fn account(&self) -> Option<String> {
+        None
     }
 
     /// Runs one attempt. Must return soon after `cancel` fires.

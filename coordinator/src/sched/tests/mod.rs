@@ -129,6 +129,8 @@ fn register(
         max_attempts: 3,
         stagger: Duration::ZERO,
         worker_wait: Duration::from_secs(600),
+        retry_budget: None,
+        throttle_wait: Duration::from_secs(900),
         head: None,
         events: tx,
     });
@@ -221,6 +223,8 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
         max_attempts: 4,
         stagger: Duration::ZERO,
         worker_wait: Duration::from_secs(600),
+        retry_budget: None,
+        throttle_wait: Duration::from_secs(900),
         head: Some(head),
         events: tx,
     });
@@ -372,6 +376,8 @@ async fn the_stagger_cap_holds_for_the_current_leader_however_long_it_runs() {
         max_attempts: 3,
         stagger: Duration::from_secs(1),
         worker_wait: Duration::from_secs(600),
+        retry_budget: None,
+        throttle_wait: Duration::from_secs(900),
         head: None,
         events: tx,
     });
