@@ -45,6 +45,9 @@ enum BenchKind {
     /// The fleet at scale: N agents in flight over W worker processes, the leader killed
     /// with all of them out, a big run resumed, failover with a backlog.
     Fleet(crate::bench_scale::FleetArgs),
+    /// Goodput and 429s against a provider that takes a limited number of requests at once,
+    /// with admission per provider account and with a fixed concurrency.
+    Admission(crate::bench_admission::AdmissionArgs),
 }
 
 #[derive(Debug, Args)]
@@ -207,6 +210,7 @@ pub async fn run(args: BenchArgs) -> i32 {
         BenchKind::Source(a) => crate::bench_source::run(a).await,
         BenchKind::Sandbox(a) => crate::bench_sandbox::run(a).await,
         BenchKind::Fleet(a) => crate::bench_scale::run(a).await,
+        BenchKind::Admission(a) => crate::bench_admission::run(a).await,
         BenchKind::Resume(a) => match resume_bench(&a).await {
             Ok(r) => {
                 if a.json {

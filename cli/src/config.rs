@@ -818,3 +818,15 @@ mod fuzz {
         assert_eq!(c.concurrency, Some(8));
     }
 }
+
+/// `FLOTILLA_ADMISSION`: `on` (the default) or `off` (no admission per provider account:
+/// calls go as slots and concurrency allow).
+pub fn admission_from_env() -> Result<bool, String> {
+    match std::env::var("FLOTILLA_ADMISSION").as_deref() {
+        Err(_) | Ok("" | "on") => Ok(true),
+        Ok("off") => Ok(false),
+        Ok(other) => Err(format!(
+            "FLOTILLA_ADMISSION takes on or off (got {other:?})"
+        )),
+    }
+}

@@ -46,20 +46,35 @@ impl Embedded {
         exec_cmd: Option<&str>,
         sandbox: flotilla_worker::sandbox::Sandbox,
     ) -> anyhow::Result<Embedded> {
+        // Every backend of the build (exec only with its command).
+        let backends: Vec<Arc<dyn AgentBackend>> = flotilla_worker::backend::NAMES
+            .iter()
+            .filter_map(|name| flotilla_worker::backend::by_name(name, exec_cmd).ok())
+            .collect();
+        let admission = crate::config::admission_from_env().map_err(anyhow::Error::msg)?;
+        Self::start_parts(store_url, slots, workspace, backends, sandbox, admission)
+    }
+
+    /// An embedded coordinator and worker with these backends, admission per provider
+    /// account on or off.
+    pub fn start_parts(
+        store_url: &str,
+        slots: u32,
+        workspace: std::path::PathBuf,
+        backends: Vec<Arc<dyn AgentBackend>>,
+        sandbox: flotilla_worker::sandbox::Sandbox,
+        admission: bool,
+    ) -> anyhow::Result<Embedded> {
         let store = store::open(store_url)?;
         let coordinator = Arc::new(Coordinator::with_options(
             store,
             MemoryLeaseStore::new(),
             flotilla_coordinator::sched::DispatchOptions {
                 fixed_fleet: true,
+                admission,
                 ..Default::default()
             },
         ));
-        // Every backend of the build (exec only with its command).
-        let backends: Vec<Arc<dyn AgentBackend>> = flotilla_worker::backend::NAMES
-            .iter()
-            .filter_map(|name| flotilla_worker::backend::by_name(name, exec_cmd).ok())
-            .collect();
         let worker = Worker::new(
             WorkerOptions {
                 name: "local".into(),

@@ -10,6 +10,7 @@
 mod agents_cmd;
 mod approve;
 mod bench;
+mod bench_admission;
 mod bench_fleet;
 mod bench_sandbox;
 mod bench_scale;

@@ -179,6 +179,8 @@ struct Settings {
     etcd_cert: Option<PathBuf>,
     etcd_key: Option<PathBuf>,
     worker_ttl: std::time::Duration,
+    /// `FLOTILLA_ADMISSION` (on unless `off`).
+    admission: bool,
     advertise: Option<String>,
     cache_dir: PathBuf,
     publishers: Vec<String>,
@@ -263,6 +265,7 @@ impl Settings {
             etcd_cert: pick(&a.etcd_cert, &file.etcd_cert),
             etcd_key: pick(&a.etcd_key, &file.etcd_key),
             worker_ttl: worker_ttl(a.worker_ttl.as_ref().or(file.worker_ttl.as_ref()))?,
+            admission: config::admission_from_env()?,
             advertise: a.advertise.clone().or_else(|| file.advertise.clone()),
             cache_dir: pick(&a.cache_dir, &file.cache_dir).unwrap_or_else(|| {
                 dirs::cache_dir()
@@ -412,6 +415,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         leases,
         flotilla_coordinator::sched::DispatchOptions {
             worker_ttl: s.worker_ttl,
+            admission: s.admission,
             ..Default::default()
         },
     ));

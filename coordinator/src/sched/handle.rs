@@ -14,6 +14,9 @@ pub struct DispatchOptions {
     /// The workers are all there is (the embedded mode): a call none of the attached workers
     /// can run fails at once instead of waiting for one that offers its backend.
     pub fixed_fleet: bool,
+    /// Admission per provider account (adaptive windows, pacing); `false`
+    /// (`FLOTILLA_ADMISSION=off`): calls go as slots and run concurrency allow.
+    pub admission: bool,
 }
 
 impl Default for DispatchOptions {
@@ -21,6 +24,7 @@ impl Default for DispatchOptions {
         DispatchOptions {
             worker_ttl: WORKER_LEASE_TTL,
             fixed_fleet: false,
+            admission: true,
         }
     }
 }

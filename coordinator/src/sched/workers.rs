@@ -49,7 +49,7 @@ impl Dispatcher {
     }
 
     pub(super) fn hello(&mut self, link_id: u64, h: v1::Hello) {
-        if self.fleet.workers.contains_key(&link_id) {
+        if self.opts.admission && self.fleet.workers.contains_key(&link_id) {
             for a in &h.accounts {
                 self.admission
                     .declare(&a.id, a.itpm, a.max_concurrent, Instant::now());

@@ -78,7 +78,15 @@ fn counters(d: &PageData) -> String {
          · agents <b id=done>{done}</b> done / <b id=agents>{total}</b> \
          · running <b id=running>{running}</b> · failed <b id=failed>{failed}</b> \
          · tokens <b id=tokens>{tin} in / {tout} out</b> · cost <b id=cost>${cost:.4}</b> \
-         · elapsed <b id=elapsed>{elapsed}</b></p>",
+         · elapsed <b id=elapsed>{elapsed}</b>{waits}</p>",
+        waits = if u.waits > 0 {
+            format!(
+                " · waits <b id=waits>{}</b> (throttles and usage limits, not attempts)",
+                u.waits
+            )
+        } else {
+            String::new()
+        },
         total = u.agents,
         tin = u.input_tokens,
         tout = u.output_tokens,
@@ -311,6 +319,35 @@ pub(super) fn render_agent(a: &crate::report::AgentReport, d: &history::AgentDet
     out
 }
 
+/// The provider accounts the workers call through, and their admission: the window, calls
+/// in flight, attempts started, throttles (429, 529) and calls that waited for room.
+pub(super) fn accounts_table(accounts: &[crate::sched::AccountView]) -> String {
+    if accounts.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "<h2>Provider accounts</h2><table id=accounts><thead><tr><th>account</th><th>window</th><th>in flight</th><th>started</th><th>throttled</th><th>waited for room</th><th>input tokens/min</th></tr></thead><tbody>",
+    );
+    for a in accounts {
+        out.push_str(&format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            esc(&a.id),
+            a.window,
+            a.in_flight,
+            a.started,
+            a.throttled,
+            a.held,
+            if a.itpm == 0 {
+                "not paced".to_owned()
+            } else {
+                a.itpm.to_string()
+            }
+        ));
+    }
+    out.push_str("</tbody></table>");
+    out
+}
+
 pub(super) fn fmt_ms(ms: u64) -> String {
     if ms < 1000 {
         format!("{ms}ms")
@@ -500,6 +537,30 @@ mod tests {
         assert!(key.verify("garbage").is_err());
         let expired = key.issue("alice", Duration::ZERO);
         assert!(key.verify(&expired).unwrap_err().contains("expired"));
+    }
+
+    #[test]
+    fn the_accounts_table_shows_each_account_s_admission_escaped() {
+        assert_eq!(accounts_table(&[]), "", "no account, no table");
+        let t = accounts_table(&[crate::sched::AccountView {
+            id: "anthropic@<host>#0a1b2c3d".into(),
+            window: 14,
+            in_flight: 9,
+            started: 300,
+            throttled: 4,
+            held: 120,
+            itpm: 400_000,
+        }]);
+        assert!(t.contains("anthropic@&lt;host&gt;#0a1b2c3d"), "{t}");
+        for cell in [
+            "<td>14</td>",
+            "<td>9</td>",
+            "<td>4</td>",
+            "<td>120</td>",
+            "<td>400000</td>",
+        ] {
+            assert!(t.contains(cell), "{cell}: {t}");
+        }
     }
 
     #[test]

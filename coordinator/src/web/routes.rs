@@ -383,9 +383,17 @@ pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Res
             created = esc(&r.created),
         ));
     }
-    let body = format!(
+    let mut body = format!(
         "<table><thead><tr><th>run</th><th>workflow</th><th>status</th><th>agents</th><th>created</th></tr></thead><tbody>{rows}</tbody></table>"
     );
+    let accounts = web
+        .coordinator
+        .dispatch()
+        .stats()
+        .await
+        .map(|s| s.accounts)
+        .unwrap_or_default();
+    body.push_str(&render::accounts_table(&accounts));
     Html(page("Runs", &body)).into_response()
 }
 

@@ -142,3 +142,29 @@ fn once_the_retry_budget_is_spent_failing_agents_fail_and_the_report_says_so() {
         "{errors:?}"
     );
 }
+
+#[test]
+fn the_admission_benchmark_runs_and_reports_both_modes() {
+    let env = Env::new();
+    let out = env.flotilla(&[
+        "bench",
+        "admission",
+        "--agents",
+        "200",
+        "--rounds",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    for mode in ["adaptive", "fixed"] {
+        let m = &r[mode];
+        assert!(m["goodput_per_s"].as_f64() > Some(0.0), "{r}");
+        assert!(m["requests"].as_f64() >= Some(200.0), "{r}");
+    }
+    // Counts, not times: a fixed concurrency of 64 against a limit of 16 is refused far more.
+    assert!(
+        r["adaptive"]["refused"].as_f64().unwrap() * 10.0 < r["fixed"]["refused"].as_f64().unwrap(),
+        "{r}"
+    );
+}

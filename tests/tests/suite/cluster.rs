@@ -1516,6 +1516,13 @@ fn workers_sharing_a_key_share_one_admission_window() {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse::<u64>().ok());
     assert_eq!(throttled, Some(counts.refused_429), "{}", m.body);
+    let page = http_get(c.http_port, "/runs", &[("Authorization", &bearer)]);
+    assert_eq!(page.status, 200);
+    assert!(
+        page.body.contains("Provider accounts") && page.body.contains("anthropic@127.0.0.1:"),
+        "{}",
+        page.body
+    );
     assert!(
         m.body
             .lines()
