@@ -258,6 +258,9 @@ pub struct ConfigFile {
     pub max_procs: Option<u64>,
     pub tmp_mib: Option<u64>,
     pub max_attempt_time: Option<String>,
+    /// Worker: its labels (`KEY=VALUE`), for agents' `placement.labels`.
+    #[serde(default)]
+    pub worker_labels: Vec<String>,
     /// Worker: its provider account's input tokens per minute and requests at once.
     pub account_itpm: Option<u64>,
     pub account_concurrency: Option<u32>,

@@ -50,6 +50,10 @@ pub enum SpecError {
     TimeoutDuration { given: String, reason: String },
     #[error("agent() option `timeout` must be milliseconds or a duration string, got {0}")]
     Timeout(&'static str),
+    #[error(
+        "agent() option `placement` must be {{ labels: {{ KEY: 'VALUE', ... }} }} (the labels a worker must carry): {0}"
+    )]
+    Placement(String),
 }
 
 impl SpecError {
@@ -73,8 +77,51 @@ pub struct CallSpec {
     pub cwd: String,
     pub tools: Vec<String>,
     pub timeout_ms: u64,
+    /// Labels the worker must carry (`placement.labels`, EXT); not part of the call's key:
+    /// where an agent runs does not change what it does.
+    pub placement: std::collections::BTreeMap<String, String>,
     /// The options object as given, unknown options included.
     pub options: Map<String, Value>,
+}
+
+/// `placement: { labels: { KEY: 'VALUE' } }`, checked.
+fn placement(v: Option<&Value>) -> Result<std::collections::BTreeMap<String, String>, SpecError> {
+    let mut out = std::collections::BTreeMap::new();
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(out);
+    };
+    let Value::Object(p) = v else {
+        return Err(SpecError::Placement(format!("got {}", json_kind(v))));
+    };
+    if let Some(other) = p.keys().find(|k| *k != "labels") {
+        return Err(SpecError::Placement(format!("unknown key {other:?}")));
+    }
+    match p.get("labels") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(labels)) => {
+            for (k, v) in labels {
+                let Value::String(v) = v else {
+                    return Err(SpecError::Placement(format!(
+                        "label {k:?} must be a string, got {}",
+                        json_kind(v)
+                    )));
+                };
+                if !crate::settings::valid_label_key(k) || !crate::settings::valid_label_value(v) {
+                    return Err(SpecError::Placement(format!(
+                        "{k:?}={v:?} is not a label (keys: lower-case letters, digits, - _ . /; values: up to 256 printable characters)"
+                    )));
+                }
+                out.insert(k.clone(), v.clone());
+            }
+        }
+        Some(other) => {
+            return Err(SpecError::Placement(format!(
+                "labels must be an object, got {}",
+                json_kind(other)
+            )));
+        }
+    }
+    Ok(out)
 }
 
 impl CallSpec {
@@ -149,9 +196,11 @@ impl CallSpec {
             None | Some(Value::Null) => None,
             Some(s) => Some(s.clone()),
         };
+        let placement = placement(options.get("placement"))?;
         Ok(CallSpec {
             prompt,
             label,
+            placement,
             backend: backend.to_owned(),
             model,
             effort,
@@ -260,6 +309,34 @@ fn json_kind(v: &Value) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn placement_labels_are_read_checked_and_left_out_of_the_key() {
+        let placed = spec(
+            "p",
+            r#"{"placement": {"labels": {"gpu": "h100", "region": "eu"}}}"#,
+        );
+        assert_eq!(
+            placed.placement.get("gpu").map(String::as_str),
+            Some("h100")
+        );
+        assert_eq!(placed.placement.len(), 2);
+        assert_eq!(
+            placed.content_hash(),
+            spec("p", "{}").content_hash(),
+            "where an agent runs does not change what it does"
+        );
+        for bad in [
+            r#"{"placement": "gpu"}"#,
+            r#"{"placement": {"labels": {"gpu": 1}}}"#,
+            r#"{"placement": {"labels": ["gpu"]}}"#,
+            r#"{"placement": {"label": {"gpu": "x"}}}"#,
+            r#"{"placement": {"labels": {"GPU!": "x"}}}"#,
+        ] {
+            let e = CallSpec::parse("p".into(), bad, "echo", "").unwrap_err();
+            assert!(e.to_string().contains("option `placement`"), "{bad}: {e}");
+        }
+    }
 
     fn spec(prompt: &str, opts: &str) -> CallSpec {
         CallSpec::parse(prompt.into(), opts, "echo", "").unwrap()

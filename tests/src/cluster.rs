@@ -453,6 +453,21 @@ impl Cluster {
             .expect("start coordinator")
     }
 
+    /// Worker `i` killed and started again with `args` instead of the cluster's worker
+    /// flags (other labels, say); it attaches under the same name.
+    pub fn restart_worker_with(&mut self, i: usize, slots: u32, args: &[&str]) {
+        if let Some(mut w) = self.workers.get_mut(i).and_then(Option::take) {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+        let kept = std::mem::replace(
+            &mut self.worker_args,
+            args.iter().map(|a| (*a).to_owned()).collect(),
+        );
+        self.start_worker(i, slots);
+        self.worker_args = kept;
+    }
+
     pub fn start_worker(&mut self, i: usize, slots: u32) {
         let log = self.log(&format!("worker-{i}"));
         let ws = self.path().join(format!("ws-{i}"));

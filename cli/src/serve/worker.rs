@@ -76,6 +76,15 @@ pub struct WorkerArgs {
     /// this worker may make one, else rlimits) or `rlimits` [default: auto].
     #[arg(long, env = "FLOTILLA_LIMITS_VIA", value_name = "auto|rlimits")]
     limits_via: Option<String>,
+    /// A label of this worker (`KEY=VALUE`, repeatable): agents whose `placement.labels` ask
+    /// for it run only on workers that carry it (`gpu=h100`, `region=eu`, ...).
+    #[arg(
+        long = "label",
+        env = "FLOTILLA_WORKER_LABELS",
+        value_delimiter = ',',
+        value_name = "KEY=VALUE"
+    )]
+    labels: Vec<String>,
     /// Input tokens per minute the provider account of this worker's key may take: the
     /// coordinator paces the starts of its calls to stay under it [default: not paced].
     #[arg(long, env = "FLOTILLA_ACCOUNT_ITPM", value_name = "TOKENS")]
@@ -111,6 +120,8 @@ struct Settings {
     rlimits: bool,
     /// `--account-itpm`, `--account-concurrency`.
     accounts: flotilla_worker::AccountLimits,
+    /// `--label`s.
+    labels: std::collections::BTreeMap<String, String>,
 }
 
 /// The first layer that has a list.
@@ -182,6 +193,7 @@ impl Settings {
             allow_net: list(&a.allow_net, &file.allow_net),
             limits: Self::attempt_limits(a, file)?,
             rlimits,
+            labels: config::parse_labels(&list(&a.labels, &file.worker_labels))?,
             accounts: flotilla_worker::AccountLimits {
                 itpm: a.account_itpm.or(file.account_itpm).unwrap_or(0),
                 max_concurrent: a
@@ -284,7 +296,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             name: name.clone(),
             slots: s.slots,
             workspace: s.workspace.clone(),
-            labels: Default::default(),
+            labels: s.labels.clone().into_iter().collect(),
             shared_workspace: false,
             max_result_bytes: (s.max_result_mib as usize) << 20,
             allow_file_sources: s.allow_file_sources,

@@ -78,6 +78,11 @@ impl Admitted {
             group: self.group.clone(),
             schema_attempts: settings.schema_attempts,
             options_json: Value::Object(spec.options.clone()).to_string(),
+            placement_labels: spec
+                .placement
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             agent_def_json: self.agent_def.clone().unwrap_or_default(),
             source_repo: source.map(|s| s.repo.clone()).unwrap_or_default(),
             source_commit: source.map(|s| s.commit.clone()).unwrap_or_default(),

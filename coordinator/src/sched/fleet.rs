@@ -154,12 +154,24 @@ impl WorkerState {
             .collect();
     }
 
-    /// Has the task's backend (and model, when it lists models).
+    /// Has the task's backend (and model, when it lists models) and every label its
+    /// placement asks for.
     pub(super) fn offers(&self, task: &v1::TaskSpec) -> bool {
+        self.runs_backend(task) && self.carries(task)
+    }
+
+    fn runs_backend(&self, task: &v1::TaskSpec) -> bool {
         (self.backends.is_empty() || self.backends.contains(&task.backend))
             && (self.models.is_empty()
                 || task.model.is_empty()
                 || self.models.contains(&task.model))
+    }
+
+    /// Carries every label the task's placement asks for.
+    fn carries(&self, task: &v1::TaskSpec) -> bool {
+        task.placement_labels
+            .iter()
+            .all(|(k, v)| self.labels.get(k) == Some(v))
     }
 }
 
@@ -259,6 +271,37 @@ impl Fleet {
         offered.dedup();
         let backend_known =
             ready().any(|w| w.backends.is_empty() || w.backends.contains(&task.backend));
+        if !task.placement_labels.is_empty() && ready().any(|w| w.runs_backend(task)) {
+            let wanted: Vec<String> = task
+                .placement_labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            let mut have: Vec<String> = ready()
+                .filter(|w| w.runs_backend(task))
+                .take(5)
+                .map(|w| {
+                    let l: Vec<String> = w.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    format!(
+                        "{} has {}",
+                        w.name,
+                        if l.is_empty() {
+                            "none".into()
+                        } else {
+                            l.join(",")
+                        }
+                    )
+                })
+                .collect();
+            have.sort();
+            return format!(
+                "no attached worker that offers backend {:?} carries the labels {} its placement asks for ({}); start one with --label {}",
+                task.backend,
+                wanted.join(","),
+                have.join("; "),
+                wanted.join(" --label ")
+            );
+        }
         if backend_known {
             format!(
                 "no attached worker offers backend {:?} / model {:?}",

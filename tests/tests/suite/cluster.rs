@@ -1532,3 +1532,85 @@ fn workers_sharing_a_key_share_one_admission_window() {
         m.body
     );
 }
+
+/// `placement.labels` (EXT): agents that ask for a label run only on workers that carry it,
+/// the others anywhere; an agent asking for a label no attached worker carries waits with
+/// the reason in its status, and fails with it after `--worker-wait`.
+#[test]
+fn agents_asking_for_a_label_run_only_on_workers_that_carry_it() {
+    let mut c = Cluster::start_workers_with(
+        2,
+        4,
+        &["--backend", "exec", "--exec-cmd", "echo plain"],
+        Vec::new(),
+    );
+    c.restart_worker_with(
+        1,
+        4,
+        &[
+            "--backend",
+            "exec",
+            "--exec-cmd",
+            "echo on-gpu",
+            "--label",
+            "gpu=h100,region=eu",
+        ],
+    );
+    wait_until(
+        "the labelled worker is back",
+        Duration::from_secs(30),
+        || {
+            let w = c.client(&["workers", "--json"]).json_or_null();
+            w.as_array().is_some_and(|ws| {
+                ws.iter()
+                    .any(|w| w["labels"]["gpu"] == "h100" && w["state"] == "attached")
+            })
+        },
+    );
+    let run = c.launch(
+        "placed",
+        "const gpu = await parallel(Array.from({ length: 12 }, (_, i) => () => agent('g' + i, { placement: { labels: { gpu: 'h100' } } })));\n\
+         const any = await parallel(Array.from({ length: 12 }, (_, i) => () => agent('a' + i)));\n\
+         return { gpu, any };",
+        &["--stagger", "0", "--backend", "exec"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let gpu = r["result"]["gpu"].as_array().unwrap();
+    assert_eq!(gpu.len(), 12);
+    assert!(gpu.iter().all(|v| v == "on-gpu"), "{r}");
+
+    // A label nobody carries: the agent waits, and says why.
+    let run = c.launch(
+        "unplaced",
+        "return await agent('x', { placement: { labels: { region: 'us' } } });",
+        &["--stagger", "0", "--backend", "exec", "--worker-wait", "3s"],
+    );
+    let mut why = String::new();
+    wait_until(
+        "the agent says why it waits",
+        Duration::from_secs(20),
+        || {
+            let s = status(&c, &run);
+            why = s["waiting"].as_str().unwrap_or("").to_owned();
+            !why.is_empty()
+        },
+    );
+    assert!(
+        why.contains("region=us") && why.contains("--label"),
+        "{why}"
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], Value::Null, "{r}");
+    assert!(r["failures"].to_string().contains("region=us"), "{r}");
+
+    // A malformed placement is refused by name.
+    let run = c.launch(
+        "badly-placed",
+        "return await agent('x', { placement: { labels: { gpu: 1 } } });",
+        &["--stagger", "0", "--backend", "exec"],
+    );
+    let (_, r) = c.wait(&run);
+    assert!(r.to_string().contains("option `placement`"), "{r}");
+}
