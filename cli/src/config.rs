@@ -56,6 +56,16 @@ pub struct SettingFlags {
     /// waits are not retries (default: half the run's agents, at least 10).
     #[arg(long, env = "FLOTILLA_RETRY_BUDGET", value_name = "N")]
     pub retry_budget: Option<u64>,
+    /// The models agents may run on (aliases such as sonnet, or model ids; comma-separated):
+    /// an agent asking for another runs on --model when that is allowed, else on the first,
+    /// with a warning naming both (Claude Code's availableModels).
+    #[arg(
+        long,
+        env = "FLOTILLA_ALLOWED_MODELS",
+        value_delimiter = ',',
+        value_name = "MODEL"
+    )]
+    pub allowed_models: Vec<String>,
     /// Output-token budget of the run (`budget.total`).
     #[arg(long, env = "FLOTILLA_BUDGET", value_name = "TOKENS")]
     pub budget: Option<u64>,
@@ -164,6 +174,9 @@ pub struct ConfigFile {
     pub max_agents: Option<u64>,
     /// Retries the whole run may make.
     pub retry_budget: Option<u64>,
+    /// The models agents may run on (also a coordinator's policy for every run).
+    #[serde(default)]
+    pub available_models: Vec<String>,
     /// Output-token budget per run.
     pub budget: Option<u64>,
     /// Money ceiling per run, in US dollars.
@@ -466,6 +479,12 @@ pub fn settings_from(
         s.schema_attempts = v;
     }
     s.retry_budget = flags.retry_budget.or(file.retry_budget);
+    s.allowed_models = if flags.allowed_models.is_empty() {
+        file.available_models.clone()
+    } else {
+        flags.allowed_models.clone()
+    };
+    s.allowed_models.retain(|m| !m.trim().is_empty());
     if let Some(v) = flags.max_agents.or(file.max_agents) {
         s.max_agents = v;
     }

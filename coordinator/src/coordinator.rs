@@ -74,6 +74,9 @@ pub struct Coordinator {
     cache_dir: std::sync::OnceLock<std::path::PathBuf>,
     /// Signs and sends runs' end webhooks (`--notify`); unset, a run that asks is refused.
     notifier: std::sync::OnceLock<Arc<crate::notify::Notifier>>,
+    /// The operator's allowed models (`--allowed-models`): every run's allowed models are
+    /// within them.
+    model_policy: std::sync::OnceLock<Vec<String>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -112,6 +115,7 @@ impl Coordinator {
             leadership: std::sync::OnceLock::new(),
             cache_dir: std::sync::OnceLock::new(),
             notifier: std::sync::OnceLock::new(),
+            model_policy: std::sync::OnceLock::new(),
         }
     }
 
@@ -131,6 +135,25 @@ impl Coordinator {
     /// Sets where run heads are merged (`--cache-dir`).
     pub fn set_cache_dir(&self, dir: std::path::PathBuf) {
         let _ = self.cache_dir.set(dir);
+    }
+
+    /// The models every run launched here may use (W18's allowlist, imposed by the operator).
+    pub fn set_model_policy(&self, allowed: Vec<String>) {
+        if !allowed.is_empty() {
+            let _ = self.model_policy.set(allowed);
+        }
+    }
+
+    /// A run's allowed models under the operator's: the run's own that the operator allows,
+    /// else the operator's.
+    fn within_policy(&self, run: &mut Vec<String>) {
+        let Some(policy) = self.model_policy.get() else {
+            return;
+        };
+        run.retain(|m| policy.iter().any(|p| crate::settings::model_allowed(p, m)));
+        if run.is_empty() {
+            run.clone_from(policy);
+        }
     }
 
     /// Sets what signs and sends the runs' end webhooks.
@@ -321,6 +344,7 @@ impl Coordinator {
         req.settings.validate().map_err(|e| {
             Rejected::invalid(format!("invalid run settings: {e}"), workflow.clone())
         })?;
+        self.within_policy(&mut req.settings.allowed_models);
         if req.settings.notify.is_some() && self.notifier.get().is_none() {
             return Err(Rejected::invalid(
                 "--notify needs a secret to sign the webhook with, and none is set here: give the coordinator --notify-secret-file FILE (embedded: set FLOTILLA_NOTIFY_SECRET)".to_owned(),

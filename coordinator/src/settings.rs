@@ -173,6 +173,24 @@ pub struct RunSettings {
     pub retry_budget: Option<u64>,
     /// How long one agent may wait out throttles (429, 529) in all before it fails.
     pub throttle_wait_ms: u64,
+    /// The models agents may run on (Claude Code's `availableModels`: aliases such as
+    /// `sonnet` or model ids); empty: any. An agent that asks for another runs on a
+    /// substitute, and the report warns, naming both (W18).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allowed_models: Vec<String>,
+}
+
+/// Whether `model` is one `allowed` names: the same, or of the same family (an alias such as
+/// `sonnet` allows `claude-sonnet-4-5`, and the other way round).
+pub fn model_allowed(allowed: &str, model: &str) -> bool {
+    let family = |a: &str, id: &str| {
+        !a.is_empty() && a.chars().all(|c| c.is_ascii_alphabetic()) && id.contains(a)
+    };
+    let (allowed, model) = (
+        allowed.trim_end_matches("[1m]"),
+        model.trim_end_matches("[1m]"),
+    );
+    allowed == model || family(allowed, model) || family(model, allowed)
 }
 
 /// How long an agent waits out throttles unless the run says.
@@ -244,6 +262,7 @@ impl Default for RunSettings {
             notify: None,
             retry_budget: None,
             throttle_wait_ms: DEFAULT_THROTTLE_WAIT_MS,
+            allowed_models: Vec::new(),
         }
     }
 }
@@ -363,6 +382,18 @@ impl SourceRef {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_allowed_model_names_itself_its_family_or_its_alias() {
+        assert!(model_allowed("sonnet", "sonnet"));
+        assert!(model_allowed("sonnet", "claude-sonnet-4-5"));
+        assert!(model_allowed("claude-sonnet-4-5", "sonnet"));
+        assert!(model_allowed("sonnet", "sonnet[1m]"));
+        assert!(!model_allowed("opus", "claude-sonnet-4-5"));
+        assert!(!model_allowed("claude-sonnet-4-5", "claude-sonnet-4-0"));
+        assert!(!model_allowed("", "sonnet"));
+    }
+
     use super::*;
 
     fn with(source: SourceRef) -> Result<(), SettingsError> {

@@ -63,6 +63,16 @@ pub struct CoordinatorArgs {
         value_name = "NAME"
     )]
     publishers: Vec<String>,
+    /// The models every run here may use (aliases such as sonnet, or model ids;
+    /// comma-separated): a run's own --allowed-models are kept within them, and an agent
+    /// asking for another model runs on a substitute, with a warning naming both.
+    #[arg(
+        long = "allowed-models",
+        env = "FLOTILLA_ALLOWED_MODELS",
+        value_delimiter = ',',
+        value_name = "MODEL"
+    )]
+    allowed_models: Vec<String>,
     /// Let a push take the name of a bundled workflow (deep-research, code-review, ...).
     #[arg(long, env = "FLOTILLA_ALLOW_SHADOW_BUNDLED")]
     allow_shadow_bundled: bool,
@@ -184,6 +194,7 @@ struct Settings {
     advertise: Option<String>,
     cache_dir: PathBuf,
     publishers: Vec<String>,
+    allowed_models: Vec<String>,
     shadow_bundled: bool,
     saved_only: bool,
     limits: flotilla_coordinator::listen::Limits,
@@ -277,6 +288,11 @@ impl Settings {
                 file.publishers.clone()
             } else {
                 a.publishers.clone()
+            },
+            allowed_models: if a.allowed_models.is_empty() {
+                file.available_models.clone()
+            } else {
+                a.allowed_models.clone()
             },
             shadow_bundled: a.allow_shadow_bundled || file.allow_shadow_bundled.unwrap_or(false),
             saved_only: a.saved_only || file.saved_only.unwrap_or(false),
@@ -420,6 +436,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         },
     ));
     coordinator.set_cache_dir(s.cache_dir.clone());
+    coordinator.set_model_policy(s.allowed_models.clone());
     match notifier(&a, &file) {
         Ok(Some(n)) => coordinator.set_notifier(n),
         Ok(None) => {}

@@ -56,6 +56,9 @@ pub struct Admitted {
     pub group: String,
     /// The custom agent type's definition, for the worker.
     pub agent_def: Option<String>,
+    /// The model it asked for, when the allowed models do not include it and it runs on
+    /// `spec.model` instead (W18).
+    pub substituted: Option<String>,
 }
 
 impl Admitted {
@@ -130,6 +133,31 @@ impl Default for Admitter {
     }
 }
 
+/// W18's allowlist: a model the run's allowed models do not include is replaced by the run's
+/// model when that is allowed, else by the first allowed one; the model asked for, if so.
+fn substitute(model: &mut String, settings: &RunSettings) -> Option<String> {
+    let allowed = &settings.allowed_models;
+    if allowed.is_empty()
+        || model.is_empty()
+        || allowed
+            .iter()
+            .any(|a| crate::settings::model_allowed(a, model))
+    {
+        return None;
+    }
+    let run_model = &settings.model;
+    let to = if !run_model.is_empty()
+        && allowed
+            .iter()
+            .any(|a| crate::settings::model_allowed(a, run_model))
+    {
+        run_model.clone()
+    } else {
+        allowed[0].clone()
+    };
+    Some(std::mem::replace(model, to))
+}
+
 impl Admitter {
     /// Decides one call. `types` lists the agent types, asked only when the call names one.
     pub fn admit(
@@ -140,11 +168,12 @@ impl Admitter {
         types: &mut dyn FnMut() -> Vec<AgentType>,
         resume: Option<&ResumeSource>,
     ) -> Admission {
-        let (spec, agent_def) = match self.check(req.prompt, &req.opts_json, settings, spent, types)
-        {
-            Ok(ok) => ok,
-            Err((code, message)) => return Admission::Rejected(code, message),
-        };
+        let (mut spec, agent_def) =
+            match self.check(req.prompt, &req.opts_json, settings, spent, types) {
+                Ok(ok) => ok,
+                Err((code, message)) => return Admission::Rejected(code, message),
+            };
+        let substituted = substitute(&mut spec.model, settings);
         let content = spec.content_hash();
         let occ = self.occurrences.entry(content.clone()).or_insert(0);
         let key = call_key(&content, *occ);
@@ -155,6 +184,7 @@ impl Admitter {
             key,
             group: req.group,
             agent_def,
+            substituted,
         };
         match cached {
             Some(record) => Admission::Cached(admitted, Box::new(record)),

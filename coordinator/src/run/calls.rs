@@ -23,10 +23,33 @@ impl RunEngine {
             &mut known,
             self.init.resume.as_ref(),
         );
+        if let admit::Admission::Dispatch(a) | admit::Admission::Cached(a, _) = &admission
+            && let Some(asked) = &a.substituted
+        {
+            self.substituted(&a.spec.label, asked, &a.spec.model);
+        }
         match admission {
             admit::Admission::Rejected(code, message) => self.reject(id, code, message),
             admit::Admission::Cached(admitted, record) => self.serve(id, admitted, *record),
             admit::Admission::Dispatch(admitted) => self.dispatch(id, admitted),
+        }
+    }
+
+    /// An agent runs on `used` instead of the model it asked for (W18): said in the log once
+    /// per pair, and counted for the report's warnings.
+    fn substituted(&mut self, label: &str, asked: &str, used: &str) {
+        let n = self
+            .substitutions
+            .entry((asked.to_owned(), used.to_owned()))
+            .or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            let line = format!(
+                "[model] agent \"{label}\" asked for model {asked:?}, which the allowed models ({}) do not include: it runs on {used:?}",
+                self.init.settings.allowed_models.join(", ")
+            );
+            self.logs.push(line.clone());
+            self.event(RunEvent::Log { line });
         }
     }
 

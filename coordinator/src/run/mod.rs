@@ -224,6 +224,8 @@ pub struct RunEngine {
     waits: u64,
     /// Calls that failed instead of retrying: the retry budget was spent.
     budget_refused: u64,
+    /// Agents that run on a substitute model: (asked, used) → how many (W18).
+    substitutions: std::collections::BTreeMap<(String, String), u64>,
     /// Storage writes were failing when the snapshot was last published.
     storage_failing: bool,
     /// The run head's keeper (fleet runs with a snapshot source).
@@ -313,6 +315,7 @@ impl RunEngine {
             waiting: None,
             waits: 0,
             budget_refused: 0,
+            substitutions: std::collections::BTreeMap::new(),
             waits_logged: std::collections::HashSet::new(),
             storage_failing: false,
             head: None,

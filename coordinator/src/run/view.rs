@@ -207,6 +207,14 @@ impl RunEngine {
                         self.budget_refused
                     )
                 }))
+                .chain(self.substitutions.iter().map(|((asked, used), n)| {
+                    format!(
+                        "Model substituted: {n} agent{} asked for {asked:?}, which the allowed models ({}) do not include; {} on {used:?}",
+                        if *n == 1 { "" } else { "s" },
+                        self.init.settings.allowed_models.join(", "),
+                        if *n == 1 { "it ran" } else { "they ran" }
+                    )
+                }))
                 .collect(),
             notify: None,
             usage,

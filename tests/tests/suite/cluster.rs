@@ -1614,3 +1614,37 @@ fn agents_asking_for_a_label_run_only_on_workers_that_carry_it() {
     let (_, r) = c.wait(&run);
     assert!(r.to_string().contains("option `placement`"), "{r}");
 }
+
+/// A coordinator's `--allowed-models` bound every run launched there: a run that allows
+/// more keeps only what the operator allows, and an agent asking for another model runs on
+/// a substitute with the warning.
+#[test]
+fn a_coordinator_s_allowed_models_bound_every_run() {
+    let c = Cluster::start_coordinator_with(1, 2, &["--allowed-models", "sonnet,haiku"]);
+    let run = c.launch(
+        "policy",
+        "await agent('a', { label: 'opus', model: 'opus' });\n\
+         await agent('b', { label: 'haiku', model: 'haiku' });\n\
+         return null;",
+        &["--stagger", "0", "--allowed-models", "opus,haiku"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let model = |l: &str| {
+        r["agents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["label"] == l)
+            .map(|a| a["model"].as_str().unwrap().to_owned())
+            .unwrap()
+    };
+    // The run's own list, within the operator's: haiku only.
+    assert_eq!(model("opus"), "haiku", "{r}");
+    assert_eq!(model("haiku"), "haiku", "{r}");
+    assert!(
+        r["warnings"].to_string().contains("asked for \\\"opus\\\""),
+        "{}",
+        r["warnings"]
+    );
+}

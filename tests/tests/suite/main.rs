@@ -24,6 +24,7 @@ mod dev;
 mod exec;
 mod limits;
 mod mcp;
+mod models;
 mod openai;
 mod resume;
 mod script;

@@ -32,6 +32,8 @@ pub struct Anthropic {
     bearer: Option<String>,
     cache_ttl: Option<String>,
     max_tokens: u32,
+    /// The alias overrides the worker was given (`ANTHROPIC_DEFAULT_SONNET_MODEL`, ...).
+    aliases: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for Anthropic {
@@ -62,7 +64,26 @@ impl Anthropic {
             bearer: var("ANTHROPIC_AUTH_TOKEN"),
             cache_ttl: var("FLOTILLA_CACHE_TTL").filter(|t| t == "1h"),
             max_tokens: 8192,
+            aliases: [
+                "ANTHROPIC_MODEL",
+                "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                "ANTHROPIC_DEFAULT_OPUS_MODEL",
+                "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+            ]
+            .into_iter()
+            .filter_map(|k| var(k).map(|v| (k.to_owned(), v)))
+            .collect(),
         }
+    }
+
+    /// The model id (and beta) a task's model names.
+    fn model_of(&self, model: &str) -> (String, Option<&'static str>) {
+        resolve_alias(model, &|k| {
+            self.aliases
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+        })
     }
 
     fn cache(&self) -> Value {
@@ -73,11 +94,7 @@ impl Anthropic {
     }
 
     fn body(&self, task: &Task, messages: &[Value]) -> Value {
-        let model = if task.spec.model.is_empty() {
-            DEFAULT_MODEL
-        } else {
-            &task.spec.model
-        };
+        let model = self.model_of(&task.spec.model).0;
         let mut body = json!({
             "model": model,
             "max_tokens": self.max_tokens,
@@ -96,6 +113,36 @@ impl Anthropic {
         body
     }
 }
+
+/// The model id an alias names on the Messages API, and the beta it needs: `sonnet`, `opus`
+/// and `haiku` (as Claude Code spells them, with `[1m]` for the 1M-token context), each
+/// overridable as Claude Code does (`ANTHROPIC_DEFAULT_SONNET_MODEL`, ...); anything else is
+/// a model id already.
+pub fn resolve_alias(
+    model: &str,
+    get: &dyn Fn(&str) -> Option<String>,
+) -> (String, Option<&'static str>) {
+    let (base, beta) = match model.strip_suffix("[1m]") {
+        Some(b) => (b, Some(LONG_CONTEXT_BETA)),
+        None => (model, None),
+    };
+    let (var, default) = match base {
+        "" | "default" | "inherit" => ("ANTHROPIC_MODEL", DEFAULT_MODEL),
+        "sonnet" => ("ANTHROPIC_DEFAULT_SONNET_MODEL", "claude-sonnet-4-5"),
+        "opus" => ("ANTHROPIC_DEFAULT_OPUS_MODEL", "claude-opus-4-1"),
+        "haiku" => ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "claude-haiku-4-5"),
+        id => return (id.to_owned(), beta),
+    };
+    (
+        get(var)
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| default.to_owned()),
+        beta,
+    )
+}
+
+/// The beta header value of the 1M-token context window.
+const LONG_CONTEXT_BETA: &str = "context-1m-2025-08-07";
 
 /// One streamed reply.
 #[derive(Default)]
@@ -131,13 +178,22 @@ fn cost(model: &str, u: &v1::Usage, one_hour: bool) -> f64 {
 
 impl Anthropic {
     /// Sends one request and reads its stream.
-    async fn turn(&self, body: &Value, events: &Events, sent: &mut u64) -> Result<Reply, Error> {
+    async fn turn(
+        &self,
+        body: &Value,
+        beta: Option<&str>,
+        events: &Events,
+        sent: &mut u64,
+    ) -> Result<Reply, Error> {
         let mut req = self
             .client
             .post(format!("{}/v1/messages", self.base))
             .header("anthropic-version", "2023-06-01")
             .header("content-type", "application/json")
             .body(body.to_string());
+        if let Some(b) = beta {
+            req = req.header("anthropic-beta", b);
+        }
         if let Some(k) = &self.key {
             req = req.header("x-api-key", k);
         } else if let Some(t) = &self.bearer {
@@ -291,11 +347,7 @@ impl AgentBackend for Anthropic {
                 "the anthropic backend needs ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN) in the worker's environment",
             ));
         }
-        let model = if task.spec.model.is_empty() {
-            DEFAULT_MODEL.to_owned()
-        } else {
-            task.spec.model.clone()
-        };
+        let (model, beta) = self.model_of(&task.spec.model);
         let mut subs = match &task.schema {
             Some(s) => Some(Submissions::new(s, task.spec.schema_attempts.max(1))?),
             None => None,
@@ -309,7 +361,7 @@ impl AgentBackend for Anthropic {
             let body = self.body(task, &messages);
             let reply = tokio::select! {
                 _ = cancel.cancelled() => return Err(Error::cancelled("the request was dropped")),
-                r = self.turn(&body, events, &mut sent) => r,
+                r = self.turn(&body, beta, events, &mut sent) => r,
             };
             let mut reply = match reply {
                 Ok(r) => r,
