@@ -66,6 +66,37 @@ impl Pod {
     }
 }
 
+/// `deploy/images/build WHAT` of this build's binary, tagged `tag`: removed, with the
+/// containers the test adds, when the guard goes.
+fn built(what: &str, tag: &str) -> Pod {
+    let mut build = Command::new(repo().join("deploy/images/build"));
+    build.args([what, "--binary", binary().to_str().unwrap(), "--tag", tag]);
+    let out = run_with_timeout(build, Duration::from_secs(900));
+    assert_eq!(out.code, 0, "{out:?}");
+    Pod {
+        tag: tag.to_owned(),
+        names: Vec::new(),
+    }
+}
+
+/// `flotilla certs ensure` in `pki`: a coordinator (for `hosts`), a worker and a client.
+fn ensure_pki(dir: &Path, pki: &Path, hosts: &[&str]) {
+    let mut args = vec!["certs", "ensure", "--dir", pki.to_str().unwrap()];
+    for h in hosts {
+        args.extend(["--host", h]);
+    }
+    args.extend([
+        "--cert",
+        "coordinator:coordinator",
+        "--cert",
+        "worker:worker",
+        "--cert",
+        "client:client",
+    ]);
+    let out = flotilla(dir, &args);
+    assert_eq!(out.code, 0, "{out:?}");
+}
+
 /// A client command from `dir` against the coordinator at `url`, as `client` of `pki`.
 fn as_client(dir: &Path, url: &str, pki: &Path, args: &[&str]) -> Output {
     let pki = pki.to_str().unwrap();
@@ -497,26 +528,7 @@ fn the_kubernetes_deployments_come_up_as_real_pods_and_serve_a_run() {
     build.args(["--binary", binary().to_str().unwrap(), "--tag", &image]);
     assert_eq!(run_with_timeout(build, Duration::from_secs(300)).code, 0);
     let pki = dir.path().join("pki");
-    let out = flotilla(
-        dir.path(),
-        &[
-            "certs",
-            "ensure",
-            "--dir",
-            pki.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--host",
-            "flotilla-coordinator",
-            "--cert",
-            "coordinator:coordinator",
-            "--cert",
-            "worker:worker",
-            "--cert",
-            "client:client",
-        ],
-    );
-    assert_eq!(out.code, 0, "{out:?}");
+    ensure_pki(dir.path(), &pki, &["127.0.0.1", "flotilla-coordinator"]);
     for key in ["coordinator.key", "worker.key"] {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(pki.join(key), std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -582,39 +594,9 @@ fn the_kubernetes_deployments_come_up_as_real_pods_and_serve_a_run() {
 fn the_worker_image_runs_the_pinned_claude_cli_in_its_sandbox_against_the_model_api() {
     let dir = tempfile::tempdir().unwrap();
     let image = format!("localhost/flotilla-worker:test-{}", std::process::id());
-    let mut build = Command::new(repo().join("deploy/images/build"));
-    build.args([
-        "worker",
-        "--binary",
-        binary().to_str().unwrap(),
-        "--tag",
-        &image,
-    ]);
-    let out = run_with_timeout(build, Duration::from_secs(900));
-    assert_eq!(out.code, 0, "{out:?}");
-    let mut pod = Pod {
-        tag: image.clone(),
-        names: Vec::new(),
-    };
+    let mut pod = built("worker", &image);
     let pki = dir.path().join("pki");
-    let out = flotilla(
-        dir.path(),
-        &[
-            "certs",
-            "ensure",
-            "--dir",
-            pki.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--cert",
-            "coordinator:coordinator",
-            "--cert",
-            "worker:worker",
-            "--cert",
-            "client:client",
-        ],
-    );
-    assert_eq!(out.code, 0, "{out:?}");
+    ensure_pki(dir.path(), &pki, &["127.0.0.1"]);
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(
@@ -765,42 +747,12 @@ fn unit_property(name: &str, unit: &str, prop: &str) -> String {
 fn the_systemd_units_run_under_systemd_sandboxed_restarted_and_stopped_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let tag = format!("localhost/flotilla-systemd:test-{}", std::process::id());
-    let mut build = Command::new(repo().join("deploy/images/build"));
-    build.args([
-        "systemd",
-        "--binary",
-        binary().to_str().unwrap(),
-        "--tag",
-        &tag,
-    ]);
-    let out = run_with_timeout(build, Duration::from_secs(900));
-    assert_eq!(out.code, 0, "{out:?}");
-    let mut pod = Pod {
-        tag: tag.clone(),
-        names: Vec::new(),
-    };
+    let mut pod = built("systemd", &tag);
     // /etc/flotilla as the units' header says: settings and the certificates (keys stay
     // root's, mode 0600: systemd hands them to the services).
     let etc = dir.path().join("etc");
     let pki = etc.join("pki");
-    let out = flotilla(
-        dir.path(),
-        &[
-            "certs",
-            "ensure",
-            "--dir",
-            pki.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--cert",
-            "coordinator:coordinator",
-            "--cert",
-            "worker:worker",
-            "--cert",
-            "client:client",
-        ],
-    );
-    assert_eq!(out.code, 0, "{out:?}");
+    ensure_pki(dir.path(), &pki, &["127.0.0.1"]);
     let (port, http) = (free_port(), free_port());
     std::fs::write(
         etc.join("coordinator.toml"),
