@@ -251,13 +251,16 @@ pub enum CallFailure {
     Stalled,
     /// A budget was exhausted: rejects (W35).
     Budget,
+    /// The run's retry budget was spent, so the call failed instead of trying again: it
+    /// resolves to `null`, as a terminal error does.
+    RetryBudget,
 }
 
 impl CallFailure {
     /// The code the call's promise rejects with; `None`: it resolves `null` instead.
     pub fn reject_code(self) -> Option<RejectCode> {
         match self {
-            CallFailure::Terminal => None,
+            CallFailure::Terminal | CallFailure::RetryBudget => None,
             CallFailure::Schema => Some(RejectCode::SchemaFailed),
             CallFailure::Invalid => Some(RejectCode::InvalidAgent),
             CallFailure::Stalled => Some(RejectCode::Stalled),

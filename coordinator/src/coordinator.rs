@@ -406,6 +406,7 @@ impl Coordinator {
             generation: self.generation,
             flotilla_version: env!("CARGO_PKG_VERSION").into(),
         };
+        let mut swept = false;
         let stored = async {
             let store_err = |e: crate::store::Error| Rejected {
                 message: format!("cannot store the run: {e}"),
@@ -432,6 +433,7 @@ impl Coordinator {
                 && src.url.is_none()
                 && let Err(e) = crate::source::complete(&self.store, &src.repo, &src.commit).await
             {
+                swept = true;
                 return Err(Rejected {
                     message: format!("{e} ({})", crate::source::SWEPT_WHILE_LAUNCHING),
                     kind: e.kind(),
@@ -470,7 +472,7 @@ impl Coordinator {
             if let (Some(l), Some(parent)) = (self.leadership.get(), &req.resume_from) {
                 l.release_resume(parent, &run_id).await;
             }
-            if e.message.contains(crate::source::SWEPT_WHILE_LAUNCHING) {
+            if swept {
                 // The run never was: what was written of it goes (the client sends the
                 // launch again, with its source).
                 let _ = crate::index::forget(&self.store, &crate::index::Entry::created(&manifest))

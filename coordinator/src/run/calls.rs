@@ -391,7 +391,7 @@ impl RunEngine {
             CallResult::Failed { failure, message } => {
                 c.set(State::Failed);
                 c.error = Some(message.clone());
-                if message.starts_with(crate::call::RETRY_BUDGET_SPENT) {
+                if failure == CallFailure::RetryBudget {
                     self.budget_refused += 1;
                 }
                 let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());

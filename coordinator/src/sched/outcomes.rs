@@ -208,19 +208,27 @@ impl Dispatcher {
 
     pub(super) fn wait_rate_limit(&mut self, id: &CallId, wait: Duration, attempt: u32) {
         let until = Instant::now() + wait;
+        if let Some(c) = self.calls.get(id) {
+            self.gates.close(gates::gate_of(&c.ticket.task), until);
+        }
+        self.wait_until(id, until, attempt, Retry::RateLimited { wait });
+    }
+
+    /// The call waits until `until` and then goes again (not counted as an attempt); the run
+    /// hears why.
+    fn wait_until(&mut self, id: &CallId, until: Instant, attempt: u32, retry: Retry) {
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
         c.set(State::Waiting);
         let counted = c.counted;
-        self.gates.close(gates::gate_of(&c.ticket.task), until);
         self.timers
             .insert_at(Timer::Retry(id.0.clone(), id.1), until);
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r.reg.events.send(CallEvent::Retrying {
                 call: id.1,
                 attempt,
-                retry: Retry::RateLimited { wait },
+                retry,
                 counted,
             });
         }
@@ -258,19 +266,8 @@ impl Dispatcher {
             );
             return;
         }
-        c.set(State::Waiting);
-        let counted = c.counted;
-        self.timers
-            .insert_at(Timer::Retry(id.0.clone(), id.1), until);
         crate::metrics::inc(&crate::metrics::THROTTLES);
-        if let Some(r) = self.runs.get(&id.0) {
-            let _ = r.reg.events.send(CallEvent::Retrying {
-                call: id.1,
-                attempt,
-                retry: Retry::Throttled { wait, account },
-                counted,
-            });
-        }
+        self.wait_until(id, until, attempt, Retry::Throttled { wait, account });
     }
 
     /// Counts a failed attempt; starts another one or fails the call at the limit.
@@ -304,7 +301,7 @@ impl Dispatcher {
             let why = retry.exhausted(counted, stall_timeout).1;
             self.fail(
                 id,
-                CallFailure::Terminal,
+                CallFailure::RetryBudget,
                 format!(
                     "{} ({budget} retries, --retry-budget): {why}",
                     crate::call::RETRY_BUDGET_SPENT
