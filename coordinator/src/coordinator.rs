@@ -21,7 +21,7 @@ use crate::sched::{self, DispatchHandle};
 use crate::script::{self, ScriptInput, ScriptLimits, ScriptShared, runtime, source};
 use crate::settings::RunSettings;
 use crate::store::records::{Manifest, WorkflowInfo};
-use crate::store::{Store, keys};
+use crate::store::{Store, journal, keys};
 use crate::workflows::WorkflowResolver;
 
 /// A launch that was refused; nothing was stored.
@@ -551,16 +551,39 @@ impl Coordinator {
             .map_err(|e| Rejected::invalid(e.to_string(), manifest.workflow.clone()))?;
         let body = script::runnable_body(&prepared);
         let args_json = manifest.args.as_ref().map(Value::to_string);
-        let resume = match ResumeSource::load(&self.store, run_id).await {
-            Ok((_, src)) => Some(src),
-            Err(ResumeError::NoResults { .. }) => None,
-            Err(ResumeError::NoSuchRun { .. }) => None,
-            Err(ResumeError::Store(e)) => return Err(unavailable("the journal", e)),
-        };
-        let generation = crate::store::journal::next_generation(&self.store, run_id)
+        let generation = journal::next_generation(&self.store, run_id)
             .await
             .map_err(|e| unavailable("the segments", e))?
             .max(manifest.generation + 1);
+        // The history this coordinator takes over is what it lists now, sealed before it
+        // reads or runs anything: a segment the previous one still delivers later (it froze
+        // with a write on its way) is never read, since its calls run again here.
+        let segments = journal::segments(&self.store, run_id)
+            .await
+            .map_err(|e| unavailable("the journal", e))?;
+        match journal::seal(&self.store, run_id, generation, &segments).await {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(Rejected {
+                    message: format!(
+                        "run {run_id} was taken over as generation {generation} by another coordinator"
+                    ),
+                    kind: ErrorKind::Conflict,
+                    workflow: manifest.workflow.clone(),
+                });
+            }
+            Err(e) => return Err(unavailable("the journal seal", e)),
+        }
+        let read = journal::read_segments(&self.store, segments)
+            .await
+            .map_err(|e| unavailable("the journal", e))?;
+        let warning = read.summary();
+        let resume = (!read.calls.is_empty()).then(|| {
+            let mut src = ResumeSource::from_records(run_id, read.calls);
+            src.warnings
+                .extend(warning.map(|w| format!("[resume] {w}")));
+            src
+        });
         // A resume keeps its claim on the run it resumes across the failover.
         if let (Some(l), Some(parent)) = (self.leadership.get(), &manifest.parent_run_id)
             && let Err(e) = l.claim_resume(parent, run_id).await
@@ -682,6 +705,7 @@ pub fn new_run_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flotilla_proto::wire::RunStatus;
 
     #[test]
     fn run_ids_have_the_claude_code_shape() {
@@ -690,6 +714,121 @@ mod tests {
         assert!(id.starts_with("wf_"));
         assert_eq!(&id[11..12], "-");
         assert_ne!(id, new_run_id());
+    }
+
+    fn echo_worker(c: &Coordinator, name: &str) -> tempfile::TempDir {
+        let workspace = tempfile::tempdir().unwrap();
+        let worker = flotilla_worker::Worker::new(
+            flotilla_worker::WorkerOptions {
+                name: name.into(),
+                slots: 8,
+                workspace: workspace.path().into(),
+                labels: std::collections::HashMap::new(),
+                shared_workspace: false,
+                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
+                allow_file_sources: false,
+                allow_source_hosts: Vec::new(),
+                sandbox: flotilla_worker::sandbox::Sandbox::Off,
+                limits: flotilla_worker::limits::Limits::default(),
+                account_limits: Default::default(),
+            },
+            vec![Arc::new(flotilla_worker::backend::echo::Echo)],
+        );
+        let (link, end) = flotilla_worker::link_pair();
+        c.dispatch.attach(end);
+        tokio::spawn(async move { worker.run(link, CancellationToken::new()).await });
+        workspace
+    }
+
+    /// A coordinator frozen with a journal write past its gate (checked while its tenure
+    /// held) delivers that write after its successor took the run over and ran those calls
+    /// again. The successor's seal keeps the late segment out of the run's history: every
+    /// call counts once.
+    #[tokio::test]
+    async fn a_journal_write_a_frozen_coordinator_delivers_late_is_not_read() {
+        use object_store::memory::InMemory;
+        const CALLS: u64 = 6;
+        let raw: Arc<dyn object_store::ObjectStore> = Arc::new(InMemory::new());
+        let faulty = crate::store::faulty::FaultyStore::new(raw.clone());
+        let tenure = Arc::new(crate::lease::Tenure::open());
+        let zombie = Coordinator::new(
+            Store::over("memory://", faulty.clone(), None).gated(tenure.clone()),
+            crate::lease::memory::MemoryLeaseStore::new(),
+        );
+        let _w0 = echo_worker(&zombie, "w0");
+        let handle = zombie
+            .launch(LaunchRequest {
+                source: format!(
+                    "export const meta = {{ name: 'late', description: 'd' }};\n\
+                     return (await parallel(Array.from({{ length: {CALLS} }}, (_, i) => () => agent('job ' + i + ' [[sleep:300]]')))).length;"
+                ),
+                origin: None,
+                args: None,
+                settings: RunSettings {
+                    stagger_ms: 0,
+                    ..RunSettings::default()
+                },
+                resume_from: None,
+                inherit: false,
+                resolver: Arc::new(crate::workflows::NoWorkflows),
+            })
+            .await
+            .expect("launched");
+        let run = handle.run_id.clone();
+        // The agents sleep; their results' segment passes the gate and is then held, as a
+        // write on its way when the process froze.
+        faulty.hold_writes(&format!("runs/{run}/calls/"));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while faulty.held() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no journal write was held"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // Frozen past its lease: deposed, and its successor takes the run over.
+        tenure.end();
+        zombie.shutdown();
+        let successor = Coordinator::new(
+            Store::over("memory://", raw.clone(), None),
+            crate::lease::memory::MemoryLeaseStore::new(),
+        );
+        let _w1 = echo_worker(&successor, "w1");
+        let report = successor.adopt(&run).await.expect("adopted").wait().await;
+        assert_eq!(report.status, RunStatus::Completed, "{:?}", report.error);
+        assert_eq!(report.result, serde_json::json!(CALLS));
+        // The zombie wakes: its write lands now, after the successor's own.
+        faulty.release();
+        let store = Store::over("memory://", raw, None);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let listed = store.list_objects(&keys::calls_dir(&run)).await.unwrap();
+            if listed.iter().any(|k| k.as_ref().contains("/000001-")) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the late write never landed"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let mut seen = std::collections::BTreeMap::<u64, usize>::new();
+        for c in journal::read_calls(&store, &run).await.unwrap() {
+            *seen.entry(c.index).or_default() += 1;
+        }
+        assert_eq!(
+            seen,
+            (0..CALLS).map(|i| (i, 1)).collect(),
+            "every call once in the run's history"
+        );
+        // A second takeover reads the same history (the first seal's segments and the
+        // successor's), and may not take a generation already sealed.
+        let again = journal::segments(&store, &run).await.unwrap();
+        assert!(
+            again.iter().all(|k| !k.as_ref().contains("/000001-")),
+            "{again:?}"
+        );
+        assert!(!journal::seal(&store, &run, 2, &again).await.unwrap());
     }
 
     /// A launch whose source commit is no longer whole in the store by the time its run is

@@ -667,10 +667,49 @@ pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> V
         }
     }
     keys.sort_unstable();
+    // moto checks that a GET of an object is signed, not how.
+    let auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00";
+    // A run taken over (failover) has seals: its history is the newest seal's segments and
+    // those of its generation or later; a late segment of a replaced generation is not part
+    // of it (design.md, "Resume and failover").
+    let seals_dir = dir.replace("/calls/", "/seals/");
+    let seals = get(&format!("/{bucket}?list-type=2&prefix={seals_dir}"), &[]);
+    assert_eq!(seals.status, 200, "{seals:?}");
+    let newest_seal = seals
+        .body
+        .split("<Key>")
+        .skip(1)
+        .filter_map(|k| k.split("</Key>").next())
+        .max()
+        .map(str::to_owned);
+    if let Some(seal_key) = newest_seal {
+        let obj = get(&format!("/{bucket}/{seal_key}"), &[("Authorization", auth)]);
+        assert_eq!(obj.status, 200, "{obj:?}");
+        let seal: Value = serde_json::from_str(&obj.body).expect("a seal is JSON");
+        let generation = seal["generation"].as_u64().expect("seal generation");
+        let taken: Vec<String> = seal["segments"]
+            .as_array()
+            .expect("seal segments")
+            .iter()
+            .map(|v| v.as_str().expect("segment key").to_owned())
+            .collect();
+        let strip = if prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{prefix}/")
+        };
+        keys.retain(|k| {
+            let rel = k.strip_prefix(&strip).unwrap_or(k);
+            let name_generation = rel
+                .rsplit('/')
+                .next()
+                .and_then(|n| n.split('-').next())
+                .and_then(|g| g.parse::<u64>().ok());
+            taken.iter().any(|t| t == rel) || name_generation.is_some_and(|g| g >= generation)
+        });
+    }
     keys.iter()
         .flat_map(|k| {
-            // moto checks that a GET of an object is signed, not how.
-            let auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00";
             let obj = get(&format!("/{bucket}/{k}"), &[("Authorization", auth)]);
             assert_eq!(obj.status, 200, "{obj:?}");
             obj.body

@@ -11,6 +11,13 @@
 //! call and attempt. One object per attempt would cost a PUT per agent call, which caps a
 //! fan-out at the store's PUT rate.
 //!
+//! A coordinator that takes a run over (failover) writes a [`Seal`] first: the segments it
+//! listed and took as the run's history. Readers take the newest seal's segments and every
+//! segment of its generation or later, nothing else, so a segment of an earlier generation
+//! that lands afterwards (a frozen coordinator's write that was on its way when it froze,
+//! delivered when it woke) is never read: those calls were run again by the adopter, and a
+//! result counts once.
+//!
 //! [`EventLog`] batches run events by time (flushing at least every [`EVENT_FLUSH`]) into
 //! `runs/{run}/events/{gen}-{seq}.jsonl`; events are for display and diagnosis, so they are not
 //! on the result path.
@@ -146,25 +153,94 @@ async fn write_segment(
         .await
 }
 
-/// The generation after every one that has written segments of `run` (1 when none has).
+/// The generation after every one that has written segments or a seal of `run` (1 when
+/// none has).
 pub async fn next_generation(store: &Store, run: &str) -> Result<u64, super::Error> {
     let mut max = 0u64;
     for dir in [
         keys::calls_dir(run),
         keys::events_dir(run),
         keys::transcripts_dir(run),
+        keys::seals_dir(run),
     ] {
         for key in store.list_objects(&dir).await? {
-            let generation = key
-                .filename()
-                .and_then(|f| f.split_once('-'))
-                .and_then(|(g, _)| g.parse::<u64>().ok());
-            if let Some(g) = generation {
+            if let Some(g) = generation_of(&key) {
                 max = max.max(g);
             }
         }
     }
     Ok(max + 1)
+}
+
+/// The generation a segment (`{gen}-{seq}.jsonl`) or seal (`{gen}.json`) was written by.
+fn generation_of(key: &object_store::path::Path) -> Option<u64> {
+    let name = key.filename()?;
+    let stem = name.split_once(['-', '.']).map_or(name, |(g, _)| g);
+    stem.parse().ok()
+}
+
+/// What a coordinator that took a run over as `generation` took as its history: the journal
+/// segments (of earlier generations) it listed. See the module doc.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Seal {
+    pub generation: u64,
+    pub segments: Vec<String>,
+}
+
+/// Writes the seal of `generation` over `segments`, create-only. `Ok(false)`: another
+/// coordinator sealed this generation first (it took the run over; this one must not).
+pub async fn seal(
+    store: &Store,
+    run: &str,
+    generation: u64,
+    segments: &[object_store::path::Path],
+) -> Result<bool, super::Error> {
+    let seal = Seal {
+        generation,
+        segments: segments.iter().map(ToString::to_string).collect(),
+    };
+    let body = serde_json::to_vec(&seal).map_err(|e| super::Error::Corrupt {
+        key: keys::seal(run, generation).to_string(),
+        reason: e.to_string(),
+    })?;
+    store
+        .put_create_exclusive(&keys::seal(run, generation), Bytes::from(body))
+        .await
+}
+
+/// The journal segments of `run` that make its history, in write order: every segment when
+/// the run was never taken over; otherwise the newest seal's and those of its generation and
+/// later. A seal that does not parse is an error naming it (reading on without it could
+/// count a result twice).
+pub async fn segments(
+    store: &Store,
+    run: &str,
+) -> Result<Vec<object_store::path::Path>, super::Error> {
+    let all = store.list_objects(&keys::calls_dir(run)).await?;
+    let newest = store
+        .list_objects(&keys::seals_dir(run))
+        .await?
+        .into_iter()
+        .filter_map(|k| generation_of(&k).map(|g| (g, k)))
+        .max_by_key(|(g, _)| *g);
+    let Some((_, key)) = newest else {
+        return Ok(all);
+    };
+    let Some(body) = store.get(&key).await? else {
+        // Listed, then gone: the run is being deleted.
+        return Ok(all);
+    };
+    let seal: Seal = serde_json::from_slice(&body).map_err(|e| super::Error::Corrupt {
+        key: key.to_string(),
+        reason: format!("not a journal seal ({e}); restore it from a backup or delete the run"),
+    })?;
+    let taken: std::collections::HashSet<&str> = seal.segments.iter().map(String::as_str).collect();
+    Ok(all
+        .into_iter()
+        .filter(|k| {
+            taken.contains(k.as_ref()) || generation_of(k).is_some_and(|g| g >= seal.generation)
+        })
+        .collect())
 }
 
 /// A stored object, or part of one, that could not be read back.
@@ -209,9 +285,16 @@ const READ_AHEAD: usize = 32;
 /// parse (a truncated or corrupt segment) or whose payload is missing is skipped and listed
 /// in `unreadable`, so one damaged object costs only its own calls, never the run.
 pub async fn read_calls_checked(store: &Store, run: &str) -> Result<CallsRead, super::Error> {
+    read_segments(store, segments(store, run).await?).await
+}
+
+/// [`read_calls_checked`] of the given segments (those [`segments`] listed).
+pub async fn read_segments(
+    store: &Store,
+    segments: Vec<object_store::path::Path>,
+) -> Result<CallsRead, super::Error> {
     use futures::StreamExt;
     let mut out = CallsRead::default();
-    let segments = store.list_objects(&keys::calls_dir(run)).await?;
     // Several segments in flight at once (a remote store answers each in a round trip), taken
     // in order.
     let mut bodies = futures::stream::iter(segments)
@@ -461,6 +544,88 @@ pub async fn read_transcript(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(indices: &[u64]) -> Bytes {
+        let mut body = String::new();
+        for i in indices {
+            body.push_str(&format!(
+                r#"{{"index":{i},"key":"v1:k:{i}","label":"a{i}","group":"","result":"r{i}","attempts":1}}"#
+            ));
+            body.push('\n');
+        }
+        Bytes::from(body)
+    }
+
+    async fn indices(store: &Store, run: &str) -> Vec<u64> {
+        let mut out: Vec<u64> = read_calls(store, run)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.index)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Two takeovers, each followed by a late segment of the generation it replaced: the
+    /// history is what each adopter sealed plus its own, and the generations go on past the
+    /// seals.
+    #[tokio::test]
+    async fn late_segments_of_sealed_generations_are_not_read() {
+        let store = crate::store::open("memory://").unwrap();
+        let run = "wf_seal-001";
+        let put = |g: u64, seq: u64, idx: &'static [u64]| {
+            let store = store.clone();
+            async move {
+                store
+                    .put_create(&keys::calls_segment(run, g, seq), segment(idx))
+                    .await
+                    .unwrap();
+            }
+        };
+        put(1, 0, &[0, 1]).await;
+        let taken = segments(&store, run).await.unwrap();
+        assert_eq!(next_generation(&store, run).await.unwrap(), 2);
+        assert!(seal(&store, run, 2, &taken).await.unwrap());
+        assert!(!seal(&store, run, 2, &taken).await.unwrap(), "sealed once");
+        put(1, 1, &[2, 3]).await; // generation 1, late
+        put(2, 0, &[2, 3]).await;
+        assert_eq!(indices(&store, run).await, [0, 1, 2, 3]);
+        // The second adopter seals before the successor wrote anything more.
+        assert_eq!(next_generation(&store, run).await.unwrap(), 3);
+        let taken = segments(&store, run).await.unwrap();
+        assert!(seal(&store, run, 3, &taken).await.unwrap());
+        // A seal alone moves the generation on (an adopter that wrote nothing yet).
+        assert_eq!(next_generation(&store, run).await.unwrap(), 4);
+        put(2, 1, &[4]).await; // generation 2, late
+        put(1, 2, &[5]).await; // generation 1, later still
+        put(3, 0, &[4, 5]).await;
+        assert_eq!(indices(&store, run).await, [0, 1, 2, 3, 4, 5]);
+    }
+
+    #[tokio::test]
+    async fn a_seal_that_does_not_parse_is_an_error_naming_it() {
+        let store = crate::store::open("memory://").unwrap();
+        let run = "wf_seal-002";
+        store
+            .put_create(&keys::calls_segment(run, 1, 0), segment(&[0]))
+            .await
+            .unwrap();
+        store
+            .put_create(&keys::seal(run, 2), Bytes::from_static(b"{\"generation\":"))
+            .await
+            .unwrap();
+        let e = read_calls(&store, run).await.unwrap_err().to_string();
+        assert!(
+            e.contains("seals/000002.json") && e.contains("not a journal seal"),
+            "{e}"
+        );
+    }
 }
 
 /// Property-based fuzzing of the journal reader (`tools/fuzz` runs it long): segments of any

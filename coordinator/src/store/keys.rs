@@ -4,6 +4,7 @@
 //! runs/{run}/run.json                      manifest
 //! runs/{run}/script.js
 //! runs/{run}/calls/{gen}-{seq}.jsonl       completed calls, one create-only segment per batch
+//! runs/{run}/seals/{gen}.json              the segments an adopter took as the run's history
 //! runs/{run}/events/{gen}-{seq}.jsonl      run events, batched
 //! runs/{run}/transcripts/{gen}-{seq}.jsonl   transcript events of many attempts, batched
 //! runs/{run}/result.json                   the final report
@@ -49,6 +50,16 @@ pub fn calls_dir(run: &str) -> Path {
 
 pub fn calls_segment(run: &str, generation: u64, seq: u64) -> Path {
     Path::from(format!("runs/{run}/calls/{generation:06}-{seq:08}.jsonl"))
+}
+
+pub fn seals_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/seals"))
+}
+
+/// The seal written by the coordinator that took the run over as generation `generation`
+/// (see `journal::seal`).
+pub fn seal(run: &str, generation: u64) -> Path {
+    Path::from(format!("runs/{run}/seals/{generation:06}.json"))
 }
 
 pub fn events_dir(run: &str) -> Path {
