@@ -48,6 +48,9 @@ enum BenchKind {
     /// Goodput and 429s against a provider that takes a limited number of requests at once,
     /// with admission per provider account and with a fixed concurrency.
     Admission(crate::bench_admission::AdmissionArgs),
+    /// Prompt-prefix cache hits of self-hosted model servers (one per worker), with prefix
+    /// affinity and without it.
+    Affinity(crate::bench_affinity::AffinityArgs),
 }
 
 #[derive(Debug, Args)]
@@ -211,6 +214,7 @@ pub async fn run(args: BenchArgs) -> i32 {
         BenchKind::Sandbox(a) => crate::bench_sandbox::run(a).await,
         BenchKind::Fleet(a) => crate::bench_scale::run(a).await,
         BenchKind::Admission(a) => crate::bench_admission::run(a).await,
+        BenchKind::Affinity(a) => crate::bench_affinity::run(a).await,
         BenchKind::Resume(a) => match resume_bench(&a).await {
             Ok(r) => {
                 if a.json {
@@ -337,6 +341,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         cache_dir: None,
         indexed: None,
         notifier: None,
+        quotas: None,
     };
     let handle = run::start(
         init,

@@ -54,6 +54,10 @@ enum CertsCommand {
         days: u32,
         #[arg(long)]
         force: bool,
+        /// A namespace a client acts in (repeatable; the first is where its launches go by
+        /// default; `*`: every namespace, for operators). Written in the subject's O.
+        #[arg(long = "namespace", value_name = "NS")]
+        namespaces: Vec<String>,
     },
     /// Make what is missing of a CA and a set of certificates (idempotent: an init step of a
     /// deployment): the CA if there is none, then each NAME:ROLE without a certificate.
@@ -103,9 +107,10 @@ pub fn run(args: CertsArgs) -> i32 {
             hosts,
             days,
             force,
+            namespaces,
         } => role
             .parse::<Role>()
-            .and_then(|role| issue(&dir, &name, role, &hosts, days, force)),
+            .and_then(|role| issue_in(&dir, &name, role, &hosts, days, force, &namespaces)),
         CertsCommand::Ensure { dir, certs, hosts } => ensure(&dir, &certs, &hosts),
     };
     match res {
@@ -169,6 +174,34 @@ pub fn issue(
     days: u32,
     force: bool,
 ) -> Result<String, String> {
+    issue_in(dir, name, role, hosts, days, force, &[])
+}
+
+/// [`issue`], for a holder that acts in `namespaces` (a client's; none: `default`).
+pub fn issue_in(
+    dir: &Path,
+    name: &str,
+    role: Role,
+    hosts: &[String],
+    days: u32,
+    force: bool,
+    namespaces: &[String],
+) -> Result<String, String> {
+    for ns in namespaces {
+        if ns != flotilla_coordinator::namespace::ALL
+            && !flotilla_coordinator::namespace::valid_name(ns)
+        {
+            return Err(format!(
+                "--namespace {ns:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and . (or * for all)"
+            ));
+        }
+    }
+    if !namespaces.is_empty() && role != Role::Client {
+        return Err(format!(
+            "--namespace is for client certificates; a {} certificate acts in every namespace",
+            role.as_str()
+        ));
+    }
     if name.is_empty()
         || !name
             .chars()
@@ -202,6 +235,9 @@ pub fn issue(
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, name);
     dn.push(DnType::OrganizationalUnitName, role.as_str());
+    if !namespaces.is_empty() {
+        dn.push(DnType::OrganizationName, namespaces.join(","));
+    }
     params.distinguished_name = dn;
     params.key_usages = vec![
         KeyUsagePurpose::DigitalSignature,
@@ -227,8 +263,13 @@ pub fn issue(
         true,
         force,
     )?;
+    let spaces = if namespaces.is_empty() {
+        String::new()
+    } else {
+        format!(", namespaces {}", namespaces.join(", "))
+    };
     Ok(format!(
-        "wrote {0}/{name}.crt and {0}/{name}.key (role {1})",
+        "wrote {0}/{name}.crt and {0}/{name}.key (role {1}{spaces})",
         dir.display(),
         role.as_str()
     ))

@@ -103,6 +103,10 @@ pub struct SettingFlags {
     /// repeatable).
     #[arg(long = "label", value_name = "KEY=VALUE")]
     pub labels: Vec<String>,
+    /// The namespace the run belongs to (on a fleet: one your certificate names; default:
+    /// its first). Its quotas, weight and model policy are the coordinator's for it.
+    #[arg(long, env = "FLOTILLA_NAMESPACE", value_name = "NS")]
+    pub namespace: Option<String>,
 }
 
 /// The webhook signer of `FLOTILLA_NOTIFY_SECRET`, if it is set.
@@ -196,6 +200,8 @@ pub struct ConfigFile {
     pub workflows_dirs: Vec<PathBuf>,
     /// Root of the agents' working directories.
     pub workspace: Option<PathBuf>,
+    /// The namespace runs belong to (`--namespace`).
+    pub namespace: Option<String>,
 
     // ---- fleet commands (coordinator, worker, launch, wait, ...) ----
     /// Coordinator address for workers and clients (`https://host:port`).
@@ -277,6 +283,9 @@ pub struct ConfigFile {
     /// Worker: its provider account's input tokens per minute and requests at once.
     pub account_itpm: Option<u64>,
     pub account_concurrency: Option<u32>,
+    /// Worker: backends whose model server keeps a prefix cache local to it.
+    #[serde(default)]
+    pub local_prefix_cache: Vec<String>,
     /// Refuse new runs (W67); runs in progress keep going. A coordinator re-reads it on
     /// every launch.
     pub disable_workflows: Option<bool>,
@@ -288,6 +297,10 @@ pub struct ConfigFile {
     /// Coordinator: run only saved workflows (its own, pushed ones, bundled ones, or those a
     /// client carries by name); inline scripts are refused (W46).
     pub saved_only: Option<bool>,
+    /// Coordinator: each namespace's weight, quotas and model policy (`[namespaces.NAME]`;
+    /// `[namespaces."*"]` for the ones not named).
+    #[serde(default)]
+    pub namespaces: std::collections::BTreeMap<String, flotilla_coordinator::namespace::Policy>,
 }
 
 /// Reads a config file (`--config`), or an empty one.
@@ -465,6 +478,9 @@ pub fn settings_from(
         s.concurrency = v;
     }
     s.labels = parse_labels(&flags.labels)?;
+    if let Some(ns) = pick_s(&flags.namespace, &file.namespace) {
+        s.namespace = ns;
+    }
     s.notify = pick_s(&flags.notify, &file.notify);
     if let Some(url) = &s.notify {
         flotilla_coordinator::notify::check_url(url)?;
@@ -843,6 +859,15 @@ mod fuzz {
 
 /// `FLOTILLA_ADMISSION`: `on` (the default) or `off` (no admission per provider account:
 /// calls go as slots and concurrency allow).
+/// `FLOTILLA_AFFINITY`: prefix affinity on (the default) or `off`.
+pub fn affinity_from_env() -> Result<bool, String> {
+    match std::env::var("FLOTILLA_AFFINITY").as_deref() {
+        Err(_) | Ok("" | "on") => Ok(true),
+        Ok("off") => Ok(false),
+        Ok(other) => Err(format!("FLOTILLA_AFFINITY takes on or off (got {other:?})")),
+    }
+}
+
 pub fn admission_from_env() -> Result<bool, String> {
     match std::env::var("FLOTILLA_ADMISSION").as_deref() {
         Err(_) | Ok("" | "on") => Ok(true),

@@ -11,6 +11,7 @@ mod agents_cmd;
 mod approve;
 mod bench;
 mod bench_admission;
+mod bench_affinity;
 mod bench_fleet;
 mod bench_sandbox;
 mod bench_scale;
@@ -106,7 +107,7 @@ enum Command {
     /// An MCP server on stdio with Claude Code's Workflow tool and its companions, for runs
     /// on a fleet (`claude mcp add flotilla -- flotilla mcp --coordinator URL --tls-dir DIR`)
     /// or on this machine (`claude mcp add flotilla -- flotilla mcp`).
-    Mcp(mcp::McpArgs),
+    Mcp(Box<mcp::McpArgs>),
 }
 
 /// Flags of `flotilla run`.
@@ -338,7 +339,7 @@ fn main() -> ExitCode {
             Command::Workers(args) => client::workers(args).await,
             Command::Token(client::TokenCommand::Create(args)) => client::token_create(args).await,
             Command::Workflows(cmd) => workflows_cmd::run(cmd).await,
-            Command::Mcp(args) => mcp::serve(args).await,
+            Command::Mcp(args) => mcp::serve(*args).await,
         };
         telemetry.shutdown().await;
         code

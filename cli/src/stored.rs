@@ -21,6 +21,9 @@ pub struct FilterArgs {
     /// Runs with this label (`launch --label`; repeatable: every one must match).
     #[arg(long = "label", value_name = "KEY=VALUE")]
     labels: Vec<String>,
+    /// Runs of this namespace (on a fleet you see only your certificate's namespaces).
+    #[arg(long, value_name = "NS")]
+    namespace: Option<String>,
     /// Runs per page [default: 100, at most 1000].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1000))]
     limit: Option<u64>,
@@ -55,6 +58,15 @@ impl FilterArgs {
             since_unix,
             before_unix: None,
             labels: config::parse_labels(&self.labels)?,
+            namespace: match &self.namespace {
+                Some(ns) if !flotilla_coordinator::namespace::valid_name(ns) => {
+                    return Err(format!(
+                        "--namespace {ns:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ."
+                    ));
+                }
+                ns => ns.clone(),
+            },
+            within: None,
             limit: self.limit.map(|l| l as usize),
             after: self.after.clone(),
         })
@@ -92,19 +104,20 @@ pub fn print_runs(runs: &[history::RunSummary], next: Option<&str>, json: bool, 
     } else {
         let _ = writeln!(
             out,
-            "{:<18} {:<11} {:<7} {:<25} {:<24} LABELS",
-            "RUN", "STATUS", "AGENTS", "CREATED", "WORKFLOW"
+            "{:<18} {:<11} {:<7} {:<25} {:<24} {:<12} LABELS",
+            "RUN", "STATUS", "AGENTS", "CREATED", "WORKFLOW", "NAMESPACE"
         );
         for r in runs {
             let labels: Vec<String> = r.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let _ = writeln!(
                 out,
-                "{:<18} {:<11} {:<7} {:<25} {:<24} {}",
+                "{:<18} {:<11} {:<7} {:<25} {:<24} {:<12} {}",
                 r.run_id,
                 r.status.as_str(),
                 r.agents,
                 r.created,
                 crate::term::clean(&r.workflow),
+                flotilla_coordinator::namespace::effective(&r.namespace),
                 crate::term::clean(&labels.join(","))
             );
         }

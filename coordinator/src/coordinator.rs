@@ -77,6 +77,9 @@ pub struct Coordinator {
     /// The operator's allowed models (`--allowed-models`): every run's allowed models are
     /// within them.
     model_policy: std::sync::OnceLock<Vec<String>>,
+    /// The namespaces' policies and daily use (`[namespaces.*]`); unset: every run weighs
+    /// the same and nothing is counted.
+    quotas: std::sync::OnceLock<Arc<crate::namespace::Quotas>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -116,6 +119,7 @@ impl Coordinator {
             cache_dir: std::sync::OnceLock::new(),
             notifier: std::sync::OnceLock::new(),
             model_policy: std::sync::OnceLock::new(),
+            quotas: std::sync::OnceLock::new(),
         }
     }
 
@@ -147,13 +151,49 @@ impl Coordinator {
     /// A run's allowed models under the operator's: the run's own that the operator allows,
     /// else the operator's.
     fn within_policy(&self, run: &mut Vec<String>) {
-        let Some(policy) = self.model_policy.get() else {
-            return;
-        };
-        run.retain(|m| policy.iter().any(|p| crate::settings::model_allowed(p, m)));
-        if run.is_empty() {
-            run.clone_from(policy);
+        if let Some(policy) = self.model_policy.get() {
+            within(run, policy);
         }
+    }
+
+    /// Sets the namespaces' policies; their daily use is kept in this coordinator's store.
+    pub fn set_namespaces(&self, namespaces: crate::namespace::Namespaces) {
+        let _ = self.quotas.set(crate::namespace::Quotas::new(
+            namespaces,
+            Some(self.store.clone()),
+        ));
+    }
+
+    /// The namespaces' policies and daily use, when set.
+    pub fn quotas(&self) -> Option<&Arc<crate::namespace::Quotas>> {
+        self.quotas.get()
+    }
+
+    /// Fixes the run's namespace's policy into its settings (whatever a client sent for its
+    /// labels and prices): refused when a daily quota of the namespace is used up.
+    async fn namespace_policy(&self, settings: &mut RunSettings) -> Result<(), String> {
+        settings.namespace = crate::namespace::effective(&settings.namespace).to_owned();
+        let Some(quotas) = self.quotas.get() else {
+            settings.pinned_labels.clear();
+            settings.prices.clear();
+            return Ok(());
+        };
+        quotas
+            .check(&settings.namespace)
+            .await
+            .map_err(|e| e.to_string())?;
+        let policy = quotas.policy(&settings.namespace);
+        settings.pinned_labels = policy.labels;
+        settings.prices = policy.prices;
+        if settings.model.is_empty()
+            && let Some(m) = policy.default_model
+        {
+            settings.model = m;
+        }
+        if !policy.allowed_models.is_empty() {
+            within(&mut settings.allowed_models, &policy.allowed_models);
+        }
+        Ok(())
     }
 
     /// Sets what signs and sends the runs' end webhooks.
@@ -225,8 +265,11 @@ impl Coordinator {
             req.args = manifest.args.clone();
         }
         let replay = req.settings.replay;
+        // The namespace is the caller's (the API chose it), not the parent's.
+        let namespace = std::mem::take(&mut req.settings.namespace);
         req.settings = manifest.settings.clone();
         req.settings.replay = replay;
+        req.settings.namespace = namespace;
         if req
             .resolver
             .carried()
@@ -345,6 +388,13 @@ impl Coordinator {
             Rejected::invalid(format!("invalid run settings: {e}"), workflow.clone())
         })?;
         self.within_policy(&mut req.settings.allowed_models);
+        self.namespace_policy(&mut req.settings)
+            .await
+            .map_err(|message| Rejected {
+                message,
+                kind: ErrorKind::Denied,
+                workflow: workflow.clone(),
+            })?;
         if req.settings.notify.is_some() && self.notifier.get().is_none() {
             return Err(Rejected::invalid(
                 "--notify needs a secret to sign the webhook with, and none is set here: give the coordinator --notify-secret-file FILE (embedded: set FLOTILLA_NOTIFY_SECRET)".to_owned(),
@@ -592,6 +642,9 @@ impl Coordinator {
         }
         let mut settings = manifest.settings.clone();
         settings.replay = crate::settings::ReplayMode::Content;
+        if let Some(q) = self.quotas.get() {
+            q.ready(&settings.namespace).await;
+        }
         let phases = prepared
             .meta
             .phases
@@ -658,6 +711,7 @@ impl Coordinator {
             cache_dir: Some(self.cache_dir()),
             indexed: Some(s.indexed),
             notifier: self.notifier.get().cloned(),
+            quotas: self.quotas.get().cloned(),
         };
         Ok(run::start(
             init,
@@ -684,6 +738,14 @@ struct StartEngine {
     owners: Vec<crate::owner::Held>,
     /// The run's index entry, rewritten when it ends.
     indexed: crate::index::Entry,
+}
+
+/// `run`'s allowed models kept to those `policy` allows (all of `policy` when none is left).
+fn within(run: &mut Vec<String>, policy: &[String]) {
+    run.retain(|m| policy.iter().any(|p| crate::settings::model_allowed(p, m)));
+    if run.is_empty() {
+        run.extend_from_slice(policy);
+    }
 }
 
 /// A new run id: `wf_` + 8 hex + `-` + 3 hex, like Claude Code's (W45).

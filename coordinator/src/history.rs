@@ -32,12 +32,27 @@ async fn manifest(store: &Store, run: &str) -> Result<Manifest, Error> {
 
 /// The newest runs of the store, at most [`crate::index::MAX_PAGE`] ([`crate::index::page`]
 /// filters and pages).
-pub async fn list_runs(store: &Store) -> Result<Vec<RunSummary>, Error> {
+pub async fn list_runs(
+    store: &Store,
+    within: Option<Vec<String>>,
+) -> Result<Vec<RunSummary>, Error> {
     let all = crate::index::Filter {
         limit: Some(crate::index::MAX_PAGE),
+        within,
         ..Default::default()
     };
     Ok(crate::index::page(store, &all).await?.runs)
+}
+
+/// The namespace of a stored run (`None`: there is no such run).
+pub async fn namespace_of(store: &Store, run: &str) -> Result<Option<String>, Error> {
+    match manifest(store, run).await {
+        Ok(m) => Ok(Some(
+            crate::namespace::effective(&m.settings.namespace).to_owned(),
+        )),
+        Err(Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// The report of a stored run.
@@ -47,6 +62,9 @@ pub async fn load_report(store: &Store, run: &str) -> Result<Report, Error> {
     if let Some(body) = store.get(&keys::result(run)).await? {
         match serde_json::from_slice::<Report>(&body) {
             Ok(mut r) => {
+                if r.namespace.is_empty() {
+                    r.namespace = crate::namespace::effective(&m.settings.namespace).to_owned();
+                }
                 if m.settings.notify.is_some() {
                     r.notify = crate::notify::stored(store, run).await;
                 }
@@ -229,6 +247,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         workflow: m.workflow.clone(),
         warnings: usage.large_workflow().into_iter().collect(),
         notify: None,
+        namespace: m.settings.namespace.clone(),
         usage,
         agents,
         groups,

@@ -35,6 +35,9 @@ pub struct Entry {
     pub parent_run_id: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// Its namespace (empty in entries from before namespaces: `default`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
 }
 
 impl Entry {
@@ -49,6 +52,7 @@ impl Entry {
             agents: 0,
             parent_run_id: m.parent_run_id.clone(),
             labels: m.settings.labels.clone(),
+            namespace: crate::namespace::effective(&m.settings.namespace).to_owned(),
         }
     }
 
@@ -109,6 +113,12 @@ pub struct Filter {
     pub before_unix: Option<u64>,
     /// Runs that carry every one of these labels.
     pub labels: BTreeMap<String, String>,
+    /// Runs of this namespace.
+    pub namespace: Option<String>,
+    /// Only runs of these namespaces: the caller's, set by the server (never read from a
+    /// request, so a client cannot widen it).
+    #[serde(skip)]
+    pub within: Option<Vec<String>>,
     /// The most runs a page holds [default 100, at most 1000].
     pub limit: Option<usize>,
     /// Where the page starts: the `next` of the page before.
@@ -129,7 +139,13 @@ pub struct Page {
 
 impl Filter {
     fn wants(&self, e: &Entry) -> bool {
+        let ns = crate::namespace::effective(&e.namespace);
         self.workflow.as_ref().is_none_or(|w| *w == e.workflow)
+            && self.namespace.as_ref().is_none_or(|n| n == ns)
+            && self
+                .within
+                .as_ref()
+                .is_none_or(|w| w.iter().any(|n| n == ns))
             && self.status.is_none_or(|s| s == e.status)
             && self
                 .labels
@@ -331,6 +347,7 @@ mod tests {
             agents: 1,
             parent_run_id: None,
             labels: BTreeMap::new(),
+            namespace: String::new(),
         }
     }
 

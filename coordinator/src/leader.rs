@@ -453,6 +453,11 @@ async fn campaign(
         match won {
             Ok(Some(_)) => {
                 tracing::info!(address = %me.advertise, "this coordinator leads");
+                // Namespaces' daily use is counted afresh from the store: what this one
+                // counted when it led before may be stale.
+                if let Some(q) = coordinator.quotas() {
+                    q.reset();
+                }
                 me.leading.store(true, Ordering::Release);
                 me.office.send_replace(me.tenure.holds());
                 me.leader.send_replace(Some(me.advertise.clone()));

@@ -23,6 +23,7 @@ pub mod lease;
 pub mod limits;
 pub mod listen;
 pub mod metrics;
+pub mod namespace;
 pub mod notify;
 pub mod owner;
 pub mod reject;

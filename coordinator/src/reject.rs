@@ -29,10 +29,12 @@ pub enum RejectCode {
     WorkflowNested,
     /// A nondeterministic builtin (W07).
     Nondeterministic,
+    /// The run's namespace has used up a daily quota (agents, tokens or money).
+    QuotaExceeded,
 }
 
 impl RejectCode {
-    pub const ALL: [RejectCode; 16] = [
+    pub const ALL: [RejectCode; 17] = [
         RejectCode::SchemaFailed,
         RejectCode::SchemaInvalid,
         RejectCode::InvalidOption,
@@ -49,6 +51,7 @@ impl RejectCode {
         RejectCode::WorkflowSyntax,
         RejectCode::WorkflowNested,
         RejectCode::Nondeterministic,
+        RejectCode::QuotaExceeded,
     ];
 
     /// As the script sees it.
@@ -70,6 +73,7 @@ impl RejectCode {
             RejectCode::WorkflowSyntax => "WORKFLOW_SYNTAX",
             RejectCode::WorkflowNested => "WORKFLOW_NESTED",
             RejectCode::Nondeterministic => "NONDETERMINISTIC",
+            RejectCode::QuotaExceeded => "QUOTA_EXCEEDED",
         }
     }
 }

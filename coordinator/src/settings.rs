@@ -56,6 +56,10 @@ pub enum SettingsError {
     #[error("a run carries at most {MAX_LABELS} labels")]
     Labels,
     #[error(
+        "--namespace {0:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ."
+    )]
+    Namespace(String),
+    #[error(
         "label {0:?} is not KEY=VALUE with a key of lower-case letters, digits, - _ . and / (at most 63) and a value of at most 256 printable characters"
     )]
     Label(String),
@@ -178,6 +182,18 @@ pub struct RunSettings {
     /// substitute, and the report warns, naming both (W18).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub allowed_models: Vec<String>,
+    /// The namespace the run belongs to (see `namespace`); empty: `default`. A coordinator
+    /// sets it from the caller's certificate, whatever the client sent.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
+    /// Labels every worker that runs one of its agents must carry: its namespace's, fixed at
+    /// launch (an agent's own `placement` labels add to them and cannot change them).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub pinned_labels: BTreeMap<String, String>,
+    /// What its agents' tokens cost, by model or family: its namespace's price table, fixed at
+    /// launch; a model not in it costs what the backend says.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub prices: BTreeMap<String, crate::namespace::Price>,
 }
 
 /// Whether `model` is one `allowed` names: the same, or of the same family (an alias such as
@@ -263,6 +279,9 @@ impl Default for RunSettings {
             retry_budget: None,
             throttle_wait_ms: DEFAULT_THROTTLE_WAIT_MS,
             allowed_models: Vec::new(),
+            namespace: String::new(),
+            pinned_labels: BTreeMap::new(),
+            prices: BTreeMap::new(),
         }
     }
 }
@@ -308,6 +327,9 @@ impl RunSettings {
         }
         if self.labels.len() > MAX_LABELS {
             return Err(SettingsError::Labels);
+        }
+        if !self.namespace.is_empty() && !crate::namespace::valid_name(&self.namespace) {
+            return Err(SettingsError::Namespace(self.namespace.clone()));
         }
         for (k, v) in &self.labels {
             if !valid_label_key(k) || !valid_label_value(v) {

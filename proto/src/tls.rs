@@ -176,11 +176,13 @@ impl TlsFiles {
     }
 }
 
-/// Who is calling: the CN and role of the certificate it presented.
+/// Who is calling: the CN and role of the certificate it presented, and its organisation
+/// (the namespaces a client acts in: `team-a,team-b`, or `*`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {
     pub name: String,
     pub role: Role,
+    pub organisation: Option<String>,
 }
 
 /// Reads the peer's identity from its leaf certificate (DER).
@@ -200,7 +202,16 @@ pub fn peer_from_der(der: &[u8]) -> Result<Peer, String> {
         .and_then(|ou| ou.as_str().ok())
         .ok_or("the client certificate carries no Flotilla role (OU); issue it with `flotilla certs issue --role ...`")?
         .parse::<Role>()?;
-    Ok(Peer { name, role })
+    let organisation = subject
+        .iter_organization()
+        .next()
+        .and_then(|o| o.as_str().ok())
+        .map(str::to_owned);
+    Ok(Peer {
+        name,
+        role,
+        organisation,
+    })
 }
 
 /// The peer of a request; `Unauthenticated` when it presented no usable certificate.

@@ -132,6 +132,9 @@ pub struct Report {
     /// The webhook of the run's end (`--notify`), once it was delivered or given up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify: Option<Delivery>,
+    /// The namespace the run belongs to (empty: `default`, and runs from before namespaces).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
 }
 
 /// How a run's end was delivered to its webhook.
@@ -275,6 +278,7 @@ impl Report {
             agents_omitted: 0,
             warnings: Vec::new(),
             notify: None,
+            namespace: String::new(),
         }
     }
 
@@ -333,6 +337,7 @@ impl Report {
             changes: self.changes.clone(),
             warnings: self.warnings.clone(),
             notify: self.notify.clone(),
+            namespace: self.namespace.clone(),
         }
     }
 }

@@ -530,6 +530,39 @@ impl Cluster {
         self.client_in(self.path(), args)
     }
 
+    /// A client command as certificate `name` (one [`Cluster::issue_client`] made).
+    pub fn client_as(&self, name: &str, args: &[&str]) -> Output {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            .args(["--coordinator", &self.url(), "--name", name, "--tls-dir"])
+            .arg(self.pki())
+            .current_dir(self.path());
+        run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
+    }
+
+    /// Issues a client certificate `name` for `namespaces` (`flotilla certs issue
+    /// --namespace ...`).
+    pub fn issue_client(&self, name: &str, namespaces: &[&str]) {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args([
+            "certs", "issue", "--role", "client", "--name", name, "--dir",
+        ])
+        .arg(self.pki());
+        for ns in namespaces {
+            cmd.args(["--namespace", ns]);
+        }
+        must(&mut cmd);
+    }
+
+    /// Launches workflow `name` with `body` as certificate `who`; its run id.
+    pub fn launch_as(&self, who: &str, name: &str, body: &str, extra: &[&str]) -> String {
+        let script = crate::write_workflow(self.path(), name, "cluster test", body);
+        let mut args = vec!["launch", script.to_str().expect("utf-8"), "--json"];
+        args.extend_from_slice(extra);
+        crate::launched_run_id(&self.client_as(who, &args))
+    }
+
     /// A client command run from `dir` (a repository a launch sends as its source).
     pub fn client_in(&self, dir: &Path, args: &[&str]) -> Output {
         self.client_at_in(&self.url(), dir, args)

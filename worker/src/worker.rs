@@ -64,10 +64,13 @@ pub struct WorkerOptions {
 }
 
 /// What a worker says of the provider accounts its backends call through.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AccountLimits {
     pub itpm: u64,
     pub max_concurrent: u32,
+    /// Backends whose model server keeps a prefix cache local to this worker
+    /// (`--local-prefix-cache`): the coordinator sends calls that share a prefix back here.
+    pub local_cache: Vec<String>,
 }
 
 /// A worker with its backends.
@@ -119,6 +122,12 @@ impl Worker {
                     id,
                     itpm: self.opts.account_limits.itpm,
                     max_concurrent: self.opts.account_limits.max_concurrent,
+                    local_cache: self
+                        .opts
+                        .account_limits
+                        .local_cache
+                        .iter()
+                        .any(|b| b == name),
                 })
             })
             .collect();

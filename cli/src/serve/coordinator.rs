@@ -191,6 +191,8 @@ struct Settings {
     worker_ttl: std::time::Duration,
     /// `FLOTILLA_ADMISSION` (on unless `off`).
     admission: bool,
+    /// `FLOTILLA_AFFINITY` (on unless `off`).
+    affinity: bool,
     advertise: Option<String>,
     cache_dir: PathBuf,
     publishers: Vec<String>,
@@ -201,6 +203,8 @@ struct Settings {
     peer_name: Option<String>,
     /// The retention policy and how often it runs, if any.
     retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,
+    /// The namespaces' policies (`[namespaces.*]` in the config file).
+    namespaces: flotilla_coordinator::namespace::Namespaces,
 }
 
 /// The webhook signer: `--notify-secret-file`, else `FLOTILLA_NOTIFY_SECRET`.
@@ -277,6 +281,7 @@ impl Settings {
             etcd_key: pick(&a.etcd_key, &file.etcd_key),
             worker_ttl: worker_ttl(a.worker_ttl.as_ref().or(file.worker_ttl.as_ref()))?,
             admission: config::admission_from_env()?,
+            affinity: config::affinity_from_env()?,
             advertise: a.advertise.clone().or_else(|| file.advertise.clone()),
             cache_dir: pick(&a.cache_dir, &file.cache_dir).unwrap_or_else(|| {
                 dirs::cache_dir()
@@ -299,6 +304,8 @@ impl Settings {
             limits: listen_limits(a, file)?,
             retention: retention(a, file)?,
             peer_name: a.peer_name.clone().or_else(|| file.peer_name.clone()),
+            namespaces: flotilla_coordinator::namespace::Namespaces::new(file.namespaces.clone())
+                .map_err(|e| format!("the config file's [namespaces]: {e}"))?,
         })
     }
 }
@@ -432,11 +439,13 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         flotilla_coordinator::sched::DispatchOptions {
             worker_ttl: s.worker_ttl,
             admission: s.admission,
+            affinity: s.affinity,
             ..Default::default()
         },
     ));
     coordinator.set_cache_dir(s.cache_dir.clone());
     coordinator.set_model_policy(s.allowed_models.clone());
+    coordinator.set_namespaces(s.namespaces.clone());
     match notifier(&a, &file) {
         Ok(Some(n)) => coordinator.set_notifier(n),
         Ok(None) => {}

@@ -93,6 +93,16 @@ pub struct WorkerArgs {
     /// [default: the window alone].
     #[arg(long, env = "FLOTILLA_ACCOUNT_CONCURRENCY", value_name = "N")]
     account_concurrency: Option<u32>,
+    /// Backends whose model server keeps a prompt-prefix cache of its own for this worker (a
+    /// self-hosted OpenAI-compatible server per machine, say `openai`; comma-separated): the
+    /// coordinator sends calls that share a prefix back to the worker that served it.
+    #[arg(
+        long = "local-prefix-cache",
+        env = "FLOTILLA_LOCAL_PREFIX_CACHE",
+        value_delimiter = ',',
+        value_name = "BACKEND"
+    )]
+    local_prefix_cache: Vec<String>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -200,6 +210,19 @@ impl Settings {
                     .account_concurrency
                     .or(file.account_concurrency)
                     .unwrap_or(0),
+                local_cache: {
+                    let given = list(&a.local_prefix_cache, &file.local_prefix_cache);
+                    if let Some(b) = given
+                        .iter()
+                        .find(|b| !flotilla_worker::backend::NAMES.contains(&b.as_str()))
+                    {
+                        return Err(format!(
+                            "--local-prefix-cache {b:?} is not a backend: use one of {}",
+                            flotilla_worker::backend::NAMES.join(", ")
+                        ));
+                    }
+                    given
+                },
             },
         })
     }

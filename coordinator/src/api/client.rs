@@ -63,6 +63,53 @@ impl ClientSvc {
         Ok(())
     }
 
+    /// The namespaces the caller may act in (see `namespace`), once it may `what` at all: a
+    /// client's certificate says them; a coordinator forwarding for a client says the
+    /// client's ([`ON_BEHALF`]); a coordinator for itself, or anyone without TLS, has all.
+    pub(super) fn scope<T>(&self, req: &Request<T>, what: &str) -> Result<Scope, Status> {
+        if !self.secure {
+            return Ok(Scope::All);
+        }
+        let peer = tls::require_role(req, &[Role::Client, Role::Coordinator], what)?;
+        if peer.role == Role::Coordinator {
+            return Ok(req
+                .metadata()
+                .get(ON_BEHALF)
+                .and_then(|v| v.to_str().ok())
+                .map_or(Scope::All, Scope::decode));
+        }
+        Ok(Scope::from_organisation(peer.organisation.as_deref()))
+    }
+
+    /// The namespace of `run`: as this coordinator runs it, else as its manifest says.
+    async fn namespace_of(&self, run: &str) -> Result<String, Status> {
+        if let Some(ns) = self.registry.namespace(run) {
+            return Ok(ns);
+        }
+        history::namespace_of(self.coordinator.store(), run)
+            .await
+            .map_err(|e| ErrorKind::Unavailable.status(format!("cannot read run {run}: {e}")))?
+            .ok_or_else(|| {
+                ErrorKind::NotFound
+                    .status(format!("no run {run} on this coordinator or in its store"))
+            })
+    }
+
+    /// Refuses a run outside the caller's namespaces as if it were not there.
+    pub(super) async fn visible(&self, scope: &Scope, run: &str) -> Result<(), Status> {
+        if scope == &Scope::All {
+            return Ok(());
+        }
+        let ns = self.namespace_of(run).await?;
+        if scope.may(&ns) {
+            return Ok(());
+        }
+        Err(ErrorKind::NotFound.status(format!(
+            "no run {run} in namespace(s) {} (the ones your certificate names)",
+            scope.list()
+        )))
+    }
+
     /// Who is pushing a workflow, if they may: a `coordinator` certificate, or a client the
     /// operator listed as a publisher. (Without TLS, on loopback, anyone may.)
     pub(super) fn publisher<T>(&self, req: &Request<T>) -> Result<String, Status> {
@@ -140,9 +187,10 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::LaunchRequest>,
     ) -> Result<Response<v1::LaunchReply>, Status> {
-        self.authorize(&req, "launch runs")?;
+        let scope = self.scope(&req, "launch runs")?;
+        let who = tls::peer_of(&req).map_or_else(|_| "insecure".to_owned(), |p| p.name);
         if let Some(mut leader) = self.leader_client().await? {
-            return leader.launch(req.into_inner()).await;
+            return leader.launch(forwarded(&scope, req.into_inner())).await;
         }
         let mut r = req.into_inner();
         check_version(&r.protocol_version)?;
@@ -188,11 +236,35 @@ impl ClientService for ClientSvc {
             "" => "{}",
             text => text,
         };
-        let settings: RunSettings = serde_json::from_str(settings_json).map_err(|e| {
+        let mut settings: RunSettings = serde_json::from_str(settings_json).map_err(|e| {
             ErrorKind::Invalid.status(format!(
                 "run settings are not valid: {e}; send a JSON object of run settings, or none for the defaults"
             ))
         })?;
+        // The run's namespace: the one asked for if the certificate names it, else (a resume)
+        // the parent's, else the certificate's first. A resumed run must be the caller's.
+        let mut asked = std::mem::take(&mut settings.namespace);
+        if !r.resume_from.is_empty() {
+            // An unknown run: the launch says there is nothing to resume.
+            let parent = match self.registry.namespace(&r.resume_from) {
+                Some(ns) => Some(ns),
+                None => history::namespace_of(self.coordinator.store(), &r.resume_from)
+                    .await
+                    .map_err(|e| {
+                        ErrorKind::Unavailable
+                            .status(format!("cannot read run {}: {e}", r.resume_from))
+                    })?,
+            };
+            if let Some(ns) = parent {
+                self.visible(&scope, &r.resume_from).await?;
+                if asked.is_empty() {
+                    asked = ns;
+                }
+            }
+        }
+        settings.namespace = scope
+            .choose(&asked, &who)
+            .map_err(|e| ErrorKind::Denied.status(e))?;
         let args =
             match &r.args_json {
                 None => None,
@@ -264,9 +336,10 @@ impl ClientService for ClientSvc {
     }
 
     async fn wait(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
-        self.authorize(&req, "read runs")?;
+        let scope = self.scope(&req, "read runs")?;
         let run = req.into_inner().run_id;
         check_run_id(&run)?;
+        self.visible(&scope, &run).await?;
         // Across a failover the run moves: wait where it runs, and follow it.
         let mut adopting = 0u32;
         let report = loop {
@@ -283,9 +356,12 @@ impl ClientService for ClientSvc {
             }
             if let Some(mut leader) = self.leader_client().await? {
                 match leader
-                    .wait(v1::RunRef {
-                        run_id: run.clone(),
-                    })
+                    .wait(forwarded(
+                        &scope,
+                        v1::RunRef {
+                            run_id: run.clone(),
+                        },
+                    ))
                     .await
                 {
                     Ok(r) => return Ok(r),
@@ -318,14 +394,15 @@ impl ClientService for ClientSvc {
     }
 
     async fn report(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
-        self.authorize(&req, "read runs")?;
+        let scope = self.scope(&req, "read runs")?;
         check_run_id(&req.get_ref().run_id)?;
         if !self.registry.lock().contains_key(&req.get_ref().run_id)
             && let Some(mut leader) = self.leader_client().await?
         {
-            return leader.report(req.into_inner()).await;
+            return leader.report(forwarded(&scope, req.into_inner())).await;
         }
         let run = req.into_inner().run_id;
+        self.visible(&scope, &run).await?;
         let done = self
             .registry
             .lock()
@@ -342,12 +419,13 @@ impl ClientService for ClientSvc {
     }
 
     async fn status(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StatusReply>, Status> {
-        self.authorize(&req, "read runs")?;
+        let scope = self.scope(&req, "read runs")?;
         check_run_id(&req.get_ref().run_id)?;
         if let Some(mut leader) = self.leader_client().await? {
-            return leader.status(req.into_inner()).await;
+            return leader.status(forwarded(&scope, req.into_inner())).await;
         }
         let run = req.into_inner().run_id;
+        self.visible(&scope, &run).await?;
         let entry = self
             .registry
             .lock()
@@ -365,12 +443,13 @@ impl ClientService for ClientSvc {
     }
 
     async fn stop(&self, req: Request<v1::RunRef>) -> Result<Response<v1::StopReply>, Status> {
-        self.authorize(&req, "stop runs")?;
+        let scope = self.scope(&req, "stop runs")?;
         check_run_id(&req.get_ref().run_id)?;
         if let Some(mut leader) = self.leader_client().await? {
-            return leader.stop(req.into_inner()).await;
+            return leader.stop(forwarded(&scope, req.into_inner())).await;
         }
         let run = req.into_inner().run_id;
+        self.visible(&scope, &run).await?;
         let stopper = self.registry.lock().get(&run).map(|e| e.stopper.clone());
         let stopped = stopper.is_some_and(|s| s.send(Control::Stop).is_ok());
         if !stopped {
@@ -385,9 +464,9 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::ListRunsRequest>,
     ) -> Result<Response<v1::ListRunsReply>, Status> {
-        self.authorize(&req, "list runs")?;
+        let scope = self.scope(&req, "list runs")?;
         let text = req.into_inner().filter_json;
-        let filter: crate::index::Filter = if text.trim().is_empty() {
+        let mut filter: crate::index::Filter = if text.trim().is_empty() {
             crate::index::Filter::default()
         } else {
             if text.len() > 64 << 10 {
@@ -407,6 +486,7 @@ impl ClientService for ClientSvc {
                 "the page token is not one a listing gave: pass the `next` of the page before",
             ));
         }
+        filter.within = scope.names().map(<[String]>::to_vec);
         let page = crate::index::page(self.coordinator.store(), &filter)
             .await
             .map_err(|e| ErrorKind::Unavailable.status(format!("cannot list runs: {e}")))?;
@@ -420,9 +500,11 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::ListWorkersRequest>,
     ) -> Result<Response<v1::ListWorkersReply>, Status> {
-        self.authorize(&req, "list workers")?;
+        let scope = self.scope(&req, "list workers")?;
         if let Some(mut leader) = self.leader_client().await? {
-            return leader.list_workers(req.into_inner()).await;
+            return leader
+                .list_workers(forwarded(&scope, req.into_inner()))
+                .await;
         }
         let workers = self
             .coordinator
@@ -447,16 +529,17 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::ControlRequest>,
     ) -> Result<Response<v1::ControlReply>, Status> {
-        self.authorize(&req, "control runs")?;
+        let scope = self.scope(&req, "control runs")?;
         check_run_id(&req.get_ref().run_id)?;
         if let Some(mut leader) = self.leader_client().await? {
-            return leader.control(req.into_inner()).await;
+            return leader.control(forwarded(&scope, req.into_inner())).await;
         }
         let v1::ControlRequest {
             run_id,
             action,
             agent,
         } = req.into_inner();
+        self.visible(&scope, &run_id).await?;
         let message = self.registry.control(&run_id, &action, &agent).await?;
         Ok(Response::new(v1::ControlReply { message }))
     }
@@ -465,9 +548,10 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::RunRef>,
     ) -> Result<Response<v1::ChangesReply>, Status> {
-        self.authorize(&req, "read runs")?;
+        let scope = self.scope(&req, "read runs")?;
         let run = req.into_inner().run_id;
         check_run_id(&run)?;
+        self.visible(&scope, &run).await?;
         // The journal is in the shared store: any coordinator of a group answers.
         let changes = crate::head::changes_of(self.coordinator.store(), &run)
             .await
@@ -605,10 +689,11 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::TranscriptsRequest>,
     ) -> Result<Response<v1::TranscriptsReply>, Status> {
-        self.authorize(&req, "read runs")?;
+        let scope = self.scope(&req, "read runs")?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
         check_run_id(&r.run_id)?;
+        self.visible(&scope, &r.run_id).await?;
         // Transcripts are in the shared store: any coordinator of a group can answer.
         let report = match self.registry.live_report(&r.run_id).await {
             Some(rep) => (*rep).clone(),
@@ -633,7 +718,7 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::CreateTokenRequest>,
     ) -> Result<Response<v1::CreateTokenReply>, Status> {
-        self.authorize(&req, "create session tokens")?;
+        let scope = self.scope(&req, "create session tokens")?;
         let Some(key) = &self.tokens else {
             return Err(ErrorKind::Conflict
                 .status("this coordinator runs --insecure: its pages need no token"));
@@ -647,7 +732,7 @@ impl ClientService for ClientSvc {
             return Err(ErrorKind::Invalid
                 .status("a session token lives at most 30 days; ask for a shorter --ttl"));
         }
-        let token = key.issue(&subject, ttl);
+        let token = key.issue_for(&subject, &scope, ttl);
         let claims = key
             .verify(&token)
             .map_err(|e| ErrorKind::Internal.status(format!("cannot issue a token: {e}")))?;
@@ -665,3 +750,16 @@ impl ClientService for ClientSvc {
 
 /// How long a standby waits for some coordinator to lead before it gives up on a request.
 pub(super) const LEADER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Metadata of a request a standby forwards to the leader: the namespaces of the client it
+/// forwards for ([`Scope::encode`]). The leader reads it only from a `coordinator` peer.
+pub(super) const ON_BEHALF: &str = "x-flotilla-scope";
+
+/// `msg` as forwarded for a caller of `scope`.
+pub(super) fn forwarded<T>(scope: &Scope, msg: T) -> Request<T> {
+    let mut req = Request::new(msg);
+    if let Ok(v) = scope.encode().parse() {
+        req.metadata_mut().insert(ON_BEHALF, v);
+    }
+    req
+}

@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::coordinator::Coordinator;
+use crate::namespace::Scope;
 use crate::report::{Report, RunStatus};
 use crate::run::{AgentAction, Control, RunHandle, Snapshot};
 use crate::settings::RunSettings;

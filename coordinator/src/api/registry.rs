@@ -18,6 +18,7 @@ impl std::fmt::Debug for RunRegistry {
 }
 
 pub(super) struct RunEntry {
+    pub(super) namespace: String,
     pub(super) snapshot: watch::Receiver<Arc<Snapshot>>,
     pub(super) stopper: mpsc::UnboundedSender<Control>,
     pub(super) report: watch::Receiver<Option<Arc<Report>>>,
@@ -56,6 +57,11 @@ impl RunRegistry {
             .values()
             .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().is_some()))
             .collect()
+    }
+
+    /// The namespace of a run this coordinator runs (or ran since it started).
+    pub fn namespace(&self, run: &str) -> Option<String> {
+        self.lock().get(run).map(|e| e.namespace.clone())
     }
 
     /// The live snapshot of a run this coordinator runs, and its report once it has ended.
@@ -188,6 +194,7 @@ impl RunRegistry {
     pub fn track(&self, handle: RunHandle) {
         let (report_tx, report_rx) = watch::channel(None);
         let entry = RunEntry {
+            namespace: handle.namespace.clone(),
             snapshot: handle.snapshot.clone(),
             stopper: handle.stopper(),
             report: report_rx,
@@ -221,6 +228,7 @@ mod tests {
         registry.lock().insert(
             "wf_many".into(),
             RunEntry {
+                namespace: "default".into(),
                 snapshot,
                 stopper,
                 report,

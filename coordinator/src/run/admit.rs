@@ -81,9 +81,11 @@ impl Admitted {
             group: self.group.clone(),
             schema_attempts: settings.schema_attempts,
             options_json: Value::Object(spec.options.clone()).to_string(),
+            // The namespace's pinned labels win over the call's own.
             placement_labels: spec
                 .placement
                 .iter()
+                .chain(&settings.pinned_labels)
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             agent_def_json: self.agent_def.clone().unwrap_or_default(),

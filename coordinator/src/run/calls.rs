@@ -31,7 +31,17 @@ impl RunEngine {
         match admission {
             admit::Admission::Rejected(code, message) => self.reject(id, code, message),
             admit::Admission::Cached(admitted, record) => self.serve(id, admitted, *record),
-            admit::Admission::Dispatch(admitted) => self.dispatch(id, admitted),
+            admit::Admission::Dispatch(admitted) => {
+                // A new agent counts against its namespace's daily quotas; one served from
+                // the run it resumes does not.
+                if let Some(q) = &self.init.quotas
+                    && let Err(e) = q.take_agent(&self.init.settings.namespace)
+                {
+                    self.reject(id, RejectCode::QuotaExceeded, e.to_string());
+                    return;
+                }
+                self.dispatch(id, admitted)
+            }
         }
     }
 
@@ -251,7 +261,18 @@ impl RunEngine {
                 events,
             } => self.store_transcript(call, attempt, events),
             CallEvent::Usage { call, usage, .. } => {
-                let u = UsageRecord::from(&usage);
+                let mut u = UsageRecord::from(&usage);
+                // The namespace's price table costs the tokens of the models it prices.
+                if let Some(price) = self
+                    .calls
+                    .get(call as usize)
+                    .and_then(|c| crate::namespace::price_of(&self.init.settings.prices, &c.model))
+                {
+                    u.cost_usd = price.cost(&u);
+                }
+                if let Some(q) = &self.init.quotas {
+                    q.add(&self.init.settings.namespace, &u);
+                }
                 self.usage.add(&u);
                 self.init
                     .shared

@@ -84,6 +84,8 @@ pub enum AgentAction {
 #[derive(Debug)]
 pub struct RunHandle {
     pub run_id: String,
+    /// The namespace it belongs to.
+    pub namespace: String,
     pub snapshot: watch::Receiver<Arc<Snapshot>>,
     control: mpsc::UnboundedSender<Control>,
     report: oneshot::Receiver<Report>,
@@ -140,6 +142,8 @@ pub struct EngineInit {
     pub indexed: Option<crate::index::Entry>,
     /// Sends the end webhook when the run's settings name one.
     pub notifier: Option<Arc<crate::notify::Notifier>>,
+    /// The namespaces' policies and daily quotas (`None`: no quotas, weight 1).
+    pub quotas: Option<Arc<crate::namespace::Quotas>>,
 }
 
 struct Call {
@@ -248,6 +252,7 @@ pub fn start(
     reply: ReplySink,
 ) -> RunHandle {
     let run_id = init.run_id.clone();
+    let namespace = crate::namespace::effective(&init.settings.namespace).to_owned();
     let (snap_tx, snap_rx) = watch::channel(Arc::new(Snapshot {
         run_id: run_id.clone(),
         workflow: init.workflow.clone(),
@@ -263,6 +268,7 @@ pub fn start(
     });
     RunHandle {
         run_id,
+        namespace,
         snapshot: snap_rx,
         control: control_tx,
         report: report_rx,
@@ -331,6 +337,22 @@ impl RunEngine {
         }
     }
 
+    /// The run's namespace as the dispatcher shares slots by it.
+    fn share(&self) -> crate::sched::Share {
+        let ns = crate::namespace::effective(&self.init.settings.namespace);
+        let policy = self
+            .init
+            .quotas
+            .as_ref()
+            .map(|q| q.policy(ns))
+            .unwrap_or_default();
+        crate::sched::Share {
+            namespace: Arc::from(ns),
+            weight: policy.weight,
+            max_agents: policy.max_agents.map(|m| m as usize),
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
@@ -396,6 +418,7 @@ impl RunEngine {
             throttle_wait: Duration::from_millis(self.init.settings.throttle_wait_ms),
             head: self.head_watch.clone(),
             events: call_tx,
+            share: self.share(),
         });
         self.event(RunEvent::Status {
             status: "running".into(),

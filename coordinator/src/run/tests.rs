@@ -77,6 +77,7 @@ fn engine(
         cache_dir: None,
         indexed: None,
         notifier: None,
+        quotas: None,
     };
     let handle = start(
         init,

@@ -217,6 +217,7 @@ impl RunEngine {
                 }))
                 .collect(),
             notify: None,
+            namespace: self.init.settings.namespace.clone(),
             usage,
             agents,
             groups,

@@ -41,6 +41,8 @@ pub(super) struct WorkerState {
     pub(super) labels: std::collections::BTreeMap<String, String>,
     /// The provider account each of its backends calls through (admission).
     pub(super) accounts: HashMap<String, Arc<str>>,
+    /// Backends whose model server keeps a prefix cache local to this worker.
+    pub(super) local_cache: HashSet<String>,
     /// Assignments this worker holds a slot for: (run, call, attempt).
     pub(super) running: HashSet<Slot>,
     /// Attempts it held when it attached that this coordinator did not assign: a run taken
@@ -152,6 +154,12 @@ impl WorkerState {
             .iter()
             .map(|a| (a.backend.clone(), Arc::from(a.id.as_str())))
             .collect();
+        self.local_cache = h
+            .accounts
+            .iter()
+            .filter(|a| a.local_cache)
+            .map(|a| a.backend.clone())
+            .collect();
     }
 
     /// Has the task's backend (and model, when it lists models) and every label its
@@ -214,7 +222,7 @@ impl Fleet {
     /// equals), if one has a slot free.
     #[cfg(test)]
     pub fn pick(&self, task: &v1::TaskSpec) -> Option<u64> {
-        self.pick_where(task, |_| true)
+        self.pick_where(task, None, |_| true)
     }
 
     /// Like [`Fleet::pick`], among the workers whose account for the task's backend (`None`:
@@ -222,6 +230,7 @@ impl Fleet {
     pub fn pick_where(
         &self,
         task: &v1::TaskSpec,
+        prefer: Option<u64>,
         mut admits: impl FnMut(Option<&Arc<str>>) -> bool,
     ) -> Option<u64> {
         let mut free: Vec<(&u64, &WorkerState)> = self
@@ -229,10 +238,32 @@ impl Fleet {
             .iter()
             .filter(|(_, w)| w.ready() && w.taken() < w.slots && w.offers(task))
             .collect();
-        free.sort_by_key(|(wid, w)| (std::cmp::Reverse(w.slots - w.taken()), **wid));
+        // The preferred worker (where the call's prefix was served) first, then the one with
+        // the most free slots.
+        free.sort_by_key(|(wid, w)| {
+            (
+                Some(**wid) != prefer,
+                std::cmp::Reverse(w.slots - w.taken()),
+                **wid,
+            )
+        });
         free.into_iter()
             .find(|(_, w)| admits(w.accounts.get(&task.backend)))
             .map(|(wid, _)| *wid)
+    }
+
+    /// Whether worker `wid`'s model server for `backend` keeps a prefix cache of its own.
+    pub fn caches_locally(&self, wid: u64, backend: &str) -> bool {
+        self.workers
+            .get(&wid)
+            .is_some_and(|w| w.local_cache.contains(backend))
+    }
+
+    /// Whether worker `wid` is ready with a free slot and offers the task.
+    pub fn has_room_for(&self, wid: u64, task: &v1::TaskSpec) -> bool {
+        self.workers
+            .get(&wid)
+            .is_some_and(|w| w.ready() && w.taken() < w.slots && w.offers(task))
     }
 
     /// The account worker `wid` calls through for `backend`.
@@ -380,6 +411,7 @@ impl Fleet {
                 models: HashSet::new(),
                 labels: Default::default(),
                 accounts: HashMap::new(),
+                local_cache: HashSet::new(),
                 orphans: Orphans::default(),
                 orphan_outcomes: Default::default(),
                 running: HashSet::new(),
@@ -566,6 +598,7 @@ mod tests {
                 models: HashSet::new(),
                 labels: Default::default(),
                 accounts: HashMap::new(),
+                local_cache: HashSet::new(),
                 running: HashSet::new(),
                 orphans: Orphans::default(),
                 orphan_outcomes: HashMap::new(),

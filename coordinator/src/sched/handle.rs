@@ -17,6 +17,10 @@ pub struct DispatchOptions {
     /// Admission per provider account (adaptive windows, pacing); `false`
     /// (`FLOTILLA_ADMISSION=off`): calls go as slots and run concurrency allow.
     pub admission: bool,
+    /// Prefix affinity: calls that share a prompt prefix go to the worker that served it
+    /// first when its model server caches prefixes locally; `false`
+    /// (`FLOTILLA_AFFINITY=off`): wherever a slot is free.
+    pub affinity: bool,
 }
 
 impl Default for DispatchOptions {
@@ -25,6 +29,7 @@ impl Default for DispatchOptions {
             worker_ttl: WORKER_LEASE_TTL,
             fixed_fleet: false,
             admission: true,
+            affinity: true,
         }
     }
 }
@@ -48,6 +53,8 @@ pub struct RunRegistration {
     /// when the attempt is sent.
     pub head: Option<tokio::sync::watch::Receiver<String>>,
     pub events: mpsc::UnboundedSender<CallEvent>,
+    /// Its namespace, with the namespace's weight and cap.
+    pub share: super::Share,
 }
 
 /// One call to run.
@@ -166,6 +173,19 @@ pub struct Stats {
     pub assigned: u64,
     /// The provider accounts' admission.
     pub accounts: Vec<super::admission::AccountView>,
+    /// The namespaces with runs: what they run and queue, by name.
+    pub namespaces: Vec<NamespaceView>,
+}
+
+/// A namespace as the dispatcher shares slots by it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NamespaceView {
+    pub name: String,
+    pub weight: u32,
+    pub max_agents: Option<usize>,
+    pub runs: usize,
+    pub running: usize,
+    pub queued: usize,
 }
 
 /// Cheap handle to the dispatcher.

@@ -6,11 +6,15 @@
 //! assignments only against free slots.
 //!
 //! What the dispatcher decides:
-//! - **order**: runs take turns (round robin) so one big run cannot starve another; within a
-//!   run, calls go in submission order; a restarted call goes to the front;
-//! - **limits**: per-run concurrency (W38) and worker slots; the run engine owns the budgets
+//! - **order**: namespaces share the slots by weight, runs within one take turns (round robin)
+//!   so one big run cannot starve another; within a run, calls go in submission order; a
+//!   restarted call goes to the front;
+//! - **limits**: a namespace's cap on running agents, per-run concurrency (W38) and worker slots; the run engine owns the budgets
 //!   and says when they stop calls, and the calls end here, where their outcomes come in
 //!   (a call whose outcome is in already is not stopped);
+//! - **prefix affinity**: where a worker's model server keeps a prefix cache of its own, the
+//!   calls of a prefix group go back to the worker that served the group first when it has
+//!   a free slot (`place.rs`);
 //! - **prefix stagger** (W60): the first call of a prefix group goes alone; the others of the
 //!   group wait until its response begins or the hold cap passes;
 //! - **usage-limit waits** (W59): a rate-limited attempt makes its call wait `retry_after`
@@ -69,9 +73,11 @@ mod stagger;
 mod workers;
 
 pub use admission::AccountView;
+pub use fair::Share;
 use handle::Msg;
 pub use handle::{
-    DispatchHandle, DispatchOptions, RunRegistration, Stats, Ticket, WORKER_LEASE_TTL, WorkerView,
+    DispatchHandle, DispatchOptions, NamespaceView, RunRegistration, Stats, Ticket,
+    WORKER_LEASE_TTL, WorkerView,
 };
 
 use fleet::Fleet;
@@ -207,13 +213,14 @@ pub fn spawn_with(
         assigned: 0,
         leases,
         runs: HashMap::new(),
-        turns: fair::Turns::default(),
+        shares: fair::Shares::default(),
         calls: HashMap::new(),
         fleet: Fleet::new(keys),
         stagger: stagger::Stagger::default(),
         gates: gates::Gates::default(),
         admission: admission::Admission::default(),
         paced_wake: None,
+        affinity: HashMap::new(),
         unplaceable: HashMap::new(),
         sources,
         source_acks: HashMap::new(),
@@ -231,8 +238,8 @@ struct Dispatcher {
     assigned: u64,
     leases: Arc<dyn LeaseStore>,
     runs: HashMap<Arc<str>, RunState>,
-    /// Fair share: runs take turns.
-    turns: fair::Turns,
+    /// Fair share: namespaces by weight, runs in turn.
+    shares: fair::Shares,
     /// Boxed: a call's state is several hundred bytes, and a table sized for ten thousand
     /// calls in flight would otherwise hold that much in every empty slot too.
     calls: HashMap<CallId, Box<CallState>>,
@@ -245,6 +252,9 @@ struct Dispatcher {
     admission: admission::Admission,
     /// When the pump is woken for a paced account (one timer at a time).
     paced_wake: Option<Instant>,
+    /// Prefix affinity: the worker that first served each prefix group through a model
+    /// server with a local prefix cache.
+    affinity: HashMap<u64, u64>,
     /// Calls set aside because no attached worker offers their backend and model: since when,
     /// why, and when they give up. They go back to their queues whenever a worker becomes
     /// ready.
@@ -328,9 +338,28 @@ impl Dispatcher {
                     running: self.runs.values().map(|r| r.running).sum(),
                     assigned: self.assigned,
                     accounts: self.admission.views(),
+                    namespaces: self.namespace_views(),
                 });
             }
         }
+    }
+
+    /// The namespaces with runs, by name.
+    fn namespace_views(&self) -> Vec<NamespaceView> {
+        let mut by: std::collections::BTreeMap<&str, NamespaceView> = Default::default();
+        for r in self.runs.values() {
+            let share = &r.reg.share;
+            let v = by.entry(&share.namespace).or_insert_with(|| NamespaceView {
+                name: share.namespace.to_string(),
+                weight: share.weight,
+                max_agents: share.max_agents,
+                ..NamespaceView::default()
+            });
+            v.runs += 1;
+            v.running += r.running;
+            v.queued += r.queue.len();
+        }
+        by.into_values().collect()
     }
 
     fn register(&mut self, reg: RunRegistration) {
@@ -347,7 +376,8 @@ impl Dispatcher {
                 retries: 0,
             },
         );
-        self.turns.join(id);
+        let share = self.runs[&id].reg.share.clone();
+        self.shares.join(id, &share);
     }
 
     fn submit(&mut self, run: Arc<str>, ticket: Ticket) {
@@ -400,8 +430,9 @@ impl Dispatcher {
         for id in ids {
             self.cancel_call(&id, "the run ended");
         }
-        self.runs.remove(run);
-        self.turns.leave(run);
+        if let Some(r) = self.runs.remove(run) {
+            self.shares.leave(run, &r.reg.share.namespace);
+        }
         self.stagger.forget_run(run);
     }
 

@@ -1,4 +1,5 @@
-//! Placement: which call goes to which worker slot, and when. Runs take turns; a call passes
+//! Placement: which call goes to which worker slot, and when. Namespaces share by weight and
+//! their runs take turns (`fair.rs`); a call passes
 //! the budget, its usage-limit gate and its prefix group's stagger, then takes the free slot of
 //! a worker that offers its backend and model; its attempt key is written under that worker's
 //! lease, and only then is the assignment sent.
@@ -10,30 +11,43 @@ impl Dispatcher {
     pub(super) fn pump(&mut self) {
         let mut blocked: HashSet<Arc<str>> = HashSet::new();
         let mut turns = 0usize;
+        // Agents running per namespace, kept up to date as this round places calls.
+        let mut running: HashMap<Arc<str>, usize> = HashMap::new();
+        for r in self.runs.values() {
+            *running.entry(r.reg.share.namespace.clone()).or_default() += r.running;
+        }
         loop {
             if !self.fleet.has_free_slot() {
                 return;
             }
-            // Next run in turn that can take a call.
+            // Next run in turn (of the namespace furthest below its share) that can take a call.
             let runs = &self.runs;
-            let picked = self.turns.next(|run| {
-                !blocked.contains(run)
-                    && runs.get(run).is_some_and(|r| {
-                        !r.paused && !r.queue.is_empty() && r.running < r.reg.concurrency
-                    })
-            });
+            let picked = self.shares.next(
+                |ns| running.get(ns).copied().unwrap_or(0),
+                |run| {
+                    !blocked.contains(run)
+                        && runs.get(run).is_some_and(|r| {
+                            !r.paused && !r.queue.is_empty() && r.running < r.reg.concurrency
+                        })
+                },
+            );
             let Some(run) = picked else { return };
             turns += 1;
             if turns > 1_000_000 {
                 tracing::error!("dispatcher pump made no progress; stopping this round");
                 return;
             }
-            let Some(call) = self.runs.get_mut(&run).and_then(|r| r.queue.pop_front()) else {
+            let Some(call) = self.next_call(&run) else {
                 continue;
             };
             let id: CallId = (run.clone(), call);
             match self.place(&id) {
-                Placement::Dispatched | Placement::Parked | Placement::Gone => {}
+                Placement::Dispatched => {
+                    if let Some(r) = self.runs.get(&run) {
+                        *running.entry(r.reg.share.namespace.clone()).or_default() += 1;
+                    }
+                }
+                Placement::Parked | Placement::Gone => {}
                 Placement::Unplaceable => self.set_aside(&id),
                 Placement::NoWorker => {
                     if let Some(r) = self.runs.get_mut(&run) {
@@ -43,6 +57,29 @@ impl Dispatcher {
                 }
             }
         }
+    }
+
+    /// The call of `run` to place next: the first in its queue, unless prefix affinity says
+    /// otherwise — then the first of the next [`AFFINITY_SCAN`] whose group's worker has a
+    /// free slot, or that has no worker yet (a call whose worker is busy waits for it while
+    /// others can go).
+    fn next_call(&mut self, run: &Arc<str>) -> Option<u64> {
+        if self.opts.affinity && !self.affinity.is_empty() {
+            let r = self.runs.get(run)?;
+            let pick = r.queue.iter().take(AFFINITY_SCAN).position(|call| {
+                let Some(c) = self.calls.get(&(run.clone(), *call)) else {
+                    return true;
+                };
+                match self.affinity.get(&c.ticket.prefix_group) {
+                    None => true,
+                    Some(&wid) => self.fleet.has_room_for(wid, &c.ticket.task),
+                }
+            });
+            if let Some(i) = pick.filter(|&i| i > 0) {
+                return self.runs.get_mut(run)?.queue.remove(i);
+            }
+        }
+        self.runs.get_mut(run)?.queue.pop_front()
     }
 
     /// Puts a call no attached worker can run aside, says why once, and starts its wait.
@@ -177,10 +214,15 @@ impl Dispatcher {
         // in the provider account it calls through.
         let prompt_tokens = prompt_tokens(&c.ticket.task);
         let (mut full, mut paced): (Option<Arc<str>>, Option<Instant>) = (None, None);
+        let prefer = self
+            .opts
+            .affinity
+            .then(|| self.affinity.get(&group).copied())
+            .flatten();
         let admission = &mut self.admission;
         let picked = self
             .fleet
-            .pick_where(&c.ticket.task, |account| match account {
+            .pick_where(&c.ticket.task, prefer, |account| match account {
                 None => true,
                 Some(a) => match admission.room(a, prompt_tokens, now) {
                     Ok(()) => true,
@@ -243,6 +285,21 @@ impl Dispatcher {
         };
         c.attempt += 1;
         self.assigned += 1;
+        // The first worker to serve a prefix group through a local prefix cache keeps it
+        // (unless it is gone).
+        let group = c.ticket.prefix_group;
+        if self.opts.affinity && self.fleet.caches_locally(wid, &c.ticket.task.backend) {
+            let kept = self
+                .affinity
+                .get(&group)
+                .is_some_and(|w| self.fleet.workers.get(w).is_some_and(|w| w.ready()));
+            if !kept {
+                if self.affinity.len() >= AFFINITY_GROUPS {
+                    self.affinity.clear();
+                }
+                self.affinity.insert(group, wid);
+            }
+        }
         if self.unplaceable.remove(id).is_some()
             && let Some(r) = self.runs.get(&id.0)
         {
@@ -359,6 +416,11 @@ fn trace_context(span: &tracing::Span) -> HashMap<String, String> {
     opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut out));
     out
 }
+
+/// Queued calls of a run looked at for one whose prefix's worker has room (prefix affinity).
+const AFFINITY_SCAN: usize = 32;
+/// Prefix groups remembered at most; past it the map starts over.
+const AFFINITY_GROUPS: usize = 65_536;
 
 /// About how many input tokens a task's prompt is (four bytes a token), for pacing.
 fn prompt_tokens(task: &v1::TaskSpec) -> u64 {

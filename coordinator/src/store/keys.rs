@@ -14,6 +14,7 @@
 //! workflows/{name}.js                      workflows saved on the server
 //! index/runs/{countdown}-{run}.json         the run index (see `index`): newest first
 //! notify/outbox/{run}.json                 a webhook not yet delivered (see `notify`)
+//! namespaces/{ns}/usage/{day}.json         what a namespace used on a UTC day (see `namespace`)
 //! sources/{repo}/packs/{sha256}.pack       git objects of run sources, stored once
 //! sources/{repo}/commits/{commit}.json     which pack holds a commit, and what it needs
 //! ```
@@ -96,6 +97,11 @@ pub fn notify_outboxes() -> Path {
 
 pub fn notify_outbox(run: &str) -> Path {
     Path::from(format!("notify/outbox/{run}.json"))
+}
+
+/// What namespace `ns` used on UTC day `day` (`YYYY-MM-DD`).
+pub fn namespace_usage(ns: &str, day: &str) -> Path {
+    Path::from(format!("namespaces/{ns}/usage/{day}.json"))
 }
 
 pub fn payload(sha256_hex: &str) -> Path {

@@ -26,6 +26,20 @@ pub struct Claims {
     pub sub: String,
     /// Expiry, seconds since the Unix epoch.
     pub exp: u64,
+    /// The namespaces it shows (`namespace::Scope::encode`: `*` or names); tokens from
+    /// before namespaces carry none and show all, as they did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ns: Option<String>,
+}
+
+impl Claims {
+    /// The namespaces the token shows.
+    pub fn scope(&self) -> crate::namespace::Scope {
+        self.ns.as_deref().map_or(
+            crate::namespace::Scope::All,
+            crate::namespace::Scope::decode,
+        )
+    }
 }
 
 pub(super) fn now_secs() -> u64 {
@@ -44,11 +58,18 @@ impl TokenKey {
         TokenKey(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, seed.as_ref()))
     }
 
-    /// A token for `sub`, valid for `ttl` (at most [`MAX_TOKEN_TTL`]).
+    /// A token for `sub` that shows every namespace, valid for `ttl` (at most
+    /// [`MAX_TOKEN_TTL`]).
     pub fn issue(&self, sub: &str, ttl: Duration) -> String {
+        self.issue_for(sub, &crate::namespace::Scope::All, ttl)
+    }
+
+    /// A token for `sub` that shows the namespaces of `scope`.
+    pub fn issue_for(&self, sub: &str, scope: &crate::namespace::Scope, ttl: Duration) -> String {
         let claims = Claims {
             sub: sub.to_owned(),
             exp: now_secs() + ttl.min(MAX_TOKEN_TTL).as_secs(),
+            ns: Some(scope.encode()),
         };
         let body = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&claims).unwrap_or_default());
         let tag = ring::hmac::sign(&self.0, body.as_bytes());
@@ -201,14 +222,18 @@ pub(super) fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
 }
 
 /// Why a request is refused; `Ok` when it may go on.
-pub(super) fn check(web: &Web, headers: &HeaderMap) -> Result<(), &'static str> {
+/// The namespaces the request's token shows (all without tokens), or why it has none.
+pub(super) fn check(
+    web: &Web,
+    headers: &HeaderMap,
+) -> Result<crate::namespace::Scope, &'static str> {
     let Some(key) = web.access.tokens() else {
-        return Ok(());
+        return Ok(crate::namespace::Scope::All);
     };
     let token = token_of(headers).ok_or(
         "sign in first: run `flotilla token create` (with your client certificate) and open the link it prints",
     )?;
-    key.verify(&token).map(|_| ())
+    key.verify(&token).map(|c| c.scope())
 }
 
 pub(super) fn refuse(why: &str, json: bool) -> Response {

@@ -16,7 +16,10 @@ pub(super) async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Respo
     let tracked = Tracked::of(web.registry.all());
     let stats = web.coordinator.dispatch().stats().await.unwrap_or_default();
     let workers = web.coordinator.dispatch().workers().await;
-    let body = render(&tracked, &stats, &workers);
+    let mut body = render(&tracked, &stats, &workers);
+    if let Some(q) = web.coordinator.quotas() {
+        body.push_str(&quotas(&q.views(), &q.refusals()));
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
@@ -167,6 +170,92 @@ fn fleet(e: &mut Exposition, stats: &Stats, workers: &[WorkerView]) {
         ],
     );
     accounts(e, stats);
+    namespaces(e, stats);
+}
+
+/// The namespaces: what they run and queue (from `stats`, in `render`).
+fn namespaces(e: &mut Exposition, stats: &Stats) {
+    let rows = |f: &dyn Fn(&crate::sched::NamespaceView) -> u64| -> Vec<(String, u64)> {
+        stats
+            .namespaces
+            .iter()
+            .map(|n| (label("namespace", &n.name), f(n)))
+            .collect()
+    };
+    e.family(
+        "flotilla_namespace_running",
+        "gauge",
+        "Agents of a namespace's runs on worker slots.",
+        &rows(&|n| n.running as u64),
+    );
+    e.family(
+        "flotilla_namespace_queued",
+        "gauge",
+        "Agents of a namespace's runs waiting for a slot.",
+        &rows(&|n| n.queued as u64),
+    );
+    e.family(
+        "flotilla_namespace_weight",
+        "gauge",
+        "A namespace's weight: its share of the slots against the others'.",
+        &rows(&|n| u64::from(n.weight)),
+    );
+}
+
+/// The namespaces' daily use and their quota refusals.
+fn quotas(
+    views: &[crate::namespace::QuotaView],
+    refusals: &std::collections::BTreeMap<(String, &'static str), u64>,
+) -> String {
+    let mut e = Exposition::default();
+    let rows = |f: &dyn Fn(&crate::namespace::QuotaView) -> u64| -> Vec<(String, u64)> {
+        views
+            .iter()
+            .map(|v| (label("namespace", &v.namespace), f(v)))
+            .collect()
+    };
+    e.family(
+        "flotilla_namespace_agents_today",
+        "gauge",
+        "Agents a namespace started today (UTC).",
+        &rows(&|v| v.used.agents),
+    );
+    e.family(
+        "flotilla_namespace_tokens_today",
+        "gauge",
+        "Input and output tokens a namespace's agents used today (UTC).",
+        &rows(&|v| v.used.tokens),
+    );
+    e.0.push_str(
+        "# HELP flotilla_namespace_cost_usd_today What a namespace's agents cost today (UTC), in US dollars.\n# TYPE flotilla_namespace_cost_usd_today gauge\n",
+    );
+    for v in views {
+        e.0.push_str(&format!(
+            "flotilla_namespace_cost_usd_today{} {}\n",
+            label("namespace", &v.namespace),
+            v.used.cost_usd
+        ));
+    }
+    let refused: Vec<(String, u64)> = refusals
+        .iter()
+        .map(|((ns, quota), n)| {
+            (
+                format!(
+                    "{{namespace=\"{}\",quota=\"{}\"}}",
+                    ns.replace('\\', "\\\\").replace('"', "\\\""),
+                    quota.replace(' ', "_")
+                ),
+                *n,
+            )
+        })
+        .collect();
+    e.family(
+        "flotilla_quota_refusals_total",
+        "counter",
+        "Launches and agents refused because their namespace used up a daily quota (QUOTA_EXCEEDED).",
+        &refused,
+    );
+    e.0
 }
 
 /// Admission per provider account.

@@ -502,6 +502,7 @@ mod tests {
             agents_omitted: 0,
             warnings: Vec::new(),
             notify: None,
+            namespace: String::new(),
         };
         let d = PageData {
             report: Arc::new(report),

@@ -3,6 +3,50 @@
 
 use super::*;
 
+/// The signed-in check of a run's routes: the token must show the run's namespace (a run
+/// outside it is answered as not there). `Err`: the response to send instead.
+pub(super) async fn allowed(
+    web: &Web,
+    headers: &HeaderMap,
+    run: &str,
+    json: bool,
+) -> Result<(), Response> {
+    let scope = check(web, headers).map_err(|why| refuse(why, json))?;
+    if scope == crate::namespace::Scope::All {
+        return Ok(());
+    }
+    let ns = match web.registry.namespace(run) {
+        Some(ns) => Some(ns),
+        None => history::namespace_of(web.coordinator.store(), run)
+            .await
+            .ok()
+            .flatten(),
+    };
+    if ns.is_some_and(|ns| scope.may(&ns)) {
+        return Ok(());
+    }
+    let msg = format!(
+        "no run {run} in namespace(s) {} (the ones your sign-in shows)",
+        scope.list()
+    );
+    Err(if json {
+        (
+            http(ErrorKind::NotFound),
+            axum::Json(serde_json::json!({ "error": msg })),
+        )
+            .into_response()
+    } else {
+        (
+            http(ErrorKind::NotFound),
+            Html(page(
+                "Not found",
+                &format!("<p class=err>{}</p>", esc(&msg)),
+            )),
+        )
+            .into_response()
+    })
+}
+
 /// What a page shows of a run: live from this coordinator, or its stored report.
 #[derive(Debug, Clone, Serialize)]
 pub(super) struct RunView {
@@ -50,8 +94,8 @@ pub(super) async fn run_json(
     Path(run): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, true);
+    if let Err(refused) = allowed(&web, &headers, &run, true).await {
+        return refused;
     }
     match view(&web, &run).await {
         Ok(v) => axum::Json(v).into_response(),
@@ -78,8 +122,8 @@ pub(super) async fn run_page(
     Query(q): Query<AllQuery>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, false);
+    if let Err(refused) = allowed(&web, &headers, &run, false).await {
+        return refused;
     }
     match page_data(&web, &run).await {
         Ok(d) => Html(render_run(&d, q.all())).into_response(),
@@ -104,8 +148,8 @@ pub(super) async fn run_events(
     headers: HeaderMap,
 ) -> Response {
     use axum::response::sse::{Event, KeepAlive, Sse};
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, true);
+    if let Err(refused) = allowed(&web, &headers, &run, true).await {
+        return refused;
     }
     let all = q.all();
     let stream = futures::stream::unfold(
@@ -168,8 +212,8 @@ pub(super) async fn agent_page(
     Path((run, index)): Path<(String, u64)>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, false);
+    if let Err(refused) = allowed(&web, &headers, &run, false).await {
+        return refused;
     }
     let d = match page_data(&web, &run).await {
         Ok(d) => d,
@@ -266,8 +310,8 @@ pub(super) async fn run_diff(
     Path(run): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, false);
+    if let Err(refused) = allowed(&web, &headers, &run, false).await {
+        return refused;
     }
     let c = match crate::head::changes_of(web.coordinator.store(), &run).await {
         Ok(c) => c,
@@ -321,8 +365,8 @@ pub(super) async fn control(
     headers: HeaderMap,
     axum::Json(body): axum::Json<ControlBody>,
 ) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, true);
+    if let Err(refused) = allowed(&web, &headers, &run, true).await {
+        return refused;
     }
     if !headers.contains_key("x-flotilla") {
         return (
@@ -342,10 +386,16 @@ pub(super) async fn control(
 }
 
 pub(super) async fn runs_json(State(web): State<Web>, headers: HeaderMap) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, true);
-    }
-    match history::list_runs(web.coordinator.store()).await {
+    let scope = match check(&web, &headers) {
+        Ok(s) => s,
+        Err(why) => return refuse(why, true),
+    };
+    match history::list_runs(
+        web.coordinator.store(),
+        scope.names().map(<[String]>::to_vec),
+    )
+    .await
+    {
         Ok(runs) => axum::Json(runs).into_response(),
         Err(e) => (
             http(ErrorKind::Unavailable),
@@ -356,10 +406,16 @@ pub(super) async fn runs_json(State(web): State<Web>, headers: HeaderMap) -> Res
 }
 
 pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, false);
-    }
-    let runs = match history::list_runs(web.coordinator.store()).await {
+    let scope = match check(&web, &headers) {
+        Ok(s) => s,
+        Err(why) => return refuse(why, false),
+    };
+    let runs = match history::list_runs(
+        web.coordinator.store(),
+        scope.names().map(<[String]>::to_vec),
+    )
+    .await
+    {
         Ok(r) => r,
         Err(e) => {
             return (

@@ -168,3 +168,29 @@ fn the_admission_benchmark_runs_and_reports_both_modes() {
         "{r}"
     );
 }
+
+/// `flotilla bench affinity`: with prefix affinity most prefix tokens come from the servers'
+/// caches (each worker sees a couple of the eight prefixes); spread over every worker, each
+/// cache of two thrashes between eight. Counts, not times.
+#[test]
+fn the_affinity_benchmark_runs_and_affinity_hits_the_prefix_caches() {
+    let env = Env::new();
+    let out = env.flotilla(&[
+        "bench",
+        "affinity",
+        "--calls",
+        "240",
+        "--rounds",
+        "1",
+        "--prefill-ms",
+        "5",
+        "--decode-ms",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    let share = |m: &str| r[m]["cached_share"].as_f64().unwrap_or(-1.0);
+    assert!(share("affinity") > 0.8, "{r}");
+    assert!(share("spread") < share("affinity") - 0.3, "{r}");
+}

@@ -25,6 +25,7 @@ mod exec;
 mod limits;
 mod mcp;
 mod models;
+mod namespaces;
 mod openai;
 mod resume;
 mod script;

@@ -133,6 +133,7 @@ fn register(
         throttle_wait: Duration::from_secs(900),
         head: None,
         events: tx,
+        share: crate::sched::Share::default(),
     });
     (id, rx)
 }
@@ -227,6 +228,7 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
         throttle_wait: Duration::from_secs(900),
         head: Some(head),
         events: tx,
+        share: crate::sched::Share::default(),
     });
     let mut t = ticket(0);
     t.task.source_repo = "r1".into();
@@ -380,6 +382,7 @@ async fn the_stagger_cap_holds_for_the_current_leader_however_long_it_runs() {
         throttle_wait: Duration::from_secs(900),
         head: None,
         events: tx,
+        share: crate::sched::Share::default(),
     });
     d.submit(&run, ticket(0));
     let leader = w.assignment().await;
@@ -581,4 +584,93 @@ async fn a_stop_that_meets_an_outcome_already_in_keeps_the_result() {
     w.no_message_for(Duration::from_millis(200)).await;
     let again = finished(&mut events).await;
     assert!(again.is_empty(), "each call ends once: {again:?}");
+}
+
+/// A worker whose model server caches prefixes locally, as its `Hello` says.
+fn attach_caching(d: &DispatchHandle, name: &str, slots: u32) -> FakeWorker {
+    let (link, end) = link_pair();
+    d.attach(end);
+    let w = FakeWorker { link };
+    w.send(worker_message::Msg::Hello(v1::Hello {
+        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        name: name.into(),
+        backends: vec!["echo".into()],
+        slots,
+        accounts: vec![v1::Account {
+            backend: "echo".into(),
+            id: format!("echo@{name}"),
+            local_cache: true,
+            ..v1::Account::default()
+        }],
+        ..v1::Hello::default()
+    }));
+    w
+}
+
+fn grouped(call: u64, group: u64) -> Ticket {
+    Ticket {
+        prefix_group: group,
+        ..ticket(call)
+    }
+}
+
+/// Prefix affinity: once a worker with a local prefix cache served a group, the group's calls
+/// go back to it — when it has room, and past queued calls whose worker is full — and without
+/// affinity they go wherever most slots are free.
+#[tokio::test(start_paused = true)]
+async fn calls_sharing_a_prefix_go_back_to_the_worker_that_served_it() {
+    for affinity in [true, false] {
+        let d = spawn_with(
+            MemoryLeaseStore::new(),
+            DispatchOptions {
+                admission: false,
+                affinity,
+                ..DispatchOptions::default()
+            },
+            None,
+            CancellationToken::new(),
+        );
+        let mut a = attach_caching(&d, "a", 2);
+        let mut b = attach_caching(&d, "b", 2);
+        let (run, _events) = register(
+            &d,
+            &format!("wf_affinity-{affinity}"),
+            4,
+            Duration::from_secs(600),
+        );
+        // The first calls of groups 10 and 20: a (most free slots, first) then b.
+        d.submit(&run, grouped(0, 10));
+        let first = a.assignment().await;
+        d.submit(&run, grouped(1, 20));
+        let second = b.assignment().await;
+        assert_eq!((first.call, second.call), (0, 1));
+        a.complete(&first, "x");
+        b.complete(&second, "x");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // Group 20 first: with affinity both its calls go to b, group 10's to a.
+        for (call, group) in [(2, 20), (3, 20), (4, 10), (5, 10)] {
+            d.submit(&run, grouped(call, group));
+        }
+        let on_a = vec![a.assignment().await, a.assignment().await];
+        let on_b = vec![b.assignment().await, b.assignment().await];
+        let calls = |v: &[v1::Assignment]| {
+            let mut c: Vec<u64> = v.iter().map(|a| a.call).collect();
+            c.sort_unstable();
+            c
+        };
+        if !affinity {
+            assert_ne!(calls(&on_b), [2, 3], "without affinity, free slots decide");
+            continue;
+        }
+        assert_eq!((calls(&on_a), calls(&on_b)), (vec![4, 5], vec![2, 3]));
+        // Full, with group 20's call (b's) queued before group 10's (a's): a slot frees on a,
+        // and group 10's call takes it; group 20's waits for b.
+        d.submit(&run, grouped(6, 20));
+        d.submit(&run, grouped(7, 10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        a.complete(&on_a[0], "x");
+        assert_eq!(a.assignment().await.call, 7);
+        b.complete(&on_b[0], "x");
+        assert_eq!(b.assignment().await.call, 6);
+    }
 }

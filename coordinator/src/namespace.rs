@@ -1,0 +1,853 @@
+//! Namespaces (M40): every run belongs to one. A fleet serves several teams; a namespace is
+//! one team's share of it.
+//!
+//! - **Who is in which**: a client certificate names its namespaces in its subject's
+//!   organisation (`O=team-a`, or `O=team-a,team-b`; `O=*` for an operator who sees them
+//!   all; none: `default`). A launch runs in the namespace it asks for (`--namespace`) when
+//!   the certificate names it, else in the certificate's first. Embedded runs are in
+//!   `default`. A caller sees, waits for and controls only its namespaces' runs ([`Scope`]);
+//!   session tokens carry the scope of the certificate that asked for them.
+//! - **What the operator sets** ([`Policy`], `[namespaces.NAME]` in the coordinator's
+//!   config; `[namespaces."*"]` for the rest): a weight (the dispatcher shares slots between
+//!   namespaces by weight, then between runs within one), a cap on agents running at once
+//!   (more queue), daily quotas of agents, tokens and money (past one, launches and new
+//!   agents are refused with `QUOTA_EXCEEDED`, naming the quota and when it resets), and a
+//!   model policy — allowed models, a default model, labels every agent's worker must carry,
+//!   and a price table that costs its agents' tokens. Model policy, labels and prices are
+//!   fixed into a run's settings when it is launched, so its resumes and adoptions keep them.
+//! - **Daily use** ([`Quotas`]) is counted by the leading coordinator and kept in the store
+//!   (`namespaces/{ns}/usage/{day}.json`, rewritten every [`FLUSH`] while it changes), so a
+//!   successor goes on from it. A day is a UTC day. Tokens and money count when an agent's
+//!   attempt ends, so agents already running when a quota is reached may pass it a little.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::store::Store;
+use crate::store::records::UsageRecord;
+
+/// The namespace of runs whose caller names none.
+pub const DEFAULT: &str = "default";
+/// In a certificate's organisation: every namespace.
+pub const ALL: &str = "*";
+/// How often daily use that changed is written to the store.
+pub const FLUSH: Duration = Duration::from_secs(2);
+
+/// Whether `name` can name a namespace: 1 to 63 lower-case letters, digits, `-`, `_` and `.`,
+/// starting with a letter or digit.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'))
+}
+
+/// What a model costs, in US dollars per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub input: f64,
+    pub output: f64,
+    /// Cache reads; a tenth of `input` unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_read: Option<f64>,
+    /// Cache writes; 1.25 times `input` unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write: Option<f64>,
+}
+
+impl Price {
+    pub fn cost(&self, u: &UsageRecord) -> f64 {
+        (u.input_tokens as f64 * self.input
+            + u.output_tokens as f64 * self.output
+            + u.cache_read_tokens as f64 * self.cache_read.unwrap_or(self.input * 0.1)
+            + u.cache_write_tokens as f64 * self.cache_write.unwrap_or(self.input * 1.25))
+            / 1e6
+    }
+
+    fn valid(&self) -> bool {
+        [
+            Some(self.input),
+            Some(self.output),
+            self.cache_read,
+            self.cache_write,
+        ]
+        .into_iter()
+        .flatten()
+        .all(|p| p.is_finite() && p >= 0.0)
+    }
+}
+
+/// The price in `prices` of `model`: its own entry, else its family's (`sonnet` prices every
+/// Sonnet model id).
+pub fn price_of<'a>(prices: &'a BTreeMap<String, Price>, model: &str) -> Option<&'a Price> {
+    prices.get(model).or_else(|| {
+        prices
+            .iter()
+            .find(|(m, _)| crate::settings::model_allowed(m, model))
+            .map(|(_, p)| p)
+    })
+}
+
+/// What an operator sets for one namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Policy {
+    /// Its share of the fleet against the other namespaces' when all want more slots.
+    pub weight: u32,
+    /// Agents of its runs running at once; more wait in their queues.
+    pub max_agents: Option<u32>,
+    /// Agents its runs may start in a UTC day (calls served from a resume source are free).
+    pub agents_per_day: Option<u64>,
+    /// Input and output tokens its agents may use in a UTC day.
+    pub tokens_per_day: Option<u64>,
+    /// Dollars its agents may cost in a UTC day.
+    pub usd_per_day: Option<f64>,
+    /// Models its agents may run on (W18's allowlist); empty: any.
+    pub allowed_models: Vec<String>,
+    /// The model of its runs that name none.
+    pub default_model: Option<String>,
+    /// Labels every worker that runs one of its agents must carry.
+    pub labels: BTreeMap<String, String>,
+    /// What its agents' tokens cost, by model or family (else what the backend says).
+    pub prices: BTreeMap<String, Price>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            weight: 1,
+            max_agents: None,
+            agents_per_day: None,
+            tokens_per_day: None,
+            usd_per_day: None,
+            allowed_models: Vec::new(),
+            default_model: None,
+            labels: BTreeMap::new(),
+            prices: BTreeMap::new(),
+        }
+    }
+}
+
+impl Policy {
+    /// Checks what an operator wrote for namespace `name`; the error names the key and what it
+    /// takes.
+    pub fn validate(&self, name: &str) -> Result<(), String> {
+        let at = |key: &str, what: &str| format!("namespaces.{name}.{key}: {what}");
+        if name != ALL && !valid_name(name) {
+            return Err(format!(
+                "{name:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ., or \"*\" for the namespaces not listed"
+            ));
+        }
+        if self.weight == 0 || self.weight > 1000 {
+            return Err(at("weight", "a whole number from 1 to 1000"));
+        }
+        if self.max_agents == Some(0) {
+            return Err(at("max_agents", "at least 1 (leave it out for no cap)"));
+        }
+        if self
+            .usd_per_day
+            .is_some_and(|d| !(d.is_finite() && d >= 0.0))
+        {
+            return Err(at("usd_per_day", "an amount of dollars, 0 or more"));
+        }
+        for (k, v) in &self.labels {
+            if !crate::settings::valid_label_key(k) || !crate::settings::valid_label_value(v) {
+                return Err(at(
+                    "labels",
+                    &format!(
+                        "{k:?}={v:?} is not a worker label (keys: lower-case letters, digits, - _ . /)"
+                    ),
+                ));
+            }
+        }
+        if let Some((m, _)) = self.prices.iter().find(|(_, p)| !p.valid()) {
+            return Err(at(
+                &format!("prices.{m}"),
+                "dollars per million tokens, finite and 0 or more",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The namespaces a coordinator knows: their policies.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Namespaces {
+    named: BTreeMap<String, Policy>,
+    /// `"*"`: the policy of namespaces not named.
+    rest: Option<Policy>,
+}
+
+impl Namespaces {
+    /// From the config's `[namespaces.*]` tables, checked.
+    pub fn new(tables: BTreeMap<String, Policy>) -> Result<Namespaces, String> {
+        let mut out = Namespaces::default();
+        for (name, policy) in tables {
+            policy.validate(&name)?;
+            if name == ALL {
+                out.rest = Some(policy);
+            } else {
+                out.named.insert(name, policy);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The policy of namespace `ns`.
+    pub fn policy(&self, ns: &str) -> Policy {
+        self.named
+            .get(ns)
+            .or(self.rest.as_ref())
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The namespaces named in the config.
+    pub fn named(&self) -> impl Iterator<Item = &str> {
+        self.named.keys().map(String::as_str)
+    }
+}
+
+/// The namespaces a caller may act in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// Every namespace: an operator (`O=*`), a coordinator, or a coordinator without TLS.
+    All,
+    /// These, the first being where its launches go unless they say.
+    Only(Vec<String>),
+}
+
+impl Scope {
+    /// From a certificate's organisation: `*`, or namespaces separated by commas; none (or
+    /// nothing usable) is `default`.
+    pub fn from_organisation(org: Option<&str>) -> Scope {
+        let mut names = Vec::new();
+        for part in org.unwrap_or("").split(',').map(str::trim) {
+            if part == ALL {
+                return Scope::All;
+            }
+            if valid_name(part) && !names.iter().any(|n| n == part) {
+                names.push(part.to_owned());
+            }
+        }
+        if names.is_empty() {
+            names.push(DEFAULT.to_owned());
+        }
+        Scope::Only(names)
+    }
+
+    pub fn may(&self, ns: &str) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Only(names) => names.iter().any(|n| n == effective(ns)),
+        }
+    }
+
+    /// The namespace a launch that asks for `asked` (empty: none) runs in, or why it may not.
+    pub fn choose(&self, asked: &str, who: &str) -> Result<String, String> {
+        let asked = asked.trim();
+        if asked.is_empty() {
+            return Ok(match self {
+                Scope::All => DEFAULT.to_owned(),
+                Scope::Only(names) => names[0].clone(),
+            });
+        }
+        if !valid_name(asked) {
+            return Err(format!(
+                "--namespace {asked:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ."
+            ));
+        }
+        if self.may(asked) {
+            Ok(asked.to_owned())
+        } else {
+            Err(format!(
+                "certificate {who:?} may act in namespace(s) {} only, not {asked:?}: launch without --namespace, or use a certificate issued with `flotilla certs issue --namespace {asked}`",
+                self.list()
+            ))
+        }
+    }
+
+    /// The namespaces, for messages.
+    pub fn list(&self) -> String {
+        match self {
+            Scope::All => "all".into(),
+            Scope::Only(names) => names.join(", "),
+        }
+    }
+
+    /// As carried in a token or a forwarded request: `*` or the names, comma-separated.
+    pub fn encode(&self) -> String {
+        match self {
+            Scope::All => ALL.into(),
+            Scope::Only(names) => names.join(","),
+        }
+    }
+
+    pub fn decode(text: &str) -> Scope {
+        Scope::from_organisation(Some(text))
+    }
+
+    /// The namespaces, `None` for all (for filters).
+    pub fn names(&self) -> Option<&[String]> {
+        match self {
+            Scope::All => None,
+            Scope::Only(n) => Some(n),
+        }
+    }
+}
+
+/// The namespace of a run whose settings name `ns` (runs from before namespaces name none).
+pub fn effective(ns: &str) -> &str {
+    if ns.is_empty() { DEFAULT } else { ns }
+}
+
+/// What a namespace used in one UTC day.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DayUse {
+    pub agents: u64,
+    /// Input and output tokens.
+    pub tokens: u64,
+    pub cost_usd: f64,
+}
+
+impl DayUse {
+    fn add(&mut self, o: &DayUse) {
+        self.agents += o.agents;
+        self.tokens += o.tokens;
+        self.cost_usd += o.cost_usd;
+    }
+}
+
+/// A daily quota that is used up.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "QUOTA_EXCEEDED: namespace {namespace} has used its {quota} ({used} of {limit} on {day}, UTC); it resets at {resets}, in {left}"
+)]
+pub struct Exceeded {
+    pub namespace: String,
+    /// `agents per day`, `tokens per day` or `dollars per day`.
+    pub quota: &'static str,
+    pub used: String,
+    pub limit: String,
+    pub day: String,
+    /// RFC 3339: the next midnight, UTC.
+    pub resets: String,
+    pub left: String,
+}
+
+/// Counts of one namespace and day, as `/metrics` and the pages show them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QuotaView {
+    pub namespace: String,
+    pub day: String,
+    pub used: DayUse,
+    pub policy: Policy,
+    /// Refusals today, by quota.
+    pub refused: BTreeMap<&'static str, u64>,
+}
+
+#[derive(Debug, Default)]
+struct Counted {
+    total: DayUse,
+    /// Read from the store (what was counted before this process); until then nothing is
+    /// written, so a write never replaces more than it knows.
+    loaded: bool,
+    loading: bool,
+    dirty: bool,
+    refused: BTreeMap<&'static str, u64>,
+}
+
+/// The daily use of every namespace, and the policies it is held to. One per coordinator;
+/// only the leader counts (it runs the runs).
+pub struct Quotas {
+    policies: std::sync::RwLock<Namespaces>,
+    store: Option<Store>,
+    counts: Mutex<HashMap<(String, String), Counted>>,
+    /// Refusals since start, by namespace and quota (a counter for `/metrics`).
+    refusals: Mutex<BTreeMap<(String, &'static str), u64>>,
+}
+
+impl std::fmt::Debug for Quotas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Quotas").finish_non_exhaustive()
+    }
+}
+
+/// Today (UTC) as `YYYY-MM-DD`, and how long until it ends.
+fn today() -> (String, Duration) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let day = humantime::format_rfc3339_seconds(SystemTime::now()).to_string()[..10].to_owned();
+    let left = 86_400 - now.as_secs() % 86_400;
+    (day, Duration::from_secs(left))
+}
+
+impl Quotas {
+    /// Policies `namespaces`; daily use kept in `store` (none: in memory only).
+    pub fn new(namespaces: Namespaces, store: Option<Store>) -> Arc<Quotas> {
+        let q = Arc::new(Quotas {
+            policies: std::sync::RwLock::new(namespaces),
+            store,
+            counts: Mutex::new(HashMap::new()),
+            refusals: Mutex::new(BTreeMap::new()),
+        });
+        if q.store.is_some() {
+            let weak = Arc::downgrade(&q);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(FLUSH).await;
+                    let Some(q) = weak.upgrade() else { return };
+                    q.flush().await;
+                }
+            });
+        }
+        q
+    }
+
+    pub fn policy(&self, ns: &str) -> Policy {
+        self.policies
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .policy(effective(ns))
+    }
+
+    fn counts(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Counted>> {
+        self.counts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Forgets what was counted (this coordinator leads again: what it counted before may be
+    /// stale); the store's counts are read again.
+    pub fn reset(&self) {
+        self.counts().clear();
+    }
+
+    /// The entry of `ns` today, its stored count being read if it is not yet.
+    fn with<T>(self: &Arc<Self>, ns: &str, f: impl FnOnce(&mut Counted, &str) -> T) -> T {
+        let (day, _) = today();
+        let mut counts = self.counts();
+        // Days that ended and are written go.
+        counts.retain(|(_, d), c| *d == day || c.dirty);
+        let c = counts.entry((ns.to_owned(), day.clone())).or_default();
+        if !c.loaded && !c.loading {
+            match &self.store {
+                None => c.loaded = true,
+                Some(store) => {
+                    c.loading = true;
+                    let (me, store, ns, day) =
+                        (self.clone(), store.clone(), ns.to_owned(), day.clone());
+                    tokio::spawn(async move { me.load(store, ns, day).await });
+                }
+            }
+        }
+        f(c, &day)
+    }
+
+    async fn load(&self, store: Store, ns: String, day: String) {
+        let mut wait = Duration::from_millis(200);
+        let stored = loop {
+            match store
+                .get(&crate::store::keys::namespace_usage(&ns, &day))
+                .await
+            {
+                Ok(Some(body)) => break serde_json::from_slice::<DayUse>(&body).ok(),
+                Ok(None) => break None,
+                Err(e) => {
+                    tracing::warn!(namespace = %ns, error = %e, "cannot read the namespace's use today; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(10));
+                }
+            }
+        };
+        let mut counts = self.counts();
+        if let Some(c) = counts.get_mut(&(ns, day)) {
+            if let Some(s) = stored {
+                c.total.add(&s);
+            }
+            c.loaded = true;
+            c.loading = false;
+        }
+    }
+
+    /// Writes the counts that changed.
+    pub async fn flush(&self) {
+        let Some(store) = &self.store else { return };
+        let dirty: Vec<((String, String), DayUse)> = self
+            .counts()
+            .iter_mut()
+            .filter(|(_, c)| c.dirty && c.loaded)
+            .map(|(k, c)| {
+                c.dirty = false;
+                (k.clone(), c.total)
+            })
+            .collect();
+        for ((ns, day), total) in dirty {
+            let body = serde_json::to_vec(&total).unwrap_or_default();
+            if let Err(e) = store
+                .put_overwrite(
+                    &crate::store::keys::namespace_usage(&ns, &day),
+                    Bytes::from(body),
+                )
+                .await
+            {
+                tracing::warn!(namespace = %ns, error = %e, "cannot store the namespace's use today; kept for the next try");
+                if let Some(c) = self.counts().get_mut(&(ns, day)) {
+                    c.dirty = true;
+                }
+            }
+        }
+    }
+
+    /// The first daily quota of `ns` that is used up.
+    fn over(ns: &str, policy: &Policy, used: &DayUse, day: &str) -> Option<Exceeded> {
+        let (_, left) = today();
+        let resets = humantime::format_rfc3339_seconds(SystemTime::now() + left).to_string();
+        let left = format!("{}h {}m", left.as_secs() / 3600, left.as_secs() % 3600 / 60);
+        let exceeded = |quota, used: String, limit: String| Exceeded {
+            namespace: ns.to_owned(),
+            quota,
+            used,
+            limit,
+            day: day.to_owned(),
+            resets: resets.clone(),
+            left: left.clone(),
+        };
+        if let Some(l) = policy.agents_per_day
+            && used.agents >= l
+        {
+            return Some(exceeded(
+                "agents per day",
+                used.agents.to_string(),
+                l.to_string(),
+            ));
+        }
+        if let Some(l) = policy.tokens_per_day
+            && used.tokens >= l
+        {
+            return Some(exceeded(
+                "tokens per day",
+                used.tokens.to_string(),
+                l.to_string(),
+            ));
+        }
+        if let Some(l) = policy.usd_per_day
+            && used.cost_usd >= l
+        {
+            return Some(exceeded(
+                "dollars per day",
+                format!("${:.4}", used.cost_usd),
+                format!("${l}"),
+            ));
+        }
+        None
+    }
+
+    fn refused(&self, c: &mut Counted, e: &Exceeded) {
+        *c.refused.entry(e.quota).or_default() += 1;
+        *self
+            .refusals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry((e.namespace.clone(), e.quota))
+            .or_default() += 1;
+        tracing::info!(namespace = %e.namespace, quota = e.quota, "refused: {e}");
+    }
+
+    /// Waits (a while at most) until today's stored count of `ns` is read, so that a check
+    /// right after a start or a failover knows what was used before it.
+    pub async fn ready(self: &Arc<Self>, ns: &str) {
+        let ns = effective(ns);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !self.with(ns, |c, _| c.loaded) {
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(namespace = %ns, "the namespace's use today is not read yet; counting from what this coordinator saw");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Whether `ns` may launch a run now: none of its daily quotas is used up.
+    pub async fn check(self: &Arc<Self>, ns: &str) -> Result<(), Box<Exceeded>> {
+        let ns = effective(ns);
+        self.ready(ns).await;
+        let policy = self.policy(ns);
+        self.with(ns, |c, day| match Self::over(ns, &policy, &c.total, day) {
+            None => Ok(()),
+            Some(e) => {
+                self.refused(c, &e);
+                Err(Box::new(e))
+            }
+        })
+    }
+
+    /// Counts an agent of `ns` that starts, unless a daily quota is used up.
+    pub fn take_agent(self: &Arc<Self>, ns: &str) -> Result<(), Box<Exceeded>> {
+        let ns = effective(ns);
+        let policy = self.policy(ns);
+        self.with(ns, |c, day| {
+            if let Some(e) = Self::over(ns, &policy, &c.total, day) {
+                self.refused(c, &e);
+                return Err(Box::new(e));
+            }
+            c.total.agents += 1;
+            c.dirty = true;
+            Ok(())
+        })
+    }
+
+    /// Counts what an attempt of an agent of `ns` used.
+    pub fn add(self: &Arc<Self>, ns: &str, u: &UsageRecord) {
+        if u.input_tokens == 0 && u.output_tokens == 0 && u.cost_usd == 0.0 {
+            return;
+        }
+        self.with(effective(ns), |c, _| {
+            c.total.tokens += u.input_tokens + u.output_tokens;
+            c.total.cost_usd += u.cost_usd;
+            c.dirty = true;
+        });
+    }
+
+    /// Today's counts of the namespaces named in the config and of those counted.
+    pub fn views(self: &Arc<Self>) -> Vec<QuotaView> {
+        let named: Vec<String> = self
+            .policies
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .named()
+            .map(str::to_owned)
+            .collect();
+        let (day, _) = today();
+        let mut names: Vec<String> = self
+            .counts()
+            .keys()
+            .filter(|(_, d)| *d == day)
+            .map(|(n, _)| n.clone())
+            .chain(named)
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|ns| {
+                let policy = self.policy(&ns);
+                let (used, refused) = self.with(&ns, |c, _| (c.total, c.refused.clone()));
+                QuotaView {
+                    namespace: ns,
+                    day: day.clone(),
+                    used,
+                    policy,
+                    refused,
+                }
+            })
+            .collect()
+    }
+
+    /// Refusals since start, by namespace and quota.
+    pub fn refusals(&self) -> BTreeMap<(String, &'static str), u64> {
+        self.refusals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_certificate_s_organisation_is_its_scope() {
+        assert_eq!(
+            Scope::from_organisation(None),
+            Scope::Only(vec!["default".into()])
+        );
+        assert_eq!(Scope::from_organisation(Some("*")), Scope::All);
+        assert_eq!(
+            Scope::from_organisation(Some("team-a, team-b,team-a,Bad Name")),
+            Scope::Only(vec!["team-a".into(), "team-b".into()])
+        );
+        let s = Scope::from_organisation(Some("team-a,team-b"));
+        assert_eq!(s.choose("", "alice").unwrap(), "team-a");
+        assert_eq!(s.choose("team-b", "alice").unwrap(), "team-b");
+        let e = s.choose("team-c", "alice").unwrap_err();
+        assert!(
+            e.contains("team-a, team-b") && e.contains("--namespace team-c"),
+            "{e}"
+        );
+        assert!(
+            s.choose("../x", "alice")
+                .unwrap_err()
+                .contains("not a namespace name")
+        );
+        assert_eq!(Scope::decode(&s.encode()), s);
+        assert!(
+            Scope::from_organisation(None).may(""),
+            "runs from before namespaces"
+        );
+        assert!(!s.may("default"));
+        assert_eq!(Scope::All.choose("", "op").unwrap(), DEFAULT);
+    }
+
+    #[test]
+    fn policies_are_checked_and_the_rest_take_the_star_one() {
+        let mut tables = BTreeMap::new();
+        tables.insert(
+            "team-a".to_owned(),
+            Policy {
+                weight: 3,
+                ..Policy::default()
+            },
+        );
+        tables.insert(
+            "*".to_owned(),
+            Policy {
+                max_agents: Some(2),
+                ..Policy::default()
+            },
+        );
+        let n = Namespaces::new(tables).unwrap();
+        assert_eq!(n.policy("team-a").weight, 3);
+        assert_eq!(n.policy("other").max_agents, Some(2));
+        for (name, bad, what) in [
+            ("Team", Policy::default(), "not a namespace name"),
+            (
+                "t",
+                Policy {
+                    weight: 0,
+                    ..Policy::default()
+                },
+                "namespaces.t.weight",
+            ),
+            (
+                "t",
+                Policy {
+                    max_agents: Some(0),
+                    ..Policy::default()
+                },
+                "max_agents",
+            ),
+            (
+                "t",
+                Policy {
+                    usd_per_day: Some(f64::NAN),
+                    ..Policy::default()
+                },
+                "usd_per_day",
+            ),
+        ] {
+            let mut t = BTreeMap::new();
+            t.insert(name.to_owned(), bad);
+            let e = Namespaces::new(t).unwrap_err();
+            assert!(e.contains(what), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_price_costs_tokens_by_model_or_family() {
+        let mut prices = BTreeMap::new();
+        prices.insert(
+            "sonnet".to_owned(),
+            Price {
+                input: 2.0,
+                output: 10.0,
+                cache_read: None,
+                cache_write: None,
+            },
+        );
+        let p = price_of(&prices, "claude-sonnet-4-5").expect("family");
+        let u = UsageRecord {
+            input_tokens: 1_000_000,
+            output_tokens: 100_000,
+            cache_read_tokens: 1_000_000,
+            ..UsageRecord::default()
+        };
+        assert!((p.cost(&u) - (2.0 + 1.0 + 0.2)).abs() < 1e-9);
+        assert!(price_of(&prices, "claude-opus-4-1").is_none());
+    }
+
+    #[tokio::test]
+    async fn daily_quotas_refuse_once_used_up_and_say_which_and_when_they_reset() {
+        let mut tables = BTreeMap::new();
+        tables.insert(
+            "team-a".to_owned(),
+            Policy {
+                agents_per_day: Some(2),
+                tokens_per_day: Some(1000),
+                ..Policy::default()
+            },
+        );
+        let store = crate::store::open("memory://").unwrap();
+        let q = Quotas::new(
+            Namespaces::new(tables.clone()).unwrap(),
+            Some(store.clone()),
+        );
+        q.take_agent("team-a").unwrap();
+        q.add(
+            "team-a",
+            &UsageRecord {
+                input_tokens: 600,
+                output_tokens: 500,
+                ..UsageRecord::default()
+            },
+        );
+        let e = q.take_agent("team-a").unwrap_err();
+        assert_eq!(e.quota, "tokens per day");
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "QUOTA_EXCEEDED: namespace team-a has used its tokens per day (1100 of 1000"
+            ) && text.contains("T00:00:00Z"),
+            "{text}"
+        );
+        assert!(q.check("team-a").await.is_err());
+        assert!(q.take_agent("team-b").is_ok(), "other namespaces go on");
+        assert_eq!(
+            q.refusals().get(&("team-a".to_owned(), "tokens per day")),
+            Some(&2)
+        );
+        // Stored, and a successor (another process) goes on from it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            q.flush().await;
+            let (day, _) = today();
+            if let Some(body) = store
+                .get(&crate::store::keys::namespace_usage("team-a", &day))
+                .await
+                .unwrap()
+            {
+                let used: DayUse = serde_json::from_slice(&body).unwrap();
+                if used.tokens == 1100 {
+                    break;
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "never stored");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let next = Quotas::new(Namespaces::new(tables).unwrap(), Some(store));
+        let e = next.check("team-a").await.unwrap_err();
+        assert_eq!(
+            e.quota, "tokens per day",
+            "the successor reads the stored count first"
+        );
+        assert_eq!(
+            next.views()
+                .iter()
+                .find(|v| v.namespace == "team-a")
+                .unwrap()
+                .used
+                .agents,
+            1
+        );
+    }
+}
