@@ -532,10 +532,15 @@ impl Cluster {
 
     /// A client command as certificate `name` (one [`Cluster::issue_client`] made).
     pub fn client_as(&self, name: &str, args: &[&str]) -> Output {
+        self.client_as_at(&self.url(), name, args)
+    }
+
+    /// [`Cluster::client_as`] against the coordinator at `url` (a standby, say).
+    pub fn client_as_at(&self, url: &str, name: &str, args: &[&str]) -> Output {
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
             .env("AWS_EC2_METADATA_DISABLED", "true")
-            .args(["--coordinator", &self.url(), "--name", name, "--tls-dir"])
+            .args(["--coordinator", url, "--name", name, "--tls-dir"])
             .arg(self.pki())
             .current_dir(self.path());
         run_with_timeout(cmd, crate::COMMAND_TIMEOUT)

@@ -487,3 +487,61 @@ prices = { sonnet = { input = 1000.0, output = 2000.0 } }
     let cost = r["usage"]["cost_usd"].as_f64().expect("cost");
     assert!((cost - 3.0 * 0.003).abs() < 1e-9, "{cost}: {r}");
 }
+
+/// Through a standby, which forwards to the leader with the caller's namespaces, a client
+/// still sees only its own runs; a client that sends the forwarding header itself (it is read
+/// only from coordinators) gains nothing.
+#[test]
+fn a_standby_forwards_the_caller_s_namespaces_and_a_client_cannot_claim_more() {
+    use flotilla_proto::v1;
+    use flotilla_proto::v1::client_service_client::ClientServiceClient;
+    let etcd = flotilla_tests::services::Etcd::start();
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/namespaces", s3.bucket);
+    let c = Cluster::start_group(1, 4, etcd.endpoint(), (url, s3.env()));
+    c.issue_client("alice", &["team-a"]);
+    c.issue_client("bob", &["team-b"]);
+    let a = c.launch_as(
+        "alice",
+        "alice-run",
+        &fan_out(1, 300_000),
+        &["--stagger", "0"],
+    );
+    let standby = c.standby_url();
+    let out = c.client_as_at(&standby, "bob", &["status", &a, "--json"]);
+    let text = format!("{}{}", out.stdout, out.stderr);
+    assert!(
+        out.code != 0 && text.contains(&format!("no run {a} in namespace(s) team-b")),
+        "bob through the standby: {out:?}"
+    );
+    let out = c.client_as_at(&standby, "alice", &["status", &a, "--json"]);
+    assert_eq!(out.code, 0, "alice through the standby: {out:?}");
+    let out = c.client_as_at(&standby, "bob", &["runs", "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(!out.stdout.contains(&a), "{out:?}");
+    // Bob's own client, claiming every namespace in the header a standby would send.
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let (status, listed) = rt.block_on(async {
+        let tls = flotilla_proto::tls::TlsFiles::in_dir(&c.pki(), "bob");
+        let channel = flotilla_proto::tls::channel(&c.url(), Some(&tls)).expect("channel");
+        let mut client = ClientServiceClient::new(channel);
+        fn claim<T>(msg: T) -> tonic::Request<T> {
+            let mut req = tonic::Request::new(msg);
+            req.metadata_mut()
+                .insert("x-flotilla-scope", "*".parse().expect("header"));
+            req
+        }
+        let status = client.status(claim(v1::RunRef { run_id: a.clone() })).await;
+        let listed = client
+            .list_runs(claim(v1::ListRunsRequest::default()))
+            .await
+            .expect("list runs")
+            .into_inner()
+            .runs_json;
+        (status, listed)
+    });
+    let e = status.expect_err("bob's claim of every namespace is ignored");
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(!listed.contains(&a), "{listed}");
+    assert_eq!(c.client_as("alice", &["stop", &a]).code, 0);
+}
