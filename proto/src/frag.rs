@@ -295,6 +295,7 @@ mod tests {
                 text,
                 json: None,
                 change: None,
+                model: String::new(),
             })),
             ..v1::Outcome::default()
         }

@@ -723,6 +723,7 @@ async fn run_attempt_in(
                 text: out.text,
                 json: out.json.map(|v| v.to_string()),
                 change: out.change,
+                model: out.model,
             }),
             out.usage,
         ),

@@ -153,6 +153,7 @@ async fn a_message_far_over_a_frame_arrives_whole(pair: Pair) {
                 text: big.clone(),
                 json: None,
                 change: None,
+                model: String::new(),
             })),
             ..v1::Outcome::default()
         })),

@@ -369,6 +369,10 @@ impl RunEngine {
         c.span = tracing::Span::none();
         match result {
             CallResult::Completed(done) => {
+                // The model its backend says it ran on (an alias's id) is the agent's model.
+                if !done.model.is_empty() {
+                    c.model = done.model;
+                }
                 let value = match done.json {
                     Some(json) => RawJson::or_string(json),
                     None => RawJson::string(&done.text),

@@ -475,6 +475,7 @@ impl Dispatcher {
                     text: json.clone(),
                     json: Some(json),
                     change: None,
+                    model: String::new(),
                 }),
             );
         } else {

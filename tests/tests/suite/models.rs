@@ -124,4 +124,21 @@ fn the_anthropic_backend_resolves_claude_code_s_aliases_to_model_ids() {
             ("claude-3-7-sonnet-latest".to_owned(), None),
         ]
     );
+    // The report names the model each agent really ran on: the id its alias resolved to.
+    let ran: Vec<&str> = r["agents"]
+        .as_array()
+        .expect("agents")
+        .iter()
+        .map(|a| a["model"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        ran,
+        [
+            "claude-opus-4-1",
+            "claude-sonnet-4-5",
+            "my-haiku-deployment",
+            "claude-3-7-sonnet-latest"
+        ],
+        "{r}"
+    );
 }

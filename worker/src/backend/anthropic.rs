@@ -385,6 +385,7 @@ impl AgentBackend for Anthropic {
                     json: None,
                     usage: total,
                     change: None,
+                    model: model.clone(),
                 });
             };
             let Some(id) = reply.tool_id.clone() else {
@@ -407,6 +408,7 @@ impl AgentBackend for Anthropic {
                         json: Some(v),
                         usage: total,
                         change: None,
+                        model: model.clone(),
                     });
                 }
                 Ok(Submitted::Retry(problem)) => {

@@ -273,6 +273,20 @@ fn on_line(
     None
 }
 
+/// The model that wrote most of a `result` line's output (`modelUsage` is keyed by model
+/// id); empty when the line does not say.
+fn model_of(result: &Value) -> String {
+    result
+        .get("modelUsage")
+        .and_then(Value::as_object)
+        .and_then(|m| {
+            m.iter()
+                .max_by_key(|(_, u)| u.get("outputTokens").and_then(Value::as_u64))
+                .map(|(id, _)| id.clone())
+        })
+        .unwrap_or_default()
+}
+
 /// Usage of a `result` line.
 fn usage_of(result: &Value, tool_calls: u32) -> v1::Usage {
     let n = |p: &str| result.pointer(p).and_then(Value::as_u64).unwrap_or(0);
@@ -619,6 +633,22 @@ impl AgentBackend for ClaudeCode {
             json,
             usage,
             change: None,
+            model: model_of(&result),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_a_result_names_is_the_one_that_wrote_most() {
+        let result = json!({"type": "result", "modelUsage": {
+            "claude-haiku-4-5": {"inputTokens": 900, "outputTokens": 20},
+            "claude-sonnet-4-5": {"inputTokens": 100, "outputTokens": 400},
+        }});
+        assert_eq!(model_of(&result), "claude-sonnet-4-5");
+        assert_eq!(model_of(&json!({"type": "result"})), "");
     }
 }

@@ -150,6 +150,7 @@ impl AgentBackend for Echo {
                 json: None,
                 usage,
                 change: None,
+                model: String::new(),
             });
         };
 
@@ -191,6 +192,7 @@ impl AgentBackend for Echo {
                         json: Some(value),
                         usage,
                         change: None,
+                        model: String::new(),
                     });
                 }
                 Ok(Submitted::Retry(problem)) => {

@@ -263,6 +263,7 @@ impl AgentBackend for Exec {
                 json: None,
                 usage,
                 change: None,
+                model: String::new(),
             });
         };
         let parsed: Value = serde_json::from_str(text.trim()).map_err(|e| {
@@ -282,6 +283,7 @@ impl AgentBackend for Exec {
                     json: Some(value),
                     usage,
                     change: None,
+                    model: String::new(),
                 })
             }
             Submitted::Retry(problem) => Err(Error::new(

@@ -178,6 +178,9 @@ pub struct Output {
     pub usage: v1::Usage,
     /// What the agent changed in the run's source (filled by the worker, not the backend).
     pub change: Option<v1::Change>,
+    /// The model it ran on as the backend resolved it (an alias's model id); empty when the
+    /// backend cannot tell.
+    pub model: String,
 }
 
 /// A classified failure of one attempt.

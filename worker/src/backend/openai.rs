@@ -188,6 +188,7 @@ impl AgentBackend for OpenAi {
                     json: None,
                     usage: total,
                     change: None,
+                    model: model.clone(),
                 });
             };
             let value: Value =
@@ -200,6 +201,7 @@ impl AgentBackend for OpenAi {
                         json: Some(v),
                         usage: total,
                         change: None,
+                        model: model.clone(),
                     });
                 }
                 Ok(Submitted::Retry(problem)) => {

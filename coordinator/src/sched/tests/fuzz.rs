@@ -22,6 +22,7 @@ fn hostile() -> impl Strategy<Value = WorkerMessage> {
                 text: t.clone(),
                 json: Some(t),
                 change: None,
+                model: String::new(),
             })),
             ("\\PC{0,20}", 0i32..12, any::<u64>()).prop_map(|(m, kind, retry_after_ms)| {
                 outcome::Result::Failure(v1::Failure {

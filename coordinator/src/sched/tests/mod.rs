@@ -90,6 +90,7 @@ impl FakeWorker {
                 text: text.into(),
                 json: None,
                 change: None,
+                model: String::new(),
             })),
             usage: Some(v1::Usage {
                 output_tokens: 1,
@@ -194,6 +195,7 @@ async fn a_late_outcome_of_a_stalled_attempt_is_never_accepted() {
             text: "fresh".into(),
             json: None,
             change: None,
+            model: String::new(),
         })
     );
     // Usage of both attempts is still counted.
