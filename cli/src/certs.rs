@@ -196,6 +196,13 @@ pub fn issue_in(
             ));
         }
     }
+    if namespaces.len() > 1
+        && namespaces
+            .iter()
+            .any(|n| n == flotilla_coordinator::namespace::ALL)
+    {
+        return Err("--namespace '*' already means every namespace: give it alone".to_owned());
+    }
     if !namespaces.is_empty() && role != Role::Client {
         return Err(format!(
             "--namespace is for client certificates; a {} certificate acts in every namespace",

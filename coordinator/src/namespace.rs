@@ -356,6 +356,9 @@ pub struct QuotaView {
 
 #[derive(Debug, Default)]
 struct Counted {
+    /// The [`Quotas::reset`] it was made after: a read of the store started before a reset
+    /// is not added to an entry made after it.
+    epoch: u64,
     total: DayUse,
     /// Read from the store (what was counted before this process); until then nothing is
     /// written, so a write never replaces more than it knows.
@@ -371,6 +374,8 @@ pub struct Quotas {
     policies: std::sync::RwLock<Namespaces>,
     store: Option<Store>,
     counts: Mutex<HashMap<(String, String), Counted>>,
+    /// Resets so far ([`Counted::epoch`]).
+    epoch: std::sync::atomic::AtomicU64,
     /// Refusals since start, by namespace and quota (a counter for `/metrics`).
     refusals: Mutex<BTreeMap<(String, &'static str), u64>>,
 }
@@ -398,6 +403,7 @@ impl Quotas {
             policies: std::sync::RwLock::new(namespaces),
             store,
             counts: Mutex::new(HashMap::new()),
+            epoch: std::sync::atomic::AtomicU64::new(0),
             refusals: Mutex::new(BTreeMap::new()),
         });
         if q.store.is_some() {
@@ -429,7 +435,9 @@ impl Quotas {
     /// Forgets what was counted (this coordinator leads again: what it counted before may be
     /// stale); the store's counts are read again.
     pub fn reset(&self) {
-        self.counts().clear();
+        let mut counts = self.counts();
+        self.epoch.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        counts.clear();
     }
 
     /// The entry of `ns` today, its stored count being read if it is not yet.
@@ -438,7 +446,13 @@ impl Quotas {
         let mut counts = self.counts();
         // Days that ended and are written go.
         counts.retain(|(_, d), c| *d == day || c.dirty);
-        let c = counts.entry((ns.to_owned(), day.clone())).or_default();
+        let epoch = self.epoch.load(std::sync::atomic::Ordering::Acquire);
+        let c = counts
+            .entry((ns.to_owned(), day.clone()))
+            .or_insert_with(|| Counted {
+                epoch,
+                ..Counted::default()
+            });
         if !c.loaded && !c.loading {
             match &self.store {
                 None => c.loaded = true,
@@ -446,14 +460,14 @@ impl Quotas {
                     c.loading = true;
                     let (me, store, ns, day) =
                         (self.clone(), store.clone(), ns.to_owned(), day.clone());
-                    tokio::spawn(async move { me.load(store, ns, day).await });
+                    tokio::spawn(async move { me.load(store, ns, day, epoch).await });
                 }
             }
         }
         f(c, &day)
     }
 
-    async fn load(&self, store: Store, ns: String, day: String) {
+    async fn load(&self, store: Store, ns: String, day: String, epoch: u64) {
         let mut wait = Duration::from_millis(200);
         let stored = loop {
             match store
@@ -470,7 +484,10 @@ impl Quotas {
             }
         };
         let mut counts = self.counts();
-        if let Some(c) = counts.get_mut(&(ns, day)) {
+        if let Some(c) = counts.get_mut(&(ns, day))
+            && c.epoch == epoch
+            && !c.loaded
+        {
             if let Some(s) = stored {
                 c.total.add(&s);
             }
@@ -697,6 +714,13 @@ mod tests {
         );
         assert!(!s.may("default"));
         assert_eq!(Scope::All.choose("", "op").unwrap(), DEFAULT);
+        // A session token from before namespaces (no `ns`) shows `default` only.
+        let old = crate::web::Claims {
+            sub: "alice".into(),
+            exp: u64::MAX,
+            ns: None,
+        };
+        assert_eq!(old.scope(), Scope::Only(vec![DEFAULT.into()]));
     }
 
     #[test]
@@ -774,6 +798,34 @@ mod tests {
         };
         assert!((p.cost(&u) - (2.0 + 1.0 + 0.2)).abs() < 1e-9);
         assert!(price_of(&prices, "claude-opus-4-1").is_none());
+    }
+
+    /// A read of the stored count that was under way when the counts were reset (this
+    /// coordinator leads again) is not added to what is counted after: the stored count is
+    /// taken once.
+    #[tokio::test]
+    async fn a_reset_during_a_read_of_the_stored_count_counts_it_once() {
+        let store = crate::store::open("memory://").unwrap();
+        let (day, _) = today();
+        store
+            .put_overwrite(
+                &crate::store::keys::namespace_usage("team-r", &day),
+                Bytes::from(r#"{"agents":0,"tokens":100,"cost_usd":0.0}"#),
+            )
+            .await
+            .unwrap();
+        let q = Quotas::new(Namespaces::default(), Some(store));
+        q.take_agent("team-r").unwrap(); // starts a read of the stored count
+        q.reset();
+        q.ready("team-r").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let used = q
+            .views()
+            .into_iter()
+            .find(|v| v.namespace == "team-r")
+            .unwrap()
+            .used;
+        assert_eq!((used.agents, used.tokens), (0, 100), "{used:?}");
     }
 
     #[tokio::test]

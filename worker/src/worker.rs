@@ -117,17 +117,24 @@ impl Worker {
             .backends
             .iter()
             .filter_map(|(name, b)| {
+                let local = self
+                    .opts
+                    .account_limits
+                    .local_cache
+                    .iter()
+                    .any(|b| b == name);
                 b.account().map(|id| v1::Account {
                     backend: (*name).to_owned(),
-                    id,
+                    // A model server of this worker's own is an account of its own, whatever
+                    // address (`localhost:8000`) other workers' servers share.
+                    id: if local {
+                        format!("{id}/{}", self.opts.name)
+                    } else {
+                        id
+                    },
                     itpm: self.opts.account_limits.itpm,
                     max_concurrent: self.opts.account_limits.max_concurrent,
-                    local_cache: self
-                        .opts
-                        .account_limits
-                        .local_cache
-                        .iter()
-                        .any(|b| b == name),
+                    local_cache: local,
                 })
             })
             .collect();

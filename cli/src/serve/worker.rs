@@ -212,13 +212,12 @@ impl Settings {
                     .unwrap_or(0),
                 local_cache: {
                     let given = list(&a.local_prefix_cache, &file.local_prefix_cache);
-                    if let Some(b) = given
-                        .iter()
-                        .find(|b| !flotilla_worker::backend::NAMES.contains(&b.as_str()))
-                    {
+                    // Backends that call a model server (echo and exec call none).
+                    let served = ["openai", "anthropic", "claude-code"];
+                    if let Some(b) = given.iter().find(|b| !served.contains(&b.as_str())) {
                         return Err(format!(
-                            "--local-prefix-cache {b:?} is not a backend: use one of {}",
-                            flotilla_worker::backend::NAMES.join(", ")
+                            "--local-prefix-cache {b:?}: only a backend that calls a model server keeps a prefix cache; use one of {}",
+                            served.join(", ")
                         ));
                     }
                     given

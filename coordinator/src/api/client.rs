@@ -65,18 +65,17 @@ impl ClientSvc {
 
     /// The namespaces the caller may act in (see `namespace`), once it may `what` at all: a
     /// client's certificate says them; a coordinator forwarding for a client says the
-    /// client's ([`ON_BEHALF`]); a coordinator for itself, or anyone without TLS, has all.
+    /// client's ([`ON_BEHALF`]), and one that says none (a coordinator of an older version,
+    /// or a tool holding a coordinator's key) acts in `default` only; without TLS, all.
     pub(super) fn scope<T>(&self, req: &Request<T>, what: &str) -> Result<Scope, Status> {
         if !self.secure {
             return Ok(Scope::All);
         }
         let peer = tls::require_role(req, &[Role::Client, Role::Coordinator], what)?;
         if peer.role == Role::Coordinator {
-            return Ok(req
-                .metadata()
-                .get(ON_BEHALF)
-                .and_then(|v| v.to_str().ok())
-                .map_or(Scope::All, Scope::decode));
+            return Ok(Scope::from_organisation(
+                req.metadata().get(ON_BEHALF).and_then(|v| v.to_str().ok()),
+            ));
         }
         Ok(Scope::from_organisation(peer.organisation.as_deref()))
     }
@@ -257,9 +256,15 @@ impl ClientService for ClientSvc {
             };
             if let Some(ns) = parent {
                 self.visible(&scope, &r.resume_from).await?;
-                if asked.is_empty() {
-                    asked = ns;
+                // A resume stays in its run's namespace: its calls served from the parent
+                // are the parent's, prompts and all.
+                if !asked.is_empty() && asked != ns {
+                    return Err(ErrorKind::Denied.status(format!(
+                        "run {} is in namespace {ns}, and a resume stays in its run's namespace: leave out --namespace {asked}",
+                        r.resume_from
+                    )));
                 }
+                asked = ns;
             }
         }
         settings.namespace = scope

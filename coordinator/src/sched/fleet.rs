@@ -259,6 +259,11 @@ impl Fleet {
             .is_some_and(|w| w.local_cache.contains(backend))
     }
 
+    /// Whether worker `wid` is attached and ready.
+    pub fn is_ready(&self, wid: u64) -> bool {
+        self.workers.get(&wid).is_some_and(|w| w.ready())
+    }
+
     /// Whether worker `wid` is ready with a free slot and offers the task.
     pub fn has_room_for(&self, wid: u64, task: &v1::TaskSpec) -> bool {
         self.workers

@@ -116,6 +116,8 @@ struct CallState {
     held_by_account: bool,
     /// When the provider first throttled it.
     throttled_since: Option<Instant>,
+    /// Times it let other calls go first while its prefix's worker was busy (affinity).
+    passed_over: u32,
 }
 
 impl CallState {
@@ -139,6 +141,7 @@ impl CallState {
             admitted: None,
             held_by_account: false,
             throttled_since: None,
+            passed_over: 0,
         }
     }
 

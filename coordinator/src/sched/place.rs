@@ -61,21 +61,39 @@ impl Dispatcher {
 
     /// The call of `run` to place next: the first in its queue, unless prefix affinity says
     /// otherwise — then the first of the next [`AFFINITY_SCAN`] whose group's worker has a
-    /// free slot, or that has no worker yet (a call whose worker is busy waits for it while
-    /// others can go).
+    /// free slot, or that has no worker (none yet, or it is gone). A call whose worker is
+    /// busy lets others go first, [`AFFINITY_PATIENCE`] times at most.
     fn next_call(&mut self, run: &Arc<str>) -> Option<u64> {
         if self.opts.affinity && !self.affinity.is_empty() {
             let r = self.runs.get(run)?;
-            let pick = r.queue.iter().take(AFFINITY_SCAN).position(|call| {
-                let Some(c) = self.calls.get(&(run.clone(), *call)) else {
-                    return true;
-                };
-                match self.affinity.get(&c.ticket.prefix_group) {
-                    None => true,
-                    Some(&wid) => self.fleet.has_room_for(wid, &c.ticket.task),
-                }
-            });
+            let front_waited = r
+                .queue
+                .front()
+                .and_then(|call| self.calls.get(&(run.clone(), *call)))
+                .is_some_and(|c| c.passed_over >= AFFINITY_PATIENCE);
+            let pick = (!front_waited)
+                .then(|| {
+                    r.queue.iter().take(AFFINITY_SCAN).position(|call| {
+                        let Some(c) = self.calls.get(&(run.clone(), *call)) else {
+                            return true;
+                        };
+                        match self.affinity.get(&c.ticket.prefix_group) {
+                            None => true,
+                            Some(&wid) => {
+                                !self.fleet.is_ready(wid)
+                                    || self.fleet.has_room_for(wid, &c.ticket.task)
+                            }
+                        }
+                    })
+                })
+                .flatten();
             if let Some(i) = pick.filter(|&i| i > 0) {
+                let passed: Vec<u64> = r.queue.iter().take(i).copied().collect();
+                for call in passed {
+                    if let Some(c) = self.calls.get_mut(&(run.clone(), call)) {
+                        c.passed_over += 1;
+                    }
+                }
                 return self.runs.get_mut(run)?.queue.remove(i);
             }
         }
@@ -419,6 +437,8 @@ fn trace_context(span: &tracing::Span) -> HashMap<String, String> {
 
 /// Queued calls of a run looked at for one whose prefix's worker has room (prefix affinity).
 const AFFINITY_SCAN: usize = 32;
+/// Times a queued call lets others go first because its prefix's worker is busy, at most.
+const AFFINITY_PATIENCE: u32 = 64;
 /// Prefix groups remembered at most; past it the map starts over.
 const AFFINITY_GROUPS: usize = 65_536;
 

@@ -26,8 +26,8 @@ pub struct Claims {
     pub sub: String,
     /// Expiry, seconds since the Unix epoch.
     pub exp: u64,
-    /// The namespaces it shows (`namespace::Scope::encode`: `*` or names); tokens from
-    /// before namespaces carry none and show all, as they did.
+    /// The namespaces it shows (`namespace::Scope::encode`: `*` or names); a token from
+    /// before namespaces carries none and shows `default` only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ns: Option<String>,
 }
@@ -35,10 +35,7 @@ pub struct Claims {
 impl Claims {
     /// The namespaces the token shows.
     pub fn scope(&self) -> crate::namespace::Scope {
-        self.ns.as_deref().map_or(
-            crate::namespace::Scope::All,
-            crate::namespace::Scope::decode,
-        )
+        crate::namespace::Scope::from_organisation(self.ns.as_deref())
     }
 }
 

@@ -9,16 +9,23 @@ use crate::run::Snapshot;
 use crate::sched::{Stats, WorkerView};
 
 /// Prometheus text format: runs and agents of this coordinator, the dispatcher and the fleet.
+/// A namespace's figures are shown to a token of that namespace (an operator's shows all).
 pub(super) async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Response {
-    if let Err(why) = check(&web, &headers) {
-        return refuse(why, true);
-    }
+    let scope = match check(&web, &headers) {
+        Ok(s) => s,
+        Err(why) => return refuse(why, true),
+    };
     let tracked = Tracked::of(web.registry.all());
-    let stats = web.coordinator.dispatch().stats().await.unwrap_or_default();
+    let mut stats = web.coordinator.dispatch().stats().await.unwrap_or_default();
+    stats.namespaces.retain(|n| scope.may(&n.name));
     let workers = web.coordinator.dispatch().workers().await;
     let mut body = render(&tracked, &stats, &workers);
     if let Some(q) = web.coordinator.quotas() {
-        body.push_str(&quotas(&q.views(), &q.refusals()));
+        let mut views = q.views();
+        views.retain(|v| scope.may(&v.namespace));
+        let mut refusals = q.refusals();
+        refusals.retain(|(ns, _), _| scope.may(ns));
+        body.push_str(&quotas(&views, &refusals));
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

@@ -361,9 +361,28 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
     assert_eq!(out.code, 0, "{out:?}");
     let out = c.client_as("alice", &["wait", &a, "--json"]);
     assert_eq!(out.json()["namespace"], "team-a", "{out:?}");
-    // A resume of another namespace's run is refused like the rest.
+    // A resume of another namespace's run is refused like the rest, and a resume stays in
+    // its run's namespace.
     let out = c.client_as("bob", &["resume", &a, "--json"]);
     assert!(out.code != 0, "{out:?}");
+    let again = flotilla_tests::write_workflow(c.path(), "again", "d", "return await agent('b');");
+    let out = c.client_as(
+        "bob",
+        &[
+            "launch",
+            again.to_str().unwrap(),
+            "--resume",
+            &b,
+            "--namespace",
+            "team-x",
+            "--json",
+        ],
+    );
+    let text = format!("{}{}", out.stdout, out.stderr);
+    assert!(
+        out.code != 0 && text.contains("a resume stays in its run's namespace"),
+        "{out:?}"
+    );
 }
 
 /// A namespace's model policy, pinned labels and prices: its agents asking for another model
@@ -543,5 +562,17 @@ fn a_standby_forwards_the_caller_s_namespaces_and_a_client_cannot_claim_more() {
     let e = status.expect_err("bob's claim of every namespace is ignored");
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     assert!(!listed.contains(&a), "{listed}");
+    // A coordinator's certificate that says for nobody acts in `default` only.
+    let status = rt.block_on(async {
+        let tls = flotilla_proto::tls::TlsFiles::in_dir(&c.pki(), "coordinator");
+        let channel = flotilla_proto::tls::channel(&c.url(), Some(&tls)).expect("channel");
+        ClientServiceClient::new(channel)
+            .status(v1::RunRef { run_id: a.clone() })
+            .await
+    });
+    assert_eq!(
+        status.expect_err("not alice's namespace").code(),
+        tonic::Code::NotFound
+    );
     assert_eq!(c.client_as("alice", &["stop", &a]).code, 0);
 }
