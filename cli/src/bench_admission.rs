@@ -124,7 +124,7 @@ async fn messages(State(p): State<Arc<Provider>>, _headers: HeaderMap) -> Respon
         .into_response()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }

@@ -28,6 +28,8 @@ use flotilla_coordinator::{Coordinator, LaunchRequest, RunSettings, RunStatus};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::bench_admission::median;
+
 #[derive(Debug, Args)]
 pub struct AffinityArgs {
     /// Workers, each with a model server of its own.
@@ -159,20 +161,15 @@ async fn one_run(
         });
         let worker = flotilla_worker::Worker::new(
             flotilla_worker::WorkerOptions {
-                name: format!("w{i}"),
-                slots: a.slots,
-                workspace: dir.path().join(format!("w{i}")),
-                labels: Default::default(),
-                shared_workspace: false,
-                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
-                allow_file_sources: false,
-                allow_source_hosts: Vec::new(),
-                sandbox: flotilla_worker::sandbox::Sandbox::Off,
-                limits: flotilla_worker::limits::Limits::default(),
                 account_limits: flotilla_worker::AccountLimits {
                     local_cache: vec!["openai".into()],
                     ..Default::default()
                 },
+                ..flotilla_worker::WorkerOptions::unsandboxed(
+                    &format!("w{i}"),
+                    a.slots,
+                    dir.path().join(format!("w{i}")),
+                )
             },
             vec![Arc::new(backend)],
         );
@@ -222,11 +219,6 @@ async fn one_run(
         )
     });
     Ok((cached as f64 / prefix.max(1) as f64, elapsed))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 async fn bench(a: &AffinityArgs) -> Result<AffinityReport, String> {

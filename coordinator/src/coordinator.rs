@@ -781,19 +781,7 @@ mod tests {
     fn echo_worker(c: &Coordinator, name: &str) -> tempfile::TempDir {
         let workspace = tempfile::tempdir().unwrap();
         let worker = flotilla_worker::Worker::new(
-            flotilla_worker::WorkerOptions {
-                name: name.into(),
-                slots: 8,
-                workspace: workspace.path().into(),
-                labels: std::collections::HashMap::new(),
-                shared_workspace: false,
-                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
-                allow_file_sources: false,
-                allow_source_hosts: Vec::new(),
-                sandbox: flotilla_worker::sandbox::Sandbox::Off,
-                limits: flotilla_worker::limits::Limits::default(),
-                account_limits: Default::default(),
-            },
+            flotilla_worker::WorkerOptions::unsandboxed(name, 8, workspace.path().into()),
             vec![Arc::new(flotilla_worker::backend::echo::Echo)],
         );
         let (link, end) = flotilla_worker::link_pair();

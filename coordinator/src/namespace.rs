@@ -539,32 +539,33 @@ impl Quotas {
             resets: resets.clone(),
             left: left.clone(),
         };
-        if let Some(l) = policy.agents_per_day
-            && used.agents >= l
-        {
-            return Some(exceeded(
+        let quotas = [
+            (
                 "agents per day",
+                policy
+                    .agents_per_day
+                    .map(|l| (used.agents >= l, l.to_string())),
                 used.agents.to_string(),
-                l.to_string(),
-            ));
-        }
-        if let Some(l) = policy.tokens_per_day
-            && used.tokens >= l
-        {
-            return Some(exceeded(
+            ),
+            (
                 "tokens per day",
+                policy
+                    .tokens_per_day
+                    .map(|l| (used.tokens >= l, l.to_string())),
                 used.tokens.to_string(),
-                l.to_string(),
-            ));
-        }
-        if let Some(l) = policy.usd_per_day
-            && used.cost_usd >= l
-        {
-            return Some(exceeded(
+            ),
+            (
                 "dollars per day",
+                policy
+                    .usd_per_day
+                    .map(|l| (used.cost_usd >= l, format!("${l}"))),
                 format!("${:.4}", used.cost_usd),
-                format!("${l}"),
-            ));
+            ),
+        ];
+        for (quota, limit, used) in quotas {
+            if let Some((true, limit)) = limit {
+                return Some(exceeded(quota, used, limit));
+            }
         }
         None
     }

@@ -63,6 +63,27 @@ pub struct WorkerOptions {
     pub account_limits: AccountLimits,
 }
 
+impl WorkerOptions {
+    /// A worker of `slots` slots under `workspace` whose agents run unconfined, with a scratch
+    /// directory each, no labels, no file sources and no declared account limits: an
+    /// in-process worker of a test or a benchmark.
+    pub fn unsandboxed(name: &str, slots: u32, workspace: std::path::PathBuf) -> WorkerOptions {
+        WorkerOptions {
+            name: name.to_owned(),
+            slots,
+            workspace,
+            labels: HashMap::new(),
+            shared_workspace: false,
+            max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
+            allow_file_sources: false,
+            allow_source_hosts: Vec::new(),
+            sandbox: crate::sandbox::Sandbox::Off,
+            limits: crate::limits::Limits::default(),
+            account_limits: AccountLimits::default(),
+        }
+    }
+}
+
 /// What a worker says of the provider accounts its backends call through.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AccountLimits {

@@ -20,19 +20,7 @@ fn harness() -> Harness {
     let dispatch = crate::sched::spawn(MemoryLeaseStore::new(), CancellationToken::new());
     let workspace = tempfile::tempdir().unwrap();
     let worker = Worker::new(
-        WorkerOptions {
-            name: "test".into(),
-            slots: 4,
-            workspace: workspace.path().into(),
-            labels: HashMap::new(),
-            shared_workspace: false,
-            max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
-            allow_file_sources: false,
-            allow_source_hosts: Vec::new(),
-            sandbox: flotilla_worker::sandbox::Sandbox::Off,
-            limits: flotilla_worker::limits::Limits::default(),
-            account_limits: Default::default(),
-        },
+        WorkerOptions::unsandboxed("test", 4, workspace.path().into()),
         vec![Arc::new(Echo)],
     );
     let (link, end) = link_pair();
