@@ -991,19 +991,7 @@ mod tests {
 
     fn worker(dir: &std::path::Path) -> Worker {
         Worker::new(
-            WorkerOptions {
-                name: "w".into(),
-                slots: 2,
-                workspace: dir.to_owned(),
-                labels: HashMap::new(),
-                shared_workspace: false,
-                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
-                allow_file_sources: false,
-                allow_source_hosts: Vec::new(),
-                sandbox: crate::sandbox::Sandbox::Off,
-                limits: crate::limits::Limits::default(),
-                account_limits: AccountLimits::default(),
-            },
+            WorkerOptions::unsandboxed("w", 2, dir.to_owned()),
             vec![Arc::new(Echo)],
         )
     }

@@ -31,10 +31,22 @@ impl FakeWorker {
         held: &[&v1::Assignment],
         backends: &[&str],
     ) -> FakeWorker {
+        Self::attach_with_accounts(d, name, slots, held, backends, Vec::new())
+    }
+
+    fn attach_with_accounts(
+        d: &DispatchHandle,
+        name: &str,
+        slots: u32,
+        held: &[&v1::Assignment],
+        backends: &[&str],
+        accounts: Vec<v1::Account>,
+    ) -> FakeWorker {
         let (link, end) = link_pair();
         d.attach(end);
         let w = FakeWorker { link };
         w.send(worker_message::Msg::Hello(v1::Hello {
+            accounts,
             protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
             name: name.into(),
             backends: backends.iter().map(|b| (*b).to_owned()).collect(),
@@ -590,23 +602,13 @@ async fn a_stop_that_meets_an_outcome_already_in_keeps_the_result() {
 
 /// A worker whose model server caches prefixes locally, as its `Hello` says.
 fn attach_caching(d: &DispatchHandle, name: &str, slots: u32) -> FakeWorker {
-    let (link, end) = link_pair();
-    d.attach(end);
-    let w = FakeWorker { link };
-    w.send(worker_message::Msg::Hello(v1::Hello {
-        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-        name: name.into(),
-        backends: vec!["echo".into()],
-        slots,
-        accounts: vec![v1::Account {
-            backend: "echo".into(),
-            id: format!("echo@{name}"),
-            local_cache: true,
-            ..v1::Account::default()
-        }],
-        ..v1::Hello::default()
-    }));
-    w
+    let account = v1::Account {
+        backend: "echo".into(),
+        id: format!("echo@{name}"),
+        local_cache: true,
+        ..v1::Account::default()
+    };
+    FakeWorker::attach_with_accounts(d, name, slots, &[], &["echo"], vec![account])
 }
 
 fn grouped(call: u64, group: u64) -> Ticket {
