@@ -172,25 +172,18 @@ impl Gateway {
             );
         }
         // What an agent needs of the API, and no more of what the key can do (files,
-        // batches, admin).
-        let path = req.uri().path();
-        let model_call = (req.method() == axum::http::Method::POST
-            && (path == "/v1/messages" || path == "/v1/messages/count_tokens"))
-            || (req.method() == axum::http::Method::GET && path.starts_with("/v1/models"));
-        if !model_call {
+        // batches, admin): the path as it is sent upstream, checked whole.
+        let Some(path) = model_call(req.method(), req.uri()) else {
+            let shown: String = req.uri().path().chars().take(200).collect();
             return refuse(
                 StatusCode::FORBIDDEN,
                 format!(
-                    "flotilla: {} {path} is not open to agents (only POST /v1/messages, /v1/messages/count_tokens and GET /v1/models)",
+                    "flotilla: {} {shown} is not open to agents (only POST /v1/messages, /v1/messages/count_tokens, GET /v1/models and GET /v1/models/MODEL)",
                     req.method()
                 ),
             );
-        }
+        };
         let (parts, body) = req.into_parts();
-        let path = parts
-            .uri
-            .path_and_query()
-            .map_or("/", axum::http::uri::PathAndQuery::as_str);
         let body = match axum::body::to_bytes(body, MAX_REQUEST).await {
             Ok(b) => b,
             Err(e) => {
@@ -261,6 +254,47 @@ impl Gateway {
         });
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
         builder.body(Body::from_stream(stream)).unwrap_or_default()
+    }
+}
+
+/// The path and query to send upstream when `method uri` is a request an agent may make of
+/// the model API, else `None`. The path must be one of the allowed ones exactly as written:
+/// no dot segments, percent-encodings, doubled slashes or backslashes that the upstream
+/// client (or the provider) would read as another path; a model id is one plain segment.
+/// The query goes as it came (the CLI sends `?beta=true`), but cannot carry a path.
+pub fn model_call(method: &axum::http::Method, uri: &axum::http::Uri) -> Option<String> {
+    use axum::http::Method;
+    let path = uri.path();
+    let model_id = |id: &str| {
+        !id.is_empty()
+            && id.len() <= 256
+            && !id.starts_with('.')
+            && id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '@'))
+    };
+    let allowed = match *method {
+        Method::POST => path == "/v1/messages" || path == "/v1/messages/count_tokens",
+        Method::GET => {
+            path == "/v1/models" || path.strip_prefix("/v1/models/").is_some_and(model_id)
+        }
+        _ => false,
+    };
+    if !allowed || uri.scheme().is_some() || uri.authority().is_some() {
+        return None;
+    }
+    match uri.query() {
+        None => Some(path.to_owned()),
+        Some(q)
+            if q.len() <= 2048
+                && q.bytes().all(|b| {
+                    b.is_ascii_alphanumeric()
+                        || matches!(b, b'=' | b'&' | b'-' | b'_' | b'.' | b',')
+                }) =>
+        {
+            Some(format!("{path}?{q}"))
+        }
+        Some(_) => None,
     }
 }
 
@@ -420,26 +454,40 @@ async fn proxy_one(
     let to_api = ["127.0.0.1", "localhost"]
         .iter()
         .any(|h| format!("{h}:{port}") == *api && host.eq_ignore_ascii_case(h));
-    // A name allowed by name must not lead to the worker itself or its link (the
-    // coordinator, etcd or a metadata service there): only an address allowed as such does.
-    let inward = !to_api
-        && host.parse::<std::net::IpAddr>().is_err()
-        && tokio::net::lookup_host((host.as_str(), port))
+    // The addresses this request may go to, resolved once: the connection goes to one of
+    // them, never to what a second lookup of the name says (DNS rebinding). A name allowed
+    // by name must not lead to the worker itself or its link (the coordinator, etcd or a
+    // metadata service there): only an address allowed as such does.
+    let permitted = to_api || allowed(allow, &host, port);
+    let addrs: Vec<std::net::SocketAddr> = if to_api || !permitted {
+        Vec::new()
+    } else if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        vec![std::net::SocketAddr::new(ip, port)]
+    } else {
+        tokio::net::lookup_host((host.as_str(), port))
             .await
-            .is_ok_and(|mut a| a.any(|a| crate::source::inward(a.ip())));
-    if !to_api && (inward || !allowed(allow, &host, port)) {
+            .map(Iterator::collect)
+            .unwrap_or_default()
+    };
+    let inward = host.parse::<std::net::IpAddr>().is_err()
+        && addrs.iter().any(|a| crate::source::inward(a.ip()));
+    if !permitted || inward {
         tracing::info!(host = %host, port, "the sandbox proxy refused a host that is not allowed");
         let why = format!(
             "flotilla: {host}:{port} is not reachable from this sandbox; the worker allows only the model API and its --allow-net hosts"
         );
         return answer(&mut conn, "403 Forbidden", &why).await;
     }
+    if !to_api && addrs.is_empty() {
+        let why = format!("flotilla: cannot resolve {host}");
+        return answer(&mut conn, "502 Bad Gateway", &why).await;
+    }
     let opened: std::io::Result<Box<dyn Upstream>> = if to_api {
         tokio::net::UnixStream::connect(gateway)
             .await
             .map(|s| Box::new(s) as Box<dyn Upstream>)
     } else {
-        tokio::net::TcpStream::connect((host.as_str(), port))
+        tokio::net::TcpStream::connect(&addrs[..])
             .await
             .map(|s| Box::new(s) as Box<dyn Upstream>)
     };
@@ -468,4 +516,172 @@ async fn proxy_one(
     }
     tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use axum::http::{Method, Uri};
+    use proptest::prelude::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn call(method: Method, target: &str) -> Option<String> {
+        model_call(&method, &target.parse::<Uri>().ok()?)
+    }
+
+    #[test]
+    fn only_the_model_calls_pass_exactly_as_written() {
+        assert_eq!(
+            call(Method::POST, "/v1/messages?beta=true").as_deref(),
+            Some("/v1/messages?beta=true")
+        );
+        assert!(call(Method::POST, "/v1/messages/count_tokens").is_some());
+        assert!(call(Method::GET, "/v1/models").is_some());
+        assert!(call(Method::GET, "/v1/models/claude-sonnet-4-5@20250929").is_some());
+        for (m, t) in [
+            (Method::GET, "/v1/models/../files"),
+            (Method::GET, "/v1/models/%2e%2e/files"),
+            (Method::GET, "/v1/models/%2E%2E/organizations/me"),
+            (Method::GET, "/v1/models/../organizations/me"),
+            (Method::GET, "/v1/models/x/../../files"),
+            (Method::GET, "/v1/models/.."),
+            (Method::GET, "/v1/models/."),
+            (Method::GET, "/v1/models//files"),
+            (Method::GET, "/v1/models/a%2f..%2ffiles"),
+            (Method::GET, "/v1/models/a\\..\\files"),
+            (Method::GET, "/v1/files"),
+            (Method::GET, "/v1/messages"),
+            (Method::POST, "/v1/messages/"),
+            (Method::POST, "/v1//messages"),
+            (Method::POST, "/v1/messages/batches"),
+            (Method::POST, "/v1/./messages"),
+            (Method::DELETE, "/v1/models/x"),
+            (Method::GET, "http://evil.example/v1/models"),
+            (Method::POST, "/v1/messages?x=/../files"),
+            (Method::POST, "/v1/messages?x=%2e%2e"),
+        ] {
+            assert_eq!(call(m.clone(), t), None, "{m} {t}");
+        }
+    }
+
+    proptest! {
+        /// Whatever an agent sends, what goes upstream is one of the allowed paths, with no
+        /// way for the upstream's own normalising to make it another.
+        #[test]
+        fn what_passes_is_always_an_allowed_path(
+            segs in proptest::collection::vec(
+                prop_oneof![
+                    Just("..".to_owned()), Just(".".to_owned()), Just("%2e%2e".to_owned()),
+                    Just("%2E".to_owned()), Just("".to_owned()), Just("files".to_owned()),
+                    Just("models".to_owned()), Just("messages".to_owned()), Just("v1".to_owned()),
+                    Just("%2f".to_owned()), Just("\\\\".to_owned()), Just("count_tokens".to_owned()),
+                    "[a-z0-9.%-]{1,8}",
+                ],
+                1..6,
+            ),
+            query in proptest::option::of("[ -~]{0,12}"),
+            post in any::<bool>(),
+        ) {
+            let mut target = format!("/{}", segs.join("/"));
+            if let Some(q) = query {
+                target = format!("{target}?{q}");
+            }
+            let method = if post { Method::POST } else { Method::GET };
+            if let Some(sent) = call(method, &target) {
+                let path = sent.split('?').next().unwrap();
+                let ok = path == "/v1/messages"
+                    || path == "/v1/messages/count_tokens"
+                    || path == "/v1/models"
+                    || path.strip_prefix("/v1/models/").is_some_and(|id| {
+                        !id.contains('/') && !id.contains('%') && !id.starts_with('.')
+                    });
+                prop_assert!(ok, "{target} went upstream as {sent}");
+                prop_assert!(!sent.contains(".."), "{sent}");
+                prop_assert!(!sent.contains('%'), "{sent}");
+            }
+        }
+    }
+
+    /// An upstream that records each request line it gets and answers 200.
+    async fn recording_upstream() -> (String, Arc<Mutex<Vec<String>>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = listener.accept().await {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 8192];
+                    let n = c.read(&mut buf).await.unwrap_or(0);
+                    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    log.lock()
+                        .unwrap()
+                        .push(text.lines().next().unwrap_or("").to_owned());
+                    let _ = c
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                        )
+                        .await;
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    async fn send(socket: &Path, head: &str) -> String {
+        let mut c = tokio::net::UnixStream::connect(socket).await.unwrap();
+        c.write_all(head.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        let _ =
+            tokio::time::timeout(std::time::Duration::from_secs(10), c.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test]
+    async fn the_gateway_forwards_only_what_it_checked_with_the_worker_s_key() {
+        flotilla_proto::tls::install_crypto_provider();
+        let (upstream, seen) = recording_upstream().await;
+        let dir = tempfile::tempdir().unwrap();
+        let g = Gateway::start_with(
+            dir.path(),
+            upstream,
+            Some((
+                HeaderName::from_static("x-api-key"),
+                HeaderValue::from_static("sk-worker"),
+            )),
+        )
+        .await
+        .unwrap();
+        let token = g.token();
+        for path in [
+            "/v1/models/../files",
+            "/v1/models/%2e%2e/files",
+            "/v1/models/../organizations/me",
+            "/v1/models/%2E%2E/%2E%2E/v1/files",
+            "//v1/models/../files",
+        ] {
+            let answer = send(
+                g.socket(),
+                &format!(
+                    "GET {path} HTTP/1.1\r\nhost: x\r\nx-api-key: {}\r\nconnection: close\r\n\r\n",
+                    token.value
+                ),
+            )
+            .await;
+            assert!(answer.starts_with("HTTP/1.1 403"), "{path}: {answer}");
+        }
+        let answer = send(
+            g.socket(),
+            &format!(
+                "GET /v1/models/claude-x HTTP/1.1\r\nhost: x\r\nx-api-key: {}\r\nconnection: close\r\n\r\n",
+                token.value
+            ),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let lines = seen.lock().unwrap().clone();
+        assert_eq!(lines, vec!["GET /v1/models/claude-x HTTP/1.1".to_owned()]);
+    }
 }

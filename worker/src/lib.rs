@@ -14,6 +14,7 @@ pub mod gateway;
 pub mod limits;
 pub mod remote;
 pub mod sandbox;
+pub mod seccomp;
 pub mod source;
 pub mod worker;
 pub mod workspace;

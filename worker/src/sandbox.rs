@@ -40,6 +40,9 @@ pub struct Bwrap {
     state: Arc<tempfile::TempDir>,
     /// The network as agents reach it (see [`crate::gateway`]).
     api: Option<Net>,
+    /// The seccomp filter every sandboxed process runs under ([`crate::seccomp`]), a file in
+    /// the worker's own directory.
+    seccomp: Option<PathBuf>,
 }
 
 /// The model API gateway and the proxy outside, and the flotilla binary that relays them
@@ -129,11 +132,21 @@ impl Sandbox {
             std::fs::write(etc.join(name), body)
                 .map_err(|e| format!("cannot write {}: {e}", etc.join(name).display()))?;
         }
+        let seccomp = match crate::seccomp::program() {
+            Some(bpf) => {
+                let path = etc.join("seccomp.bpf");
+                std::fs::write(&path, bpf)
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                Some(path)
+            }
+            None => None,
+        };
         let b = Bwrap {
             bin,
             etc,
             state: Arc::new(state),
             api: None,
+            seccomp,
         };
         let mut probe = b.command(
             "true".as_ref(),
@@ -179,6 +192,7 @@ impl Sandbox {
                 proxy,
                 relay,
             }),
+            seccomp: b.seccomp.clone(),
         })))
     }
 
@@ -190,8 +204,13 @@ impl Sandbox {
                 let api = b.api.as_ref().map_or_else(String::new, |n| {
                     format!("; model API gateway on {}", n.gateway.socket().display())
                 });
+                let seccomp = if b.seccomp.is_some() {
+                    ", under a seccomp filter"
+                } else {
+                    ", with no seccomp filter (none for this architecture)"
+                };
                 format!(
-                    "agents run in a bubblewrap sandbox ({}): their checkout read-write, the system read-only, no network but the model API{api}",
+                    "agents run in a bubblewrap sandbox ({}{seccomp}): their checkout read-write, the system read-only, no network but the model API{api}",
                     b.bin.display()
                 )
             }
@@ -237,6 +256,10 @@ impl Bwrap {
     /// Namespaces, the system read-only, `/proc`, `/dev`, a private `/tmp` (of `tmp_size`
     /// bytes, when not 0) and the agent's identity files.
     fn base(&self, a: &mut Vec<OsString>, tmp_size: u64) {
+        if self.seccomp.is_some() {
+            // The filter is on fd 3 (see [`Bwrap::launch`]).
+            a.extend(["--seccomp".into(), "3".into()]);
+        }
         let mut push = |xs: &[&str]| a.extend(xs.iter().map(OsString::from));
         push(&[
             "--die-with-parent",
@@ -398,9 +421,27 @@ impl Bwrap {
         }
         a.push(program.to_owned());
         a.extend(args.iter().cloned());
-        let mut c = prefixed(&jail.prefix, self.bin.as_os_str());
+        let mut c = self.launch(&jail.prefix);
         c.args(a).env_clear();
         c
+    }
+
+    /// bubblewrap, run by `prefix` (the attempt's limits), with its seccomp filter open on
+    /// fd 3: a shell opens it there and `exec`s the rest, which keeps it open through the
+    /// prefix for bubblewrap to read (every fd the worker holds is close-on-exec).
+    fn launch(&self, prefix: &[OsString]) -> Command {
+        match &self.seccomp {
+            Some(filter) => {
+                let mut c = Command::new("/bin/sh");
+                c.arg("-c")
+                    .arg("exec \"$@\" 3<\"$0\"")
+                    .arg(filter)
+                    .args(prefix)
+                    .arg(&self.bin);
+                c
+            }
+            None => prefixed(prefix, self.bin.as_os_str()),
+        }
     }
 }
 
@@ -430,7 +471,7 @@ pub fn worker_git(mounts: &[Mount]) -> Command {
     Bwrap::mounts(&mut a, mounts);
     Bwrap::seal(&mut a);
     a.extend(["--".into(), "git".into()]);
-    let mut c = prefixed(&limits.prefix(), b.bin.as_os_str());
+    let mut c = b.launch(&limits.prefix());
     c.args(a)
         .env_clear()
         .env("PATH", PATH)
@@ -465,3 +506,89 @@ pub fn find_on_path(name: &str) -> Option<PathBuf> {
 
 /// What `--sandbox off` leaves an agent, said on every start.
 pub const OFF_WARNING: &str = "agents run without a sandbox (--sandbox off): as this worker's user, they can read its --tls-dir key and certificate, its config file and environment (API keys), every attempt's checkout under --workspace, and reach every address this machine can";
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// What `python3 -c CODE` prints in a real sandbox (bubblewrap is a test dependency of
+    /// this crate: the suite installs it).
+    async fn in_sandbox(code: &str) -> String {
+        let sandbox = Sandbox::bubblewrap()
+            .await
+            .expect("bubblewrap makes a sandbox here (tools/test installs it)");
+        let dir = tempfile::tempdir().unwrap();
+        let jail = Jail {
+            workdir: dir.path().to_owned(),
+            mounts: vec![Mount::Rw(dir.path().to_owned())],
+            ..Jail::default()
+        };
+        let out = sandbox
+            .command("python3".as_ref(), &["-c".into(), code.into()], &jail)
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    #[tokio::test]
+    async fn agents_run_under_the_seccomp_filter() {
+        // Each call's result and errno, made as an agent would make it.
+        let code = r#"
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, nr, *args):
+    r = libc.syscall(nr, *args)
+    if r == 0 and name.startswith("clone"):
+        os._exit(0)
+    print(name, r, ctypes.get_errno(), flush=True)
+call("mount", 165, b"none", b"/tmp", b"tmpfs", 0, 0)
+call("unshare", 272, 0x10000000)
+call("keyctl", 250, 0, 0, 0, 0)
+call("bpf", 321, 0, 0, 0)
+call("perf_event_open", 298, 0, 0, -1, -1, 0)
+call("userfaultfd", 323, 0)
+call("ptrace", 101, 16, 999999, 0, 0)
+call("clock_settime", 227, 0, 0)
+call("io_uring_setup", 425, 1, 0)
+call("x32_mount", 0x40000000 | 165, 0, 0, 0, 0, 0)
+call("clone_newuser", 56, 0x10000000 | 17, 0, 0, 0, 0)
+call("getpid", 39)
+
+"#;
+        let out = in_sandbox(code).await;
+        let eperm = nix::libc::EPERM.to_string();
+        for name in [
+            "mount",
+            "unshare",
+            "keyctl",
+            "bpf",
+            "perf_event_open",
+            "userfaultfd",
+            "ptrace",
+            "clock_settime",
+            "io_uring_setup",
+            "x32_mount",
+            "clone_newuser",
+        ] {
+            let line = out
+                .lines()
+                .find(|l| l.split(' ').next() == Some(name))
+                .unwrap_or_else(|| panic!("no {name} in {out}"));
+            let parts: Vec<&str> = line.split(' ').collect();
+            assert_eq!(parts[1], "-1", "{name} must fail: {out}");
+            assert_eq!(parts[2], eperm, "{name} must fail with EPERM: {out}");
+        }
+        let getpid = out.lines().find(|l| l.starts_with("getpid ")).unwrap();
+        assert_ne!(getpid.split(' ').nth(1), Some("-1"), "{out}");
+        // Ordinary work goes on: processes, threads, files.
+        let busy = in_sandbox(
+            "import subprocess, threading; t = threading.Thread(target=lambda: None); t.start(); t.join(); \
+             open('f.txt', 'w').write('x'); print(subprocess.run(['sh', '-c', 'cat f.txt'], capture_output=True).stdout.decode())",
+        )
+        .await;
+        assert_eq!(busy.trim(), "x");
+    }
+}
