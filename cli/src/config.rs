@@ -276,6 +276,7 @@ pub struct ConfigFile {
     pub memory_mib: Option<u64>,
     pub max_procs: Option<u64>,
     pub tmp_mib: Option<u64>,
+    pub disk_mib: Option<u64>,
     pub max_attempt_time: Option<String>,
     /// Worker: its labels (`KEY=VALUE`), for agents' `placement.labels`.
     #[serde(default)]

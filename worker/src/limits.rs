@@ -16,6 +16,8 @@ pub struct Settings {
     /// Size of the sandbox's private `/tmp`.
     pub tmp: u64,
     pub wall: Option<Duration>,
+    /// What one attempt may write to its checkout or scratch directory, in bytes.
+    pub disk: Option<u64>,
 }
 
 impl Default for Settings {
@@ -25,6 +27,7 @@ impl Default for Settings {
             procs: Some(1024),
             tmp: 1 << 30,
             wall: Some(Duration::from_secs(4 * 3600)),
+            disk: Some(10 << 30),
         }
     }
 }
@@ -58,6 +61,7 @@ impl Default for Limits {
                 procs: None,
                 tmp: 1 << 30,
                 wall: None,
+                disk: None,
             },
             how: How::None,
         }
@@ -208,10 +212,11 @@ impl Limits {
             How::None => "not enforced",
         };
         format!(
-            "attempt limits: memory {}, processes {}, /tmp {} MiB, wall time {}; through {how}",
+            "attempt limits: memory {}, processes {}, /tmp {} MiB, disk {}, wall time {}; through {how}",
             mib(s.memory),
             s.procs.map_or_else(|| "none".to_owned(), |p| p.to_string()),
             s.tmp >> 20,
+            mib(s.disk),
             s.wall
                 .map_or_else(|| "none".to_owned(), |w| format!("{}s", w.as_secs())),
         )
@@ -223,6 +228,7 @@ impl Limits {
         let mut l = self.clone();
         l.settings.memory = Some(2 << 30);
         l.settings.procs = Some(256);
+        l.settings.disk = None;
         l.attempt("worker-git")
     }
 
@@ -302,6 +308,25 @@ impl Attempt {
     /// groups, or under its rlimits, then runs it: `sh` writing its own pid to each group's
     /// `cgroup.procs` before it `exec`s, or `prlimit`.
     pub fn prefix(&self) -> Vec<OsString> {
+        let mut p = self.groups_prefix();
+        // No one file larger than the attempt's disk quota (the disk watch sees the rest).
+        if let Some(disk) = self.settings.disk
+            && let Some(prlimit) = crate::sandbox::find_on_path("prlimit")
+        {
+            let fsize = [format!("--fsize={disk}").into(), "--".into()];
+            if self.rlimits && p.first().map(OsString::as_os_str) == Some(prlimit.as_os_str()) {
+                // One prlimit sets them all: `prlimit --as=… --fsize=… --`.
+                p.pop();
+                p.extend(fsize);
+            } else {
+                p.push(prlimit.into_os_string());
+                p.extend(fsize);
+            }
+        }
+        p
+    }
+
+    fn groups_prefix(&self) -> Vec<OsString> {
         if !self.groups.is_empty() {
             let mut p: Vec<OsString> = vec![
                 "/bin/sh".into(),
@@ -388,4 +413,68 @@ impl Drop for Attempt {
             let _ = std::fs::remove_dir(g);
         }
     }
+}
+
+/// Watches what one attempt writes to its directory (its checkout or scratch directory) while
+/// it runs: once that is over the worker's disk quota, it says so and cancels the attempt.
+/// (No one file can pass the quota at all: the attempt runs under `RLIMIT_FSIZE`.)
+#[derive(Debug)]
+pub struct DiskWatch {
+    over: std::sync::Arc<std::sync::OnceLock<String>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DiskWatch {
+    /// Starts watching `dir` (which may not be there yet) against `limit` bytes; `cancel`
+    /// is the attempt's.
+    pub fn start(
+        dir: PathBuf,
+        limit: u64,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> DiskWatch {
+        let over = std::sync::Arc::new(std::sync::OnceLock::new());
+        let said = over.clone();
+        let task = tokio::spawn(async move {
+            let mut pause = Duration::from_millis(250);
+            loop {
+                tokio::time::sleep(pause).await;
+                let started = std::time::Instant::now();
+                let d = dir.clone();
+                let Ok(used) =
+                    tokio::task::spawn_blocking(move || crate::workspace::disk_use(&d, false))
+                        .await
+                else {
+                    return;
+                };
+                if used >= limit {
+                    let _ = said.set(disk_quota_message(limit));
+                    cancel.cancel();
+                    return;
+                }
+                // A large tree is walked less often: at most 5% of the time goes to it.
+                pause = (started.elapsed() * 20)
+                    .clamp(Duration::from_millis(250), Duration::from_secs(5));
+            }
+        });
+        DiskWatch { over, task }
+    }
+
+    /// Why the attempt was stopped, if the watch stopped it.
+    pub fn over(&self) -> Option<String> {
+        self.over.get().cloned()
+    }
+}
+
+impl Drop for DiskWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Why an attempt that wrote `limit` bytes or more ended.
+pub fn disk_quota_message(limit: u64) -> String {
+    format!(
+        "the agent wrote {} MiB or more to its directory, the attempt's disk quota (the worker's --disk-mib); what it wrote is gone",
+        limit >> 20
+    )
 }

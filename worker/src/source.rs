@@ -1,6 +1,11 @@
 //! A worker's copies of run sources: a bare repository per source repository, filled through
 //! the coordinator link, and a checkout per call.
 //!
+//! Caches are per namespace (`.flotilla/caches/NAMESPACE/REPO.git` under the workspace root):
+//! what one team's runs brought is never in another team's checkouts. No sandbox ever shows
+//! a cache writable, and the worker makes each one its own again before it uses it (see
+//! [`harden_cache`]): its git never reads configuration, hooks or attributes an agent wrote.
+//!
 //! Workers never touch storage: a worker that lacks a run's commit sends a `SourceRequest` on
 //! its link, with the packs it applied already, and indexes each pack that comes back
 //! (`git index-pack`), dependencies first. A warm worker transfers nothing for another run of
@@ -137,6 +142,62 @@ fn is_local(url: &str) -> bool {
     }
 }
 
+/// What a cache's `config` says: nothing but what `git init --bare` writes (no remote, proxy,
+/// ssh command, credential helper, filter, hook path or include).
+const CACHE_CONFIG: &str =
+    "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = true\n";
+
+/// Makes the cache at `bare` the worker's own again: a plain directory (never a link), its
+/// config [`CACHE_CONFIG`], no hooks, attributes or borrowed objects. Nothing an agent can
+/// reach writes here; this holds it even for a cache written by an older version.
+fn harden_cache(bare: &Path) -> Result<(), String> {
+    if !std::fs::symlink_metadata(bare).is_ok_and(|m| m.is_dir()) {
+        return Err(format!(
+            "{} is not a directory of the worker's",
+            bare.display()
+        ));
+    }
+    let config = bare.join("config");
+    let plain = std::fs::symlink_metadata(&config).is_ok_and(|m| m.is_file() && m.len() < 4096)
+        && std::fs::read_to_string(&config).is_ok_and(|c| c == CACHE_CONFIG);
+    if !plain {
+        let _ = std::fs::remove_file(&config);
+        std::fs::write(&config, CACHE_CONFIG)
+            .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+    }
+    for extra in [
+        "hooks",
+        "info/attributes",
+        "objects/info/alternates",
+        "commondir",
+    ] {
+        let p = bare.join(extra);
+        if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()) {
+            crate::workspace::remove_tree(&p);
+        } else {
+            let _ = std::fs::remove_file(&p);
+        }
+    }
+    Ok(())
+}
+
+/// The directory of namespace `ns`'s caches: its name when that is a plain namespace name,
+/// else a digest of it (so no name can climb or hide).
+fn namespace_dir(ns: &str) -> String {
+    let ns = if ns.is_empty() { "default" } else { ns };
+    let plain = ns.len() <= 63
+        && ns.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && ns
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'));
+    if plain {
+        ns.to_owned()
+    } else {
+        use sha2::Digest;
+        format!("ns-{}", hex::encode(sha2::Sha256::digest(ns.as_bytes())))
+    }
+}
+
 impl Sources {
     /// A cache under `root` (the worker's workspace root); `allow_file`: URL sources may
     /// name this machine's own paths.
@@ -146,8 +207,11 @@ impl Sources {
 
     /// [`Sources::new`] for a worker whose results are at most `max_result` bytes.
     pub fn with_limit(root: &Path, allow_file: bool, max_result: usize) -> Sources {
+        // Caches of the layout before namespaces (`.flotilla/sources/REPO.git`, shared by
+        // every namespace) are not trusted: they go.
+        crate::workspace::remove_tree(&root.join(".flotilla").join("sources"));
         Sources {
-            root: root.join(".flotilla").join("sources"),
+            root: root.join(".flotilla").join("caches"),
             next: AtomicU64::new(1),
             waiting: Mutex::default(),
             repos: Mutex::default(),
@@ -218,13 +282,18 @@ impl Sources {
         }
     }
 
-    fn bare(&self, repo: &str) -> PathBuf {
-        self.root.join(format!("{repo}.git"))
+    /// The cache of repository `repo` for runs of namespace `ns`: one per namespace, so one
+    /// team's objects (uncommitted files of its snapshots included) are never borrowed by
+    /// another team's checkouts.
+    fn bare(&self, ns: &str, repo: &str) -> PathBuf {
+        self.root
+            .join(namespace_dir(ns))
+            .join(format!("{repo}.git"))
     }
 
-    fn repo_lock(&self, repo: &str) -> Arc<tokio::sync::Mutex<()>> {
+    fn repo_lock(&self, bare: &Path) -> Arc<tokio::sync::Mutex<()>> {
         lock(&self.repos)
-            .entry(repo.to_owned())
+            .entry(bare.display().to_string())
             .or_default()
             .clone()
     }
@@ -244,8 +313,8 @@ impl Sources {
                 format!("{repo:?} does not name a source"),
             ));
         }
-        let bare = self.bare(repo);
-        let _held = self.repo_lock(repo).lock_owned().await;
+        let bare = self.bare(&task.namespace, repo);
+        let _held = self.repo_lock(&bare).lock_owned().await;
         if !bare.join("HEAD").exists() {
             std::fs::create_dir_all(&bare)
                 .map_err(|e| worker_error("cannot make the source cache", &e.to_string()))?;
@@ -253,6 +322,8 @@ impl Sources {
                 .await
                 .map_err(|e| worker_error("cannot make the source cache", &e))?;
         }
+        // Only the worker writes here; whatever a repository can make git run is never in it.
+        harden_cache(&bare).map_err(|e| worker_error("cannot keep the source cache", &e))?;
         if !task.source_url.is_empty() {
             let rev = &task.source_commit;
             if !plain(rev) {
@@ -527,7 +598,7 @@ impl Sources {
                     // call's directory goes, and every pack is fetched again (objects already
                     // there are kept; missing ones come back).
                     tracing::warn!(repo = %task.source_repo, error = %e, "the cached source is unusable; fetching it again");
-                    let _held = self.repo_lock(&task.source_repo).lock_owned().await;
+                    let _held = self.repo_lock(&bare).lock_owned().await;
                     let _ = std::fs::remove_dir_all(dir);
                     let _ = crate::worktree::git_locked(&bare, &["worktree", "prune"]).await;
                     let _ = std::fs::remove_file(bare.join("flotilla-packs"));

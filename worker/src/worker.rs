@@ -212,10 +212,24 @@ impl Worker {
         let mut kept = Kept::default();
         let mut cut_off_since: Option<Instant> = None;
         let mut grace = DEFAULT_GRACE;
+        let mut sweep = tokio::time::interval(SWEEP_EVERY);
         loop {
             let give_up = cut_off_since.map(|t| t + grace);
             tokio::select! {
                 _ = cancel.cancelled() => break,
+                _ = sweep.tick() => {
+                    let busy: std::collections::HashSet<(String, u64)> =
+                        lock(&running).keys().map(|(r, c, _)| (r.clone(), *c)).collect();
+                    let ws = workspace.clone();
+                    let gone = tokio::task::spawn_blocking(move || {
+                        ws.sweep(SWEEP_AFTER, |run, call| busy.contains(&(run.to_owned(), call)))
+                    })
+                    .await
+                    .unwrap_or(0);
+                    if gone > 0 {
+                        tracing::info!(worker = %self.opts.name, directories = gone, "removed call directories no attempt used for {}", humanize(SWEEP_AFTER));
+                    }
+                }
                 next = links.recv(), if links_open => match next {
                     Some(new) => {
                         // What runs now, then whatever the attempts already sent: an attempt
@@ -346,6 +360,11 @@ impl Worker {
 
 /// Attempts running here: their cancel tokens, fences and call keys.
 type Running = Arc<Mutex<HashMap<AttemptId, (CancellationToken, i64, String)>>>;
+
+/// How often the worker looks for call directories no attempt uses any more.
+const SWEEP_EVERY: Duration = Duration::from_secs(300);
+/// A call directory kept for a retry that has not come within this long goes.
+const SWEEP_AFTER: Duration = Duration::from_secs(3600);
 
 /// Longest a worker keeps its attempts while cut off before it hears the coordinator's TTL.
 const DEFAULT_GRACE: Duration = Duration::from_secs(20);
@@ -598,10 +617,18 @@ async fn run_attempt_in(
                         (a, w) => a.or(w),
                     };
                     let by_worker = limit.is_some() && limit == wall && asked != limit;
+                    // On a timeout or over the disk quota the attempt is cancelled the normal
+                    // way, so the backend kills what it started before the outcome is sent.
+                    let token = cancel.child_token();
+                    let quota = limits.settings.disk.filter(|_| !scratch.is_shared());
+                    let watched = match &worktree {
+                        Some(wt) => Some(wt.path.clone()),
+                        None => scratch.call_dir(&a.run_id, a.call),
+                    };
+                    let watch = quota
+                        .zip(watched)
+                        .map(|(q, dir)| crate::limits::DiskWatch::start(dir, q, token.clone()));
                     let result = if let Some(limit) = limit {
-                        // On timeout the attempt is cancelled the normal way, so the backend kills
-                        // what it started before the outcome is sent.
-                        let token = cancel.child_token();
                         let run =
                             crate::backend::run_attempt(&*backend, &task, &events, token.clone());
                         tokio::pin!(run);
@@ -621,8 +648,9 @@ async fn run_attempt_in(
                             }
                         }
                     } else {
-                        crate::backend::run_attempt(&*backend, &task, &events, cancel.clone()).await
+                        crate::backend::run_attempt(&*backend, &task, &events, token.clone()).await
                     };
+                    let over_quota = watch.and_then(|w| w.over());
                     let mut result = result;
                     // The agent is gone: its checkout's git directory is made plain before
                     // the worker's git reads it.
@@ -631,15 +659,20 @@ async fn run_attempt_in(
                     }
                     // What its checkout holds now, in its usage.
                     let disk = match &worktree {
-                        Some(wt) => disk_use(&wt.path),
-                        None => task_dir_use(&scratch, &a, &spec),
+                        Some(wt) => crate::workspace::disk_use(&wt.path, true),
+                        None => task_dir_use(&scratch, &a),
                     };
                     match result.as_mut() {
                         Ok(out) => out.usage.disk_bytes = disk,
                         Err(e) => e.usage.disk_bytes = disk,
                     }
                     // A limit the attempt went over is why it ended, whatever the backend saw.
-                    if let Some(why) = attempt_limits.exceeded() {
+                    let over_quota = over_quota.or_else(|| {
+                        quota
+                            .filter(|q| disk >= *q)
+                            .map(crate::limits::disk_quota_message)
+                    });
+                    if let Some(why) = over_quota.or_else(|| attempt_limits.exceeded()) {
                         let usage = result.as_ref().err().map(|e| e.usage).unwrap_or_default();
                         let mut e = Error::new(FailureKind::Terminal, why);
                         e.usage = usage;
@@ -649,95 +682,36 @@ async fn run_attempt_in(
                     {
                         e.message.push_str(&hint);
                     }
-                    match &worktree {
-                        // A source checkout: a finished agent's edits go back as its change;
-                        // an unfinished attempt's stay for the next one (W58).
-                        Some(wt) if !spec.source_repo.is_empty() => {
-                            if let Ok(out) = result.as_mut() {
-                                match crate::source::change_of(
-                                    wt,
-                                    &spec,
-                                    (&a.run_id, a.call),
-                                    sources.max_change(),
-                                )
-                                .await
-                                {
-                                    Ok(Some(c))
-                                        if let Err(e) = sources.fits(out.text.len(), &c) =>
-                                    {
-                                        // Too big to send: the checkout stays, so the work
-                                        // is not thrown away with the result.
-                                        result = Err(Error::new(
-                                            FailureKind::Terminal,
-                                            format!(
-                                                "{e}; its checkout stays at {} on this worker; have the agent commit less (generated files, build output) or raise --max-result-mib",
-                                                wt.path.display()
-                                            ),
-                                        ));
-                                    }
-                                    Ok(change) => {
-                                        if let Some(c) = &change {
-                                            events.transcript(serde_json::json!({
-                                                "type": "change", "commit": c.commit, "base": c.base,
-                                                "files": c.files, "insertions": c.insertions, "deletions": c.deletions,
-                                            }));
-                                        }
-                                        out.change = change;
-                                        wt.discard().await;
-                                    }
-                                    Err(e) => result = Err(e),
-                                }
-                            } else if let Err(e) = &result
-                                && matches!(
-                                    e.kind,
-                                    FailureKind::Terminal
-                                        | FailureKind::Schema
-                                        | FailureKind::Invalid
-                                )
-                            {
-                                // The call ends here: no later attempt will want its checkout.
+                    // What the agent left is recorded within a bound of its own: nothing in
+                    // the checkout can keep the worker's git busy past it.
+                    let settle = settle(
+                        &a,
+                        &spec,
+                        worktree.as_ref(),
+                        &scratch,
+                        (&sources, &events),
+                        &mut result,
+                    );
+                    match tokio::time::timeout(settle_bound(&spec), settle).await {
+                        Ok(p) => partial = p,
+                        Err(_) => {
+                            if let Some(wt) = &worktree {
                                 wt.discard().await;
-                            } else if result.is_err() && spec.source_url.is_empty() {
-                                // Another attempt may follow, on any worker: what this one
-                                // left goes with its failure (W58). The checkout stays too.
-                                match crate::source::partial_of(
-                                    wt,
-                                    &spec,
-                                    (&a.run_id, a.call, a.attempt),
-                                    sources.max_change(),
-                                )
-                                .await
-                                {
-                                    Ok(Some(c)) => match sources.fits(0, &c) {
-                                        Ok(()) => {
-                                            events.transcript(serde_json::json!({
-                                                "type": "partial", "commit": c.commit, "base": c.base, "files": c.files,
-                                            }));
-                                            partial = Some(c);
-                                        }
-                                        Err(e) => {
-                                            tracing::warn!(run = %a.run_id, call = a.call, error = %e, "what the attempt left is too big to send; only a retry on this worker keeps it")
-                                        }
-                                    },
-                                    Ok(None) => {}
-                                    Err(e) => {
-                                        tracing::warn!(run = %a.run_id, call = a.call, error = %e, "cannot record what the attempt left; only a retry on this worker keeps it")
-                                    }
-                                }
                             }
-                        }
-                        Some(wt) => {
-                            let message = format!(
-                                "flotilla: agent {:?} (#{}) of run {}, attempt {}",
-                                spec.label, a.call, a.run_id, a.attempt
+                            let usage = match &result {
+                                Ok(out) => out.usage,
+                                Err(e) => e.usage,
+                            };
+                            let mut e = Error::new(
+                                FailureKind::Terminal,
+                                format!(
+                                    "recording what the agent left in its checkout took more than {}; its checkout is gone",
+                                    humanize(settle_bound(&spec))
+                                ),
                             );
-                            let kept =
-                                wt.finish_as(&message).await == crate::worktree::Finished::Kept;
-                            events.transcript(serde_json::json!({
-                                "type": "worktree", "path": wt.path, "branch": wt.branch, "kept": kept,
-                            }));
+                            e.usage = usage;
+                            result = Err(e);
                         }
-                        None => scratch.tidy(&a.run_id, a.call, &spec.cwd),
                     }
                     result
                 }
@@ -776,46 +750,130 @@ async fn run_attempt_in(
     }
 }
 
-/// Bytes of the files under `dir` (a checkout: its `.git` file is one of them), not following
-/// links; set-user-ID and set-group-ID bits are cleared on the way.
-fn disk_use(dir: &std::path::Path) -> u64 {
-    let mut total = 0u64;
-    let mut todo = vec![dir.to_owned()];
-    while let Some(d) = todo.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            match e.metadata() {
-                Ok(m) if m.is_dir() => todo.push(e.path()),
-                Ok(m) => {
-                    total += m.len();
-                    // No set-user-ID file an agent made outlives its sandbox (inside, it
-                    // was the worker's user).
-                    use std::os::unix::fs::PermissionsExt;
-                    let mode = m.permissions().mode();
-                    if m.is_file() && mode & 0o6000 != 0 {
-                        let _ = std::fs::set_permissions(
-                            e.path(),
-                            std::fs::Permissions::from_mode(mode & !0o6000),
-                        );
-                    }
-                }
-                Err(_) => {}
-            }
-        }
-    }
-    total
+/// The longest the worker's own git may take over what an attempt left: the attempt's own
+/// timeout, at least 30 s, at most 10 minutes.
+fn settle_bound(spec: &v1::TaskSpec) -> Duration {
+    Duration::from_millis(spec.timeout_ms).clamp(Duration::from_secs(30), Duration::from_secs(600))
 }
 
-/// [`disk_use`] of a call's own directory (none for a shared workspace: that is the user's).
-fn task_dir_use(workspace: &Workspace, a: &Assignment, spec: &v1::TaskSpec) -> u64 {
-    if workspace.is_shared() {
-        return 0;
+/// After an attempt: its source checkout's change goes into `result` (a finished agent's
+/// edits) or comes back as the leftovers for the call's next attempt (W58); a worktree is
+/// committed or removed; a scratch directory goes when the call ends.
+async fn settle(
+    a: &Assignment,
+    spec: &v1::TaskSpec,
+    worktree: Option<&crate::worktree::Worktree>,
+    scratch: &Workspace,
+    (sources, events): (&crate::source::Sources, &Events),
+    result: &mut Result<crate::backend::Output, Error>,
+) -> Option<v1::Change> {
+    let mut partial = None;
+    match worktree {
+        // A source checkout: a finished agent's edits go back as its change;
+        // an unfinished attempt's stay for the next one (W58).
+        Some(wt) if !spec.source_repo.is_empty() => {
+            if let Ok(out) = result.as_mut() {
+                match crate::source::change_of(wt, &spec, (&a.run_id, a.call), sources.max_change())
+                    .await
+                {
+                    Ok(Some(c)) if let Err(e) = sources.fits(out.text.len(), &c) => {
+                        // Too big to send: the checkout stays, so the work
+                        // is not thrown away with the result.
+                        *result = Err(Error::new(
+                            FailureKind::Terminal,
+                            format!(
+                                "{e}; its checkout stays at {} on this worker; have the agent commit less (generated files, build output) or raise --max-result-mib",
+                                wt.path.display()
+                            ),
+                        ));
+                    }
+                    Ok(change) => {
+                        if let Some(c) = &change {
+                            events.transcript(serde_json::json!({
+                                "type": "change", "commit": c.commit, "base": c.base,
+                                "files": c.files, "insertions": c.insertions, "deletions": c.deletions,
+                            }));
+                        }
+                        out.change = change;
+                        wt.discard().await;
+                    }
+                    Err(e) => *result = Err(e),
+                }
+            } else if ends_call(result) {
+                // The call ends here: no later attempt will want its checkout.
+                wt.discard().await;
+            } else if result.is_err() && spec.source_url.is_empty() {
+                // Another attempt may follow, on any worker: what this one
+                // left goes with its failure (W58). The checkout stays too.
+                match crate::source::partial_of(
+                    wt,
+                    &spec,
+                    (&a.run_id, a.call, a.attempt),
+                    sources.max_change(),
+                )
+                .await
+                {
+                    Ok(Some(c)) => match sources.fits(0, &c) {
+                        Ok(()) => {
+                            events.transcript(serde_json::json!({
+                                "type": "partial", "commit": c.commit, "base": c.base, "files": c.files,
+                            }));
+                            partial = Some(c);
+                        }
+                        Err(e) => {
+                            tracing::warn!(run = %a.run_id, call = a.call, error = %e, "what the attempt left is too big to send; only a retry on this worker keeps it")
+                        }
+                    },
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(run = %a.run_id, call = a.call, error = %e, "cannot record what the attempt left; only a retry on this worker keeps it")
+                    }
+                }
+            }
+        }
+        Some(wt) => {
+            let message = format!(
+                "flotilla: agent {:?} (#{}) of run {}, attempt {}",
+                spec.label, a.call, a.run_id, a.attempt
+            );
+            let kept = wt.finish_as(&message).await == crate::worktree::Finished::Kept;
+            events.transcript(serde_json::json!({
+                "type": "worktree", "path": wt.path, "branch": wt.branch, "kept": kept,
+            }));
+        }
+        // A scratch directory stays only for a retry of its call (W58).
+        None if ends_call(result) => scratch.remove(&a.run_id, a.call),
+        None => {}
     }
+    // What stays for a retry counts as used now: the workspace sweep takes it only once no
+    // attempt has used it for a while.
+    if !ends_call(result) {
+        scratch.touch(&a.run_id, a.call);
+    }
+    partial
+}
+
+/// Whether no attempt of the call follows this one, whatever it left: it finished, or failed
+/// in a way the coordinator does not retry.
+fn ends_call(result: &Result<crate::backend::Output, Error>) -> bool {
+    match result {
+        Ok(_) => true,
+        Err(e) => matches!(
+            e.kind,
+            FailureKind::Terminal
+                | FailureKind::Timeout
+                | FailureKind::Schema
+                | FailureKind::Invalid
+        ),
+    }
+}
+
+/// [`disk_use`] of a call's own directory, if it has one (none for a shared workspace: that
+/// is the user's).
+fn task_dir_use(workspace: &Workspace, a: &Assignment) -> u64 {
     workspace
-        .dir_for(&a.run_id, a.call, &spec.cwd)
-        .map_or(0, |d| disk_use(&d))
+        .call_dir(&a.run_id, a.call)
+        .map_or(0, |d| crate::workspace::disk_use(&d, true))
 }
 
 /// The call's checkout: of the run's source when it has one (every call its own), else a
@@ -832,13 +890,15 @@ async fn checkout_for(
         return worktree_for(a, spec, workspace, events).await;
     }
     let invalid = |e: String| Error::new(FailureKind::Invalid, e);
-    let scratch = workspace.dir_for(&a.run_id, a.call, "").map_err(invalid)?;
-    let mut wt = sources.checkout(spec, &scratch, link).await?;
+    let Some(dir) = workspace.call_dir(&a.run_id, a.call) else {
+        return Err(invalid(format!(
+            "run {:?} cannot have a checkout on this worker",
+            a.run_id
+        )));
+    };
+    let mut wt = sources.checkout(spec, &dir, link).await?;
     if !spec.cwd.is_empty() {
-        let inside = Workspace::new(&wt.path)
-            .dir_for(&a.run_id, a.call, &spec.cwd)
-            .map_err(invalid)?;
-        wt.workdir = inside;
+        wt.workdir = crate::workspace::confine(&wt.path, &spec.cwd).map_err(invalid)?;
     }
     events.transcript(serde_json::json!({
         "type": "checkout", "path": wt.path, "commit": wt.base, "reused": wt.reused,
@@ -856,6 +916,13 @@ async fn worktree_for(
         return Ok(None);
     }
     let invalid = |e: String| Error::new(FailureKind::Invalid, e);
+    if !workspace.is_shared() {
+        // A worker's workspace root is its own, not a repository of the run's: the worktree
+        // a fleet agent gets is its checkout of the run's source.
+        return Err(invalid(
+            "isolation: 'worktree' needs the run's source on a fleet, and this run has none; launch it from a git repository (or with --source git+URL#REF), or drop the isolation option".into(),
+        ));
+    }
     let root = workspace.root();
     std::fs::create_dir_all(root).map_err(|e| {
         invalid(format!(

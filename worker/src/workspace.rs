@@ -1,11 +1,13 @@
 //! Working directories, confined to the worker's workspace root.
 //!
 //! A *shared* workspace (the embedded mode: the user's repository or directory) is where
-//! every agent works, as Claude Code's agents work in the session's directory. Otherwise every
-//! call gets a scratch directory `{root}/{run}/{call}`, removed after an attempt that left it
-//! empty. A `cwd` must be a relative path that stays inside the root (no absolute paths, no
-//! `..` that climbs out, no symlink that leads out). Attempts of one call share the directory:
-//! files an earlier attempt wrote stay (W58).
+//! every agent works, as Claude Code's agents work in the session's directory, and `cwd` is
+//! relative to it. Otherwise every call gets a scratch directory `{root}/{run}/{call}` of its
+//! own, and `cwd` is relative to *that*: an agent's directory is always inside its own call's
+//! directory, never the workspace root, another call's directory or a cache. A `cwd` must be
+//! a relative path that stays inside its base (no absolute paths, no `..` that climbs out, no
+//! symlink that leads out). Attempts of one call share the directory: files an earlier attempt
+//! wrote stay for a retry (W58); the directory goes when the call ends ([`Workspace::remove`]).
 
 use std::path::{Component, Path, PathBuf};
 
@@ -37,78 +39,211 @@ impl Workspace {
         self.shared
     }
 
-    /// After an attempt: a call's scratch directory that was left empty goes, and so does
-    /// its run's directory once empty (nothing is left behind but what agents wrote).
-    pub fn tidy(&self, run_id: &str, call: u64, cwd: &str) {
-        if self.shared || !cwd.is_empty() || !is_plain_name(run_id) {
-            return;
-        }
-        let run_dir = self.root.join(run_id);
-        let _ = std::fs::remove_dir(run_dir.join(call.to_string()));
-        let _ = std::fs::remove_dir(run_dir);
-    }
-
     pub fn root(&self) -> &Path {
         &self.root
     }
 
-    /// The working directory of one call, created if missing.
-    pub fn dir_for(&self, run_id: &str, call: u64, cwd: &str) -> Result<PathBuf, String> {
-        let dir = if cwd.is_empty() && self.shared {
-            self.root.clone()
-        } else if cwd.is_empty() {
-            if !is_plain_name(run_id) {
-                return Err(format!("run id {run_id:?} cannot name a directory"));
+    /// The directory of one call (`{root}/{run}/{call}`), not created; `None` for a shared
+    /// workspace (the user's own) or a run id that cannot name a directory.
+    pub fn call_dir(&self, run_id: &str, call: u64) -> Option<PathBuf> {
+        (!self.shared && is_plain_name(run_id))
+            .then(|| self.root.join(run_id).join(call.to_string()))
+    }
+
+    /// After a call's last attempt here: its directory goes with whatever the agent left in it
+    /// (nothing of a scratch directory is kept: a fleet run's edits travel only through its
+    /// source), and so does its run's directory once empty.
+    pub fn remove(&self, run_id: &str, call: u64) {
+        let Some(dir) = self.call_dir(run_id, call) else {
+            return;
+        };
+        remove_tree(&dir);
+        if let Some(run_dir) = dir.parent() {
+            let _ = std::fs::remove_dir(run_dir);
+        }
+    }
+
+    /// Marks the call's directory as used now (an attempt that keeps it for a retry).
+    pub fn touch(&self, run_id: &str, call: u64) {
+        if let Some(dir) = self.call_dir(run_id, call)
+            && let Ok(f) = std::fs::File::open(&dir)
+        {
+            let _ = f.set_modified(std::time::SystemTime::now());
+        }
+    }
+
+    /// Removes the call directories (and what sits beside them) that no attempt has used for
+    /// `older_than` and that `busy` does not name: a call retried on another worker, stopped
+    /// or never run again leaves its directory here. Returns how many went.
+    pub fn sweep(
+        &self,
+        older_than: std::time::Duration,
+        busy: impl Fn(&str, u64) -> bool,
+    ) -> usize {
+        if self.shared {
+            return 0;
+        }
+        let Ok(runs) = std::fs::read_dir(&self.root) else {
+            return 0;
+        };
+        let now = std::time::SystemTime::now();
+        let old = |p: &Path| {
+            std::fs::symlink_metadata(p)
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| now.duration_since(t).is_ok_and(|age| age > older_than))
+        };
+        let mut removed = 0;
+        for run in runs.flatten() {
+            let Some(run_id) = run.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if !is_plain_name(&run_id) || !run.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
             }
-            self.root.join(run_id).join(call.to_string())
+            let Ok(calls) = std::fs::read_dir(run.path()) else {
+                continue;
+            };
+            for entry in calls.flatten() {
+                let name = entry.file_name();
+                let Some(call) = name
+                    .to_str()
+                    .and_then(|n| n.split('.').next())
+                    .and_then(|n| n.parse::<u64>().ok())
+                else {
+                    continue;
+                };
+                let dir = run.path().join(call.to_string());
+                if busy(&run_id, call) || !old(&entry.path()) || (dir.exists() && !old(&dir)) {
+                    continue;
+                }
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    remove_tree(&entry.path());
+                    removed += 1;
+                } else {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+            let _ = std::fs::remove_dir(run.path());
+        }
+        removed
+    }
+
+    /// The working directory of one call, created if missing: for a shared workspace the root
+    /// (or `cwd` inside it), else the call's own directory (or `cwd` inside that).
+    pub fn dir_for(&self, run_id: &str, call: u64, cwd: &str) -> Result<PathBuf, String> {
+        let base = if self.shared {
+            self.root.clone()
         } else {
-            self.root.join(confined(cwd)?)
+            self.call_dir(run_id, call)
+                .ok_or_else(|| format!("run id {run_id:?} cannot name a directory"))?
         };
         std::fs::create_dir_all(&self.root)
             .map_err(|e| format!("cannot create workspace root {}: {e}", self.root.display()))?;
-        let root = self
-            .root
-            .canonicalize()
-            .map_err(|e| format!("cannot resolve workspace root {}: {e}", self.root.display()))?;
-        let outside = || {
-            format!(
-                "cwd {cwd:?} leads outside the worker's workspace root {} (through a symlink)",
-                root.display()
-            )
-        };
-        // Check the deepest part that already exists before creating anything, so a symlink
-        // cannot make us create directories outside the root.
-        let mut existing = dir.as_path();
-        while !existing.exists() {
-            existing = existing.parent().unwrap_or(&root);
-        }
-        let real_existing = existing
-            .canonicalize()
-            .map_err(|e| format!("cannot resolve {}: {e}", existing.display()))?;
-        if !real_existing.starts_with(&root) {
-            return Err(outside());
-        }
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| format!("cannot create working directory {}: {e}", dir.display()))?;
-        let real = dir
-            .canonicalize()
-            .map_err(|e| format!("cannot resolve working directory {}: {e}", dir.display()))?;
-        if !real.starts_with(&root) {
-            return Err(outside());
-        }
-        Ok(real)
+        std::fs::create_dir_all(&base)
+            .map_err(|e| format!("cannot create working directory {}: {e}", base.display()))?;
+        confine(&base, cwd)
     }
 }
 
+/// Bytes of the files under `dir`, not following links; with `clear_setid` (the agent is
+/// gone), set-user-ID and set-group-ID bits are cleared on the way: no such file an agent made
+/// outlives its sandbox (inside, it was the worker's user).
+pub fn disk_use(dir: &Path, clear_setid: bool) -> u64 {
+    use std::os::unix::fs::PermissionsExt;
+    let mut total = 0u64;
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            // `DirEntry::metadata` does not follow a link.
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                todo.push(e.path());
+                continue;
+            }
+            total += m.len();
+            let mode = m.permissions().mode();
+            if clear_setid && m.is_file() && mode & 0o6000 != 0 {
+                let _ = std::fs::set_permissions(
+                    e.path(),
+                    std::fs::Permissions::from_mode(mode & !0o6000),
+                );
+            }
+        }
+    }
+    total
+}
+
+/// Removes `dir` and everything under it, following no link (an agent's links to the
+/// worker's files go, the files stay), making read-only directories an agent left writable
+/// on the way.
+pub fn remove_tree(dir: &Path) {
+    if std::fs::remove_dir_all(dir).is_ok() || !dir.exists() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        if !std::fs::symlink_metadata(&d).is_ok_and(|m| m.is_dir()) {
+            continue;
+        }
+        let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));
+        if let Ok(entries) = std::fs::read_dir(&d) {
+            todo.extend(entries.flatten().map(|e| e.path()));
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `cwd` inside `base` (which exists), created if missing and resolved: `Err` when it is
+/// absolute, climbs out of `base`, or leads out of it through a symlink (nothing is created
+/// outside `base` on the way).
+pub fn confine(base: &Path, cwd: &str) -> Result<PathBuf, String> {
+    let base = base
+        .canonicalize()
+        .map_err(|e| format!("cannot resolve {}: {e}", base.display()))?;
+    let dir = base.join(confined(cwd)?);
+    let outside = || {
+        format!(
+            "cwd {cwd:?} leads outside the agent's directory {} (through a symlink)",
+            base.display()
+        )
+    };
+    // Check the deepest part that already exists before creating anything, so a symlink
+    // cannot make us create directories outside.
+    let mut existing = dir.as_path();
+    while std::fs::symlink_metadata(existing).is_err() {
+        existing = existing.parent().unwrap_or(&base);
+    }
+    let real_existing = existing
+        .canonicalize()
+        .map_err(|e| format!("cannot resolve {}: {e}", existing.display()))?;
+    if !real_existing.starts_with(&base) {
+        return Err(outside());
+    }
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| format!("cannot create working directory {}: {e}", dir.display()))?;
+    let real = dir
+        .canonicalize()
+        .map_err(|e| format!("cannot resolve working directory {}: {e}", dir.display()))?;
+    if !real.starts_with(&base) {
+        return Err(outside());
+    }
+    Ok(real)
+}
+
+/// A name of one directory level that is never a hidden one (`.flotilla`, where the worker
+/// keeps its caches, `.`, `..`).
 fn is_plain_name(s: &str) -> bool {
     !s.is_empty()
-        && s != "."
-        && s != ".."
+        && !s.starts_with('.')
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
-/// Normalizes a relative `cwd` and refuses anything that leaves the root.
+/// Normalizes a relative `cwd` and refuses anything that leaves its base.
 fn confined(cwd: &str) -> Result<PathBuf, String> {
     let path = Path::new(cwd);
     let mut out = PathBuf::new();
@@ -119,13 +254,13 @@ fn confined(cwd: &str) -> Result<PathBuf, String> {
             Component::ParentDir => {
                 if !out.pop() {
                     return Err(format!(
-                        "cwd {cwd:?} climbs out of the agents' workspace; use a path inside it"
+                        "cwd {cwd:?} climbs out of the agent's directory; use a path inside it"
                     ));
                 }
             }
             Component::RootDir | Component::Prefix(_) => {
                 return Err(format!(
-                    "cwd {cwd:?} is absolute; give a path relative to the agents' workspace (the repository root)"
+                    "cwd {cwd:?} is absolute; give a path relative to the agent's directory (the repository root, or the run's checkout)"
                 ));
             }
         }
@@ -147,7 +282,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_workspace_is_every_agent_s_directory_and_scratch_ones_are_tidied() {
+    fn a_shared_workspace_is_every_agent_s_directory_and_a_call_s_own_goes_when_it_ends() {
         let tmp = tempfile::tempdir().unwrap();
         let shared = Workspace::shared(tmp.path());
         assert_eq!(
@@ -155,47 +290,120 @@ mod tests {
             tmp.path().canonicalize().unwrap()
         );
         assert!(shared.dir_for("wf_1", 3, "src").unwrap().ends_with("src"));
+        shared.remove("wf_1", 3);
+        assert!(tmp.path().join("src").exists(), "the user's files stay");
         let scratch = Workspace::new(tmp.path());
         let d = scratch.dir_for("wf_2", 1, "").unwrap();
-        let kept = scratch.dir_for("wf_2", 2, "").unwrap();
+        let kept = scratch.dir_for("wf_2", 2, "deep/er").unwrap();
         std::fs::write(kept.join("out.txt"), "x").unwrap();
-        scratch.tidy("wf_2", 1, "");
-        assert!(!d.exists(), "an empty scratch directory goes");
-        scratch.tidy("wf_2", 2, "");
-        assert!(kept.join("out.txt").exists(), "what an agent wrote stays");
-        std::fs::remove_dir_all(&kept).unwrap();
-        scratch.tidy("wf_2", 2, "");
+        // A read-only directory and a link out do not stop it (and the link's target stays).
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("keep.txt"), "k").unwrap();
+        std::os::unix::fs::symlink(outside.path(), kept.join("out")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&kept, std::fs::Permissions::from_mode(0o500)).unwrap();
+        scratch.remove("wf_2", 1);
+        assert!(!d.exists());
+        assert!(
+            kept.join("out.txt").exists(),
+            "another call's directory stays"
+        );
+        scratch.remove("wf_2", 2);
         assert!(!tmp.path().join("wf_2").exists());
+        assert!(outside.path().join("keep.txt").exists());
     }
 
     #[test]
-    fn cwd_must_stay_inside_the_root() {
+    fn cwd_is_inside_the_call_s_own_directory_and_never_leaves_it() {
         let tmp = tempfile::tempdir().unwrap();
         let ws = Workspace::new(tmp.path());
-        assert!(ws.dir_for("r", 1, "a/b/../c").unwrap().ends_with("a/c"));
-        assert!(
-            ws.dir_for("r", 1, "../x")
-                .unwrap_err()
-                .contains("climbs out")
+        let own = tmp.path().canonicalize().unwrap().join("r").join("1");
+        assert_eq!(ws.dir_for("r", 1, "a/b/../c").unwrap(), own.join("a/c"));
+        // What named the workspace root itself before (issue 28): now the call's directory.
+        for cwd in [".", "./", "x/..", "a/./..", ""] {
+            assert_eq!(ws.dir_for("r", 1, cwd).unwrap(), own, "{cwd:?}");
+        }
+        assert_eq!(
+            ws.dir_for("r", 1, ".flotilla/sources").unwrap(),
+            own.join(".flotilla/sources"),
         );
+        assert!(!tmp.path().join(".flotilla").exists());
+        for cwd in ["../x", "..", "../2", "a/../../..", "../../r/2"] {
+            assert!(
+                ws.dir_for("r", 1, cwd).unwrap_err().contains("climbs out"),
+                "{cwd:?}"
+            );
+        }
         assert!(ws.dir_for("r", 1, "/etc").unwrap_err().contains("absolute"));
-        assert!(ws.dir_for("../..", 1, "").is_err());
+        for run in ["../..", ".flotilla", ".", "..", "a/b", ""] {
+            assert!(ws.dir_for(run, 1, "").is_err(), "{run:?}");
+        }
     }
 
     #[test]
-    fn symlinks_out_of_the_root_are_refused() {
+    fn a_sweep_takes_what_no_attempt_used_for_a_while_and_leaves_the_rest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let ws = Workspace::new(tmp.path());
+        let stale = ws.dir_for("wf_s", 1, "").unwrap();
+        std::fs::write(stale.join("left.txt"), "x").unwrap();
+        std::fs::write(tmp.path().join("wf_s").join("1.base"), "abc").unwrap();
+        let busy = ws.dir_for("wf_s", 2, "").unwrap();
+        let fresh = ws.dir_for("wf_t", 3, "").unwrap();
+        std::fs::create_dir_all(tmp.path().join(".flotilla/caches")).unwrap();
+        let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+        for p in [
+            stale.clone(),
+            tmp.path().join("wf_s").join("1.base"),
+            busy.clone(),
+        ] {
+            std::fs::File::open(&p)
+                .unwrap()
+                .set_modified(long_ago)
+                .unwrap();
+        }
+        let gone = ws.sweep(std::time::Duration::from_secs(3600), |run, call| {
+            run == "wf_s" && call == 2
+        });
+        assert_eq!(gone, 1);
+        assert!(!stale.exists());
+        assert!(!tmp.path().join("wf_s").join("1.base").exists());
+        assert!(busy.exists(), "a running attempt's directory stays");
+        assert!(fresh.exists(), "a recently used one stays");
+        assert!(
+            tmp.path().join(".flotilla/caches").exists(),
+            "caches are not calls"
+        );
+        // Touched now: it stays however old it was.
+        std::fs::File::open(&busy)
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
+        ws.touch("wf_s", 2);
+        assert_eq!(
+            ws.sweep(std::time::Duration::from_secs(3600), |_, _| false),
+            0
+        );
+    }
+
+    #[test]
+    fn symlinks_out_of_the_call_s_directory_are_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let outside = tempfile::tempdir().unwrap();
-        std::os::unix::fs::symlink(outside.path(), tmp.path().join("link")).unwrap();
         let ws = Workspace::new(tmp.path());
-        assert!(
-            ws.dir_for("r", 1, "link/sub")
-                .unwrap_err()
-                .contains("symlink")
-        );
+        let own = ws.dir_for("r", 1, "").unwrap();
+        std::os::unix::fs::symlink(outside.path(), own.join("link")).unwrap();
+        // A link to the root the call lives under is a way out as well.
+        std::os::unix::fs::symlink(tmp.path(), own.join("up")).unwrap();
+        for cwd in ["link/sub", "link", "up", "up/r/2"] {
+            assert!(
+                ws.dir_for("r", 1, cwd).unwrap_err().contains("symlink"),
+                "{cwd:?}"
+            );
+        }
         assert!(
             !outside.path().join("sub").exists(),
-            "nothing is created outside the root"
+            "nothing is created outside"
         );
+        assert!(!tmp.path().join("r").join("2").exists());
     }
 }

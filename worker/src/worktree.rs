@@ -37,6 +37,9 @@ pub(crate) async fn git_locked(dir: &Path, args: &[&str]) -> Result<String, Stri
         })?
 }
 
+/// What a source checkout's `.git/config` says once its agent is gone: what `git init` writes.
+const CHECKOUT_CONFIG: &str = "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n\tlogallrefupdates = true\n";
+
 /// One call's worktree.
 #[derive(Debug, Clone)]
 pub struct Worktree {
@@ -525,9 +528,20 @@ impl Worktree {
         let _ = std::fs::remove_file(self.admin.join("config.worktree"));
         if self.own_repo() {
             // A repository of its own has no business naming another git directory, and it
-            // borrows the cache's objects, nothing else.
+            // borrows the cache's objects, nothing else. Its config and attributes are the
+            // agent's to write, so they go back to what the worker made: no filter, diff or
+            // merge driver, fsmonitor, proxy, signing program or include an agent put there
+            // runs in the worker's own git on the checkout.
             let _ = std::fs::remove_file(self.admin.join("commondir"));
             let _ = std::fs::remove_file(self.admin.join("gitdir"));
+            let config = self.admin.join("config");
+            if std::fs::symlink_metadata(&config).is_ok_and(|m| m.is_dir()) {
+                crate::workspace::remove_tree(&config);
+            }
+            let _ = std::fs::write(&config, CHECKOUT_CONFIG);
+            for dir in ["info", "hooks"] {
+                crate::workspace::remove_tree(&self.admin.join(dir));
+            }
             let info = self.admin.join("objects").join("info");
             if std::fs::symlink_metadata(&info).is_ok_and(|m| m.is_dir()) {
                 let _ = std::fs::write(

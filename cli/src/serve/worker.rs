@@ -68,6 +68,10 @@ pub struct WorkerArgs {
     /// Size of a sandboxed attempt's private /tmp, in MiB [default: 1024].
     #[arg(long, env = "FLOTILLA_TMP_MIB", value_name = "MIB")]
     tmp_mib: Option<u64>,
+    /// What one attempt may write to its checkout or scratch directory, in MiB: past it the
+    /// attempt ends with a failure naming the quota, and its files go [default: 10240].
+    #[arg(long, env = "FLOTILLA_DISK_MIB", value_name = "MIB")]
+    disk_mib: Option<u64>,
     /// Longest one attempt may run (a shorter `timeout` of the call wins); 0 for none
     /// [default: 4h].
     #[arg(long, env = "FLOTILLA_MAX_ATTEMPT_TIME", value_name = "DUR")]
@@ -243,6 +247,14 @@ impl Settings {
                 return Err("--tmp-mib must be at least 1".into());
             }
             limits.tmp = t << 20;
+        }
+        if let Some(d) = a.disk_mib.or(file.disk_mib) {
+            if d == 0 {
+                return Err(
+                    "--disk-mib must be at least 1: an attempt needs room for its checkout".into(),
+                );
+            }
+            limits.disk = Some(d << 20);
         }
         if let Some(w) = a
             .max_attempt_time

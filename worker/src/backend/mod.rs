@@ -83,8 +83,9 @@ pub struct Task {
 }
 
 impl Task {
-    /// The directory the agent works in, created on first use. Confined to the worker's
-    /// workspace root; with a worktree, the matching place inside it.
+    /// The directory the agent works in, created on first use: its call's own directory (or
+    /// `cwd` inside it), the shared workspace (embedded), or the matching place inside its
+    /// checkout or worktree.
     pub fn workdir(&self) -> Result<PathBuf, Error> {
         if let Some(wt) = &self.worktree {
             return Ok(wt.workdir.clone());
@@ -152,7 +153,13 @@ impl Task {
                     Mount::RoIfThere(root.join(".flotilla")),
                 ]);
             }
-            None => jail.mounts.push(crate::sandbox::Mount::Rw(workdir)),
+            // Its call's own directory, wherever in it `cwd` starts the agent.
+            None => jail.mounts.push(crate::sandbox::Mount::Rw(
+                self.workspace
+                    .call_dir(&self.run_id, self.call)
+                    .and_then(|d| d.canonicalize().ok())
+                    .unwrap_or(workdir),
+            )),
         }
         Ok(jail)
     }
