@@ -695,7 +695,8 @@ async fn run_attempt_in(
                     match tokio::time::timeout(settle_bound(&spec), settle).await {
                         Ok(p) => partial = p,
                         Err(_) => {
-                            if let Some(wt) = &worktree {
+                            // A source checkout goes (an embedded worktree is the user's).
+                            if let Some(wt) = worktree.as_ref().filter(|wt| wt.own_repo()) {
                                 wt.discard().await;
                             }
                             let usage = match &result {
