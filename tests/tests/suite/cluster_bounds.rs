@@ -197,3 +197,41 @@ fn cluster_bounds_one_peer_cannot_fill_the_grpc_listener() {
     // cap, ends them).
     assert!(!closed_within(&mut held[0], Duration::from_millis(300)));
 }
+
+/// After sign-in the browser goes only to a path on this site: `next` values that a browser
+/// would read as another host (`/\host`, `/<tab>/host`, `//host`, a scheme) go to `/runs`.
+#[test]
+fn cluster_bounds_sign_in_never_redirects_off_site() {
+    let c = Cluster::start(0, 1);
+    let t = c.client(&["token", "create", "--json", "--ttl", "1h"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    let login = t.json()["login_url"]
+        .as_str()
+        .expect("login url")
+        .to_owned();
+    let login_path = login
+        .split_once(&format!(":{}", c.http_port))
+        .expect("the pages' port")
+        .1
+        .to_owned();
+    for next in [
+        "/%5Cevil.com",
+        "/%09/evil.com",
+        "%2F%2Fevil.com",
+        "//evil.com",
+        "/%5C%5Cevil.com",
+        "/%0D%0A/evil.com",
+        "https://evil.com/",
+        "/%EF%BC%8Fevil.com",
+    ] {
+        let r = http_get(c.http_port, &format!("{login_path}&next={next}"), &[]);
+        assert_eq!(r.status, 303, "{next}: {r:?}");
+        assert_eq!(r.header("location"), Some("/runs"), "{next}: {r:?}");
+    }
+    let r = http_get(
+        c.http_port,
+        &format!("{login_path}&next=/runs/wf_00000000-000"),
+        &[],
+    );
+    assert_eq!(r.header("location"), Some("/runs/wf_00000000-000"), "{r:?}");
+}
