@@ -134,7 +134,10 @@ pub async fn run(
         .launch(LaunchRequest {
             source: r.source,
             origin: Some(r.origin),
-            args: r.args,
+            args: r
+                .args
+                .as_ref()
+                .and_then(|a| serde_json::value::to_raw_value(a).ok()),
             settings: r.settings,
             resume_from: r.resume,
             inherit: false,

@@ -235,3 +235,285 @@ fn cluster_bounds_sign_in_never_redirects_off_site() {
     );
     assert_eq!(r.header("location"), Some("/runs/wf_00000000-000"), "{r:?}");
 }
+
+/// A client of the cluster's coordinator that skips every check the CLI makes.
+async fn raw_client(
+    c: &Cluster,
+) -> flotilla_proto::v1::client_service_client::ClientServiceClient<tonic::transport::Channel> {
+    let tls = flotilla_proto::tls::TlsFiles::in_dir(&c.pki(), "client");
+    let channel = flotilla_proto::tls::channel(&c.url(), Some(&tls)).expect("channel");
+    flotilla_proto::v1::client_service_client::ClientServiceClient::new(channel)
+}
+
+/// A launch of a script that ends at once, with `settings` as its settings.
+fn small_launch(settings: &str) -> flotilla_proto::v1::LaunchRequest {
+    flotilla_proto::v1::LaunchRequest {
+        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        script: "export const meta = { name: 'big', description: 'd' };\nreturn typeof args;\n"
+            .into(),
+        settings_json: settings.into(),
+        ..Default::default()
+    }
+}
+
+/// A launch with every part at (just under) its limit: a 2 MiB script, 16 MiB of args in
+/// the shape that costs a parser most (an array of zeros), 1 MiB of settings and 8 MiB of
+/// carried workflows. Its script gets the least memory, so its run fails at once: the
+/// launches, not the runs, are measured.
+fn maximal_launch() -> flotilla_proto::v1::LaunchRequest {
+    const MIB: usize = 1 << 20;
+    let mut script = String::from("export const meta = { name: 'big', description: 'd' };\n// ");
+    // 4-byte characters: 2 MiB of bytes within the 524,288 characters a script may have.
+    script.push_str(&"\u{1F600}".repeat((2 * MIB - 1024) / 4));
+    script.push_str("\nreturn typeof args;\n");
+    let zeros = (16 * MIB - 2) / 2;
+    let mut args = String::with_capacity(16 * MIB);
+    args.push('[');
+    args.push_str(&"0,".repeat(zeros - 1));
+    args.push_str("0]");
+    let mut settings = String::from(r#"{"script_memory_mb":8}"#);
+    settings.push_str(&" ".repeat(MIB - 64));
+    let workflows = (0..4)
+        .map(|i| flotilla_proto::v1::SavedWorkflow {
+            name: format!("w{i}"),
+            source: format!("// {}", "x".repeat(2 * MIB - 1024)),
+            origin: String::new(),
+        })
+        .collect();
+    flotilla_proto::v1::LaunchRequest {
+        script,
+        args_json: Some(args),
+        settings_json: settings,
+        workflows,
+        ..small_launch("{}")
+    }
+}
+
+/// A process's peak resident memory (`VmHWM`), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM")
+        * 1024
+}
+
+/// Every size a client sends is bounded on the server, whatever the client: each field past
+/// its limit is refused by name with its size and the limit, a whole request past its
+/// method's limit is refused before it is read, and the coordinator goes on serving.
+#[test]
+fn cluster_bounds_oversized_fields_are_refused_by_name() {
+    use flotilla_proto::v1;
+    const MIB: usize = 1 << 20;
+    let c = Cluster::start(0, 1);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let ran = rt.block_on(async {
+        let mut client = raw_client(&c).await;
+        let over = |what: &str, r: v1::LaunchRequest| (what.to_owned(), r);
+        let mut big_settings = String::from("{}");
+        big_settings.push_str(&" ".repeat(MIB));
+        let cases = [
+            over(
+                "args: 16777217 bytes (16.0 MiB), over the limit of 16 MiB",
+                v1::LaunchRequest {
+                    args_json: Some(format!("\"{}\"", "a".repeat(16 * MIB - 1))),
+                    ..small_launch("{}")
+                },
+            ),
+            over(
+                "the script: 2097153 bytes (2.0 MiB), over the limit of 2 MiB",
+                v1::LaunchRequest {
+                    script: format!("return 1;{}", " ".repeat(2 * MIB + 1 - 9)),
+                    ..small_launch("{}")
+                },
+            ),
+            over(
+                "the run settings: 1048578 bytes (1.0 MiB), over the limit of 1 MiB",
+                small_launch(&big_settings),
+            ),
+            over(
+                "what the launch carries (workflows and agent definitions)",
+                v1::LaunchRequest {
+                    agent_definitions: vec![v1::AgentDefinition {
+                        name: "huge".into(),
+                        prompt: "p".repeat(9 * MIB),
+                        ..Default::default()
+                    }],
+                    ..small_launch("{}")
+                },
+            ),
+            over(
+                "the script's origin: 5000 bytes (4.9 KiB), over the limit of 4 KiB",
+                v1::LaunchRequest {
+                    origin: "o".repeat(5000),
+                    ..small_launch("{}")
+                },
+            ),
+            // The whole request: refused by its length, before it is read.
+            over(
+                "the Launch request is 67108",
+                v1::LaunchRequest {
+                    args_json: Some(format!("\"{}\"", "a".repeat(64 * MIB))),
+                    ..small_launch("{}")
+                },
+            ),
+        ];
+        for (says, req) in cases {
+            let e = client.launch(req).await.expect_err(&says);
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{says}: {e:?}");
+            assert!(e.message().contains(&says), "{says}: {}", e.message());
+        }
+        // Other methods: their fields, and the whole request.
+        let e = client
+            .control(v1::ControlRequest {
+                run_id: "wf_00000000-000".into(),
+                action: "pause".into(),
+                agent: "a".repeat(5000),
+            })
+            .await
+            .expect_err("a long agent name");
+        assert!(
+            e.message().contains("the agent: 5000 bytes"),
+            "{}",
+            e.message()
+        );
+        let e = client
+            .control(v1::ControlRequest {
+                run_id: "wf_00000000-000".into(),
+                action: "a".repeat(5 * MIB),
+                agent: String::new(),
+            })
+            .await
+            .expect_err("a 5 MiB control request");
+        assert!(
+            e.message().contains("the Control request is")
+                && e.message().contains("over the limit of 4 MiB"),
+            "{}",
+            e.message()
+        );
+        // The coordinator goes on: a launch within the limits runs, its args as sent.
+        let ok = client
+            .launch(v1::LaunchRequest {
+                script:
+                    "export const meta = { name: 'ok', description: 'd' };\nreturn args.n + 1;\n"
+                        .into(),
+                args_json: Some(" { \"n\" : 41 } ".into()),
+                ..small_launch("{}")
+            })
+            .await
+            .expect("a launch within the limits")
+            .into_inner();
+        assert_eq!(ok.status, "running", "{ok:?}");
+        ok.run_id
+    });
+    let (_, report) = c.wait(&ran);
+    assert_eq!(report["result"], 42, "{report}");
+    // The CLI checks the same limits before it sends, in the same words: a project whose
+    // workflows come to more than a launch carries.
+    let project = c.path().join("project");
+    let flows = project.join(".flotilla").join("workflows");
+    std::fs::create_dir_all(&flows).expect("workflow dir");
+    for i in 0..5 {
+        std::fs::write(
+            flows.join(format!("w{i}.js")),
+            format!(
+                "export const meta = {{ name: 'w{i}', description: 'd' }};\n// {}\nreturn 1;\n",
+                "\u{1F600}".repeat(480_000)
+            ),
+        )
+        .expect("workflow");
+    }
+    std::fs::write(
+        project.join("s.js"),
+        "export const meta = { name: 's', description: 'd' };\nreturn 1;\n",
+    )
+    .expect("script");
+    let out = c.client_in(&project, &["launch", "s.js"]);
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr
+            .contains("what the launch carries (workflows and agent definitions)")
+            && out.stderr.contains("over the limit of 8 MiB"),
+        "{out:?}"
+    );
+}
+
+/// Several maximal launches at once, and some far past the limit, from as many clients: each
+/// is answered (started, or refused with the limit), and the coordinator's peak memory grows
+/// by no more than the intake's budget and the runs themselves account for.
+#[test]
+fn cluster_bounds_several_maximal_launches_keep_memory_bounded() {
+    const MIB: u64 = 1 << 20;
+    const MAXIMAL: usize = 6;
+    const OVER: usize = 2;
+    let c = Cluster::start(0, 1);
+    let pid = c.coordinator_pid();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let before = peak_rss(pid);
+    let answers = rt.block_on(async {
+        let mut tasks = Vec::new();
+        for i in 0..MAXIMAL + OVER {
+            let mut client = raw_client(&c).await;
+            let req = if i < MAXIMAL {
+                maximal_launch()
+            } else {
+                v1_over_limit()
+            };
+            tasks.push(tokio::spawn(async move { client.launch(req).await }));
+        }
+        let mut answers = Vec::new();
+        for t in tasks {
+            answers.push(t.await.expect("task"));
+        }
+        answers
+    });
+    let after = peak_rss(pid);
+    for (i, a) in answers.iter().enumerate() {
+        if i < MAXIMAL {
+            let reply = a.as_ref().expect("a maximal launch is taken");
+            assert_eq!(reply.get_ref().status, "running", "{:?}", reply.get_ref());
+        } else {
+            let e = a.as_ref().expect_err("a launch past the limit is refused");
+            assert!(
+                e.message().contains("over the limit of 28 MiB"),
+                "{}",
+                e.message()
+            );
+        }
+    }
+    // What may be held at once: the intake's budget of large requests being read and
+    // handled (each costs about three times its size while tonic buffers it, decodes it and
+    // the handler stores its script, manifest and carried workflows), and what each started
+    // run keeps (its script, args and carried workflows as text, a script heap of at most
+    // 8 MiB); 64 MiB for the rest.
+    // `limits::LAUNCH_BYTES` and the intake's budget (`api::BUDGET_BYTES`), two of them.
+    let launch = 28 * MIB;
+    let budget = 2 * launch;
+    let bound = 3 * budget + MAXIMAL as u64 * (launch + 8 * MIB) + 64 * MIB;
+    let grew = after.saturating_sub(before);
+    eprintln!(
+        "peak RSS {} MiB before, {} MiB after ({} MiB more; bound {} MiB)",
+        before / MIB,
+        after / MIB,
+        grew / MIB,
+        bound / MIB
+    );
+    assert!(
+        grew <= bound,
+        "the coordinator's peak memory grew by {} MiB, more than {} MiB",
+        grew / MIB,
+        bound / MIB
+    );
+    // It goes on serving.
+    assert_eq!(c.client(&["workers", "--json"]).code, 0);
+}
+
+/// A launch whose args alone are 64 MiB: past the whole request's limit.
+fn v1_over_limit() -> flotilla_proto::v1::LaunchRequest {
+    flotilla_proto::v1::LaunchRequest {
+        args_json: Some(format!("[{}0]", "0,".repeat(32 << 20))),
+        ..small_launch("{}")
+    }
+}
