@@ -103,7 +103,8 @@ async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, String> {
     let launch = |last: &str, resume_from: Option<String>| LaunchRequest {
         source: RESUME_SCRIPT.into(),
         origin: Some("bench".into()),
-        args: Some(serde_json::json!({ "n": a.calls, "last": last })),
+        args: serde_json::value::to_raw_value(&serde_json::json!({ "n": a.calls, "last": last }))
+            .ok(),
         settings: settings(a.calls, 64),
         resume_from,
         inherit: false,
@@ -295,7 +296,7 @@ async fn script_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Dura
         .launch(LaunchRequest {
             source: SCRIPT.into(),
             origin: Some("bench".into()),
-            args: Some(serde_json::json!({ "n": calls })),
+            args: serde_json::value::to_raw_value(&serde_json::json!({ "n": calls })).ok(),
             settings: settings(calls, concurrency),
             resume_from: None,
             inherit: false,

@@ -172,7 +172,7 @@ async fn one_run(
         .launch(LaunchRequest {
             source: script.into(),
             origin: Some("bench".into()),
-            args: Some(serde_json::json!({ "n": a.agents })),
+            args: serde_json::value::to_raw_value(&serde_json::json!({ "n": a.agents })).ok(),
             settings,
             resume_from: None,
             inherit: false,

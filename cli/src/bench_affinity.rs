@@ -192,7 +192,10 @@ async fn one_run(
         .launch(LaunchRequest {
             source: script.into(),
             origin: Some("bench".into()),
-            args: Some(serde_json::json!({ "n": a.calls, "groups": a.groups })),
+            args: serde_json::value::to_raw_value(
+                &serde_json::json!({ "n": a.calls, "groups": a.groups }),
+            )
+            .ok(),
             settings,
             resume_from: None,
             inherit: false,

@@ -81,7 +81,8 @@ async fn attempts(
         .launch(LaunchRequest {
             source: SCRIPT.into(),
             origin: Some("bench".into()),
-            args: Some(serde_json::json!({ "n": n, "prompt": prompt })),
+            args: serde_json::value::to_raw_value(&serde_json::json!({ "n": n, "prompt": prompt }))
+                .ok(),
             settings: RunSettings {
                 backend: backend.into(),
                 concurrency: 1,

@@ -239,6 +239,11 @@ pub struct ConfigFile {
     pub idle_timeout: Option<String>,
     /// Coordinator: connections open at once on each listener.
     pub max_connections: Option<usize>,
+    /// Coordinator: connections one peer (an IPv4 address, an IPv6 /64) may hold open at
+    /// once on each listener.
+    pub max_connections_per_peer: Option<usize>,
+    /// Coordinator: longest a page request's headers, and then its body, may take (`10s`).
+    pub read_timeout: Option<String>,
     /// Coordinator: the name other coordinators' certificates are checked for.
     pub peer_name: Option<String>,
     /// POST each run's end to this URL (`--notify`).

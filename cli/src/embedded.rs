@@ -134,7 +134,10 @@ pub async fn run(
         .launch(LaunchRequest {
             source: r.source,
             origin: Some(r.origin),
-            args: r.args,
+            args: r
+                .args
+                .as_ref()
+                .and_then(|a| serde_json::value::to_raw_value(a).ok()),
             settings: r.settings,
             resume_from: r.resume,
             inherit: false,
@@ -179,12 +182,17 @@ pub async fn run(
                 key,
             },
         );
-        let stop = pages.clone();
-        served = Some(tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await;
-        }));
+        // The fleet's listener limits and read timeouts: a slow client costs one
+        // connection for a bounded time here too.
+        let listener = flotilla_coordinator::listen::Limited::new(
+            listener,
+            flotilla_coordinator::listen::Limits::default(),
+        );
+        served = Some(tokio::spawn(flotilla_coordinator::web::serve_router(
+            listener,
+            app,
+            pages.clone(),
+        )));
     }
     // SIGINT (Ctrl-C) and SIGTERM (docker stop, systemd, Kubernetes) both stop the run the
     // same way: its report is stored and it can be resumed. A second one quits at once.

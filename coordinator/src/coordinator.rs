@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use flotilla_proto::ErrorKind;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -50,8 +49,9 @@ pub struct LaunchRequest {
     pub source: String,
     /// Where it came from (a path or a saved workflow's name), for display.
     pub origin: Option<String>,
-    /// `args` (W34); `None` is `undefined`.
-    pub args: Option<Value>,
+    /// `args` (W34) as checked JSON text, kept as text to the script (a parsed tree of it can
+    /// take ten times its size); `None` is `undefined`.
+    pub args: Option<Box<serde_json::value::RawValue>>,
     pub settings: RunSettings,
     /// Run to resume from (W51).
     pub resume_from: Option<String>,
@@ -403,12 +403,7 @@ impl Coordinator {
         }
         let body = script::runnable_body(&prepared);
         runtime::check_syntax(&body).map_err(|e| Rejected::invalid(e.message, workflow.clone()))?;
-        let args_json = match &req.args {
-            None => None,
-            Some(v) => Some(serde_json::to_string(v).map_err(|e| {
-                Rejected::invalid(format!("args cannot be encoded: {e}"), workflow.clone())
-            })?),
-        };
+        let args_json = req.args.as_ref().map(|a| a.get().to_owned());
         let run_id = new_run_id();
         // W52: one process drives a run, and a run is resumed by one run at a time.
         let owners = self
@@ -600,7 +595,7 @@ impl Coordinator {
         let prepared = source::prepare(&source)
             .map_err(|e| Rejected::invalid(e.to_string(), manifest.workflow.clone()))?;
         let body = script::runnable_body(&prepared);
-        let args_json = manifest.args.as_ref().map(Value::to_string);
+        let args_json = manifest.args.as_ref().map(|a| a.get().to_owned());
         let generation = journal::next_generation(&self.store, run_id)
             .await
             .map_err(|e| unavailable("the segments", e))?

@@ -15,6 +15,21 @@ pub const SCRIPT_BYTES: usize = 4 * crate::script::source::MAX_SCRIPT_CHARS;
 pub const ARGS_BYTES: usize = 16 << 20;
 /// A config file or an agent definition (`.claude/agents/*.md`).
 pub const SMALL_FILE_BYTES: usize = 1 << 20;
+/// A launch's run settings as JSON: what a config file of [`SMALL_FILE_BYTES`] and flags make.
+pub const SETTINGS_BYTES: usize = SMALL_FILE_BYTES;
+/// What a launch carries besides its script, args and settings, all together: the saved
+/// workflows and agent types the launching client can see, with their definitions.
+pub const CARRIED_BYTES: usize = 8 << 20;
+/// How many workflows and agent types one launch carries.
+pub const CARRIED_ITEMS: usize = 1024;
+/// A name, model, path or other short text in a request.
+pub const TEXT_BYTES: usize = 4096;
+/// A whole launch request: each part at its limit, and a mebibyte for the rest.
+pub const LAUNCH_BYTES: usize =
+    SCRIPT_BYTES + ARGS_BYTES + SETTINGS_BYTES + CARRIED_BYTES + (1 << 20);
+/// Any other request a client sends: a source chunk (1 MiB) with its commit lists, a pushed
+/// workflow ([`SCRIPT_BYTES`]), a run filter.
+pub const REQUEST_BYTES: usize = 4 << 20;
 
 /// A size people read: `512 KiB`, `16 MiB`.
 pub fn human_bytes(n: usize) -> String {
@@ -22,6 +37,17 @@ pub fn human_bytes(n: usize) -> String {
         format!("{} MiB", n >> 20)
     } else if n >= 1 << 10 {
         format!("{} KiB", n >> 10)
+    } else {
+        format!("{n} bytes")
+    }
+}
+
+/// A measured size people read, exact and rounded: `17825792 bytes (17.0 MiB)`.
+pub fn measured(n: usize) -> String {
+    if n >= 1 << 20 {
+        format!("{n} bytes ({:.1} MiB)", n as f64 / f64::from(1u32 << 20))
+    } else if n >= 1 << 10 {
+        format!("{n} bytes ({:.1} KiB)", n as f64 / 1024.0)
     } else {
         format!("{n} bytes")
     }

@@ -1,26 +1,37 @@
 //! Listeners a peer without a certificate cannot wear down.
 //!
-//! Every connection the coordinator accepts (gRPC and the session pages) holds one permit of
-//! [`Limits::max_connections`]; past that, a new connection is closed at once. A TLS
-//! handshake that has not finished within [`Limits::handshake`] is dropped, and a connection
-//! with no bytes in either direction for [`Limits::idle`] is closed (healthy gRPC peers are
-//! never idle that long: the server pings them every keep-alive interval). Each of the three
-//! says so in the log, at most once a second, with how many it suppressed.
+//! Every connection the coordinator accepts (gRPC and the session pages) takes a place among
+//! [`Limits::max_connections`], and at most [`Limits::max_per_peer`] of them belong to one
+//! peer (an IPv4 address, or an IPv6 /64): past its share a peer's new connection is closed
+//! at once. When the listener is full, a newcomer holding fewer connections than the busiest
+//! peer takes the place of that peer's oldest connection, which is closed; so a peer that
+//! opens few connections (a kubelet's probe, a person's browser) always gets in, however
+//! many addresses an attacker spreads its connections over, unless every connection belongs
+//! to a peer with no more than the newcomer's. A TLS handshake that has not finished within
+//! [`Limits::handshake`] is dropped, and a connection with no bytes in either direction for
+//! [`Limits::idle`] is closed (healthy gRPC peers are never idle that long: the server pings
+//! them every keep-alive interval). Each of these says so in the log, at most once a second,
+//! with how many it suppressed.
+//!
+//! A connection that trickles bytes is never idle: the page server bounds how long a
+//! request's headers and body may take ([`Limits::read`], `web::serve_router`).
 //!
 //! The gRPC face gets its connections from [`tls`] (or [`plain`] with `--insecure`) through
-//! `serve_with_incoming`; the pages use [`Limited`] as an axum listener.
+//! `serve_with_incoming`; the pages from [`Limited`].
 
+use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -34,6 +45,10 @@ pub struct Limits {
     pub idle: Duration,
     /// Connections open at once (handshaking ones included).
     pub max_connections: usize,
+    /// Connections one peer (an IPv4 address, an IPv6 /64) may hold open at once.
+    pub max_per_peer: usize,
+    /// The pages: longest a request's headers may take to arrive, and then its body.
+    pub read: Duration,
 }
 
 impl Default for Limits {
@@ -42,6 +57,8 @@ impl Default for Limits {
             handshake: Duration::from_secs(10),
             idle: Duration::from_secs(300),
             max_connections: 4096,
+            max_per_peer: 256,
+            read: Duration::from_secs(10),
         }
     }
 }
@@ -85,30 +102,168 @@ impl Throttled {
 struct Logs {
     what: &'static str,
     full: Throttled,
+    per_peer: Throttled,
+    evicted: Throttled,
     handshake: Throttled,
     idle: Throttled,
 }
 
-impl Logs {
-    fn new(what: &'static str) -> Arc<Logs> {
-        Arc::new(Logs {
-            what,
-            full: Throttled::default(),
-            handshake: Throttled::default(),
-            idle: Throttled::default(),
-        })
+/// Who a connection counts against: its IPv4 address, or the /64 of its IPv6 address (one
+/// host gets a /64, and would otherwise have 2^64 addresses to spread over).
+fn peer_of(addr: &SocketAddr) -> IpAddr {
+    match addr.ip() {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+        },
     }
 }
 
-/// A connection that holds its permit and closes itself when idle.
+/// One open connection's place in its listener.
+#[derive(Debug)]
+struct Slot {
+    id: u64,
+    peer: IpAddr,
+    /// Set when a newcomer took this place; the connection fails its next read or write.
+    evicted: AtomicBool,
+    waker: AtomicWaker,
+}
+
+/// The connections a listener holds, by peer, oldest first.
+#[derive(Debug, Default)]
+struct Table {
+    total: usize,
+    peers: HashMap<IpAddr, VecDeque<Arc<Slot>>>,
+}
+
+/// Who holds a listener's places: the connection limit, the per-peer cap, and the eviction
+/// of the busiest peer's oldest connection when the listener is full.
+#[derive(Debug)]
+struct Gate {
+    limits: Limits,
+    logs: Logs,
+    table: Mutex<Table>,
+    next: AtomicU64,
+}
+
+impl Gate {
+    fn new(what: &'static str, limits: Limits) -> Arc<Gate> {
+        Arc::new(Gate {
+            limits,
+            logs: Logs {
+                what,
+                full: Throttled::default(),
+                per_peer: Throttled::default(),
+                evicted: Throttled::default(),
+                handshake: Throttled::default(),
+                idle: Throttled::default(),
+            },
+            table: Mutex::new(Table::default()),
+            next: AtomicU64::new(0),
+        })
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A place for a new connection from `addr`, or `None` (logged) when it gets none.
+    fn admit(&self, addr: SocketAddr) -> Option<Arc<Slot>> {
+        let peer = peer_of(&addr);
+        let (what, max, per_peer) = (
+            self.logs.what,
+            self.limits.max_connections,
+            self.limits.max_per_peer,
+        );
+        let mut t = self.table();
+        let mine = t.peers.get(&peer).map_or(0, VecDeque::len);
+        if mine >= per_peer {
+            drop(t);
+            self.logs.per_peer.say(|held| {
+                tracing::warn!(listener = what, peer = %peer, limit = per_peer, suppressed = held,
+                    "a peer reached its connection cap; closed its new connection at once (raise --max-connections-per-peer if many clients share this address, e.g. behind a proxy)");
+            });
+            return None;
+        }
+        if t.total >= max {
+            // The busiest peer gives up its oldest connection, if it holds more than the
+            // newcomer would.
+            let busiest = t
+                .peers
+                .iter()
+                .max_by_key(|(_, q)| q.len())
+                .filter(|(_, q)| q.len() > mine + 1)
+                .map(|(p, _)| *p);
+            let Some(victim) = busiest.and_then(|p| {
+                let q = t.peers.get_mut(&p)?;
+                let v = q.pop_front();
+                if q.is_empty() {
+                    t.peers.remove(&p);
+                }
+                v
+            }) else {
+                drop(t);
+                self.logs.full.say(|held| {
+                    tracing::warn!(listener = what, peer = %addr, limit = max, suppressed = held,
+                        "connection limit reached; closed a new connection at once (raise --max-connections if this is real load)");
+                });
+                return None;
+            };
+            t.total -= 1;
+            victim.evicted.store(true, Ordering::Release);
+            victim.waker.wake();
+            let (from, to) = (victim.peer, peer);
+            self.logs.evicted.say(|held| {
+                tracing::warn!(listener = what, limit = max, evicted_peer = %from, for_peer = %to, suppressed = held,
+                    "connection limit reached; closed the oldest connection of the peer holding the most to let a new peer in");
+            });
+        }
+        let slot = Arc::new(Slot {
+            id: self.next.fetch_add(1, Ordering::Relaxed),
+            peer,
+            evicted: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+        });
+        t.peers.entry(peer).or_default().push_back(slot.clone());
+        t.total += 1;
+        Some(slot)
+    }
+
+    /// Gives `slot`'s place back (an evicted one gave it already).
+    fn release(&self, slot: &Slot) {
+        let mut t = self.table();
+        let Some(q) = t.peers.get_mut(&slot.peer) else {
+            return;
+        };
+        let Some(i) = q.iter().position(|s| s.id == slot.id) else {
+            return;
+        };
+        q.remove(i);
+        if q.is_empty() {
+            t.peers.remove(&slot.peer);
+        }
+        t.total -= 1;
+    }
+
+    /// Connections held now, all and by `addr`'s peer (for tests).
+    #[cfg(test)]
+    fn held(&self, addr: SocketAddr) -> (usize, usize) {
+        let t = self.table();
+        let mine = t.peers.get(&peer_of(&addr)).map_or(0, VecDeque::len);
+        (t.total, mine)
+    }
+}
+
+/// A connection that holds its place and closes itself when idle or evicted.
 pub struct Guarded<T> {
     inner: T,
     idle: Duration,
     last_io: Instant,
     timer: Pin<Box<Sleep>>,
-    peer: Option<SocketAddr>,
-    logs: Arc<Logs>,
-    _permit: OwnedSemaphorePermit,
+    peer: SocketAddr,
+    gate: Arc<Gate>,
+    slot: Arc<Slot>,
 }
 
 impl<T> std::fmt::Debug for Guarded<T> {
@@ -119,24 +274,37 @@ impl<T> std::fmt::Debug for Guarded<T> {
     }
 }
 
+impl<T> Drop for Guarded<T> {
+    fn drop(&mut self) {
+        self.gate.release(&self.slot);
+    }
+}
+
 impl<T> Guarded<T> {
-    fn new(
-        inner: T,
-        idle: Duration,
-        peer: Option<SocketAddr>,
-        logs: Arc<Logs>,
-        permit: OwnedSemaphorePermit,
-    ) -> Self {
+    fn new(inner: T, peer: SocketAddr, gate: Arc<Gate>, slot: Arc<Slot>) -> Self {
         let now = Instant::now();
+        let idle = gate.limits.idle;
         Guarded {
             inner,
             idle,
             last_io: now,
             timer: Box::pin(tokio::time::sleep_until(now + idle)),
             peer,
-            logs,
-            _permit: permit,
+            gate,
+            slot,
         }
+    }
+
+    /// `Err` once a newcomer took this connection's place.
+    fn check_evicted(&self, cx: &mut Context<'_>) -> io::Result<()> {
+        self.slot.waker.register(cx.waker());
+        if self.slot.evicted.load(Ordering::Acquire) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to make room for a peer with fewer connections",
+            ));
+        }
+        Ok(())
     }
 
     /// `Err` once the connection has been idle for its limit; re-arms the timer otherwise.
@@ -150,9 +318,9 @@ impl<T> Guarded<T> {
                 self.timer.as_mut().reset(due);
                 continue;
             }
-            let (what, peer, idle) = (self.logs.what, self.peer, self.idle);
-            self.logs.idle.say(|held| {
-                tracing::warn!(listener = what, peer = ?peer, idle = ?idle, suppressed = held,
+            let (what, peer, idle) = (self.gate.logs.what, self.peer, self.idle);
+            self.gate.logs.idle.say(|held| {
+                tracing::warn!(listener = what, peer = %peer, idle = ?idle, suppressed = held,
                     "closed a connection that sent and received nothing for the idle timeout");
             });
             return Err(io::Error::new(
@@ -169,6 +337,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Guarded<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        self.check_evicted(cx)?;
         let before = buf.filled().len();
         match Pin::new(&mut self.inner).poll_read(cx, buf) {
             Poll::Ready(r) => {
@@ -191,6 +360,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        self.check_evicted(cx)?;
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
         if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
             self.last_io = Instant::now();
@@ -212,23 +382,6 @@ impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected
     }
 }
 
-/// One accepted connection's permit, or `None` (logged) when the listener is full.
-fn admit(
-    permits: &Arc<Semaphore>,
-    logs: &Logs,
-    max: usize,
-    peer: SocketAddr,
-) -> Option<OwnedSemaphorePermit> {
-    let permit = permits.clone().try_acquire_owned().ok();
-    if permit.is_none() {
-        logs.full.say(|held| {
-            tracing::warn!(listener = logs.what, peer = %peer, limit = max, suppressed = held,
-                "connection limit reached; closed a new connection at once (raise --max-connections if this is real load)");
-        });
-    }
-    permit
-}
-
 /// An `accept` that failed (out of file descriptors, say): said, and retried shortly.
 async fn accept_failed(logs: &Logs, e: &io::Error) {
     logs.full.say(|held| {
@@ -237,33 +390,37 @@ async fn accept_failed(logs: &Logs, e: &io::Error) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
-/// Accepts until `cancel`, taking a permit per connection.
-async fn accept_loop(
-    listener: TcpListener,
-    limits: Limits,
-    logs: Arc<Logs>,
-    cancel: CancellationToken,
-    mut each: impl FnMut(TcpStream, SocketAddr, OwnedSemaphorePermit) -> bool,
-) {
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
-    let max = limits.max_connections;
+/// The next connection `gate` admits.
+async fn accept_one(listener: &TcpListener, gate: &Arc<Gate>) -> Guarded<TcpStream> {
     loop {
-        let accepted = tokio::select! {
-            _ = cancel.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        let (tcp, peer) = match accepted {
+        let (tcp, peer) = match listener.accept().await {
             Ok(a) => a,
             Err(e) => {
-                accept_failed(&logs, &e).await;
+                accept_failed(&gate.logs, &e).await;
                 continue;
             }
         };
-        let Some(permit) = admit(&permits, &logs, max, peer) else {
+        let Some(slot) = gate.admit(peer) else {
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        if !each(tcp, peer, permit) {
+        return Guarded::new(tcp, peer, gate.clone(), slot);
+    }
+}
+
+/// Accepts until `cancel` or until `each` says stop.
+async fn accept_loop(
+    listener: TcpListener,
+    gate: Arc<Gate>,
+    cancel: CancellationToken,
+    mut each: impl FnMut(Guarded<TcpStream>) -> bool,
+) {
+    loop {
+        let conn = tokio::select! {
+            _ = cancel.cancelled() => return,
+            c = accept_one(&listener, &gate) => c,
+        };
+        if !each(conn) {
             return;
         }
     }
@@ -275,36 +432,30 @@ pub fn tls(
     config: Arc<tokio_rustls::rustls::ServerConfig>,
     limits: Limits,
     cancel: CancellationToken,
-) -> UnboundedReceiverStream<io::Result<Guarded<tokio_rustls::server::TlsStream<TcpStream>>>> {
+) -> UnboundedReceiverStream<io::Result<tokio_rustls::server::TlsStream<Guarded<TcpStream>>>> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let logs = Logs::new("grpc");
+    let gate = Gate::new("grpc", limits);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    tokio::spawn(accept_loop(
-        listener,
-        limits,
-        logs.clone(),
-        cancel,
-        move |tcp, peer, permit| {
-            if tx.is_closed() {
-                return false;
-            }
-            let (tx, acceptor, logs) = (tx.clone(), acceptor.clone(), logs.clone());
-            tokio::spawn(async move {
-                match tokio::time::timeout(limits.handshake, acceptor.accept(tcp)).await {
-                    Ok(Ok(tls)) => {
-                        let _ =
-                            tx.send(Ok(Guarded::new(tls, limits.idle, Some(peer), logs, permit)));
-                    }
-                    Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),
-                    Err(_) => logs.handshake.say(|held| {
-                        tracing::warn!(peer = %peer, timeout = ?limits.handshake, suppressed = held,
-                            "closed a connection that did not finish its TLS handshake in time");
-                    }),
+    tokio::spawn(accept_loop(listener, gate.clone(), cancel, move |conn| {
+        if tx.is_closed() {
+            return false;
+        }
+        let (tx, acceptor, gate) = (tx.clone(), acceptor.clone(), gate.clone());
+        let peer = conn.peer;
+        tokio::spawn(async move {
+            match tokio::time::timeout(limits.handshake, acceptor.accept(conn)).await {
+                Ok(Ok(tls)) => {
+                    let _ = tx.send(Ok(tls));
                 }
-            });
-            true
-        },
-    ));
+                Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),
+                Err(_) => gate.logs.handshake.say(|held| {
+                    tracing::warn!(peer = %peer, timeout = ?limits.handshake, suppressed = held,
+                        "closed a connection that did not finish its TLS handshake in time");
+                }),
+            }
+        });
+        true
+    }));
     UnboundedReceiverStream::new(rx)
 }
 
@@ -315,38 +466,23 @@ pub fn plain(
     cancel: CancellationToken,
 ) -> UnboundedReceiverStream<io::Result<Guarded<TcpStream>>> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let logs = Logs::new("grpc");
-    tokio::spawn(accept_loop(
-        listener,
-        limits,
-        logs.clone(),
-        cancel,
-        move |tcp, peer, permit| {
-            tx.send(Ok(Guarded::new(
-                tcp,
-                limits.idle,
-                Some(peer),
-                logs.clone(),
-                permit,
-            )))
-            .is_ok()
-        },
-    ));
+    let gate = Gate::new("grpc", limits);
+    tokio::spawn(accept_loop(listener, gate, cancel, move |conn| {
+        tx.send(Ok(conn)).is_ok()
+    }));
     UnboundedReceiverStream::new(rx)
 }
 
-/// An axum listener with the same connection limit and idle timeout.
+/// The pages' listener, with the same limits.
 pub struct Limited {
     inner: TcpListener,
-    permits: Arc<Semaphore>,
-    limits: Limits,
-    logs: Arc<Logs>,
+    gate: Arc<Gate>,
 }
 
 impl std::fmt::Debug for Limited {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Limited")
-            .field("limits", &self.limits)
+            .field("limits", &self.gate.limits)
             .finish_non_exhaustive()
     }
 }
@@ -355,36 +491,20 @@ impl Limited {
     pub fn new(inner: TcpListener, limits: Limits) -> Self {
         Limited {
             inner,
-            permits: Arc::new(Semaphore::new(limits.max_connections)),
-            limits,
-            logs: Logs::new("http"),
-        }
-    }
-}
-
-impl axum::serve::Listener for Limited {
-    type Io = Guarded<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        loop {
-            let (tcp, peer) = match self.inner.accept().await {
-                Ok(a) => a,
-                Err(e) => {
-                    accept_failed(&self.logs, &e).await;
-                    continue;
-                }
-            };
-            let max = self.limits.max_connections;
-            let Some(permit) = admit(&self.permits, &self.logs, max, peer) else {
-                continue;
-            };
-            let io = Guarded::new(tcp, self.limits.idle, Some(peer), self.logs.clone(), permit);
-            return (io, peer);
+            gate: Gate::new("http", limits),
         }
     }
 
-    fn local_addr(&self) -> io::Result<Self::Addr> {
+    /// The next connection admitted.
+    pub async fn accept(&self) -> Guarded<TcpStream> {
+        accept_one(&self.inner, &self.gate).await
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.gate.limits
+    }
+
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
         self.inner.local_addr()
     }
 }
@@ -416,6 +536,7 @@ mod tests {
             handshake: Duration::from_secs(1),
             idle: Duration::from_millis(300),
             max_connections: 2,
+            ..Limits::default()
         };
         let cancel = CancellationToken::new();
         let mut incoming = plain(listener, limits, cancel.clone());
@@ -453,5 +574,114 @@ mod tests {
         d.read_exact(&mut one).await.unwrap();
         assert_eq!(&one, b"d");
         cancel.cancel();
+    }
+
+    /// An echo server on `plain` connections with `limits`; its address.
+    async fn echo(limits: Limits, cancel: &CancellationToken) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = plain(listener, limits, cancel.clone());
+        tokio::spawn(async move {
+            use tokio_stream::StreamExt;
+            while let Some(Ok(mut conn)) = incoming.next().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = conn.read(&mut buf).await {
+                        if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// A connection to `to` from the loopback address `from` (all of 127/8 is loopback).
+    async fn connect_from(from: &str, to: SocketAddr) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        socket.connect(to).await.unwrap()
+    }
+
+    /// Whether `conn` still echoes (false: the listener closed it).
+    async fn echoes(conn: &mut TcpStream) -> bool {
+        let mut one = [0u8; 1];
+        conn.write_all(b"x").await.is_ok() && matches!(conn.read(&mut one).await, Ok(1))
+    }
+
+    #[tokio::test]
+    async fn a_peer_past_its_cap_is_refused_and_a_full_listener_lets_a_new_peer_in() {
+        let cancel = CancellationToken::new();
+        let limits = Limits {
+            max_connections: 4,
+            max_per_peer: 3,
+            ..Limits::default()
+        };
+        let addr = echo(limits, &cancel).await;
+        let mut attacker = Vec::new();
+        for _ in 0..3 {
+            let mut c = connect_from("127.0.0.2", addr).await;
+            assert!(echoes(&mut c).await);
+            attacker.push(c);
+        }
+        // Past its cap: closed at once, though the listener has room.
+        let mut fourth = connect_from("127.0.0.2", addr).await;
+        assert!(
+            !echoes(&mut fourth).await,
+            "the peer's 4th connection is refused"
+        );
+        // Another address of the attacker's fills the listener.
+        let mut other = connect_from("127.0.0.3", addr).await;
+        assert!(echoes(&mut other).await);
+        // A newcomer still gets in: the busiest peer's oldest connection makes room.
+        let mut probe = connect_from("127.0.0.1", addr).await;
+        assert!(echoes(&mut probe).await, "the new peer is served");
+        assert!(
+            !echoes(&mut attacker[0]).await,
+            "the busiest peer's oldest is closed"
+        );
+        assert!(echoes(&mut attacker[2]).await && echoes(&mut other).await);
+        // Full, and nobody holds more than a newcomer from 127.0.0.3 would: refused.
+        let mut again = connect_from("127.0.0.3", addr).await;
+        assert!(
+            !echoes(&mut again).await,
+            "no peer holds more than the newcomer's share"
+        );
+        cancel.cancel();
+    }
+
+    #[test]
+    fn an_ipv6_peer_is_its_64_and_a_mapped_ipv4_is_its_address() {
+        let a: SocketAddr = "[2001:db8:1:2:aaaa::1]:5".parse().unwrap();
+        let b: SocketAddr = "[2001:db8:1:2:bbbb::9]:6".parse().unwrap();
+        let c: SocketAddr = "[2001:db8:1:3::1]:6".parse().unwrap();
+        assert_eq!(peer_of(&a), peer_of(&b));
+        assert_ne!(peer_of(&a), peer_of(&c));
+        let mapped: SocketAddr = "[::ffff:10.0.0.7]:1".parse().unwrap();
+        assert_eq!(peer_of(&mapped), "10.0.0.7".parse::<IpAddr>().unwrap());
+    }
+
+    #[test]
+    fn a_place_given_back_is_counted_once() {
+        let gate = Gate::new(
+            "test",
+            Limits {
+                max_connections: 2,
+                max_per_peer: 2,
+                ..Limits::default()
+            },
+        );
+        let a: SocketAddr = "127.0.0.2:1".parse().unwrap();
+        let b: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let s1 = gate.admit(a).unwrap();
+        let _s2 = gate.admit(a).unwrap();
+        assert_eq!(gate.held(a), (2, 2));
+        // Full: the newcomer takes s1's place; s1's own release later changes nothing.
+        let _s3 = gate.admit(b).unwrap();
+        assert!(s1.evicted.load(Ordering::Acquire));
+        assert_eq!(gate.held(a), (2, 1));
+        gate.release(&s1);
+        assert_eq!(gate.held(b), (2, 1));
     }
 }

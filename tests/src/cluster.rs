@@ -510,6 +510,10 @@ impl Cluster {
     }
 
     /// The pid of worker `i`.
+    pub fn coordinator_pid(&self) -> u32 {
+        self.coordinator.as_ref().expect("coordinator running").id()
+    }
+
     pub fn worker_pid(&self, i: usize) -> u32 {
         self.workers[i].as_ref().expect("worker running").id()
     }

@@ -461,3 +461,31 @@ pub fn http_request_to(
         body,
     }
 }
+
+/// A TCP connection to 127.0.0.1:`port` from the loopback address `from` (all of 127/8 is
+/// loopback on Linux, so one machine plays several peers: an attacker at 127.0.0.2 and a
+/// prober at 127.0.0.1, say).
+pub fn connect_from(from: std::net::Ipv4Addr, port: u16) -> std::net::TcpStream {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrIn};
+    let fd = socket::socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .expect("a socket");
+    socket::bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrIn::from(std::net::SocketAddrV4::new(from, 0)),
+    )
+    .expect("bind the client's address");
+    socket::connect(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrIn::from(std::net::SocketAddrV4::new(
+            std::net::Ipv4Addr::LOCALHOST,
+            port,
+        )),
+    )
+    .expect("connect");
+    std::net::TcpStream::from(fd)
+}

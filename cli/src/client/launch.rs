@@ -134,6 +134,8 @@ pub(crate) async fn send(
             inherit: false,
             saved_name: resolved.saved_name.clone().unwrap_or_default(),
         };
+        // The coordinator's limits, checked here first, with the same words.
+        flotilla_coordinator::api::check_launch(&req).map_err(NotSent::Input)?;
         let reply = client.launch(req).await.map_err(NotSent::Rpc)?.into_inner();
         if again
             && reply.status == "rejected"
@@ -426,26 +428,27 @@ pub async fn resume(a: ResumeArgs) -> i32 {
         Ok(s) => s,
         Err(e) => return fail(1, e),
     };
-    match client
-        .launch(v1::LaunchRequest {
-            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-            script,
-            origin: a
-                .script
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-            args_json: a.args.clone(),
-            settings_json,
-            resume_from: a.run.run_id.clone(),
-            workflows: Vec::new(),
-            agent_types: Default::default(),
-            agent_definitions: Vec::new(),
-            saved_name: String::new(),
-            inherit: true,
-        })
-        .await
-    {
+    let req = v1::LaunchRequest {
+        protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+        script,
+        origin: a
+            .script
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
+        args_json: a.args.clone(),
+        settings_json,
+        resume_from: a.run.run_id.clone(),
+        workflows: Vec::new(),
+        agent_types: Default::default(),
+        agent_definitions: Vec::new(),
+        saved_name: String::new(),
+        inherit: true,
+    };
+    if let Err(e) = flotilla_coordinator::api::check_launch(&req) {
+        return fail(2, e);
+    }
+    match client.launch(req).await {
         Ok(r) => print_launched(r.into_inner(), a.run.json, Some(&a.run.run_id)),
         Err(s) => rpc_fail(&s),
     }

@@ -90,6 +90,15 @@ pub struct CoordinatorArgs {
     /// at once [default: 4096].
     #[arg(long, env = "FLOTILLA_MAX_CONNECTIONS", value_name = "N")]
     max_connections: Option<usize>,
+    /// Connections one peer (an IPv4 address, an IPv6 /64) may hold open at once on each
+    /// listener; past it its new ones are closed at once (raise it when many clients share
+    /// an address, e.g. behind a proxy) [default: 256].
+    #[arg(long, env = "FLOTILLA_MAX_CONNECTIONS_PER_PEER", value_name = "N")]
+    max_connections_per_peer: Option<usize>,
+    /// Longest a page request's headers may take to arrive, and then its body; a client that
+    /// trickles them is cut off [default: 10s].
+    #[arg(long, env = "FLOTILLA_READ_TIMEOUT", value_name = "DUR")]
+    read_timeout: Option<String>,
     /// The name coordinators' certificates carry, checked when a standby calls the leader at
     /// its --advertise address (for addresses no certificate names, such as pod IPs)
     /// [default: the address's host].
@@ -133,9 +142,20 @@ fn listen_limits(
     if let Some(n) = a.max_connections.or(file.max_connections) {
         limits.max_connections = n;
     }
-    if limits.handshake.is_zero() || limits.idle.is_zero() || limits.max_connections == 0 {
+    if let Some(n) = a.max_connections_per_peer.or(file.max_connections_per_peer) {
+        limits.max_per_peer = n;
+    }
+    if let Some(s) = a.read_timeout.as_ref().or(file.read_timeout.as_ref()) {
+        limits.read = config::parse_duration("--read-timeout", s)?;
+    }
+    if limits.handshake.is_zero()
+        || limits.idle.is_zero()
+        || limits.read.is_zero()
+        || limits.max_connections == 0
+        || limits.max_per_peer == 0
+    {
         return Err(
-            "--handshake-timeout, --idle-timeout and --max-connections must be above zero".into(),
+            "--handshake-timeout, --idle-timeout, --read-timeout, --max-connections and --max-connections-per-peer must be above zero".into(),
         );
     }
     Ok(limits)
@@ -635,10 +655,20 @@ mod tests {
     #[test]
     fn flags_win_over_the_file_and_the_file_over_the_defaults() {
         let f = file(
-            "listen = \"127.0.0.1:9000\"\netcd = [\"http://127.0.0.1:2379\"]\nworker_ttl = \"4s\"\npublishers = [\"ci\"]\nsaved_only = true\nmax_connections = 7\n",
+            "listen = \"127.0.0.1:9000\"\netcd = [\"http://127.0.0.1:2379\"]\nworker_ttl = \"4s\"\npublishers = [\"ci\"]\nsaved_only = true\nmax_connections = 7\nmax_connections_per_peer = 3\nread_timeout = \"9s\"\n",
         );
-        let s =
-            Settings::layered(&args(&["--worker-ttl", "6s", "--publisher", "ops"]), &f).unwrap();
+        let s = Settings::layered(
+            &args(&[
+                "--worker-ttl",
+                "6s",
+                "--publisher",
+                "ops",
+                "--read-timeout",
+                "4s",
+            ]),
+            &f,
+        )
+        .unwrap();
         assert_eq!(s.listen, "127.0.0.1:9000".parse().unwrap());
         assert_eq!(
             s.worker_ttl,
@@ -649,6 +679,8 @@ mod tests {
         assert_eq!(s.etcd, ["http://127.0.0.1:2379"]);
         assert!(s.saved_only);
         assert_eq!(s.limits.max_connections, 7);
+        assert_eq!(s.limits.max_per_peer, 3);
+        assert_eq!(s.limits.read, std::time::Duration::from_secs(4));
         let d = Settings::layered(&args(&[]), &file("")).unwrap();
         assert_eq!(d.listen, "127.0.0.1:7443".parse().unwrap());
         assert_eq!(d.http, "127.0.0.1:7080".parse().unwrap());
@@ -663,6 +695,8 @@ mod tests {
         assert!(bad(&["--worker-ttl", "later"]).contains("--worker-ttl"));
         assert!(bad(&["--max-connections", "0"]).contains("--max-connections"));
         assert!(bad(&["--idle-timeout", "nope"]).contains("--idle-timeout"));
+        assert!(bad(&["--max-connections-per-peer", "0"]).contains("--max-connections-per-peer"));
+        assert!(bad(&["--read-timeout", "0s"]).contains("--read-timeout"));
         let open = token_key(None, "0.0.0.0:7080".parse().unwrap()).unwrap_err();
         assert!(open.contains("only on loopback"), "{open}");
         assert!(

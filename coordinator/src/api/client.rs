@@ -187,6 +187,7 @@ impl ClientService for ClientSvc {
         req: Request<v1::LaunchRequest>,
     ) -> Result<Response<v1::LaunchReply>, Status> {
         let scope = self.scope(&req, "launch runs")?;
+        sizes::check_launch(req.get_ref()).map_err(|e| ErrorKind::Invalid.status(e))?;
         let who = tls::peer_of(&req).map_or_else(|_| "insecure".to_owned(), |p| p.name);
         if let Some(mut leader) = self.leader_client().await? {
             return leader.launch(forwarded(&scope, req.into_inner())).await;
@@ -270,13 +271,15 @@ impl ClientService for ClientSvc {
         settings.namespace = scope
             .choose(&asked, &who)
             .map_err(|e| ErrorKind::Denied.status(e))?;
-        let args =
-            match &r.args_json {
-                None => None,
-                Some(text) => Some(serde_json::from_str(text).map_err(|e| {
+        // Checked as JSON, kept as text: a value tree of 16 MiB of JSON can take ten times that.
+        let args = match r.args_json.take() {
+            None => None,
+            Some(text) => {
+                Some(serde_json::value::RawValue::from_string(text).map_err(|e| {
                     ErrorKind::Invalid.status(format!("args are not valid JSON: {e}"))
-                })?),
-            };
+                })?)
+            }
+        };
         let resolver = CarriedWorkflows {
             workflows: r.workflows.into_iter().map(FoundWorkflow::from).collect(),
             agent_types: {
@@ -544,6 +547,9 @@ impl ClientService for ClientSvc {
             action,
             agent,
         } = req.into_inner();
+        sizes::text("the action", &action)
+            .and_then(|()| sizes::text("the agent", &agent))
+            .map_err(|e| ErrorKind::Invalid.status(e))?;
         self.visible(&scope, &run_id).await?;
         let message = self.registry.control(&run_id, &action, &agent).await?;
         Ok(Response::new(v1::ControlReply { message }))
@@ -658,6 +664,7 @@ impl ClientService for ClientSvc {
         let by = self.publisher(&req)?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
+        sizes::pushed(&r.source).map_err(|e| ErrorKind::Invalid.status(e))?;
         let rules = crate::saved::PushRules {
             shadow_bundled: self.policy.shadow_bundled,
         };
@@ -698,6 +705,7 @@ impl ClientService for ClientSvc {
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
         check_run_id(&r.run_id)?;
+        sizes::text("the agent", &r.agent).map_err(|e| ErrorKind::Invalid.status(e))?;
         self.visible(&scope, &r.run_id).await?;
         // Transcripts are in the shared store: any coordinator of a group can answer.
         let report = match self.registry.live_report(&r.run_id).await {

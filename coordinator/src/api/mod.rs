@@ -10,8 +10,13 @@
 //! Without TLS (`--insecure`, loopback only) every peer is trusted; that mode exists for local
 //! development and prints a warning where it is chosen.
 //!
+//! Every size a client sends is bounded on the server: whole requests per method, and how
+//! many large launches are read at once, before tonic decodes them (`intake.rs`); each field
+//! by the handlers, with the limits the CLI checks too (`sizes.rs`).
+//!
 //! Files: `registry.rs` (the runs held here), `worker_bridge.rs` (`WorkerService`),
-//! `client.rs` (`ClientService`), `snapshot.rs` (a run's live view on the wire).
+//! `client.rs` (`ClientService`), `snapshot.rs` (a run's live view on the wire), `intake.rs`
+//! and `sizes.rs` (the bounds).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -44,15 +49,19 @@ use crate::{LaunchRequest, history};
 mod client;
 #[cfg(test)]
 mod fuzz;
+mod intake;
 #[cfg(test)]
 mod links;
 mod registry;
+mod sizes;
 mod snapshot;
 mod worker_bridge;
 
 pub use client::check_run_id;
 use client::*;
+pub use intake::{ARRIVAL, BUDGET_BYTES, limit_of};
 pub use registry::RunRegistry;
+pub use sizes::check_launch;
 pub use snapshot::SnapshotView;
 use worker_bridge::*;
 pub use worker_bridge::{StreamOf, bridge};
@@ -148,11 +157,13 @@ pub async fn serve(
                 .max_decoding_message_size(frag::MAX_FRAME_BYTES)
                 .max_encoding_message_size(frag::MAX_FRAME_BYTES),
         )
-        .add_service(
+        // What clients send is bounded per method, and large launches are read a few at a
+        // time, before tonic decodes anything (`intake`).
+        .add_service(intake::Intake::new(
             ClientServiceServer::new(clients)
-                .max_decoding_message_size(frag::MAX_MESSAGE_BYTES)
+                .max_decoding_message_size(crate::limits::LAUNCH_BYTES)
                 .max_encoding_message_size(frag::MAX_MESSAGE_BYTES),
-        );
+        ));
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| format!("cannot serve on {}: {e}", opts.listen))?;

@@ -16,8 +16,9 @@ pub struct Manifest {
     /// Where the script came from (a path or a saved workflow's name), for display.
     #[serde(default)]
     pub script_origin: Option<String>,
+    /// `args` as the launch gave them (JSON text, written as it is).
     #[serde(default)]
-    pub args: Option<Value>,
+    pub args: Option<Box<serde_json::value::RawValue>>,
     pub settings: RunSettings,
     /// RFC 3339 time the run was created.
     pub created: String,

@@ -249,6 +249,23 @@ pub(super) fn refuse(why: &str, json: bool) -> Response {
         .into_response()
 }
 
+/// Whether `next` (as decoded from the query) is a path on this site, safe as a `Location`:
+/// one `/` and then printable ASCII without `\`. A browser reads `//host`, `/\host` and
+/// (dropping tabs and newlines) `/\t/host` as another site; anything but a plain path is
+/// refused, unicode included, rather than reasoned about.
+pub(super) fn same_origin_path(next: &str) -> bool {
+    let mut bytes = next.bytes();
+    bytes.next() == Some(b'/')
+        && !matches!(next.as_bytes().get(1), Some(b'/' | b'\\'))
+        && bytes.all(|b| b.is_ascii_graphic() && b != b'\\')
+}
+
+/// Where sign-in goes on to: `next` if it is a path on this site, else `/runs`.
+pub(super) fn next_location(next: Option<String>) -> String {
+    next.filter(|n| same_origin_path(n))
+        .unwrap_or_else(|| "/runs".to_owned())
+}
+
 #[derive(Deserialize)]
 pub(super) struct LoginQuery {
     pub(super) token: String,
@@ -263,11 +280,7 @@ pub(super) async fn login(State(web): State<Web>, Query(q): Query<LoginQuery>) -
         Ok(c) => c,
         Err(why) => return refuse(why, false),
     };
-    // Only paths on this site (no `//host` redirects).
-    let next = q
-        .next
-        .filter(|n| n.starts_with('/') && !n.starts_with("//"))
-        .unwrap_or_else(|| "/runs".to_owned());
+    let next = next_location(q.next);
     let max_age = claims.exp.saturating_sub(now_secs());
     let cookie = format!(
         "{COOKIE}={}; Path=/; HttpOnly; SameSite=Lax; Max-Age={max_age}",
@@ -278,4 +291,120 @@ pub(super) async fn login(State(web): State<Web>, Query(q): Query<LoginQuery>) -
         [(header::SET_COOKIE, cookie), (header::LOCATION, next)],
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use proptest::prelude::*;
+
+    const BASE: &str = "https://fleet.example:7080/login";
+
+    /// Where a browser at [`BASE`] goes when told `Location: loc`, if it can go anywhere.
+    fn followed(loc: &str) -> Option<reqwest::Url> {
+        reqwest::Url::parse(BASE).unwrap().join(loc).ok()
+    }
+
+    /// `next` as the login handler gets it from a raw query value (percent- and plus-decoded,
+    /// as the query extractor does).
+    fn decoded(raw: &str) -> String {
+        let url = reqwest::Url::parse(&format!("http://x/login?next={raw}")).unwrap();
+        url.query_pairs()
+            .find(|(k, _)| k == "next")
+            .map(|(_, v)| v.into_owned())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn the_named_off_site_nexts_go_to_runs_and_paths_stay() {
+        for raw in [
+            "/%5Cevil.com",
+            "/%09/evil.com",
+            "//evil.com",
+            "/%2F/evil.com/",
+            "%2F%2Fevil.com",
+            "/%0A/evil.com",
+            "/%0D%0A/evil.com",
+            "/%20/evil.com",
+            "/%E3%80%80/evil.com",
+            "/%EF%BC%8F/evil.com",
+            "https://evil.com",
+            "http:evil.com",
+            "javascript:alert(1)",
+            "%5C%5Cevil.com",
+            "/\\evil.com",
+        ] {
+            assert_eq!(next_location(Some(decoded(raw))), "/runs", "{raw}");
+        }
+        for path in [
+            "/runs/wf_1a2b3c4d-5e6",
+            "/runs?all=1",
+            "/",
+            "/runs/x/agents/0#t",
+        ] {
+            assert_eq!(next_location(Some(path.into())), path);
+        }
+        assert_eq!(next_location(None), "/runs");
+    }
+
+    /// Pieces a hostile `next` is made of: slashes either way, encodings of them, whitespace
+    /// and control characters browsers drop, schemes, hosts, and look-alike slashes.
+    fn piece() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("/".to_owned()),
+            Just("\\".to_owned()),
+            Just("%2F".to_owned()),
+            Just("%2f".to_owned()),
+            Just("%5C".to_owned()),
+            Just("%5c".to_owned()),
+            Just("%252F".to_owned()),
+            Just("%09".to_owned()),
+            Just("%0A".to_owned()),
+            Just("%0D".to_owned()),
+            Just("%00".to_owned()),
+            Just("%20".to_owned()),
+            Just("+".to_owned()),
+            Just("\t".to_owned()),
+            Just("\n".to_owned()),
+            Just(" ".to_owned()),
+            Just("http:".to_owned()),
+            Just("https://".to_owned()),
+            Just("javascript:".to_owned()),
+            Just("evil.com".to_owned()),
+            Just("@".to_owned()),
+            Just(".".to_owned()),
+            Just("..".to_owned()),
+            Just("?".to_owned()),
+            Just("#".to_owned()),
+            Just("runs".to_owned()),
+            Just("\u{ff0f}".to_owned()),
+            Just("\u{ff3c}".to_owned()),
+            Just("\u{2215}".to_owned()),
+            Just("\u{3000}".to_owned()),
+            Just("\u{feff}".to_owned()),
+            Just("%E3%80%80".to_owned()),
+            "[a-z0-9]{1,4}",
+            any::<char>().prop_map(String::from),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// Whatever `next` a link carries, the redirect after sign-in stays on this site, as
+        /// a browser resolves it, and is a valid header value.
+        #[test]
+        fn sign_in_never_redirects_off_site(pieces in prop::collection::vec(piece(), 0..8)) {
+            let raw: String = pieces.concat();
+            for next in [raw.clone(), decoded(&raw)] {
+                let loc = next_location(Some(next.clone()));
+                prop_assert!(header::HeaderValue::from_str(&loc).is_ok(), "{loc:?}");
+                let went = followed(&loc).unwrap();
+                let home = reqwest::Url::parse(BASE).unwrap();
+                prop_assert_eq!(went.origin(), home.origin(), "next {:?} -> {:?}", next, loc);
+                prop_assert!(loc == next || loc == "/runs");
+            }
+        }
+    }
 }

@@ -21,8 +21,12 @@
 //! them and a restart does not sign anyone out. A coordinator started `--insecure` on
 //! loopback serves the pages to anyone (development only).
 //!
+//! Slow clients: the listener caps connections per peer and lets a new peer in when full
+//! (`listen`); a request's headers and body must each arrive within the read timeout
+//! (`server.rs`), so `/healthz` and `/livez` answer while others trickle bytes.
+//!
 //! Files: `auth.rs` (tokens, sign-in and the guard), `routes.rs` (the handlers), `render.rs`
-//! (the HTML), `metrics.rs` (the Prometheus exposition).
+//! (the HTML), `metrics.rs` (the Prometheus exposition), `server.rs` (HTTP on the listener).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -54,12 +58,14 @@ mod auth;
 mod metrics;
 mod render;
 mod routes;
+mod server;
 
 use auth::*;
 pub use auth::{Access, COOKIE, Claims, KEY_COOKIE, MAX_TOKEN_TTL, TokenKey, new_page_key};
 pub use render::esc;
 use render::*;
 use routes::*;
+pub use server::{MAX_BODY_BYTES, serve_router};
 
 /// How the pages are served.
 #[derive(Debug, Clone)]
@@ -67,7 +73,7 @@ pub struct WebOptions {
     pub listen: SocketAddr,
     /// `None`: no sign-in (an `--insecure` coordinator on loopback).
     pub auth: Option<TokenKey>,
-    /// Connection limit and idle timeout of the listener.
+    /// Connection limits, idle and read timeouts of the listener.
     pub limits: crate::listen::Limits,
 }
 
@@ -97,10 +103,8 @@ pub async fn serve(
         },
     };
     let listener = crate::listen::Limited::new(listener, opts.limits);
-    axum::serve(listener, router(coordinator, registry, access))
-        .with_graceful_shutdown(cancel.cancelled_owned())
-        .await
-        .map_err(|e| format!("session pages on {}: {e}", opts.listen))
+    serve_router(listener, router(coordinator, registry, access), cancel).await;
+    Ok(())
 }
 
 /// Readiness (for a load balancer or Kubernetes): its role and its store, 503 unless both

@@ -11,6 +11,7 @@ mod bundled;
 mod claude;
 mod cli;
 mod cluster;
+mod cluster_bounds;
 mod cluster_defects;
 mod cluster_hosts;
 mod cluster_images;

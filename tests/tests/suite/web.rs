@@ -290,3 +290,45 @@ fn serve_raw(port: u16, path: &str, host: &str) -> String {
     let _ = s.read_to_string(&mut out);
     out
 }
+
+/// The `--serve` page has the fleet's read timeout: a client that trickles its headers, a
+/// byte every 200 ms, is cut off though it never goes quiet, and the page answers meanwhile.
+#[test]
+fn run_serve_cuts_off_a_client_that_trickles_its_headers() {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let env = flotilla_tests::Env::new();
+    let script = env.script("slow", "return await agent('s [[sleep:60000]]');");
+    let (_child, port, path, key) = serve(&env, &["--serve", script.to_str().unwrap()]);
+    let mut slow = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        slow,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-A: "
+    )
+    .unwrap();
+    slow.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let page = flotilla_tests::http_get(port, &format!("{path}?key={key}"), &[]);
+    assert_eq!(page.status, 200, "the page answers meanwhile: {page:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut buf = [0u8; 1024];
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "a trickling client was never cut off"
+        );
+        match slow.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+        if slow.write_all(b"a").is_err() {
+            break;
+        }
+    }
+}
