@@ -414,8 +414,10 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         Ok(st) => st,
         Err(e) => return fail(2, e),
     };
+    // A store set up wrong stops the coordinator here, with the fix (exit 2: its settings;
+    // exit 1: nothing answers), rather than failing each run.
     if let Err(e) = store.check().await {
-        return fail(1, format!("the store does not answer: {e}"));
+        return fail(e.kind().exit_code(), e.to_string());
     }
     // In a group, the store writes only while this coordinator's lease is sure to be held.
     let tenure = Arc::new(flotilla_coordinator::lease::Tenure::open());
