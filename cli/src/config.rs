@@ -261,7 +261,8 @@ pub struct ConfigFile {
     /// fails its call.
     pub max_result_mib: Option<u64>,
     /// Worker: `git+file://` and local-path sources may be fetched (off: a launcher could
-    /// otherwise read repositories on the worker's disk).
+    /// otherwise read repositories on the worker's disk). Coordinator: runs with such a
+    /// source are accepted (off: refused at launch, as its workers would not fetch them).
     pub allow_file_sources: Option<bool>,
     /// Worker: hosts URL sources may name although they resolve to loopback or link-local
     /// addresses (`*`: any).

@@ -1,11 +1,118 @@
-//! What a launch can know is wrong is said at launch, with the fix (issue 28, case 18): an
-//! object store set up wrong (a missing bucket, refused credentials, nothing at the
-//! endpoint) stops the coordinator and the embedded run at start-up instead of failing each
-//! run with S3's XML.
+//! What a launch can know is wrong is said at launch, with the fix (issue 28, cases 17 and
+//! 18): a source URL the workers would not fetch (refused by the CLI and again by the
+//! coordinator, which a hostile client talks to directly), and an object store set up wrong
+//! (a missing bucket, refused credentials, nothing at the endpoint), which stops the
+//! coordinator and the embedded run at start-up instead of failing each run with S3's XML.
 
 use flotilla_tests::Env;
-use flotilla_tests::cluster::free_port;
+use flotilla_tests::cluster::{Cluster, free_port};
 use flotilla_tests::services::{S3, S3Key};
+
+/// A URL source's repository id, as every launcher computes it.
+fn url_repo(url: &str) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, url.as_bytes());
+    hex::encode(&d.as_ref()[..16])
+}
+
+/// URLs the workers' git would refuse, misread or run something for, each with words of the
+/// reason the refusal must give.
+const REFUSED: [(&str, &str); 12] = [
+    ("ftp://host/r.git", "not ftp://"),
+    ("HTTPS://host/r.git", "not HTTPS://"),
+    ("ext::sh -c touch% /tmp/pwned", "remote helper"),
+    ("fd::3,4", "remote helper"),
+    ("--upload-pack=touch /tmp/pwned", "starts with -"),
+    ("-oProxyCommand=id:r.git", "starts with -"),
+    ("ssh://-oProxyCommand=id/r.git", "host"),
+    ("ssh://git@-oProxyCommand=id/r.git", "host"),
+    ("git@host:--upload-pack=id", "starts with -"),
+    ("https:///r.git", "names no host"),
+    ("https://host/r\u{1b}[2J.git", "control character"),
+    ("https://host%2d-oProxyCommand/r.git", "host"),
+];
+
+#[test]
+fn a_source_url_the_workers_would_not_fetch_is_refused_at_launch_with_the_fix() {
+    use flotilla_proto::v1;
+    use flotilla_proto::v1::client_service_client::ClientServiceClient;
+    let c = Cluster::start(1, 1);
+    let script = flotilla_tests::write_workflow(c.path(), "src", "d", "return 1;");
+    let script = script.to_str().unwrap();
+    let launch = |url: &str| {
+        c.client(&[
+            "launch",
+            script,
+            "--json",
+            "--source",
+            &format!("git+{url}#main"),
+        ])
+    };
+    // Through the CLI: refused before anything is sent.
+    for (url, why) in REFUSED {
+        let out = launch(url);
+        assert_eq!(out.code, 2, "{url}: {out:?}");
+        assert!(
+            out.stderr.contains("cannot be fetched") && out.stderr.contains(why),
+            "{url}: {}",
+            out.stderr
+        );
+    }
+    // Straight to the coordinator, as a client that skips the CLI's checks would.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let raw = |url: &str| {
+        let settings = serde_json::json!({
+            "backend": "echo",
+            "source": { "repo": url_repo(url), "commit": "main", "url": url },
+        });
+        rt.block_on(async {
+            let tls = flotilla_proto::tls::TlsFiles::in_dir(&c.pki(), "client");
+            let channel = flotilla_proto::tls::channel(&c.url(), Some(&tls)).unwrap();
+            ClientServiceClient::new(channel)
+                .launch(v1::LaunchRequest {
+                    protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+                    script: "export const meta = { name: 'src', description: 'd' };\nreturn 1;"
+                        .into(),
+                    settings_json: settings.to_string(),
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    for (url, why) in REFUSED {
+        let e = raw(url).expect_err(url);
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{url}: {e:?}");
+        assert!(
+            e.message().contains("cannot be fetched") && e.message().contains(why),
+            "{url}: {}",
+            e.message()
+        );
+    }
+    // A path on the workers' disks: refused unless the operator says the workers fetch them,
+    // and the refusal says how.
+    for url in ["file:///etc", "/srv/repo.git", "./repo"] {
+        let e = raw(url).expect_err(url);
+        assert!(
+            e.message().contains("workers' own disks")
+                && e.message().contains("--allow-file-sources"),
+            "{url}: {}",
+            e.message()
+        );
+        let out = launch(url);
+        assert_eq!(out.code, 2, "{url}: {out:?}");
+        assert!(out.stderr.contains("--allow-file-sources"), "{out:?}");
+    }
+    // Nothing was started by any of them; a well-formed URL is taken.
+    let runs = c.client(&["runs", "--json"]);
+    assert_eq!(runs.json(), serde_json::json!([]), "{runs:?}");
+    for url in [
+        "https://example.invalid/r.git",
+        "git@example.invalid:team/r.git",
+    ] {
+        let out = launch(url);
+        assert_eq!(out.code, 0, "{url}: {out:?}");
+        assert!(out.json()["run_id"].is_string(), "{url}: {out:?}");
+    }
+}
 
 /// A store each case gets wrong, with the exit status and words its refusal must have.
 struct Wrong {
