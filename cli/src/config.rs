@@ -687,8 +687,10 @@ pub fn resolve_run_with(
         .script
         .strip_prefix('/')
         .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'));
-    let by_path =
-        path.exists() || args.script.ends_with(".js") || (args.script.contains('/') && !slash_name);
+    let by_path = !args.by_name
+        && (path.exists()
+            || args.script.ends_with(".js")
+            || (args.script.contains('/') && !slash_name));
     let saved_name = (!by_path).then(|| args.script.trim_start_matches('/').to_owned());
     let (source, origin) = if by_path {
         let source = flotilla_coordinator::limits::read_file(
