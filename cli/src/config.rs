@@ -266,7 +266,8 @@ pub struct ConfigFile {
     /// fails its call.
     pub max_result_mib: Option<u64>,
     /// Worker: `git+file://` and local-path sources may be fetched (off: a launcher could
-    /// otherwise read repositories on the worker's disk).
+    /// otherwise read repositories on the worker's disk). Coordinator: runs with such a
+    /// source are accepted (off: refused at launch, as its workers would not fetch them).
     pub allow_file_sources: Option<bool>,
     /// Worker: hosts URL sources may name although they resolve to loopback or link-local
     /// addresses (`*`: any).
@@ -692,8 +693,10 @@ pub fn resolve_run_with(
         .script
         .strip_prefix('/')
         .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'));
-    let by_path =
-        path.exists() || args.script.ends_with(".js") || (args.script.contains('/') && !slash_name);
+    let by_path = !args.by_name
+        && (path.exists()
+            || args.script.ends_with(".js")
+            || (args.script.contains('/') && !slash_name));
     let saved_name = (!by_path).then(|| args.script.trim_start_matches('/').to_owned());
     let (source, origin) = if by_path {
         let source = flotilla_coordinator::limits::read_file(

@@ -124,6 +124,12 @@ pub async fn run(
         r.exec_cmd.as_deref(),
         sandbox,
     )?;
+    // A store set up wrong (a missing bucket, refused credentials, nothing at the endpoint)
+    // is said now, with its fix, rather than as the run's first failed write.
+    if let Err(e) = embedded.coordinator.store().check().await {
+        embedded.shutdown();
+        return Err(e.into());
+    }
     if let Some(n) = crate::config::notifier_from_env()? {
         embedded.coordinator.set_notifier(n);
     }

@@ -115,6 +115,10 @@ enum Command {
 pub struct RunArgs {
     /// Script file to run (or the name of a saved workflow).
     pub script: String,
+    /// SCRIPT is a saved workflow's name, never a path (what `flotilla mcp` passes for a
+    /// `name`: a file of that name where it runs is not read).
+    #[arg(long, hide = true)]
+    pub by_name: bool,
     /// `args` for the script, as JSON.
     #[arg(long, conflicts_with = "args_file")]
     pub args: Option<String>,

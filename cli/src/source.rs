@@ -486,6 +486,11 @@ pub fn parse_choice(s: Option<&str>) -> Result<Choice, String> {
                     "--source {other:?}: give git+URL#REF, e.g. git+https://host/repo.git#main"
                 ));
             }
+            // What the workers' git would refuse (or misread) is refused here, at once; the
+            // coordinator checks the same, and whether it takes paths on the workers' disks.
+            if let Err(e) = SourceRef::fetch_from(url) {
+                return Err(format!("--source {other:?}: {e}"));
+            }
             Ok(Choice::Url {
                 url: url.to_owned(),
                 rev: rev.to_owned(),
@@ -606,5 +611,21 @@ mod tests {
                 .contains("git+URL#REF")
         );
         assert!(parse_choice(Some("git+u#--upload-pack=x")).is_err());
+        for (bad, says) in [
+            ("git+ftp://h/r.git#main", "not ftp://"),
+            ("git+ext::sh -c id#main", "remote helper"),
+            ("git+fd::3#main", "remote helper"),
+            ("git+--upload-pack=touch /tmp/x#main", "starts with -"),
+            ("git+ssh://-oProxyCommand=id/r#main", "host"),
+            ("git+-oProxyCommand=id:r#main", "starts with -"),
+            ("git+https://h/r\u{7}.git#main", "control character"),
+        ] {
+            let e = parse_choice(Some(bad)).unwrap_err();
+            assert!(
+                e.contains(says) && e.contains("cannot be fetched"),
+                "{bad}: {e}"
+            );
+        }
+        assert!(parse_choice(Some("git+file:///srv/r.git#main")).is_ok());
     }
 }

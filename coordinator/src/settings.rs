@@ -69,10 +69,8 @@ pub enum SettingsError {
     Submodule(String),
     #[error("source commit {0:?} is not a full commit id (40 or 64 hex digits)")]
     SourceCommit(String),
-    #[error(
-        "source URL {0:?} cannot be fetched: give git+URL#REF, e.g. git+https://host/repo.git#main"
-    )]
-    SourceUrl(String),
+    #[error("source URL {url:?} cannot be fetched: {why}")]
+    SourceUrl { url: String, why: String },
     #[error("source ref {0:?} is not a branch, tag or commit name")]
     SourceRef(String),
     #[error("source repository {repo:?} is not the id of {url:?}; leave it to the launcher")]
@@ -92,7 +90,7 @@ impl SettingsError {
             SettingsError::SourceRepo(_)
                 | SettingsError::Submodule(_)
                 | SettingsError::SourceCommit(_)
-                | SettingsError::SourceUrl(_)
+                | SettingsError::SourceUrl { .. }
                 | SettingsError::SourceRef(_)
                 | SettingsError::NotTheUrlsRepo { .. }
         )
@@ -340,7 +338,149 @@ impl RunSettings {
     }
 }
 
+/// Where the workers fetch a `git+URL` source from, as their git reads the URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchFrom {
+    /// An https, http, ssh (`ssh://`, `git+ssh://`, scp-like `[user@]host:path`) or git URL.
+    Network,
+    /// `file://…` or a path: a worker's own disk, fetched only by workers started with
+    /// `--allow-file-sources`, and accepted only by a coordinator that says so.
+    WorkerDisk,
+}
+
+/// The schemes the workers fetch (their git allows no other transport).
+const NETWORK_SCHEMES: [&str; 6] = ["https", "http", "ssh", "git", "git+ssh", "ssh+git"];
+
+/// A URL's host (or user) as ssh and git read it: a name, an address or a bracketed IPv6
+/// literal, never anything an ssh command line could take for an option.
+fn plain_host(h: &str) -> bool {
+    let name = |h: &str| {
+        !h.is_empty()
+            && !h.starts_with('-')
+            && h.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+    };
+    match h.strip_prefix('[').and_then(|v6| v6.strip_suffix(']')) {
+        Some(v6) => {
+            !v6.is_empty()
+                && v6
+                    .chars()
+                    .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
+        }
+        None => name(h),
+    }
+}
+
 impl SourceRef {
+    /// Whether the workers can fetch `url`, and from where: a URL source's check at launch
+    /// (on the client and again on the coordinator, which a client need not be). Refused:
+    /// schemes other than [`NETWORK_SCHEMES`] and `file` (`ftp://` would fail every agent on
+    /// the workers), git's remote helpers (`ext::`, `fd::`), anything starting with `-`
+    /// (git and ssh would read an option: `--upload-pack=…`, `-oProxyCommand=…`), a host
+    /// or user ssh could read as an option, control characters and URLs over 4096 bytes.
+    /// Each refusal says why and what to give instead.
+    pub fn fetch_from(url: &str) -> Result<FetchFrom, SettingsError> {
+        let refuse = |why: String| {
+            Err(SettingsError::SourceUrl {
+                url: url.to_owned(),
+                why,
+            })
+        };
+        let example = "give git+URL#REF, e.g. git+https://host/repo.git#main";
+        if url.is_empty() {
+            return refuse(format!("it is empty; {example}"));
+        }
+        if url.len() > 4096 {
+            return refuse(format!("it is longer than 4096 bytes; {example}"));
+        }
+        if url.chars().any(char::is_control) {
+            return refuse(
+                "it holds a control character (a newline, a tab, NUL…); remove it".into(),
+            );
+        }
+        if url.starts_with('-') {
+            return refuse(format!(
+                "it starts with -, which git reads as an option; {example}"
+            ));
+        }
+        // `helper::address`: git runs `git-remote-helper` (`ext::` runs any command).
+        let scheme_len = url
+            .char_indices()
+            .take_while(|&(i, c)| {
+                c.is_ascii_alphabetic()
+                    || (i > 0 && (c.is_ascii_digit() || matches!(c, '+' | '-' | '.')))
+            })
+            .count();
+        if url[scheme_len..].starts_with("::") {
+            return refuse(format!(
+                "{:?} makes git run a remote helper on the workers, which they never do; give an https, http, ssh or git URL",
+                &url[..scheme_len + 2]
+            ));
+        }
+        if url.to_ascii_lowercase().starts_with("file:") {
+            return Ok(FetchFrom::WorkerDisk);
+        }
+        if let Some((scheme, rest)) = url.split_once("://") {
+            if !NETWORK_SCHEMES.contains(&scheme) {
+                return refuse(format!(
+                    "workers fetch https, http, ssh and git URLs, not {scheme}://; give e.g. git+https://host/repo.git#main (a repository on the workers' own disks is git+file:///path)"
+                ));
+            }
+            let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+            let (user, host_port) = match authority.rsplit_once('@') {
+                Some((u, h)) => (Some(u), h),
+                None => (None, authority),
+            };
+            let host = match host_port.strip_prefix('[') {
+                Some(v6) => match v6.split_once(']') {
+                    Some((h, _)) => &host_port[..h.len() + 2],
+                    None => host_port,
+                },
+                None => host_port.split(':').next().unwrap_or(""),
+            };
+            if host.is_empty() {
+                return refuse(format!("it names no host; {example}"));
+            }
+            if !plain_host(host) {
+                return refuse(format!(
+                    "its host {host:?} is not a host name or address (letters, digits, . - _, or [an IPv6 address]; not starting with -); {example}"
+                ));
+            }
+            if let Some(u) = user
+                && (u.starts_with('-') || u.chars().any(char::is_whitespace))
+            {
+                return refuse(format!(
+                    "its user {u:?} starts with - or holds a space, which ssh would misread; give the account's plain name"
+                ));
+            }
+            return Ok(FetchFrom::Network);
+        }
+        // scp-like `[user@]host:path` when a `:` comes before any `/`; anything else is a path.
+        match url.split_once(':') {
+            Some((before, path)) if !before.contains('/') => {
+                let (user, host) = match before.rsplit_once('@') {
+                    Some((u, h)) => (Some(u), h),
+                    None => (None, before),
+                };
+                let user_ok = user.is_none_or(|u| {
+                    !u.is_empty() && !u.starts_with('-') && !u.chars().any(char::is_whitespace)
+                });
+                if !plain_host(host) || !user_ok {
+                    return refuse(format!(
+                        "{before:?} is not a host for git's user@host:path form (letters, digits, . - _; not starting with -); {example}"
+                    ));
+                }
+                if path.starts_with('-') {
+                    return refuse(format!(
+                        "its path {path:?} starts with -, which the server's git would read as an option; give the repository's path"
+                    ));
+                }
+                Ok(FetchFrom::Network)
+            }
+            _ => Ok(FetchFrom::WorkerDisk),
+        }
+    }
+
     /// The repository id a URL source has (what every launcher computes from the URL).
     pub fn url_repo(url: &str) -> String {
         use sha2::Digest;
@@ -372,13 +512,7 @@ impl SourceRef {
                 }
             }
             Some(url) => {
-                if url.is_empty()
-                    || url.len() > 4096
-                    || url.starts_with('-')
-                    || url.chars().any(char::is_control)
-                {
-                    return Err(SettingsError::SourceUrl(url.clone()));
-                }
+                Self::fetch_from(url)?;
                 let rev = &self.commit;
                 let plain = !rev.is_empty()
                     && rev.len() <= 256
@@ -482,6 +616,67 @@ mod tests {
             with(other),
             Err(SettingsError::NotTheUrlsRepo { .. })
         ));
+    }
+
+    #[test]
+    fn a_source_url_is_fetched_over_the_network_from_a_worker_s_disk_or_refused() {
+        for url in [
+            "https://h/r.git",
+            "http://h:8080/r",
+            "ssh://git@h/r.git",
+            "git+ssh://h/r",
+            "git://h/r",
+            "git@h:team/r.git",
+            "h:r.git",
+            "https://u:p@[fe80::1]:444/r",
+        ] {
+            assert_eq!(SourceRef::fetch_from(url), Ok(FetchFrom::Network), "{url}");
+        }
+        for url in [
+            "file:///srv/r.git",
+            "FILE:///srv/r",
+            "file:r",
+            "/srv/r.git",
+            "./r",
+            "r.git",
+        ] {
+            assert_eq!(
+                SourceRef::fetch_from(url),
+                Ok(FetchFrom::WorkerDisk),
+                "{url}"
+            );
+        }
+        for (url, says) in [
+            ("ftp://h/r", "not ftp://"),
+            ("HTTPS://h/r", "not HTTPS://"),
+            ("://h/r", "not ://"),
+            ("ext::sh -c id", "\"ext::\" makes git run a remote helper"),
+            ("fd::0", "remote helper"),
+            ("transport+x.y::addr", "remote helper"),
+            ("--upload-pack=id", "starts with -"),
+            ("-h:r", "starts with -"),
+            ("ssh://-oProxyCommand=id/r", "host \"-oProxyCommand=id\""),
+            ("ssh://-u@h/r", "user \"-u\""),
+            ("ssh://h%2d/r", "host"),
+            ("ssh://[::1/r", "host"),
+            ("git@-oProxyCommand=id:r", "not a host"),
+            ("@h:r", "not a host"),
+            (":r", "not a host"),
+            ("h:-r", "its path \"-r\""),
+            ("https:///r", "names no host"),
+            ("https://h/r\n", "control character"),
+            ("", "empty"),
+        ] {
+            let e = SourceRef::fetch_from(url).expect_err(url);
+            assert!(e.is_source(), "{url}");
+            let e = e.to_string();
+            assert!(
+                e.contains(says) && e.contains("cannot be fetched"),
+                "{url}: {e}"
+            );
+        }
+        let long = format!("https://h/{}", "a".repeat(4096));
+        assert!(SourceRef::fetch_from(&long).is_err());
     }
 
     #[test]

@@ -574,11 +574,13 @@ impl DirResolver {
     /// W10: a `scriptPath` is read only where the run may read scripts — the project (the
     /// repository holding the working directory, else that directory) and the workflow
     /// directories — with symlinks resolved first, and only if it is a plain file (never a
-    /// device, a pipe or `/dev/stdin`).
-    fn confined_script(&self, p: &str) -> Result<PathBuf, WorkflowError> {
+    /// device, a pipe or `/dev/stdin`). `called` names the reference in errors
+    /// (`workflow({ scriptPath: "x" })`); they name paths and the rule, never what a file
+    /// holds. `flotilla mcp` holds its `scriptPath` to the same.
+    pub fn confine_script(&self, p: &str, called: &str) -> Result<PathBuf, WorkflowError> {
         let path = absolute(&self.cwd, Path::new(p));
         let real = path.canonicalize().map_err(|e| {
-            WorkflowError::Unreadable(format!("workflow script {}: {e}", path.display()))
+            WorkflowError::Unreadable(format!("{called}: cannot read {}: {e}", path.display()))
         })?;
         let meta = std::fs::metadata(&real).map_err(|e| {
             WorkflowError::Unreadable(format!("workflow script {}: {e}", real.display()))
@@ -596,7 +598,7 @@ impl DirResolver {
                 "not a plain file"
             };
             return Err(WorkflowError::Unreadable(format!(
-                "workflow({{ scriptPath: {p:?} }}) is {what} ({}), not a script; a workflow script is a .js file in the project or a workflow directory",
+                "{called} is {what} ({}), not a script; a workflow script is a .js file in the project or a workflow directory",
                 real.display()
             )));
         }
@@ -609,7 +611,7 @@ impl DirResolver {
             return Ok(real);
         }
         Err(WorkflowError::Unreadable(format!(
-            "workflow({{ scriptPath: {p:?} }}) is {}, outside what this run may read scripts from ({}); copy it into the project or a workflow directory, or pass its directory with --workflows-dir",
+            "{called} is {}, outside what this run may read scripts from ({}); copy it into the project or a workflow directory, or pass its directory with --workflows-dir",
             real.display(),
             roots
                 .iter()
@@ -617,6 +619,32 @@ impl DirResolver {
                 .collect::<Vec<_>>()
                 .join(", ")
         )))
+    }
+}
+
+impl DirResolver {
+    /// A `scriptPath` read as [`DirResolver::confine_script`] allows, if it is a workflow
+    /// script: a file that does not start with a literal meta is refused without a word of
+    /// what it holds (the parser's error quotes the text it found, and the file could be
+    /// `.env`), only where to see the parser's own error.
+    pub fn read_script(&self, p: &str, called: &str) -> Result<FoundWorkflow, WorkflowError> {
+        let path = self.confine_script(p, called)?;
+        let source =
+            crate::limits::read_file(&path, crate::limits::SCRIPT_BYTES, "workflow script")
+                .map_err(WorkflowError::Unreadable)?;
+        let meta = source::read_meta(&source).map_err(|e| {
+            let at = e.line.map(|l| format!(" (line {l})")).unwrap_or_default();
+            WorkflowError::Unreadable(format!(
+                "{called} ({}) is not a workflow script: it must start with a literal `export const meta = {{ name, description }}`{at}; its text is not shown here (`flotilla run {}` names the parser's error)",
+                path.display(),
+                path.display()
+            ))
+        })?;
+        Ok(FoundWorkflow {
+            name: meta.name,
+            source,
+            origin: path.display().to_string(),
+        })
     }
 }
 
@@ -650,18 +678,7 @@ impl WorkflowResolver for DirResolver {
     fn resolve(&self, reference: &WorkflowRef) -> Result<FoundWorkflow, WorkflowError> {
         match reference {
             WorkflowRef::Path(p) => {
-                let path = self.confined_script(p)?;
-                let source =
-                    crate::limits::read_file(&path, crate::limits::SCRIPT_BYTES, "workflow script")
-                        .map_err(WorkflowError::Unreadable)?;
-                let meta = source::read_meta(&source).map_err(|e| {
-                    WorkflowError::Unreadable(format!("workflow script {}: {e}", path.display()))
-                })?;
-                Ok(FoundWorkflow {
-                    name: meta.name,
-                    source,
-                    origin: path.display().to_string(),
-                })
+                self.read_script(p, &format!("workflow({{ scriptPath: {p:?} }})"))
             }
             WorkflowRef::Name(name) => {
                 let name = name.strip_prefix('/').unwrap_or(name);
@@ -730,6 +747,11 @@ mod tests {
             let e = read(p).expect_err(p).to_string();
             assert!(e.contains(says), "{p}: {e}");
         }
+        // A file in reach that is not a workflow: refused without a word of what it holds.
+        std::fs::write(project.join(".env"), "API_KEY_sk_live_123=abc\n").unwrap();
+        let e = read("../.env").expect_err(".env").to_string();
+        assert!(e.contains("is not a workflow script"), "{e}");
+        assert!(!e.contains("API_KEY") && !e.contains("sk_live"), "{e}");
         // A workflow directory given with --workflows-dir may be read from.
         let r = DirResolver::standard(&project, std::slice::from_ref(&outside));
         assert!(

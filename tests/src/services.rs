@@ -219,15 +219,45 @@ pub(crate) fn moto_server() -> PathBuf {
 }
 
 fn http(port: u16, method: &str, path: &str) -> Option<String> {
+    http_with(port, method, path, &[], "")
+}
+
+/// One HTTP/1.1 request with extra header lines and a body; the whole answer.
+fn http_with(port: u16, method: &str, path: &str, headers: &[&str], body: &str) -> Option<String> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let extra: String = headers.iter().map(|h| format!("{h}\r\n")).collect();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
     );
     s.write_all(req.as_bytes()).ok()?;
-    let mut body = String::new();
-    let _ = s.read_to_string(&mut body);
-    Some(body)
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    Some(answer)
+}
+
+/// An access key of an S3 server that checks requests ([`S3::start_checking`]).
+#[derive(Debug, Clone)]
+pub struct S3Key {
+    pub id: String,
+    pub secret: String,
+}
+
+/// The keys [`S3::start_checking`] made.
+#[derive(Debug, Clone)]
+pub struct S3Keys {
+    /// May do anything in S3.
+    pub allowed: S3Key,
+    /// Known to the server, allowed nothing.
+    pub denied: S3Key,
+}
+
+/// The text of the first `<name>…</name>` of an answer.
+fn xml_text(answer: &str, name: &str) -> Option<String> {
+    let from = answer.find(&format!("<{name}>"))? + name.len() + 2;
+    let len = answer[from..].find(&format!("</{name}>"))?;
+    Some(answer[from..from + len].to_owned())
 }
 
 impl S3 {
@@ -260,6 +290,68 @@ impl S3 {
             "cannot create the bucket: {created}"
         );
         s3
+    }
+
+    /// Like [`S3::start`], then two IAM users with a key each (one allowed everything in S3,
+    /// one nothing), then moto's request authentication turned on: from then on every
+    /// request must be signed by a key it knows with that key's secret
+    /// (`InvalidAccessKeyId`, `SignatureDoesNotMatch`) and allowed by its user's policy
+    /// (`AccessDenied`), as AWS does. Moto does not check the region a request is signed for.
+    pub fn start_checking() -> (S3, S3Keys) {
+        let s3 = S3::start();
+        // Unsigned IAM calls (moto routes by the credential scope and checks nothing yet).
+        let iam = |form: &str| {
+            let answer = http_with(
+                s3.port,
+                "POST",
+                "/",
+                &[
+                    "Content-Type: application/x-www-form-urlencoded",
+                    "Authorization: AWS4-HMAC-SHA256 Credential=AKIAUNCHECKED/20240101/us-east-1/iam/aws4_request, SignedHeaders=host, Signature=0",
+                ],
+                &format!("{form}&Version=2010-05-08"),
+            )
+            .unwrap_or_default();
+            assert!(answer.starts_with("HTTP/1.1 200"), "IAM {form}: {answer}");
+            answer
+        };
+        let key_of = |user: &str| {
+            iam(&format!("Action=CreateUser&UserName={user}"));
+            let made = iam(&format!("Action=CreateAccessKey&UserName={user}"));
+            S3Key {
+                id: xml_text(&made, "AccessKeyId").expect("a key id"),
+                secret: xml_text(&made, "SecretAccessKey").expect("a secret"),
+            }
+        };
+        let allowed = key_of("writer");
+        // {"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":"s3:*","Resource":"*"}]}
+        iam(
+            "Action=PutUserPolicy&UserName=writer&PolicyName=all&PolicyDocument=%7B%22Version%22%3A%222012-10-17%22%2C%22Statement%22%3A%5B%7B%22Effect%22%3A%22Allow%22%2C%22Action%22%3A%22s3%3A%2A%22%2C%22Resource%22%3A%22%2A%22%7D%5D%7D",
+        );
+        let denied = key_of("nobody");
+        let on = http_with(
+            s3.port,
+            "POST",
+            "/moto-api/reset-auth",
+            &["Content-Type: text/plain"],
+            "0",
+        )
+        .unwrap_or_default();
+        assert!(on.starts_with("HTTP/1.1 200"), "turning on auth: {on}");
+        (s3, S3Keys { allowed, denied })
+    }
+
+    /// [`S3::env`] with `key` instead of the test key.
+    pub fn env_with(&self, key: &S3Key) -> Vec<(String, String)> {
+        let mut env = self.env();
+        for (k, v) in &mut env {
+            match k.as_str() {
+                "AWS_ACCESS_KEY_ID" => v.clone_from(&key.id),
+                "AWS_SECRET_ACCESS_KEY" => v.clone_from(&key.secret),
+                _ => {}
+            }
+        }
+        env
     }
 
     pub fn endpoint(&self) -> String {

@@ -71,7 +71,8 @@ pub(crate) async fn prepare(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
     run: &crate::RunArgs,
 ) -> Result<Prepared, NotSent> {
-    let server = if std::path::Path::new(&run.script).exists() || run.script.ends_with(".js") {
+    let by_path = std::path::Path::new(&run.script).exists() || run.script.ends_with(".js");
+    let server = if by_path && !run.by_name {
         Vec::new()
     } else {
         client

@@ -76,6 +76,11 @@ pub struct CoordinatorArgs {
     /// Let a push take the name of a bundled workflow (deep-research, code-review, ...).
     #[arg(long, env = "FLOTILLA_ALLOW_SHADOW_BUNDLED")]
     allow_shadow_bundled: bool,
+    /// Accept runs whose source is a path on the workers' own disks (`git+file://` or a
+    /// path): say so only when the workers were started with --allow-file-sources, which
+    /// alone fetch them. Without it such a launch is refused with the fix.
+    #[arg(long, env = "FLOTILLA_ALLOW_FILE_SOURCES")]
+    allow_file_sources: bool,
     /// Where the coordinator merges runs' changes and renders their diffs (a git cache of
     /// run sources; only a cache) [default: the user cache directory].
     #[arg(long, env = "FLOTILLA_CACHE_DIR", value_name = "DIR")]
@@ -219,6 +224,7 @@ struct Settings {
     allowed_models: Vec<String>,
     shadow_bundled: bool,
     saved_only: bool,
+    file_sources: bool,
     limits: flotilla_coordinator::listen::Limits,
     peer_name: Option<String>,
     /// The retention policy and how often it runs, if any.
@@ -321,6 +327,7 @@ impl Settings {
             },
             shadow_bundled: a.allow_shadow_bundled || file.allow_shadow_bundled.unwrap_or(false),
             saved_only: a.saved_only || file.saved_only.unwrap_or(false),
+            file_sources: a.allow_file_sources || file.allow_file_sources == Some(true),
             limits: listen_limits(a, file)?,
             retention: retention(a, file)?,
             peer_name: a.peer_name.clone().or_else(|| file.peer_name.clone()),
@@ -405,6 +412,7 @@ fn launch_policy(s: &Settings, config_path: Option<PathBuf>) -> server::LaunchPo
         publishers: s.publishers.clone(),
         shadow_bundled: s.shadow_bundled,
         saved_only: s.saved_only,
+        file_sources: s.file_sources,
         disabled: Arc::new(move || {
             let file = config::load(config_path.as_deref()).unwrap_or_default();
             config::workflows_disabled(&file)
@@ -434,8 +442,10 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         Ok(st) => st,
         Err(e) => return fail(2, e),
     };
+    // A store set up wrong stops the coordinator here, with the fix (exit 2: its settings;
+    // exit 1: nothing answers), rather than failing each run.
     if let Err(e) = store.check().await {
-        return fail(1, format!("the store does not answer: {e}"));
+        return fail(e.kind().exit_code(), e.to_string());
     }
     // In a group, the store writes only while this coordinator's lease is sure to be held.
     let tenure = Arc::new(flotilla_coordinator::lease::Tenure::open());

@@ -241,6 +241,18 @@ impl ClientService for ClientSvc {
                 "run settings are not valid: {e}; send a JSON object of run settings, or none for the defaults"
             ))
         })?;
+        // A source the workers would not fetch is refused now, not by each agent six times:
+        // the URL's form (every client, the CLI's checks or not) and, for a path on the
+        // workers' disks, whether this coordinator's operator says its workers fetch those.
+        if let Some(url) = settings.source.as_ref().and_then(|s| s.url.as_deref()) {
+            let from = SourceRef::fetch_from(url)
+                .map_err(|e| ErrorKind::Invalid.status(format!("invalid run settings: {e}")))?;
+            if from == FetchFrom::WorkerDisk && !self.policy.file_sources {
+                return Err(ErrorKind::Invalid.status(format!(
+                    "source {url:?} is a path on the workers' own disks, which this coordinator does not accept: give an https, http, ssh or git URL, or launch from the repository without --source to send its code with the run; an operator whose workers run with --allow-file-sources can allow it with `flotilla coordinator --allow-file-sources` (allow_file_sources = true in its config file)"
+                )));
+            }
+        }
         // The run's namespace: the one asked for if the certificate names it, else (a resume)
         // the parent's, else the certificate's first. A resumed run must be the caller's.
         let mut asked = std::mem::take(&mut settings.namespace);

@@ -42,7 +42,7 @@ use crate::coordinator::Coordinator;
 use crate::namespace::Scope;
 use crate::report::{Report, RunStatus};
 use crate::run::{AgentAction, Control, RunHandle, Snapshot};
-use crate::settings::RunSettings;
+use crate::settings::{FetchFrom, RunSettings, SourceRef};
 use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
 use crate::{LaunchRequest, history};
 
@@ -101,6 +101,9 @@ pub struct LaunchPolicy {
     pub publishers: Vec<String>,
     /// A push may take a bundled workflow's name.
     pub shadow_bundled: bool,
+    /// Runs may name a source on the workers' own disks (`git+file://`, a path): the
+    /// operator says its workers fetch them (`--allow-file-sources` on both).
+    pub file_sources: bool,
 }
 
 impl Default for LaunchPolicy {
@@ -110,6 +113,7 @@ impl Default for LaunchPolicy {
             disabled: Arc::new(|| false),
             publishers: Vec::new(),
             shadow_bundled: false,
+            file_sources: false,
         }
     }
 }
@@ -118,6 +122,7 @@ impl std::fmt::Debug for LaunchPolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LaunchPolicy")
             .field("saved_only", &self.saved_only)
+            .field("file_sources", &self.file_sources)
             .field("disabled", &(self.disabled)())
             .finish()
     }

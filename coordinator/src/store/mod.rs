@@ -13,6 +13,7 @@
 //! caller writes a retry loop of its own; a create-only write that finds its object already
 //! there counts as done (a retried write is idempotent).
 
+pub mod explain;
 pub mod faulty;
 pub mod gate;
 pub mod journal;
@@ -41,6 +42,8 @@ pub struct Store {
     pub health: Arc<Health>,
     /// The store under the layers (see [`Store::gated`]).
     raw: Arc<dyn ObjectStore>,
+    /// Where an S3 store is, to explain its errors ([`explain`]); `None` for other stores.
+    s3: Option<Arc<explain::S3Place>>,
 }
 
 impl std::fmt::Debug for Store {
@@ -69,7 +72,16 @@ pub enum Error {
     },
     #[error("{what} not found in {url}")]
     NotFound { what: String, url: String },
-    #[error("storage error on {key}: {source}")]
+    /// A store set up wrong (a missing bucket, credentials the server refuses, nothing at
+    /// the endpoint), found when it was checked.
+    #[error("cannot use store {url}: {problem}; {fix}")]
+    Misconfigured {
+        url: String,
+        problem: String,
+        fix: String,
+        kind: flotilla_proto::ErrorKind,
+    },
+    #[error("storage error on {key}: {}", explain::brief(source))]
     Storage {
         key: String,
         source: object_store::Error,
@@ -78,7 +90,7 @@ pub enum Error {
     Corrupt { key: String, reason: String },
     /// A write the store refuses for good (no permission, no space, a path that is a file, a
     /// missing bucket): retrying cannot help, so it is not retried.
-    #[error("cannot write {key}: {problem} ({source}); {fix}")]
+    #[error("cannot write {key}: {problem} ({}); {fix}", explain::brief(source.as_ref()))]
     Refused {
         key: String,
         problem: &'static str,
@@ -96,6 +108,7 @@ impl Error {
             Error::Open { .. } | Error::Storage { .. } => ErrorKind::Unavailable,
             Error::Corrupt { .. } => ErrorKind::Internal,
             Error::Refused { .. } => ErrorKind::Invalid,
+            Error::Misconfigured { kind, .. } => *kind,
         }
     }
 }
@@ -211,11 +224,21 @@ fn open_s3(
             builder = builder.with_allow_http(true);
         }
     }
+    let region = var("AWS_REGION")
+        .or_else(|| var("AWS_DEFAULT_REGION"))
+        .unwrap_or_else(|| "us-east-1".to_owned());
     if var("AWS_REGION").is_none() && var("AWS_DEFAULT_REGION").is_none() {
         builder = builder.with_region("us-east-1");
     } else if let Some(region) = var("AWS_REGION") {
         builder = builder.with_region(region);
     }
+    let place = explain::S3Place {
+        bucket: bucket.to_owned(),
+        prefix: prefix.to_owned(),
+        endpoint: endpoint.clone(),
+        region,
+        key_id: var("AWS_ACCESS_KEY_ID").filter(|k| !k.is_empty()),
+    };
     let s3 = builder.build().map_err(|e| Error::Open {
         url: url.into(),
         source: Box::new(e),
@@ -225,7 +248,9 @@ fn open_s3(
     } else {
         Arc::new(object_store::prefix::PrefixStore::new(s3, prefix))
     };
-    Ok(Store::over(url, inner, None))
+    let mut store = Store::over(url, inner, None);
+    store.s3 = Some(Arc::new(place));
+    Ok(store)
 }
 
 impl Store {
@@ -253,6 +278,7 @@ impl Store {
             local_root,
             health,
             raw,
+            s3: None,
         }
     }
 
@@ -260,25 +286,36 @@ impl Store {
     /// goes through, not even one that was being retried (each try asks the gate).
     pub fn gated(&self, tenure: Arc<crate::lease::Tenure>) -> Store {
         let gate = Arc::new(gate::Gate::new(self.raw.clone(), tenure));
-        Store::layered(
+        let mut store = Store::layered(
             &self.url,
             gate,
             self.local_root.clone(),
             self.health.clone(),
-        )
+        );
+        store.s3 = self.s3.clone();
+        store
     }
 
-    /// Checks that the store answers (a missing bucket or wrong keys show up here, at startup,
-    /// instead of at the first completed agent).
+    /// Checks that the store answers (a missing bucket, wrong keys, another region or
+    /// nothing at the endpoint show up here, at startup, instead of at the first run): an
+    /// S3 store's refusal comes back [`Error::Misconfigured`], naming the bucket, the
+    /// endpoint and what to change. One listing, retried only by the S3 client itself.
     pub async fn check(&self) -> Result<(), Error> {
-        self.inner
-            .list_with_delimiter(Some(&keys::runs()))
-            .await
-            .map(|_| ())
-            .map_err(|source| Error::Storage {
+        let Err(source) = self.raw.list_with_delimiter(Some(&keys::runs())).await else {
+            return Ok(());
+        };
+        match self.s3.as_deref().and_then(|p| explain::s3(p, &source)) {
+            Some(x) => Err(Error::Misconfigured {
+                url: self.url.clone(),
+                problem: x.problem,
+                fix: x.fix,
+                kind: x.kind,
+            }),
+            None => Err(Error::Storage {
                 key: format!("{} (listing runs/)", self.url),
                 source,
-            })
+            }),
+        }
     }
 }
 

@@ -995,7 +995,8 @@ fn a_coordinator_with_a_store_that_does_not_answer_says_so() {
     let out = flotilla_tests::run_with_timeout(cmd, Duration::from_secs(120));
     assert_eq!(out.code, 1, "{out:?}");
     assert!(
-        out.stderr.contains("the store does not answer"),
+        out.stderr
+            .contains("cannot use store s3://runs/x: nothing answers at"),
         "{}",
         out.stderr
     );

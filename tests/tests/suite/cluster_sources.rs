@@ -163,10 +163,12 @@ fn a_launch_sends_its_repository_once_and_every_call_works_in_a_checkout_of_it()
 
 #[test]
 fn a_git_url_source_is_fetched_by_the_workers_and_outside_a_repository_there_is_none() {
-    // A path on the worker's own disk is fetched only by a worker that allows it.
-    let c = Cluster::start_workers_with(
+    // A path on the worker's own disk is fetched only by a worker that allows it, on a
+    // coordinator whose operator says its workers do.
+    let c = Cluster::start_configured(
         1,
         2,
+        &["--allow-file-sources"],
         &[
             "--backend",
             "exec",
@@ -174,7 +176,6 @@ fn a_git_url_source_is_fetched_by_the_workers_and_outside_a_repository_there_is_
             "sh",
             "--allow-file-sources",
         ],
-        Vec::new(),
     );
     let repo = c.path().join("upstream");
     user_repo(&repo);

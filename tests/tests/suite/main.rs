@@ -23,6 +23,7 @@ mod defects;
 mod deploy;
 mod dev;
 mod exec;
+mod launch_checks;
 mod limits;
 mod mcp;
 mod models;

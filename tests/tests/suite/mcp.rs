@@ -596,3 +596,350 @@ fn a_stock_claude_launches_on_the_fleet_through_the_mcp_tool_and_reads_the_whole
         "{refused}"
     );
 }
+
+/// `flotilla mcp` spoken to line by line over its stdio, as a hostile MCP client would: raw
+/// lines in, every answer line kept.
+struct RawMcp {
+    child: std::process::Child,
+    input: std::process::ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// Every line the server wrote.
+    heard: Vec<String>,
+    next_id: u64,
+}
+
+impl RawMcp {
+    fn start(mut cmd: std::process::Command) -> RawMcp {
+        use std::io::BufRead;
+        use std::process::Stdio;
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start flotilla mcp");
+        let input = child.stdin.take().unwrap();
+        let output = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(output).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut mcp = RawMcp {
+            child,
+            input,
+            lines,
+            heard: Vec::new(),
+            next_id: 0,
+        };
+        let init = mcp.request(
+            "initialize",
+            json!({ "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": { "name": "hostile", "version": "1" } }),
+        );
+        assert!(init.get("result").is_some(), "{init}");
+        mcp.send(
+            json!({ "jsonrpc": "2.0", "method": "notifications/initialized" })
+                .to_string()
+                .as_bytes(),
+        );
+        mcp
+    }
+
+    fn send(&mut self, line: &[u8]) {
+        use std::io::Write;
+        self.input.write_all(line).expect("write to the server");
+        self.input.write_all(b"\n").expect("write to the server");
+        self.input.flush().expect("flush");
+    }
+
+    /// The next line the server writes (it must write one within 30 s).
+    fn answer(&mut self) -> Value {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the server answers within 30 s");
+        self.heard.push(line.clone());
+        serde_json::from_str(&line).expect("the server writes JSON")
+    }
+
+    fn request(&mut self, method: &str, params: Value) -> Value {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.send(
+            json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params })
+                .to_string()
+                .as_bytes(),
+        );
+        let a = self.answer();
+        assert_eq!(a["id"], id, "{a}");
+        a
+    }
+
+    /// A `Workflow` call's structured answer.
+    fn workflow(&mut self, args: Value) -> Value {
+        let a = self.request(
+            "tools/call",
+            json!({ "name": "Workflow", "arguments": args }),
+        );
+        a["result"]["structuredContent"].clone()
+    }
+}
+
+impl Drop for RawMcp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A tree for a hostile `flotilla mcp` caller: secrets outside the project the server runs
+/// in (and one inside it that is no workflow), symlinks from the project out, one workflow.
+struct Planted {
+    env: Env,
+    project: std::path::PathBuf,
+    /// Text no answer may carry.
+    secrets: Vec<String>,
+}
+
+fn planted() -> Planted {
+    let env = Env::new();
+    let top = env.path().to_path_buf();
+    let outside = "PLANTED_OUTSIDE_4e1f9c";
+    let inside = "PLANTED_DOTENV_b7d203";
+    let in_env = "PLANTED_ENVIRON_19ac55";
+    let meta = "export const meta = { name: 'leak', description: 'd' };";
+    std::fs::write(top.join("secret.env"), format!("{outside}=1 more\n")).unwrap();
+    // A workflow script outside: a valid meta, then a compile error quoting the secret, so a
+    // read or a run of it would carry the secret into its error.
+    std::fs::write(top.join("secret.js"), format!("{meta}\n{outside} (((\n")).unwrap();
+    std::fs::create_dir_all(top.join("outside")).unwrap();
+    std::fs::write(
+        top.join("outside/flow.js"),
+        format!("{meta}\n{outside} (((\n"),
+    )
+    .unwrap();
+    let project = top.join("proj");
+    flotilla_tests::git_repo(&project);
+    std::fs::write(project.join(".env"), format!("{inside}=abc\n")).unwrap();
+    // A file named like a workflow, where the server runs.
+    std::fs::write(project.join("leak"), format!("{inside}=abc\n")).unwrap();
+    std::os::unix::fs::symlink(top.join("secret.js"), project.join("link.js")).unwrap();
+    std::os::unix::fs::symlink(&top, project.join("dir")).unwrap();
+    std::os::unix::fs::symlink("/proc/self/environ", project.join("environ.js")).unwrap();
+    std::fs::create_dir_all(project.join(".flotilla/workflows")).unwrap();
+    flotilla_tests::write_workflow(
+        &project.join(".flotilla/workflows"),
+        "ok",
+        "a workflow in reach",
+        "return 1;",
+    );
+    Planted {
+        env,
+        project,
+        secrets: vec![outside.into(), inside.into(), in_env.into()],
+    }
+}
+
+fn hostile_server(p: &Planted) -> RawMcp {
+    let mut cmd = p.env.command(
+        &["mcp", "--backend", "echo", "--stagger", "0"],
+        &[("FLOTILLA_TEST_SECRET", "PLANTED_ENVIRON_19ac55")],
+    );
+    cmd.current_dir(&p.project);
+    RawMcp::start(cmd)
+}
+
+/// Paths a hostile caller builds: `..`, absolute, doubled and back slashes, percent and
+/// full-width look-alikes, NUL, symlinks out, names of the planted files.
+fn hostile_paths(top: String) -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let segment = prop_oneof![
+        Just("..".to_owned()),
+        Just(".".to_owned()),
+        Just(String::new()),
+        Just("secret.env".to_owned()),
+        Just("secret.js".to_owned()),
+        Just("link.js".to_owned()),
+        Just("environ.js".to_owned()),
+        Just("dir".to_owned()),
+        Just("proj".to_owned()),
+        Just("outside".to_owned()),
+        Just("flow.js".to_owned()),
+        Just(".env".to_owned()),
+        Just("leak".to_owned()),
+        Just("etc".to_owned()),
+        Just("shadow".to_owned()),
+        Just("proc".to_owned()),
+        Just("self".to_owned()),
+        Just("environ".to_owned()),
+        Just("%2e%2e".to_owned()),
+        Just("..%2f".to_owned()),
+        Just("\u{ff0e}\u{ff0e}".to_owned()),
+        Just("secret.env\u{0}.js".to_owned()),
+        Just("a".repeat(300)),
+        // Never `ok`, the one workflow in reach.
+        "[a-z.%]{3,8}",
+    ];
+    let sep = prop_oneof![Just("/"), Just("//"), Just("\\"), Just("/./")];
+    let prefix = prop_oneof![
+        Just(String::new()),
+        Just("/".to_owned()),
+        Just("./".to_owned()),
+        Just("../".to_owned()),
+        Just(format!("{top}/")),
+        Just("~/".to_owned()),
+        Just("file://".to_owned()),
+    ];
+    (prefix, proptest::collection::vec((segment, sep), 1..6)).prop_map(|(prefix, parts)| {
+        let mut p = prefix;
+        for (i, (seg, sep)) in parts.iter().enumerate() {
+            if i > 0 {
+                p.push_str(sep);
+            }
+            p.push_str(seg);
+        }
+        p
+    })
+}
+
+#[test]
+fn a_hostile_caller_reads_nothing_outside_the_project_through_script_path_or_name() {
+    use proptest::test_runner::{Config, TestRunner};
+    let p = planted();
+    let mut mcp = hostile_server(&p);
+    let top = p.env.path().display().to_string();
+    let refused = |a: &Value, what: &str| {
+        assert!(
+            a["error"].is_string() && a.get("runId").is_none(),
+            "{what}: {a}"
+        );
+    };
+    // By hand first: the issue's own and the planted ones.
+    for path in [
+        "/etc/shadow".to_owned(),
+        "/etc/passwd".to_owned(),
+        "/proc/self/environ".to_owned(),
+        "environ.js".to_owned(),
+        "../secret.env".to_owned(),
+        "../secret.js".to_owned(),
+        format!("{top}/secret.env"),
+        "link.js".to_owned(),
+        "dir/secret.js".to_owned(),
+        "dir/outside/flow.js".to_owned(),
+        ".env".to_owned(),
+        "leak".to_owned(),
+        "secret.env\u{0}".to_owned(),
+        "x".repeat(5000),
+    ] {
+        let a = mcp.workflow(json!({ "scriptPath": path }));
+        refused(&a, &path);
+    }
+    let a = mcp.workflow(json!({ "scriptPath": "../secret.js" }));
+    assert!(
+        a["error"]
+            .as_str()
+            .unwrap()
+            .contains("outside what this run may read"),
+        "{a}"
+    );
+    let a = mcp.workflow(json!({ "scriptPath": ".env" }));
+    assert!(
+        a["error"]
+            .as_str()
+            .unwrap()
+            .contains("is not a workflow script"),
+        "{a}"
+    );
+    for name in [
+        "/etc/shadow".to_owned(),
+        "../secret".to_owned(),
+        ".env".to_owned(),
+        "leak".to_owned(),
+        "secret.env".to_owned(),
+        "-h".to_owned(),
+        "--exec-cmd=id".to_owned(),
+        "x".repeat(300),
+    ] {
+        let a = mcp.workflow(json!({ "name": name }));
+        refused(&a, &name);
+    }
+    for resume in ["--exec-cmd=id", "../x", "wf_x\n"] {
+        let a = mcp.workflow(json!({ "name": "ok", "resumeFromRunId": resume }));
+        refused(&a, resume);
+    }
+    for tool in ["WorkflowStatus", "WorkflowResult", "WorkflowStop"] {
+        let a = mcp.request(
+            "tools/call",
+            json!({ "name": tool, "arguments": { "runId": "../../secret.env" } }),
+        );
+        assert_eq!(a["result"]["isError"], true, "{tool}: {a}");
+    }
+    // Built by proptest: every path is refused, and no answer carries a secret.
+    let mut runner = TestRunner::new(Config {
+        cases: 96,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let mcp = std::cell::RefCell::new(mcp);
+    runner
+        .run(&hostile_paths(top.clone()), |path| {
+            let mut mcp = mcp.borrow_mut();
+            let by_path = mcp.workflow(json!({ "scriptPath": path }));
+            proptest::prop_assert!(
+                by_path["error"].is_string() && by_path.get("runId").is_none(),
+                "{path:?}: {by_path}"
+            );
+            let by_name = mcp.workflow(json!({ "name": path }));
+            proptest::prop_assert!(by_name.get("runId").is_none(), "{path:?}: {by_name}");
+            Ok(())
+        })
+        .unwrap();
+    let mut mcp = mcp.into_inner();
+    // What is in reach still runs, by path and by name.
+    for args in [
+        json!({ "scriptPath": ".flotilla/workflows/ok.js" }),
+        json!({ "name": "ok" }),
+        json!({ "name": "/ok" }),
+    ] {
+        let a = mcp.workflow(args.clone());
+        assert!(a["runId"].is_string(), "{args}: {a}");
+    }
+    for line in &mcp.heard {
+        for s in &p.secrets {
+            assert!(!line.contains(s.as_str()), "{s} in {line}");
+        }
+        assert!(!line.contains("root:"), "{line}");
+    }
+}
+
+#[test]
+fn a_line_that_is_not_json_or_is_too_long_gets_a_parse_error_and_the_server_goes_on() {
+    let p = planted();
+    let mut mcp = hostile_server(&p);
+    let mut huge = br#"{"jsonrpc":"2.0","id":99,"method":"tools/list","params":{"pad":""#.to_vec();
+    huge.resize(huge.len() + (50 << 20), b'a');
+    huge.extend_from_slice(br#""}}"#);
+    let truncated = br#"{"jsonrpc":"2.0","id":7,"method":"tools/list""#;
+    let lines: [&[u8]; 5] = [
+        b"not json",
+        truncated,
+        b"\xff\xfe{}",
+        b"{\"jsonrpc\":\"2.0\",\"id\":8,\"method\":\"tools/list\"}}",
+        &huge,
+    ];
+    for line in lines {
+        mcp.send(line);
+        let a = mcp.answer();
+        assert_eq!(a["id"], Value::Null, "{a}");
+        assert_eq!(a["error"]["code"], -32700, "{a}");
+        // The next request is answered.
+        let tools = mcp.request("tools/list", json!({}));
+        assert!(tools["result"]["tools"].is_array(), "{tools}");
+    }
+    let last = mcp.heard.iter().rev().nth(1).unwrap();
+    assert!(last.contains("16 MiB"), "{last}");
+}

@@ -23,7 +23,12 @@
 //!   read from the store the settings name (any later session can read them).
 //!
 //! Names and relative paths resolve from the server's working directory in both, as in the
-//! CLI.
+//! CLI, and are held as a run holds its script's own references (see `refs`): a
+//! `scriptPath` must be a workflow script inside the project (the repository holding that
+//! directory) or a workflow directory, symlinks resolved; a `name` is looked up among the
+//! saved workflows only, never read as a path; a refusal names the path and the rule, never
+//! what a file holds. Each message is one line of at most [`lines::MAX_LINE_BYTES`]; a line
+//! that is not JSON or is longer is answered with a JSON-RPC parse error (`lines`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -31,9 +36,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+mod lines;
+mod refs;
+
 use clap::Args;
 use flotilla_coordinator::history;
 use flotilla_coordinator::report::Report;
+use flotilla_coordinator::workflows::DirResolver;
 use flotilla_proto::wire::SnapshotView;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
@@ -190,6 +199,9 @@ impl Flotilla {
         &self,
         Parameters(input): Parameters<RunInput>,
     ) -> Result<CallToolResult, ErrorData> {
+        if let Err(s) = flotilla_coordinator::api::check_run_id(&input.run_id) {
+            return Ok(refused(s.message()));
+        }
         if let Some(fleet) = &self.fleet {
             let mut client = fleet.client.clone();
             let stopped = rpc(client.stop(v1::RunRef {
@@ -327,11 +339,24 @@ impl Flotilla {
     /// W45/W46: the launch's answer, a refusal included (`error`, no run id).
     async fn launch(&self, input: WorkflowInput) -> Value {
         let refused = |error: String| json!({ "status": "remote_launched", "error": error });
-        let (script, inline) = match (&input.script_path, &input.name, &input.script) {
-            (Some(p), _, _) => (p.clone(), None),
-            (None, Some(n), _) => (n.clone(), None),
+        if let Some(r) = &input.resume_from_run_id
+            && let Err(s) = flotilla_coordinator::api::check_run_id(r)
+        {
+            return refused(format!("resumeFromRunId: {}", s.message()));
+        }
+        // What the call names is held where `flotilla run` holds a script's own references:
+        // a path to the project and the workflow directories, a name to the saved workflows.
+        let (script, inline, by_name) = match (&input.script_path, &input.name, &input.script) {
+            (Some(p), _, _) => match self.script_in_reach(p) {
+                Ok(real) => (real, None, false),
+                Err(e) => return refused(e),
+            },
+            (None, Some(n), _) => match refs::workflow_name(n) {
+                Ok(n) => (n, None, true),
+                Err(e) => return refused(e),
+            },
             (None, None, Some(s)) => match save_inline(s) {
-                Ok(path) => (path.display().to_string(), Some(path)),
+                Ok(path) => (path.display().to_string(), Some(path), false),
                 Err(e) => return refused(e),
             },
             (None, None, None) => {
@@ -346,6 +371,7 @@ impl Flotilla {
         };
         let run_args = crate::RunArgs {
             script: script.clone(),
+            by_name,
             args: args.clone(),
             args_file: None,
             json: true,
@@ -372,6 +398,7 @@ impl Flotilla {
         let started = match self
             .start(
                 &script,
+                by_name,
                 args.as_deref(),
                 input.resume_from_run_id.as_deref(),
             )
@@ -394,6 +421,22 @@ impl Flotilla {
         }
         self.runs.lock().await.insert(run_id, started);
         out
+    }
+
+    /// A `scriptPath` held where `flotilla run`'s own `workflow({ scriptPath })` is: inside
+    /// the project (the repository holding the server's working directory) or a workflow
+    /// directory, symlinks resolved, and a workflow script; its real path.
+    fn script_in_reach(&self, p: &str) -> Result<String, String> {
+        refs::path_text(p)?;
+        let file = config::load(self.args.config.as_deref())?;
+        let mut dirs = self.args.settings.workflows_dirs.clone();
+        dirs.extend(file.workflows_dirs.iter().cloned());
+        let cwd = std::env::current_dir()
+            .map_err(|e| format!("cannot read the working directory: {e}"))?;
+        DirResolver::standard(&cwd, &dirs)
+            .read_script(p, &format!("scriptPath {p:?}"))
+            .map(|found| found.origin)
+            .map_err(|e| e.to_string())
     }
 
     /// A launch on the fleet: as `flotilla launch` from the server's working directory.
@@ -555,6 +598,7 @@ impl Flotilla {
     async fn start(
         &self,
         script: &str,
+        by_name: bool,
         args: Option<&str>,
         resume: Option<&str>,
     ) -> Result<(String, Started), String> {
@@ -573,14 +617,19 @@ impl Flotilla {
         let me = std::env::current_exe()
             .map_err(|e| format!("cannot find this program's own path: {e}"))?;
         let mut cmd = std::process::Command::new(me);
-        cmd.args(["run", script, "--json", "--yes", "--serve=127.0.0.1:0"]);
+        cmd.args(["run", "--json", "--yes", "--serve=127.0.0.1:0"]);
+        if by_name {
+            cmd.arg("--by-name");
+        }
+        // `--flag=value` and the script after `--`: nothing a call sends is read as a flag.
         if let Some(a) = args {
-            cmd.args(["--args", a]);
+            cmd.arg(format!("--args={a}"));
         }
         if let Some(r) = resume {
-            cmd.args(["--resume", r]);
+            cmd.arg(format!("--resume={r}"));
         }
         cmd.args(self.passed.iter())
+            .args(["--", script])
             .stdin(std::process::Stdio::null())
             .stdout(open(&out_path)?)
             .stderr(open(&log_path)?)
@@ -751,6 +800,14 @@ async fn get_json(port: u16, path: &str) -> Option<Value> {
 /// local data directory, named by its content.
 fn save_inline(script: &str) -> Result<PathBuf, String> {
     use sha2::Digest;
+    let limit = flotilla_coordinator::limits::SCRIPT_BYTES;
+    if script.len() > limit {
+        return Err(format!(
+            "the script is {} bytes, over the limit of {}; split the work into workflows called with workflow(name)",
+            script.len(),
+            flotilla_coordinator::limits::human_bytes(limit)
+        ));
+    }
     let dir = data_dir().join("scripts");
     std::fs::create_dir_all(&dir)
         .map_err(|e| format!("cannot keep the script in {}: {e}", dir.display()))?;
@@ -798,11 +855,15 @@ pub async fn serve(args: McpArgs) -> i32 {
         prune_outputs(&data_dir().join("runs"), OUTPUT_KEPT);
     }
     let server = Flotilla::new(args, passed, fleet);
-    let service = match server.serve(rmcp::transport::stdio()).await {
+    // Every line is framed here first: one that is not JSON or is too long is answered.
+    let framed = lines::frame(tokio::io::stdin(), tokio::io::stdout());
+    let service = match server.serve((framed.read, framed.write)).await {
         Ok(s) => s,
         Err(e) => return crate::fail(1, format!("the MCP client did not start a session: {e}")),
     };
     let _ = service.waiting().await;
+    // rmcp's last answers reach stdout before the process ends.
+    let _ = tokio::time::timeout(Duration::from_secs(5), framed.done).await;
     0
 }
 
