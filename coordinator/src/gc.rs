@@ -11,7 +11,8 @@
 //! `payloads/` (large results, referenced by the runs' journals) and every namespace's sources
 //! (`sources/` for `default`, `namespaces/{ns}/sources/` for the others: commit records and
 //! packs, referenced by the manifests of the namespace's runs and by each other's
-//! prerequisites, never across namespaces).
+//! prerequisites; a run of another namespace also holds what it names under `sources/`,
+//! where runs from before namespaces had sources of their own kept them).
 //! A payload is looked at once more just before it is deleted, and kept if it was written
 //! again meanwhile (a new run that stored the same result).
 
@@ -305,6 +306,15 @@ async fn referenced_sources(
             && src.url.is_none()
         {
             let ns = crate::namespace::effective(&m.settings.namespace).to_owned();
+            // Runs launched before namespaces had sources of their own kept theirs in
+            // default's place: what they name there is kept too (kept, never served).
+            if ns != crate::namespace::DEFAULT {
+                todo.push((
+                    crate::namespace::DEFAULT.to_owned(),
+                    src.repo.clone(),
+                    src.commit.clone(),
+                ));
+            }
             todo.push((ns, src.repo, src.commit));
         }
     }
@@ -496,6 +506,14 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(swept, 4);
+        assert!(crate::source::complete(&store, &default, &c1).await.is_ok());
+        // A team-b run from before namespaces had sources of their own holds what it names
+        // in default's place.
+        let older = run_of(&store, "wf_older", "team-b", "r1", &c1).await;
+        let (swept, _) = sweep_sources(&store, &[&older], later, later, false)
+            .await
+            .unwrap();
+        assert_eq!(swept, 0);
         assert!(crate::source::complete(&store, &default, &c1).await.is_ok());
     }
 }

@@ -15,10 +15,11 @@
 //! another's commits, so knowing another team's repository and commit ids gains nothing.
 //!
 //! `repo` names a repository, not a clone: clients derive it from the repository's root
-//! commit, so every clone of one project shares its objects within a namespace. The id is not
-//! checked against the root commit when a pack comes in (the coordinator streams uploads to
-//! the store without reading them); it is only a name inside the namespace's own sources, and
-//! the coordinator's cache checks it when it indexes a chain's first pack (`head`).
+//! commit, so every clone of one project shares its objects within a namespace. The id is
+//! checked against what the namespace uploaded (a commit is found only under the id it was
+//! uploaded with), not against the root commit: the coordinator streams uploads to the store
+//! without reading them, and an id is only a name inside its namespace's own sources, so a
+//! wrong one can reach nothing of another namespace.
 
 use bytes::Bytes;
 use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};

@@ -256,7 +256,7 @@ async fn a_worker_gets_sources_only_from_the_namespace_of_an_attempt_it_holds() 
     d.submit(&run, t);
     let a = w.assignment().await;
     assert_eq!(a.task.as_ref().unwrap().source_commit, base);
-    let mut ask = |id: u64, repo: &str, commit: &str, namespace: &str| {
+    let ask = |id: u64, repo: &str, commit: &str, namespace: &str| {
         w.send(worker_message::Msg::SourceRequest(v1::SourceRequest {
             id,
             repo: repo.into(),
