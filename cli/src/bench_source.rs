@@ -137,15 +137,11 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
         let s = crate::source::snapshot(&repo)?.ok_or("the generated repository is not one")?;
         let (pack, bytes) = crate::source::build_pack(&s, &[])?;
         let data = std::fs::read(pack.path()).map_err(|e| e.to_string())?;
-        flotilla_coordinator::source::put_pack(
-            &store,
-            &format!("{}-{r}", s.repo),
-            &s.commit,
-            vec![],
-            data,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+        let stored = flotilla_coordinator::source::Repo::new("", &format!("{}-{r}", s.repo))
+            .map_err(|e| e.to_string())?;
+        flotilla_coordinator::source::put_pack(&store, &stored, &s.commit, vec![], data)
+            .await
+            .map_err(|e| e.to_string())?;
         up.push(ms(t));
         pack_bytes = bytes;
         snap = Some(s);

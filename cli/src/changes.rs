@@ -2,10 +2,14 @@
 //! source, and bringing it into the local repository as branches.
 //!
 //! Both ask the coordinator (no storage credentials needed): `Changes` lists each agent's
-//! change and the run head; `FetchSource` streams the packs of a commit's chain, which are
-//! indexed into the local repository (`git index-pack`) before branches
-//! `flotilla/RUN/head` and `flotilla/RUN/INDEX` point at them. `--merge` merges the head into
-//! the current branch, refusing a dirty tree or a conflict with the command that resolves it.
+//! change and the run head; `FetchSource` streams the packs of a commit's chain from the
+//! run's namespace, which are indexed into the local repository (`git index-pack` with git's
+//! fsck) before branches `flotilla/RUN/head` and `flotilla/RUN/INDEX` point at them. Every
+//! tree a commit adds over its base is read first ([`flotilla_coordinator::vet`]): a name that
+//! leaves the tree or reaches `.git` refuses it, whatever the coordinator's store holds. A
+//! change the coordinator refused is shown with its reason and never fetched. `--merge`
+//! merges the head into the current branch, refusing a dirty tree or a conflict with the
+//! command that resolves it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -179,10 +183,12 @@ fn local_repo() -> Result<PathBuf, String> {
         })
 }
 
-/// Fetches what `repo` lacks of `commit`'s chain through the coordinator.
+/// Fetches what `repo` lacks of `commit`'s chain through the coordinator, from the sources
+/// of the run's namespace.
 async fn fetch(
     client: &mut Client,
     local: &Path,
+    run: &RunChanges,
     source_repo: &str,
     commit: &str,
 ) -> Result<u64, String> {
@@ -195,6 +201,7 @@ async fn fetch(
             repo: source_repo.into(),
             commit: commit.into(),
             have_packs: Vec::new(),
+            namespace: run.namespace.clone(),
         })
         .await
         .map_err(|s| format!("cannot fetch the run's objects: {}", s.message()))?
@@ -229,7 +236,11 @@ async fn fetch(
             let out = Command::new("git")
                 .arg("-C")
                 .arg(local)
-                .args(["index-pack", "--stdin"])
+                .args([
+                    "index-pack",
+                    flotilla_coordinator::vet::SOURCE_FSCK,
+                    "--stdin",
+                ])
                 .stdin(std::fs::File::open(&path).map_err(|e| e.to_string())?)
                 .output()
                 .map_err(|e| e.to_string())?;
@@ -244,6 +255,24 @@ async fn fetch(
     git(local, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
         .map_err(|_| format!("the coordinator's objects did not hold commit {commit}"))?;
     Ok(bytes)
+}
+
+/// Refuses `commit` (of `whose`) when a tree it adds over `base` holds a name that leaves the
+/// tree or reaches `.git`: the coordinator refuses such changes, and this holds even if a
+/// store it reads holds one.
+async fn vetted(local: &Path, whose: &str, commit: &str, base: &str) -> Result<(), String> {
+    let bases: Vec<&str> = [base]
+        .into_iter()
+        .filter(|b| git(local, &["cat-file", "-e", &format!("{b}^{{commit}}")]).is_ok())
+        .collect();
+    match flotilla_coordinator::vet::new_trees(local, &[], commit, &bases).await {
+        Ok(None) => Ok(()),
+        Ok(Some(why)) => Err(format!(
+            "{whose} (commit {}) adds {why}: refused, nothing was applied; tell the run's owner, and do not check it out",
+            &commit[..commit.len().min(12)]
+        )),
+        Err(e) => Err(format!("cannot check commit {commit}: {e}")),
+    }
 }
 
 pub async fn changes(a: ChangesArgs) -> i32 {
@@ -288,7 +317,9 @@ pub async fn changes(a: ChangesArgs) -> i32 {
     };
     for ch in &picked {
         let r = &ch.change;
-        let status = if r.isolated {
+        let status = if let Some(why) = &r.refused {
+            format!("refused: {}", crate::term::clean(why))
+        } else if r.isolated {
             "on its branch".to_owned()
         } else if !r.conflicts.is_empty() {
             format!("conflicted ({})", r.conflicts.join(", "))
@@ -308,7 +339,13 @@ pub async fn changes(a: ChangesArgs) -> i32 {
             ch.index
         );
         if let Some(local) = &local {
-            if let Err(e) = fetch(&mut client, local, &src.repo, &r.commit).await {
+            if r.refused.is_some() {
+                continue;
+            }
+            if let Err(e) = fetch(&mut client, local, &c, &src.repo, &r.commit).await {
+                return fail(1, e);
+            }
+            if let Err(e) = vetted(local, &ch.label, &r.commit, &r.base).await {
                 return fail(1, e);
             }
             match git(local, &["diff", &r.base, &r.commit]) {
@@ -351,21 +388,43 @@ pub async fn apply(a: ApplyArgs) -> i32 {
     };
     let mut fetched = 0u64;
     let head = c.head.clone().unwrap_or_else(|| src.commit.clone());
-    let mut wanted: Vec<(String, String)> =
-        vec![(format!("flotilla/{}/head", c.run_id), head.clone())];
+    // (branch, commit, whose, base)
+    let mut wanted: Vec<(String, String, String, String)> = vec![(
+        format!("flotilla/{}/head", c.run_id),
+        head.clone(),
+        "the run's head".to_owned(),
+        src.commit.clone(),
+    )];
     for ch in &picked {
+        if let Some(why) = &ch.change.refused {
+            eprintln!(
+                "agent #{} {:?}: its change was refused by the coordinator ({}); nothing of it is applied",
+                ch.index,
+                crate::term::clean(&ch.label),
+                crate::term::clean(why)
+            );
+            continue;
+        }
         wanted.push((
             format!("flotilla/{}/{}", c.run_id, ch.index),
             ch.change.commit.clone(),
+            format!("agent #{} {:?}", ch.index, crate::term::clean(&ch.label)),
+            ch.change.base.clone(),
         ));
     }
-    for (_, commit) in &wanted {
-        match fetch(&mut client, &local, &src.repo, commit).await {
+    for (_, commit, ..) in &wanted {
+        match fetch(&mut client, &local, &c, &src.repo, commit).await {
             Ok(n) => fetched += n,
             Err(e) => return fail(1, e),
         }
     }
-    for (branch, commit) in &wanted {
+    // Nothing is pointed at, let alone merged, until every commit passes.
+    for (_, commit, whose, base) in &wanted {
+        if let Err(e) = vetted(&local, whose, commit, base).await {
+            return fail(1, e);
+        }
+    }
+    for (branch, commit, ..) in &wanted {
         if let Err(e) = git(&local, &["branch", "-f", branch, commit]) {
             return fail(1, format!("cannot set branch {branch}: {e}"));
         }

@@ -334,12 +334,14 @@ fn candidates(s: &Snapshot) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
-/// Sends what the store lacks of `s`; refuses a pack larger than `max` bytes before sending
+/// Sends what the store lacks of `s` to the sources of `namespace` (empty: the certificate's
+/// first, where the launch goes too); refuses a pack larger than `max` bytes before sending
 /// any of it.
 pub async fn upload(
     client: &mut v1::client_service_client::ClientServiceClient<tonic::transport::Channel>,
     s: &Snapshot,
     max: u64,
+    namespace: &str,
 ) -> Result<Uploaded, String> {
     let asked = candidates(s)?;
     let held = client
@@ -347,6 +349,7 @@ pub async fn upload(
             protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
             repo: s.repo.clone(),
             commits: asked,
+            namespace: namespace.to_owned(),
         })
         .await
         .map_err(|e| {
@@ -379,7 +382,7 @@ pub async fn upload(
             .unwrap_or(0)
     };
     let also: Vec<String> = s.head.iter().filter(|h| **h != s.commit).cloned().collect();
-    let (repo, tip) = (s.repo.clone(), s.commit.clone());
+    let (repo, tip, namespace) = (s.repo.clone(), s.commit.clone(), namespace.to_owned());
     let chunks = bytes.div_ceil(CHUNK as u64).max(1);
     // Read lazily, a chunk per message: the pack is never whole in memory.
     let msgs = (0..chunks).map(move |i| {
@@ -396,6 +399,11 @@ pub async fn upload(
             prerequisites: if first { held.clone() } else { Vec::new() },
             total_bytes: bytes,
             data,
+            namespace: if first {
+                namespace.clone()
+            } else {
+                String::new()
+            },
         }
     });
     client

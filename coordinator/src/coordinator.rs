@@ -473,10 +473,15 @@ impl Coordinator {
                 .await
                 .map_err(store_err)?;
             // The run now holds its source against retention; the source must still be there
-            // (a sweep may have taken it since the client asked whether it was held).
+            // (a sweep may have taken it since the client asked whether it was held), and be
+            // its namespace's: another namespace's repository and commit ids find nothing, as
+            // ids nobody uploaded.
             if let Some(src) = &req.settings.source
                 && src.url.is_none()
-                && let Err(e) = crate::source::complete(&self.store, &src.repo, &src.commit).await
+                && let Err(e) = match crate::source::Repo::new(&req.settings.namespace, &src.repo) {
+                    Ok(repo) => crate::source::complete(&self.store, &repo, &src.commit).await,
+                    Err(e) => Err(e),
+                }
             {
                 swept = true;
                 return Err(Rejected {
@@ -890,7 +895,7 @@ mod tests {
         };
         store
             .put_overwrite(
-                &keys::source_commit(repo, commit),
+                &keys::source_commit("default", repo, commit),
                 Bytes::from(serde_json::to_vec(&record).unwrap()),
             )
             .await

@@ -8,8 +8,11 @@
 //!
 //! Shared objects are deleted only when no remaining run references them and they are older
 //! than the cutoff themselves (a newer one may belong to a run being written now):
-//! `payloads/` (large results, referenced by the runs' journals) and `sources/` (commit
-//! records and packs, referenced by the runs' manifests and by each other's prerequisites).
+//! `payloads/` (large results, referenced by the runs' journals) and every namespace's sources
+//! (`sources/` for `default`, `namespaces/{ns}/sources/` for the others: commit records and
+//! packs, referenced by the manifests of the namespace's runs and by each other's
+//! prerequisites; a run of another namespace also holds what it names under `sources/`,
+//! where runs from before namespaces had sources of their own kept them).
 //! A payload is looked at once more just before it is deleted, and kept if it was written
 //! again meanwhile (a new run that stored the same result).
 
@@ -279,15 +282,19 @@ async fn still_old(
     }
 }
 
+/// A namespace's source commit: (namespace, repository, commit).
+type SourceCommit = (String, String, String);
+
 /// The source objects the remaining runs and the `young` commits need: their commits'
-/// records and the packs of those and of every prerequisite, transitively.
+/// records and the packs of those and of every prerequisite, transitively, each within its
+/// own namespace.
 async fn referenced_sources(
     store: &Store,
     runs: &[&Entry],
-    young: Vec<(String, String)>,
+    young: Vec<SourceCommit>,
 ) -> Result<BTreeSet<object_store::path::Path>, Error> {
     let mut keep = BTreeSet::new();
-    let mut todo: Vec<(String, String)> = young;
+    let mut todo: Vec<SourceCommit> = young;
     for e in runs {
         let Some(body) = store.get(&keys::manifest(&e.run_id)).await? else {
             continue;
@@ -298,11 +305,21 @@ async fn referenced_sources(
         if let Some(src) = m.settings.source
             && src.url.is_none()
         {
-            todo.push((src.repo, src.commit));
+            let ns = crate::namespace::effective(&m.settings.namespace).to_owned();
+            // Runs launched before namespaces had sources of their own kept theirs in
+            // default's place: what they name there is kept too (kept, never served).
+            if ns != crate::namespace::DEFAULT {
+                todo.push((
+                    crate::namespace::DEFAULT.to_owned(),
+                    src.repo.clone(),
+                    src.commit.clone(),
+                ));
+            }
+            todo.push((ns, src.repo, src.commit));
         }
     }
-    while let Some((repo, commit)) = todo.pop() {
-        let key = keys::source_commit(&repo, &commit);
+    while let Some((ns, repo, commit)) = todo.pop() {
+        let key = keys::source_commit(&ns, &repo, &commit);
         if !keep.insert(key.clone()) {
             continue;
         }
@@ -312,10 +329,34 @@ async fn referenced_sources(
         let Ok(record) = serde_json::from_slice::<CommitRecord>(&body) else {
             continue;
         };
-        keep.insert(keys::source_pack(&repo, &record.pack));
-        todo.extend(record.prerequisites.into_iter().map(|c| (repo.clone(), c)));
+        keep.insert(keys::source_pack(&ns, &repo, &record.pack));
+        todo.extend(
+            record
+                .prerequisites
+                .into_iter()
+                .map(|c| (ns.clone(), repo.clone(), c)),
+        );
     }
     Ok(keep)
+}
+
+/// Every source object of every namespace.
+async fn all_sources(store: &Store) -> Result<Vec<object_store::ObjectMeta>, Error> {
+    let mut all = store
+        .list_all(&object_store::path::Path::from(keys::sources_of("")))
+        .await?;
+    all.extend(
+        store
+            .list_all(&keys::namespaces())
+            .await?
+            .into_iter()
+            .filter(|o| {
+                keys::parse_source(o.location.as_ref()).is_some_and(|(ns, ..)| {
+                    ns != crate::namespace::DEFAULT && crate::namespace::valid_name(ns)
+                })
+            }),
+    );
+    Ok(all)
 }
 
 async fn sweep_sources(
@@ -325,9 +366,10 @@ async fn sweep_sources(
     started: SystemTime,
     dry: bool,
 ) -> Result<(u64, u64), Error> {
-    let Some(all) = listed(store, "sources").await? else {
+    let all = all_sources(store).await?;
+    if all.is_empty() {
         return Ok((0, 0));
-    };
+    }
     // Runs launched since this pass read the index hold their sources too (a launch may
     // have been told a commit was held before its run existed).
     let since = started
@@ -343,18 +385,21 @@ async fn sweep_sources(
     .await?;
     let runs: Vec<&Entry> = remaining.iter().copied().chain(newer.iter()).collect();
     // A commit recorded since the cutoff keeps what it builds on, however old.
-    let young: Vec<(String, String)> = all
+    let young: Vec<SourceCommit> = all
         .iter()
         .filter(|o| SystemTime::from(o.last_modified) >= cutoff)
         .filter_map(|o| {
-            let text = o.location.as_ref();
-            let rest = text.strip_prefix("sources/")?;
-            let (repo, rest) = rest.split_once("/commits/")?;
-            let commit = rest.strip_suffix(".json")?;
-            Some((repo.to_owned(), commit.to_owned()))
+            let (ns, repo, rest) = keys::parse_source(o.location.as_ref())?;
+            let commit = rest.strip_prefix("commits/")?.strip_suffix(".json")?;
+            Some((ns.to_owned(), repo.to_owned(), commit.to_owned()))
         })
         .collect();
     let keep = referenced_sources(store, &runs, young).await?;
+    let dirs: BTreeSet<String> = all
+        .iter()
+        .filter_map(|o| keys::parse_source(o.location.as_ref()))
+        .map(|(ns, ..)| keys::sources_of(ns))
+        .collect();
     // Commit records before packs: a record never names a pack that is gone.
     let (records, others): (Vec<_>, Vec<_>) = all
         .into_iter()
@@ -362,7 +407,113 @@ async fn sweep_sources(
         .partition(|o| o.location.as_ref().contains("/commits/"));
     let swept = delete_all(store, records.into_iter().chain(others).collect(), dry).await?;
     if !dry {
-        store.prune_empty_dirs(&object_store::path::Path::from("sources"));
+        for dir in dirs {
+            store.prune_empty_dirs(&object_store::path::Path::from(dir));
+        }
     }
     Ok(swept)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::source::{Repo, put_pack};
+
+    /// A stored run of namespace `ns` whose source is `repo` at `commit`, as an index entry.
+    async fn run_of(store: &Store, run: &str, ns: &str, repo: &str, commit: &str) -> Entry {
+        let mut settings = crate::RunSettings::default();
+        settings.namespace = ns.into();
+        settings.source = Some(crate::settings::SourceRef {
+            repo: repo.into(),
+            commit: commit.into(),
+            url: None,
+            origin: "here".into(),
+            submodules: Vec::new(),
+        });
+        let m = Manifest {
+            run_id: run.into(),
+            workflow: Default::default(),
+            script_sha256: String::new(),
+            script_origin: None,
+            args: None,
+            settings,
+            created: "2020-01-01T00:00:00Z".into(),
+            parent_run_id: None,
+            generation: 1,
+            flotilla_version: String::new(),
+        };
+        store
+            .put_overwrite(
+                &keys::manifest(run),
+                bytes::Bytes::from(serde_json::to_vec(&m).unwrap()),
+            )
+            .await
+            .unwrap();
+        Entry::created(&m)
+    }
+
+    /// Each namespace's sources are swept by the runs of that namespace alone: a run keeps
+    /// its own namespace's commit and what it builds on, never another namespace's copy of
+    /// the same ids; `default`'s sources stay where stores always had them, and a
+    /// namespace's other objects (its daily use) are left alone.
+    #[tokio::test]
+    async fn sources_are_swept_per_namespace_by_that_namespace_s_runs() {
+        let store = crate::store::open("memory://").unwrap();
+        let (c1, c2) = ("c1".repeat(20), "c2".repeat(20));
+        let default = Repo::new("", "r1").unwrap();
+        let a = Repo::new("team-a", "r1").unwrap();
+        let b = Repo::new("team-b", "r1").unwrap();
+        put_pack(&store, &default, &c1, vec![], b"default's".to_vec())
+            .await
+            .unwrap();
+        put_pack(&store, &a, &c1, vec![], b"team a's".to_vec())
+            .await
+            .unwrap();
+        put_pack(&store, &b, &c1, vec![], b"team b's".to_vec())
+            .await
+            .unwrap();
+        put_pack(&store, &b, &c2, vec![c1.clone()], b"team b's next".to_vec())
+            .await
+            .unwrap();
+        let usage = keys::namespace_usage("team-a", "2020-01-01");
+        store
+            .put_overwrite(&usage, bytes::Bytes::from_static(b"{}"))
+            .await
+            .unwrap();
+        let old = run_of(&store, "wf_old", "", "r1", &c1).await;
+        let team_b = run_of(&store, "wf_b", "team-b", "r1", &c2).await;
+        let later = SystemTime::now() + Duration::from_secs(3600);
+        let (swept, _) = sweep_sources(&store, &[&old, &team_b], later, later, false)
+            .await
+            .unwrap();
+        assert_eq!(swept, 2, "team a's record and pack, nothing else");
+        for (repo, commit, held) in [
+            (&default, &c1, true),
+            (&a, &c1, false),
+            (&b, &c1, true),
+            (&b, &c2, true),
+        ] {
+            assert_eq!(
+                crate::source::complete(&store, repo, commit).await.is_ok(),
+                held,
+                "{repo} {commit}"
+            );
+        }
+        assert!(store.get(&usage).await.unwrap().is_some());
+        // Without the team-b run, team b's chain goes too.
+        let (swept, _) = sweep_sources(&store, &[&old], later, later, false)
+            .await
+            .unwrap();
+        assert_eq!(swept, 4);
+        assert!(crate::source::complete(&store, &default, &c1).await.is_ok());
+        // A team-b run from before namespaces had sources of their own holds what it names
+        // in default's place.
+        let older = run_of(&store, "wf_older", "team-b", "r1", &c1).await;
+        let (swept, _) = sweep_sources(&store, &[&older], later, later, false)
+            .await
+            .unwrap();
+        assert_eq!(swept, 0);
+        assert!(crate::source::complete(&store, &default, &c1).await.is_ok());
+    }
 }

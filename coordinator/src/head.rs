@@ -9,9 +9,18 @@
 //!   failure line naming the agent, its branch and the files); isolated agents'
 //!   (`isolation: 'worktree'`) changes never enter the head.
 //!
-//! The merges happen in a bare repository in the coordinator's cache directory, filled from
-//! the store's packs; new merge commits go back to the store as packs of their own, so any
+//! The merges happen in a bare repository in the coordinator's cache directory, one per
+//! namespace and repository (`{cache}/namespaces/{ns}/{repo}.git`), filled from that
+//! namespace's packs; new merge commits go back to the store as packs of their own, so any
 //! coordinator and every worker can follow the head. The cache is only a cache.
+//!
+//! **Invariant:** an agent's change enters the store, the head or the cache only once it is
+//! vetted ([`crate::vet`]): its pack is indexed into a quarantine beside the cache with git's
+//! strict fsck (every link must resolve in the pack or the run's own source), and every tree
+//! it adds over its base is read for names that leave the tree or reach `.git`. A change that
+//! fails is *refused*: its call's result stands, its record says why (`refused`, which
+//! `flotilla changes` shows), and nothing of it is stored. It is filed under the run's own
+//! namespace and repository, whatever repository the worker's message names.
 
 use std::path::{Path, PathBuf};
 
@@ -20,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 use tokio::sync::{mpsc, watch};
 
-use crate::source::SourceError;
+use crate::source::{Repo, SourceError};
 use crate::store::Store;
 
 /// What a call changed in its run's source, as journaled with it.
@@ -41,6 +50,10 @@ pub struct ChangeRecord {
     /// An isolated agent's change: on its branch only.
     #[serde(default)]
     pub isolated: bool,
+    /// Why the change was refused (its objects failed the checks of [`crate::vet`]): it is
+    /// nowhere, neither in the head nor on a branch; the call's result stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 /// A change to apply.
@@ -64,7 +77,7 @@ pub struct Applied {
 /// sender; results come out on `done`; the watch follows the head.
 pub fn spawn(
     store: Store,
-    repo: String,
+    repo: Repo,
     start: String,
     cache: PathBuf,
     done: mpsc::UnboundedSender<Applied>,
@@ -72,11 +85,7 @@ pub fn spawn(
     let (tx, mut rx) = mpsc::unbounded_channel::<Apply>();
     let (head_tx, head_rx) = watch::channel(start);
     tokio::spawn(async move {
-        let keeper = Keeper {
-            store,
-            repo: repo.clone(),
-            bare: cache.join(format!("{repo}.git")),
-        };
+        let keeper = Keeper::new(store, repo, &cache);
         while let Some(a) = rx.recv().await {
             let head = head_tx.borrow().clone();
             let result = keeper.apply(&head, &a).await;
@@ -101,8 +110,21 @@ pub fn spawn(
 
 struct Keeper {
     store: Store,
-    repo: String,
+    repo: Repo,
     bare: PathBuf,
+}
+
+/// The cache of namespace `repo.namespace`'s repository `repo.id` under `cache`.
+fn bare_of(cache: &Path, repo: &Repo) -> PathBuf {
+    cache
+        .join("namespaces")
+        .join(&repo.namespace)
+        .join(format!("{}.git", repo.id))
+}
+
+/// A commit id as git writes one (SHA-1 or SHA-256).
+fn is_commit_id(s: &str) -> bool {
+    matches!(s.len(), 40 | 64) && s.chars().all(|c| c.is_ascii_hexdigit())
 }
 
 async fn git(
@@ -141,9 +163,25 @@ async fn ok(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, S
 }
 
 impl Keeper {
+    fn new(store: Store, repo: Repo, cache: &Path) -> Keeper {
+        let bare = bare_of(cache, &repo);
+        Keeper { store, repo, bare }
+    }
+
     async fn apply(&self, head: &str, a: &Apply) -> Result<ChangeRecord, SourceError> {
         let mut r = a.record.clone();
+        r.head_after = None;
+        r.conflicts.clear();
+        // Refused once (a journaled record served again): refused still.
+        if r.refused.is_some() {
+            return Ok(r);
+        }
         if let Some(pack) = &a.pack {
+            if let Some(why) = self.vet(&r, pack).await? {
+                tracing::warn!(repo = %self.repo, call = a.call, commit = %r.commit, reason = %why, "refused an agent's change");
+                r.refused = Some(why);
+                return Ok(r);
+            }
             crate::source::put_pack(
                 &self.store,
                 &self.repo,
@@ -153,8 +191,6 @@ impl Keeper {
             )
             .await?;
         }
-        r.head_after = None;
-        r.conflicts.clear();
         if r.isolated {
             return Ok(r);
         }
@@ -238,6 +274,93 @@ impl Keeper {
         Ok(r)
     }
 
+    /// Why the change `r`, whose objects are `pack`, may not enter the run (`None`: it may,
+    /// and its objects are now in the cache). `Err`: the check itself could not be made.
+    async fn vet(&self, r: &ChangeRecord, pack: &[u8]) -> Result<Option<String>, SourceError> {
+        if !is_commit_id(&r.commit) || !is_commit_id(&r.base) {
+            return Ok(Some(format!(
+                "it names no commit ({:?} on {:?})",
+                r.commit.chars().take(80).collect::<String>(),
+                r.base.chars().take(80).collect::<String>()
+            )));
+        }
+        match self.ensure(&r.base).await {
+            Ok(()) => {}
+            Err(SourceError::NoCommit { .. } | SourceError::NotACommit(_)) => {
+                return Ok(Some(format!(
+                    "it starts from commit {}, which is not in this run's source",
+                    r.base
+                )));
+            }
+            Err(e) => return Err(e),
+        }
+        // Indexed beside the cache, never into it, until it passes.
+        let quarantine = tempfile::Builder::new()
+            .prefix("quarantine-")
+            .tempdir_in(&self.bare)
+            .map_err(SourceError::Cache)?;
+        let objects = quarantine.path().join("objects");
+        std::fs::create_dir_all(objects.join("pack")).map_err(SourceError::Cache)?;
+        let file = quarantine.path().join("incoming.pack");
+        std::fs::write(&file, pack).map_err(SourceError::Cache)?;
+        let own = self.bare.join("objects");
+        let env = [
+            ("GIT_OBJECT_DIRECTORY", objects.as_os_str()),
+            ("GIT_ALTERNATE_OBJECT_DIRECTORIES", own.as_os_str()),
+        ];
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&self.bare)
+            .args(["index-pack", crate::vet::CHANGE_FSCK, "--stdin"])
+            .envs(env)
+            .stdin(std::fs::File::open(&file).map_err(SourceError::Cache)?)
+            .output()
+            .await
+            .map_err(SourceError::NoGit)?;
+        if !out.status.success() {
+            return Ok(Some(format!(
+                "git's fsck refused its objects: {}",
+                crate::vet::first_error(&out.stderr)
+            )));
+        }
+        let has = Command::new("git")
+            .arg("-C")
+            .arg(&self.bare)
+            .args(["cat-file", "-e", &format!("{}^{{commit}}", r.commit)])
+            .envs(env)
+            .output()
+            .await
+            .map_err(SourceError::NoGit)?;
+        if !has.status.success() {
+            return Ok(Some(format!("its objects do not hold commit {}", r.commit)));
+        }
+        let env: Vec<(&str, &std::ffi::OsStr)> = env.to_vec();
+        match crate::vet::new_trees(&self.bare, &env, &r.commit, &[&r.base]).await {
+            Ok(Some(why)) => return Ok(Some(format!("its commit adds {why}"))),
+            Ok(None) => {}
+            Err(stderr) => {
+                return Err(SourceError::Git {
+                    args: format!("rev-list {}", r.commit),
+                    stderr,
+                });
+            }
+        }
+        // Passed: its pack joins the cache (its index last, which is what git looks for).
+        let mut files: Vec<PathBuf> = std::fs::read_dir(objects.join("pack"))
+            .map_err(SourceError::Cache)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        files.sort_by_key(|p| p.extension().is_some_and(|e| e == "idx"));
+        let into = own.join("pack");
+        std::fs::create_dir_all(&into).map_err(SourceError::Cache)?;
+        for f in files {
+            if let Some(name) = f.file_name() {
+                std::fs::rename(&f, into.join(name)).map_err(SourceError::Cache)?;
+            }
+        }
+        Ok(None)
+    }
+
     /// Makes `commit` present in the cache, from the store's packs. Keepers of runs of the
     /// same repository and the session page's diffs share the cache: one fills it at a time.
     async fn ensure(&self, commit: &str) -> Result<(), SourceError> {
@@ -268,7 +391,7 @@ impl Keeper {
             return Ok(());
         }
         for (pack, tip) in crate::source::chain(&self.store, &self.repo, commit).await? {
-            let key = crate::store::keys::source_pack(&self.repo, &pack);
+            let key = self.repo.pack(&pack);
             // Streamed to a file of its own (a pack can be gigabytes), then indexed.
             let tmp = tempfile::Builder::new()
                 .prefix("incoming-")
@@ -299,7 +422,7 @@ impl Keeper {
             let out = Command::new("git")
                 .arg("-C")
                 .arg(&self.bare)
-                .args(["index-pack", "--stdin"])
+                .args(["index-pack", crate::vet::SOURCE_FSCK, "--stdin"])
                 .stdin(file)
                 .output()
                 .await
@@ -329,16 +452,12 @@ pub const MAX_DIFF_BYTES: usize = 512 << 10;
 /// into the cache at `cache` (cut at [`MAX_DIFF_BYTES`], with a note).
 pub async fn diff(
     store: &Store,
-    repo: &str,
+    repo: &Repo,
     base: &str,
     commit: &str,
     cache: &Path,
 ) -> Result<String, SourceError> {
-    let keeper = Keeper {
-        store: store.clone(),
-        repo: repo.to_owned(),
-        bare: cache.join(format!("{repo}.git")),
-    };
+    let keeper = Keeper::new(store.clone(), repo.clone(), cache);
     keeper.ensure(base).await?;
     keeper.ensure(commit).await?;
     let mut text = ok(&keeper.bare, &["diff", "--stat", "-p", base, commit], &[]).await?;
@@ -398,6 +517,9 @@ async fn pack_objects(repo: &Path, commit: &str, not: &[&str]) -> Result<Vec<u8>
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunChanges {
     pub run_id: String,
+    /// The run's namespace, whose sources hold its objects (`FetchSource` asks there).
+    #[serde(default)]
+    pub namespace: String,
     pub source: Option<crate::settings::SourceRef>,
     /// The run head now: the source's commit with every merged change in.
     pub head: Option<String>,
@@ -445,8 +567,252 @@ pub async fn changes_of(store: &Store, run: &str) -> Result<RunChanges, crate::s
     changes.sort_by_key(|c| c.index);
     Ok(RunChanges {
         run_id: run.to_owned(),
+        namespace: crate::namespace::effective(&manifest.settings.namespace).to_owned(),
         source,
         head,
         changes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::process::Stdio;
+
+    fn git_in(dir: &Path, args: &[&str], input: Option<&[u8]>) -> String {
+        use std::io::Write;
+        let mut child = std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .env("GIT_AUTHOR_NAME", "t")
+            .env("GIT_AUTHOR_EMAIL", "t@t")
+            .env("GIT_COMMITTER_NAME", "t")
+            .env("GIT_COMMITTER_EMAIL", "t@t")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(input.unwrap_or_default()).unwrap();
+        drop(stdin);
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// A commit on `base` of `dir` that adds a file at `path` (components joined by `/`, each
+    /// written into its tree as it is: `..`, `.git`, backslashes and all).
+    fn commit_adding(dir: &Path, base: &str, path: &str) -> String {
+        let blob = git_in(
+            dir,
+            &["hash-object", "-w", "--stdin"],
+            Some(b"#!/bin/sh\necho pwned\n"),
+        );
+        let parts: Vec<&str> = path.split('/').collect();
+        let (file, dirs) = parts.split_last().unwrap();
+        let mut entry = format!("100755 blob {blob}\t{file}\n");
+        for d in dirs.iter().rev() {
+            let tree = git_in(dir, &["mktree"], Some(entry.as_bytes()));
+            entry = format!("040000 tree {tree}\t{d}\n");
+        }
+        let mut top = git_in(dir, &["ls-tree", base], None);
+        top.push('\n');
+        top.push_str(&entry);
+        let tree = git_in(dir, &["mktree"], Some(top.as_bytes()));
+        git_in(dir, &["commit-tree", &tree, "-p", base, "-m", path], None)
+    }
+
+    fn pack_of(dir: &Path, commit: &str, not: &str) -> Vec<u8> {
+        let revs = format!("{commit}\n^{not}\n");
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(["pack-objects", "--revs", "--stdout", "-q"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().unwrap().write_all(revs.as_bytes())?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        assert!(out.status.success());
+        out.stdout
+    }
+
+    fn change(commit: &str, base: &str) -> ChangeRecord {
+        ChangeRecord {
+            commit: commit.into(),
+            base: base.into(),
+            files: Vec::new(),
+            insertions: 0,
+            deletions: 0,
+            head_after: None,
+            conflicts: Vec::new(),
+            isolated: false,
+            refused: None,
+        }
+    }
+
+    /// An agent's change whose trees hold names that leave the tree or reach `.git` (git's
+    /// own fsck catches some, the name check the rest), whose pack leaves out objects, or
+    /// that starts from a commit of no source of the run's, is refused with the reason: not
+    /// stored, not in the head, not in the cache. A plain change after them goes in.
+    #[tokio::test]
+    async fn a_hostile_change_is_refused_with_its_reason_and_a_plain_one_goes_in() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        git_in(&src, &["init", "-q", "-b", "main"], None);
+        std::fs::write(src.join("a.txt"), "one\n").unwrap();
+        git_in(&src, &["add", "."], None);
+        git_in(&src, &["commit", "-q", "-m", "one"], None);
+        let base = git_in(&src, &["rev-parse", "HEAD"], None);
+        let store = crate::store::open("memory://").unwrap();
+        let repo = Repo::new("team-a", "r1").unwrap();
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&src)
+            .args(["pack-objects", "--revs", "--stdout", "-q", "--all"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        crate::source::put_pack(&store, &repo, &base, vec![], out.stdout)
+            .await
+            .unwrap();
+        let cache = tmp.path().join("cache");
+        let (done_tx, mut done) = mpsc::unbounded_channel();
+        let (tx, head) = spawn(store.clone(), repo.clone(), base.clone(), cache, done_tx);
+        let mut hostile: Vec<(String, Vec<u8>, &str)> = Vec::new();
+        for (path, why) in [
+            (".git/hooks/pre-commit", "fsck"),
+            (".GIT/config", "fsck"),
+            ("git~1/hooks/post-checkout", "fsck"),
+            ("..", "fsck"),
+            ("../outside", "fsck"),
+            ("deep/./x", "fsck"),
+            ("deep/er/.git/config", "fsck"),
+            ("a\\b", "backslash"),
+            ("..\\..\\evil", "backslash"),
+            ("ok/a\\b/c", "backslash"),
+        ] {
+            let commit = commit_adding(&src, &base, path);
+            hostile.push((commit.clone(), pack_of(&src, &commit, &base), why));
+        }
+        // A pack that leaves out the blob its tree needs.
+        let blob = git_in(&src, &["hash-object", "-w", "--stdin"], Some(b"not sent"));
+        let top = format!(
+            "{}\n100644 blob {blob}\tmissing.txt\n",
+            git_in(&src, &["ls-tree", &base], None)
+        );
+        let tree = git_in(&src, &["mktree"], Some(top.as_bytes()));
+        let lacking = git_in(
+            &src,
+            &["commit-tree", &tree, "-p", &base, "-m", "lacking"],
+            None,
+        );
+        let mut pack = Vec::new();
+        {
+            let revs = format!("{lacking}\n{tree}\n");
+            let out = std::process::Command::new("git")
+                .arg("-C")
+                .arg(&src)
+                .args(["pack-objects", "--stdout", "-q"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .and_then(|mut c| {
+                    use std::io::Write;
+                    c.stdin.take().unwrap().write_all(revs.as_bytes())?;
+                    c.wait_with_output()
+                })
+                .unwrap();
+            pack.extend(out.stdout);
+        }
+        hostile.push((lacking, pack, "fsck"));
+        // A change on a commit this namespace never uploaded.
+        let other = tmp.path().join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        git_in(&other, &["init", "-q"], None);
+        std::fs::write(other.join("b.txt"), "b\n").unwrap();
+        git_in(&other, &["add", "."], None);
+        git_in(&other, &["commit", "-q", "-m", "other"], None);
+        let other_base = git_in(&other, &["rev-parse", "HEAD"], None);
+        std::fs::write(other.join("c.txt"), "c\n").unwrap();
+        git_in(&other, &["add", "."], None);
+        git_in(&other, &["commit", "-q", "-m", "c"], None);
+        let elsewhere = git_in(&other, &["rev-parse", "HEAD"], None);
+        let elsewhere_pack = pack_of(&other, &elsewhere, &other_base);
+        for (i, (commit, pack, why)) in hostile.iter().enumerate() {
+            tx.send(Apply {
+                call: i as u64,
+                label: format!("hostile {i}"),
+                record: change(commit, &base),
+                pack: Some(pack.clone()),
+            })
+            .unwrap();
+            let got = done.recv().await.unwrap().result.unwrap();
+            let reason = got.refused.clone().unwrap_or_default();
+            let expected = if *why == "fsck" { "fsck" } else { "backslash" };
+            assert!(reason.contains(expected), "#{i} {commit}: {got:?}");
+            assert_eq!(got.head_after, None);
+            assert!(
+                crate::source::chain(&store, &repo, commit).await.is_err(),
+                "#{i} is not stored"
+            );
+        }
+        tx.send(Apply {
+            call: 90,
+            label: "elsewhere".into(),
+            record: change(&elsewhere, &other_base),
+            pack: Some(elsewhere_pack),
+        })
+        .unwrap();
+        let got = done.recv().await.unwrap().result.unwrap();
+        assert!(
+            got.refused
+                .as_deref()
+                .unwrap_or_default()
+                .contains("not in this run's source"),
+            "{got:?}"
+        );
+        assert_eq!(*head.borrow(), base, "the head never moved");
+        // A journaled refusal served again stays refused, and is not applied.
+        tx.send(Apply {
+            call: 91,
+            label: "served".into(),
+            record: got.clone(),
+            pack: None,
+        })
+        .unwrap();
+        let again = done.recv().await.unwrap().result.unwrap();
+        assert_eq!((again.refused, again.head_after), (got.refused, None));
+        // A plain change fast-forwards the head, and is stored under the run's namespace.
+        let plain = commit_adding(&src, &base, "notes/fine.txt");
+        tx.send(Apply {
+            call: 92,
+            label: "plain".into(),
+            record: change(&plain, &base),
+            pack: Some(pack_of(&src, &plain, &base)),
+        })
+        .unwrap();
+        let got = done.recv().await.unwrap().result.unwrap();
+        assert_eq!((got.refused, got.head_after), (None, Some(plain.clone())));
+        assert_eq!(*head.borrow(), plain);
+        assert!(crate::source::complete(&store, &repo, &plain).await.is_ok());
+        let elsewhere_ns = Repo::new("team-b", "r1").unwrap();
+        assert!(
+            crate::source::chain(&store, &elsewhere_ns, &plain)
+                .await
+                .is_err()
+        );
+    }
 }

@@ -264,6 +264,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                 merged: records.iter().filter(|r| r.head_after.is_some()).count() as u64,
                 isolated: records.iter().filter(|r| r.isolated).count() as u64,
                 conflicted: records.iter().filter(|r| !r.conflicts.is_empty()).count() as u64,
+                refused: records.iter().filter(|r| r.refused.is_some()).count() as u64,
                 head: records
                     .iter()
                     .rev()

@@ -36,6 +36,7 @@ pub mod settings;
 pub mod source;
 pub mod spec;
 pub mod store;
+pub mod vet;
 pub mod web;
 pub mod workflows;
 

@@ -2,14 +2,24 @@
 //!
 //! A client uploads a run's source as packs of git objects (`git pack-objects`), each leaving
 //! out what the store already holds ([`have`], then [`Receiver`]). A pack is stored once,
-//! under the SHA-256 of its bytes (`sources/{repo}/packs/{sha}.pack`); for the commits it
-//! completes, a small record (`sources/{repo}/commits/{commit}.json`) names the pack and the
+//! under the SHA-256 of its bytes (`{sources}/{repo}/packs/{sha}.pack`); for the commits it
+//! completes, a small record (`{sources}/{repo}/commits/{commit}.json`) names the pack and the
 //! commits it builds on. A worker that lacks a commit asks its coordinator, which answers
 //! with every pack of that commit's chain, dependencies first, in chunks ([`serve`]) — so
 //! workers never touch storage themselves.
 //!
+//! Sources belong to a namespace ([`Repo`]: `{sources}` is the namespace's own directory,
+//! `store::keys::sources_of`). **Invariant:** every read and write of a source goes through
+//! a `Repo`, whose namespace the caller's scope chose (the API) or the run's settings name (a
+//! run's head, its workers' fetches): a namespace never finds, confirms, sends or builds on
+//! another's commits, so knowing another team's repository and commit ids gains nothing.
+//!
 //! `repo` names a repository, not a clone: clients derive it from the repository's root
-//! commit, so every clone of one project shares its objects.
+//! commit, so every clone of one project shares its objects within a namespace. The id is
+//! checked against what the namespace uploaded (a commit is found only under the id it was
+//! uploaded with), not against the root commit: the coordinator streams uploads to the store
+//! without reading them, and an id is only a name inside its namespace's own sources, so a
+//! wrong one can reach nothing of another namespace.
 
 use bytes::Bytes;
 use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
@@ -43,9 +53,15 @@ pub enum SourceError {
     #[error("{0:?} does not name a source repository")]
     NotARepo(String),
     #[error(
-        "the store has no commit {commit} of source {repo}; launch the run again from its repository"
+        "the store has no commit {commit} of source {repo} in namespace {namespace}; launch the run again from its repository"
     )]
-    NoCommit { repo: String, commit: String },
+    NoCommit {
+        namespace: String,
+        repo: String,
+        commit: String,
+    },
+    #[error("{0:?} does not name a namespace")]
+    NotANamespace(String),
     #[error("the record of commit {commit} is unreadable: {reason}")]
     BadRecord { commit: String, reason: String },
     #[error("source pack {0} is missing from the store")]
@@ -77,7 +93,8 @@ impl SourceError {
             | SourceError::Overran
             | SourceError::Short { .. }
             | SourceError::NotACommit(_)
-            | SourceError::NotARepo(_) => ErrorKind::Invalid,
+            | SourceError::NotARepo(_)
+            | SourceError::NotANamespace(_) => ErrorKind::Invalid,
             SourceError::NoCommit { .. } => ErrorKind::NotFound,
             SourceError::ReadPack { .. } | SourceError::Write(_) => ErrorKind::Unavailable,
             SourceError::Store(e) => e.kind(),
@@ -106,15 +123,59 @@ pub fn valid_id(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
 }
 
+/// A namespace's source repository: where its packs and commit records are.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Repo {
+    /// Never empty: a run that names none is in `default`.
+    pub namespace: String,
+    pub id: String,
+}
+
+impl Repo {
+    /// Repository `id` of namespace `namespace` (empty: `default`), both checked.
+    pub fn new(namespace: &str, id: &str) -> Result<Repo, SourceError> {
+        let namespace = crate::namespace::effective(namespace);
+        if !crate::namespace::valid_name(namespace) {
+            return Err(SourceError::NotANamespace(namespace.to_owned()));
+        }
+        if !valid_id(id) {
+            return Err(SourceError::NotARepo(id.to_owned()));
+        }
+        Ok(Repo {
+            namespace: namespace.to_owned(),
+            id: id.to_owned(),
+        })
+    }
+
+    pub fn pack(&self, sha256_hex: &str) -> object_store::path::Path {
+        keys::source_pack(&self.namespace, &self.id, sha256_hex)
+    }
+
+    pub fn commit(&self, commit: &str) -> object_store::path::Path {
+        keys::source_commit(&self.namespace, &self.id, commit)
+    }
+
+    fn no_commit(&self, commit: &str) -> SourceError {
+        SourceError::NoCommit {
+            namespace: self.namespace.clone(),
+            repo: self.id.clone(),
+            commit: commit.to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Display for Repo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.id)
+    }
+}
+
 /// Which of `commits` the store holds whole for `repo` (record, pack and the chain it builds
 /// on: a commit whose chain lost a pack is uploaded again).
-pub async fn have(store: &Store, repo: &str, commits: &[String]) -> Result<Vec<String>, Error> {
+pub async fn have(store: &Store, repo: &Repo, commits: &[String]) -> Result<Vec<String>, Error> {
     let mut held = Vec::new();
-    if !valid_id(repo) {
-        return Ok(held);
-    }
     for c in commits.iter().filter(|c| valid_id(c)) {
-        if store.get(&keys::source_commit(repo, c)).await?.is_none() {
+        if store.get(&repo.commit(c)).await?.is_none() {
             continue;
         }
         match complete(store, repo, c).await {
@@ -130,7 +191,7 @@ pub async fn have(store: &Store, repo: &str, commits: &[String]) -> Result<Vec<S
 /// under its hash.
 pub struct Receiver {
     store: Store,
-    repo: String,
+    repo: Repo,
     tip: String,
     also: Vec<String>,
     prerequisites: Vec<String>,
@@ -153,11 +214,17 @@ impl std::fmt::Debug for Receiver {
 }
 
 impl Receiver {
-    /// From the first chunk's header.
-    pub async fn start(store: Store, first: &v1::SourceUpload) -> Result<Receiver, SourceError> {
+    /// From the first chunk's header, for `namespace` (the caller's scope chose it; the
+    /// header's own `namespace` is not read here).
+    pub async fn start(
+        store: Store,
+        namespace: &str,
+        first: &v1::SourceUpload,
+    ) -> Result<Receiver, SourceError> {
         if !valid_id(&first.repo) || !valid_id(&first.tip) {
             return Err(SourceError::Unnamed);
         }
+        let repo = Repo::new(namespace, &first.repo)?;
         if first.total_bytes > MAX_PACK_BYTES {
             return Err(SourceError::TooLarge(first.total_bytes));
         }
@@ -169,11 +236,12 @@ impl Receiver {
         {
             return Err(SourceError::NotACommit(bad.clone()));
         }
-        let incoming = keys::source_incoming(&first.repo, &crate::coordinator::new_run_id());
+        let incoming =
+            keys::source_incoming(&repo.namespace, &repo.id, &crate::coordinator::new_run_id());
         let upload = store.inner.put_multipart(&incoming).await?;
         Ok(Receiver {
             store,
-            repo: first.repo.clone(),
+            repo,
             tip: first.tip.clone(),
             also: first.also.clone(),
             prerequisites: first.prerequisites.clone(),
@@ -214,7 +282,7 @@ impl Receiver {
         }
         let sha = hex::encode(self.hasher.finalize());
         self.upload.finish().await?;
-        let pack = keys::source_pack(&self.repo, &sha);
+        let pack = self.repo.pack(&sha);
         let copied = self.store.inner.copy(&self.incoming, &pack).await;
         let _ = self.store.inner.delete(&self.incoming).await;
         copied?;
@@ -225,7 +293,7 @@ impl Receiver {
         let body = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
         // The tip last: a commit is only ever recorded once its pack is stored.
         for c in self.also.iter().chain(std::iter::once(&self.tip)) {
-            let key = keys::source_commit(&self.repo, c);
+            let key = self.repo.commit(c);
             if intact(&self.store, &self.repo, &key).await {
                 continue;
             }
@@ -236,25 +304,20 @@ impl Receiver {
 }
 
 /// Whether the commit record at `key` is readable and its pack is in the store.
-async fn intact(store: &Store, repo: &str, key: &object_store::path::Path) -> bool {
+async fn intact(store: &Store, repo: &Repo, key: &object_store::path::Path) -> bool {
     let Ok(Some(body)) = store.get(key).await else {
         return false;
     };
     let Ok(record) = serde_json::from_slice::<CommitRecord>(&body) else {
         return false;
     };
-    valid_id(&record.pack)
-        && store
-            .inner
-            .head(&keys::source_pack(repo, &record.pack))
-            .await
-            .is_ok()
+    valid_id(&record.pack) && store.inner.head(&repo.pack(&record.pack)).await.is_ok()
 }
 
 /// The packs that make `commit` complete, dependencies first: `(pack, tip)` pairs.
 pub async fn chain(
     store: &Store,
-    repo: &str,
+    repo: &Repo,
     commit: &str,
 ) -> Result<Vec<(String, String)>, SourceError> {
     let mut out: Vec<(String, String)> = Vec::new();
@@ -268,12 +331,9 @@ pub async fn chain(
             return Err(SourceError::NotACommit(c));
         }
         let body = store
-            .get(&keys::source_commit(repo, &c))
+            .get(&repo.commit(&c))
             .await?
-            .ok_or_else(|| SourceError::NoCommit {
-                repo: repo.to_owned(),
-                commit: c.clone(),
-            })?;
+            .ok_or_else(|| repo.no_commit(&c))?;
         let r: CommitRecord =
             serde_json::from_slice(&body).map_err(|e| SourceError::BadRecord {
                 commit: c.clone(),
@@ -296,15 +356,12 @@ pub const SWEPT_WHILE_LAUNCHING: &str = "retention removed it while this run was
 /// pack of the chain. A launch asks this once its run's manifest is written: retention that
 /// swept the commit between the client's `SourceHave` and then would otherwise leave a run
 /// whose agents find no source.
-pub async fn complete(store: &Store, repo: &str, commit: &str) -> Result<(), SourceError> {
+pub async fn complete(store: &Store, repo: &Repo, commit: &str) -> Result<(), SourceError> {
     for (pack, _) in chain(store, repo, commit).await? {
-        match store.inner.head(&keys::source_pack(repo, &pack)).await {
+        match store.inner.head(&repo.pack(&pack)).await {
             Ok(_) => {}
             Err(object_store::Error::NotFound { .. }) => {
-                return Err(SourceError::NoCommit {
-                    repo: repo.to_owned(),
-                    commit: commit.to_owned(),
-                });
+                return Err(repo.no_commit(commit));
             }
             Err(e) => {
                 return Err(SourceError::ReadPack { pack, source: e });
@@ -360,31 +417,36 @@ impl Sink {
     }
 }
 
-/// Answers a worker's `SourceRequest` on its link.
+/// Answers a worker's `SourceRequest` on its link from `namespace`'s sources (the namespace
+/// of the attempt the worker fetches for, as the dispatcher gave it).
 pub async fn serve(
     store: Store,
+    namespace: String,
     req: v1::SourceRequest,
     tx: mpsc::UnboundedSender<CoordinatorMessage>,
     acked: tokio::sync::watch::Receiver<u64>,
 ) {
-    serve_to(store, req, Sink::Link { tx, acked, sent: 0 }).await;
+    serve_to(store, &namespace, req, Sink::Link { tx, acked, sent: 0 }).await;
 }
 
-/// Every pack of the commit's chain the requester does not have, in chunks, then `done` (or
-/// `error`), to `sink`.
-pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
+/// Every pack of the commit's chain in `namespace`'s sources that the requester does not
+/// have, in chunks, then `done` (or `error`), to `sink`. The request's own `namespace` is
+/// not read: the caller decided which namespace it may be answered from.
+pub async fn serve_to(store: Store, namespace: &str, req: v1::SourceRequest, mut sink: Sink) {
     let fail = |error: SourceError| v1::SourceData {
         request: req.id,
         error: error.to_string(),
         done: true,
         ..v1::SourceData::default()
     };
-    if !valid_id(&req.repo) {
-        sink.send(fail(SourceError::NotARepo(req.repo.clone())))
-            .await;
-        return;
-    }
-    let packs = match chain(&store, &req.repo, &req.commit).await {
+    let repo = match Repo::new(namespace, &req.repo) {
+        Ok(r) => r,
+        Err(e) => {
+            sink.send(fail(e)).await;
+            return;
+        }
+    };
+    let packs = match chain(&store, &repo, &req.commit).await {
         Ok(p) => p,
         Err(e) => {
             sink.send(fail(e)).await;
@@ -397,7 +459,7 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
         if req.have_packs.contains(&pack) {
             continue;
         }
-        let key = keys::source_pack(&req.repo, &pack);
+        let key = repo.pack(&pack);
         let size = match store.inner.head(&key).await {
             Ok(m) => m.size,
             Err(e) => {
@@ -445,7 +507,7 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
         sent += size;
         count += 1;
     }
-    tracing::info!(repo = %req.repo, commit = %req.commit, packs = count, bytes = sent, "sent a source");
+    tracing::info!(repo = %req.repo, namespace = %repo.namespace, commit = %req.commit, packs = count, bytes = sent, "sent a source");
     sink.send(v1::SourceData {
         request: req.id,
         done: true,
@@ -457,15 +519,16 @@ pub async fn serve_to(store: Store, req: v1::SourceRequest, mut sink: Sink) {
 /// Stores `bytes` as a pack completing `tip` (tests and embedded callers).
 pub async fn put_pack(
     store: &Store,
-    repo: &str,
+    repo: &Repo,
     tip: &str,
     prerequisites: Vec<String>,
     bytes: Vec<u8>,
 ) -> Result<String, SourceError> {
     let mut r = Receiver::start(
         store.clone(),
+        &repo.namespace,
         &v1::SourceUpload {
-            repo: repo.into(),
+            repo: repo.id.clone(),
             tip: tip.into(),
             prerequisites,
             total_bytes: bytes.len() as u64,
@@ -482,26 +545,30 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    fn r1() -> Repo {
+        Repo::new("", "r1").unwrap()
+    }
+
     #[tokio::test]
     async fn a_commit_s_chain_lists_its_packs_dependencies_first() {
         let store = crate::store::open("memory://").unwrap();
-        let a = put_pack(&store, "r1", "c1", vec![], b"first".to_vec())
+        let a = put_pack(&store, &r1(), "c1", vec![], b"first".to_vec())
             .await
             .unwrap();
-        let b = put_pack(&store, "r1", "c2", vec!["c1".into()], b"second".to_vec())
+        let b = put_pack(&store, &r1(), "c2", vec!["c1".into()], b"second".to_vec())
             .await
             .unwrap();
         assert_eq!(
-            have(&store, "r1", &["c1".into(), "c2".into(), "c3".into()])
+            have(&store, &r1(), &["c1".into(), "c2".into(), "c3".into()])
                 .await
                 .unwrap(),
             ["c1", "c2"]
         );
         assert_eq!(
-            chain(&store, "r1", "c2").await.unwrap(),
+            chain(&store, &r1(), "c2").await.unwrap(),
             [(a.clone(), "c1".to_owned()), (b.clone(), "c2".to_owned())]
         );
-        let e = chain(&store, "r1", "c9").await.unwrap_err();
+        let e = chain(&store, &r1(), "c9").await.unwrap_err();
         assert!(
             matches!(&e, SourceError::NoCommit { commit, .. } if commit == "c9"),
             "{e}"
@@ -511,12 +578,13 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         serve(
             store.clone(),
+            "default".into(),
             v1::SourceRequest {
                 id: 7,
                 repo: "r1".into(),
                 commit: "c2".into(),
                 have_packs: vec![a],
-                acked: 0,
+                ..v1::SourceRequest::default()
             },
             tx,
             tokio::sync::watch::channel(0).1,
@@ -536,11 +604,68 @@ mod tests {
         assert!(got[0].last_of_pack && got[1].done && got[1].error.is_empty());
     }
 
+    /// Team B, knowing team A's repository and commit ids, finds nothing: no confirmation,
+    /// no pack, and an upload of its own that claims to build on A's commit stays unusable
+    /// (it never borrows A's objects).
+    #[tokio::test]
+    async fn a_namespace_never_finds_another_s_commits() {
+        let store = crate::store::open("memory://").unwrap();
+        let a = Repo::new("team-a", "r1").unwrap();
+        let b = Repo::new("team-b", "r1").unwrap();
+        put_pack(&store, &a, "c1", vec![], b"team a's secrets".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(have(&store, &a, &["c1".into()]).await.unwrap(), ["c1"]);
+        assert!(have(&store, &b, &["c1".into()]).await.unwrap().is_empty());
+        assert!(
+            have(&store, &Repo::new("", "r1").unwrap(), &["c1".into()])
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let e = chain(&store, &b, "c1").await.unwrap_err();
+        assert!(
+            matches!(&e, SourceError::NoCommit { namespace, .. } if namespace == "team-b"),
+            "{e}"
+        );
+        let (tx, mut rx) = mpsc::channel(8);
+        serve_to(
+            store.clone(),
+            "team-b",
+            v1::SourceRequest {
+                repo: "r1".into(),
+                commit: "c1".into(),
+                // What the request says of its namespace is not what decides.
+                namespace: "team-a".into(),
+                ..v1::SourceRequest::default()
+            },
+            Sink::Stream(tx),
+        )
+        .await;
+        let only = rx.recv().await.unwrap().unwrap();
+        assert!(only.done && only.data.is_empty(), "{only:?}");
+        assert!(only.error.contains("no commit c1"), "{}", only.error);
+        put_pack(&store, &b, "c2", vec!["c1".into()], b"team b's".to_vec())
+            .await
+            .unwrap();
+        assert!(have(&store, &b, &["c2".into()]).await.unwrap().is_empty());
+        assert!(complete(&store, &b, "c2").await.is_err());
+        // Names that are not namespaces or repositories are refused before any key is built.
+        for (ns, id) in [
+            ("..", "r1"),
+            ("team-a/x", "r1"),
+            ("Team", "r1"),
+            ("team-a", "../r1"),
+        ] {
+            assert!(Repo::new(ns, id).is_err(), "{ns} {id}");
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_worker_that_acknowledges_nothing_gets_a_window_and_no_more() {
         let store = crate::store::open("memory://").unwrap();
         let size = 40usize << 20;
-        put_pack(&store, "r1", "c1", vec![], vec![7u8; size])
+        put_pack(&store, &r1(), "c1", vec![], vec![7u8; size])
             .await
             .unwrap();
         let request = |id| v1::SourceRequest {
@@ -556,7 +681,13 @@ mod tests {
         // No acknowledgment ever: a window's worth comes, then the transfer is given up.
         let (tx, mut rx) = mpsc::unbounded_channel();
         let (_acks, acked) = tokio::sync::watch::channel(0u64);
-        tokio::spawn(serve(store.clone(), request(1), tx, acked));
+        tokio::spawn(serve(
+            store.clone(),
+            "default".into(),
+            request(1),
+            tx,
+            acked,
+        ));
         let mut got = 0u64;
         while let Some(m) = rx.recv().await {
             let d = data(m);
@@ -567,7 +698,7 @@ mod tests {
         // Acknowledged as it comes: all of it, then done.
         let (tx, mut rx) = mpsc::unbounded_channel();
         let (acks, acked) = tokio::sync::watch::channel(0u64);
-        tokio::spawn(serve(store, request(2), tx, acked));
+        tokio::spawn(serve(store, "default".into(), request(2), tx, acked));
         let mut got = 0u64;
         loop {
             let d = data(rx.recv().await.unwrap());
@@ -583,20 +714,21 @@ mod tests {
     #[tokio::test]
     async fn an_upload_never_repoints_a_recorded_commit_and_a_short_one_is_not_filed() {
         let store = crate::store::open("memory://").unwrap();
-        let a = put_pack(&store, "r1", "c1", vec![], b"first".to_vec())
+        let a = put_pack(&store, &r1(), "c1", vec![], b"first".to_vec())
             .await
             .unwrap();
         // Another upload claiming c1 (a different pack): c1 keeps its own.
-        put_pack(&store, "r1", "c1", vec![], b"not c1".to_vec())
+        put_pack(&store, &r1(), "c1", vec![], b"not c1".to_vec())
             .await
             .unwrap();
         assert_eq!(
-            chain(&store, "r1", "c1").await.unwrap(),
+            chain(&store, &r1(), "c1").await.unwrap(),
             [(a, "c1".to_owned())]
         );
         // A pack that ends before the size it announced is refused and records nothing.
         let mut r = Receiver::start(
             store.clone(),
+            "default",
             &v1::SourceUpload {
                 repo: "r1".into(),
                 tip: "c5".into(),
@@ -610,6 +742,11 @@ mod tests {
         let e = r.finish().await.unwrap_err();
         assert!(e.to_string().contains("10 of the 100 bytes"), "{e}");
         assert_eq!(e.kind(), flotilla_proto::ErrorKind::Invalid);
-        assert!(have(&store, "r1", &["c5".into()]).await.unwrap().is_empty());
+        assert!(
+            have(&store, &r1(), &["c5".into()])
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 }

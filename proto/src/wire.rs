@@ -183,6 +183,9 @@ pub struct ChangesSummary {
     pub merged: u64,
     pub isolated: u64,
     pub conflicted: u64,
+    /// Agents whose change was refused (its objects failed the coordinator's checks).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub refused: u64,
     /// The run head (the source's commit with the merged changes).
     pub head: String,
     /// The command that brings them into the user's repository.

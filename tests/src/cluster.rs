@@ -550,6 +550,17 @@ impl Cluster {
         run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
     }
 
+    /// [`Cluster::client_as`] run from `dir` (a repository a launch sends as its source).
+    pub fn client_as_in(&self, dir: &Path, name: &str, args: &[&str]) -> Output {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            .args(["--coordinator", &self.url(), "--name", name, "--tls-dir"])
+            .arg(self.pki())
+            .current_dir(dir);
+        run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
+    }
+
     /// Issues a client certificate `name` for `namespaces` (`flotilla certs issue
     /// --namespace ...`).
     pub fn issue_client(&self, name: &str, namespaces: &[&str]) {

@@ -425,7 +425,8 @@ impl Sources {
         {
             return Ok((bare, commit));
         }
-        self.fetch(&bare, repo, &commit, link).await?;
+        self.fetch(&bare, (&task.namespace, repo), &commit, link)
+            .await?;
         if git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
             .await
             .is_err()
@@ -433,7 +434,8 @@ impl Sources {
             // The packs we took for applied are not all there (a damaged cache): ask for all.
             tracing::warn!(repo, commit = %commit, "the source cache lost objects; fetching the whole chain again");
             let _ = std::fs::remove_file(bare.join("flotilla-packs"));
-            self.fetch(&bare, repo, &commit, link).await?;
+            self.fetch(&bare, (&task.namespace, repo), &commit, link)
+                .await?;
         }
         git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
             .await
@@ -446,11 +448,12 @@ impl Sources {
         Ok((bare, commit))
     }
 
-    /// Asks the coordinator for what `bare` lacks of `commit` and indexes each pack.
+    /// Asks the coordinator for what `bare` lacks of `commit` of the namespace's repository
+    /// and indexes each pack.
     async fn fetch(
         &self,
         bare: &Path,
-        repo: &str,
+        (namespace, repo): (&str, &str),
         commit: &str,
         link: &mpsc::UnboundedSender<WorkerMessage>,
     ) -> Result<(), Error> {
@@ -477,6 +480,7 @@ impl Sources {
                 commit: commit.to_owned(),
                 have_packs: applied,
                 acked: 0,
+                namespace: namespace.to_owned(),
             })),
         });
         if sent.is_err() {

@@ -115,8 +115,22 @@ pub(crate) async fn send(
     // holds it; the coordinator then refuses the launch, and it is sent once more (the
     // commit uploaded again).
     let mut again = true;
+    // A resume runs in its run's namespace (unless it names one), so its source goes there.
+    let mut namespace = resolved.settings.namespace.clone();
+    if let (true, Some(parent)) = (namespace.is_empty(), &resolved.resume)
+        && let Ok(r) = client
+            .report(v1::RunRef {
+                run_id: parent.clone(),
+            })
+            .await
+    {
+        namespace = serde_json::from_str::<serde_json::Value>(&r.into_inner().report_json)
+            .ok()
+            .and_then(|v| v["namespace"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+    }
     loop {
-        let sent = send_source(client, source, &resolved.cwd)
+        let sent = send_source(client, source, &resolved.cwd, &namespace)
             .await
             .map_err(NotSent::Input)?;
         resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
@@ -260,11 +274,13 @@ fn carried(
     (workflows, agent_types, agent_definitions)
 }
 
-/// Decides the run's source and sends what the store lacks of it (`--source`).
+/// Decides the run's source and sends what the store lacks of it (`--source`) to the sources
+/// of `namespace`, the one the run is launched in (empty: the certificate's first).
 pub(crate) async fn send_source(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
     a: &SourceFlags,
     cwd: &std::path::Path,
+    namespace: &str,
 ) -> Result<
     Option<(
         flotilla_coordinator::settings::SourceRef,
@@ -291,7 +307,7 @@ pub(crate) async fn send_source(
                 eprintln!("source: {note}");
             }
             let max = a.max_source_mib.unwrap_or(2048).saturating_mul(1 << 20);
-            let up = crate::source::upload(client, &snap, max).await?;
+            let up = crate::source::upload(client, &snap, max, namespace).await?;
             eprintln!(
                 "source: {} at {} ({})",
                 crate::term::clean(&snap.origin),

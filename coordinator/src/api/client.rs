@@ -80,6 +80,23 @@ impl ClientSvc {
         Ok(Scope::from_organisation(peer.organisation.as_deref()))
     }
 
+    /// The namespace whose sources a source RPC reads or writes: `asked` (empty: the caller's
+    /// first, as for a launch) when the caller's certificate names it. Sources are refused
+    /// across namespaces exactly as launches are, and nothing says whether the other
+    /// namespace holds anything.
+    pub(super) fn source_namespace<T>(
+        &self,
+        req: &Request<T>,
+        asked: &str,
+        what: &str,
+    ) -> Result<String, Status> {
+        let scope = self.scope(req, what)?;
+        let who = tls::peer_of(req).map_or_else(|_| "insecure".to_owned(), |p| p.name);
+        scope
+            .choose(asked, &who)
+            .map_err(|e| ErrorKind::Denied.status(e))
+    }
+
     /// The namespace of `run`: as this coordinator runs it, else as its manifest says.
     async fn namespace_of(&self, run: &str) -> Result<String, Status> {
         if let Some(ns) = self.registry.namespace(run) {
@@ -593,7 +610,8 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::FetchSourceRequest>,
     ) -> Result<Response<Self::FetchSourceStream>, Status> {
-        self.authorize(&req, "fetch run sources")?;
+        let namespace =
+            self.source_namespace(&req, &req.get_ref().namespace, "fetch run sources")?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
         // A few chunks ahead of the client at most: the stream's own pace is the flow control.
@@ -605,9 +623,9 @@ impl ClientService for ClientSvc {
                 repo: r.repo,
                 commit: r.commit,
                 have_packs: r.have_packs,
-                acked: 0,
+                ..v1::SourceRequest::default()
             };
-            crate::source::serve_to(store, req, crate::source::Sink::Stream(tx)).await;
+            crate::source::serve_to(store, &namespace, req, crate::source::Sink::Stream(tx)).await;
         });
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
@@ -618,14 +636,19 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<v1::SourceHaveRequest>,
     ) -> Result<Response<v1::SourceHaveReply>, Status> {
-        self.authorize(&req, "upload run sources")?;
+        let namespace =
+            self.source_namespace(&req, &req.get_ref().namespace, "upload run sources")?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
         if r.commits.len() > 10_000 {
             return Err(ErrorKind::Invalid.status("ask about at most 10,000 commits at once"));
         }
+        // Not a repository id: nothing of it is held.
+        let Ok(repo) = crate::source::Repo::new(&namespace, &r.repo) else {
+            return Ok(Response::new(v1::SourceHaveReply::default()));
+        };
         // Sources live in the shared store: any coordinator of a group answers.
-        let held = crate::source::have(self.coordinator.store(), &r.repo, &r.commits)
+        let held = crate::source::have(self.coordinator.store(), &repo, &r.commits)
             .await
             .map_err(|e| ErrorKind::Unavailable.status(format!("cannot read the store: {e}")))?;
         Ok(Response::new(v1::SourceHaveReply { held }))
@@ -635,15 +658,20 @@ impl ClientService for ClientSvc {
         &self,
         req: Request<Streaming<v1::SourceUpload>>,
     ) -> Result<Response<v1::PutSourceReply>, Status> {
-        self.authorize(&req, "upload run sources")?;
+        let scope = self.scope(&req, "upload run sources")?;
+        let who = tls::peer_of(&req).map_or_else(|_| "insecure".to_owned(), |p| p.name);
         let mut chunks = req.into_inner();
         let first = chunks
             .message()
             .await?
             .ok_or_else(|| ErrorKind::Invalid.status("an empty source upload"))?;
-        let mut rx = crate::source::Receiver::start(self.coordinator.store().clone(), &first)
-            .await
-            .map_err(|e| e.kind().status(e.to_string()))?;
+        let namespace = scope
+            .choose(&first.namespace, &who)
+            .map_err(|e| ErrorKind::Denied.status(e))?;
+        let mut rx =
+            crate::source::Receiver::start(self.coordinator.store().clone(), &namespace, &first)
+                .await
+                .map_err(|e| e.kind().status(e.to_string()))?;
         // A pack that fails part way is dropped from the store, not left half uploaded.
         let received = async {
             rx.push(&first.data)
@@ -665,7 +693,7 @@ impl ClientService for ClientSvc {
             .finish()
             .await
             .map_err(|e| e.kind().status(e.to_string()))?;
-        tracing::info!(repo = %first.repo, commit = %first.tip, pack = %pack, bytes, "stored a source pack");
+        tracing::info!(repo = %first.repo, namespace = %namespace, commit = %first.tip, pack = %pack, bytes, "stored a source pack");
         Ok(Response::new(v1::PutSourceReply { pack, bytes }))
     }
 

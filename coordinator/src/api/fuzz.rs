@@ -179,18 +179,19 @@ fn call() -> impl Strategy<Value = Call> {
             Call::Transcripts(v1::TranscriptsRequest { protocol_version, run_id, agent, attempt })
         }),
         1 => any::<u64>().prop_map(Call::Token),
-        1 => (version(), name_like(), prop::collection::vec(name_like(), 0..3))
-            .prop_map(|(protocol_version, repo, commits)| Call::Have(v1::SourceHaveRequest { protocol_version, repo, commits })),
-        1 => (version(), name_like(), name_like(), prop::collection::vec(name_like(), 0..2)).prop_map(
-            |(protocol_version, repo, commit, have_packs)| Call::Fetch(v1::FetchSourceRequest { protocol_version, repo, commit, have_packs })
+        1 => (version(), name_like(), prop::collection::vec(name_like(), 0..3), name_like())
+            .prop_map(|(protocol_version, repo, commits, namespace)| Call::Have(v1::SourceHaveRequest { protocol_version, repo, commits, namespace })),
+        1 => (version(), name_like(), name_like(), prop::collection::vec(name_like(), 0..2), name_like()).prop_map(
+            |(protocol_version, repo, commit, have_packs, namespace)| Call::Fetch(v1::FetchSourceRequest { protocol_version, repo, commit, have_packs, namespace })
         ),
         1 => prop::collection::vec(
-            (name_like(), name_like(), any::<u64>(), prop::collection::vec(any::<u8>(), 0..64)).prop_map(
-                |(repo, tip, total_bytes, data)| v1::SourceUpload {
+            (name_like(), name_like(), any::<u64>(), prop::collection::vec(any::<u8>(), 0..64), name_like()).prop_map(
+                |(repo, tip, total_bytes, data, namespace)| v1::SourceUpload {
                     repo,
                     tip,
                     total_bytes,
                     data,
+                    namespace,
                     ..v1::SourceUpload::default()
                 }
             ),

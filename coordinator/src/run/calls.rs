@@ -394,6 +394,7 @@ impl RunEngine {
                                 head_after: None,
                                 conflicts: Vec::new(),
                                 isolated: c.isolated,
+                                refused: None,
                             },
                             pack: Some(ch.pack),
                         });
@@ -456,7 +457,11 @@ impl RunEngine {
         let branch = format!("flotilla/{}/{}", self.init.run_id, a.call);
         let line = match a.result {
             Ok(record) => {
-                let line = if !record.conflicts.is_empty() {
+                let line = if let Some(why) = &record.refused {
+                    Some(format!(
+                        "agent \"{label}\"'s change was refused: {why}; its result stands, and nothing of the change is in the run's head or on a branch"
+                    ))
+                } else if !record.conflicts.is_empty() {
                     Some(format!(
                         "agent \"{label}\" changed files that conflict with the run's head ({}); its change is on branch {branch} (`flotilla apply {} --agent {}`)",
                         record.conflicts.join(", "),

@@ -385,25 +385,26 @@ impl RunEngine {
         self.journal = Some(journal);
         self.journal_task = Some(journal_task);
         let (applied_tx, applied_rx) = mpsc::unbounded_channel();
-        if let Some(src) = self
+        // The run's own namespace and repository: its changes are filed there, whatever a
+        // worker's message names (settings were validated, so both are well formed).
+        if let Some((src, repo)) = self
             .init
             .settings
             .source
             .clone()
             .filter(|s| s.url.is_none())
+            .and_then(|s| {
+                let repo = crate::source::Repo::new(&self.init.settings.namespace, &s.repo).ok()?;
+                Some((s, repo))
+            })
         {
             let cache = self
                 .init
                 .cache_dir
                 .clone()
                 .unwrap_or_else(|| std::env::temp_dir().join("flotilla-coordinator-cache"));
-            let (tx, watch) = crate::head::spawn(
-                self.init.store.clone(),
-                src.repo,
-                src.commit,
-                cache,
-                applied_tx,
-            );
+            let (tx, watch) =
+                crate::head::spawn(self.init.store.clone(), repo, src.commit, cache, applied_tx);
             self.head = Some(tx);
             self.head_watch = Some(watch);
         }

@@ -239,6 +239,7 @@ impl RunEngine {
                     merged: of(&|r| r.head_after.is_some()),
                     isolated: of(&|r| r.isolated),
                     conflicted: of(&|r| !r.conflicts.is_empty()),
+                    refused: of(&|r| r.refused.is_some()),
                     head: head.borrow().clone(),
                     apply: format!("flotilla apply {}", self.init.run_id),
                 }

@@ -473,27 +473,73 @@ impl Dispatcher {
                 if req.acked > 0 {
                     return;
                 }
-                let tx = self.fleet.link(worker).cloned();
-                match (&self.sources, tx) {
-                    (Some(store), Some(tx)) => {
-                        let (acks, acked) = tokio::sync::watch::channel(0u64);
-                        self.source_acks.insert((worker, req.id), acks);
-                        tokio::spawn(crate::source::serve(store.clone(), req, tx, acked));
-                    }
-                    (None, Some(tx)) => {
-                        let _ = tx.send(CoordinatorMessage {
-                            msg: Some(coordinator_message::Msg::SourceData(v1::SourceData {
-                                request: req.id,
-                                done: true,
-                                error: "this coordinator keeps no sources".into(),
-                                ..v1::SourceData::default()
-                            })),
-                        });
-                    }
-                    _ => {}
-                }
+                let Some(tx) = self.fleet.link(worker).cloned() else {
+                    return;
+                };
+                let refuse = |error: String| {
+                    let _ = tx.send(CoordinatorMessage {
+                        msg: Some(coordinator_message::Msg::SourceData(v1::SourceData {
+                            request: req.id,
+                            done: true,
+                            error,
+                            ..v1::SourceData::default()
+                        })),
+                    });
+                };
+                let Some(store) = &self.sources else {
+                    refuse("this coordinator keeps no sources".into());
+                    return;
+                };
+                let Some(namespace) = self.source_namespace(worker, &req) else {
+                    let name = self.fleet.workers.get(&worker).map(|w| w.name.clone());
+                    tracing::warn!(worker = ?name, repo = %req.repo, commit = %req.commit, "refused a source request that matches none of the worker's attempts");
+                    refuse(format!(
+                        "this worker holds no attempt of source {} at commit {}: the coordinator sends a source only to the attempts it gave",
+                        req.repo, req.commit
+                    ));
+                    return;
+                };
+                let (acks, acked) = tokio::sync::watch::channel(0u64);
+                self.source_acks.insert((worker, req.id), acks);
+                tokio::spawn(crate::source::serve(
+                    store.clone(),
+                    namespace,
+                    req,
+                    tx,
+                    acked,
+                ));
             }
         }
+    }
+
+    /// The namespace whose sources answer `worker`'s request: that of an attempt the worker
+    /// holds of the request's repository at the commit it names (the commit it was sent, or
+    /// the leftovers it starts from), preferring the namespace the request names when
+    /// several do. `None`: no attempt of the worker's wants it, so nothing is sent.
+    fn source_namespace(&self, worker: u64, req: &v1::SourceRequest) -> Option<String> {
+        let w = self.fleet.workers.get(&worker)?;
+        let asked = crate::namespace::effective(&req.namespace);
+        let mut found = None;
+        for (run, call, _) in &w.running {
+            let id: CallId = (run.clone(), *call);
+            let Some(c) = self.calls.get(&id) else {
+                continue;
+            };
+            let task = &c.ticket.task;
+            if task.source_repo != req.repo || !task.source_url.is_empty() {
+                continue;
+            }
+            let partial = self.leftovers.start_of(&id).map(|(_, p)| p);
+            if c.sent_base != req.commit && partial != Some(req.commit.as_str()) {
+                continue;
+            }
+            let ns = crate::namespace::effective(&task.namespace);
+            if ns == asked {
+                return Some(ns.to_owned());
+            }
+            found.get_or_insert_with(|| ns.to_owned());
+        }
+        found
     }
 
     /// Lets the held calls of a prefix group go. `warm`: the leader's response began.

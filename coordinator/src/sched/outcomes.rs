@@ -382,13 +382,25 @@ impl Dispatcher {
             tracing::warn!(run = %id.0, call = id.1, attempt, "ignoring leftovers that do not match the attempt's source");
             return false;
         }
+        // Filed under the run's own namespace and repository (checked equal above).
+        let Ok(repo) =
+            crate::source::Repo::new(&c.ticket.task.namespace, &c.ticket.task.source_repo)
+        else {
+            return false;
+        };
         let (tx, run, call) = (self.tx.clone(), id.0.clone(), id.1);
         tokio::spawn(async move {
-            let stored =
-                crate::source::put_pack(&store, &p.repo, &p.commit, vec![p.base.clone()], p.pack)
-                    .await
-                    .map(|_| (p.base, p.commit))
-                    .map_err(|e| e.to_string());
+            // An agent's objects are checked before they are kept, as its change's are.
+            let stored = match crate::vet::pack_alone(&p.pack).await {
+                Ok(None) => {
+                    crate::source::put_pack(&store, &repo, &p.commit, vec![p.base.clone()], p.pack)
+                        .await
+                        .map(|_| (p.base, p.commit))
+                        .map_err(|e| e.to_string())
+                }
+                Ok(Some(why)) => Err(format!("refused: {why}")),
+                Err(e) => Err(format!("cannot check them: {e}")),
+            };
             let _ = tx.send(Msg::PartialStored {
                 run,
                 call,

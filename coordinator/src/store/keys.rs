@@ -15,9 +15,13 @@
 //! index/runs/{countdown}-{run}.json         the run index (see `index`): newest first
 //! notify/outbox/{run}.json                 a webhook not yet delivered (see `notify`)
 //! namespaces/{ns}/usage/{day}.json         what a namespace used on a UTC day (see `namespace`)
-//! sources/{repo}/packs/{sha256}.pack       git objects of run sources, stored once
-//! sources/{repo}/commits/{commit}.json     which pack holds a commit, and what it needs
+//! {sources}/{repo}/packs/{sha256}.pack     git objects of a namespace's run sources, stored once
+//! {sources}/{repo}/commits/{commit}.json   which pack holds a commit, and what it needs
 //! ```
+//!
+//! `{sources}` is a namespace's own ([`sources_of`]): `namespaces/{ns}/sources` for every
+//! namespace but `default`, whose sources stay at `sources` (where every store kept them
+//! before namespaces had sources of their own).
 //!
 //! Segment names carry the writer's generation, zero-padded so that listing order is
 //! write order and a later generation sorts after an earlier one.
@@ -122,19 +126,53 @@ pub fn owner_beat(run: &str, seq: u64) -> Path {
     Path::from(format!("runs/{run}/owner/{seq:06}.beat"))
 }
 
-/// A pack of git objects of source repository `repo`, by the SHA-256 of its bytes.
-pub fn source_pack(repo: &str, sha256_hex: &str) -> Path {
-    Path::from(format!("sources/{repo}/packs/{sha256_hex}.pack"))
+/// The namespace whose sources stay at the top-level `sources/`.
+const DEFAULT_NAMESPACE: &str = "default";
+
+/// The directory of namespace `ns`'s run sources (empty: `default`).
+pub fn sources_of(ns: &str) -> String {
+    if ns.is_empty() || ns == DEFAULT_NAMESPACE {
+        "sources".to_owned()
+    } else {
+        format!("namespaces/{ns}/sources")
+    }
 }
 
-/// Where a commit of source repository `repo` is: its pack and what that pack needs.
-pub fn source_commit(repo: &str, commit: &str) -> Path {
-    Path::from(format!("sources/{repo}/commits/{commit}.json"))
+/// Every namespace's directory but `default`'s sources.
+pub fn namespaces() -> Path {
+    Path::from("namespaces")
+}
+
+/// A pack of git objects of namespace `ns`'s source repository `repo`, by the SHA-256 of its
+/// bytes.
+pub fn source_pack(ns: &str, repo: &str, sha256_hex: &str) -> Path {
+    Path::from(format!("{}/{repo}/packs/{sha256_hex}.pack", sources_of(ns)))
+}
+
+/// Where a commit of namespace `ns`'s source repository `repo` is: its pack and what that
+/// pack needs.
+pub fn source_commit(ns: &str, repo: &str, commit: &str) -> Path {
+    Path::from(format!("{}/{repo}/commits/{commit}.json", sources_of(ns)))
 }
 
 /// A pack being received, before its hash is known.
-pub fn source_incoming(repo: &str, id: &str) -> Path {
-    Path::from(format!("sources/{repo}/incoming/{id}"))
+pub fn source_incoming(ns: &str, repo: &str, id: &str) -> Path {
+    Path::from(format!("{}/{repo}/incoming/{id}", sources_of(ns)))
+}
+
+/// A source object's key read back: its namespace, repository and the rest of its key
+/// (`commits/{commit}.json`, `packs/{sha}.pack`, `incoming/{id}`); `None` for any other key.
+pub fn parse_source(key: &str) -> Option<(&str, &str, &str)> {
+    let (ns, rest) = match key.strip_prefix("sources/") {
+        Some(rest) => (DEFAULT_NAMESPACE, rest),
+        None => {
+            let rest = key.strip_prefix("namespaces/")?;
+            let (ns, rest) = rest.split_once('/')?;
+            (ns, rest.strip_prefix("sources/")?)
+        }
+    };
+    let (repo, rest) = rest.split_once('/')?;
+    (!repo.is_empty() && !rest.is_empty()).then_some((ns, repo, rest))
 }
 
 /// The run index's directory.
@@ -182,5 +220,34 @@ mod tests {
             transcript_segment("wf_1", 1, 2).as_ref(),
             "runs/wf_1/transcripts/000001-00000002.jsonl"
         );
+    }
+
+    #[test]
+    fn each_namespace_has_its_own_sources_and_default_keeps_the_old_place() {
+        assert_eq!(
+            source_commit("default", "r1", "c1").as_ref(),
+            "sources/r1/commits/c1.json"
+        );
+        assert_eq!(
+            source_commit("", "r1", "c1").as_ref(),
+            "sources/r1/commits/c1.json"
+        );
+        assert_eq!(
+            source_pack("team-a", "r1", "ab").as_ref(),
+            "namespaces/team-a/sources/r1/packs/ab.pack"
+        );
+        for (ns, key) in [
+            ("default", source_commit("default", "r1", "c1")),
+            ("team-a", source_commit("team-a", "r1", "c1")),
+            ("team-b", source_incoming("team-b", "r1", "x")),
+        ] {
+            let (got_ns, repo, _) = parse_source(key.as_ref()).unwrap();
+            assert_eq!((got_ns, repo), (ns, "r1"), "{key}");
+        }
+        assert_eq!(
+            parse_source("namespaces/team-a/usage/2024-01-01.json"),
+            None
+        );
+        assert_eq!(parse_source("runs/wf_1/run.json"), None);
     }
 }

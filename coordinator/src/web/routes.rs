@@ -257,7 +257,9 @@ pub(super) async fn render_change(
     index: u64,
     ch: &crate::head::ChangeRecord,
 ) -> String {
-    let placed = if ch.isolated {
+    let placed = if let Some(why) = &ch.refused {
+        format!("refused ({why}): nowhere, its result stands")
+    } else if ch.isolated {
         "on its own branch (isolated)".to_owned()
     } else if !ch.conflicts.is_empty() {
         format!(
@@ -281,9 +283,8 @@ pub(super) async fn render_change(
     let repo = crate::head::changes_of(web.coordinator.store(), run)
         .await
         .ok()
-        .and_then(|c| c.source)
-        .map(|s| s.repo);
-    if let Some(repo) = repo {
+        .and_then(|c| crate::source::Repo::new(&c.namespace, &c.source?.repo).ok());
+    if let Some(repo) = repo.filter(|_| ch.refused.is_none()) {
         match crate::head::diff(
             web.coordinator.store(),
             &repo,
@@ -326,15 +327,20 @@ pub(super) async fn run_diff(
     let (Some(src), Some(head)) = (c.source, c.head) else {
         return Html(page(&run, "<p class=note>this run has no source</p>")).into_response();
     };
-    let body = match crate::head::diff(
-        web.coordinator.store(),
-        &src.repo,
-        &src.commit,
-        &head,
-        &web.coordinator.cache_dir(),
-    )
-    .await
-    {
+    let diffed = match crate::source::Repo::new(&c.namespace, &src.repo) {
+        Ok(repo) => {
+            crate::head::diff(
+                web.coordinator.store(),
+                &repo,
+                &src.commit,
+                &head,
+                &web.coordinator.cache_dir(),
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
+    let body = match diffed {
         Ok(d) => format!(
             "<h2>Run {} — its head against its source</h2><p>{} agents changed files; <code>flotilla apply {}</code> brings them home</p><pre class=diff>{}</pre>",
             esc(&run),

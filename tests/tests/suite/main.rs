@@ -17,6 +17,7 @@ mod cluster_hosts;
 mod cluster_images;
 mod cluster_sandbox;
 mod cluster_sources;
+mod cluster_tenant_sources;
 mod combinators;
 mod day2;
 mod defects;

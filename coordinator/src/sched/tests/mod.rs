@@ -214,8 +214,128 @@ async fn a_late_outcome_of_a_stalled_attempt_is_never_accepted() {
     w.no_message_for(Duration::from_millis(500)).await;
 }
 
+/// A worker's source request is answered from the namespace of the attempt it holds, never
+/// from another namespace that has the same repository and commit ids, whatever the request
+/// says; a request no attempt of the worker wants gets an error and no data.
 #[tokio::test(start_paused = true)]
+async fn a_worker_gets_sources_only_from_the_namespace_of_an_attempt_it_holds() {
+    let store = crate::store::open("memory://").unwrap();
+    let d = spawn_with(
+        MemoryLeaseStore::new(),
+        DispatchOptions::default(),
+        Some(store.clone()),
+        CancellationToken::new(),
+    );
+    let mut w = FakeWorker::attach(&d, 4);
+    let base = "a".repeat(40);
+    for (ns, bytes) in [("team-a", &b"team a's"[..]), ("team-b", b"team b's")] {
+        let repo = crate::source::Repo::new(ns, "r1").unwrap();
+        crate::source::put_pack(&store, &repo, &base, vec![], bytes.to_vec())
+            .await
+            .unwrap();
+    }
+    let (tx, _events) = mpsc::unbounded_channel();
+    let run: Arc<str> = Arc::from("wf_team_b");
+    let (_head_tx, head) = tokio::sync::watch::channel(base.clone());
+    d.register(RunRegistration {
+        run_id: run.clone(),
+        concurrency: 4,
+        stall_timeout: Duration::from_secs(600),
+        max_attempts: 1,
+        stagger: Duration::ZERO,
+        worker_wait: Duration::from_secs(600),
+        retry_budget: None,
+        throttle_wait: Duration::from_secs(900),
+        head: Some(head),
+        events: tx,
+        share: crate::sched::Share::default(),
+    });
+    let mut t = ticket(0);
+    t.task.source_repo = "r1".into();
+    t.task.namespace = "team-b".into();
+    d.submit(&run, t);
+    let a = w.assignment().await;
+    assert_eq!(a.task.as_ref().unwrap().source_commit, base);
+    let ask = |id: u64, repo: &str, commit: &str, namespace: &str| {
+        w.send(worker_message::Msg::SourceRequest(v1::SourceRequest {
+            id,
+            repo: repo.into(),
+            commit: commit.into(),
+            namespace: namespace.into(),
+            ..v1::SourceRequest::default()
+        }));
+    };
+    ask(1, "r1", &base, "team-a");
+    ask(2, "r1", &"b".repeat(40), "team-b");
+    ask(3, "r2", &base, "team-b");
+    let mut answers: std::collections::BTreeMap<u64, (Vec<u8>, String)> = Default::default();
+    while answers.len() < 3 || !answers.values().all(|(_, e)| e != "pending") {
+        match w.next().await {
+            coordinator_message::Msg::SourceData(d) => {
+                let e = answers
+                    .entry(d.request)
+                    .or_insert_with(|| (Vec::new(), "pending".into()));
+                e.0.extend_from_slice(&d.data);
+                if d.done {
+                    e.1 = d.error;
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(answers[&1], (b"team b's".to_vec(), String::new()));
+    for id in [2, 3] {
+        let (data, error) = &answers[&id];
+        assert!(data.is_empty(), "{id}: {data:?}");
+        assert!(error.contains("holds no attempt"), "{id}: {error}");
+    }
+}
+
+/// `git` in `dir`, with an identity; its output.
+fn git_in(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+// Real time until the leftovers are stored (they are checked with git, which paused time
+// would race), paused from then on.
+#[tokio::test]
 async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_from_it() {
+    let repo = tempfile::tempdir().unwrap();
+    git_in(repo.path(), &["init", "-q"]);
+    std::fs::write(repo.path().join("a.txt"), "one\n").unwrap();
+    git_in(repo.path(), &["add", "."]);
+    git_in(repo.path(), &["commit", "-q", "-m", "base"]);
+    let base = git_in(repo.path(), &["rev-parse", "HEAD"]);
+    std::fs::write(repo.path().join("a.txt"), "left\n").unwrap();
+    git_in(repo.path(), &["commit", "-q", "-am", "left"]);
+    let partial = git_in(repo.path(), &["rev-parse", "HEAD"]);
+    let left = {
+        use std::io::Write;
+        let mut child = std::process::Command::new("git")
+            .arg("-C")
+            .arg(repo.path())
+            .args(["pack-objects", "--revs", "--stdout", "-q"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let revs = format!("{partial}\n^{base}\n");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(revs.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap().stdout
+    };
     let store = crate::store::open("memory://").unwrap();
     let d = spawn_with(
         MemoryLeaseStore::new(),
@@ -226,10 +346,15 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
     let mut w = FakeWorker::attach(&d, 4);
     let (tx, _events) = mpsc::unbounded_channel();
     let run: Arc<str> = Arc::from("wf_salvage");
-    let base = "a".repeat(40);
-    crate::source::put_pack(&store, "r1", &base, vec![], b"the source".to_vec())
-        .await
-        .unwrap();
+    crate::source::put_pack(
+        &store,
+        &crate::source::Repo::new("", "r1").unwrap(),
+        &base,
+        vec![],
+        b"the source".to_vec(),
+    )
+    .await
+    .unwrap();
     let (_head_tx, head) = tokio::sync::watch::channel(base.clone());
     d.register(RunRegistration {
         run_id: run.clone(),
@@ -254,7 +379,6 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
         coordinator_message::Msg::Cancel(_)
     ));
     // The interrupted attempt answers with what it left: the restart starts from that.
-    let partial = "b".repeat(40);
     w.send(worker_message::Msg::Outcome(v1::Outcome {
         run_id: first.run_id.clone(),
         call: 0,
@@ -267,7 +391,7 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
                 repo: "r1".into(),
                 base: base.clone(),
                 commit: partial.clone(),
-                pack: b"objects".to_vec(),
+                pack: left,
                 ..v1::Change::default()
             }),
         })),
@@ -276,13 +400,20 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
         call_key: first.call_key.clone(),
     }));
     let second = w.assignment().await;
+    tokio::time::pause();
     assert_eq!(second.attempt, 2);
     let task = second.task.as_ref().unwrap();
     assert_eq!(
         (&task.source_commit, &task.source_partial),
         (&base, &partial)
     );
-    let stored = crate::source::chain(&store, "r1", &partial).await.unwrap();
+    let stored = crate::source::chain(
+        &store,
+        &crate::source::Repo::new("", "r1").unwrap(),
+        &partial,
+    )
+    .await
+    .unwrap();
     assert_eq!(
         stored.len(),
         2,
