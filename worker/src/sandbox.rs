@@ -116,8 +116,9 @@ impl Sandbox {
             || find_on_path("bwrap").unwrap_or_else(|| PathBuf::from("bwrap")),
             PathBuf::from,
         );
+        sweep_states(&std::env::temp_dir());
         let state = tempfile::Builder::new()
-            .prefix("flotilla-sandbox-")
+            .prefix(&format!("{STATE_PREFIX}{}-", std::process::id()))
             .tempdir()
             .map_err(|e| format!("cannot make the sandbox's directory: {e}"))?;
         let etc = state.path().to_owned();
@@ -215,6 +216,38 @@ impl Sandbox {
                 )
             }
         }
+    }
+
+    /// Removes what the sandbox keeps outside (its identity files, filter and the gateway's
+    /// sockets), at the worker's end: a static holds it for the worker's own git, so it is
+    /// never dropped.
+    pub fn cleanup(&self) {
+        if let Sandbox::Bwrap(b) = self {
+            let _ = std::fs::remove_dir_all(b.state.path());
+        }
+    }
+
+    /// Whether a process this sandbox started, which ended with exit `code` and whose
+    /// standard error ended with `last`, failed before its program ran: bubblewrap could not
+    /// make the sandbox (its own message, `bwrap: …`, and status 1), or the relay inside
+    /// could not start it (125, 127). That is the worker's failure, not the agent's:
+    /// [`FailureKind::Sandbox`](flotilla_proto::v1::FailureKind::Sandbox), which the call
+    /// goes again for. (An agent printing such a line itself only spends its own attempts.)
+    pub fn setup_failure(&self, code: Option<i32>, last: &str) -> Option<crate::backend::Error> {
+        if !self.is_on() {
+            return None;
+        }
+        let last = last.trim();
+        let bwrap = code == Some(1) && last.starts_with("bwrap: ");
+        let relay = matches!(code, Some(125 | 127)) && last.starts_with("flotilla sandbox relay: ");
+        (bwrap || relay).then(|| {
+            crate::backend::Error::new(
+                flotilla_proto::v1::FailureKind::Sandbox,
+                format!(
+                    "the worker could not make the agent's sandbox ({last}); the agent never ran, and the call goes again; check the worker's bubblewrap (its log says how agents run)"
+                ),
+            )
+        })
     }
 
     pub fn is_on(&self) -> bool {
@@ -482,6 +515,34 @@ pub fn worker_git(mounts: &[Mount]) -> Command {
     c
 }
 
+/// How a sandbox's state directory is named: this, the worker's pid, `-`, a random part.
+const STATE_PREFIX: &str = "flotilla-sandbox-";
+
+/// Removes the state directories under `tmp` that workers which are gone left (killed
+/// outright, they could not remove their own), judged by the pid in the name and the owner.
+fn sweep_states(tmp: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    let me = nix::unistd::Uid::effective().as_raw();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(STATE_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let ours = std::fs::symlink_metadata(e.path()).is_ok_and(|m| m.is_dir() && m.uid() == me);
+        if ours && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// `program` run by `prefix` when there is one.
 fn prefixed(prefix: &[OsString], program: &std::ffi::OsStr) -> Command {
     match prefix.split_first() {
@@ -531,6 +592,86 @@ mod tests {
             .unwrap();
         assert!(out.status.success(), "{out:?}");
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    #[test]
+    fn a_gone_worker_s_sandbox_state_is_swept_and_a_live_one_s_stays() {
+        let tmp = tempfile::tempdir().unwrap();
+        // No process has pid 4194304 (above the kernel's largest).
+        let gone = tmp.path().join(format!("{STATE_PREFIX}4194304-abc123"));
+        let live = tmp
+            .path()
+            .join(format!("{STATE_PREFIX}{}-def456", std::process::id()));
+        let other = tmp.path().join("flotilla-sandbox-xyz");
+        for d in [&gone, &live, &other] {
+            std::fs::create_dir_all(d.join("api")).unwrap();
+        }
+        sweep_states(tmp.path());
+        assert!(!gone.exists());
+        assert!(live.exists());
+        assert!(other.exists(), "a name without a pid is not judged");
+    }
+
+    #[tokio::test]
+    async fn a_sandbox_that_cannot_be_made_is_the_worker_s_failure_and_an_agent_s_exit_is_not() {
+        let sandbox = Sandbox::bubblewrap().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let run = |mounts: Vec<Mount>, code: &str| {
+            let jail = Jail {
+                workdir: dir.path().to_owned(),
+                mounts,
+                ..Jail::default()
+            };
+            sandbox
+                .command("sh".as_ref(), &["-c".into(), code.into()], &jail)
+                .output()
+        };
+        let last = |o: &std::process::Output| {
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        // A path to show that is not there: bubblewrap fails before the program runs.
+        let broken = run(vec![Mount::Ro(dir.path().join("not-there"))], "echo ran")
+            .await
+            .unwrap();
+        assert!(broken.stdout.is_empty());
+        let e = sandbox
+            .setup_failure(broken.status.code(), &last(&broken))
+            .expect("bubblewrap's own failure is told apart");
+        assert_eq!(e.kind, flotilla_proto::v1::FailureKind::Sandbox);
+        assert!(e.message.contains("bwrap: "), "{}", e.message);
+        // The agent's own failure is the agent's.
+        let own = run(
+            vec![Mount::Rw(dir.path().to_owned())],
+            "echo 'it went wrong' >&2; exit 1",
+        )
+        .await
+        .unwrap();
+        assert_eq!(own.status.code(), Some(1));
+        assert!(
+            sandbox
+                .setup_failure(own.status.code(), &last(&own))
+                .is_none()
+        );
+        assert!(Sandbox::Off.setup_failure(Some(1), "bwrap: x").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_worker_s_end_removes_its_sandbox_state() {
+        let sandbox = Sandbox::bubblewrap().await.unwrap();
+        let Sandbox::Bwrap(b) = &sandbox else {
+            panic!("a sandbox")
+        };
+        let state = b.state.path().to_owned();
+        assert!(state.join("seccomp.bpf").exists());
+        // A copy stays in the worker's git jail for its whole life, as it does in a worker.
+        let held = sandbox.clone();
+        sandbox.cleanup();
+        assert!(!state.exists());
+        drop(held);
     }
 
     #[tokio::test]

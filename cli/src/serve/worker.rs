@@ -316,6 +316,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     let limits = flotilla_worker::limits::Limits::detect_with(s.limits.clone(), s.rlimits);
     eprintln!("flotilla worker: {}", limits.describe());
     let groups = limits.clone();
+    let sandbox_state = sandbox.clone();
     let backends: Result<Vec<Arc<dyn AgentBackend>>, String> = s
         .backends
         .iter()
@@ -363,8 +364,10 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             Err(e) => fail(1, e),
         },
     };
-    // Its cgroups go with it (those of a worker killed outright, when the next one starts).
+    // Its cgroups and its sandbox's state go with it (those of a worker killed outright,
+    // when the next one starts).
     groups.cleanup();
+    sandbox_state.cleanup();
     code
 }
 

@@ -40,6 +40,7 @@ pub(super) fn goes_again(kind: FailureKind) -> bool {
         FailureKind::RateLimited
             | FailureKind::Throttled
             | FailureKind::Retryable
+            | FailureKind::Sandbox
             | FailureKind::Cancelled
             | FailureKind::Unspecified
     )
@@ -91,9 +92,10 @@ pub(super) fn verdict(
             };
             Verdict::Throttle(wait.max(MIN_LIMIT_WAIT))
         }
-        FailureKind::Retryable | FailureKind::Cancelled | FailureKind::Unspecified => {
-            Verdict::Retry(Retry::Transient { message })
-        }
+        FailureKind::Retryable
+        | FailureKind::Sandbox
+        | FailureKind::Cancelled
+        | FailureKind::Unspecified => Verdict::Retry(Retry::Transient { message }),
         FailureKind::Terminal | FailureKind::Timeout => {
             Verdict::Fail(CallFailure::Terminal, message)
         }

@@ -571,6 +571,16 @@ impl AgentBackend for ClaudeCode {
             .and_then(Result::ok)
             .unwrap_or_default();
         let Some(result) = seen.result else {
+            let exit = match &status {
+                Ok(Ok(s)) => s.code(),
+                _ => None,
+            };
+            if let Some(e) = task
+                .sandbox
+                .setup_failure(exit, tail.last().map_or("", String::as_str))
+            {
+                return Err(e);
+            }
             let code = match status {
                 Ok(Ok(s)) => s.to_string(),
                 _ => "no exit status".into(),

@@ -225,6 +225,10 @@ impl AgentBackend for Exec {
         let text = String::from_utf8_lossy(&stdout).into_owned();
 
         if !status.success() {
+            if let Some(e) = task.sandbox.setup_failure(status.code(), &last_stderr) {
+                events.transcript(json!({"type": "result", "is_error": true, "error": e.message}));
+                return Err(e);
+            }
             let code = status
                 .code()
                 .map_or_else(|| "a signal".to_owned(), |c| format!("status {c}"));
