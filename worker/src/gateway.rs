@@ -174,7 +174,7 @@ impl Gateway {
         // What an agent needs of the API, and no more of what the key can do (files,
         // batches, admin): the path as it is sent upstream, checked whole.
         let Some(path) = model_call(req.method(), req.uri()) else {
-            let shown: String = req.uri().path().chars().take(200).collect();
+            let shown: String = req.uri().to_string().chars().take(200).collect();
             return refuse(
                 StatusCode::FORBIDDEN,
                 format!(
@@ -280,7 +280,9 @@ pub fn model_call(method: &axum::http::Method, uri: &axum::http::Uri) -> Option<
         }
         _ => false,
     };
-    if !allowed || uri.scheme().is_some() || uri.authority().is_some() {
+    // An absolute-form target (the CLI's, through the sandbox's proxy) names the gateway's
+    // own address; only its path and query go on, to the worker's API.
+    if !allowed {
         return None;
     }
     match uri.query() {
@@ -537,6 +539,11 @@ mod tests {
             Some("/v1/messages?beta=true")
         );
         assert!(call(Method::POST, "/v1/messages/count_tokens").is_some());
+        // The authority of an absolute-form target is not where it goes.
+        assert_eq!(
+            call(Method::POST, "http://127.0.0.1:47119/v1/messages?beta=true").as_deref(),
+            Some("/v1/messages?beta=true")
+        );
         assert!(call(Method::GET, "/v1/models").is_some());
         assert!(call(Method::GET, "/v1/models/claude-sonnet-4-5@20250929").is_some());
         for (m, t) in [
@@ -557,7 +564,7 @@ mod tests {
             (Method::POST, "/v1/messages/batches"),
             (Method::POST, "/v1/./messages"),
             (Method::DELETE, "/v1/models/x"),
-            (Method::GET, "http://evil.example/v1/models"),
+            (Method::GET, "http://evil.example/v1/files"),
             (Method::POST, "/v1/messages?x=/../files"),
             (Method::POST, "/v1/messages?x=%2e%2e"),
         ] {

@@ -620,7 +620,8 @@ fn a_worker_whose_source_cache_is_damaged_fetches_it_again() {
     let (code, r) = c.wait(launch(&c, &repo, &script)["run_id"].as_str().unwrap());
     assert_eq!(code, 0, "{r}");
     // Every object of the cache goes; its record of applied packs stays.
-    let sources = c.path().join("ws-0/.flotilla/sources");
+    // The worker's caches of the default namespace.
+    let sources = c.path().join("ws-0/.flotilla/caches/default");
     let cache = std::fs::read_dir(&sources)
         .unwrap()
         .next()
