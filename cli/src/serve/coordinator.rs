@@ -205,6 +205,8 @@ struct Settings {
     retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,
     /// The namespaces' policies (`[namespaces.*]` in the config file).
     namespaces: flotilla_coordinator::namespace::Namespaces,
+    /// What one attempt can use (`[attempt_usage]` in the config file).
+    attempt_usage: flotilla_coordinator::sched::UsageBounds,
 }
 
 /// The webhook signer: `--notify-secret-file`, else `FLOTILLA_NOTIFY_SECRET`.
@@ -306,6 +308,13 @@ impl Settings {
             peer_name: a.peer_name.clone().or_else(|| file.peer_name.clone()),
             namespaces: flotilla_coordinator::namespace::Namespaces::new(file.namespaces.clone())
                 .map_err(|e| format!("the config file's [namespaces]: {e}"))?,
+            attempt_usage: {
+                let bounds = file.attempt_usage.clone();
+                bounds
+                    .check()
+                    .map_err(|e| format!("the config file's [attempt_usage]: {e}"))?;
+                bounds
+            },
         })
     }
 }
@@ -440,6 +449,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             worker_ttl: s.worker_ttl,
             admission: s.admission,
             affinity: s.affinity,
+            usage: s.attempt_usage.clone(),
             ..Default::default()
         },
     ));
@@ -669,6 +679,37 @@ mod tests {
             token_key(None, "127.0.0.1:7080".parse().unwrap())
                 .unwrap()
                 .is_none()
+        );
+    }
+
+    #[test]
+    fn the_ceilings_of_one_attempt_s_usage_come_from_the_file_and_are_checked() {
+        let s = Settings::layered(
+            &args(&[]),
+            &file("[attempt_usage]\ncontext_tokens = 2000000\nrequests_per_second = 0\n"),
+        )
+        .unwrap();
+        assert_eq!(
+            s.attempt_usage,
+            flotilla_coordinator::sched::UsageBounds {
+                context_tokens: 2_000_000,
+                requests_per_second: 0,
+                ..Default::default()
+            },
+            "what the table leaves out keeps its default"
+        );
+        let bad = Settings::layered(
+            &args(&[]),
+            &file("[attempt_usage]\nusd_per_million_input = -1.0\n"),
+        )
+        .unwrap_err();
+        assert!(
+            bad.contains("[attempt_usage]") && bad.contains("usd_per_million_input"),
+            "{bad}"
+        );
+        assert!(
+            toml::from_str::<crate::config::ConfigFile>("[attempt_usage]\ntokens = 5\n").is_err(),
+            "an unknown ceiling is refused"
         );
     }
 }
