@@ -308,6 +308,12 @@ pub struct ConfigFile {
     /// `[namespaces."*"]` for the ones not named).
     #[serde(default)]
     pub namespaces: std::collections::BTreeMap<String, flotilla_coordinator::namespace::Policy>,
+    /// Coordinator: what one attempt can use (`[attempt_usage]`: the largest context window,
+    /// output per request, requests at once and per second, the dearest prices, disk). A
+    /// worker's usage report above it is clipped (and logged), and only the clipped figures
+    /// count against runs' budgets and namespaces' quotas.
+    #[serde(default)]
+    pub attempt_usage: flotilla_coordinator::sched::UsageBounds,
 }
 
 /// Reads a config file (`--config`), or an empty one.

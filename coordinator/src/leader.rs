@@ -9,6 +9,9 @@
 //!   successor.
 //! - The leader holds `/flotilla/leader` (its address) under that lease. Only the leader
 //!   takes workers and runs; the others are standbys that forward client requests to it.
+//!   A coordinator whose lease lapsed while nobody else leads (alone in its group, paused
+//!   past its TTL) starts again in its own place and campaigns as a new member: the binary's
+//!   `coordinator` command does that, so nothing of the deposed tenure stays in memory.
 //! - Each run holds `/flotilla/runs/{run}/owner` under its owner's lease, and a marker
 //!   `/flotilla/runs/{run}/live` (no lease) from launch until its report is stored. A live run
 //!   without an owner has lost its coordinator: the leader adopts it ([`Coordinator::adopt`]),
@@ -182,6 +185,16 @@ impl Leadership {
     /// The leader's address, when known.
     pub fn leader(&self) -> Option<String> {
         self.leader.borrow().clone()
+    }
+
+    /// Who holds the leader's seat now, as etcd says (`None`: nobody). A read, so it answers
+    /// also once this coordinator's tenure is over.
+    pub async fn seat_holder(&self) -> Result<Option<String>, lease::Error> {
+        Ok(self
+            .leases
+            .get(lease::keys::LEADER)
+            .await?
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned()))
     }
 
     /// Waits until some coordinator leads (or `within` passes); its address.

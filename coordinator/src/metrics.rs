@@ -82,6 +82,10 @@ pub static THROTTLES: AtomicU64 = AtomicU64::new(0);
 pub static LEASE_RENEWAL_FAILURES: AtomicU64 = AtomicU64::new(0);
 /// Failed object-store writes that were retried.
 pub static STORAGE_WRITE_RETRIES: AtomicU64 = AtomicU64::new(0);
+/// Messages from workers that named no attempt they hold (dropped; nothing of them counted).
+pub static WORKER_STRAYS: AtomicU64 = AtomicU64::new(0);
+/// Usage reports from workers above what one attempt can use (clipped before counting).
+pub static USAGE_CLIPPED: AtomicU64 = AtomicU64::new(0);
 
 pub fn inc(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);

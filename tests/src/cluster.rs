@@ -509,6 +509,24 @@ impl Cluster {
         self.coordinator.take()
     }
 
+    /// Sends a signal to the coordinator (`-STOP`, `-CONT`, ...).
+    pub fn signal_coordinator(&self, signal: &str) {
+        let pid = self
+            .coordinator
+            .as_ref()
+            .expect("coordinator running")
+            .id()
+            .to_string();
+        must(Command::new("kill").args([signal, &pid]));
+    }
+
+    /// How the coordinator process ended, if it has.
+    pub fn coordinator_exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.coordinator
+            .as_mut()
+            .and_then(|c| c.try_wait().expect("coordinator status"))
+    }
+
     /// The pid of worker `i`.
     pub fn coordinator_pid(&self) -> u32 {
         self.coordinator.as_ref().expect("coordinator running").id()

@@ -140,6 +140,11 @@ async fn connect_loop(
             }
             Err(status) => {
                 at += 1;
+                // A conflict (`FailedPrecondition`) is also how the coordinator says another
+                // worker process is attached under this name. That one keeps serving; this one
+                // stops with the reason rather than retry, so its supervisor shows it failed (a
+                // worker that stays up refused serves nothing and hides the clash), and the
+                // supervisor's restart back-off is the retry should the other one be gone.
                 let refused = matches!(
                     status.code(),
                     tonic::Code::PermissionDenied

@@ -97,6 +97,9 @@ pub struct AccountLimits {
 /// A worker with its backends.
 pub struct Worker {
     opts: WorkerOptions,
+    /// Drawn at random when the worker is made, sent in every `Hello`: the coordinator lets a
+    /// link take an attached link's place only when both are this worker's.
+    incarnation: String,
     backends: HashMap<&'static str, Arc<dyn AgentBackend>>,
     default_backend: &'static str,
 }
@@ -117,8 +120,13 @@ impl Worker {
     pub fn new(opts: WorkerOptions, backends: Vec<Arc<dyn AgentBackend>>) -> Self {
         let default_backend = backends.first().map_or("", |b| b.name());
         let backends = backends.into_iter().map(|b| (b.name(), b)).collect();
+        let mut bytes = [0u8; 16];
+        // Without entropy every worker of this name is one incarnation, as before the field
+        // existed: they take each other's place instead of being refused.
+        let _ = getrandom::fill(&mut bytes);
         Worker {
             opts,
+            incarnation: hex::encode(bytes),
             backends,
             default_backend,
         }
@@ -179,6 +187,7 @@ impl Worker {
                 slots: self.opts.slots,
                 held,
                 accounts: self.accounts(),
+                incarnation: self.incarnation.clone(),
             })),
         }
     }

@@ -231,6 +231,8 @@ struct Settings {
     retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,
     /// The namespaces' policies (`[namespaces.*]` in the config file).
     namespaces: flotilla_coordinator::namespace::Namespaces,
+    /// What one attempt can use (`[attempt_usage]` in the config file).
+    attempt_usage: flotilla_coordinator::sched::UsageBounds,
 }
 
 /// The webhook signer: `--notify-secret-file`, else `FLOTILLA_NOTIFY_SECRET`.
@@ -333,6 +335,13 @@ impl Settings {
             peer_name: a.peer_name.clone().or_else(|| file.peer_name.clone()),
             namespaces: flotilla_coordinator::namespace::Namespaces::new(file.namespaces.clone())
                 .map_err(|e| format!("the config file's [namespaces]: {e}"))?,
+            attempt_usage: {
+                let bounds = file.attempt_usage.clone();
+                bounds
+                    .check()
+                    .map_err(|e| format!("the config file's [attempt_usage]: {e}"))?;
+                bounds
+            },
         })
     }
 }
@@ -470,6 +479,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             worker_ttl: s.worker_ttl,
             admission: s.admission,
             affinity: s.affinity,
+            usage: s.attempt_usage.clone(),
             ..Default::default()
         },
     ));
@@ -588,13 +598,68 @@ async fn serve_until_stopped(
             }
             0
         }
-        _ = lost.cancelled() => fail(1, "this coordinator's lease in etcd lapsed, so another coordinator may own its runs now; stopping (restart it to rejoin as a standby)"),
+        _ = lost.cancelled() => after_lapse(&coordinator).await,
         r = serving => ended(r),
         r = pages => ended(r),
     };
     cancel.cancel();
     coordinator.shutdown();
     code
+}
+
+/// A coordinator whose lease lapsed (a resignation ends otherwise). With another coordinator
+/// leading, it stops as it always has: that one has its runs and workers, and this one,
+/// restarted, stands by. With nobody leading — alone in its group, paused past its lease —
+/// stopping would leave its runs waiting for someone to restart it, so it starts again in
+/// its own place: the same binary, arguments, pid, listeners and log, with a fresh lease. It
+/// campaigns, leads, and adopts its runs from storage as any successor does (journal sealed,
+/// replayed as a new generation, the workers' attempts claimed), fenced as always: nothing of
+/// the deposed tenure stays in memory to write.
+async fn after_lapse(coordinator: &Coordinator) -> i32 {
+    let holder = match coordinator.leadership() {
+        Some(l) => l.seat_holder().await,
+        None => Ok(None),
+    };
+    match holder {
+        Ok(Some(leader)) => fail(
+            1,
+            format!(
+                "this coordinator's lease in etcd lapsed, so another coordinator may own its runs now ({leader} leads); stopping (restart it to rejoin as a standby)"
+            ),
+        ),
+        Err(e) => fail(
+            1,
+            format!(
+                "this coordinator's lease in etcd lapsed, and etcd does not say who leads now ({e}); stopping (restart it to rejoin the group)"
+            ),
+        ),
+        Ok(None) => {
+            tracing::warn!(
+                "this coordinator's lease in etcd lapsed and no other coordinator leads: starting again in its own place to campaign again (its runs are adopted from storage, as after any takeover)"
+            );
+            let e = start_again_in_place();
+            fail(
+                1,
+                format!(
+                    "cannot start this coordinator again in its own place ({e}); stopping (restart it to rejoin the group)"
+                ),
+            )
+        }
+    }
+}
+
+/// Replaces this process with a new run of its own binary and arguments (its pid, environment,
+/// standard streams and log stay; every other descriptor closes, listeners included). Returns
+/// only if that fails.
+fn start_again_in_place() -> std::io::Error {
+    use std::os::unix::process::CommandExt;
+    let mut args = std::env::args_os();
+    let arg0 = args.next().unwrap_or_else(|| "flotilla".into());
+    // The running binary itself, even if its file was replaced or removed since it started.
+    std::process::Command::new("/proc/self/exe")
+        .arg0(arg0)
+        .args(args)
+        .exec()
 }
 
 /// Webhooks an earlier coordinator did not finish, taken up while this one leads (at once,
@@ -713,6 +778,37 @@ mod tests {
             token_key(None, "127.0.0.1:7080".parse().unwrap())
                 .unwrap()
                 .is_none()
+        );
+    }
+
+    #[test]
+    fn the_ceilings_of_one_attempt_s_usage_come_from_the_file_and_are_checked() {
+        let s = Settings::layered(
+            &args(&[]),
+            &file("[attempt_usage]\ncontext_tokens = 2000000\nrequests_per_second = 0\n"),
+        )
+        .unwrap();
+        assert_eq!(
+            s.attempt_usage,
+            flotilla_coordinator::sched::UsageBounds {
+                context_tokens: 2_000_000,
+                requests_per_second: 0,
+                ..Default::default()
+            },
+            "what the table leaves out keeps its default"
+        );
+        let bad = Settings::layered(
+            &args(&[]),
+            &file("[attempt_usage]\nusd_per_million_input = -1.0\n"),
+        )
+        .unwrap_err();
+        assert!(
+            bad.contains("[attempt_usage]") && bad.contains("usd_per_million_input"),
+            "{bad}"
+        );
+        assert!(
+            toml::from_str::<crate::config::ConfigFile>("[attempt_usage]\ntokens = 5\n").is_err(),
+            "an unknown ceiling is refused"
         );
     }
 }

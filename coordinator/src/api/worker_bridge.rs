@@ -1,5 +1,7 @@
 //! `WorkerService`: a remote worker's `Attach` stream, bridged onto the channels an in-process
-//! worker uses, so the dispatcher cannot tell them apart.
+//! worker uses, so the dispatcher cannot tell them apart. Only a worker certificate attaches,
+//! under its certificate's name (and an instance of it); the call answers once the dispatcher
+//! has taken the `Hello` or refused it (a name another process holds).
 
 use super::*;
 
@@ -13,6 +15,9 @@ pub(super) fn check_version(theirs: &str) -> Result<(), Status> {
         )))
     }
 }
+
+/// Longest an `Attach` waits for the dispatcher to take or refuse the worker's `Hello`.
+const HELLO_VERDICT: std::time::Duration = std::time::Duration::from_secs(30);
 
 pub(super) struct WorkerSvc {
     pub(super) coordinator: Arc<Coordinator>,
@@ -80,6 +85,9 @@ impl WorkerService for WorkerSvc {
         } else {
             None
         };
+        let peer = req
+            .remote_addr()
+            .map_or_else(|| "an unknown address".to_owned(), |a| a.to_string());
         if let Some(l) = self.coordinator.leadership()
             && !l.is_leader()
         {
@@ -103,13 +111,27 @@ impl WorkerService for WorkerSvc {
             // they name (`CN/INSTANCE`: their host names).
             hello.name = instance_name(&name, &hello.name);
         }
-        tracing::info!(worker = %hello.name, slots = hello.slots, "worker attached");
+        let (worker, slots) = (hello.name.clone(), hello.slots);
         let (end, out) = bridge(hello, inbound);
         let out = match self.coordinator.leadership() {
             Some(l) => hand_back_out_of_office(out, l.office()),
             None => out,
         };
-        self.coordinator.dispatch().attach(end);
+        // The answer waits for the dispatcher's verdict on the Hello: a worker whose name is
+        // taken hears why as the call's status, and stops instead of taking the name back.
+        let verdict = self.coordinator.dispatch().attach_remote(end, &peer);
+        match tokio::time::timeout(HELLO_VERDICT, verdict).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(taken))) => {
+                return Err(ErrorKind::Conflict.status(taken.to_string()));
+            }
+            Ok(Err(_)) | Err(_) => {
+                return Err(ErrorKind::Unavailable.status(
+                    "the coordinator did not take the worker's Hello (it is stopping, or busy); the worker tries again",
+                ));
+            }
+        }
+        tracing::info!(worker = %worker, peer = %peer, slots, "worker attached");
         Ok(Response::new(out))
     }
 }

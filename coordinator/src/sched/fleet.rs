@@ -9,18 +9,50 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use flotilla_proto::link::CoordinatorEnd;
 use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::keys::{KeyOp, LeaseCtl};
-use super::{Msg, WorkerView};
+use super::{Msg, NameTaken, WorkerView};
 use crate::lease::{LeaseId, Revision};
+use crate::listen::Throttled;
 
 /// An attempt holding a slot: (run, call, attempt).
 pub(super) type Slot = (Arc<str>, u64, u32);
 
+/// What a worker was given for one of its attempts. What it sends back for that attempt (an
+/// outcome, leftovers) must name exactly these; anything else is not its to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Given {
+    /// The fence its assignment carries; 0 until the attempt key is written and it is sent.
+    pub(super) fence: Revision,
+    /// The call's key, hashed: only compared.
+    pub(super) key: u64,
+    /// Since when it can have run, in seconds on the fleet's clock ([`Fleet::ran`]); its
+    /// usage is bounded by how long that is.
+    pub(super) since: i64,
+}
+
+/// A call key as [`Given`] keeps it.
+pub(super) fn key_hash(key: &str) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(key)
+}
+
 pub(super) struct WorkerState {
     pub(super) name: Arc<str>,
+    /// The process behind the current link (`Hello.incarnation`): only a link of the same
+    /// one takes the current link's place while it is up.
+    pub(super) incarnation: String,
+    /// Where the current link comes from (a remote worker's address), for the logs.
+    pub(super) peer: Arc<str>,
+    /// Told whether the link's `Hello` was taken (a remote link's `Attach` answers then).
+    pub(super) verdict: Option<oneshot::Sender<Result<(), NameTaken>>>,
+    /// Messages it sent that were not its to send (dropped, logged at most once a second).
+    pub(super) strays: Throttled,
+    /// Usage reports it sent above what an attempt can use (clipped, logged likewise).
+    pub(super) clipped: Throttled,
     /// The current link; `None` while the worker is cut off.
     pub(super) tx: Option<mpsc::UnboundedSender<CoordinatorMessage>>,
     /// Which link is current (links of a worker that reconnects are told apart by this).
@@ -43,8 +75,8 @@ pub(super) struct WorkerState {
     pub(super) accounts: HashMap<String, Arc<str>>,
     /// Backends whose model server keeps a prefix cache local to this worker.
     pub(super) local_cache: HashSet<String>,
-    /// Assignments this worker holds a slot for: (run, call, attempt).
-    pub(super) running: HashSet<Slot>,
+    /// Assignments this worker holds a slot for, and what it was given for each.
+    pub(super) running: HashMap<Slot, Given>,
     /// Attempts it held when it attached that this coordinator did not assign: a run taken
     /// over from a coordinator that went away may claim them (see `workers.rs`).
     pub(super) orphans: Orphans,
@@ -109,13 +141,24 @@ impl Orphans {
         Some(a)
     }
 
-    /// An outcome of `attempt` (with `fence`) of call `id` arrived: `true` if it is this
-    /// orphan's, which now holds no slot.
-    pub(super) fn ended(&mut self, id: &(Arc<str>, u64), attempt: u32, fence: i64) -> bool {
+    /// Whether the worker listed attempt `attempt` of call `id` as one it still holds.
+    pub(super) fn lists(&self, id: &(Arc<str>, u64), attempt: u32) -> bool {
+        self.by_call.get(id).is_some_and(|a| a.attempt == attempt)
+    }
+
+    /// An outcome of `attempt` (with `fence` and call key `key`) of call `id` arrived: `true`
+    /// if it is exactly this orphan's, which now holds no slot.
+    pub(super) fn ended(
+        &mut self,
+        id: &(Arc<str>, u64),
+        attempt: u32,
+        fence: i64,
+        key: &str,
+    ) -> bool {
         let Some(a) = self.by_call.get_mut(id) else {
             return false;
         };
-        if a.attempt != attempt || a.fence != fence {
+        if a.attempt != attempt || a.fence != fence || a.call_key != key {
             return false;
         }
         if !a.ended {
@@ -145,6 +188,7 @@ impl WorkerState {
 
     /// Takes what a `Hello` says the worker has.
     fn describe(&mut self, h: &v1::Hello) {
+        self.incarnation = h.incarnation.clone();
         self.slots = h.slots;
         self.backends = h.backends.iter().cloned().collect();
         self.models = h.models.iter().cloned().collect();
@@ -193,6 +237,8 @@ pub(super) struct Fleet {
     pub(super) next_worker: u64,
     /// Attempt-key writes, applied in order by the key writer.
     pub(super) keys: mpsc::UnboundedSender<KeyOp>,
+    /// Where the seconds of [`Given::since`] count from.
+    epoch: Instant,
 }
 
 impl Fleet {
@@ -203,7 +249,19 @@ impl Fleet {
             adopted: HashMap::new(),
             next_worker: 0,
             keys,
+            epoch: Instant::now(),
         }
+    }
+
+    /// Whole seconds since the fleet's epoch.
+    fn seconds(&self) -> i64 {
+        i64::try_from(self.epoch.elapsed().as_secs()).unwrap_or(i64::MAX)
+    }
+
+    /// How long the attempt given `g` can have run by now (rounded up to whole seconds).
+    pub(super) fn ran(&self, g: &Given) -> std::time::Duration {
+        let s = self.seconds().saturating_sub(g.since).saturating_add(1);
+        std::time::Duration::from_secs(u64::try_from(s).unwrap_or(0))
     }
 
     /// The worker a link's messages belong to (a link taken over by a reattached worker).
@@ -392,9 +450,16 @@ impl Fleet {
         self.workers.get(&wid).and_then(|w| w.tx.as_ref())
     }
 
-    /// A new link, as a worker not named yet. Its reader sends what comes in to `inbox`,
-    /// tagged with the worker it belongs to, and says when the link closes.
-    pub(super) fn attach(&mut self, end: CoordinatorEnd, inbox: mpsc::UnboundedSender<Msg>) {
+    /// A new link from `peer`, as a worker not named yet. Its reader sends what comes in to
+    /// `inbox`, tagged with the worker it belongs to, and says when the link closes; `verdict`
+    /// hears whether its `Hello` is taken.
+    pub(super) fn attach(
+        &mut self,
+        end: CoordinatorEnd,
+        peer: Arc<str>,
+        verdict: Option<oneshot::Sender<Result<(), NameTaken>>>,
+        inbox: mpsc::UnboundedSender<Msg>,
+    ) {
         let id = self.next_worker;
         self.next_worker += 1;
         let CoordinatorEnd { tx, mut rx } = end;
@@ -404,6 +469,11 @@ impl Fleet {
             id,
             WorkerState {
                 name: Arc::from(format!("worker-{id}")),
+                incarnation: String::new(),
+                peer,
+                verdict,
+                strays: Throttled::default(),
+                clipped: Throttled::default(),
                 tx: Some(tx),
                 link: id,
                 link_alive: alive.clone(),
@@ -419,7 +489,7 @@ impl Fleet {
                 local_cache: HashSet::new(),
                 orphans: Orphans::default(),
                 orphan_outcomes: Default::default(),
-                running: HashSet::new(),
+                running: HashMap::new(),
                 lease: None,
                 reg_revision: 0,
                 ctl: None,
@@ -451,7 +521,39 @@ impl Fleet {
             w.name = name.clone();
             w.named = true;
             w.describe(h);
+            if let Some(v) = w.verdict.take() {
+                let _ = v.send(Ok(()));
+            }
             self.by_name.insert(name, link_id);
+        }
+    }
+
+    /// Whether link `link_id`, whose `Hello` says it is `incarnation` of the worker known as
+    /// `wid`, must be refused: `wid` is attached, and the link is not the same process back
+    /// before its old link closed (an empty incarnation proves nothing).
+    pub(super) fn clash(&self, wid: u64, link_id: u64, incarnation: &str) -> Option<NameTaken> {
+        let w = self.workers.get(&wid)?;
+        let same = !incarnation.is_empty() && incarnation == w.incarnation;
+        if w.tx.is_none() || same {
+            return None;
+        }
+        Some(NameTaken {
+            name: w.name.to_string(),
+            attached_from: w.peer.to_string(),
+            refused_from: self
+                .workers
+                .get(&link_id)
+                .map_or_else(|| "?".to_owned(), |l| l.peer.to_string()),
+        })
+    }
+
+    /// Closes link `link_id` before it was named, telling it why.
+    pub(super) fn refuse(&mut self, link_id: u64, why: NameTaken) {
+        if let Some(mut w) = self.workers.remove(&link_id) {
+            w.link_alive.cancel();
+            if let Some(v) = w.verdict.take() {
+                let _ = v.send(Err(why));
+            }
         }
     }
 
@@ -477,27 +579,82 @@ impl Fleet {
         w.link = fresh.link;
         w.link_alive = fresh.link_alive;
         w.target = fresh.target;
+        w.peer = fresh.peer;
         w.welcomed = false;
         w.describe(h);
+        if let Some(v) = fresh.verdict {
+            let _ = v.send(Ok(()));
+        }
         if let Some(ctl) = &w.ctl {
             ctl.set_attached(true);
         }
         true
     }
 
-    /// Takes a slot on `wid` for an attempt.
-    pub(super) fn take_slot(&mut self, wid: u64, run: &Arc<str>, call: u64, attempt: u32) {
+    /// Takes a slot on `wid` for an attempt of the call whose key is `key`, which started
+    /// `ran_before` ago (now, for one assigned here); its fence is set once it is sent
+    /// ([`Fleet::sent`]), unless it runs already (an adopted attempt's own).
+    pub(super) fn take_slot(
+        &mut self,
+        wid: u64,
+        slot: Slot,
+        key: &str,
+        fence: Revision,
+        ran_before: std::time::Duration,
+    ) {
+        let since = self
+            .seconds()
+            .saturating_sub(i64::try_from(ran_before.as_secs()).unwrap_or(i64::MAX));
         if let Some(w) = self.workers.get_mut(&wid)
-            && w.running.insert((run.clone(), call, attempt))
+            && let std::collections::hash_map::Entry::Vacant(e) = w.running.entry(slot)
         {
+            e.insert(Given {
+                fence,
+                key: key_hash(key),
+                since,
+            });
             w.busy += 1;
+        }
+    }
+
+    /// The attempt holding `slot` on `wid` was sent with `fence`.
+    pub(super) fn sent(&mut self, wid: u64, slot: &Slot, fence: Revision) {
+        if let Some(g) = self
+            .workers
+            .get_mut(&wid)
+            .and_then(|w| w.running.get_mut(slot))
+        {
+            g.fence = fence;
+        }
+    }
+
+    /// What `wid` was given for the attempt holding `slot`, if it holds one.
+    pub(super) fn given(&self, wid: u64, slot: &Slot) -> Option<Given> {
+        self.workers.get(&wid)?.running.get(slot).copied()
+    }
+
+    /// Says that `wid` sent `what`, which was not its to send because `why` (dropped, never
+    /// counted; the link goes on). At most once a second per worker, with how many were held
+    /// back.
+    pub(super) fn stray(&self, wid: u64, what: &str, why: impl std::fmt::Display) {
+        crate::metrics::inc(&crate::metrics::WORKER_STRAYS);
+        if let Some(w) = self.workers.get(&wid) {
+            w.strays.say(|held| {
+                tracing::warn!(
+                    worker = %w.name,
+                    peer = %w.peer,
+                    suppressed = held,
+                    "dropped {what} from worker {}: {why}; nothing of it is counted",
+                    w.name
+                );
+            });
         }
     }
 
     /// Gives back the slot an attempt held on `wid`, if it held one.
     pub(super) fn free_slot(&mut self, wid: u64, run: &Arc<str>, call: u64, attempt: u32) {
         if let Some(w) = self.workers.get_mut(&wid)
-            && w.running.remove(&(run.clone(), call, attempt))
+            && w.running.remove(&(run.clone(), call, attempt)).is_some()
         {
             w.busy = w.busy.saturating_sub(1);
         }
@@ -575,7 +732,7 @@ impl Fleet {
         if self.by_name.get(&w.name) == Some(&wid) {
             self.by_name.remove(&w.name);
         }
-        Some((w.name, w.running.into_iter().collect()))
+        Some((w.name, w.running.into_keys().collect()))
     }
 }
 
@@ -591,6 +748,11 @@ mod tests {
             wid,
             WorkerState {
                 name: Arc::from(name),
+                incarnation: String::new(),
+                peer: Arc::from("test"),
+                verdict: None,
+                strays: Throttled::default(),
+                clipped: Throttled::default(),
                 tx: Some(tx),
                 link: wid,
                 link_alive: CancellationToken::new(),
@@ -604,7 +766,7 @@ mod tests {
                 labels: Default::default(),
                 accounts: HashMap::new(),
                 local_cache: HashSet::new(),
-                running: HashSet::new(),
+                running: HashMap::new(),
                 orphans: Orphans::default(),
                 orphan_outcomes: HashMap::new(),
                 lease: Some(wid as LeaseId + 1),
@@ -678,20 +840,21 @@ mod tests {
         };
         // First link: named, granted a lease, running one attempt.
         let (_first_worker, first) = flotilla_proto::link::link_pair();
-        f.attach(first, inbox.clone());
+        f.attach(first, Arc::from("test"), None, inbox.clone());
         f.register(0, Arc::from("w1"), &hello(2));
         let name: Arc<str> = Arc::from("w1");
         assert_eq!(f.lease_granted(&name, 7, 3), Some(0));
         let run: Arc<str> = Arc::from("wf_r");
-        f.take_slot(0, &run, 1, 1);
-        f.take_slot(0, &run, 1, 1);
+        let now = std::time::Duration::ZERO;
+        f.take_slot(0, (run.clone(), 1, 1), "k1", 0, now);
+        f.take_slot(0, (run.clone(), 1, 1), "k1", 0, now);
         assert_eq!(f.workers[&0].busy, 1, "one attempt holds one slot");
         // Its link closes: cut off, not forgotten.
         assert!(f.cut_off(0, 0));
         assert!(!f.workers[&0].ready());
         // A second link says it is w1 again: it takes over, with the slot still held.
         let (mut second_worker, second) = flotilla_proto::link::link_pair();
-        f.attach(second, inbox.clone());
+        f.attach(second, Arc::from("test"), None, inbox.clone());
         assert!(f.take_over(0, 1, &hello(4)));
         assert_eq!(f.resolve(1), 0);
         let w = &f.workers[&0];
@@ -713,13 +876,13 @@ mod tests {
         f.free_slot(0, &run, 1, 1);
         f.free_slot(0, &run, 1, 1);
         assert_eq!(f.workers[&0].busy, 0);
-        f.take_slot(0, &run, 2, 1);
+        f.take_slot(0, (run.clone(), 2, 1), "k2", 0, now);
         let (retired, running) = f.retire(0).unwrap();
         assert_eq!((&*retired, running), ("w1", vec![(run, 2, 1)]));
         assert!(f.workers.is_empty() && f.by_name.is_empty());
         // A link that never says who it is is forgotten when it closes.
         let (_third_worker, third) = flotilla_proto::link::link_pair();
-        f.attach(third, inbox);
+        f.attach(third, Arc::from("test"), None, inbox);
         assert!(!f.cut_off(2, 2));
         assert!(f.workers.is_empty());
     }

@@ -21,6 +21,9 @@ pub struct DispatchOptions {
     /// first when its model server caches prefixes locally; `false`
     /// (`FLOTILLA_AFFINITY=off`): wherever a slot is free.
     pub affinity: bool,
+    /// What one attempt can use: a worker's usage report above it is clipped before it is
+    /// counted.
+    pub usage: super::UsageBounds,
 }
 
 impl Default for DispatchOptions {
@@ -30,6 +33,7 @@ impl Default for DispatchOptions {
             fixed_fleet: false,
             admission: true,
             affinity: true,
+            usage: super::UsageBounds::default(),
         }
     }
 }
@@ -106,7 +110,14 @@ pub(super) enum Msg {
         run: Arc<str>,
         call: u64,
     },
-    Attach(CoordinatorEnd),
+    Attach {
+        end: CoordinatorEnd,
+        /// Where the link comes from (a remote worker's address), for the logs.
+        peer: Arc<str>,
+        /// Told once the link's `Hello` is taken or refused (a gRPC `Attach` answers only
+        /// then, so a refusal reaches the worker as the call's status).
+        verdict: Option<tokio::sync::oneshot::Sender<Result<(), NameTaken>>>,
+    },
     FromWorker {
         worker: u64,
         msg: Box<WorkerMessage>,
@@ -146,6 +157,18 @@ pub(super) enum Msg {
         attempt: u32,
         stored: Result<(String, String), String>,
     },
+}
+
+/// Why a link was refused: another process is attached under the name its `Hello` claims
+/// (two workers started with one certificate and one name). The attached one keeps serving.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "worker name {name:?} is taken: a worker of that name is attached from {attached_from} (this one connects from {refused_from}); give each worker process a name of its own (replicas of one certificate: --name CN/INSTANCE), or stop the other one"
+)]
+pub struct NameTaken {
+    pub name: String,
+    pub attached_from: String,
+    pub refused_from: String,
 }
 
 /// One attached worker, as `flotilla workers` shows it.
@@ -254,9 +277,30 @@ impl DispatchHandle {
     pub fn close_run(&self, run: &Arc<str>) {
         let _ = self.tx.send(Msg::CloseRun { run: run.clone() });
     }
-    /// Attaches a worker link (an in-process worker, or a gRPC stream bridged to channels).
+    /// Attaches an in-process worker's link.
     pub fn attach(&self, end: CoordinatorEnd) {
-        let _ = self.tx.send(Msg::Attach(end));
+        let _ = self.tx.send(Msg::Attach {
+            end,
+            peer: Arc::from("in-process"),
+            verdict: None,
+        });
+    }
+
+    /// Attaches a remote worker's link (its gRPC stream bridged to channels) from `peer`; the
+    /// answer says whether its `Hello` was taken, or refused because another worker of its
+    /// name is attached.
+    pub fn attach_remote(
+        &self,
+        end: CoordinatorEnd,
+        peer: &str,
+    ) -> tokio::sync::oneshot::Receiver<Result<(), NameTaken>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = self.tx.send(Msg::Attach {
+            end,
+            peer: Arc::from(peer),
+            verdict: Some(tx),
+        });
+        rx
     }
     /// The workers with a lease: attached, or cut off and not yet lapsed.
     pub async fn workers(&self) -> Vec<WorkerView> {

@@ -24,7 +24,9 @@
 //! - **fencing**: every attempt is a key `/flotilla/attempts/{run}/{call}` under its worker's
 //!   lease, written before the assignment is sent; the key's revision is the attempt's fence.
 //!   Only the outcome of a call's current attempt, on its current worker, with its fence, is
-//!   accepted; anything else is dropped (its usage is still counted);
+//!   accepted; an older attempt the worker was given ends with its usage counted (once, held
+//!   to what one attempt can use: `usage.rs`), and anything a worker sends for an attempt it
+//!   was not given (another call's fence or key, another run) is dropped and never counted;
 //! - **liveness** (`workers.rs`): each worker holds a lease the coordinator keeps alive while
 //!   the worker's stream is up. A worker that is cut off keeps its attempts for one lease TTL:
 //!   if it comes back in time it reports what it holds and carries on; otherwise its lease
@@ -36,7 +38,8 @@
 //! Where each part lives: the face runs and the server use (`handle.rs`); placement
 //! (`place.rs`) with its policies — fair share (`fair.rs`), usage-limit gates (`gates.rs`),
 //! prefix stagger (`stagger.rs`); what outcomes do (`outcomes.rs`) with the retry verdicts
-//! (`retry.rs`) and what unfinished attempts left (`leftovers.rs`); the fleet (`fleet.rs`),
+//! (`retry.rs`), what unfinished attempts left (`leftovers.rs`) and the ceilings of a worker's
+//! usage reports (`usage.rs`); the fleet (`fleet.rs`),
 //! the lease-store writes and watches (`keys.rs`), and worker links, leases and takeovers
 //! (`workers.rs`). A call's states are [`crate::call::State`].
 
@@ -70,15 +73,17 @@ mod outcomes;
 mod place;
 mod retry;
 mod stagger;
+mod usage;
 mod workers;
 
 pub use admission::AccountView;
 pub use fair::Share;
 use handle::Msg;
 pub use handle::{
-    DispatchHandle, DispatchOptions, NamespaceView, RunRegistration, Stats, Ticket,
+    DispatchHandle, DispatchOptions, NameTaken, NamespaceView, RunRegistration, Stats, Ticket,
     WORKER_LEASE_TTL, WorkerView,
 };
+pub use usage::UsageBounds;
 
 use fleet::Fleet;
 use keys::{KeyOp, PendingPut, Refusal};
@@ -316,7 +321,7 @@ impl Dispatcher {
                 attempt,
                 stored,
             } => self.partial_stored(&(run, call), attempt, stored),
-            Msg::Attach(end) => self.attach(end),
+            Msg::Attach { end, peer, verdict } => self.attach(end, peer, verdict),
             Msg::FromWorker { worker, msg } => self.on_worker(worker, *msg),
             Msg::LinkClosed { worker, link } => self.link_closed(worker, link),
             Msg::Watch(ev) => self.watched(ev),
@@ -445,16 +450,7 @@ impl Dispatcher {
         match msg {
             worker_message::Msg::Hello(h) => self.hello(worker, h),
             worker_message::Msg::Progress(p) => self.progress(worker, p),
-            worker_message::Msg::Transcript(t) => {
-                let id: CallId = (Arc::from(t.run_id.as_str()), t.call);
-                if let Some(r) = self.runs.get(&id.0) {
-                    let _ = r.reg.events.send(CallEvent::Transcript {
-                        call: t.call,
-                        attempt: t.attempt,
-                        events: t.events,
-                    });
-                }
-            }
+            worker_message::Msg::Transcript(t) => self.transcript(worker, t),
             worker_message::Msg::Outcome(o) => self.outcome(worker, o),
             // Put back together by the gRPC bridge; a stray one means nothing.
             worker_message::Msg::Fragment(_) => {}
@@ -486,17 +482,23 @@ impl Dispatcher {
                         })),
                     });
                 };
-                let Some(store) = &self.sources else {
-                    refuse("this coordinator keeps no sources".into());
+                let Some(namespace) = self.source_namespace(worker, &req) else {
+                    self.fleet.stray(
+                        worker,
+                        "a source request",
+                        format_args!(
+                            "commit {} of {} is not the source of an attempt it runs",
+                            req.commit, req.repo
+                        ),
+                    );
+                    refuse(format!(
+                        "commit {} of {} is not the source of an attempt this worker runs: the coordinator sends a source only to the attempts it gave",
+                        req.commit, req.repo
+                    ));
                     return;
                 };
-                let Some(namespace) = self.source_namespace(worker, &req) else {
-                    let name = self.fleet.workers.get(&worker).map(|w| w.name.clone());
-                    tracing::warn!(worker = ?name, repo = %req.repo, commit = %req.commit, "refused a source request that matches none of the worker's attempts");
-                    refuse(format!(
-                        "this worker holds no attempt of source {} at commit {}: the coordinator sends a source only to the attempts it gave",
-                        req.repo, req.commit
-                    ));
+                let Some(store) = &self.sources else {
+                    refuse("this coordinator keeps no sources".into());
                     return;
                 };
                 let (acks, acked) = tokio::sync::watch::channel(0u64);
@@ -520,7 +522,7 @@ impl Dispatcher {
         let w = self.fleet.workers.get(&worker)?;
         let asked = crate::namespace::effective(&req.namespace);
         let mut found = None;
-        for (run, call, _) in &w.running {
+        for (run, call, _) in w.running.keys() {
             let id: CallId = (run.clone(), *call);
             let Some(c) = self.calls.get(&id) else {
                 continue;

@@ -2,13 +2,43 @@
 //! with its fence, is accepted; a failure is judged ([`retry::verdict`]) and the call fails,
 //! waits for a usage limit, or goes again; what an unfinished attempt left is kept for the next
 //! one (W58).
+//!
+//! A worker speaks only for its own attempts: an outcome counts only if it names exactly the
+//! run, call, attempt, call key and fence the worker was given (or, for an attempt it held from
+//! a coordinator that went away, listed in its `Hello`); its usage is held to what one attempt
+//! can use ([`super::usage`]) before the run counts it, once. Anything else is dropped, logged
+//! and never counted, and the link goes on.
 
+use super::fleet::key_hash;
 use super::*;
+
+/// Why a message for attempt `.1` of call `.0` was not the worker's to send.
+struct NotGiven<'a>(&'a CallId, u32);
+
+impl std::fmt::Display for NotGiven<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let NotGiven((run, call), attempt) = self;
+        write!(
+            f,
+            "attempt {attempt} of call {call} of run {run} is not one it was given (with that fence and call key), or it has ended"
+        )
+    }
+}
 
 impl Dispatcher {
     pub(super) fn progress(&mut self, worker: u64, p: v1::Progress) {
         let id: CallId = (Arc::from(p.run_id.as_str()), p.call);
+        let given = self.fleet.given(worker, &(id.0.clone(), id.1, p.attempt));
         let Some(c) = self.calls.get_mut(&id) else {
+            if given.is_none() {
+                self.fleet
+                    .stray(worker, "progress", NotGiven(&id, p.attempt));
+            }
+            return;
+        };
+        let Some(given) = given else {
+            self.fleet
+                .stray(worker, "progress", NotGiven(&id, p.attempt));
             return;
         };
         if c.state != State::Running
@@ -18,6 +48,9 @@ impl Dispatcher {
         {
             return;
         }
+        let output_tokens = p
+            .output_tokens
+            .min(self.opts.usage.output_ceiling(self.fleet.ran(&given)));
         c.last_progress = Instant::now();
         let kind = ProgressKind::try_from(p.kind).unwrap_or(ProgressKind::Unspecified);
         match kind {
@@ -35,7 +68,7 @@ impl Dispatcher {
             let _ = r.reg.events.send(CallEvent::Progress {
                 call: id.1,
                 attempt: p.attempt,
-                output_tokens: p.output_tokens,
+                output_tokens,
             });
         }
         if began {
@@ -43,11 +76,49 @@ impl Dispatcher {
         }
     }
 
+    /// Transcript events of one attempt go to its run if the attempt is the worker's: one it
+    /// was given here, or one it listed as still held from a coordinator that went away.
+    pub(super) fn transcript(&mut self, worker: u64, t: v1::TranscriptChunk) {
+        let id: CallId = (Arc::from(t.run_id.as_str()), t.call);
+        let given = self
+            .fleet
+            .given(worker, &(id.0.clone(), id.1, t.attempt))
+            .is_some();
+        let held = self
+            .fleet
+            .workers
+            .get(&worker)
+            .is_some_and(|w| w.orphans.lists(&id, t.attempt));
+        if !given && !held {
+            self.fleet
+                .stray(worker, "transcript events", NotGiven(&id, t.attempt));
+            return;
+        }
+        if let Some(r) = self.runs.get(&id.0) {
+            let _ = r.reg.events.send(CallEvent::Transcript {
+                call: t.call,
+                attempt: t.attempt,
+                events: t.events,
+            });
+        }
+    }
+
     pub(super) fn outcome(&mut self, worker: u64, o: v1::Outcome) {
         let id: CallId = (Arc::from(o.run_id.as_str()), o.call);
+        // Exactly what the worker was given for this attempt: its call key and its fence.
+        let given = self
+            .fleet
+            .given(worker, &(id.0.clone(), id.1, o.attempt))
+            .filter(|g| g.fence != 0 && g.fence == o.fence && g.key == key_hash(&o.call_key));
+        let Some(given) = given else {
+            self.not_given(worker, &id, o);
+            return;
+        };
         self.fleet.free_slot(worker, &id.0, id.1, o.attempt);
-        let input_tokens = o.usage.as_ref().map_or(0, |u| u.input_tokens);
-        let usage = o.usage.unwrap_or_default();
+        // Counted once: the slot is gone, so the same outcome sent again is not this worker's
+        // any more.
+        let usage = self.bounded(worker, &id, o.attempt, o.usage.unwrap_or_default(), given);
+        let input_tokens = usage.input_tokens;
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r.reg.events.send(CallEvent::Usage {
                 call: o.call,
@@ -79,17 +150,6 @@ impl Dispatcher {
             return;
         }
         if !current {
-            // An attempt from a coordinator that went away, not claimed yet: keep its outcome
-            // for the run that takes it over.
-            let claimable = self.calls.get(&id).is_none_or(|c| c.state == State::Queued);
-            if claimable
-                && let Some(w) = self.fleet.workers.get_mut(&worker)
-                && w.orphans.ended(&id, o.attempt, o.fence)
-            {
-                w.orphan_outcomes.insert((id.0.clone(), id.1, o.attempt), o);
-                self.claim_orphans(&id);
-                return;
-            }
             tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
             return;
         }
@@ -142,6 +202,64 @@ impl Dispatcher {
                 },
             ),
         }
+    }
+
+    /// An outcome that names no attempt the worker was given here. One it listed in its
+    /// `Hello` as held from a coordinator that went away (same attempt, fence and key) is kept
+    /// for the run that takes the call over; anything else is not its to send.
+    fn not_given(&mut self, worker: u64, id: &CallId, o: v1::Outcome) {
+        let claimable = self.calls.get(id).is_none_or(|c| c.state == State::Queued);
+        let Some(w) = self.fleet.workers.get_mut(&worker) else {
+            return;
+        };
+        if w.orphans.ended(id, o.attempt, o.fence, &o.call_key) {
+            if claimable {
+                w.orphan_outcomes.insert((id.0.clone(), id.1, o.attempt), o);
+                self.claim_orphans(id);
+            } else {
+                tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
+            }
+            return;
+        }
+        self.fleet
+            .stray(worker, "an outcome", NotGiven(id, o.attempt));
+    }
+
+    /// `usage` as attempt `attempt` of call `id` on `worker` (given `given`) reported it, held
+    /// to what one attempt can have used in the time it ran; a report above that is clipped and
+    /// said, naming the worker.
+    fn bounded(
+        &self,
+        worker: u64,
+        id: &CallId,
+        attempt: u32,
+        usage: v1::Usage,
+        given: super::fleet::Given,
+    ) -> v1::Usage {
+        let ran = self.fleet.ran(&given);
+        let Some(clipped) = self.opts.usage.clip(&usage, ran) else {
+            return usage;
+        };
+        crate::metrics::inc(&crate::metrics::USAGE_CLIPPED);
+        if let Some(w) = self.fleet.workers.get(&worker) {
+            w.clipped.say(|held| {
+                tracing::warn!(
+                    worker = %w.name,
+                    peer = %w.peer,
+                    run = %id.0,
+                    call = id.1,
+                    attempt,
+                    ran = ?ran,
+                    reported = ?usage,
+                    counted = ?clipped,
+                    suppressed = held,
+                    "clipped an implausible usage report from worker {}: more than one attempt can use in {}; only the clipped figures are counted ([attempt_usage] in the coordinator's config sets the ceilings)",
+                    w.name,
+                    human(ran),
+                );
+            });
+        }
+        clipped
     }
 
     /// The call's current attempt gives back what it took of its account; which account.

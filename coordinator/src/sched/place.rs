@@ -332,7 +332,13 @@ impl Dispatcher {
         c.fence = None;
         c.captured = None;
         c.in_tool = false;
-        self.fleet.take_slot(wid, &id.0, id.1, c.attempt);
+        self.fleet.take_slot(
+            wid,
+            (id.0.clone(), id.1, c.attempt),
+            &c.ticket.key,
+            0,
+            Duration::ZERO,
+        );
         c.held_by_account = false;
         c.admitted = self
             .fleet
@@ -357,6 +363,12 @@ impl Dispatcher {
             return;
         };
         let Some(wid) = c.worker else { return };
+        // What comes back for this attempt must carry this fence (an adopted attempt's own
+        // carries the one it was started with, kept since it was claimed).
+        if c.adopted_fence.is_none() {
+            self.fleet
+                .sent(wid, &(id.0.clone(), id.1, c.attempt), fence);
+        }
         let Some(w) = self.fleet.workers.get(&wid) else {
             return;
         };

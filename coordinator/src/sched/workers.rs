@@ -6,6 +6,9 @@
 //! - A link attaches and says `Hello`. The worker is known by its name (a remote worker's
 //!   certificate CN). A name seen before, whose lease has not lapsed, is the same worker coming
 //!   back: the new link takes over its state, and the attempts it lists in `Hello` carry on.
+//!   While the name's link is up, only the same process (`Hello.incarnation`) may take its
+//!   place; another process claiming the name is refused, naming both peers, and the attached
+//!   one keeps serving.
 //! - Each named worker has a lease task ([`worker_lease`](super::keys::worker_lease)) that grants its lease, writes its
 //!   registration key under it and renews it while the worker is attached. While the worker is
 //!   cut off, nobody renews it.
@@ -44,8 +47,13 @@ impl Dispatcher {
         }
     }
 
-    pub(super) fn attach(&mut self, end: CoordinatorEnd) {
-        self.fleet.attach(end, self.tx.clone());
+    pub(super) fn attach(
+        &mut self,
+        end: CoordinatorEnd,
+        peer: Arc<str>,
+        verdict: Option<tokio::sync::oneshot::Sender<Result<(), super::NameTaken>>>,
+    ) {
+        self.fleet.attach(end, peer, verdict, self.tx.clone());
     }
 
     pub(super) fn hello(&mut self, link_id: u64, h: v1::Hello) {
@@ -82,6 +90,20 @@ impl Dispatcher {
             .collect();
         let wid = match self.fleet.by_name.get(&name).copied() {
             Some(old) if old != link_id && self.fleet.workers.contains_key(&old) => {
+                if let Some(taken) = self.fleet.clash(old, link_id, &h.incarnation) {
+                    // Two processes with one name would take the name from each other on
+                    // every reconnect, for ever: the one attached keeps it.
+                    tracing::warn!(
+                        worker = %name,
+                        attached_from = %taken.attached_from,
+                        refused_from = %taken.refused_from,
+                        "refused a second worker named {name:?}: the one attached from {} keeps serving; the one from {} is another process with the same certificate and name",
+                        taken.attached_from,
+                        taken.refused_from,
+                    );
+                    self.fleet.refuse(link_id, taken);
+                    return;
+                }
                 self.adopt(old, link_id, &h, &held)
             }
             _ => {
@@ -141,7 +163,7 @@ impl Dispatcher {
         // its slot and goes out on this link.
         let gone: Vec<(Arc<str>, u64, u32)> = w
             .running
-            .iter()
+            .keys()
             .filter(|a| !held.contains(*a))
             .filter(|(run, call, attempt)| {
                 !self.calls.get(&(run.clone(), *call)).is_some_and(|c| {
@@ -252,7 +274,15 @@ impl Dispatcher {
         c.captured = None;
         c.in_tool = false;
         let attempt = c.attempt;
-        self.fleet.take_slot(wid, &id.0, id.1, attempt);
+        // It started before this coordinator knew of it: at most its timeout ago.
+        let ran_before = super::usage::adopted_ran_before(&c.ticket.task);
+        self.fleet.take_slot(
+            wid,
+            (id.0.clone(), id.1, attempt),
+            &c.ticket.key,
+            a.fence,
+            ran_before,
+        );
         tracing::info!(run = %id.0, call = id.1, attempt, worker = %name, "re-attached an attempt that outlived its coordinator");
         let finished = self
             .fleet

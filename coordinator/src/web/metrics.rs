@@ -334,6 +334,16 @@ fn process(e: &mut Exposition) {
         "Object-store writes that failed and were retried.",
         m::get(&m::STORAGE_WRITE_RETRIES),
     );
+    e.counter(
+        "flotilla_worker_messages_dropped_total",
+        "Messages from workers that named no attempt they hold (another call's, another run's, or one that ended): dropped, nothing of them counted.",
+        m::get(&m::WORKER_STRAYS),
+    );
+    e.counter(
+        "flotilla_worker_usage_clipped_total",
+        "Usage reports from workers above what one attempt can use, clipped to it before they were counted.",
+        m::get(&m::USAGE_CLIPPED),
+    );
     e.0.push_str(&m::DISPATCH_LATENCY.render(
         "flotilla_dispatch_latency_seconds",
         "From a call being ready to run to its attempt being assigned to a worker.",

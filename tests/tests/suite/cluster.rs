@@ -1649,3 +1649,67 @@ fn a_coordinator_s_allowed_models_bound_every_run() {
         r["warnings"]
     );
 }
+
+/// A coordinator alone in its group (etcd, no standby) frozen past its lease: etcd lets the
+/// lease and the leader's seat go. Woken, it finds nobody leading, so instead of stopping (and
+/// leaving its run to wait for a restart) it starts again in its own place — same process —
+/// campaigns, leads, and adopts its run from storage like any successor; the run completes
+/// with one result per call.
+#[test]
+fn a_lone_coordinator_frozen_past_its_lease_campaigns_again_and_its_run_completes() {
+    let etcd = flotilla_tests::services::Etcd::start();
+    let mut c = Cluster::start_with(2, 4, Some(etcd.endpoint()));
+    let run = c.launch(
+        "lone",
+        "return (await parallel(Array.from({ length: 60 }, (_, i) => () => agent('job ' + i + ' [[sleep:400]]')))).filter(Boolean).length;",
+        &["--stagger", "0", "--concurrency", "8", "--stall-timeout", "10m"],
+    );
+    wait_until("10 calls are journaled", Duration::from_secs(60), || {
+        c.journal(&run).len() >= 10
+    });
+    let leader_key = |etcd: &flotilla_tests::services::Etcd| {
+        let out = etcd
+            .etcdctl(&["get", "/flotilla/leader", "--print-value-only"])
+            .expect("etcdctl");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    assert!(!leader_key(&etcd).is_empty(), "it leads before the pause");
+    c.signal_coordinator("-STOP");
+    // Frozen past its TTL: etcd lets its lease go, and the leader's seat with it.
+    wait_until(
+        "etcd frees the leader's seat",
+        Duration::from_secs(30),
+        || leader_key(&etcd).is_empty(),
+    );
+    let before = c.journal(&run).len();
+    assert!(before < 60, "the pause came too late to test anything");
+    c.signal_coordinator("-CONT");
+    wait_until("the seat is held again", Duration::from_secs(60), || {
+        !leader_key(&etcd).is_empty()
+    });
+    assert_eq!(c.coordinator_exited(), None, "the same process carries on");
+    // It adopts its own run, as a successor would (the journal sealed, then replayed).
+    wait_for_log(
+        &c,
+        "coordinator.log",
+        &["adopted a run whose coordinator is gone"],
+        Duration::from_secs(60),
+    );
+    let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
+    assert!(
+        log.contains(
+            "no other coordinator leads: starting again in its own place to campaign again"
+        ) && log.matches("this coordinator leads").count() == 2,
+        "{log}"
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 60);
+    assert_one_result_per_call(&c, &run, 60);
+    assert!(
+        r["usage"]["cached"].as_u64().unwrap() >= before as u64,
+        "what was journaled before the pause is served from storage: {}",
+        r["usage"]
+    );
+}

@@ -42,28 +42,36 @@ impl FakeWorker {
         backends: &[&str],
         accounts: Vec<v1::Account>,
     ) -> FakeWorker {
+        Self::attach_hello(
+            d,
+            v1::Hello {
+                accounts,
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+                name: name.into(),
+                backends: backends.iter().map(|b| (*b).to_owned()).collect(),
+                slots,
+                held: held
+                    .iter()
+                    .map(|a| v1::AttemptRef {
+                        run_id: a.run_id.clone(),
+                        call: a.call,
+                        attempt: a.attempt,
+                        fence: a.fence,
+                        call_key: a.call_key.clone(),
+                        ended: false,
+                    })
+                    .collect(),
+                ..v1::Hello::default()
+            },
+        )
+    }
+
+    /// Attaches with this `Hello`.
+    fn attach_hello(d: &DispatchHandle, hello: v1::Hello) -> FakeWorker {
         let (link, end) = link_pair();
         d.attach(end);
         let w = FakeWorker { link };
-        w.send(worker_message::Msg::Hello(v1::Hello {
-            accounts,
-            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-            name: name.into(),
-            backends: backends.iter().map(|b| (*b).to_owned()).collect(),
-            slots,
-            held: held
-                .iter()
-                .map(|a| v1::AttemptRef {
-                    run_id: a.run_id.clone(),
-                    call: a.call,
-                    attempt: a.attempt,
-                    fence: a.fence,
-                    call_key: a.call_key.clone(),
-                    ended: false,
-                })
-                .collect(),
-            ..v1::Hello::default()
-        }));
+        w.send(worker_message::Msg::Hello(hello));
         w
     }
 
@@ -126,6 +134,7 @@ impl FakeWorker {
 
 mod fleet;
 mod fuzz;
+mod hostile;
 
 fn register(
     d: &DispatchHandle,
@@ -287,7 +296,10 @@ async fn a_worker_gets_sources_only_from_the_namespace_of_an_attempt_it_holds() 
     for id in [2, 3] {
         let (data, error) = &answers[&id];
         assert!(data.is_empty(), "{id}: {data:?}");
-        assert!(error.contains("holds no attempt"), "{id}: {error}");
+        assert!(
+            error.contains("is not the source of an attempt this worker runs"),
+            "{id}: {error}"
+        );
     }
 }
 
