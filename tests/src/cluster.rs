@@ -536,6 +536,24 @@ impl Cluster {
         self.workers[i].as_ref().expect("worker running").id()
     }
 
+    /// Stops worker `i` as an operator would (SIGTERM) and waits for it to exit, at most a
+    /// minute; its exit status.
+    pub fn stop_worker(&mut self, i: usize) -> std::process::ExitStatus {
+        let mut child = self.workers[i].take().expect("worker running");
+        must(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_wait().expect("wait for the worker") {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "worker {i} did not stop within a minute of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Sends a signal to worker `i` (`-9`, `-STOP`, `-CONT`, ...).
     pub fn signal_worker(&mut self, i: usize, signal: &str) {
         let pid = self.worker_pid(i).to_string();

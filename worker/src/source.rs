@@ -927,6 +927,64 @@ mod tests {
         );
     }
 
+    /// What an agent could once write into a cache (issue 28: a repository under the shared
+    /// cache with `core.gitProxy` set, and hooks) runs nothing when the worker fetches into
+    /// it: the cache is made the worker's own first. The old layout's caches go.
+    #[tokio::test]
+    async fn a_cache_someone_else_wrote_runs_nothing_of_its_config_and_the_old_layout_goes() {
+        let root = tempfile::tempdir().unwrap();
+        let old = root.path().join(".flotilla/sources/abc123.git");
+        std::fs::create_dir_all(&old).unwrap();
+        let sources = Sources::new(root.path(), false).allowing_hosts(vec!["127.0.0.1".into()]);
+        assert!(
+            !old.exists(),
+            "the cache shared by every namespace is not trusted"
+        );
+        let sprung = root.path().join("sprung");
+        let task = v1::TaskSpec {
+            source_repo: "abc123".into(),
+            source_commit: "main".into(),
+            source_url: "git://127.0.0.1:9/r.git".into(),
+            namespace: "team-b".into(),
+            ..Default::default()
+        };
+        let bare = sources.bare(&task.namespace, &task.source_repo);
+        assert!(bare.starts_with(root.path().join(".flotilla/caches/team-b")));
+        std::fs::create_dir_all(bare.join("hooks")).unwrap();
+        git(&bare, &["init", "--bare", "-q"]).await.unwrap();
+        let proxy = root.path().join("proxy.sh");
+        std::fs::write(&proxy, format!("#!/bin/sh\ntouch {}\n", sprung.display())).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&proxy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for (key, value) in [
+            ("core.gitProxy", proxy.display().to_string()),
+            ("core.sshCommand", proxy.display().to_string()),
+            ("core.fsmonitor", proxy.display().to_string()),
+            ("credential.helper", format!("!{}", proxy.display())),
+        ] {
+            git(&bare, &["config", key, &value]).await.unwrap();
+        }
+        std::fs::write(
+            bare.join("hooks/post-checkout"),
+            "#!/bin/sh\ntouch sprung\n",
+        )
+        .unwrap();
+        let (link, _rx) = mpsc::unbounded_channel();
+        let failed = sources.ensure(&task, &link, false).await.unwrap_err();
+        assert_eq!(failed.kind, FailureKind::Retryable, "{}", failed.message);
+        assert!(!sprung.exists(), "the planted proxy never ran");
+        assert_eq!(
+            std::fs::read_to_string(bare.join("config")).unwrap(),
+            CACHE_CONFIG
+        );
+        assert!(!bare.join("hooks").exists());
+        // Another namespace's cache of the same repository is another directory.
+        assert_ne!(sources.bare("team-a", "abc123"), bare);
+        assert_eq!(namespace_dir(""), "default");
+        assert!(namespace_dir("../x").starts_with("ns-"));
+        assert!(namespace_dir(".hidden").starts_with("ns-"));
+    }
+
     #[test]
     fn a_fetch_url_names_its_host_and_port() {
         for (url, want) in [
