@@ -349,7 +349,53 @@ pub async fn relay(relays: &[(String, PathBuf)], program: &str, args: &[String])
 pub async fn start_proxy(
     dir: &Path,
     allow: Vec<String>,
+    api: (&str, PathBuf),
+) -> Result<PathBuf, String> {
+    start_proxy_with(dir, allow, api, Lookup::system()).await
+}
+
+/// Where a name leads, resolved once per request: what the proxy checks is what it connects
+/// to. A test gives a resolver of its own (one that answers differently the second time, as
+/// a rebinding name server would).
+type Resolve = dyn Fn(
+        String,
+        u16,
+    )
+        -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<std::net::SocketAddr>> + Send>>
+    + Send
+    + Sync;
+
+/// How the proxy finds a host's addresses, and which addresses are the worker itself or its
+/// link.
+#[derive(Clone)]
+struct Lookup {
+    resolve: Arc<Resolve>,
+    inward: fn(std::net::IpAddr) -> bool,
+}
+
+impl Lookup {
+    /// The system's resolver, and [`crate::source::inward`].
+    fn system() -> Lookup {
+        Lookup {
+            resolve: Arc::new(|host, port| {
+                Box::pin(async move {
+                    tokio::net::lookup_host((host.as_str(), port))
+                        .await
+                        .map(Iterator::collect)
+                        .unwrap_or_default()
+                })
+            }),
+            inward: crate::source::inward,
+        }
+    }
+}
+
+/// [`start_proxy`] with `lookup`.
+async fn start_proxy_with(
+    dir: &Path,
+    allow: Vec<String>,
     (api, gateway): (&str, PathBuf),
+    lookup: Lookup,
 ) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
     let socket = dir.join("net.sock");
@@ -362,8 +408,9 @@ pub async fn start_proxy(
         while let Ok((conn, _)) = listener.accept().await {
             let allow = allow.clone();
             let api = api.clone();
+            let lookup = lookup.clone();
             tokio::spawn(async move {
-                if let Err(e) = proxy_one(conn, &allow, &api).await {
+                if let Err(e) = proxy_one(conn, &allow, &api, &lookup).await {
                     tracing::debug!(error = %e, "sandbox proxy connection ended");
                 }
             });
@@ -404,6 +451,7 @@ async fn proxy_one(
     mut conn: tokio::net::UnixStream,
     allow: &[String],
     (api, gateway): &(String, PathBuf),
+    lookup: &Lookup,
 ) -> std::io::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // The request head, at most 64 KiB, within 30 s.
@@ -466,13 +514,10 @@ async fn proxy_one(
     } else if let Ok(ip) = host.parse::<std::net::IpAddr>() {
         vec![std::net::SocketAddr::new(ip, port)]
     } else {
-        tokio::net::lookup_host((host.as_str(), port))
-            .await
-            .map(Iterator::collect)
-            .unwrap_or_default()
+        (lookup.resolve)(host.clone(), port).await
     };
-    let inward = host.parse::<std::net::IpAddr>().is_err()
-        && addrs.iter().any(|a| crate::source::inward(a.ip()));
+    let inward =
+        host.parse::<std::net::IpAddr>().is_err() && addrs.iter().any(|a| (lookup.inward)(a.ip()));
     if !permitted || inward {
         tracing::info!(host = %host, port, "the sandbox proxy refused a host that is not allowed");
         let why = format!(
@@ -610,6 +655,59 @@ mod tests {
         }
     }
 
+    /// A name allowed by name that a rebinding name server points at the worker itself on
+    /// its second lookup: the proxy connects where its one lookup led, never to the second
+    /// answer. ("Outside" here is 127.0.0.2, which this test's check counts as not inward.)
+    #[tokio::test]
+    async fn the_proxy_connects_to_the_address_it_checked() {
+        // One port on both addresses (a few tries: it may be taken on 127.0.0.1).
+        let mut pair = None;
+        for _ in 0..50 {
+            let outside = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
+            let port = outside.local_addr().unwrap().port();
+            if let Ok(inside) = tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
+                pair = Some((outside, inside, port));
+                break;
+            }
+        }
+        let (outside, inside, port) = pair.expect("a port free on both loopback addresses");
+        let lookups = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = lookups.clone();
+        let lookup = Lookup {
+            resolve: Arc::new(move |_, port| {
+                let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let ip = if n == 0 {
+                    [127, 0, 0, 2]
+                } else {
+                    [127, 0, 0, 1]
+                };
+                Box::pin(async move { vec![std::net::SocketAddr::from((ip, port))] })
+            }),
+            inward: |ip| ip == std::net::IpAddr::from([127, 0, 0, 1]),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let socket = start_proxy_with(
+            dir.path(),
+            vec!["rebind.test".into()],
+            ("127.0.0.1:47119", dir.path().join("none.sock")),
+            lookup,
+        )
+        .await
+        .unwrap();
+        let answer = tokio::spawn(send(
+            socket.clone(),
+            format!("CONNECT rebind.test:{port} HTTP/1.1\r\nhost: rebind.test\r\n\r\n"),
+        ));
+        let accepted = tokio::select! {
+            a = outside.accept() => a.map(|_| "outside"),
+            a = inside.accept() => a.map(|_| "inside"),
+        }
+        .unwrap();
+        assert_eq!(accepted, "outside");
+        assert_eq!(lookups.load(std::sync::atomic::Ordering::SeqCst), 1);
+        drop(answer);
+    }
+
     /// An upstream that records each request line it gets and answers 200.
     async fn recording_upstream() -> (String, Arc<Mutex<Vec<String>>>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -637,7 +735,8 @@ mod tests {
         (url, seen)
     }
 
-    async fn send(socket: &Path, head: &str) -> String {
+    async fn send(socket: impl AsRef<Path>, head: impl AsRef<str>) -> String {
+        let (socket, head) = (socket.as_ref(), head.as_ref());
         let mut c = tokio::net::UnixStream::connect(socket).await.unwrap();
         c.write_all(head.as_bytes()).await.unwrap();
         let mut out = Vec::new();

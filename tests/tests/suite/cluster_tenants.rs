@@ -547,3 +547,32 @@ fn a_stopped_worker_leaves_no_sandbox_state_and_a_killed_one_s_is_swept() {
     assert!(eventually(30, || states(third).len() == 1));
     assert!(states(second).is_empty(), "the next worker swept it");
 }
+
+/// Row: `isolation: 'worktree'` on a worker. Without a run source there is no repository of
+/// the run's on a worker: an agent asking for a worktree is refused, even when the worker's
+/// workspace root is a repository (as an agent could once make it, with filters of its own
+/// that `git worktree add` would run outside any sandbox).
+#[test]
+fn a_fleet_agent_gets_no_worktree_of_the_worker_s_own_directories() {
+    let c =
+        Cluster::start_workers_with(1, 2, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let ws = c.path().join("ws-0");
+    repo(&ws);
+    let run = launch(
+        &c,
+        c.path(),
+        "client",
+        "worktree",
+        "try { return await agent('echo inside', { isolation: 'worktree' }); } catch (e) { return 'REJECTED ' + e.code + ' ' + e.message; }",
+        &["--backend", "exec", "--source", "none"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let text = r["result"].as_str().unwrap_or_else(|| panic!("{r}"));
+    assert!(
+        text.starts_with("REJECTED") && text.contains("needs the run's source"),
+        "{text}"
+    );
+    let worktrees = git(&ws, &["worktree", "list"]);
+    assert_eq!(worktrees.lines().count(), 1, "{worktrees}");
+}
