@@ -1,8 +1,10 @@
 //! `flotilla bench sandbox`: what the agents' sandbox costs an attempt.
 //!
-//! In one process, with an embedded coordinator and worker, it times attempts one after
-//! another, without and then with the bubblewrap sandbox (with its model API gateway), and
-//! reports the medians and their ratio:
+//! In one process, with an embedded coordinator and a worker run as a fleet worker runs
+//! (a directory per call), it times attempts one after another, without and then with the
+//! bubblewrap sandbox (its seccomp filter, its model API gateway, and the worker's default
+//! limits: a cgroup or rlimits, the disk quota and its watch), and reports the medians and
+//! their ratio:
 //! - a no-op exec attempt (`true`);
 //! - with `--claude`, a real Claude Code CLI attempt ("say hi") against the worker's
 //!   `ANTHROPIC_BASE_URL` (a local fake API offline).
@@ -68,12 +70,25 @@ async fn attempts(
     std::fs::create_dir_all(&store).map_err(|e| e.to_string())?;
     let ws = dir.path().join("ws");
     std::fs::create_dir_all(&ws).map_err(|e| e.to_string())?;
-    let e = Embedded::start_sandboxed(
+    // As a fleet worker runs attempts: a directory of each call's own, and (sandboxed) the
+    // worker's limits, its disk quota included; the sandbox brings its seccomp filter.
+    let limits = if sandbox.is_on() {
+        flotilla_worker::limits::Limits::detect(flotilla_worker::limits::Settings::default())
+    } else {
+        flotilla_worker::limits::Limits::default()
+    };
+    let backends = flotilla_worker::backend::NAMES
+        .iter()
+        .filter_map(|name| flotilla_worker::backend::by_name(name, Some("true")).ok())
+        .collect();
+    let e = Embedded::start_shaped(
         &format!("file://{}", store.display()),
-        1,
-        ws,
-        Some("true"),
-        sandbox,
+        (1, ws, backends, sandbox),
+        false,
+        |o| {
+            o.shared_workspace = false;
+            o.limits = limits;
+        },
     )
     .map_err(|e| e.to_string())?;
     let handle = e

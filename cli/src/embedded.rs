@@ -65,6 +65,27 @@ impl Embedded {
         sandbox: flotilla_worker::sandbox::Sandbox,
         admission: bool,
     ) -> anyhow::Result<Embedded> {
+        Self::start_shaped(
+            store_url,
+            (slots, workspace, backends, sandbox),
+            admission,
+            |_| {},
+        )
+    }
+
+    /// [`Embedded::start_parts`], with the worker's options changed by `shape` first (a bench
+    /// that runs its worker as a fleet worker would: scratch directories, limits).
+    pub fn start_shaped(
+        store_url: &str,
+        (slots, workspace, backends, sandbox): (
+            u32,
+            std::path::PathBuf,
+            Vec<Arc<dyn AgentBackend>>,
+            flotilla_worker::sandbox::Sandbox,
+        ),
+        admission: bool,
+        shape: impl FnOnce(&mut WorkerOptions),
+    ) -> anyhow::Result<Embedded> {
         let store = store::open(store_url)?;
         let coordinator = Arc::new(Coordinator::with_options(
             store,
@@ -75,8 +96,7 @@ impl Embedded {
                 ..Default::default()
             },
         ));
-        let worker = Worker::new(
-            WorkerOptions {
+        let mut opts = WorkerOptions {
                 name: "local".into(),
                 slots,
                 workspace,
@@ -90,9 +110,9 @@ impl Embedded {
                 sandbox,
                 limits: flotilla_worker::limits::Limits::default(),
                 account_limits: Default::default(),
-            },
-            backends,
-        );
+            };
+        shape(&mut opts);
+        let worker = Worker::new(opts, backends);
         let (link, end) = link_pair();
         coordinator.dispatch().attach(end);
         let cancel = CancellationToken::new();
