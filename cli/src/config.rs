@@ -321,6 +321,15 @@ pub fn load(path: Option<&Path>) -> Result<ConfigFile, String> {
     read_config(path)
 }
 
+/// The namespace a fleet launch asks for: `flag` (`--namespace`, FLOTILLA_NAMESPACE), else the
+/// config file's; empty: the certificate's first, as the coordinator chooses it.
+pub fn asked_namespace(flag: Option<&str>, config: Option<&Path>) -> Result<String, String> {
+    Ok(match flag {
+        Some(ns) => ns.to_owned(),
+        None => read_config(config)?.namespace.unwrap_or_default(),
+    })
+}
+
 /// Everything `flotilla run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct ResolvedRun {

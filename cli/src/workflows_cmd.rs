@@ -24,7 +24,7 @@ pub enum WorkflowsCommand {
     Show(ShowArgs),
     /// Save a workflow file in the project's (or your personal) workflows directory.
     Save(SaveArgs),
-    /// Save a workflow on a coordinator, so anyone can `flotilla launch NAME`.
+    /// Save a workflow on a coordinator, so your namespace's runs can `flotilla launch NAME`.
     Push(PushArgs),
 }
 
@@ -36,6 +36,11 @@ pub struct Where {
     /// Also list the workflows saved on this coordinator.
     #[command(flatten)]
     remote: ClientArgs,
+    /// With --coordinator: the namespace whose pushed workflows are listed (one your
+    /// certificate names; default: its first, where your launches go); `*`: only those an
+    /// operator pushed to every namespace.
+    #[arg(long, env = "FLOTILLA_NAMESPACE", value_name = "NS")]
+    namespace: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -69,6 +74,10 @@ pub struct PushArgs {
     file: PathBuf,
     #[command(flatten)]
     remote: ClientArgs,
+    /// The namespace whose runs it is for (one your certificate names; default: its first,
+    /// where your launches go); `*`: every namespace, after their own (operators only).
+    #[arg(long, env = "FLOTILLA_NAMESPACE", value_name = "NS")]
+    namespace: Option<String>,
 }
 
 pub async fn run(cmd: WorkflowsCommand) -> i32 {
@@ -87,6 +96,8 @@ struct Entry {
     location: String,
     meta: Result<source::Meta, String>,
     source: Option<String>,
+    /// A pushed workflow's namespace (`*`: every namespace's).
+    namespace: Option<String>,
 }
 
 fn personal_dirs() -> Vec<PathBuf> {
@@ -124,6 +135,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
             location: path.display().to_string(),
             meta,
             source: None,
+            namespace: None,
         });
     }
     for w in resolver.plugin_workflows() {
@@ -133,6 +145,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
             origin: "plugin",
             location: w.origin,
             source: Some(w.source),
+            namespace: None,
         });
     }
     let wants_remote = at.remote.coordinator.is_some();
@@ -141,16 +154,25 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
         let listed = client
             .list_workflows(v1::ListWorkflowsRequest {
                 protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+                namespace: at.namespace.clone().unwrap_or_default(),
             })
             .await
-            .map_err(|s| s.message().to_owned())?;
-        for w in listed.into_inner().workflows {
+            .map_err(|s| s.message().to_owned())?
+            .into_inner();
+        for w in listed.workflows {
+            // Pushed to the namespace itself, or by an operator to every namespace.
+            let namespace = if saved::pushed_to_fleet(&w.origin) {
+                saved::FLEET.to_owned()
+            } else {
+                listed.namespace.clone()
+            };
             out.push(Entry {
                 meta: source::read_meta(&w.source).map_err(|e| e.to_string()),
                 name: w.name,
                 origin: "server",
                 location: w.origin,
                 source: Some(w.source),
+                namespace: Some(namespace),
             });
         }
     }
@@ -162,6 +184,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
                 location: bundled::origin(name),
                 meta: source::read_meta(text).map_err(|e| e.to_string()),
                 source: Some(text.to_owned()),
+                namespace: None,
             });
         }
     }
@@ -177,11 +200,17 @@ fn winner(entries: &[Entry], i: usize) -> Option<usize> {
 }
 
 /// The listing `workflows list --json` prints, of this machine's workflows (and the bundled
-/// ones), with `dirs` searched first, and those saved on `remote`'s coordinator if it names one.
-pub async fn rows(dirs: &[PathBuf], remote: ClientArgs) -> Result<Vec<Value>, String> {
+/// ones), with `dirs` searched first, and those pushed to `namespace` (empty: the
+/// certificate's first) on `remote`'s coordinator if it names one.
+pub async fn rows(
+    dirs: &[PathBuf],
+    remote: ClientArgs,
+    namespace: Option<String>,
+) -> Result<Vec<Value>, String> {
     let at = Where {
         workflows_dirs: dirs.to_vec(),
         remote,
+        namespace,
     };
     Ok(json_rows(&entries(&at).await?))
 }
@@ -195,6 +224,9 @@ fn json_rows(all: &[Entry]) -> Vec<Value> {
                 "origin": e.origin,
                 "location": e.location,
             });
+            if let Some(ns) = &e.namespace {
+                row["namespace"] = json!(ns);
+            }
             match &e.meta {
                 Ok(m) => {
                     row["description"] = json!(m.description);
@@ -234,8 +266,13 @@ async fn list(a: ListArgs) -> i32 {
                     Some(w) => format!("  (shadowed by {})", all[w].location),
                     None => String::new(),
                 };
+                let pushed_to = match e.namespace.as_deref() {
+                    Some(saved::FLEET) => "  (pushed to every namespace)".to_owned(),
+                    Some(ns) => format!("  (namespace {})", clean(ns)),
+                    None => String::new(),
+                };
                 println!(
-                    "{:<20} {:<9} {}{shadow}",
+                    "{:<20} {:<9} {}{pushed_to}{shadow}",
                     clean(&e.name),
                     e.origin,
                     clean(&m.description)
@@ -404,13 +441,25 @@ async fn push(a: PushArgs) -> i32 {
         .push_workflow(v1::PushWorkflowRequest {
             protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
             source: text,
+            namespace: a.namespace.unwrap_or_default(),
         })
         .await
     {
         Ok(r) => {
             let r = r.into_inner();
+            let (to, whose) = if r.namespace == saved::FLEET {
+                (
+                    "for every namespace".to_owned(),
+                    "any namespace's runs (after a push of the same name to their own)",
+                )
+            } else {
+                (
+                    format!("in namespace {}", clean(&r.namespace)),
+                    "that namespace's runs",
+                )
+            };
             println!(
-                "{} {} on the coordinator ({}, sha256 {}, recorded as pushed by {}); run it with `flotilla launch {}`",
+                "{} {} {to} on the coordinator ({}, sha256 {}, recorded as pushed by {}); {whose} run it with `flotilla launch {}`",
                 if r.replaced { "replaced" } else { "saved" },
                 r.name,
                 r.origin,

@@ -66,7 +66,8 @@ pub(crate) struct Prepared {
     server: Vec<FoundWorkflow>,
 }
 
-/// Resolves `run` as the coordinator will run it: a name may be a workflow saved there.
+/// Resolves `run` as the coordinator will run it: a name may be a workflow pushed there to
+/// the run's namespace (or to every namespace).
 pub(crate) async fn prepare(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
     run: &crate::RunArgs,
@@ -75,9 +76,14 @@ pub(crate) async fn prepare(
     let server = if by_path && !run.by_name {
         Vec::new()
     } else {
+        let asked =
+            config::asked_namespace(run.settings.namespace.as_deref(), run.config.as_deref())
+                .map_err(NotSent::Input)?;
+        let namespace = run_namespace(client, asked, run.resume.as_deref()).await;
         client
             .list_workflows(v1::ListWorkflowsRequest {
                 protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+                namespace,
             })
             .await
             .map_err(NotSent::Rpc)?
@@ -89,6 +95,30 @@ pub(crate) async fn prepare(
     };
     let resolved = config::resolve_run_with(run, &server, false).map_err(NotSent::Input)?;
     Ok(Prepared { resolved, server })
+}
+
+/// The namespace a launch asking for `asked` runs in, as far as this client can tell: `asked`,
+/// else (a resume) its run's, else empty (the certificate's first, the coordinator decides).
+async fn run_namespace(
+    client: &mut ClientServiceClient<tonic::transport::Channel>,
+    asked: String,
+    resume: Option<&str>,
+) -> String {
+    let (true, Some(parent)) = (asked.is_empty(), resume) else {
+        return asked;
+    };
+    let Ok(r) = client
+        .report(v1::RunRef {
+            run_id: parent.to_owned(),
+        })
+        .await
+    else {
+        return asked;
+    };
+    serde_json::from_str::<serde_json::Value>(&r.into_inner().report_json)
+        .ok()
+        .and_then(|v| v["namespace"].as_str().map(str::to_owned))
+        .unwrap_or_default()
 }
 
 /// A launch as the coordinator answered it, with the source it sent.
@@ -116,19 +146,12 @@ pub(crate) async fn send(
     // commit uploaded again).
     let mut again = true;
     // A resume runs in its run's namespace (unless it names one), so its source goes there.
-    let mut namespace = resolved.settings.namespace.clone();
-    if let (true, Some(parent)) = (namespace.is_empty(), &resolved.resume)
-        && let Ok(r) = client
-            .report(v1::RunRef {
-                run_id: parent.clone(),
-            })
-            .await
-    {
-        namespace = serde_json::from_str::<serde_json::Value>(&r.into_inner().report_json)
-            .ok()
-            .and_then(|v| v["namespace"].as_str().map(str::to_owned))
-            .unwrap_or_default();
-    }
+    let namespace = run_namespace(
+        client,
+        resolved.settings.namespace.clone(),
+        resolved.resume.as_deref(),
+    )
+    .await;
     loop {
         let sent = send_source(client, source, &resolved.cwd, &namespace)
             .await

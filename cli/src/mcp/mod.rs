@@ -251,7 +251,17 @@ impl Flotilla {
                 tls: Default::default(),
             },
         };
-        let rows = crate::workflows_cmd::rows(&self.args.settings.workflows_dirs, remote).await;
+        let namespace = config::asked_namespace(
+            self.args.settings.namespace.as_deref(),
+            self.args.config.as_deref(),
+        );
+        let rows = match namespace {
+            Ok(ns) => {
+                crate::workflows_cmd::rows(&self.args.settings.workflows_dirs, remote, Some(ns))
+                    .await
+            }
+            Err(e) => Err(e),
+        };
         Ok(answer(rows.map(|rows| json!({ "workflows": rows }))))
     }
 }

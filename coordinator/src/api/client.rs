@@ -137,9 +137,55 @@ impl ClientSvc {
             return Ok(peer.name);
         }
         Err(ErrorKind::Denied.status(format!(
-            "{} may not push workflows to this coordinator: a push changes what everyone's `launch NAME` runs, so only the publishers its operator names may (`--publisher {}` or `publishers` in its config)",
+            "{} may not push workflows to this coordinator: a push changes what a namespace's `launch NAME` runs, so only the publishers its operator names may (`--publisher {}` or `publishers` in its config)",
             peer.name, peer.name
         )))
+    }
+
+    /// The namespace whose pushed workflows a push or a listing is about: `asked` when the
+    /// caller's certificate names it (empty: its first, as for a launch). `*` names the
+    /// fleet's (offered to every namespace after its own): any caller may list them, only an
+    /// operator (`*`) or a coordinator may push there. A `coordinator` certificate that
+    /// forwards for nobody is the operator's own tool here, and acts in every namespace.
+    pub(super) fn workflow_namespace<T>(
+        &self,
+        req: &Request<T>,
+        asked: &str,
+        pushing: bool,
+    ) -> Result<String, Status> {
+        let what = if pushing {
+            "push workflows"
+        } else {
+            "list workflows"
+        };
+        let mut scope = self.scope(req, what)?;
+        let peer = tls::peer_of(req).ok();
+        if peer.as_ref().is_some_and(|p| p.role == Role::Coordinator)
+            && req.metadata().get(ON_BEHALF).is_none()
+        {
+            scope = Scope::All;
+        }
+        let who = peer.map_or_else(|| "insecure".to_owned(), |p| p.name);
+        let asked = asked.trim();
+        if asked == crate::saved::FLEET {
+            if pushing && scope != Scope::All {
+                return Err(ErrorKind::Denied.status(format!(
+                    "certificate {who:?} may push to namespace(s) {} only: a push to '*' changes what every namespace's `launch NAME` runs, so only an operator's certificate (issued with `flotilla certs issue --namespace '*'`) may make one; push without --namespace '*'",
+                    scope.list()
+                )));
+            }
+            return Ok(crate::saved::FLEET.to_owned());
+        }
+        if crate::namespace::valid_name(asked) && !scope.may(asked) {
+            let doing = if pushing { "push to" } else { "list" };
+            return Err(ErrorKind::Denied.status(format!(
+                "certificate {who:?} may act in namespace(s) {} only, not {asked:?}: {doing} your own without --namespace, or use a certificate issued with `flotilla certs issue --namespace {asked}`",
+                scope.list()
+            )));
+        }
+        scope
+            .choose(asked, &who)
+            .map_err(|e| ErrorKind::Denied.status(e))
     }
 
     pub(super) fn session_url(&self, run: &str) -> String {
@@ -219,35 +265,6 @@ impl ClientService for ClientSvc {
                 "workflows are disabled on this coordinator (FLOTILLA_DISABLE_WORKFLOWS or disable_workflows in its config file): new runs are refused, runs in progress keep going",
             ));
         }
-        if self.policy.saved_only && !r.inherit {
-            if r.saved_name.is_empty() {
-                return Err(ErrorKind::Denied.status(
-                    "this coordinator runs saved workflows only: launch a pushed or bundled one by name (`flotilla workflows list --coordinator URL`); a publisher of this coordinator can push yours with `flotilla workflows push FILE`",
-                ));
-            }
-            let name = r.saved_name.trim_start_matches('/').to_owned();
-            let found = match crate::saved::get(self.coordinator.store(), &name)
-                .await
-                .map_err(|e| e.kind().status(e.to_string()))?
-            {
-                Some(w) => w,
-                None => crate::bundled::find(&name).ok_or_else(|| {
-                    ErrorKind::NotFound.status(format!(
-                        "no saved workflow {name:?} on this coordinator (`flotilla workflows list --coordinator URL` lists them); a publisher of this coordinator can push it with `flotilla workflows push FILE`"
-                    ))
-                })?,
-            };
-            r.script = found.source;
-            r.origin = found.origin;
-            // Nested workflow() calls, too, reach only what this coordinator holds: the
-            // pushed workflows (bundled ones are found after them anyway).
-            r.workflows = crate::saved::list(self.coordinator.store())
-                .await
-                .map_err(|e| e.kind().status(e.to_string()))?
-                .into_iter()
-                .map(v1::SavedWorkflow::from)
-                .collect();
-        }
         // None sent: the defaults, as for any field a client leaves out.
         let settings_json = match r.settings_json.trim() {
             "" => "{}",
@@ -300,6 +317,38 @@ impl ClientService for ClientSvc {
         settings.namespace = scope
             .choose(&asked, &who)
             .map_err(|e| ErrorKind::Denied.status(e))?;
+        if self.policy.saved_only && !r.inherit {
+            if r.saved_name.is_empty() {
+                return Err(ErrorKind::Denied.status(
+                    "this coordinator runs saved workflows only: launch a pushed or bundled one by name (`flotilla workflows list --coordinator URL`); a publisher of this coordinator can push yours with `flotilla workflows push FILE`",
+                ));
+            }
+            // The run's namespace's pushed workflows (then the fleet's, then the bundled
+            // ones): another namespace's name reads as one nobody pushed.
+            let ns = &settings.namespace;
+            let name = r.saved_name.trim_start_matches('/').to_owned();
+            let found = match crate::saved::find(self.coordinator.store(), ns, &name)
+                .await
+                .map_err(|e| e.kind().status(e.to_string()))?
+            {
+                Some(w) => w,
+                None => crate::bundled::find(&name).ok_or_else(|| {
+                    ErrorKind::NotFound.status(format!(
+                        "no saved workflow {name:?} in namespace {ns} on this coordinator (`flotilla workflows list --coordinator URL` lists them); a publisher of this coordinator can push it with `flotilla workflows push FILE`"
+                    ))
+                })?,
+            };
+            r.script = found.source;
+            r.origin = found.origin;
+            // Nested workflow() calls, too, reach only what this coordinator holds for the
+            // run's namespace: its pushed workflows (bundled ones are found after them anyway).
+            r.workflows = crate::saved::offered(self.coordinator.store(), ns)
+                .await
+                .map_err(|e| e.kind().status(e.to_string()))?
+                .into_iter()
+                .map(v1::SavedWorkflow::from)
+                .collect();
+        }
         // Checked as JSON, kept as text: a value tree of 16 MiB of JSON can take ten times that.
         let args = match r.args_json.take() {
             None => None,
@@ -702,23 +751,27 @@ impl ClientService for ClientSvc {
         req: Request<v1::PushWorkflowRequest>,
     ) -> Result<Response<v1::PushWorkflowReply>, Status> {
         let by = self.publisher(&req)?;
+        sizes::text("the namespace", &req.get_ref().namespace)
+            .map_err(|e| ErrorKind::Invalid.status(e))?;
+        let ns = self.workflow_namespace(&req, &req.get_ref().namespace, true)?;
         let r = req.into_inner();
         check_version(&r.protocol_version)?;
         sizes::pushed(&r.source).map_err(|e| ErrorKind::Invalid.status(e))?;
         let rules = crate::saved::PushRules {
             shadow_bundled: self.policy.shadow_bundled,
         };
-        let record = crate::saved::push(self.coordinator.store(), &r.source, &by, rules)
+        let record = crate::saved::push(self.coordinator.store(), &ns, &r.source, &by, rules)
             .await
             .map_err(|e| e.kind().status(e.to_string()))?;
-        tracing::info!(workflow = %record.name, by = %record.by, sha256 = %record.sha256,
-            replaced = ?record.replaced, "workflow pushed");
+        tracing::info!(workflow = %record.name, namespace = %ns, by = %record.by,
+            sha256 = %record.sha256, replaced = ?record.replaced, "workflow pushed");
         Ok(Response::new(v1::PushWorkflowReply {
-            origin: crate::saved::origin(&record.name),
+            origin: crate::saved::origin(&ns, &record.name),
             replaced: record.replaced.is_some(),
             name: record.name,
             sha256: record.sha256,
             pushed_by: record.by,
+            namespace: ns,
         }))
     }
 
@@ -727,14 +780,20 @@ impl ClientService for ClientSvc {
         req: Request<v1::ListWorkflowsRequest>,
     ) -> Result<Response<v1::ListWorkflowsReply>, Status> {
         self.authorize(&req, "list workflows")?;
+        sizes::text("the namespace", &req.get_ref().namespace)
+            .map_err(|e| ErrorKind::Invalid.status(e))?;
+        let ns = self.workflow_namespace(&req, &req.get_ref().namespace, false)?;
         check_version(&req.get_ref().protocol_version)?;
-        let workflows = crate::saved::list(self.coordinator.store())
+        let workflows = crate::saved::offered(self.coordinator.store(), &ns)
             .await
             .map_err(|e| e.kind().status(e.to_string()))?
             .into_iter()
             .map(v1::SavedWorkflow::from)
             .collect();
-        Ok(Response::new(v1::ListWorkflowsReply { workflows }))
+        Ok(Response::new(v1::ListWorkflowsReply {
+            workflows,
+            namespace: ns,
+        }))
     }
 
     async fn transcripts(

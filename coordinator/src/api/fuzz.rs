@@ -174,7 +174,7 @@ fn call() -> impl Strategy<Value = Call> {
             name_like()
         )
             .prop_map(|(run_id, action, agent)| Call::Control(v1::ControlRequest { run_id, action, agent })),
-        1 => (version(), script()).prop_map(|(protocol_version, source)| Call::Push(v1::PushWorkflowRequest { protocol_version, source })),
+        1 => (version(), script(), name_like()).prop_map(|(protocol_version, source, namespace)| Call::Push(v1::PushWorkflowRequest { protocol_version, source, namespace })),
         1 => (version(), name_like(), name_like(), any::<u32>()).prop_map(|(protocol_version, run_id, agent, attempt)| {
             Call::Transcripts(v1::TranscriptsRequest { protocol_version, run_id, agent, attempt })
         }),
@@ -279,6 +279,7 @@ async fn send(client: &mut ClientServiceClient<Channel>, call: Call) -> Result<(
             let flows = client
                 .list_workflows(req(v1::ListWorkflowsRequest {
                     protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+                    namespace: String::new(),
                 }))
                 .await
                 .map(drop);

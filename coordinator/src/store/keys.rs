@@ -11,7 +11,8 @@
 //! runs/{run}/owner/{seq}.json              who drives the run (create-only; see `owner`)
 //! runs/{run}/notify.json                   how its end webhook was delivered
 //! payloads/{sha256}                        large results, stored once by content hash
-//! workflows/{name}.js                      workflows saved on the server
+//! {workflows}/{name}.js                    workflows pushed to a namespace (or the fleet)
+//! {workflows}/.pushes/{name}/{at}-{sha}.json   who pushed each, when, what it replaced
 //! index/runs/{countdown}-{run}.json         the run index (see `index`): newest first
 //! notify/outbox/{run}.json                 a webhook not yet delivered (see `notify`)
 //! namespaces/{ns}/usage/{day}.json         what a namespace used on a UTC day (see `namespace`)
@@ -21,7 +22,9 @@
 //!
 //! `{sources}` is a namespace's own ([`sources_of`]): `namespaces/{ns}/sources` for every
 //! namespace but `default`, whose sources stay at `sources` (where every store kept them
-//! before namespaces had sources of their own).
+//! before namespaces had sources of their own). `{workflows}` is alike ([`workflows_of`]):
+//! `namespaces/{ns}/workflows`, `default`'s at `workflows`, and the fleet's (an operator's
+//! push for every namespace) at `fleet/workflows`.
 //!
 //! Segment names carry the writer's generation, zero-padded so that listing order is
 //! write order and a later generation sorts after an earlier one.
@@ -186,23 +189,42 @@ pub fn index_entry(countdown: u64, run: &str) -> Path {
     Path::from(format!("index/runs/{countdown:013}-{run}.json"))
 }
 
-pub fn saved_workflows() -> Path {
-    Path::from("workflows")
+/// The directory of the workflows pushed to namespace `ns` (empty: `default`), or, for `*`,
+/// of the fleet's (pushed by an operator for every namespace; see `saved`). `default`'s stay
+/// at `workflows` (where every store kept them before pushes had namespaces), the fleet's are
+/// at `fleet/workflows`, every other namespace's at `namespaces/{ns}/workflows`. Callers pass
+/// a checked namespace name (`namespace::valid_name`) or `*`.
+pub fn workflows_of(ns: &str) -> String {
+    match ns {
+        "" | DEFAULT_NAMESPACE => "workflows".to_owned(),
+        FLEET => "fleet/workflows".to_owned(),
+        ns => format!("namespaces/{ns}/workflows"),
+    }
 }
 
-pub fn saved_workflow(name: &str) -> Path {
-    Path::from(format!("workflows/{name}.js"))
+/// In [`workflows_of`]: the fleet's workflows, which every namespace sees.
+const FLEET: &str = "*";
+
+pub fn saved_workflows(ns: &str) -> Path {
+    Path::from(workflows_of(ns))
+}
+
+pub fn saved_workflow(ns: &str, name: &str) -> Path {
+    Path::from(format!("{}/{name}.js", workflows_of(ns)))
 }
 
 /// The record of one push of a saved workflow (names never start with a dot, so this
 /// directory cannot collide with one).
-pub fn workflow_push(name: &str, at_ms: u128, sha256_hex: &str) -> Path {
+pub fn workflow_push(ns: &str, name: &str, at_ms: u128, sha256_hex: &str) -> Path {
     let short = &sha256_hex[..sha256_hex.len().min(12)];
-    Path::from(format!("workflows/.pushes/{name}/{at_ms:015}-{short}.json"))
+    Path::from(format!(
+        "{}/.pushes/{name}/{at_ms:015}-{short}.json",
+        workflows_of(ns)
+    ))
 }
 
-pub fn workflow_pushes(name: &str) -> Path {
-    Path::from(format!("workflows/.pushes/{name}"))
+pub fn workflow_pushes(ns: &str, name: &str) -> Path {
+    Path::from(format!("{}/.pushes/{name}", workflows_of(ns)))
 }
 
 #[cfg(test)]
@@ -249,5 +271,36 @@ mod tests {
             None
         );
         assert_eq!(parse_source("runs/wf_1/run.json"), None);
+    }
+
+    #[test]
+    fn each_namespace_has_its_own_pushed_workflows_and_default_keeps_the_old_place() {
+        assert_eq!(
+            saved_workflow("default", "audit").as_ref(),
+            "workflows/audit.js"
+        );
+        assert_eq!(saved_workflow("", "audit").as_ref(), "workflows/audit.js");
+        assert_eq!(
+            saved_workflow("team-a", "audit").as_ref(),
+            "namespaces/team-a/workflows/audit.js"
+        );
+        assert_eq!(
+            saved_workflow("*", "audit").as_ref(),
+            "fleet/workflows/audit.js"
+        );
+        assert_eq!(
+            workflow_pushes("team-b", "audit").as_ref(),
+            "namespaces/team-b/workflows/.pushes/audit"
+        );
+        assert!(
+            workflow_push("default", "audit", 7, "abcdef0123456789")
+                .as_ref()
+                .starts_with("workflows/.pushes/audit/000000000000007-abcdef012345")
+        );
+        // A namespace's workflows are not a source object of it.
+        assert_eq!(
+            parse_source(saved_workflow("team-a", "audit").as_ref()),
+            None
+        );
     }
 }

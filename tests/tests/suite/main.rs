@@ -18,6 +18,7 @@ mod cluster_images;
 mod cluster_sandbox;
 mod cluster_sources;
 mod cluster_tenant_sources;
+mod cluster_tenant_workflows;
 mod cluster_tenants;
 mod cluster_workers;
 mod combinators;
