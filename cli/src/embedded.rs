@@ -97,20 +97,20 @@ impl Embedded {
             },
         ));
         let mut opts = WorkerOptions {
-                name: "local".into(),
-                slots,
-                workspace,
-                labels: Default::default(),
-                shared_workspace: true,
-                max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
-                // Embedded, the launcher is the machine's user: their own paths are theirs.
-                allow_file_sources: true,
-                // The user's own machine: whatever the user's git reaches.
-                allow_source_hosts: vec!["*".into()],
-                sandbox,
-                limits: flotilla_worker::limits::Limits::default(),
-                account_limits: Default::default(),
-            };
+            name: "local".into(),
+            slots,
+            workspace,
+            labels: Default::default(),
+            shared_workspace: true,
+            max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
+            // Embedded, the launcher is the machine's user: their own paths are theirs.
+            allow_file_sources: true,
+            // The user's own machine: whatever the user's git reaches.
+            allow_source_hosts: vec!["*".into()],
+            sandbox,
+            limits: flotilla_worker::limits::Limits::default(),
+            account_limits: Default::default(),
+        };
         shape(&mut opts);
         let worker = Worker::new(opts, backends);
         let (link, end) = link_pair();

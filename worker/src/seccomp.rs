@@ -320,8 +320,8 @@ mod tests {
             assert_eq!(clone(ns as u64 | libc::SIGCHLD as u64), EPERM, "{ns:#x}");
         }
         let ioctl = |cmd: u64| verdict(libc::SYS_ioctl as u32, AUDIT_ARCH, [0, cmd, 0, 0, 0, 0]);
-        assert_eq!(ioctl(libc::TIOCSTI as u64), EPERM);
-        assert_eq!(ioctl(libc::TIOCGWINSZ as u64), RET_ALLOW);
+        assert_eq!(ioctl(libc::TIOCSTI), EPERM);
+        assert_eq!(ioctl(libc::TIOCGWINSZ), RET_ALLOW);
     }
 
     #[test]

@@ -783,7 +783,7 @@ async fn settle(
         // an unfinished attempt's stay for the next one (W58).
         Some(wt) if !spec.source_repo.is_empty() => {
             if let Ok(out) = result.as_mut() {
-                match crate::source::change_of(wt, &spec, (&a.run_id, a.call), sources.max_change())
+                match crate::source::change_of(wt, spec, (&a.run_id, a.call), sources.max_change())
                     .await
                 {
                     Ok(Some(c)) if let Err(e) = sources.fits(out.text.len(), &c) => {
@@ -817,7 +817,7 @@ async fn settle(
                 // left goes with its failure (W58). The checkout stays too.
                 match crate::source::partial_of(
                     wt,
-                    &spec,
+                    spec,
                     (&a.run_id, a.call, a.attempt),
                     sources.max_change(),
                 )

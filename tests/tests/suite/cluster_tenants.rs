@@ -196,7 +196,7 @@ fn a_hostile_agent_of_one_namespace_reaches_nothing_of_another_or_of_the_worker(
     for _ in 0..20 {
         cwds.push(built.new_tree(&mut runner).unwrap().current());
     }
-    let probe = hostile_probe(&ws, &a_note.parent().unwrap().to_path_buf());
+    let probe = hostile_probe(&ws, a_note.parent().unwrap());
     let body = probes_script(&probe, &cwds);
     let mut leaked = Vec::new();
     for (extra, dir) in [
