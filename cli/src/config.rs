@@ -273,6 +273,9 @@ pub struct ConfigFile {
     /// addresses (`*`: any).
     #[serde(default)]
     pub allow_source_hosts: Vec<String>,
+    /// Worker: URL sources are fetched with the worker's own git and ssh credentials (every
+    /// namespace may then name what they reach); off: anonymously.
+    pub source_credentials: Option<bool>,
     /// Worker: `on` (bubblewrap, the default) or `off`.
     pub sandbox: Option<String>,
     /// Worker: hosts sandboxed agents may reach (HOST or HOST:PORT).

@@ -107,6 +107,8 @@ impl Embedded {
             allow_file_sources: true,
             // The user's own machine: whatever the user's git reaches.
             allow_source_hosts: vec!["*".into()],
+            // And with the user's own credentials.
+            source_credentials: true,
             sandbox,
             limits: flotilla_worker::limits::Limits::default(),
             account_limits: Default::default(),

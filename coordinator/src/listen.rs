@@ -127,6 +127,9 @@ struct Slot {
     peer: IpAddr,
     /// Set when a newcomer took this place; the connection fails its next read or write.
     evicted: AtomicBool,
+    /// Set once its peer proved who it is (a finished mutual-TLS handshake): such a
+    /// connection is never closed to make room for a newcomer.
+    authenticated: AtomicBool,
     waker: AtomicWaker,
 }
 
@@ -187,17 +190,27 @@ impl Gate {
             return None;
         }
         if t.total >= max {
-            // The busiest peer gives up its oldest connection, if it holds more than the
-            // newcomer would.
+            // The busiest peer gives up its oldest connection that has not authenticated, if
+            // it holds more of them than the newcomer would: no one who has not proved who
+            // they are closes the link of someone who has.
+            let open = |q: &VecDeque<Arc<Slot>>| {
+                q.iter()
+                    .filter(|s| !s.authenticated.load(Ordering::Acquire))
+                    .count()
+            };
             let busiest = t
                 .peers
                 .iter()
-                .max_by_key(|(_, q)| q.len())
-                .filter(|(_, q)| q.len() > mine + 1)
-                .map(|(p, _)| *p);
+                .map(|(p, q)| (*p, open(q)))
+                .max_by_key(|(_, n)| *n)
+                .filter(|(_, n)| *n > mine + 1)
+                .map(|(p, _)| p);
             let Some(victim) = busiest.and_then(|p| {
                 let q = t.peers.get_mut(&p)?;
-                let v = q.pop_front();
+                let at = q
+                    .iter()
+                    .position(|s| !s.authenticated.load(Ordering::Acquire))?;
+                let v = q.remove(at);
                 if q.is_empty() {
                     t.peers.remove(&p);
                 }
@@ -223,6 +236,7 @@ impl Gate {
             id: self.next.fetch_add(1, Ordering::Relaxed),
             peer,
             evicted: AtomicBool::new(false),
+            authenticated: AtomicBool::new(false),
             waker: AtomicWaker::new(),
         });
         t.peers.entry(peer).or_default().push_back(slot.clone());
@@ -445,6 +459,13 @@ pub fn tls(
         tokio::spawn(async move {
             match tokio::time::timeout(limits.handshake, acceptor.accept(conn)).await {
                 Ok(Ok(tls)) => {
+                    // The client's certificate checked out: this connection is no longer
+                    // one a newcomer may take the place of.
+                    tls.get_ref()
+                        .0
+                        .slot
+                        .authenticated
+                        .store(true, Ordering::Release);
                     let _ = tx.send(Ok(tls));
                 }
                 Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),
@@ -660,6 +681,38 @@ mod tests {
         assert_ne!(peer_of(&a), peer_of(&c));
         let mapped: SocketAddr = "[::ffff:10.0.0.7]:1".parse().unwrap();
         assert_eq!(peer_of(&mapped), "10.0.0.7".parse::<IpAddr>().unwrap());
+    }
+
+    #[test]
+    fn a_newcomer_never_takes_the_place_of_an_authenticated_connection() {
+        let gate = Gate::new(
+            "test",
+            Limits {
+                max_connections: 4,
+                max_per_peer: 4,
+                ..Limits::default()
+            },
+        );
+        let workers: SocketAddr = "10.0.0.1:1".parse().unwrap();
+        let held: Vec<Arc<Slot>> = (0..4).map(|_| gate.admit(workers).unwrap()).collect();
+        for s in &held {
+            s.authenticated.store(true, Ordering::Release);
+        }
+        // Many newcomers from many addresses (an attacker's): none gets a worker's place.
+        for i in 2..40 {
+            let addr: SocketAddr = format!("10.0.{i}.9:1").parse().unwrap();
+            assert!(gate.admit(addr).is_none(), "{addr}");
+        }
+        assert!(held.iter().all(|s| !s.evicted.load(Ordering::Acquire)));
+        assert_eq!(gate.held(workers), (4, 4));
+        // Two of them still in their handshakes: the busiest peer's oldest of those goes.
+        held[1].authenticated.store(false, Ordering::Release);
+        held[2].authenticated.store(false, Ordering::Release);
+        assert!(gate.admit("10.0.99.9:1".parse().unwrap()).is_some());
+        assert!(held[1].evicted.load(Ordering::Acquire));
+        assert!(
+            !held[0].evicted.load(Ordering::Acquire) && !held[3].evicted.load(Ordering::Acquire)
+        );
     }
 
     #[test]

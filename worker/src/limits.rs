@@ -416,22 +416,31 @@ impl Drop for Attempt {
 }
 
 /// Watches what one attempt writes to its directory (its checkout or scratch directory) while
-/// it runs: once that is over the worker's disk quota, it says so and cancels the attempt.
-/// (No one file can pass the quota at all: the attempt runs under `RLIMIT_FSIZE`.)
+/// it runs: once what it added since it started — bytes, or entries at 4 KiB each, so a
+/// million empty files count too — passes the worker's disk quota, it says so and cancels
+/// the attempt. (No one file can pass the quota at all: the attempt runs under
+/// `RLIMIT_FSIZE`.) What was there when it started (the checkout itself, an earlier
+/// attempt's files) does not count.
 #[derive(Debug)]
 pub struct DiskWatch {
+    base: crate::workspace::Usage,
+    limit: u64,
     over: std::sync::Arc<std::sync::OnceLock<String>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl DiskWatch {
-    /// Starts watching `dir` (which may not be there yet) against `limit` bytes; `cancel`
-    /// is the attempt's.
-    pub fn start(
+    /// Takes what `dir` (which may not be there yet) holds now, then watches it against
+    /// `limit` bytes; `cancel` is the attempt's.
+    pub async fn start(
         dir: PathBuf,
         limit: u64,
         cancel: tokio_util::sync::CancellationToken,
     ) -> DiskWatch {
+        let d = dir.clone();
+        let base = tokio::task::spawn_blocking(move || crate::workspace::usage_of(&d, false))
+            .await
+            .unwrap_or_default();
         let over = std::sync::Arc::new(std::sync::OnceLock::new());
         let said = over.clone();
         let task = tokio::spawn(async move {
@@ -440,14 +449,14 @@ impl DiskWatch {
                 tokio::time::sleep(pause).await;
                 let started = std::time::Instant::now();
                 let d = dir.clone();
-                let Ok(used) =
-                    tokio::task::spawn_blocking(move || crate::workspace::disk_use(&d, false))
+                let Ok(now) =
+                    tokio::task::spawn_blocking(move || crate::workspace::usage_of(&d, false))
                         .await
                 else {
                     return;
                 };
-                if used >= limit {
-                    let _ = said.set(disk_quota_message(limit));
+                if let Some(why) = past(base, now, limit) {
+                    let _ = said.set(why);
                     cancel.cancel();
                     return;
                 }
@@ -456,13 +465,32 @@ impl DiskWatch {
                     .clamp(Duration::from_millis(250), Duration::from_secs(5));
             }
         });
-        DiskWatch { over, task }
+        DiskWatch {
+            base,
+            limit,
+            over,
+            task,
+        }
     }
 
-    /// Why the attempt was stopped, if the watch stopped it.
-    pub fn over(&self) -> Option<String> {
-        self.over.get().cloned()
+    /// Why the attempt was stopped, if the watch stopped it; else whether `now` (what its
+    /// directory holds at its end) is past the quota.
+    pub fn over(&self, now: crate::workspace::Usage) -> Option<String> {
+        self.over
+            .get()
+            .cloned()
+            .or_else(|| past(self.base, now, self.limit))
     }
+}
+
+/// Why an attempt whose directory went from `base` to `now` is past `limit`, if it is.
+fn past(base: crate::workspace::Usage, now: crate::workspace::Usage, limit: u64) -> Option<String> {
+    let bytes = now.bytes.saturating_sub(base.bytes);
+    let entries = now.entries.saturating_sub(base.entries);
+    // One file as large as the quota ran into `RLIMIT_FSIZE` (a write past it failed).
+    let capped = now.largest >= limit && now.largest > base.largest;
+    (bytes >= limit || capped || entries >= (limit / 4096).max(1))
+        .then(|| disk_quota_message(limit))
 }
 
 impl Drop for DiskWatch {
@@ -471,10 +499,54 @@ impl Drop for DiskWatch {
     }
 }
 
-/// Why an attempt that wrote `limit` bytes or more ended.
+/// Why an attempt that wrote past `limit` bytes (or `limit / 4096` files) ended.
 pub fn disk_quota_message(limit: u64) -> String {
     format!(
-        "the agent wrote {} MiB or more to its directory, the attempt's disk quota (the worker's --disk-mib); what it wrote is gone",
-        limit >> 20
+        "the agent wrote past its disk quota of {} MiB ({} files) to its directory (the worker's --disk-mib); what it wrote is gone",
+        limit >> 20,
+        limit / 4096
     )
+}
+
+#[cfg(test)]
+mod disk_tests {
+    use super::*;
+    use crate::workspace::Usage;
+
+    #[test]
+    fn the_quota_is_of_what_an_attempt_adds_in_bytes_or_in_files() {
+        let limit = 64 << 20;
+        let checkout = Usage {
+            bytes: 500 << 20,
+            entries: 20_000,
+            largest: 1 << 20,
+        };
+        // A checkout larger than the quota is not the agent's doing.
+        assert_eq!(past(checkout, checkout, limit), None);
+        let wrote = |bytes: u64, entries: u64| Usage {
+            bytes: checkout.bytes + bytes,
+            entries: checkout.entries + entries,
+            largest: checkout.largest.max(bytes),
+        };
+        assert_eq!(past(checkout, wrote((64 << 20) - 1, 1), limit), None);
+        let message = past(checkout, wrote(64 << 20, 1), limit).unwrap();
+        assert!(
+            message.contains("64 MiB") && message.contains("--disk-mib"),
+            "{message}"
+        );
+        // Empty files by the thousand cost no bytes and still count.
+        assert!(past(checkout, wrote(0, limit / 4096), limit).is_some());
+        assert!(past(checkout, wrote(0, limit / 4096 - 1), limit).is_none());
+        // What went away since it started is not a credit beyond zero.
+        let less = Usage::default();
+        assert_eq!(past(checkout, less, limit), None);
+        // A file cut off at the quota by RLIMIT_FSIZE, while the agent deleted as much
+        // elsewhere: the cut says it went over.
+        let cut = Usage {
+            bytes: checkout.bytes,
+            entries: checkout.entries,
+            largest: limit,
+        };
+        assert!(past(checkout, cut, limit).is_some());
+    }
 }

@@ -45,6 +45,8 @@ pub struct Sources {
     allow_file: bool,
     /// Hosts URL sources may name although they resolve to this machine or its link.
     allow_hosts: Vec<String>,
+    /// URL sources are fetched with the worker's own credentials (else anonymously).
+    credentials: bool,
     /// The largest result this worker sends (a change travels in it).
     max_result: usize,
 }
@@ -207,9 +209,6 @@ impl Sources {
 
     /// [`Sources::new`] for a worker whose results are at most `max_result` bytes.
     pub fn with_limit(root: &Path, allow_file: bool, max_result: usize) -> Sources {
-        // Caches of the layout before namespaces (`.flotilla/sources/REPO.git`, shared by
-        // every namespace) are not trusted: they go.
-        crate::workspace::remove_tree(&root.join(".flotilla").join("sources"));
         Sources {
             root: root.join(".flotilla").join("caches"),
             next: AtomicU64::new(1),
@@ -217,8 +216,30 @@ impl Sources {
             repos: Mutex::default(),
             allow_file,
             allow_hosts: Vec::new(),
+            credentials: false,
             max_result,
         }
+    }
+
+    /// Removes the caches of the layout before namespaces (`.flotilla/sources/REPO.git`,
+    /// shared by every namespace, and so not trusted) under a worker's own workspace `root`:
+    /// only bare repositories of that name, nothing else that may be there.
+    pub fn remove_shared_caches(root: &Path) {
+        let old = root.join(".flotilla").join("sources");
+        let Ok(entries) = std::fs::read_dir(&old) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            let bare = e.file_type().is_ok_and(|t| t.is_dir())
+                && p.extension().is_some_and(|x| x == "git")
+                && p.join("HEAD").is_file()
+                && p.join("objects").is_dir();
+            if bare {
+                crate::workspace::remove_tree(&p);
+            }
+        }
+        let _ = std::fs::remove_dir(&old);
     }
 
     /// These hosts may be fetched from although they resolve to loopback or link-local
@@ -228,25 +249,43 @@ impl Sources {
         self
     }
 
+    /// URL sources are fetched with the worker's own git and ssh credentials: any namespace
+    /// may then name what they reach. Off (the default), they are fetched anonymously.
+    pub fn with_credentials(mut self, on: bool) -> Sources {
+        self.credentials = on;
+        self
+    }
+
     /// Refuses a network URL whose host is this machine or on its link (loopback,
     /// link-local, unspecified), unless the worker allows that host: a launcher must not
-    /// point workers at their own services or a cloud metadata endpoint.
-    async fn check_host(&self, url: &str) -> Result<(), Error> {
+    /// point workers at their own services or a cloud metadata endpoint. `Ok`: the host, port
+    /// and the addresses it checked, for git to connect to (never a second lookup of the
+    /// name); none when the host is allowed by name.
+    async fn check_host(
+        &self,
+        url: &str,
+    ) -> Result<Option<(String, u16, Vec<std::net::IpAddr>)>, Error> {
         let Some((host, port)) = url_host(url) else {
-            return Ok(());
+            return Ok(None);
         };
         if self
             .allow_hosts
             .iter()
             .any(|h| h == "*" || h.eq_ignore_ascii_case(&host))
         {
-            return Ok(());
+            return Ok(None);
         }
-        // A name that does not resolve is git's to report.
-        let Ok(addrs) = tokio::net::lookup_host((host.as_str(), port)).await else {
-            return Ok(());
-        };
-        for addr in addrs {
+        let addrs: Vec<std::net::SocketAddr> =
+            match tokio::net::lookup_host((host.as_str(), port)).await {
+                Ok(a) => a.collect(),
+                Err(e) => {
+                    return Err(Error::new(
+                        FailureKind::Retryable,
+                        format!("cannot resolve {host} for {url:?}: {e}"),
+                    ));
+                }
+            };
+        for addr in &addrs {
             if inward(addr.ip()) {
                 return Err(Error::new(
                     FailureKind::Invalid,
@@ -257,7 +296,11 @@ impl Sources {
                 ));
             }
         }
-        Ok(())
+        Ok(Some((
+            host,
+            port,
+            addrs.iter().map(std::net::SocketAddr::ip).collect(),
+        )))
     }
 
     /// Whether a result of `text_len` bytes with `change` fits this worker's results: `Err`
@@ -273,6 +316,35 @@ impl Sources {
             change.pack.len().div_ceil(1 << 20),
             limit >> 20
         ))
+    }
+
+    /// Makes `fetch` anonymous: none of the worker's credentials reach it — not its home's
+    /// git config, `.netrc` or ssh keys (ssh reads those from the account, so it is told
+    /// `IdentityFile none`), not the ssh agent, not the system git config (where a credential
+    /// helper may be set). The rest of the environment (a proxy, say) stays.
+    fn anonymous(&self, fetch: &mut tokio::process::Command) -> Result<(), Error> {
+        let home = self.root.join(".anonymous");
+        std::fs::create_dir_all(&home)
+            .map_err(|e| worker_error("cannot make the fetch's home", &e.to_string()))?;
+        let known = home.join("known_hosts");
+        fetch
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", &home)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("GIT_CONFIG_GLOBAL", "/dev/null")
+            .env(
+                "GIT_SSH_COMMAND",
+                format!(
+                    "ssh -F /dev/null -o IdentityFile=none -o IdentityAgent=none -o IdentitiesOnly=yes -o BatchMode=yes -o StrictHostKeyChecking=accept-new -o UserKnownHostsFile={}",
+                    known.display()
+                ),
+            )
+            .env_remove("SSH_AUTH_SOCK")
+            .env_remove("GIT_ASKPASS")
+            .env_remove("SSH_ASKPASS")
+            .env_remove("GIT_SSH")
+            .env_remove("GIT_PROXY_COMMAND");
+        Ok(())
     }
 
     /// A piece of a source the coordinator sent: to the request waiting for it.
@@ -342,9 +414,28 @@ impl Sources {
                     ),
                 ));
             }
-            if !local {
-                self.check_host(url).await?;
-            }
+            let checked = if local {
+                None
+            } else {
+                self.check_host(url).await?
+            };
+            // An http(s) fetch goes to the addresses checked above, whatever the name
+            // resolves to when git looks again.
+            let pinned = match &checked {
+                Some((host, port, ips))
+                    if !ips.is_empty() && url.to_ascii_lowercase().starts_with("http") =>
+                {
+                    let list: Vec<String> = ips
+                        .iter()
+                        .map(|ip| match ip {
+                            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+                            std::net::IpAddr::V4(v4) => v4.to_string(),
+                        })
+                        .collect();
+                    format!("http.curloptResolve={host}:{port}:{}", list.join(","))
+                }
+                _ => "http.curloptResolve=".to_owned(),
+            };
             let file = if self.allow_file { "always" } else { "never" };
             let file_rule = format!("protocol.file.allow={file}");
             let args = [
@@ -360,6 +451,8 @@ impl Sources {
                 "protocol.git.allow=always",
                 "-c",
                 &file_rule,
+                "-c",
+                &pinned,
                 // A redirect could lead where the host check did not look.
                 "-c",
                 "http.followRedirects=false",
@@ -374,7 +467,12 @@ impl Sources {
                 url,
                 rev,
             ];
-            let fetch = git(&bare, &args);
+            let mut fetch = crate::worktree::git_command(&bare);
+            fetch.args(args);
+            if !self.credentials {
+                self.anonymous(&mut fetch)?;
+            }
+            let fetch = crate::worktree::run_git(&mut fetch);
             match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
@@ -934,12 +1032,21 @@ mod tests {
     async fn a_cache_someone_else_wrote_runs_nothing_of_its_config_and_the_old_layout_goes() {
         let root = tempfile::tempdir().unwrap();
         let old = root.path().join(".flotilla/sources/abc123.git");
-        std::fs::create_dir_all(&old).unwrap();
-        let sources = Sources::new(root.path(), false).allowing_hosts(vec!["127.0.0.1".into()]);
+        git(
+            root.path(),
+            &["init", "-q", "--bare", old.to_str().unwrap()],
+        )
+        .await
+        .unwrap();
+        let other = root.path().join(".flotilla/sources/notes.txt");
+        std::fs::write(&other, "someone's").unwrap();
+        Sources::remove_shared_caches(root.path());
         assert!(
             !old.exists(),
             "the cache shared by every namespace is not trusted"
         );
+        assert!(other.exists(), "nothing else there goes");
+        let sources = Sources::new(root.path(), false).allowing_hosts(vec!["127.0.0.1".into()]);
         let sprung = root.path().join("sprung");
         let task = v1::TaskSpec {
             source_repo: "abc123".into(),
@@ -983,6 +1090,54 @@ mod tests {
         assert_eq!(namespace_dir(""), "default");
         assert!(namespace_dir("../x").starts_with("ns-"));
         assert!(namespace_dir(".hidden").starts_with("ns-"));
+    }
+
+    /// A URL source's fetch carries none of the worker's credentials unless the worker was
+    /// started with them: its home's git config (a credential helper) and ssh keys stay out.
+    #[tokio::test]
+    async fn a_url_fetch_is_anonymous_unless_the_worker_lends_its_credentials() {
+        let root = tempfile::tempdir().unwrap();
+        let home = root.path().join("worker-home");
+        std::fs::create_dir_all(&home).unwrap();
+        std::fs::write(
+            home.join(".gitconfig"),
+            "[credential]\n\thelper = store --file=/worker/secrets\n",
+        )
+        .unwrap();
+        let sources = Sources::new(root.path(), false);
+        let helper = |anonymous: bool| {
+            let mut c = crate::worktree::git_command(root.path());
+            c.env("HOME", &home)
+                .env("SSH_AUTH_SOCK", "/worker/agent.sock");
+            if anonymous {
+                sources.anonymous(&mut c).unwrap();
+            }
+            c.args(["config", "--get", "credential.helper"]);
+            async move { crate::worktree::run_git(&mut c).await }
+        };
+        assert_eq!(
+            helper(false).await.unwrap(),
+            "store --file=/worker/secrets",
+            "the worker's own config is there to lend"
+        );
+        assert!(
+            helper(true).await.is_err(),
+            "an anonymous fetch has none of it"
+        );
+        let mut env = tokio::process::Command::new("sh");
+        env.env("SSH_AUTH_SOCK", "/worker/agent.sock");
+        sources.anonymous(&mut env).unwrap();
+        env.args([
+            "-c",
+            "printf '%s|%s' \"$GIT_SSH_COMMAND\" \"${SSH_AUTH_SOCK:-none}\"",
+        ]);
+        let out = env.output().await.unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(said.ends_with("|none"), "no ssh agent: {said}");
+        assert!(
+            said.contains("IdentityFile=none") && said.contains("IdentityAgent=none"),
+            "{said}"
+        );
     }
 
     #[test]

@@ -54,6 +54,9 @@ pub struct WorkerOptions {
     /// Hosts a URL source may name although they resolve to this machine or its link
     /// (loopback, link-local such as a cloud metadata service); `*`: any.
     pub allow_source_hosts: Vec<String>,
+    /// URL sources are fetched with the worker's own git and ssh credentials (its home's
+    /// keys and config, the ssh agent, the system git config) rather than anonymously.
+    pub source_credentials: bool,
     /// Where agents' processes run.
     pub sandbox: crate::sandbox::Sandbox,
     /// What one attempt may use.
@@ -77,6 +80,7 @@ impl WorkerOptions {
             max_result_bytes: flotilla_proto::frag::MAX_MESSAGE_BYTES,
             allow_file_sources: false,
             allow_source_hosts: Vec::new(),
+            source_credentials: false,
             sandbox: crate::sandbox::Sandbox::Off,
             limits: crate::limits::Limits::default(),
             account_limits: AccountLimits::default(),
@@ -200,13 +204,18 @@ impl Worker {
     /// cancels them.
     pub async fn serve(&self, mut links: mpsc::UnboundedReceiver<Link>, cancel: CancellationToken) {
         crate::sandbox::jail_git(&self.opts.sandbox, &self.opts.limits);
+        if !self.opts.shared_workspace {
+            // A workspace of the worker's own (never the user's directory, embedded).
+            crate::source::Sources::remove_shared_caches(&self.opts.workspace);
+        }
         let sources = Arc::new(
             crate::source::Sources::with_limit(
                 &self.opts.workspace,
                 self.opts.allow_file_sources,
                 self.opts.max_result_bytes,
             )
-            .allowing_hosts(self.opts.allow_source_hosts.clone()),
+            .allowing_hosts(self.opts.allow_source_hosts.clone())
+            .with_credentials(self.opts.source_credentials),
         );
         let workspace = if self.opts.shared_workspace {
             Workspace::shared(&self.opts.workspace)
@@ -222,22 +231,25 @@ impl Worker {
         let mut cut_off_since: Option<Instant> = None;
         let mut grace = DEFAULT_GRACE;
         let mut sweep = tokio::time::interval(SWEEP_EVERY);
+        let sweeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
         loop {
             let give_up = cut_off_since.map(|t| t + grace);
             tokio::select! {
                 _ = cancel.cancelled() => break,
-                _ = sweep.tick() => {
-                    let busy: std::collections::HashSet<(String, u64)> =
-                        lock(&running).keys().map(|(r, c, _)| (r.clone(), *c)).collect();
-                    let ws = workspace.clone();
-                    let gone = tokio::task::spawn_blocking(move || {
-                        ws.sweep(SWEEP_AFTER, |run, call| busy.contains(&(run.to_owned(), call)))
-                    })
-                    .await
-                    .unwrap_or(0);
-                    if gone > 0 {
-                        tracing::info!(worker = %self.opts.name, directories = gone, "removed call directories no attempt used for {}", humanize(SWEEP_AFTER));
-                    }
+                _ = sweep.tick(), if !sweeping.load(std::sync::atomic::Ordering::Acquire) => {
+                    // Off this loop: removing large trees must not hold up the link.
+                    sweeping.store(true, std::sync::atomic::Ordering::Release);
+                    let (ws, running, done) = (workspace.clone(), running.clone(), sweeping.clone());
+                    let name = self.opts.name.clone();
+                    tracker.spawn_blocking(move || {
+                        let gone = ws.sweep(SWEEP_AFTER, |run, call| {
+                            lock(&running).keys().any(|(r, c, _)| r == run && *c == call)
+                        });
+                        if gone > 0 {
+                            tracing::info!(worker = %name, directories = gone, "removed call directories no attempt used for {}", humanize(SWEEP_AFTER));
+                        }
+                        done.store(false, std::sync::atomic::Ordering::Release);
+                    });
                 }
                 next = links.recv(), if links_open => match next {
                     Some(new) => {
@@ -287,12 +299,16 @@ impl Worker {
                             let backend = self.backend_for(&a);
                             let tx = out_tx.clone();
                             let running = running.clone();
-                            let workspace = workspace.clone();
-                            let sources = sources.clone();
+                            let parts = Parts {
+                                workspace: workspace.clone(),
+                                sandbox: self.opts.sandbox.clone(),
+                                limits: self.opts.limits.clone(),
+                                sources: sources.clone(),
+                                running: running.clone(),
+                            };
                             let limit = self.opts.max_result_bytes;
-                            let sandbox = (self.opts.sandbox.clone(), self.opts.limits.clone());
                             tracker.spawn(async move {
-                                let outcome = run_attempt(a, backend, (workspace, sandbox), sources, tx.clone(), token).await;
+                                let outcome = run_attempt(a, backend, parts, tx.clone(), token).await;
                                 let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
                                 // Into the outbox before leaving `running`, so it is always held.
                                 let _ = tx.send(WorkerMessage {
@@ -516,11 +532,31 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The worker's parts an attempt runs with.
+#[derive(Clone)]
+struct Parts {
+    workspace: Workspace,
+    sandbox: crate::sandbox::Sandbox,
+    limits: crate::limits::Limits,
+    sources: Arc<crate::source::Sources>,
+    /// Every attempt running here (another attempt of this call may be among them).
+    running: Running,
+}
+
+impl Parts {
+    /// Whether an attempt of `run`'s call `call` other than `attempt` runs here now: its
+    /// directory is that attempt's too, and must stay.
+    fn another_attempt(&self, (run, call, attempt): (&str, u64, u32)) -> bool {
+        lock(&self.running)
+            .keys()
+            .any(|(r, c, n)| r == run && *c == call && *n != attempt)
+    }
+}
+
 async fn run_attempt(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
-    (workspace, sandbox): (Workspace, (crate::sandbox::Sandbox, crate::limits::Limits)),
-    sources: Arc<crate::source::Sources>,
+    parts: Parts,
     tx: mpsc::UnboundedSender<WorkerMessage>,
     cancel: CancellationToken,
 ) -> v1::Outcome {
@@ -553,18 +589,9 @@ async fn run_attempt(
             opentelemetry::global::get_text_map_propagator(|p| p.extract(&a.trace_context));
         let _ = span.set_parent(parent);
     }
-    let outcome = run_attempt_in(
-        a,
-        backend,
-        (workspace, sandbox),
-        (sources, link),
-        events,
-        sink,
-        spec,
-        cancel,
-    )
-    .instrument(span.clone())
-    .await;
+    let outcome = run_attempt_in(a, backend, (parts, link), events, sink, spec, cancel)
+        .instrument(span.clone())
+        .await;
     span.record(
         "outcome",
         match &outcome.result {
@@ -576,20 +603,22 @@ async fn run_attempt(
     outcome
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn run_attempt_in(
     a: Assignment,
     backend: Result<Arc<dyn AgentBackend>, Error>,
-    (workspace, (sandbox, limits)): (Workspace, (crate::sandbox::Sandbox, crate::limits::Limits)),
-    (sources, link): (
-        Arc<crate::source::Sources>,
-        mpsc::UnboundedSender<WorkerMessage>,
-    ),
+    (parts, link): (Parts, mpsc::UnboundedSender<WorkerMessage>),
     events: Events,
     sink: Arc<LinkSink>,
     spec: v1::TaskSpec,
     cancel: CancellationToken,
 ) -> v1::Outcome {
+    let Parts {
+        workspace,
+        sandbox,
+        limits,
+        sources,
+        ..
+    } = parts.clone();
     let mut partial = None;
     let result = match backend {
         Err(e) => Err(e),
@@ -634,9 +663,12 @@ async fn run_attempt_in(
                         Some(wt) => Some(wt.path.clone()),
                         None => scratch.call_dir(&a.run_id, a.call),
                     };
-                    let watch = quota
-                        .zip(watched)
-                        .map(|(q, dir)| crate::limits::DiskWatch::start(dir, q, token.clone()));
+                    let watch = match quota.zip(watched) {
+                        Some((q, dir)) => {
+                            Some(crate::limits::DiskWatch::start(dir, q, token.clone()).await)
+                        }
+                        None => None,
+                    };
                     let result = if let Some(limit) = limit {
                         let run =
                             crate::backend::run_attempt(&*backend, &task, &events, token.clone());
@@ -659,7 +691,6 @@ async fn run_attempt_in(
                     } else {
                         crate::backend::run_attempt(&*backend, &task, &events, token.clone()).await
                     };
-                    let over_quota = watch.and_then(|w| w.over());
                     let mut result = result;
                     // The agent is gone: its checkout's git directory is made plain before
                     // the worker's git reads it.
@@ -668,19 +699,15 @@ async fn run_attempt_in(
                     }
                     // What its checkout holds now, in its usage.
                     let disk = match &worktree {
-                        Some(wt) => crate::workspace::disk_use(&wt.path, true),
+                        Some(wt) => crate::workspace::usage_of(&wt.path, true),
                         None => task_dir_use(&scratch, &a),
                     };
                     match result.as_mut() {
-                        Ok(out) => out.usage.disk_bytes = disk,
-                        Err(e) => e.usage.disk_bytes = disk,
+                        Ok(out) => out.usage.disk_bytes = disk.bytes,
+                        Err(e) => e.usage.disk_bytes = disk.bytes,
                     }
                     // A limit the attempt went over is why it ended, whatever the backend saw.
-                    let over_quota = over_quota.or_else(|| {
-                        quota
-                            .filter(|q| disk >= *q)
-                            .map(crate::limits::disk_quota_message)
-                    });
+                    let over_quota = watch.and_then(|w| w.over(disk));
                     if let Some(why) = over_quota.or_else(|| attempt_limits.exceeded()) {
                         let usage = result.as_ref().err().map(|e| e.usage).unwrap_or_default();
                         let mut e = Error::new(FailureKind::Terminal, why);
@@ -693,14 +720,8 @@ async fn run_attempt_in(
                     }
                     // What the agent left is recorded within a bound of its own: nothing in
                     // the checkout can keep the worker's git busy past it.
-                    let settle = settle(
-                        &a,
-                        &spec,
-                        worktree.as_ref(),
-                        &scratch,
-                        (&sources, &events),
-                        &mut result,
-                    );
+                    let settle =
+                        settle(&a, &spec, worktree.as_ref(), (&parts, &events), &mut result);
                     match tokio::time::timeout(settle_bound(&spec), settle).await {
                         Ok(p) => partial = p,
                         Err(_) => {
@@ -773,10 +794,13 @@ async fn settle(
     a: &Assignment,
     spec: &v1::TaskSpec,
     worktree: Option<&crate::worktree::Worktree>,
-    scratch: &Workspace,
-    (sources, events): (&crate::source::Sources, &Events),
+    (parts, events): (&Parts, &Events),
     result: &mut Result<crate::backend::Output, Error>,
 ) -> Option<v1::Change> {
+    let (scratch, sources) = (&parts.workspace, &parts.sources);
+    // A directory another attempt of the call uses now (a restart on this worker that did
+    // not wait for this one) is that attempt's: it stays.
+    let shared = parts.another_attempt((&a.run_id, a.call, a.attempt));
     let mut partial = None;
     match worktree {
         // A source checkout: a finished agent's edits go back as its change;
@@ -787,12 +811,13 @@ async fn settle(
                     .await
                 {
                     Ok(Some(c)) if let Err(e) = sources.fits(out.text.len(), &c) => {
-                        // Too big to send: the checkout stays, so the work
-                        // is not thrown away with the result.
+                        // Too big to send: the checkout stays (for the workspace sweep's
+                        // hour), so the work is not thrown away with the result.
+                        scratch.touch(&a.run_id, a.call);
                         *result = Err(Error::new(
                             FailureKind::Terminal,
                             format!(
-                                "{e}; its checkout stays at {} on this worker; have the agent commit less (generated files, build output) or raise --max-result-mib",
+                                "{e}; its checkout stays at {} on this worker for an hour; have the agent commit less (generated files, build output) or raise --max-result-mib",
                                 wt.path.display()
                             ),
                         ));
@@ -805,11 +830,13 @@ async fn settle(
                             }));
                         }
                         out.change = change;
-                        wt.discard().await;
+                        if !shared {
+                            wt.discard().await;
+                        }
                     }
                     Err(e) => *result = Err(e),
                 }
-            } else if ends_call(result) {
+            } else if ends_call(result) && !shared {
                 // The call ends here: no later attempt will want its checkout.
                 wt.discard().await;
             } else if result.is_err() && spec.source_url.is_empty() {
@@ -852,7 +879,7 @@ async fn settle(
             }));
         }
         // A scratch directory stays only for a retry of its call (W58).
-        None if ends_call(result) => scratch.remove(&a.run_id, a.call),
+        None if ends_call(result) && !shared => scratch.remove(&a.run_id, a.call),
         None => {}
     }
     // What stays for a retry counts as used now: the workspace sweep takes it only once no
@@ -878,12 +905,12 @@ fn ends_call(result: &Result<crate::backend::Output, Error>) -> bool {
     }
 }
 
-/// [`disk_use`] of a call's own directory, if it has one (none for a shared workspace: that
-/// is the user's).
-fn task_dir_use(workspace: &Workspace, a: &Assignment) -> u64 {
+/// What a call's own directory holds, if it has one (none for a shared workspace: that is
+/// the user's).
+fn task_dir_use(workspace: &Workspace, a: &Assignment) -> crate::workspace::Usage {
     workspace
         .call_dir(&a.run_id, a.call)
-        .map_or(0, |d| crate::workspace::disk_use(&d, true))
+        .map_or_else(Default::default, |d| crate::workspace::usage_of(&d, true))
 }
 
 /// The call's checkout: of the run's source when it has one (every call its own), else a

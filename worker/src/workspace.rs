@@ -72,8 +72,8 @@ impl Workspace {
         }
     }
 
-    /// Removes the call directories (and what sits beside them) that no attempt has used for
-    /// `older_than` and that `busy` does not name: a call retried on another worker, stopped
+    /// Removes the call directories of runs (`wf_…/N`, and what sits beside them) that no
+    /// attempt has used for `older_than` and that `busy` does not name: a call retried on another worker, stopped
     /// or never run again leaves its directory here. Returns how many went.
     pub fn sweep(
         &self,
@@ -97,7 +97,12 @@ impl Workspace {
             let Some(run_id) = run.file_name().to_str().map(str::to_owned) else {
                 continue;
             };
-            if !is_plain_name(&run_id) || !run.file_type().is_ok_and(|t| t.is_dir()) {
+            // Only what is the worker's: a run's directory (`wf_…`), never anything else a
+            // workspace someone pointed elsewhere may hold.
+            if !run_id.starts_with("wf_")
+                || !is_plain_name(&run_id)
+                || !run.file_type().is_ok_and(|t| t.is_dir())
+            {
                 continue;
             }
             let Ok(calls) = std::fs::read_dir(run.path()) else {
@@ -145,35 +150,113 @@ impl Workspace {
     }
 }
 
-/// Bytes of the files under `dir`, not following links; with `clear_setid` (the agent is
-/// gone), set-user-ID and set-group-ID bits are cleared on the way: no such file an agent made
-/// outlives its sandbox (inside, it was the worker's user).
+/// What a tree holds: bytes of its files (apparent sizes) and how many entries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub bytes: u64,
+    pub entries: u64,
+    /// The largest file's size.
+    pub largest: u64,
+}
+
+/// Bytes of the files under `dir` (see [`usage_of`]).
 pub fn disk_use(dir: &Path, clear_setid: bool) -> u64 {
-    use std::os::unix::fs::PermissionsExt;
-    let mut total = 0u64;
-    let mut todo = vec![dir.to_owned()];
-    while let Some(d) = todo.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
+    usage_of(dir, clear_setid).bytes
+}
+
+/// What is under `dir`, walked by directory handles (`openat`), never by paths, so no depth
+/// hides a file (a path past `PATH_MAX` would), and never through a link. A directory its
+/// owner made unreadable is made readable for the owner again, through a handle opened on it
+/// without following links (what an agent made is the worker's user's). With `clear_setid`
+/// (the agent is gone), set-user-ID and set-group-ID bits are cleared on the way: no such
+/// file an agent made outlives its sandbox (inside, it was the worker's user).
+pub fn usage_of(dir: &Path, clear_setid: bool) -> Usage {
+    use nix::dir::Dir;
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::{FchmodatFlags, Mode, SFlag, fchmodat, fstatat};
+    use std::rc::Rc;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut total = Usage::default();
+    let Ok(top) = Dir::open(dir, flags, Mode::empty()) else {
+        return total;
+    };
+    // Directories to read: the open parent (shared by siblings, so few stay open) and a name.
+    let mut todo: Vec<(Rc<Dir>, std::ffi::CString)> = Vec::new();
+    let mut read = |d: Rc<Dir>, todo: &mut Vec<(Rc<Dir>, std::ffi::CString)>| {
+        let mut names = Vec::new();
+        // Its names through a handle of their own (reading needs it alone; `d` stays shared
+        // with the entries below it that wait to be opened).
+        let Ok(mut own) = Dir::openat(&*d, ".", flags, Mode::empty()) else {
+            return;
         };
-        for e in entries.flatten() {
-            // `DirEntry::metadata` does not follow a link.
-            let Ok(m) = e.metadata() else { continue };
-            if m.is_dir() {
-                todo.push(e.path());
+        for e in own.iter().flatten() {
+            let name = e.file_name();
+            if name.to_bytes() != b"." && name.to_bytes() != b".." {
+                names.push(name.to_owned());
+            }
+        }
+        for name in names {
+            let Ok(st) = fstatat(
+                &*d,
+                name.as_c_str(),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            ) else {
+                continue;
+            };
+            total.entries += 1;
+            let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
+            if kind == SFlag::S_IFDIR {
+                todo.push((d.clone(), name));
                 continue;
             }
-            total += m.len();
-            let mode = m.permissions().mode();
-            if clear_setid && m.is_file() && mode & 0o6000 != 0 {
-                let _ = std::fs::set_permissions(
-                    e.path(),
-                    std::fs::Permissions::from_mode(mode & !0o6000),
+            let size = u64::try_from(st.st_size).unwrap_or(0);
+            total.bytes += size;
+            total.largest = total.largest.max(size);
+            if clear_setid && kind == SFlag::S_IFREG && st.st_mode & 0o6000 != 0 {
+                let _ = fchmodat(
+                    &*d,
+                    name.as_c_str(),
+                    Mode::from_bits_truncate(st.st_mode & 0o1777),
+                    FchmodatFlags::FollowSymlink,
                 );
             }
         }
+    };
+    read(Rc::new(top), &mut todo);
+    while let Some((parent, name)) = todo.pop() {
+        let opened = match Dir::openat(&*parent, name.as_c_str(), flags, Mode::empty()) {
+            Err(nix::errno::Errno::EACCES) => {
+                make_readable(&parent, &name);
+                Dir::openat(&*parent, name.as_c_str(), flags, Mode::empty())
+            }
+            other => other,
+        };
+        drop(parent);
+        if let Ok(d) = opened {
+            read(Rc::new(d), &mut todo);
+        }
     }
     total
+}
+
+/// Gives the owner read, write and search on the directory `name` in `parent` again,
+/// through a handle opened on it without following links (`O_PATH`, then its `/proc/self/fd`
+/// entry, which names that very directory whatever is done to the path meanwhile).
+fn make_readable(parent: &nix::dir::Dir, name: &std::ffi::CStr) {
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::{Mode, fstat};
+    use std::os::fd::AsRawFd;
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let Ok(fd) = nix::fcntl::openat(parent, name, flags, Mode::empty()) else {
+        return;
+    };
+    let Ok(st) = fstat(&fd) else { return };
+    let via = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(
+        via,
+        std::fs::Permissions::from_mode((st.st_mode & 0o7777) | 0o700),
+    );
 }
 
 /// Removes `dir` and everything under it, following no link (an agent's links to the
@@ -350,11 +433,16 @@ mod tests {
         let busy = ws.dir_for("wf_s", 2, "").unwrap();
         let fresh = ws.dir_for("wf_t", 3, "").unwrap();
         std::fs::create_dir_all(tmp.path().join(".flotilla/caches")).unwrap();
+        // Not a run's: a file of someone's, as old as the rest.
+        let photos = tmp.path().join("photos");
+        std::fs::create_dir_all(&photos).unwrap();
+        std::fs::write(photos.join("2023.jpg"), "jpg").unwrap();
         let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
         for p in [
             stale.clone(),
             tmp.path().join("wf_s").join("1.base"),
             busy.clone(),
+            photos.join("2023.jpg"),
         ] {
             std::fs::File::open(&p)
                 .unwrap()
@@ -373,6 +461,10 @@ mod tests {
             tmp.path().join(".flotilla/caches").exists(),
             "caches are not calls"
         );
+        assert!(
+            photos.join("2023.jpg").exists(),
+            "what is not a run's stays"
+        );
         // Touched now: it stays however old it was.
         std::fs::File::open(&busy)
             .unwrap()
@@ -383,6 +475,50 @@ mod tests {
             ws.sweep(std::time::Duration::from_secs(3600), |_, _| false),
             0
         );
+    }
+
+    #[test]
+    fn what_is_written_is_counted_however_deep_and_never_through_a_link() {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = tmp.path().join("call");
+        // A chain of directories longer than PATH_MAX, built relative, a file at its bottom.
+        let mut rel = std::path::PathBuf::new();
+        let name = "d".repeat(200);
+        for _ in 0..30 {
+            rel.push(&name);
+        }
+        std::fs::create_dir_all(&top).unwrap();
+        let mut at = std::fs::File::open(&top).unwrap();
+        for _ in 0..30 {
+            use std::os::fd::AsFd;
+            nix::sys::stat::mkdirat(at.as_fd(), name.as_str(), nix::sys::stat::Mode::S_IRWXU)
+                .unwrap();
+            let next = nix::fcntl::openat(
+                at.as_fd(),
+                name.as_str(),
+                nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY,
+                nix::sys::stat::Mode::empty(),
+            )
+            .unwrap();
+            at = std::fs::File::from(next);
+        }
+        assert!(top.join(&rel).as_os_str().len() > 4096);
+        use std::io::Write;
+        let fd = nix::fcntl::openat(
+            std::os::fd::AsFd::as_fd(&at),
+            "deep.bin",
+            nix::fcntl::OFlag::O_WRONLY | nix::fcntl::OFlag::O_CREAT,
+            nix::sys::stat::Mode::S_IRWXU,
+        )
+        .unwrap();
+        std::fs::File::from(fd).write_all(&[7u8; 5000]).unwrap();
+        // A link out counts as itself, never as what it names.
+        let outside = tmp.path().join("outside.bin");
+        std::fs::write(&outside, vec![0u8; 1 << 20]).unwrap();
+        std::os::unix::fs::symlink(&outside, top.join("link")).unwrap();
+        let u = usage_of(&top, false);
+        assert!(u.bytes >= 5000 && u.bytes < 6000, "{u:?}");
+        assert_eq!(u.entries, 30 + 1 + 1, "{u:?}");
     }
 
     #[test]

@@ -91,6 +91,16 @@ fn hardened(mut c: Command, dir: &Path) -> Command {
             "maintenance.auto=false",
         ])
         .args(["-c", "protocol.ext.allow=never"])
+        // Nested repositories (submodules, or one an agent made) are read for their commit
+        // only: no `git status` is started inside one, whose config would be the agent's.
+        .args([
+            "-c",
+            "diff.ignoreSubmodules=dirty",
+            "-c",
+            "submodule.recurse=false",
+            "-c",
+            "status.submoduleSummary=false",
+        ])
         .env("GIT_TERMINAL_PROMPT", "0")
         .kill_on_drop(true);
     c
@@ -101,6 +111,11 @@ fn hardened(mut c: Command, dir: &Path) -> Command {
 /// git killed by a timeout (the future dropped) dies with it.
 pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     run(git_command(dir).args(args)).await
+}
+
+/// A git command's trimmed stdout, or its stderr as the error.
+pub(crate) async fn run_git(c: &mut Command) -> Result<String, String> {
+    run(c).await
 }
 
 /// A git command's trimmed stdout, or its stderr as the error.
@@ -539,7 +554,7 @@ impl Worktree {
                 crate::workspace::remove_tree(&config);
             }
             let _ = std::fs::write(&config, CHECKOUT_CONFIG);
-            for dir in ["info", "hooks"] {
+            for dir in ["info", "hooks", "modules"] {
                 crate::workspace::remove_tree(&self.admin.join(dir));
             }
             let info = self.admin.join("objects").join("info");

@@ -46,6 +46,12 @@ pub struct WorkerArgs {
         value_name = "HOST"
     )]
     allow_source_host: Vec<String>,
+    /// Fetch URL sources with this worker's own git and ssh credentials (its home directory's
+    /// keys, config and `.netrc`, the ssh agent, the system git config). Every namespace's
+    /// launches may then name any repository those credentials reach; off by default, when
+    /// URL sources are fetched anonymously.
+    #[arg(long, env = "FLOTILLA_SOURCE_CREDENTIALS")]
+    source_credentials: bool,
     /// Run every agent's processes in a bubblewrap sandbox (`on`, the default: the worker
     /// does not start without one) or not (`off`: agents can reach all this worker can).
     #[arg(long, env = "FLOTILLA_SANDBOX", value_name = "on|off")]
@@ -126,6 +132,7 @@ struct Settings {
     max_result_mib: u64,
     allow_file_sources: bool,
     allow_source_hosts: Vec<String>,
+    source_credentials: bool,
     /// `false`: `--sandbox off`.
     sandbox: bool,
     allow_net: Vec<String>,
@@ -203,6 +210,7 @@ impl Settings {
             max_result_mib,
             allow_file_sources: a.allow_file_sources || file.allow_file_sources == Some(true),
             allow_source_hosts: list(&a.allow_source_host, &file.allow_source_hosts),
+            source_credentials: a.source_credentials || file.source_credentials == Some(true),
             sandbox,
             allow_net: list(&a.allow_net, &file.allow_net),
             limits: Self::attempt_limits(a, file)?,
@@ -336,6 +344,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             max_result_bytes: (s.max_result_mib as usize) << 20,
             allow_file_sources: s.allow_file_sources,
             allow_source_hosts: s.allow_source_hosts.clone(),
+            source_credentials: s.source_credentials,
             sandbox,
             limits,
             account_limits: s.accounts,
