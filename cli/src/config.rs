@@ -51,9 +51,10 @@ pub struct SettingFlags {
     /// agent() calls per run (default 1000).
     #[arg(long, env = "FLOTILLA_MAX_AGENTS", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_agents: Option<u64>,
-    /// Attempts beyond each agent's first that the whole run may make; once spent, a
-    /// failing agent fails instead of trying again. Throttles (429, 529) and usage-limit
-    /// waits are not retries (default: half the run's agents, at least 10).
+    /// Attempts beyond each agent's first that the whole run may make, opt-in; once spent, a
+    /// failing agent fails instead of trying again, as its last attempt would have (a stall
+    /// still rejects with STALLED). Throttles (429, 529) and usage-limit waits are not
+    /// retries. Default: none, every agent gets its attempts, as under Claude Code.
     #[arg(long, env = "FLOTILLA_RETRY_BUDGET", value_name = "N")]
     pub retry_budget: Option<u64>,
     /// The models agents may run on (aliases such as sonnet, or model ids; comma-separated):
@@ -286,6 +287,7 @@ pub struct ConfigFile {
     pub max_procs: Option<u64>,
     pub tmp_mib: Option<u64>,
     pub disk_mib: Option<u64>,
+    pub max_prepare_time: Option<String>,
     pub max_attempt_time: Option<String>,
     /// Worker: its labels (`KEY=VALUE`), for agents' `placement.labels`.
     #[serde(default)]

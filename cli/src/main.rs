@@ -74,7 +74,7 @@ enum Command {
     /// Run a coordinator: workers attach to it, clients launch runs on it.
     Coordinator(Box<serve::coordinator::CoordinatorArgs>),
     /// Run a worker attached to a coordinator.
-    Worker(serve::worker::WorkerArgs),
+    Worker(Box<serve::worker::WorkerArgs>),
     /// Start a run on a coordinator and return at once with its id and session URL.
     Launch(Box<client::LaunchArgs>),
     /// Wait for a run on a coordinator to end and print its report.
@@ -329,7 +329,7 @@ fn main() -> ExitCode {
             Command::Certs(args) => certs::run(args),
             Command::Dev(args) => dev::dev(args).await,
             Command::Coordinator(args) => serve::coordinator::coordinator(*args).await,
-            Command::Worker(args) => serve::worker::worker(args).await,
+            Command::Worker(args) => serve::worker::worker(*args).await,
             Command::Launch(args) => client::launch(*args).await,
             Command::Wait(args) => client::wait(args).await,
             Command::Status(args) => client::status(args).await,

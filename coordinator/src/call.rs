@@ -251,19 +251,22 @@ pub enum CallFailure {
     Stalled,
     /// A budget was exhausted: rejects (W35).
     Budget,
-    /// The run's retry budget was spent, so the call failed instead of trying again: it
-    /// resolves to `null`, as a terminal error does.
-    RetryBudget,
+    /// The run's retry budget was spent, so the call failed instead of trying again, as its
+    /// last attempt would have: `stalled`, it rejects with `STALLED`; else it resolves to
+    /// `null`, as a terminal error does.
+    RetryBudget { stalled: bool },
 }
 
 impl CallFailure {
     /// The code the call's promise rejects with; `None`: it resolves `null` instead.
     pub fn reject_code(self) -> Option<RejectCode> {
         match self {
-            CallFailure::Terminal | CallFailure::RetryBudget => None,
+            CallFailure::Terminal | CallFailure::RetryBudget { stalled: false } => None,
             CallFailure::Schema => Some(RejectCode::SchemaFailed),
             CallFailure::Invalid => Some(RejectCode::InvalidAgent),
-            CallFailure::Stalled => Some(RejectCode::Stalled),
+            CallFailure::Stalled | CallFailure::RetryBudget { stalled: true } => {
+                Some(RejectCode::Stalled)
+            }
             CallFailure::Budget => Some(RejectCode::BudgetExceeded),
         }
     }

@@ -168,9 +168,10 @@ pub struct RunSettings {
     /// A URL the run's end is POSTed to, signed (`--notify`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub notify: Option<String>,
-    /// Attempts beyond each agent's first that the whole run may make (`--retry-budget`);
-    /// `None`: [`default_retry_budget`] of the agents it has. Once spent, a failing agent
-    /// fails instead of trying again. Throttles and usage-limit waits are not retries.
+    /// Attempts beyond each agent's first that the whole run may make (`--retry-budget`,
+    /// opt-in); `None`: no such bound, every agent gets its attempts as under Claude Code
+    /// (W23/W58). Once spent, a failing agent fails as its last attempt would have, with the
+    /// same cause and code. Throttles and usage-limit waits are not retries.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_budget: Option<u64>,
     /// How long one agent may wait out throttles (429, 529) in all before it fails.
@@ -209,12 +210,6 @@ pub fn model_allowed(allowed: &str, model: &str) -> bool {
 
 /// How long an agent waits out throttles unless the run says.
 pub const DEFAULT_THROTTLE_WAIT_MS: u64 = 15 * 60 * 1000;
-
-/// A run's retry budget when it names none: half as many retries as it has agents, and at
-/// least ten.
-pub fn default_retry_budget(agents: u64) -> u64 {
-    (agents / 2).max(10)
-}
 
 /// The most labels a run carries.
 pub const MAX_LABELS: usize = 32;

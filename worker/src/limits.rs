@@ -18,6 +18,9 @@ pub struct Settings {
     pub wall: Option<Duration>,
     /// What one attempt may write to its checkout or scratch directory, in bytes.
     pub disk: Option<u64>,
+    /// The longest the worker may take to make an attempt's workspace (fetch and check out
+    /// the run's source) before its agent starts.
+    pub prepare: Duration,
 }
 
 impl Default for Settings {
@@ -28,6 +31,7 @@ impl Default for Settings {
             tmp: 1 << 30,
             wall: Some(Duration::from_secs(4 * 3600)),
             disk: Some(10 << 30),
+            prepare: Duration::from_secs(30 * 60),
         }
     }
 }
@@ -62,6 +66,7 @@ impl Default for Limits {
                 tmp: 1 << 30,
                 wall: None,
                 disk: None,
+                prepare: Duration::from_secs(30 * 60),
             },
             how: How::None,
         }

@@ -231,7 +231,7 @@ impl Sandbox {
     /// standard error ended with `last`, failed before its program ran: bubblewrap could not
     /// make the sandbox (its own message, `bwrap: …`, and status 1), or the relay inside
     /// could not start it (125, 127). That is the worker's failure, not the agent's:
-    /// [`FailureKind::Sandbox`](flotilla_proto::v1::FailureKind::Sandbox), which the call
+    /// [`FailureKind::Setup`](flotilla_proto::v1::FailureKind::Setup), which the call
     /// goes again for. (An agent printing such a line itself only spends its own attempts.)
     pub fn setup_failure(&self, code: Option<i32>, last: &str) -> Option<crate::backend::Error> {
         if !self.is_on() {
@@ -242,7 +242,7 @@ impl Sandbox {
         let relay = matches!(code, Some(125 | 127)) && last.starts_with("flotilla sandbox relay: ");
         (bwrap || relay).then(|| {
             crate::backend::Error::new(
-                flotilla_proto::v1::FailureKind::Sandbox,
+                flotilla_proto::v1::FailureKind::Setup,
                 format!(
                     "the worker could not make the agent's sandbox ({last}); the agent never ran, and the call goes again; check the worker's bubblewrap (its log says how agents run)"
                 ),
@@ -641,7 +641,7 @@ mod tests {
         let e = sandbox
             .setup_failure(broken.status.code(), &last(&broken))
             .expect("bubblewrap's own failure is told apart");
-        assert_eq!(e.kind, flotilla_proto::v1::FailureKind::Sandbox);
+        assert_eq!(e.kind, flotilla_proto::v1::FailureKind::Setup);
         assert!(e.message.contains("bwrap: "), "{}", e.message);
         // The agent's own failure is the agent's.
         let own = run(

@@ -625,7 +625,7 @@ async fn run_attempt_in(
         Ok(backend) => match parse_schema(&spec) {
             Err(e) => Err(e),
             Ok(schema) => match tokio::select! {
-                r = checkout_for(&a, &spec, &workspace, &sources, &link, &events) => r,
+                r = prepare(&a, &spec, (&workspace, &sources), (&link, &events), limits.settings.prepare) => r,
                 () = cancel.cancelled() => Err(Error::new(FailureKind::Cancelled, "cancelled while its checkout was made")),
             } {
                 Err(e) => Err(e),
@@ -669,6 +669,11 @@ async fn run_attempt_in(
                         }
                         None => None,
                     };
+                    // The agent starts now: the stall timer, held while its workspace was made,
+                    // runs from here.
+                    if preparing(&spec) {
+                        events.progress(ProgressKind::AgentStarted, 0);
+                    }
                     let result = if let Some(limit) = limit {
                         let run =
                             crate::backend::run_attempt(&*backend, &task, &events, token.clone());
@@ -692,6 +697,11 @@ async fn run_attempt_in(
                         crate::backend::run_attempt(&*backend, &task, &events, token.clone()).await
                     };
                     let mut result = result;
+                    // The agent is done; what the worker records of its workspace now is not
+                    // the agent's time: the stall timer is held until the outcome.
+                    if preparing(&spec) {
+                        events.progress(ProgressKind::Preparing, 0);
+                    }
                     // The agent is gone: its checkout's git directory is made plain before
                     // the worker's git reads it.
                     if let Some(wt) = &worktree {
@@ -911,6 +921,52 @@ fn task_dir_use(workspace: &Workspace, a: &Assignment) -> crate::workspace::Usag
     workspace
         .call_dir(&a.run_id, a.call)
         .map_or_else(Default::default, |d| crate::workspace::usage_of(&d, true))
+}
+
+/// Whether an attempt of `spec` has a workspace to make before its agent starts (a checkout
+/// of the run's source, a worktree): while it is made, the coordinator's stall timer is held.
+fn preparing(spec: &v1::TaskSpec) -> bool {
+    !spec.source_repo.is_empty() || spec.isolation == "worktree"
+}
+
+/// The call's checkout ([`checkout_for`]) within `most` (the worker's `--max-prepare-time`),
+/// the stall timer held meanwhile. What the worker fails at here is its own failure, not the
+/// agent's: `FailureKind::Setup`, which the call goes again for.
+async fn prepare(
+    a: &Assignment,
+    spec: &v1::TaskSpec,
+    (workspace, sources): (&Workspace, &crate::source::Sources),
+    (link, events): (&mpsc::UnboundedSender<WorkerMessage>, &Events),
+    most: Duration,
+) -> Result<Option<crate::worktree::Worktree>, Error> {
+    if preparing(spec) {
+        events.progress(ProgressKind::Preparing, 0);
+    }
+    match tokio::time::timeout(
+        most,
+        checkout_for(a, spec, workspace, sources, link, events),
+    )
+    .await
+    {
+        Ok(Err(e)) if e.kind == FailureKind::Retryable => Err(Error {
+            kind: FailureKind::Setup,
+            ..e
+        }),
+        Ok(r) => r,
+        Err(_) => {
+            // Nothing half made stays.
+            if let Some(dir) = workspace.call_dir(&a.run_id, a.call) {
+                crate::workspace::remove_tree(&dir);
+            }
+            Err(Error::new(
+                FailureKind::Setup,
+                format!(
+                    "making the attempt's workspace took more than {} (the worker's --max-prepare-time); the call goes again",
+                    humanize(most)
+                ),
+            ))
+        }
+    }
 }
 
 /// The call's checkout: of the run's source when it has one (every call its own), else a

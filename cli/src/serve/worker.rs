@@ -78,6 +78,11 @@ pub struct WorkerArgs {
     /// attempt ends with a failure naming the quota, and its files go [default: 10240].
     #[arg(long, env = "FLOTILLA_DISK_MIB", value_name = "MIB")]
     disk_mib: Option<u64>,
+    /// Longest the worker may take to make an attempt's workspace (fetch and check out the
+    /// run's source) before its agent starts; the stall timeout does not run meanwhile, and
+    /// past this the attempt fails as the worker's and goes again [default: 30m].
+    #[arg(long, env = "FLOTILLA_MAX_PREPARE_TIME", value_name = "DUR")]
+    max_prepare_time: Option<String>,
     /// Longest one attempt may run (a shorter `timeout` of the call wins); 0 for none
     /// [default: 4h].
     #[arg(long, env = "FLOTILLA_MAX_ATTEMPT_TIME", value_name = "DUR")]
@@ -263,6 +268,17 @@ impl Settings {
                 );
             }
             limits.disk = Some(d << 20);
+        }
+        if let Some(p) = a
+            .max_prepare_time
+            .as_ref()
+            .or(file.max_prepare_time.as_ref())
+        {
+            let d = config::parse_duration("--max-prepare-time", p)?;
+            if d.is_zero() {
+                return Err("--max-prepare-time must be longer than 0".into());
+            }
+            limits.prepare = d;
         }
         if let Some(w) = a
             .max_attempt_time

@@ -489,14 +489,11 @@ impl ClientService for ClientSvc {
         }
         let run = req.into_inner().run_id;
         self.visible(&scope, &run).await?;
-        let done = self
-            .registry
-            .lock()
-            .get(&run)
-            .map(|e| e.report.borrow().clone());
-        let report = match done {
-            Some(Some(r)) => (*r).clone(),
-            _ => self.stored_report(&run).await?,
+        // A run here answers from its engine (its calls as they stand: queued, running),
+        // never from a rebuild of its stored events, which takes an unended call for ended.
+        let report = match self.registry.live_report(&run).await {
+            Some(r) => (*r).clone(),
+            None => self.stored_report(&run).await?,
         };
         Ok(Response::new(v1::ReportReply {
             finished: report.status.is_final(),

@@ -417,7 +417,7 @@ impl RunEngine {
             CallResult::Failed { failure, message } => {
                 c.set(State::Failed);
                 c.error = Some(message.clone());
-                if failure == CallFailure::RetryBudget {
+                if matches!(failure, CallFailure::RetryBudget { .. }) {
                     self.budget_refused += 1;
                 }
                 let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());

@@ -199,9 +199,7 @@ impl RunEngine {
                 .large_workflow()
                 .into_iter()
                 .chain((self.budget_refused > 0).then(|| {
-                    let budget = self.init.settings.retry_budget.unwrap_or_else(|| {
-                        crate::settings::default_retry_budget(self.calls.len() as u64)
-                    });
+                    let budget = self.init.settings.retry_budget.unwrap_or(0);
                     format!(
                         "Retry budget spent: {} agents failed instead of trying again (the run's budget is {budget} retries; raise it with --retry-budget)",
                         self.budget_refused

@@ -48,8 +48,8 @@ pub struct RunRegistration {
     pub stagger: Duration,
     /// How long a call waits for an attached worker that offers its backend and model.
     pub worker_wait: Duration,
-    /// Retries (attempts beyond a call's first) the run may make; `None`: the default share
-    /// of its calls ([`crate::settings::default_retry_budget`]).
+    /// Retries (attempts beyond a call's first) the run may make; `None`: no bound (Claude
+    /// Code's attempts per agent only).
     pub retry_budget: Option<u64>,
     /// How long one call may wait out throttles in all before it fails.
     pub throttle_wait: Duration,

@@ -104,7 +104,8 @@ struct CallState {
     /// with (its outcome carries that one), and no assignment is sent for it.
     adopted_fence: Option<Revision>,
     last_progress: Instant,
-    in_tool: bool,
+    /// A tool call in flight, or the workspace being made: the stall timer is held.
+    stall_held: bool,
     captured: Option<String>,
     stall_key: Option<delay_queue::Key>,
     /// Usage-limit waits so far (not counted as attempts).
@@ -136,7 +137,7 @@ impl CallState {
             fence: None,
             adopted_fence: None,
             last_progress: Instant::now(),
-            in_tool: false,
+            stall_held: false,
             captured: None,
             stall_key: None,
             limit_waits: 0,

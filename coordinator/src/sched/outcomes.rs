@@ -54,8 +54,9 @@ impl Dispatcher {
         c.last_progress = Instant::now();
         let kind = ProgressKind::try_from(p.kind).unwrap_or(ProgressKind::Unspecified);
         match kind {
-            ProgressKind::ToolStarted => c.in_tool = true,
-            ProgressKind::ToolFinished => c.in_tool = false,
+            // A tool call in flight, or the workspace being made, holds the stall timer.
+            ProgressKind::ToolStarted | ProgressKind::Preparing => c.stall_held = true,
+            ProgressKind::ToolFinished | ProgressKind::AgentStarted => c.stall_held = false,
             ProgressKind::StructuredCaptured => c.captured = Some(p.detail),
             _ => {}
         }
@@ -289,7 +290,7 @@ impl Dispatcher {
         let sent = c.fence.take().is_some();
         c.adopted_fence = None;
         c.make_ready();
-        c.in_tool = false;
+        c.stall_held = false;
         let group = c.ticket.prefix_group;
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running = r.running.saturating_sub(1);
@@ -398,11 +399,9 @@ impl Dispatcher {
         };
         let max = r.reg.max_attempts;
         let stall_timeout = r.reg.stall_timeout;
-        let budget = r
-            .reg
-            .retry_budget
-            .unwrap_or_else(|| crate::settings::default_retry_budget(r.submitted));
-        let spent = r.retries >= budget;
+        // No budget unless the run asked for one: Claude Code gives every agent its attempts.
+        let budget = r.reg.retry_budget;
+        let spent = budget.is_some_and(|b| r.retries >= b);
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
@@ -416,13 +415,17 @@ impl Dispatcher {
         // A user's restart and a pause are not failures: they spend no budget.
         let costs = !matches!(retry, Retry::User | Retry::Paused);
         if costs && spent {
-            let why = retry.exhausted(counted, stall_timeout).1;
+            // It fails as its last attempt would have: a stall still rejects STALLED.
+            let (cause, why) = retry.exhausted(counted, stall_timeout);
             self.fail(
                 id,
-                CallFailure::RetryBudget,
+                CallFailure::RetryBudget {
+                    stalled: cause == CallFailure::Stalled,
+                },
                 format!(
-                    "{} ({budget} retries, --retry-budget): {why}",
-                    crate::call::RETRY_BUDGET_SPENT
+                    "{why} ({}: {} retries, --retry-budget)",
+                    crate::call::RETRY_BUDGET_SPENT,
+                    budget.unwrap_or(0)
                 ),
             );
             return;
@@ -582,8 +585,8 @@ impl Dispatcher {
         }
         let now = Instant::now();
         let quiet = now.saturating_duration_since(c.last_progress);
-        if c.in_tool || quiet < stall {
-            let at = if c.in_tool {
+        if c.stall_held || quiet < stall {
+            let at = if c.stall_held {
                 now + stall
             } else {
                 c.last_progress + stall

@@ -331,7 +331,10 @@ impl Dispatcher {
         c.worker = Some(wid);
         c.fence = None;
         c.captured = None;
-        c.in_tool = false;
+        // A worker makes a workspace first (a checkout of the run's source, a worktree):
+        // the stall timer is held from the start, until it says the agent started.
+        let task = &c.ticket.task;
+        c.stall_held = !task.source_repo.is_empty() || task.isolation == "worktree";
         self.fleet.take_slot(
             wid,
             (id.0.clone(), id.1, c.attempt),

@@ -40,7 +40,7 @@ pub(super) fn goes_again(kind: FailureKind) -> bool {
         FailureKind::RateLimited
             | FailureKind::Throttled
             | FailureKind::Retryable
-            | FailureKind::Sandbox
+            | FailureKind::Setup
             | FailureKind::Cancelled
             | FailureKind::Unspecified
     )
@@ -93,7 +93,7 @@ pub(super) fn verdict(
             Verdict::Throttle(wait.max(MIN_LIMIT_WAIT))
         }
         FailureKind::Retryable
-        | FailureKind::Sandbox
+        | FailureKind::Setup
         | FailureKind::Cancelled
         | FailureKind::Unspecified => Verdict::Retry(Retry::Transient { message }),
         FailureKind::Terminal | FailureKind::Timeout => {

@@ -1215,3 +1215,55 @@ fn a_commit_whose_pack_is_gone_is_sent_again_by_the_next_launch() {
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"], "the user's code", "{r}");
 }
+
+/// Issue 29: on a fleet, making an attempt's workspace (fetching and checking out a large
+/// source) takes longer than the run's stall timeout; that is not the agent making no
+/// progress, so no attempt is restarted as stalled and every agent runs once.
+#[test]
+fn making_a_workspace_slower_than_the_stall_timeout_is_not_a_stall() {
+    let c =
+        Cluster::start_workers_with(1, 4, &["--backend", "exec", "--exec-cmd", "sh"], Vec::new());
+    let repo = c.path().join("repo");
+    flotilla_tests::git_repo(&repo);
+    for d in 0..100 {
+        let dir = repo.join(format!("pkg{d}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in 0..200 {
+            std::fs::write(dir.join(format!("f{f}.txt")), format!("{d} {f}\n")).unwrap();
+        }
+    }
+    commit_all(&repo, "twenty thousand files");
+    let script = c.path().join("quick.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'quick', description: 'quick agents on a big tree' };\n\
+         return await parallel(Array.from({ length: 4 }, (_, i) => () => agent('cat pkg' + i + '/f0.txt', { label: 'a' + i })));",
+    )
+    .unwrap();
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "exec",
+            "--stall-timeout",
+            "300ms",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        serde_json::json!(["0 0", "1 0", "2 0", "3 0"]),
+        "{r}"
+    );
+    for a in r["agents"].as_array().unwrap() {
+        assert_eq!(a["attempts"], 1, "no attempt was restarted as stalled: {r}");
+    }
+}

@@ -90,3 +90,56 @@ fn w59_rate_limits_wait_and_never_fail_the_call() {
     assert!(usage(&r, "duration_ms") >= 600, "waited 3 × 200 ms");
     assert_eq!(usage(&r, "errors"), 0);
 }
+
+/// Issue 29: a Claude Code script gets Claude Code's attempts by default — no run-wide retry
+/// budget takes them away — and an agent awaited directly that stalls on all of them rejects
+/// with `STALLED`, not a `null`.
+#[test]
+fn by_default_every_agent_gets_its_attempts_and_a_stall_rejects_stalled() {
+    let env = Env::new();
+    let body = "const fanout = await parallel([\n\
+          () => agent('[[stall:1]] recovers on the second attempt', { label: 'flaky' }),\n\
+          () => agent('[[stall]] never makes progress', { label: 'stuck-in-parallel' }),\n\
+          () => agent('healthy sibling', { label: 'healthy' }),\n\
+        ])\n\
+        let direct\n\
+        try { direct = await agent('[[stall]] awaited directly', { label: 'direct' }) } catch (e) { direct = 'threw: ' + e.code + ' ' + e.message }\n\
+        return { fanout, direct }";
+    let (code, r) = env.run_body(body, &["--stall-timeout", "300ms", "--attempts", "6"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(agent(&r, "flaky")["attempts"], 2, "{r}");
+    assert_eq!(agent(&r, "stuck-in-parallel")["attempts"], 6, "{r}");
+    assert_eq!(agent(&r, "direct")["attempts"], 6, "{r}");
+    let direct = r["result"]["direct"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(direct.starts_with("threw: STALLED"), "{direct}");
+    assert_eq!(r["result"]["fanout"][2], "healthy sibling", "{r}");
+}
+
+/// Issue 29: a retry budget the run asked for, once spent, ends a stalling agent as its last
+/// attempt would have: it still rejects with `STALLED`, and the message says the budget ran
+/// out.
+#[test]
+fn a_spent_retry_budget_keeps_the_failure_s_cause_and_code() {
+    let env = Env::new();
+    let body = "const first = await agent('[[stall:1]] spends the one retry', { label: 'first' });\n\
+        try { await agent('[[stall]] finds none left', { label: 'second' }); return 'resolved'; }\n\
+        catch (e) { return first + ' | ' + e.code + ' | ' + e.message; }";
+    let (code, r) = env.run_body(
+        body,
+        &[
+            "--stall-timeout",
+            "300ms",
+            "--attempts",
+            "6",
+            "--retry-budget",
+            "1",
+        ],
+    );
+    assert_eq!(code, 0, "{r}");
+    let text = r["result"].as_str().unwrap_or_else(|| panic!("{r}"));
+    assert!(text.contains("| STALLED |"), "{text}");
+    assert!(text.contains("retry budget is spent"), "{text}");
+    assert_eq!(agent(&r, "second")["attempts"], 1, "{r}");
+}

@@ -101,6 +101,17 @@ impl FakeWorker {
         }
     }
 
+    /// Says the agent of `a` started (its workspace made): the stall timer runs from now.
+    fn started(&self, a: &v1::Assignment) {
+        self.send(worker_message::Msg::Progress(v1::Progress {
+            run_id: a.run_id.clone(),
+            call: a.call,
+            attempt: a.attempt,
+            kind: v1::ProgressKind::AgentStarted as i32,
+            ..v1::Progress::default()
+        }));
+    }
+
     fn complete(&self, a: &v1::Assignment, text: &str) {
         self.send(worker_message::Msg::Outcome(v1::Outcome {
             run_id: a.run_id.clone(),
@@ -386,6 +397,9 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
     d.submit(&run, t);
     let first = w.assignment().await;
     assert_eq!(first.task.as_ref().unwrap().source_commit, base);
+    // Its checkout is made (the stall timer held meanwhile); then its agent stalls.
+    w.no_message_for(Duration::from_millis(600)).await;
+    w.started(&first);
     assert!(matches!(
         w.next().await,
         coordinator_message::Msg::Cancel(_)
@@ -413,6 +427,7 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
     }));
     let second = w.assignment().await;
     tokio::time::pause();
+    w.started(&second);
     assert_eq!(second.attempt, 2);
     let task = second.task.as_ref().unwrap();
     assert_eq!(
@@ -439,6 +454,7 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
     ));
     let asked = Instant::now();
     let third = w.assignment().await;
+    w.started(&third);
     assert_eq!(third.attempt, 3);
     let waited = asked.elapsed();
     assert!(
