@@ -164,7 +164,8 @@ async fn fleet(
     }
     let files = TlsFiles::in_dir(pki, "bench-client");
     let channel = flotilla_proto::tls::channel(&format!("https://127.0.0.1:{port}"), Some(&files))?;
-    let mut client = ClientServiceClient::new(channel);
+    let mut client = ClientServiceClient::new(channel)
+        .max_decoding_message_size(flotilla_proto::frag::MAX_MESSAGE_BYTES);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(r) = client.list_workers(v1::ListWorkersRequest {}).await

@@ -253,58 +253,69 @@ impl Limits {
         })
     }
 
-    /// The limits of one attempt (its groups are made now and go when it is dropped).
+    /// The limits of one attempt: its groups are made when its first process is started
+    /// through them ([`Attempt::prefix`]) — an attempt that starts none (echo, the HTTP
+    /// backends) costs no cgroup — and go when it is dropped.
     pub fn attempt(&self, name: &str) -> Attempt {
-        let mut a = Attempt {
+        Attempt {
             settings: self.settings.clone(),
-            groups: Vec::new(),
-            rlimits: false,
-        };
-        let put = |dir: &Path, file: &str, value: u64| {
-            std::fs::write(dir.join(file), value.to_string()).is_ok()
-        };
-        match &self.how {
-            How::V2(base) => {
-                let dir = base.join(name);
-                if make_group(&dir) {
-                    if let Some(m) = self.settings.memory {
-                        put(&dir, "memory.max", m);
-                        put(&dir, "memory.swap.max", 0);
-                    }
-                    if let Some(p) = self.settings.procs {
-                        put(&dir, "pids.max", p);
-                    }
-                    a.groups.push(dir);
-                }
-            }
-            How::V1 { memory, pids } => {
-                let (m, p) = (memory.join(name), pids.join(name));
-                if make_group(&m) {
-                    if let Some(limit) = self.settings.memory {
-                        put(&m, "memory.limit_in_bytes", limit);
-                        put(&m, "memory.memsw.limit_in_bytes", limit);
-                    }
-                    a.groups.push(m);
-                }
-                if make_group(&p) {
-                    if let Some(limit) = self.settings.procs {
-                        put(&p, "pids.max", limit);
-                    }
-                    a.groups.push(p);
-                }
-            }
-            How::Rlimits => a.rlimits = true,
-            How::None => {}
+            how: self.how.clone(),
+            name: name.to_owned(),
+            groups: std::sync::OnceLock::new(),
+            rlimits: matches!(self.how, How::Rlimits),
         }
-        a
     }
+}
+
+/// Makes the groups of attempt `name` under `how`, with `settings`' limits written in.
+fn make_groups(how: &How, settings: &Settings, name: &str) -> Vec<PathBuf> {
+    let put = |dir: &Path, file: &str, value: u64| {
+        std::fs::write(dir.join(file), value.to_string()).is_ok()
+    };
+    let mut groups = Vec::new();
+    match how {
+        How::V2(base) => {
+            let dir = base.join(name);
+            if make_group(&dir) {
+                if let Some(m) = settings.memory {
+                    put(&dir, "memory.max", m);
+                    put(&dir, "memory.swap.max", 0);
+                }
+                if let Some(p) = settings.procs {
+                    put(&dir, "pids.max", p);
+                }
+                groups.push(dir);
+            }
+        }
+        How::V1 { memory, pids } => {
+            let (m, p) = (memory.join(name), pids.join(name));
+            if make_group(&m) {
+                if let Some(limit) = settings.memory {
+                    put(&m, "memory.limit_in_bytes", limit);
+                    put(&m, "memory.memsw.limit_in_bytes", limit);
+                }
+                groups.push(m);
+            }
+            if make_group(&p) {
+                if let Some(limit) = settings.procs {
+                    put(&p, "pids.max", limit);
+                }
+                groups.push(p);
+            }
+        }
+        How::Rlimits | How::None => {}
+    }
+    groups
 }
 
 /// One attempt's groups.
 #[derive(Debug)]
 pub struct Attempt {
     settings: Settings,
-    groups: Vec<PathBuf>,
+    how: How,
+    name: String,
+    /// Made on first use.
+    groups: std::sync::OnceLock<Vec<PathBuf>>,
     rlimits: bool,
 }
 
@@ -332,16 +343,19 @@ impl Attempt {
     }
 
     fn groups_prefix(&self) -> Vec<OsString> {
-        if !self.groups.is_empty() {
+        let groups = self
+            .groups
+            .get_or_init(|| make_groups(&self.how, &self.settings, &self.name));
+        if !groups.is_empty() {
             let mut p: Vec<OsString> = vec![
                 "/bin/sh".into(),
                 "-c".into(),
                 "n=$1; shift; while [ \"$n\" -gt 0 ]; do echo $$ > \"$1\" || exit 125; shift; n=$((n-1)); done; exec \"$@\"".into(),
                 "flotilla-limits".into(),
-                self.groups.len().to_string().into(),
+                groups.len().to_string().into(),
             ];
             p.extend(
-                self.groups
+                groups
                     .iter()
                     .map(|g| g.join("cgroup.procs").into_os_string()),
             );
@@ -375,7 +389,7 @@ impl Attempt {
         let (mut oom, mut pids) = (0, 0);
         // v2 counts OOM kills in memory.events, v1 in memory.oom_control (the other is
         // missing and counts 0); pids.events is the same in both.
-        for g in &self.groups {
+        for g in self.groups.get().into_iter().flatten() {
             oom += count(g.join("memory.events"), "oom_kill ")
                 + count(g.join("memory.oom_control"), "oom_kill ");
             pids += count(g.join("pids.events"), "max ");
@@ -399,7 +413,7 @@ impl Attempt {
 
 impl Drop for Attempt {
     fn drop(&mut self) {
-        for g in &self.groups {
+        for g in self.groups.get().into_iter().flatten() {
             // What is left in the group dies with the attempt; then the group goes.
             for _ in 0..50 {
                 let left = std::fs::read_to_string(g.join("cgroup.procs")).unwrap_or_default();
@@ -442,10 +456,15 @@ impl DiskWatch {
         limit: u64,
         cancel: tokio_util::sync::CancellationToken,
     ) -> DiskWatch {
-        let d = dir.clone();
-        let base = tokio::task::spawn_blocking(move || crate::workspace::usage_of(&d, false))
-            .await
-            .unwrap_or_default();
+        // A directory not made yet (an agent that may never use one) holds nothing.
+        let base = if std::fs::symlink_metadata(&dir).is_ok() {
+            let d = dir.clone();
+            tokio::task::spawn_blocking(move || crate::workspace::usage_of(&d, false))
+                .await
+                .unwrap_or_default()
+        } else {
+            crate::workspace::Usage::default()
+        };
         let over = std::sync::Arc::new(std::sync::OnceLock::new());
         let said = over.clone();
         let task = tokio::spawn(async move {
@@ -553,5 +572,44 @@ mod disk_tests {
             largest: limit,
         };
         assert!(past(checkout, cut, limit).is_some());
+    }
+}
+
+#[cfg(test)]
+mod group_tests {
+    use super::*;
+
+    /// Where the attempt named `name` has its groups under `how`.
+    fn places(how: &How, name: &str) -> Vec<PathBuf> {
+        match how {
+            How::V2(base) => vec![base.join(name)],
+            How::V1 { memory, pids } => vec![memory.join(name), pids.join(name)],
+            How::Rlimits | How::None => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn an_attempt_makes_its_cgroups_only_when_it_starts_a_process() {
+        let limits = Limits::detect(Settings::default());
+        if !nix::unistd::geteuid().is_root() {
+            // Only root makes cgroups (the suite's machines run as root).
+            return;
+        }
+        let places = places(&limits.how, "lazy-1");
+        assert!(
+            !places.is_empty(),
+            "as root this machine should give attempts cgroups: {}",
+            limits.describe()
+        );
+        let attempt = limits.attempt("lazy-1");
+        // An attempt that starts no process (echo, the HTTP backends) costs no cgroup.
+        assert!(places.iter().all(|p| !p.exists()), "{places:?}");
+        assert!(attempt.exceeded().is_none());
+        let prefix = attempt.prefix();
+        assert!(!prefix.is_empty());
+        assert!(places.iter().all(|p| p.exists()), "{places:?}");
+        drop(attempt);
+        assert!(places.iter().all(|p| !p.exists()), "{places:?}");
+        limits.cleanup();
     }
 }

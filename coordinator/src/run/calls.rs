@@ -65,7 +65,7 @@ impl RunEngine {
 
     /// The record of a new call, with its trace span (under its phase's).
     pub(super) fn new_call(&mut self, id: u64, a: &admit::Admitted) -> Call {
-        self.ensure_group(&a.group);
+        let group_at = self.ensure_group(&a.group);
         let index = self.calls.len() as u64;
         let phase = self
             .phase_spans
@@ -98,6 +98,7 @@ impl RunEngine {
             key: a.key.clone(),
             label: a.spec.label.clone(),
             group: a.group.clone(),
+            group_at,
             model: a.spec.model.clone(),
             state: State::Queued,
             cached: false,

@@ -151,6 +151,8 @@ struct Call {
     key: String,
     label: String,
     group: String,
+    /// Its group's place in the run's groups (views count by it without a lookup).
+    group_at: usize,
     model: String,
     state: State,
     cached: bool,
@@ -450,6 +452,11 @@ impl RunEngine {
     ) -> Report {
         let (mut call_rx, mut ack_rx, mut applied_rx) = self.open();
         let mut tick = tokio::time::interval(SNAPSHOT_EVERY);
+        // The first tick publishes at once.
+        let mut last_publish = Instant::now()
+            .checked_sub(SNAPSHOT_EVERY)
+            .unwrap_or_else(Instant::now);
+        let mut publish_every = SNAPSHOT_EVERY;
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut stop_deadline: Option<Instant> = None;
         // A closed channel stays ready forever; stop polling it once it has closed.
@@ -504,7 +511,14 @@ impl RunEngine {
                             line: None,
                         });
                     }
-                    self.publish();
+                    // A snapshot walks every call: a run of many calls is published less
+                    // often, so at most a twentieth of the engine's time goes to it.
+                    if last_publish.elapsed() >= publish_every {
+                        let began = Instant::now();
+                        self.publish();
+                        publish_every = (began.elapsed() * 20).max(SNAPSHOT_EVERY);
+                        last_publish = Instant::now();
+                    }
                 }
             }
         };
@@ -518,14 +532,18 @@ impl RunEngine {
         });
     }
 
-    fn ensure_group(&mut self, title: &str) {
-        if !self.group_index.contains_key(title) {
-            self.group_index.insert(title.to_owned(), self.groups.len());
-            self.groups.push(title.to_owned());
-            self.event(RunEvent::Group {
-                title: title.to_owned(),
-            });
+    /// The place of group `title`, added (and told) when it is new.
+    fn ensure_group(&mut self, title: &str) -> usize {
+        if let Some(&at) = self.group_index.get(title) {
+            return at;
         }
+        let at = self.groups.len();
+        self.group_index.insert(title.to_owned(), at);
+        self.groups.push(title.to_owned());
+        self.event(RunEvent::Group {
+            title: title.to_owned(),
+        });
+        at
     }
 
     fn on_op(&mut self, op: ScriptOp) {
@@ -544,7 +562,9 @@ impl RunEngine {
                     group,
                 },
             ),
-            ScriptOp::Phase(title) => self.ensure_group(&title),
+            ScriptOp::Phase(title) => {
+                self.ensure_group(&title);
+            }
             ScriptOp::Log(line) => {
                 self.logs.push(line.clone());
                 self.event(RunEvent::Log { line });

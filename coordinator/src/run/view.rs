@@ -79,11 +79,7 @@ impl RunEngine {
         };
         for c in &self.calls {
             snap.agents += 1;
-            let Some(g) = self
-                .group_index
-                .get(&c.group)
-                .and_then(|&i| groups.get_mut(i))
-            else {
+            let Some(g) = groups.get_mut(c.group_at) else {
                 continue;
             };
             g.total += 1;
@@ -181,11 +177,7 @@ impl RunEngine {
             })
             .collect();
         for c in &self.calls {
-            if let Some(g) = self
-                .group_index
-                .get(&c.group)
-                .and_then(|&i| groups.get_mut(i))
-            {
+            if let Some(g) = groups.get_mut(c.group_at) {
                 g.agents.push(c.label.clone());
             }
         }
