@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use flotilla_proto::tls::Role;
 use flotilla_proto::v1;
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 
 use crate::client::{ClientArgs, TlsArgs};
 use crate::fail;
@@ -174,19 +176,19 @@ impl Drop for Procs {
 /// this process ends, SIGKILL included; children do not inherit it), with this process's pid
 /// written in it. A fleet already running there is never touched: refused, naming its pid and
 /// how to stop it.
-fn hold_dir(dir: &Path) -> Result<std::fs::File, String> {
+fn hold_dir(dir: &Path) -> Result<Flock<std::fs::File>, String> {
     use std::io::{Read, Seek, Write};
     let path = dir.join("dev.lock");
-    let mut file = std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(&path)
         .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
+    let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(held) => held,
+        Err((mut file, Errno::EWOULDBLOCK)) => {
             let mut text = String::new();
             let _ = file.read_to_string(&mut text);
             let pid = text.split_whitespace().next().unwrap_or("unknown");
@@ -195,10 +197,8 @@ fn hold_dir(dir: &Path) -> Result<std::fs::File, String> {
                 dir.display()
             ));
         }
-        Err(std::fs::TryLockError::Error(e)) => {
-            return Err(format!("cannot lock {}: {e}", path.display()));
-        }
-    }
+        Err((_, e)) => return Err(format!("cannot lock {}: {e}", path.display())),
+    };
     let written = file
         .set_len(0)
         .and_then(|()| file.rewind())
