@@ -5,9 +5,8 @@
 use std::io::Write;
 
 use clap::Args;
-use flotilla_coordinator::report::{AgentReport, Report};
+use flotilla_coordinator::report::AgentReport;
 use flotilla_coordinator::{history, store};
-use flotilla_proto::v1;
 use serde::Serialize;
 
 use crate::{client, config, fail, term};
@@ -48,6 +47,12 @@ struct Page<'a> {
     agents: Vec<&'a AgentReport>,
 }
 
+impl AgentsArgs {
+    pub fn json(&self) -> bool {
+        self.json
+    }
+}
+
 pub async fn run(a: AgentsArgs) -> i32 {
     if let Some(s) = &a.status
         && !STATUSES.contains(&s.as_str())
@@ -64,7 +69,7 @@ pub async fn run(a: AgentsArgs) -> i32 {
         return fail(2, "--limit must be at least 1");
     }
     let report = match &a.from.coordinator {
-        Some(c) => match remote(c, &a).await {
+        Some(c) => match client::report_of(c, &a.from.tls, &a.run_id).await {
             Ok(r) => r,
             Err(code) => return code,
         },
@@ -142,26 +147,4 @@ pub async fn run(a: AgentsArgs) -> i32 {
         );
     }
     0
-}
-
-/// The run's report from a coordinator: live while it runs there, else the stored one.
-async fn remote(coordinator: &str, a: &AgentsArgs) -> Result<Report, i32> {
-    let remote = client::ClientArgs {
-        coordinator: Some(coordinator.to_owned()),
-        tls: a.from.tls.clone(),
-    };
-    let mut c = remote.client().map_err(|e| fail(2, e))?;
-    let reply = c
-        .report(v1::RunRef {
-            run_id: a.run_id.clone(),
-        })
-        .await
-        .map_err(|s| client::rpc_fail(&s))?
-        .into_inner();
-    serde_json::from_str(&reply.report_json).map_err(|e| {
-        fail(
-            1,
-            format!("the coordinator sent a report this client cannot read: {e}"),
-        )
-    })
 }

@@ -126,9 +126,14 @@ pub fn plan(r: &ResolvedRun, meta: Option<&Meta>) -> String {
         .as_deref()
         .map(|why| format!(" (chosen because {why}; --backend echo for a dry run)"))
         .unwrap_or_default();
+    let backend = if s.backend.is_empty() {
+        "chosen by the coordinator from its workers' (--backend to choose)"
+    } else {
+        &s.backend
+    };
     out.push_str(&format!(
-        "  settings  backend {}{chosen}, model {model}, {} agents at once, {} attempts each, stall after {} ms\n",
-        s.backend, s.concurrency, s.attempts, s.stall_timeout_ms
+        "  settings  backend {backend}{chosen}, model {model}, {} agents at once, {} attempts each, stall after {} ms\n",
+        s.concurrency, s.attempts, s.stall_timeout_ms
     ));
     let budget = match (s.budget_tokens, s.budget_usd) {
         (None, None) => "no budget".to_owned(),

@@ -36,6 +36,12 @@ pub struct ChangesArgs {
     remote: ClientArgs,
 }
 
+impl ChangesArgs {
+    pub fn json(&self) -> bool {
+        self.json
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct ApplyArgs {
     run_id: String,
@@ -204,12 +210,21 @@ async fn fetch(
             namespace: run.namespace.clone(),
         })
         .await
-        .map_err(|s| format!("cannot fetch the run's objects: {}", s.message()))?
+        .map_err(|s| {
+            format!(
+                "cannot fetch the run's objects: {}",
+                crate::client::rpc_error(&s).1
+            )
+        })?
         .into_inner();
     let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
     let mut bytes = 0u64;
     let mut current: Option<(String, std::fs::File, PathBuf)> = None;
-    while let Some(d) = stream.message().await.map_err(|s| s.message().to_owned())? {
+    while let Some(d) = stream
+        .message()
+        .await
+        .map_err(|s| crate::client::rpc_error(&s).1)?
+    {
         if !d.error.is_empty() {
             return Err(format!(
                 "the coordinator cannot send the run's objects: {}",

@@ -179,8 +179,9 @@ pub struct ConfigFile {
     pub max_agents: Option<u64>,
     /// Retries the whole run may make.
     pub retry_budget: Option<u64>,
-    /// The models agents may run on (also a coordinator's policy for every run).
-    #[serde(default)]
+    /// The models agents may run on (also a coordinator's policy for every run);
+    /// `allowed_models`, the flag's name, is the same key.
+    #[serde(default, alias = "allowed_models")]
     pub available_models: Vec<String>,
     /// Output-token budget per run.
     pub budget: Option<u64>,
@@ -196,13 +197,16 @@ pub struct ConfigFile {
     pub worker_wait: Option<String>,
     /// How long one agent waits out throttles.
     pub throttle_wait: Option<String>,
-    /// Saved-workflow directories searched first.
-    #[serde(default)]
+    /// Saved-workflow directories searched first (`workflows_dir`, the flag's name, too).
+    #[serde(default, alias = "workflows_dir")]
     pub workflows_dirs: Vec<PathBuf>,
     /// Root of the agents' working directories.
     pub workspace: Option<PathBuf>,
     /// The namespace runs belong to (`--namespace`).
     pub namespace: Option<String>,
+    /// The runs' labels, `KEY=VALUE` (`--label`; `label` is the same key).
+    #[serde(default, alias = "label")]
+    pub labels: Vec<String>,
 
     // ---- fleet commands (coordinator, worker, launch, wait, ...) ----
     /// Coordinator address for workers and clients (`https://host:port`).
@@ -360,16 +364,8 @@ pub struct ResolvedRun {
 /// (`FLOTILLA_CLAUDE_BIN`, else on `PATH`), else `anthropic` when `ANTHROPIC_API_KEY` is set;
 /// else none, with the choices. The second value says why, when it was found here.
 pub fn default_backend() -> Result<(String, Option<String>), String> {
-    if let Ok(b) = std::env::var("FLOTILLA_DEFAULT_BACKEND")
-        && !b.trim().is_empty()
-    {
-        let b = b.trim().to_owned();
-        return match b.as_str() {
-            "echo" | "exec" | "claude-code" | "anthropic" | "openai" => Ok((b, None)),
-            other => Err(format!(
-                "FLOTILLA_DEFAULT_BACKEND={other:?} is not a backend: use echo, exec, claude-code, anthropic or openai"
-            )),
-        };
+    if let Some(b) = env_default_backend()? {
+        return Ok((b, None));
     }
     let claude = match std::env::var_os("FLOTILLA_CLAUDE_BIN") {
         Some(bin) => Path::new(&bin)
@@ -384,6 +380,21 @@ pub fn default_backend() -> Result<(String, Option<String>), String> {
         return Ok(("anthropic".into(), Some("ANTHROPIC_API_KEY is set".into())));
     }
     Err("no agent backend: the claude CLI is not on PATH and ANTHROPIC_API_KEY is not set; pass --backend claude-code (install Claude Code), --backend anthropic (set ANTHROPIC_API_KEY), --backend openai, --backend exec --exec-cmd CMD, or --backend echo for a dry run that calls no model".into())
+}
+
+/// `FLOTILLA_DEFAULT_BACKEND`, checked, if it is set.
+fn env_default_backend() -> Result<Option<String>, String> {
+    match std::env::var("FLOTILLA_DEFAULT_BACKEND") {
+        Ok(b) if !b.trim().is_empty() => match b.trim() {
+            b @ ("echo" | "exec" | "claude-code" | "anthropic" | "openai") => {
+                Ok(Some(b.to_owned()))
+            }
+            other => Err(format!(
+                "FLOTILLA_DEFAULT_BACKEND={other:?} is not a backend: use echo, exec, claude-code, anthropic or openai"
+            )),
+        },
+        _ => Ok(None),
+    }
 }
 
 /// Whether an executable file called `name` is in a directory of `PATH`.
@@ -504,7 +515,11 @@ pub fn settings_from(
     if let Some(v) = flags.concurrency.or(file.concurrency) {
         s.concurrency = v;
     }
-    s.labels = parse_labels(&flags.labels)?;
+    s.labels = parse_labels(if flags.labels.is_empty() {
+        &file.labels
+    } else {
+        &flags.labels
+    })?;
     if let Some(ns) = pick_s(&flags.namespace, &file.namespace) {
         s.namespace = ns;
     }
@@ -750,12 +765,18 @@ pub fn resolve_run_with(
         meta_defaults(&mut settings, &meta.raw, &args.settings, &file)?;
         meta_backend = meta.raw.get("backend").is_some();
     }
-    // Nothing named a backend: the one this machine has, or a refusal with the choices.
+    // Nothing named a backend: here, the one this machine has, or a refusal with the choices;
+    // on a fleet, what its workers offer matters, not this machine: the coordinator chooses
+    // among them (an empty backend asks it to) unless FLOTILLA_DEFAULT_BACKEND says.
     let mut backend_chosen = None;
     if args.settings.backend.is_none() && file.backend.is_none() && !meta_backend {
-        let (backend, why) = default_backend()?;
-        settings.backend = backend;
-        backend_chosen = why;
+        if local {
+            let (backend, why) = default_backend()?;
+            settings.backend = backend;
+            backend_chosen = why;
+        } else {
+            settings.backend = env_default_backend()?.unwrap_or_default();
+        }
     }
     // Agents work where the run was started, as Claude Code's do: the repository root when
     // inside one, else this directory; --workspace DIR says otherwise.
@@ -816,6 +837,44 @@ mod tests {
         assert_eq!(s.stagger_ms, 0);
         assert_eq!(s.stall_timeout_ms, 300);
         assert!(toml::from_str::<ConfigFile>("concurency = 1").is_err());
+    }
+
+    /// The config file's keys are the flags in snake_case: every flag that sets a run (and
+    /// every client identity flag) is a key the file takes, with the same meaning.
+    #[test]
+    fn every_setting_flag_is_a_config_key_in_snake_case() {
+        use clap::Args as _;
+        let cmd = crate::client::ClientArgs::augment_args(SettingFlags::augment_args(
+            clap::Command::new("flags"),
+        ));
+        let mut checked = 0;
+        for arg in cmd.get_arguments() {
+            let Some(long) = arg.get_long() else {
+                continue;
+            };
+            let key = long.replace('-', "_");
+            // Any value: only whether the key is known is asked here.
+            if let Err(e) = toml::from_str::<ConfigFile>(&format!("{key} = 0")) {
+                assert!(
+                    !e.to_string().contains("unknown field"),
+                    "--{long} has no config key {key}: {e}"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked > 30, "{checked}");
+        // The same meaning under the flag's name.
+        let file: ConfigFile = toml::from_str(
+            "allowed_models = [\"sonnet\"]\nlabel = [\"team=payments\"]\nworkflows_dir = [\"wf\"]",
+        )
+        .unwrap();
+        let m = settings_from(&SettingFlags::default(), &file, true).unwrap();
+        assert_eq!(m.settings.allowed_models, ["sonnet"]);
+        assert_eq!(
+            m.settings.labels.get("team").map(String::as_str),
+            Some("payments")
+        );
+        assert_eq!(file.workflows_dirs, [PathBuf::from("wf")]);
     }
 
     #[test]

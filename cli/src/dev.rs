@@ -9,7 +9,9 @@
 //! exact `launch` line; Ctrl-C (or SIGTERM) stops every process it started, and waits for
 //! them. Its children also end when it is killed outright (they ask the kernel for a signal
 //! when their parent dies), and a leftover one of an earlier `dev` in the same directory (an
-//! etcd) is stopped when the next one starts.
+//! etcd) is stopped when the next one starts. A `dev` whose directory holds a running fleet
+//! (`dev.lock`, locked while it lives) is refused, naming that fleet's pid: it never touches
+//! it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,6 +20,8 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use flotilla_proto::tls::Role;
 use flotilla_proto::v1;
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 
 use crate::client::{ClientArgs, TlsArgs};
 use crate::fail;
@@ -57,6 +61,12 @@ pub struct DevArgs {
     /// When the fleet is up, print it as one JSON object on stdout (for scripts).
     #[arg(long)]
     json: bool,
+}
+
+impl DevArgs {
+    pub fn json(&self) -> bool {
+        self.json
+    }
 }
 
 /// The variable that tells a child of `dev` its parent's pid: it asks the kernel to be sent
@@ -160,6 +170,41 @@ impl Drop for Procs {
     fn drop(&mut self) {
         self.stop_all();
     }
+}
+
+/// Takes `dir` for this fleet: an exclusive lock on `dir/dev.lock` (the kernel lets it go when
+/// this process ends, SIGKILL included; children do not inherit it), with this process's pid
+/// written in it. A fleet already running there is never touched: refused, naming its pid and
+/// how to stop it.
+fn hold_dir(dir: &Path) -> Result<Flock<std::fs::File>, String> {
+    use std::io::{Read, Seek, Write};
+    let path = dir.join("dev.lock");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(held) => held,
+        Err((mut file, Errno::EWOULDBLOCK)) => {
+            let mut text = String::new();
+            let _ = file.read_to_string(&mut text);
+            let pid = text.split_whitespace().next().unwrap_or("unknown");
+            return Err(format!(
+                "a fleet of `flotilla dev` already runs in {} (pid {pid}); stop it first (Ctrl-C where it runs, or `kill {pid}`: it stops every process it started), or give this one another --dir",
+                dir.display()
+            ));
+        }
+        Err((_, e)) => return Err(format!("cannot lock {}: {e}", path.display())),
+    };
+    let written = file
+        .set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| writeln!(file, "{}", std::process::id()));
+    written.map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(file)
 }
 
 /// Stops what an earlier `dev` in `dir` left running (it was killed before it could): each
@@ -279,6 +324,8 @@ async fn up(a: DevArgs) -> Result<i32, String> {
         .canonicalize()
         .map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
     let logs = dir.join("logs");
+    // One fleet per directory: held until this process ends, however it ends.
+    let _held = hold_dir(&dir)?;
     let pids_file = dir.join("dev.pids");
     stop_leftovers(&pids_file, &dir);
     let pki = dir.join("pki");

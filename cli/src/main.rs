@@ -208,9 +208,8 @@ struct SandboxRelayArgs {
 #[derive(Debug, Args)]
 struct ShowArgs {
     run_id: String,
-    /// Object store URL (file:///path or memory://).
-    #[arg(long, env = "FLOTILLA_STORE")]
-    store: Option<String>,
+    #[command(flatten)]
+    from: client::ReadFrom,
     #[arg(long)]
     json: bool,
     /// List every agent (by default at most 1000, those that did not complete first).
@@ -224,8 +223,20 @@ impl Command {
         match self {
             Command::Run(a) => a.json,
             Command::Launch(a) => a.json(),
-            Command::Wait(a) => a.json(),
             Command::Resume(a) => a.json(),
+            Command::Wait(a) | Command::Status(a) | Command::Watch(a) | Command::Pause(a) => {
+                a.json()
+            }
+            Command::Stop(a) | Command::Restart(a) => a.json(),
+            Command::Runs(a) => a.json,
+            Command::Show(a) => a.json,
+            Command::Logs(a) => a.json,
+            Command::Agents(a) => a.json(),
+            Command::Changes(a) => a.json(),
+            Command::Workers(a) => a.json(),
+            Command::Token(client::TokenCommand::Create(a)) => a.json(),
+            Command::Workflows(w) => w.json(),
+            Command::Dev(a) => a.json(),
             _ => false,
         }
     }
@@ -301,9 +312,13 @@ fn main() -> ExitCode {
                 None => stored::list(args.store, &args.filter, args.json).await,
             },
             Command::Gc(args) => stored::gc(args).await,
-            Command::Show(args) => {
-                stored::show(args.store, &args.run_id, args.json, args.full).await
-            }
+            Command::Show(args) => match &args.from.coordinator {
+                Some(c) => match client::report_of(c, &args.from.tls, &args.run_id).await {
+                    Ok(report) => stored::print_show(report, args.json, args.full),
+                    Err(code) => code,
+                },
+                None => stored::show(args.from.store, &args.run_id, args.json, args.full).await,
+            },
             Command::Agents(args) => agents_cmd::run(args).await,
             Command::Logs(a) => match a.from.coordinator {
                 Some(coordinator) => {

@@ -342,7 +342,16 @@ pub async fn upload(
     s: &Snapshot,
     max: u64,
     namespace: &str,
-) -> Result<Uploaded, String> {
+) -> Result<Uploaded, crate::client::Failed> {
+    use crate::client::Failed;
+    // What the coordinator answered (or that it was not reached), with what was being done.
+    let call_failed = |doing: &str, e: &tonic::Status| {
+        let f = Failed::from(e);
+        Failed {
+            message: format!("{doing}: {}", f.message),
+            ..f
+        }
+    };
     let asked = candidates(s)?;
     let held = client
         .source_have(v1::SourceHaveRequest {
@@ -352,12 +361,7 @@ pub async fn upload(
             namespace: namespace.to_owned(),
         })
         .await
-        .map_err(|e| {
-            format!(
-                "cannot ask the coordinator about the source: {}",
-                e.message()
-            )
-        })?
+        .map_err(|e| call_failed("cannot ask the coordinator about the source", &e))?
         .into_inner()
         .held;
     if held.contains(&s.commit) {
@@ -366,11 +370,11 @@ pub async fn upload(
     // One pack of everything the store lacks.
     let (tmp, bytes) = build_pack(s, &held)?;
     if bytes > max {
-        return Err(format!(
+        return Err(Failed::from(format!(
             "the repository's objects to send are {} MiB, more than --max-source ({} MiB); raise --max-source, or pass --source none (or --source git+URL#REF for one the workers can fetch)",
             bytes >> 20,
             max >> 20
-        ));
+        )));
     }
     let mut file =
         std::fs::File::open(tmp.path()).map_err(|e| format!("cannot read the pack: {e}"))?;
@@ -409,7 +413,7 @@ pub async fn upload(
     client
         .put_source(tokio_stream::iter(msgs))
         .await
-        .map_err(|e| format!("cannot upload the source: {}", e.message()))?;
+        .map_err(|e| call_failed("cannot upload the source", &e))?;
     drop(tmp);
     Ok(Uploaded { bytes, objects })
 }

@@ -154,6 +154,12 @@ pub async fn show(store_flag: Option<String>, run: &str, json: bool, full: bool)
         Ok(r) => r,
         Err(e) => return fail(e.kind().exit_code(), e),
     };
+    print_show(report, json, full)
+}
+
+/// Prints a run's report as `show` does: the JSON report, or its summary, agents, logs and
+/// result.
+pub fn print_show(report: flotilla_coordinator::Report, json: bool, full: bool) -> i32 {
     let report = if full {
         report
     } else {

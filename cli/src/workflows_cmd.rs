@@ -12,7 +12,7 @@ use flotilla_coordinator::workflows::{self, DirResolver};
 use flotilla_proto::v1;
 use serde_json::{Value, json};
 
-use crate::client::ClientArgs;
+use crate::client::{ClientArgs, Failed};
 use crate::fail;
 use crate::term::clean;
 
@@ -80,6 +80,13 @@ pub struct PushArgs {
     namespace: Option<String>,
 }
 
+impl WorkflowsCommand {
+    /// Whether it was asked for JSON output.
+    pub fn json(&self) -> bool {
+        matches!(self, WorkflowsCommand::List(a) if a.json)
+    }
+}
+
 pub async fn run(cmd: WorkflowsCommand) -> i32 {
     match cmd {
         WorkflowsCommand::List(a) => list(a).await,
@@ -105,7 +112,7 @@ fn personal_dirs() -> Vec<PathBuf> {
     flotilla.into_iter().chain(claude).collect()
 }
 
-async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
+async fn entries(at: &Where) -> Result<Vec<Entry>, Failed> {
     let cwd =
         std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
     let resolver = DirResolver::standard(&cwd, &at.workflows_dirs);
@@ -157,7 +164,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, String> {
                 namespace: at.namespace.clone().unwrap_or_default(),
             })
             .await
-            .map_err(|s| s.message().to_owned())?
+            .map_err(|s| Failed::from(&s))?
             .into_inner();
         for w in listed.workflows {
             // Pushed to the namespace itself, or by an operator to every namespace.
@@ -212,7 +219,7 @@ pub async fn rows(
         remote,
         namespace,
     };
-    Ok(json_rows(&entries(&at).await?))
+    Ok(json_rows(&entries(&at).await.map_err(|f| f.message)?))
 }
 
 fn json_rows(all: &[Entry]) -> Vec<Value> {
@@ -249,7 +256,7 @@ fn json_rows(all: &[Entry]) -> Vec<Value> {
 async fn list(a: ListArgs) -> i32 {
     let all = match entries(&a.at).await {
         Ok(e) => e,
-        Err(e) => return fail(2, e),
+        Err(f) => return f.print(),
     };
     if a.json {
         println!(
@@ -296,7 +303,7 @@ async fn list(a: ListArgs) -> i32 {
 async fn show(a: ShowArgs) -> i32 {
     let all = match entries(&a.at).await {
         Ok(e) => e,
-        Err(e) => return fail(2, e),
+        Err(f) => return f.print(),
     };
     let name = a.workflow.trim_start_matches('/');
     let Some(e) = all.iter().find(|e| e.name == name && e.meta.is_ok()) else {
@@ -469,6 +476,6 @@ async fn push(a: PushArgs) -> i32 {
             );
             0
         }
-        Err(s) => fail(2, s.message()),
+        Err(s) => crate::client::rpc_fail(&s),
     }
 }

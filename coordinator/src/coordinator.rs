@@ -384,7 +384,8 @@ impl Coordinator {
             name: prepared.meta.name.clone(),
             description: prepared.meta.description.clone(),
         };
-        req.settings.validate().map_err(|e| {
+        // A launch that names no backend gets one the attached workers offer (below).
+        req.settings.validate_but_backend().map_err(|e| {
             Rejected::invalid(format!("invalid run settings: {e}"), workflow.clone())
         })?;
         self.within_policy(&mut req.settings.allowed_models);
@@ -403,6 +404,16 @@ impl Coordinator {
         }
         let body = script::runnable_body(&prepared);
         runtime::check_syntax(&body).map_err(|e| Rejected::invalid(e.message, workflow.clone()))?;
+        let mut notes = Vec::new();
+        if req.settings.backend.is_empty() {
+            let (backend, note) = self
+                .choose_backend(&req.settings)
+                .await
+                .map_err(|m| Rejected::invalid(m, workflow.clone()))?;
+            req.settings.backend = backend;
+            notes.push(note);
+        }
+        notes.extend(self.unoffered(&req.settings).await);
         let args_json = req.args.as_ref().map(|a| a.get().to_owned());
         let run_id = new_run_id();
         // W52: one process drives a run, and a run is resumed by one run at a time.
@@ -544,7 +555,7 @@ impl Coordinator {
             .map(|p| p.title.clone())
             .collect();
         let generation = self.generation;
-        self.start_engine(StartEngine {
+        let mut handle = self.start_engine(StartEngine {
             run_id,
             workflow,
             phases,
@@ -557,7 +568,67 @@ impl Coordinator {
             parent_run_id: req.resume_from,
             owners,
             indexed: crate::index::Entry::created(&manifest),
-        })
+        })?;
+        handle.notes = notes;
+        Ok(handle)
+    }
+
+    /// The backend of a launch that names none: of those the attached workers offer, the
+    /// first in the order a machine's own default follows (claude-code, anthropic, openai,
+    /// exec, echo; others after) that one of them offers with the run's model and labels
+    /// (else the first offered at all, and [`Coordinator::unoffered`] says why none runs it);
+    /// and a note saying which and why. With no worker attached there is nothing to choose
+    /// from: refused, naming the fix. A run keeps the backend it was launched with, so
+    /// workers that attach later never change it.
+    async fn choose_backend(&self, settings: &RunSettings) -> Result<(String, String), String> {
+        const PREFERRED: [&str; 5] = ["claude-code", "anthropic", "openai", "exec", "echo"];
+        let rank = |b: &str| {
+            PREFERRED
+                .iter()
+                .position(|p| *p == b)
+                .unwrap_or(PREFERRED.len())
+        };
+        let mut offered: Vec<String> = self
+            .dispatch
+            .workers()
+            .await
+            .into_iter()
+            .filter(|w| w.attached)
+            .flat_map(|w| w.backends)
+            .collect();
+        offered.sort_by(|a, b| rank(a).cmp(&rank(b)).then_with(|| a.cmp(b)));
+        offered.dedup();
+        let Some(first) = offered.first().cloned() else {
+            return Err("the launch names no backend and no worker is attached to this coordinator to choose one from: pass --backend NAME (one your workers will offer; --backend echo for a dry run), or start a worker first (`flotilla workers` lists the attached ones)".into());
+        };
+        let mut chosen = first;
+        for b in &offered {
+            if self.dispatch.offered(probe(settings, b)).await.is_ok() {
+                chosen.clone_from(b);
+                break;
+            }
+        }
+        let note = format!(
+            "backend {chosen} (chosen by the coordinator: the launch named none, and its attached workers offer {}; pass --backend to choose, --backend echo for a dry run)",
+            offered.join(", ")
+        );
+        Ok((chosen, note))
+    }
+
+    /// When no attached worker offers the run's backend with its model and its namespace's
+    /// labels: why, and what happens. The run is not refused for it (workers attach and leave:
+    /// an autoscaled fleet starts them for the work, a worker restarts); its agents wait up to
+    /// its `--worker-wait` for one, then fail with that reason, as the status shows meanwhile.
+    async fn unoffered(&self, settings: &RunSettings) -> Option<String> {
+        let why = self
+            .dispatch
+            .offered(probe(settings, &settings.backend))
+            .await
+            .err()?;
+        Some(format!(
+            "{why}; the run's agents wait up to {} for one to attach, then fail with this reason (`flotilla workers` lists the attached ones; --worker-wait sets the wait)",
+            humantime::format_duration(std::time::Duration::from_millis(settings.worker_wait_ms))
+        ))
     }
 
     /// Takes over a run whose owner is gone (failover): replays its stored script from the
@@ -740,6 +811,21 @@ struct StartEngine {
     indexed: crate::index::Entry,
 }
 
+/// A task as the run's agents that name no model or labels of their own ask for it: `backend`,
+/// the run's model, its namespace's pinned labels.
+fn probe(settings: &RunSettings, backend: &str) -> flotilla_proto::v1::TaskSpec {
+    flotilla_proto::v1::TaskSpec {
+        backend: backend.to_owned(),
+        model: settings.model.clone(),
+        placement_labels: settings
+            .pinned_labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
 /// `run`'s allowed models kept to those `policy` allows (all of `policy` when none is left).
 fn within(run: &mut Vec<String>, policy: &[String]) {
     run.retain(|m| policy.iter().any(|p| crate::settings::model_allowed(p, m)));
@@ -788,6 +874,109 @@ mod tests {
         c.dispatch.attach(end);
         tokio::spawn(async move { worker.run(link, CancellationToken::new()).await });
         workspace
+    }
+
+    fn launch_with(backend: &str, namespace: &str) -> LaunchRequest {
+        LaunchRequest {
+            source: "export const meta = { name: 'n', description: 'd' };\nreturn 1;".into(),
+            origin: None,
+            args: None,
+            settings: RunSettings {
+                backend: backend.into(),
+                namespace: namespace.into(),
+                ..RunSettings::default()
+            },
+            resume_from: None,
+            inherit: false,
+            resolver: Arc::new(crate::workflows::NoWorkflows),
+        }
+    }
+
+    /// Issue 29: a launch that names no backend gets one the attached workers offer, and says
+    /// so; with no worker attached there is none to choose, and it is refused with the fix. A
+    /// backend, or a namespace's labels, that no attached worker offers is said at once in
+    /// the launch's notes; the run is not refused for it (a worker may attach yet).
+    #[tokio::test]
+    async fn a_launch_gets_a_backend_the_workers_offer_and_hears_at_once_what_none_offers() {
+        let c = Coordinator::new(
+            crate::store::open("memory://").unwrap(),
+            crate::lease::memory::MemoryLeaseStore::new(),
+        );
+        let mut eu = crate::namespace::Policy::default();
+        eu.labels.insert("region".into(), "eu".into());
+        c.set_namespaces(
+            crate::namespace::Namespaces::new([("payments".to_owned(), eu)].into()).unwrap(),
+        );
+        let refused = c
+            .launch(launch_with("", "default"))
+            .await
+            .map(|_| ())
+            .expect_err("no worker, nothing to choose from");
+        assert!(
+            refused.message.contains("no worker is attached")
+                && refused.message.contains("pass --backend NAME"),
+            "{}",
+            refused.message
+        );
+        let _w = echo_worker(&c, "w0");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !c.dispatch.workers().await.iter().any(|w| w.attached) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the worker never attached"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+
+        let chosen = c
+            .launch(launch_with("", "default"))
+            .await
+            .expect("launched");
+        assert_eq!(chosen.notes.len(), 1, "{:?}", chosen.notes);
+        assert!(
+            chosen.notes[0].starts_with("backend echo (chosen by the coordinator"),
+            "{:?}",
+            chosen.notes
+        );
+        assert_eq!(chosen.wait().await.status, RunStatus::Completed);
+
+        let named = c
+            .launch(launch_with("echo", "default"))
+            .await
+            .expect("launched");
+        assert!(named.notes.is_empty(), "{:?}", named.notes);
+
+        let unoffered = c
+            .launch(launch_with("exec", "default"))
+            .await
+            .expect("launched");
+        assert_eq!(unoffered.notes.len(), 1, "{:?}", unoffered.notes);
+        assert!(
+            unoffered.notes[0].starts_with(
+                "no attached worker offers backend \"exec\" (the 1 attached offer echo)"
+            ) && unoffered.notes[0].contains("wait up to 10m"),
+            "{:?}",
+            unoffered.notes
+        );
+        unoffered.stop();
+
+        // The namespace pins region=eu, which the only worker does not carry.
+        let pinned = c
+            .launch(launch_with("", "payments"))
+            .await
+            .expect("launched");
+        assert_eq!(pinned.notes.len(), 2, "{:?}", pinned.notes);
+        assert!(
+            pinned.notes[0].starts_with("backend echo"),
+            "{:?}",
+            pinned.notes
+        );
+        assert!(
+            pinned.notes[1].contains("carries the labels region=eu"),
+            "{:?}",
+            pinned.notes
+        );
+        pinned.stop();
     }
 
     /// A coordinator frozen with a journal write past its gate (checked while its tenure

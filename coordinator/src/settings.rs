@@ -282,6 +282,15 @@ impl Default for RunSettings {
 impl RunSettings {
     /// Checks the settings; the error names the setting and the fix.
     pub fn validate(&self) -> Result<(), SettingsError> {
+        if self.backend.is_empty() {
+            return Err(SettingsError::NoBackend);
+        }
+        self.validate_but_backend()
+    }
+
+    /// [`RunSettings::validate`] but for the backend: a fleet launch that names none gets
+    /// one its coordinator's workers offer ([`crate::Coordinator::launch`]).
+    pub fn validate_but_backend(&self) -> Result<(), SettingsError> {
         let checks = [
             (self.concurrency == 0, SettingsError::Concurrency),
             (
@@ -307,7 +316,6 @@ impl RunSettings {
             ),
             (self.worker_wait_ms == 0, SettingsError::NoWorkerWait),
             (self.script_cpu_ms == 0, SettingsError::NoScriptCpu),
-            (self.backend.is_empty(), SettingsError::NoBackend),
         ];
         if let Some((_, e)) = checks.into_iter().find(|(bad, _)| *bad) {
             return Err(e);

@@ -53,6 +53,10 @@ pub enum ErrorKind {
     Denied,
     /// A bug or an unexpected failure.
     Internal,
+    /// The peer was not reached: no connection, or no handshake (refused, no such host, timed
+    /// out, a certificate either side would not take). Nothing was asked of it, so nothing
+    /// happened there. Made only where a call is sent; on the wire it is `Unavailable`.
+    Unreachable,
 }
 
 impl ErrorKind {
@@ -66,19 +70,23 @@ impl ErrorKind {
             ErrorKind::Invalid => "invalid",
             ErrorKind::Denied => "denied",
             ErrorKind::Internal => "internal",
+            ErrorKind::Unreachable => "unreachable",
         }
     }
 
     /// Whether retrying the same request later can succeed.
     pub fn is_retryable(self) -> bool {
-        matches!(self, ErrorKind::Unavailable)
+        matches!(self, ErrorKind::Unavailable | ErrorKind::Unreachable)
     }
 
     /// The process exit status a CLI command uses for an error of this kind: 2 for requests
-    /// that were refused as given (fix the request), 1 otherwise.
+    /// that were refused as given (fix the request), 3 when the coordinator was not reached
+    /// (nothing happened there: check the address, that it runs, the certificates), 1
+    /// otherwise (0 and 1 are also a run's completed and failed).
     pub fn exit_code(self) -> i32 {
         match self {
             ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Conflict => 2,
+            ErrorKind::Unreachable => 3,
             _ => 1,
         }
     }
@@ -88,7 +96,7 @@ impl ErrorKind {
         match self {
             ErrorKind::NotFound => tonic::Code::NotFound,
             ErrorKind::Conflict => tonic::Code::FailedPrecondition,
-            ErrorKind::Unavailable => tonic::Code::Unavailable,
+            ErrorKind::Unavailable | ErrorKind::Unreachable => tonic::Code::Unavailable,
             ErrorKind::Fenced => tonic::Code::Aborted,
             ErrorKind::Invalid => tonic::Code::InvalidArgument,
             ErrorKind::Denied => tonic::Code::PermissionDenied,
@@ -106,14 +114,25 @@ impl ErrorKind {
         match self {
             ErrorKind::NotFound => 404,
             ErrorKind::Conflict | ErrorKind::Fenced => 409,
-            ErrorKind::Unavailable => 503,
+            ErrorKind::Unavailable | ErrorKind::Unreachable => 503,
             ErrorKind::Invalid => 400,
             ErrorKind::Denied => 403,
             ErrorKind::Internal => 500,
         }
     }
 
-    /// The kind of a gRPC status a peer sent (a transport failure is `Unavailable`).
+    /// The kind of a failed call this process made: `Unreachable` when the peer never heard
+    /// it ([`tls::not_reached`]), else the kind of the status it sent.
+    pub fn of_call(status: &tonic::Status) -> ErrorKind {
+        if tls::not_reached(status) {
+            ErrorKind::Unreachable
+        } else {
+            ErrorKind::from_grpc(status.code())
+        }
+    }
+
+    /// The kind of a gRPC status a peer sent (a transport failure is `Unavailable`; see
+    /// [`ErrorKind::of_call`] for a call this process made).
     pub fn from_grpc(code: tonic::Code) -> ErrorKind {
         use tonic::Code;
         match code {
@@ -157,6 +176,7 @@ mod tests {
         ] {
             let s = k.status("why");
             assert_eq!(ErrorKind::from_grpc(s.code()), k, "{k:?}");
+            assert_eq!(ErrorKind::of_call(&s), k, "a status a peer sent: {k:?}");
             assert_eq!(s.message(), "why");
             assert!((400..600).contains(&k.http_status()), "{k:?}");
         }
@@ -167,6 +187,37 @@ mod tests {
         );
         assert_eq!(ErrorKind::Conflict.exit_code(), 2);
         assert_eq!(ErrorKind::Denied.exit_code(), 1);
+        // Made only where a call is sent: whoever hears of it over the wire hears Unavailable.
+        let s = ErrorKind::Unreachable.status("why");
+        assert_eq!(ErrorKind::from_grpc(s.code()), ErrorKind::Unavailable);
+    }
+
+    /// A call to a port nothing listens on never reaches a peer: its own kind and exit status
+    /// (not a failed run's 1, not a refused request's 2), and words without tonic's debug form
+    /// that say what to check.
+    #[tokio::test]
+    async fn a_call_that_reaches_no_coordinator_is_unreachable_and_says_what_to_check() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let channel = tls::channel(&address, None).unwrap();
+        let mut client = v1::client_service_client::ClientServiceClient::new(channel);
+        let status = client
+            .ping(v1::PingRequest::default())
+            .await
+            .expect_err("nothing listens there");
+        assert_eq!(ErrorKind::of_call(&status), ErrorKind::Unreachable);
+        assert_eq!(ErrorKind::Unreachable.exit_code(), 3);
+        assert_eq!(ErrorKind::Unreachable.name(), "unreachable");
+        let said = tls::explain_at(&status, Some(&address));
+        assert!(
+            said.starts_with(&format!("cannot reach the coordinator at {address}")),
+            "{said}"
+        );
+        assert!(said.contains("check that the coordinator runs"), "{said}");
+        for debug in ["tonic::", "ConnectError(", "Os {", "code: '"] {
+            assert!(!said.contains(debug), "{debug}: {said}");
+        }
     }
 
     #[test]

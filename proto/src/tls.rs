@@ -340,33 +340,92 @@ pub fn looks_like_rejected_client_cert(status: &tonic::Status) -> bool {
         || chain.contains("connection reset")
 }
 
+/// What a failed call's status says, without tonic's debug form: its message, then each
+/// cause in its source chain (a refused connection is several sources deep), once each.
+pub fn status_chain(status: &tonic::Status) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut add = |text: String| {
+        let text = text.trim().to_owned();
+        if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+    };
+    add(status.message().to_owned());
+    let mut cur = std::error::Error::source(status);
+    while let Some(s) = cur {
+        add(s.to_string());
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
+/// Whether a call this process made failed before the peer heard it: no connection (refused,
+/// a name that does not resolve, a timeout) or no handshake (TLS refused either way, a peer
+/// that does not speak gRPC). Such a status is made here, from a transport error (a status a
+/// peer sent has no source); a connection that broke in the middle of a reply had reached it.
+pub fn not_reached(status: &tonic::Status) -> bool {
+    let made_here = std::error::Error::source(status).is_some();
+    let code = matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    );
+    made_here
+        && code
+        && !error_chain(status)
+            .to_ascii_lowercase()
+            .contains("error reading a body")
+}
+
 /// A user-facing explanation of a failed call to a coordinator.
 pub fn explain(status: &tonic::Status) -> String {
-    let chain = error_chain(status);
-    let lower = chain.to_ascii_lowercase();
+    explain_at(status, None)
+}
+
+/// Like [`explain`], naming the coordinator's `address` when it is known: what failed, and
+/// what to check.
+pub fn explain_at(status: &tonic::Status, address: Option<&str>) -> String {
+    let chain = status_chain(status);
+    let lower = error_chain(status).to_ascii_lowercase();
+    let at = address.map(|a| format!(" at {a}")).unwrap_or_default();
+    let with = address
+        .map(|a| format!(" with the coordinator at {a}"))
+        .unwrap_or_default();
+    let address_flags =
+        "the address (--coordinator, FLOTILLA_COORDINATOR or `coordinator` in --config)";
     // A reply had begun: the connection was up, so this is no handshake refusal.
     if lower.contains("error reading a body") {
-        format!("the connection to the coordinator broke in the middle of a reply ({chain})")
+        format!("the connection to the coordinator{at} broke in the middle of a reply ({chain})")
     } else if lower.contains("not valid for name") {
         format!(
             "the coordinator's certificate does not name the address it was reached at: reach it by a name its certificate holds, issue it with that address (`flotilla certs issue --host`), or, for a coordinator reaching its group's leader, give it `--peer-name` with a name the certificate holds ({chain})"
         )
     } else if is_tls_rejection(status) || looks_like_rejected_client_cert(status) {
         format!(
-            "the TLS handshake failed — the certificate is not signed by the CA the other side trusts, or none was sent ({chain})"
+            "the TLS handshake failed{with} — the certificate is not signed by the CA the other side trusts, or none was sent; check --tls-dir (or --cert, --key, --ca) against the CA the coordinator uses ({chain})"
         )
     } else if lower.contains("h2 protocol error")
         || lower.contains("http2 error")
         || lower.contains("frame with invalid size")
     {
         format!(
-            "the coordinator did not speak the expected protocol — it probably uses TLS: connect with https:// and --tls-dir ({chain})"
+            "the coordinator{at} did not speak the expected protocol — it probably uses TLS: connect with https:// and --tls-dir ({chain})"
         )
-    } else if lower.contains("connection refused")
-        || lower.contains("dns error")
-        || lower.contains("timed out")
-    {
-        format!("cannot reach the coordinator ({chain})")
+    } else if lower.contains("connection refused") {
+        format!(
+            "cannot reach the coordinator{at}: nothing accepts connections there; check that the coordinator runs and listens there (its --listen), and {address_flags} ({chain})"
+        )
+    } else if lower.contains("dns error") || lower.contains("failed to lookup") {
+        format!(
+            "cannot reach the coordinator{at}: its host name does not resolve; check {address_flags} ({chain})"
+        )
+    } else if lower.contains("timed out") || lower.contains("deadline") {
+        format!(
+            "cannot reach the coordinator{at}: it did not answer in time; check that it runs, that no firewall is in the way, and {address_flags} ({chain})"
+        )
+    } else if not_reached(status) {
+        format!(
+            "cannot reach the coordinator{at}; check that it runs, that this machine reaches it, and {address_flags} ({chain})"
+        )
     } else {
         chain
     }

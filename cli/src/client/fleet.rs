@@ -29,6 +29,18 @@ pub struct TokenArgs {
     remote: ClientArgs,
 }
 
+impl TokenArgs {
+    pub fn json(&self) -> bool {
+        self.json
+    }
+}
+
+impl WorkersArgs {
+    pub fn json(&self) -> bool {
+        self.json
+    }
+}
+
 pub async fn token_create(a: TokenArgs) -> i32 {
     let ttl_secs = match a.ttl.as_deref().map(|t| config::parse_duration("--ttl", t)) {
         None => 0,

@@ -37,29 +37,6 @@ pub struct SourceFlags {
     pub submodules: bool,
 }
 
-/// Why a launch did not reach the coordinator: the caller's input, or the call itself.
-pub(crate) enum NotSent {
-    Input(String),
-    Rpc(tonic::Status),
-}
-
-impl NotSent {
-    /// Prints it as every client command does; the exit status.
-    pub(crate) fn print(self) -> i32 {
-        match self {
-            NotSent::Input(e) => fail(2, e),
-            NotSent::Rpc(s) => rpc_fail(&s),
-        }
-    }
-
-    pub(crate) fn message(&self) -> String {
-        match self {
-            NotSent::Input(e) => e.clone(),
-            NotSent::Rpc(s) => rpc_error(s).1,
-        }
-    }
-}
-
 /// A launch resolved on this machine (the coordinator's saved workflows included), not sent.
 pub(crate) struct Prepared {
     pub resolved: config::ResolvedRun,
@@ -71,14 +48,14 @@ pub(crate) struct Prepared {
 pub(crate) async fn prepare(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
     run: &crate::RunArgs,
-) -> Result<Prepared, NotSent> {
+) -> Result<Prepared, Failed> {
     let by_path = std::path::Path::new(&run.script).exists() || run.script.ends_with(".js");
     let server = if by_path && !run.by_name {
         Vec::new()
     } else {
         let asked =
             config::asked_namespace(run.settings.namespace.as_deref(), run.config.as_deref())
-                .map_err(NotSent::Input)?;
+                .map_err(Failed::from)?;
         let namespace = run_namespace(client, asked, run.resume.as_deref()).await;
         client
             .list_workflows(v1::ListWorkflowsRequest {
@@ -86,14 +63,14 @@ pub(crate) async fn prepare(
                 namespace,
             })
             .await
-            .map_err(NotSent::Rpc)?
+            .map_err(|s| Failed::from(&s))?
             .into_inner()
             .workflows
             .into_iter()
             .map(FoundWorkflow::from)
             .collect()
     };
-    let resolved = config::resolve_run_with(run, &server, false).map_err(NotSent::Input)?;
+    let resolved = config::resolve_run_with(run, &server, false).map_err(Failed::from)?;
     Ok(Prepared { resolved, server })
 }
 
@@ -135,7 +112,7 @@ pub(crate) async fn send(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
     prepared: Prepared,
     source: &SourceFlags,
-) -> Result<Sent, NotSent> {
+) -> Result<Sent, Failed> {
     let Prepared {
         mut resolved,
         server,
@@ -153,12 +130,10 @@ pub(crate) async fn send(
     )
     .await;
     loop {
-        let sent = send_source(client, source, &resolved.cwd, &namespace)
-            .await
-            .map_err(NotSent::Input)?;
+        let sent = send_source(client, source, &resolved.cwd, &namespace).await?;
         resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
         let settings_json = serde_json::to_string(&resolved.settings)
-            .map_err(|e| NotSent::Input(format!("the run's settings cannot be sent: {e}")))?;
+            .map_err(|e| Failed::from(format!("the run's settings cannot be sent: {e}")))?;
         let req = v1::LaunchRequest {
             protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
             script: resolved.source.clone(),
@@ -173,8 +148,12 @@ pub(crate) async fn send(
             saved_name: resolved.saved_name.clone().unwrap_or_default(),
         };
         // The coordinator's limits, checked here first, with the same words.
-        flotilla_coordinator::api::check_launch(&req).map_err(NotSent::Input)?;
-        let reply = client.launch(req).await.map_err(NotSent::Rpc)?.into_inner();
+        flotilla_coordinator::api::check_launch(&req).map_err(Failed::from)?;
+        let reply = client
+            .launch(req)
+            .await
+            .map_err(|s| Failed::from(&s))?
+            .into_inner();
         if again
             && reply.status == "rejected"
             && reply
@@ -221,7 +200,8 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         Err(e) => return e.print(),
     };
     if a.run.json && reply.status != "rejected" {
-        let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+        say_notes(&reply.notes);
+        let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status, "notes": reply.notes});
         if let Some((src, up)) = &source {
             v["source"] = serde_json::json!({
                 "repo": src.repo, "commit": src.commit, "origin": src.origin,
@@ -309,7 +289,7 @@ pub(crate) async fn send_source(
         flotilla_coordinator::settings::SourceRef,
         crate::source::Uploaded,
     )>,
-    String,
+    Failed,
 > {
     use crate::source::{Choice, Uploaded};
     match crate::source::parse_choice(a.source.as_deref())? {
@@ -371,8 +351,9 @@ pub(crate) fn print_launched(reply: v1::LaunchReply, json: bool, resumes: Option
         }
         return fail(2, reply.error);
     }
+    say_notes(&reply.notes);
     if json {
-        let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status});
+        let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status, "notes": reply.notes});
         if let Some(parent) = resumes {
             v["resumed_from"] = parent.into();
         }
@@ -386,6 +367,14 @@ pub(crate) fn print_launched(reply: v1::LaunchReply, json: bool, resumes: Option
         println!("run {}  session {}", reply.run_id, reply.session_url);
     }
     0
+}
+
+/// What the coordinator said of a run it started (the backend it chose, agents no attached
+/// worker can run yet), on stderr, at once.
+fn say_notes(notes: &[String]) {
+    for n in notes {
+        eprintln!("{}", crate::term::clean_text(n));
+    }
 }
 
 #[derive(Debug, Args)]

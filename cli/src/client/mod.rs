@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
+use flotilla_proto::ErrorKind;
 use flotilla_proto::tls::TlsFiles;
 use flotilla_proto::v1::client_service_client::ClientServiceClient;
 use tonic::transport::Channel;
@@ -155,6 +156,8 @@ impl ClientArgs {
             .or_else(|| file.coordinator.clone())
             .ok_or("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)")?;
         let files = tls.files("client", loopback_host(&host_of(&coordinator)))?;
+        // Named by whatever this process's calls to it say when they fail.
+        let _ = COORDINATOR.set(coordinator.clone());
         let channel = flotilla_proto::tls::channel(&coordinator, files.as_ref())?;
         // Reports with big results come back whole: the limits are explicit, both ways.
         Ok(ClientServiceClient::new(channel)
@@ -167,26 +170,66 @@ impl ClientArgs {
     }
 }
 
-/// Prints a failed call the way every client command does; returns the exit status.
+/// The coordinator this process's client commands talk to, once a client for it is made: a
+/// call that fails names it.
+static COORDINATOR: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Prints a failed call the way every client command does; returns the exit status. Every
+/// client command's failed call comes here (or through [`rpc_error`]), so a coordinator that
+/// cannot be reached is said one way, with one exit status, everywhere.
 pub fn rpc_fail(s: &tonic::Status) -> i32 {
-    let (code, msg) = rpc_error(s);
-    crate::fail_as(flotilla_proto::ErrorKind::from_grpc(s.code()), code, msg)
+    Failed::from(s).print()
 }
 
-/// A status error as a user reads it, with its exit code.
-pub(crate) fn rpc_error(s: &tonic::Status) -> (i32, String) {
-    let code = flotilla_proto::ErrorKind::from_grpc(s.code()).exit_code();
+/// A failed call as a user reads it, with its kind: `Unreachable` when the coordinator never
+/// heard it (what to check: the address, that it runs, the certificates), else the kind of
+/// what it answered.
+pub(crate) fn rpc_error(s: &tonic::Status) -> (ErrorKind, String) {
+    let kind = ErrorKind::of_call(s);
+    let at = COORDINATOR.get().map(String::as_str);
     let msg = match s.code() {
+        _ if kind == ErrorKind::Unreachable => flotilla_proto::tls::explain_at(s, at),
         tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
             format!("the coordinator refused this client: {}", s.message())
         }
         tonic::Code::Unavailable
         | tonic::Code::Unknown
         | tonic::Code::Internal
-        | tonic::Code::Cancelled => flotilla_proto::tls::explain(s),
+        | tonic::Code::Cancelled => flotilla_proto::tls::explain_at(s, at),
         _ => s.message().to_owned(),
     };
-    (code, msg)
+    (kind, msg)
+}
+
+/// Why a client command did not do what it was asked: its kind decides the exit status and
+/// the `--json` refusal's code.
+pub(crate) struct Failed {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Failed {
+    /// Prints it as every command prints a refusal; the exit status.
+    pub(crate) fn print(self) -> i32 {
+        crate::fail_as(self.kind, self.kind.exit_code(), self.message)
+    }
+}
+
+impl From<&tonic::Status> for Failed {
+    fn from(s: &tonic::Status) -> Failed {
+        let (kind, message) = rpc_error(s);
+        Failed { kind, message }
+    }
+}
+
+/// The caller's input was wrong.
+impl From<String> for Failed {
+    fn from(message: String) -> Failed {
+        Failed {
+            kind: ErrorKind::Invalid,
+            message,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -208,6 +251,12 @@ pub struct RunRefArgs {
 impl RunRefArgs {
     pub fn json(&self) -> bool {
         self.json
+    }
+}
+
+impl AgentRefArgs {
+    pub fn json(&self) -> bool {
+        self.run.json
     }
 }
 

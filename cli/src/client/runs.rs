@@ -242,6 +242,29 @@ pub async fn stop(a: AgentRefArgs) -> i32 {
     }
 }
 
+/// A run's report from a coordinator: live while it runs there, else the stored one (`show`
+/// and `agents` with `--coordinator`); on failure, the exit status (the error is printed).
+pub async fn report_of(coordinator: &str, tls: &TlsArgs, run: &str) -> Result<Report, i32> {
+    let remote = ClientArgs {
+        coordinator: Some(coordinator.to_owned()),
+        tls: tls.clone(),
+    };
+    let mut c = remote.client().map_err(|e| fail(2, e))?;
+    let reply = c
+        .report(v1::RunRef {
+            run_id: run.to_owned(),
+        })
+        .await
+        .map_err(|s| rpc_fail(&s))?
+        .into_inner();
+    serde_json::from_str(&reply.report_json).map_err(|e| {
+        fail(
+            1,
+            format!("the coordinator sent a report this client cannot read: {e}"),
+        )
+    })
+}
+
 /// `flotilla runs --coordinator URL`: the coordinator's store, listed by the coordinator.
 pub async fn list_remote(
     remote: ClientArgs,

@@ -5,7 +5,8 @@
 //!   `args`, `resumeFromRunId`; `title` and `description` accepted and ignored) and its launch
 //!   output (W44–W46): `status: "remote_launched"`, `runId`, `taskId`, `sessionUrl`,
 //!   `scriptPath`, and `error` for a launch that was refused (a syntax or meta error with its
-//!   line). It returns at once; the run goes on in this process.
+//!   line), which is then a tool error (`isError`). It returns at once; the run goes on in
+//!   this process.
 //! - `WorkflowStatus`, `WorkflowResult` (the whole result, a page at a time), `WorkflowStop`
 //!   and `WorkflowList`.
 //!
@@ -146,7 +147,7 @@ pub struct Flotilla {
     tool_router: ToolRouter<Self>,
 }
 
-const WORKFLOW_TOOL: &str = "Start a workflow: a short JavaScript script that orchestrates many agents, each `agent(prompt, opts)` call one full agent session. The run happens in Flotilla (on this machine, or on a team's fleet of workers, where the agents work in checkouts of this repository), not in this conversation: the call returns at once with the run id and a session URL; follow it with WorkflowStatus and read what it returned with WorkflowResult. The script starts with `export const meta = { name, description }`; its body may `await agent(...)`, `parallel([...thunks])`, `pipeline(items, ...stages)`, `phase(title)`, `log(text)` and `workflow(name, args)`, reads `args` and `budget`, and returns a JSON value. Give `script` inline, or `name` for a saved workflow (WorkflowList shows them), or `scriptPath` for a file. A script that does not compile comes back at once with `error` and its line.";
+const WORKFLOW_TOOL: &str = "Start a workflow: a short JavaScript script that orchestrates many agents, each `agent(prompt, opts)` call one full agent session. The run happens in Flotilla (on this machine, or on a team's fleet of workers, where the agents work in checkouts of this repository), not in this conversation: the call returns at once with the run id and a session URL; follow it with WorkflowStatus and read what it returned with WorkflowResult. The script starts with `export const meta = { name, description }`; its body may `await agent(...)`, `parallel([...thunks])`, `pipeline(items, ...stages)`, `phase(title)`, `log(text)` and `workflow(name, args)`, reads `args` and `budget`, and returns a JSON value. Give `script` inline, or `name` for a saved workflow (WorkflowList shows them), or `scriptPath` for a file. A script that does not compile comes back at once as a tool error, with `error` naming its line.";
 
 #[tool_router]
 impl Flotilla {
@@ -166,7 +167,15 @@ impl Flotilla {
         Parameters(input): Parameters<WorkflowInput>,
     ) -> Result<CallToolResult, ErrorData> {
         let _ = (&input.title, &input.description);
-        Ok(CallToolResult::structured(self.launch(input).await))
+        let out = self.launch(input).await;
+        // W46's shape (`remote_launched` with `error`), and a tool error, so a caller that
+        // reads only `isError` does not take a refused launch (a script that does not
+        // compile, an unknown name) for a run.
+        Ok(if out.get("error").is_some() {
+            CallToolResult::structured_error(out)
+        } else {
+            CallToolResult::structured(out)
+        })
     }
 
     #[tool(
@@ -469,7 +478,7 @@ impl Flotilla {
                 .await
             {
                 Ok(Ok(p)) => p,
-                Ok(Err(e)) => return refused(e.message(), inline.as_deref()),
+                Ok(Err(e)) => return refused(e.message, inline.as_deref()),
                 Err(_) => return refused(said(&no_answer()), inline.as_deref()),
             };
         let script_path = inline.unwrap_or_else(|| prepared.resolved.origin.clone());
@@ -478,14 +487,17 @@ impl Flotilla {
         let sent = crate::client::send(&mut client, prepared, &self.args.source).await;
         let reply = match sent {
             Ok(s) => s.reply,
-            Err(e) => return refused(e.message(), Some(&script_path)),
+            Err(e) => return refused(e.message, Some(&script_path)),
         };
         if reply.status == "rejected" {
             return refused(reply.error, Some(&script_path));
         }
         let mut out = launched(&reply.run_id, &reply.session_url, &script_path);
-        if let Some(w) = warning {
-            out["warning"] = json!(w);
+        // What the coordinator said of the run: the backend it chose, agents no attached
+        // worker can run yet.
+        let said: Vec<String> = warning.into_iter().chain(reply.notes).collect();
+        if !said.is_empty() {
+            out["warning"] = json!(said.join("\n"));
         }
         out
     }

@@ -397,6 +397,7 @@ impl ClientService for ClientSvc {
         match launched {
             Ok(handle) => {
                 let run_id = handle.run_id.clone();
+                let notes = handle.notes.clone();
                 self.registry.track(handle);
                 Ok(Response::new(v1::LaunchReply {
                     session_url: self.session_url(&run_id),
@@ -404,6 +405,7 @@ impl ClientService for ClientSvc {
                     status: "running".into(),
                     error: String::new(),
                     report_json: String::new(),
+                    notes,
                 }))
             }
             Err(rejected) => {
@@ -416,6 +418,7 @@ impl ClientService for ClientSvc {
                     status: "rejected".into(),
                     error: rejected.message,
                     report_json: to_json(&report)?,
+                    notes: Vec::new(),
                 }))
             }
         }

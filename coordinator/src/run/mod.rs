@@ -87,6 +87,10 @@ pub struct RunHandle {
     /// The namespace it belongs to.
     pub namespace: String,
     pub snapshot: watch::Receiver<Arc<Snapshot>>,
+    /// What its launcher should be told at once: the backend chosen for it when the launch
+    /// named none, and that no attached worker offers what it needs, if so
+    /// ([`crate::Coordinator::launch`]).
+    pub notes: Vec<String>,
     control: mpsc::UnboundedSender<Control>,
     report: oneshot::Receiver<Report>,
 }
@@ -272,6 +276,7 @@ pub fn start(
         run_id,
         namespace,
         snapshot: snap_rx,
+        notes: Vec::new(),
         control: control_tx,
         report: report_rx,
     }

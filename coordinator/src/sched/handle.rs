@@ -150,6 +150,12 @@ pub(super) enum Msg {
     },
     Stats(tokio::sync::oneshot::Sender<Stats>),
     Workers(tokio::sync::oneshot::Sender<Vec<WorkerView>>),
+    /// Whether an attached worker offers the task's backend, model and labels; if none does,
+    /// why and what to do.
+    Offered(
+        Box<flotilla_proto::v1::TaskSpec>,
+        tokio::sync::oneshot::Sender<Result<(), String>>,
+    ),
     /// What an attempt left is stored (`Ok`: the partial commit and its base) or not.
     PartialStored {
         run: Arc<str>,
@@ -309,6 +315,16 @@ impl DispatchHandle {
             return Vec::new();
         }
         rx.await.unwrap_or_default()
+    }
+
+    /// Whether an attached worker offers `task`'s backend, model and placement labels now;
+    /// else why none does, as a call set aside for want of one is told.
+    pub async fn offered(&self, task: flotilla_proto::v1::TaskSpec) -> Result<(), String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(Msg::Offered(Box::new(task), tx)).is_err() {
+            return Ok(());
+        }
+        rx.await.unwrap_or(Ok(()))
     }
 
     pub async fn stats(&self) -> Option<Stats> {

@@ -337,6 +337,13 @@ impl Dispatcher {
             Msg::Workers(reply) => {
                 let _ = reply.send(self.fleet.views());
             }
+            Msg::Offered(task, reply) => {
+                let _ = reply.send(if self.fleet.capable(&task) {
+                    Ok(())
+                } else {
+                    Err(self.fleet.why_none_offers(&task))
+                });
+            }
             Msg::Stats(reply) => {
                 let (workers, slots, busy) = self.fleet.totals();
                 let _ = reply.send(Stats {

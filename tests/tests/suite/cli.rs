@@ -360,3 +360,110 @@ fn a_big_run_s_report_is_brief_unless_asked_and_its_agents_page_through() {
         bad.stderr
     );
 }
+
+/// Issue 29: a coordinator that cannot be reached is said one way by every client command:
+/// what failed (the address) and what to check, no transport debug dump, exit status 3 (its
+/// own: neither a failed run's 1 nor a refused request's 2), and with `--json` one refusal
+/// object whose code is `unreachable`.
+#[test]
+fn an_unreachable_coordinator_is_said_alike_with_its_own_exit_status_by_every_client_command() {
+    let env = Env::new();
+    let pki = env.path().join("pki");
+    let pki_s = pki.to_str().unwrap();
+    for args in [
+        vec!["certs", "init", "--dir", pki_s],
+        vec![
+            "certs", "issue", "--dir", pki_s, "--name", "client", "--role", "client",
+        ],
+    ] {
+        let out = env.flotilla(&args);
+        assert_eq!(out.code, 0, "{out:?}");
+    }
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let s = env.script("x", "return await agent('x');");
+    let s = s.to_str().unwrap();
+    let run = "wf_00000000-000";
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["launch", s, "--backend", "echo", "--source", "none"],
+        vec!["launch", s, "--source", "none"],
+        vec!["resume", run],
+        vec!["wait", run],
+        vec!["status", run],
+        vec!["watch", run],
+        vec!["stop", run],
+        vec!["pause", run],
+        vec!["restart", run, "--agent", "0"],
+        vec!["runs"],
+        vec!["show", run],
+        vec!["agents", run],
+        vec!["logs", run],
+        vec!["changes", run],
+        vec!["workers"],
+        vec!["token", "create"],
+        vec!["workflows", "list"],
+        vec!["workflows", "push", s],
+    ];
+    for command in &commands {
+        // Every one of them takes --json but `workflows push`.
+        let mut forms = vec![command.clone()];
+        if !command.starts_with(&["workflows", "push"]) {
+            forms.push([command.clone(), vec!["--json"]].concat());
+        }
+        for mut args in forms {
+            let json = args.contains(&"--json");
+            args.extend(["--coordinator", &url, "--tls-dir", pki_s]);
+            let out = env.flotilla(&args);
+            assert_eq!(out.code, 3, "{args:?}: {out:?}");
+            let said = format!(
+                "cannot reach the coordinator at {url}: nothing accepts connections there; check that the coordinator runs"
+            );
+            assert!(out.stderr.contains(&said), "{args:?}: {out:?}");
+            for debug in ["tonic::", "ConnectError(", "Os {", "code: '"] {
+                assert!(!out.stderr.contains(debug), "{args:?}: {debug}: {out:?}");
+            }
+            if json {
+                let v: serde_json::Value = serde_json::from_str(out.stdout.trim())
+                    .unwrap_or_else(|e| panic!("{args:?}: not one JSON object ({e}): {out:?}"));
+                assert_eq!(v["status"], "rejected", "{args:?}: {v}");
+                assert_eq!(v["error"]["code"], "unreachable", "{args:?}: {v}");
+                assert!(
+                    v["error"]["message"].as_str().unwrap().contains(&said),
+                    "{args:?}: {v}"
+                );
+            } else {
+                assert_eq!(out.stdout, "", "{args:?}: {out:?}");
+            }
+        }
+    }
+}
+
+/// Issue 29: the config file's keys are the flags in snake_case: `allowed_models` (the flag
+/// `--allowed-models`) is taken and means what the flag means, as `label` does `--label`.
+#[test]
+fn the_config_file_takes_allowed_models_and_label_as_the_flags_name_them() {
+    let env = Env::new();
+    let s = env.script(
+        "models",
+        "return [await agent('a', { label: 'opus', model: 'opus' })];",
+    );
+    let config = env.file(
+        "flotilla.toml",
+        "allowed_models = [\"sonnet\"]\nlabel = [\"team=payments\"]\n",
+    );
+    let out = env.flotilla(&[
+        "run",
+        s.to_str().unwrap(),
+        "--json",
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(flotilla_tests::agent(&r, "opus")["model"], "sonnet", "{r}");
+    let listed = env.flotilla(&["runs", "--label", "team=payments", "--json"]);
+    assert_eq!(listed.code, 0, "{listed:?}");
+    assert_eq!(listed.json()[0]["run_id"], r["run_id"], "{listed:?}");
+}

@@ -268,8 +268,45 @@ fn weed_port(taken: &mut Vec<u16>) -> u16 {
     p
 }
 
+/// A compose project's teardown: `deploy/compose/down`, then the images the test built. When
+/// the test fails, the end of each of the project's containers' logs is printed first (down
+/// removes the containers, and their logs with them).
+struct Down {
+    project: String,
+    env: Vec<(String, String)>,
+    images: Vec<String>,
+}
+
+impl Drop for Down {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let label = format!("label=io.podman.compose.project={}", self.project);
+            let names = podman(&["ps", "-a", "--format", "{{.Names}}", "--filter", &label]);
+            for name in names.stdout.split_whitespace() {
+                let logs = podman(&["logs", "--tail", "200", name]);
+                eprintln!(
+                    "--- the end of {name}'s log:\n{}{}",
+                    logs.stdout, logs.stderr
+                );
+            }
+        }
+        let mut down = Command::new(repo().join("deploy/compose/down"));
+        down.envs(self.env.iter().cloned());
+        let _ = run_with_timeout(down, Duration::from_secs(300));
+        for image in &self.images {
+            let _ = podman(&["rmi", "-f", image]);
+        }
+    }
+}
+
+fn compose_up(env: &[(String, String)], limit: Duration) -> Output {
+    let mut up = Command::new(repo().join("deploy/compose/up"));
+    up.envs(env.iter().cloned());
+    run_with_timeout(up, limit)
+}
+
 #[test]
-fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash_and_goes() {
+fn the_compose_stack_says_why_s3_failed_comes_up_beside_taken_ports_and_outlives_a_worker_crash() {
     let home = tempfile::tempdir().unwrap();
     let project = format!("flotillatest{}", std::process::id());
     let mut taken = Vec::new();
@@ -301,35 +338,69 @@ fn the_compose_stack_comes_up_in_one_command_serves_a_run_through_a_worker_crash
     }
     let get = |k: &str| env.iter().find(|(n, _)| n == k).unwrap().1.clone();
     // The images of this build (the script would build release ones when they are missing).
-    let images = [get("FLOTILLA_IMAGE"), get("FLOTILLA_WORKER_IMAGE")];
+    let images = vec![get("FLOTILLA_IMAGE"), get("FLOTILLA_WORKER_IMAGE")];
+    let guard = Down {
+        project: project.clone(),
+        env: env.clone(),
+        images: images.clone(),
+    };
     for (what, image) in ["flotilla", "worker"].iter().zip(&images) {
         let mut build = Command::new(repo().join("deploy/images/build"));
         build.args([what, "--binary", binary().to_str().unwrap(), "--tag", image]);
         let out = run_with_timeout(build, Duration::from_secs(900));
         assert_eq!(out.code, 0, "{out:?}");
     }
-    struct Down {
-        env: Vec<(String, String)>,
-        images: [String; 2],
-    }
-    impl Drop for Down {
-        fn drop(&mut self) {
-            let mut down = Command::new(repo().join("deploy/compose/down"));
-            down.envs(self.env.iter().cloned());
-            let _ = run_with_timeout(down, Duration::from_secs(300));
-            for image in &self.images {
-                let _ = podman(&["rmi", "-f", image]);
+
+    // An S3 server that cannot start (another process holds its master's port): `up` says
+    // which service did not come up, shows the end of its log (why) and the command for all
+    // of it, with the project named (another project's logs are not these). A service that
+    // keeps exiting is said as soon as it is seen, not after `up`'s whole wait (a minute).
+    {
+        let failing_home = tempfile::tempdir().unwrap();
+        let failing_project = format!("{project}s3");
+        let mut failing = env.clone();
+        for (k, v) in &mut failing {
+            match k.as_str() {
+                "FLOTILLA_HOME" => *v = failing_home.path().display().to_string(),
+                "FLOTILLA_PROJECT" => *v = failing_project.clone(),
+                _ => {}
             }
         }
+        let master = get("FLOTILLA_S3_MASTER_PORT");
+        let holder = std::net::TcpListener::bind(format!("127.0.0.1:{master}")).unwrap();
+        let failing_guard = Down {
+            project: failing_project.clone(),
+            env: failing.clone(),
+            images: Vec::new(),
+        };
+        let out = compose_up(&failing, Duration::from_secs(60));
+        assert_ne!(out.code, 0, "{out:?}");
+        assert!(
+            out.stderr.contains("the S3 server did not come up"),
+            "{out:?}"
+        );
+        assert!(
+            out.stderr
+                .contains(&format!("127.0.0.1:{master}: bind: address already in use")),
+            "the log's end says why: {out:?}"
+        );
+        assert!(
+            out.stderr.contains(&format!(" -p {failing_project} -f ")),
+            "{out:?}"
+        );
+        assert!(out.stderr.contains("compose.yaml logs s3"), "{out:?}");
+        drop(failing_guard);
+        drop(holder);
     }
-    let guard = Down {
-        env: env.clone(),
-        images: images.clone(),
-    };
 
-    let mut up = Command::new(repo().join("deploy/compose/up"));
-    up.envs(env.iter().cloned());
-    let out = run_with_timeout(up, Duration::from_secs(600));
+    // SeaweedFS's listeners on fixed ports by default (its Iceberg catalog on 8181, its Lance
+    // server on 9101) are off: the stack comes up while another process holds them (this
+    // test, or whatever holds them now).
+    let _held: Vec<_> = [8181, 9101]
+        .into_iter()
+        .filter_map(|p| std::net::TcpListener::bind(("127.0.0.1", p)).ok())
+        .collect();
+    let out = compose_up(&env, Duration::from_secs(600));
     assert_eq!(out.code, 0, "{out:?}");
     let pki = out.stdout.trim().to_owned();
     assert!(out.stderr.contains("flotilla launch"), "{}", out.stderr);

@@ -1,7 +1,8 @@
 //! `flotilla dev` (issue 17): a real fleet on this machine in one command. A run launched with
 //! the line it prints completes on its workers; Ctrl-C leaves nothing running; killed
 //! outright, its own children end with it, and the next `dev` in the same directory stops
-//! what was left (an etcd) and still has the earlier runs.
+//! what was left (an etcd) and still has the earlier runs. A second `dev` in the directory of
+//! one that runs is refused and leaves it be (issue 29); the printed line runs as printed.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -82,9 +83,11 @@ fn launch(dev: &Dev, script: &Path, extra: &[&str]) -> Output {
             cmd.arg(a);
         }
     }
+    // As a user runs it: without the suite's default backend (.cargo/config.toml).
     cmd.args(extra)
         .current_dir(script.parent().unwrap())
-        .env("AWS_EC2_METADATA_DISABLED", "true");
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env_remove("FLOTILLA_DEFAULT_BACKEND");
     run_with_timeout(cmd, Duration::from_secs(60))
 }
 
@@ -266,4 +269,113 @@ fn a_dev_fleet_killed_outright_takes_its_children_and_the_next_one_stops_its_etc
         nix::sys::signal::Signal::SIGKILL,
     );
     wait_gone(&new_procs[..1], "the second etcd");
+}
+
+/// Issue 29: a second `dev` in the directory of a running fleet is refused, naming that
+/// fleet's pid and how to stop it, and leaves every process of it running and serving.
+#[test]
+fn a_second_dev_in_the_directory_of_a_running_fleet_is_refused_and_leaves_it_be() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = start_dev(dir.path(), &[]);
+    let procs = pids(&dev);
+    let first = dev.child.id();
+    for json in [false, true] {
+        let mut cmd = Command::new(binary());
+        cmd.args(["dev", "--workers", "1", "--dir"])
+            .arg(dir.path())
+            .args(["--port", &free_port().to_string()])
+            .args(["--http-port", &free_port().to_string()])
+            .env_remove("FLOTILLA_CONFIG");
+        if json {
+            cmd.arg("--json");
+        }
+        let out = run_with_timeout(cmd, Duration::from_secs(60));
+        assert_eq!(out.code, 2, "{out:?}");
+        assert!(
+            out.stderr.contains(&format!(
+                "already runs in {} (pid {first})",
+                dir.path().canonicalize().unwrap().display()
+            )),
+            "{out:?}"
+        );
+        assert!(out.stderr.contains(&format!("`kill {first}`")), "{out:?}");
+        if json {
+            let v: Value = serde_json::from_str(out.stdout.trim())
+                .unwrap_or_else(|e| panic!("not one JSON object ({e}): {out:?}"));
+            assert_eq!(v["status"], "rejected", "{v}");
+        }
+    }
+    // Every process of the first is alive, and it still serves.
+    for p in &procs {
+        assert!(alive(*p), "pid {p} of the running fleet is gone");
+    }
+    let out = client(&dev, &["workers", "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json().as_array().map(Vec::len), Some(2), "{out:?}");
+}
+
+/// Issue 29: the printed launch line, run as printed (no `--backend`), gets a backend the
+/// workers offer and says which; a backend no attached worker offers is said at once, in the
+/// launch's answer; and `show --coordinator`, which the banner promises, shows the run.
+#[test]
+fn the_printed_launch_line_runs_as_printed_and_a_backend_no_worker_offers_is_said_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    // The workers offer echo only, whatever this machine has.
+    let dev = start_dev(dir.path(), &["--backend", "echo"]);
+    let script = fan_out(dir.path());
+    let out = launch(&dev, &script, &[]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr
+            .contains("backend echo (chosen by the coordinator: the launch named none, and its attached workers offer echo"),
+        "{out:?}"
+    );
+    let run = printed_run(&out);
+    let report = wait_run(&dev, &run);
+    assert_eq!(report["status"], "completed", "{report}");
+    assert_eq!(report["usage"]["agents"], 6, "{report}");
+    // `show` with the fleet's flags, as the banner says every client command takes them.
+    let shown = client(&dev, &["show", &run, "--json"]);
+    assert_eq!(shown.code, 0, "{shown:?}");
+    assert_eq!(shown.json()["status"], "completed", "{shown:?}");
+    assert_eq!(shown.json()["run_id"], run.as_str(), "{shown:?}");
+    let shown = client(&dev, &["show", &run]);
+    assert!(shown.stdout.contains("status    completed"), "{shown:?}");
+
+    // A backend no worker offers: the launch returns at once, saying so and what to do.
+    for json in [false, true] {
+        let mut extra = vec!["--backend", "claude-code", "--worker-wait", "10m"];
+        if json {
+            extra.push("--json");
+        }
+        let out = launch(&dev, &script, &extra);
+        assert_eq!(out.code, 0, "{out:?}");
+        let said = "no attached worker offers backend \"claude-code\" (the 2 attached offer echo); start a worker with --backend claude-code; the run's agents wait up to 10m";
+        assert!(out.stderr.contains(said), "{out:?}");
+        let run = if json {
+            let v = out.json();
+            assert!(
+                v["notes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|n| n.as_str().unwrap().contains(said)),
+                "{v}"
+            );
+            v["run_id"].as_str().unwrap().to_owned()
+        } else {
+            printed_run(&out)
+        };
+        let stop = client(&dev, &["stop", &run]);
+        assert_eq!(stop.code, 0, "{stop:?}");
+    }
+}
+
+/// The run id `launch` printed (`run ID  session URL`).
+fn printed_run(out: &Output) -> String {
+    out.stdout
+        .strip_prefix("run ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no run printed: {out:?}"))
+        .to_owned()
 }

@@ -31,6 +31,21 @@ async fn ok(client: &Client, tool: &str, args: Value) -> Value {
     r.structured_content.clone().expect("structured content")
 }
 
+/// A `Workflow` call that was refused (issue 29): a tool error (`isError`), with W46's answer
+/// as its structured content: `remote_launched`, `error`, no run id.
+async fn refused_launch(client: &Client, args: Value) -> Value {
+    let r = call(client, "Workflow", args).await;
+    assert_eq!(
+        r.is_error,
+        Some(true),
+        "a refused launch is a tool error: {r:?}"
+    );
+    let v = r.structured_content.clone().expect("structured content");
+    assert_eq!(v["status"], "remote_launched", "{v}");
+    assert!(v.get("runId").is_none(), "{v}");
+    v
+}
+
 async fn finished(client: &Client, run: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -129,20 +144,18 @@ async fn the_workflow_tool_launches_at_once_and_its_companions_follow_read_and_s
     assert_eq!(result["rs"], json!(["item 1", "item 2", "item 3"]));
     assert_eq!(result["pad"].as_str().unwrap().len(), 150_000);
 
-    // A script that does not compile comes back at once with its line, and never runs.
-    let broken = ok(
+    // A script that does not compile comes back at once as a tool error with its line, and
+    // never runs.
+    let broken = refused_launch(
         &client,
-        "Workflow",
         json!({ "script": "export const meta = { name: 'b', description: 'd' };\nconst x = ;\nreturn x;" }),
     )
     .await;
-    assert_eq!(broken["status"], "remote_launched");
-    assert!(broken.get("runId").is_none(), "{broken}");
     assert!(
         broken["error"].as_str().unwrap().contains("line 2"),
         "{broken}"
     );
-    let unknown = ok(&client, "Workflow", json!({ "name": "no-such-workflow" })).await;
+    let unknown = refused_launch(&client, json!({ "name": "no-such-workflow" })).await;
     assert!(
         unknown["error"]
             .as_str()
@@ -150,7 +163,7 @@ async fn the_workflow_tool_launches_at_once_and_its_companions_follow_read_and_s
             .contains("unknown workflow"),
         "{unknown}"
     );
-    let nothing = ok(&client, "Workflow", json!({})).await;
+    let nothing = refused_launch(&client, json!({})).await;
     assert!(
         nothing["error"].as_str().unwrap().contains("give `script`"),
         "{nothing}"
@@ -260,6 +273,25 @@ fn tool_answer(said: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not the tool's JSON ({e}): {said}"))
 }
 
+/// The tool's JSON answer inside `tool said: …` when the tool answered with an error: the CLI
+/// passes it to the model as a failed call, the answer first, its own advice after it.
+fn tool_error(said: &str) -> Value {
+    let text = said
+        .strip_prefix("tool said: ")
+        .unwrap_or_else(|| panic!("{said}"));
+    let first = serde_json::Deserializer::from_str(text)
+        .into_iter::<Value>()
+        .next();
+    let answer = first
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("not the tool's JSON first: {said}"));
+    assert!(
+        text.len() > answer.to_string().len(),
+        "the CLI read no tool error, only its answer: {said}"
+    );
+    answer
+}
+
 #[test]
 fn a_stock_claude_launches_a_workflow_through_the_mcp_tool_and_reads_its_whole_result() {
     let env = Env::new();
@@ -326,7 +358,7 @@ fn a_stock_claude_launches_a_workflow_through_the_mcp_tool_and_reads_its_whole_r
         &fake,
         &format!("go [[tool:mcp__flotilla__Workflow:{input}]]"),
     );
-    let refused = tool_answer(&said);
+    let refused = tool_error(&said);
     assert!(
         refused["error"].as_str().unwrap().contains("line 2"),
         "{refused}"
@@ -479,19 +511,18 @@ async fn on_a_fleet_the_workflow_tool_launches_on_the_coordinator_with_the_calle
         "{page}"
     );
 
-    // Refusals: a syntax error with its line, an unknown name; nothing launched.
-    let broken = ok(
+    // Refusals, as tool errors: a syntax error with its line, an unknown name; nothing
+    // launched.
+    let broken = refused_launch(
         &client,
-        "Workflow",
         json!({ "script": "export const meta = { name: 'b', description: 'd' };\nconst x = ;\nreturn x;" }),
     )
     .await;
-    assert!(broken.get("runId").is_none(), "{broken}");
     assert!(
         broken["error"].as_str().unwrap().contains("line 2"),
         "{broken}"
     );
-    let unknown = ok(&client, "Workflow", json!({ "name": "no-such-workflow" })).await;
+    let unknown = refused_launch(&client, json!({ "name": "no-such-workflow" })).await;
     assert!(
         unknown["error"]
             .as_str()
@@ -590,7 +621,7 @@ fn a_stock_claude_launches_on_the_fleet_through_the_mcp_tool_and_reads_the_whole
         &fake,
         &format!("go [[tool:mcp__flotilla__Workflow:{input}]]"),
     );
-    let refused = tool_answer(&said);
+    let refused = tool_error(&said);
     assert!(
         refused["error"].as_str().unwrap().contains("line 2"),
         "{refused}"
