@@ -33,6 +33,31 @@ pub struct Report {
     pub memory_calls_per_s: f64,
     pub durable_calls_per_s: Option<f64>,
     pub overhead_ratio: f64,
+    /// CPU time the fleet's processes (coordinator and workers) spent per call of the memory
+    /// fan-out, and per raw RPC: figures that noise on the machine moves less than rates.
+    pub memory_cpu_us_per_call: f64,
+    pub raw_cpu_us_per_rpc: f64,
+}
+
+/// CPU time (user and system) the processes `pids` have used so far, from `/proc`.
+fn cpu_of(pids: &[u32]) -> Duration {
+    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|&t| t > 0)
+        .unwrap_or(100) as f64;
+    let used: u64 = pids
+        .iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            // The fields after the command's closing parenthesis: utime and stime are the
+            // 12th and 13th of them.
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum();
+    Duration::from_secs_f64(used as f64 / ticks)
 }
 
 /// A store URL and the environment a process needs to use it.
@@ -382,8 +407,12 @@ pub async fn fanout(
     // Warm up connections and code paths, then measure.
     fan_out(&mut memory, calls.min(500), concurrency).await?;
     raw_rpcs(&memory, calls.min(500), concurrency).await?;
+    let pids: Vec<u32> = procs.0.iter().map(Child::id).collect();
+    let cpu_before = cpu_of(&pids);
     let raw = raw_rpcs(&memory, calls, concurrency).await?;
+    let cpu_raw = cpu_of(&pids);
     let mem = fan_out(&mut memory, calls, concurrency).await?;
+    let cpu_mem = cpu_of(&pids);
 
     let durable_time = if durable {
         let (etcd, s3) = durable_services(dir.path(), &mut procs)?;
@@ -414,5 +443,7 @@ pub async fn fanout(
         memory_calls_per_s,
         durable_calls_per_s: durable_time.map(|d| n / d.as_secs_f64()),
         overhead_ratio: raw_rpc_per_s / memory_calls_per_s,
+        memory_cpu_us_per_call: (cpu_mem - cpu_raw).as_secs_f64() * 1e6 / n,
+        raw_cpu_us_per_rpc: (cpu_raw - cpu_before).as_secs_f64() * 1e6 / n,
     })
 }
