@@ -337,6 +337,9 @@ impl Dispatcher {
             Msg::Workers(reply) => {
                 let _ = reply.send(self.fleet.views());
             }
+            Msg::InFlight { run, reply } => {
+                let _ = reply.send(self.fleet.held_of(&run));
+            }
             Msg::Stats(reply) => {
                 let (workers, slots, busy) = self.fleet.totals();
                 let _ = reply.send(Stats {
