@@ -518,7 +518,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
         .saturating_sub(Duration::from_secs(1))
         .max(Duration::from_secs(1));
     until_status("all calls running", limit, &client, &run, |s| {
-        s.running >= a.inflight
+        s.summary.running >= a.inflight
     })
     .await
     .map_err(|e| format!("{e}: raise --hold or lower --inflight"))?;
@@ -550,7 +550,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     let mut next = bed.client(successor)?;
     let limit = Duration::from_secs(60) + ttl * 4;
     until_status("the adoption", limit, &next, &run, |s| {
-        s.agents >= a.inflight
+        s.summary.agents >= a.inflight
     })
     .await?;
     report.adopt_ms = ms(killed.elapsed());
@@ -659,7 +659,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     .await?;
     let limit = Duration::from_secs(300);
     until_status("a quarter of the backlog done", limit, &client, &run, |s| {
-        s.done >= n / 4
+        s.summary.done >= n / 4
     })
     .await?;
     let successor = 1 - leader;

@@ -490,7 +490,7 @@ pub fn print_report(report: &Report, json: bool, full: bool) -> i32 {
             }
             Err(e) => return fail(1, format!("cannot encode the report: {e}")),
         }
-        return report.status.exit_code();
+        return flotilla_coordinator::report::Summary::of_report(report).exit_code();
     }
     match report.status {
         RunStatus::Rejected => {
@@ -523,7 +523,7 @@ pub fn print_report(report: &Report, json: bool, full: bool) -> i32 {
             progress::summary(report);
         }
     }
-    report.status.exit_code()
+    flotilla_coordinator::report::Summary::of_report(report).exit_code()
 }
 
 #[cfg(test)]

@@ -77,7 +77,7 @@ fn tokens(n: u64) -> String {
     }
 }
 
-fn elapsed(ms: u64) -> String {
+pub(crate) fn elapsed(ms: u64) -> String {
     let s = ms / 1000;
     if s >= 3600 {
         format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
@@ -88,25 +88,26 @@ fn elapsed(ms: u64) -> String {
     }
 }
 
+/// The header: workflow, status (`running`, `paused`, `stopping`, `completed, 2 failed`, ...),
+/// agents by state, tokens, cost, elapsed and why agents wait: the run's summary, as every
+/// view has it.
 fn header(s: &Snapshot) -> String {
+    let u = &s.summary;
     let mut h = format!(
-        "{} · {}/{} agents · {} tokens · {}",
+        "{} · {} · {} · {} tokens",
         clean(&s.workflow.name),
-        s.done,
-        s.agents,
-        tokens(s.output_tokens),
-        elapsed(s.elapsed_now_ms())
+        u.headline(),
+        u.agents_line(),
+        tokens(u.output_tokens),
     );
-    if s.failed > 0 {
-        h.push_str(&format!(" · {} failed", s.failed));
+    if u.cost_usd > 0.0 {
+        h.push_str(&format!(" · ${:.4}", u.cost_usd));
     }
-    if s.cached > 0 {
-        h.push_str(&format!(" · {} cached", s.cached));
-    }
-    if s.agents > 25 {
+    h.push_str(&format!(" · {}", elapsed(s.elapsed_now_ms())));
+    if u.agents > 25 {
         h.push_str(" · Large workflow");
     }
-    if let Some(w) = &s.waiting {
+    if let Some(w) = &u.waiting {
         h.push_str(&format!(" · {}", clean(w)));
     }
     h
@@ -186,6 +187,8 @@ async fn lines(
     let mut printed = 0usize;
     let mut last: HashMap<String, (u64, u64)> = HashMap::new();
     let mut last_header = tokio::time::Instant::now();
+    // The header also goes out whenever the run's status changes (paused, resumed, stopping).
+    let mut last_status = None;
     let mut finished = false;
     loop {
         let snap = rx.borrow_and_update().clone();
@@ -216,9 +219,14 @@ async fn lines(
             }
             last.insert(g.title.clone(), now);
         }
-        if last_header.elapsed() >= Duration::from_secs(5) && !finished {
+        let status = snap.summary.status;
+        let changed = last_status.is_some_and(|s| s != status);
+        if (changed || last_header.elapsed() >= Duration::from_secs(5)) && !finished {
             eprintln!("{}", header(&snap));
             last_header = tokio::time::Instant::now();
+        }
+        if !snap.run_id.is_empty() {
+            last_status = Some(status);
         }
         if finished {
             break;
@@ -235,7 +243,7 @@ pub fn summary(report: &Report) {
     let u = &report.usage;
     let mut line = format!(
         "{} in {} · {} agents",
-        report.status.as_str(),
+        flotilla_coordinator::report::Summary::of_report(report).headline(),
         elapsed(u.duration_ms),
         u.agents
     );

@@ -12,7 +12,8 @@ pub struct FilterArgs {
     /// Runs of this workflow (its `meta.name`).
     #[arg(long)]
     workflow: Option<String>,
-    /// Runs in this status: running, paused, completed, failed, stopped, interrupted.
+    /// Runs in this status: running, paused, stopping, completed, failed, stopped, interrupted
+    /// (a coordinator shows the runs it runs as their engines have them).
     #[arg(long)]
     status: Option<String>,
     /// Runs created since then: a duration back from now (`24h`, `7d`) or an RFC 3339 time.
@@ -43,7 +44,7 @@ impl FilterArgs {
                 )
                 .map_err(|_| {
                     format!(
-                        "--status {s:?} is not a run status: use running, paused, completed, failed, stopped or interrupted"
+                        "--status {s:?} is not a run status: use running, paused, stopping, completed, failed, stopped or interrupted"
                     )
                 })?,
             ),
@@ -104,22 +105,27 @@ pub fn print_runs(runs: &[history::RunSummary], next: Option<&str>, json: bool, 
     } else {
         let _ = writeln!(
             out,
-            "{:<18} {:<11} {:<7} {:<25} {:<24} {:<12} LABELS",
-            "RUN", "STATUS", "AGENTS", "CREATED", "WORKFLOW", "NAMESPACE"
+            "{:<18} {:<21} {:<7} {:<8} {:<25} {:<24} {:<12} LABELS",
+            "RUN", "STATUS", "AGENTS", "QUEUED", "CREATED", "WORKFLOW", "NAMESPACE"
         );
         for r in runs {
+            let s = &r.summary;
             let labels: Vec<String> = r.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let _ = writeln!(
                 out,
-                "{:<18} {:<11} {:<7} {:<25} {:<24} {:<12} {}",
+                "{:<18} {:<21} {:<7} {:<8} {:<25} {:<24} {:<12} {}",
                 r.run_id,
-                r.status.as_str(),
-                r.agents,
+                s.headline(),
+                s.agents,
+                s.queued,
                 r.created,
                 crate::term::clean(&r.workflow),
                 flotilla_coordinator::namespace::effective(&r.namespace),
                 crate::term::clean(&labels.join(","))
             );
+            if let Some(w) = &s.waiting {
+                let _ = writeln!(out, "{:<18} waiting: {}", "", crate::term::clean(w));
+            }
         }
     }
     if let Some(next) = next {
@@ -180,7 +186,8 @@ pub fn print_show(report: flotilla_coordinator::Report, json: bool, full: bool) 
         "workflow  {} — {}",
         report.workflow.name, report.workflow.description
     );
-    let _ = writeln!(out, "status    {}", report.status.as_str());
+    let summary = flotilla_coordinator::report::Summary::of_report(&report);
+    let _ = writeln!(out, "status    {}", summary.headline());
     if let Some(p) = &report.parent_run_id {
         let _ = writeln!(out, "resumed   from {p}");
     }

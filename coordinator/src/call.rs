@@ -111,6 +111,8 @@ pub enum Mark {
     Interrupted,
     Completed,
     Failed,
+    /// Cut short by the run's stop or end (not a failure, W55).
+    Cancelled,
     /// A mark written by a newer version.
     #[serde(other)]
     Other,
@@ -416,7 +418,13 @@ mod tests {
 
     #[test]
     fn marks_are_read_back_as_written_and_unknown_ones_are_kept_apart() {
-        for m in [Mark::Queued, Mark::Cached, Mark::Interrupted, Mark::Failed] {
+        for m in [
+            Mark::Queued,
+            Mark::Cached,
+            Mark::Interrupted,
+            Mark::Failed,
+            Mark::Cancelled,
+        ] {
             let s = serde_json::to_string(&m).unwrap();
             assert_eq!(serde_json::from_str::<Mark>(&s).unwrap(), m);
         }

@@ -81,7 +81,7 @@ pub async fn sweep(
     // Runs that a run not yet ended resumes from: its journal is still being read.
     let resumed: HashSet<&str> = every
         .iter()
-        .filter(|e| !e.status.is_final())
+        .filter(|e| !e.status().is_final())
         .filter_map(|e| e.parent_run_id.as_deref())
         .collect();
     let created_before = |e: &Entry| {
@@ -92,16 +92,16 @@ pub async fn sweep(
     };
     let mut victims = Vec::new();
     for e in every.iter().filter(|e| created_before(e)) {
-        let why = if !e.status.is_final() {
-            Some(format!("it is {}", e.status.as_str()))
+        let why = if !e.status().is_final() {
+            Some(format!("it is {}", e.status().as_str()))
         } else if running_here.contains(&e.run_id) {
             Some("this coordinator runs it".to_owned())
         } else if resumed.contains(e.run_id.as_str()) {
             Some("a running run resumes from it".to_owned())
         } else if policy.keep_failed
-            && matches!(e.status, RunStatus::Failed | RunStatus::Interrupted)
+            && matches!(e.status(), RunStatus::Failed | RunStatus::Interrupted)
         {
-            Some(format!("it {} (--keep-failed)", e.status.as_str()))
+            Some(format!("it {} (--keep-failed)", e.status().as_str()))
         } else {
             None
         };

@@ -30,18 +30,19 @@ async fn manifest(store: &Store, run: &str) -> Result<Manifest, Error> {
     })
 }
 
-/// The newest runs of the store, at most [`crate::index::MAX_PAGE`] ([`crate::index::page`]
-/// filters and pages).
+/// The newest runs of the store, at most [`crate::index::MAX_PAGE`], the ones `live` runs
+/// as it has them ([`crate::index::page_with`] filters and pages).
 pub async fn list_runs(
     store: &Store,
     within: Option<Vec<String>>,
+    live: &dyn crate::index::Live,
 ) -> Result<Vec<RunSummary>, Error> {
     let all = crate::index::Filter {
         limit: Some(crate::index::MAX_PAGE),
         within,
         ..Default::default()
     };
-    Ok(crate::index::page(store, &all).await?.runs)
+    Ok(crate::index::page_with(store, &all, live).await?.runs)
 }
 
 /// The namespace of a stored run (`None`: there is no such run).
@@ -55,7 +56,9 @@ pub async fn namespace_of(store: &Store, run: &str) -> Result<Option<String>, Er
     }
 }
 
-/// The report of a stored run.
+/// The report of a stored run: the one it stored when it ended, else one rebuilt from its
+/// events and journal, in which an agent is queued or running as its last event says while
+/// the run goes on, and cancelled once the run has ended.
 pub async fn load_report(store: &Store, run: &str) -> Result<Report, Error> {
     let m = manifest(store, run).await?;
     let mut notes = Vec::new();
@@ -91,6 +94,14 @@ pub async fn load_report(store: &Store, run: &str) -> Result<Report, Error> {
             )
         });
     }
+    // Of a run that has ended, an agent its events leave queued or running was cut short.
+    if report.status.is_final() {
+        for a in &mut report.agents {
+            if matches!(a.status, Status::Queued | Status::Running) {
+                a.status = Status::Cancelled;
+            }
+        }
+    }
     Ok(report)
 }
 
@@ -119,6 +130,8 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                     "completed" => RunStatus::Completed,
                     "failed" => RunStatus::Failed,
                     "stopped" => RunStatus::Stopped,
+                    "paused" => RunStatus::Paused,
+                    "stopping" => RunStatus::Stopping,
                     _ => RunStatus::Running,
                 };
                 error.clone_from(err);
@@ -142,7 +155,7 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                 let a = agents.entry(*index).or_insert_with(|| AgentReport {
                     label: label.clone(),
                     group: group.clone(),
-                    status: Status::Cancelled,
+                    status: Status::Queued,
                     attempts: 0,
                     cached: false,
                     start_ms: None,
@@ -156,16 +169,31 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                     disk_bytes: 0,
                     waiting: None,
                 });
+                // Until it ends, an agent is where its last mark left it.
+                let live = matches!(a.status, Status::Queued | Status::Running);
                 match state {
                     Mark::Running => {
                         a.start_ms.get_or_insert(e.t);
                         if let Some(n) = attempt {
                             a.attempts = a.attempts.max(*n);
                         }
+                        if live {
+                            a.status = Status::Running;
+                        }
                     }
                     Mark::Cached => {
                         a.cached = true;
                         a.start_ms = Some(e.t);
+                    }
+                    Mark::Queued
+                    | Mark::Stalled
+                    | Mark::Waiting
+                    | Mark::Retrying
+                    | Mark::Restarted
+                    | Mark::Interrupted
+                        if live =>
+                    {
+                        a.status = Status::Queued;
                     }
                     Mark::Completed => {
                         a.status = Status::Completed;
@@ -174,6 +202,10 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
                     Mark::Failed => {
                         a.status = Status::Failed;
                         a.error.clone_from(detail);
+                        a.end_ms.get_or_insert(e.t);
+                    }
+                    Mark::Cancelled if live => {
+                        a.status = Status::Cancelled;
                         a.end_ms.get_or_insert(e.t);
                     }
                     _ => {}

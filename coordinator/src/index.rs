@@ -8,29 +8,34 @@
 //! existed is indexed on its first listing, from the runs' manifests and reports.
 //!
 //! A run whose entry says `running` is checked against its owner when listed: one whose
-//! driver is gone shows as `interrupted`, as [`crate::history::load_report`] says.
+//! driver is gone shows as `interrupted`, as [`crate::history::load_report`] says. A run the
+//! listing coordinator runs itself is shown as its engine has it ([`Live`]): its entry's
+//! status and counts are those of its start, and a listing overlays them (and filters by
+//! what it overlaid), so `runs --status paused` finds a paused run.
 
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::report::{Report, RunStatus};
+use crate::report::{Report, RunStatus, Summary};
 use crate::store::records::Manifest;
 use crate::store::{Error, Store, keys};
 
-/// What the index knows of a run (also a row of `flotilla runs`).
+/// What the index knows of a run (also a row of `flotilla runs`): its [`Summary`] (flattened:
+/// `status`, `agents`, `failed`, ... at the top level) as of its start or its end, or as its
+/// engine has it now in a listing by the coordinator that runs it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
     pub run_id: String,
-    pub status: RunStatus,
+    #[serde(flatten)]
+    pub summary: Summary,
     pub workflow: String,
     /// RFC 3339, seconds.
     pub created: String,
     /// When it ended (RFC 3339), if it has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended: Option<String>,
-    pub agents: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_run_id: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -45,11 +50,13 @@ impl Entry {
     pub fn created(m: &Manifest) -> Entry {
         Entry {
             run_id: m.run_id.clone(),
-            status: RunStatus::Running,
+            summary: Summary {
+                status: RunStatus::Running,
+                ..Summary::default()
+            },
             workflow: m.workflow.name.clone(),
             created: m.created.clone(),
             ended: None,
-            agents: 0,
             parent_run_id: m.parent_run_id.clone(),
             labels: m.settings.labels.clone(),
             namespace: crate::namespace::effective(&m.settings.namespace).to_owned(),
@@ -59,11 +66,14 @@ impl Entry {
     /// This entry once the run has ended with `report`.
     pub fn ended(&self, report: &Report) -> Entry {
         Entry {
-            status: report.status,
-            agents: report.usage.agents,
+            summary: Summary::of_report(report),
             ended: Some(now_rfc3339()),
             ..self.clone()
         }
+    }
+
+    pub fn status(&self) -> RunStatus {
+        self.summary.status
     }
 
     fn created_ms(&self) -> u64 {
@@ -105,7 +115,8 @@ pub async fn record(store: &Store, entry: &Entry) -> Result<(), Error> {
 pub struct Filter {
     /// Runs of this workflow (its `meta.name`).
     pub workflow: Option<String>,
-    /// Runs in this status (`running`, `completed`, `failed`, `stopped`, `interrupted`, ...).
+    /// Runs in this status (`running`, `paused`, `stopping`, `completed`, `failed`, `stopped`,
+    /// `interrupted`, ...), as a listing shows them (live ones as their engine has them).
     pub status: Option<RunStatus>,
     /// Runs created at or after this time (seconds since the epoch).
     pub since_unix: Option<u64>,
@@ -146,7 +157,7 @@ impl Filter {
                 .within
                 .as_ref()
                 .is_none_or(|w| w.iter().any(|n| n == ns))
-            && self.status.is_none_or(|s| s == e.status)
+            && self.status.is_none_or(|s| s == e.summary.status)
             && self
                 .labels
                 .iter()
@@ -154,16 +165,36 @@ impl Filter {
     }
 }
 
-/// A page of the runs `filter` wants.
+/// The runs a listing coordinator runs itself: their summaries as their engines have them.
+pub trait Live: Sync {
+    /// `None`: the run is not running here (its entry or its report says what it is).
+    fn summary(&self, run: &str) -> Option<Summary>;
+}
+
+/// No run is live here (a listing straight from a store).
+pub struct NoneLive;
+
+impl Live for NoneLive {
+    fn summary(&self, _: &str) -> Option<Summary> {
+        None
+    }
+}
+
+/// A page of the runs `filter` wants, as the store's index has them.
 pub async fn page(store: &Store, filter: &Filter) -> Result<Page, Error> {
+    page_with(store, filter, &NoneLive).await
+}
+
+/// A page of the runs `filter` wants, the ones `live` runs shown (and filtered) as it has them.
+pub async fn page_with(store: &Store, filter: &Filter, live: &dyn Live) -> Result<Page, Error> {
     match backfill_if_new(store).await {
         Ok(()) => {}
         // A store this caller may read but not write (read-only credentials) that has no
         // index yet: the page is made from the runs themselves, and nothing is written.
-        Err(Error::Refused { .. }) => return page_unindexed(store, filter).await,
+        Err(Error::Refused { .. }) => return page_unindexed(store, filter, live).await,
         Err(e) => return Err(e),
     }
-    let mut pager = Pager::new(filter);
+    let mut pager = Pager::new(filter, live);
     let mut cursor = pager.start.clone();
     loop {
         let batch = store
@@ -195,10 +226,10 @@ pub async fn page(store: &Store, filter: &Filter) -> Result<Page, Error> {
 }
 
 /// The page of an unindexed store, from every run's manifest (and report), in key order.
-async fn page_unindexed(store: &Store, filter: &Filter) -> Result<Page, Error> {
+async fn page_unindexed(store: &Store, filter: &Filter, live: &dyn Live) -> Result<Page, Error> {
     let mut entries = entries_of_runs(store).await?;
     entries.sort_by_cached_key(|e| e.key().filename().unwrap_or("").to_owned());
-    let mut pager = Pager::new(filter);
+    let mut pager = Pager::new(filter, live);
     for entry in entries {
         let name = entry.key().filename().unwrap_or("").to_owned();
         if pager.start.as_ref().is_some_and(|s| name <= *s) {
@@ -214,6 +245,7 @@ async fn page_unindexed(store: &Store, filter: &Filter) -> Result<Page, Error> {
 /// A page being filled, entry by entry in key order (newest first).
 struct Pager<'a> {
     filter: &'a Filter,
+    live: &'a dyn Live,
     limit: usize,
     /// The listing starts after this key: the `after` token, or the `before` time.
     start: Option<String>,
@@ -223,7 +255,7 @@ struct Pager<'a> {
 }
 
 impl<'a> Pager<'a> {
-    fn new(filter: &'a Filter) -> Pager<'a> {
+    fn new(filter: &'a Filter, live: &'a dyn Live) -> Pager<'a> {
         // Keys are newest first: `before` starts the listing at its time, `since` ends it.
         let start = match (&filter.after, filter.before_unix) {
             (Some(after), _) => Some(after.clone()),
@@ -237,6 +269,7 @@ impl<'a> Pager<'a> {
             .map(|since| format!("{:013}.", countdown(since.saturating_mul(1000))));
         Pager {
             filter,
+            live,
             limit: filter.limit.unwrap_or(PAGE).clamp(1, MAX_PAGE),
             start,
             stop,
@@ -250,8 +283,10 @@ impl<'a> Pager<'a> {
         if self.stop.as_ref().is_some_and(|s| name > s.as_str()) {
             return Ok(false);
         }
-        if entry.status == RunStatus::Running || entry.status == RunStatus::Paused {
-            entry.status = live_status(store, &entry).await?;
+        if let Some(now) = self.live.summary(&entry.run_id) {
+            entry.summary = now;
+        } else if !entry.summary.status.is_final() {
+            entry.summary.status = live_status(store, &entry).await?;
         }
         if !self.filter.wants(&entry) {
             return Ok(true);
@@ -272,15 +307,16 @@ impl<'a> Pager<'a> {
 
 /// A `running` entry's status as its owner has it: `interrupted` when its driver is gone.
 async fn live_status(store: &Store, e: &Entry) -> Result<RunStatus, Error> {
+    let status = e.summary.status;
     if store.get(&keys::result(&e.run_id)).await?.is_some() {
         // It ended, but the entry was not rewritten (the end's write failed): the report.
         return Ok(crate::history::load_report(store, &e.run_id)
             .await
-            .map_or(e.status, |r| r.status));
+            .map_or(status, |r| r.status));
     }
     match crate::owner::current(store, &e.run_id).await? {
         Some((_, _, live)) if live != crate::owner::Liveness::Live => Ok(RunStatus::Interrupted),
-        _ => Ok(e.status),
+        _ => Ok(status),
     }
 }
 
@@ -320,8 +356,7 @@ async fn entries_of_runs(store: &Store) -> Result<Vec<Entry>, Error> {
         if let Ok(report) = crate::history::load_report(store, run).await
             && report.status.is_final()
         {
-            entry.status = report.status;
-            entry.agents = report.usage.agents;
+            entry.summary = Summary::of_report(&report);
         }
         out.push(entry);
     }
@@ -340,11 +375,14 @@ mod tests {
     fn entry(run: &str, created: &str, workflow: &str, status: RunStatus) -> Entry {
         Entry {
             run_id: run.into(),
-            status,
+            summary: Summary {
+                status,
+                agents: 1,
+                ..Summary::default()
+            },
             workflow: workflow.into(),
             created: created.into(),
             ended: None,
-            agents: 1,
             parent_run_id: None,
             labels: BTreeMap::new(),
             namespace: String::new(),

@@ -3,5 +3,5 @@
 
 pub use flotilla_proto::wire::{
     AgentReport, ChangesSummary, Delivery, GroupReport, REPORT_AGENTS, Report, ReportUsage,
-    RunStatus,
+    RunStatus, Summary,
 };

@@ -52,13 +52,19 @@ impl PartialEq<&str> for CallStatus {
 }
 
 /// How a run ended (or stands).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
+    #[default]
     Pending,
     Running,
     /// Paused by a user (W54): nothing new starts until it resumes.
     Paused,
+    /// A stop was asked (W55): the script is ended and its agents are being stopped on their
+    /// workers; it ends `stopped` once none runs any more.
+    Stopping,
+    /// The script returned. Agents of it may have failed (their `agent()` resolved `null` or
+    /// threw): [`Summary::failed`] counts them, and every view says `completed, N failed`.
     Completed,
     Failed,
     Stopped,
@@ -75,6 +81,7 @@ impl RunStatus {
             RunStatus::Pending => "pending",
             RunStatus::Running => "running",
             RunStatus::Paused => "paused",
+            RunStatus::Stopping => "stopping",
             RunStatus::Completed => "completed",
             RunStatus::Failed => "failed",
             RunStatus::Stopped => "stopped",
@@ -83,20 +90,155 @@ impl RunStatus {
         }
     }
 
-    /// Process exit status for a run that ended this way.
-    pub fn exit_code(self) -> i32 {
-        match self {
+    pub fn is_final(self) -> bool {
+        !matches!(
+            self,
+            RunStatus::Pending | RunStatus::Running | RunStatus::Paused | RunStatus::Stopping
+        )
+    }
+}
+
+/// The exit status of a command that reports a run whose script returned although none of
+/// its agents completed and some failed (`completed, N failed`, nothing done): not 0, so a
+/// script or CI job notices a run that did nothing, and not 1, which says the run itself
+/// failed or was stopped (2 is a refusal, 3 a coordinator that cannot be reached). A run in
+/// which some agents completed exits 0 however many failed: a failed agent is a value its
+/// script handles (W23), and every view says how many failed.
+pub const EXIT_ALL_AGENTS_FAILED: i32 = 4;
+
+/// A run's state in brief, as every view of it shows it: `status`, `watch`, `wait`, `agents`,
+/// `runs`, `show`, the session pages and their JSON, the MCP tools and `/metrics`. It is made
+/// in one place for each source: from the engine while the run runs on this coordinator (the
+/// live snapshot), else from the run's report ([`Summary::of_report`]) or its index entry.
+/// Each accepted agent is in exactly one of `queued`, `running`, `done`, `failed` and
+/// `cancelled`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub status: RunStatus,
+    /// Accepted `agent()` calls.
+    #[serde(default)]
+    pub agents: u64,
+    /// Agents that have not started: waiting for a slot, their stagger, a paused run, or a
+    /// worker that offers what they ask (`waiting` says which).
+    #[serde(default)]
+    pub queued: u64,
+    #[serde(default)]
+    pub running: u64,
+    /// Agents that completed (cached ones included).
+    #[serde(default)]
+    pub done: u64,
+    /// Agents whose `agent()` resolved `null` or threw.
+    #[serde(default)]
+    pub failed: u64,
+    /// Agents the run's end or stop cut short (not failures, W55).
+    #[serde(default)]
+    pub cancelled: u64,
+    /// Of `done`, the ones served from the journal of the run it resumes.
+    #[serde(default)]
+    pub cached: u64,
+    /// Why agents wait although the run has room (no attached worker offers what they ask, a
+    /// usage limit, a failing store, agents still stopping on their workers), if they do.
+    #[serde(default)]
+    pub waiting: Option<String>,
+    #[serde(default)]
+    pub input_tokens: u64,
+    #[serde(default)]
+    pub output_tokens: u64,
+    #[serde(default)]
+    pub cost_usd: f64,
+    #[serde(default)]
+    pub elapsed_ms: u64,
+}
+
+impl Summary {
+    /// The summary of a run from its report (final, or live with queued and running agents).
+    /// A brief report lists every agent that did not complete first (the ones it leaves out
+    /// completed), so its counts hold unless more than [`REPORT_AGENTS`] of them did not.
+    pub fn of_report(r: &Report) -> Summary {
+        let count = |s: CallStatus| r.agents.iter().filter(|a| a.status == s).count() as u64;
+        let (queued, running, cancelled) = (
+            count(CallStatus::Queued),
+            count(CallStatus::Running),
+            count(CallStatus::Cancelled),
+        );
+        let failed = r.usage.errors;
+        let mut waits = r.agents.iter().filter_map(|a| a.waiting.as_deref());
+        let waiting = waits
+            .next()
+            .map(|first| Summary::agents_wait(first, 1 + waits.count() as u64));
+        Summary {
+            status: r.status,
+            agents: r.usage.agents,
+            queued,
+            running,
+            done: count(CallStatus::Completed) + r.agents_omitted,
+            failed,
+            cancelled,
+            cached: r.usage.cached,
+            waiting,
+            input_tokens: r.usage.input_tokens,
+            output_tokens: r.usage.output_tokens,
+            cost_usd: r.usage.cost_usd,
+            elapsed_ms: r.usage.duration_ms,
+        }
+    }
+
+    /// The line that says why `n` agents wait, the first of them for `first`.
+    pub fn agents_wait(first: &str, n: u64) -> String {
+        if n == 1 {
+            format!("1 agent waits: {first}")
+        } else {
+            format!("{n} agents wait: {first}")
+        }
+    }
+
+    /// Its script returned, but some of its agents failed.
+    pub fn completed_with_failures(&self) -> bool {
+        self.status == RunStatus::Completed && self.failed > 0
+    }
+
+    /// Its script returned, but none of its agents completed and some failed.
+    pub fn all_agents_failed(&self) -> bool {
+        self.completed_with_failures() && self.done == 0
+    }
+
+    /// The status as the views print it: `completed, 2 failed` for a run whose script returned
+    /// although agents failed, else the status.
+    pub fn headline(&self) -> String {
+        if self.completed_with_failures() {
+            format!("completed, {} failed", self.failed)
+        } else {
+            self.status.as_str().to_owned()
+        }
+    }
+
+    /// The exit status of a command that reports this run once it has ended: 0 completed,
+    /// [`EXIT_ALL_AGENTS_FAILED`] completed although every agent it ran failed, 2 refused, 1
+    /// failed, stopped or interrupted.
+    pub fn exit_code(&self) -> i32 {
+        match self.status {
+            RunStatus::Completed if self.all_agents_failed() => EXIT_ALL_AGENTS_FAILED,
             RunStatus::Completed => 0,
             RunStatus::Rejected => 2,
             _ => 1,
         }
     }
 
-    pub fn is_final(self) -> bool {
-        !matches!(
-            self,
-            RunStatus::Pending | RunStatus::Running | RunStatus::Paused
-        )
+    /// Its agents in one phrase: `3/5 agents done · 1 running · 1 queued · 1 failed`.
+    pub fn agents_line(&self) -> String {
+        let mut line = format!("{}/{} agents done", self.done, self.agents);
+        for (n, what) in [
+            (self.running, "running"),
+            (self.queued, "queued"),
+            (self.failed, "failed"),
+            (self.cancelled, "cancelled"),
+            (self.cached, "cached"),
+        ] {
+            if n > 0 {
+                line.push_str(&format!(" · {n} {what}"));
+            }
+        }
+        line
     }
 }
 
@@ -349,29 +491,19 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-/// The parts of a run's live state a client shows.
+/// The parts of a run's live state a client shows: its [`Summary`] (flattened: `status`,
+/// `agents`, `queued`, ... at the top level), its logs and its groups.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotView {
     pub run_id: String,
     pub workflow: String,
     #[serde(default)]
     pub description: String,
-    pub status: Option<RunStatus>,
-    pub elapsed_ms: u64,
-    pub agents: u64,
-    pub done: u64,
-    pub failed: u64,
-    pub running: u64,
-    pub cached: u64,
-    #[serde(default)]
-    pub input_tokens: u64,
-    pub output_tokens: u64,
+    #[serde(flatten)]
+    pub summary: Summary,
     pub logs: Vec<String>,
     /// Progress by group, in display order.
     pub groups: Vec<GroupView>,
-    /// Why the run waits although it has room, if it does.
-    #[serde(default)]
-    pub waiting: Option<String>,
 }
 
 /// One group's progress.
@@ -386,7 +518,7 @@ pub struct GroupView {
 }
 
 impl SnapshotView {
-    /// The same view of a run that ended, from its report.
+    /// The same view of a run from its report (one that ended, or a live report).
     pub fn from_report(r: &Report) -> SnapshotView {
         let groups = r
             .groups
@@ -398,7 +530,7 @@ impl SnapshotView {
                     total: g.agents.len() as u64,
                     done: mine().filter(|a| a.status == CallStatus::Completed).count() as u64,
                     failed: mine().filter(|a| a.status == CallStatus::Failed).count() as u64,
-                    running: 0,
+                    running: mine().filter(|a| a.status == CallStatus::Running).count() as u64,
                     output_tokens: mine().map(|a| a.output_tokens).sum(),
                 }
             })
@@ -407,22 +539,9 @@ impl SnapshotView {
             run_id: r.run_id.clone(),
             workflow: r.workflow.name.clone(),
             description: r.workflow.description.clone(),
-            status: Some(r.status),
-            elapsed_ms: r.usage.duration_ms,
-            agents: r.usage.agents,
-            done: r
-                .agents
-                .iter()
-                .filter(|a| a.status == CallStatus::Completed)
-                .count() as u64,
-            failed: r.usage.errors,
-            running: 0,
-            cached: r.usage.cached,
-            input_tokens: r.usage.input_tokens,
-            output_tokens: r.usage.output_tokens,
+            summary: Summary::of_report(r),
             logs: r.logs.clone(),
             groups,
-            waiting: None,
         }
     }
 }
@@ -526,7 +645,7 @@ mod tests {
             },
         ];
         let v = SnapshotView::from_report(&r);
-        assert_eq!(v.done, 2);
+        assert_eq!(v.summary.done, 2);
         assert_eq!(
             v.groups[0],
             GroupView {
@@ -543,6 +662,79 @@ mod tests {
     }
 
     #[test]
+    fn a_summary_counts_each_agent_once_and_says_completed_with_failures_apart() {
+        let mut r = Report::rejected("wf_x", WorkflowInfo::default(), "e".into());
+        r.status = RunStatus::Running;
+        r.agents = vec![
+            agent("G", CallStatus::Completed, 1),
+            agent("G", CallStatus::Running, 2),
+            agent("G", CallStatus::Queued, 0),
+            agent("G", CallStatus::Failed, 0),
+            agent("G", CallStatus::Cancelled, 0),
+        ];
+        r.agents[2].waiting = Some("no attached worker offers backend \"x\"".into());
+        r.usage.agents = 5;
+        r.usage.errors = 1;
+        r.usage.cost_usd = 0.25;
+        let s = Summary::of_report(&r);
+        assert_eq!(
+            (s.agents, s.queued, s.running, s.done, s.failed, s.cancelled),
+            (5, 1, 1, 1, 1, 1)
+        );
+        assert_eq!(
+            s.waiting.as_deref(),
+            Some("1 agent waits: no attached worker offers backend \"x\"")
+        );
+        assert_eq!(s.headline(), "running");
+        assert_eq!(
+            s.agents_line(),
+            "1/5 agents done · 1 running · 1 queued · 1 failed · 1 cancelled"
+        );
+        // Ended: the script returned, one agent failed and one completed. Every view says
+        // so, and the run succeeded: its script handled the failure.
+        r.status = RunStatus::Completed;
+        let s = Summary::of_report(&r);
+        assert!(s.completed_with_failures() && !s.all_agents_failed());
+        assert_eq!(s.headline(), "completed, 1 failed");
+        assert_eq!(s.exit_code(), 0);
+        // None completed: the run did nothing, and says so in its exit status too.
+        r.agents[0].status = CallStatus::Failed;
+        r.usage.errors = 2;
+        let s = Summary::of_report(&r);
+        assert!(s.all_agents_failed());
+        assert_eq!(s.headline(), "completed, 2 failed");
+        assert_eq!(s.exit_code(), EXIT_ALL_AGENTS_FAILED);
+        r.agents[0].status = CallStatus::Completed;
+        r.usage.errors = 0;
+        assert_eq!(Summary::of_report(&r).exit_code(), 0);
+        for (status, code) in [
+            (RunStatus::Failed, 1),
+            (RunStatus::Stopped, 1),
+            (RunStatus::Interrupted, 1),
+            (RunStatus::Rejected, 2),
+        ] {
+            r.status = status;
+            r.usage.errors = 3;
+            let s = Summary::of_report(&r);
+            assert_eq!(
+                (s.exit_code(), s.headline()),
+                (code, status.as_str().into())
+            );
+        }
+        // A brief report: the agents it leaves out completed.
+        r.status = RunStatus::Completed;
+        r.usage.errors = 1;
+        r.agents_omitted = 7;
+        r.usage.agents = 12;
+        assert_eq!(Summary::of_report(&r).done, 8);
+        // Flattened into the live view, the JSON keys are the summary's.
+        let v = serde_json::to_value(SnapshotView::from_report(&r)).unwrap();
+        assert_eq!(v["status"], "completed");
+        assert_eq!(v["failed"], 1);
+        assert_eq!(v["cost_usd"], 0.25);
+    }
+
+    #[test]
     fn statuses_are_spelled_one_way() {
         assert_eq!(
             serde_json::to_string(&CallStatus::Cancelled).unwrap(),
@@ -553,6 +745,10 @@ mod tests {
             "\"interrupted\""
         );
         assert!(RunStatus::Stopped.is_final() && !RunStatus::Paused.is_final());
-        assert_eq!(RunStatus::Rejected.exit_code(), 2);
+        assert!(!RunStatus::Stopping.is_final());
+        assert_eq!(
+            serde_json::to_string(&RunStatus::Stopping).unwrap(),
+            "\"stopping\""
+        );
     }
 }

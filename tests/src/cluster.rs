@@ -83,6 +83,15 @@ impl Cluster {
         Self::start_full(workers, slots, etcd, None)
     }
 
+    /// Like [`Cluster::start`], with the workers' lease TTL (`--worker-ttl`): a worker that
+    /// stops answering (`-STOP`) keeps what it holds for that long.
+    pub fn start_with_ttl(workers: usize, slots: u32, ttl: Duration) -> Cluster {
+        let mut c = Self::prepare(workers, None, None);
+        c.worker_ttl = ttl;
+        c.start_all(workers, slots);
+        c
+    }
+
     /// Like [`Cluster::start`], with leases in etcd and/or another store (URL plus the
     /// environment the coordinator needs for it, e.g. `AWS_*`).
     pub fn start_full(

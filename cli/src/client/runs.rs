@@ -89,7 +89,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
         match client.status(run.clone()).await {
             Ok(r) => match serde_json::from_str::<SnapshotView>(&r.into_inner().snapshot_json) {
                 Ok(s) => {
-                    let ended = s.status.is_some_and(|st| st.is_final());
+                    let ended = s.summary.status.is_final();
                     let _ = tx.send(Arc::new(flotilla_coordinator::run::Snapshot::from(&s)));
                     if ended {
                         break;
@@ -145,29 +145,8 @@ pub async fn status(a: RunRefArgs) -> i32 {
             match serde_json::from_str::<SnapshotView>(&r.snapshot_json) {
                 Ok(s) => {
                     let mut out = std::io::stdout().lock();
-                    let _ = writeln!(
-                        out,
-                        "{} {} · {}/{} agents done · {} running · {} failed · {} tokens · {} ms",
-                        s.run_id,
-                        s.status.map_or("running", |st| st.as_str()),
-                        s.done,
-                        s.agents,
-                        s.running,
-                        s.failed,
-                        s.output_tokens,
-                        s.elapsed_ms
-                    );
-                    for g in &s.groups {
-                        let (title, done, total) = (&g.title, g.done + g.failed, g.total);
-                        let _ = writeln!(
-                            out,
-                            "  [{}] {done}/{total}",
-                            if title.is_empty() {
-                                "(no phase)"
-                            } else {
-                                title
-                            }
-                        );
+                    for line in status_lines(&s) {
+                        let _ = writeln!(out, "{line}");
                     }
                     0
                 }
@@ -176,6 +155,35 @@ pub async fn status(a: RunRefArgs) -> i32 {
         }
         Err(s) => rpc_fail(&s),
     }
+}
+
+/// What plain `flotilla status` prints: the run's summary (status, agents by state, tokens,
+/// cost, elapsed), why agents wait, and each group's progress.
+pub(crate) fn status_lines(s: &SnapshotView) -> Vec<String> {
+    let u = &s.summary;
+    let mut lines = vec![format!(
+        "{} {} · {} · {} in / {} out tokens · ${:.4} · {}",
+        s.run_id,
+        u.headline(),
+        u.agents_line(),
+        u.input_tokens,
+        u.output_tokens,
+        u.cost_usd,
+        crate::progress::elapsed(u.elapsed_ms)
+    )];
+    if let Some(w) = &u.waiting {
+        lines.push(format!("  waiting: {}", crate::term::clean(w)));
+    }
+    for g in &s.groups {
+        let (done, total) = (g.done + g.failed, g.total);
+        let title = if g.title.is_empty() {
+            "(no phase)".into()
+        } else {
+            crate::term::clean(&g.title)
+        };
+        lines.push(format!("  [{title}] {done}/{total}"));
+    }
+    lines
 }
 
 /// `pause` / `resume` a run.

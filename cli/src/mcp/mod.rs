@@ -180,7 +180,7 @@ impl Flotilla {
 
     #[tool(
         name = "WorkflowStatus",
-        description = "How a run started with Workflow is doing: its status, agents done of all, failed and running, tokens, cost, its phases and recent log lines."
+        description = "How a run started with Workflow is doing: its status (running, paused, stopping, completed, failed, stopped; `headline` says `completed, N failed` when the script returned although agents failed), its agents queued, running, done, failed and cancelled, why agents wait, tokens, cost, its phases and recent log lines."
     )]
     async fn workflow_status(
         &self,
@@ -556,22 +556,28 @@ impl Flotilla {
             .map_err(|e| format!("the coordinator sent a report this server cannot read: {e}"))
     }
 
+    /// The run's summary (what every view says of it: status, agents by state, why they
+    /// wait, tokens, cost, elapsed), with its phases and log lines.
     async fn status(&self, run: &str) -> Result<Value, String> {
-        match self.progress(run).await? {
+        let mut v = match self.progress(run).await? {
             Progress::Running(mut v) => {
                 if let Some(o) = v.as_object_mut() {
                     o.remove("report");
                 }
-                Ok(v)
+                v
             }
             Progress::Ended(report) => {
                 let mut v = serde_json::to_value(SnapshotView::from_report(&report))
                     .map_err(|e| e.to_string())?;
-                v["costUsd"] = json!(report.usage.cost_usd);
                 v["finished"] = json!(true);
-                Ok(v)
+                v
             }
-        }
+        };
+        let summary: flotilla_proto::wire::Summary =
+            serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        v["costUsd"] = json!(summary.cost_usd);
+        v["headline"] = json!(summary.headline());
+        Ok(v)
     }
 
     async fn result(&self, input: &ResultInput) -> Result<Value, String> {
@@ -580,7 +586,7 @@ impl Flotilla {
             Progress::Running(v) => {
                 return Ok(json!({
                     "runId": run,
-                    "status": "running",
+                    "status": v["status"],
                     "finished": false,
                     "done": v["done"],
                     "agents": v["agents"],

@@ -522,8 +522,13 @@ impl ClientService for ClientSvc {
                 "run {run} is not running on this coordinator; see `flotilla show {run}`"
             ))
         })?;
+        let mut view = SnapshotView::from(&*snap);
+        // Once ended, what its report says (the last snapshot may precede the end's).
+        if let Some(summary) = self.registry.summary(&run) {
+            view.summary = summary;
+        }
         Ok(Response::new(v1::StatusReply {
-            snapshot_json: to_json(&SnapshotView::from(&*snap))?,
+            snapshot_json: to_json(&view)?,
             finished,
         }))
     }
@@ -551,6 +556,22 @@ impl ClientService for ClientSvc {
         req: Request<v1::ListRunsRequest>,
     ) -> Result<Response<v1::ListRunsReply>, Status> {
         let scope = self.scope(&req, "list runs")?;
+        // The leader runs the live runs: it lists them as their engines have them. With no
+        // leader to ask, the store's index says what it knows.
+        let leader_known = self
+            .coordinator
+            .leadership()
+            .is_some_and(|l| !l.holds_seat() && l.leader().is_some());
+        if leader_known && let Ok(Some(mut leader)) = self.leader_client().await {
+            match leader
+                .list_runs(forwarded(&scope, req.get_ref().clone()))
+                .await
+            {
+                Ok(r) => return Ok(r),
+                Err(s) if is_transport(&s) => {}
+                Err(s) => return Err(s),
+            }
+        }
         let text = req.into_inner().filter_json;
         let mut filter: crate::index::Filter = if text.trim().is_empty() {
             crate::index::Filter::default()
@@ -573,7 +594,7 @@ impl ClientService for ClientSvc {
             ));
         }
         filter.within = scope.names().map(<[String]>::to_vec);
-        let page = crate::index::page(self.coordinator.store(), &filter)
+        let page = crate::index::page_with(self.coordinator.store(), &filter, &*self.registry)
             .await
             .map_err(|e| ErrorKind::Unavailable.status(format!("cannot list runs: {e}")))?;
         Ok(Response::new(v1::ListRunsReply {

@@ -40,7 +40,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::coordinator::Coordinator;
 use crate::namespace::Scope;
-use crate::report::{Report, RunStatus};
+use crate::report::{Report, RunStatus, Summary};
 use crate::run::{AgentAction, Control, RunHandle, Snapshot};
 use crate::settings::{FetchFrom, RunSettings, SourceRef};
 use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};

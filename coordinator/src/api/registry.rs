@@ -35,6 +35,21 @@ pub(super) type SharedReport = (tokio::time::Instant, Arc<Report>);
 /// page's update tick).
 pub const LIVE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(450);
 
+impl crate::index::Live for RunRegistry {
+    fn summary(&self, run: &str) -> Option<Summary> {
+        RunRegistry::summary(self, run)
+    }
+}
+
+/// A tracked run's summary: its report's once it has ended (the snapshot's last word may
+/// precede the end's), else its live snapshot's.
+fn summary_of(e: &RunEntry) -> Summary {
+    if let Some(r) = e.report.borrow().as_ref() {
+        return Summary::of_report(r);
+    }
+    e.snapshot.borrow().summary_now()
+}
+
 impl RunRegistry {
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunEntry>> {
         self.runs
@@ -51,12 +66,18 @@ impl RunRegistry {
             .collect()
     }
 
-    /// Every run this process tracks: its snapshot and whether it has ended.
-    pub fn all(&self) -> Vec<(Arc<Snapshot>, bool)> {
+    /// Every run this process tracks: its namespace and its summary.
+    pub fn all(&self) -> Vec<(String, Summary)> {
         self.lock()
             .values()
-            .map(|e| (e.snapshot.borrow().clone(), e.report.borrow().is_some()))
+            .map(|e| (e.namespace.clone(), summary_of(e)))
             .collect()
+    }
+
+    /// What every view says of a run this coordinator runs (or ran since it started): from
+    /// its engine while it runs, from its report once it has ended. `None`: not here.
+    pub fn summary(&self, run: &str) -> Option<Summary> {
+        self.lock().get(run).map(summary_of)
     }
 
     /// The namespace of a run this coordinator runs (or ran since it started).
@@ -108,14 +129,24 @@ impl RunRegistry {
     pub async fn control(&self, run_id: &str, action: &str, agent: &str) -> Result<String, Status> {
         let stopper = self.lock().get(run_id).map(|e| {
             let finished = e.report.borrow().is_some();
-            let paused = e.snapshot.borrow().status == Some(RunStatus::Paused);
-            (e.stopper.clone(), finished, paused, e.snapshot.clone())
+            let status = e.snapshot.borrow().summary.status;
+            (e.stopper.clone(), finished, status, e.snapshot.clone())
         });
-        let Some((stopper, false, paused, mut snapshot)) = stopper else {
+        let Some((stopper, false, status, mut snapshot)) = stopper else {
             return Err(ErrorKind::NotFound
                 .status(format!("run {run_id} is not running on this coordinator")));
         };
         let gone = || ErrorKind::NotFound.status(format!("run {run_id} has ended"));
+        // A stop asked again is the stop under way; nothing else applies to a stopping run.
+        if status == RunStatus::Stopping && action == "stop" {
+            return Ok(format!("stopping {run_id}"));
+        }
+        if status == RunStatus::Stopping {
+            return Err(ErrorKind::Conflict.status(format!(
+                "run {run_id} is stopping: it ends once its agents have left their workers (`flotilla wait {run_id}`)"
+            )));
+        }
+        let paused = status == RunStatus::Paused;
         match action {
             "stop" => {
                 stopper.send(Control::Stop).map_err(|_| gone())?;
@@ -133,7 +164,7 @@ impl RunRegistry {
                 // Answer once the run shows it, so a second request sees the new state.
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
                     loop {
-                        let now = snapshot.borrow_and_update().status == Some(RunStatus::Paused);
+                        let now = snapshot.borrow_and_update().summary.status == RunStatus::Paused;
                         if now == pause || snapshot.changed().await.is_err() {
                             break;
                         }

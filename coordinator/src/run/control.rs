@@ -108,6 +108,13 @@ impl RunEngine {
             return;
         }
         self.stopping = true;
+        if !self.status.is_final() {
+            self.status = RunStatus::Stopping;
+            self.event(RunEvent::Status {
+                status: self.status.as_str().into(),
+                error: None,
+            });
+        }
         self.init.shared.stop.store(true, Ordering::Relaxed);
         (self.reply)(HostReply::Stop);
         self.init.dispatch.close_run(&self.run);
@@ -115,13 +122,26 @@ impl RunEngine {
     }
 
     /// Whatever is still queued or running is cancelled: the script no longer waits for it.
+    /// Each says so in the run's events, so a report rebuilt from them agrees.
     pub(super) fn cancel_live(&mut self) {
         let now = self.now_ms();
-        for c in &mut self.calls {
+        let mut cancelled = Vec::new();
+        for (index, c) in self.calls.iter_mut().enumerate() {
             if c.state.is_live() {
                 c.set(State::Cancelled);
                 c.end_ms.get_or_insert(now);
+                cancelled.push(RunEvent::Call {
+                    index: index as u64,
+                    label: c.label.clone(),
+                    group: c.group.clone(),
+                    state: Mark::Cancelled,
+                    attempt: None,
+                    detail: None,
+                });
             }
+        }
+        for e in cancelled {
+            self.event(e);
         }
     }
 

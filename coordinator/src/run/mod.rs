@@ -34,7 +34,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus};
+use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus, Summary};
 use crate::sched::{
     CallEvent, CallFailure, CallResult, DispatchHandle, Retry, RunRegistration, Ticket,
 };
@@ -52,6 +52,9 @@ use resume::ResumeSource;
 const SNAPSHOT_EVERY: Duration = Duration::from_millis(100);
 /// How long a stopped run waits for its script thread before it finishes anyway.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long a stopped run waits for its agents to leave their workers before it ends anyway.
+/// A worker that does not answer loses its lease sooner (`--worker-ttl`), which ends the wait.
+const STOP_DRAIN: Duration = Duration::from_secs(120);
 
 /// Requests from outside the run.
 #[derive(Debug)]
@@ -225,6 +228,8 @@ pub struct RunEngine {
     error: Option<String>,
     result: Value,
     stopping: bool,
+    /// Once stopped: its agents still on workers (the run is `stopping` until none is).
+    stopping_left: u64,
     /// The money ceiling was crossed.
     money_spent: bool,
     /// The token budget is spent (the dispatcher was told).
@@ -262,7 +267,10 @@ pub fn start(
     let (snap_tx, snap_rx) = watch::channel(Arc::new(Snapshot {
         run_id: run_id.clone(),
         workflow: init.workflow.clone(),
-        status: Some(RunStatus::Running),
+        summary: Summary {
+            status: RunStatus::Running,
+            ..Summary::default()
+        },
         ..Snapshot::default()
     }));
     let (control_tx, control_rx) = mpsc::unbounded_channel();
@@ -323,6 +331,7 @@ impl RunEngine {
             error: None,
             result: Value::Null,
             stopping: false,
+            stopping_left: 0,
             money_spent: false,
             tokens_spent: false,
             waiting: None,
@@ -527,7 +536,54 @@ impl RunEngine {
                 }
             }
         };
+        if self.stopping {
+            self.drain(&mut control, control_open).await;
+        }
         self.finish(end, &mut ack_rx, &mut applied_rx).await
+    }
+
+    /// A stopped run, its script ended: `stopping` until none of its agents runs on a worker
+    /// any more (each worker has answered its cancel, or was let go), at most [`STOP_DRAIN`].
+    /// Meanwhile it answers for its report and refuses what a stopped run cannot do.
+    async fn drain(
+        &mut self,
+        control: &mut mpsc::UnboundedReceiver<Control>,
+        mut control_open: bool,
+    ) {
+        let deadline = Instant::now() + STOP_DRAIN;
+        let mut tick = tokio::time::interval(SNAPSHOT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                c = control.recv(), if control_open => match c {
+                    Some(Control::Report(reply)) => {
+                        let _ = reply.send(self.report_with(true));
+                    }
+                    Some(Control::Agent { reply, .. }) => {
+                        let _ = reply.send(Err("the run is stopping".into()));
+                    }
+                    Some(Control::Stop | Control::Pause(_)) => {}
+                    None => control_open = false,
+                },
+                _ = tick.tick() => {
+                    let left = self.init.dispatch.in_flight(&self.run).await as u64;
+                    if left != self.stopping_left {
+                        self.stopping_left = left;
+                        self.dirty = true;
+                    }
+                    if left == 0 {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        tracing::warn!(run = %self.run, agents = left, "a stopped run's agents did not leave their workers in time; it ends anyway");
+                        break;
+                    }
+                    self.publish();
+                }
+            }
+        }
+        self.stopping_left = 0;
+        self.dirty = true;
     }
 
     fn reject(&self, id: u64, code: RejectCode, message: impl Into<String>) {

@@ -146,7 +146,8 @@ async fn a_storage_outage_delays_results_and_loses_none() {
     let seen = tokio::time::timeout(
         Duration::from_secs(10),
         snap.wait_for(|s| {
-            s.waiting
+            s.summary
+                .waiting
                 .as_deref()
                 .is_some_and(|w| w.contains("storage writes failing"))
         }),

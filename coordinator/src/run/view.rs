@@ -3,24 +3,17 @@
 
 use super::*;
 
-/// Live view of a run for progress displays.
+/// Live view of a run for progress displays, the API's `Status` and the pages: its
+/// [`Summary`] (what every view of the run says of it) with its groups and logs.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     pub run_id: String,
     pub workflow: WorkflowInfo,
-    pub status: Option<RunStatus>,
-    pub elapsed_ms: u64,
+    /// Status, agents by state, why they wait, tokens, cost and elapsed time as of when it
+    /// was published ([`Snapshot::summary_now`] has the elapsed time of now).
+    pub summary: Summary,
     pub groups: Vec<GroupProgress>,
     pub logs: Arc<Vec<String>>,
-    pub agents: u64,
-    pub done: u64,
-    pub failed: u64,
-    pub running: u64,
-    pub cached: u64,
-    pub input_tokens: u64,
-    pub output_tokens: u64,
-    /// A wait in progress, if any: a usage limit, or agents no attached worker can run.
-    pub waiting: Option<String>,
     /// When the run started here (so `elapsed` keeps growing between snapshots).
     pub since: Option<Instant>,
 }
@@ -28,11 +21,19 @@ pub struct Snapshot {
 impl Snapshot {
     /// Milliseconds since the run started: growing while it runs, fixed once it ended.
     pub fn elapsed_now_ms(&self) -> u64 {
-        match (self.since, self.status) {
-            (Some(since), Some(s)) if !s.is_final() => {
-                (since.elapsed().as_millis() as u64).max(self.elapsed_ms)
+        match self.since {
+            Some(since) if !self.summary.status.is_final() => {
+                (since.elapsed().as_millis() as u64).max(self.summary.elapsed_ms)
             }
-            _ => self.elapsed_ms,
+            _ => self.summary.elapsed_ms,
+        }
+    }
+
+    /// The summary with the elapsed time of now.
+    pub fn summary_now(&self) -> Summary {
+        Summary {
+            elapsed_ms: self.elapsed_now_ms(),
+            ..self.summary.clone()
         }
     }
 }
@@ -54,56 +55,59 @@ impl RunEngine {
                 ..GroupProgress::default()
             })
             .collect();
-        let mut snap = Snapshot {
-            run_id: self.init.run_id.clone(),
-            workflow: self.init.workflow.clone(),
-            status: Some(self.status),
+        let mut summary = Summary {
+            status: self.status,
             elapsed_ms: self.now_ms(),
-            logs: {
-                if self.published_logs.len() != self.logs.len() {
-                    self.published_logs = Arc::new(self.logs.clone());
-                }
-                self.published_logs.clone()
-            },
             input_tokens: self.usage.input_tokens,
             output_tokens: self.usage.output_tokens,
+            cost_usd: self.usage.cost_usd,
             waiting: self
                 .init
                 .store
                 .health
                 .problem()
+                .or_else(|| self.still_stopping())
                 .or_else(|| self.waiting.clone())
                 .or_else(|| self.no_worker_summary()),
-            since: Some(self.started),
-            ..Snapshot::default()
+            ..Summary::default()
         };
         for c in &self.calls {
-            snap.agents += 1;
+            summary.agents += 1;
+            match c.state {
+                State::Completed | State::Journaling => summary.done += 1,
+                State::Failed => summary.failed += 1,
+                State::Cancelled => summary.cancelled += 1,
+                State::Running => summary.running += 1,
+                State::Queued | State::Held | State::Waiting => summary.queued += 1,
+            }
+            if c.cached {
+                summary.cached += 1;
+            }
             let Some(g) = groups.get_mut(c.group_at) else {
                 continue;
             };
             g.total += 1;
             g.output_tokens += c.usage.output_tokens.max(c.live_tokens);
             match c.state {
-                State::Completed | State::Journaling => {
-                    g.done += 1;
-                    snap.done += 1;
-                }
-                State::Failed | State::Cancelled => {
-                    g.failed += 1;
-                    snap.failed += 1;
-                }
-                State::Running => {
-                    g.running += 1;
-                    snap.running += 1;
-                }
+                State::Completed | State::Journaling => g.done += 1,
+                State::Failed | State::Cancelled => g.failed += 1,
+                State::Running => g.running += 1,
                 State::Queued | State::Held | State::Waiting => {}
             }
-            if c.cached {
-                snap.cached += 1;
-            }
         }
-        snap.groups = groups;
+        let snap = Snapshot {
+            run_id: self.init.run_id.clone(),
+            workflow: self.init.workflow.clone(),
+            summary,
+            groups,
+            logs: {
+                if self.published_logs.len() != self.logs.len() {
+                    self.published_logs = Arc::new(self.logs.clone());
+                }
+                self.published_logs.clone()
+            },
+            since: Some(self.started),
+        };
         let _ = self.snapshot.send(Arc::new(snap));
     }
 
@@ -111,12 +115,16 @@ impl RunEngine {
     pub(super) fn no_worker_summary(&self) -> Option<String> {
         let mut waiting = self.calls.iter().filter_map(|c| c.waiting_for.as_ref());
         let first = waiting.next()?;
-        let more = waiting.count();
-        Some(if more == 0 {
-            format!("1 agent waits: {first}")
-        } else {
-            format!("{} agents wait: {first}", more + 1)
-        })
+        Some(Summary::agents_wait(first, 1 + waiting.count() as u64))
+    }
+
+    /// While a stopped run waits for its agents to leave their workers: how many are left.
+    fn still_stopping(&self) -> Option<String> {
+        match self.stopping_left {
+            0 => None,
+            1 => Some("1 agent is still stopping on its worker".into()),
+            n => Some(format!("{n} agents are still stopping on their workers")),
+        }
     }
 
     pub(super) fn report(&self) -> Report {

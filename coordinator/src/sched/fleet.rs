@@ -660,6 +660,15 @@ impl Fleet {
         }
     }
 
+    /// How many attempts of `run` workers hold (their slots are taken until their outcomes
+    /// come, or the worker is retired).
+    pub(super) fn held_of(&self, run: &Arc<str>) -> usize {
+        self.workers
+            .values()
+            .map(|w| w.running.keys().filter(|(r, _, _)| r == run).count())
+            .sum()
+    }
+
     /// Tells `wid` to stop an attempt, if it is attached.
     pub(super) fn cancel(&self, wid: u64, run: &str, call: u64, attempt: u32, reason: &str) {
         if let Some(tx) = self.link(wid) {

@@ -156,6 +156,11 @@ pub(super) enum Msg {
         Box<flotilla_proto::v1::TaskSpec>,
         tokio::sync::oneshot::Sender<Result<(), String>>,
     ),
+    /// How many attempts of a run workers still hold (asked by a stopped run).
+    InFlight {
+        run: Arc<str>,
+        reply: tokio::sync::oneshot::Sender<usize>,
+    },
     /// What an attempt left is stored (`Ok`: the partial commit and its base) or not.
     PartialStored {
         run: Arc<str>,
@@ -282,6 +287,23 @@ impl DispatchHandle {
     /// Cancels everything of a run and forgets it.
     pub fn close_run(&self, run: &Arc<str>) {
         let _ = self.tx.send(Msg::CloseRun { run: run.clone() });
+    }
+    /// How many attempts of `run` workers still hold: a cancelled attempt holds its slot until
+    /// its worker answers with its outcome, or the worker is let go. (0 once the dispatcher
+    /// is gone.)
+    pub async fn in_flight(&self, run: &Arc<str>) -> usize {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self
+            .tx
+            .send(Msg::InFlight {
+                run: run.clone(),
+                reply: tx,
+            })
+            .is_err()
+        {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
     }
     /// Attaches an in-process worker's link.
     pub fn attach(&self, end: CoordinatorEnd) {

@@ -344,6 +344,9 @@ impl Dispatcher {
                     Err(self.fleet.why_none_offers(&task))
                 });
             }
+            Msg::InFlight { run, reply } => {
+                let _ = reply.send(self.fleet.held_of(&run));
+            }
             Msg::Stats(reply) => {
                 let (workers, slots, busy) = self.fleet.totals();
                 let _ = reply.send(Stats {

@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 
 use super::*;
 use crate::metrics as m;
-use crate::run::Snapshot;
 use crate::sched::{Stats, WorkerView};
 
 /// Prometheus text format: runs and agents of this coordinator, the dispatcher and the fleet.
@@ -15,7 +14,13 @@ pub(super) async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Respo
         Ok(s) => s,
         Err(why) => return refuse(why, true),
     };
-    let tracked = Tracked::of(web.registry.all());
+    let tracked = Tracked::of(
+        web.registry
+            .all()
+            .into_iter()
+            .filter(|(ns, _)| scope.may(ns))
+            .map(|(_, s)| s),
+    );
     let mut stats = web.coordinator.dispatch().stats().await.unwrap_or_default();
     stats.namespaces.retain(|n| scope.may(&n.name));
     let workers = web.coordinator.dispatch().workers().await;
@@ -34,35 +39,32 @@ pub(super) async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Respo
 #[derive(Debug, Default, PartialEq)]
 struct Tracked {
     runs: BTreeMap<&'static str, u64>,
+    /// Runs whose script returned although agents of them failed.
+    with_failures: u64,
     agents: BTreeMap<&'static str, u64>,
     output_tokens: u64,
 }
 
 impl Tracked {
-    /// Runs by status (a run that has not ended is `running` or `paused`), agents by state.
-    fn of(runs: impl IntoIterator<Item = (Arc<Snapshot>, bool)>) -> Tracked {
+    /// Runs by status, agents by state: the runs' summaries, as every other view has them.
+    fn of(runs: impl IntoIterator<Item = Summary>) -> Tracked {
         let mut t = Tracked::default();
-        for (snap, ended) in runs {
-            let status = snap.status.map_or("pending", RunStatus::as_str);
-            let shown = match (ended, status) {
-                (true, s) => s,
-                (false, "paused") => "paused",
-                (false, _) => "running",
-            };
-            *t.runs.entry(shown).or_default() += 1;
-            let queued = snap
-                .agents
-                .saturating_sub(snap.done + snap.failed + snap.running);
+        for s in runs {
+            *t.runs.entry(s.status.as_str()).or_default() += 1;
+            if s.completed_with_failures() {
+                t.with_failures += 1;
+            }
             for (state, n) in [
-                ("done", snap.done),
-                ("failed", snap.failed),
-                ("running", snap.running),
-                ("cached", snap.cached),
-                ("queued", queued),
+                ("queued", s.queued),
+                ("running", s.running),
+                ("done", s.done),
+                ("failed", s.failed),
+                ("cancelled", s.cancelled),
+                ("cached", s.cached),
             ] {
                 *t.agents.entry(state).or_default() += n;
             }
-            t.output_tokens += snap.output_tokens;
+            t.output_tokens += s.output_tokens;
         }
         t
     }
@@ -111,6 +113,7 @@ fn render(t: &Tracked, stats: &Stats, workers: &[WorkerView]) -> String {
     let statuses = [
         "running",
         "paused",
+        "stopping",
         "completed",
         "failed",
         "stopped",
@@ -122,13 +125,18 @@ fn render(t: &Tracked, stats: &Stats, workers: &[WorkerView]) -> String {
         "Runs tracked by this coordinator, by status.",
         &by("status", &statuses, &t.runs),
     );
+    e.gauge(
+        "flotilla_runs_completed_with_failures",
+        "Tracked runs whose script returned although agents of them failed (also counted as completed).",
+        t.with_failures,
+    );
     e.family(
         "flotilla_agents",
         "gauge",
-        "agent() calls of the tracked runs, by status.",
+        "agent() calls of the tracked runs, by status (done counts cached ones too).",
         &by(
             "status",
-            &["queued", "running", "done", "failed", "cached"],
+            &["queued", "running", "done", "failed", "cancelled", "cached"],
             &t.agents,
         ),
     );
@@ -358,35 +366,43 @@ fn process(e: &mut Exposition) {
 mod tests {
     use super::*;
 
-    fn snap(status: RunStatus, agents: u64, done: u64, running: u64) -> Arc<Snapshot> {
-        Arc::new(Snapshot {
-            status: Some(status),
+    fn snap(status: RunStatus, agents: u64, done: u64, running: u64) -> Summary {
+        Summary {
+            status,
             agents,
             done,
             running,
+            queued: agents - done - running,
             output_tokens: 10,
-            ..Snapshot::default()
-        })
+            ..Summary::default()
+        }
     }
 
     #[test]
     fn runs_count_by_status_and_agents_by_state() {
+        let mut partial = snap(RunStatus::Completed, 4, 2, 0);
+        (partial.queued, partial.failed) = (0, 2);
         let t = Tracked::of([
-            (snap(RunStatus::Running, 5, 2, 1), false),
-            (snap(RunStatus::Paused, 1, 0, 0), false),
-            (snap(RunStatus::Completed, 3, 3, 0), true),
+            snap(RunStatus::Running, 5, 2, 1),
+            snap(RunStatus::Paused, 1, 0, 0),
+            snap(RunStatus::Stopping, 1, 0, 1),
+            snap(RunStatus::Completed, 3, 3, 0),
+            partial,
         ]);
         assert_eq!(t.runs.get("running"), Some(&1));
         assert_eq!(t.runs.get("paused"), Some(&1));
-        assert_eq!(t.runs.get("completed"), Some(&1));
-        assert_eq!(t.agents.get("done"), Some(&5));
+        assert_eq!(t.runs.get("stopping"), Some(&1));
+        assert_eq!(t.runs.get("completed"), Some(&2));
+        assert_eq!(t.with_failures, 1);
+        assert_eq!(t.agents.get("done"), Some(&7));
+        assert_eq!(t.agents.get("failed"), Some(&2));
         assert_eq!(t.agents.get("queued"), Some(&3));
-        assert_eq!(t.output_tokens, 30);
+        assert_eq!(t.output_tokens, 50);
     }
 
     #[test]
     fn every_family_is_declared_once_and_every_sample_parses() {
-        let t = Tracked::of([(snap(RunStatus::Running, 2, 1, 1), false)]);
+        let t = Tracked::of([snap(RunStatus::Running, 2, 1, 1)]);
         let stats = Stats {
             slots: 4,
             busy: 1,

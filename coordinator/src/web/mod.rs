@@ -47,7 +47,7 @@ use flotilla_proto::ErrorKind;
 
 use crate::coordinator::Coordinator;
 use crate::history;
-use crate::report::{Report, RunStatus};
+use crate::report::{Report, RunStatus, Summary};
 
 /// The HTTP status of an error of `kind` (the one map is [`ErrorKind`]).
 fn http(kind: ErrorKind) -> StatusCode {

@@ -64,21 +64,52 @@ pub(super) fn render_live(d: &PageData, all: bool) -> String {
     out
 }
 
-/// The counters, the warnings, the changes line, the run's buttons and its log.
+/// A run's status as a table cell: its headline (`completed, 2 failed`), colored by status,
+/// and in the warning color when its script returned although agents failed.
+pub(super) fn status_cell(s: &Summary) -> String {
+    let failures = if s.completed_with_failures() {
+        " failures"
+    } else {
+        ""
+    };
+    format!(
+        "<td class=\"st {}{failures}\">{}</td>",
+        s.status.as_str(),
+        esc(&s.headline())
+    )
+}
+
+/// The counters (the run's [`Summary`]), the warnings, the changes line, the run's buttons
+/// and its log.
 fn counters(d: &PageData) -> String {
     let r = &*d.report;
     let u = &r.usage;
-    let status = r.status.as_str();
-    let done = r.agents.iter().filter(|a| a.status == "completed").count();
-    let failed = r.agents.iter().filter(|a| a.status == "failed").count();
-    let running = r.agents.iter().filter(|a| a.status == "running").count();
+    let s = &d.summary;
+    let failures = if s.completed_with_failures() {
+        " failures"
+    } else {
+        ""
+    };
     let mut out = String::new();
     out.push_str(&format!(
-        "<p class=counters><span class=\"st {status}\" id=status>{status}</span> \
+        "<p class=counters><span class=\"st {status}{failures}\" id=status>{headline}</span> \
          · agents <b id=done>{done}</b> done / <b id=agents>{total}</b> \
-         · running <b id=running>{running}</b> · failed <b id=failed>{failed}</b> \
+         · queued <b id=queued>{queued}</b> · running <b id=running>{running}</b> \
+         · failed <b id=failed>{failed}</b>{cancelled} \
          · tokens <b id=tokens>{tin} in / {tout} out</b> · cost <b id=cost>${cost:.4}</b> \
          · elapsed <b id=elapsed>{elapsed}</b>{waits}</p>",
+        status = s.status.as_str(),
+        headline = esc(&s.headline()),
+        done = s.done,
+        total = s.agents,
+        queued = s.queued,
+        running = s.running,
+        failed = s.failed,
+        cancelled = if s.cancelled > 0 {
+            format!(" · cancelled <b id=cancelled>{}</b>", s.cancelled)
+        } else {
+            String::new()
+        },
         waits = if u.waits > 0 {
             format!(
                 " · waits <b id=waits>{}</b> (throttles and usage limits, not attempts)",
@@ -87,11 +118,10 @@ fn counters(d: &PageData) -> String {
         } else {
             String::new()
         },
-        total = u.agents,
-        tin = u.input_tokens,
-        tout = u.output_tokens,
-        cost = u.cost_usd,
-        elapsed = fmt_ms(u.duration_ms),
+        tin = s.input_tokens,
+        tout = s.output_tokens,
+        cost = s.cost_usd,
+        elapsed = fmt_ms(s.elapsed_ms),
     ));
     let mut warnings = Vec::new();
     if u.large_workflow().is_some() {
@@ -101,7 +131,7 @@ fn counters(d: &PageData) -> String {
             u.input_tokens + u.output_tokens
         ));
     }
-    if let Some(w) = &d.waiting {
+    if let Some(w) = &s.waiting {
         warnings.push(w.clone());
     }
     for w in warnings {
@@ -120,8 +150,8 @@ fn counters(d: &PageData) -> String {
             ));
         }
     }
-    if d.here && d.live() {
-        let (action, label) = if r.status == RunStatus::Paused {
+    if d.here && d.live() && s.status != RunStatus::Stopping {
+        let (action, label) = if s.status == RunStatus::Paused {
             ("resume", "Resume")
         } else {
             ("pause", "Pause")
@@ -379,7 +409,8 @@ h1 small,h3 small{color:#888;font-weight:normal;font-size:70%}table{border-colla
 td,th{padding:2px 10px;border-bottom:1px solid #eee;text-align:left}\
 pre{background:#f6f6f6;padding:8px;max-height:30em;overflow:auto;white-space:pre-wrap}.err{color:#b00}\
 .warn{color:#a60;font-weight:bold}.danger{color:#b00}#notice{color:#06c}\
-.st.completed{color:#070}.st.failed,.st.rejected{color:#b00}.st.running{color:#06c}.st.paused{color:#a60}";
+.st.completed{color:#070}.st.failed,.st.rejected{color:#b00}.st.running{color:#06c}.st.paused,.st.stopping{color:#a60}\
+.st.completed.failures{color:#a60;font-weight:bold}";
 
 /// The page's script: follows the run over server-sent events (the server sends the changing
 /// part of the page as HTML), opens an agent's detail on click, and sends the buttons' actions
@@ -505,8 +536,8 @@ mod tests {
             namespace: String::new(),
         };
         let d = PageData {
+            summary: Summary::of_report(&report),
             report: Arc::new(report),
-            waiting: None,
             here: true,
         };
         let page = render_live(&d, false);

@@ -75,8 +75,12 @@ pub(super) async fn stored_report(web: &Web, run: &str) -> Result<Report, (Statu
 
 pub(super) async fn view(web: &Web, run: &str) -> Result<RunView, (StatusCode, String)> {
     if let Some((snap, report)) = web.registry.live(run) {
+        let mut snapshot = SnapshotView::from(&*snap);
+        if let Some(summary) = web.registry.summary(run) {
+            snapshot.summary = summary;
+        }
         return Ok(RunView {
-            snapshot: SnapshotView::from(&*snap),
+            snapshot,
             finished: report.is_some(),
             report: report.map(|r| (*r).clone()),
         });
@@ -399,6 +403,7 @@ pub(super) async fn runs_json(State(web): State<Web>, headers: HeaderMap) -> Res
     match history::list_runs(
         web.coordinator.store(),
         scope.names().map(<[String]>::to_vec),
+        &*web.registry,
     )
     .await
     {
@@ -419,6 +424,7 @@ pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Res
     let runs = match history::list_runs(
         web.coordinator.store(),
         scope.names().map(<[String]>::to_vec),
+        &*web.registry,
     )
     .await
     {
@@ -436,17 +442,19 @@ pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Res
     };
     let mut rows = String::new();
     for r in runs.iter().rev() {
+        let s = &r.summary;
         rows.push_str(&format!(
-            "<tr><td><a href=\"/runs/{id}\">{id}</a></td><td>{wf}</td><td class=\"st {st}\">{st}</td><td>{agents}</td><td>{created}</td></tr>",
+            "<tr id=\"run-{id}\"><td><a href=\"/runs/{id}\">{id}</a></td><td>{wf}</td>{status}<td class=agents>{agents}</td><td>${cost:.4}</td><td>{created}</td></tr>",
             id = esc(&r.run_id),
             wf = esc(&r.workflow),
-            st = r.status.as_str(),
-            agents = r.agents,
+            status = status_cell(s),
+            agents = esc(&s.agents_line()),
+            cost = s.cost_usd,
             created = esc(&r.created),
         ));
     }
     let mut body = format!(
-        "<table><thead><tr><th>run</th><th>workflow</th><th>status</th><th>agents</th><th>created</th></tr></thead><tbody>{rows}</tbody></table>"
+        "<table id=runs><thead><tr><th>run</th><th>workflow</th><th>status</th><th>agents</th><th>cost</th><th>created</th></tr></thead><tbody>{rows}</tbody></table>"
     );
     let accounts = web
         .coordinator
@@ -459,37 +467,38 @@ pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Res
     Html(page("Runs", &body)).into_response()
 }
 
-/// What the page shows of a run: its report (final, or as it stands now with live states),
-/// the usage-limit wait in progress, and whether it can still change.
+/// What the page shows of a run: its summary (what every view says of it), its report (final,
+/// or as it stands now with live states) for the agents' rows, and whether it can still
+/// change.
 pub(super) struct PageData {
+    pub(super) summary: Summary,
     pub(super) report: Arc<Report>,
-    pub(super) waiting: Option<String>,
     /// Running on this coordinator (buttons work, updates every half second).
     pub(super) here: bool,
 }
 
 impl PageData {
     pub(super) fn live(&self) -> bool {
-        !self.report.status.is_final()
+        !self.summary.status.is_final()
     }
 }
 
 pub(super) async fn page_data(web: &Web, run: &str) -> Result<PageData, (StatusCode, String)> {
     if let Some(report) = web.registry.live_report(run).await {
-        let waiting = web
+        let summary = web
             .registry
-            .live(run)
-            .and_then(|(snap, _)| snap.waiting.clone());
+            .summary(run)
+            .unwrap_or_else(|| Summary::of_report(&report));
         return Ok(PageData {
+            summary,
             report,
-            waiting,
             here: true,
         });
     }
     let report = stored_report(web, run).await?;
     Ok(PageData {
+        summary: Summary::of_report(&report),
         report: Arc::new(report),
-        waiting: None,
         here: false,
     })
 }

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::Env;
 use flotilla_tests::fake_anthropic::FakeAnthropic;
 
@@ -114,7 +115,7 @@ fn once_the_retry_budget_is_spent_failing_agents_fail_and_the_report_says_so() {
         &["--stagger", "0", "--retry-budget", "4"],
         &[],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     let results = r["result"].as_array().unwrap();
     let failed = results.iter().filter(|v| v.is_null()).count();
     // 6 agents need 3 retries each; 4 retries in all: at most one agent makes it.

@@ -1,5 +1,6 @@
 //! W11–W24: agent() results, schemas, labels, phases, options, nulls and rejections.
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::{Env, agent, agents, usage};
 use serde_json::json;
 
@@ -63,7 +64,7 @@ fn w14_invalid_submissions_retry_then_reject_with_the_last_failure() {
         &format!("try {{ await agent('x [[invalid:2]]', {{ schema: {SCHEMA} }}); return 'ok'; }} catch (e) {{ return e.code + ': ' + e.message; }}"),
         &["--schema-attempts", "2"],
     );
-    assert_eq!(code, 0);
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED);
     let msg = r["result"].as_str().unwrap();
     assert!(
         msg.starts_with("SCHEMA_FAILED") && msg.contains("retry cap (2)"),

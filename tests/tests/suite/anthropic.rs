@@ -1,5 +1,6 @@
 //! The `anthropic` backend (the Messages API in Rust) against the in-repo fake.
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::Env;
 use flotilla_tests::fake_anthropic::FakeAnthropic;
 use serde_json::{Value, json};
@@ -86,7 +87,7 @@ fn an_invalid_structured_output_gets_feedback_until_the_limit() {
          catch (e) { return e.code; }",
         &["--schema-attempts", "2"],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], "SCHEMA_FAILED", "{r}");
     let sent = posts(&fake);
     assert_eq!(sent.len(), 2, "one request per submission");
@@ -108,7 +109,7 @@ fn an_overloaded_api_is_waited_out_and_fails_the_call_only_past_the_throttle_wai
         // Overloads are waits, not attempts: one attempt allowed, and still it waits them out.
         &["--attempts", "1", "--throttle-wait", "3s"],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], Value::Null, "{r}");
     let failures = r["failures"].to_string();
     assert!(failures.contains("HTTP 529"), "{r}");

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::Env;
 use flotilla_tests::fake_anthropic::FakeAnthropic;
 use serde_json::json;
@@ -172,7 +173,7 @@ fn a_timeout_kills_the_cli_and_the_commands_its_tools_started() {
         &fake,
         "return await agent('wait [[bash:timeout 41.731 tail -f /dev/null; echo late]]', { tools: ['Bash'], timeout: 3000 });",
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], serde_json::Value::Null, "{r}");
     assert!(r["failures"].to_string().contains("timed out"), "{r}");
     // Neither the CLI nor the shell its Bash tool started survives the attempt.
@@ -401,7 +402,7 @@ fn outside_a_repository_a_worktree_agent_fails_with_the_reason_and_leaves_nothin
         &fake,
         "try { await agent('where [[bash:pwd]]', { isolation: 'worktree', tools: ['Bash'] }); return 'ran'; } catch (e) { return [e.code, e.message]; }",
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"][0], "INVALID_AGENT", "{r}");
     let why = r["result"][1].as_str().unwrap();
     assert!(why.contains("needs a git repository"), "{why}");

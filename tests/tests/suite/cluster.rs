@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::{Env, Output, agents, http_get, usage};
 use serde_json::Value;
@@ -1602,7 +1603,7 @@ fn agents_asking_for_a_label_run_only_on_workers_that_carry_it() {
         "{why}"
     );
     let (code, r) = c.wait(&run);
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], Value::Null, "{r}");
     assert!(r["failures"].to_string().contains("region=us"), "{r}");
 

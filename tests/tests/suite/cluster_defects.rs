@@ -2,6 +2,7 @@
 //! (issue 11): each test here failed before its fix. Runs one at a time with the other
 //! cluster tests (.config/nextest.toml).
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::{agent, failures};
 
@@ -279,7 +280,7 @@ fn an_agent_no_worker_can_run_says_why_in_status_and_fails_after_its_wait() {
         "{first} then {later}"
     );
     let (code, r) = c.wait(&run);
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], serde_json::Value::Null);
     let a = agent(&r, "needs-claude");
     assert_eq!(a["status"], "failed");

@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::commit_all;
 
@@ -375,7 +376,7 @@ fn an_attempt_over_the_worker_s_longest_time_ends_naming_it() {
         &["--backend", "exec"],
     );
     let (code, r) = c.wait(&run);
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert!(r["result"].is_null(), "{r}");
     let failures = r["failures"].to_string();
     assert!(failures.contains("--max-attempt-time"), "{failures}");

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::process::Command;
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::{commit_all, git};
 
@@ -902,7 +903,7 @@ fn a_worker_whose_disk_fills_fails_the_attempt_with_the_reason_and_keeps_serving
     );
     assert_eq!(out.code, 0, "{out:?}");
     let (code, r) = c.wait(out.json()["run_id"].as_str().unwrap());
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert!(r["result"].is_null(), "{r}");
     let failures = flotilla_tests::failures(&r);
     assert!(

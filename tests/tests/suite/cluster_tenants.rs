@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::{Output, commit_all, git};
 use proptest::strategy::{Strategy, ValueTree};
@@ -567,7 +568,7 @@ fn a_fleet_agent_gets_no_worktree_of_the_worker_s_own_directories() {
         &["--backend", "exec", "--source", "none"],
     );
     let (code, r) = c.wait(&run);
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     let text = r["result"].as_str().unwrap_or_else(|| panic!("{r}"));
     assert!(
         text.starts_with("REJECTED") && text.contains("needs the run's source"),

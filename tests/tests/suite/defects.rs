@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::{Env, agents, usage};
 use serde_json::Value;
 
@@ -400,7 +401,7 @@ fn an_exec_agent_that_floods_stdout_is_stopped_at_the_limit() {
             "head -c 200000000 /dev/zero",
         ],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], Value::Null);
     let a = flotilla_tests::agent(&r, "flood");
     let error = a["error"].as_str().unwrap();

@@ -1,5 +1,6 @@
 //! The exec backend: a command per agent call.
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::{Env, agent, usage};
 use serde_json::json;
 
@@ -194,7 +195,7 @@ fn an_agent_timeout_kills_the_command_and_its_children() {
         "return await agent('slow', { label: 't', timeout: '300ms' });",
         &["--backend", "exec", "--exec-cmd", &cmd],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], serde_json::Value::Null);
     assert!(
         agent(&r, "t")["error"]

@@ -1,6 +1,7 @@
 //! W38–W40 and the runtime's own limits: concurrency, agent cap, CPU, memory, deadlock,
 //! prefix stagger.
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::{Env, agents, max_overlap, usage};
 use serde_json::json;
 
@@ -180,6 +181,6 @@ fn absurd_durations_and_array_sizes_are_refused_not_fatal() {
         "try { await agent('x', { schema: { type: 'object', properties: { a: { type: 'array', minItems: 1e12 } } } }); } catch (e) { return e.code; }",
         &[],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], "INVALID_AGENT");
 }

@@ -20,6 +20,7 @@ mod cluster_sources;
 mod cluster_tenant_sources;
 mod cluster_tenant_workflows;
 mod cluster_tenants;
+mod cluster_views;
 mod cluster_workers;
 mod combinators;
 mod day2;

@@ -356,6 +356,25 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
         .map(|r| r["run_id"].as_str().unwrap_or("").to_owned())
         .collect();
     assert!(ids.contains(&b) && !ids.contains(&a), "{ids:?}");
+    // `/metrics` counts the runs of the token's namespaces only: bob's two ended, alice's
+    // running one.
+    let metric = |t: &str, name: &str| -> Option<f64> {
+        let m = get("/metrics", t);
+        assert_eq!(m.status, 200, "{m:?}");
+        m.body
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    };
+    assert_eq!(metric(&tb, "flotilla_runs{status=\"running\"}"), Some(0.0));
+    assert_eq!(
+        metric(&tb, "flotilla_runs{status=\"completed\"}"),
+        Some(2.0)
+    );
+    assert_eq!(metric(&ta, "flotilla_runs{status=\"running\"}"), Some(1.0));
+    assert_eq!(
+        metric(&ta, "flotilla_runs{status=\"completed\"}"),
+        Some(0.0)
+    );
     // Alice's own stop works; the report names her namespace.
     let out = c.client_as("alice", &["stop", &a]);
     assert_eq!(out.code, 0, "{out:?}");
@@ -508,7 +527,7 @@ prices = { sonnet = { input = 1000.0, output = 2000.0 } }
 }
 
 /// Through a standby, which forwards to the leader with the caller's namespaces, a client
-/// still sees only its own runs; a client that sends the forwarding header itself (it is read
+/// sees its own runs as the leader runs them and only those; a client that sends the forwarding header itself (it is read
 /// only from coordinators) gains nothing.
 #[test]
 fn a_standby_forwards_the_caller_s_namespaces_and_a_client_cannot_claim_more() {
@@ -535,6 +554,28 @@ fn a_standby_forwards_the_caller_s_namespaces_and_a_client_cannot_claim_more() {
     );
     let out = c.client_as_at(&standby, "alice", &["status", &a, "--json"]);
     assert_eq!(out.code, 0, "alice through the standby: {out:?}");
+    // Her listing through the standby is the leader's, which shows her run as its engine has
+    // it (the store's index knows only that it started).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = c.client_as_at(&standby, "alice", &["runs", "--json"]);
+        assert_eq!(out.code, 0, "{out:?}");
+        let listed = out.json();
+        let row = listed
+            .as_array()
+            .and_then(|rs| rs.iter().find(|r| r["run_id"] == a.as_str()).cloned());
+        if row
+            .as_ref()
+            .is_some_and(|r| r["status"] == "running" && r["agents"] == 1 && r["running"] == 1)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "alice's run through the standby: {listed}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let out = c.client_as_at(&standby, "bob", &["runs", "--json"]);
     assert_eq!(out.code, 0, "{out:?}");
     assert!(!out.stdout.contains(&a), "{out:?}");

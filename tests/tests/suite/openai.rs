@@ -1,5 +1,6 @@
 //! The `openai` backend (chat completions) against the in-repo fake.
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::Env;
 use flotilla_tests::fake_anthropic::FakeAnthropic;
 use serde_json::{Value, json};
@@ -68,7 +69,7 @@ fn a_schema_result_uses_the_json_schema_response_format_and_feedback() {
         ),
         &["--schema-attempts", "2"],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], "SCHEMA_FAILED", "{r}");
     let last = chats(&fake).last().unwrap().body["messages"].to_string();
     assert!(last.contains("does not match"), "{last}");

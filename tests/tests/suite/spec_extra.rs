@@ -3,6 +3,7 @@
 //! of `workflow()` children, budget accounting of structured results, `fill(schema)` rules and
 //! the counting of the echo backend's control markers.
 
+use flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED;
 use flotilla_tests::{Env, agent, agents, failures, max_overlap, usage};
 use serde_json::json;
 
@@ -708,7 +709,7 @@ fn spec_extra_echo_fill_goes_through_schema_validation() {
          catch (e) { return e.code + ': ' + e.message; }",
         &[],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     let out = r["result"].as_str().unwrap();
     assert!(
         out.starts_with("SCHEMA_FAILED") && out.contains("retry cap (5)"),
@@ -771,7 +772,7 @@ fn spec_extra_echo_fail_marker_with_a_schema_resolves_null() {
          return { r, isNull: r === null };",
         &[],
     );
-    assert_eq!(code, 0, "{r}");
+    assert_eq!(code, EXIT_ALL_AGENTS_FAILED, "{r}");
     assert_eq!(r["result"], json!({"r": null, "isNull": true}));
     assert_eq!(agent(&r, "f")["status"], "failed");
     assert_eq!(usage(&r, "errors"), 1);

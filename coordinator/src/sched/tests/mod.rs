@@ -837,3 +837,59 @@ async fn calls_sharing_a_prefix_go_back_to_the_worker_that_served_it() {
         assert_eq!(b.assignment().await.call, 6);
     }
 }
+
+/// A stopped run is `stopping` while its agents are still on their workers: once the run is
+/// closed, each attempt a worker holds stays in flight until that worker answers its cancel.
+#[tokio::test(start_paused = true)]
+async fn a_closed_run_s_attempts_are_in_flight_until_their_worker_answers_the_cancel() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach(&d, 4);
+    let (run, _events) = register(&d, "wf_drain", 4, Duration::from_secs(300));
+    let (other, _other_events) = register(&d, "wf_other", 4, Duration::from_secs(300));
+    d.submit(&run, ticket(0));
+    d.submit(&run, ticket(1));
+    let a = w.assignment().await;
+    let b = w.assignment().await;
+    d.submit(&other, ticket(0));
+    let o = w.assignment().await;
+    assert_eq!(d.in_flight(&run).await, 2);
+    d.close_run(&run);
+    for _ in 0..2 {
+        match w.next().await {
+            coordinator_message::Msg::Cancel(c) => assert_eq!(c.run_id, "wf_drain"),
+            other => panic!("expected a cancel, got {other:?}"),
+        }
+    }
+    assert_eq!(d.in_flight(&run).await, 2, "cancelled, not answered yet");
+    let cancelled = |a: &v1::Assignment| {
+        worker_message::Msg::Outcome(v1::Outcome {
+            run_id: a.run_id.clone(),
+            call: a.call,
+            attempt: a.attempt,
+            result: Some(outcome::Result::Failure(v1::Failure {
+                kind: v1::FailureKind::Cancelled as i32,
+                message: "cancelled".into(),
+                ..v1::Failure::default()
+            })),
+            usage: None,
+            fence: a.fence,
+            call_key: a.call_key.clone(),
+        })
+    };
+    // The worker's messages reach the dispatcher through its link's task.
+    let settle = || tokio::time::sleep(Duration::from_millis(10));
+    w.send(cancelled(&a));
+    settle().await;
+    assert_eq!(d.in_flight(&run).await, 1);
+    // Another run's outcome, or a forged one for the attempt that is left, frees nothing.
+    w.complete(&o, "other run");
+    let mut forged = b.clone();
+    forged.fence += 1;
+    w.send(cancelled(&forged));
+    settle().await;
+    assert_eq!(d.in_flight(&run).await, 1);
+    w.send(cancelled(&b));
+    settle().await;
+    assert_eq!(d.in_flight(&run).await, 0);
+    assert_eq!(d.in_flight(&other).await, 0);
+}
