@@ -759,7 +759,8 @@ fn a_change_too_big_to_send_fails_its_call_and_keeps_its_checkout() {
     )
     .unwrap();
     let (code, r) = c.wait(launch(&c, &repo, &script)["run_id"].as_str().unwrap());
-    assert_eq!(code, 0, "{r}");
+    // Its one agent failed: the run completed with nothing completed.
+    assert_eq!(code, flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED, "{r}");
     let failures = flotilla_tests::failures(&r);
     let line = failures
         .iter()

@@ -487,7 +487,8 @@ fn a_sandbox_that_cannot_start_the_agent_is_the_worker_s_failure_and_the_call_go
         &["--backend", "exec", "--source", "none"],
     );
     let (code, r) = c.wait(&run);
-    assert_eq!(code, 0, "{r}");
+    // Its one agent failed: the run completed with nothing completed.
+    assert_eq!(code, flotilla_proto::wire::EXIT_ALL_AGENTS_FAILED, "{r}");
     let failures = flotilla_tests::failures(&r).join("\n");
     assert!(
         failures.contains("could not make the agent's sandbox")
