@@ -114,32 +114,59 @@ impl Splitter {
     }
 }
 
-/// A channel whose messages come out of the returned one split for the wire (the gRPC
-/// bridge's outgoing side). `to` names the peer in the log line of a message too large to
-/// send at all (which the sender's own limits should never let through).
-pub fn splitting<M: Framed + Send + 'static>(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<M>,
+/// The messages of a channel, split for the wire (the gRPC bridge's outgoing side): a stream
+/// polled by the connection itself, so a message takes no extra task or channel on its way
+/// out. `to` names the peer in the log line of a message too large to send at all (which the
+/// sender's own limits should never let through).
+pub fn splitting<M: Framed>(
+    rx: tokio::sync::mpsc::UnboundedReceiver<M>,
     to: &'static str,
-) -> tokio::sync::mpsc::UnboundedReceiver<M> {
-    let (tx, out) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut splitter = Splitter::default();
-        while let Some(m) = rx.recv().await {
-            match splitter.split(m) {
-                Ok(parts) => {
-                    for p in parts {
-                        if tx.send(p).is_err() {
-                            return;
-                        }
-                    }
-                }
+) -> Splitting<M> {
+    Splitting {
+        rx,
+        to,
+        splitter: Splitter::default(),
+        parts: std::collections::VecDeque::new(),
+    }
+}
+
+/// See [`splitting`].
+#[derive(Debug)]
+pub struct Splitting<M> {
+    rx: tokio::sync::mpsc::UnboundedReceiver<M>,
+    to: &'static str,
+    splitter: Splitter,
+    /// The fragments of a big message not yet taken.
+    parts: std::collections::VecDeque<M>,
+}
+
+impl<M: Framed + Unpin> tokio_stream::Stream for Splitting<M> {
+    type Item = M;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<M>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            if let Some(p) = this.parts.pop_front() {
+                return Poll::Ready(Some(p));
+            }
+            let Some(m) = std::task::ready!(this.rx.poll_recv(cx)) else {
+                return Poll::Ready(None);
+            };
+            if m.encoded_len() <= FRAGMENT_BYTES {
+                return Poll::Ready(Some(m));
+            }
+            match this.splitter.split(m) {
+                Ok(parts) => this.parts.extend(parts),
                 Err(e) => {
-                    tracing::error!(error = %e, to, "a message is too large to send; dropped")
+                    tracing::error!(error = %e, to = this.to, "a message is too large to send; dropped")
                 }
             }
         }
-    });
-    out
+    }
 }
 
 /// Puts incoming fragments back together; one per stream.
@@ -326,6 +353,31 @@ mod tests {
         let small = message("hi".into());
         assert_eq!(s.split(small.clone()).unwrap(), vec![small.clone()]);
         assert_eq!(r.push(small.clone()).unwrap(), Some(small));
+    }
+
+    #[tokio::test]
+    async fn the_outgoing_stream_splits_big_messages_keeps_order_and_drops_only_the_oversized() {
+        use tokio_stream::StreamExt;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let first = message("a".into());
+        let big = message("x".repeat(3 * FRAGMENT_BYTES + 5));
+        let last = message("z".into());
+        tx.send(first.clone()).unwrap();
+        tx.send(big.clone()).unwrap();
+        tx.send(message("o".repeat(MAX_MESSAGE_BYTES + 1))).unwrap();
+        tx.send(last.clone()).unwrap();
+        drop(tx);
+        let sent: Vec<WorkerMessage> = splitting(rx, "test").collect().await;
+        assert_eq!(sent.len(), 1 + 4 + 1, "{} messages went out", sent.len());
+        assert!(sent.iter().all(|p| p.encoded_len() <= MAX_FRAME_BYTES));
+        let mut r = Reassembler::default();
+        let mut out = Vec::new();
+        for p in sent {
+            if let Some(m) = r.push(p).unwrap() {
+                out.push(m);
+            }
+        }
+        assert_eq!(out, vec![first, big, last]);
     }
 
     #[test]

@@ -14,7 +14,6 @@ use flotilla_proto::v1::WorkerMessage;
 use flotilla_proto::v1::worker_service_client::WorkerServiceClient;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -221,10 +220,7 @@ async fn attach_once(
         return Ok(());
     }
     let call = async move {
-        let mut inbound = client
-            .attach(UnboundedReceiverStream::new(frames_rx))
-            .await?
-            .into_inner();
+        let mut inbound = client.attach(frames_rx).await?.into_inner();
         tracing::info!("attached to the coordinator");
         let mut pieces = frag::Reassembler::default();
         while let Some(msg) = inbound.next().await {

@@ -435,8 +435,9 @@ impl ClientService for ClientSvc {
             let rx = self.registry.lock().get(&run).map(|e| e.report.clone());
             if let Some(mut rx) = rx {
                 break loop {
+                    // The report as the engine shared it: serialized from there, not copied.
                     if let Some(r) = rx.borrow_and_update().clone() {
-                        break (*r).clone();
+                        break r;
                     }
                     if rx.changed().await.is_err() {
                         return Err(ErrorKind::Internal.status("the run ended without a report"));
@@ -464,7 +465,7 @@ impl ClientService for ClientSvc {
             }
             let report = self.stored_report(&run).await?;
             if report.status.is_final() {
-                break report;
+                break std::sync::Arc::new(report);
             }
             // Leading, and the run is live without us: it is about to be adopted.
             if self.coordinator.leadership().is_some() && adopting < 120 {
@@ -477,7 +478,7 @@ impl ClientService for ClientSvc {
             )));
         };
         Ok(Response::new(v1::ReportReply {
-            report_json: to_json(&report)?,
+            report_json: to_json(&*report)?,
             finished: true,
         }))
     }

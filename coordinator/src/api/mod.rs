@@ -34,7 +34,6 @@ use flotilla_proto::v1::{self, CoordinatorMessage, WorkerMessage, worker_message
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 

@@ -203,7 +203,7 @@ pub fn bridge(
     // Big assignments go out in fragments (see `frag`); the run engine refuses an agent()
     // call too big to send at all before it is queued.
     let frames_rx = frag::splitting(to_worker_rx, "worker");
-    let out = UnboundedReceiverStream::new(frames_rx).map(Ok);
+    let out = frames_rx.map(Ok);
     (
         CoordinatorEnd {
             tx: to_worker_tx,
@@ -216,6 +216,7 @@ pub fn bridge(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio_stream::wrappers::UnboundedReceiverStream;
 
     #[tokio::test]
     async fn a_link_is_handed_back_with_a_standby_s_refusal_once_out_of_office() {

@@ -158,7 +158,7 @@ impl RunEngine {
                 .spent
                 .fetch_add(record.usage.output_tokens, Ordering::Relaxed);
         }
-        self.calls.push(call);
+        self.calls.push(Box::new(call));
         if let (Some(head), Some(mut ch)) = (&self.head, record.change) {
             ch.head_after = None;
             let _ = head.send(crate::head::Apply {
@@ -191,7 +191,7 @@ impl RunEngine {
             call.usage.add(&early);
         }
         let span = call.span.clone();
-        self.calls.push(call);
+        self.calls.push(Box::new(call));
         // Served calls are not: the page finds their prompt in the run they came from.
         self.event(RunEvent::Prompt {
             index,

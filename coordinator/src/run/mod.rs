@@ -205,7 +205,10 @@ pub struct RunEngine {
     run: Arc<str>,
     started: Instant,
     reply: ReplySink,
-    calls: Vec<Call>,
+    /// Boxed: a run of many calls grows this by doubling, and moving small pointers costs
+    /// far less than moving (and touching fresh pages for) whole calls.
+    #[allow(clippy::vec_box)]
+    calls: Vec<Box<Call>>,
     admitter: admit::Admitter,
     groups: Vec<String>,
     /// Position of each group title in `groups`.

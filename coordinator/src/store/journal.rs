@@ -413,25 +413,28 @@ async fn event_loop(
 ) {
     let mut seq = 0u64;
     let mut open = true;
+    // The last segment's size: the next one starts with room for as much, so a busy run's
+    // segments are not grown by doubling (each doubling touches fresh pages).
+    let mut room = 0usize;
     while open {
         let Some(first) = rx.recv().await else { break };
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + EVENT_FLUSH;
-        while batch.len() < 10_000 {
+        // Each event is written into the segment as it comes: no batch of records is held.
+        let mut body = Vec::with_capacity(room);
+        let mut n = usize::from(add_line(&mut body, &first));
+        let flush = tokio::time::sleep(EVENT_FLUSH);
+        tokio::pin!(flush);
+        while n < 10_000 {
             tokio::select! {
                 next = rx.recv() => match next {
-                    Some(e) => batch.push(e),
+                    Some(e) => n += usize::from(add_line(&mut body, &e)),
                     None => { open = false; break; }
                 },
-                _ = tokio::time::sleep_until(deadline) => break,
+                _ = &mut flush => break,
             }
         }
-        let mut body = Vec::new();
-        for e in &batch {
-            if let Ok(line) = serde_json::to_vec(e) {
-                body.extend_from_slice(&line);
-                body.push(b'\n');
-            }
+        room = body.len().min(8 << 20);
+        if body.is_empty() {
+            continue;
         }
         if let Err(e) = store
             .put_create(
@@ -444,6 +447,17 @@ async fn event_loop(
         }
         seq += 1;
     }
+}
+
+/// Appends `e` to `body` as one JSON line; false (and `body` as it was) if it cannot be.
+fn add_line(body: &mut Vec<u8>, e: &EventRecord) -> bool {
+    let before = body.len();
+    if serde_json::to_writer(&mut *body, e).is_err() {
+        body.truncate(before);
+        return false;
+    }
+    body.push(b'\n');
+    true
 }
 
 /// Reads a run's events in order.
