@@ -2,8 +2,6 @@
 //! next to the user's own and resolve by name after every saved one, so a project or personal
 //! workflow of the same name replaces a bundled one. Each is a readable script to copy and edit.
 
-use crate::workflows::FoundWorkflow;
-
 /// `(file stem, source)` of every bundled workflow.
 pub const BUNDLED: [(&str, &str); 5] = [
     (
@@ -30,6 +28,25 @@ pub fn hidden() -> bool {
     ]
     .iter()
     .any(|v| std::env::var(v).is_ok_and(|s| s == "1" || s.eq_ignore_ascii_case("true")))
+}
+
+/// A workflow found for a reference (here, below [`crate::workflows`], which finds saved ones
+/// too, so that this list of bundled ones imports nothing above it).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct FoundWorkflow {
+    pub name: String,
+    pub source: String,
+    pub origin: String,
+}
+
+impl From<flotilla_proto::v1::SavedWorkflow> for FoundWorkflow {
+    fn from(w: flotilla_proto::v1::SavedWorkflow) -> Self {
+        FoundWorkflow {
+            name: w.name,
+            source: w.source,
+            origin: w.origin,
+        }
+    }
 }
 
 /// The bundled workflow called `name`, unless bundled workflows are hidden.

@@ -834,21 +834,7 @@ fn within(run: &mut Vec<String>, policy: &[String]) {
     }
 }
 
-/// A new run id: `wf_` + 8 hex + `-` + 3 hex, like Claude Code's (W45).
-pub fn new_run_id() -> String {
-    let mut b = [0u8; 6];
-    if getrandom::fill(&mut b).is_err() {
-        // Fall back to the clock and pid; ids only need to be unique, not secret.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let mixed = t ^ (u128::from(std::process::id()) << 64);
-        b.copy_from_slice(&mixed.to_le_bytes()[..6]);
-    }
-    let h = hex::encode(b);
-    format!("wf_{}-{}", &h[..8], &h[8..11])
-}
+pub use crate::ids::new_run_id;
 
 #[cfg(test)]
 mod tests {

@@ -32,29 +32,7 @@ use tokio::sync::{mpsc, watch};
 use crate::source::{Repo, SourceError};
 use crate::store::Store;
 
-/// What a call changed in its run's source, as journaled with it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChangeRecord {
-    /// The agent's commit, and the head it started from.
-    pub commit: String,
-    pub base: String,
-    pub files: Vec<String>,
-    pub insertions: u32,
-    pub deletions: u32,
-    /// The run head once this change was applied (`None`: it is not in the head).
-    #[serde(default)]
-    pub head_after: Option<String>,
-    /// Files that conflicted with the head (the change stays on its own branch).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conflicts: Vec<String>,
-    /// An isolated agent's change: on its branch only.
-    #[serde(default)]
-    pub isolated: bool,
-    /// Why the change was refused (its objects failed the checks of [`crate::vet`]): it is
-    /// nowhere, neither in the head nor on a branch; the call's result stands.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub refused: Option<String>,
-}
+pub use crate::store::records::ChangeRecord;
 
 /// A change to apply.
 #[derive(Debug)]

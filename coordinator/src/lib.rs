@@ -1,6 +1,7 @@
 //! `flotilla-coordinator`: runs workflow scripts and owns their runs.
 //!
-//! - [`script`]: the QuickJS runtime on its own thread, static reading of scripts.
+//! - [`script`]: the QuickJS runtime on its own thread, static reading of scripts: the
+//!   `flotilla-script` crate, below this one, so nothing in it can import the coordinator.
 //! - [`run`]: one engine per run: calls, keys, resume, journal, report.
 //! - [`sched`]: the dispatcher: queues, limits, stagger, stalls, usage-limit waits, fencing.
 //! - [`store`]: object storage layout and the group-committed journal.
@@ -17,6 +18,7 @@ pub mod coordinator;
 pub mod gc;
 pub mod head;
 pub mod history;
+pub mod ids;
 pub mod index;
 pub mod leader;
 pub mod lease;
@@ -26,16 +28,17 @@ pub mod metrics;
 pub mod namespace;
 pub mod notify;
 pub mod owner;
-pub mod reject;
+pub use flotilla_script::reject;
 pub mod report;
 pub mod run;
 pub mod saved;
 pub mod sched;
-pub mod script;
+pub use flotilla_script as script;
 pub mod settings;
 pub mod source;
 pub mod spec;
 pub mod store;
+pub mod usage;
 pub mod vet;
 pub mod web;
 pub mod workflows;

@@ -30,59 +30,15 @@ use serde::{Deserialize, Serialize};
 use crate::store::Store;
 use crate::store::records::UsageRecord;
 
-/// The namespace of runs whose caller names none.
-pub const DEFAULT: &str = "default";
+pub use crate::ids::DEFAULT_NAMESPACE as DEFAULT;
 /// In a certificate's organisation: every namespace.
 pub const ALL: &str = "*";
 /// How often daily use that changed is written to the store.
 pub const FLUSH: Duration = Duration::from_secs(2);
 
-/// Whether `name` can name a namespace: 1 to 63 lower-case letters, digits, `-`, `_` and `.`,
-/// starting with a letter or digit.
-pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 63
-        && name.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'))
-}
+pub use crate::ids::valid_namespace as valid_name;
 
-/// What a model costs, in US dollars per million tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Price {
-    pub input: f64,
-    pub output: f64,
-    /// Cache reads; a tenth of `input` unless set.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_read: Option<f64>,
-    /// Cache writes; 1.25 times `input` unless set.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_write: Option<f64>,
-}
-
-impl Price {
-    pub fn cost(&self, u: &UsageRecord) -> f64 {
-        (u.input_tokens as f64 * self.input
-            + u.output_tokens as f64 * self.output
-            + u.cache_read_tokens as f64 * self.cache_read.unwrap_or(self.input * 0.1)
-            + u.cache_write_tokens as f64 * self.cache_write.unwrap_or(self.input * 1.25))
-            / 1e6
-    }
-
-    fn valid(&self) -> bool {
-        [
-            Some(self.input),
-            Some(self.output),
-            self.cache_read,
-            self.cache_write,
-        ]
-        .into_iter()
-        .flatten()
-        .all(|p| p.is_finite() && p >= 0.0)
-    }
-}
+pub use crate::usage::Price;
 
 /// The price in `prices` of `model`: its own entry, else its family's (`sonnet` prices every
 /// Sonnet model id).
@@ -303,10 +259,7 @@ impl Scope {
     }
 }
 
-/// The namespace of a run whose settings name `ns` (runs from before namespaces name none).
-pub fn effective(ns: &str) -> &str {
-    if ns.is_empty() { DEFAULT } else { ns }
-}
+pub use crate::ids::effective_namespace as effective;
 
 /// What a namespace used in one UTC day.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

@@ -29,8 +29,7 @@ use crate::store::{Store, keys};
 pub const ATTEMPTS: u32 = 6;
 /// Longest one attempt may take.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest URL a run may name.
-pub const MAX_URL: usize = 2048;
+pub use crate::ids::MAX_NOTIFY_URL as MAX_URL;
 
 /// Signs and sends webhooks.
 pub struct Notifier {
@@ -49,27 +48,7 @@ impl std::fmt::Debug for Notifier {
     }
 }
 
-/// Whether `url` can be a webhook: http or https, with a host, at most [`MAX_URL`] long.
-pub fn check_url(url: &str) -> Result<(), String> {
-    if url.len() > MAX_URL {
-        return Err(format!(
-            "the --notify URL is {} characters; at most {MAX_URL}",
-            url.len()
-        ));
-    }
-    let parsed = reqwest::Url::parse(url).map_err(|e| {
-        format!("--notify {url:?} is not a URL ({e}); e.g. https://hooks.example/flotilla")
-    })?;
-    if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
-        return Err(format!(
-            "--notify {url:?} must be an http:// or https:// URL with a host"
-        ));
-    }
-    if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err("--notify must not carry credentials in its URL (it is stored with the run); the signature authenticates the coordinator".into());
-    }
-    Ok(())
-}
+pub use crate::ids::check_notify_url as check_url;
 
 impl Notifier {
     /// A notifier signing with `secret` (at least 16 bytes).
@@ -133,7 +112,7 @@ impl Notifier {
         let letter = Letter {
             delivery: format!(
                 "{run}-{}",
-                crate::coordinator::new_run_id().trim_start_matches("wf_")
+                crate::ids::new_run_id().trim_start_matches("wf_")
             ),
             run_id: run,
             url,

@@ -192,7 +192,7 @@ pub struct RunSettings {
     /// What its agents' tokens cost, by model or family: its namespace's price table, fixed at
     /// launch; a model not in it costs what the backend says.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub prices: BTreeMap<String, crate::namespace::Price>,
+    pub prices: BTreeMap<String, crate::usage::Price>,
 }
 
 /// Whether `model` is one `allowed` names: the same, or of the same family (an alias such as
@@ -324,12 +324,12 @@ impl RunSettings {
             source.validate()?;
         }
         if let Some(url) = &self.notify {
-            crate::notify::check_url(url).map_err(SettingsError::Notify)?;
+            crate::ids::check_notify_url(url).map_err(SettingsError::Notify)?;
         }
         if self.labels.len() > MAX_LABELS {
             return Err(SettingsError::Labels);
         }
-        if !self.namespace.is_empty() && !crate::namespace::valid_name(&self.namespace) {
+        if !self.namespace.is_empty() && !crate::ids::valid_namespace(&self.namespace) {
             return Err(SettingsError::Namespace(self.namespace.clone()));
         }
         for (k, v) in &self.labels {
@@ -492,7 +492,7 @@ impl SourceRef {
 
     /// Checks what workers will be told to fetch or check out.
     pub fn validate(&self) -> Result<(), SettingsError> {
-        if !crate::source::valid_id(&self.repo) || self.repo.starts_with('-') {
+        if !crate::ids::valid_source_id(&self.repo) || self.repo.starts_with('-') {
             return Err(SettingsError::SourceRepo(self.repo.clone()));
         }
         for path in &self.submodules {

@@ -115,13 +115,7 @@ pub struct CommitRecord {
     pub prerequisites: Vec<String>,
 }
 
-/// Whether a name can name a repository or a commit (hex and a few separators).
-pub fn valid_id(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 128
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
-}
+pub use crate::ids::valid_source_id as valid_id;
 
 /// A namespace's source repository: where its packs and commit records are.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -134,8 +128,8 @@ pub struct Repo {
 impl Repo {
     /// Repository `id` of namespace `namespace` (empty: `default`), both checked.
     pub fn new(namespace: &str, id: &str) -> Result<Repo, SourceError> {
-        let namespace = crate::namespace::effective(namespace);
-        if !crate::namespace::valid_name(namespace) {
+        let namespace = crate::ids::effective_namespace(namespace);
+        if !crate::ids::valid_namespace(namespace) {
             return Err(SourceError::NotANamespace(namespace.to_owned()));
         }
         if !valid_id(id) {
@@ -236,8 +230,7 @@ impl Receiver {
         {
             return Err(SourceError::NotACommit(bad.clone()));
         }
-        let incoming =
-            keys::source_incoming(&repo.namespace, &repo.id, &crate::coordinator::new_run_id());
+        let incoming = keys::source_incoming(&repo.namespace, &repo.id, &crate::ids::new_run_id());
         let upload = store.inner.put_multipart(&incoming).await?;
         Ok(Receiver {
             store,

@@ -58,23 +58,7 @@ impl WorkflowRef {
     }
 }
 
-/// A workflow found for a reference.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct FoundWorkflow {
-    pub name: String,
-    pub source: String,
-    pub origin: String,
-}
-
-impl From<flotilla_proto::v1::SavedWorkflow> for FoundWorkflow {
-    fn from(w: flotilla_proto::v1::SavedWorkflow) -> Self {
-        FoundWorkflow {
-            name: w.name,
-            source: w.source,
-            origin: w.origin,
-        }
-    }
-}
+pub use crate::bundled::FoundWorkflow;
 
 impl From<FoundWorkflow> for flotilla_proto::v1::SavedWorkflow {
     fn from(w: FoundWorkflow) -> Self {

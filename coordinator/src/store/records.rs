@@ -31,33 +31,7 @@ pub struct Manifest {
 
 pub use flotilla_proto::wire::WorkflowInfo;
 
-/// Token and cost counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct UsageRecord {
-    #[serde(default)]
-    pub input_tokens: u64,
-    #[serde(default)]
-    pub output_tokens: u64,
-    #[serde(default)]
-    pub cache_read_tokens: u64,
-    #[serde(default)]
-    pub cache_write_tokens: u64,
-    #[serde(default)]
-    pub cost_usd: f64,
-    #[serde(default)]
-    pub tool_calls: u64,
-}
-
-impl UsageRecord {
-    pub fn add(&mut self, other: &UsageRecord) {
-        self.input_tokens += other.input_tokens;
-        self.output_tokens += other.output_tokens;
-        self.cache_read_tokens += other.cache_read_tokens;
-        self.cache_write_tokens += other.cache_write_tokens;
-        self.cost_usd += other.cost_usd;
-        self.tool_calls += other.tool_calls;
-    }
-}
+pub use crate::usage::UsageRecord;
 
 impl From<&flotilla_proto::v1::Usage> for UsageRecord {
     fn from(u: &flotilla_proto::v1::Usage) -> Self {
@@ -148,7 +122,7 @@ pub struct CallRecord {
     pub worker: Option<String>,
     /// What it changed in the run's source (fleet runs with a source).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub change: Option<crate::head::ChangeRecord>,
+    pub change: Option<ChangeRecord>,
 }
 
 /// One line of `runs/{run}/events/*.jsonl`.
@@ -223,4 +197,28 @@ mod raw_tests {
         let back: RawJson = serde_json::from_str(&line).unwrap();
         assert_eq!(back, RawJson::of(&serde_json::json!({"x": 1})));
     }
+}
+
+/// What a call changed in its run's source, as journaled with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangeRecord {
+    /// The agent's commit, and the head it started from.
+    pub commit: String,
+    pub base: String,
+    pub files: Vec<String>,
+    pub insertions: u32,
+    pub deletions: u32,
+    /// The run head once this change was applied (`None`: it is not in the head).
+    #[serde(default)]
+    pub head_after: Option<String>,
+    /// Files that conflicted with the head (the change stays on its own branch).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conflicts: Vec<String>,
+    /// An isolated agent's change: on its branch only.
+    #[serde(default)]
+    pub isolated: bool,
+    /// Why the change was refused (its objects failed the checks of [`crate::vet`]): it is
+    /// nowhere, neither in the head nor on a branch; the call's result stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }

@@ -29,6 +29,7 @@ mod deploy;
 mod dev;
 mod exec;
 mod launch_checks;
+mod layering;
 mod limits;
 mod mcp;
 mod models;

@@ -12,6 +12,7 @@
 //! makes a resumed run repeat the same `agent()` calls.
 
 pub mod lex;
+pub mod reject;
 pub mod runtime;
 pub mod source;
 

@@ -90,7 +90,7 @@ mod tests {
 
     #[test]
     fn every_code_the_prelude_throws_is_one_of_these_and_each_is_spelled_once() {
-        let prelude = include_str!("script/prelude.js");
+        let prelude = include_str!("prelude.js");
         let known: std::collections::HashSet<&str> =
             RejectCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(

@@ -1,0 +1,405 @@
+//! Layers that cannot loop (issue 30): which crate may depend on which, and which modules
+//! still import each other in a circle.
+//!
+//! - Crates: each flotilla crate's dependencies on the others are read from its
+//!   `Cargo.toml` and checked against [`CRATE_LAYERS`]: a crate depends only on crates of
+//!   lower layers (the compiler then keeps every module of a lower crate below the higher).
+//! - Modules: within the coordinator and the worker, every `crate::…` and `super::…` path
+//!   (in `use` lines and in code; test modules left out) is an edge from the file that writes
+//!   it to the file of the module it names. A file in a strongly connected set of two or more
+//!   is in an import circle. [`KNOWN_CIRCLES`] lists the files still in one: a file that joins
+//!   a circle fails the test, and so does a listed file that has left its circle (take it off
+//!   the list, so the list only shrinks).
+//!
+//! To see the circles: `cargo test -p flotilla-tests --test suite layering -- --nocapture`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Each crate's layer: a crate may depend only on crates of a lower layer.
+const CRATE_LAYERS: &[(&str, &str, u32)] = &[
+    ("flotilla-proto", "proto", 0),
+    ("flotilla-script", "coordinator/script", 1),
+    ("flotilla-coordinator", "coordinator", 2),
+    ("flotilla-worker", "worker", 2),
+    ("flotilla", "cli", 3),
+];
+
+/// The files of each crate still in an import circle (paths under the crate's `src/`).
+/// This list may only shrink.
+const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
+    // The old loop of the faces and the composition: the coordinator holds its leadership,
+    // the leader holds the coordinator and the run registry, the pages use the registry and
+    // the gRPC face the pages' token key.
+    (
+        "flotilla-coordinator",
+        &["api/mod.rs", "coordinator.rs", "leader.rs", "web/mod.rs"],
+    ),
+    // The run index rebuilds a report from history; history pages through the index.
+    ("flotilla-coordinator", &["history.rs", "index.rs"]),
+    (
+        "flotilla-worker",
+        &[
+            "backend/mod.rs",
+            "gateway.rs",
+            "limits.rs",
+            "sandbox.rs",
+            "source.rs",
+            "worktree.rs",
+        ],
+    ),
+];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate sits in the workspace")
+        .to_owned()
+}
+
+/// The `flotilla*` crates named in the `[dependencies]` table of `manifest` (not dev ones: a
+/// test may reach anywhere).
+fn flotilla_deps(manifest: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(manifest).unwrap();
+    let mut table = String::new();
+    let mut deps = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            table = line.to_owned();
+            continue;
+        }
+        if table != "[dependencies]" {
+            continue;
+        }
+        if let Some((name, _)) = line.split_once('=') {
+            let name = name.trim().trim_end_matches(".workspace").trim();
+            if name.starts_with("flotilla") {
+                deps.push(name.to_owned());
+            }
+        }
+    }
+    deps
+}
+
+#[test]
+fn layering_every_crate_depends_only_on_lower_layers() {
+    let layer = |name: &str| CRATE_LAYERS.iter().find(|(n, ..)| *n == name).map(|c| c.2);
+    let mut wrong = Vec::new();
+    for (name, dir, own) in CRATE_LAYERS {
+        let deps = flotilla_deps(&root().join(dir).join("Cargo.toml"));
+        for d in deps {
+            match layer(&d) {
+                Some(l) if l < *own => {}
+                Some(l) => wrong.push(format!("{name} (layer {own}) depends on {d} (layer {l})")),
+                None => wrong.push(format!("{name} depends on {d}, which has no layer here")),
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    // The script runtime stands on nothing of ours: it cannot see runs, storage or the fleet.
+    assert_eq!(
+        flotilla_deps(&root().join("coordinator/script/Cargo.toml")),
+        Vec::<String>::new()
+    );
+}
+
+/// A source file's module path: `run/calls.rs` → `run::calls`, `run/mod.rs` → `run`.
+fn module_of(rel: &Path) -> Vec<String> {
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    let last = parts.pop().unwrap_or_default();
+    let stem = last.trim_end_matches(".rs");
+    if stem != "mod" && stem != "lib" && stem != "main" {
+        parts.push(stem.to_owned());
+    }
+    parts
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The code of a file without its test modules (`#[cfg(test)]` followed by `mod`) and
+/// comments.
+fn code_of(text: &str) -> String {
+    let mut out = String::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        let t = line.trim_start();
+        if t.starts_with("#[cfg(test)]")
+            && lines
+                .peek()
+                .is_some_and(|n| n.trim_start().starts_with("mod ") && n.trim_end().ends_with('{'))
+        {
+            // Skip the module: count braces from its opening line.
+            let mut depth = 0i64;
+            for l in lines.by_ref() {
+                depth += l.matches('{').count() as i64 - l.matches('}').count() as i64;
+                if depth <= 0 && l.contains('}') {
+                    break;
+                }
+            }
+            continue;
+        }
+        if t.starts_with("//") {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Every path a file names from its own crate, expanded (`use crate::{a, b::c}` gives `a` and
+/// `b::c`), as module paths from the crate root.
+fn paths_named(code: &str, here: &[String]) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let bytes = code.as_bytes();
+    for start in ["crate::", "super::"] {
+        let mut from = 0;
+        while let Some(i) = code[from..].find(start) {
+            let at = from + i;
+            from = at + start.len();
+            // A whole word: not `foo_crate::` or `mysuper::`.
+            if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_') {
+                continue;
+            }
+            // Resolve the head: `crate` is the root, each `super` goes one up.
+            let mut base: Vec<String> = if start == "crate::" {
+                Vec::new()
+            } else {
+                here[..here.len().saturating_sub(1)].to_vec()
+            };
+            let mut rest = &code[from..];
+            while let Some(r) = rest.strip_prefix("super::") {
+                base.pop();
+                rest = r;
+                // The next `super::` of this chain is read here, not as a path of its own.
+                from += "super::".len();
+            }
+            expand(rest, &base, &mut out);
+        }
+    }
+    out
+}
+
+/// The paths of one `a::b`, `a::{b, c::d}` or `{a, b}` tail, each appended to `base`.
+fn expand(tail: &str, base: &[String], out: &mut Vec<Vec<String>>) {
+    let tail = tail.trim_start();
+    if let Some(inner) = tail.strip_prefix('{') {
+        let mut depth = 0;
+        let mut item = String::new();
+        for ch in inner.chars() {
+            match ch {
+                '{' => {
+                    depth += 1;
+                    item.push(ch);
+                }
+                '}' if depth == 0 => {
+                    expand(&item, base, out);
+                    return;
+                }
+                '}' => {
+                    depth -= 1;
+                    item.push(ch);
+                }
+                ',' if depth == 0 => {
+                    expand(&item, base, out);
+                    item.clear();
+                }
+                _ => item.push(ch),
+            }
+        }
+        return;
+    }
+    let mut path = base.to_vec();
+    let mut rest = tail;
+    loop {
+        let end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        if end == 0 {
+            break;
+        }
+        path.push(rest[..end].to_owned());
+        rest = &rest[end..];
+        match rest.strip_prefix("::") {
+            Some(r) if r.starts_with('{') => {
+                expand(r, &path, out);
+                return;
+            }
+            Some(r) => rest = r,
+            None => break,
+        }
+    }
+    out.push(path);
+}
+
+/// Strongly connected sets of two or more files (Tarjan's algorithm).
+fn circles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
+    struct T<'a> {
+        edges: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        on: BTreeSet<&'a str>,
+        next: usize,
+        out: Vec<BTreeSet<String>>,
+    }
+    fn visit<'a>(t: &mut T<'a>, v: &'a str) {
+        t.index.insert(v, t.next);
+        t.low.insert(v, t.next);
+        t.next += 1;
+        t.stack.push(v);
+        t.on.insert(v);
+        if let Some(ws) = t.edges.get(v) {
+            for w in ws {
+                let w = w.as_str();
+                if !t.index.contains_key(w) {
+                    visit(t, w);
+                    let l = t.low[w].min(t.low[v]);
+                    t.low.insert(v, l);
+                } else if t.on.contains(w) {
+                    let l = t.index[w].min(t.low[v]);
+                    t.low.insert(v, l);
+                }
+            }
+        }
+        if t.low[v] == t.index[v] {
+            let mut set = BTreeSet::new();
+            while let Some(w) = t.stack.pop() {
+                t.on.remove(w);
+                set.insert(w.to_owned());
+                if w == v {
+                    break;
+                }
+            }
+            if set.len() > 1 {
+                t.out.push(set);
+            }
+        }
+    }
+    let mut t = T {
+        edges,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        next: 0,
+        out: Vec::new(),
+    };
+    for v in edges.keys() {
+        if !t.index.contains_key(v.as_str()) {
+            visit(&mut t, v);
+        }
+    }
+    t.out
+}
+
+/// The import graph of the crate in `dir` (its `src/`), file to file.
+fn graph(dir: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let src = dir.join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut by_module: BTreeMap<Vec<String>, String> = BTreeMap::new();
+    for f in &files {
+        let rel = f.strip_prefix(&src).unwrap();
+        by_module.insert(module_of(rel), rel.to_string_lossy().into_owned());
+    }
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in &files {
+        let rel = f.strip_prefix(&src).unwrap();
+        let here = module_of(rel);
+        let name = rel.to_string_lossy().into_owned();
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        let to = edges.entry(name.clone()).or_default();
+        for path in paths_named(&code, &here) {
+            // The file of the longest module the path names.
+            let target = (0..=path.len())
+                .rev()
+                .find_map(|n| by_module.get(&path[..n]))
+                .filter(|t| **t != name);
+            if let Some(t) = target {
+                to.insert(t.clone());
+            }
+        }
+    }
+    edges
+}
+
+#[test]
+fn layering_no_module_joins_an_import_circle_and_the_known_ones_only_shrink() {
+    let mut report = Vec::new();
+    for (krate, dir) in [
+        ("flotilla-coordinator", "coordinator"),
+        ("flotilla-worker", "worker"),
+    ] {
+        let edges = graph(&root().join(dir));
+        assert!(edges.len() > 10, "{krate}: read too few files: {edges:?}");
+        let found: BTreeSet<String> = circles(&edges).into_iter().flatten().collect();
+        for c in circles(&edges) {
+            println!("{krate}: a circle of {} files: {c:?}", c.len());
+        }
+        let known: BTreeSet<String> = KNOWN_CIRCLES
+            .iter()
+            .filter(|(k, _)| *k == krate)
+            .flat_map(|(_, files)| files.iter().map(|f| (*f).to_owned()))
+            .collect();
+        let joined: Vec<&String> = found.difference(&known).collect();
+        let left: Vec<&String> = known.difference(&found).collect();
+        if !joined.is_empty() {
+            report.push(format!(
+                "{krate}: in an import circle now, and not before: {joined:?} (make the import point down: move the shared thing to a lower module)"
+            ));
+        }
+        if !left.is_empty() {
+            report.push(format!(
+                "{krate}: no longer in a circle: {left:?} (take them off KNOWN_CIRCLES)"
+            ));
+        }
+    }
+    assert!(report.is_empty(), "{}", report.join("\n"));
+}
+
+#[test]
+fn layering_the_reader_sees_every_kind_of_import() {
+    let here: Vec<String> = vec!["run".into(), "calls".into()];
+    let code = "use crate::{a, b::{c, d::E}};\nuse super::view::X;\nlet y = crate::z::f();\nuse super::super::top;\nlet no = my_crate::q;";
+    let mut got = paths_named(code, &here);
+    got.sort();
+    let want: Vec<Vec<String>> = [
+        vec!["a"],
+        vec!["b", "c"],
+        vec!["b", "d", "E"],
+        vec!["run", "view", "X"],
+        vec!["top"],
+        vec!["z", "f"],
+    ]
+    .iter()
+    .map(|p| p.iter().map(|s| (*s).to_owned()).collect())
+    .collect();
+    assert_eq!(got, want);
+    // A loop of three and a lone file.
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (a, b) in [("x", "y"), ("y", "z"), ("z", "x"), ("z", "w")] {
+        edges.entry(a.into()).or_default().insert(b.into());
+    }
+    edges.entry("w".into()).or_default();
+    let c = circles(&edges);
+    assert_eq!(c.len(), 1);
+    assert_eq!(c[0].len(), 3);
+    // Test modules are not read.
+    let code = "use crate::a;\n#[cfg(test)]\nmod tests {\n    use crate::b;\n}\nuse crate::c;\n";
+    let got = paths_named(&code_of(code), &[]);
+    assert_eq!(got, vec![vec!["a".to_owned()], vec!["c".to_owned()]]);
+}
