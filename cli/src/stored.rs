@@ -92,7 +92,12 @@ fn since(t: &str) -> Result<u64, String> {
 }
 
 /// Prints a page of runs; the exit status.
-pub fn print_runs(runs: &[history::RunSummary], next: Option<&str>, json: bool, from: &str) -> i32 {
+pub fn print_runs(
+    runs: &[flotilla_coordinator::index::RunSummary],
+    next: Option<&str>,
+    json: bool,
+    from: &str,
+) -> i32 {
     let mut out = std::io::stdout().lock();
     if json {
         let _ = writeln!(

@@ -15,9 +15,6 @@ use crate::store::journal::{read_calls, read_calls_checked, read_events};
 use crate::store::records::{Manifest, RunEvent};
 use crate::store::{Error, Store, keys};
 
-/// One line of `flotilla runs`: a run as listings show it: its entry in the run index.
-pub type RunSummary = crate::index::Entry;
-
 async fn manifest(store: &Store, run: &str) -> Result<Manifest, Error> {
     let key = keys::manifest(run);
     let body = store.get(&key).await?.ok_or_else(|| Error::NotFound {
@@ -28,21 +25,6 @@ async fn manifest(store: &Store, run: &str) -> Result<Manifest, Error> {
         key: key.to_string(),
         reason: e.to_string(),
     })
-}
-
-/// The newest runs of the store, at most [`crate::index::MAX_PAGE`], the ones `live` runs
-/// as it has them ([`crate::index::page_with`] filters and pages).
-pub async fn list_runs(
-    store: &Store,
-    within: Option<Vec<String>>,
-    live: &dyn crate::index::Live,
-) -> Result<Vec<RunSummary>, Error> {
-    let all = crate::index::Filter {
-        limit: Some(crate::index::MAX_PAGE),
-        within,
-        ..Default::default()
-    };
-    Ok(crate::index::page_with(store, &all, live).await?.runs)
 }
 
 /// The namespace of a stored run (`None`: there is no such run).

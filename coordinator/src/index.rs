@@ -368,6 +368,24 @@ pub async fn forget(store: &Store, entry: &Entry) -> Result<(), Error> {
     store.delete(&entry.key()).await
 }
 
+/// One line of `flotilla runs`: a run as listings show it: its entry in the run index.
+pub type RunSummary = Entry;
+
+/// The newest runs of the store, at most [`MAX_PAGE`], the ones `live` runs
+/// as it has them ([`page_with`] filters and pages).
+pub async fn list_runs(
+    store: &Store,
+    within: Option<Vec<String>>,
+    live: &dyn Live,
+) -> Result<Vec<RunSummary>, Error> {
+    let all = Filter {
+        limit: Some(MAX_PAGE),
+        within,
+        ..Default::default()
+    };
+    Ok(page_with(store, &all, live).await?.runs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -374,7 +374,7 @@ struct Lookup {
 }
 
 impl Lookup {
-    /// The system's resolver, and [`crate::source::inward`].
+    /// The system's resolver, and [`inward`].
     fn system() -> Lookup {
         Lookup {
             resolve: Arc::new(|host, port| {
@@ -385,7 +385,7 @@ impl Lookup {
                         .unwrap_or_default()
                 })
             }),
-            inward: crate::source::inward,
+            inward,
         }
     }
 }
@@ -563,6 +563,20 @@ async fn proxy_one(
     }
     tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
     Ok(())
+}
+
+/// Loopback, link-local or unspecified: the machine itself or its link.
+pub(crate) fn inward(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return inward(IpAddr::V4(v4));
+            }
+            v6.is_loopback() || v6.is_unspecified() || (v6.segments()[0] & 0xffc0) == 0xfe80
+        }
+    }
 }
 
 #[cfg(test)]

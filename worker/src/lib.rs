@@ -10,6 +10,7 @@
 //! object storage. Start reading at [`worker::Worker::run`].
 
 pub mod backend;
+pub mod failure;
 pub mod gateway;
 pub mod limits;
 pub mod remote;

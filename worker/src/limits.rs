@@ -327,7 +327,7 @@ impl Attempt {
         let mut p = self.groups_prefix();
         // No one file larger than the attempt's disk quota (the disk watch sees the rest).
         if let Some(disk) = self.settings.disk
-            && let Some(prlimit) = crate::sandbox::find_on_path("prlimit")
+            && let Some(prlimit) = find_on_path("prlimit")
         {
             let fsize = [format!("--fsize={disk}").into(), "--".into()];
             if self.rlimits && p.first().map(OsString::as_os_str) == Some(prlimit.as_os_str()) {
@@ -362,7 +362,7 @@ impl Attempt {
             return p;
         }
         if self.rlimits
-            && let Some(prlimit) = crate::sandbox::find_on_path("prlimit")
+            && let Some(prlimit) = find_on_path("prlimit")
         {
             let mut p: Vec<OsString> = vec![prlimit.into_os_string()];
             if let Some(m) = self.settings.memory {
@@ -530,6 +530,16 @@ pub fn disk_quota_message(limit: u64) -> String {
         limit >> 20,
         limit / 4096
     )
+}
+
+/// `name` on the worker's `PATH`, as an absolute path.
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
+    if name.contains('/') {
+        return Some(PathBuf::from(name));
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
 }
 
 #[cfg(test)]

@@ -233,7 +233,7 @@ impl Sandbox {
     /// could not start it (125, 127). That is the worker's failure, not the agent's:
     /// [`FailureKind::Setup`](flotilla_proto::v1::FailureKind::Setup), which the call
     /// goes again for. (An agent printing such a line itself only spends its own attempts.)
-    pub fn setup_failure(&self, code: Option<i32>, last: &str) -> Option<crate::backend::Error> {
+    pub fn setup_failure(&self, code: Option<i32>, last: &str) -> Option<crate::failure::Error> {
         if !self.is_on() {
             return None;
         }
@@ -241,7 +241,7 @@ impl Sandbox {
         let bwrap = code == Some(1) && last.starts_with("bwrap: ");
         let relay = matches!(code, Some(125 | 127)) && last.starts_with("flotilla sandbox relay: ");
         (bwrap || relay).then(|| {
-            crate::backend::Error::new(
+            crate::failure::Error::new(
                 flotilla_proto::v1::FailureKind::Setup,
                 format!(
                     "the worker could not make the agent's sandbox ({last}); the agent never ran, and the call goes again; check the worker's bubblewrap (its log says how agents run)"
@@ -555,15 +555,7 @@ fn prefixed(prefix: &[OsString], program: &std::ffi::OsStr) -> Command {
     }
 }
 
-/// `name` on the worker's `PATH`, as an absolute path.
-pub fn find_on_path(name: &str) -> Option<PathBuf> {
-    if name.contains('/') {
-        return Some(PathBuf::from(name));
-    }
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
+pub use crate::limits::find_on_path;
 
 /// What `--sandbox off` leaves an agent, said on every start.
 pub const OFF_WARNING: &str = "agents run without a sandbox (--sandbox off): as this worker's user, they can read its --tls-dir key and certificate, its config file and environment (API keys), every attempt's checkout under --workspace, and reach every address this machine can";

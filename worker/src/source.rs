@@ -24,7 +24,8 @@ use std::time::Duration;
 use flotilla_proto::v1::{self, FailureKind, WorkerMessage, worker_message};
 use tokio::sync::mpsc;
 
-use crate::backend::Error;
+use crate::failure::Error;
+use crate::gateway::inward;
 use crate::worktree::git;
 
 /// Longest wait for the next piece of a source from the coordinator.
@@ -112,20 +113,6 @@ fn url_host(url: &str) -> Option<(String, u16)> {
         (authority, None)
     };
     (!host.is_empty()).then(|| (host.to_owned(), port.unwrap_or(default)))
-}
-
-/// Loopback, link-local or unspecified: the machine itself or its link.
-pub(crate) fn inward(ip: std::net::IpAddr) -> bool {
-    use std::net::IpAddr;
-    match ip {
-        IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return inward(IpAddr::V4(v4));
-            }
-            v6.is_loopback() || v6.is_unspecified() || (v6.segments()[0] & 0xffc0) == 0xfe80
-        }
-    }
 }
 
 /// Whether a fetch URL names this machine's disk (`file://`, or a plain path, which git

@@ -294,7 +294,7 @@ pub async fn list_remote(
     match client.list_runs(v1::ListRunsRequest { filter_json }).await {
         Ok(r) => {
             let r = r.into_inner();
-            let runs: Vec<flotilla_coordinator::history::RunSummary> =
+            let runs: Vec<flotilla_coordinator::index::RunSummary> =
                 match serde_json::from_str(&r.runs_json) {
                     Ok(runs) => runs,
                     Err(e) => {

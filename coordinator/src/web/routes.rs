@@ -400,7 +400,7 @@ pub(super) async fn runs_json(State(web): State<Web>, headers: HeaderMap) -> Res
         Ok(s) => s,
         Err(why) => return refuse(why, true),
     };
-    match history::list_runs(
+    match crate::index::list_runs(
         web.coordinator.store(),
         scope.names().map(<[String]>::to_vec),
         &*web.registry,
@@ -421,7 +421,7 @@ pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Res
         Ok(s) => s,
         Err(why) => return refuse(why, false),
     };
-    let runs = match history::list_runs(
+    let runs = match crate::index::list_runs(
         web.coordinator.store(),
         scope.names().map(<[String]>::to_vec),
         &*web.registry,

@@ -35,19 +35,6 @@ const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
         "flotilla-coordinator",
         &["api/mod.rs", "coordinator.rs", "leader.rs", "web/mod.rs"],
     ),
-    // The run index rebuilds a report from history; history pages through the index.
-    ("flotilla-coordinator", &["history.rs", "index.rs"]),
-    (
-        "flotilla-worker",
-        &[
-            "backend/mod.rs",
-            "gateway.rs",
-            "limits.rs",
-            "sandbox.rs",
-            "source.rs",
-            "worktree.rs",
-        ],
-    ),
 ];
 
 fn root() -> PathBuf {

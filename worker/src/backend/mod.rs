@@ -26,7 +26,6 @@ mod procs;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use flotilla_proto::schema::Validator;
 use flotilla_proto::v1::{self, FailureKind, ProgressKind};
@@ -190,46 +189,7 @@ pub struct Output {
     pub model: String,
 }
 
-/// A classified failure of one attempt.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{message}")]
-pub struct Error {
-    pub kind: FailureKind,
-    pub message: String,
-    pub retry_after: Option<Duration>,
-    pub usage: v1::Usage,
-}
-
-impl Error {
-    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
-        Error {
-            kind,
-            message: message.into(),
-            retry_after: None,
-            usage: v1::Usage::default(),
-        }
-    }
-
-    pub fn cancelled(reason: &str) -> Self {
-        Error::new(FailureKind::Cancelled, format!("cancelled: {reason}"))
-    }
-
-    pub fn rate_limited(retry_after: Duration, message: impl Into<String>) -> Self {
-        Error {
-            retry_after: Some(retry_after),
-            ..Error::new(FailureKind::RateLimited, message)
-        }
-    }
-
-    /// The provider refused for rate or load (429, 529, overloaded): the call waits
-    /// `retry_after` (the coordinator's backoff when `None`) and its account admits fewer.
-    pub fn throttled(retry_after: Option<Duration>, message: impl Into<String>) -> Self {
-        Error {
-            retry_after,
-            ..Error::new(FailureKind::Throttled, message)
-        }
-    }
-}
+pub use crate::failure::Error;
 
 /// A provider account's id: `PROVIDER@HOST#FINGERPRINT`, where the fingerprint is the first
 /// 8 hex digits of the key's SHA-256 (never the key), or `none` without one. Workers with the
