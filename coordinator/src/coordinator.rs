@@ -69,7 +69,7 @@ pub struct Coordinator {
     cancel: CancellationToken,
     generation: u64,
     /// With coordinators sharing etcd: every run is recorded and owned before it starts.
-    leadership: std::sync::OnceLock<Arc<crate::leader::Leadership>>,
+    leadership: std::sync::OnceLock<Arc<dyn crate::group::RunClaims>>,
     /// Where run heads are merged (a git cache); a temporary directory unless set.
     cache_dir: std::sync::OnceLock<std::path::PathBuf>,
     /// Signs and sends runs' end webhooks (`--notify`); unset, a run that asks is refused.
@@ -123,8 +123,8 @@ impl Coordinator {
         }
     }
 
-    /// Joins a group of coordinators (see [`crate::leader`]).
-    pub fn set_leadership(&self, l: Arc<crate::leader::Leadership>) {
+    /// Joins a group of coordinators: `l` makes this coordinator's claims on runs.
+    pub fn set_leadership(&self, l: Arc<dyn crate::group::RunClaims>) {
         let _ = self.leadership.set(l);
     }
 
@@ -206,7 +206,8 @@ impl Coordinator {
         self.notifier.get()
     }
 
-    pub fn leadership(&self) -> Option<&Arc<crate::leader::Leadership>> {
+    /// The claims this coordinator makes on runs, when it is in a group.
+    pub fn claims(&self) -> Option<&Arc<dyn crate::group::RunClaims>> {
         self.leadership.get()
     }
 
@@ -311,7 +312,7 @@ impl Coordinator {
     }
 
     /// Takes the new run `run`, and the run it resumes, for this process (W52). With etcd the
-    /// fleet's ownership keys do it ([`crate::leader::Leadership::claim_resume`]); otherwise
+    /// fleet's ownership keys do it ([`crate::group::RunClaims::claim_resume`]); otherwise
     /// owner records in the store ([`crate::owner`]), so two processes sharing a store never
     /// drive one run or resume one run twice at once.
     async fn take_owners(

@@ -24,39 +24,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::RunRegistry;
 use crate::coordinator::Coordinator;
+use crate::group::RunClaims;
 use crate::lease::{self, LeaseId, LeaseStore, Tenure};
+use crate::registry::RunRegistry;
 
-/// Why the fleet would not let this coordinator own, or resume, a run.
-#[derive(Debug, thiserror::Error)]
-pub enum ClaimError {
-    #[error("run {run} is owned by another coordinator")]
-    OwnedElsewhere { run: String },
-    #[error(
-        "run {run} is still live on the fleet (its coordinator runs it, or will adopt it); stop it with `flotilla stop {run}` and wait for its report, then resume"
-    )]
-    StillLive { run: String },
-    #[error(
-        "run {run} is being resumed already, by run {by}; wait for it to end (`flotilla wait {by}`) or stop it, or resume {by} instead"
-    )]
-    BeingResumed { run: String, by: String },
-    #[error("{doing}: {source}")]
-    Etcd {
-        doing: String,
-        #[source]
-        source: lease::Error,
-    },
-}
-
-impl ClaimError {
-    pub fn kind(&self) -> flotilla_proto::ErrorKind {
-        match self {
-            ClaimError::Etcd { .. } => flotilla_proto::ErrorKind::Unavailable,
-            _ => flotilla_proto::ErrorKind::Conflict,
-        }
-    }
-}
+pub use crate::group::ClaimError;
 /// How often a standby checks whether the leader is still there.
 const POLL: Duration = Duration::from_millis(500);
 
@@ -82,6 +55,31 @@ impl std::fmt::Debug for Leadership {
             .field("advertise", &self.advertise)
             .field("leading", &self.is_leader())
             .finish_non_exhaustive()
+    }
+}
+
+#[async_trait::async_trait]
+impl RunClaims for Leadership {
+    async fn own(&self, run: &str) -> Result<(), ClaimError> {
+        Leadership::own(self, run).await
+    }
+    async fn claim_resume(&self, parent: &str, run: &str) -> Result<(), ClaimError> {
+        Leadership::claim_resume(self, parent, run).await
+    }
+    async fn release_resume(&self, parent: &str, run: &str) {
+        Leadership::release_resume(self, parent, run).await;
+    }
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+}
+
+impl Coordinator {
+    /// The group this coordinator leads or stands by in, when it is in one: what the faces
+    /// ask about the leader, the seat and the office. (The coordinator itself holds only the
+    /// claims it makes on runs, [`RunClaims`], so it does not import this module.)
+    pub fn leadership(&self) -> Option<Arc<Leadership>> {
+        self.claims()?.clone().as_any().downcast().ok()
     }
 }
 

@@ -9,7 +9,7 @@ pub(super) struct ClientSvc {
     pub(super) registry: Arc<RunRegistry>,
     pub(super) secure: bool,
     pub(super) session_base: String,
-    pub(super) tokens: Option<crate::web::TokenKey>,
+    pub(super) tokens: Option<crate::tokens::TokenKey>,
     /// This coordinator's TLS files (a standby calls the leader with them).
     pub(super) tls: Option<TlsFiles>,
     pub(super) to_leader:
@@ -862,7 +862,7 @@ impl ClientService for ClientSvc {
             0 => DEFAULT_TOKEN_TTL,
             s => std::time::Duration::from_secs(s),
         };
-        if ttl > crate::web::MAX_TOKEN_TTL {
+        if ttl > crate::tokens::MAX_TOKEN_TTL {
             return Err(ErrorKind::Invalid
                 .status("a session token lives at most 30 days; ask for a shorter --ttl"));
         }

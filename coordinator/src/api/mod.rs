@@ -14,14 +14,13 @@
 //! many large launches are read at once, before tonic decodes them (`intake.rs`); each field
 //! by the handlers, with the limits the CLI checks too (`sizes.rs`).
 //!
-//! Files: `registry.rs` (the runs held here), `worker_bridge.rs` (`WorkerService`),
+//! The runs held here are in [`crate::registry`], below both faces. Files: `worker_bridge.rs` (`WorkerService`),
 //! `client.rs` (`ClientService`), `snapshot.rs` (a run's live view on the wire), `intake.rs`
 //! and `sizes.rs` (the bounds).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use flotilla_proto::ErrorKind;
 use flotilla_proto::frag;
@@ -39,8 +38,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::coordinator::Coordinator;
 use crate::namespace::Scope;
-use crate::report::{Report, RunStatus, Summary};
-use crate::run::{AgentAction, Control, RunHandle, Snapshot};
+use crate::report::Report;
+use crate::run::{Control, Snapshot};
 use crate::settings::{FetchFrom, RunSettings, SourceRef};
 use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
 use crate::{LaunchRequest, history};
@@ -51,15 +50,14 @@ mod fuzz;
 mod intake;
 #[cfg(test)]
 mod links;
-mod registry;
 mod sizes;
 mod snapshot;
 mod worker_bridge;
 
+pub use crate::registry::RunRegistry;
 pub use client::check_run_id;
 use client::*;
 pub use intake::{ARRIVAL, BUDGET_BYTES, limit_of};
-pub use registry::RunRegistry;
 pub use sizes::check_launch;
 pub use snapshot::SnapshotView;
 use worker_bridge::*;
@@ -79,7 +77,7 @@ pub struct ServerOptions {
     /// worker starved of CPU for a moment should not lose its link, and its attempts with it).
     pub keepalive: std::time::Duration,
     /// Signs session tokens for the pages (`None` without TLS).
-    pub tokens: Option<crate::web::TokenKey>,
+    pub tokens: Option<crate::tokens::TokenKey>,
     /// Who may start what.
     pub policy: LaunchPolicy,
     /// The name other coordinators' certificates are checked for when a standby calls the

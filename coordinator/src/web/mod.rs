@@ -30,7 +30,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Path, Query, State};
@@ -42,7 +42,8 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{RunRegistry, SnapshotView};
+use crate::api::SnapshotView;
+use crate::registry::RunRegistry;
 use flotilla_proto::ErrorKind;
 
 use crate::coordinator::Coordinator;

@@ -1,14 +1,23 @@
 //! The runs this coordinator holds in memory: their handles, snapshots and reports, and the
 //! reader that brings back a run that is not here from storage.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, watch};
+
+use flotilla_proto::ErrorKind;
+use tonic::Status;
+
+use crate::report::{Report, RunStatus, Summary};
+use crate::run::{AgentAction, Control, RunHandle, Snapshot};
 
 /// The runs this coordinator is running (or has finished since it started).
 #[derive(Default)]
 pub struct RunRegistry {
-    pub(super) runs: Mutex<HashMap<String, RunEntry>>,
+    pub(crate) runs: Mutex<HashMap<String, RunEntry>>,
     /// Called with a run's id once its report is stored.
-    pub(super) on_end: std::sync::OnceLock<Arc<dyn Fn(String) + Send + Sync>>,
+    pub(crate) on_end: std::sync::OnceLock<Arc<dyn Fn(String) + Send + Sync>>,
 }
 
 impl std::fmt::Debug for RunRegistry {
@@ -17,19 +26,19 @@ impl std::fmt::Debug for RunRegistry {
     }
 }
 
-pub(super) struct RunEntry {
-    pub(super) namespace: String,
-    pub(super) snapshot: watch::Receiver<Arc<Snapshot>>,
-    pub(super) stopper: mpsc::UnboundedSender<Control>,
-    pub(super) report: watch::Receiver<Option<Arc<Report>>>,
+pub(crate) struct RunEntry {
+    pub(crate) namespace: String,
+    pub(crate) snapshot: watch::Receiver<Arc<Snapshot>>,
+    pub(crate) stopper: mpsc::UnboundedSender<Control>,
+    pub(crate) report: watch::Receiver<Option<Arc<Report>>>,
     /// The last live report asked of the run, and when: every reader within
     /// [`LIVE_REPORT_EVERY`] shares it, so many viewers of a big run cost the run one report
     /// per tick, not one each.
-    pub(super) live: Arc<tokio::sync::Mutex<Option<SharedReport>>>,
+    pub(crate) live: Arc<tokio::sync::Mutex<Option<SharedReport>>>,
 }
 
 /// A live report and when the run made it.
-pub(super) type SharedReport = (tokio::time::Instant, Arc<Report>);
+pub(crate) type SharedReport = (tokio::time::Instant, Arc<Report>);
 
 /// How long a live report is shared before the run is asked for a new one (the session
 /// page's update tick).
@@ -51,7 +60,7 @@ fn summary_of(e: &RunEntry) -> Summary {
 }
 
 impl RunRegistry {
-    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunEntry>> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunEntry>> {
         self.runs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
