@@ -77,11 +77,11 @@ pub async fn run(a: AgentsArgs) -> i32 {
             let url = config::store_url(a.from.store.clone());
             let store = match store::open(&url) {
                 Ok(s) => s,
-                Err(e) => return fail(e.kind().exit_code(), e),
+                Err(e) => return crate::fail_kind(e.kind(), e),
             };
             match history::load_report(&store, &a.run_id).await {
                 Ok(r) => r,
-                Err(e) => return fail(e.kind().exit_code(), e),
+                Err(e) => return crate::fail_kind(e.kind(), e),
             }
         }
     };

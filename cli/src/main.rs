@@ -403,6 +403,11 @@ pub fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
     fail_as(kind, code, message)
 }
 
+/// A refusal of `kind`, with the exit status of that kind ([`flotilla_proto::ErrorKind::exit_code`]).
+pub fn fail_kind(kind: flotilla_proto::ErrorKind, message: impl std::fmt::Display) -> i32 {
+    fail_as(kind, kind.exit_code(), message)
+}
+
 /// Whether this command was asked for `--json`: its refusals are then one JSON object on
 /// stdout too (set once, before the command runs).
 static JSON_REFUSALS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

@@ -147,7 +147,7 @@ pub async fn list(store_flag: Option<String>, filter: &FilterArgs, json: bool) -
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return fail(e.kind().exit_code(), e),
+        Err(e) => return crate::fail_kind(e.kind(), e),
     };
     match index::page(&store, &filter).await {
         Ok(page) => print_runs(&page.runs, page.next.as_deref(), json, &url),
@@ -159,11 +159,11 @@ pub async fn show(store_flag: Option<String>, run: &str, json: bool, full: bool)
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return fail(e.kind().exit_code(), e),
+        Err(e) => return crate::fail_kind(e.kind(), e),
     };
     let report = match history::load_report(&store, run).await {
         Ok(r) => r,
-        Err(e) => return fail(e.kind().exit_code(), e),
+        Err(e) => return crate::fail_kind(e.kind(), e),
     };
     print_show(report, json, full)
 }
@@ -270,11 +270,11 @@ pub async fn logs(
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return fail(e.kind().exit_code(), e),
+        Err(e) => return crate::fail_kind(e.kind(), e),
     };
     let report = match history::load_report(&store, run).await {
         Ok(r) => r,
-        Err(e) => return fail(e.kind().exit_code(), e),
+        Err(e) => return crate::fail_kind(e.kind(), e),
     };
     match history::transcripts(&store, &report, agent, attempt).await {
         Ok(found) => print_transcripts(&found, json),
@@ -352,7 +352,7 @@ pub async fn gc(a: GcArgs) -> i32 {
     let url = config::store_url(a.store);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return fail(e.kind().exit_code(), e),
+        Err(e) => return crate::fail_kind(e.kind(), e),
     };
     let policy = flotilla_coordinator::gc::Policy {
         older_than,
@@ -374,7 +374,7 @@ pub async fn gc(a: GcArgs) -> i32 {
             }
             0
         }
-        Err(e) => fail(e.kind().exit_code(), format!("cannot sweep {url}: {e}")),
+        Err(e) => crate::fail_kind(e.kind(), format!("cannot sweep {url}: {e}")),
     }
 }
 

@@ -51,7 +51,9 @@ pub async fn logs_remote(
         .await;
     let reply = match reply {
         Ok(r) => r.into_inner(),
-        Err(s) if s.code() == tonic::Code::NotFound => return fail(2, s.message()),
+        Err(s) if s.code() == tonic::Code::NotFound => {
+            return crate::fail_kind(flotilla_proto::ErrorKind::NotFound, s.message());
+        }
         Err(s) => return rpc_fail(&s),
     };
     let mut found = Vec::with_capacity(reply.agents_json.len());

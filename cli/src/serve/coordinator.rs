@@ -454,7 +454,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     // A store set up wrong stops the coordinator here, with the fix (exit 2: its settings;
     // exit 1: nothing answers), rather than failing each run.
     if let Err(e) = store.check().await {
-        return fail(e.kind().exit_code(), e.to_string());
+        return crate::fail_kind(e.kind(), e.to_string());
     }
     // In a group, the store writes only while this coordinator's lease is sure to be held.
     let tenure = Arc::new(flotilla_coordinator::lease::Tenure::open());

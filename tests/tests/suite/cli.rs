@@ -86,6 +86,19 @@ fn refusals_with_json_are_one_json_object_on_stdout_with_their_code() {
         "invalid",
         "no coordinator",
     );
+    // A run the store does not have is not found, not invalid (issue 30).
+    refused(
+        &["show", "wf_00000000-000", "--json"],
+        2,
+        "not_found",
+        "run wf_00000000-000 not found",
+    );
+    refused(
+        &["logs", "wf_00000000-000", "--json"],
+        2,
+        "not_found",
+        "run wf_00000000-000 not found",
+    );
     // Without --json, stdout stays empty.
     let out = env.flotilla(&["run", s, "--args", "{bad"]);
     assert_eq!((out.code, out.stdout.as_str()), (2, ""), "{out:?}");
