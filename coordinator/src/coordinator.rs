@@ -31,6 +31,9 @@ pub struct Rejected {
     pub kind: ErrorKind,
     /// The workflow's name and description, when its `meta` could be read.
     pub workflow: WorkflowInfo,
+    /// The run's source was removed by retention while this launch was on its way: the
+    /// launcher sends it again and launches again (`LaunchReply.resend_source`).
+    pub resend_source: bool,
 }
 
 impl Rejected {
@@ -39,6 +42,7 @@ impl Rejected {
             message: message.into(),
             kind: ErrorKind::Invalid,
             workflow,
+            resend_source: false,
         }
     }
 }
@@ -229,11 +233,13 @@ impl Coordinator {
             message: what,
             kind: ErrorKind::NotFound,
             workflow: WorkflowInfo::default(),
+            resend_source: false,
         };
         let unavailable = |e: crate::store::Error| Rejected {
             message: format!("cannot read run {parent}: {e}"),
             kind: e.kind(),
             workflow: WorkflowInfo::default(),
+            resend_source: false,
         };
         let manifest = self
             .store
@@ -297,6 +303,7 @@ impl Coordinator {
             message: format!("cannot check whether run {parent} still runs: {e}"),
             kind: e.kind(),
             workflow: WorkflowInfo::default(),
+            resend_source: false,
         })?;
         if alive.is_empty() {
             return Ok(());
@@ -308,6 +315,7 @@ impl Coordinator {
             ),
             kind: ErrorKind::Conflict,
             workflow: WorkflowInfo::default(),
+            resend_source: false,
         })
     }
 
@@ -325,6 +333,7 @@ impl Coordinator {
             message,
             kind,
             workflow: workflow.clone(),
+            resend_source: false,
         };
         if let Some(l) = self.leadership.get() {
             if let Some(parent) = parent {
@@ -396,6 +405,7 @@ impl Coordinator {
                 message,
                 kind: ErrorKind::Denied,
                 workflow: workflow.clone(),
+                resend_source: false,
             })?;
         if req.settings.notify.is_some() && self.notifier.get().is_none() {
             return Err(Rejected::invalid(
@@ -430,12 +440,14 @@ impl Coordinator {
                         message: e.to_string(),
                         kind: ErrorKind::NotFound,
                         workflow: workflow.clone(),
+                        resend_source: false,
                     })
                 }
                 Err(ResumeError::Store(e)) => Err(Rejected {
                     message: format!("cannot read the run to resume: {e}"),
                     kind: e.kind(),
                     workflow: workflow.clone(),
+                    resend_source: false,
                 }),
             },
         };
@@ -469,6 +481,7 @@ impl Coordinator {
                 message: format!("cannot store the run: {e}"),
                 kind: e.kind(),
                 workflow: workflow.clone(),
+                resend_source: false,
             };
             self.store
                 .put_create(&keys::script(&run_id), Bytes::from(req.source.clone()))
@@ -500,6 +513,7 @@ impl Coordinator {
                     message: format!("{e} ({})", crate::source::SWEPT_WHILE_LAUNCHING),
                     kind: e.kind(),
                     workflow: workflow.clone(),
+                    resend_source: true,
                 });
             }
             if let Some(carried) = req.resolver.carried()
@@ -521,6 +535,7 @@ impl Coordinator {
                     message: e.to_string(),
                     kind: e.kind(),
                     workflow: workflow.clone(),
+                    resend_source: false,
                 })?;
             }
             Ok(())
@@ -640,6 +655,7 @@ impl Coordinator {
             message: format!("cannot read {what} of run {run_id}: {e}"),
             kind: e.kind(),
             workflow: WorkflowInfo::default(),
+            resend_source: false,
         };
         let manifest = self
             .store
@@ -650,6 +666,7 @@ impl Coordinator {
                 message: format!("no run {run_id} in {}", self.store.url),
                 kind: ErrorKind::NotFound,
                 workflow: WorkflowInfo::default(),
+                resend_source: false,
             })?;
         let manifest: Manifest = serde_json::from_slice(&manifest).map_err(|e| {
             Rejected::invalid(
@@ -692,6 +709,7 @@ impl Coordinator {
                     ),
                     kind: ErrorKind::Conflict,
                     workflow: manifest.workflow.clone(),
+                    resend_source: false,
                 });
             }
             Err(e) => return Err(unavailable("the journal seal", e)),
@@ -763,6 +781,7 @@ impl Coordinator {
                 message: format!("cannot start the script thread: {e}"),
                 kind: ErrorKind::Internal,
                 workflow: s.workflow.clone(),
+                resend_source: false,
             })?;
         let script_path = Some(self.store.display_path(&keys::script(&s.run_id)));
         let init = EngineInit {
@@ -1100,6 +1119,7 @@ mod tests {
             .await
             .map(|_| ())
             .expect_err("refused");
+        assert!(refused.resend_source, "{}", refused.message);
         assert!(
             refused
                 .message

@@ -154,12 +154,7 @@ pub(crate) async fn send(
             .await
             .map_err(|s| Failed::from(&s))?
             .into_inner();
-        if again
-            && reply.status == "rejected"
-            && reply
-                .error
-                .contains(flotilla_coordinator::source::SWEPT_WHILE_LAUNCHING)
-        {
+        if again && reply.status == "rejected" && reply.resend_source {
             again = false;
             continue;
         }

@@ -406,6 +406,7 @@ impl ClientService for ClientSvc {
                     error: String::new(),
                     report_json: String::new(),
                     notes,
+                    resend_source: false,
                 }))
             }
             Err(rejected) => {
@@ -419,6 +420,7 @@ impl ClientService for ClientSvc {
                     error: rejected.message,
                     report_json: to_json(&report)?,
                     notes: Vec::new(),
+                    resend_source: rejected.resend_source,
                 }))
             }
         }
