@@ -5,7 +5,8 @@
 //! - [`run`]: one engine per run: calls, keys, resume, journal, report.
 //! - [`sched`]: the dispatcher: queues, limits, stagger, stalls, usage-limit waits, fencing.
 //! - [`store`]: object storage layout and the group-committed journal.
-//! - [`lease`]: the `LeaseStore` seam (memory now; etcd with the fleet).
+//! - [`lease`]: the `LeaseStore` seam (memory; etcd with the fleet): the `flotilla-lease`
+//!   crate, below this one.
 //! - [`coordinator`]: launching runs.
 //! - [`server`]: the gRPC services; [`web`]: session pages over HTTP.
 //!
@@ -22,7 +23,7 @@ pub mod history;
 pub mod ids;
 pub mod index;
 pub mod leader;
-pub mod lease;
+pub use flotilla_lease as lease;
 pub mod limits;
 pub mod listen;
 pub mod metrics;

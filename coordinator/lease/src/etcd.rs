@@ -389,7 +389,7 @@ mod tests {
         let store = EtcdLeaseStore::connect(&[etcd.endpoint()], None)
             .await
             .unwrap();
-        crate::lease::conformance::run_all(&store).await;
+        crate::conformance::run_all(&store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -295,6 +295,6 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn memory_store_passes_the_conformance_suite() {
         let store = MemoryLeaseStore::new();
-        crate::lease::conformance::run_all(store.as_ref()).await;
+        crate::conformance::run_all(store.as_ref()).await;
     }
 }

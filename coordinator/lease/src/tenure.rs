@@ -6,7 +6,7 @@
 //! no successor can own its runs before then. A coordinator cut off from etcd cannot learn
 //! whether its lease lapsed — it can only count: its tenure runs to `t + TTL × 4/5` (the rest
 //! of the TTL covers writes already on their way). Past that it is *suspended*: it writes
-//! nothing ([`crate::store::gate`]; writes wait, as in a storage outage) and does not lead.
+//! nothing (the coordinator's `store::gate`; writes wait, as in a storage outage) and does not lead.
 //! A renewal that succeeds later proves the lease never lapsed — nobody took over — and the
 //! tenure goes on; a lease found gone [`Tenure::end`]s it for good, and the coordinator stops.
 //!
@@ -222,7 +222,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_suspended_coordinator_writes_no_key_and_wins_no_election_but_can_renew() {
-        let inner = crate::lease::memory::MemoryLeaseStore::new();
+        let inner = crate::memory::MemoryLeaseStore::new();
         let tenure = Arc::new(Tenure::open());
         let leases = GatedLeases::new(inner.clone(), tenure.clone());
         let lease = leases.grant(Duration::from_secs(10)).await.unwrap();
@@ -252,5 +252,15 @@ mod tests {
                 .unwrap()
                 .is_some()
         );
+    }
+
+    /// While its tenure holds, the gated store keeps the whole lease contract: it is the store
+    /// a coordinator in a group writes through.
+    #[tokio::test(start_paused = true)]
+    async fn a_gated_store_in_office_passes_the_conformance_suite() {
+        let tenure = Arc::new(Tenure::open());
+        let leases = GatedLeases::new(crate::memory::MemoryLeaseStore::new(), tenure.clone());
+        crate::conformance::run_all(leases.as_ref()).await;
+        assert!(tenure.holds());
     }
 }
