@@ -76,7 +76,7 @@ impl FilterArgs {
 
 /// `--since`: seconds since the epoch of a time, or of now minus a duration.
 fn since(t: &str) -> Result<u64, String> {
-    let now = std::time::SystemTime::now();
+    let now = flotilla_proto::clock::now();
     let at = match humantime::parse_rfc3339_weak(t) {
         Ok(at) => at,
         Err(_) => {

@@ -470,7 +470,7 @@ impl Coordinator {
             script_origin: req.origin.clone(),
             args: req.args.clone(),
             settings: req.settings.clone(),
-            created: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
+            created: humantime::format_rfc3339_millis(flotilla_proto::clock::now()).to_string(),
             parent_run_id: req.resume_from.clone(),
             generation: self.generation,
             flotilla_version: env!("CARGO_PKG_VERSION").into(),

@@ -66,7 +66,7 @@ pub async fn sweep(
     policy: &Policy,
     running_here: &HashSet<String>,
 ) -> Result<Swept, Error> {
-    let started = SystemTime::now();
+    let started = flotilla_proto::clock::now();
     let cutoff = started
         .checked_sub(policy.older_than)
         .unwrap_or(SystemTime::UNIX_EPOCH);
@@ -483,7 +483,7 @@ mod tests {
             .unwrap();
         let old = run_of(&store, "wf_old", "", "r1", &c1).await;
         let team_b = run_of(&store, "wf_b", "team-b", "r1", &c2).await;
-        let later = SystemTime::now() + Duration::from_secs(3600);
+        let later = flotilla_proto::clock::now() + Duration::from_secs(3600);
         let (swept, _) = sweep_sources(&store, &[&old, &team_b], later, later, false)
             .await
             .unwrap();

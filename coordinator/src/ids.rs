@@ -8,7 +8,7 @@ pub fn new_run_id() -> String {
     let mut b = [0u8; 6];
     if getrandom::fill(&mut b).is_err() {
         // Fall back to the clock and pid; ids only need to be unique, not secret.
-        let t = std::time::SystemTime::now()
+        let t = flotilla_proto::clock::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);

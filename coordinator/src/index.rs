@@ -97,7 +97,7 @@ fn countdown(ms: u64) -> u64 {
 }
 
 fn now_rfc3339() -> String {
-    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+    humantime::format_rfc3339_seconds(flotilla_proto::clock::now()).to_string()
 }
 
 /// Writes (or rewrites) a run's entry.

@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -341,10 +341,11 @@ impl std::fmt::Debug for Quotas {
 
 /// Today (UTC) as `YYYY-MM-DD`, and how long until it ends.
 fn today() -> (String, Duration) {
-    let now = SystemTime::now()
+    let now = flotilla_proto::clock::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
-    let day = humantime::format_rfc3339_seconds(SystemTime::now()).to_string()[..10].to_owned();
+    let day = humantime::format_rfc3339_seconds(flotilla_proto::clock::now()).to_string()[..10]
+        .to_owned();
     let left = 86_400 - now.as_secs() % 86_400;
     (day, Duration::from_secs(left))
 }
@@ -481,7 +482,8 @@ impl Quotas {
     /// The first daily quota of `ns` that is used up.
     fn over(ns: &str, policy: &Policy, used: &DayUse, day: &str) -> Option<Exceeded> {
         let (_, left) = today();
-        let resets = humantime::format_rfc3339_seconds(SystemTime::now() + left).to_string();
+        let resets =
+            humantime::format_rfc3339_seconds(flotilla_proto::clock::now() + left).to_string();
         let left = format!("{}h {}m", left.as_secs() / 3600, left.as_secs() % 3600 / 60);
         let exceeded = |quota, used: String, limit: String| Exceeded {
             namespace: ns.to_owned(),

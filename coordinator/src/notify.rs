@@ -207,12 +207,12 @@ impl Notifier {
         let mut wait = self.backoff;
         for attempt in 1..=ATTEMPTS {
             out.attempts = attempt;
-            out.at = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+            out.at = humantime::format_rfc3339_seconds(flotilla_proto::clock::now()).to_string();
             if let Err(e) = not_link_local(url).await {
                 out.error = Some(e);
                 return out;
             }
-            let unix = std::time::SystemTime::now()
+            let unix = flotilla_proto::clock::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());
             let sent = self

@@ -55,7 +55,7 @@ impl OwnerRecord {
             boot: me.boot,
             pid: me.pid,
             pid_start: me.pid_start,
-            at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            at: humantime::format_rfc3339_seconds(flotilla_proto::clock::now()).to_string(),
             released,
         }
     }
@@ -183,7 +183,7 @@ async fn liveness(store: &Store, run: &str, seq: u64, r: &OwnerRecord) -> Livene
         .await
         .ok()
         .map(|m| m.last_modified.timestamp_millis());
-    let now_ms = std::time::SystemTime::now()
+    let now_ms = flotilla_proto::clock::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64);
     let fresh = beat_ms.is_some_and(|t| now_ms.saturating_sub(t) < STALE_AFTER.as_millis() as i64);

@@ -156,7 +156,7 @@ pub async fn push(
         .await
         .map_err(store_err("read the store"))?
         .map(|old| hex::encode(Sha256::digest(&old)));
-    let now = std::time::SystemTime::now();
+    let now = flotilla_proto::clock::now();
     let at_ms = now
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());

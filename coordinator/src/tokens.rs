@@ -4,7 +4,7 @@
 //! Below both faces: the gRPC face issues tokens and the pages check them, and neither imports
 //! the other for it.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -44,7 +44,7 @@ impl Claims {
 }
 
 pub(crate) fn now_secs() -> u64 {
-    SystemTime::now()
+    flotilla_proto::clock::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }

@@ -13,6 +13,7 @@
 //!
 //! Start with `proto/flotilla.proto`.
 
+pub mod clock;
 pub mod frag;
 pub mod link;
 pub mod schema;

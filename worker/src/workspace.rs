@@ -68,7 +68,7 @@ impl Workspace {
         if let Some(dir) = self.call_dir(run_id, call)
             && let Ok(f) = std::fs::File::open(&dir)
         {
-            let _ = f.set_modified(std::time::SystemTime::now());
+            let _ = f.set_modified(flotilla_proto::clock::now());
         }
     }
 
@@ -86,7 +86,7 @@ impl Workspace {
         let Ok(runs) = std::fs::read_dir(&self.root) else {
             return 0;
         };
-        let now = std::time::SystemTime::now();
+        let now = flotilla_proto::clock::now();
         let old = |p: &Path| {
             std::fs::symlink_metadata(p)
                 .and_then(|m| m.modified())
@@ -437,7 +437,7 @@ mod tests {
         let photos = tmp.path().join("photos");
         std::fs::create_dir_all(&photos).unwrap();
         std::fs::write(photos.join("2023.jpg"), "jpg").unwrap();
-        let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+        let long_ago = flotilla_proto::clock::now() - std::time::Duration::from_secs(7200);
         for p in [
             stale.clone(),
             tmp.path().join("wf_s").join("1.base"),

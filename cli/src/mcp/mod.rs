@@ -762,7 +762,7 @@ fn prune_outputs(dir: &std::path::Path, kept: Duration) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
-    let now = std::time::SystemTime::now();
+    let now = flotilla_proto::clock::now();
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name();
         let ours = name.to_str().is_some_and(|n| {
@@ -902,7 +902,7 @@ mod tests {
     #[test]
     fn only_old_output_files_of_runs_are_pruned() {
         let dir = tempfile::tempdir().unwrap();
-        let old = std::time::SystemTime::now() - Duration::from_secs(10 * 24 * 3600);
+        let old = flotilla_proto::clock::now() - Duration::from_secs(10 * 24 * 3600);
         for name in [
             "launch-1-0.json",
             "launch-1-0.log",

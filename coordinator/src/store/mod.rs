@@ -14,6 +14,7 @@
 //! there counts as done (a retried write is idempotent).
 
 pub mod explain;
+#[cfg(test)]
 pub mod faulty;
 pub mod gate;
 pub mod journal;

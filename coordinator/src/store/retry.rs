@@ -57,7 +57,7 @@ pub struct Health {
 static LAST_SAID: AtomicU64 = AtomicU64::new(0);
 
 fn unix_secs() -> u64 {
-    std::time::SystemTime::now()
+    flotilla_proto::clock::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
