@@ -179,26 +179,6 @@ pub enum RunEvent {
     },
 }
 
-#[cfg(test)]
-mod raw_tests {
-    use super::*;
-
-    #[test]
-    fn raw_json_is_checked_kept_as_written_and_read_back() {
-        let r = RawJson::parse("{\"b\": 1,  \"a\": [true]}".into()).unwrap();
-        assert_eq!(r.get(), "{\"b\": 1,  \"a\": [true]}", "kept as written");
-        assert_eq!(r.value(), serde_json::json!({"b": 1, "a": [true]}));
-        assert_eq!(RawJson::parse("not json".into()).unwrap_err(), "not json");
-        assert_eq!(
-            RawJson::or_string("plain text".into()).get(),
-            "\"plain text\""
-        );
-        let line = serde_json::to_string(&serde_json::json!({"x": 1})).unwrap();
-        let back: RawJson = serde_json::from_str(&line).unwrap();
-        assert_eq!(back, RawJson::of(&serde_json::json!({"x": 1})));
-    }
-}
-
 /// What a call changed in its run's source, as journaled with it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChangeRecord {
@@ -221,4 +201,24 @@ pub struct ChangeRecord {
     /// nowhere, neither in the head nor on a branch; the call's result stands.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refused: Option<String>,
+}
+
+#[cfg(test)]
+mod raw_tests {
+    use super::*;
+
+    #[test]
+    fn raw_json_is_checked_kept_as_written_and_read_back() {
+        let r = RawJson::parse("{\"b\": 1,  \"a\": [true]}".into()).unwrap();
+        assert_eq!(r.get(), "{\"b\": 1,  \"a\": [true]}", "kept as written");
+        assert_eq!(r.value(), serde_json::json!({"b": 1, "a": [true]}));
+        assert_eq!(RawJson::parse("not json".into()).unwrap_err(), "not json");
+        assert_eq!(
+            RawJson::or_string("plain text".into()).get(),
+            "\"plain text\""
+        );
+        let line = serde_json::to_string(&serde_json::json!({"x": 1})).unwrap();
+        let back: RawJson = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, RawJson::of(&serde_json::json!({"x": 1})));
+    }
 }
