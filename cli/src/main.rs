@@ -31,9 +31,10 @@ mod telemetry;
 mod term;
 mod workflows_cmd;
 
-/// mimalloc, not glibc's malloc: on the fleet's hot path (a coordinator and workers passing
-/// many small messages between tokio threads) glibc's arenas cost a third of the CPU time per
-/// call (`flotilla bench fanout --distributed`; figures in issue 29's closing note).
+/// mimalloc (built without transparent huge pages), not glibc's malloc: on the fleet's hot
+/// path (a coordinator and workers passing many small messages between tokio threads) it
+/// takes about a fifth off the CPU time per call (`flotilla bench fanout --distributed`;
+/// figures in issue 29's closing note).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

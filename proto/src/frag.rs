@@ -86,9 +86,22 @@ pub struct Splitter {
 impl Splitter {
     /// The message itself when it is small, else its fragments in order.
     pub fn split<M: Framed>(&mut self, msg: M) -> Result<Vec<M>, FragError> {
+        let mut out = std::collections::VecDeque::new();
+        self.split_into(msg, &mut out)?;
+        Ok(out.into())
+    }
+
+    /// [`Splitter::split`] onto the end of `out` (which keeps its room from one message to
+    /// the next).
+    pub fn split_into<M: Framed>(
+        &mut self,
+        msg: M,
+        out: &mut std::collections::VecDeque<M>,
+    ) -> Result<(), FragError> {
         let len = msg.encoded_len();
         if len <= FRAGMENT_BYTES {
-            return Ok(vec![msg]);
+            out.push_back(msg);
+            return Ok(());
         }
         if len > MAX_MESSAGE_BYTES {
             return Err(FragError::TooLarge {
@@ -99,18 +112,15 @@ impl Splitter {
         self.next_id += 1;
         let bytes = msg.encode_to_vec();
         let n = bytes.len().div_ceil(FRAGMENT_BYTES);
-        Ok(bytes
-            .chunks(FRAGMENT_BYTES)
-            .enumerate()
-            .map(|(i, data)| {
-                M::from_fragment(v1::Fragment {
-                    id: self.next_id,
-                    total_bytes: len as u64,
-                    data: data.to_vec(),
-                    last: i + 1 == n,
-                })
+        out.extend(bytes.chunks(FRAGMENT_BYTES).enumerate().map(|(i, data)| {
+            M::from_fragment(v1::Fragment {
+                id: self.next_id,
+                total_bytes: len as u64,
+                data: data.to_vec(),
+                last: i + 1 == n,
             })
-            .collect())
+        }));
+        Ok(())
     }
 }
 
@@ -156,14 +166,8 @@ impl<M: Framed + Unpin> tokio_stream::Stream for Splitting<M> {
             let Some(m) = std::task::ready!(this.rx.poll_recv(cx)) else {
                 return Poll::Ready(None);
             };
-            if m.encoded_len() <= FRAGMENT_BYTES {
-                return Poll::Ready(Some(m));
-            }
-            match this.splitter.split(m) {
-                Ok(parts) => this.parts.extend(parts),
-                Err(e) => {
-                    tracing::error!(error = %e, to = this.to, "a message is too large to send; dropped")
-                }
+            if let Err(e) = this.splitter.split_into(m, &mut this.parts) {
+                tracing::error!(error = %e, to = this.to, "a message is too large to send; dropped");
             }
         }
     }

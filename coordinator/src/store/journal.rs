@@ -436,6 +436,10 @@ async fn event_loop(
         if body.is_empty() {
             continue;
         }
+        // A quiet segment after a busy one: the stored bytes do not keep the busy one's room.
+        if body.capacity() > 2 * body.len() {
+            body.shrink_to_fit();
+        }
         if let Err(e) = store
             .put_create(
                 &keys::events_segment(&run, generation, seq),
