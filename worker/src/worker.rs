@@ -307,8 +307,11 @@ impl Worker {
                                 running: running.clone(),
                             };
                             let limit = self.opts.max_result_bytes;
+                            // The attempt's future (kilobytes) is boxed once here rather than
+                            // copied whole into and through the task's cell: the copies were a
+                            // tenth of a worker's time in the fleet's fan-out.
                             tracker.spawn(async move {
-                                let outcome = run_attempt(a, backend, parts, tx.clone(), token).await;
+                                let outcome = Box::pin(run_attempt(a, backend, parts, tx.clone(), token)).await;
                                 let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
                                 // Into the outbox before leaving `running`, so it is always held.
                                 let _ = tx.send(WorkerMessage {
@@ -625,7 +628,7 @@ async fn run_attempt_in(
         Ok(backend) => match parse_schema(&spec) {
             Err(e) => Err(e),
             Ok(schema) => match tokio::select! {
-                r = prepare(&a, &spec, (&workspace, &sources), (&link, &events), limits.settings.prepare) => r,
+                r = Box::pin(prepare(&a, &spec, (&workspace, &sources), (&link, &events), limits.settings.prepare)) => r,
                 () = cancel.cancelled() => Err(Error::new(FailureKind::Cancelled, "cancelled while its checkout was made")),
             } {
                 Err(e) => Err(e),
@@ -659,14 +662,18 @@ async fn run_attempt_in(
                     // way, so the backend kills what it started before the outcome is sent.
                     let token = cancel.child_token();
                     let quota = limits.settings.disk.filter(|_| !scratch.is_shared());
+                    // A backend that works in no directory has none to watch (nor to
+                    // measure or remove below): its attempt touches no file.
+                    let dir_used = backend.uses_directory();
                     let watched = match &worktree {
                         Some(wt) => Some(wt.path.clone()),
-                        None => scratch.call_dir(&a.run_id, a.call),
+                        None if dir_used => scratch.call_dir(&a.run_id, a.call),
+                        None => None,
                     };
                     let watch = match quota.zip(watched) {
-                        Some((q, dir)) => {
-                            Some(crate::limits::DiskWatch::start(dir, q, token.clone()).await)
-                        }
+                        Some((q, dir)) => Some(
+                            Box::pin(crate::limits::DiskWatch::start(dir, q, token.clone())).await,
+                        ),
                         None => None,
                     };
                     // The agent starts now: the stall timer, held while its workspace was made,
@@ -710,7 +717,8 @@ async fn run_attempt_in(
                     // What its checkout holds now, in its usage.
                     let disk = match &worktree {
                         Some(wt) => crate::workspace::usage_of(&wt.path, true),
-                        None => task_dir_use(&scratch, &a),
+                        None if dir_used => task_dir_use(&scratch, &a),
+                        None => crate::workspace::Usage::default(),
                     };
                     match result.as_mut() {
                         Ok(out) => out.usage.disk_bytes = disk.bytes,
@@ -730,14 +738,19 @@ async fn run_attempt_in(
                     }
                     // What the agent left is recorded within a bound of its own: nothing in
                     // the checkout can keep the worker's git busy past it.
-                    let settle =
-                        settle(&a, &spec, worktree.as_ref(), (&parts, &events), &mut result);
+                    let settle = Box::pin(settle(
+                        &a,
+                        &spec,
+                        (worktree.as_ref(), dir_used),
+                        (&parts, &events),
+                        &mut result,
+                    ));
                     match tokio::time::timeout(settle_bound(&spec), settle).await {
                         Ok(p) => partial = p,
                         Err(_) => {
                             // A source checkout goes (an embedded worktree is the user's).
                             if let Some(wt) = worktree.as_ref().filter(|wt| wt.own_repo()) {
-                                wt.discard().await;
+                                Box::pin(wt.discard()).await;
                             }
                             let usage = match &result {
                                 Ok(out) => out.usage,
@@ -799,11 +812,11 @@ fn settle_bound(spec: &v1::TaskSpec) -> Duration {
 
 /// After an attempt: its source checkout's change goes into `result` (a finished agent's
 /// edits) or comes back as the leftovers for the call's next attempt (W58); a worktree is
-/// committed or removed; a scratch directory goes when the call ends.
+/// committed or removed; a scratch directory (when its backend uses one) goes when the call ends.
 async fn settle(
     a: &Assignment,
     spec: &v1::TaskSpec,
-    worktree: Option<&crate::worktree::Worktree>,
+    (worktree, dir_used): (Option<&crate::worktree::Worktree>, bool),
     (parts, events): (&Parts, &Events),
     result: &mut Result<crate::backend::Output, Error>,
 ) -> Option<v1::Change> {
@@ -889,12 +902,12 @@ async fn settle(
             }));
         }
         // A scratch directory stays only for a retry of its call (W58).
-        None if ends_call(result) && !shared => scratch.remove(&a.run_id, a.call),
+        None if ends_call(result) && !shared && dir_used => scratch.remove(&a.run_id, a.call),
         None => {}
     }
     // What stays for a retry counts as used now: the workspace sweep takes it only once no
     // attempt has used it for a while.
-    if !ends_call(result) {
+    if !ends_call(result) && (dir_used || worktree.is_some()) {
         scratch.touch(&a.run_id, a.call);
     }
     partial
@@ -1260,6 +1273,41 @@ mod tests {
             fence,
             stall_timeout_ms: 0,
         }
+    }
+
+    /// Issue 29: an attempt of a backend that works in no directory (echo here) touches no
+    /// file of the workspace: its call's directory is not watched, measured or removed, so
+    /// the run's (empty) directory an earlier call left stays for the sweep.
+    #[tokio::test]
+    async fn an_attempt_of_a_backend_without_a_directory_touches_no_file() {
+        use crate::backend::AgentBackend;
+        assert!(!Echo.uses_directory());
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = dir.path().join("wf_x");
+        std::fs::create_dir(&run_dir).unwrap();
+        let (links_tx, cancel, serving) = serving(worker(dir.path()));
+        let (link, mut end) = link_pair();
+        links_tx.send(link).unwrap();
+        assert!(matches!(
+            next(&mut end).await,
+            worker_message::Msg::Hello(_)
+        ));
+        send(&end, welcome(Duration::from_secs(30)));
+        send(&end, coordinator_message::Msg::Assign(assignment("hi", 1)));
+        let worker_message::Msg::Outcome(o) = next(&mut end).await else {
+            panic!("the attempt's outcome");
+        };
+        assert!(
+            matches!(o.result, Some(outcome::Result::Completed(_))),
+            "{o:?}"
+        );
+        assert!(
+            run_dir.is_dir(),
+            "an echo attempt at the end of its call removed the run's directory"
+        );
+        assert!(!run_dir.join("7").exists());
+        cancel.cancel();
+        serving.await.unwrap();
     }
 
     #[tokio::test]

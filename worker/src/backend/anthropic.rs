@@ -327,6 +327,10 @@ impl AgentBackend for Anthropic {
         "anthropic"
     }
 
+    fn uses_directory(&self) -> bool {
+        false
+    }
+
     fn account(&self) -> Option<String> {
         Some(super::account_id(
             "anthropic",

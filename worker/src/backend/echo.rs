@@ -91,6 +91,10 @@ impl AgentBackend for Echo {
         "echo"
     }
 
+    fn uses_directory(&self) -> bool {
+        false
+    }
+
     async fn run(
         &self,
         task: &Task,

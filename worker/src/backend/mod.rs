@@ -222,6 +222,13 @@ pub trait AgentBackend: Send + Sync + 'static {
         None
     }
 
+    /// Whether its agents work in a directory. A backend that only talks to a provider (echo,
+    /// anthropic, openai) says no: then an attempt without a checkout has no scratch
+    /// directory to watch, measure or remove, and the worker touches no file for it.
+    fn uses_directory(&self) -> bool {
+        true
+    }
+
     /// Runs one attempt. Must return soon after `cancel` fires.
     async fn run(
         &self,

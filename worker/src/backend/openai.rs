@@ -132,6 +132,10 @@ impl AgentBackend for OpenAi {
         "openai"
     }
 
+    fn uses_directory(&self) -> bool {
+        false
+    }
+
     fn account(&self) -> Option<String> {
         Some(super::account_id("openai", &self.base, self.key.as_deref()))
     }
