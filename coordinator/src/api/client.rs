@@ -2,7 +2,28 @@
 //! `flotilla` and other clients ask a coordinator, forwarded to the leader when this one
 //! does not lead.
 
-use super::*;
+use std::sync::Arc;
+
+use flotilla_proto::ErrorKind;
+use flotilla_proto::tls::{self, Role, TlsFiles};
+use flotilla_proto::v1::client_service_client::ClientServiceClient;
+use flotilla_proto::v1::client_service_server::ClientService;
+use flotilla_proto::v1::{self};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::options::LaunchPolicy;
+use super::sizes;
+use super::worker_bridge::{StreamOf, check_version};
+use crate::coordinator::Coordinator;
+use crate::namespace::Scope;
+use crate::registry::RunRegistry;
+use crate::report::Report;
+use crate::run::Control;
+use crate::settings::{FetchFrom, RunSettings, SourceRef};
+use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
+use crate::{LaunchRequest, history};
+use flotilla_proto::wire::SnapshotView;
 
 pub(super) struct ClientSvc {
     pub(super) coordinator: Arc<Coordinator>,

@@ -15,6 +15,8 @@ use tonic::transport::Channel;
 
 use super::*;
 use crate::lease::memory::MemoryLeaseStore;
+use flotilla_proto::v1::{self};
+use tonic::{Request, Status};
 
 /// Run ids and names that are paths, and some of anything.
 fn name_like() -> impl Strategy<Value = String> {

@@ -18,31 +18,14 @@
 //! `client.rs` (`ClientService`), `snapshot.rs` (a run's live view on the wire), `intake.rs`
 //! and `sizes.rs` (the bounds).
 
-use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 
-use flotilla_proto::ErrorKind;
 use flotilla_proto::frag;
-use flotilla_proto::link::CoordinatorEnd;
-use flotilla_proto::tls::{self, Role, TlsFiles};
-use flotilla_proto::v1::client_service_client::ClientServiceClient;
-use flotilla_proto::v1::client_service_server::{ClientService, ClientServiceServer};
-use flotilla_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
-use flotilla_proto::v1::{self, CoordinatorMessage, WorkerMessage, worker_message};
-use futures::Stream;
-use tokio::sync::{mpsc, watch};
-use tokio_stream::StreamExt;
+use flotilla_proto::v1::client_service_server::ClientServiceServer;
+use flotilla_proto::v1::worker_service_server::WorkerServiceServer;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
 
 use crate::coordinator::Coordinator;
-use crate::namespace::Scope;
-use crate::report::Report;
-use crate::run::{Control, Snapshot};
-use crate::settings::{FetchFrom, RunSettings, SourceRef};
-use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
-use crate::{LaunchRequest, history};
 
 mod client;
 #[cfg(test)]
@@ -50,6 +33,7 @@ mod fuzz;
 mod intake;
 #[cfg(test)]
 mod links;
+mod options;
 mod sizes;
 mod snapshot;
 mod worker_bridge;
@@ -58,72 +42,11 @@ pub use crate::registry::RunRegistry;
 pub use client::check_run_id;
 use client::*;
 pub use intake::{ARRIVAL, BUDGET_BYTES, limit_of};
+pub use options::{LaunchPolicy, ServerOptions};
 pub use sizes::check_launch;
 pub use snapshot::SnapshotView;
 use worker_bridge::*;
 pub use worker_bridge::{StreamOf, bridge};
-
-/// How the coordinator listens.
-#[derive(Debug, Clone)]
-pub struct ServerOptions {
-    pub listen: SocketAddr,
-    /// `None`: plain text (development only).
-    pub tls: Option<TlsFiles>,
-    /// Handshake and idle timeouts, connection limit.
-    pub limits: crate::listen::Limits,
-    /// Base of session URLs (`http://host:port`).
-    pub session_base: String,
-    /// HTTP/2 keep-alive interval on every stream; the timeout is half again as long (a
-    /// worker starved of CPU for a moment should not lose its link, and its attempts with it).
-    pub keepalive: std::time::Duration,
-    /// Signs session tokens for the pages (`None` without TLS).
-    pub tokens: Option<crate::tokens::TokenKey>,
-    /// Who may start what.
-    pub policy: LaunchPolicy,
-    /// The name other coordinators' certificates are checked for when a standby calls the
-    /// leader (`--peer-name`); `None`: the host of the leader's advertised address.
-    pub peer_name: Option<String>,
-}
-
-/// What a coordinator lets clients start.
-#[derive(Clone)]
-pub struct LaunchPolicy {
-    /// Only saved workflows (pushed or bundled) run; inline scripts are refused (W46).
-    pub saved_only: bool,
-    /// Whether new runs are refused right now (W67); asked on every launch, so the switch
-    /// can change while the coordinator runs. Runs in progress are never touched.
-    pub disabled: Arc<dyn Fn() -> bool + Send + Sync>,
-    /// Client certificate names that may push workflows (holders of a `coordinator`
-    /// certificate always may); nobody else can change what `launch NAME` runs.
-    pub publishers: Vec<String>,
-    /// A push may take a bundled workflow's name.
-    pub shadow_bundled: bool,
-    /// Runs may name a source on the workers' own disks (`git+file://`, a path): the
-    /// operator says its workers fetch them (`--allow-file-sources` on both).
-    pub file_sources: bool,
-}
-
-impl Default for LaunchPolicy {
-    fn default() -> Self {
-        LaunchPolicy {
-            saved_only: false,
-            disabled: Arc::new(|| false),
-            publishers: Vec::new(),
-            shadow_bundled: false,
-            file_sources: false,
-        }
-    }
-}
-
-impl std::fmt::Debug for LaunchPolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LaunchPolicy")
-            .field("saved_only", &self.saved_only)
-            .field("file_sources", &self.file_sources)
-            .field("disabled", &(self.disabled)())
-            .finish()
-    }
-}
 
 /// Serves both services until `cancel` fires.
 pub async fn serve(

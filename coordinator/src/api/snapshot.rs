@@ -2,7 +2,10 @@
 //! [`flotilla_proto::wire`]): made from the engine's [`Snapshot`], and back for the terminal
 //! progress view.
 
-use super::*;
+use std::sync::Arc;
+
+use crate::run::Snapshot;
+
 pub use flotilla_proto::wire::SnapshotView;
 
 impl From<&Snapshot> for SnapshotView {

@@ -3,7 +3,21 @@
 //! under its certificate's name (and an instance of it); the call answers once the dispatcher
 //! has taken the `Hello` or refused it (a name another process holds).
 
-use super::*;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use flotilla_proto::ErrorKind;
+use flotilla_proto::frag;
+use flotilla_proto::link::CoordinatorEnd;
+use flotilla_proto::tls::{self, Role};
+use flotilla_proto::v1::worker_service_server::WorkerService;
+use flotilla_proto::v1::{self, CoordinatorMessage, WorkerMessage, worker_message};
+use futures::Stream;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::coordinator::Coordinator;
 
 pub(super) fn check_version(theirs: &str) -> Result<(), Status> {
     if flotilla_proto::protocol_compatible(theirs) {

@@ -18,9 +18,10 @@ mod calls;
 mod control;
 mod finish;
 pub mod resume;
+mod snapshot;
 mod view;
 
-pub use view::{GroupProgress, Snapshot};
+pub use snapshot::{GroupProgress, Snapshot};
 
 use crate::call::{Mark, State, human};
 use crate::reject::RejectCode;

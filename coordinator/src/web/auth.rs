@@ -1,35 +1,21 @@
 //! Who may see the pages: signed page tokens (HMAC, with an expiry), the login link that
 //! turns one into a cookie, and the guard every route goes through.
 
-use super::*;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use serde::Deserialize;
+
+use super::render::*;
+use super::state::{Access, Web};
 
 /// Name of the cookie that carries a session token.
 pub const COOKIE: &str = "flotilla_session";
 
 use crate::tokens::now_secs;
-pub use crate::tokens::{Claims, MAX_TOKEN_TTL, TokenKey};
-
-/// Who the pages answer.
-#[derive(Debug, Clone)]
-pub enum Access {
-    /// Session tokens from `flotilla token create` (the fleet).
-    Tokens(TokenKey),
-    /// A page on loopback without sign-in (an `--insecure` coordinator): only requests whose
-    /// `Host` is this address, so a web page elsewhere cannot reach it by DNS rebinding.
-    Loopback { port: u16 },
-    /// `flotilla run --serve`: loopback `Host` only, and the run's random key, which the
-    /// printed URL carries (`?key=`) and the first visit keeps in a cookie.
-    Keyed { port: u16, key: String },
-}
-
-impl Access {
-    fn tokens(&self) -> Option<&TokenKey> {
-        match self {
-            Access::Tokens(k) => Some(k),
-            _ => None,
-        }
-    }
-}
+pub use crate::tokens::{Claims, MAX_TOKEN_TTL};
 
 /// Name of the cookie that carries a `--serve` page's key.
 pub const KEY_COOKIE: &str = "flotilla_key";

@@ -3,8 +3,14 @@
 
 use std::collections::BTreeMap;
 
-use super::*;
+use axum::extract::State;
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+
+use super::auth::*;
+use super::state::Web;
 use crate::metrics as m;
+use crate::report::Summary;
 use crate::sched::{Stats, WorkerView};
 
 /// Prometheus text format: runs and agents of this coordinator, the dispatcher and the fleet.
@@ -365,6 +371,7 @@ fn process(e: &mut Exposition) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::RunStatus;
 
     fn snap(status: RunStatus, agents: u64, done: u64, running: u64) -> Summary {
         Summary {

@@ -30,43 +30,33 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
-use base64::Engine;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::SnapshotView;
 use crate::registry::RunRegistry;
-use flotilla_proto::ErrorKind;
 
 use crate::coordinator::Coordinator;
-use crate::history;
-use crate::report::{Report, RunStatus, Summary};
-
-/// The HTTP status of an error of `kind` (the one map is [`ErrorKind`]).
-fn http(kind: ErrorKind) -> StatusCode {
-    StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
-}
 
 mod auth;
 mod metrics;
 mod render;
 mod routes;
 mod server;
+mod state;
 
+pub use crate::tokens::TokenKey;
 use auth::*;
-pub use auth::{Access, COOKIE, Claims, KEY_COOKIE, MAX_TOKEN_TTL, TokenKey, new_page_key};
+pub use auth::{COOKIE, Claims, KEY_COOKIE, MAX_TOKEN_TTL, new_page_key};
 pub use render::esc;
-use render::*;
 use routes::*;
 pub use server::{MAX_BODY_BYTES, serve_router};
+pub use state::Access;
+use state::Web;
 
 /// How the pages are served.
 #[derive(Debug, Clone)]
@@ -76,13 +66,6 @@ pub struct WebOptions {
     pub auth: Option<TokenKey>,
     /// Connection limits, idle and read timeouts of the listener.
     pub limits: crate::listen::Limits,
-}
-
-#[derive(Clone)]
-struct Web {
-    coordinator: Arc<Coordinator>,
-    registry: Arc<RunRegistry>,
-    access: Access,
 }
 
 /// Serves the pages until `cancel` fires.

@@ -1,7 +1,10 @@
 //! HTML: a run's page (live and final), one agent's detail, and the page frame with its style
 //! and script. Everything shown is escaped ([`esc`]).
 
-use super::*;
+use std::sync::Arc;
+
+use crate::history;
+use crate::report::{Report, RunStatus, Summary};
 
 /// Rows a phase lists unless the reader asks for all of them (`?all=1`): a big fan-out
 /// would otherwise send thousands of rows on every update.
@@ -445,9 +448,29 @@ pub(super) fn page_with(title: &str, body: &str, data: &[(&str, &str)]) -> Strin
     )
 }
 
+/// What the page shows of a run: its summary (what every view says of it), its report (final,
+/// or as it stands now with live states) for the agents' rows, and whether it can still
+/// change.
+pub(super) struct PageData {
+    pub(super) summary: Summary,
+    pub(super) report: Arc<Report>,
+    /// Running on this coordinator (buttons work, updates every half second).
+    pub(super) here: bool,
+}
+
+impl PageData {
+    pub(super) fn live(&self) -> bool {
+        !self.summary.status.is_final()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tokens::TokenKey;
+    use base64::Engine;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    use std::time::Duration;
 
     fn agent(index: u64, status: &str) -> crate::report::AgentReport {
         crate::report::AgentReport {

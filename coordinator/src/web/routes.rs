@@ -1,7 +1,22 @@
 //! The routes: a run's page, its live events (SSE), one agent, the diffs, the controls, and
 //! the list of runs — each as HTML and JSON.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+
+use crate::api::SnapshotView;
+use flotilla_proto::ErrorKind;
+
+use super::auth::*;
+use super::render::{self, *};
+use super::state::{Web, http};
+use crate::history;
+use crate::report::{Report, Summary};
 
 /// The signed-in check of a run's routes: the token must show the run's namespace (a run
 /// outside it is answered as not there). `Err`: the response to send instead.
@@ -465,22 +480,6 @@ pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Res
         .unwrap_or_default();
     body.push_str(&render::accounts_table(&accounts));
     Html(page("Runs", &body)).into_response()
-}
-
-/// What the page shows of a run: its summary (what every view says of it), its report (final,
-/// or as it stands now with live states) for the agents' rows, and whether it can still
-/// change.
-pub(super) struct PageData {
-    pub(super) summary: Summary,
-    pub(super) report: Arc<Report>,
-    /// Running on this coordinator (buttons work, updates every half second).
-    pub(super) here: bool,
-}
-
-impl PageData {
-    pub(super) fn live(&self) -> bool {
-        !self.summary.status.is_final()
-    }
 }
 
 pub(super) async fn page_data(web: &Web, run: &str) -> Result<PageData, (StatusCode, String)> {

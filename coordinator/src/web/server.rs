@@ -18,7 +18,9 @@ use hyper_util::service::TowerToHyperService;
 use tokio::time::Sleep;
 use tokio_util::task::TaskTracker;
 
-use super::*;
+use axum::Router;
+use tokio_util::sync::CancellationToken;
+
 use crate::listen::{Limited, Limits};
 
 /// The largest request body a page takes (a control action is a few dozen bytes).

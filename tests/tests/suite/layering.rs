@@ -34,7 +34,6 @@ const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
     // Circles within one folder: a module split over files that share its private items
     // through `use super::*` while the parent names the children back. Between folders, and
     // between the root's modules, there is none.
-    ("flotilla-coordinator", &["run/mod.rs", "run/view.rs"]),
     (
         "flotilla-coordinator",
         &[
@@ -44,26 +43,6 @@ const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
             "sched/keys.rs",
             "sched/leftovers.rs",
             "sched/mod.rs",
-        ],
-    ),
-    (
-        "flotilla-coordinator",
-        &[
-            "api/client.rs",
-            "api/mod.rs",
-            "api/snapshot.rs",
-            "api/worker_bridge.rs",
-        ],
-    ),
-    (
-        "flotilla-coordinator",
-        &[
-            "web/auth.rs",
-            "web/metrics.rs",
-            "web/mod.rs",
-            "web/render.rs",
-            "web/routes.rs",
-            "web/server.rs",
         ],
     ),
     (
