@@ -13,8 +13,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::handle::{Msg, NameTaken, WorkerView};
 use super::keys::{KeyOp, LeaseCtl};
-use super::{Msg, NameTaken, WorkerView};
 use crate::lease::{LeaseId, Revision};
 use crate::listen::Throttled;
 

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use flotilla_proto::v1;
 use tokio::time::Instant;
 
-use super::CallId;
+use super::handle::CallId;
 
 /// The gate a task goes through: its backend and model.
 pub(super) fn gate_of(task: &v1::TaskSpec) -> String {

@@ -1,7 +1,20 @@
 //! The dispatcher's face: what runs register and submit, what they hear back, and the
 //! [`DispatchHandle`] that sends it all to the dispatcher's inbox.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_proto::link::CoordinatorEnd;
+use flotilla_proto::v1::{self, WorkerMessage};
+use tokio::sync::mpsc;
+
+use super::fair::Share;
+use super::usage::UsageBounds;
+pub use crate::call::{CallEvent, CallFailure};
+use crate::lease::{LeaseId, Revision, WatchEvent};
+
+/// A call as the dispatcher files it: its run and its index.
+pub(super) type CallId = (Arc<str>, u64);
 
 /// Default TTL of a worker's liveness lease.
 pub const WORKER_LEASE_TTL: Duration = Duration::from_secs(10);
@@ -23,7 +36,7 @@ pub struct DispatchOptions {
     pub affinity: bool,
     /// What one attempt can use: a worker's usage report above it is clipped before it is
     /// counted.
-    pub usage: super::UsageBounds,
+    pub usage: UsageBounds,
 }
 
 impl Default for DispatchOptions {
@@ -33,7 +46,7 @@ impl Default for DispatchOptions {
             fixed_fleet: false,
             admission: true,
             affinity: true,
-            usage: super::UsageBounds::default(),
+            usage: UsageBounds::default(),
         }
     }
 }
@@ -58,7 +71,7 @@ pub struct RunRegistration {
     pub head: Option<tokio::sync::watch::Receiver<String>>,
     pub events: mpsc::UnboundedSender<CallEvent>,
     /// Its namespace, with the namespace's weight and cap.
-    pub share: super::Share,
+    pub share: Share,
 }
 
 /// One call to run.
@@ -354,4 +367,23 @@ impl DispatchHandle {
         self.tx.send(Msg::Stats(tx)).ok()?;
         rx.await.ok()
     }
+}
+
+/// An attempt whose key is being written.
+#[derive(Debug, Clone)]
+pub(super) struct PendingPut {
+    pub run: Arc<str>,
+    pub call: u64,
+    pub attempt: u32,
+    pub worker: u64,
+    pub lease: LeaseId,
+}
+
+/// Why the lease store would not write an attempt key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// The worker's lease is gone: the call goes back to its queue.
+    LeaseGone,
+    /// The store refused the write itself (permanent): the call fails with this reason.
+    Refused(String),
 }

@@ -9,23 +9,13 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::{CallId, Msg};
+use super::handle::{CallId, Msg, PendingPut, Refusal};
 use crate::lease::{self, BatchOp, LeaseId, LeaseStore, Revision, WatchEvent};
 
 /// Most attempt-key writes in one batch (etcd's default limit of operations per transaction).
 const BATCH_MAX: usize = 128;
 /// Longest wait between retries of a lease-store write that failed.
 const MAX_RETRY: Duration = Duration::from_secs(2);
-
-/// An attempt whose key is being written.
-#[derive(Debug, Clone)]
-pub(super) struct PendingPut {
-    pub run: Arc<str>,
-    pub call: u64,
-    pub attempt: u32,
-    pub worker: u64,
-    pub lease: LeaseId,
-}
 
 /// One attempt-key write.
 #[derive(Debug)]
@@ -128,15 +118,6 @@ pub(super) fn spawn_key_writer(
         }
     });
     tx
-}
-
-/// Why the lease store would not write an attempt key.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Refusal {
-    /// The worker's lease is gone: the call goes back to its queue.
-    LeaseGone,
-    /// The store refused the write itself (permanent): the call fails with this reason.
-    Refused(String),
 }
 
 /// Writes one batch (one write per key, the last one winning), retrying while the store is

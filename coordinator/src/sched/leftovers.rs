@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::CallId;
+use super::handle::CallId;
 
 /// Longest a restarted call waits for what its interrupted attempt leaves.
 pub(super) const WAIT: Duration = Duration::from_secs(30);

@@ -47,7 +47,6 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_proto::link::CoordinatorEnd;
 use flotilla_proto::v1::{
     self, CoordinatorMessage, FailureKind, ProgressKind, WorkerMessage, coordinator_message,
     outcome, worker_message,
@@ -60,7 +59,7 @@ use tokio_util::time::{DelayQueue, delay_queue};
 
 pub use crate::call::{CallEvent, CallFailure, CallResult, Retry};
 use crate::call::{State, human};
-use crate::lease::{self, LeaseId, LeaseStore, Revision, WatchEvent};
+use crate::lease::{self, LeaseStore, Revision};
 
 mod admission;
 mod fair;
@@ -86,9 +85,9 @@ pub use handle::{
 pub use usage::UsageBounds;
 
 use fleet::Fleet;
-use keys::{KeyOp, PendingPut, Refusal};
+use keys::KeyOp;
 
-type CallId = (Arc<str>, u64);
+use handle::CallId;
 
 struct CallState {
     ticket: Ticket,

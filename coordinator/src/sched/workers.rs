@@ -27,7 +27,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::keys::{KeyOp, LeaseCtl, PendingPut, Refusal, worker_lease};
+use super::handle::{PendingPut, Refusal};
+use super::keys::{KeyOp, LeaseCtl, worker_lease};
 use super::{CallEvent, CallFailure, CallId, Dispatcher, Retry, State, Timer};
 use crate::lease::{self, LeaseId, Revision, WatchEvent};
 

@@ -32,6 +32,7 @@ impl Access {
     }
 }
 
+/// What every page handler is given: the coordinator, its runs, and who may see them.
 #[derive(Clone)]
 pub(super) struct Web {
     pub(super) coordinator: Arc<Coordinator>,

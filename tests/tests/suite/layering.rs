@@ -35,17 +35,6 @@ const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
     // through `use super::*` while the parent names the children back. Between folders, and
     // between the root's modules, there is none.
     (
-        "flotilla-coordinator",
-        &[
-            "sched/fleet.rs",
-            "sched/gates.rs",
-            "sched/handle.rs",
-            "sched/keys.rs",
-            "sched/leftovers.rs",
-            "sched/mod.rs",
-        ],
-    ),
-    (
         "flotilla-worker",
         &[
             "backend/anthropic.rs",

@@ -1,5 +1,6 @@
 use super::*;
 use crate::lease::memory::MemoryLeaseStore;
+use crate::lease::{LeaseId, WatchEvent};
 use flotilla_proto::link::{Link, link_pair};
 use std::sync::atomic::Ordering;
 
