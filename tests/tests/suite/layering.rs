@@ -1,5 +1,5 @@
-//! Layers that cannot loop (issue 30): which crate may depend on which, and which modules
-//! still import each other in a circle.
+//! Layers that cannot loop (issue 30): which crate may depend on which, and that no two
+//! modules import each other, directly or around a circle.
 //!
 //! - Crates: each flotilla crate's dependencies on the others are read from its
 //!   `Cargo.toml` and checked against [`CRATE_LAYERS`]: a crate depends only on crates of
@@ -9,11 +9,11 @@
 //!   of a module the file declares, is an edge from the file that writes it to the file of
 //!   the longest module it names (a path through the crate root's re-exports, `crate::Report`,
 //!   names the module the root re-exports the item from). A file in a strongly connected set of two or more
-//!   is in an import circle. [`KNOWN_CIRCLES`] lists the files still in one: a file that joins
-//!   a circle fails the test, and so does a listed file that has left its circle (take it off
-//!   the list, so the list only shrinks).
+//!   is in an import circle, and fails the test: a module split over files shares its items
+//!   through a leaf file that names none of its siblings, never through `use super::*` of a
+//!   parent that names its children back.
 //!
-//! To see the circles: `cargo test -p flotilla-tests --test suite layering -- --nocapture`.
+//! To see what ties a circle: `cargo test -p flotilla-tests --test suite layering -- --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -26,26 +26,6 @@ const CRATE_LAYERS: &[(&str, &str, u32)] = &[
     ("flotilla-coordinator", "coordinator", 2),
     ("flotilla-worker", "worker", 2),
     ("flotilla", "cli", 3),
-];
-
-/// The files of each crate still in an import circle (paths under the crate's `src/`).
-/// This list may only shrink.
-const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
-    // Circles within one folder: a module split over files that share its private items
-    // through `use super::*` while the parent names the children back. Between folders, and
-    // between the root's modules, there is none.
-    (
-        "flotilla-worker",
-        &[
-            "backend/anthropic.rs",
-            "backend/claude.rs",
-            "backend/echo.rs",
-            "backend/exec.rs",
-            "backend/http.rs",
-            "backend/mod.rs",
-            "backend/openai.rs",
-        ],
-    ),
 ];
 
 fn root() -> PathBuf {
@@ -397,7 +377,7 @@ fn graph(dir: &Path) -> BTreeMap<String, BTreeSet<String>> {
 }
 
 #[test]
-fn layering_no_module_joins_an_import_circle_and_the_known_ones_only_shrink() {
+fn layering_no_module_of_the_coordinator_or_the_worker_is_in_an_import_circle() {
     let mut report = Vec::new();
     for (krate, dir) in [
         ("flotilla-coordinator", "coordinator"),
@@ -405,25 +385,19 @@ fn layering_no_module_joins_an_import_circle_and_the_known_ones_only_shrink() {
     ] {
         let edges = graph(&root().join(dir));
         assert!(edges.len() > 10, "{krate}: read too few files: {edges:?}");
-        let found: BTreeSet<String> = circles(&edges).into_iter().flatten().collect();
         for c in circles(&edges) {
-            println!("{krate}: a circle of {} files: {c:?}", c.len());
-        }
-        let known: BTreeSet<String> = KNOWN_CIRCLES
-            .iter()
-            .filter(|(k, _)| *k == krate)
-            .flat_map(|(_, files)| files.iter().map(|f| (*f).to_owned()))
-            .collect();
-        let joined: Vec<&String> = found.difference(&known).collect();
-        let left: Vec<&String> = known.difference(&found).collect();
-        if !joined.is_empty() {
+            let ties: Vec<String> = c
+                .iter()
+                .flat_map(|f| {
+                    edges[f]
+                        .iter()
+                        .filter(|t| c.contains(*t))
+                        .map(move |t| format!("{f} -> {t}"))
+                })
+                .collect();
             report.push(format!(
-                "{krate}: in an import circle now, and not before: {joined:?} (make the import point down: move the shared thing to a lower module)"
-            ));
-        }
-        if !left.is_empty() {
-            report.push(format!(
-                "{krate}: no longer in a circle: {left:?} (take them off KNOWN_CIRCLES)"
+                "{krate}: a circle of {} files: {ties:?} (make the import point down: move what both need to a file that names neither)",
+                c.len()
             ));
         }
     }

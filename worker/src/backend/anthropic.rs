@@ -17,7 +17,8 @@ use flotilla_proto::v1::{self, FailureKind, ProgressKind};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task};
+use super::seam::{AgentBackend, Events, Output, Submissions, Submitted, Task};
+use crate::failure::Error;
 
 /// Model used when neither the call nor the run names one.
 pub const DEFAULT_MODEL: &str = "claude-sonnet-4-5";
@@ -332,7 +333,7 @@ impl AgentBackend for Anthropic {
     }
 
     fn account(&self) -> Option<String> {
-        Some(super::account_id(
+        Some(super::seam::account_id(
             "anthropic",
             &self.base,
             self.key.as_deref().or(self.bearer.as_deref()),

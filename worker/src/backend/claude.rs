@@ -25,7 +25,8 @@ use super::lines::{self, BoundedLines};
 use tokio_util::sync::CancellationToken;
 
 use super::procs::{GroupGuard, kill_group};
-use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task};
+use super::seam::{AgentBackend, Events, Output, Submissions, Submitted, Task};
+use crate::failure::Error;
 
 /// The Claude Code CLI backend.
 #[derive(Debug, Clone)]
@@ -406,7 +407,7 @@ impl AgentBackend for ClaudeCode {
         let key = var("ANTHROPIC_API_KEY")
             .or_else(|| var("ANTHROPIC_AUTH_TOKEN"))
             .unwrap_or("login");
-        Some(super::account_id("anthropic", base, Some(key)))
+        Some(super::seam::account_id("anthropic", base, Some(key)))
     }
 
     async fn run(

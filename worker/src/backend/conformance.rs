@@ -14,7 +14,7 @@ use flotilla_tests::fake_anthropic::FakeAnthropic;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::{AgentBackend, EventSink, Events, Output, Task, run_attempt};
+use super::seam::{AgentBackend, EventSink, Events, Output, Task, run_attempt};
 
 /// What one attempt sent while it ran.
 #[derive(Default)]
@@ -85,7 +85,7 @@ impl Case {
         schema: Option<Value>,
         cancel: CancellationToken,
         seen: Arc<Seen>,
-    ) -> Result<Output, super::Error> {
+    ) -> Result<Output, crate::failure::Error> {
         let task = self.task(prompt, schema);
         let events = Events::new(seen);
         tokio::time::timeout(

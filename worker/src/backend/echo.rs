@@ -16,7 +16,8 @@ use flotilla_proto::v1::{FailureKind, ProgressKind, Usage};
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task, chars};
+use super::seam::{AgentBackend, Events, Output, Submissions, Submitted, Task, chars};
+use crate::failure::Error;
 
 /// How long a rate-limited echo attempt asks the caller to wait.
 pub const RATE_LIMIT_RETRY_AFTER: Duration = Duration::from_millis(200);

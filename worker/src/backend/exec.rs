@@ -20,7 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::lines::{self, BoundedLines};
 use super::procs::{GroupGuard, kill_group};
-use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task, chars};
+use super::seam::{AgentBackend, Events, Output, Submissions, Submitted, Task, chars};
+use crate::failure::Error;
 
 /// Exit status a command uses to ask for another attempt.
 pub const EXIT_RETRY: i32 = 75;

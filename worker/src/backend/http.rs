@@ -6,7 +6,7 @@ use std::time::Duration;
 use flotilla_proto::v1::FailureKind;
 use serde_json::Value;
 
-use super::Error;
+use crate::failure::Error;
 
 /// An HTTP client for a model API.
 pub(crate) fn client() -> reqwest::Client {

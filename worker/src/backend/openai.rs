@@ -13,7 +13,8 @@ use flotilla_proto::v1::{self, FailureKind, ProgressKind};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::{AgentBackend, Error, Events, Output, Submissions, Submitted, Task};
+use super::seam::{AgentBackend, Events, Output, Submissions, Submitted, Task};
+use crate::failure::Error;
 
 const SYSTEM: &str = "You are an agent working on one task of a larger workflow. Do the task you are given and answer with the result only.";
 
@@ -137,7 +138,11 @@ impl AgentBackend for OpenAi {
     }
 
     fn account(&self) -> Option<String> {
-        Some(super::account_id("openai", &self.base, self.key.as_deref()))
+        Some(super::seam::account_id(
+            "openai",
+            &self.base,
+            self.key.as_deref(),
+        ))
     }
 
     async fn run(
