@@ -110,6 +110,7 @@ pub fn run(args: CertsArgs) -> i32 {
             namespaces,
         } => role
             .parse::<Role>()
+            .map_err(String::from)
             .and_then(|role| issue_in(&dir, &name, role, &hosts, days, force, &namespaces)),
         CertsCommand::Ensure { dir, certs, hosts } => ensure(&dir, &certs, &hosts),
     };

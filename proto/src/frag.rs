@@ -14,6 +14,7 @@
 //! at most one message in pieces; a sequence that is over the limit or malformed is dropped
 //! (and said so) without touching the stream.
 
+use crate::Problem;
 use prost::Message;
 
 use crate::v1::{self, CoordinatorMessage, WorkerMessage, coordinator_message, worker_message};
@@ -283,16 +284,16 @@ pub fn fit_outcome(mut o: v1::Outcome, limit: usize) -> v1::Outcome {
 /// Whether one agent call of `len` bytes (its prompt and options) fits the stream: `Err`
 /// says how big it is and what to do. An assignment carries them twice at most (the
 /// options as given and normalized) plus a few small fields.
-pub fn check_call_size(len: usize) -> Result<(), String> {
+pub fn check_call_size(len: usize) -> Result<(), Problem> {
     let limit = MAX_MESSAGE_BYTES / 2 - (64 << 10);
     if len <= limit {
         return Ok(());
     }
-    Err(format!(
+    Err(Problem::invalid(format!(
         "agent() prompt and options are {}, over the limit of {} for one agent call; pass a smaller prompt (for large inputs, have the agent read them from files)",
         mib(len),
         mib(limit)
-    ))
+    )))
 }
 
 /// A transcript event cut to [`MAX_EVENT_BYTES`] (on a character boundary, with a note).

@@ -16,9 +16,11 @@
 pub mod clock;
 pub mod frag;
 pub mod link;
+mod problem;
 pub mod schema;
 pub mod tls;
 pub mod wire;
+pub use problem::Problem;
 
 /// Generated protocol types, version 1.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]

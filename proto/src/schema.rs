@@ -10,15 +10,16 @@
 //!
 //! Invariant: a schema that passes [`preflight`] always compiles into a [`Validator`].
 
+use crate::Problem;
 use serde_json::Value;
 
 /// Checks a schema before an agent is started. The error names the problem and where it is.
-pub fn preflight(schema: &Value) -> Result<(), String> {
+pub fn preflight(schema: &Value) -> Result<(), Problem> {
     let Value::Object(root) = schema else {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "schema must be a JSON Schema object like {{ type: 'object', properties: {{...}} }}, got {}",
             kind_of(schema)
-        ));
+        )));
     };
     if let Err(e) = jsonschema::meta::validate(schema) {
         let at = e.instance_path().to_string();
@@ -27,20 +28,21 @@ pub fn preflight(schema: &Value) -> Result<(), String> {
         } else {
             at
         };
-        return Err(format!("schema is not valid JSON Schema: {e} (at {at})"));
+        return Err(Problem::invalid(format!(
+            "schema is not valid JSON Schema: {e} (at {at})"
+        )));
     }
     match root.get("type") {
         Some(Value::String(t)) if t == "object" => {}
         Some(other) => {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "schema root must have type 'object' (the agent answers with an object), found type {other}"
-            ));
+            )));
         }
         None => {
-            return Err(
-                "schema root must have type 'object' (the agent answers with an object): add type: 'object'"
-                    .to_owned(),
-            );
+            return Err(Problem::invalid(
+                "schema root must have type 'object' (the agent answers with an object): add type: 'object'",
+            ));
         }
     }
     contradictions(schema, "#")?;
@@ -49,9 +51,9 @@ pub fn preflight(schema: &Value) -> Result<(), String> {
         let props = root.get("properties").and_then(Value::as_object);
         for key in required.iter().filter_map(Value::as_str) {
             if !props.is_some_and(|p| p.contains_key(key)) {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "schema root requires '{key}' but does not define it in properties; add '{key}' to properties"
-                ));
+                )));
             }
         }
     }
@@ -71,14 +73,14 @@ impl std::fmt::Debug for Validator {
 
 impl Validator {
     /// Compiles a schema (no preflight).
-    pub fn new(schema: &Value) -> Result<Self, String> {
+    pub fn new(schema: &Value) -> Result<Self, Problem> {
         jsonschema::validator_for(schema)
             .map(|inner| Validator { inner })
-            .map_err(|e| format!("schema cannot be compiled: {e}"))
+            .map_err(|e| Problem::invalid(format!("schema cannot be compiled: {e}")))
     }
 
     /// Validates one submission; the error lists up to three failures with their locations.
-    pub fn validate(&self, instance: &Value) -> Result<(), String> {
+    pub fn validate(&self, instance: &Value) -> Result<(), Problem> {
         let mut problems = Vec::new();
         let mut total = 0usize;
         for error in self.inner.iter_errors(instance) {
@@ -100,7 +102,7 @@ impl Validator {
         if total > problems.len() {
             message.push_str(&format!(" (and {} more)", total - problems.len()));
         }
-        Err(message)
+        Err(Problem::invalid(message))
     }
 }
 
@@ -116,7 +118,7 @@ fn kind_of(value: &Value) -> &'static str {
 }
 
 /// Walks every subschema and reports the first self-contradiction that can be proved.
-fn contradictions(schema: &Value, at: &str) -> Result<(), String> {
+fn contradictions(schema: &Value, at: &str) -> Result<(), Problem> {
     let Value::Object(map) = schema else {
         return Ok(());
     };
@@ -127,9 +129,9 @@ fn contradictions(schema: &Value, at: &str) -> Result<(), String> {
         if let Some(Value::Array(required)) = map.get("required") {
             for key in required.iter().filter_map(Value::as_str) {
                 if !props.is_some_and(|p| p.contains_key(key)) {
-                    return Err(format!(
+                    return Err(Problem::invalid(format!(
                         "schema contradicts itself at {at}: '{key}' is required but additionalProperties: false rules it out (it is not in properties); add '{key}' to properties or drop it from required"
-                    ));
+                    )));
                 }
             }
         }
@@ -146,17 +148,17 @@ fn contradictions(schema: &Value, at: &str) -> Result<(), String> {
             map.get(high).and_then(Value::as_f64),
         ) && lo > hi
         {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "schema contradicts itself at {at}: {low} {lo} is above {high} {hi}, so no value can match"
-            ));
+            )));
         }
     }
     if let Some(Value::Array(members)) = map.get("enum")
         && members.is_empty()
     {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "schema contradicts itself at {at}: enum is empty, so no value can match"
-        ));
+        )));
     }
     if let Some(Value::Object(props)) = map.get("properties") {
         for (name, sub) in props {
@@ -202,15 +204,18 @@ mod tests {
         let s = json!({"type": "object", "properties": {"a": {"type": "string"}},
                         "required": ["a", "b"], "additionalProperties": false});
         let e = preflight(&s).unwrap_err();
-        assert!(e.contains("'b' is required"), "{e}");
-        assert!(e.contains("additionalProperties: false"), "{e}");
+        assert!(e.message.contains("'b' is required"), "{e}");
+        assert!(e.message.contains("additionalProperties: false"), "{e}");
     }
 
     #[test]
     fn root_required_keys_must_be_defined_in_properties() {
         let s = json!({"type": "object", "properties": {}, "required": ["b"]});
         let e = preflight(&s).unwrap_err();
-        assert!(e.contains("'b'") && e.contains("properties"), "{e}");
+        assert!(
+            e.message.contains("'b'") && e.message.contains("properties"),
+            "{e}"
+        );
         // Nested objects may require keys they allow through additionalProperties.
         let s =
             json!({"type": "object", "properties": {"o": {"type": "object", "required": ["x"]}}});
@@ -221,27 +226,27 @@ mod tests {
     fn rejects_nested_contradictions_with_their_location() {
         let s = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 2}}});
         let e = preflight(&s).unwrap_err();
-        assert!(e.contains("#/properties/n"), "{e}");
+        assert!(e.message.contains("#/properties/n"), "{e}");
         let s = json!({"type": "object", "properties": {"l": {"type": "array", "items": {"enum": []}}}});
         let e = preflight(&s).unwrap_err();
-        assert!(e.contains("enum is empty"), "{e}");
+        assert!(e.message.contains("enum is empty"), "{e}");
     }
 
     #[test]
     fn rejects_invalid_json_schema() {
         let s = json!({"type": "object", "properties": {"a": {"type": "strnig"}}});
         let e = preflight(&s).unwrap_err();
-        assert!(e.contains("not valid JSON Schema"), "{e}");
+        assert!(e.message.contains("not valid JSON Schema"), "{e}");
         let e = preflight(&json!("object")).unwrap_err();
-        assert!(e.contains("got a string"), "{e}");
+        assert!(e.message.contains("got a string"), "{e}");
     }
 
     #[test]
     fn rejects_non_object_root() {
         let e = preflight(&json!({"type": "array", "items": {}})).unwrap_err();
-        assert!(e.contains("type 'object'"), "{e}");
+        assert!(e.message.contains("type 'object'"), "{e}");
         let e = preflight(&json!({"properties": {}})).unwrap_err();
-        assert!(e.contains("add type: 'object'"), "{e}");
+        assert!(e.message.contains("add type: 'object'"), "{e}");
     }
 
     #[test]
@@ -252,9 +257,9 @@ mod tests {
         .unwrap();
         v.validate(&json!({"n": 3})).unwrap();
         let e = v.validate(&json!({"n": "x"})).unwrap_err();
-        assert!(e.contains("/n"), "{e}");
+        assert!(e.message.contains("/n"), "{e}");
         let e = v.validate(&json!({})).unwrap_err();
-        assert!(e.contains("required"), "{e}");
+        assert!(e.message.contains("required"), "{e}");
     }
 }
 

@@ -10,6 +10,7 @@
 //! The workspace uses one rustls crypto provider, ring; [`install_crypto_provider`] must run
 //! before any TLS config is built (every binary's `main` calls it).
 
+use crate::Problem;
 use std::path::{Path, PathBuf};
 
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
@@ -38,15 +39,15 @@ impl Role {
 }
 
 impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = crate::Problem;
+    fn from_str(s: &str) -> Result<Self, Problem> {
         match s {
             "coordinator" => Ok(Role::Coordinator),
             "worker" => Ok(Role::Worker),
             "client" => Ok(Role::Client),
-            other => Err(format!(
+            other => Err(Problem::invalid(format!(
                 "unknown role {other:?}: use coordinator, worker or client"
-            )),
+            ))),
         }
     }
 }
@@ -186,21 +187,23 @@ pub struct Peer {
 }
 
 /// Reads the peer's identity from its leaf certificate (DER).
-pub fn peer_from_der(der: &[u8]) -> Result<Peer, String> {
+pub fn peer_from_der(der: &[u8]) -> Result<Peer, Problem> {
     let (_, cert) = x509_parser::parse_x509_certificate(der)
-        .map_err(|e| format!("the client certificate cannot be parsed: {e}"))?;
+        .map_err(|e| Problem::denied(format!("the client certificate cannot be parsed: {e}")))?;
     let subject = cert.subject();
     let name = subject
         .iter_common_name()
         .next()
         .and_then(|cn| cn.as_str().ok())
         .map(str::to_owned)
-        .ok_or("the client certificate has no common name (CN)")?;
+        .ok_or(Problem::denied(
+            "the client certificate has no common name (CN)",
+        ))?;
     let role = subject
         .iter_organizational_unit()
         .next()
         .and_then(|ou| ou.as_str().ok())
-        .ok_or("the client certificate carries no Flotilla role (OU); issue it with `flotilla certs issue --role ...`")?
+        .ok_or(Problem::denied("the client certificate carries no Flotilla role (OU); issue it with `flotilla certs issue --role ...`"))?
         .parse::<Role>()?;
     let organisation = subject
         .iter_organization()
@@ -255,7 +258,7 @@ pub fn require_role<T>(
 pub fn channel(
     endpoint: &str,
     tls: Option<&TlsFiles>,
-) -> Result<tonic::transport::Channel, String> {
+) -> Result<tonic::transport::Channel, Problem> {
     channel_as(endpoint, tls, None)
 }
 
@@ -265,10 +268,14 @@ pub fn channel_as(
     endpoint: &str,
     tls: Option<&TlsFiles>,
     server_name: Option<&str>,
-) -> Result<tonic::transport::Channel, String> {
+) -> Result<tonic::transport::Channel, Problem> {
     use std::time::Duration;
     let mut ep = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
-        .map_err(|_| format!("invalid coordinator address {endpoint:?}: use https://host:port"))?
+        .map_err(|_| {
+            Problem::invalid(format!(
+                "invalid coordinator address {endpoint:?}: use https://host:port"
+            ))
+        })?
         .connect_timeout(Duration::from_secs(5))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
@@ -277,27 +284,31 @@ pub fn channel_as(
     match tls {
         Some(files) => {
             if !scheme_https {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "coordinator address {endpoint:?} is not https://; TLS needs https:// (or pass --insecure for plain text on loopback)"
-                ));
+                )));
             }
             let host = match server_name {
                 Some(name) => name.to_owned(),
-                None => ep
-                    .uri()
-                    .host()
-                    .map(str::to_owned)
-                    .ok_or_else(|| format!("coordinator address {endpoint:?} has no host"))?,
+                None => ep.uri().host().map(str::to_owned).ok_or_else(|| {
+                    Problem::invalid(format!("coordinator address {endpoint:?} has no host"))
+                })?,
             };
             ep = ep
-                .tls_config(files.client_config(&host).map_err(|e| e.to_string())?)
-                .map_err(|e| format!("invalid TLS configuration for {endpoint}: {e}"))?;
+                .tls_config(
+                    files
+                        .client_config(&host)
+                        .map_err(|e| Problem::invalid(e.to_string()))?,
+                )
+                .map_err(|e| {
+                    Problem::invalid(format!("invalid TLS configuration for {endpoint}: {e}"))
+                })?;
         }
         None => {
             if scheme_https {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "coordinator address {endpoint:?} is https:// but no certificate was given; pass --tls-dir"
-                ));
+                )));
             }
         }
     }

@@ -67,7 +67,7 @@ pub async fn serve(
         .map(|e| {
             flotilla_proto::tls::channel(e, opts.tls.as_ref())
                 .map(|c| (e.clone(), c))
-                .map_err(Error::Connect)
+                .map_err(|p| Error::Connect(p.message))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let (links_tx, links_rx) = mpsc::unbounded_channel();

@@ -123,7 +123,7 @@ pub struct Admitter {
     /// Prefix replay: every call so far was served, so the next may be too.
     prefix_intact: bool,
     /// Schema preflight results, by schema text.
-    schema_checks: HashMap<String, Result<(), String>>,
+    schema_checks: HashMap<String, Result<(), flotilla_proto::Problem>>,
 }
 
 impl Default for Admitter {
@@ -249,7 +249,7 @@ impl Admitter {
         }
         // Checked before anything is recorded: one call must fit the worker stream.
         flotilla_proto::frag::check_call_size(prompt.len() + opts_json.len())
-            .map_err(|e| (RejectCode::TooLarge, e))?;
+            .map_err(|e| (RejectCode::TooLarge, e.message))?;
         let mut spec = CallSpec::parse(prompt, opts_json, &settings.backend, "")
             .map_err(|e| (RejectCode::InvalidOption, e.to_string()))?;
         let (type_model, agent_def) = if spec.agent_type.is_empty() {

@@ -313,6 +313,7 @@ impl Submissions {
         match self.validator.validate(&value) {
             Ok(()) => Ok(Submitted::Accepted(value)),
             Err(problem) => {
+                let problem = problem.message;
                 self.last_error = Some(problem.clone());
                 if self.made >= self.limit {
                     Err(self.exhausted())
