@@ -391,7 +391,7 @@ pub async fn sandbox_with_api(
     let s = flotilla_worker::sandbox::Sandbox::bubblewrap().await?;
     let me =
         std::env::current_exe().map_err(|e| format!("cannot find this program's own path: {e}"))?;
-    s.with_network(me, allow_net).await
+    Ok(s.with_network(me, allow_net).await?)
 }
 
 /// Prints an error the way every command does, and returns the exit status.

@@ -8,6 +8,7 @@
 //! answer back. A token stops working when its attempt ends; a request without a live one is
 //! refused with 401 and a message saying so.
 
+use flotilla_proto::Problem;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -48,7 +49,7 @@ const MAX_REQUEST: usize = 64 << 20;
 impl Gateway {
     /// Serves on a socket in `dir` (made private to the worker's user), with the key and
     /// API address of the worker's environment.
-    pub async fn start(dir: &Path) -> Result<Arc<Gateway>, String> {
+    pub async fn start(dir: &Path) -> Result<Arc<Gateway>, Problem> {
         let upstream = std::env::var("ANTHROPIC_BASE_URL")
             .ok()
             .filter(|u| !u.trim().is_empty())
@@ -71,8 +72,9 @@ impl Gateway {
         let key = match key {
             Some((h, v)) => Some((
                 h,
-                HeaderValue::from_str(&v)
-                    .map_err(|_| "the worker's API key is not a valid header value".to_owned())?,
+                HeaderValue::from_str(&v).map_err(|_| {
+                    Problem::unavailable("the worker's API key is not a valid header value")
+                })?,
             )),
             None => None,
         };
@@ -84,19 +86,21 @@ impl Gateway {
         dir: &Path,
         upstream: String,
         key: Option<(HeaderName, HeaderValue)>,
-    ) -> Result<Arc<Gateway>, String> {
+    ) -> Result<Arc<Gateway>, Problem> {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Problem::unavailable(format!("cannot make {}: {e}", dir.display())))?;
         let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
         let socket = dir.join("api.sock");
         let _ = std::fs::remove_file(&socket);
-        let listener = tokio::net::UnixListener::bind(&socket)
-            .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+        let listener = tokio::net::UnixListener::bind(&socket).map_err(|e| {
+            Problem::unavailable(format!("cannot listen on {}: {e}", socket.display()))
+        })?;
         // No redirects: one to another host would take the key with it.
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| format!("cannot make an HTTP client: {e}"))?;
+            .map_err(|e| Problem::unavailable(format!("cannot make an HTTP client: {e}")))?;
         let g = Arc::new(Gateway {
             socket,
             upstream: upstream.trim_end_matches('/').to_owned(),
@@ -350,7 +354,7 @@ pub async fn start_proxy(
     dir: &Path,
     allow: Vec<String>,
     api: (&str, PathBuf),
-) -> Result<PathBuf, String> {
+) -> Result<PathBuf, Problem> {
     start_proxy_with(dir, allow, api, Lookup::system()).await
 }
 
@@ -396,12 +400,13 @@ async fn start_proxy_with(
     allow: Vec<String>,
     (api, gateway): (&str, PathBuf),
     lookup: Lookup,
-) -> Result<PathBuf, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+) -> Result<PathBuf, Problem> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Problem::unavailable(format!("cannot make {}: {e}", dir.display())))?;
     let socket = dir.join("net.sock");
     let _ = std::fs::remove_file(&socket);
     let listener = tokio::net::UnixListener::bind(&socket)
-        .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+        .map_err(|e| Problem::unavailable(format!("cannot listen on {}: {e}", socket.display())))?;
     let allow = Arc::new(allow);
     let api = Arc::new((api.to_owned(), gateway));
     tokio::spawn(async move {

@@ -14,6 +14,7 @@
 //! through `git index-pack`, which checks every one). The worker's own git on a checkout
 //! names the common directory itself, so nothing the agent writes there redirects it.
 
+use flotilla_proto::Problem;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -111,7 +112,7 @@ const ETC: &[&str] = &[
 impl Sandbox {
     /// Bubblewrap, checked by making a sandbox (`bwrap` on `PATH`, or `FLOTILLA_BWRAP`).
     /// `Err` says why there is none and what to do.
-    pub async fn bubblewrap() -> Result<Sandbox, String> {
+    pub async fn bubblewrap() -> Result<Sandbox, Problem> {
         let bin = std::env::var_os("FLOTILLA_BWRAP").map_or_else(
             || find_on_path("bwrap").unwrap_or_else(|| PathBuf::from("bwrap")),
             PathBuf::from,
@@ -120,7 +121,9 @@ impl Sandbox {
         let state = tempfile::Builder::new()
             .prefix(&format!("{STATE_PREFIX}{}-", std::process::id()))
             .tempdir()
-            .map_err(|e| format!("cannot make the sandbox's directory: {e}"))?;
+            .map_err(|e| {
+                Problem::unavailable(format!("cannot make the sandbox's directory: {e}"))
+            })?;
         let etc = state.path().to_owned();
         for (name, body) in [
             ("passwd", "agent:x:1000:1000:agent:/tmp/home:/bin/sh\n"),
@@ -130,14 +133,16 @@ impl Sandbox {
                 "[user]\n\tname = flotilla agent\n\temail = agent@flotilla.invalid\n[safe]\n\tdirectory = *\n",
             ),
         ] {
-            std::fs::write(etc.join(name), body)
-                .map_err(|e| format!("cannot write {}: {e}", etc.join(name).display()))?;
+            std::fs::write(etc.join(name), body).map_err(|e| {
+                Problem::unavailable(format!("cannot write {}: {e}", etc.join(name).display()))
+            })?;
         }
         let seccomp = match crate::seccomp::program() {
             Some(bpf) => {
                 let path = etc.join("seccomp.bpf");
-                std::fs::write(&path, bpf)
-                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                std::fs::write(&path, bpf).map_err(|e| {
+                    Problem::unavailable(format!("cannot write {}: {e}", path.display()))
+                })?;
                 Some(path)
             }
             None => None,
@@ -160,13 +165,13 @@ impl Sandbox {
         let out = probe
             .output()
             .await
-            .map_err(|e| format!("cannot run {}: {e}", b.bin.display()))?;
+            .map_err(|e| Problem::unavailable(format!("cannot run {}: {e}", b.bin.display())))?;
         if !out.status.success() {
-            return Err(format!(
+            return Err(Problem::unavailable(format!(
                 "{} cannot make a sandbox here: {}",
                 b.bin.display(),
                 String::from_utf8_lossy(&out.stderr).trim()
-            ));
+            )));
         }
         Ok(Sandbox::Bwrap(Arc::new(b)))
     }
@@ -175,7 +180,11 @@ impl Sandbox {
     /// that holds the worker's key, and the hosts of `allow` through a proxy (everything
     /// else refused with the reason), both outside and relayed inside by `relay`, the
     /// flotilla binary.
-    pub async fn with_network(self, relay: PathBuf, allow: Vec<String>) -> Result<Sandbox, String> {
+    pub async fn with_network(
+        self,
+        relay: PathBuf,
+        allow: Vec<String>,
+    ) -> Result<Sandbox, Problem> {
         let Sandbox::Bwrap(b) = self else {
             return Ok(self);
         };

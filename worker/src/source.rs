@@ -15,6 +15,7 @@
 //! which its attempts share (W58). The cache is only a cache: a checkout that fails on
 //! missing or corrupt objects drops the repository and fetches it again, once.
 
+use flotilla_proto::Problem;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,7 +65,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// A git failure of the worker itself (a full disk, say): the attempt may go elsewhere.
-fn worker_error(what: &str, e: &str) -> Error {
+fn worker_error(what: &str, e: &impl std::fmt::Display) -> Error {
+    let e = e.to_string();
     let full = e.contains("No space left on device") || e.contains("os error 28");
     let hint = if full {
         "; this worker's disk is full: free space under its --workspace, or give it a larger one"
@@ -139,12 +141,12 @@ const CACHE_CONFIG: &str =
 /// Makes the cache at `bare` the worker's own again: a plain directory (never a link), its
 /// config [`CACHE_CONFIG`], no hooks, attributes or borrowed objects. Nothing an agent can
 /// reach writes here; this holds it even for a cache written by an older version.
-fn harden_cache(bare: &Path) -> Result<(), String> {
+fn harden_cache(bare: &Path) -> Result<(), Problem> {
     if !std::fs::symlink_metadata(bare).is_ok_and(|m| m.is_dir()) {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "{} is not a directory of the worker's",
             bare.display()
-        ));
+        )));
     }
     let config = bare.join("config");
     let plain = std::fs::symlink_metadata(&config).is_ok_and(|m| m.is_file() && m.len() < 4096)
@@ -152,7 +154,7 @@ fn harden_cache(bare: &Path) -> Result<(), String> {
     if !plain {
         let _ = std::fs::remove_file(&config);
         std::fs::write(&config, CACHE_CONFIG)
-            .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+            .map_err(|e| Problem::internal(format!("cannot write {}: {e}", config.display())))?;
     }
     for extra in [
         "hooks",
@@ -292,17 +294,17 @@ impl Sources {
 
     /// Whether a result of `text_len` bytes with `change` fits this worker's results: `Err`
     /// names the sizes.
-    pub fn fits(&self, text_len: usize, change: &v1::Change) -> Result<(), String> {
+    pub fn fits(&self, text_len: usize, change: &v1::Change) -> Result<(), Problem> {
         let len = text_len + change.pack.len() + (64 << 10);
         let limit = self.max_result.min(flotilla_proto::frag::MAX_MESSAGE_BYTES);
         if len <= limit {
             return Ok(());
         }
-        Err(format!(
+        Err(Problem::invalid(format!(
             "the agent's change is {} MiB of new objects, over the limit of {} MiB for one result (--max-result-mib)",
             change.pack.len().div_ceil(1 << 20),
             limit >> 20
-        ))
+        )))
     }
 
     /// Makes `fetch` anonymous: none of the worker's credentials reach it — not its home's
@@ -700,23 +702,25 @@ impl Sources {
                 }
             }
         }
-        Err(worker_error("cannot check out the source", "giving up"))
+        Err(worker_error("cannot check out the source", &"giving up"))
     }
 }
 
 /// Indexes one received pack into `bare`.
-async fn index_pack(bare: &Path, pack: &Path) -> Result<(), String> {
-    let file = std::fs::File::open(pack).map_err(|e| e.to_string())?;
+async fn index_pack(bare: &Path, pack: &Path) -> Result<(), Problem> {
+    let file = std::fs::File::open(pack).map_err(|e| Problem::internal(e.to_string()))?;
     let out = crate::worktree::git_command(bare)
         .args(["index-pack", "--stdin"])
         .stdin(file)
         .output()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Problem::internal(e.to_string()))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+        Err(Problem::internal(
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ))
     }
 }
 
@@ -732,9 +736,12 @@ pub async fn change_of(
     if !wt.changed().await {
         return Ok(None);
     }
-    let dirty = wt.git(&["status", "--porcelain"]).await.map_err(failed)?;
+    let dirty = wt
+        .git(&["status", "--porcelain"])
+        .await
+        .map_err(|p| failed(p.into()))?;
     if !dirty.is_empty() {
-        wt.git(&["add", "-A"]).await.map_err(failed)?;
+        wt.git(&["add", "-A"]).await.map_err(|p| failed(p.into()))?;
         // The agent is the author: its label, and an address naming the run and call.
         let name: String = spec
             .label
@@ -765,14 +772,17 @@ pub async fn change_of(
             ));
         }
     }
-    let commit = wt.git(&["rev-parse", "HEAD"]).await.map_err(failed)?;
+    let commit = wt
+        .git(&["rev-parse", "HEAD"])
+        .await
+        .map_err(|p| failed(p.into()))?;
     if commit == wt.base {
         return Ok(None);
     }
     packed(wt, spec, commit, limit)
         .await
         .map(Some)
-        .map_err(failed)
+        .map_err(|p| failed(p.into()))
 }
 
 /// What an unfinished attempt left in its checkout, for the call's next attempt on any worker
@@ -783,7 +793,7 @@ pub async fn partial_of(
     spec: &v1::TaskSpec,
     (run, call, attempt): (&str, u64, u32),
     limit: usize,
-) -> Result<Option<v1::Change>, String> {
+) -> Result<Option<v1::Change>, Problem> {
     if !wt.changed().await {
         return Ok(None);
     }
@@ -805,7 +815,7 @@ async fn packed(
     spec: &v1::TaskSpec,
     commit: String,
     limit: usize,
-) -> Result<v1::Change, String> {
+) -> Result<v1::Change, Problem> {
     let (mut files, mut insertions, mut deletions) = (Vec::new(), 0u32, 0u32);
     for line in wt
         .git(&["diff", "--numstat", &wt.base, &commit])
@@ -827,13 +837,13 @@ async fn packed(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Problem::internal(e.to_string()))?;
     if let Some(mut stdin) = child.stdin.take() {
         use tokio::io::AsyncWriteExt;
         stdin
             .write_all(format!("{commit}\n^{}\n", wt.base).as_bytes())
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
     }
     // Read no more than fits: an agent that leaves gigabytes must not take the worker's
     // memory with them.
@@ -844,7 +854,7 @@ async fn packed(
             .take(limit as u64 + 1)
             .read_to_end(&mut pack)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
     }
     if pack.len() > limit {
         let _ = child.kill().await;
@@ -858,9 +868,14 @@ async fn packed(
             deletions,
         });
     }
-    let out = child.wait_with_output().await.map_err(|e| e.to_string())?;
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| Problem::internal(e.to_string()))?;
     if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+        return Err(Problem::internal(
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ));
     }
     let out = std::process::Output {
         stdout: pack,
@@ -876,17 +891,22 @@ async fn packed(
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
         if let Some(mut stdin) = index.stdin.take() {
             use tokio::io::AsyncWriteExt;
             stdin
                 .write_all(&out.stdout)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| Problem::internal(e.to_string()))?;
         }
-        let indexed = index.wait_with_output().await.map_err(|e| e.to_string())?;
+        let indexed = index
+            .wait_with_output()
+            .await
+            .map_err(|e| Problem::internal(e.to_string()))?;
         if !indexed.status.success() {
-            return Err(String::from_utf8_lossy(&indexed.stderr).trim().to_owned());
+            return Err(Problem::internal(
+                String::from_utf8_lossy(&indexed.stderr).trim().to_owned(),
+            ));
         }
     }
     let _ = git(

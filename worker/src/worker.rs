@@ -1004,7 +1004,8 @@ async fn checkout_for(
     };
     let mut wt = sources.checkout(spec, &dir, link).await?;
     if !spec.cwd.is_empty() {
-        wt.workdir = crate::workspace::confine(&wt.path, &spec.cwd).map_err(invalid)?;
+        wt.workdir =
+            crate::workspace::confine(&wt.path, &spec.cwd).map_err(|p| invalid(p.into()))?;
     }
     events.transcript(serde_json::json!({
         "type": "checkout", "path": wt.path, "commit": wt.base, "reused": wt.reused,
@@ -1044,13 +1045,13 @@ async fn worktree_for(
     } else {
         workspace
             .dir_for(&a.run_id, a.call, &spec.cwd)
-            .map_err(invalid)?
+            .map_err(|p| invalid(p.into()))?
     };
     // Outside a repository there is nothing to branch from: the call fails with the reason
     // (W24: an unsupported isolation rejects), never a silent empty directory.
     let wt = crate::worktree::Worktree::create(&dir, &a.run_id, a.call)
         .await
-        .map_err(invalid)?;
+        .map_err(|p| invalid(p.into()))?;
     events.transcript(serde_json::json!({
         "type": "worktree", "path": wt.path, "branch": wt.branch, "base": wt.base,
         "reused": wt.reused,

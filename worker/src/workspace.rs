@@ -9,6 +9,7 @@
 //! symlink that leads out). Attempts of one call share the directory: files an earlier attempt
 //! wrote stay for a retry (W58); the directory goes when the call ends ([`Workspace::remove`]).
 
+use flotilla_proto::Problem;
 use std::path::{Component, Path, PathBuf};
 
 /// The root under which all agent working directories live.
@@ -135,17 +136,26 @@ impl Workspace {
 
     /// The working directory of one call, created if missing: for a shared workspace the root
     /// (or `cwd` inside it), else the call's own directory (or `cwd` inside that).
-    pub fn dir_for(&self, run_id: &str, call: u64, cwd: &str) -> Result<PathBuf, String> {
+    pub fn dir_for(&self, run_id: &str, call: u64, cwd: &str) -> Result<PathBuf, Problem> {
         let base = if self.shared {
             self.root.clone()
         } else {
-            self.call_dir(run_id, call)
-                .ok_or_else(|| format!("run id {run_id:?} cannot name a directory"))?
+            self.call_dir(run_id, call).ok_or_else(|| {
+                Problem::invalid(format!("run id {run_id:?} cannot name a directory"))
+            })?
         };
-        std::fs::create_dir_all(&self.root)
-            .map_err(|e| format!("cannot create workspace root {}: {e}", self.root.display()))?;
-        std::fs::create_dir_all(&base)
-            .map_err(|e| format!("cannot create working directory {}: {e}", base.display()))?;
+        std::fs::create_dir_all(&self.root).map_err(|e| {
+            Problem::internal(format!(
+                "cannot create workspace root {}: {e}",
+                self.root.display()
+            ))
+        })?;
+        std::fs::create_dir_all(&base).map_err(|e| {
+            Problem::internal(format!(
+                "cannot create working directory {}: {e}",
+                base.display()
+            ))
+        })?;
         confine(&base, cwd)
     }
 }
@@ -283,10 +293,10 @@ pub fn remove_tree(dir: &Path) {
 /// `cwd` inside `base` (which exists), created if missing and resolved: `Err` when it is
 /// absolute, climbs out of `base`, or leads out of it through a symlink (nothing is created
 /// outside `base` on the way).
-pub fn confine(base: &Path, cwd: &str) -> Result<PathBuf, String> {
+pub fn confine(base: &Path, cwd: &str) -> Result<PathBuf, Problem> {
     let base = base
         .canonicalize()
-        .map_err(|e| format!("cannot resolve {}: {e}", base.display()))?;
+        .map_err(|e| Problem::internal(format!("cannot resolve {}: {e}", base.display())))?;
     let dir = base.join(confined(cwd)?);
     let outside = || {
         format!(
@@ -302,17 +312,24 @@ pub fn confine(base: &Path, cwd: &str) -> Result<PathBuf, String> {
     }
     let real_existing = existing
         .canonicalize()
-        .map_err(|e| format!("cannot resolve {}: {e}", existing.display()))?;
+        .map_err(|e| Problem::invalid(format!("cannot resolve {}: {e}", existing.display())))?;
     if !real_existing.starts_with(&base) {
-        return Err(outside());
+        return Err(Problem::invalid(outside()));
     }
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| format!("cannot create working directory {}: {e}", dir.display()))?;
-    let real = dir
-        .canonicalize()
-        .map_err(|e| format!("cannot resolve working directory {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        Problem::invalid(format!(
+            "cannot create working directory {}: {e}",
+            dir.display()
+        ))
+    })?;
+    let real = dir.canonicalize().map_err(|e| {
+        Problem::invalid(format!(
+            "cannot resolve working directory {}: {e}",
+            dir.display()
+        ))
+    })?;
     if !real.starts_with(&base) {
-        return Err(outside());
+        return Err(Problem::invalid(outside()));
     }
     Ok(real)
 }
@@ -327,7 +344,7 @@ fn is_plain_name(s: &str) -> bool {
 }
 
 /// Normalizes a relative `cwd` and refuses anything that leaves its base.
-fn confined(cwd: &str) -> Result<PathBuf, String> {
+fn confined(cwd: &str) -> Result<PathBuf, Problem> {
     let path = Path::new(cwd);
     let mut out = PathBuf::new();
     for part in path.components() {
@@ -336,15 +353,15 @@ fn confined(cwd: &str) -> Result<PathBuf, String> {
             Component::CurDir => {}
             Component::ParentDir => {
                 if !out.pop() {
-                    return Err(format!(
+                    return Err(Problem::invalid(format!(
                         "cwd {cwd:?} climbs out of the agent's directory; use a path inside it"
-                    ));
+                    )));
                 }
             }
             Component::RootDir | Component::Prefix(_) => {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "cwd {cwd:?} is absolute; give a path relative to the agent's directory (the repository root, or the run's checkout)"
-                ));
+                )));
             }
         }
     }
@@ -413,11 +430,19 @@ mod tests {
         assert!(!tmp.path().join(".flotilla").exists());
         for cwd in ["../x", "..", "../2", "a/../../..", "../../r/2"] {
             assert!(
-                ws.dir_for("r", 1, cwd).unwrap_err().contains("climbs out"),
+                ws.dir_for("r", 1, cwd)
+                    .unwrap_err()
+                    .message
+                    .contains("climbs out"),
                 "{cwd:?}"
             );
         }
-        assert!(ws.dir_for("r", 1, "/etc").unwrap_err().contains("absolute"));
+        assert!(
+            ws.dir_for("r", 1, "/etc")
+                .unwrap_err()
+                .message
+                .contains("absolute")
+        );
         for run in ["../..", ".flotilla", ".", "..", "a/b", ""] {
             assert!(ws.dir_for(run, 1, "").is_err(), "{run:?}");
         }
@@ -532,7 +557,10 @@ mod tests {
         std::os::unix::fs::symlink(tmp.path(), own.join("up")).unwrap();
         for cwd in ["link/sub", "link", "up", "up/r/2"] {
             assert!(
-                ws.dir_for("r", 1, cwd).unwrap_err().contains("symlink"),
+                ws.dir_for("r", 1, cwd)
+                    .unwrap_err()
+                    .message
+                    .contains("symlink"),
                 "{cwd:?}"
             );
         }

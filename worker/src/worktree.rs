@@ -10,6 +10,7 @@
 //! the work; adding and removing worktrees is serialized in this process, since git locks
 //! its metadata for each.
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 
 use tokio::process::Command;
@@ -25,15 +26,15 @@ const GIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 const LOCKED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// [`git`] for a command run holding [`GIT`], cut off after [`LOCKED_TIMEOUT`].
-pub(crate) async fn git_locked(dir: &Path, args: &[&str]) -> Result<String, String> {
+pub(crate) async fn git_locked(dir: &Path, args: &[&str]) -> Result<String, Problem> {
     tokio::time::timeout(LOCKED_TIMEOUT, git(dir, args))
         .await
         .map_err(|_| {
-            format!(
+            Problem::internal(format!(
                 "git {} took more than {} s",
                 args.join(" "),
                 LOCKED_TIMEOUT.as_secs()
-            )
+            ))
         })?
 }
 
@@ -109,25 +110,26 @@ fn hardened(mut c: Command, dir: &Path) -> Command {
 /// Runs git in `dir`: its trimmed stdout, or its stderr as the error. What an agent can
 /// write in its checkout never runs here: hooks and an fsmonitor command are off, and a
 /// git killed by a timeout (the future dropped) dies with it.
-pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+pub(crate) async fn git(dir: &Path, args: &[&str]) -> Result<String, Problem> {
     run(git_command(dir).args(args)).await
 }
 
 /// A git command's trimmed stdout, or its stderr as the error.
-pub(crate) async fn run_git(c: &mut Command) -> Result<String, String> {
+pub(crate) async fn run_git(c: &mut Command) -> Result<String, Problem> {
     run(c).await
 }
 
 /// A git command's trimmed stdout, or its stderr as the error.
-async fn run(c: &mut Command) -> Result<String, String> {
-    let out = c
-        .output()
-        .await
-        .map_err(|e| format!("cannot run git: {e}; install git on the worker"))?;
+async fn run(c: &mut Command) -> Result<String, Problem> {
+    let out = c.output().await.map_err(|e| {
+        Problem::internal(format!("cannot run git: {e}; install git on the worker"))
+    })?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+        Err(Problem::internal(
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ))
     }
 }
 
@@ -220,16 +222,16 @@ async fn git_in(
     path: &Path,
     mounts: &[crate::sandbox::Mount],
     args: &[&str],
-) -> Result<String, String> {
+) -> Result<String, Problem> {
     let mut c = command_in(admin, path, mounts);
     tokio::time::timeout(GIT_TIMEOUT, run(c.args(args)))
         .await
         .map_err(|_| {
-            format!(
+            Problem::internal(format!(
                 "git {} took more than {} minutes",
                 args.first().unwrap_or(&""),
                 GIT_TIMEOUT.as_secs() / 60
-            )
+            ))
         })?
 }
 
@@ -243,18 +245,20 @@ fn plain_name(s: &str) -> bool {
 impl Worktree {
     /// The worktree of call `call` for an agent whose working directory would be `dir`
     /// (inside a git repository): made, or the one an earlier attempt left.
-    pub async fn create(dir: &Path, run_id: &str, call: u64) -> Result<Worktree, String> {
+    pub async fn create(dir: &Path, run_id: &str, call: u64) -> Result<Worktree, Problem> {
         if !plain_name(run_id) {
-            return Err(format!("run id {run_id:?} cannot name a branch"));
+            return Err(Problem::invalid(format!(
+                "run id {run_id:?} cannot name a branch"
+            )));
         }
         let repo = git(dir, &["rev-parse", "--show-toplevel"])
             .await
             .map(PathBuf::from)
             .map_err(|_| {
-                format!(
+                Problem::invalid(format!(
                     "isolation: 'worktree' needs a git repository, and {} is not inside one;                      run from a git checkout (or pass --workspace DIR with one), or drop the isolation option",
                     dir.display()
-                )
+                ))
             })?;
         let repo = repo.canonicalize().unwrap_or(repo);
         let common = git(&repo, &["rev-parse", "--git-common-dir"]).await?;
@@ -293,8 +297,9 @@ impl Worktree {
                 .map(|b| b.trim().to_owned())
                 .unwrap_or_default();
             let workdir = path.join(&inside);
-            std::fs::create_dir_all(&workdir)
-                .map_err(|e| format!("cannot create {}: {e}", workdir.display()))?;
+            std::fs::create_dir_all(&workdir).map_err(|e| {
+                Problem::invalid(format!("cannot create {}: {e}", workdir.display()))
+            })?;
             return Ok(Worktree {
                 path,
                 workdir,
@@ -316,15 +321,16 @@ impl Worktree {
             _ => git(&repo, &["rev-parse", "--verify", "-q", "HEAD^{commit}"])
                 .await
                 .map_err(|_| {
-                    format!(
+                    Problem::invalid(format!(
                         "isolation: 'worktree' needs a commit to branch from, and the repository at {} has none yet; commit something first",
                         repo.display()
-                    )
+                    ))
                 })?,
         };
         if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+            std::fs::create_dir_all(parent).map_err(|e| {
+                Problem::invalid(format!("cannot create {}: {e}", parent.display()))
+            })?;
         }
         // A leftover of a worker that died mid-attempt: take it away first.
         if path.exists() {
@@ -350,16 +356,17 @@ impl Worktree {
             ],
         )
         .await
-        .map_err(|e| format!("git worktree add failed: {e}"))?;
-        std::fs::write(base_file(&path), &base)
-            .map_err(|e| format!("cannot write {}: {e}", base_file(&path).display()))?;
+        .map_err(|e| Problem::invalid(format!("git worktree add failed: {e}")))?;
+        std::fs::write(base_file(&path), &base).map_err(|e| {
+            Problem::invalid(format!("cannot write {}: {e}", base_file(&path).display()))
+        })?;
         let path = path.canonicalize().unwrap_or(path);
-        let admin = admin_dir(&repo, &path)
-            .await
-            .ok_or_else(|| format!("git made no worktree at {}", path.display()))?;
+        let admin = admin_dir(&repo, &path).await.ok_or_else(|| {
+            Problem::invalid(format!("git made no worktree at {}", path.display()))
+        })?;
         let workdir = path.join(inside);
         std::fs::create_dir_all(&workdir)
-            .map_err(|e| format!("cannot create {}: {e}", workdir.display()))?;
+            .map_err(|e| Problem::invalid(format!("cannot create {}: {e}", workdir.display())))?;
         Ok(Worktree {
             path,
             workdir,
@@ -414,10 +421,11 @@ impl Worktree {
     /// source's checkout for one call. It is a repository of its own that borrows the
     /// cache's objects (`objects/info/alternates`): what its agent writes in its `.git`
     /// (config, hooks, objects of its commits) is its own, and never touches the cache.
-    pub async fn detached(repo: &Path, dir: &Path, commit: &str) -> Result<Worktree, String> {
+    pub async fn detached(repo: &Path, dir: &Path, commit: &str) -> Result<Worktree, Problem> {
         if let Some(parent) = dir.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+            std::fs::create_dir_all(parent).map_err(|e| {
+                Problem::internal(format!("cannot create {}: {e}", parent.display()))
+            })?;
         }
         // An empty directory in the way (a scratch directory of an earlier version).
         let _ = std::fs::remove_dir(dir);
@@ -434,7 +442,7 @@ impl Worktree {
                 admin.join("objects").join("info").join("alternates"),
                 format!("{}\n", objects.display()),
             )
-            .map_err(|e| format!("cannot write {}: {e}", admin.display()))?;
+            .map_err(|e| Problem::internal(format!("cannot write {}: {e}", admin.display())))?;
             // The files, from the cache's objects (the worker's git, on a directory no agent
             // has had yet).
             git(dir, &["checkout", "-q", "--detach", commit]).await
@@ -443,8 +451,9 @@ impl Worktree {
             let _ = std::fs::remove_dir_all(dir);
             return Err(e);
         }
-        std::fs::write(base_file(dir), commit)
-            .map_err(|e| format!("cannot write {}: {e}", base_file(dir).display()))?;
+        std::fs::write(base_file(dir), commit).map_err(|e| {
+            Problem::internal(format!("cannot write {}: {e}", base_file(dir).display()))
+        })?;
         let path = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
         Ok(Worktree {
             workdir: path.clone(),
@@ -480,7 +489,7 @@ impl Worktree {
     }
 
     /// Runs git on this checkout (its own git directory named, see [`Worktree::admin`]).
-    pub async fn git(&self, args: &[&str]) -> Result<String, String> {
+    pub async fn git(&self, args: &[&str]) -> Result<String, Problem> {
         git_in(&self.admin, &self.path, &self.mounts(), args).await
     }
 
@@ -596,15 +605,19 @@ impl Worktree {
     /// committed) on its HEAD, made through a scratch index: the agent's index and files stay
     /// as they are. Its parent is HEAD, so a checkout of it can be put back as uncommitted
     /// changes (`git reset HEAD^`).
-    pub async fn snapshot(&self, message: &str) -> Result<String, String> {
+    pub async fn snapshot(&self, message: &str) -> Result<String, Problem> {
         let index = tempfile::Builder::new()
             .prefix("flotilla-index-")
             .tempfile_in(&self.admin)
-            .map_err(|e| format!("cannot make a scratch index: {e}"))?;
+            .map_err(|e| Problem::internal(format!("cannot make a scratch index: {e}")))?;
         match std::fs::copy(self.admin.join("index"), index.path()) {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("cannot copy the checkout's index: {e}")),
+            Err(e) => {
+                return Err(Problem::internal(format!(
+                    "cannot copy the checkout's index: {e}"
+                )));
+            }
         }
         let run = |args: Vec<&str>| {
             let mut c = self.command();
@@ -615,11 +628,16 @@ impl Worktree {
                 .env("GIT_COMMITTER_NAME", "flotilla")
                 .env("GIT_COMMITTER_EMAIL", "flotilla@localhost");
             async move {
-                let out = c.output().await.map_err(|e| e.to_string())?;
+                let out = c
+                    .output()
+                    .await
+                    .map_err(|e| Problem::internal(e.to_string()))?;
                 if out.status.success() {
                     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
                 } else {
-                    Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+                    Err(Problem::internal(
+                        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+                    ))
                 }
             }
         };
@@ -631,10 +649,14 @@ impl Worktree {
     /// Puts the files of `partial` (a [`Worktree::snapshot`] an attempt elsewhere made) into
     /// this checkout of it as uncommitted changes on its parent, and records `base` as the
     /// commit the call started from.
-    pub async fn unpack_partial(&mut self, partial: &str, base: &str) -> Result<(), String> {
+    pub async fn unpack_partial(&mut self, partial: &str, base: &str) -> Result<(), Problem> {
         self.git(&["reset", "-q", "HEAD^"]).await?;
-        std::fs::write(base_file(&self.path), base)
-            .map_err(|e| format!("cannot write {}: {e}", base_file(&self.path).display()))?;
+        std::fs::write(base_file(&self.path), base).map_err(|e| {
+            Problem::internal(format!(
+                "cannot write {}: {e}",
+                base_file(&self.path).display()
+            ))
+        })?;
         mark_partial(&self.path, partial)?;
         self.base = base.to_owned();
         Ok(())
@@ -713,9 +735,13 @@ fn partial_file(path: &Path) -> PathBuf {
 }
 
 /// Records that the checkout at `path` holds what partial commit `commit` holds.
-pub fn mark_partial(path: &Path, commit: &str) -> Result<(), String> {
-    std::fs::write(partial_file(path), commit)
-        .map_err(|e| format!("cannot write {}: {e}", partial_file(path).display()))
+pub fn mark_partial(path: &Path, commit: &str) -> Result<(), Problem> {
+    std::fs::write(partial_file(path), commit).map_err(|e| {
+        Problem::internal(format!(
+            "cannot write {}: {e}",
+            partial_file(path).display()
+        ))
+    })
 }
 
 /// Beside a worktree: the commit it started from (so a later attempt of the call knows).
@@ -825,8 +851,8 @@ mod tests {
     async fn outside_a_repository_the_error_says_what_to_do() {
         let tmp = tempfile::tempdir().unwrap();
         let e = Worktree::create(tmp.path(), "wf_c", 0).await.unwrap_err();
-        assert!(e.contains("needs a git repository"), "{e}");
-        assert!(e.contains("--workspace"), "{e}");
+        assert!(e.message.contains("needs a git repository"), "{e}");
+        assert!(e.message.contains("--workspace"), "{e}");
         assert_eq!(
             std::fs::read_dir(tmp.path()).unwrap().count(),
             0,

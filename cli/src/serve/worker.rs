@@ -341,7 +341,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     eprintln!("flotilla worker: {}", limits.describe());
     let groups = limits.clone();
     let sandbox_state = sandbox.clone();
-    let backends: Result<Vec<Arc<dyn AgentBackend>>, String> = s
+    let backends: Result<Vec<Arc<dyn AgentBackend>>, flotilla_proto::Problem> = s
         .backends
         .iter()
         .map(|b| flotilla_worker::backend::by_name(b, s.exec_cmd.as_deref()))
@@ -460,10 +460,10 @@ mod tests {
         let e = flotilla_worker::backend::by_name("exec", None)
             .err()
             .unwrap();
-        assert!(e.contains("--exec-cmd"), "{e}");
+        assert!(e.message.contains("--exec-cmd"), "{e}");
         let e = flotilla_worker::backend::by_name("gpt-pilot", None)
             .err()
             .unwrap();
-        assert!(e.contains("echo, exec, claude-code"), "{e}");
+        assert!(e.message.contains("echo, exec, claude-code"), "{e}");
     }
 }

@@ -25,6 +25,7 @@ pub mod openai;
 mod procs;
 mod seam;
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 
 pub use crate::failure::Error;
@@ -37,7 +38,7 @@ pub const NAMES: [&str; 5] = ["echo", "exec", "claude-code", "anthropic", "opena
 
 /// The backend called `name`; `exec_cmd` is the exec backend's command. The HTTP and CLI
 /// backends read their endpoints and keys from the environment.
-pub fn by_name(name: &str, exec_cmd: Option<&str>) -> Result<Arc<dyn AgentBackend>, String> {
+pub fn by_name(name: &str, exec_cmd: Option<&str>) -> Result<Arc<dyn AgentBackend>, Problem> {
     // The HTTP backends' clients need a TLS provider (idempotent).
     flotilla_proto::tls::install_crypto_provider();
     Ok(match name {
@@ -47,13 +48,13 @@ pub fn by_name(name: &str, exec_cmd: Option<&str>) -> Result<Arc<dyn AgentBacken
         "openai" => Arc::new(openai::OpenAi::from_env()),
         "exec" => match exec_cmd {
             Some(cmd) => Arc::new(exec::Exec::new(cmd.to_owned())),
-            None => return Err("--backend exec needs --exec-cmd CMD".into()),
+            None => return Err(Problem::invalid("--backend exec needs --exec-cmd CMD")),
         },
         other => {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "unknown backend {other:?}: this worker offers {}",
                 NAMES.join(", ")
-            ));
+            )));
         }
     })
 }
