@@ -140,7 +140,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Failed> {
             name: meta.as_ref().map(|m| m.name.clone()).unwrap_or(stem),
             origin,
             location: path.display().to_string(),
-            meta,
+            meta: meta.map_err(String::from),
             source: None,
             namespace: None,
         });

@@ -5,6 +5,7 @@
 //! says why (W46). Then it stores the manifest and the script, starts the script thread and the
 //! run engine, and returns a [`RunHandle`].
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -175,7 +176,7 @@ impl Coordinator {
 
     /// Fixes the run's namespace's policy into its settings (whatever a client sent for its
     /// labels and prices): refused when a daily quota of the namespace is used up.
-    async fn namespace_policy(&self, settings: &mut RunSettings) -> Result<(), String> {
+    async fn namespace_policy(&self, settings: &mut RunSettings) -> Result<(), Problem> {
         settings.namespace = crate::namespace::effective(&settings.namespace).to_owned();
         let Some(quotas) = self.quotas.get() else {
             settings.pinned_labels.clear();
@@ -185,7 +186,7 @@ impl Coordinator {
         quotas
             .check(&settings.namespace)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::invalid(e.to_string()))?;
         let policy = quotas.policy(&settings.namespace);
         settings.pinned_labels = policy.labels;
         settings.prices = policy.prices;
@@ -402,7 +403,7 @@ impl Coordinator {
         self.namespace_policy(&mut req.settings)
             .await
             .map_err(|message| Rejected {
-                message,
+                message: message.into(),
                 kind: ErrorKind::Denied,
                 workflow: workflow.clone(),
                 resend_source: false,
@@ -596,7 +597,7 @@ impl Coordinator {
     /// and a note saying which and why. With no worker attached there is nothing to choose
     /// from: refused, naming the fix. A run keeps the backend it was launched with, so
     /// workers that attach later never change it.
-    async fn choose_backend(&self, settings: &RunSettings) -> Result<(String, String), String> {
+    async fn choose_backend(&self, settings: &RunSettings) -> Result<(String, String), Problem> {
         const PREFERRED: [&str; 5] = ["claude-code", "anthropic", "openai", "exec", "echo"];
         let rank = |b: &str| {
             PREFERRED
@@ -615,7 +616,9 @@ impl Coordinator {
         offered.sort_by(|a, b| rank(a).cmp(&rank(b)).then_with(|| a.cmp(b)));
         offered.dedup();
         let Some(first) = offered.first().cloned() else {
-            return Err("the launch names no backend and no worker is attached to this coordinator to choose one from: pass --backend NAME (one your workers will offer; --backend echo for a dry run), or start a worker first (`flotilla workers` lists the attached ones)".into());
+            return Err(Problem::invalid(
+                "the launch names no backend and no worker is attached to this coordinator to choose one from: pass --backend NAME (one your workers will offer; --backend echo for a dry run), or start a worker first (`flotilla workers` lists the attached ones)",
+            ));
         };
         let mut chosen = first;
         for b in &offered {

@@ -319,7 +319,7 @@ impl Keeper {
             Err(stderr) => {
                 return Err(SourceError::Git {
                     args: format!("rev-list {}", r.commit),
-                    stderr,
+                    stderr: stderr.into(),
                 });
             }
         }

@@ -3,6 +3,8 @@
 //! A leaf: it imports nothing of the coordinator, so settings, storage and the faces can all
 //! check a name without reaching up into the modules that own those things.
 
+use flotilla_proto::Problem;
+
 /// A new run id: `wf_` + 8 hex + `-` + 3 hex, like Claude Code's (W45).
 pub fn new_run_id() -> String {
     let mut b = [0u8; 6];
@@ -50,23 +52,27 @@ pub fn effective_namespace(ns: &str) -> &str {
 pub const MAX_NOTIFY_URL: usize = 2048;
 
 /// Whether `url` can be a webhook: http or https, with a host, at most [`MAX_NOTIFY_URL`] long.
-pub fn check_notify_url(url: &str) -> Result<(), String> {
+pub fn check_notify_url(url: &str) -> Result<(), Problem> {
     if url.len() > MAX_NOTIFY_URL {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "the --notify URL is {} characters; at most {MAX_NOTIFY_URL}",
             url.len()
-        ));
+        )));
     }
     let parsed = reqwest::Url::parse(url).map_err(|e| {
-        format!("--notify {url:?} is not a URL ({e}); e.g. https://hooks.example/flotilla")
+        Problem::invalid(format!(
+            "--notify {url:?} is not a URL ({e}); e.g. https://hooks.example/flotilla"
+        ))
     })?;
     if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "--notify {url:?} must be an http:// or https:// URL with a host"
-        ));
+        )));
     }
     if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err("--notify must not carry credentials in its URL (it is stored with the run); the signature authenticates the coordinator".into());
+        return Err(Problem::invalid(
+            "--notify must not carry credentials in its URL (it is stored with the run); the signature authenticates the coordinator",
+        ));
     }
     Ok(())
 }

@@ -17,6 +17,7 @@
 //!   without an owner has lost its coordinator: the leader adopts it ([`Coordinator::adopt`]),
 //!   replaying it from storage so no completed call runs twice.
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -95,12 +96,12 @@ impl Leadership {
         ttl: Duration,
         tenure: Arc<Tenure>,
         lost: CancellationToken,
-    ) -> Result<Arc<Leadership>, String> {
+    ) -> Result<Arc<Leadership>, Problem> {
         let sent = std::time::Instant::now();
         let lease = leases
             .grant(ttl)
             .await
-            .map_err(|e| format!("cannot take a lease in etcd: {e}"))?;
+            .map_err(|e| Problem::unavailable(format!("cannot take a lease in etcd: {e}")))?;
         tenure.renewed(sent, ttl);
         let (leader, _) = watch::channel(None);
         let me = Arc::new(Leadership {

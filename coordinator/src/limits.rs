@@ -5,6 +5,7 @@
 //! writes, or a gigabyte log. [`read_file`] refuses devices outright (W10) and stops reading
 //! one byte past the limit, so no read can exhaust the host.
 
+use flotilla_proto::Problem;
 use std::io::Read;
 use std::path::Path;
 
@@ -55,31 +56,36 @@ pub fn measured(n: usize) -> String {
 
 /// Reads `path` as UTF-8 text of at most `limit` bytes; `what` names it in errors ("script",
 /// "--args-file"). Character and block devices are refused; a FIFO is read up to the limit.
-pub fn read_file(path: &Path, limit: usize, what: &str) -> Result<String, String> {
+pub fn read_file(path: &Path, limit: usize, what: &str) -> Result<String, Problem> {
     use std::os::unix::fs::FileTypeExt;
     let shown = path.display();
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {what} {shown}: {e}"))?;
+    let meta = std::fs::metadata(path)
+        .map_err(|e| Problem::invalid(format!("cannot read {what} {shown}: {e}")))?;
     let ft = meta.file_type();
     if ft.is_char_device() || ft.is_block_device() {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "{what} {shown} is a device, not a file; pass the path of a file"
-        ));
+        )));
     }
     if ft.is_dir() {
-        return Err(format!("{what} {shown} is a directory, not a file"));
+        return Err(Problem::invalid(format!(
+            "{what} {shown} is a directory, not a file"
+        )));
     }
     if meta.len() > limit as u64 {
-        return Err(too_big(what, &shown, limit));
+        return Err(Problem::invalid(too_big(what, &shown, limit)));
     }
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {what} {shown}: {e}"))?;
+    let file = std::fs::File::open(path)
+        .map_err(|e| Problem::invalid(format!("cannot read {what} {shown}: {e}")))?;
     let mut bytes = Vec::new();
     file.take(limit as u64 + 1)
         .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read {what} {shown}: {e}"))?;
+        .map_err(|e| Problem::invalid(format!("cannot read {what} {shown}: {e}")))?;
     if bytes.len() > limit {
-        return Err(too_big(what, &shown, limit));
+        return Err(Problem::invalid(too_big(what, &shown, limit)));
     }
-    String::from_utf8(bytes).map_err(|e| format!("{what} {shown} is not UTF-8 text: {e}"))
+    String::from_utf8(bytes)
+        .map_err(|e| Problem::invalid(format!("{what} {shown} is not UTF-8 text: {e}")))
 }
 
 fn too_big(what: &str, shown: &std::path::Display<'_>, limit: usize) -> String {
@@ -97,14 +103,14 @@ mod tests {
     #[test]
     fn devices_big_files_and_directories_are_refused_with_the_limit() {
         let e = read_file(Path::new("/dev/zero"), 1024, "script").unwrap_err();
-        assert!(e.contains("is a device"), "{e}");
+        assert!(e.message.contains("is a device"), "{e}");
         let dir = tempfile::tempdir().unwrap();
         let big = dir.path().join("big.json");
         std::fs::write(&big, vec![b'1'; 2048]).unwrap();
         let e = read_file(&big, 1024, "--args-file").unwrap_err();
-        assert!(e.contains("larger than the limit of 1 KiB"), "{e}");
+        assert!(e.message.contains("larger than the limit of 1 KiB"), "{e}");
         assert_eq!(read_file(&big, 4096, "x").unwrap().len(), 2048);
         let e = read_file(dir.path(), 1024, "script").unwrap_err();
-        assert!(e.contains("directory"), "{e}");
+        assert!(e.message.contains("directory"), "{e}");
     }
 }

@@ -20,6 +20,7 @@
 //!   successor goes on from it. A day is a UTC day. Tokens and money count when an agent's
 //!   attempt ends, so agents already running when a quota is reached may pass it a little.
 
+use flotilla_proto::Problem;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
@@ -94,40 +95,49 @@ impl Default for Policy {
 impl Policy {
     /// Checks what an operator wrote for namespace `name`; the error names the key and what it
     /// takes.
-    pub fn validate(&self, name: &str) -> Result<(), String> {
+    pub fn validate(&self, name: &str) -> Result<(), Problem> {
         let at = |key: &str, what: &str| format!("namespaces.{name}.{key}: {what}");
         if name != ALL && !valid_name(name) {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "{name:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ., or \"*\" for the namespaces not listed"
-            ));
+            )));
         }
         if self.weight == 0 || self.weight > 1000 {
-            return Err(at("weight", "a whole number from 1 to 1000"));
+            return Err(Problem::invalid(at(
+                "weight",
+                "a whole number from 1 to 1000",
+            )));
         }
         if self.max_agents == Some(0) {
-            return Err(at("max_agents", "at least 1 (leave it out for no cap)"));
+            return Err(Problem::invalid(at(
+                "max_agents",
+                "at least 1 (leave it out for no cap)",
+            )));
         }
         if self
             .usd_per_day
             .is_some_and(|d| !(d.is_finite() && d >= 0.0))
         {
-            return Err(at("usd_per_day", "an amount of dollars, 0 or more"));
+            return Err(Problem::invalid(at(
+                "usd_per_day",
+                "an amount of dollars, 0 or more",
+            )));
         }
         for (k, v) in &self.labels {
             if !crate::settings::valid_label_key(k) || !crate::settings::valid_label_value(v) {
-                return Err(at(
+                return Err(Problem::invalid(at(
                     "labels",
                     &format!(
                         "{k:?}={v:?} is not a worker label (keys: lower-case letters, digits, - _ . /)"
                     ),
-                ));
+                )));
             }
         }
         if let Some((m, _)) = self.prices.iter().find(|(_, p)| !p.valid()) {
-            return Err(at(
+            return Err(Problem::invalid(at(
                 &format!("prices.{m}"),
                 "dollars per million tokens, finite and 0 or more",
-            ));
+            )));
         }
         Ok(())
     }
@@ -143,7 +153,7 @@ pub struct Namespaces {
 
 impl Namespaces {
     /// From the config's `[namespaces.*]` tables, checked.
-    pub fn new(tables: BTreeMap<String, Policy>) -> Result<Namespaces, String> {
+    pub fn new(tables: BTreeMap<String, Policy>) -> Result<Namespaces, Problem> {
         let mut out = Namespaces::default();
         for (name, policy) in tables {
             policy.validate(&name)?;
@@ -207,7 +217,7 @@ impl Scope {
     }
 
     /// The namespace a launch that asks for `asked` (empty: none) runs in, or why it may not.
-    pub fn choose(&self, asked: &str, who: &str) -> Result<String, String> {
+    pub fn choose(&self, asked: &str, who: &str) -> Result<String, Problem> {
         let asked = asked.trim();
         if asked.is_empty() {
             return Ok(match self {
@@ -216,17 +226,17 @@ impl Scope {
             });
         }
         if !valid_name(asked) {
-            return Err(format!(
+            return Err(Problem::denied(format!(
                 "--namespace {asked:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ."
-            ));
+            )));
         }
         if self.may(asked) {
             Ok(asked.to_owned())
         } else {
-            Err(format!(
+            Err(Problem::denied(format!(
                 "certificate {who:?} may act in namespace(s) {} only, not {asked:?}: launch without --namespace, or use a certificate issued with `flotilla certs issue --namespace {asked}`",
                 self.list()
-            ))
+            )))
         }
     }
 
@@ -655,12 +665,13 @@ mod tests {
         assert_eq!(s.choose("team-b", "alice").unwrap(), "team-b");
         let e = s.choose("team-c", "alice").unwrap_err();
         assert!(
-            e.contains("team-a, team-b") && e.contains("--namespace team-c"),
+            e.message.contains("team-a, team-b") && e.message.contains("--namespace team-c"),
             "{e}"
         );
         assert!(
             s.choose("../x", "alice")
                 .unwrap_err()
+                .message
                 .contains("not a namespace name")
         );
         assert_eq!(Scope::decode(&s.encode()), s);
@@ -729,7 +740,7 @@ mod tests {
             let mut t = BTreeMap::new();
             t.insert(name.to_owned(), bad);
             let e = Namespaces::new(t).unwrap_err();
-            assert!(e.contains(what), "{e}");
+            assert!(e.message.contains(what), "{e}");
         }
     }
 

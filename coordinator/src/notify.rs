@@ -13,6 +13,7 @@
 //! beside the run's end; [`Notifier::drain`] waits for those still going (a process about to
 //! exit).
 
+use flotilla_proto::Problem;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,9 +53,11 @@ pub use crate::ids::check_notify_url as check_url;
 
 impl Notifier {
     /// A notifier signing with `secret` (at least 16 bytes).
-    pub fn new(secret: &[u8]) -> Result<Notifier, String> {
+    pub fn new(secret: &[u8]) -> Result<Notifier, Problem> {
         if secret.len() < 16 {
-            return Err("the webhook secret must be at least 16 bytes".into());
+            return Err(Problem::invalid(
+                "the webhook secret must be at least 16 bytes",
+            ));
         }
         flotilla_proto::tls::install_crypto_provider();
         let client = reqwest::Client::builder()
@@ -62,7 +65,7 @@ impl Notifier {
             .timeout(ATTEMPT_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| format!("cannot make the webhook client: {e}"))?;
+            .map_err(|e| Problem::invalid(format!("cannot make the webhook client: {e}")))?;
         Ok(Notifier {
             key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret),
             client,
@@ -209,7 +212,7 @@ impl Notifier {
             out.attempts = attempt;
             out.at = humantime::format_rfc3339_seconds(flotilla_proto::clock::now()).to_string();
             if let Err(e) = not_link_local(url).await {
-                out.error = Some(e);
+                out.error = Some(e.into());
                 return out;
             }
             let unix = flotilla_proto::clock::now()
@@ -273,8 +276,8 @@ struct Letter {
 
 /// Refuses a URL whose host is, or resolves to, a link-local address (169.254.0.0/16,
 /// fe80::/10), where cloud metadata services answer.
-async fn not_link_local(url: &str) -> Result<(), String> {
-    let parsed = reqwest::Url::parse(url).map_err(|e| e.to_string())?;
+async fn not_link_local(url: &str) -> Result<(), Problem> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| Problem::invalid(e.to_string()))?;
     let host = parsed
         .host_str()
         .unwrap_or_default()
@@ -284,7 +287,7 @@ async fn not_link_local(url: &str) -> Result<(), String> {
         Ok(ip) => vec![ip],
         Err(_) => tokio::net::lookup_host((host, port))
             .await
-            .map_err(|e| format!("cannot resolve {host}: {e}"))?
+            .map_err(|e| Problem::invalid(format!("cannot resolve {host}: {e}")))?
             .map(|a| a.ip())
             .collect(),
     };
@@ -293,9 +296,9 @@ async fn not_link_local(url: &str) -> Result<(), String> {
         IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
     };
     if addrs.iter().any(link_local) {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "{host} is a link-local address; webhooks are not sent there"
-        ));
+        )));
     }
     Ok(())
 }

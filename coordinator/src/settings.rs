@@ -324,7 +324,7 @@ impl RunSettings {
             source.validate()?;
         }
         if let Some(url) = &self.notify {
-            crate::ids::check_notify_url(url).map_err(SettingsError::Notify)?;
+            crate::ids::check_notify_url(url).map_err(|p| SettingsError::Notify(p.into()))?;
         }
         if self.labels.len() > MAX_LABELS {
             return Err(SettingsError::Labels);

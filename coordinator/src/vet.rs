@@ -11,6 +11,7 @@
 //!
 //! This is a leaf: it knows git and paths, nothing of runs or stores.
 
+use flotilla_proto::Problem;
 use std::ffi::OsStr;
 use std::path::Path;
 
@@ -95,7 +96,7 @@ pub async fn new_trees(
     env: &[(&str, &OsStr)],
     commit: &str,
     base: &[&str],
-) -> Result<Option<String>, String> {
+) -> Result<Option<String>, Problem> {
     let listed = Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -112,12 +113,12 @@ pub async fn new_trees(
         .env("GIT_TERMINAL_PROMPT", "0")
         .output()
         .await
-        .map_err(|e| format!("cannot run git: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot run git: {e}")))?;
     if !listed.status.success() {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "git rev-list {commit}: {}",
             String::from_utf8_lossy(&listed.stderr).trim()
-        ));
+        )));
     }
     check_trees(dir, env, listed.stdout, commit.len() / 2).await
 }
@@ -129,8 +130,9 @@ const PACK_FSCK: &str = "--fsck-objects=emptyName=error,fullPathname=error,hasDo
 /// Why the objects of `pack` (an agent's, whose base is not at hand) may not be kept, if they
 /// may not: git's fsck of each object, then every tree in it entry by entry. Indexed into a
 /// scratch repository of its own, which goes with it. `Err`: git could not be asked.
-pub async fn pack_alone(pack: &[u8]) -> Result<Option<String>, String> {
-    let tmp = tempfile::tempdir().map_err(|e| format!("cannot make a scratch repository: {e}"))?;
+pub async fn pack_alone(pack: &[u8]) -> Result<Option<String>, Problem> {
+    let tmp = tempfile::tempdir()
+        .map_err(|e| Problem::internal(format!("cannot make a scratch repository: {e}")))?;
     let dir = tmp.path();
     let git = |args: &[&str]| {
         let mut cmd = Command::new("git");
@@ -140,17 +142,19 @@ pub async fn pack_alone(pack: &[u8]) -> Result<Option<String>, String> {
     let made = git(&["init", "--bare", "-q"])
         .output()
         .await
-        .map_err(|e| format!("cannot run git: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot run git: {e}")))?;
     if !made.status.success() {
-        return Err(String::from_utf8_lossy(&made.stderr).trim().to_owned());
+        return Err(Problem::internal(
+            String::from_utf8_lossy(&made.stderr).trim().to_owned(),
+        ));
     }
     let file = dir.join("incoming.pack");
-    std::fs::write(&file, pack).map_err(|e| e.to_string())?;
+    std::fs::write(&file, pack).map_err(|e| Problem::internal(e.to_string()))?;
     let indexed = git(&["index-pack", PACK_FSCK, "--stdin"])
-        .stdin(std::fs::File::open(&file).map_err(|e| e.to_string())?)
+        .stdin(std::fs::File::open(&file).map_err(|e| Problem::internal(e.to_string()))?)
         .output()
         .await
-        .map_err(|e| format!("cannot run git: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot run git: {e}")))?;
     if !indexed.status.success() {
         return Ok(Some(format!(
             "git's fsck refused its objects: {}",
@@ -164,7 +168,7 @@ pub async fn pack_alone(pack: &[u8]) -> Result<Option<String>, String> {
     ])
     .output()
     .await
-    .map_err(|e| format!("cannot run git: {e}"))?;
+    .map_err(|e| Problem::internal(format!("cannot run git: {e}")))?;
     let mut trees = Vec::new();
     let mut oid_len = 20;
     for line in String::from_utf8_lossy(&listed.stdout).lines() {
@@ -199,7 +203,7 @@ async fn check_trees(
     env: &[(&str, &OsStr)],
     ids: Vec<u8>,
     oid_len: usize,
-) -> Result<Option<String>, String> {
+) -> Result<Option<String>, Problem> {
     let mut cat = Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -210,9 +214,9 @@ async fn check_trees(
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("cannot run git: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot run git: {e}")))?;
     let (Some(mut stdin), Some(stdout)) = (cat.stdin.take(), cat.stdout.take()) else {
-        return Err("git cat-file has no pipes".into());
+        return Err(Problem::internal("git cat-file has no pipes"));
     };
     let writer = tokio::spawn(async move {
         let _ = stdin.write_all(&ids).await;
@@ -224,20 +228,24 @@ async fn check_trees(
         if out
             .read_line(&mut header)
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| Problem::internal(e.to_string()))?
             == 0
         {
             break;
         }
         let mut parts = header.split_whitespace();
         let (Some(oid), Some(kind), Some(size)) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(format!("git cat-file answered {header:?}"));
+            return Err(Problem::internal(format!(
+                "git cat-file answered {header:?}"
+            )));
         };
         let size: usize = size
             .parse()
-            .map_err(|_| format!("git cat-file answered {header:?}"))?;
+            .map_err(|_| Problem::internal(format!("git cat-file answered {header:?}")))?;
         let mut body = vec![0u8; size + 1];
-        out.read_exact(&mut body).await.map_err(|e| e.to_string())?;
+        out.read_exact(&mut body)
+            .await
+            .map_err(|e| Problem::internal(e.to_string()))?;
         body.pop();
         if kind == "tree"
             && let Some(why) = check_tree(&body, oid_len)

@@ -8,6 +8,7 @@
 //! whose literal `meta.name` is that name; the file stem is the fallback. Files whose `meta`
 //! cannot be read statically are not offered (W03).
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -436,12 +437,14 @@ impl DirResolver {
     }
 
     /// Every `.js` file in the search path with its statically read meta (or why not).
-    pub fn list(&self) -> Vec<(PathBuf, Result<source::Meta, String>)> {
+    pub fn list(&self) -> Vec<(PathBuf, Result<source::Meta, Problem>)> {
         let mut out = Vec::new();
         for dir in &self.dirs {
             for f in files_in(dir, "js") {
                 let meta = crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
-                    .and_then(|s| source::read_meta(&s).map_err(|e| e.to_string()));
+                    .and_then(|s| {
+                        source::read_meta(&s).map_err(|e| Problem::invalid(e.to_string()))
+                    });
                 out.push((f, meta));
             }
         }
@@ -615,7 +618,7 @@ impl DirResolver {
         let path = self.confine_script(p, called)?;
         let source =
             crate::limits::read_file(&path, crate::limits::SCRIPT_BYTES, "workflow script")
-                .map_err(WorkflowError::Unreadable)?;
+                .map_err(|p| WorkflowError::Unreadable(p.into()))?;
         let meta = source::read_meta(&source).map_err(|e| {
             let at = e.line.map(|l| format!(" (line {l})")).unwrap_or_default();
             WorkflowError::Unreadable(format!(
@@ -691,7 +694,7 @@ impl WorkflowResolver for DirResolver {
 
 fn read_found(path: &Path, name: String) -> Result<FoundWorkflow, WorkflowError> {
     let source = crate::limits::read_file(path, crate::limits::SCRIPT_BYTES, "workflow script")
-        .map_err(WorkflowError::Unreadable)?;
+        .map_err(|p| WorkflowError::Unreadable(p.into()))?;
     Ok(FoundWorkflow {
         name,
         source,
@@ -812,6 +815,7 @@ mod tests {
                 .1
                 .as_ref()
                 .unwrap_err()
+                .message
                 .contains("variable reference")
         );
     }

@@ -222,6 +222,15 @@ impl From<&tonic::Status> for Failed {
     }
 }
 
+impl From<flotilla_proto::Problem> for Failed {
+    fn from(p: flotilla_proto::Problem) -> Failed {
+        Failed {
+            kind: p.kind,
+            message: p.message,
+        }
+    }
+}
+
 /// The caller's input was wrong.
 impl From<String> for Failed {
     fn from(message: String) -> Failed {

@@ -584,7 +584,7 @@ async fn serve_until_stopped(
             cancel.clone(),
         ));
     }
-    let ended = |r: Result<Result<(), String>, tokio::task::JoinError>| match r {
+    let ended = |r: Result<Result<(), flotilla_proto::Problem>, tokio::task::JoinError>| match r {
         Ok(Ok(())) => 0,
         Ok(Err(e)) => fail(1, e),
         Err(e) => fail(1, e),

@@ -231,10 +231,13 @@ enum NumLit {
     Float(f64),
 }
 
+/// What a number token is that a workflow's metadata may not hold (`a BigInt \`1n\``).
+struct Disallowed(String);
+
 /// Reads a number token's text; `Err` describes why it is not allowed.
-fn parse_number(text: &str) -> Result<NumLit, String> {
+fn parse_number(text: &str) -> Result<NumLit, Disallowed> {
     if text.ends_with('n') {
-        return Err(format!("a BigInt `{text}`"));
+        return Err(Disallowed(format!("a BigInt `{text}`")));
     }
     let digits: String = text.chars().filter(|&c| c != '_').collect();
     let radix = match digits.get(..2) {
@@ -256,7 +259,7 @@ fn parse_number(text: &str) -> Result<NumLit, String> {
     }
     let bytes = digits.as_bytes();
     if bytes.len() > 1 && bytes[0] == b'0' && bytes[1].is_ascii_digit() {
-        return Err(format!("a legacy octal number `{text}`"));
+        return Err(Disallowed(format!("a legacy octal number `{text}`")));
     }
     if digits.bytes().all(|b| b.is_ascii_digit())
         && let Ok(n) = digits.parse::<u64>()
@@ -265,7 +268,7 @@ fn parse_number(text: &str) -> Result<NumLit, String> {
     }
     match digits.parse::<f64>() {
         Ok(f) if f.is_finite() => Ok(NumLit::Float(f)),
-        _ => Err(format!("a number too large for JSON `{text}`")),
+        _ => Err(Disallowed(format!("a number too large for JSON `{text}`"))),
     }
 }
 
@@ -506,7 +509,7 @@ impl<'a> Parser<'a> {
 
     fn number(&self, token: &Token<'_>, negative: bool) -> Result<Number, SourceError> {
         let parsed =
-            parse_number(token.text).map_err(|found| SourceError::not_literal(token, &found))?;
+            parse_number(token.text).map_err(|found| SourceError::not_literal(token, &found.0))?;
         json_number(parsed, negative).ok_or_else(|| {
             SourceError::not_literal(
                 token,
@@ -643,7 +646,7 @@ impl<'a> Parser<'a> {
                 TokenKind::String => key_token.value.clone().unwrap_or_default(),
                 TokenKind::Number => number_key(
                     parse_number(key_token.text)
-                        .map_err(|found| SourceError::not_literal(&key_token, &found))?,
+                        .map_err(|found| SourceError::not_literal(&key_token, &found.0))?,
                 ),
                 TokenKind::Punct if key_token.text == "..." => {
                     return Err(SourceError::not_literal(&key_token, "a spread (`...`)"));

@@ -336,7 +336,7 @@ const META: &str = "export const meta = { name: 'honest', description: 'an hones
 struct Server {
     _dir: tempfile::TempDir,
     cancel: CancellationToken,
-    served: tokio::task::JoinHandle<Result<(), String>>,
+    served: tokio::task::JoinHandle<Result<(), flotilla_proto::Problem>>,
     client: ClientServiceClient<Channel>,
     kept: String,
     kept_result: serde_json::Value,

@@ -18,6 +18,7 @@
 //! `client.rs` (`ClientService`), `snapshot.rs` (a run's live view on the wire), `intake.rs`
 //! and `sizes.rs` (the bounds).
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 
 use flotilla_proto::frag;
@@ -54,7 +55,7 @@ pub async fn serve(
     registry: Arc<RunRegistry>,
     opts: ServerOptions,
     cancel: CancellationToken,
-) -> Result<(), String> {
+) -> Result<(), Problem> {
     let secure = opts.tls.is_some();
     let workers = WorkerSvc {
         coordinator: coordinator.clone(),
@@ -91,11 +92,13 @@ pub async fn serve(
         ));
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
-        .map_err(|e| format!("cannot serve on {}: {e}", opts.listen))?;
+        .map_err(|e| Problem::unavailable(format!("cannot serve on {}: {e}", opts.listen)))?;
     // TLS handshakes happen in `listen`, with a timeout, behind a connection limit.
     let served = match &opts.tls {
         Some(files) => {
-            let config = files.rustls_server_config().map_err(|e| e.to_string())?;
+            let config = files
+                .rustls_server_config()
+                .map_err(|e| Problem::unavailable(e.to_string()))?;
             let incoming = crate::listen::tls(listener, config, opts.limits, cancel.clone());
             router
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
@@ -108,5 +111,5 @@ pub async fn serve(
                 .await
         }
     };
-    served.map_err(|e| format!("cannot serve on {}: {e}", opts.listen))
+    served.map_err(|e| Problem::unavailable(format!("cannot serve on {}: {e}", opts.listen)))
 }

@@ -5,6 +5,7 @@
 //! A whole request past its method's limit never gets this far: [`super::intake`] refuses it
 //! before it is read.
 
+use flotilla_proto::Problem;
 use flotilla_proto::v1;
 
 use crate::limits::{
@@ -13,19 +14,19 @@ use crate::limits::{
 };
 
 /// `what` of `len` bytes, refused past `limit`, with `fix`.
-fn within(what: &str, len: usize, limit: usize, fix: &str) -> Result<(), String> {
+fn within(what: &str, len: usize, limit: usize, fix: &str) -> Result<(), Problem> {
     if len <= limit {
         return Ok(());
     }
-    Err(format!(
+    Err(Problem::invalid(format!(
         "{what}: {}, over the limit of {}: {fix}",
         measured(len),
         human_bytes(limit)
-    ))
+    )))
 }
 
 /// A short text field (a name, a model, a path): at most [`TEXT_BYTES`].
-pub fn text(what: &str, value: &str) -> Result<(), String> {
+pub fn text(what: &str, value: &str) -> Result<(), Problem> {
     within(
         what,
         value.len(),
@@ -35,7 +36,7 @@ pub fn text(what: &str, value: &str) -> Result<(), String> {
 }
 
 /// A workflow pushed to the coordinator: at most [`SCRIPT_BYTES`], as any script.
-pub fn pushed(source: &str) -> Result<(), String> {
+pub fn pushed(source: &str) -> Result<(), Problem> {
     within(
         "the workflow",
         source.len(),
@@ -45,7 +46,7 @@ pub fn pushed(source: &str) -> Result<(), String> {
 }
 
 /// Checks every size in a launch: script, args, settings, names, and what it carries.
-pub fn check_launch(r: &v1::LaunchRequest) -> Result<(), String> {
+pub fn check_launch(r: &v1::LaunchRequest) -> Result<(), Problem> {
     within(
         "the script",
         r.script.len(),
@@ -72,9 +73,9 @@ pub fn check_launch(r: &v1::LaunchRequest) -> Result<(), String> {
     text("the run to resume", &r.resume_from)?;
     let items = r.workflows.len() + r.agent_definitions.len() + r.agent_types.len();
     if items > CARRIED_ITEMS {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "the launch carries {items} workflows and agent types, over the limit of {CARRIED_ITEMS}: keep fewer in the workflow directories and .claude/agents the launch reads"
-        ));
+        )));
     }
     let mut carried = 0usize;
     for w in &r.workflows {
@@ -204,7 +205,7 @@ mod tests {
         ];
         for (req, says, also) in cases {
             let e = check_launch(&req).unwrap_err();
-            assert!(e.contains(says) && e.contains(also), "{e}");
+            assert!(e.message.contains(says) && e.message.contains(also), "{e}");
         }
     }
 }

@@ -2,6 +2,7 @@
 //! one agent (W55), restarting one (W56), and the budgets that end calls (W35, W82).
 
 use super::*;
+use flotilla_proto::Problem;
 
 impl RunEngine {
     pub(super) fn pause(&mut self, paused: bool) {
@@ -32,15 +33,15 @@ impl RunEngine {
         &mut self,
         action: AgentAction,
         agent: &str,
-    ) -> Result<String, String> {
+    ) -> Result<String, Problem> {
         let live = |c: &Call| c.state.is_live();
         let index = match agent.parse::<usize>() {
             Ok(i) if i < self.calls.len() => i,
             Ok(i) => {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "no agent #{i}: this run has {} agents",
                     self.calls.len()
-                ));
+                )));
             }
             Err(_) => {
                 let found: Vec<usize> = self
@@ -56,25 +57,34 @@ impl RunEngine {
                     .filter(|i| live(&self.calls[*i]))
                     .collect();
                 match (found.len(), alive.as_slice()) {
-                    (0, _) => return Err(format!("no agent labeled {agent:?} in this run")),
+                    (0, _) => {
+                        return Err(Problem::invalid(format!(
+                            "no agent labeled {agent:?} in this run"
+                        )));
+                    }
                     (_, [one]) => *one,
-                    (_, []) => return Err(format!("agent {agent:?} is not running")),
+                    (_, []) => {
+                        return Err(Problem::invalid(format!("agent {agent:?} is not running")));
+                    }
                     (_, many) => {
-                        return Err(format!(
+                        return Err(Problem::invalid(format!(
                             "{} running agents are labeled {agent:?}; name one by its index ({})",
                             many.len(),
                             many.iter()
                                 .map(|i| format!("#{i}"))
                                 .collect::<Vec<_>>()
                                 .join(", ")
-                        ));
+                        )));
                     }
                 }
             }
         };
         let c = &self.calls[index];
         if !live(c) {
-            return Err(format!("agent #{index} ({:?}) is not running", c.label));
+            return Err(Problem::invalid(format!(
+                "agent #{index} ({:?}) is not running",
+                c.label
+            )));
         }
         let label = c.label.clone();
         match action {
@@ -91,9 +101,9 @@ impl RunEngine {
             }
             AgentAction::Restart => {
                 if c.state != State::Running {
-                    return Err(format!(
+                    return Err(Problem::invalid(format!(
                         "agent #{index} ({label:?}) is queued, not running; nothing to restart"
-                    ));
+                    )));
                 }
                 self.init.dispatch.restart_call(&self.run, index as u64);
                 Ok(format!(

@@ -68,7 +68,7 @@ pub enum Control {
     Agent {
         action: AgentAction,
         agent: String,
-        reply: oneshot::Sender<Result<String, String>>,
+        reply: oneshot::Sender<Result<String, flotilla_proto::Problem>>,
     },
     /// The report as it stands now, with live states (`queued`, `running`) for calls that
     /// have not ended (the session page).
@@ -564,7 +564,10 @@ impl RunEngine {
                         let _ = reply.send(self.report_with(true));
                     }
                     Some(Control::Agent { reply, .. }) => {
-                        let _ = reply.send(Err("the run is stopping".into()));
+                        let _ = reply.send(Err(flotilla_proto::Problem::new(
+                            flotilla_proto::ErrorKind::Conflict,
+                            "the run is stopping",
+                        )));
                     }
                     Some(Control::Stop | Control::Pause(_)) => {}
                     None => control_open = false,

@@ -1,6 +1,7 @@
 //! The dispatcher's face: what runs register and submit, what they hear back, and the
 //! [`DispatchHandle`] that sends it all to the dispatcher's inbox.
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -167,7 +168,7 @@ pub(super) enum Msg {
     /// why and what to do.
     Offered(
         Box<flotilla_proto::v1::TaskSpec>,
-        tokio::sync::oneshot::Sender<Result<(), String>>,
+        tokio::sync::oneshot::Sender<Result<(), Problem>>,
     ),
     /// How many attempts of a run workers still hold (asked by a stopped run).
     InFlight {
@@ -179,7 +180,7 @@ pub(super) enum Msg {
         run: Arc<str>,
         call: u64,
         attempt: u32,
-        stored: Result<(String, String), String>,
+        stored: Result<(String, String), Problem>,
     },
 }
 
@@ -354,7 +355,7 @@ impl DispatchHandle {
 
     /// Whether an attached worker offers `task`'s backend, model and placement labels now;
     /// else why none does, as a call set aside for want of one is told.
-    pub async fn offered(&self, task: flotilla_proto::v1::TaskSpec) -> Result<(), String> {
+    pub async fn offered(&self, task: flotilla_proto::v1::TaskSpec) -> Result<(), Problem> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.tx.send(Msg::Offered(Box::new(task), tx)).is_err() {
             return Ok(());

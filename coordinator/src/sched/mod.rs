@@ -340,7 +340,9 @@ impl Dispatcher {
                 let _ = reply.send(if self.fleet.capable(&task) {
                     Ok(())
                 } else {
-                    Err(self.fleet.why_none_offers(&task))
+                    Err(flotilla_proto::Problem::invalid(
+                        self.fleet.why_none_offers(&task),
+                    ))
                 });
             }
             Msg::InFlight { run, reply } => {

@@ -517,10 +517,10 @@ impl Dispatcher {
                     crate::source::put_pack(&store, &repo, &p.commit, vec![p.base.clone()], p.pack)
                         .await
                         .map(|_| (p.base, p.commit))
-                        .map_err(|e| e.to_string())
+                        .map_err(|e| flotilla_proto::Problem::unavailable(e.to_string()))
                 }
-                Ok(Some(why)) => Err(format!("refused: {why}")),
-                Err(e) => Err(format!("cannot check them: {e}")),
+                Ok(Some(why)) => Err(flotilla_proto::Problem::invalid(format!("refused: {why}"))),
+                Err(e) => Err(e.context("cannot check them")),
             };
             let _ = tx.send(Msg::PartialStored {
                 run,
@@ -536,7 +536,7 @@ impl Dispatcher {
         &mut self,
         id: &CallId,
         attempt: u32,
-        stored: Result<(String, String), String>,
+        stored: Result<(String, String), flotilla_proto::Problem>,
     ) {
         if !self.calls.contains_key(id) {
             return;

@@ -13,6 +13,7 @@
 //! to at the dearest prices. They are generous — an honest report does not come near them —
 //! and they keep a report of 10^15 tokens or $10^12 from locking a namespace out of its day.
 
+use flotilla_proto::Problem;
 use std::time::Duration;
 
 use flotilla_proto::v1;
@@ -63,7 +64,7 @@ impl Default for UsageBounds {
 
 impl UsageBounds {
     /// Why these bounds cannot be used, naming the field.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Problem> {
         for (field, v) in [
             ("context_tokens", self.context_tokens),
             ("output_tokens", self.output_tokens),
@@ -71,7 +72,7 @@ impl UsageBounds {
             ("disk_bytes", self.disk_bytes),
         ] {
             if v == 0 {
-                return Err(format!("{field} must be above 0"));
+                return Err(Problem::invalid(format!("{field} must be above 0")));
             }
         }
         for (field, v) in [
@@ -79,7 +80,9 @@ impl UsageBounds {
             ("usd_per_million_output", self.usd_per_million_output),
         ] {
             if !v.is_finite() || v < 0.0 {
-                return Err(format!("{field} must be a price of 0 or more, not {v}"));
+                return Err(Problem::invalid(format!(
+                    "{field} must be a price of 0 or more, not {v}"
+                )));
             }
         }
         Ok(())
@@ -227,12 +230,17 @@ mod tests {
             context_tokens: 0,
             ..UsageBounds::default()
         };
-        assert!(zero.check().unwrap_err().contains("context_tokens"));
+        assert!(zero.check().unwrap_err().message.contains("context_tokens"));
         let nan = UsageBounds {
             usd_per_million_output: f64::NAN,
             ..UsageBounds::default()
         };
-        assert!(nan.check().unwrap_err().contains("usd_per_million_output"));
+        assert!(
+            nan.check()
+                .unwrap_err()
+                .message
+                .contains("usd_per_million_output")
+        );
         assert_eq!(UsageBounds::default().check(), Ok(()));
     }
 

@@ -53,14 +53,18 @@ impl From<&flotilla_proto::v1::Usage> for UsageRecord {
 #[serde(transparent)]
 pub struct RawJson(Box<serde_json::value::RawValue>);
 
+/// Text [`RawJson::parse`] gives back because it is not JSON.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotJson(pub String);
+
 impl RawJson {
-    /// `text` if it is JSON; otherwise it comes back.
-    pub fn parse(text: String) -> Result<RawJson, String> {
+    /// `text` if it is JSON; otherwise it comes back ([`NotJson`]).
+    pub fn parse(text: String) -> Result<RawJson, NotJson> {
         match serde_json::from_str::<&serde_json::value::RawValue>(&text) {
             Ok(_) => serde_json::value::RawValue::from_string(text)
                 .map(RawJson)
-                .map_err(|e| e.to_string()),
-            Err(_) => Err(text),
+                .map_err(|e| NotJson(e.to_string())),
+            Err(_) => Err(NotJson(text)),
         }
     }
 
@@ -71,7 +75,7 @@ impl RawJson {
 
     /// `text` if it is JSON, else `text` as a JSON string.
     pub fn or_string(text: String) -> RawJson {
-        RawJson::parse(text).unwrap_or_else(|t| RawJson::string(&t))
+        RawJson::parse(text).unwrap_or_else(|t| RawJson::string(&t.0))
     }
 
     /// Of a value.
@@ -212,7 +216,7 @@ mod raw_tests {
         let r = RawJson::parse("{\"b\": 1,  \"a\": [true]}".into()).unwrap();
         assert_eq!(r.get(), "{\"b\": 1,  \"a\": [true]}", "kept as written");
         assert_eq!(r.value(), serde_json::json!({"b": 1, "a": [true]}));
-        assert_eq!(RawJson::parse("not json".into()).unwrap_err(), "not json");
+        assert_eq!(RawJson::parse("not json".into()).unwrap_err().0, "not json");
         assert_eq!(
             RawJson::or_string("plain text".into()).get(),
             "\"plain text\""

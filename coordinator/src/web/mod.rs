@@ -28,6 +28,7 @@
 //! Files: `auth.rs` (tokens, sign-in and the guard), `routes.rs` (the handlers), `render.rs`
 //! (the HTML), `metrics.rs` (the Prometheus exposition), `server.rs` (HTTP on the listener).
 
+use flotilla_proto::Problem;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -74,10 +75,15 @@ pub async fn serve(
     registry: Arc<RunRegistry>,
     opts: WebOptions,
     cancel: CancellationToken,
-) -> Result<(), String> {
+) -> Result<(), Problem> {
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
-        .map_err(|e| format!("cannot serve session pages on {}: {e}", opts.listen))?;
+        .map_err(|e| {
+            Problem::unavailable(format!(
+                "cannot serve session pages on {}: {e}",
+                opts.listen
+            ))
+        })?;
     let access = match opts.auth {
         Some(key) => Access::Tokens(key),
         None => Access::Loopback {

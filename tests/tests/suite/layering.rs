@@ -436,3 +436,77 @@ fn layering_the_reader_sees_every_kind_of_import() {
     let got = paths_named(&code_of(code), &[]);
     assert_eq!(got, vec![vec!["a".to_owned()], vec!["c".to_owned()]]);
 }
+
+/// The error types of every `Result<…>` `code` names whose error is a bare `String`, with the
+/// text of the `Result<…>`.
+fn string_errors(code: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let bytes = code.as_bytes();
+    for (at, _) in code.match_indices("Result<") {
+        if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_') {
+            continue;
+        }
+        // Its arguments, split at the commas of depth one.
+        let (mut depth, mut last) = (0usize, at + "Result<".len());
+        let mut args = Vec::new();
+        for (i, ch) in code[at + "Result".len()..].char_indices() {
+            let i = at + "Result".len() + i;
+            match ch {
+                '<' | '(' | '[' => depth += 1,
+                '>' | ')' | ']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        args.push(code[last..i].trim().to_owned());
+                        break;
+                    }
+                }
+                ',' if depth == 1 => {
+                    args.push(code[last..i].trim().to_owned());
+                    last = i + 1;
+                }
+                _ => {}
+            }
+        }
+        if args.len() == 2 && (args[1] == "String" || args[1] == "std::string::String") {
+            found.push(format!("Result<{}, {}>", args[0], args[1]));
+        }
+    }
+    found
+}
+
+#[test]
+fn layering_no_library_crate_returns_a_bare_string_error() {
+    let mut report = Vec::new();
+    for dir in [
+        "proto",
+        "coordinator/script",
+        "coordinator/lease",
+        "coordinator",
+        "worker",
+    ] {
+        let src = root().join(dir).join("src");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        for f in files {
+            let code = code_of(&std::fs::read_to_string(&f).unwrap());
+            for r in string_errors(&code) {
+                report.push(format!(
+                    "{}: {r}",
+                    f.strip_prefix(root()).unwrap().display()
+                ));
+            }
+        }
+    }
+    assert!(
+        report.is_empty(),
+        "errors without a kind (return flotilla_proto::Problem, or a type of the module's own):\n{}",
+        report.join("\n")
+    );
+    // The reader sees one when it is there, nested or not, and not a String elsewhere.
+    assert_eq!(
+        string_errors(
+            "fn f() -> Result<Vec<(u8, String)>, String> {}\nfn g() -> Result<BTreeMap<String, String>, E> {}"
+        ),
+        ["Result<Vec<(u8, String)>, String>"]
+    );
+}
