@@ -510,3 +510,52 @@ fn layering_no_library_crate_returns_a_bare_string_error() {
         ["Result<Vec<(u8, String)>, String>"]
     );
 }
+
+/// ARCHITECTURE.md stays a short map, and every test its invariants name exists.
+#[test]
+fn layering_architecture_md_is_a_short_map_whose_invariants_name_real_tests() {
+    let text = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let lines = text.lines().count();
+    assert!(
+        lines <= 200,
+        "ARCHITECTURE.md is {lines} lines: move detail to docs/ or module docs"
+    );
+    let start = text.find("## Invariants").expect("an Invariants section");
+    let end = text[start + 3..]
+        .find("\n## ")
+        .map_or(text.len(), |e| start + 3 + e);
+    let section = &text[start..end];
+    let mut sources = String::new();
+    for dir in ["proto", "coordinator", "worker", "cli", "tests"] {
+        let mut files = Vec::new();
+        rust_files(&root().join(dir), &mut files);
+        for f in files {
+            if !f.components().any(|c| c.as_os_str() == "target") {
+                sources.push_str(&std::fs::read_to_string(f).unwrap_or_default());
+            }
+        }
+    }
+    let mut named = 0;
+    let mut missing = Vec::new();
+    for quoted in section.split('`').skip(1).step_by(2) {
+        let Some(name) = quoted.rsplit("::").next() else {
+            continue;
+        };
+        // A test's path: `module::test_name` with words joined by `_`.
+        if !quoted.contains("::")
+            || !name.contains('_')
+            || !name.starts_with(|c: char| c.is_ascii_lowercase())
+        {
+            continue;
+        }
+        named += 1;
+        if !sources.contains(&format!("fn {name}(")) {
+            missing.push(quoted.to_owned());
+        }
+    }
+    assert!(named >= 10, "the invariants name {named} tests");
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names tests that do not exist: {missing:?}"
+    );
+}
