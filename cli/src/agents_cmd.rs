@@ -9,7 +9,7 @@ use flotilla_coordinator::report::AgentReport;
 use flotilla_coordinator::{history, store};
 use serde::Serialize;
 
-use crate::{client, config, fail, term};
+use crate::{client, config, fail_kind, term};
 
 #[derive(Debug, Args)]
 pub struct AgentsArgs {
@@ -57,8 +57,8 @@ pub async fn run(a: AgentsArgs) -> i32 {
     if let Some(s) = &a.status
         && !STATUSES.contains(&s.as_str())
     {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             format!(
                 "--status {s:?} is not a status; use one of {}",
                 STATUSES.join(", ")
@@ -66,7 +66,10 @@ pub async fn run(a: AgentsArgs) -> i32 {
         );
     }
     if a.limit == 0 {
-        return fail(2, "--limit must be at least 1");
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
+            "--limit must be at least 1",
+        );
     }
     let report = match &a.from.coordinator {
         Some(c) => match client::report_of(c, &a.from.tls, &a.run_id).await {

@@ -21,7 +21,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::embedded::Embedded;
-use crate::{config, fail};
+use crate::{config, fail_kind};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -234,7 +234,7 @@ pub async fn run(args: BenchArgs) -> i32 {
                 }
                 0
             }
-            Err(e) => fail(1, e),
+            Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
         },
         BenchKind::Fanout(a) if a.distributed => {
             match crate::bench_fleet::fanout(a.calls, a.concurrency, a.workers, !a.no_durable).await
@@ -247,7 +247,7 @@ pub async fn run(args: BenchArgs) -> i32 {
                     }
                     0
                 }
-                Err(e) => fail(1, e),
+                Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
             }
         }
         BenchKind::Fanout(a) => match fanout(&a).await {
@@ -267,7 +267,7 @@ pub async fn run(args: BenchArgs) -> i32 {
                 }
                 0
             }
-            Err(e) => fail(1, e),
+            Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
         },
     }
 }

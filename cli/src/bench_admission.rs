@@ -287,6 +287,6 @@ pub async fn run(a: AdmissionArgs) -> i32 {
             println!("  goodput adaptive / fixed: {:.2}", r.goodput_ratio);
             0
         }
-        Err(e) => crate::fail(1, e),
+        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     }
 }

@@ -314,6 +314,6 @@ pub async fn run(a: AffinityArgs) -> i32 {
             println!("  time spread / affinity: {:.2}", r.speedup);
             0
         }
-        Err(e) => crate::fail(1, e),
+        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     }
 }

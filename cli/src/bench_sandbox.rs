@@ -170,6 +170,6 @@ pub async fn run(a: SandboxArgs) -> i32 {
             }
             0
         }
-        Err(e) => crate::fail(1, e),
+        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     }
 }

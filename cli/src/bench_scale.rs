@@ -694,7 +694,7 @@ pub async fn run(a: FleetArgs) -> i32 {
             }
             0
         }
-        Err(e) => crate::fail(1, e),
+        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     }
 }
 

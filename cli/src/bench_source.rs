@@ -19,7 +19,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 
-use crate::fail;
+use crate::fail_kind;
 
 #[derive(Debug, Args)]
 pub struct SourceArgs {
@@ -292,6 +292,6 @@ pub async fn run(a: SourceArgs) -> i32 {
             );
             0
         }
-        Err(e) => fail(1, e),
+        Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     }
 }

@@ -15,7 +15,7 @@ use rcgen::{
     ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
 };
 
-use crate::fail;
+use crate::fail_kind;
 
 #[derive(Debug, Args)]
 pub struct CertsArgs {
@@ -119,7 +119,7 @@ pub fn run(args: CertsArgs) -> i32 {
             println!("{msg}");
             0
         }
-        Err(e) => fail(2, e),
+        Err(e) => fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     }
 }
 

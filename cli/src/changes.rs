@@ -19,7 +19,7 @@ use flotilla_coordinator::head::RunChanges;
 use flotilla_proto::v1;
 
 use crate::client::{ClientArgs, rpc_fail};
-use crate::fail;
+use crate::fail_kind;
 
 #[derive(Debug, Args)]
 pub struct ChangesArgs {
@@ -153,8 +153,12 @@ async fn changes_of(client: &mut Client, run: &str) -> Result<RunChanges, i32> {
         .await
         .map_err(|s| rpc_fail(&s))?
         .into_inner();
-    serde_json::from_str(&reply.changes_json)
-        .map_err(|e| fail(1, format!("the coordinator's answer is not readable: {e}")))
+    serde_json::from_str(&reply.changes_json).map_err(|e| {
+        fail_kind(
+            flotilla_proto::ErrorKind::Unavailable,
+            format!("the coordinator's answer is not readable: {e}"),
+        )
+    })
 }
 
 fn pick<'a>(
@@ -293,7 +297,7 @@ async fn vetted(local: &Path, whose: &str, commit: &str, base: &str) -> Result<(
 pub async fn changes(a: ChangesArgs) -> i32 {
     let mut client = match a.remote.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let c = match changes_of(&mut client, &a.run_id).await {
         Ok(c) => c,
@@ -301,7 +305,7 @@ pub async fn changes(a: ChangesArgs) -> i32 {
     };
     let picked = match pick(&c, a.agent.as_deref()) {
         Ok(p) => p,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     if a.json {
         let mut v = serde_json::to_value(&c).unwrap_or_default();
@@ -325,7 +329,7 @@ pub async fn changes(a: ChangesArgs) -> i32 {
     let local = if a.diff {
         match local_repo() {
             Ok(l) => Some(l),
-            Err(e) => return fail(2, e),
+            Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
         }
     } else {
         None
@@ -358,14 +362,14 @@ pub async fn changes(a: ChangesArgs) -> i32 {
                 continue;
             }
             if let Err(e) = fetch(&mut client, local, &c, &src.repo, &r.commit).await {
-                return fail(1, e);
+                return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
             }
             if let Err(e) = vetted(local, &ch.label, &r.commit, &r.base).await {
-                return fail(1, e);
+                return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
             }
             match git(local, &["diff", &r.base, &r.commit]) {
                 Ok(d) => println!("{}", crate::term::clean_text(&d)),
-                Err(e) => return fail(1, e),
+                Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
             }
         }
     }
@@ -381,25 +385,25 @@ pub async fn changes(a: ChangesArgs) -> i32 {
 pub async fn apply(a: ApplyArgs) -> i32 {
     let mut client = match a.remote.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let c = match changes_of(&mut client, &a.run_id).await {
         Ok(c) => c,
         Err(code) => return code,
     };
     let Some(src) = c.source.clone() else {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             format!("run {} has no source, so nothing to apply", c.run_id),
         );
     };
     let local = match local_repo() {
         Ok(l) => l,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let picked = match pick(&c, a.agent.as_deref()) {
         Ok(p) => p,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let mut fetched = 0u64;
     let head = c.head.clone().unwrap_or_else(|| src.commit.clone());
@@ -430,18 +434,21 @@ pub async fn apply(a: ApplyArgs) -> i32 {
     for (_, commit, ..) in &wanted {
         match fetch(&mut client, &local, &c, &src.repo, commit).await {
             Ok(n) => fetched += n,
-            Err(e) => return fail(1, e),
+            Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
         }
     }
     // Nothing is pointed at, let alone merged, until every commit passes.
     for (_, commit, whose, base) in &wanted {
         if let Err(e) = vetted(&local, whose, commit, base).await {
-            return fail(1, e);
+            return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
         }
     }
     for (branch, commit, ..) in &wanted {
         if let Err(e) = git(&local, &["branch", "-f", branch, commit]) {
-            return fail(1, format!("cannot set branch {branch}: {e}"));
+            return fail_kind(
+                flotilla_proto::ErrorKind::Unavailable,
+                format!("cannot set branch {branch}: {e}"),
+            );
         }
         println!("{branch} -> {}", &commit[..commit.len().min(12)]);
     }
@@ -453,8 +460,8 @@ pub async fn apply(a: ApplyArgs) -> i32 {
         let dirty =
             git(&local, &["status", "--porcelain", "--untracked-files=no"]).unwrap_or_default();
         if !dirty.is_empty() {
-            return fail(
-                2,
+            return fail_kind(
+                flotilla_proto::ErrorKind::Invalid,
                 format!(
                     "your working tree has uncommitted changes; commit or stash them (`git stash`), then `flotilla apply {} --merge` again (or `git merge flotilla/{}/head`)",
                     c.run_id, c.run_id
@@ -477,18 +484,21 @@ pub async fn apply(a: ApplyArgs) -> i32 {
                     }
                     let linked = format!("flotilla/{}/head-linked", c.run_id);
                     if let Err(e) = git(&local, &["branch", "-f", &linked, &commit]) {
-                        return fail(1, format!("cannot set branch {linked}: {e}"));
+                        return fail_kind(
+                            flotilla_proto::ErrorKind::Unavailable,
+                            format!("cannot set branch {linked}: {e}"),
+                        );
                     }
                     branch = linked;
                 }
-                Err(e) => return fail(1, e),
+                Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
             }
         }
         let message = format!("Merge the changes of flotilla run {}", c.run_id);
         if let Err(e) = git(&local, &["merge", "--no-edit", "-m", &message, &branch]) {
             let _ = git(&local, &["merge", "--abort"]);
-            return fail(
-                1,
+            return fail_kind(
+                flotilla_proto::ErrorKind::Unavailable,
                 format!(
                     "the run's head does not merge cleanly into your branch ({e}); merge it by hand: `git merge {branch}`"
                 ),

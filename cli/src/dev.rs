@@ -24,7 +24,7 @@ use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 
 use crate::client::{ClientArgs, TlsArgs};
-use crate::fail;
+use crate::fail_kind;
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
@@ -303,7 +303,7 @@ fn tail(log: &Path) -> String {
 pub async fn dev(a: DevArgs) -> i32 {
     match up(a).await {
         Ok(code) => code,
-        Err(e) => fail(2, e),
+        Err(e) => fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     }
 }
 

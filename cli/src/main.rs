@@ -394,28 +394,14 @@ pub async fn sandbox_with_api(
     Ok(s.with_network(me, allow_net).await?)
 }
 
-/// Prints an error the way every command does, and returns the exit status.
-pub fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
-    let kind = if code == 2 {
-        flotilla_proto::ErrorKind::Invalid
-    } else {
-        flotilla_proto::ErrorKind::Unavailable
-    };
-    fail_as(kind, code, message)
-}
-
-/// A refusal of `kind`, with the exit status of that kind ([`flotilla_proto::ErrorKind::exit_code`]).
-pub fn fail_kind(kind: flotilla_proto::ErrorKind, message: impl std::fmt::Display) -> i32 {
-    fail_as(kind, kind.exit_code(), message)
-}
-
 /// Whether this command was asked for `--json`: its refusals are then one JSON object on
 /// stdout too (set once, before the command runs).
 static JSON_REFUSALS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// A refusal of `kind`: the error line on stderr and, with `--json`, the object
-/// `{"status":"rejected","error":{"code","message"}}` on stdout; returns `code`.
-pub fn fail_as(kind: flotilla_proto::ErrorKind, code: i32, message: impl std::fmt::Display) -> i32 {
+/// `{"status":"rejected","error":{"code","message"}}` on stdout; returns the exit status of
+/// that kind ([`flotilla_proto::ErrorKind::exit_code`]: the one map from a kind to a status).
+pub fn fail_kind(kind: flotilla_proto::ErrorKind, message: impl std::fmt::Display) -> i32 {
     let message = term::clean_text(&message.to_string()).into_owned();
     eprintln!("error: {message}");
     if JSON_REFUSALS.load(std::sync::atomic::Ordering::Relaxed) {
@@ -425,13 +411,13 @@ pub fn fail_as(kind: flotilla_proto::ErrorKind, code: i32, message: impl std::fm
         });
         println!("{refusal}");
     }
-    code
+    kind.exit_code()
 }
 
 async fn run(args: RunArgs) -> i32 {
     let resolved = match config::resolve_run(&args) {
         Ok(r) => r,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     if let approve::Decision::Exit(code) = approve::gate(&resolved, args.yes, args.plan) {
         return code;
@@ -443,8 +429,8 @@ async fn run(args: RunArgs) -> i32 {
     if let Some(addr) = args.serve
         && !addr.ip().is_loopback()
     {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             format!(
                 "--serve {addr}: the embedded session page has no sign-in, so it is served on loopback only; use --serve 127.0.0.1:PORT"
             ),
@@ -454,8 +440,8 @@ async fn run(args: RunArgs) -> i32 {
         match sandbox_with_api(Vec::new()).await {
             Ok(s) => s,
             Err(e) => {
-                return fail(
-                    2,
+                return fail_kind(
+                    flotilla_proto::ErrorKind::Invalid,
                     format!(
                         "--sandbox: {e}; install bubblewrap (Debian: apt-get install bubblewrap) where unprivileged user namespaces are allowed"
                     ),
@@ -476,10 +462,10 @@ async fn run(args: RunArgs) -> i32 {
         Ok(r) => r,
         Err(e) => {
             // A store that cannot be used as given is a refused request (exit 2).
-            let code = e
+            let kind = e
                 .downcast_ref::<flotilla_coordinator::store::Error>()
-                .map_or(1, |s| s.kind().exit_code());
-            return fail(code, format!("{e:#}"));
+                .map_or(flotilla_proto::ErrorKind::Unavailable, |s| s.kind());
+            return fail_kind(kind, format!("{e:#}"));
         }
     };
     print_report(&report, json, full)
@@ -500,7 +486,12 @@ pub fn print_report(report: &Report, json: bool, full: bool) -> i32 {
             Ok(s) => {
                 let _ = writeln!(out, "{s}");
             }
-            Err(e) => return fail(1, format!("cannot encode the report: {e}")),
+            Err(e) => {
+                return fail_kind(
+                    flotilla_proto::ErrorKind::Internal,
+                    format!("cannot encode the report: {e}"),
+                );
+            }
         }
         return flotilla_coordinator::report::Summary::of_report(report).exit_code();
     }

@@ -4,7 +4,7 @@ use std::io::Write;
 
 use flotilla_coordinator::{history, index, store};
 
-use crate::{config, fail};
+use crate::{config, fail_kind};
 
 /// Which runs `flotilla runs` lists, a page at a time.
 #[derive(Debug, Clone, clap::Args)]
@@ -142,7 +142,7 @@ pub fn print_runs(
 pub async fn list(store_flag: Option<String>, filter: &FilterArgs, json: bool) -> i32 {
     let filter = match filter.filter() {
         Ok(f) => f,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
@@ -151,7 +151,10 @@ pub async fn list(store_flag: Option<String>, filter: &FilterArgs, json: bool) -
     };
     match index::page(&store, &filter).await {
         Ok(page) => print_runs(&page.runs, page.next.as_deref(), json, &url),
-        Err(e) => fail(1, format!("cannot list runs in {url}: {e}")),
+        Err(e) => fail_kind(
+            flotilla_proto::ErrorKind::Unavailable,
+            format!("cannot list runs in {url}: {e}"),
+        ),
     }
 }
 
@@ -278,10 +281,13 @@ pub async fn logs(
     };
     match history::transcripts(&store, &report, agent, attempt).await {
         Ok(found) => print_transcripts(&found, json),
-        Err(history::TranscriptError::NoAgent(m)) => fail(2, m),
-        Err(history::TranscriptError::Store(e)) => {
-            fail(1, format!("cannot read the transcript: {e}"))
+        Err(history::TranscriptError::NoAgent(m)) => {
+            fail_kind(flotilla_proto::ErrorKind::Invalid, m)
         }
+        Err(history::TranscriptError::Store(e)) => fail_kind(
+            flotilla_proto::ErrorKind::Unavailable,
+            format!("cannot read the transcript: {e}"),
+        ),
     }
 }
 
@@ -346,8 +352,13 @@ pub struct GcArgs {
 pub async fn gc(a: GcArgs) -> i32 {
     let older_than = match config::parse_duration("--older-than", &a.older_than) {
         Ok(d) if d.as_secs() >= 1 => d,
-        Ok(_) => return fail(2, "--older-than must be at least 1s; e.g. --older-than 30d"),
-        Err(e) => return fail(2, e),
+        Ok(_) => {
+            return fail_kind(
+                flotilla_proto::ErrorKind::Invalid,
+                "--older-than must be at least 1s; e.g. --older-than 30d",
+            );
+        }
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let url = config::store_url(a.store);
     let store = match store::open(&url) {

@@ -13,7 +13,7 @@ use flotilla_proto::v1;
 use serde_json::{Value, json};
 
 use crate::client::{ClientArgs, Failed};
-use crate::fail;
+use crate::fail_kind;
 use crate::term::clean;
 
 #[derive(Debug, Subcommand)]
@@ -307,8 +307,8 @@ async fn show(a: ShowArgs) -> i32 {
     };
     let name = a.workflow.trim_start_matches('/');
     let Some(e) = all.iter().find(|e| e.name == name && e.meta.is_ok()) else {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             format!("no workflow {name:?}: `flotilla workflows list` shows the ones you can run"),
         );
     };
@@ -320,7 +320,7 @@ async fn show(a: ShowArgs) -> i32 {
             "workflow",
         ) {
             Ok(s) => s,
-            Err(err) => return fail(1, err),
+            Err(err) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, err),
         },
     };
     eprintln!("# {} ({})", e.location, e.origin);
@@ -360,13 +360,13 @@ fn save(a: SaveArgs) -> i32 {
         "workflow",
     ) {
         Ok(t) => t,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let meta = match source::read_meta(&text) {
         Ok(m) => m,
         Err(e) => {
-            return fail(
-                2,
+            return fail_kind(
+                flotilla_proto::ErrorKind::Invalid,
                 format!(
                     "{} has no literal meta with name and description (W02): {e}",
                     a.file.display()
@@ -375,8 +375,8 @@ fn save(a: SaveArgs) -> i32 {
         }
     };
     if !saved::valid_name(&meta.name) {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             format!(
                 "meta.name {:?} cannot name a saved workflow: use letters, digits, '-', '_' and '.'",
                 meta.name
@@ -386,12 +386,22 @@ fn save(a: SaveArgs) -> i32 {
     let dir = if a.personal {
         match personal_dirs().into_iter().next() {
             Some(d) => d.join("workflows"),
-            None => return fail(2, "no HOME or XDG_CONFIG_HOME for a personal directory"),
+            None => {
+                return fail_kind(
+                    flotilla_proto::ErrorKind::Invalid,
+                    "no HOME or XDG_CONFIG_HOME for a personal directory",
+                );
+            }
         }
     } else {
         match std::env::current_dir() {
             Ok(cwd) => project_target(&cwd),
-            Err(e) => return fail(1, format!("cannot read the working directory: {e}")),
+            Err(e) => {
+                return fail_kind(
+                    flotilla_proto::ErrorKind::Unavailable,
+                    format!("cannot read the working directory: {e}"),
+                );
+            }
         }
     };
     let target = dir.join(format!("{}.js", meta.name));
@@ -405,8 +415,8 @@ fn save(a: SaveArgs) -> i32 {
         }
     }
     if let Some(link) = checked.iter().find(|p| is_link(p)) {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             format!(
                 "refusing to save through a symbolic link: {} is a link; save to a real directory",
                 link.display()
@@ -414,13 +424,19 @@ fn save(a: SaveArgs) -> i32 {
         );
     }
     if let Err(e) = std::fs::create_dir_all(&dir) {
-        return fail(1, format!("cannot create {}: {e}", dir.display()));
+        return fail_kind(
+            flotilla_proto::ErrorKind::Internal,
+            format!("cannot create {}: {e}", dir.display()),
+        );
     }
     let replaced = target.exists();
     let tmp = dir.join(format!(".{}.js.tmp", meta.name));
     if let Err(e) = std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, &target)) {
         let _ = std::fs::remove_file(&tmp);
-        return fail(1, format!("cannot write {}: {e}", target.display()));
+        return fail_kind(
+            flotilla_proto::ErrorKind::Internal,
+            format!("cannot write {}: {e}", target.display()),
+        );
     }
     println!(
         "{} {} as {}",
@@ -438,11 +454,11 @@ async fn push(a: PushArgs) -> i32 {
         "workflow",
     ) {
         Ok(t) => t,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let mut client = match a.remote.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     match client
         .push_workflow(v1::PushWorkflowRequest {

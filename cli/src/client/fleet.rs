@@ -6,7 +6,7 @@ use clap::Args;
 use flotilla_proto::v1::{self};
 
 use crate::client::*;
-use crate::{config, fail};
+use crate::{config, fail_kind};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum TokenCommand {
@@ -45,13 +45,18 @@ pub async fn token_create(a: TokenArgs) -> i32 {
     let ttl_secs = match a.ttl.as_deref().map(|t| config::parse_duration("--ttl", t)) {
         None => 0,
         Some(Ok(d)) if d.as_secs() > 0 => d.as_secs(),
-        Some(Ok(_)) => return fail(2, "--ttl must be at least 1s; e.g. --ttl 12h"),
-        Some(Err(e)) => return fail(2, e),
+        Some(Ok(_)) => {
+            return fail_kind(
+                flotilla_proto::ErrorKind::Invalid,
+                "--ttl must be at least 1s; e.g. --ttl 12h",
+            );
+        }
+        Some(Err(e)) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
     {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     match client
         .create_token(v1::CreateTokenRequest { ttl_secs })
@@ -95,7 +100,7 @@ pub async fn workers(a: WorkersArgs) -> i32 {
     let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
     {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     match client.list_workers(v1::ListWorkersRequest {}).await {
         Ok(r) => {

@@ -8,7 +8,7 @@ use flotilla_proto::v1::client_service_client::ClientServiceClient;
 use flotilla_proto::v1::{self};
 
 use crate::client::*;
-use crate::{config, fail};
+use crate::{config, fail_kind};
 
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
@@ -167,18 +167,18 @@ pub(crate) async fn send(
 
 pub async fn launch(a: LaunchArgs) -> i32 {
     if a.run.serve.is_some() {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             "--serve is for `flotilla run`; on the fleet the coordinator serves every run's page at its --http address",
         );
     }
     let file = match config::load(a.run.config.as_deref()) {
         Ok(f) => f,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let mut client = match a.remote.client_with(&file) {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let prepared = match prepare(&mut client, &a.run).await {
         Ok(p) => p,
@@ -344,7 +344,7 @@ pub(crate) fn print_launched(reply: v1::LaunchReply, json: bool, resumes: Option
             eprintln!("error: {}", crate::term::clean_text(&reply.error));
             return 2;
         }
-        return fail(2, reply.error);
+        return fail_kind(flotilla_proto::ErrorKind::Invalid, reply.error);
     }
     say_notes(&reply.notes);
     if json {
@@ -405,7 +405,7 @@ impl ResumeArgs {
 pub async fn resume(a: ResumeArgs) -> i32 {
     let mut client = match a.run.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     if a.script.is_none() && a.args.is_none() {
         match client
@@ -432,17 +432,20 @@ pub async fn resume(a: ResumeArgs) -> i32 {
             "script",
         ) {
             Ok(s) => s,
-            Err(e) => return fail(2, e),
+            Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
         },
     };
     if let Some(args) = &a.args
         && let Err(e) = serde_json::from_str::<serde_json::Value>(args)
     {
-        return fail(2, format!("--args is not valid JSON: {e}"));
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
+            format!("--args is not valid JSON: {e}"),
+        );
     }
     let replay = match a.replay.parse() {
         Ok(m) => m,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let settings = flotilla_coordinator::RunSettings {
         replay,
@@ -450,7 +453,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
     };
     let settings_json = match serde_json::to_string(&settings) {
         Ok(s) => s,
-        Err(e) => return fail(1, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     };
     let req = v1::LaunchRequest {
         protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
@@ -470,7 +473,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
         inherit: true,
     };
     if let Err(e) = flotilla_coordinator::api::check_launch(&req) {
-        return fail(2, e);
+        return fail_kind(flotilla_proto::ErrorKind::Invalid, e);
     }
     match client.launch(req).await {
         Ok(r) => print_launched(r.into_inner(), a.run.json, Some(&a.run.run_id)),

@@ -211,7 +211,7 @@ pub(crate) struct Failed {
 impl Failed {
     /// Prints it as every command prints a refusal; the exit status.
     pub(crate) fn print(self) -> i32 {
-        crate::fail_as(self.kind, self.kind.exit_code(), self.message)
+        crate::fail_kind(self.kind, self.message)
     }
 }
 

@@ -9,18 +9,18 @@ use flotilla_coordinator::api::SnapshotView;
 use flotilla_proto::v1::{self};
 
 use crate::client::*;
-use crate::{fail, print_report};
+use crate::{fail_kind, print_report};
 
 pub async fn wait(a: RunRefArgs) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     match client.wait(v1::RunRef { run_id: a.run_id }).await {
         Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
             Ok(report) => print_report(&report, a.json, a.full),
-            Err(e) => fail(
-                1,
+            Err(e) => fail_kind(
+                flotilla_proto::ErrorKind::Unavailable,
                 format!("the coordinator sent a report this client cannot read: {e}"),
             ),
         },
@@ -39,7 +39,7 @@ pub async fn logs_remote(
 ) -> i32 {
     let mut client = match remote.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let reply = client
         .transcripts(v1::TranscriptsRequest {
@@ -61,8 +61,8 @@ pub async fn logs_remote(
         match serde_json::from_str::<flotilla_coordinator::history::AgentTranscript>(a) {
             Ok(t) => found.push(t),
             Err(e) => {
-                return fail(
-                    1,
+                return fail_kind(
+                    flotilla_proto::ErrorKind::Unavailable,
                     format!("the coordinator sent a transcript this client cannot read: {e}"),
                 );
             }
@@ -77,7 +77,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
     use std::io::IsTerminal;
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let bars = !a.json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
     let mode = crate::progress::Mode::pick(bars, !bars && !a.json);
@@ -99,8 +99,8 @@ pub async fn watch(a: RunRefArgs) -> i32 {
                 }
                 Err(e) => {
                     view.finish().await;
-                    return fail(
-                        1,
+                    return fail_kind(
+                        flotilla_proto::ErrorKind::Unavailable,
                         format!("the coordinator sent a status this client cannot read: {e}"),
                     );
                 }
@@ -118,8 +118,8 @@ pub async fn watch(a: RunRefArgs) -> i32 {
     match client.wait(run).await {
         Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
             Ok(report) => print_report(&report, a.json, a.full),
-            Err(e) => fail(
-                1,
+            Err(e) => fail_kind(
+                flotilla_proto::ErrorKind::Unavailable,
                 format!("the coordinator sent a report this client cannot read: {e}"),
             ),
         },
@@ -130,7 +130,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
 pub async fn status(a: RunRefArgs) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     match client
         .status(v1::RunRef {
@@ -152,7 +152,7 @@ pub async fn status(a: RunRefArgs) -> i32 {
                     }
                     0
                 }
-                Err(e) => fail(1, e),
+                Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
             }
         }
         Err(s) => rpc_fail(&s),
@@ -196,7 +196,7 @@ pub async fn control(a: RunRefArgs, action: &str) -> i32 {
 pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     match client
         .control(v1::ControlRequest {
@@ -221,8 +221,8 @@ pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str) -> i
 
 pub async fn restart(a: AgentRefArgs) -> i32 {
     let Some(agent) = a.agent.as_deref() else {
-        return fail(
-            2,
+        return fail_kind(
+            flotilla_proto::ErrorKind::Invalid,
             "name the agent to restart: --agent INDEX or --agent LABEL",
         );
     };
@@ -236,7 +236,7 @@ pub async fn stop(a: AgentRefArgs) -> i32 {
     let a = a.run;
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     match client
         .stop(v1::RunRef {
@@ -259,7 +259,9 @@ pub async fn report_of(coordinator: &str, tls: &TlsArgs, run: &str) -> Result<Re
         coordinator: Some(coordinator.to_owned()),
         tls: tls.clone(),
     };
-    let mut c = remote.client().map_err(|e| fail(2, e))?;
+    let mut c = remote
+        .client()
+        .map_err(|e| fail_kind(flotilla_proto::ErrorKind::Invalid, e))?;
     let reply = c
         .report(v1::RunRef {
             run_id: run.to_owned(),
@@ -268,8 +270,8 @@ pub async fn report_of(coordinator: &str, tls: &TlsArgs, run: &str) -> Result<Re
         .map_err(|s| rpc_fail(&s))?
         .into_inner();
     serde_json::from_str(&reply.report_json).map_err(|e| {
-        fail(
-            1,
+        fail_kind(
+            flotilla_proto::ErrorKind::Unavailable,
             format!("the coordinator sent a report this client cannot read: {e}"),
         )
     })
@@ -283,15 +285,15 @@ pub async fn list_remote(
 ) -> i32 {
     let filter = match filter.filter() {
         Ok(f) => f,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let mut client = match remote.client() {
         Ok(c) => c,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let filter_json = match serde_json::to_string(&filter) {
         Ok(f) => f,
-        Err(e) => return fail(1, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     };
     match client.list_runs(v1::ListRunsRequest { filter_json }).await {
         Ok(r) => {
@@ -300,8 +302,8 @@ pub async fn list_remote(
                 match serde_json::from_str(&r.runs_json) {
                     Ok(runs) => runs,
                     Err(e) => {
-                        return fail(
-                            1,
+                        return fail_kind(
+                            flotilla_proto::ErrorKind::Unavailable,
                             format!("the coordinator sent runs this client cannot read: {e}"),
                         );
                     }

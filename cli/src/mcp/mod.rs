@@ -877,7 +877,7 @@ pub async fn serve(args: McpArgs) -> i32 {
         .collect();
     let fleet = match fleet_of(&args) {
         Ok(f) => f,
-        Err(e) => return crate::fail(2, e),
+        Err(e) => return crate::fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     if fleet.is_none() {
         prune_outputs(&data_dir().join("runs"), OUTPUT_KEPT);
@@ -887,7 +887,12 @@ pub async fn serve(args: McpArgs) -> i32 {
     let framed = lines::frame(tokio::io::stdin(), tokio::io::stdout());
     let service = match server.serve((framed.read, framed.write)).await {
         Ok(s) => s,
-        Err(e) => return crate::fail(1, format!("the MCP client did not start a session: {e}")),
+        Err(e) => {
+            return crate::fail_kind(
+                flotilla_proto::ErrorKind::Unavailable,
+                format!("the MCP client did not start a session: {e}"),
+            );
+        }
     };
     let _ = service.waiting().await;
     // rmcp's last answers reach stdout before the process ends.

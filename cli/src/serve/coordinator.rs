@@ -15,7 +15,7 @@ use flotilla_proto::tls::TlsFiles;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::*;
-use crate::{config, fail};
+use crate::{config, fail_kind};
 
 #[derive(Debug, Args)]
 pub struct CoordinatorArgs {
@@ -432,24 +432,24 @@ fn launch_policy(s: &Settings, config_path: Option<PathBuf>) -> server::LaunchPo
 pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     let file = match config::load(a.config.as_deref()) {
         Ok(f) => f,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     a.tls.fill(&file);
     let s = match Settings::layered(&a, &file) {
         Ok(s) => s,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let tls = match a.tls.files("coordinator", s.listen.ip().is_loopback()) {
         Ok(t) => t,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let tokens = match token_key(tls.as_ref(), s.http) {
         Ok(t) => t,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let store = match store::open(&s.store_url) {
         Ok(st) => st,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     // A store set up wrong stops the coordinator here, with the fix (exit 2: its settings;
     // exit 1: nothing answers), rather than failing each run.
@@ -465,7 +465,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     };
     let leases = match lease_store(&s, tls.as_ref()).await {
         Ok(l) => l,
-        Err(e) => return fail(1, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     };
     let leases: Arc<dyn flotilla_coordinator::lease::LeaseStore> = if s.etcd.is_empty() {
         leases
@@ -489,7 +489,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     match notifier(&a, &file) {
         Ok(Some(n)) => coordinator.set_notifier(n),
         Ok(None) => {}
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     }
     let registry = Arc::new(RunRegistry::default());
     let lost = CancellationToken::new();
@@ -504,7 +504,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         )
         .await
     {
-        return fail(1, e);
+        return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
     }
     let opts = ServerOptions {
         listen: s.listen,
@@ -586,8 +586,8 @@ async fn serve_until_stopped(
     }
     let ended = |r: Result<Result<(), flotilla_proto::Problem>, tokio::task::JoinError>| match r {
         Ok(Ok(())) => 0,
-        Ok(Err(e)) => fail(1, e),
-        Err(e) => fail(1, e),
+        Ok(Err(e)) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
     };
     let code = tokio::select! {
         _ = shutdown_signal() => {
@@ -621,14 +621,14 @@ async fn after_lapse(coordinator: &Coordinator) -> i32 {
         None => Ok(None),
     };
     match holder {
-        Ok(Some(leader)) => fail(
-            1,
+        Ok(Some(leader)) => fail_kind(
+            flotilla_proto::ErrorKind::Unavailable,
             format!(
                 "this coordinator's lease in etcd lapsed, so another coordinator may own its runs now ({leader} leads); stopping (restart it to rejoin as a standby)"
             ),
         ),
-        Err(e) => fail(
-            1,
+        Err(e) => fail_kind(
+            flotilla_proto::ErrorKind::Unavailable,
             format!(
                 "this coordinator's lease in etcd lapsed, and etcd does not say who leads now ({e}); stopping (restart it to rejoin the group)"
             ),
@@ -638,8 +638,8 @@ async fn after_lapse(coordinator: &Coordinator) -> i32 {
                 "this coordinator's lease in etcd lapsed and no other coordinator leads: starting again in its own place to campaign again (its runs are adopted from storage, as after any takeover)"
             );
             let e = start_again_in_place();
-            fail(
-                1,
+            fail_kind(
+                flotilla_proto::ErrorKind::Unavailable,
                 format!(
                     "cannot start this coordinator again in its own place ({e}); stopping (restart it to rejoin the group)"
                 ),

@@ -9,7 +9,7 @@ use flotilla_worker::{AgentBackend, Worker, WorkerOptions};
 use tokio_util::sync::CancellationToken;
 
 use crate::client::*;
-use crate::{config, fail};
+use crate::{config, fail_kind};
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
@@ -316,17 +316,17 @@ async fn sandbox(s: &Settings) -> Result<flotilla_worker::sandbox::Sandbox, Stri
 pub async fn worker(mut a: WorkerArgs) -> i32 {
     let file = match config::load(a.config.as_deref()) {
         Ok(f) => f,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     a.tls.fill(&file);
     let s = match Settings::layered(&a, &file) {
         Ok(s) => s,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let name = a.tls.name.clone().unwrap_or_else(hostname);
     let tls = match a.tls.files(&name, loopback_host(&host_of(&s.coordinator))) {
         Ok(t) => t,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     // The workspace is the worker's alone: no other user of the machine reads its checkouts.
     if std::fs::create_dir_all(&s.workspace).is_ok() {
@@ -335,7 +335,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     }
     let sandbox = match sandbox(&s).await {
         Ok(sb) => sb,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let limits = flotilla_worker::limits::Limits::detect_with(s.limits.clone(), s.rlimits);
     eprintln!("flotilla worker: {}", limits.describe());
@@ -348,7 +348,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
         .collect();
     let backends = match backends {
         Ok(b) => b,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
     let worker = Worker::new(
         WorkerOptions {
@@ -386,7 +386,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
         }
         r = &mut serving => match r {
             Ok(()) => 0,
-            Err(e) => fail(1, e),
+            Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
         },
     };
     // Its cgroups and its sandbox's state go with it (those of a worker killed outright,
