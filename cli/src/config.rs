@@ -4,6 +4,7 @@
 //! (`FLOTILLA_STALL_TIMEOUT=300ms`) and a config key (`stall_timeout = "300ms"`). Durations
 //! accept `300ms`, `5s`, `3m` (or plain milliseconds).
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -126,27 +127,31 @@ pub fn notifier_from_env()
 /// `KEY=VALUE` labels as flags give them, checked; an error names the bad one and the form.
 pub fn parse_labels(
     given: &[String],
-) -> Result<std::collections::BTreeMap<String, String>, String> {
+) -> Result<std::collections::BTreeMap<String, String>, Problem> {
     use flotilla_coordinator::settings::{MAX_LABELS, valid_label_key, valid_label_value};
     let mut out = std::collections::BTreeMap::new();
     for l in given {
-        let (k, v) = l
-            .split_once('=')
-            .ok_or_else(|| format!("--label {l:?} is not KEY=VALUE, e.g. --label team=payments"))?;
+        let (k, v) = l.split_once('=').ok_or_else(|| {
+            Problem::invalid(format!(
+                "--label {l:?} is not KEY=VALUE, e.g. --label team=payments"
+            ))
+        })?;
         if !valid_label_key(k) {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "--label {l:?}: the key must be 1 to 63 lower-case letters, digits, - _ . or /, starting with a letter or digit"
-            ));
+            )));
         }
         if !valid_label_value(v) {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "--label {l:?}: the value must be at most 256 printable characters"
-            ));
+            )));
         }
         out.insert(k.to_owned(), v.to_owned());
     }
     if out.len() > MAX_LABELS {
-        return Err(format!("at most {MAX_LABELS} labels per run"));
+        return Err(Problem::invalid(format!(
+            "at most {MAX_LABELS} labels per run"
+        )));
     }
     Ok(out)
 }
@@ -326,13 +331,13 @@ pub struct ConfigFile {
 }
 
 /// Reads a config file (`--config`), or an empty one.
-pub fn load(path: Option<&Path>) -> Result<ConfigFile, String> {
+pub fn load(path: Option<&Path>) -> Result<ConfigFile, Problem> {
     read_config(path)
 }
 
 /// The namespace a fleet launch asks for: `flag` (`--namespace`, FLOTILLA_NAMESPACE), else the
 /// config file's; empty: the certificate's first, as the coordinator chooses it.
-pub fn asked_namespace(flag: Option<&str>, config: Option<&Path>) -> Result<String, String> {
+pub fn asked_namespace(flag: Option<&str>, config: Option<&Path>) -> Result<String, Problem> {
     Ok(match flag {
         Some(ns) => ns.to_owned(),
         None => read_config(config)?.namespace.unwrap_or_default(),
@@ -363,7 +368,7 @@ pub struct ResolvedRun {
 /// `FLOTILLA_DEFAULT_BACKEND`, else `claude-code` when the `claude` CLI is here
 /// (`FLOTILLA_CLAUDE_BIN`, else on `PATH`), else `anthropic` when `ANTHROPIC_API_KEY` is set;
 /// else none, with the choices. The second value says why, when it was found here.
-pub fn default_backend() -> Result<(String, Option<String>), String> {
+pub fn default_backend() -> Result<(String, Option<String>), Problem> {
     if let Some(b) = env_default_backend()? {
         return Ok((b, None));
     }
@@ -379,19 +384,21 @@ pub fn default_backend() -> Result<(String, Option<String>), String> {
     if std::env::var_os("ANTHROPIC_API_KEY").is_some_and(|k| !k.is_empty()) {
         return Ok(("anthropic".into(), Some("ANTHROPIC_API_KEY is set".into())));
     }
-    Err("no agent backend: the claude CLI is not on PATH and ANTHROPIC_API_KEY is not set; pass --backend claude-code (install Claude Code), --backend anthropic (set ANTHROPIC_API_KEY), --backend openai, --backend exec --exec-cmd CMD, or --backend echo for a dry run that calls no model".into())
+    Err(Problem::invalid(
+        "no agent backend: the claude CLI is not on PATH and ANTHROPIC_API_KEY is not set; pass --backend claude-code (install Claude Code), --backend anthropic (set ANTHROPIC_API_KEY), --backend openai, --backend exec --exec-cmd CMD, or --backend echo for a dry run that calls no model",
+    ))
 }
 
 /// `FLOTILLA_DEFAULT_BACKEND`, checked, if it is set.
-fn env_default_backend() -> Result<Option<String>, String> {
+fn env_default_backend() -> Result<Option<String>, Problem> {
     match std::env::var("FLOTILLA_DEFAULT_BACKEND") {
         Ok(b) if !b.trim().is_empty() => match b.trim() {
             b @ ("echo" | "exec" | "claude-code" | "anthropic" | "openai") => {
                 Ok(Some(b.to_owned()))
             }
-            other => Err(format!(
+            other => Err(Problem::invalid(format!(
                 "FLOTILLA_DEFAULT_BACKEND={other:?} is not a backend: use echo, exec, claude-code, anthropic or openai"
-            )),
+            ))),
         },
         _ => Ok(None),
     }
@@ -409,16 +416,19 @@ pub(crate) fn on_path(name: &str) -> bool {
 }
 
 /// Parses a duration: `300ms`, `5s`, `3m`, `1h`, or a plain number of milliseconds.
-pub fn parse_duration(what: &str, s: &str) -> Result<Duration, String> {
+pub fn parse_duration(what: &str, s: &str) -> Result<Duration, Problem> {
     let s = s.trim();
     if let Ok(ms) = s.parse::<u64>() {
         return Ok(Duration::from_millis(ms));
     }
-    humantime::parse_duration(s)
-        .map_err(|e| format!("{what} {s:?} is not a duration ({e}); use e.g. 300ms, 5s or 3m"))
+    humantime::parse_duration(s).map_err(|e| {
+        Problem::invalid(format!(
+            "{what} {s:?} is not a duration ({e}); use e.g. 300ms, 5s or 3m"
+        ))
+    })
 }
 
-fn read_config(path: Option<&Path>) -> Result<ConfigFile, String> {
+fn read_config(path: Option<&Path>) -> Result<ConfigFile, Problem> {
     let Some(path) = path else {
         return Ok(ConfigFile::default());
     };
@@ -431,8 +441,9 @@ fn read_config(path: Option<&Path>) -> Result<ConfigFile, String> {
 }
 
 /// Reads a config file's text; `origin` names it in the error.
-pub fn parse_config(text: &str, origin: &str) -> Result<ConfigFile, String> {
-    toml::from_str(text).map_err(|e| format!("config file {origin} is invalid: {e}"))
+pub fn parse_config(text: &str, origin: &str) -> Result<ConfigFile, Problem> {
+    toml::from_str(text)
+        .map_err(|e| Problem::invalid(format!("config file {origin} is invalid: {e}")))
 }
 
 /// The default store: `file://` under the user's data directory.
@@ -492,7 +503,7 @@ pub fn settings_from(
     flags: &SettingFlags,
     file: &ConfigFile,
     local: bool,
-) -> Result<Merged, String> {
+) -> Result<Merged, Problem> {
     let mut s = RunSettings::default();
     let pick_s = |f: &Option<String>, c: &Option<String>| f.clone().or_else(|| c.clone());
     if let Some(b) = pick_s(&flags.backend, &file.backend) {
@@ -510,7 +521,9 @@ pub fn settings_from(
         || file.force_model.unwrap_or(false)
         || std::env::var("CLAUDE_CODE_SUBAGENT_MODEL_FORCE").is_ok_and(|v| v == "1" || v == "true");
     if let Some(r) = pick_s(&flags.replay, &file.replay) {
-        s.replay = r.parse::<ReplayMode>().map_err(|e| e.to_string())?;
+        s.replay = r
+            .parse::<ReplayMode>()
+            .map_err(|e| Problem::invalid(e.to_string()))?;
     }
     if let Some(v) = flags.concurrency.or(file.concurrency) {
         s.concurrency = v;
@@ -570,19 +583,18 @@ pub fn settings_from(
     match s.backend.as_str() {
         "echo" | "exec" | "claude-code" | "anthropic" | "openai" => {}
         other => {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "unknown backend {other:?}: use --backend echo, exec, claude-code, anthropic or openai"
-            ));
+            )));
         }
     }
     let exec_cmd = pick_s(&flags.exec_cmd, &file.exec_cmd);
     if local && s.backend == "exec" && exec_cmd.as_deref().is_none_or(|c| c.trim().is_empty()) {
-        return Err(
-            "--backend exec needs --exec-cmd CMD: the command each agent runs (prompt on stdin, result on stdout)"
-                .into(),
-        );
+        return Err(Problem::invalid(
+            "--backend exec needs --exec-cmd CMD: the command each agent runs (prompt on stdin, result on stdout)",
+        ));
     }
-    s.validate().map_err(|e| e.to_string())?;
+    s.validate().map_err(|e| Problem::invalid(e.to_string()))?;
     Ok(Merged {
         settings: s,
         exec_cmd,
@@ -599,11 +611,11 @@ fn meta_defaults(
     meta: &serde_json::Value,
     flags: &SettingFlags,
     file: &ConfigFile,
-) -> Result<(), String> {
+) -> Result<(), Problem> {
     let bad = |key: &str, want: &str| {
-        format!(
+        Problem::invalid(format!(
             "the workflow's meta.{key} must be {want}; fix the script's meta or pass --{key} to override"
-        )
+        ))
     };
     if flags.concurrency.is_none()
         && file.concurrency.is_none()
@@ -657,7 +669,7 @@ fn meta_defaults(
             .ok_or_else(|| bad("model", "a model name"))?
             .to_owned();
     }
-    s.validate().map_err(|e| e.to_string())
+    s.validate().map_err(|e| Problem::invalid(e.to_string()))
 }
 
 /// Whether new runs are refused (W67): `FLOTILLA_DISABLE_WORKFLOWS=1` (or Claude Code's
@@ -676,7 +688,7 @@ pub fn workflows_disabled(file: &ConfigFile) -> bool {
 pub const DISABLED: &str = "workflows are disabled here (FLOTILLA_DISABLE_WORKFLOWS or disable_workflows in the config file); runs already in progress keep going; unset it to start new runs";
 
 /// Reads the script, args and settings of `flotilla run`.
-pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, String> {
+pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, Problem> {
     resolve_run_with(args, &[], true)
 }
 
@@ -687,10 +699,10 @@ pub fn resolve_run_with(
     args: &crate::RunArgs,
     server: &[flotilla_coordinator::workflows::FoundWorkflow],
     local: bool,
-) -> Result<ResolvedRun, String> {
+) -> Result<ResolvedRun, Problem> {
     let file = read_config(args.config.as_deref())?;
     if workflows_disabled(&file) {
-        return Err(DISABLED.into());
+        return Err(Problem::invalid(DISABLED));
     }
     let Merged {
         settings,
@@ -699,28 +711,32 @@ pub fn resolve_run_with(
         workspace,
     } = settings_from(&args.settings, &file, local)?;
     let store_url = store_url(store);
-    let cwd =
-        std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
+    let cwd = std::env::current_dir()
+        .map_err(|e| Problem::invalid(format!("cannot read the working directory: {e}")))?;
     let mut workflows_dirs = args.settings.workflows_dirs.clone();
     workflows_dirs.extend(file.workflows_dirs.iter().cloned());
 
-    let json_args =
-        match (&args.args, &args.args_file) {
-            (Some(text), _) => Some(serde_json::from_str(text).map_err(|e| {
-                format!("--args is not valid JSON ({e}); pass e.g. --args '{{\"dir\":\"src\"}}'")
-            })?),
-            (None, Some(path)) => {
-                let text = flotilla_coordinator::limits::read_file(
-                    path,
-                    flotilla_coordinator::limits::ARGS_BYTES,
-                    "--args-file",
-                )?;
-                Some(serde_json::from_str(&text).map_err(|e| {
-                    format!("--args-file {} is not valid JSON: {e}", path.display())
-                })?)
-            }
-            (None, None) => None,
-        };
+    let json_args = match (&args.args, &args.args_file) {
+        (Some(text), _) => Some(serde_json::from_str(text).map_err(|e| {
+            Problem::invalid(format!(
+                "--args is not valid JSON ({e}); pass e.g. --args '{{\"dir\":\"src\"}}'"
+            ))
+        })?),
+        (None, Some(path)) => {
+            let text = flotilla_coordinator::limits::read_file(
+                path,
+                flotilla_coordinator::limits::ARGS_BYTES,
+                "--args-file",
+            )?;
+            Some(serde_json::from_str(&text).map_err(|e| {
+                Problem::invalid(format!(
+                    "--args-file {} is not valid JSON: {e}",
+                    path.display()
+                ))
+            })?)
+        }
+        (None, None) => None,
+    };
 
     let path = PathBuf::from(&args.script);
     // `/name` is Claude Code's way to call a saved workflow (W63), not an absolute path.
@@ -746,7 +762,10 @@ pub fn resolve_run_with(
         let resolver =
             flotilla_coordinator::workflows::DirResolver::standard(&cwd, &workflows_dirs);
         let name = args.script.trim_start_matches('/');
-        let found = match resolver.find_saved(name).map_err(|e| e.to_string())? {
+        let found = match resolver
+            .find_saved(name)
+            .map_err(|e| Problem::invalid(e.to_string()))?
+        {
             Some(f) => f,
             None => match server.iter().find(|w| w.name == name) {
                 Some(f) => f.clone(),
@@ -754,7 +773,7 @@ pub fn resolve_run_with(
                     &resolver,
                     &flotilla_coordinator::workflows::WorkflowRef::Name(name.to_owned()),
                 )
-                .map_err(|e| e.to_string())?,
+                .map_err(|e| Problem::invalid(e.to_string()))?,
             },
         };
         (found.source, found.origin)
@@ -818,6 +837,7 @@ mod tests {
         assert!(
             parse_duration("--stall-timeout", "soon")
                 .unwrap_err()
+                .message
                 .contains("--stall-timeout")
         );
     }
@@ -884,13 +904,13 @@ mod tests {
             ..SettingFlags::default()
         };
         let e = settings_from(&flags, &ConfigFile::default(), true).unwrap_err();
-        assert!(e.contains("--exec-cmd"), "{e}");
+        assert!(e.message.contains("--exec-cmd"), "{e}");
         let flags = SettingFlags {
             backend: Some("gpt".into()),
             ..SettingFlags::default()
         };
         let e = settings_from(&flags, &ConfigFile::default(), true).unwrap_err();
-        assert!(e.contains("unknown backend \"gpt\""), "{e}");
+        assert!(e.message.contains("unknown backend \"gpt\""), "{e}");
     }
 
     #[test]
@@ -933,7 +953,7 @@ mod fuzz {
                 text.insert_str(at.min(text.len()), &piece);
             }
             if let Err(e) = parse_config(&text, "fuzz.toml") {
-                prop_assert!(e.contains("fuzz.toml"), "{}", e);
+                prop_assert!(e.message.contains("fuzz.toml"), "{}", e);
             }
         }
     }
@@ -948,20 +968,22 @@ mod fuzz {
 /// `FLOTILLA_ADMISSION`: `on` (the default) or `off` (no admission per provider account:
 /// calls go as slots and concurrency allow).
 /// `FLOTILLA_AFFINITY`: prefix affinity on (the default) or `off`.
-pub fn affinity_from_env() -> Result<bool, String> {
+pub fn affinity_from_env() -> Result<bool, Problem> {
     match std::env::var("FLOTILLA_AFFINITY").as_deref() {
         Err(_) | Ok("" | "on") => Ok(true),
         Ok("off") => Ok(false),
-        Ok(other) => Err(format!("FLOTILLA_AFFINITY takes on or off (got {other:?})")),
+        Ok(other) => Err(Problem::invalid(format!(
+            "FLOTILLA_AFFINITY takes on or off (got {other:?})"
+        ))),
     }
 }
 
-pub fn admission_from_env() -> Result<bool, String> {
+pub fn admission_from_env() -> Result<bool, Problem> {
     match std::env::var("FLOTILLA_ADMISSION").as_deref() {
         Err(_) | Ok("" | "on") => Ok(true),
         Ok("off") => Ok(false),
-        Ok(other) => Err(format!(
+        Ok(other) => Err(Problem::invalid(format!(
             "FLOTILLA_ADMISSION takes on or off (got {other:?})"
-        )),
+        ))),
     }
 }

@@ -53,7 +53,9 @@ pub async fn token_create(a: TokenArgs) -> i32 {
         }
         Some(Err(e)) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
     };
-    let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
+    let mut client = match config::load(a.config.as_deref())
+        .map_err(String::from)
+        .and_then(|f| a.remote.client_with(&f))
     {
         Ok(c) => c,
         Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
@@ -97,7 +99,9 @@ pub struct WorkersArgs {
 }
 
 pub async fn workers(a: WorkersArgs) -> i32 {
-    let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
+    let mut client = match config::load(a.config.as_deref())
+        .map_err(String::from)
+        .and_then(|f| a.remote.client_with(&f))
     {
         Ok(c) => c,
         Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),

@@ -269,7 +269,7 @@ impl Flotilla {
                 crate::workflows_cmd::rows(&self.args.settings.workflows_dirs, remote, Some(ns))
                     .await
             }
-            Err(e) => Err(e),
+            Err(e) => Err(e.message),
         };
         Ok(answer(rows.map(|rows| json!({ "workflows": rows }))))
     }
@@ -411,7 +411,7 @@ impl Flotilla {
         // that cannot be read, bad settings) is answered here, at once.
         let resolved = match config::resolve_run(&run_args) {
             Ok(r) => r,
-            Err(e) => return refused(e),
+            Err(e) => return refused(e.message),
         };
         let script_path = inline.unwrap_or_else(|| resolved.origin.clone());
         let started = match self
