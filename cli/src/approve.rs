@@ -7,6 +7,7 @@
 //! prints the plan and exits, and without a terminal nothing is asked (like `claude -p`).
 //! "Don't ask again" is kept in the user's config directory (`flotilla/approvals.json`).
 
+use flotilla_proto::Problem;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
@@ -266,20 +267,23 @@ fn approved(name: &str, dir: &Path) -> bool {
         .is_some_and(|a| a.iter().any(|e| e["name"] == name && e["dir"] == dir))
 }
 
-fn remember(name: &str, dir: &Path) -> Result<(), String> {
-    let path = approvals_file().ok_or("no HOME or XDG_CONFIG_HOME to keep it in")?;
+fn remember(name: &str, dir: &Path) -> Result<(), Problem> {
+    let path = approvals_file().ok_or(Problem::internal(
+        "no HOME or XDG_CONFIG_HOME to keep it in",
+    ))?;
     let mut all = approvals();
     if let Some(list) = all["approved"].as_array_mut() {
         list.push(json!({"name": name, "dir": dir.display().to_string()}));
     }
     if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|e| Problem::internal(format!("{}: {e}", parent.display())))?;
     }
-    let text = serde_json::to_string_pretty(&all).map_err(|e| e.to_string())?;
+    let text = serde_json::to_string_pretty(&all).map_err(|e| Problem::internal(e.to_string()))?;
     // Written whole, then renamed, so a crash never leaves half a file.
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))
+    std::fs::write(&tmp, text).map_err(|e| Problem::internal(format!("{}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Problem::internal(format!("{}: {e}", path.display())))
 }
 
 #[cfg(test)]

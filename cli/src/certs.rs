@@ -6,6 +6,7 @@
 //! written readable by their owner only. Existing files are never overwritten without
 //! `--force`.
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
@@ -74,16 +75,16 @@ enum CertsCommand {
 }
 
 /// `certs ensure`: the CA and each `NAME:ROLE` certificate, made only where missing.
-pub fn ensure(dir: &Path, wanted: &[String], hosts: &[String]) -> Result<String, String> {
+pub fn ensure(dir: &Path, wanted: &[String], hosts: &[String]) -> Result<String, Problem> {
     let mut made = Vec::new();
     if !dir.join("ca.crt").exists() {
         init(dir, 3650, false)?;
         made.push("ca".to_owned());
     }
     for w in wanted {
-        let (name, role) = w
-            .split_once(':')
-            .ok_or_else(|| format!("--cert {w:?} is not NAME:ROLE, e.g. worker:worker"))?;
+        let (name, role) = w.split_once(':').ok_or_else(|| {
+            Problem::invalid(format!("--cert {w:?} is not NAME:ROLE, e.g. worker:worker"))
+        })?;
         let role = role.parse::<Role>()?;
         if !dir.join(format!("{name}.crt")).exists() {
             issue(dir, name, role, hosts, 825, true)?;
@@ -110,7 +111,6 @@ pub fn run(args: CertsArgs) -> i32 {
             namespaces,
         } => role
             .parse::<Role>()
-            .map_err(String::from)
             .and_then(|role| issue_in(&dir, &name, role, &hosts, days, force, &namespaces)),
         CertsCommand::Ensure { dir, certs, hosts } => ensure(&dir, &certs, &hosts),
     };
@@ -119,7 +119,7 @@ pub fn run(args: CertsArgs) -> i32 {
             println!("{msg}");
             0
         }
-        Err(e) => fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => fail_kind(e.kind, e),
     }
 }
 
@@ -130,25 +130,31 @@ fn validity(params: &mut CertificateParams, days: u32) {
     params.not_after = now + std::time::Duration::from_secs(u64::from(days) * 86_400);
 }
 
-fn write_new(path: &Path, body: &str, private: bool, force: bool) -> Result<(), String> {
+fn write_new(path: &Path, body: &str, private: bool, force: bool) -> Result<(), Problem> {
     if path.exists() && !force {
-        return Err(format!(
-            "{} already exists; pass --force to replace it",
-            path.display()
+        return Err(Problem::new(
+            flotilla_proto::ErrorKind::Conflict,
+            format!(
+                "{} already exists; pass --force to replace it",
+                path.display()
+            ),
         ));
     }
-    std::fs::write(path, body).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    std::fs::write(path, body)
+        .map_err(|e| Problem::internal(format!("cannot write {}: {e}", path.display())))?;
     if private {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| format!("cannot restrict {}: {e}", path.display()))?;
+            .map_err(|e| Problem::internal(format!("cannot restrict {}: {e}", path.display())))?;
     }
     Ok(())
 }
 
-pub fn init(dir: &Path, days: u32, force: bool) -> Result<String, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let key = KeyPair::generate().map_err(|e| format!("cannot generate a key: {e}"))?;
+pub fn init(dir: &Path, days: u32, force: bool) -> Result<String, Problem> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Problem::internal(format!("cannot create {}: {e}", dir.display())))?;
+    let key = KeyPair::generate()
+        .map_err(|e| Problem::internal(format!("cannot generate a key: {e}")))?;
     let mut params = CertificateParams::default();
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, "Flotilla development CA");
@@ -161,7 +167,7 @@ pub fn init(dir: &Path, days: u32, force: bool) -> Result<String, String> {
     ];
     validity(&mut params, days);
     let ca = CertifiedIssuer::self_signed(params, key)
-        .map_err(|e| format!("cannot create the CA certificate: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot create the CA certificate: {e}")))?;
     write_new(&dir.join("ca.crt"), &ca.pem(), false, force)?;
     write_new(&dir.join("ca.key"), &ca.key().serialize_pem(), true, force)?;
     Ok(format!("wrote {0}/ca.crt and {0}/ca.key", dir.display()))
@@ -174,7 +180,7 @@ pub fn issue(
     hosts: &[String],
     days: u32,
     force: bool,
-) -> Result<String, String> {
+) -> Result<String, Problem> {
     issue_in(dir, name, role, hosts, days, force, &[])
 }
 
@@ -187,14 +193,14 @@ pub fn issue_in(
     days: u32,
     force: bool,
     namespaces: &[String],
-) -> Result<String, String> {
+) -> Result<String, Problem> {
     for ns in namespaces {
         if ns != flotilla_coordinator::namespace::ALL
             && !flotilla_coordinator::namespace::valid_name(ns)
         {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "--namespace {ns:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and . (or * for all)"
-            ));
+            )));
         }
     }
     if namespaces.len() > 1
@@ -202,36 +208,38 @@ pub fn issue_in(
             .iter()
             .any(|n| n == flotilla_coordinator::namespace::ALL)
     {
-        return Err("--namespace '*' already means every namespace: give it alone".to_owned());
+        return Err(Problem::invalid(
+            "--namespace '*' already means every namespace: give it alone",
+        ));
     }
     if !namespaces.is_empty() && role != Role::Client {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "--namespace is for client certificates; a {} certificate acts in every namespace",
             role.as_str()
-        ));
+        )));
     }
     if name.is_empty()
         || !name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "{name:?} is not a usable name: use letters, digits, '-', '_' and '.'"
-        ));
+        )));
     }
     let read = |f: &str| {
         std::fs::read_to_string(dir.join(f)).map_err(|e| {
-            format!(
+            Problem::invalid(format!(
                 "cannot read {}: {e}; create the CA first with `flotilla certs init --dir {}`",
                 dir.join(f).display(),
                 dir.display()
-            )
+            ))
         })
     };
     let ca_key = KeyPair::from_pem(&read("ca.key")?)
-        .map_err(|e| format!("ca.key is not a private key: {e}"))?;
+        .map_err(|e| Problem::invalid(format!("ca.key is not a private key: {e}")))?;
     let issuer = Issuer::from_ca_cert_pem(&read("ca.crt")?, ca_key)
-        .map_err(|e| format!("ca.crt is not a CA certificate: {e}"))?;
+        .map_err(|e| Problem::invalid(format!("ca.crt is not a CA certificate: {e}")))?;
     let mut sans: Vec<String> = hosts.to_vec();
     if sans.is_empty() {
         sans = match role {
@@ -239,7 +247,8 @@ pub fn issue_in(
             _ => vec![name.to_owned()],
         };
     }
-    let mut params = CertificateParams::new(sans).map_err(|e| format!("bad --host: {e}"))?;
+    let mut params =
+        CertificateParams::new(sans).map_err(|e| Problem::invalid(format!("bad --host: {e}")))?;
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, name);
     dn.push(DnType::OrganizationalUnitName, role.as_str());
@@ -260,10 +269,11 @@ pub fn issue_in(
     };
     params.use_authority_key_identifier_extension = true;
     validity(&mut params, days);
-    let key = KeyPair::generate().map_err(|e| format!("cannot generate a key: {e}"))?;
+    let key =
+        KeyPair::generate().map_err(|e| Problem::invalid(format!("cannot generate a key: {e}")))?;
     let cert = params
         .signed_by(&key, &issuer)
-        .map_err(|e| format!("cannot sign the certificate: {e}"))?;
+        .map_err(|e| Problem::invalid(format!("cannot sign the certificate: {e}")))?;
     write_new(&dir.join(format!("{name}.crt")), &cert.pem(), false, force)?;
     write_new(
         &dir.join(format!("{name}.key")),

@@ -11,6 +11,7 @@
 //! The upload asks the store which of the snapshot's recent ancestors it holds and sends one
 //! pack (`git pack-objects --revs`) of everything else, in chunks.
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -484,24 +485,24 @@ pub enum Choice {
     },
 }
 
-pub fn parse_choice(s: Option<&str>) -> Result<Choice, String> {
+pub fn parse_choice(s: Option<&str>) -> Result<Choice, Problem> {
     match s {
         None | Some("auto" | "snapshot") => Ok(Choice::Auto),
         Some("none") => Ok(Choice::None),
         Some(other) => {
             let rest = other.strip_prefix("git+").ok_or_else(|| {
-                format!("--source {other:?}: use auto (the repository you launch from), none, or git+URL#REF")
+                Problem::invalid(format!("--source {other:?}: use auto (the repository you launch from), none, or git+URL#REF"))
             })?;
             let (url, rev) = rest.split_once('#').unwrap_or((rest, "HEAD"));
             if url.is_empty() || rev.is_empty() || rev.starts_with('-') {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "--source {other:?}: give git+URL#REF, e.g. git+https://host/repo.git#main"
-                ));
+                )));
             }
             // What the workers' git would refuse (or misread) is refused here, at once; the
             // coordinator checks the same, and whether it takes paths on the workers' disks.
             if let Err(e) = SourceRef::fetch_from(url) {
-                return Err(format!("--source {other:?}: {e}"));
+                return Err(Problem::invalid(format!("--source {other:?}: {e}")));
             }
             Ok(Choice::Url {
                 url: url.to_owned(),
@@ -620,6 +621,7 @@ mod tests {
         assert!(
             parse_choice(Some("elsewhere"))
                 .unwrap_err()
+                .message
                 .contains("git+URL#REF")
         );
         assert!(parse_choice(Some("git+u#--upload-pack=x")).is_err());
@@ -634,7 +636,7 @@ mod tests {
         ] {
             let e = parse_choice(Some(bad)).unwrap_err();
             assert!(
-                e.contains(says) && e.contains("cannot be fetched"),
+                e.message.contains(says) && e.message.contains("cannot be fetched"),
                 "{bad}: {e}"
             );
         }

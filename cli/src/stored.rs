@@ -1,5 +1,6 @@
 //! `flotilla runs` and `flotilla show`: reading stored runs.
 
+use flotilla_proto::Problem;
 use std::io::Write;
 
 use flotilla_coordinator::{history, index, store};
@@ -35,7 +36,7 @@ pub struct FilterArgs {
 
 impl FilterArgs {
     /// The index filter; an error names the bad flag and its form.
-    pub fn filter(&self) -> Result<index::Filter, String> {
+    pub fn filter(&self) -> Result<index::Filter, Problem> {
         let status = match &self.status {
             None => None,
             Some(s) => Some(
@@ -43,9 +44,9 @@ impl FilterArgs {
                     serde_json::Value::String(s.clone()),
                 )
                 .map_err(|_| {
-                    format!(
+                    Problem::invalid(format!(
                         "--status {s:?} is not a run status: use running, paused, stopping, completed, failed, stopped or interrupted"
-                    )
+                    ))
                 })?,
             ),
         };
@@ -61,9 +62,9 @@ impl FilterArgs {
             labels: config::parse_labels(&self.labels)?,
             namespace: match &self.namespace {
                 Some(ns) if !flotilla_coordinator::namespace::valid_name(ns) => {
-                    return Err(format!(
+                    return Err(Problem::invalid(format!(
                         "--namespace {ns:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ."
-                    ));
+                    )));
                 }
                 ns => ns.clone(),
             },
@@ -75,13 +76,13 @@ impl FilterArgs {
 }
 
 /// `--since`: seconds since the epoch of a time, or of now minus a duration.
-fn since(t: &str) -> Result<u64, String> {
+fn since(t: &str) -> Result<u64, Problem> {
     let now = flotilla_proto::clock::now();
     let at = match humantime::parse_rfc3339_weak(t) {
         Ok(at) => at,
         Err(_) => {
             let d = config::parse_duration("--since", t).map_err(|_| {
-                format!("--since {t:?} is neither a duration (24h, 7d) nor a time (2026-11-01T00:00:00Z)")
+                Problem::invalid(format!("--since {t:?} is neither a duration (24h, 7d) nor a time (2026-11-01T00:00:00Z)"))
             })?;
             now.checked_sub(d).unwrap_or(std::time::UNIX_EPOCH)
         }
