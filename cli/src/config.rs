@@ -764,7 +764,7 @@ pub fn resolve_run_with(
         let name = args.script.trim_start_matches('/');
         let found = match resolver
             .find_saved(name)
-            .map_err(|e| Problem::invalid(e.to_string()))?
+            .map_err(|e| Problem::new(e.kind(), e.to_string()))?
         {
             Some(f) => f,
             None => match server.iter().find(|w| w.name == name) {
@@ -773,7 +773,7 @@ pub fn resolve_run_with(
                     &resolver,
                     &flotilla_coordinator::workflows::WorkflowRef::Name(name.to_owned()),
                 )
-                .map_err(|e| Problem::invalid(e.to_string()))?,
+                .map_err(|e| Problem::new(e.kind(), e.to_string()))?,
             },
         };
         (found.source, found.origin)

@@ -186,7 +186,7 @@ impl Coordinator {
         quotas
             .check(&settings.namespace)
             .await
-            .map_err(|e| Problem::invalid(e.to_string()))?;
+            .map_err(|e| Problem::denied(e.to_string()))?;
         let policy = quotas.policy(&settings.namespace);
         settings.pinned_labels = policy.labels;
         settings.prices = policy.prices;
@@ -402,9 +402,9 @@ impl Coordinator {
         self.within_policy(&mut req.settings.allowed_models);
         self.namespace_policy(&mut req.settings)
             .await
-            .map_err(|message| Rejected {
-                message: message.into(),
-                kind: ErrorKind::Denied,
+            .map_err(|p| Rejected {
+                kind: p.kind,
+                message: p.message,
                 workflow: workflow.clone(),
                 resend_source: false,
             })?;

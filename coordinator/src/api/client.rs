@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use flotilla_proto::ErrorKind;
 use flotilla_proto::tls::{self, Role, TlsFiles};
+use flotilla_proto::v1;
 use flotilla_proto::v1::client_service_client::ClientServiceClient;
 use flotilla_proto::v1::client_service_server::ClientService;
-use flotilla_proto::v1::{self};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 

@@ -15,7 +15,7 @@ use tonic::transport::Channel;
 
 use super::*;
 use crate::lease::memory::MemoryLeaseStore;
-use flotilla_proto::v1::{self};
+use flotilla_proto::v1;
 use tonic::{Request, Status};
 
 /// Run ids and names that are paths, and some of anything.
