@@ -16,8 +16,6 @@ use rcgen::{
     ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
 };
 
-use crate::fail_kind;
-
 #[derive(Debug, Args)]
 pub struct CertsArgs {
     #[command(subcommand)]
@@ -119,7 +117,7 @@ pub fn run(args: CertsArgs) -> i32 {
             println!("{msg}");
             0
         }
-        Err(e) => fail_kind(e.kind, e),
+        Err(e) => crate::refuse(e),
     }
 }
 

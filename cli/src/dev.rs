@@ -13,6 +13,7 @@
 //! (`dev.lock`, locked while it lives) is refused, naming that fleet's pid: it never touches
 //! it.
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -24,7 +25,6 @@ use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 
 use crate::client::{ClientArgs, TlsArgs};
-use crate::fail_kind;
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
@@ -103,16 +103,17 @@ struct Procs {
 }
 
 impl Procs {
-    fn spawn(&mut self, name: &str, mut cmd: Command, logs: &Path) -> Result<(), String> {
-        let log = std::fs::File::create(logs.join(format!("{name}.log")))
-            .map_err(|e| format!("cannot write {}/{name}.log: {e}", logs.display()))?;
-        let err = log
-            .try_clone()
-            .map_err(|e| format!("cannot write {}/{name}.log: {e}", logs.display()))?;
+    fn spawn(&mut self, name: &str, mut cmd: Command, logs: &Path) -> Result<(), Problem> {
+        let log = std::fs::File::create(logs.join(format!("{name}.log"))).map_err(|e| {
+            Problem::internal(format!("cannot write {}/{name}.log: {e}", logs.display()))
+        })?;
+        let err = log.try_clone().map_err(|e| {
+            Problem::internal(format!("cannot write {}/{name}.log: {e}", logs.display()))
+        })?;
         cmd.stdin(Stdio::null()).stdout(log).stderr(err);
         let child = cmd
             .spawn()
-            .map_err(|e| format!("cannot start {name}: {e}"))?;
+            .map_err(|e| Problem::internal(format!("cannot start {name}: {e}")))?;
         self.list.push(Proc {
             name: name.to_owned(),
             child,
@@ -176,7 +177,7 @@ impl Drop for Procs {
 /// this process ends, SIGKILL included; children do not inherit it), with this process's pid
 /// written in it. A fleet already running there is never touched: refused, naming its pid and
 /// how to stop it.
-fn hold_dir(dir: &Path) -> Result<Flock<std::fs::File>, String> {
+fn hold_dir(dir: &Path) -> Result<Flock<std::fs::File>, Problem> {
     use std::io::{Read, Seek, Write};
     let path = dir.join("dev.lock");
     let file = std::fs::OpenOptions::new()
@@ -185,25 +186,30 @@ fn hold_dir(dir: &Path) -> Result<Flock<std::fs::File>, String> {
         .create(true)
         .truncate(false)
         .open(&path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        .map_err(|e| Problem::internal(format!("cannot open {}: {e}", path.display())))?;
     let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
         Ok(held) => held,
         Err((mut file, Errno::EWOULDBLOCK)) => {
             let mut text = String::new();
             let _ = file.read_to_string(&mut text);
             let pid = text.split_whitespace().next().unwrap_or("unknown");
-            return Err(format!(
+            return Err(Problem::internal(format!(
                 "a fleet of `flotilla dev` already runs in {} (pid {pid}); stop it first (Ctrl-C where it runs, or `kill {pid}`: it stops every process it started), or give this one another --dir",
                 dir.display()
-            ));
+            )));
         }
-        Err((_, e)) => return Err(format!("cannot lock {}: {e}", path.display())),
+        Err((_, e)) => {
+            return Err(Problem::internal(format!(
+                "cannot lock {}: {e}",
+                path.display()
+            )));
+        }
     };
     let written = file
         .set_len(0)
         .and_then(|()| file.rewind())
         .and_then(|()| writeln!(file, "{}", std::process::id()));
-    written.map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    written.map_err(|e| Problem::internal(format!("cannot write {}: {e}", path.display())))?;
     Ok(file)
 }
 
@@ -236,17 +242,22 @@ fn stop_leftovers(pids_file: &Path, dir: &Path) {
 }
 
 /// `preferred` on 127.0.0.1 if it is free, else a free port.
-fn pick_port(preferred: u16) -> Result<u16, String> {
+fn pick_port(preferred: u16) -> Result<u16, Problem> {
     if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", preferred)) {
-        return Ok(l.local_addr().map_err(|e| e.to_string())?.port());
+        return Ok(l
+            .local_addr()
+            .map_err(|e| Problem::unavailable(e.to_string()))?
+            .port());
     }
     let l = std::net::TcpListener::bind(("127.0.0.1", 0))
-        .map_err(|e| format!("cannot find a free port on 127.0.0.1: {e}"))?;
-    Ok(l.local_addr().map_err(|e| e.to_string())?.port())
+        .map_err(|e| Problem::unavailable(format!("cannot find a free port on 127.0.0.1: {e}")))?;
+    Ok(l.local_addr()
+        .map_err(|e| Problem::unavailable(e.to_string()))?
+        .port())
 }
 
 /// The CA and the certificates the fleet uses, made once.
-fn certificates(pki: &Path, workers: usize, etcd: bool) -> Result<(), String> {
+fn certificates(pki: &Path, workers: usize, etcd: bool) -> Result<(), Problem> {
     if !pki.join("ca.crt").exists() {
         crate::certs::init(pki, 3650, false)?;
     }
@@ -284,14 +295,14 @@ fn default_backends(exec_cmd: bool) -> Vec<String> {
 
 /// Why the fleet cannot start, when one of its processes has ended: its name, status and
 /// the end of its log.
-fn died_starting(procs: &mut Procs, logs: &Path) -> Option<String> {
+fn died_starting(procs: &mut Procs, logs: &Path) -> Option<Problem> {
     let (i, status) = procs.ended()?;
     let name = &procs.list[i].name;
-    Some(format!(
+    Some(Problem::unavailable(format!(
         "{name} ended ({status}) while starting; its log ({}/{name}.log) ends:\n{}",
         logs.display(),
         tail(&logs.join(format!("{name}.log")))
-    ))
+    )))
 }
 
 fn tail(log: &Path) -> String {
@@ -303,26 +314,29 @@ fn tail(log: &Path) -> String {
 pub async fn dev(a: DevArgs) -> i32 {
     match up(a).await {
         Ok(code) => code,
-        Err(e) => fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => crate::refuse(e),
     }
 }
 
-async fn up(a: DevArgs) -> Result<i32, String> {
+async fn up(a: DevArgs) -> Result<i32, Problem> {
     if a.workers == 0 {
-        return Err("--workers must be at least 1".into());
+        return Err(Problem::internal("--workers must be at least 1"));
     }
     let dir = match &a.dir {
         Some(d) => d.clone(),
         None => dirs::data_local_dir()
-            .ok_or("no local data directory here; pass --dir DIR")?
+            .ok_or(Problem::internal(
+                "no local data directory here; pass --dir DIR",
+            ))?
             .join("flotilla")
             .join("dev"),
     };
     let logs = dir.join("logs");
-    std::fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
+    std::fs::create_dir_all(&logs)
+        .map_err(|e| Problem::internal(format!("cannot create {}: {e}", logs.display())))?;
     let dir = dir
         .canonicalize()
-        .map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+        .map_err(|e| Problem::internal(format!("cannot read {}: {e}", dir.display())))?;
     let logs = dir.join("logs");
     // One fleet per directory: held until this process ends, however it ends.
     let _held = hold_dir(&dir)?;
@@ -330,7 +344,8 @@ async fn up(a: DevArgs) -> Result<i32, String> {
     stop_leftovers(&pids_file, &dir);
     let pki = dir.join("pki");
     certificates(&pki, a.workers, a.etcd)?;
-    let me = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let me = std::env::current_exe()
+        .map_err(|e| Problem::internal(format!("cannot find this program: {e}")))?;
     let port = pick_port(a.port.unwrap_or(7443))?;
     let http_port = pick_port(a.http_port.unwrap_or(8080))?;
     let store = format!("file://{}", dir.join("store").display());
@@ -382,11 +397,11 @@ async fn up(a: DevArgs) -> Result<i32, String> {
         {
             Ok(r) => break r.into_inner(),
             Err(s) if Instant::now() > deadline => {
-                return Err(format!(
+                return Err(Problem::internal(format!(
                     "the coordinator did not answer within a minute ({}); its log is {}/coordinator.log",
                     s.message(),
                     logs.display()
-                ));
+                )));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
@@ -494,9 +509,11 @@ async fn start_etcd(
     dir: &Path,
     pki: &Path,
     logs: &Path,
-) -> Result<String, String> {
+) -> Result<String, Problem> {
     if !crate::config::on_path("etcd") {
-        return Err("--etcd needs the etcd binary on PATH (Debian: apt-get install etcd-server); without --etcd the leases stay in the coordinator's memory".into());
+        return Err(Problem::unavailable(
+            "--etcd needs the etcd binary on PATH (Debian: apt-get install etcd-server); without --etcd the leases stay in the coordinator's memory",
+        ));
     }
     let (client, peer) = (pick_port(0)?, pick_port(0)?);
     let client_url = format!("https://127.0.0.1:{client}");
@@ -523,11 +540,11 @@ async fn start_etcd(
         .is_err()
     {
         if procs.ended().is_some() || Instant::now() > deadline {
-            return Err(format!(
+            return Err(Problem::unavailable(format!(
                 "etcd did not start; its log ({}/etcd.log) ends:\n{}",
                 logs.display(),
                 tail(&logs.join("etcd.log"))
-            ));
+            )));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -541,7 +558,7 @@ async fn wait_for_workers(
     procs: &mut Procs,
     n: usize,
     logs: &Path,
-) -> Result<(), String> {
+) -> Result<(), Problem> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(why) = died_starting(procs, logs) {
@@ -553,10 +570,10 @@ async fn wait_for_workers(
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(format!(
+            return Err(Problem::unavailable(format!(
                 "the workers did not attach within a minute; their logs are in {}",
                 logs.display()
-            ));
+            )));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -564,7 +581,7 @@ async fn wait_for_workers(
 
 /// Until Ctrl-C or SIGTERM: a worker that ends is started again (after a second); the fleet
 /// stops when its coordinator or its etcd ends.
-async fn supervise(procs: &mut Procs, logs: &Path) -> Result<i32, String> {
+async fn supervise(procs: &mut Procs, logs: &Path) -> Result<i32, Problem> {
     let stop = crate::serve::shutdown_signal();
     tokio::pin!(stop);
     loop {
@@ -582,11 +599,11 @@ async fn supervise(procs: &mut Procs, logs: &Path) -> Result<i32, String> {
         let name = procs.list[i].name.clone();
         let Some(mut again) = procs.list[i].restart.take() else {
             procs.stop_all();
-            return Err(format!(
+            return Err(Problem::internal(format!(
                 "{name} ended ({status}), so the fleet stopped; its log ({}/{name}.log) ends:\n{}",
                 logs.display(),
                 tail(&logs.join(format!("{name}.log")))
-            ));
+            )));
         };
         eprintln!("{name} ended ({status}); starting it again");
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -594,12 +611,14 @@ async fn supervise(procs: &mut Procs, logs: &Path) -> Result<i32, String> {
             .append(true)
             .create(true)
             .open(logs.join(format!("{name}.log")))
-            .map_err(|e| format!("cannot write {name}'s log: {e}"))?;
-        let err = log.try_clone().map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(format!("cannot write {name}'s log: {e}")))?;
+        let err = log
+            .try_clone()
+            .map_err(|e| Problem::internal(e.to_string()))?;
         again.stdin(Stdio::null()).stdout(log).stderr(err);
         let child = again
             .spawn()
-            .map_err(|e| format!("cannot start {name} again: {e}"))?;
+            .map_err(|e| Problem::internal(format!("cannot start {name} again: {e}")))?;
         // The same command for the next time: rebuilt from the process's own arguments.
         let mut next = Command::new(again.get_program());
         next.args(again.get_args());

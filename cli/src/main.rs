@@ -7,17 +7,9 @@
 //! Settings come from, in increasing precedence: a TOML file (`--config`), `FLOTILLA_*`
 //! environment variables, flags. See [`config`].
 
-mod agents_cmd;
 mod approve;
 mod bench;
-mod bench_admission;
-mod bench_affinity;
-mod bench_fleet;
-mod bench_sandbox;
-mod bench_scale;
-mod bench_source;
 mod certs;
-mod changes;
 mod client;
 mod config;
 mod dev;
@@ -29,7 +21,6 @@ mod source;
 mod stored;
 mod telemetry;
 mod term;
-mod workflows_cmd;
 
 /// mimalloc (built without transparent huge pages), not glibc's malloc: on the fleet's hot
 /// path (a coordinator and workers passing many small messages between tokio threads) it
@@ -38,6 +29,7 @@ mod workflows_cmd;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+use flotilla_proto::Problem;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -70,7 +62,7 @@ enum Command {
     Logs(LogsArgs),
     /// List a run's agents a page at a time, by status or phase (from a store or a
     /// coordinator).
-    Agents(agents_cmd::AgentsArgs),
+    Agents(client::agents::AgentsArgs),
     /// Measure the runtime (see `flotilla bench fanout --help`).
     Bench(bench::BenchArgs),
     /// Make a development CA and certificates for mTLS.
@@ -100,9 +92,9 @@ enum Command {
     /// Restart one running agent of a run as a new attempt.
     Restart(client::AgentRefArgs),
     /// What a fleet run's agents changed in its source: each agent's change and the run head.
-    Changes(changes::ChangesArgs),
+    Changes(client::changes::ChangesArgs),
     /// Bring a fleet run's changes into this repository as branches (`--merge`: and merge).
-    Apply(changes::ApplyArgs),
+    Apply(client::changes::ApplyArgs),
     /// List the workers attached to a coordinator.
     Workers(client::WorkersArgs),
     /// Session tokens for the coordinator's pages.
@@ -110,7 +102,7 @@ enum Command {
     Token(client::TokenCommand),
     /// Saved workflows: list, show, save in the project, push to a coordinator.
     #[command(subcommand)]
-    Workflows(workflows_cmd::WorkflowsCommand),
+    Workflows(client::workflows::WorkflowsCommand),
     /// An MCP server on stdio with Claude Code's Workflow tool and its companions, for runs
     /// on a fleet (`claude mcp add flotilla -- flotilla mcp --coordinator URL --tls-dir DIR`)
     /// or on this machine (`claude mcp add flotilla -- flotilla mcp`).
@@ -326,7 +318,7 @@ fn main() -> ExitCode {
                 },
                 None => stored::show(args.from.store, &args.run_id, args.json, args.full).await,
             },
-            Command::Agents(args) => agents_cmd::run(args).await,
+            Command::Agents(args) => client::agents::run(args).await,
             Command::Logs(a) => match a.from.coordinator {
                 Some(coordinator) => {
                     let remote = client::ClientArgs {
@@ -360,11 +352,11 @@ fn main() -> ExitCode {
             Command::Pause(args) => client::control(args, "pause").await,
             Command::Resume(args) => client::resume(args).await,
             Command::Restart(args) => client::restart(args).await,
-            Command::Changes(args) => changes::changes(args).await,
-            Command::Apply(args) => changes::apply(args).await,
+            Command::Changes(args) => client::changes::changes(args).await,
+            Command::Apply(args) => client::changes::apply(args).await,
             Command::Workers(args) => client::workers(args).await,
             Command::Token(client::TokenCommand::Create(args)) => client::token_create(args).await,
-            Command::Workflows(cmd) => workflows_cmd::run(cmd).await,
+            Command::Workflows(cmd) => client::workflows::run(cmd).await,
             Command::Mcp(args) => mcp::serve(*args).await,
         };
         telemetry.shutdown().await;
@@ -387,11 +379,11 @@ pub fn say_backend_chosen(r: &config::ResolvedRun) {
 /// Bubblewrap, with the model API relayed in by this binary.
 pub async fn sandbox_with_api(
     allow_net: Vec<String>,
-) -> Result<flotilla_worker::sandbox::Sandbox, String> {
+) -> Result<flotilla_worker::sandbox::Sandbox, Problem> {
     let s = flotilla_worker::sandbox::Sandbox::bubblewrap().await?;
-    let me =
-        std::env::current_exe().map_err(|e| format!("cannot find this program's own path: {e}"))?;
-    Ok(s.with_network(me, allow_net).await?)
+    let me = std::env::current_exe()
+        .map_err(|e| Problem::unavailable(format!("cannot find this program's own path: {e}")))?;
+    s.with_network(me, allow_net).await
 }
 
 /// Whether this command was asked for `--json`: its refusals are then one JSON object on
@@ -401,8 +393,8 @@ static JSON_REFUSALS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 /// A refusal of `kind`: the error line on stderr and, with `--json`, the object
 /// `{"status":"rejected","error":{"code","message"}}` on stdout; returns the exit status of
 /// that kind ([`flotilla_proto::ErrorKind::exit_code`]: the one map from a kind to a status).
-pub fn fail_kind(kind: flotilla_proto::ErrorKind, message: impl std::fmt::Display) -> i32 {
-    let message = term::clean_text(&message.to_string()).into_owned();
+pub fn fail_kind(kind: flotilla_proto::ErrorKind, message: impl Said) -> i32 {
+    let message = term::clean_text(&message.said()).into_owned();
     eprintln!("error: {message}");
     if JSON_REFUSALS.load(std::sync::atomic::Ordering::Relaxed) {
         let refusal = serde_json::json!({
@@ -414,10 +406,39 @@ pub fn fail_kind(kind: flotilla_proto::ErrorKind, message: impl std::fmt::Displa
     kind.exit_code()
 }
 
+/// What a refusal says. A [`Problem`](flotilla_proto::Problem) is not text: it carries its
+/// own kind and is refused with [`refuse`], so no call site can give it another.
+pub trait Said {
+    fn said(self) -> String;
+}
+
+impl Said for String {
+    fn said(self) -> String {
+        self
+    }
+}
+
+impl Said for &str {
+    fn said(self) -> String {
+        self.to_owned()
+    }
+}
+
+impl Said for &String {
+    fn said(self) -> String {
+        self.clone()
+    }
+}
+
+/// A refusal as a [`Problem`](flotilla_proto::Problem): [`fail_kind`] of its kind and message.
+pub fn refuse(p: flotilla_proto::Problem) -> i32 {
+    fail_kind(p.kind, p.message)
+}
+
 async fn run(args: RunArgs) -> i32 {
     let resolved = match config::resolve_run(&args) {
         Ok(r) => r,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     if let approve::Decision::Exit(code) = approve::gate(&resolved, args.yes, args.plan) {
         return code;

@@ -24,7 +24,7 @@ const ANCESTORS: usize = 256;
 /// Bytes per upload chunk.
 const CHUNK: usize = 1 << 20;
 
-fn git(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, String> {
+fn git(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, Problem> {
     let out = Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -33,16 +33,18 @@ fn git(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, String
         .env("GIT_TERMINAL_PROMPT", "0")
         .output()
         .map_err(|e| {
-            format!("cannot run git: {e}; install git to send the repository with the run")
+            Problem::internal(format!(
+                "cannot run git: {e}; install git to send the repository with the run"
+            ))
         })?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     } else {
-        Err(format!(
+        Err(Problem::internal(format!(
             "git {} failed: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        )))
     }
 }
 
@@ -100,17 +102,19 @@ fn working_tree(
     follow: bool,
     prefix: &str,
     followed: &mut Followed,
-) -> Result<String, String> {
+) -> Result<String, Problem> {
     // A temporary index, seeded from the real one so unchanged files are not hashed again.
     let real_index = PathBuf::from(git(
         root,
         &["rev-parse", "--path-format=absolute", "--git-path", "index"],
         &[],
     )?);
-    let tmp = tempfile::tempdir().map_err(|e| format!("cannot make a temporary index: {e}"))?;
+    let tmp = tempfile::tempdir()
+        .map_err(|e| Problem::invalid(format!("cannot make a temporary index: {e}")))?;
     let index = tmp.path().join("index");
     if real_index.exists() {
-        std::fs::copy(&real_index, &index).map_err(|e| format!("cannot copy the index: {e}"))?;
+        std::fs::copy(&real_index, &index)
+            .map_err(|e| Problem::invalid(format!("cannot copy the index: {e}")))?;
     }
     let index_s = index.to_string_lossy().into_owned();
     let env = [("GIT_INDEX_FILE", index_s.as_str())];
@@ -147,10 +151,10 @@ fn working_tree(
                 &[],
             )?);
             if objects.to_string_lossy().contains(':') {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "submodule {prefix}{path}: its objects are at {}, a path with ':' that git cannot be pointed at; launch without --submodules",
                     objects.display()
-                ));
+                )));
             }
             followed.alternates.push(objects);
             let sub_head = git(&sub, &["rev-parse", "--verify", "-q", "HEAD^{commit}"], &[]).ok();
@@ -184,12 +188,12 @@ fn working_tree(
 }
 
 /// The snapshot of the repository holding `cwd`; `None` outside a repository.
-pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, String> {
+pub fn snapshot(cwd: &Path) -> Result<Option<Snapshot>, Problem> {
     snapshot_with(cwd, false)
 }
 
 /// [`snapshot`]; with `submodules`, checked-out submodules travel as plain files.
-pub fn snapshot_with(cwd: &Path, submodules: bool) -> Result<Option<Snapshot>, String> {
+pub fn snapshot_with(cwd: &Path, submodules: bool) -> Result<Option<Snapshot>, Problem> {
     let Ok(root) = git(cwd, &["rev-parse", "--show-toplevel"], &[]) else {
         return Ok(None);
     };
@@ -316,7 +320,7 @@ pub struct Uploaded {
 }
 
 /// The first-parent ancestors of `commit` to ask the store about, nearest first.
-fn candidates(s: &Snapshot) -> Result<Vec<String>, String> {
+fn candidates(s: &Snapshot) -> Result<Vec<String>, Problem> {
     let mut out = vec![s.commit.clone()];
     if let Some(h) = &s.head {
         let listed = git(
@@ -343,16 +347,10 @@ pub async fn upload(
     s: &Snapshot,
     max: u64,
     namespace: &str,
-) -> Result<Uploaded, crate::client::Failed> {
-    use crate::client::Failed;
+) -> Result<Uploaded, Problem> {
     // What the coordinator answered (or that it was not reached), with what was being done.
-    let call_failed = |doing: &str, e: &tonic::Status| {
-        let f = Failed::from(e);
-        Failed {
-            message: format!("{doing}: {}", f.message),
-            ..f
-        }
-    };
+    let call_failed =
+        |doing: &str, e: &tonic::Status| crate::client::call_problem(e).context(doing);
     let asked = candidates(s)?;
     let held = client
         .source_have(v1::SourceHaveRequest {
@@ -371,14 +369,14 @@ pub async fn upload(
     // One pack of everything the store lacks.
     let (tmp, bytes) = build_pack(s, &held)?;
     if bytes > max {
-        return Err(Failed::from(format!(
+        return Err(Problem::invalid(format!(
             "the repository's objects to send are {} MiB, more than --max-source ({} MiB); raise --max-source, or pass --source none (or --source git+URL#REF for one the workers can fetch)",
             bytes >> 20,
             max >> 20
         )));
     }
-    let mut file =
-        std::fs::File::open(tmp.path()).map_err(|e| format!("cannot read the pack: {e}"))?;
+    let mut file = std::fs::File::open(tmp.path())
+        .map_err(|e| Problem::internal(format!("cannot read the pack: {e}")))?;
     let objects = {
         use std::io::Read;
         let mut header = [0u8; 12];
@@ -421,13 +419,16 @@ pub async fn upload(
 
 /// One pack of `s.commit` and everything it needs that `held` does not have: a temporary
 /// file and its size.
-pub fn build_pack(s: &Snapshot, held: &[String]) -> Result<(tempfile::NamedTempFile, u64), String> {
+pub fn build_pack(
+    s: &Snapshot,
+    held: &[String],
+) -> Result<(tempfile::NamedTempFile, u64), Problem> {
     let mut revs = format!("{}\n", s.commit);
     for h in held {
         revs.push_str(&format!("^{h}\n"));
     }
-    let tmp =
-        tempfile::NamedTempFile::new().map_err(|e| format!("cannot make a temporary file: {e}"))?;
+    let tmp = tempfile::NamedTempFile::new()
+        .map_err(|e| Problem::internal(format!("cannot make a temporary file: {e}")))?;
     let mut child = Command::new("git")
         .arg("-C")
         .arg(&s.root)
@@ -440,26 +441,31 @@ pub fn build_pack(s: &Snapshot, held: &[String]) -> Result<(tempfile::NamedTempF
             "-q",
         ])
         .stdin(Stdio::piped())
-        .stdout(tmp.reopen().map_err(|e| e.to_string())?)
+        .stdout(tmp.reopen().map_err(|e| Problem::internal(e.to_string()))?)
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run git pack-objects: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot run git pack-objects: {e}")))?;
     {
         use std::io::Write;
-        let mut stdin = child.stdin.take().ok_or("git pack-objects has no stdin")?;
+        let mut stdin = child
+            .stdin
+            .take()
+            .ok_or(Problem::internal("git pack-objects has no stdin"))?;
         stdin
             .write_all(revs.as_bytes())
-            .map_err(|e| format!("cannot feed git pack-objects: {e}"))?;
+            .map_err(|e| Problem::internal(format!("cannot feed git pack-objects: {e}")))?;
     }
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| Problem::internal(e.to_string()))?;
     if !out.status.success() {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "git pack-objects failed: {}",
             String::from_utf8_lossy(&out.stderr).trim()
-        ));
+        )));
     }
     let bytes = std::fs::metadata(tmp.path())
-        .map_err(|e| e.to_string())?
+        .map_err(|e| Problem::internal(e.to_string()))?
         .len();
     Ok((tmp, bytes))
 }

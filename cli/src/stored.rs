@@ -143,12 +143,12 @@ pub fn print_runs(
 pub async fn list(store_flag: Option<String>, filter: &FilterArgs, json: bool) -> i32 {
     let filter = match filter.filter() {
         Ok(f) => f,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return crate::fail_kind(e.kind(), e),
+        Err(e) => return crate::refuse(e.into()),
     };
     match index::page(&store, &filter).await {
         Ok(page) => print_runs(&page.runs, page.next.as_deref(), json, &url),
@@ -163,11 +163,11 @@ pub async fn show(store_flag: Option<String>, run: &str, json: bool, full: bool)
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return crate::fail_kind(e.kind(), e),
+        Err(e) => return crate::refuse(e.into()),
     };
     let report = match history::load_report(&store, run).await {
         Ok(r) => r,
-        Err(e) => return crate::fail_kind(e.kind(), e),
+        Err(e) => return crate::refuse(e.into()),
     };
     print_show(report, json, full)
 }
@@ -274,11 +274,11 @@ pub async fn logs(
     let url = config::store_url(store_flag);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return crate::fail_kind(e.kind(), e),
+        Err(e) => return crate::refuse(e.into()),
     };
     let report = match history::load_report(&store, run).await {
         Ok(r) => r,
-        Err(e) => return crate::fail_kind(e.kind(), e),
+        Err(e) => return crate::refuse(e.into()),
     };
     match history::transcripts(&store, &report, agent, attempt).await {
         Ok(found) => print_transcripts(&found, json),
@@ -359,12 +359,12 @@ pub async fn gc(a: GcArgs) -> i32 {
                 "--older-than must be at least 1s; e.g. --older-than 30d",
             );
         }
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let url = config::store_url(a.store);
     let store = match store::open(&url) {
         Ok(s) => s,
-        Err(e) => return crate::fail_kind(e.kind(), e),
+        Err(e) => return crate::refuse(e.into()),
     };
     let policy = flotilla_coordinator::gc::Policy {
         older_than,

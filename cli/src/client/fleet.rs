@@ -51,14 +51,12 @@ pub async fn token_create(a: TokenArgs) -> i32 {
                 "--ttl must be at least 1s; e.g. --ttl 12h",
             );
         }
-        Some(Err(e)) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Some(Err(e)) => return crate::refuse(e),
     };
-    let mut client = match config::load(a.config.as_deref())
-        .map_err(String::from)
-        .and_then(|f| a.remote.client_with(&f))
+    let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
     {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     match client
         .create_token(v1::CreateTokenRequest { ttl_secs })
@@ -99,12 +97,10 @@ pub struct WorkersArgs {
 }
 
 pub async fn workers(a: WorkersArgs) -> i32 {
-    let mut client = match config::load(a.config.as_deref())
-        .map_err(String::from)
-        .and_then(|f| a.remote.client_with(&f))
+    let mut client = match config::load(a.config.as_deref()).and_then(|f| a.remote.client_with(&f))
     {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     match client.list_workers(v1::ListWorkersRequest {}).await {
         Ok(r) => {

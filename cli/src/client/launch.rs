@@ -9,6 +9,7 @@ use flotilla_proto::v1::{self};
 
 use crate::client::*;
 use crate::{config, fail_kind};
+use flotilla_proto::Problem;
 
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
@@ -48,14 +49,13 @@ pub(crate) struct Prepared {
 pub(crate) async fn prepare(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
     run: &crate::RunArgs,
-) -> Result<Prepared, Failed> {
+) -> Result<Prepared, Problem> {
     let by_path = std::path::Path::new(&run.script).exists() || run.script.ends_with(".js");
     let server = if by_path && !run.by_name {
         Vec::new()
     } else {
         let asked =
-            config::asked_namespace(run.settings.namespace.as_deref(), run.config.as_deref())
-                .map_err(Failed::from)?;
+            config::asked_namespace(run.settings.namespace.as_deref(), run.config.as_deref())?;
         let namespace = run_namespace(client, asked, run.resume.as_deref()).await;
         client
             .list_workflows(v1::ListWorkflowsRequest {
@@ -63,14 +63,14 @@ pub(crate) async fn prepare(
                 namespace,
             })
             .await
-            .map_err(|s| Failed::from(&s))?
+            .map_err(|s| call_problem(&s))?
             .into_inner()
             .workflows
             .into_iter()
             .map(FoundWorkflow::from)
             .collect()
     };
-    let resolved = config::resolve_run_with(run, &server, false).map_err(Failed::from)?;
+    let resolved = config::resolve_run_with(run, &server, false)?;
     Ok(Prepared { resolved, server })
 }
 
@@ -112,7 +112,7 @@ pub(crate) async fn send(
     client: &mut ClientServiceClient<tonic::transport::Channel>,
     prepared: Prepared,
     source: &SourceFlags,
-) -> Result<Sent, Failed> {
+) -> Result<Sent, Problem> {
     let Prepared {
         mut resolved,
         server,
@@ -133,7 +133,7 @@ pub(crate) async fn send(
         let sent = send_source(client, source, &resolved.cwd, &namespace).await?;
         resolved.settings.source = sent.as_ref().map(|(s, _)| s.clone());
         let settings_json = serde_json::to_string(&resolved.settings)
-            .map_err(|e| Failed::from(format!("the run's settings cannot be sent: {e}")))?;
+            .map_err(|e| Problem::internal(format!("the run's settings cannot be sent: {e}")))?;
         let req = v1::LaunchRequest {
             protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
             script: resolved.source.clone(),
@@ -148,11 +148,11 @@ pub(crate) async fn send(
             saved_name: resolved.saved_name.clone().unwrap_or_default(),
         };
         // The coordinator's limits, checked here first, with the same words.
-        flotilla_coordinator::api::check_launch(&req).map_err(Failed::from)?;
+        flotilla_coordinator::api::check_launch(&req)?;
         let reply = client
             .launch(req)
             .await
-            .map_err(|s| Failed::from(&s))?
+            .map_err(|s| call_problem(&s))?
             .into_inner();
         if again && reply.status == "rejected" && reply.resend_source {
             again = false;
@@ -174,15 +174,15 @@ pub async fn launch(a: LaunchArgs) -> i32 {
     }
     let file = match config::load(a.run.config.as_deref()) {
         Ok(f) => f,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let mut client = match a.remote.client_with(&file) {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let prepared = match prepare(&mut client, &a.run).await {
         Ok(p) => p,
-        Err(e) => return e.print(),
+        Err(e) => return crate::refuse(e),
     };
     if let crate::approve::Decision::Exit(code) =
         crate::approve::gate(&prepared.resolved, a.run.yes, a.run.plan)
@@ -192,7 +192,7 @@ pub async fn launch(a: LaunchArgs) -> i32 {
     crate::say_backend_chosen(&prepared.resolved);
     let Sent { reply, source } = match send(&mut client, prepared, &a.source).await {
         Ok(s) => s,
-        Err(e) => return e.print(),
+        Err(e) => return crate::refuse(e),
     };
     if a.run.json && reply.status != "rejected" {
         say_notes(&reply.notes);
@@ -284,7 +284,7 @@ pub(crate) async fn send_source(
         flotilla_coordinator::settings::SourceRef,
         crate::source::Uploaded,
     )>,
-    Failed,
+    Problem,
 > {
     use crate::source::{Choice, Uploaded};
     match crate::source::parse_choice(a.source.as_deref())? {
@@ -405,7 +405,7 @@ impl ResumeArgs {
 pub async fn resume(a: ResumeArgs) -> i32 {
     let mut client = match a.run.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     if a.script.is_none() && a.args.is_none() {
         match client
@@ -432,7 +432,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
             "script",
         ) {
             Ok(s) => s,
-            Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+            Err(e) => return crate::refuse(e),
         },
     };
     if let Some(args) = &a.args
@@ -443,9 +443,12 @@ pub async fn resume(a: ResumeArgs) -> i32 {
             format!("--args is not valid JSON: {e}"),
         );
     }
-    let replay = match a.replay.parse() {
+    let replay = match a
+        .replay
+        .parse::<flotilla_coordinator::settings::ReplayMode>()
+    {
         Ok(m) => m,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e.to_string()),
     };
     let settings = flotilla_coordinator::RunSettings {
         replay,
@@ -453,7 +456,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
     };
     let settings_json = match serde_json::to_string(&settings) {
         Ok(s) => s,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e.to_string()),
     };
     let req = v1::LaunchRequest {
         protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
@@ -473,7 +476,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
         inherit: true,
     };
     if let Err(e) = flotilla_coordinator::api::check_launch(&req) {
-        return fail_kind(flotilla_proto::ErrorKind::Invalid, e);
+        return crate::refuse(e);
     }
     match client.launch(req).await {
         Ok(r) => print_launched(r.into_inner(), a.run.json, Some(&a.run.run_id)),

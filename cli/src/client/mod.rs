@@ -6,6 +6,7 @@
 //! `client` for client commands); `--cert/--key/--ca` name files directly. `--insecure` turns
 //! TLS off and is accepted only on loopback addresses.
 
+use flotilla_proto::Problem;
 use std::path::PathBuf;
 
 use clap::Args;
@@ -16,9 +17,12 @@ use tonic::transport::Channel;
 
 use crate::config;
 
+pub mod agents;
+pub mod changes;
 mod fleet;
 mod launch;
 mod runs;
+pub mod workflows;
 
 pub use fleet::*;
 pub use launch::*;
@@ -73,10 +77,12 @@ impl TlsArgs {
         &self,
         default_name: &str,
         addr_is_loopback: bool,
-    ) -> Result<Option<TlsFiles>, String> {
+    ) -> Result<Option<TlsFiles>, Problem> {
         if self.insecure {
             if !addr_is_loopback {
-                return Err("--insecure is allowed only on loopback addresses (127.0.0.1, ::1, localhost); use --tls-dir elsewhere".into());
+                return Err(Problem::invalid(
+                    "--insecure is allowed only on loopback addresses (127.0.0.1, ::1, localhost); use --tls-dir elsewhere",
+                ));
             }
             eprintln!(
                 "warning: --insecure: no TLS, no authentication; anyone on this machine can connect"
@@ -87,7 +93,7 @@ impl TlsArgs {
         let from_dir = self.tls_dir.as_ref().map(|d| TlsFiles::in_dir(d, &name));
         let pick = |given: &Option<PathBuf>, from: Option<PathBuf>, flag: &str| {
             given.clone().or(from).ok_or_else(|| {
-                format!("no {flag}: pass --tls-dir DIR (from `flotilla certs`) or --{flag}, or --insecure for loopback development")
+                Problem::invalid(format!("no {flag}: pass --tls-dir DIR (from `flotilla certs`) or --{flag}, or --insecure for loopback development"))
             })
         };
         Ok(Some(TlsFiles {
@@ -147,14 +153,14 @@ impl ClientArgs {
     pub fn client_with(
         &self,
         file: &config::ConfigFile,
-    ) -> Result<ClientServiceClient<Channel>, String> {
+    ) -> Result<ClientServiceClient<Channel>, Problem> {
         let mut tls = self.tls.clone();
         tls.fill(file);
         let coordinator = self
             .coordinator
             .clone()
             .or_else(|| file.coordinator.clone())
-            .ok_or("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)")?;
+            .ok_or_else(|| Problem::invalid("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)"))?;
         let files = tls.files("client", loopback_host(&host_of(&coordinator)))?;
         // Named by whatever this process's calls to it say when they fail.
         let _ = COORDINATOR.set(coordinator.clone());
@@ -165,7 +171,7 @@ impl ClientArgs {
             .max_encoding_message_size(flotilla_proto::frag::MAX_MESSAGE_BYTES))
     }
 
-    pub fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
+    pub fn client(&self) -> Result<ClientServiceClient<Channel>, Problem> {
         self.client_with(&config::ConfigFile::default())
     }
 }
@@ -178,7 +184,7 @@ static COORDINATOR: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// client command's failed call comes here (or through [`rpc_error`]), so a coordinator that
 /// cannot be reached is said one way, with one exit status, everywhere.
 pub fn rpc_fail(s: &tonic::Status) -> i32 {
-    Failed::from(s).print()
+    crate::refuse(call_problem(s))
 }
 
 /// A failed call as a user reads it, with its kind: `Unreachable` when the coordinator never
@@ -201,44 +207,10 @@ pub(crate) fn rpc_error(s: &tonic::Status) -> (ErrorKind, String) {
     (kind, msg)
 }
 
-/// Why a client command did not do what it was asked: its kind decides the exit status and
-/// the `--json` refusal's code.
-pub(crate) struct Failed {
-    pub kind: ErrorKind,
-    pub message: String,
-}
-
-impl Failed {
-    /// Prints it as every command prints a refusal; the exit status.
-    pub(crate) fn print(self) -> i32 {
-        crate::fail_kind(self.kind, self.message)
-    }
-}
-
-impl From<&tonic::Status> for Failed {
-    fn from(s: &tonic::Status) -> Failed {
-        let (kind, message) = rpc_error(s);
-        Failed { kind, message }
-    }
-}
-
-impl From<flotilla_proto::Problem> for Failed {
-    fn from(p: flotilla_proto::Problem) -> Failed {
-        Failed {
-            kind: p.kind,
-            message: p.message,
-        }
-    }
-}
-
-/// The caller's input was wrong.
-impl From<String> for Failed {
-    fn from(message: String) -> Failed {
-        Failed {
-            kind: ErrorKind::Invalid,
-            message,
-        }
-    }
+/// A failed call as a [`Problem`](flotilla_proto::Problem) of its kind (see [`rpc_error`]).
+pub(crate) fn call_problem(s: &tonic::Status) -> flotilla_proto::Problem {
+    let (kind, message) = rpc_error(s);
+    flotilla_proto::Problem::new(kind, message)
 }
 
 #[derive(Debug, Args)]
@@ -270,7 +242,7 @@ impl AgentRefArgs {
 }
 
 impl RunRefArgs {
-    fn client(&self) -> Result<ClientServiceClient<Channel>, String> {
+    fn client(&self) -> Result<ClientServiceClient<Channel>, Problem> {
         self.remote
             .client_with(&config::load(self.config.as_deref())?)
     }

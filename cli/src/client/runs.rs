@@ -14,7 +14,7 @@ use crate::{fail_kind, print_report};
 pub async fn wait(a: RunRefArgs) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     match client.wait(v1::RunRef { run_id: a.run_id }).await {
         Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
@@ -39,7 +39,7 @@ pub async fn logs_remote(
 ) -> i32 {
     let mut client = match remote.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let reply = client
         .transcripts(v1::TranscriptsRequest {
@@ -77,7 +77,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
     use std::io::IsTerminal;
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let bars = !a.json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
     let mode = crate::progress::Mode::pick(bars, !bars && !a.json);
@@ -130,7 +130,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
 pub async fn status(a: RunRefArgs) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     match client
         .status(v1::RunRef {
@@ -152,7 +152,7 @@ pub async fn status(a: RunRefArgs) -> i32 {
                     }
                     0
                 }
-                Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+                Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e.to_string()),
             }
         }
         Err(s) => rpc_fail(&s),
@@ -196,7 +196,7 @@ pub async fn control(a: RunRefArgs, action: &str) -> i32 {
 pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     match client
         .control(v1::ControlRequest {
@@ -236,7 +236,7 @@ pub async fn stop(a: AgentRefArgs) -> i32 {
     let a = a.run;
     let mut client = match a.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     match client
         .stop(v1::RunRef {
@@ -259,9 +259,7 @@ pub async fn report_of(coordinator: &str, tls: &TlsArgs, run: &str) -> Result<Re
         coordinator: Some(coordinator.to_owned()),
         tls: tls.clone(),
     };
-    let mut c = remote
-        .client()
-        .map_err(|e| fail_kind(flotilla_proto::ErrorKind::Invalid, e))?;
+    let mut c = remote.client().map_err(crate::refuse)?;
     let reply = c
         .report(v1::RunRef {
             run_id: run.to_owned(),
@@ -285,15 +283,15 @@ pub async fn list_remote(
 ) -> i32 {
     let filter = match filter.filter() {
         Ok(f) => f,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let mut client = match remote.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let filter_json = match serde_json::to_string(&filter) {
         Ok(f) => f,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e.to_string()),
     };
     match client.list_runs(v1::ListRunsRequest { filter_json }).await {
         Ok(r) => {

@@ -31,6 +31,7 @@
 //! what a file holds. Each message is one line of at most [`lines::MAX_LINE_BYTES`]; a line
 //! that is not JSON or is longer is answered with a JSON-RPC parse error (`lines`).
 
+use flotilla_proto::Problem;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -266,10 +267,10 @@ impl Flotilla {
         );
         let rows = match namespace {
             Ok(ns) => {
-                crate::workflows_cmd::rows(&self.args.settings.workflows_dirs, remote, Some(ns))
+                crate::client::workflows::rows(&self.args.settings.workflows_dirs, remote, Some(ns))
                     .await
             }
-            Err(e) => Err(e.message),
+            Err(e) => Err(e),
         };
         Ok(answer(rows.map(|rows| json!({ "workflows": rows }))))
     }
@@ -287,10 +288,10 @@ impl ServerHandler for Flotilla {
 }
 
 /// A tool's answer: its JSON, or a refusal.
-fn answer(r: Result<Value, String>) -> CallToolResult {
+fn answer(r: Result<Value, Problem>) -> CallToolResult {
     match r {
         Ok(v) => CallToolResult::structured(v),
-        Err(e) => refused(&e),
+        Err(e) => refused(&e.message),
     }
 }
 
@@ -368,15 +369,15 @@ impl Flotilla {
         let (script, inline, by_name) = match (&input.script_path, &input.name, &input.script) {
             (Some(p), _, _) => match self.script_in_reach(p) {
                 Ok(real) => (real, None, false),
-                Err(e) => return refused(e),
+                Err(e) => return refused(e.message),
             },
             (None, Some(n), _) => match refs::workflow_name(n) {
                 Ok(n) => (n, None, true),
-                Err(e) => return refused(e),
+                Err(e) => return refused(e.message),
             },
             (None, None, Some(s)) => match save_inline(s) {
                 Ok(path) => (path.display().to_string(), Some(path), false),
-                Err(e) => return refused(e),
+                Err(e) => return refused(e.message),
             },
             (None, None, None) => {
                 return refused(
@@ -425,7 +426,7 @@ impl Flotilla {
         {
             Ok(s) => s,
             Err(e) => {
-                return json!({ "status": "remote_launched", "error": e, "scriptPath": script_path });
+                return json!({ "status": "remote_launched", "error": e.message, "scriptPath": script_path });
             }
         };
         let (run_id, started) = started;
@@ -445,17 +446,17 @@ impl Flotilla {
     /// A `scriptPath` held where `flotilla run`'s own `workflow({ scriptPath })` is: inside
     /// the project (the repository holding the server's working directory) or a workflow
     /// directory, symlinks resolved, and a workflow script; its real path.
-    fn script_in_reach(&self, p: &str) -> Result<String, String> {
+    fn script_in_reach(&self, p: &str) -> Result<String, Problem> {
         refs::path_text(p)?;
         let file = config::load(self.args.config.as_deref())?;
         let mut dirs = self.args.settings.workflows_dirs.clone();
         dirs.extend(file.workflows_dirs.iter().cloned());
         let cwd = std::env::current_dir()
-            .map_err(|e| format!("cannot read the working directory: {e}"))?;
+            .map_err(|e| Problem::invalid(format!("cannot read the working directory: {e}")))?;
         DirResolver::standard(&cwd, &dirs)
             .read_script(p, &format!("scriptPath {p:?}"))
             .map(|found| found.origin)
-            .map_err(|e| e.to_string())
+            .map_err(|e| Problem::invalid(e.to_string()))
     }
 
     /// A launch on the fleet: as `flotilla launch` from the server's working directory.
@@ -519,8 +520,8 @@ impl Flotilla {
     }
 
     /// A running run's view, or its report once it has ended (on the fleet or here).
-    async fn progress(&self, run: &str) -> Result<Progress, String> {
-        flotilla_coordinator::api::check_run_id(run).map_err(|s| s.message().to_owned())?;
+    async fn progress(&self, run: &str) -> Result<Progress, Problem> {
+        flotilla_coordinator::api::check_run_id(run).map_err(|s| Problem::invalid(s.message()))?;
         let Some(fleet) = &self.fleet else {
             if let Some(v) = self.live(run).await {
                 return Ok(Progress::Running(v));
@@ -534,31 +535,37 @@ impl Flotilla {
         match rpc(client.status(reference.clone())).await {
             Ok(r) if !r.finished => {
                 let mut v: Value = serde_json::from_str(&r.snapshot_json).map_err(|e| {
-                    format!("the coordinator sent a status this server cannot read: {e}")
+                    Problem::unavailable(format!(
+                        "the coordinator sent a status this server cannot read: {e}"
+                    ))
                 })?;
                 v["finished"] = json!(false);
                 return Ok(Progress::Running(v));
             }
             Ok(_) => {}
             Err(s) if s.code() == tonic::Code::NotFound => {}
-            Err(s) => return Err(said(&s)),
+            Err(s) => return Err(Problem::unavailable(said(&s))),
         }
         // Ended, or not running there: the coordinator's report (from its store).
         let reply = rpc(client.wait(reference)).await.map_err(|s| {
             if s.code() == tonic::Code::NotFound {
-                format!("{}: {}", not_here(run), s.message())
+                Problem::not_found(format!("{}: {}", not_here(run), s.message()))
             } else {
-                said(&s)
+                crate::client::call_problem(&s)
             }
         })?;
         serde_json::from_str::<Report>(&reply.report_json)
             .map(|r| Progress::Ended(Box::new(r)))
-            .map_err(|e| format!("the coordinator sent a report this server cannot read: {e}"))
+            .map_err(|e| {
+                Problem::unavailable(format!(
+                    "the coordinator sent a report this server cannot read: {e}"
+                ))
+            })
     }
 
     /// The run's summary (what every view says of it: status, agents by state, why they
     /// wait, tokens, cost, elapsed), with its phases and log lines.
-    async fn status(&self, run: &str) -> Result<Value, String> {
+    async fn status(&self, run: &str) -> Result<Value, Problem> {
         let mut v = match self.progress(run).await? {
             Progress::Running(mut v) => {
                 if let Some(o) = v.as_object_mut() {
@@ -568,19 +575,19 @@ impl Flotilla {
             }
             Progress::Ended(report) => {
                 let mut v = serde_json::to_value(SnapshotView::from_report(&report))
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| Problem::unavailable(e.to_string()))?;
                 v["finished"] = json!(true);
                 v
             }
         };
         let summary: flotilla_proto::wire::Summary =
-            serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+            serde_json::from_value(v.clone()).map_err(|e| Problem::unavailable(e.to_string()))?;
         v["costUsd"] = json!(summary.cost_usd);
         v["headline"] = json!(summary.headline());
         Ok(v)
     }
 
-    async fn result(&self, input: &ResultInput) -> Result<Value, String> {
+    async fn result(&self, input: &ResultInput) -> Result<Value, Problem> {
         let run = &input.run_id;
         let report = match self.progress(run).await? {
             Progress::Running(v) => {
@@ -595,7 +602,8 @@ impl Flotilla {
             }
             Progress::Ended(report) => report,
         };
-        let text = serde_json::to_string(&report.result).map_err(|e| e.to_string())?;
+        let text = serde_json::to_string(&report.result)
+            .map_err(|e| Problem::unavailable(e.to_string()))?;
         let chars: Vec<char> = text.chars().collect();
         let total = chars.len() as u64;
         let offset = input.offset.unwrap_or(0).min(total);
@@ -629,21 +637,26 @@ impl Flotilla {
         by_name: bool,
         args: Option<&str>,
         resume: Option<&str>,
-    ) -> Result<(String, Started), String> {
+    ) -> Result<(String, Started), Problem> {
         use std::os::unix::process::CommandExt;
         let dir = data_dir().join("runs");
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| format!("cannot keep the run's output in {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            Problem::internal(format!(
+                "cannot keep the run's output in {}: {e}",
+                dir.display()
+            ))
+        })?;
         let stem = format!("launch-{}-{}", std::process::id(), next_launch());
         let (out_path, log_path) = (
             dir.join(format!("{stem}.json")),
             dir.join(format!("{stem}.log")),
         );
         let open = |p: &PathBuf| {
-            std::fs::File::create(p).map_err(|e| format!("cannot write {}: {e}", p.display()))
+            std::fs::File::create(p)
+                .map_err(|e| Problem::internal(format!("cannot write {}: {e}", p.display())))
         };
         let me = std::env::current_exe()
-            .map_err(|e| format!("cannot find this program's own path: {e}"))?;
+            .map_err(|e| Problem::internal(format!("cannot find this program's own path: {e}")))?;
         let mut cmd = std::process::Command::new(me);
         cmd.args(["run", "--json", "--yes", "--serve=127.0.0.1:0"]);
         if by_name {
@@ -665,7 +678,7 @@ impl Flotilla {
             .process_group(0);
         let mut child = cmd
             .spawn()
-            .map_err(|e| format!("cannot start `flotilla run`: {e}"))?;
+            .map_err(|e| Problem::internal(format!("cannot start `flotilla run`: {e}")))?;
         let pid = child.id();
         let ended = Arc::new(AtomicBool::new(false));
         let (exit_tx, mut exit_rx) = tokio::sync::oneshot::channel();
@@ -681,12 +694,12 @@ impl Flotilla {
         loop {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
             if let Some(url) = log.lines().find_map(|l| l.strip_prefix("session page: ")) {
-                let (base, rest) = url
-                    .split_once("/runs/")
-                    .ok_or_else(|| format!("`flotilla run` printed an odd session page: {url}"))?;
-                let (run, key) = rest
-                    .split_once("?key=")
-                    .ok_or_else(|| format!("`flotilla run` printed an odd session page: {url}"))?;
+                let (base, rest) = url.split_once("/runs/").ok_or_else(|| {
+                    Problem::internal(format!("`flotilla run` printed an odd session page: {url}"))
+                })?;
+                let (run, key) = rest.split_once("?key=").ok_or_else(|| {
+                    Problem::internal(format!("`flotilla run` printed an odd session page: {url}"))
+                })?;
                 return Ok((
                     run.to_owned(),
                     Started {
@@ -712,27 +725,27 @@ impl Flotilla {
                             log.lines().last().unwrap_or("no output")
                         )
                     });
-                return Err(error);
+                return Err(Problem::internal(error));
             }
             if tokio::time::Instant::now() > deadline {
-                return Err(format!(
+                return Err(Problem::internal(format!(
                     "`flotilla run` did not start its run within a minute; its output is in {}",
                     log_path.display()
-                ));
+                )));
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
 
     /// A run's report from the store the settings name (this session's or any earlier one's).
-    async fn stored(&self, run: &str) -> Result<Report, String> {
-        flotilla_coordinator::api::check_run_id(run).map_err(|s| s.message().to_owned())?;
+    async fn stored(&self, run: &str) -> Result<Report, Problem> {
+        flotilla_coordinator::api::check_run_id(run).map_err(|s| Problem::invalid(s.message()))?;
         // A run of this session whose process is still storing its report: a moment more.
         let ended = self.runs.lock().await.get(run).map(|s| s.ended.clone());
         let file = config::load(self.args.config.as_deref())?;
         let merged = config::settings_from(&self.args.settings, &file, true)?;
         let store = flotilla_coordinator::store::open(&config::store_url(merged.store))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::not_found(e.to_string()))?;
         if let Some(ended) = ended {
             for _ in 0..200 {
                 if ended.load(Ordering::Acquire) {
@@ -743,7 +756,7 @@ impl Flotilla {
         }
         history::load_report(&store, run)
             .await
-            .map_err(|e| format!("{}: {e}", not_here(run)))
+            .map_err(|e| Problem::not_found(format!("{}: {e}", not_here(run))))
     }
 }
 
@@ -826,29 +839,31 @@ async fn get_json(port: u16, path: &str) -> Option<Value> {
 
 /// Keeps an inline script where a person can read it again (as Claude Code does), under the
 /// local data directory, named by its content.
-fn save_inline(script: &str) -> Result<PathBuf, String> {
+fn save_inline(script: &str) -> Result<PathBuf, Problem> {
     use sha2::Digest;
     let limit = flotilla_coordinator::limits::SCRIPT_BYTES;
     if script.len() > limit {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "the script is {} bytes, over the limit of {}; split the work into workflows called with workflow(name)",
             script.len(),
             flotilla_coordinator::limits::human_bytes(limit)
-        ));
+        )));
     }
     let dir = data_dir().join("scripts");
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| format!("cannot keep the script in {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        Problem::invalid(format!("cannot keep the script in {}: {e}", dir.display()))
+    })?;
     let digest = hex::encode(sha2::Sha256::digest(script.as_bytes()));
     let path = dir.join(format!("wf-{}.js", &digest[..12]));
-    std::fs::write(&path, script)
-        .map_err(|e| format!("cannot keep the script in {}: {e}", path.display()))?;
+    std::fs::write(&path, script).map_err(|e| {
+        Problem::invalid(format!("cannot keep the script in {}: {e}", path.display()))
+    })?;
     Ok(path)
 }
 
 /// The coordinator the flags or the config file name, with a client for it; `None` when they
 /// name none (runs happen on this machine).
-fn fleet_of(args: &McpArgs) -> Result<Option<Fleet>, String> {
+fn fleet_of(args: &McpArgs) -> Result<Option<Fleet>, Problem> {
     let file = config::load(args.config.as_deref())?;
     let mut remote = args.remote.clone();
     remote.tls.fill(&file);
@@ -856,10 +871,14 @@ fn fleet_of(args: &McpArgs) -> Result<Option<Fleet>, String> {
     if remote.coordinator.is_none() {
         let (s, t) = (&args.source, &args.remote.tls);
         if s.source.is_some() || s.max_source_mib.is_some() || s.submodules {
-            return Err("--source, --max-source-mib and --submodules are for a fleet: add --coordinator https://host:port --tls-dir DIR (here each agent works in the workspace)".into());
+            return Err(Problem::invalid(
+                "--source, --max-source-mib and --submodules are for a fleet: add --coordinator https://host:port --tls-dir DIR (here each agent works in the workspace)",
+            ));
         }
         if t.tls_dir.is_some() || t.cert.is_some() || t.key.is_some() || t.insecure {
-            return Err("a client identity (--tls-dir, --cert, --key, --insecure) is for a fleet: add --coordinator https://host:port, or drop it to run workflows on this machine".into());
+            return Err(Problem::invalid(
+                "a client identity (--tls-dir, --cert, --key, --insecure) is for a fleet: add --coordinator https://host:port, or drop it to run workflows on this machine",
+            ));
         }
         return Ok(None);
     }
@@ -877,7 +896,7 @@ pub async fn serve(args: McpArgs) -> i32 {
         .collect();
     let fleet = match fleet_of(&args) {
         Ok(f) => f,
-        Err(e) => return crate::fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     if fleet.is_none() {
         prune_outputs(&data_dir().join("runs"), OUTPUT_KEPT);

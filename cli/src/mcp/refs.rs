@@ -5,6 +5,8 @@
 //!
 //! [`DirResolver::confine_script`]: flotilla_coordinator::workflows::DirResolver::confine_script
 
+use flotilla_proto::Problem;
+
 /// The longest path a `scriptPath` may be (Linux's `PATH_MAX`).
 const PATH_BYTES: usize = 4096;
 /// The longest workflow name.
@@ -23,12 +25,12 @@ fn shown(text: &str) -> String {
 
 /// Refuses a `scriptPath` no file can have: empty, over [`PATH_BYTES`], or holding a control
 /// character (NUL included).
-pub(super) fn path_text(p: &str) -> Result<(), String> {
+pub(super) fn path_text(p: &str) -> Result<(), Problem> {
     if p.is_empty() || p.len() > PATH_BYTES || p.chars().any(char::is_control) {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "scriptPath {} is not a path: give a .js file of 1 to {PATH_BYTES} bytes without control characters, in the project or a workflow directory",
             shown(p)
-        ));
+        )));
     }
     Ok(())
 }
@@ -36,7 +38,7 @@ pub(super) fn path_text(p: &str) -> Result<(), String> {
 /// A `name` as the saved workflows are looked up by: `/name` (Claude Code's form) or `name`,
 /// at most [`NAME_CHARS`] characters, with no `/`, `\`, `..` or control character, not
 /// starting with `.` or `-`; plugin workflows are `plugin:name`.
-pub(super) fn workflow_name(n: &str) -> Result<String, String> {
+pub(super) fn workflow_name(n: &str) -> Result<String, Problem> {
     let name = n.strip_prefix('/').unwrap_or(n);
     let plain = !name.is_empty()
         && name.chars().count() <= NAME_CHARS
@@ -46,10 +48,10 @@ pub(super) fn workflow_name(n: &str) -> Result<String, String> {
             .chars()
             .any(|c| c.is_control() || c == '/' || c == '\\');
     if !plain {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "name {} is not a workflow name: a saved workflow's name (WorkflowList shows them) of at most {NAME_CHARS} characters, without / \\ .. or control characters; a script file is given as scriptPath",
             shown(n)
-        ));
+        )));
     }
     Ok(name.to_owned())
 }
@@ -85,7 +87,10 @@ mod tests {
             assert!(path_text(bad).is_err(), "{bad:?}");
         }
         let e = path_text(&"a".repeat(5000)).unwrap_err();
-        assert!(e.contains("(5000 bytes)") && e.len() < 400, "{e}");
+        assert!(
+            e.message.contains("(5000 bytes)") && e.message.len() < 400,
+            "{e}"
+        );
     }
 
     proptest! {

@@ -1,6 +1,7 @@
 //! `flotilla coordinator`: the gRPC face, the session pages, the store and the leases.
 
 use super::*;
+use flotilla_proto::Problem;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -132,7 +133,7 @@ pub struct CoordinatorArgs {
 fn listen_limits(
     a: &CoordinatorArgs,
     file: &config::ConfigFile,
-) -> Result<flotilla_coordinator::listen::Limits, String> {
+) -> Result<flotilla_coordinator::listen::Limits, Problem> {
     let mut limits = flotilla_coordinator::listen::Limits::default();
     if let Some(s) = a
         .handshake_timeout
@@ -159,14 +160,14 @@ fn listen_limits(
         || limits.max_connections == 0
         || limits.max_per_peer == 0
     {
-        return Err(
-            "--handshake-timeout, --idle-timeout, --read-timeout, --max-connections and --max-connections-per-peer must be above zero".into(),
-        );
+        return Err(Problem::invalid(
+            "--handshake-timeout, --idle-timeout, --read-timeout, --max-connections and --max-connections-per-peer must be above zero",
+        ));
     }
     Ok(limits)
 }
 
-async fn lease_store(a: &Settings, own: Option<&TlsFiles>) -> Result<Arc<dyn LeaseStore>, String> {
+async fn lease_store(a: &Settings, own: Option<&TlsFiles>) -> Result<Arc<dyn LeaseStore>, Problem> {
     if a.etcd.is_empty() {
         return Ok(MemoryLeaseStore::new());
     }
@@ -177,26 +178,32 @@ async fn lease_store(a: &Settings, own: Option<&TlsFiles>) -> Result<Arc<dyn Lea
                 .etcd_ca
                 .clone()
                 .or_else(|| own.map(|f| f.ca.clone()))
-                .ok_or("an https:// etcd needs --etcd-ca (or the coordinator's --tls-dir)")?,
+                .ok_or(Problem::unavailable(
+                    "an https:// etcd needs --etcd-ca (or the coordinator's --tls-dir)",
+                ))?,
             cert: a
                 .etcd_cert
                 .clone()
                 .or_else(|| own.map(|f| f.cert.clone()))
-                .ok_or("an https:// etcd needs --etcd-cert")?,
+                .ok_or(Problem::unavailable("an https:// etcd needs --etcd-cert"))?,
             key: a
                 .etcd_key
                 .clone()
                 .or_else(|| own.map(|f| f.key.clone()))
-                .ok_or("an https:// etcd needs --etcd-key")?,
+                .ok_or(Problem::unavailable("an https:// etcd needs --etcd-key"))?,
         };
         let host = host_of(&a.etcd[0]);
-        Some(files.client_config(&host).map_err(|e| e.to_string())?)
+        Some(
+            files
+                .client_config(&host)
+                .map_err(|e| Problem::unavailable(e.to_string()))?,
+        )
     } else {
         None
     };
     let store = EtcdLeaseStore::connect(&a.etcd, tls)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Problem::unavailable(e.to_string()))?;
     Ok(Arc::new(store))
 }
 
@@ -239,40 +246,48 @@ struct Settings {
 fn notifier(
     a: &CoordinatorArgs,
     file: &config::ConfigFile,
-) -> Result<Option<Arc<flotilla_coordinator::notify::Notifier>>, String> {
+) -> Result<Option<Arc<flotilla_coordinator::notify::Notifier>>, Problem> {
     let Some(path) = a
         .notify_secret_file
         .as_ref()
         .or(file.notify_secret_file.as_ref())
     else {
-        return config::notifier_from_env().map_err(|e| e.to_string());
+        return config::notifier_from_env().map_err(|e| Problem::invalid(e.to_string()));
     };
-    let secret = std::fs::read(path)
-        .map_err(|e| format!("cannot read --notify-secret-file {}: {e}", path.display()))?;
+    let secret = std::fs::read(path).map_err(|e| {
+        Problem::invalid(format!(
+            "cannot read --notify-secret-file {}: {e}",
+            path.display()
+        ))
+    })?;
     let secret = secret.trim_ascii();
     flotilla_coordinator::notify::Notifier::new(secret)
         .map(|n| Some(Arc::new(n)))
-        .map_err(|e| format!("--notify-secret-file {}: {e}", path.display()))
+        .map_err(|e| Problem::invalid(format!("--notify-secret-file {}: {e}", path.display())))
 }
 
 /// `--retention` and its companions.
 fn retention(
     a: &CoordinatorArgs,
     file: &config::ConfigFile,
-) -> Result<Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>, String> {
+) -> Result<Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>, Problem> {
     let Some(older) = a.retention.as_ref().or(file.retention.as_ref()) else {
         return Ok(None);
     };
     let older_than = config::parse_duration("--retention", older)?;
     if older_than < std::time::Duration::from_secs(1) {
-        return Err("--retention must be at least 1s; e.g. --retention 30d".into());
+        return Err(Problem::invalid(
+            "--retention must be at least 1s; e.g. --retention 30d",
+        ));
     }
     let every = match a.retention_every.as_ref().or(file.retention_every.as_ref()) {
         Some(e) => config::parse_duration("--retention-every", e)?,
         None => std::time::Duration::from_secs(24 * 3600),
     };
     if every < std::time::Duration::from_secs(1) {
-        return Err("--retention-every must be at least 1s; e.g. --retention-every 24h".into());
+        return Err(Problem::invalid(
+            "--retention-every must be at least 1s; e.g. --retention-every 24h",
+        ));
     }
     Ok(Some((
         flotilla_coordinator::gc::Policy {
@@ -285,7 +300,7 @@ fn retention(
 }
 
 impl Settings {
-    fn layered(a: &CoordinatorArgs, file: &config::ConfigFile) -> Result<Settings, String> {
+    fn layered(a: &CoordinatorArgs, file: &config::ConfigFile) -> Result<Settings, Problem> {
         let pick = |flag: &Option<PathBuf>, from_file: &Option<PathBuf>| {
             flag.clone().or_else(|| from_file.clone())
         };
@@ -334,12 +349,14 @@ impl Settings {
             retention: retention(a, file)?,
             peer_name: a.peer_name.clone().or_else(|| file.peer_name.clone()),
             namespaces: flotilla_coordinator::namespace::Namespaces::new(file.namespaces.clone())
-                .map_err(|e| format!("the config file's [namespaces]: {e}"))?,
+                .map_err(|e| {
+                Problem::invalid(format!("the config file's [namespaces]: {e}"))
+            })?,
             attempt_usage: {
                 let bounds = file.attempt_usage.clone();
-                bounds
-                    .check()
-                    .map_err(|e| format!("the config file's [attempt_usage]: {e}"))?;
+                bounds.check().map_err(|e| {
+                    Problem::invalid(format!("the config file's [attempt_usage]: {e}"))
+                })?;
                 bounds
             },
         })
@@ -347,16 +364,15 @@ impl Settings {
 }
 
 /// `--worker-ttl`: at least etcd's shortest lease.
-fn worker_ttl(given: Option<&String>) -> Result<std::time::Duration, String> {
+fn worker_ttl(given: Option<&String>) -> Result<std::time::Duration, Problem> {
     let Some(s) = given else {
         return Ok(flotilla_coordinator::sched::WORKER_LEASE_TTL);
     };
     let d = config::parse_duration("--worker-ttl", s)?;
     if d < std::time::Duration::from_secs(2) {
-        return Err(
-            "--worker-ttl must be at least 2s (etcd's shortest lease); e.g. --worker-ttl 10s"
-                .into(),
-        );
+        return Err(Problem::invalid(
+            "--worker-ttl must be at least 2s (etcd's shortest lease); e.g. --worker-ttl 10s",
+        ));
     }
     Ok(d)
 }
@@ -367,16 +383,16 @@ fn worker_ttl(given: Option<&String>) -> Result<std::time::Duration, String> {
 fn token_key(
     tls: Option<&TlsFiles>,
     http: SocketAddr,
-) -> Result<Option<flotilla_coordinator::web::TokenKey>, String> {
+) -> Result<Option<flotilla_coordinator::web::TokenKey>, Problem> {
     match tls {
         Some(files) => std::fs::read(&files.key)
             .map(|secret| Some(flotilla_coordinator::web::TokenKey::derive(&secret)))
-            .map_err(|e| format!("cannot read {}: {e}", files.key.display())),
+            .map_err(|e| Problem::invalid(format!("cannot read {}: {e}", files.key.display()))),
         None if http.ip().is_loopback() => Ok(None),
-        None => Err(format!(
+        None => Err(Problem::invalid(format!(
             "--insecure serves the session pages without sign-in, so only on loopback; use --http 127.0.0.1:{} (or TLS)",
             http.port()
-        )),
+        ))),
     }
 }
 
@@ -389,7 +405,7 @@ async fn join_group(
     tls: bool,
     tenure: Arc<flotilla_coordinator::lease::Tenure>,
     lost: CancellationToken,
-) -> Result<(), String> {
+) -> Result<(), Problem> {
     let advertise = s.advertise.clone().unwrap_or_else(|| {
         let scheme = if tls { "https" } else { "http" };
         format!("{scheme}://{}", s.listen)
@@ -432,24 +448,24 @@ fn launch_policy(s: &Settings, config_path: Option<PathBuf>) -> server::LaunchPo
 pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     let file = match config::load(a.config.as_deref()) {
         Ok(f) => f,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     a.tls.fill(&file);
     let s = match Settings::layered(&a, &file) {
         Ok(s) => s,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let tls = match a.tls.files("coordinator", s.listen.ip().is_loopback()) {
         Ok(t) => t,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let tokens = match token_key(tls.as_ref(), s.http) {
         Ok(t) => t,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let store = match store::open(&s.store_url) {
         Ok(st) => st,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e.into()),
     };
     // A store set up wrong stops the coordinator here, with the fix (exit 2: its settings;
     // exit 1: nothing answers), rather than failing each run.
@@ -465,7 +481,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     };
     let leases = match lease_store(&s, tls.as_ref()).await {
         Ok(l) => l,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => return crate::refuse(e),
     };
     let leases: Arc<dyn flotilla_coordinator::lease::LeaseStore> = if s.etcd.is_empty() {
         leases
@@ -489,7 +505,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     match notifier(&a, &file) {
         Ok(Some(n)) => coordinator.set_notifier(n),
         Ok(None) => {}
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     }
     let registry = Arc::new(RunRegistry::default());
     let lost = CancellationToken::new();
@@ -504,7 +520,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         )
         .await
     {
-        return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
+        return crate::refuse(e);
     }
     let opts = ServerOptions {
         listen: s.listen,
@@ -586,8 +602,8 @@ async fn serve_until_stopped(
     }
     let ended = |r: Result<Result<(), flotilla_proto::Problem>, tokio::task::JoinError>| match r {
         Ok(Ok(())) => 0,
-        Ok(Err(e)) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
-        Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Ok(Err(e)) => crate::refuse(e),
+        Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e.to_string()),
     };
     let code = tokio::select! {
         _ = shutdown_signal() => {
@@ -766,14 +782,34 @@ mod tests {
     #[test]
     fn bad_values_are_refused_by_the_flag_that_sets_them() {
         let bad = |flags: &[&str]| Settings::layered(&args(flags), &file("")).unwrap_err();
-        assert!(bad(&["--worker-ttl", "1s"]).contains("at least 2s"));
-        assert!(bad(&["--worker-ttl", "later"]).contains("--worker-ttl"));
-        assert!(bad(&["--max-connections", "0"]).contains("--max-connections"));
-        assert!(bad(&["--idle-timeout", "nope"]).contains("--idle-timeout"));
-        assert!(bad(&["--max-connections-per-peer", "0"]).contains("--max-connections-per-peer"));
-        assert!(bad(&["--read-timeout", "0s"]).contains("--read-timeout"));
+        assert!(bad(&["--worker-ttl", "1s"]).message.contains("at least 2s"));
+        assert!(
+            bad(&["--worker-ttl", "later"])
+                .message
+                .contains("--worker-ttl")
+        );
+        assert!(
+            bad(&["--max-connections", "0"])
+                .message
+                .contains("--max-connections")
+        );
+        assert!(
+            bad(&["--idle-timeout", "nope"])
+                .message
+                .contains("--idle-timeout")
+        );
+        assert!(
+            bad(&["--max-connections-per-peer", "0"])
+                .message
+                .contains("--max-connections-per-peer")
+        );
+        assert!(
+            bad(&["--read-timeout", "0s"])
+                .message
+                .contains("--read-timeout")
+        );
         let open = token_key(None, "0.0.0.0:7080".parse().unwrap()).unwrap_err();
-        assert!(open.contains("only on loopback"), "{open}");
+        assert!(open.message.contains("only on loopback"), "{open}");
         assert!(
             token_key(None, "127.0.0.1:7080".parse().unwrap())
                 .unwrap()
@@ -803,7 +839,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            bad.contains("[attempt_usage]") && bad.contains("usd_per_million_input"),
+            bad.message.contains("[attempt_usage]")
+                && bad.message.contains("usd_per_million_input"),
             "{bad}"
         );
         assert!(

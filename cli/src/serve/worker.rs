@@ -1,6 +1,7 @@
 //! `flotilla worker`: attach to a coordinator and run its assignments.
 
 use super::*;
+use flotilla_proto::Problem;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -156,17 +157,17 @@ fn list(flag: &[String], file: &[String]) -> Vec<String> {
 }
 
 impl Settings {
-    fn layered(a: &WorkerArgs, file: &config::ConfigFile) -> Result<Settings, String> {
-        let coordinator = a.coordinator.clone().or_else(|| file.coordinator.clone()).ok_or(
-            "no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)",
-        )?;
+    fn layered(a: &WorkerArgs, file: &config::ConfigFile) -> Result<Settings, Problem> {
+        let coordinator = a.coordinator.clone().or_else(|| file.coordinator.clone()).ok_or_else(|| {
+            Problem::invalid("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)")
+        })?;
         let mut backends = list(&a.backends, &file.backends);
         if backends.is_empty() {
             backends = vec!["echo".into()];
         }
         let slots = a.slots.or(file.slots).unwrap_or(16);
         if slots == 0 {
-            return Err("--slots must be at least 1".into());
+            return Err(Problem::invalid("--slots must be at least 1"));
         }
         let limit_mib = (flotilla_proto::frag::MAX_MESSAGE_BYTES >> 20) as u64;
         let max_result_mib = a
@@ -174,9 +175,9 @@ impl Settings {
             .or(file.max_result_mib)
             .unwrap_or(limit_mib);
         if max_result_mib == 0 || max_result_mib > limit_mib {
-            return Err(format!(
+            return Err(Problem::invalid(format!(
                 "--max-result-mib must be between 1 and {limit_mib} (got {max_result_mib})"
-            ));
+            )));
         }
         let sandbox = match a
             .sandbox
@@ -186,15 +187,19 @@ impl Settings {
         {
             "on" | "bwrap" => true,
             "off" => false,
-            other => return Err(format!("--sandbox takes on or off (got {other:?})")),
+            other => {
+                return Err(Problem::invalid(format!(
+                    "--sandbox takes on or off (got {other:?})"
+                )));
+            }
         };
         let rlimits = match a.limits_via.as_deref().unwrap_or("auto") {
             "auto" => false,
             "rlimits" => true,
             other => {
-                return Err(format!(
+                return Err(Problem::invalid(format!(
                     "--limits-via takes auto or rlimits (got {other:?})"
-                ));
+                )));
             }
         };
         Ok(Settings {
@@ -232,10 +237,10 @@ impl Settings {
                     // Backends that call a model server (echo and exec call none).
                     let served = ["openai", "anthropic", "claude-code"];
                     if let Some(b) = given.iter().find(|b| !served.contains(&b.as_str())) {
-                        return Err(format!(
+                        return Err(Problem::invalid(format!(
                             "--local-prefix-cache {b:?}: only a backend that calls a model server keeps a prefix cache; use one of {}",
                             served.join(", ")
-                        ));
+                        )));
                     }
                     given
                 },
@@ -247,7 +252,7 @@ impl Settings {
     fn attempt_limits(
         a: &WorkerArgs,
         file: &config::ConfigFile,
-    ) -> Result<flotilla_worker::limits::Settings, String> {
+    ) -> Result<flotilla_worker::limits::Settings, Problem> {
         let mut limits = flotilla_worker::limits::Settings::default();
         if let Some(m) = a.memory_mib.or(file.memory_mib) {
             limits.memory = (m > 0).then_some(m << 20);
@@ -257,15 +262,15 @@ impl Settings {
         }
         if let Some(t) = a.tmp_mib.or(file.tmp_mib) {
             if t == 0 {
-                return Err("--tmp-mib must be at least 1".into());
+                return Err(Problem::invalid("--tmp-mib must be at least 1"));
             }
             limits.tmp = t << 20;
         }
         if let Some(d) = a.disk_mib.or(file.disk_mib) {
             if d == 0 {
-                return Err(
-                    "--disk-mib must be at least 1: an attempt needs room for its checkout".into(),
-                );
+                return Err(Problem::invalid(
+                    "--disk-mib must be at least 1: an attempt needs room for its checkout",
+                ));
             }
             limits.disk = Some(d << 20);
         }
@@ -276,7 +281,7 @@ impl Settings {
         {
             let d = config::parse_duration("--max-prepare-time", p)?;
             if d.is_zero() {
-                return Err("--max-prepare-time must be longer than 0".into());
+                return Err(Problem::invalid("--max-prepare-time must be longer than 0"));
             }
             limits.prepare = d;
         }
@@ -294,7 +299,7 @@ impl Settings {
 
 /// The sandbox the settings ask for: bubblewrap (the worker does not start without it), or
 /// none, said loudly.
-async fn sandbox(s: &Settings) -> Result<flotilla_worker::sandbox::Sandbox, String> {
+async fn sandbox(s: &Settings) -> Result<flotilla_worker::sandbox::Sandbox, Problem> {
     if !s.sandbox {
         eprintln!(
             "flotilla worker: WARNING: {}",
@@ -307,26 +312,26 @@ async fn sandbox(s: &Settings) -> Result<flotilla_worker::sandbox::Sandbox, Stri
             eprintln!("flotilla worker: {}", sb.describe());
             Ok(sb)
         }
-        Err(e) => Err(format!(
+        Err(e) => Err(Problem::unavailable(format!(
             "{e}\nagents run sandboxed by default: install bubblewrap (Debian: apt-get install bubblewrap) where unprivileged user namespaces are allowed, or start with --sandbox off to run them unconfined"
-        )),
+        ))),
     }
 }
 
 pub async fn worker(mut a: WorkerArgs) -> i32 {
     let file = match config::load(a.config.as_deref()) {
         Ok(f) => f,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     a.tls.fill(&file);
     let s = match Settings::layered(&a, &file) {
         Ok(s) => s,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let name = a.tls.name.clone().unwrap_or_else(hostname);
     let tls = match a.tls.files(&name, loopback_host(&host_of(&s.coordinator))) {
         Ok(t) => t,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     // The workspace is the worker's alone: no other user of the machine reads its checkouts.
     if std::fs::create_dir_all(&s.workspace).is_ok() {
@@ -335,7 +340,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     }
     let sandbox = match sandbox(&s).await {
         Ok(sb) => sb,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let limits = flotilla_worker::limits::Limits::detect_with(s.limits.clone(), s.rlimits);
     eprintln!("flotilla worker: {}", limits.describe());
@@ -348,7 +353,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
         .collect();
     let backends = match backends {
         Ok(b) => b,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let worker = Worker::new(
         WorkerOptions {
@@ -386,7 +391,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
         }
         r = &mut serving => match r {
             Ok(()) => 0,
-            Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+            Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e.to_string()),
         },
     };
     // Its cgroups and its sandbox's state go with it (those of a worker killed outright,
@@ -437,14 +442,26 @@ mod tests {
             let flags: Vec<&str> = c.iter().chain(extra).copied().collect();
             Settings::layered(&args(&flags), &file("")).unwrap_err()
         };
-        assert!(bad(&["--slots", "0"]).contains("--slots"));
-        assert!(bad(&["--max-result-mib", "0"]).contains("--max-result-mib"));
-        assert!(bad(&["--sandbox", "maybe"]).contains("--sandbox"));
-        assert!(bad(&["--limits-via", "magic"]).contains("--limits-via"));
-        assert!(bad(&["--tmp-mib", "0"]).contains("--tmp-mib"));
-        assert!(bad(&["--max-attempt-time", "soon"]).contains("--max-attempt-time"));
+        assert!(bad(&["--slots", "0"]).message.contains("--slots"));
+        assert!(
+            bad(&["--max-result-mib", "0"])
+                .message
+                .contains("--max-result-mib")
+        );
+        assert!(bad(&["--sandbox", "maybe"]).message.contains("--sandbox"));
+        assert!(
+            bad(&["--limits-via", "magic"])
+                .message
+                .contains("--limits-via")
+        );
+        assert!(bad(&["--tmp-mib", "0"]).message.contains("--tmp-mib"));
+        assert!(
+            bad(&["--max-attempt-time", "soon"])
+                .message
+                .contains("--max-attempt-time")
+        );
         let none = Settings::layered(&args(&[]), &file("")).unwrap_err();
-        assert!(none.contains("--coordinator"), "{none}");
+        assert!(none.message.contains("--coordinator"), "{none}");
         let off = Settings::layered(&args(&[c[0], c[1], "--memory-mib", "0"]), &file("")).unwrap();
         assert_eq!(off.limits.memory, None, "0 is no limit");
     }

@@ -100,6 +100,13 @@ pub enum Error {
     },
 }
 
+/// A store error as a [`Problem`](flotilla_proto::Problem) of its [`kind`](Error::kind).
+impl From<Error> for flotilla_proto::Problem {
+    fn from(e: Error) -> flotilla_proto::Problem {
+        flotilla_proto::Problem::new(e.kind(), e.to_string())
+    }
+}
+
 impl Error {
     pub fn kind(&self) -> flotilla_proto::ErrorKind {
         use flotilla_proto::ErrorKind;

@@ -55,10 +55,11 @@ fn refusals_with_json_are_one_json_object_on_stdout_with_their_code() {
         "invalid",
         "--args is not valid JSON",
     );
+    // A name no saved workflow has is not found (issue 30: the kind its lookup gave).
     refused(
         &["run", "no-such-workflow", "--json"],
         2,
-        "invalid",
+        "not_found",
         "unknown workflow \"no-such-workflow\"",
     );
     refused(

@@ -224,6 +224,15 @@ fn launch_returns_at_once_and_status_stop_and_runs_work_remotely() {
     assert!(out.stderr.contains("variable reference"), "{}", out.stderr);
     let missing = c.client(&["wait", "wf_00000000-000"]);
     assert_eq!(missing.code, 2, "{missing:?}");
+    // A run the coordinator does not have is not found, with --json too, for every command
+    // that names one (issue 30: the kind comes from the answer, not from the exit status).
+    for cmd in ["wait", "status", "stop", "agents", "changes"] {
+        let out = c.client(&[cmd, "wf_00000000-000", "--json"]);
+        assert_eq!(out.code, 2, "{cmd}: {out:?}");
+        let v: serde_json::Value = serde_json::from_str(out.stdout.trim())
+            .unwrap_or_else(|e| panic!("{cmd}: not one JSON object ({e}): {out:?}"));
+        assert_eq!(v["error"]["code"], "not_found", "{cmd}: {v}");
+    }
 }
 
 #[test]

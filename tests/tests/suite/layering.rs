@@ -475,7 +475,7 @@ fn string_errors(code: &str) -> Vec<String> {
 }
 
 #[test]
-fn layering_no_library_crate_returns_a_bare_string_error() {
+fn layering_no_crate_returns_a_bare_string_error() {
     let mut report = Vec::new();
     for dir in [
         "proto",
@@ -483,6 +483,7 @@ fn layering_no_library_crate_returns_a_bare_string_error() {
         "coordinator/lease",
         "coordinator",
         "worker",
+        "cli",
     ] {
         let src = root().join(dir).join("src");
         let mut files = Vec::new();

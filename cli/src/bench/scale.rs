@@ -20,6 +20,7 @@
 //! log at the level `FLOTILLA_LOG` gives (warn by default): at `info` every call's trace span
 //! is formatted for the log, which costs about 9 µs and some memory per call.
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::Arc;
@@ -33,7 +34,7 @@ use flotilla_proto::v1::{self};
 use serde::Serialize;
 use tonic::transport::Channel;
 
-use crate::bench_fleet::{Procs, free_port, spawn, start_etcd};
+use crate::bench::fleet::{Procs, free_port, spawn, start_etcd};
 
 #[derive(Debug, Args)]
 pub struct FleetArgs {
@@ -146,7 +147,7 @@ for (let i = 0; i < args.n; i++) calls.push(agent(i === args.n - 1 ? args.last :
 return (await Promise.all(calls)).length;\n";
 
 impl Bed {
-    fn start_coordinator(&mut self, i: usize) -> Result<(), String> {
+    fn start_coordinator(&mut self, i: usize) -> Result<(), Problem> {
         let (grpc, http) = match self.coords.get(i) {
             Some(c) => (c.grpc, c.http),
             None => (free_port()?, free_port()?),
@@ -173,7 +174,7 @@ impl Bed {
         Ok(())
     }
 
-    fn client(&self, i: usize) -> Result<ClientServiceClient<Channel>, String> {
+    fn client(&self, i: usize) -> Result<ClientServiceClient<Channel>, Problem> {
         let files = TlsFiles::in_dir(&self.pki, "bench-client");
         let url = format!("https://127.0.0.1:{}", self.coords[i].grpc);
         let channel = flotilla_proto::tls::channel(&url, Some(&files))?;
@@ -189,7 +190,7 @@ impl Bed {
     }
 
     /// The coordinator that has all `workers` attached: the leader.
-    async fn wait_leader(&self, workers: u64) -> Result<usize, String> {
+    async fn wait_leader(&self, workers: u64) -> Result<usize, Problem> {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             for i in 0..self.coords.len() {
@@ -203,10 +204,10 @@ impl Bed {
                 }
             }
             if Instant::now() > deadline {
-                return Err(format!(
+                return Err(Problem::internal(format!(
                     "no coordinator had all {workers} workers attached within 120 s; see the logs in {}",
                     self.dir.display()
-                ));
+                )));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -222,8 +223,8 @@ async fn launch(
     last: &str,
     concurrency: u32,
     resume_from: Option<&str>,
-) -> Result<String, String> {
-    crate::bench_fleet::launch_echo(
+) -> Result<String, Problem> {
+    crate::bench::fleet::launch_echo(
         client,
         SCRIPT,
         serde_json::json!({ "n": n, "prompt": prompt, "last": last }),
@@ -348,7 +349,7 @@ async fn until_status(
     client: &ClientServiceClient<Channel>,
     run: &str,
     ready: impl Fn(&flotilla_proto::wire::SnapshotView) -> bool,
-) -> Result<(), String> {
+) -> Result<(), Problem> {
     let ready = &ready;
     poll(what, limit, || {
         let mut c = client.clone();
@@ -362,27 +363,27 @@ async fn finished(
     client: &mut ClientServiceClient<Channel>,
     run: &str,
     n: u64,
-) -> Result<flotilla_coordinator::Report, String> {
+) -> Result<flotilla_coordinator::Report, Problem> {
     let report = client
         .wait(v1::RunRef { run_id: run.into() })
         .await
-        .map_err(|e| flotilla_proto::tls::explain(&e))?
+        .map_err(|e| crate::client::call_problem(&e))?
         .into_inner();
     let r: flotilla_coordinator::Report =
-        serde_json::from_str(&report.report_json).map_err(|e| e.to_string())?;
+        serde_json::from_str(&report.report_json).map_err(|e| Problem::internal(e.to_string()))?;
     if r.status != flotilla_coordinator::RunStatus::Completed || r.result != serde_json::json!(n) {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "bench run {run} ended {} with result {} ({:?})",
             r.status.as_str(),
             r.result,
             r.error
-        ));
+        )));
     }
     Ok(r)
 }
 
 /// Polls `until` every few milliseconds for at most `limit`.
-async fn poll<T, F, Fut>(what: &str, limit: Duration, mut until: F) -> Result<T, String>
+async fn poll<T, F, Fut>(what: &str, limit: Duration, mut until: F) -> Result<T, Problem>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -393,10 +394,10 @@ where
             return Ok(v);
         }
         if Instant::now() > deadline {
-            return Err(format!(
+            return Err(Problem::internal(format!(
                 "{what} did not happen within {} s",
                 limit.as_secs()
-            ));
+            )));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -416,31 +417,34 @@ fn journal_files(store_dir: &Path, run: &str) -> Vec<PathBuf> {
     out
 }
 
-pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
+pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     if a.workers == 0 || a.inflight == 0 || a.calls < 2 {
-        return Err("--workers and --inflight must be at least 1, --calls at least 2".into());
+        return Err(Problem::internal(
+            "--workers and --inflight must be at least 1, --calls at least 2",
+        ));
     }
     let hold = crate::config::parse_duration("--hold", &a.hold)?;
     let ttl = crate::config::parse_duration("--ttl", &a.ttl)?;
-    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let tmp = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     let dir = match &a.keep {
         Some(k) => {
-            std::fs::create_dir_all(k).map_err(|e| format!("{}: {e}", k.display()))?;
+            std::fs::create_dir_all(k)
+                .map_err(|e| Problem::internal(format!("{}: {e}", k.display())))?;
             k.clone()
         }
         None => tmp.path().to_path_buf(),
     };
     let pki = dir.join("pki");
-    crate::bench_fleet::bench_pki(&pki, a.workers)?;
+    crate::bench::fleet::bench_pki(&pki, a.workers)?;
     let mut procs = Procs(Vec::new());
     let (etcd, etcd_port) = start_etcd(&dir, &mut procs)?;
     let store_dir = dir.join("store");
-    std::fs::create_dir_all(&store_dir).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&store_dir).map_err(|e| Problem::internal(e.to_string()))?;
     let mut bed = Bed {
         store: format!("file://{}", store_dir.display()),
         dir: dir.clone(),
         pki: pki.clone(),
-        exe: std::env::current_exe().map_err(|e| e.to_string())?,
+        exe: std::env::current_exe().map_err(|e| Problem::internal(e.to_string()))?,
         etcd,
         ttl: a.ttl.clone(),
         coords: Vec::new(),
@@ -504,7 +508,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     // 1. All in flight at once.
     let pid = bed.coords[leader]
         .pid()
-        .ok_or("the leader is not running")?;
+        .ok_or(Problem::internal("the leader is not running"))?;
     report.rss_base_kib = rss_kib(pid);
     let m0 = bed.metrics(leader).unwrap_or_default();
     let (txn0, put0) = (
@@ -521,7 +525,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
         s.summary.running >= a.inflight
     })
     .await
-    .map_err(|e| format!("{e}: raise --hold or lower --inflight"))?;
+    .map_err(|e| Problem::internal(format!("{e}: raise --hold or lower --inflight")))?;
     let out = started.elapsed();
     report.all_out_ms = ms(out);
     let (txn1, put1) = (
@@ -564,7 +568,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     // 3. A big run, then the same run resumed with its last prompt changed.
     let pid = bed.coords[leader]
         .pid()
-        .ok_or("the leader is not running")?;
+        .ok_or(Problem::internal("the leader is not running"))?;
     let before = rss_kib(pid);
     // The most it holds during the run: every completed call is in the run until it ends.
     let sampling = Arc::new(AtomicBool::new(true));
@@ -614,17 +618,17 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
     let r = finished(&mut client, &resumed, a.calls).await?;
     report.resume_ms = ms(started.elapsed());
     if r.usage.dispatched != 1 {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "the resume dispatched {} calls; only the edited one should have run",
             r.usage.dispatched
-        ));
+        )));
     }
     let files = journal_files(&store_dir, &big);
     if files.is_empty() {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "no journal files of run {big} in {}",
             store_dir.display()
-        ));
+        )));
     }
     report.journal_files = files.len() as u64;
     report.journal_bytes = files
@@ -637,9 +641,9 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, String> {
         .args(&files)
         .stdout(std::process::Stdio::null())
         .status()
-        .map_err(|e| format!("cannot run cat: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot run cat: {e}")))?;
     if !cat.success() {
-        return Err("cat of the journal files failed".into());
+        return Err(Problem::internal("cat of the journal files failed"));
     }
     report.cat_journal_ms = ms(started.elapsed());
     report.resume_over_cat = report.resume_first_dispatch_ms / report.cat_journal_ms;
@@ -694,7 +698,7 @@ pub async fn run(a: FleetArgs) -> i32 {
             }
             0
         }
-        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => crate::refuse(e),
     }
 }
 

@@ -11,6 +11,7 @@
 //! merges the head into the current branch, refusing a dirty tree or a conflict with the
 //! command that resolves it.
 
+use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -57,18 +58,20 @@ pub struct ApplyArgs {
 
 type Client = v1::client_service_client::ClientServiceClient<tonic::transport::Channel>;
 
-fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+fn git(dir: &Path, args: &[&str]) -> Result<String, Problem> {
     let out = Command::new("git")
         .arg("-C")
         .arg(dir)
         .args(args)
         .env("GIT_TERMINAL_PROMPT", "0")
         .output()
-        .map_err(|e| format!("cannot run git: {e}"))?;
+        .map_err(|e| Problem::internal(format!("cannot run git: {e}")))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim_end().to_owned())
     } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+        Err(Problem::internal(
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ))
     }
 }
 
@@ -80,10 +83,11 @@ fn relinked(
     head: &str,
     snapshot: &str,
     submodules: &[String],
-) -> Result<(String, Vec<String>), String> {
-    let tmp = tempfile::tempdir().map_err(|e| format!("cannot make a temporary index: {e}"))?;
+) -> Result<(String, Vec<String>), Problem> {
+    let tmp = tempfile::tempdir()
+        .map_err(|e| Problem::internal(format!("cannot make a temporary index: {e}")))?;
     let index = tmp.path().join("index");
-    let run = |args: &[&str]| -> Result<String, String> {
+    let run = |args: &[&str]| -> Result<String, Problem> {
         let out = Command::new("git")
             .arg("-C")
             .arg(local)
@@ -92,15 +96,15 @@ fn relinked(
             .env("GIT_LITERAL_PATHSPECS", "1")
             .env("GIT_TERMINAL_PROMPT", "0")
             .output()
-            .map_err(|e| format!("cannot run git: {e}"))?;
+            .map_err(|e| Problem::internal(format!("cannot run git: {e}")))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).trim_end().to_owned())
         } else {
-            Err(format!(
+            Err(Problem::internal(format!(
                 "git {} failed: {}",
                 args.join(" "),
                 String::from_utf8_lossy(&out.stderr).trim()
-            ))
+            )))
         }
     };
     let mut touched = Vec::new();
@@ -164,7 +168,7 @@ async fn changes_of(client: &mut Client, run: &str) -> Result<RunChanges, i32> {
 fn pick<'a>(
     c: &'a RunChanges,
     agent: Option<&str>,
-) -> Result<Vec<&'a flotilla_coordinator::head::AgentChange>, String> {
+) -> Result<Vec<&'a flotilla_coordinator::head::AgentChange>, Problem> {
     let Some(agent) = agent else {
         return Ok(c.changes.iter().collect());
     };
@@ -174,22 +178,23 @@ fn pick<'a>(
         .filter(|a| a.label == agent || a.index.to_string() == agent)
         .collect();
     if found.is_empty() {
-        return Err(format!(
+        return Err(Problem::invalid(format!(
             "no agent {agent:?} of run {} changed files",
             c.run_id
-        ));
+        )));
     }
     Ok(found)
 }
 
 /// The local repository the objects go into.
-fn local_repo() -> Result<PathBuf, String> {
-    let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
+fn local_repo() -> Result<PathBuf, Problem> {
+    let cwd = std::env::current_dir().map_err(|e| Problem::invalid(e.to_string()))?;
     git(&cwd, &["rev-parse", "--show-toplevel"])
         .map(PathBuf::from)
         .map_err(|_| {
-            "run this inside a git repository (a clone of the run's source) to bring its changes in"
-                .to_owned()
+            Problem::invalid(
+                "run this inside a git repository (a clone of the run's source) to bring its changes in",
+            )
         })
 }
 
@@ -201,7 +206,7 @@ async fn fetch(
     run: &RunChanges,
     source_repo: &str,
     commit: &str,
-) -> Result<u64, String> {
+) -> Result<u64, Problem> {
     if git(local, &["cat-file", "-e", &format!("{commit}^{{commit}}")]).is_ok() {
         return Ok(0);
     }
@@ -214,38 +219,35 @@ async fn fetch(
             namespace: run.namespace.clone(),
         })
         .await
-        .map_err(|s| {
-            format!(
-                "cannot fetch the run's objects: {}",
-                crate::client::rpc_error(&s).1
-            )
-        })?
+        .map_err(|s| crate::client::call_problem(&s).context("cannot fetch the run's objects"))?
         .into_inner();
-    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let tmp = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     let mut bytes = 0u64;
     let mut current: Option<(String, std::fs::File, PathBuf)> = None;
     while let Some(d) = stream
         .message()
         .await
-        .map_err(|s| crate::client::rpc_error(&s).1)?
+        .map_err(|s| crate::client::call_problem(&s))?
     {
         if !d.error.is_empty() {
-            return Err(format!(
+            return Err(Problem::unavailable(format!(
                 "the coordinator cannot send the run's objects: {}",
                 d.error
-            ));
+            )));
         }
         if d.done {
             break;
         }
         if current.as_ref().is_none_or(|(p, ..)| *p != d.pack) {
             let path = tmp.path().join(format!("{}.pack", d.pack));
-            let f = std::fs::File::create(&path).map_err(|e| e.to_string())?;
+            let f =
+                std::fs::File::create(&path).map_err(|e| Problem::unavailable(e.to_string()))?;
             current = Some((d.pack.clone(), f, path));
         }
         if let Some((_, f, _)) = current.as_mut() {
             use std::io::Write;
-            f.write_all(&d.data).map_err(|e| e.to_string())?;
+            f.write_all(&d.data)
+                .map_err(|e| Problem::unavailable(e.to_string()))?;
             bytes += d.data.len() as u64;
         }
         if d.last_of_pack
@@ -260,44 +262,49 @@ async fn fetch(
                     flotilla_coordinator::vet::SOURCE_FSCK,
                     "--stdin",
                 ])
-                .stdin(std::fs::File::open(&path).map_err(|e| e.to_string())?)
+                .stdin(std::fs::File::open(&path).map_err(|e| Problem::unavailable(e.to_string()))?)
                 .output()
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| Problem::unavailable(e.to_string()))?;
             if !out.status.success() {
-                return Err(format!(
+                return Err(Problem::unavailable(format!(
                     "cannot index the run's objects: {}",
                     String::from_utf8_lossy(&out.stderr).trim()
-                ));
+                )));
             }
         }
     }
-    git(local, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
-        .map_err(|_| format!("the coordinator's objects did not hold commit {commit}"))?;
+    git(local, &["cat-file", "-e", &format!("{commit}^{{commit}}")]).map_err(|_| {
+        Problem::unavailable(format!(
+            "the coordinator's objects did not hold commit {commit}"
+        ))
+    })?;
     Ok(bytes)
 }
 
 /// Refuses `commit` (of `whose`) when a tree it adds over `base` holds a name that leaves the
 /// tree or reaches `.git`: the coordinator refuses such changes, and this holds even if a
 /// store it reads holds one.
-async fn vetted(local: &Path, whose: &str, commit: &str, base: &str) -> Result<(), String> {
+async fn vetted(local: &Path, whose: &str, commit: &str, base: &str) -> Result<(), Problem> {
     let bases: Vec<&str> = [base]
         .into_iter()
         .filter(|b| git(local, &["cat-file", "-e", &format!("{b}^{{commit}}")]).is_ok())
         .collect();
     match flotilla_coordinator::vet::new_trees(local, &[], commit, &bases).await {
         Ok(None) => Ok(()),
-        Ok(Some(why)) => Err(format!(
+        Ok(Some(why)) => Err(Problem::denied(format!(
             "{whose} (commit {}) adds {why}: refused, nothing was applied; tell the run's owner, and do not check it out",
             &commit[..commit.len().min(12)]
-        )),
-        Err(e) => Err(format!("cannot check commit {commit}: {e}")),
+        ))),
+        Err(e) => Err(Problem::denied(format!(
+            "cannot check commit {commit}: {e}"
+        ))),
     }
 }
 
 pub async fn changes(a: ChangesArgs) -> i32 {
     let mut client = match a.remote.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let c = match changes_of(&mut client, &a.run_id).await {
         Ok(c) => c,
@@ -305,7 +312,7 @@ pub async fn changes(a: ChangesArgs) -> i32 {
     };
     let picked = match pick(&c, a.agent.as_deref()) {
         Ok(p) => p,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     if a.json {
         let mut v = serde_json::to_value(&c).unwrap_or_default();
@@ -329,7 +336,7 @@ pub async fn changes(a: ChangesArgs) -> i32 {
     let local = if a.diff {
         match local_repo() {
             Ok(l) => Some(l),
-            Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+            Err(e) => return crate::refuse(e),
         }
     } else {
         None
@@ -362,14 +369,14 @@ pub async fn changes(a: ChangesArgs) -> i32 {
                 continue;
             }
             if let Err(e) = fetch(&mut client, local, &c, &src.repo, &r.commit).await {
-                return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
+                return crate::refuse(e);
             }
             if let Err(e) = vetted(local, &ch.label, &r.commit, &r.base).await {
-                return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
+                return crate::refuse(e);
             }
             match git(local, &["diff", &r.base, &r.commit]) {
                 Ok(d) => println!("{}", crate::term::clean_text(&d)),
-                Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+                Err(e) => return crate::refuse(e),
             }
         }
     }
@@ -385,7 +392,7 @@ pub async fn changes(a: ChangesArgs) -> i32 {
 pub async fn apply(a: ApplyArgs) -> i32 {
     let mut client = match a.remote.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let c = match changes_of(&mut client, &a.run_id).await {
         Ok(c) => c,
@@ -399,11 +406,11 @@ pub async fn apply(a: ApplyArgs) -> i32 {
     };
     let local = match local_repo() {
         Ok(l) => l,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let picked = match pick(&c, a.agent.as_deref()) {
         Ok(p) => p,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let mut fetched = 0u64;
     let head = c.head.clone().unwrap_or_else(|| src.commit.clone());
@@ -434,13 +441,13 @@ pub async fn apply(a: ApplyArgs) -> i32 {
     for (_, commit, ..) in &wanted {
         match fetch(&mut client, &local, &c, &src.repo, commit).await {
             Ok(n) => fetched += n,
-            Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+            Err(e) => return crate::refuse(e),
         }
     }
     // Nothing is pointed at, let alone merged, until every commit passes.
     for (_, commit, whose, base) in &wanted {
         if let Err(e) = vetted(&local, whose, commit, base).await {
-            return fail_kind(flotilla_proto::ErrorKind::Unavailable, e);
+            return crate::refuse(e);
         }
     }
     for (branch, commit, ..) in &wanted {
@@ -491,7 +498,7 @@ pub async fn apply(a: ApplyArgs) -> i32 {
                     }
                     branch = linked;
                 }
-                Err(e) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+                Err(e) => return crate::refuse(e),
             }
         }
         let message = format!("Merge the changes of flotilla run {}", c.run_id);

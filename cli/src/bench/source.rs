@@ -12,14 +12,13 @@
 //!
 //! Times are medians over `--rounds`; ratios are this over the baseline.
 
+use flotilla_proto::Problem;
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
 use clap::Args;
 use serde::Serialize;
-
-use crate::fail_kind;
 
 #[derive(Debug, Args)]
 pub struct SourceArgs {
@@ -56,7 +55,7 @@ struct Report {
     cold_attempt_ratio: f64,
 }
 
-fn sh(dir: &Path, args: &[&str]) -> Result<String, String> {
+fn sh(dir: &Path, args: &[&str]) -> Result<String, Problem> {
     let out = Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -66,15 +65,15 @@ fn sh(dir: &Path, args: &[&str]) -> Result<String, String> {
         .env("GIT_COMMITTER_NAME", "bench")
         .env("GIT_COMMITTER_EMAIL", "bench@localhost")
         .output()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Problem::internal(e.to_string()))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     } else {
-        Err(format!(
+        Err(Problem::internal(format!(
             "git {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        )))
     }
 }
 
@@ -88,7 +87,7 @@ fn ms(t: Instant) -> f64 {
 }
 
 /// Files of pseudo-random text, changed in part by each later commit.
-fn generate(dir: &Path, files: usize, mb: usize, commits: usize) -> Result<u64, String> {
+fn generate(dir: &Path, files: usize, mb: usize, commits: usize) -> Result<u64, Problem> {
     sh(dir, &["init", "-q", "-b", "main"])?;
     // The first commit writes every file, each later one a fifth of them: about `mb` in all.
     let writes = files.max(1) + (commits.max(1) - 1) * (files / 5);
@@ -101,7 +100,7 @@ fn generate(dir: &Path, files: usize, mb: usize, commits: usize) -> Result<u64, 
             let f = if c == 0 { i } else { (i * 7 + c * 13) % files };
             let path = dir.join(format!("d{:03}/f{f:05}.txt", f / 100));
             if let Some(p) = path.parent() {
-                std::fs::create_dir_all(p).map_err(|e| e.to_string())?;
+                std::fs::create_dir_all(p).map_err(|e| Problem::internal(e.to_string()))?;
             }
             let mut body = String::with_capacity(per_file + 32);
             while body.len() < per_file.max(16) {
@@ -111,7 +110,7 @@ fn generate(dir: &Path, files: usize, mb: usize, commits: usize) -> Result<u64, 
                 body.push_str(&format!("{x:016x}\n"));
             }
             total += body.len() as u64;
-            std::fs::write(&path, body).map_err(|e| e.to_string())?;
+            std::fs::write(&path, body).map_err(|e| Problem::internal(e.to_string()))?;
         }
         sh(dir, &["add", "-A"])?;
         sh(dir, &["commit", "-q", "-m", &format!("commit {c}")])?;
@@ -119,14 +118,15 @@ fn generate(dir: &Path, files: usize, mb: usize, commits: usize) -> Result<u64, 
     Ok(total)
 }
 
-async fn measure(a: &SourceArgs) -> Result<Report, String> {
-    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+async fn measure(a: &SourceArgs) -> Result<Report, Problem> {
+    let tmp = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     let repo = tmp.path().join("repo");
-    std::fs::create_dir_all(&repo).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&repo).map_err(|e| Problem::internal(e.to_string()))?;
     let history = generate(&repo, a.files, a.mb, a.commits)?;
     let rounds = a.rounds.max(1);
     let store_url = format!("file://{}", tmp.path().join("store").display());
-    let store = flotilla_coordinator::store::open(&store_url).map_err(|e| e.to_string())?;
+    let store = flotilla_coordinator::store::open(&store_url)
+        .map_err(|e| Problem::internal(e.to_string()))?;
 
     // First upload against a bundle of everything.
     let (mut up, mut bundle) = (Vec::new(), Vec::new());
@@ -134,14 +134,15 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
     let mut snap = None;
     for r in 0..rounds {
         let t = Instant::now();
-        let s = crate::source::snapshot(&repo)?.ok_or("the generated repository is not one")?;
+        let s = crate::source::snapshot(&repo)?
+            .ok_or(Problem::internal("the generated repository is not one"))?;
         let (pack, bytes) = crate::source::build_pack(&s, &[])?;
-        let data = std::fs::read(pack.path()).map_err(|e| e.to_string())?;
+        let data = std::fs::read(pack.path()).map_err(|e| Problem::internal(e.to_string()))?;
         let stored = flotilla_coordinator::source::Repo::new("", &format!("{}-{r}", s.repo))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
         flotilla_coordinator::source::put_pack(&store, &stored, &s.commit, vec![], data)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
         up.push(ms(t));
         pack_bytes = bytes;
         snap = Some(s);
@@ -153,7 +154,7 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
         )?;
         bundle.push(ms(t));
     }
-    let snap = snap.ok_or("no rounds")?;
+    let snap = snap.ok_or(Problem::internal("no rounds"))?;
 
     // A relaunch after one file changed.
     let first = sh(&repo, &["ls-files"])?
@@ -161,8 +162,9 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
         .next()
         .unwrap_or_default()
         .to_owned();
-    std::fs::write(repo.join(&first), "changed\n").map_err(|e| e.to_string())?;
-    let s2 = crate::source::snapshot(&repo)?.ok_or("the generated repository is not one")?;
+    std::fs::write(repo.join(&first), "changed\n").map_err(|e| Problem::internal(e.to_string()))?;
+    let s2 = crate::source::snapshot(&repo)?
+        .ok_or(Problem::internal("the generated repository is not one"))?;
     let (_, relaunch_bytes) = crate::source::build_pack(&s2, std::slice::from_ref(&snap.commit))?;
     sh(&repo, &["checkout", "-q", "--", &first])?;
 
@@ -177,11 +179,13 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
         .arg("-C")
         .arg(&bare)
         .args(["index-pack", "--stdin"])
-        .stdin(std::fs::File::open(pack.path()).map_err(|e| e.to_string())?)
+        .stdin(std::fs::File::open(pack.path()).map_err(|e| Problem::internal(e.to_string()))?)
         .output()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Problem::internal(e.to_string()))?;
     if !indexed.status.success() {
-        return Err(String::from_utf8_lossy(&indexed.stderr).into_owned());
+        return Err(Problem::internal(
+            String::from_utf8_lossy(&indexed.stderr).into_owned(),
+        ));
     }
     let (mut warm, mut add) = (Vec::new(), Vec::new());
     for r in 0..rounds {
@@ -223,11 +227,13 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
             .arg("-C")
             .arg(&cache)
             .args(["index-pack", "--stdin"])
-            .stdin(std::fs::File::open(pack.path()).map_err(|e| e.to_string())?)
+            .stdin(std::fs::File::open(pack.path()).map_err(|e| Problem::internal(e.to_string()))?)
             .output()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
         if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+            return Err(Problem::internal(
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            ));
         }
         let dir = tmp.path().join(format!("cold-wt-{r}"));
         flotilla_worker::worktree::Worktree::detached(&cache, &dir, &snap.commit).await?;
@@ -239,9 +245,11 @@ async fn measure(a: &SourceArgs) -> Result<Report, String> {
             .arg(&repo)
             .arg(&dir)
             .output()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
         if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+            return Err(Problem::internal(
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            ));
         }
         clone.push(ms(t));
     }
@@ -292,6 +300,6 @@ pub async fn run(a: SourceArgs) -> i32 {
             );
             0
         }
-        Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => crate::refuse(e),
     }
 }

@@ -12,6 +12,7 @@
 //! serves at most (`limit` / latency); `refused_pct` is 429s over all requests. The goal for
 //! adaptive admission: `of_limit` ≥ 0.9 with `refused_pct` ≤ 2.
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -134,10 +135,11 @@ async fn one_run(
     p: &Provider,
     base: &str,
     admission: bool,
-) -> Result<(f64, u64, u64), String> {
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+) -> Result<(f64, u64, u64), Problem> {
+    let dir = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     let store = format!("file://{}", dir.path().join("store").display());
-    std::fs::create_dir_all(dir.path().join("store")).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(dir.path().join("store"))
+        .map_err(|e| Problem::internal(e.to_string()))?;
     let base = base.to_owned();
     let backend = flotilla_worker::backend::anthropic::Anthropic::from_vars(&move |k| match k {
         "ANTHROPIC_BASE_URL" => Some(base.clone()),
@@ -152,7 +154,7 @@ async fn one_run(
         flotilla_worker::sandbox::Sandbox::Off,
         admission,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| Problem::internal(e.to_string()))?;
     let settings = RunSettings {
         backend: "anthropic".into(),
         concurrency: a.concurrency,
@@ -179,17 +181,17 @@ async fn one_run(
             resolver: Arc::new(NoWorkflows),
         })
         .await
-        .map_err(|r| format!("the bench run was refused: {r}"))?;
+        .map_err(|r| Problem::internal(format!("the bench run was refused: {r}")))?;
     let report = handle.wait().await;
     let elapsed = start.elapsed().as_secs_f64();
     e.shutdown();
     if report.status != RunStatus::Completed || report.result != serde_json::json!(a.agents) {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "the bench run ended {} with {} (failures: {:?})",
             report.status.as_str(),
             report.result,
             report.failures.first()
-        ));
+        )));
     }
     Ok((
         elapsed,
@@ -198,9 +200,11 @@ async fn one_run(
     ))
 }
 
-async fn bench(a: &AdmissionArgs) -> Result<AdmissionReport, String> {
+async fn bench(a: &AdmissionArgs) -> Result<AdmissionReport, Problem> {
     if a.agents == 0 || a.limit == 0 || a.rounds == 0 {
-        return Err("--agents, --limit and --rounds must be at least 1".into());
+        return Err(Problem::internal(
+            "--agents, --limit and --rounds must be at least 1",
+        ));
     }
     let provider = Arc::new(Provider {
         limit: a.limit,
@@ -209,10 +213,12 @@ async fn bench(a: &AdmissionArgs) -> Result<AdmissionReport, String> {
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Problem::internal(e.to_string()))?;
     let base = format!(
         "http://{}",
-        listener.local_addr().map_err(|e| e.to_string())?
+        listener
+            .local_addr()
+            .map_err(|e| Problem::internal(e.to_string()))?
     );
     let app = axum::Router::new()
         .route("/v1/messages", axum::routing::post(messages))
@@ -287,6 +293,6 @@ pub async fn run(a: AdmissionArgs) -> i32 {
             println!("  goodput adaptive / fixed: {:.2}", r.goodput_ratio);
             0
         }
-        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => crate::refuse(e),
     }
 }

@@ -8,6 +8,7 @@
 //!
 //! `script_overhead_us` = (median script time − median baseline time) / N, in microseconds.
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,8 +21,15 @@ use flotilla_coordinator::{LaunchRequest, RunSettings, RunStatus};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
+mod admission;
+mod affinity;
+mod fleet;
+mod sandbox;
+mod scale;
+mod source;
+
+use crate::config;
 use crate::embedded::Embedded;
-use crate::{config, fail_kind};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -38,19 +46,19 @@ enum BenchKind {
     Resume(ResumeArgs),
     /// Send a generated repository as a run's source, relaunch after a one-file change, check
     /// it out warm and cold: each against git doing the same alone.
-    Source(crate::bench_source::SourceArgs),
+    Source(crate::bench::source::SourceArgs),
     /// Time no-op exec attempts and real-CLI "say hi" attempts without and with the agents'
     /// sandbox.
-    Sandbox(crate::bench_sandbox::SandboxArgs),
+    Sandbox(crate::bench::sandbox::SandboxArgs),
     /// The fleet at scale: N agents in flight over W worker processes, the leader killed
     /// with all of them out, a big run resumed, failover with a backlog.
-    Fleet(crate::bench_scale::FleetArgs),
+    Fleet(crate::bench::scale::FleetArgs),
     /// Goodput and 429s against a provider that takes a limited number of requests at once,
     /// with admission per provider account and with a fixed concurrency.
-    Admission(crate::bench_admission::AdmissionArgs),
+    Admission(crate::bench::admission::AdmissionArgs),
     /// Prompt-prefix cache hits of self-hosted model servers (one per worker), with prefix
     /// affinity and without it.
-    Affinity(crate::bench_affinity::AffinityArgs),
+    Affinity(crate::bench::affinity::AffinityArgs),
 }
 
 #[derive(Debug, Args)]
@@ -87,19 +95,20 @@ const calls = [];\n\
 for (let i = 0; i < n; i++) calls.push(agent(i === n - 1 ? args.last : 'bench ' + i));\n\
 return (await Promise.all(calls)).length;\n";
 
-async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, String> {
+async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, Problem> {
     if a.calls < 2 {
-        return Err("--calls must be at least 2".into());
+        return Err(Problem::internal("--calls must be at least 2"));
     }
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     let url = match &a.store {
         Some(s) => config::store_url(Some(s.clone())),
         None => format!("file://{}", dir.path().join("store").display()),
     };
     if let Some(path) = url.strip_prefix("file://") {
-        std::fs::create_dir_all(path).map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(path).map_err(|e| Problem::internal(e.to_string()))?;
     }
-    let e = Embedded::start(&url, 64, dir.path().join("ws"), None).map_err(|e| e.to_string())?;
+    let e = Embedded::start(&url, 64, dir.path().join("ws"), None)
+        .map_err(|e| Problem::internal(e.to_string()))?;
     let launch = |last: &str, resume_from: Option<String>| LaunchRequest {
         source: RESUME_SCRIPT.into(),
         origin: Some("bench".into()),
@@ -115,12 +124,15 @@ async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, String> {
         .coordinator
         .launch(launch("bench last", None))
         .await
-        .map_err(|r| format!("bench run was refused: {r}"))?;
+        .map_err(|r| Problem::internal(format!("bench run was refused: {r}")))?;
     let first_id = first.run_id.clone();
     let report = first.wait().await;
     let first_run = start.elapsed();
     if report.status != RunStatus::Completed {
-        return Err(format!("the first run ended {}", report.status.as_str()));
+        return Err(Problem::internal(format!(
+            "the first run ended {}",
+            report.status.as_str()
+        )));
     }
     let before = e
         .coordinator
@@ -133,7 +145,7 @@ async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, String> {
         .coordinator
         .launch(launch("bench last, edited", Some(first_id)))
         .await
-        .map_err(|r| format!("the resume was refused: {r}"))?;
+        .map_err(|r| Problem::internal(format!("the resume was refused: {r}")))?;
     // The one changed call is the only one the dispatcher ever sees.
     let mut first_dispatch = None;
     let wait = resumed.wait();
@@ -153,7 +165,10 @@ async fn resume_bench(a: &ResumeArgs) -> Result<ResumeReport, String> {
     let resume = start.elapsed();
     e.shutdown();
     if report.status != RunStatus::Completed {
-        return Err(format!("the resume ended {}", report.status.as_str()));
+        return Err(Problem::internal(format!(
+            "the resume ended {}",
+            report.status.as_str()
+        )));
     }
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     Ok(ResumeReport {
@@ -211,11 +226,11 @@ struct FanoutReport {
 
 pub async fn run(args: BenchArgs) -> i32 {
     match args.what {
-        BenchKind::Source(a) => crate::bench_source::run(a).await,
-        BenchKind::Sandbox(a) => crate::bench_sandbox::run(a).await,
-        BenchKind::Fleet(a) => crate::bench_scale::run(a).await,
-        BenchKind::Admission(a) => crate::bench_admission::run(a).await,
-        BenchKind::Affinity(a) => crate::bench_affinity::run(a).await,
+        BenchKind::Source(a) => crate::bench::source::run(a).await,
+        BenchKind::Sandbox(a) => crate::bench::sandbox::run(a).await,
+        BenchKind::Fleet(a) => crate::bench::scale::run(a).await,
+        BenchKind::Admission(a) => crate::bench::admission::run(a).await,
+        BenchKind::Affinity(a) => crate::bench::affinity::run(a).await,
         BenchKind::Resume(a) => match resume_bench(&a).await {
             Ok(r) => {
                 if a.json {
@@ -234,10 +249,11 @@ pub async fn run(args: BenchArgs) -> i32 {
                 }
                 0
             }
-            Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+            Err(e) => crate::refuse(e),
         },
         BenchKind::Fanout(a) if a.distributed => {
-            match crate::bench_fleet::fanout(a.calls, a.concurrency, a.workers, !a.no_durable).await
+            match crate::bench::fleet::fanout(a.calls, a.concurrency, a.workers, !a.no_durable)
+                .await
             {
                 Ok(r) => {
                     if a.json {
@@ -247,7 +263,7 @@ pub async fn run(args: BenchArgs) -> i32 {
                     }
                     0
                 }
-                Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+                Err(e) => crate::refuse(e),
             }
         }
         BenchKind::Fanout(a) => match fanout(&a).await {
@@ -267,7 +283,7 @@ pub async fn run(args: BenchArgs) -> i32 {
                 }
                 0
             }
-            Err(e) => fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+            Err(e) => crate::refuse(e),
         },
     }
 }
@@ -289,7 +305,7 @@ for (let i = 0; i < n; i++) calls.push(agent('bench ' + i));\n\
 const results = await Promise.all(calls);\n\
 return results.length;\n";
 
-async fn script_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Duration, String> {
+async fn script_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Duration, Problem> {
     let start = Instant::now();
     let handle = e
         .coordinator
@@ -303,21 +319,21 @@ async fn script_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Dura
             resolver: Arc::new(NoWorkflows),
         })
         .await
-        .map_err(|r| format!("bench script was refused: {r}"))?;
+        .map_err(|r| Problem::internal(format!("bench script was refused: {r}")))?;
     let report = handle.wait().await;
     let took = start.elapsed();
     if report.status != RunStatus::Completed || report.result != serde_json::json!(calls) {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "bench script run ended {} with result {} ({:?})",
             report.status.as_str(),
             report.result,
             report.error
-        ));
+        )));
     }
     Ok(took)
 }
 
-async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Duration, String> {
+async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Duration, Problem> {
     let start = Instant::now();
     let (ops_tx, ops_rx) = mpsc::unbounded_channel();
     let (reply_tx, mut reply_rx) = mpsc::unbounded_channel();
@@ -365,10 +381,13 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         match reply_rx.recv().await {
             Some(HostReply::Agent { result: Ok(_), .. }) => done += 1,
             Some(HostReply::Agent { result: Err(e), .. }) => {
-                return Err(format!("baseline call failed: {}", e.message));
+                return Err(Problem::internal(format!(
+                    "baseline call failed: {}",
+                    e.message
+                )));
             }
             Some(_) => {}
-            None => return Err("baseline engine ended early".into()),
+            None => return Err(Problem::internal("baseline engine ended early")),
         }
     }
     let _ = ops_tx.send(ScriptOp::Finished(ScriptEnd::Returned(Some(
@@ -377,7 +396,10 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
     let report = handle.wait().await;
     let took = start.elapsed();
     if report.status != RunStatus::Completed {
-        return Err(format!("baseline run ended {}", report.status.as_str()));
+        return Err(Problem::internal(format!(
+            "baseline run ended {}",
+            report.status.as_str()
+        )));
     }
     Ok(took)
 }
@@ -388,13 +410,16 @@ fn median(v: &[Duration]) -> Duration {
     s[s.len() / 2]
 }
 
-async fn fanout(a: &FanoutArgs) -> Result<FanoutReport, String> {
+async fn fanout(a: &FanoutArgs) -> Result<FanoutReport, Problem> {
     if a.calls == 0 || a.rounds == 0 || a.concurrency == 0 {
-        return Err("--calls, --rounds and --concurrency must be at least 1".into());
+        return Err(Problem::internal(
+            "--calls, --rounds and --concurrency must be at least 1",
+        ));
     }
     let url = config::store_url(Some(a.store.clone()));
     let workspace = std::env::temp_dir().join("flotilla-bench-workspace");
-    let e = Embedded::start(&url, a.concurrency, workspace, None).map_err(|e| e.to_string())?;
+    let e = Embedded::start(&url, a.concurrency, workspace, None)
+        .map_err(|e| Problem::internal(e.to_string()))?;
     // Warm up both paths (thread pools, allocator, QuickJS).
     let warm = a.calls.min(500);
     script_round(&e, warm, a.concurrency).await?;

@@ -12,9 +12,10 @@ use flotilla_coordinator::workflows::{self, DirResolver};
 use flotilla_proto::v1;
 use serde_json::{Value, json};
 
-use crate::client::{ClientArgs, Failed};
+use crate::client::{ClientArgs, call_problem};
 use crate::fail_kind;
 use crate::term::clean;
+use flotilla_proto::Problem;
 
 #[derive(Debug, Subcommand)]
 pub enum WorkflowsCommand {
@@ -101,7 +102,8 @@ struct Entry {
     name: String,
     origin: &'static str,
     location: String,
-    meta: Result<source::Meta, String>,
+    /// Its meta, or why it is not offered.
+    meta: Result<source::Meta, Problem>,
     source: Option<String>,
     /// A pushed workflow's namespace (`*`: every namespace's).
     namespace: Option<String>,
@@ -112,9 +114,9 @@ fn personal_dirs() -> Vec<PathBuf> {
     flotilla.into_iter().chain(claude).collect()
 }
 
-async fn entries(at: &Where) -> Result<Vec<Entry>, Failed> {
-    let cwd =
-        std::env::current_dir().map_err(|e| format!("cannot read the working directory: {e}"))?;
+async fn entries(at: &Where) -> Result<Vec<Entry>, Problem> {
+    let cwd = std::env::current_dir()
+        .map_err(|e| Problem::internal(format!("cannot read the working directory: {e}")))?;
     let resolver = DirResolver::standard(&cwd, &at.workflows_dirs);
     let personal = personal_dirs();
     // The project's directories: `--workflows-dir`s, and those from here up to the repository root.
@@ -140,14 +142,14 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Failed> {
             name: meta.as_ref().map(|m| m.name.clone()).unwrap_or(stem),
             origin,
             location: path.display().to_string(),
-            meta: meta.map_err(String::from),
+            meta: meta.map_err(|e| Problem::invalid(String::from(e))),
             source: None,
             namespace: None,
         });
     }
     for w in resolver.plugin_workflows() {
         out.push(Entry {
-            meta: source::read_meta(&w.source).map_err(|e| e.to_string()),
+            meta: source::read_meta(&w.source).map_err(|e| Problem::invalid(e.to_string())),
             name: w.name,
             origin: "plugin",
             location: w.origin,
@@ -164,7 +166,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Failed> {
                 namespace: at.namespace.clone().unwrap_or_default(),
             })
             .await
-            .map_err(|s| Failed::from(&s))?
+            .map_err(|s| call_problem(&s))?
             .into_inner();
         for w in listed.workflows {
             // Pushed to the namespace itself, or by an operator to every namespace.
@@ -174,7 +176,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Failed> {
                 listed.namespace.clone()
             };
             out.push(Entry {
-                meta: source::read_meta(&w.source).map_err(|e| e.to_string()),
+                meta: source::read_meta(&w.source).map_err(|e| Problem::invalid(e.to_string())),
                 name: w.name,
                 origin: "server",
                 location: w.origin,
@@ -189,7 +191,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Failed> {
                 name: name.to_owned(),
                 origin: "bundled",
                 location: bundled::origin(name),
-                meta: source::read_meta(text).map_err(|e| e.to_string()),
+                meta: source::read_meta(text).map_err(|e| Problem::invalid(e.to_string())),
                 source: Some(text.to_owned()),
                 namespace: None,
             });
@@ -213,13 +215,13 @@ pub async fn rows(
     dirs: &[PathBuf],
     remote: ClientArgs,
     namespace: Option<String>,
-) -> Result<Vec<Value>, String> {
+) -> Result<Vec<Value>, Problem> {
     let at = Where {
         workflows_dirs: dirs.to_vec(),
         remote,
         namespace,
     };
-    Ok(json_rows(&entries(&at).await.map_err(|f| f.message)?))
+    Ok(json_rows(&entries(&at).await?))
 }
 
 fn json_rows(all: &[Entry]) -> Vec<Value> {
@@ -245,7 +247,7 @@ fn json_rows(all: &[Entry]) -> Vec<Value> {
                 }
                 Err(why) => {
                     row["offered"] = json!(false);
-                    row["error"] = json!(why);
+                    row["error"] = json!(why.message);
                 }
             }
             row
@@ -256,7 +258,7 @@ fn json_rows(all: &[Entry]) -> Vec<Value> {
 async fn list(a: ListArgs) -> i32 {
     let all = match entries(&a.at).await {
         Ok(e) => e,
-        Err(f) => return f.print(),
+        Err(f) => return crate::refuse(f),
     };
     if a.json {
         println!(
@@ -303,7 +305,7 @@ async fn list(a: ListArgs) -> i32 {
 async fn show(a: ShowArgs) -> i32 {
     let all = match entries(&a.at).await {
         Ok(e) => e,
-        Err(f) => return f.print(),
+        Err(f) => return crate::refuse(f),
     };
     let name = a.workflow.trim_start_matches('/');
     let Some(e) = all.iter().find(|e| e.name == name && e.meta.is_ok()) else {
@@ -320,7 +322,7 @@ async fn show(a: ShowArgs) -> i32 {
             "workflow",
         ) {
             Ok(s) => s,
-            Err(err) => return fail_kind(flotilla_proto::ErrorKind::Unavailable, err),
+            Err(err) => return crate::refuse(err),
         },
     };
     eprintln!("# {} ({})", e.location, e.origin);
@@ -360,7 +362,7 @@ fn save(a: SaveArgs) -> i32 {
         "workflow",
     ) {
         Ok(t) => t,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let meta = match source::read_meta(&text) {
         Ok(m) => m,
@@ -454,11 +456,11 @@ async fn push(a: PushArgs) -> i32 {
         "workflow",
     ) {
         Ok(t) => t,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     let mut client = match a.remote.client() {
         Ok(c) => c,
-        Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e),
+        Err(e) => return crate::refuse(e),
     };
     match client
         .push_workflow(v1::PushWorkflowRequest {

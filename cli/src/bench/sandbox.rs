@@ -11,6 +11,7 @@
 //!
 //! An attempt's time is its slot's, start to end, as the run's report has it.
 
+use flotilla_proto::Problem;
 use std::sync::Arc;
 
 use clap::Args;
@@ -64,12 +65,12 @@ async fn attempts(
     backend: &str,
     prompt: &str,
     n: u64,
-) -> Result<f64, String> {
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+) -> Result<f64, Problem> {
+    let dir = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     let store = dir.path().join("store");
-    std::fs::create_dir_all(&store).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&store).map_err(|e| Problem::internal(e.to_string()))?;
     let ws = dir.path().join("ws");
-    std::fs::create_dir_all(&ws).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&ws).map_err(|e| Problem::internal(e.to_string()))?;
     // As a fleet worker runs attempts: a directory of each call's own, and (sandboxed) the
     // worker's limits, its disk quota included; the sandbox brings its seccomp filter.
     let limits = if sandbox.is_on() {
@@ -90,7 +91,7 @@ async fn attempts(
             o.limits = limits;
         },
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| Problem::internal(e.to_string()))?;
     let handle = e
         .coordinator
         .launch(LaunchRequest {
@@ -110,18 +111,18 @@ async fn attempts(
             resolver: Arc::new(NoWorkflows),
         })
         .await
-        .map_err(|r| format!("the bench run was refused: {r}"))?;
+        .map_err(|r| Problem::internal(format!("the bench run was refused: {r}")))?;
     let report = handle.wait().await;
     e.shutdown();
     if report.status != RunStatus::Completed || report.result != serde_json::json!(n) {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "the {backend} attempts did not all complete: {}",
             report
                 .failures
                 .first()
                 .cloned()
                 .unwrap_or_else(|| report.status.as_str().to_owned())
-        ));
+        )));
     }
     Ok(median(
         report
@@ -132,7 +133,7 @@ async fn attempts(
     ))
 }
 
-pub async fn measure(a: &SandboxArgs) -> Result<SandboxReport, String> {
+pub async fn measure(a: &SandboxArgs) -> Result<SandboxReport, Problem> {
     let sandboxed = crate::sandbox_with_api(Vec::new()).await?;
     let off = flotilla_worker::sandbox::Sandbox::Off;
     let mut r = SandboxReport {
@@ -170,6 +171,6 @@ pub async fn run(a: SandboxArgs) -> i32 {
             }
             0
         }
-        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => crate::refuse(e),
     }
 }

@@ -14,6 +14,7 @@
 //! Figures per mode (medians): the share of prompt tokens served from caches, and the run's
 //! time; `speedup` is spread's time over affinity's.
 
+use flotilla_proto::Problem;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,7 +29,7 @@ use flotilla_coordinator::{Coordinator, LaunchRequest, RunSettings, RunStatus};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::bench_admission::median;
+use crate::bench::admission::median;
 
 #[derive(Debug, Args)]
 pub struct AffinityArgs {
@@ -135,14 +136,15 @@ async fn one_run(
     a: &AffinityArgs,
     servers: &[(Arc<Server>, String)],
     affinity: bool,
-) -> Result<(f64, f64), String> {
+) -> Result<(f64, f64), Problem> {
     for (s, _) in servers {
         s.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
         s.prompt_tokens.store(0, Ordering::Relaxed);
         s.cached_tokens.store(0, Ordering::Relaxed);
     }
     let coordinator = Coordinator::with_options(
-        flotilla_coordinator::store::open("memory://").map_err(|e| e.to_string())?,
+        flotilla_coordinator::store::open("memory://")
+            .map_err(|e| Problem::internal(e.to_string()))?,
         MemoryLeaseStore::new(),
         flotilla_coordinator::sched::DispatchOptions {
             fixed_fleet: true,
@@ -151,7 +153,7 @@ async fn one_run(
         },
     );
     let cancel = CancellationToken::new();
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     for (i, (_, base)) in servers.iter().enumerate() {
         let base = base.clone();
         let backend = flotilla_worker::backend::openai::OpenAi::from_vars(&move |k| match k {
@@ -202,18 +204,18 @@ async fn one_run(
             resolver: Arc::new(NoWorkflows),
         })
         .await
-        .map_err(|r| format!("the bench run was refused: {r}"))?;
+        .map_err(|r| Problem::internal(format!("the bench run was refused: {r}")))?;
     let report = handle.wait().await;
     let elapsed = start.elapsed().as_secs_f64();
     cancel.cancel();
     coordinator.shutdown();
     if report.status != RunStatus::Completed || report.result != serde_json::json!(a.calls) {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "the bench run ended {} with {} (failures: {:?})",
             report.status.as_str(),
             report.result,
             report.failures.first()
-        ));
+        )));
     }
     let (cached, prefix): (u64, u64) = servers.iter().fold((0, 0), |(c, p), (s, _)| {
         (
@@ -224,7 +226,7 @@ async fn one_run(
     Ok((cached as f64 / prefix.max(1) as f64, elapsed))
 }
 
-async fn bench(a: &AffinityArgs) -> Result<AffinityReport, String> {
+async fn bench(a: &AffinityArgs) -> Result<AffinityReport, Problem> {
     if a.workers == 0
         || a.slots == 0
         || a.groups == 0
@@ -232,9 +234,9 @@ async fn bench(a: &AffinityArgs) -> Result<AffinityReport, String> {
         || a.calls == 0
         || a.rounds == 0
     {
-        return Err(
-            "--workers, --slots, --groups, --cache, --calls and --rounds must be at least 1".into(),
-        );
+        return Err(Problem::internal(
+            "--workers, --slots, --groups, --cache, --calls and --rounds must be at least 1",
+        ));
     }
     let mut servers = Vec::new();
     let mut tasks = Vec::new();
@@ -250,10 +252,12 @@ async fn bench(a: &AffinityArgs) -> Result<AffinityReport, String> {
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Problem::internal(e.to_string()))?;
         let base = format!(
             "http://{}/v1",
-            listener.local_addr().map_err(|e| e.to_string())?
+            listener
+                .local_addr()
+                .map_err(|e| Problem::internal(e.to_string()))?
         );
         let app = axum::Router::new()
             .route("/v1/chat/completions", axum::routing::post(completions))
@@ -314,6 +318,6 @@ pub async fn run(a: AffinityArgs) -> i32 {
             println!("  time spread / affinity: {:.2}", r.speedup);
             0
         }
-        Err(e) => crate::fail_kind(flotilla_proto::ErrorKind::Unavailable, e),
+        Err(e) => crate::refuse(e),
     }
 }

@@ -80,11 +80,11 @@ pub async fn run(a: AgentsArgs) -> i32 {
             let url = config::store_url(a.from.store.clone());
             let store = match store::open(&url) {
                 Ok(s) => s,
-                Err(e) => return crate::fail_kind(e.kind(), e),
+                Err(e) => return crate::refuse(e.into()),
             };
             match history::load_report(&store, &a.run_id).await {
                 Ok(r) => r,
-                Err(e) => return crate::fail_kind(e.kind(), e),
+                Err(e) => return crate::refuse(e.into()),
             }
         }
     };

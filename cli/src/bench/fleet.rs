@@ -12,6 +12,7 @@
 //! `overhead_ratio` = raw_rpc_per_s / memory_calls_per_s: how many raw round trips one agent
 //! call costs.
 
+use flotilla_proto::Problem;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -75,11 +76,11 @@ impl Drop for Procs {
     }
 }
 
-pub(crate) fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, Problem> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| format!("no free port: {e}"))
+        .map_err(|e| Problem::internal(format!("no free port: {e}")))
 }
 
 pub(crate) fn find(binary: &str) -> Option<PathBuf> {
@@ -104,11 +105,13 @@ pub(crate) fn http_ok(port: u16, method: &str, path: &str, expect: &str) -> bool
     body.contains(expect)
 }
 
-pub(crate) fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<(), String> {
+pub(crate) fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<(), Problem> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !ready() {
         if Instant::now() > deadline {
-            return Err(format!("{what} did not start within 60 s"));
+            return Err(Problem::internal(format!(
+                "{what} did not start within 60 s"
+            )));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -117,17 +120,20 @@ pub(crate) fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> Result<
 
 /// Starts `cmd` with its output appended to `log` (a process started again keeps the log of
 /// the one before).
-pub(crate) fn spawn(cmd: &mut Command, log: &Path) -> Result<Child, String> {
+pub(crate) fn spawn(cmd: &mut Command, log: &Path) -> Result<Child, Problem> {
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
-        .map_err(|e| format!("{}: {e}", log.display()))?;
+        .map_err(|e| Problem::internal(format!("{}: {e}", log.display())))?;
     cmd.stdin(Stdio::null())
-        .stdout(file.try_clone().map_err(|e| e.to_string())?)
+        .stdout(
+            file.try_clone()
+                .map_err(|e| Problem::internal(e.to_string()))?,
+        )
         .stderr(file)
         .spawn()
-        .map_err(|e| format!("cannot start {cmd:?}: {e}"))
+        .map_err(|e| Problem::internal(format!("cannot start {cmd:?}: {e}")))
 }
 
 /// One fleet: a coordinator and workers, with optional etcd and S3 settings.
@@ -139,8 +145,8 @@ async fn fleet(
     etcd: Option<String>,
     s3: Option<StoreSetup>,
     procs: &mut Procs,
-) -> Result<ClientServiceClient<Channel>, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+) -> Result<ClientServiceClient<Channel>, Problem> {
+    let exe = std::env::current_exe().map_err(|e| Problem::internal(e.to_string()))?;
     let port = free_port()?;
     let mut coord = Command::new(&exe);
     coord
@@ -199,10 +205,10 @@ async fn fleet(
             return Ok(client);
         }
         if Instant::now() > deadline {
-            return Err(format!(
+            return Err(Problem::internal(format!(
                 "the bench fleet did not come up; see the logs in {}",
                 dir.display()
-            ));
+            )));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -217,7 +223,7 @@ pub(crate) async fn launch_echo(
     agents: u64,
     concurrency: u32,
     resume_from: Option<&str>,
-) -> Result<String, String> {
+) -> Result<String, Problem> {
     let settings = flotilla_coordinator::RunSettings {
         backend: "echo".into(),
         concurrency,
@@ -231,7 +237,8 @@ pub(crate) async fn launch_echo(
             script: script.into(),
             origin: "bench".into(),
             args_json: Some(args.to_string()),
-            settings_json: serde_json::to_string(&settings).map_err(|e| e.to_string())?,
+            settings_json: serde_json::to_string(&settings)
+                .map_err(|e| Problem::internal(e.to_string()))?,
             resume_from: resume_from.unwrap_or_default().into(),
             workflows: Vec::new(),
             agent_types: Default::default(),
@@ -240,10 +247,13 @@ pub(crate) async fn launch_echo(
             inherit: false,
         })
         .await
-        .map_err(|e| flotilla_proto::tls::explain(&e))?
+        .map_err(|e| crate::client::call_problem(&e))?
         .into_inner();
     if launched.status != "running" {
-        return Err(format!("bench launch refused: {}", launched.error));
+        return Err(Problem::internal(format!(
+            "bench launch refused: {}",
+            launched.error
+        )));
     }
     Ok(launched.run_id)
 }
@@ -252,7 +262,7 @@ async fn fan_out(
     client: &mut ClientServiceClient<Channel>,
     calls: u64,
     concurrency: u32,
-) -> Result<Duration, String> {
+) -> Result<Duration, Problem> {
     let started = Instant::now();
     let run_id = launch_echo(
         client,
@@ -266,19 +276,19 @@ async fn fan_out(
     let report = client
         .wait(v1::RunRef { run_id })
         .await
-        .map_err(|e| flotilla_proto::tls::explain(&e))?
+        .map_err(|e| crate::client::call_problem(&e))?
         .into_inner();
     let took = started.elapsed();
     let r: flotilla_coordinator::Report =
-        serde_json::from_str(&report.report_json).map_err(|e| e.to_string())?;
+        serde_json::from_str(&report.report_json).map_err(|e| Problem::internal(e.to_string()))?;
     if r.status != flotilla_coordinator::RunStatus::Completed
         || r.result != serde_json::json!(calls)
     {
-        return Err(format!(
+        return Err(Problem::internal(format!(
             "bench run ended {} ({:?})",
             r.status.as_str(),
             r.error
-        ));
+        )));
     }
     Ok(took)
 }
@@ -287,7 +297,7 @@ async fn raw_rpcs(
     client: &ClientServiceClient<Channel>,
     calls: u64,
     concurrency: u32,
-) -> Result<Duration, String> {
+) -> Result<Duration, Problem> {
     let per = calls.div_ceil(u64::from(concurrency.max(1)));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -297,20 +307,22 @@ async fn raw_rpcs(
             for _ in 0..per {
                 c.ping(v1::PingRequest {})
                     .await
-                    .map_err(|e| flotilla_proto::tls::explain(&e))?;
+                    .map_err(|e| crate::client::call_problem(&e))?;
             }
-            Ok::<(), String>(())
+            Ok::<(), Problem>(())
         }));
     }
     for t in tasks {
-        t.await.map_err(|e| e.to_string())??;
+        t.await.map_err(|e| Problem::internal(e.to_string()))??;
     }
     Ok(started.elapsed())
 }
 
 /// Starts an etcd on free loopback ports; returns its client URL and port.
-pub(crate) fn start_etcd(dir: &Path, procs: &mut Procs) -> Result<(String, u16), String> {
-    let etcd = find("etcd").ok_or("this benchmark needs etcd (apt-get install etcd-server)")?;
+pub(crate) fn start_etcd(dir: &Path, procs: &mut Procs) -> Result<(String, u16), Problem> {
+    let etcd = find("etcd").ok_or(Problem::internal(
+        "this benchmark needs etcd (apt-get install etcd-server)",
+    ))?;
     let (client, peer) = (free_port()?, free_port()?);
     let curl = format!("http://127.0.0.1:{client}");
     let purl = format!("http://127.0.0.1:{peer}");
@@ -343,12 +355,12 @@ pub(crate) fn start_etcd(dir: &Path, procs: &mut Procs) -> Result<(String, u16),
 }
 
 /// Starts etcd and moto for the durable measurement.
-fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup), String> {
+fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup), Problem> {
     let moto = std::env::var_os("FLOTILLA_MOTO_SERVER")
         .map(PathBuf::from)
         .or_else(|| Some(PathBuf::from(".venv-svc/bin/moto_server")).filter(|p| p.is_file()))
         .or_else(|| find("moto_server"))
-        .ok_or("--distributed needs moto_server for the durable figure (pip install 'moto[server]'), or pass --no-durable")?;
+        .ok_or(Problem::internal("--distributed needs moto_server for the durable figure (pip install 'moto[server]'), or pass --no-durable"))?;
     let (curl, _) = start_etcd(dir, procs)?;
     let s3 = free_port()?;
     let mut m = Command::new(moto);
@@ -356,7 +368,7 @@ fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup
     procs.0.push(spawn(&mut m, &dir.join("moto.log"))?);
     wait_until("moto", || http_ok(s3, "GET", "/", "HTTP/1.1 200"))?;
     if !http_ok(s3, "PUT", "/bench", "HTTP/1.1 200") {
-        return Err("cannot create the bench bucket in moto".into());
+        return Err(Problem::internal("cannot create the bench bucket in moto"));
     }
     let env = vec![
         (
@@ -375,7 +387,7 @@ fn durable_services(dir: &Path, procs: &mut Procs) -> Result<(String, StoreSetup
 
 /// A development CA in `pki` with a loopback `coordinator`, a `bench-client` and
 /// `bench-worker-0..workers`.
-pub(crate) fn bench_pki(pki: &Path, workers: u32) -> Result<(), String> {
+pub(crate) fn bench_pki(pki: &Path, workers: u32) -> Result<(), Problem> {
     crate::certs::init(pki, 1, false)?;
     let loopback = ["127.0.0.1".to_owned()];
     crate::certs::issue(pki, "coordinator", Role::Coordinator, &loopback, 1, false)?;
@@ -393,11 +405,13 @@ pub async fn fanout(
     concurrency: u32,
     workers: u32,
     durable: bool,
-) -> Result<Report, String> {
+) -> Result<Report, Problem> {
     if calls == 0 || workers == 0 || concurrency == 0 {
-        return Err("--calls, --workers and --concurrency must be at least 1".into());
+        return Err(Problem::internal(
+            "--calls, --workers and --concurrency must be at least 1",
+        ));
     }
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| Problem::internal(e.to_string()))?;
     let pki = dir.path().join("pki");
     bench_pki(&pki, workers)?;
     let slots = concurrency.div_ceil(workers);
