@@ -87,12 +87,17 @@ impl Embedded {
         shape: impl FnOnce(&mut WorkerOptions),
     ) -> anyhow::Result<Embedded> {
         let store = store::open(store_url)?;
-        let coordinator = Arc::new(Coordinator::with_options(
+        let coordinator = Arc::new(Coordinator::build(
             store,
             MemoryLeaseStore::new(),
-            flotilla_coordinator::sched::DispatchOptions {
-                fixed_fleet: true,
-                admission,
+            flotilla_coordinator::CoordinatorOptions {
+                dispatch: flotilla_coordinator::sched::DispatchOptions {
+                    fixed_fleet: true,
+                    admission,
+                    ..Default::default()
+                },
+                // Runs' end webhooks are signed with the user's secret, if they set one.
+                notifier: crate::config::notifier_from_env()?,
                 ..Default::default()
             },
         ));
@@ -151,9 +156,6 @@ pub async fn run(
     if let Err(e) = embedded.coordinator.store().check().await {
         embedded.shutdown();
         return Err(e.into());
-    }
-    if let Some(n) = crate::config::notifier_from_env()? {
-        embedded.coordinator.set_notifier(n);
     }
     let notifies = r.settings.notify.is_some();
     let resolver = Arc::new(DirResolver::standard(&r.cwd, &r.workflows_dirs));

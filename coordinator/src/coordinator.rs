@@ -66,6 +66,25 @@ pub struct LaunchRequest {
     pub resolver: Arc<dyn WorkflowResolver>,
 }
 
+/// What a coordinator is built with: its policy, fixed for its life.
+#[derive(Default)]
+pub struct CoordinatorOptions {
+    /// The dispatcher's (the worker lease TTL, admission, affinity, usage bounds).
+    pub dispatch: sched::DispatchOptions,
+    /// With coordinators sharing etcd: makes this coordinator's claims on runs (its
+    /// [`Leadership`](crate::leader::Leadership), joined before the coordinator is built).
+    pub claims: Option<Arc<dyn crate::group::RunClaims>>,
+    /// Where run heads are merged (`--cache-dir`); a temporary directory if `None`.
+    pub cache_dir: Option<std::path::PathBuf>,
+    /// Signs and sends runs' end webhooks (`--notify`); `None`: a run that asks is refused.
+    pub notifier: Option<Arc<crate::notify::Notifier>>,
+    /// The operator's allowed models (`--allowed-models`; empty: any).
+    pub allowed_models: Vec<String>,
+    /// The namespaces' policies (`[namespaces.*]`); their daily use is kept in the store.
+    /// `None`: every run weighs the same and nothing is counted.
+    pub namespaces: Option<crate::namespace::Namespaces>,
+}
+
 /// The coordinator.
 pub struct Coordinator {
     store: Store,
@@ -74,17 +93,17 @@ pub struct Coordinator {
     cancel: CancellationToken,
     generation: u64,
     /// With coordinators sharing etcd: every run is recorded and owned before it starts.
-    leadership: std::sync::OnceLock<Arc<dyn crate::group::RunClaims>>,
-    /// Where run heads are merged (a git cache); a temporary directory unless set.
-    cache_dir: std::sync::OnceLock<std::path::PathBuf>,
-    /// Signs and sends runs' end webhooks (`--notify`); unset, a run that asks is refused.
-    notifier: std::sync::OnceLock<Arc<crate::notify::Notifier>>,
+    leadership: Option<Arc<dyn crate::group::RunClaims>>,
+    /// Where run heads are merged (a git cache).
+    cache_dir: std::path::PathBuf,
+    /// Signs and sends runs' end webhooks (`--notify`); `None`, a run that asks is refused.
+    notifier: Option<Arc<crate::notify::Notifier>>,
     /// The operator's allowed models (`--allowed-models`): every run's allowed models are
-    /// within them.
-    model_policy: std::sync::OnceLock<Vec<String>>,
-    /// The namespaces' policies and daily use (`[namespaces.*]`); unset: every run weighs
+    /// within them (empty: no policy).
+    model_policy: Vec<String>,
+    /// The namespaces' policies and daily use (`[namespaces.*]`); `None`: every run weighs
     /// the same and nothing is counted.
-    quotas: std::sync::OnceLock<Arc<crate::namespace::Quotas>>,
+    quotas: Option<Arc<crate::namespace::Quotas>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -96,89 +115,62 @@ impl std::fmt::Debug for Coordinator {
 }
 
 impl Coordinator {
-    /// Starts a coordinator over a store and a lease store.
+    /// Starts a coordinator over a store and a lease store, with the default options.
     pub fn new(store: Store, leases: Arc<dyn LeaseStore>) -> Self {
-        Self::with_options(store, leases, sched::DispatchOptions::default())
+        Self::build(store, leases, CoordinatorOptions::default())
     }
 
-    /// Starts a coordinator with dispatcher options (the worker lease TTL).
-    pub fn with_options(
-        store: Store,
-        leases: Arc<dyn LeaseStore>,
-        opts: sched::DispatchOptions,
-    ) -> Self {
+    /// Starts a coordinator with its options: everything it is told is here, once.
+    pub fn build(store: Store, leases: Arc<dyn LeaseStore>, opts: CoordinatorOptions) -> Self {
         let cancel = CancellationToken::new();
         let dispatch = sched::spawn_with(
             leases.clone(),
-            opts,
+            opts.dispatch,
             Some(store.clone()),
             cancel.child_token(),
         );
+        let quotas = opts
+            .namespaces
+            .map(|n| crate::namespace::Quotas::new(n, Some(store.clone())));
         Coordinator {
             store,
             dispatch,
             leases,
             cancel,
             generation: 1,
-            leadership: std::sync::OnceLock::new(),
-            cache_dir: std::sync::OnceLock::new(),
-            notifier: std::sync::OnceLock::new(),
-            model_policy: std::sync::OnceLock::new(),
-            quotas: std::sync::OnceLock::new(),
+            leadership: opts.claims,
+            cache_dir: opts
+                .cache_dir
+                .unwrap_or_else(|| std::env::temp_dir().join("flotilla-coordinator-cache")),
+            notifier: opts.notifier,
+            model_policy: opts.allowed_models,
+            quotas,
         }
-    }
-
-    /// Joins a group of coordinators: `l` makes this coordinator's claims on runs.
-    pub fn set_leadership(&self, l: Arc<dyn crate::group::RunClaims>) {
-        let _ = self.leadership.set(l);
     }
 
     /// Where run heads are merged and diffed.
     pub fn cache_dir(&self) -> std::path::PathBuf {
-        self.cache_dir
-            .get()
-            .cloned()
-            .unwrap_or_else(|| std::env::temp_dir().join("flotilla-coordinator-cache"))
-    }
-
-    /// Sets where run heads are merged (`--cache-dir`).
-    pub fn set_cache_dir(&self, dir: std::path::PathBuf) {
-        let _ = self.cache_dir.set(dir);
-    }
-
-    /// The models every run launched here may use (W18's allowlist, imposed by the operator).
-    pub fn set_model_policy(&self, allowed: Vec<String>) {
-        if !allowed.is_empty() {
-            let _ = self.model_policy.set(allowed);
-        }
+        self.cache_dir.clone()
     }
 
     /// A run's allowed models under the operator's: the run's own that the operator allows,
     /// else the operator's.
     fn within_policy(&self, run: &mut Vec<String>) {
-        if let Some(policy) = self.model_policy.get() {
-            within(run, policy);
+        if !self.model_policy.is_empty() {
+            within(run, &self.model_policy);
         }
-    }
-
-    /// Sets the namespaces' policies; their daily use is kept in this coordinator's store.
-    pub fn set_namespaces(&self, namespaces: crate::namespace::Namespaces) {
-        let _ = self.quotas.set(crate::namespace::Quotas::new(
-            namespaces,
-            Some(self.store.clone()),
-        ));
     }
 
     /// The namespaces' policies and daily use, when set.
     pub fn quotas(&self) -> Option<&Arc<crate::namespace::Quotas>> {
-        self.quotas.get()
+        self.quotas.as_ref()
     }
 
     /// Fixes the run's namespace's policy into its settings (whatever a client sent for its
     /// labels and prices): refused when a daily quota of the namespace is used up.
     async fn namespace_policy(&self, settings: &mut RunSettings) -> Result<(), Problem> {
         settings.namespace = crate::namespace::effective(&settings.namespace).to_owned();
-        let Some(quotas) = self.quotas.get() else {
+        let Some(quotas) = self.quotas.as_ref() else {
             settings.pinned_labels.clear();
             settings.prices.clear();
             return Ok(());
@@ -201,19 +193,14 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Sets what signs and sends the runs' end webhooks.
-    pub fn set_notifier(&self, n: Arc<crate::notify::Notifier>) {
-        let _ = self.notifier.set(n);
-    }
-
     /// What signs and sends the runs' end webhooks, if set.
     pub fn notifier(&self) -> Option<&Arc<crate::notify::Notifier>> {
-        self.notifier.get()
+        self.notifier.as_ref()
     }
 
     /// The claims this coordinator makes on runs, when it is in a group.
     pub fn claims(&self) -> Option<&Arc<dyn crate::group::RunClaims>> {
-        self.leadership.get()
+        self.leadership.as_ref()
     }
 
     pub fn store(&self) -> &Store {
@@ -336,7 +323,7 @@ impl Coordinator {
             workflow: workflow.clone(),
             resend_source: false,
         };
-        if let Some(l) = self.leadership.get() {
+        if let Some(l) = self.leadership.as_ref() {
             if let Some(parent) = parent {
                 l.claim_resume(parent, run)
                     .await
@@ -408,7 +395,7 @@ impl Coordinator {
                 workflow: workflow.clone(),
                 resend_source: false,
             })?;
-        if req.settings.notify.is_some() && self.notifier.get().is_none() {
+        if req.settings.notify.is_some() && self.notifier.as_ref().is_none() {
             return Err(Rejected::invalid(
                 "--notify needs a secret to sign the webhook with, and none is set here: give the coordinator --notify-secret-file FILE (embedded: set FLOTILLA_NOTIFY_SECRET)".to_owned(),
                 workflow.clone(),
@@ -458,7 +445,7 @@ impl Coordinator {
                 for h in owners {
                     h.release().await;
                 }
-                if let (Some(l), Some(parent)) = (self.leadership.get(), &req.resume_from) {
+                if let (Some(l), Some(parent)) = (self.leadership.as_ref(), &req.resume_from) {
                     l.release_resume(parent, &run_id).await;
                 }
                 return Err(e);
@@ -531,7 +518,7 @@ impl Coordinator {
                     .await
                     .map_err(store_err)?;
             }
-            if let Some(l) = self.leadership.get() {
+            if let Some(l) = self.leadership.as_ref() {
                 l.own(&run_id).await.map_err(|e| Rejected {
                     message: e.to_string(),
                     kind: e.kind(),
@@ -547,7 +534,7 @@ impl Coordinator {
             for h in owners {
                 h.release().await;
             }
-            if let (Some(l), Some(parent)) = (self.leadership.get(), &req.resume_from) {
+            if let (Some(l), Some(parent)) = (self.leadership.as_ref(), &req.resume_from) {
                 l.release_resume(parent, &run_id).await;
             }
             if swept {
@@ -728,14 +715,14 @@ impl Coordinator {
             src
         });
         // A resume keeps its claim on the run it resumes across the failover.
-        if let (Some(l), Some(parent)) = (self.leadership.get(), &manifest.parent_run_id)
+        if let (Some(l), Some(parent)) = (self.leadership.as_ref(), &manifest.parent_run_id)
             && let Err(e) = l.claim_resume(parent, run_id).await
         {
             tracing::warn!(run = run_id, parent = %parent, error = %e, "an adopted resume could not claim the run it resumes");
         }
         let mut settings = manifest.settings.clone();
         settings.replay = crate::settings::ReplayMode::Content;
-        if let Some(q) = self.quotas.get() {
+        if let Some(q) = self.quotas.as_ref() {
             q.ready(&settings.namespace).await;
         }
         let phases = prepared
@@ -804,8 +791,8 @@ impl Coordinator {
             owners: s.owners,
             cache_dir: Some(self.cache_dir()),
             indexed: Some(s.indexed),
-            notifier: self.notifier.get().cloned(),
-            quotas: self.quotas.get().cloned(),
+            notifier: self.notifier.as_ref().cloned(),
+            quotas: self.quotas.clone(),
         };
         Ok(run::start(
             init,
@@ -907,14 +894,18 @@ mod tests {
     /// the launch's notes; the run is not refused for it (a worker may attach yet).
     #[tokio::test]
     async fn a_launch_gets_a_backend_the_workers_offer_and_hears_at_once_what_none_offers() {
-        let c = Coordinator::new(
-            crate::store::open("memory://").unwrap(),
-            crate::lease::memory::MemoryLeaseStore::new(),
-        );
         let mut eu = crate::namespace::Policy::default();
         eu.labels.insert("region".into(), "eu".into());
-        c.set_namespaces(
-            crate::namespace::Namespaces::new([("payments".to_owned(), eu)].into()).unwrap(),
+        let c = Coordinator::build(
+            crate::store::open("memory://").unwrap(),
+            crate::lease::memory::MemoryLeaseStore::new(),
+            CoordinatorOptions {
+                namespaces: Some(
+                    crate::namespace::Namespaces::new([("payments".to_owned(), eu)].into())
+                        .unwrap(),
+                ),
+                ..Default::default()
+            },
         );
         let refused = c
             .launch(launch_with("", "default"))

@@ -88,14 +88,11 @@ impl Leadership {
     /// Grants this coordinator's lease and starts campaigning. `tenure` follows the lease
     /// (give the same one to the store's gate, [`crate::store::Store::gated`]). `lost` fires
     /// when the tenure ends: the process must stop.
-    pub async fn start(
-        coordinator: Arc<Coordinator>,
-        registry: Arc<RunRegistry>,
+    pub async fn join(
         leases: Arc<dyn LeaseStore>,
         advertise: String,
         ttl: Duration,
         tenure: Arc<Tenure>,
-        lost: CancellationToken,
     ) -> Result<Arc<Leadership>, Problem> {
         let sent = std::time::Instant::now();
         let lease = leases
@@ -114,9 +111,20 @@ impl Leadership {
             tenure,
             resumes: std::sync::Mutex::default(),
         });
-        tokio::spawn(keep_alive(me.clone(), ttl, lost.clone()));
-        tokio::spawn(campaign(me.clone(), coordinator, registry, ttl, lost));
         Ok(me)
+    }
+
+    /// Starts serving the group for `coordinator` (built with this membership as its
+    /// claims): renews the lease and campaigns for the leader's seat until `lost`.
+    pub fn serve(
+        self: &Arc<Self>,
+        coordinator: Arc<Coordinator>,
+        registry: Arc<RunRegistry>,
+        ttl: Duration,
+        lost: CancellationToken,
+    ) {
+        tokio::spawn(keep_alive(self.clone(), ttl, lost.clone()));
+        tokio::spawn(campaign(self.clone(), coordinator, registry, ttl, lost));
     }
 
     /// Its role now, for a readiness probe: `leader`, `standby` (its lease renewed, so etcd

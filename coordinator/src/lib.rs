@@ -47,6 +47,6 @@ pub mod vet;
 pub mod web;
 pub mod workflows;
 
-pub use coordinator::{Coordinator, LaunchRequest, Rejected};
+pub use coordinator::{Coordinator, CoordinatorOptions, LaunchRequest, Rejected};
 pub use report::{Report, RunStatus};
 pub use settings::{ReplayMode, RunSettings};

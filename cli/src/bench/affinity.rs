@@ -142,13 +142,16 @@ async fn one_run(
         s.prompt_tokens.store(0, Ordering::Relaxed);
         s.cached_tokens.store(0, Ordering::Relaxed);
     }
-    let coordinator = Coordinator::with_options(
+    let coordinator = Coordinator::build(
         flotilla_coordinator::store::open("memory://")
             .map_err(|e| Problem::internal(e.to_string()))?,
         MemoryLeaseStore::new(),
-        flotilla_coordinator::sched::DispatchOptions {
-            fixed_fleet: true,
-            affinity,
+        flotilla_coordinator::CoordinatorOptions {
+            dispatch: flotilla_coordinator::sched::DispatchOptions {
+                fixed_fleet: true,
+                affinity,
+                ..Default::default()
+            },
             ..Default::default()
         },
     );

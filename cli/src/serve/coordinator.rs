@@ -399,35 +399,41 @@ fn token_key(
 /// With etcd, coordinators form a group: one leads, the others stand by and take over. `lost`
 /// fires when this one's lease lapses.
 async fn join_group(
-    coordinator: &Arc<Coordinator>,
-    registry: &Arc<RunRegistry>,
+    leases: &Arc<dyn flotilla_coordinator::lease::LeaseStore>,
     s: &Settings,
     tls: bool,
     tenure: Arc<flotilla_coordinator::lease::Tenure>,
-    lost: CancellationToken,
-) -> Result<(), Problem> {
+) -> Result<Arc<flotilla_coordinator::leader::Leadership>, Problem> {
     let advertise = s.advertise.clone().unwrap_or_else(|| {
         let scheme = if tls { "https" } else { "http" };
         format!("{scheme}://{}", s.listen)
     });
-    let l = flotilla_coordinator::leader::Leadership::start(
-        coordinator.clone(),
-        registry.clone(),
-        coordinator.leases().clone(),
+    let l = flotilla_coordinator::leader::Leadership::join(
+        leases.clone(),
         advertise.clone(),
         s.worker_ttl,
         tenure,
-        lost,
     )
     .await?;
+    eprintln!("coordinator group member at {advertise} (one leads; the others stand by)");
+    Ok(l)
+}
+
+/// Serves the group `l` for `coordinator` (built with `l` as its claims): its runs' owner
+/// keys are released as they end.
+fn serve_group(
+    l: &Arc<flotilla_coordinator::leader::Leadership>,
+    coordinator: &Arc<Coordinator>,
+    registry: &Arc<RunRegistry>,
+    ttl: std::time::Duration,
+    lost: CancellationToken,
+) {
     let releaser = l.clone();
     registry.on_end(Arc::new(move |run: String| {
         let l = releaser.clone();
         tokio::spawn(async move { l.release(&run).await });
     }));
-    coordinator.set_leadership(l);
-    eprintln!("coordinator group member at {advertise} (one leads; the others stand by)");
-    Ok(())
+    l.serve(coordinator.clone(), registry.clone(), ttl, lost);
 }
 
 /// Who may push, and whether launches are allowed: the disable switch is read again on every
@@ -488,39 +494,42 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     } else {
         flotilla_coordinator::lease::tenure::GatedLeases::new(leases, tenure.clone())
     };
-    let coordinator = Arc::new(Coordinator::with_options(
+    let notifier = match notifier(&a, &file) {
+        Ok(n) => n,
+        Err(e) => return crate::refuse(e),
+    };
+    let group = if s.etcd.is_empty() {
+        None
+    } else {
+        match join_group(&leases, &s, tls.is_some(), tenure).await {
+            Ok(l) => Some(l),
+            Err(e) => return crate::refuse(e),
+        }
+    };
+    let coordinator = Arc::new(Coordinator::build(
         store,
         leases,
-        flotilla_coordinator::sched::DispatchOptions {
-            worker_ttl: s.worker_ttl,
-            admission: s.admission,
-            affinity: s.affinity,
-            usage: s.attempt_usage.clone(),
-            ..Default::default()
+        flotilla_coordinator::CoordinatorOptions {
+            dispatch: flotilla_coordinator::sched::DispatchOptions {
+                worker_ttl: s.worker_ttl,
+                admission: s.admission,
+                affinity: s.affinity,
+                usage: s.attempt_usage.clone(),
+                ..Default::default()
+            },
+            claims: group
+                .clone()
+                .map(|l| l as Arc<dyn flotilla_coordinator::group::RunClaims>),
+            cache_dir: Some(s.cache_dir.clone()),
+            notifier,
+            allowed_models: s.allowed_models.clone(),
+            namespaces: Some(s.namespaces.clone()),
         },
     ));
-    coordinator.set_cache_dir(s.cache_dir.clone());
-    coordinator.set_model_policy(s.allowed_models.clone());
-    coordinator.set_namespaces(s.namespaces.clone());
-    match notifier(&a, &file) {
-        Ok(Some(n)) => coordinator.set_notifier(n),
-        Ok(None) => {}
-        Err(e) => return crate::refuse(e),
-    }
     let registry = Arc::new(RunRegistry::default());
     let lost = CancellationToken::new();
-    if !s.etcd.is_empty()
-        && let Err(e) = join_group(
-            &coordinator,
-            &registry,
-            &s,
-            tls.is_some(),
-            tenure,
-            lost.clone(),
-        )
-        .await
-    {
-        return crate::refuse(e);
+    if let Some(l) = &group {
+        serve_group(l, &coordinator, &registry, s.worker_ttl, lost.clone());
     }
     let opts = ServerOptions {
         listen: s.listen,

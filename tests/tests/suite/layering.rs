@@ -560,3 +560,34 @@ fn layering_architecture_md_is_a_short_map_whose_invariants_name_real_tests() {
         "ARCHITECTURE.md names tests that do not exist: {missing:?}"
     );
 }
+
+/// The coordinator is told its policy once, when it is built ([`CoordinatorOptions`]): no
+/// field of it is set later (a `OnceLock`) and it has no setter, so what a coordinator does
+/// never depends on the order its owner called things in.
+#[test]
+fn layering_the_coordinator_is_built_from_one_options_value() {
+    let code =
+        code_of(&std::fs::read_to_string(root().join("coordinator/src/coordinator.rs")).unwrap());
+    let start = code
+        .find("pub struct Coordinator {")
+        .expect("the Coordinator struct");
+    let fields = &code[start..start + code[start..].find("\n}").unwrap()];
+    assert!(
+        !fields.contains("OnceLock"),
+        "a field of Coordinator is set after it is built:\n{fields}"
+    );
+    let setters: Vec<&str> = code
+        .lines()
+        .filter(|l| l.trim_start().starts_with("pub fn set_"))
+        .collect();
+    assert!(
+        setters.is_empty(),
+        "setters on the coordinator: {setters:?}"
+    );
+    assert!(
+        code.contains(
+            "pub fn build(store: Store, leases: Arc<dyn LeaseStore>, opts: CoordinatorOptions)"
+        ),
+        "Coordinator::build takes the one options value"
+    );
+}
