@@ -25,7 +25,6 @@
 use std::path::{Path, PathBuf};
 
 use object_store::ObjectStoreExt;
-use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 use tokio::sync::{mpsc, watch};
 
@@ -491,27 +490,7 @@ async fn pack_objects(repo: &Path, commit: &str, not: &[&str]) -> Result<Vec<u8>
     Ok(out.stdout)
 }
 
-/// A run's changes, as `flotilla changes` and `flotilla apply` read them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunChanges {
-    pub run_id: String,
-    /// The run's namespace, whose sources hold its objects (`FetchSource` asks there).
-    #[serde(default)]
-    pub namespace: String,
-    pub source: Option<crate::settings::SourceRef>,
-    /// The run head now: the source's commit with every merged change in.
-    pub head: Option<String>,
-    pub changes: Vec<AgentChange>,
-}
-
-/// One agent's change.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AgentChange {
-    pub index: u64,
-    pub label: String,
-    #[serde(flatten)]
-    pub change: ChangeRecord,
-}
+pub use flotilla_proto::wire::{AgentChange, RunChanges};
 
 /// Reads a run's changes from its manifest and journal (journal order is apply order).
 pub async fn changes_of(store: &Store, run: &str) -> Result<RunChanges, crate::store::Error> {

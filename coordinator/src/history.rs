@@ -400,18 +400,7 @@ pub fn transcript_line(e: &Value) -> String {
     }
 }
 
-/// One agent's transcript as `flotilla logs` prints it.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-pub struct AgentTranscript {
-    pub index: u64,
-    pub label: String,
-    /// The attempt shown, and how many the agent had.
-    pub attempt: u32,
-    pub attempts: u32,
-    /// Served from an earlier run: no transcript here.
-    pub cached: bool,
-    pub events: Vec<Value>,
-}
+pub use flotilla_proto::wire::AgentTranscript;
 
 /// Why transcripts cannot be shown.
 #[derive(Debug)]

@@ -109,32 +109,7 @@ pub async fn record(store: &Store, entry: &Entry) -> Result<(), Error> {
     store.put_overwrite(&entry.key(), Bytes::from(body)).await
 }
 
-/// Which runs a listing wants, and where its page starts.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct Filter {
-    /// Runs of this workflow (its `meta.name`).
-    pub workflow: Option<String>,
-    /// Runs in this status (`running`, `paused`, `stopping`, `completed`, `failed`, `stopped`,
-    /// `interrupted`, ...), as a listing shows them (live ones as their engine has them).
-    pub status: Option<RunStatus>,
-    /// Runs created at or after this time (seconds since the epoch).
-    pub since_unix: Option<u64>,
-    /// Runs created before this time (seconds since the epoch).
-    pub before_unix: Option<u64>,
-    /// Runs that carry every one of these labels.
-    pub labels: BTreeMap<String, String>,
-    /// Runs of this namespace.
-    pub namespace: Option<String>,
-    /// Only runs of these namespaces: the caller's, set by the server (never read from a
-    /// request, so a client cannot widen it).
-    #[serde(skip)]
-    pub within: Option<Vec<String>>,
-    /// The most runs a page holds [default 100, at most 1000].
-    pub limit: Option<usize>,
-    /// Where the page starts: the `next` of the page before.
-    pub after: Option<String>,
-}
+pub use flotilla_proto::wire::Filter;
 
 /// Runs per page unless the caller says.
 pub const PAGE: usize = 100;
@@ -148,21 +123,16 @@ pub struct Page {
     pub next: Option<String>,
 }
 
-impl Filter {
-    fn wants(&self, e: &Entry) -> bool {
-        let ns = crate::namespace::effective(&e.namespace);
-        self.workflow.as_ref().is_none_or(|w| *w == e.workflow)
-            && self.namespace.as_ref().is_none_or(|n| n == ns)
-            && self
-                .within
-                .as_ref()
-                .is_none_or(|w| w.iter().any(|n| n == ns))
-            && self.status.is_none_or(|s| s == e.summary.status)
-            && self
-                .labels
-                .iter()
-                .all(|(k, v)| e.labels.get(k).is_some_and(|have| have == v))
-    }
+/// Whether `f` wants the run of entry `e`.
+fn wants(f: &Filter, e: &Entry) -> bool {
+    let ns = crate::namespace::effective(&e.namespace);
+    f.workflow.as_ref().is_none_or(|w| *w == e.workflow)
+        && f.namespace.as_ref().is_none_or(|n| n == ns)
+        && f.within.as_ref().is_none_or(|w| w.iter().any(|n| n == ns))
+        && f.status.is_none_or(|s| s == e.summary.status)
+        && f.labels
+            .iter()
+            .all(|(k, v)| e.labels.get(k).is_some_and(|have| have == v))
 }
 
 /// The runs a listing coordinator runs itself: their summaries as their engines have them.
@@ -288,7 +258,7 @@ impl<'a> Pager<'a> {
         } else if !entry.summary.status.is_final() {
             entry.summary.status = live_status(store, &entry).await?;
         }
-        if !self.filter.wants(&entry) {
+        if !wants(self.filter, &entry) {
             return Ok(true);
         }
         if self.out.runs.len() == self.limit {

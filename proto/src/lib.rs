@@ -16,9 +16,12 @@
 pub mod clock;
 pub mod frag;
 pub mod link;
+pub mod names;
 mod problem;
 pub mod schema;
+pub mod settings;
 pub mod tls;
+pub mod usage;
 pub mod wire;
 pub use problem::Problem;
 

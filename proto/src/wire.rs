@@ -1,10 +1,14 @@
 //! The JSON shapes that cross the wire besides the protocol messages: the run report (what
 //! `flotilla run --json` prints, what `result.json` stores, what `flotilla show` reads back and
-//! what `Wait` and `Report` answer with), and the live view of a run (`Status`, the session
-//! page's JSON). Both ends read and write them with serde; nothing else defines them.
+//! what `Wait` and `Report` answer with), the live view of a run (`Status`, the session
+//! page's JSON), a listing's filter, an agent's transcript and a run's changes. Both ends
+//! read and write them with serde; nothing else defines them. (A run's settings are in
+//! [`crate::settings`].)
 //!
 //! The report is also the per-agent census (W81): every accepted `agent()` call with its
 //! status, attempts and the error that made it `null` or throw.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -751,4 +755,90 @@ mod tests {
             "\"stopping\""
         );
     }
+}
+
+/// One agent's transcript as `flotilla logs` prints it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AgentTranscript {
+    pub index: u64,
+    pub label: String,
+    /// The attempt shown, and how many the agent had.
+    pub attempt: u32,
+    pub attempts: u32,
+    /// Served from an earlier run: no transcript here.
+    pub cached: bool,
+    pub events: Vec<Value>,
+}
+
+/// What a call changed in its run's source, as journaled with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangeRecord {
+    /// The agent's commit, and the head it started from.
+    pub commit: String,
+    pub base: String,
+    pub files: Vec<String>,
+    pub insertions: u32,
+    pub deletions: u32,
+    /// The run head once this change was applied (`None`: it is not in the head).
+    #[serde(default)]
+    pub head_after: Option<String>,
+    /// Files that conflicted with the head (the change stays on its own branch).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conflicts: Vec<String>,
+    /// An isolated agent's change: on its branch only.
+    #[serde(default)]
+    pub isolated: bool,
+    /// Why the change was refused (its objects failed the checks of the coordinator's `vet`): it is
+    /// nowhere, neither in the head nor on a branch; the call's result stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+}
+
+/// A run's changes, as `flotilla changes` and `flotilla apply` read them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunChanges {
+    pub run_id: String,
+    /// The run's namespace, whose sources hold its objects (`FetchSource` asks there).
+    #[serde(default)]
+    pub namespace: String,
+    pub source: Option<crate::settings::SourceRef>,
+    /// The run head now: the source's commit with every merged change in.
+    pub head: Option<String>,
+    pub changes: Vec<AgentChange>,
+}
+
+/// One agent's change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentChange {
+    pub index: u64,
+    pub label: String,
+    #[serde(flatten)]
+    pub change: ChangeRecord,
+}
+
+/// Which runs a listing wants, and where its page starts.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Filter {
+    /// Runs of this workflow (its `meta.name`).
+    pub workflow: Option<String>,
+    /// Runs in this status (`running`, `paused`, `stopping`, `completed`, `failed`, `stopped`,
+    /// `interrupted`, ...), as a listing shows them (live ones as their engine has them).
+    pub status: Option<RunStatus>,
+    /// Runs created at or after this time (seconds since the epoch).
+    pub since_unix: Option<u64>,
+    /// Runs created before this time (seconds since the epoch).
+    pub before_unix: Option<u64>,
+    /// Runs that carry every one of these labels.
+    pub labels: BTreeMap<String, String>,
+    /// Runs of this namespace.
+    pub namespace: Option<String>,
+    /// Only runs of these namespaces: the caller's, set by the server (never read from a
+    /// request, so a client cannot widen it).
+    #[serde(skip)]
+    pub within: Option<Vec<String>>,
+    /// The most runs a page holds [default 100, at most 1000].
+    pub limit: Option<usize>,
+    /// Where the page starts: the `next` of the page before.
+    pub after: Option<String>,
 }

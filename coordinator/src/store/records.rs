@@ -33,19 +33,6 @@ pub use flotilla_proto::wire::WorkflowInfo;
 
 pub use crate::usage::UsageRecord;
 
-impl From<&flotilla_proto::v1::Usage> for UsageRecord {
-    fn from(u: &flotilla_proto::v1::Usage) -> Self {
-        UsageRecord {
-            input_tokens: u.input_tokens,
-            output_tokens: u.output_tokens,
-            cache_read_tokens: u.cache_read_tokens,
-            cache_write_tokens: u.cache_write_tokens,
-            cost_usd: u.cost_usd,
-            tool_calls: u64::from(u.tool_calls),
-        }
-    }
-}
-
 /// JSON kept as its text: checked to be JSON when it comes in, parsed only where something
 /// looks into it (schema validation, the script's edge, a page). Results and transcript
 /// events travel from the backend to the journal and the script as this.
@@ -183,29 +170,7 @@ pub enum RunEvent {
     },
 }
 
-/// What a call changed in its run's source, as journaled with it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChangeRecord {
-    /// The agent's commit, and the head it started from.
-    pub commit: String,
-    pub base: String,
-    pub files: Vec<String>,
-    pub insertions: u32,
-    pub deletions: u32,
-    /// The run head once this change was applied (`None`: it is not in the head).
-    #[serde(default)]
-    pub head_after: Option<String>,
-    /// Files that conflicted with the head (the change stays on its own branch).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conflicts: Vec<String>,
-    /// An isolated agent's change: on its branch only.
-    #[serde(default)]
-    pub isolated: bool,
-    /// Why the change was refused (its objects failed the checks of [`crate::vet`]): it is
-    /// nowhere, neither in the head nor on a branch; the call's result stands.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub refused: Option<String>,
-}
+pub use flotilla_proto::wire::ChangeRecord;
 
 #[cfg(test)]
 mod raw_tests {

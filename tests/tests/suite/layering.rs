@@ -591,3 +591,50 @@ fn layering_the_coordinator_is_built_from_one_options_value() {
         "Coordinator::build takes the one options value"
     );
 }
+
+/// Every JSON shape a client and the coordinator both read is defined in `flotilla-proto`
+/// (the wire contract), never in the coordinator (which re-exports them where its code
+/// looks): a client command can read them without the coordinator crate.
+#[test]
+fn layering_every_client_api_shape_is_defined_in_proto() {
+    let defined_in = |dir: &str| {
+        let mut files = Vec::new();
+        rust_files(&root().join(dir).join("src"), &mut files);
+        files
+            .iter()
+            .map(|f| code_of(&std::fs::read_to_string(f).unwrap()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let proto = defined_in("proto");
+    let coordinator = defined_in("coordinator");
+    let mut report = Vec::new();
+    for shape in [
+        "RunSettings",
+        "SourceRef",
+        "ReplayMode",
+        "Filter",
+        "AgentTranscript",
+        "ChangeRecord",
+        "RunChanges",
+        "AgentChange",
+        "Report",
+        "Summary",
+        "SnapshotView",
+        "UsageRecord",
+        "Price",
+    ] {
+        let def = |code: &str| {
+            code.contains(&format!("pub struct {shape} "))
+                || code.contains(&format!("pub struct {shape}{{"))
+                || code.contains(&format!("pub enum {shape} "))
+        };
+        if !def(&proto) {
+            report.push(format!("{shape} is not defined in proto"));
+        }
+        if def(&coordinator) {
+            report.push(format!("{shape} is defined in the coordinator"));
+        }
+    }
+    assert!(report.is_empty(), "{}", report.join("\n"));
+}

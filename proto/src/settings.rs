@@ -79,8 +79,8 @@ pub enum SettingsError {
 
 impl SettingsError {
     /// Every one is the caller's to fix.
-    pub fn kind(&self) -> flotilla_proto::ErrorKind {
-        flotilla_proto::ErrorKind::Invalid
+    pub fn kind(&self) -> crate::ErrorKind {
+        crate::ErrorKind::Invalid
     }
 
     /// Whether it is about the run's source (what a launcher sent, not what a user typed).
@@ -324,12 +324,12 @@ impl RunSettings {
             source.validate()?;
         }
         if let Some(url) = &self.notify {
-            crate::ids::check_notify_url(url).map_err(|p| SettingsError::Notify(p.into()))?;
+            crate::names::check_notify_url(url).map_err(|p| SettingsError::Notify(p.into()))?;
         }
         if self.labels.len() > MAX_LABELS {
             return Err(SettingsError::Labels);
         }
-        if !self.namespace.is_empty() && !crate::ids::valid_namespace(&self.namespace) {
+        if !self.namespace.is_empty() && !crate::names::valid_namespace(&self.namespace) {
             return Err(SettingsError::Namespace(self.namespace.clone()));
         }
         for (k, v) in &self.labels {
@@ -492,7 +492,7 @@ impl SourceRef {
 
     /// Checks what workers will be told to fetch or check out.
     pub fn validate(&self) -> Result<(), SettingsError> {
-        if !crate::ids::valid_source_id(&self.repo) || self.repo.starts_with('-') {
+        if !crate::names::valid_source_id(&self.repo) || self.repo.starts_with('-') {
             return Err(SettingsError::SourceRepo(self.repo.clone()));
         }
         for path in &self.submodules {
@@ -711,9 +711,6 @@ mod tests {
             "fast".parse::<ReplayMode>(),
             Err(SettingsError::Replay("fast".into()))
         );
-        assert_eq!(
-            bad(|s| s.attempts = 0).kind(),
-            flotilla_proto::ErrorKind::Invalid
-        );
+        assert_eq!(bad(|s| s.attempts = 0).kind(), crate::ErrorKind::Invalid);
     }
 }

@@ -68,3 +68,17 @@ impl Price {
         .all(|p| p.is_finite() && p >= 0.0)
     }
 }
+
+/// The usage a worker reports for an attempt.
+impl From<&crate::v1::Usage> for UsageRecord {
+    fn from(u: &crate::v1::Usage) -> Self {
+        UsageRecord {
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            cache_read_tokens: u.cache_read_tokens,
+            cache_write_tokens: u.cache_write_tokens,
+            cost_usd: u.cost_usd,
+            tool_calls: u64::from(u.tool_calls),
+        }
+    }
+}
