@@ -482,7 +482,7 @@ impl Coordinator {
                 .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
                 .await
                 .map_err(store_err)?;
-            crate::index::record(&self.store, &crate::index::Entry::created(&manifest))
+            crate::index::record(&self.store, &crate::index::created(&manifest))
                 .await
                 .map_err(store_err)?;
             // The run now holds its source against retention; the source must still be there
@@ -540,8 +540,7 @@ impl Coordinator {
             if swept {
                 // The run never was: what was written of it goes (the client sends the
                 // launch again, with its source).
-                let _ = crate::index::forget(&self.store, &crate::index::Entry::created(&manifest))
-                    .await;
+                let _ = crate::index::forget(&self.store, &crate::index::created(&manifest)).await;
                 if let Ok(objects) = self.store.list_all(&keys::run_dir(&run_id)).await {
                     for o in objects {
                         let _ = self.store.delete(&o.location).await;
@@ -571,7 +570,7 @@ impl Coordinator {
             resume,
             parent_run_id: req.resume_from,
             owners,
-            indexed: crate::index::Entry::created(&manifest),
+            indexed: crate::index::created(&manifest),
         })?;
         handle.notes = notes;
         Ok(handle)
@@ -749,7 +748,7 @@ impl Coordinator {
             resume,
             parent_run_id: manifest.parent_run_id.clone(),
             owners: Vec::new(),
-            indexed: crate::index::Entry::created(&manifest),
+            indexed: crate::index::created(&manifest),
         })
     }
 

@@ -450,7 +450,7 @@ mod tests {
             )
             .await
             .unwrap();
-        Entry::created(&m)
+        crate::index::created(&m)
     }
 
     /// Each namespace's sources are swept by the runs of that namespace alone: a run keeps

@@ -13,8 +13,6 @@
 //! status and counts are those of its start, and a listing overlays them (and filters by
 //! what it overlaid), so `runs --status paused` finds a paused run.
 
-use std::collections::BTreeMap;
-
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
@@ -22,71 +20,48 @@ use crate::report::{Report, RunStatus, Summary};
 use crate::store::records::Manifest;
 use crate::store::{Error, Store, keys};
 
-/// What the index knows of a run (also a row of `flotilla runs`): its [`Summary`] (flattened:
-/// `status`, `agents`, `failed`, ... at the top level) as of its start or its end, or as its
-/// engine has it now in a listing by the coordinator that runs it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Entry {
-    pub run_id: String,
-    #[serde(flatten)]
-    pub summary: Summary,
-    pub workflow: String,
-    /// RFC 3339, seconds.
-    pub created: String,
-    /// When it ended (RFC 3339), if it has.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ended: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parent_run_id: Option<String>,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub labels: BTreeMap<String, String>,
-    /// Its namespace (empty in entries from before namespaces: `default`).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub namespace: String,
+/// What the index knows of a run (also a row of `flotilla runs`): the wire's [`RunSummary`].
+pub type Entry = RunSummary;
+pub use flotilla_proto::wire::RunSummary;
+
+/// The entry of a run just created from manifest `m`.
+pub fn created(m: &Manifest) -> Entry {
+    Entry {
+        run_id: m.run_id.clone(),
+        summary: Summary {
+            status: RunStatus::Running,
+            ..Summary::default()
+        },
+        workflow: m.workflow.name.clone(),
+        created: m.created.clone(),
+        ended: None,
+        parent_run_id: m.parent_run_id.clone(),
+        labels: m.settings.labels.clone(),
+        namespace: crate::namespace::effective(&m.settings.namespace).to_owned(),
+    }
 }
 
-impl Entry {
-    /// The entry of a run just created.
-    pub fn created(m: &Manifest) -> Entry {
-        Entry {
-            run_id: m.run_id.clone(),
-            summary: Summary {
-                status: RunStatus::Running,
-                ..Summary::default()
-            },
-            workflow: m.workflow.name.clone(),
-            created: m.created.clone(),
-            ended: None,
-            parent_run_id: m.parent_run_id.clone(),
-            labels: m.settings.labels.clone(),
-            namespace: crate::namespace::effective(&m.settings.namespace).to_owned(),
-        }
+/// This entry once the run has ended with `report`.
+/// `e` once its run ended with `report`.
+pub fn ended(e: &Entry, report: &Report) -> Entry {
+    Entry {
+        summary: Summary::of_report(report),
+        ended: Some(now_rfc3339()),
+        ..e.clone()
     }
+}
 
-    /// This entry once the run has ended with `report`.
-    pub fn ended(&self, report: &Report) -> Entry {
-        Entry {
-            summary: Summary::of_report(report),
-            ended: Some(now_rfc3339()),
-            ..self.clone()
-        }
-    }
+fn created_ms(e: &Entry) -> u64 {
+    humantime::parse_rfc3339_weak(&e.created)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64)
+}
 
-    pub fn status(&self) -> RunStatus {
-        self.summary.status
-    }
-
-    fn created_ms(&self) -> u64 {
-        humantime::parse_rfc3339_weak(&self.created)
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_millis() as u64)
-    }
-
-    /// Its key: newest first in key order.
-    pub fn key(&self) -> object_store::path::Path {
-        keys::index_entry(countdown(self.created_ms()), &self.run_id)
-    }
+/// Its key: newest first in key order.
+/// Where `e` is kept: its key starts with its creation time counted down.
+pub fn key(e: &Entry) -> object_store::path::Path {
+    keys::index_entry(countdown(created_ms(e)), &e.run_id)
 }
 
 /// Milliseconds of a date far ahead (the year 2286): creation times count down from it.
@@ -103,10 +78,10 @@ fn now_rfc3339() -> String {
 /// Writes (or rewrites) a run's entry.
 pub async fn record(store: &Store, entry: &Entry) -> Result<(), Error> {
     let body = serde_json::to_vec(entry).map_err(|e| Error::Corrupt {
-        key: entry.key().to_string(),
+        key: key(entry).to_string(),
         reason: e.to_string(),
     })?;
-    store.put_overwrite(&entry.key(), Bytes::from(body)).await
+    store.put_overwrite(&key(entry), Bytes::from(body)).await
 }
 
 pub use flotilla_proto::wire::Filter;
@@ -198,10 +173,10 @@ pub async fn page_with(store: &Store, filter: &Filter, live: &dyn Live) -> Resul
 /// The page of an unindexed store, from every run's manifest (and report), in key order.
 async fn page_unindexed(store: &Store, filter: &Filter, live: &dyn Live) -> Result<Page, Error> {
     let mut entries = entries_of_runs(store).await?;
-    entries.sort_by_cached_key(|e| e.key().filename().unwrap_or("").to_owned());
+    entries.sort_by_cached_key(|e| key(e).filename().unwrap_or("").to_owned());
     let mut pager = Pager::new(filter, live);
     for entry in entries {
-        let name = entry.key().filename().unwrap_or("").to_owned();
+        let name = key(&entry).filename().unwrap_or("").to_owned();
         if pager.start.as_ref().is_some_and(|s| name <= *s) {
             continue;
         }
@@ -267,7 +242,7 @@ impl<'a> Pager<'a> {
                 .out
                 .runs
                 .last()
-                .map(|e| e.key().filename().unwrap_or("").to_owned());
+                .map(|e| key(e).filename().unwrap_or("").to_owned());
             return Ok(false);
         }
         self.out.runs.push(entry);
@@ -322,7 +297,7 @@ async fn entries_of_runs(store: &Store) -> Result<Vec<Entry>, Error> {
         let Ok(m) = serde_json::from_slice::<Manifest>(&body) else {
             continue;
         };
-        let mut entry = Entry::created(&m);
+        let mut entry = created(&m);
         if let Ok(report) = crate::history::load_report(store, run).await
             && report.status.is_final()
         {
@@ -335,11 +310,8 @@ async fn entries_of_runs(store: &Store) -> Result<Vec<Entry>, Error> {
 
 /// Removes a run's entry (retention).
 pub async fn forget(store: &Store, entry: &Entry) -> Result<(), Error> {
-    store.delete(&entry.key()).await
+    store.delete(&key(entry)).await
 }
-
-/// One line of `flotilla runs`: a run as listings show it: its entry in the run index.
-pub type RunSummary = Entry;
 
 /// The newest runs of the store, at most [`MAX_PAGE`], the ones `live` runs
 /// as it has them ([`page_with`] filters and pages).
@@ -372,7 +344,7 @@ mod tests {
             created: created.into(),
             ended: None,
             parent_run_id: None,
-            labels: BTreeMap::new(),
+            labels: Default::default(),
             namespace: String::new(),
         }
     }

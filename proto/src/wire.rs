@@ -842,3 +842,32 @@ pub struct Filter {
     /// Where the page starts: the `next` of the page before.
     pub after: Option<String>,
 }
+
+/// What the index knows of a run (also a row of `flotilla runs`): its [`Summary`] (flattened:
+/// `status`, `agents`, `failed`, ... at the top level) as of its start or its end, or as its
+/// engine has it now in a listing by the coordinator that runs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunSummary {
+    pub run_id: String,
+    #[serde(flatten)]
+    pub summary: Summary,
+    pub workflow: String,
+    /// RFC 3339, seconds.
+    pub created: String,
+    /// When it ended (RFC 3339), if it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_run_id: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Its namespace (empty in entries from before namespaces: `default`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
+}
+
+impl RunSummary {
+    pub fn status(&self) -> RunStatus {
+        self.summary.status
+    }
+}

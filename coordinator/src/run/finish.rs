@@ -168,7 +168,9 @@ impl RunEngine {
                 Err(e) => tracing::error!(error = %e, "cannot encode the run report"),
             }
             if let Some(entry) = &self.init.indexed
-                && let Err(e) = crate::index::record(&self.init.store, &entry.ended(&report)).await
+                && let Err(e) =
+                    crate::index::record(&self.init.store, &crate::index::ended(entry, &report))
+                        .await
             {
                 // Listing reads the report of a run whose entry still says running.
                 tracing::warn!(run = %self.run, error = %e, "cannot update the run index");

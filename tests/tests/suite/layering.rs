@@ -614,6 +614,7 @@ fn layering_every_client_api_shape_is_defined_in_proto() {
         "SourceRef",
         "ReplayMode",
         "Filter",
+        "RunSummary",
         "AgentTranscript",
         "ChangeRecord",
         "RunChanges",
