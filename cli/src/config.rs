@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
-use flotilla_coordinator::{ReplayMode, RunSettings};
+use flotilla_proto::settings::{ReplayMode, RunSettings};
 use serde::Deserialize;
 
 /// Settings flags shared by commands that start runs. Counts take negative numbers as values
@@ -128,7 +128,7 @@ pub fn notifier_from_env()
 pub fn parse_labels(
     given: &[String],
 ) -> Result<std::collections::BTreeMap<String, String>, Problem> {
-    use flotilla_coordinator::settings::{MAX_LABELS, valid_label_key, valid_label_value};
+    use flotilla_proto::settings::{MAX_LABELS, valid_label_key, valid_label_value};
     let mut out = std::collections::BTreeMap::new();
     for l in given {
         let (k, v) = l.split_once('=').ok_or_else(|| {

@@ -35,7 +35,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use flotilla_coordinator::{Report, RunStatus};
+use flotilla_proto::wire::{Report, RunStatus};
 
 /// Run dynamic workflows (Claude Code `Workflow` scripts) locally or on a fleet.
 #[derive(Debug, Parser)]
@@ -500,7 +500,7 @@ pub fn print_report(report: &Report, json: bool, full: bool) -> i32 {
         let report = if full {
             report
         } else {
-            brief = report.brief(flotilla_coordinator::report::REPORT_AGENTS);
+            brief = report.brief(flotilla_proto::wire::REPORT_AGENTS);
             &brief
         };
         match serde_json::to_string_pretty(report) {
@@ -514,7 +514,7 @@ pub fn print_report(report: &Report, json: bool, full: bool) -> i32 {
                 );
             }
         }
-        return flotilla_coordinator::report::Summary::of_report(report).exit_code();
+        return flotilla_proto::wire::Summary::of_report(report).exit_code();
     }
     match report.status {
         RunStatus::Rejected => {
@@ -547,7 +547,7 @@ pub fn print_report(report: &Report, json: bool, full: bool) -> i32 {
             progress::summary(report);
         }
     }
-    flotilla_coordinator::report::Summary::of_report(report).exit_code()
+    flotilla_proto::wire::Summary::of_report(report).exit_code()
 }
 
 #[cfg(test)]

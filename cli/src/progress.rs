@@ -243,7 +243,7 @@ pub fn summary(report: &Report) {
     let u = &report.usage;
     let mut line = format!(
         "{} in {} · {} agents",
-        flotilla_coordinator::report::Summary::of_report(report).headline(),
+        flotilla_proto::wire::Summary::of_report(report).headline(),
         elapsed(u.duration_ms),
         u.agents
     );

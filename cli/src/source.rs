@@ -15,7 +15,7 @@ use flotilla_proto::Problem;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use flotilla_coordinator::settings::SourceRef;
+use flotilla_proto::settings::SourceRef;
 use flotilla_proto::v1;
 use sha2::{Digest, Sha256};
 

@@ -94,7 +94,7 @@ fn since(t: &str) -> Result<u64, Problem> {
 
 /// Prints a page of runs; the exit status.
 pub fn print_runs(
-    runs: &[flotilla_coordinator::index::RunSummary],
+    runs: &[flotilla_proto::wire::RunSummary],
     next: Option<&str>,
     json: bool,
     from: &str,
@@ -178,7 +178,7 @@ pub fn print_show(report: flotilla_coordinator::Report, json: bool, full: bool) 
     let report = if full {
         report
     } else {
-        report.brief(flotilla_coordinator::report::REPORT_AGENTS)
+        report.brief(flotilla_proto::wire::REPORT_AGENTS)
     };
     if json {
         let _ = writeln!(
@@ -195,7 +195,7 @@ pub fn print_show(report: flotilla_coordinator::Report, json: bool, full: bool) 
         "workflow  {} — {}",
         report.workflow.name, report.workflow.description
     );
-    let summary = flotilla_coordinator::report::Summary::of_report(&report);
+    let summary = flotilla_proto::wire::Summary::of_report(&report);
     let _ = writeln!(out, "status    {}", summary.headline());
     if let Some(p) = &report.parent_run_id {
         let _ = writeln!(out, "resumed   from {p}");

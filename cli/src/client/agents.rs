@@ -1,12 +1,12 @@
 //! `flotilla agents RUN`: a run's agents a page at a time, filtered by status or phase. A big
-//! run's report lists at most [`REPORT_AGENTS`](flotilla_coordinator::report::REPORT_AGENTS)
+//! run's report lists at most [`REPORT_AGENTS`](flotilla_proto::wire::REPORT_AGENTS)
 //! of them; this lists any of them, from a store or from a coordinator.
 
 use std::io::Write;
 
 use clap::Args;
-use flotilla_coordinator::report::AgentReport;
 use flotilla_coordinator::{history, store};
+use flotilla_proto::wire::AgentReport;
 use serde::Serialize;
 
 use crate::{client, config, fail_kind, term};

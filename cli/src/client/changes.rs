@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use clap::Args;
-use flotilla_coordinator::head::RunChanges;
 use flotilla_proto::v1;
+use flotilla_proto::wire::RunChanges;
 
 use crate::client::{ClientArgs, rpc_fail};
 use crate::fail_kind;
@@ -168,7 +168,7 @@ async fn changes_of(client: &mut Client, run: &str) -> Result<RunChanges, i32> {
 fn pick<'a>(
     c: &'a RunChanges,
     agent: Option<&str>,
-) -> Result<Vec<&'a flotilla_coordinator::head::AgentChange>, Problem> {
+) -> Result<Vec<&'a flotilla_proto::wire::AgentChange>, Problem> {
     let Some(agent) = agent else {
         return Ok(c.changes.iter().collect());
     };

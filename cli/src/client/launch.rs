@@ -101,10 +101,7 @@ async fn run_namespace(
 /// A launch as the coordinator answered it, with the source it sent.
 pub(crate) struct Sent {
     pub reply: v1::LaunchReply,
-    pub source: Option<(
-        flotilla_coordinator::settings::SourceRef,
-        crate::source::Uploaded,
-    )>,
+    pub source: Option<(flotilla_proto::settings::SourceRef, crate::source::Uploaded)>,
 }
 
 /// Sends a prepared launch: its source first (what the store lacks of it), then the run.
@@ -279,13 +276,7 @@ pub(crate) async fn send_source(
     a: &SourceFlags,
     cwd: &std::path::Path,
     namespace: &str,
-) -> Result<
-    Option<(
-        flotilla_coordinator::settings::SourceRef,
-        crate::source::Uploaded,
-    )>,
-    Problem,
-> {
+) -> Result<Option<(flotilla_proto::settings::SourceRef, crate::source::Uploaded)>, Problem> {
     use crate::source::{Choice, Uploaded};
     match crate::source::parse_choice(a.source.as_deref())? {
         Choice::None => Ok(None),
@@ -321,7 +312,7 @@ pub(crate) async fn send_source(
                 }
             );
             Ok(Some((
-                flotilla_coordinator::settings::SourceRef {
+                flotilla_proto::settings::SourceRef {
                     repo: snap.repo,
                     commit: snap.commit,
                     url: None,
@@ -443,10 +434,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
             format!("--args is not valid JSON: {e}"),
         );
     }
-    let replay = match a
-        .replay
-        .parse::<flotilla_coordinator::settings::ReplayMode>()
-    {
+    let replay = match a.replay.parse::<flotilla_proto::settings::ReplayMode>() {
         Ok(m) => m,
         Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e.to_string()),
     };

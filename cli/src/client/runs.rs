@@ -58,7 +58,7 @@ pub async fn logs_remote(
     };
     let mut found = Vec::with_capacity(reply.agents_json.len());
     for a in &reply.agents_json {
-        match serde_json::from_str::<flotilla_coordinator::history::AgentTranscript>(a) {
+        match serde_json::from_str::<flotilla_proto::wire::AgentTranscript>(a) {
             Ok(t) => found.push(t),
             Err(e) => {
                 return fail_kind(
@@ -296,7 +296,7 @@ pub async fn list_remote(
     match client.list_runs(v1::ListRunsRequest { filter_json }).await {
         Ok(r) => {
             let r = r.into_inner();
-            let runs: Vec<flotilla_coordinator::index::RunSummary> =
+            let runs: Vec<flotilla_proto::wire::RunSummary> =
                 match serde_json::from_str(&r.runs_json) {
                     Ok(runs) => runs,
                     Err(e) => {

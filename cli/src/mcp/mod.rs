@@ -43,8 +43,8 @@ mod refs;
 
 use clap::Args;
 use flotilla_coordinator::history;
-use flotilla_coordinator::report::Report;
 use flotilla_coordinator::workflows::DirResolver;
+use flotilla_proto::wire::Report;
 use flotilla_proto::wire::SnapshotView;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
