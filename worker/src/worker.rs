@@ -592,7 +592,14 @@ async fn run_attempt(
             opentelemetry::global::get_text_map_propagator(|p| p.extract(&a.trace_context));
         let _ = span.set_parent(parent);
     }
-    let outcome = run_attempt_in(a, backend, (parts, link), events, sink, spec, cancel)
+    let at = Attempt {
+        a,
+        spec,
+        parts,
+        link,
+        events,
+    };
+    let outcome = run_attempt_in(at, backend, sink, cancel)
         .instrument(span.clone())
         .await;
     span.record(
@@ -606,173 +613,227 @@ async fn run_attempt(
     outcome
 }
 
-async fn run_attempt_in(
+/// One attempt as it runs on this worker: its assignment and task, the worker's parts it
+/// runs with, the link it speaks on and its events.
+struct Attempt {
     a: Assignment,
-    backend: Result<Arc<dyn AgentBackend>, Error>,
-    (parts, link): (Parts, mpsc::UnboundedSender<WorkerMessage>),
-    events: Events,
-    sink: Arc<LinkSink>,
     spec: v1::TaskSpec,
+    parts: Parts,
+    link: mpsc::UnboundedSender<WorkerMessage>,
+    events: Events,
+}
+
+/// What an attempt ran to: its result, and the leftovers of an unfinished one (W58).
+type Ran = (Result<crate::backend::Output, Error>, Option<v1::Change>);
+
+async fn run_attempt_in(
+    at: Attempt,
+    backend: Result<Arc<dyn AgentBackend>, Error>,
+    sink: Arc<LinkSink>,
     cancel: CancellationToken,
 ) -> v1::Outcome {
-    let Parts {
-        workspace,
-        sandbox,
-        limits,
-        sources,
-        ..
-    } = parts.clone();
-    let mut partial = None;
-    let result = match backend {
-        Err(e) => Err(e),
-        Ok(backend) => match parse_schema(&spec) {
-            Err(e) => Err(e),
-            Ok(schema) => match tokio::select! {
-                r = Box::pin(prepare(&a, &spec, (&workspace, &sources), (&link, &events), limits.settings.prepare)) => r,
-                () = cancel.cancelled() => Err(Error::new(FailureKind::Cancelled, "cancelled while its checkout was made")),
-            } {
-                Err(e) => Err(e),
-                Ok(worktree) => {
-                    let scratch = workspace.clone();
-                    let attempt_limits =
-                        Arc::new(limits.attempt(&format!("{}-{}-{}", a.run_id, a.call, a.attempt)));
-                    let wall = limits.settings.wall;
-                    let task = Task {
-                        run_id: a.run_id.clone(),
-                        call: a.call,
-                        attempt: a.attempt,
-                        call_key: a.call_key.clone(),
-                        spec: spec.clone(),
-                        schema,
-                        workspace,
-                        worktree: worktree.clone(),
-                        sandbox,
-                        limits: attempt_limits.clone(),
-                        tmp_size: limits.settings.tmp,
-                    };
-                    // The script's timeout, or the worker's longest attempt, whichever is less.
-                    let asked =
-                        (spec.timeout_ms > 0).then(|| Duration::from_millis(spec.timeout_ms));
-                    let limit = match (asked, wall) {
-                        (Some(a), Some(w)) => Some(a.min(w)),
-                        (a, w) => a.or(w),
-                    };
-                    let by_worker = limit.is_some() && limit == wall && asked != limit;
-                    // On a timeout or over the disk quota the attempt is cancelled the normal
-                    // way, so the backend kills what it started before the outcome is sent.
-                    let token = cancel.child_token();
-                    let quota = limits.settings.disk.filter(|_| !scratch.is_shared());
-                    // A backend that works in no directory has none to watch (nor to
-                    // measure or remove below): its attempt touches no file.
-                    let dir_used = backend.uses_directory();
-                    let watched = match &worktree {
-                        Some(wt) => Some(wt.path.clone()),
-                        None if dir_used => scratch.call_dir(&a.run_id, a.call),
-                        None => None,
-                    };
-                    let watch = match quota.zip(watched) {
-                        Some((q, dir)) => Some(
-                            Box::pin(crate::limits::DiskWatch::start(dir, q, token.clone())).await,
-                        ),
-                        None => None,
-                    };
-                    // The agent starts now: the stall timer, held while its workspace was made,
-                    // runs from here.
-                    if preparing(&spec) {
-                        events.progress(ProgressKind::AgentStarted, 0);
-                    }
-                    let result = if let Some(limit) = limit {
-                        let run =
-                            crate::backend::run_attempt(&*backend, &task, &events, token.clone());
-                        tokio::pin!(run);
-                        tokio::select! {
-                            r = &mut run => r,
-                            _ = tokio::time::sleep(limit) => {
-                                token.cancel();
-                                let _ = run.await;
-                                Err(Error::new(
-                                    FailureKind::Timeout,
-                                    if by_worker {
-                                        format!("agent timed out after {}, the worker's longest attempt (--max-attempt-time)", humanize(limit))
-                                    } else {
-                                        format!("agent timed out after {}", humanize(limit))
-                                    },
-                                ))
-                            }
-                        }
-                    } else {
-                        crate::backend::run_attempt(&*backend, &task, &events, token.clone()).await
-                    };
-                    let mut result = result;
-                    // The agent is done; what the worker records of its workspace now is not
-                    // the agent's time: the stall timer is held until the outcome.
-                    if preparing(&spec) {
-                        events.progress(ProgressKind::Preparing, 0);
-                    }
-                    // The agent is gone: its checkout's git directory is made plain before
-                    // the worker's git reads it.
-                    if let Some(wt) = &worktree {
-                        wt.sanitize();
-                    }
-                    // What its checkout holds now, in its usage.
-                    let disk = match &worktree {
-                        Some(wt) => crate::workspace::usage_of(&wt.path, true),
-                        None if dir_used => task_dir_use(&scratch, &a),
-                        None => crate::workspace::Usage::default(),
-                    };
-                    match result.as_mut() {
-                        Ok(out) => out.usage.disk_bytes = disk.bytes,
-                        Err(e) => e.usage.disk_bytes = disk.bytes,
-                    }
-                    // A limit the attempt went over is why it ended, whatever the backend saw.
-                    let over_quota = watch.and_then(|w| w.over(disk));
-                    if let Some(why) = over_quota.or_else(|| attempt_limits.exceeded()) {
-                        let usage = result.as_ref().err().map(|e| e.usage).unwrap_or_default();
-                        let mut e = Error::new(FailureKind::Terminal, why);
-                        e.usage = usage;
-                        result = Err(e);
-                    } else if let (Err(e), Some(hint)) = (result.as_mut(), limits.rlimits_hint())
-                        && e.kind == FailureKind::Terminal
-                    {
-                        e.message.push_str(&hint);
-                    }
-                    // What the agent left is recorded within a bound of its own: nothing in
-                    // the checkout can keep the worker's git busy past it.
-                    let settle = Box::pin(settle(
-                        &a,
-                        &spec,
-                        (worktree.as_ref(), dir_used),
-                        (&parts, &events),
-                        &mut result,
-                    ));
-                    match tokio::time::timeout(settle_bound(&spec), settle).await {
-                        Ok(p) => partial = p,
-                        Err(_) => {
-                            // A source checkout goes (an embedded worktree is the user's).
-                            if let Some(wt) = worktree.as_ref().filter(|wt| wt.own_repo()) {
-                                Box::pin(wt.discard()).await;
-                            }
-                            let usage = match &result {
-                                Ok(out) => out.usage,
-                                Err(e) => e.usage,
-                            };
-                            let mut e = Error::new(
-                                FailureKind::Terminal,
-                                format!(
-                                    "recording what the agent left in its checkout took more than {}; its checkout is gone",
-                                    humanize(settle_bound(&spec))
-                                ),
-                            );
-                            e.usage = usage;
-                            result = Err(e);
-                        }
-                    }
-                    result
-                }
-            },
-        },
+    let (result, partial) = match at.start(backend, &cancel).await {
+        Err(e) => (Err(e), None),
+        Ok(started) => at.run(started, &cancel).await,
     };
     sink.flush();
+    outcome_of(at.a, result, partial)
+}
+
+/// What an attempt starts with: its backend, the schema of its result, its checkout.
+struct Started {
+    backend: Arc<dyn AgentBackend>,
+    schema: Option<Value>,
+    worktree: Option<crate::worktree::Worktree>,
+}
+
+impl Attempt {
+    /// The backend, the result's schema and the checkout, or why the attempt cannot start.
+    async fn start(
+        &self,
+        backend: Result<Arc<dyn AgentBackend>, Error>,
+        cancel: &CancellationToken,
+    ) -> Result<Started, Error> {
+        let backend = backend?;
+        let schema = parse_schema(&self.spec)?;
+        let most = self.parts.limits.settings.prepare;
+        let worktree = tokio::select! {
+            r = Box::pin(prepare(self, most)) => r?,
+            () = cancel.cancelled() => {
+                return Err(Error::new(FailureKind::Cancelled, "cancelled while its checkout was made"));
+            }
+        };
+        Ok(Started {
+            backend,
+            schema,
+            worktree,
+        })
+    }
+
+    /// Runs the agent within the attempt's limits, then judges and settles what it left.
+    async fn run(&self, started: Started, cancel: &CancellationToken) -> Ran {
+        let Started {
+            backend,
+            schema,
+            worktree,
+        } = started;
+        let (a, spec, limits) = (&self.a, &self.spec, &self.parts.limits);
+        let scratch = &self.parts.workspace;
+        let attempt_limits =
+            Arc::new(limits.attempt(&format!("{}-{}-{}", a.run_id, a.call, a.attempt)));
+        let task = Task {
+            run_id: a.run_id.clone(),
+            call: a.call,
+            attempt: a.attempt,
+            call_key: a.call_key.clone(),
+            spec: spec.clone(),
+            schema,
+            workspace: scratch.clone(),
+            worktree: worktree.clone(),
+            sandbox: self.parts.sandbox.clone(),
+            limits: attempt_limits.clone(),
+            tmp_size: limits.settings.tmp,
+        };
+        // On a timeout or over the disk quota the attempt is cancelled the normal way, so the
+        // backend kills what it started before the outcome is sent.
+        let token = cancel.child_token();
+        let quota = limits.settings.disk.filter(|_| !scratch.is_shared());
+        // A backend that works in no directory has none to watch (nor to measure or remove
+        // below): its attempt touches no file.
+        let dir_used = backend.uses_directory();
+        let watched = match &worktree {
+            Some(wt) => Some(wt.path.clone()),
+            None if dir_used => scratch.call_dir(&a.run_id, a.call),
+            None => None,
+        };
+        let watch = match quota.zip(watched) {
+            Some((q, dir)) => {
+                Some(Box::pin(crate::limits::DiskWatch::start(dir, q, token.clone())).await)
+            }
+            None => None,
+        };
+        // The agent starts now: the stall timer, held while its workspace was made, runs
+        // from here.
+        if preparing(spec) {
+            self.events.progress(ProgressKind::AgentStarted, 0);
+        }
+        let mut result = self.bounded(&*backend, &task, token).await;
+        // The agent is done; what the worker records of its workspace now is not the agent's
+        // time: the stall timer is held until the outcome.
+        if preparing(spec) {
+            self.events.progress(ProgressKind::Preparing, 0);
+        }
+        // The agent is gone: its checkout's git directory is made plain before the worker's
+        // git reads it.
+        if let Some(wt) = &worktree {
+            wt.sanitize();
+        }
+        // What its checkout holds now, in its usage.
+        let disk = match &worktree {
+            Some(wt) => crate::workspace::usage_of(&wt.path, true),
+            None if dir_used => task_dir_use(scratch, a),
+            None => crate::workspace::Usage::default(),
+        };
+        match result.as_mut() {
+            Ok(out) => out.usage.disk_bytes = disk.bytes,
+            Err(e) => e.usage.disk_bytes = disk.bytes,
+        }
+        // A limit the attempt went over is why it ended, whatever the backend saw.
+        let over_quota = watch.and_then(|w| w.over(disk));
+        if let Some(why) = over_quota.or_else(|| attempt_limits.exceeded()) {
+            let usage = result.as_ref().err().map(|e| e.usage).unwrap_or_default();
+            let mut e = Error::new(FailureKind::Terminal, why);
+            e.usage = usage;
+            result = Err(e);
+        } else if let (Err(e), Some(hint)) = (result.as_mut(), limits.rlimits_hint())
+            && e.kind == FailureKind::Terminal
+        {
+            e.message.push_str(&hint);
+        }
+        let partial = self
+            .settle_within(worktree.as_ref(), dir_used, &mut result)
+            .await;
+        (result, partial)
+    }
+
+    /// The agent's run, cancelled at the script's timeout or the worker's longest attempt,
+    /// whichever is less.
+    async fn bounded(
+        &self,
+        backend: &dyn AgentBackend,
+        task: &Task,
+        token: CancellationToken,
+    ) -> Result<crate::backend::Output, Error> {
+        let spec = &self.spec;
+        let wall = self.parts.limits.settings.wall;
+        let asked = (spec.timeout_ms > 0).then(|| Duration::from_millis(spec.timeout_ms));
+        let limit = match (asked, wall) {
+            (Some(a), Some(w)) => Some(a.min(w)),
+            (a, w) => a.or(w),
+        };
+        let Some(limit) = limit else {
+            return crate::backend::run_attempt(backend, task, &self.events, token).await;
+        };
+        let by_worker = wall == Some(limit) && asked != Some(limit);
+        let run = crate::backend::run_attempt(backend, task, &self.events, token.clone());
+        tokio::pin!(run);
+        tokio::select! {
+            r = &mut run => r,
+            _ = tokio::time::sleep(limit) => {
+                token.cancel();
+                let _ = run.await;
+                Err(Error::new(
+                    FailureKind::Timeout,
+                    if by_worker {
+                        format!("agent timed out after {}, the worker's longest attempt (--max-attempt-time)", humanize(limit))
+                    } else {
+                        format!("agent timed out after {}", humanize(limit))
+                    },
+                ))
+            }
+        }
+    }
+
+    /// What the agent left is recorded within a bound of its own: nothing in the checkout
+    /// can keep the worker's git busy past it. The leftovers of an unfinished attempt.
+    async fn settle_within(
+        &self,
+        worktree: Option<&crate::worktree::Worktree>,
+        dir_used: bool,
+        result: &mut Result<crate::backend::Output, Error>,
+    ) -> Option<v1::Change> {
+        let bound = settle_bound(&self.spec);
+        let settled = Box::pin(settle(self, worktree, dir_used, result));
+        if let Ok(partial) = tokio::time::timeout(bound, settled).await {
+            return partial;
+        }
+        // A source checkout goes (an embedded worktree is the user's).
+        if let Some(wt) = worktree.filter(|wt| wt.own_repo()) {
+            Box::pin(wt.discard()).await;
+        }
+        let usage = match &*result {
+            Ok(out) => out.usage,
+            Err(e) => e.usage,
+        };
+        let mut e = Error::new(
+            FailureKind::Terminal,
+            format!(
+                "recording what the agent left in its checkout took more than {}; its checkout is gone",
+                humanize(bound)
+            ),
+        );
+        e.usage = usage;
+        *result = Err(e);
+        None
+    }
+}
+
+/// The outcome the coordinator is sent for assignment `a`.
+fn outcome_of(
+    a: Assignment,
+    result: Result<crate::backend::Output, Error>,
+    partial: Option<v1::Change>,
+) -> v1::Outcome {
     let (result, usage) = match result {
         Ok(out) => (
             outcome::Result::Completed(v1::Completed {
@@ -814,12 +875,12 @@ fn settle_bound(spec: &v1::TaskSpec) -> Duration {
 /// edits) or comes back as the leftovers for the call's next attempt (W58); a worktree is
 /// committed or removed; a scratch directory (when its backend uses one) goes when the call ends.
 async fn settle(
-    a: &Assignment,
-    spec: &v1::TaskSpec,
-    (worktree, dir_used): (Option<&crate::worktree::Worktree>, bool),
-    (parts, events): (&Parts, &Events),
+    at: &Attempt,
+    worktree: Option<&crate::worktree::Worktree>,
+    dir_used: bool,
     result: &mut Result<crate::backend::Output, Error>,
 ) -> Option<v1::Change> {
+    let (a, spec, parts, events) = (&at.a, &at.spec, &at.parts, &at.events);
     let (scratch, sources) = (&parts.workspace, &parts.sources);
     // A directory another attempt of the call uses now (a restart on this worker that did
     // not wait for this one) is that attempt's: it stays.
@@ -945,13 +1006,9 @@ fn preparing(spec: &v1::TaskSpec) -> bool {
 /// The call's checkout ([`checkout_for`]) within `most` (the worker's `--max-prepare-time`),
 /// the stall timer held meanwhile. What the worker fails at here is its own failure, not the
 /// agent's: `FailureKind::Setup`, which the call goes again for.
-async fn prepare(
-    a: &Assignment,
-    spec: &v1::TaskSpec,
-    (workspace, sources): (&Workspace, &crate::source::Sources),
-    (link, events): (&mpsc::UnboundedSender<WorkerMessage>, &Events),
-    most: Duration,
-) -> Result<Option<crate::worktree::Worktree>, Error> {
+async fn prepare(at: &Attempt, most: Duration) -> Result<Option<crate::worktree::Worktree>, Error> {
+    let (a, spec, events, link) = (&at.a, &at.spec, &at.events, &at.link);
+    let (workspace, sources) = (&at.parts.workspace, &*at.parts.sources);
     if preparing(spec) {
         events.progress(ProgressKind::Preparing, 0);
     }
