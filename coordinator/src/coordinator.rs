@@ -85,6 +85,15 @@ pub struct CoordinatorOptions {
     pub namespaces: Option<crate::namespace::Namespaces>,
 }
 
+/// A launch that passed its checks: its script prepared, its workflow, the body the
+/// runtime runs and what the launch is told besides.
+struct Checked {
+    prepared: source::Prepared,
+    workflow: WorkflowInfo,
+    body: String,
+    notes: Vec<String>,
+}
+
 /// The coordinator.
 pub struct Coordinator {
     store: Store,
@@ -370,8 +379,77 @@ impl Coordinator {
 
     /// Checks and starts a run.
     pub async fn launch(&self, mut req: LaunchRequest) -> Result<RunHandle, Rejected> {
+        let Checked {
+            prepared,
+            workflow,
+            body,
+            notes,
+        } = self.checked(&mut req).await?;
+        let args_json = req.args.as_ref().map(|a| a.get().to_owned());
+        let run_id = new_run_id();
+        // W52: one process drives a run, and a run is resumed by one run at a time.
+        let owners = self
+            .take_owners(&run_id, req.resume_from.as_deref(), &workflow)
+            .await?;
+        let resume = match self.resume_source(&req, &workflow).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.let_go(owners, &req, &run_id).await;
+                return Err(e);
+            }
+        };
+        let manifest = Manifest {
+            run_id: run_id.clone(),
+            workflow: workflow.clone(),
+            script_sha256: hex::encode(Sha256::digest(req.source.as_bytes())),
+            script_origin: req.origin.clone(),
+            args: req.args.clone(),
+            settings: req.settings.clone(),
+            created: humantime::format_rfc3339_millis(flotilla_proto::clock::now()).to_string(),
+            parent_run_id: req.resume_from.clone(),
+            generation: self.generation,
+            flotilla_version: env!("CARGO_PKG_VERSION").into(),
+        };
+        if let Err((e, swept)) = self.store_run(&req, &manifest).await {
+            // Nothing runs: let go of what was taken, so the run can be resumed.
+            self.let_go(owners, &req, &run_id).await;
+            if swept {
+                // The run never was: what was written of it goes (the client sends the
+                // launch again, with its source).
+                self.unwrite(&manifest).await;
+            }
+            return Err(e);
+        }
+        let phases = prepared
+            .meta
+            .phases
+            .iter()
+            .map(|p| p.title.clone())
+            .collect();
+        let generation = self.generation;
+        let mut handle = self.start_engine(StartEngine {
+            run_id,
+            workflow,
+            phases,
+            body,
+            args_json,
+            settings: req.settings,
+            generation,
+            resolver: req.resolver,
+            resume,
+            parent_run_id: req.resume_from,
+            owners,
+            indexed: crate::index::created(&manifest),
+        })?;
+        handle.notes = notes;
+        Ok(handle)
+    }
+
+    /// A launch checked before anything is taken or written: its script, its settings under
+    /// the operator's and its namespace's policy, its backend (chosen when it names none).
+    async fn checked(&self, req: &mut LaunchRequest) -> Result<Checked, Rejected> {
         if let (true, Some(parent)) = (req.inherit, req.resume_from.clone()) {
-            self.inherit(&mut req, &parent).await?;
+            self.inherit(req, &parent).await?;
         }
         if let Some(parent) = &req.resume_from {
             self.refuse_while_alive(parent).await?;
@@ -413,167 +491,145 @@ impl Coordinator {
             notes.push(note);
         }
         notes.extend(self.unoffered(&req.settings).await);
-        let args_json = req.args.as_ref().map(|a| a.get().to_owned());
-        let run_id = new_run_id();
-        // W52: one process drives a run, and a run is resumed by one run at a time.
-        let owners = self
-            .take_owners(&run_id, req.resume_from.as_deref(), &workflow)
-            .await?;
-        let loaded = match &req.resume_from {
-            None => Ok(None),
-            Some(parent) => match ResumeSource::load(&self.store, parent).await {
-                Ok((_, src)) => Ok(Some(src)),
-                Err(e @ (ResumeError::NoSuchRun { .. } | ResumeError::NoResults { .. })) => {
-                    Err(Rejected {
-                        message: e.to_string(),
-                        kind: ErrorKind::NotFound,
-                        workflow: workflow.clone(),
-                        resend_source: false,
-                    })
-                }
-                Err(ResumeError::Store(e)) => Err(Rejected {
-                    message: format!("cannot read the run to resume: {e}"),
-                    kind: e.kind(),
+        Ok(Checked {
+            prepared,
+            workflow,
+            body,
+            notes,
+        })
+    }
+
+    /// The journal a resume is served from (W51), if the launch resumes a run.
+    async fn resume_source(
+        &self,
+        req: &LaunchRequest,
+        workflow: &WorkflowInfo,
+    ) -> Result<Option<ResumeSource>, Rejected> {
+        let Some(parent) = &req.resume_from else {
+            return Ok(None);
+        };
+        match ResumeSource::load(&self.store, parent).await {
+            Ok((_, src)) => Ok(Some(src)),
+            Err(e @ (ResumeError::NoSuchRun { .. } | ResumeError::NoResults { .. })) => {
+                Err(Rejected {
+                    message: e.to_string(),
+                    kind: ErrorKind::NotFound,
                     workflow: workflow.clone(),
                     resend_source: false,
-                }),
-            },
-        };
-        let resume = match loaded {
-            Ok(r) => r,
-            Err(e) => {
-                for h in owners {
-                    h.release().await;
-                }
-                if let (Some(l), Some(parent)) = (self.leadership.as_ref(), &req.resume_from) {
-                    l.release_resume(parent, &run_id).await;
-                }
-                return Err(e);
+                })
             }
-        };
-        let manifest = Manifest {
-            run_id: run_id.clone(),
-            workflow: workflow.clone(),
-            script_sha256: hex::encode(Sha256::digest(req.source.as_bytes())),
-            script_origin: req.origin.clone(),
-            args: req.args.clone(),
-            settings: req.settings.clone(),
-            created: humantime::format_rfc3339_millis(flotilla_proto::clock::now()).to_string(),
-            parent_run_id: req.resume_from.clone(),
-            generation: self.generation,
-            flotilla_version: env!("CARGO_PKG_VERSION").into(),
-        };
-        let mut swept = false;
-        let stored = async {
-            let store_err = |e: crate::store::Error| Rejected {
+            Err(ResumeError::Store(e)) => Err(Rejected {
+                message: format!("cannot read the run to resume: {e}"),
+                kind: e.kind(),
+                workflow: workflow.clone(),
+                resend_source: false,
+            }),
+        }
+    }
+
+    /// Lets go of what a launch that does not run took: its owner keys and its claim on
+    /// the run it resumes.
+    async fn let_go(&self, owners: Vec<crate::owner::Held>, req: &LaunchRequest, run_id: &str) {
+        for h in owners {
+            h.release().await;
+        }
+        if let (Some(l), Some(parent)) = (self.leadership.as_ref(), &req.resume_from) {
+            l.release_resume(parent, run_id).await;
+        }
+    }
+
+    /// Writes the run: its script, manifest and index entry; checks its source is still
+    /// whole (else refused with `resend_source`, and `true`: what was written must go);
+    /// keeps the workflows it carries; owns it in a group.
+    async fn store_run(
+        &self,
+        req: &LaunchRequest,
+        manifest: &Manifest,
+    ) -> Result<(), (Rejected, bool)> {
+        let (run_id, workflow) = (&manifest.run_id, &manifest.workflow);
+        let store_err = |e: crate::store::Error| {
+            let refused = Rejected {
                 message: format!("cannot store the run: {e}"),
                 kind: e.kind(),
                 workflow: workflow.clone(),
                 resend_source: false,
             };
-            self.store
-                .put_create(&keys::script(&run_id), Bytes::from(req.source.clone()))
-                .await
-                .map_err(store_err)?;
-            let manifest_body = serde_json::to_vec_pretty(&manifest).map_err(|e| {
-                Rejected::invalid(format!("cannot encode the manifest: {e}"), workflow.clone())
+            (refused, false)
+        };
+        self.store
+            .put_create(&keys::script(run_id), Bytes::from(req.source.clone()))
+            .await
+            .map_err(store_err)?;
+        let manifest_body = serde_json::to_vec_pretty(manifest).map_err(|e| {
+            let refused =
+                Rejected::invalid(format!("cannot encode the manifest: {e}"), workflow.clone());
+            (refused, false)
+        })?;
+        self.store
+            .put_create(&keys::manifest(run_id), Bytes::from(manifest_body))
+            .await
+            .map_err(store_err)?;
+        crate::index::record(&self.store, &crate::index::created(manifest))
+            .await
+            .map_err(store_err)?;
+        // The run now holds its source against retention; the source must still be there (a
+        // sweep may have taken it since the client asked whether it was held), and be its
+        // namespace's: another namespace's repository and commit ids find nothing, as ids
+        // nobody uploaded.
+        if let Some(src) = &req.settings.source
+            && src.url.is_none()
+            && let Err(e) = match crate::source::Repo::new(&req.settings.namespace, &src.repo) {
+                Ok(repo) => crate::source::complete(&self.store, &repo, &src.commit).await,
+                Err(e) => Err(e),
+            }
+        {
+            let refused = Rejected {
+                message: format!("{e} ({})", crate::source::SWEPT_WHILE_LAUNCHING),
+                kind: e.kind(),
+                workflow: workflow.clone(),
+                resend_source: true,
+            };
+            return Err((refused, true));
+        }
+        if let Some(carried) = req.resolver.carried()
+            && (!carried.workflows.is_empty() || !carried.agent_types.is_empty())
+        {
+            let body = serde_json::to_vec(&carried).map_err(|e| {
+                let refused = Rejected::invalid(
+                    format!("cannot encode the carried workflows: {e}"),
+                    workflow.clone(),
+                );
+                (refused, false)
             })?;
             self.store
-                .put_create(&keys::manifest(&run_id), Bytes::from(manifest_body))
+                .put_create(&keys::carried(run_id), Bytes::from(body))
                 .await
                 .map_err(store_err)?;
-            crate::index::record(&self.store, &crate::index::created(&manifest))
-                .await
-                .map_err(store_err)?;
-            // The run now holds its source against retention; the source must still be there
-            // (a sweep may have taken it since the client asked whether it was held), and be
-            // its namespace's: another namespace's repository and commit ids find nothing, as
-            // ids nobody uploaded.
-            if let Some(src) = &req.settings.source
-                && src.url.is_none()
-                && let Err(e) = match crate::source::Repo::new(&req.settings.namespace, &src.repo) {
-                    Ok(repo) => crate::source::complete(&self.store, &repo, &src.commit).await,
-                    Err(e) => Err(e),
-                }
-            {
-                swept = true;
-                return Err(Rejected {
-                    message: format!("{e} ({})", crate::source::SWEPT_WHILE_LAUNCHING),
-                    kind: e.kind(),
-                    workflow: workflow.clone(),
-                    resend_source: true,
-                });
-            }
-            if let Some(carried) = req.resolver.carried()
-                && (!carried.workflows.is_empty() || !carried.agent_types.is_empty())
-            {
-                let body = serde_json::to_vec(&carried).map_err(|e| {
-                    Rejected::invalid(
-                        format!("cannot encode the carried workflows: {e}"),
-                        workflow.clone(),
-                    )
-                })?;
-                self.store
-                    .put_create(&keys::carried(&run_id), Bytes::from(body))
-                    .await
-                    .map_err(store_err)?;
-            }
-            if let Some(l) = self.leadership.as_ref() {
-                l.own(&run_id).await.map_err(|e| Rejected {
+        }
+        if let Some(l) = self.leadership.as_ref() {
+            l.own(run_id).await.map_err(|e| {
+                let refused = Rejected {
                     message: e.to_string(),
                     kind: e.kind(),
                     workflow: workflow.clone(),
                     resend_source: false,
-                })?;
-            }
-            Ok(())
+                };
+                (refused, false)
+            })?;
         }
-        .await;
-        if let Err(e) = stored {
-            // Nothing runs: let go of what was taken, so the run can be resumed.
-            for h in owners {
-                h.release().await;
-            }
-            if let (Some(l), Some(parent)) = (self.leadership.as_ref(), &req.resume_from) {
-                l.release_resume(parent, &run_id).await;
-            }
-            if swept {
-                // The run never was: what was written of it goes (the client sends the
-                // launch again, with its source).
-                let _ = crate::index::forget(&self.store, &crate::index::created(&manifest)).await;
-                if let Ok(objects) = self.store.list_all(&keys::run_dir(&run_id)).await {
-                    for o in objects {
-                        let _ = self.store.delete(&o.location).await;
-                    }
-                }
-                self.store.prune_empty_dirs(&keys::run_dir(&run_id));
-            }
-            return Err(e);
-        }
+        Ok(())
+    }
 
-        let phases = prepared
-            .meta
-            .phases
-            .iter()
-            .map(|p| p.title.clone())
-            .collect();
-        let generation = self.generation;
-        let mut handle = self.start_engine(StartEngine {
-            run_id,
-            workflow,
-            phases,
-            body,
-            args_json,
-            settings: req.settings,
-            generation,
-            resolver: req.resolver,
-            resume,
-            parent_run_id: req.resume_from,
-            owners,
-            indexed: crate::index::created(&manifest),
-        })?;
-        handle.notes = notes;
-        Ok(handle)
+    /// Removes what was written of a run that never was.
+    async fn unwrite(&self, manifest: &Manifest) {
+        let run_id = &manifest.run_id;
+        let _ = crate::index::forget(&self.store, &crate::index::created(manifest)).await;
+        if let Ok(objects) = self.store.list_all(&keys::run_dir(run_id)).await {
+            for o in objects {
+                let _ = self.store.delete(&o.location).await;
+            }
+        }
+        self.store.prune_empty_dirs(&keys::run_dir(run_id));
     }
 
     /// The backend of a launch that names none: of those the attached workers offer, the

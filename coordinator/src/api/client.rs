@@ -222,6 +222,140 @@ impl ClientSvc {
                 _ => ErrorKind::Unavailable.status(format!("cannot read run {run}: {e}")),
             })
     }
+
+    /// A launch's run settings: none sent are the defaults; a source the workers would not
+    /// fetch is refused now, not by each agent six times — the URL's form (every client, the
+    /// CLI's checks or not) and, for a path on the workers' disks, whether this coordinator's
+    /// operator says its workers fetch those.
+    fn launch_settings(&self, settings_json: &str) -> Result<RunSettings, Status> {
+        // None sent: the defaults, as for any field a client leaves out.
+        let settings_json = match settings_json.trim() {
+            "" => "{}",
+            text => text,
+        };
+        let settings: RunSettings = serde_json::from_str(settings_json).map_err(|e| {
+            ErrorKind::Invalid.status(format!(
+                "run settings are not valid: {e}; send a JSON object of run settings, or none for the defaults"
+            ))
+        })?;
+        if let Some(url) = settings.source.as_ref().and_then(|s| s.url.as_deref()) {
+            let from = SourceRef::fetch_from(url)
+                .map_err(|e| ErrorKind::Invalid.status(format!("invalid run settings: {e}")))?;
+            if from == FetchFrom::WorkerDisk && !self.policy.file_sources {
+                return Err(ErrorKind::Invalid.status(format!(
+                    "source {url:?} is a path on the workers' own disks, which this coordinator does not accept: give an https, http, ssh or git URL, or launch from the repository without --source to send its code with the run; an operator whose workers run with --allow-file-sources can allow it with `flotilla coordinator --allow-file-sources` (allow_file_sources = true in its config file)"
+                )));
+            }
+        }
+        Ok(settings)
+    }
+
+    /// The run's namespace: the one `asked` for if the certificate names it, else (a resume)
+    /// the parent's, else the certificate's first. A resumed run must be the caller's.
+    async fn launch_namespace(
+        &self,
+        scope: &Scope,
+        who: &str,
+        mut asked: String,
+        resume_from: &str,
+    ) -> Result<String, Status> {
+        if !resume_from.is_empty() {
+            // An unknown run: the launch says there is nothing to resume.
+            let parent = match self.registry.namespace(resume_from) {
+                Some(ns) => Some(ns),
+                None => history::namespace_of(self.coordinator.store(), resume_from)
+                    .await
+                    .map_err(|e| {
+                        ErrorKind::Unavailable.status(format!("cannot read run {resume_from}: {e}"))
+                    })?,
+            };
+            if let Some(ns) = parent {
+                self.visible(scope, resume_from).await?;
+                // A resume stays in its run's namespace: its calls served from the parent
+                // are the parent's, prompts and all.
+                if !asked.is_empty() && asked != ns {
+                    return Err(ErrorKind::Denied.status(format!(
+                        "run {resume_from} is in namespace {ns}, and a resume stays in its run's namespace: leave out --namespace {asked}"
+                    )));
+                }
+                asked = ns;
+            }
+        }
+        scope
+            .choose(&asked, who)
+            .map_err(|e| ErrorKind::Denied.status(e))
+    }
+
+    /// On a coordinator that runs saved workflows only: `r` runs the one it names, of the
+    /// run's namespace `ns` (then the fleet's, then the bundled ones), and its nested
+    /// `workflow()` calls reach only what this coordinator holds for `ns`.
+    async fn saved_only(&self, r: &mut v1::LaunchRequest, ns: &str) -> Result<(), Status> {
+        if r.saved_name.is_empty() {
+            return Err(ErrorKind::Denied.status(
+                "this coordinator runs saved workflows only: launch a pushed or bundled one by name (`flotilla workflows list --coordinator URL`); a publisher of this coordinator can push yours with `flotilla workflows push FILE`",
+            ));
+        }
+        // Another namespace's name reads as one nobody pushed.
+        let name = r.saved_name.trim_start_matches('/').to_owned();
+        let found = match crate::saved::find(self.coordinator.store(), ns, &name)
+            .await
+            .map_err(|e| e.kind().status(e.to_string()))?
+        {
+            Some(w) => w,
+            None => crate::bundled::find(&name).ok_or_else(|| {
+                ErrorKind::NotFound.status(format!(
+                    "no saved workflow {name:?} in namespace {ns} on this coordinator (`flotilla workflows list --coordinator URL` lists them); a publisher of this coordinator can push it with `flotilla workflows push FILE`"
+                ))
+            })?,
+        };
+        r.script = found.source;
+        r.origin = found.origin;
+        // Bundled ones are found after the pushed ones anyway.
+        r.workflows = crate::saved::offered(self.coordinator.store(), ns)
+            .await
+            .map_err(|e| e.kind().status(e.to_string()))?
+            .into_iter()
+            .map(v1::SavedWorkflow::from)
+            .collect();
+        Ok(())
+    }
+
+    /// What a launch answers: its run, or why it was refused (nothing was stored then: no
+    /// run id to hand out).
+    fn launch_reply(
+        &self,
+        launched: Result<crate::run::RunHandle, crate::Rejected>,
+    ) -> Result<Response<v1::LaunchReply>, Status> {
+        match launched {
+            Ok(handle) => {
+                let run_id = handle.run_id.clone();
+                let notes = handle.notes.clone();
+                self.registry.track(handle);
+                Ok(Response::new(v1::LaunchReply {
+                    session_url: self.session_url(&run_id),
+                    run_id,
+                    status: "running".into(),
+                    error: String::new(),
+                    report_json: String::new(),
+                    notes,
+                    resend_source: false,
+                }))
+            }
+            Err(rejected) => {
+                let report =
+                    Report::rejected("", rejected.workflow.clone(), rejected.message.clone());
+                Ok(Response::new(v1::LaunchReply {
+                    run_id: String::new(),
+                    session_url: String::new(),
+                    status: "rejected".into(),
+                    error: rejected.message,
+                    report_json: to_json(&report)?,
+                    notes: Vec::new(),
+                    resend_source: rejected.resend_source,
+                }))
+            }
+        }
+    }
 }
 
 /// A run id as a client names it: a plain name no longer than 128 characters (ids look like
@@ -257,6 +391,36 @@ pub(super) fn to_json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
     serde_json::to_string(v).map_err(|e| ErrorKind::Internal.status(format!("cannot encode: {e}")))
 }
 
+/// The workflows and agent types a launch carries (W62–W64): what its nested `workflow()`
+/// calls and its `agentType`s find.
+fn carried(
+    workflows: Vec<v1::SavedWorkflow>,
+    definitions: Vec<v1::AgentDefinition>,
+    builtin: std::collections::HashMap<String, String>,
+) -> CarriedWorkflows {
+    let mut types: Vec<AgentType> = definitions
+        .into_iter()
+        .map(|d| AgentType {
+            model: (!d.model.is_empty()).then_some(d.model),
+            description: (!d.description.is_empty()).then_some(d.description),
+            prompt: Some(d.prompt),
+            tools: d.tools,
+            name: d.name,
+        })
+        .collect();
+    for (name, model) in builtin {
+        if !types.iter().any(|t| t.name == name) {
+            let mut t = AgentType::builtin(&name);
+            t.model = (!model.is_empty()).then_some(model);
+            types.push(t);
+        }
+    }
+    CarriedWorkflows {
+        workflows: workflows.into_iter().map(FoundWorkflow::from).collect(),
+        agent_types: types,
+    }
+}
+
 #[tonic::async_trait]
 impl ClientService for ClientSvc {
     async fn ping(&self, req: Request<v1::PingRequest>) -> Result<Response<v1::PingReply>, Status> {
@@ -286,89 +450,13 @@ impl ClientService for ClientSvc {
                 "workflows are disabled on this coordinator (FLOTILLA_DISABLE_WORKFLOWS or disable_workflows in its config file): new runs are refused, runs in progress keep going",
             ));
         }
-        // None sent: the defaults, as for any field a client leaves out.
-        let settings_json = match r.settings_json.trim() {
-            "" => "{}",
-            text => text,
-        };
-        let mut settings: RunSettings = serde_json::from_str(settings_json).map_err(|e| {
-            ErrorKind::Invalid.status(format!(
-                "run settings are not valid: {e}; send a JSON object of run settings, or none for the defaults"
-            ))
-        })?;
-        // A source the workers would not fetch is refused now, not by each agent six times:
-        // the URL's form (every client, the CLI's checks or not) and, for a path on the
-        // workers' disks, whether this coordinator's operator says its workers fetch those.
-        if let Some(url) = settings.source.as_ref().and_then(|s| s.url.as_deref()) {
-            let from = SourceRef::fetch_from(url)
-                .map_err(|e| ErrorKind::Invalid.status(format!("invalid run settings: {e}")))?;
-            if from == FetchFrom::WorkerDisk && !self.policy.file_sources {
-                return Err(ErrorKind::Invalid.status(format!(
-                    "source {url:?} is a path on the workers' own disks, which this coordinator does not accept: give an https, http, ssh or git URL, or launch from the repository without --source to send its code with the run; an operator whose workers run with --allow-file-sources can allow it with `flotilla coordinator --allow-file-sources` (allow_file_sources = true in its config file)"
-                )));
-            }
-        }
-        // The run's namespace: the one asked for if the certificate names it, else (a resume)
-        // the parent's, else the certificate's first. A resumed run must be the caller's.
-        let mut asked = std::mem::take(&mut settings.namespace);
-        if !r.resume_from.is_empty() {
-            // An unknown run: the launch says there is nothing to resume.
-            let parent = match self.registry.namespace(&r.resume_from) {
-                Some(ns) => Some(ns),
-                None => history::namespace_of(self.coordinator.store(), &r.resume_from)
-                    .await
-                    .map_err(|e| {
-                        ErrorKind::Unavailable
-                            .status(format!("cannot read run {}: {e}", r.resume_from))
-                    })?,
-            };
-            if let Some(ns) = parent {
-                self.visible(&scope, &r.resume_from).await?;
-                // A resume stays in its run's namespace: its calls served from the parent
-                // are the parent's, prompts and all.
-                if !asked.is_empty() && asked != ns {
-                    return Err(ErrorKind::Denied.status(format!(
-                        "run {} is in namespace {ns}, and a resume stays in its run's namespace: leave out --namespace {asked}",
-                        r.resume_from
-                    )));
-                }
-                asked = ns;
-            }
-        }
-        settings.namespace = scope
-            .choose(&asked, &who)
-            .map_err(|e| ErrorKind::Denied.status(e))?;
+        let mut settings = self.launch_settings(&r.settings_json)?;
+        let asked = std::mem::take(&mut settings.namespace);
+        settings.namespace = self
+            .launch_namespace(&scope, &who, asked, &r.resume_from)
+            .await?;
         if self.policy.saved_only && !r.inherit {
-            if r.saved_name.is_empty() {
-                return Err(ErrorKind::Denied.status(
-                    "this coordinator runs saved workflows only: launch a pushed or bundled one by name (`flotilla workflows list --coordinator URL`); a publisher of this coordinator can push yours with `flotilla workflows push FILE`",
-                ));
-            }
-            // The run's namespace's pushed workflows (then the fleet's, then the bundled
-            // ones): another namespace's name reads as one nobody pushed.
-            let ns = &settings.namespace;
-            let name = r.saved_name.trim_start_matches('/').to_owned();
-            let found = match crate::saved::find(self.coordinator.store(), ns, &name)
-                .await
-                .map_err(|e| e.kind().status(e.to_string()))?
-            {
-                Some(w) => w,
-                None => crate::bundled::find(&name).ok_or_else(|| {
-                    ErrorKind::NotFound.status(format!(
-                        "no saved workflow {name:?} in namespace {ns} on this coordinator (`flotilla workflows list --coordinator URL` lists them); a publisher of this coordinator can push it with `flotilla workflows push FILE`"
-                    ))
-                })?,
-            };
-            r.script = found.source;
-            r.origin = found.origin;
-            // Nested workflow() calls, too, reach only what this coordinator holds for the
-            // run's namespace: its pushed workflows (bundled ones are found after them anyway).
-            r.workflows = crate::saved::offered(self.coordinator.store(), ns)
-                .await
-                .map_err(|e| e.kind().status(e.to_string()))?
-                .into_iter()
-                .map(v1::SavedWorkflow::from)
-                .collect();
+            self.saved_only(&mut r, &settings.namespace).await?;
         }
         // Checked as JSON, kept as text: a value tree of 16 MiB of JSON can take ten times that.
         let args = match r.args_json.take() {
@@ -379,30 +467,11 @@ impl ClientService for ClientSvc {
                 })?)
             }
         };
-        let resolver = CarriedWorkflows {
-            workflows: r.workflows.into_iter().map(FoundWorkflow::from).collect(),
-            agent_types: {
-                let mut types: Vec<AgentType> = r
-                    .agent_definitions
-                    .into_iter()
-                    .map(|d| AgentType {
-                        model: (!d.model.is_empty()).then_some(d.model),
-                        description: (!d.description.is_empty()).then_some(d.description),
-                        prompt: Some(d.prompt),
-                        tools: d.tools,
-                        name: d.name,
-                    })
-                    .collect();
-                for (name, model) in r.agent_types {
-                    if !types.iter().any(|t| t.name == name) {
-                        let mut t = AgentType::builtin(&name);
-                        t.model = (!model.is_empty()).then_some(model);
-                        types.push(t);
-                    }
-                }
-                types
-            },
-        };
+        let resolver = carried(
+            std::mem::take(&mut r.workflows),
+            std::mem::take(&mut r.agent_definitions),
+            std::mem::take(&mut r.agent_types),
+        );
         let launched = self
             .coordinator
             .launch(LaunchRequest {
@@ -415,36 +484,7 @@ impl ClientService for ClientSvc {
                 resolver: Arc::new(resolver),
             })
             .await;
-        match launched {
-            Ok(handle) => {
-                let run_id = handle.run_id.clone();
-                let notes = handle.notes.clone();
-                self.registry.track(handle);
-                Ok(Response::new(v1::LaunchReply {
-                    session_url: self.session_url(&run_id),
-                    run_id,
-                    status: "running".into(),
-                    error: String::new(),
-                    report_json: String::new(),
-                    notes,
-                    resend_source: false,
-                }))
-            }
-            Err(rejected) => {
-                // Nothing was stored: no run id to hand out.
-                let report =
-                    Report::rejected("", rejected.workflow.clone(), rejected.message.clone());
-                Ok(Response::new(v1::LaunchReply {
-                    run_id: String::new(),
-                    session_url: String::new(),
-                    status: "rejected".into(),
-                    error: rejected.message,
-                    report_json: to_json(&report)?,
-                    notes: Vec::new(),
-                    resend_source: rejected.resend_source,
-                }))
-            }
-        }
+        self.launch_reply(launched)
     }
 
     async fn wait(&self, req: Request<v1::RunRef>) -> Result<Response<v1::ReportReply>, Status> {
