@@ -11,7 +11,7 @@ use flotilla_proto::Problem;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
-use flotilla_coordinator::script::source::{self, Meta};
+use flotilla_coordinator::script::text::{self, Meta};
 use flotilla_coordinator::workflows;
 use serde_json::{Value, json};
 
@@ -27,7 +27,7 @@ pub enum Decision {
 
 /// Prints the plan and, on a terminal, asks whether to run.
 pub fn gate(r: &ResolvedRun, yes: bool, plan_only: bool) -> Decision {
-    let meta = source::read_meta(&r.source).ok();
+    let meta = text::read_meta(&r.source).ok();
     let interactive = std::io::stdin().is_terminal() && std::io::stderr().is_terminal();
     if plan_only {
         print!("{}", plan(r, meta.as_ref()));

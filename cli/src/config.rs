@@ -432,9 +432,9 @@ fn read_config(path: Option<&Path>) -> Result<ConfigFile, Problem> {
     let Some(path) = path else {
         return Ok(ConfigFile::default());
     };
-    let text = flotilla_coordinator::limits::read_file(
+    let text = flotilla_coordinator::reads::read_file(
         path,
-        flotilla_coordinator::limits::SMALL_FILE_BYTES,
+        flotilla_coordinator::reads::SMALL_FILE_BYTES,
         "config file",
     )?;
     parse_config(&text, &path.display().to_string())
@@ -723,9 +723,9 @@ pub fn resolve_run_with(
             ))
         })?),
         (None, Some(path)) => {
-            let text = flotilla_coordinator::limits::read_file(
+            let text = flotilla_coordinator::reads::read_file(
                 path,
-                flotilla_coordinator::limits::ARGS_BYTES,
+                flotilla_coordinator::reads::ARGS_BYTES,
                 "--args-file",
             )?;
             Some(serde_json::from_str(&text).map_err(|e| {
@@ -750,9 +750,9 @@ pub fn resolve_run_with(
             || (args.script.contains('/') && !slash_name));
     let saved_name = (!by_path).then(|| args.script.trim_start_matches('/').to_owned());
     let (source, origin) = if by_path {
-        let source = flotilla_coordinator::limits::read_file(
+        let source = flotilla_coordinator::reads::read_file(
             &path,
-            flotilla_coordinator::limits::SCRIPT_BYTES,
+            flotilla_coordinator::reads::SCRIPT_BYTES,
             "script",
         )?;
         (source, path.display().to_string())
@@ -780,7 +780,7 @@ pub fn resolve_run_with(
     };
     let mut settings = settings;
     let mut meta_backend = false;
-    if let Ok(meta) = flotilla_coordinator::script::source::read_meta(&source) {
+    if let Ok(meta) = flotilla_coordinator::script::text::read_meta(&source) {
         meta_defaults(&mut settings, &meta.raw, &args.settings, &file)?;
         meta_backend = meta.raw.get("backend").is_some();
     }

@@ -216,7 +216,7 @@ pub async fn run(
         // connection for a bounded time here too.
         let listener = flotilla_coordinator::listen::Limited::new(
             listener,
-            flotilla_coordinator::listen::Limits::default(),
+            flotilla_coordinator::listen::ConnLimits::default(),
         );
         served = Some(tokio::spawn(flotilla_coordinator::web::serve_router(
             listener,

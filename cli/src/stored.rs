@@ -399,7 +399,7 @@ pub fn swept_line(s: &flotilla_coordinator::gc::Swept) -> String {
         s.objects,
         s.payloads,
         s.source_objects,
-        flotilla_coordinator::limits::human_bytes(s.bytes as usize),
+        flotilla_coordinator::reads::human_bytes(s.bytes as usize),
         s.kept.len()
     )
 }

@@ -67,12 +67,12 @@ pub fn find(name: &str) -> Option<FoundWorkflow> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::script::source;
+    use crate::script::text;
 
     #[test]
     fn every_bundled_workflow_has_a_literal_meta_named_like_its_file() {
         for (name, text) in BUNDLED {
-            let meta = source::read_meta(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let meta = text::read_meta(text).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(meta.name, name);
             assert!(!meta.description.is_empty(), "{name}");
             assert!(meta.when_to_use.is_some(), "{name} says what args it takes");

@@ -18,7 +18,7 @@ use crate::lease::LeaseStore;
 use crate::run::resume::{ResumeError, ResumeSource};
 use crate::run::{self, EngineInit, RunHandle};
 use crate::sched::{self, DispatchHandle};
-use crate::script::{self, ScriptInput, ScriptLimits, ScriptShared, runtime, source};
+use crate::script::{self, ScriptInput, ScriptLimits, ScriptShared, runtime, text};
 use crate::settings::RunSettings;
 use crate::store::records::{Manifest, WorkflowInfo};
 use crate::store::{Store, journal, keys};
@@ -88,7 +88,7 @@ pub struct CoordinatorOptions {
 /// A launch that passed its checks: its script prepared, its workflow, the body the
 /// runtime runs and what the launch is told besides.
 struct Checked {
-    prepared: source::Prepared,
+    prepared: text::Prepared,
     workflow: WorkflowInfo,
     body: String,
     notes: Vec<String>,
@@ -454,7 +454,7 @@ impl Coordinator {
         if let Some(parent) = &req.resume_from {
             self.refuse_while_alive(parent).await?;
         }
-        let prepared = source::prepare(&req.source)
+        let prepared = text::prepare(&req.source)
             .map_err(|e| Rejected::invalid(e.to_string(), WorkflowInfo::default()))?;
         let workflow = WorkflowInfo {
             name: prepared.meta.name.clone(),
@@ -731,7 +731,7 @@ impl Coordinator {
                 )
             })?;
         let source = String::from_utf8_lossy(&source).into_owned();
-        let prepared = source::prepare(&source)
+        let prepared = text::prepare(&source)
             .map_err(|e| Rejected::invalid(e.to_string(), manifest.workflow.clone()))?;
         let body = script::runnable_body(&prepared);
         let args_json = manifest.args.as_ref().map(|a| a.get().to_owned());

@@ -1,20 +1,20 @@
 //! Listeners a peer without a certificate cannot wear down.
 //!
 //! Every connection the coordinator accepts (gRPC and the session pages) takes a place among
-//! [`Limits::max_connections`], and at most [`Limits::max_per_peer`] of them belong to one
+//! [`ConnLimits::max_connections`], and at most [`ConnLimits::max_per_peer`] of them belong to one
 //! peer (an IPv4 address, or an IPv6 /64): past its share a peer's new connection is closed
 //! at once. When the listener is full, a newcomer holding fewer connections than the busiest
 //! peer takes the place of that peer's oldest connection, which is closed; so a peer that
 //! opens few connections (a kubelet's probe, a person's browser) always gets in, however
 //! many addresses an attacker spreads its connections over, unless every connection belongs
 //! to a peer with no more than the newcomer's. A TLS handshake that has not finished within
-//! [`Limits::handshake`] is dropped, and a connection with no bytes in either direction for
-//! [`Limits::idle`] is closed (healthy gRPC peers are never idle that long: the server pings
+//! [`ConnLimits::handshake`] is dropped, and a connection with no bytes in either direction for
+//! [`ConnLimits::idle`] is closed (healthy gRPC peers are never idle that long: the server pings
 //! them every keep-alive interval). Each of these says so in the log, at most once a second,
 //! with how many it suppressed.
 //!
 //! A connection that trickles bytes is never idle: the page server bounds how long a
-//! request's headers and body may take ([`Limits::read`], `web::serve_router`).
+//! request's headers and body may take ([`ConnLimits::read`], `web::serve_router`).
 //!
 //! The gRPC face gets its connections from [`tls`] (or [`plain`] with `--insecure`) through
 //! `serve_with_incoming`; the pages from [`Limited`].
@@ -38,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 
 /// What one listener allows.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub struct ConnLimits {
     /// Longest a TLS handshake may take.
     pub handshake: Duration,
     /// Longest a connection may go without a byte either way.
@@ -51,9 +51,9 @@ pub struct Limits {
     pub read: Duration,
 }
 
-impl Default for Limits {
+impl Default for ConnLimits {
     fn default() -> Self {
-        Limits {
+        ConnLimits {
             handshake: Duration::from_secs(10),
             idle: Duration::from_secs(300),
             max_connections: 4096,
@@ -144,14 +144,14 @@ struct Table {
 /// of the busiest peer's oldest connection when the listener is full.
 #[derive(Debug)]
 struct Gate {
-    limits: Limits,
+    limits: ConnLimits,
     logs: Logs,
     table: Mutex<Table>,
     next: AtomicU64,
 }
 
 impl Gate {
-    fn new(what: &'static str, limits: Limits) -> Arc<Gate> {
+    fn new(what: &'static str, limits: ConnLimits) -> Arc<Gate> {
         Arc::new(Gate {
             limits,
             logs: Logs {
@@ -444,7 +444,7 @@ async fn accept_loop(
 pub fn tls(
     listener: TcpListener,
     config: Arc<tokio_rustls::rustls::ServerConfig>,
-    limits: Limits,
+    limits: ConnLimits,
     cancel: CancellationToken,
 ) -> UnboundedReceiverStream<io::Result<tokio_rustls::server::TlsStream<Guarded<TcpStream>>>> {
     let (tx, rx) = mpsc::unbounded_channel();
@@ -483,7 +483,7 @@ pub fn tls(
 /// Connections of a plain-text listener (`--insecure` on loopback), for `serve_with_incoming`.
 pub fn plain(
     listener: TcpListener,
-    limits: Limits,
+    limits: ConnLimits,
     cancel: CancellationToken,
 ) -> UnboundedReceiverStream<io::Result<Guarded<TcpStream>>> {
     let (tx, rx) = mpsc::unbounded_channel();
@@ -509,7 +509,7 @@ impl std::fmt::Debug for Limited {
 }
 
 impl Limited {
-    pub fn new(inner: TcpListener, limits: Limits) -> Self {
+    pub fn new(inner: TcpListener, limits: ConnLimits) -> Self {
         Limited {
             inner,
             gate: Gate::new("http", limits),
@@ -521,7 +521,7 @@ impl Limited {
         accept_one(&self.inner, &self.gate).await
     }
 
-    pub fn limits(&self) -> Limits {
+    pub fn limits(&self) -> ConnLimits {
         self.gate.limits
     }
 
@@ -553,11 +553,11 @@ mod tests {
     async fn the_connection_limit_and_the_idle_timeout_close_connections() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let limits = Limits {
+        let limits = ConnLimits {
             handshake: Duration::from_secs(1),
             idle: Duration::from_millis(300),
             max_connections: 2,
-            ..Limits::default()
+            ..ConnLimits::default()
         };
         let cancel = CancellationToken::new();
         let mut incoming = plain(listener, limits, cancel.clone());
@@ -598,7 +598,7 @@ mod tests {
     }
 
     /// An echo server on `plain` connections with `limits`; its address.
-    async fn echo(limits: Limits, cancel: &CancellationToken) -> SocketAddr {
+    async fn echo(limits: ConnLimits, cancel: &CancellationToken) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let mut incoming = plain(listener, limits, cancel.clone());
@@ -634,10 +634,10 @@ mod tests {
     #[tokio::test]
     async fn a_peer_past_its_cap_is_refused_and_a_full_listener_lets_a_new_peer_in() {
         let cancel = CancellationToken::new();
-        let limits = Limits {
+        let limits = ConnLimits {
             max_connections: 4,
             max_per_peer: 3,
-            ..Limits::default()
+            ..ConnLimits::default()
         };
         let addr = echo(limits, &cancel).await;
         let mut attacker = Vec::new();
@@ -687,10 +687,10 @@ mod tests {
     fn a_newcomer_never_takes_the_place_of_an_authenticated_connection() {
         let gate = Gate::new(
             "test",
-            Limits {
+            ConnLimits {
                 max_connections: 4,
                 max_per_peer: 4,
-                ..Limits::default()
+                ..ConnLimits::default()
             },
         );
         let workers: SocketAddr = "10.0.0.1:1".parse().unwrap();
@@ -719,10 +719,10 @@ mod tests {
     fn a_place_given_back_is_counted_once() {
         let gate = Gate::new(
             "test",
-            Limits {
+            ConnLimits {
                 max_connections: 2,
                 max_per_peer: 2,
-                ..Limits::default()
+                ..ConnLimits::default()
             },
         );
         let a: SocketAddr = "127.0.0.2:1".parse().unwrap();

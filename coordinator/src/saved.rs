@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::namespace;
-use crate::script::source;
+use crate::script::text;
 use crate::store::{Store, keys};
 use crate::workflows::FoundWorkflow;
 
@@ -142,8 +142,8 @@ pub async fn push(
     if !valid_place(ns) {
         return Err(SavedError::BadNamespace(ns.to_owned()));
     }
-    let meta = source::read_meta(text).map_err(|e| SavedError::Meta(e.to_string()))?;
-    source::prepare(text).map_err(|e| SavedError::Load(e.to_string()))?;
+    let meta = text::read_meta(text).map_err(|e| SavedError::Meta(e.to_string()))?;
+    text::prepare(text).map_err(|e| SavedError::Load(e.to_string()))?;
     if !valid_name(&meta.name) {
         return Err(SavedError::BadName(meta.name));
     }

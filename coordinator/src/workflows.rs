@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::script::source;
+use crate::script::text;
 
 /// A reference from a script: a saved workflow's name, or a path.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -241,7 +241,7 @@ pub struct DirResolver {
 /// `..` or a symlink) is skipped, as is a manifest that cannot be read.
 fn plugin_workflow_files(root: &Path) -> Vec<PathBuf> {
     let manifest = root.join(".claude-plugin").join("plugin.json");
-    let listed = crate::limits::read_file(&manifest, crate::limits::SMALL_FILE_BYTES, "plugin")
+    let listed = crate::reads::read_file(&manifest, crate::reads::SMALL_FILE_BYTES, "plugin")
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         .and_then(|m| match m.get("workflows")? {
@@ -298,7 +298,7 @@ pub struct Plugin {
 pub fn installed_plugins(claude_home: &Path, cwd: &Path) -> Vec<Plugin> {
     let read = |p: &Path| -> Option<Value> {
         let text =
-            crate::limits::read_file(p, crate::limits::SMALL_FILE_BYTES, "Claude Code settings")
+            crate::reads::read_file(p, crate::reads::SMALL_FILE_BYTES, "Claude Code settings")
                 .ok()?;
         serde_json::from_str(&text).ok()
     };
@@ -419,11 +419,11 @@ impl DirResolver {
         for p in &self.plugins {
             for f in plugin_workflow_files(&p.root) {
                 let Ok(source) =
-                    crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
+                    crate::reads::read_file(&f, crate::reads::SCRIPT_BYTES, "workflow")
                 else {
                     continue;
                 };
-                let Ok(meta) = source::read_meta(&source) else {
+                let Ok(meta) = text::read_meta(&source) else {
                     continue;
                 };
                 out.push(FoundWorkflow {
@@ -437,14 +437,12 @@ impl DirResolver {
     }
 
     /// Every `.js` file in the search path with its statically read meta (or why not).
-    pub fn list(&self) -> Vec<(PathBuf, Result<source::Meta, Problem>)> {
+    pub fn list(&self) -> Vec<(PathBuf, Result<text::Meta, Problem>)> {
         let mut out = Vec::new();
         for dir in &self.dirs {
             for f in files_in(dir, "js") {
-                let meta = crate::limits::read_file(&f, crate::limits::SCRIPT_BYTES, "workflow")
-                    .and_then(|s| {
-                        source::read_meta(&s).map_err(|e| Problem::invalid(e.to_string()))
-                    });
+                let meta = crate::reads::read_file(&f, crate::reads::SCRIPT_BYTES, "workflow")
+                    .and_then(|s| text::read_meta(&s).map_err(|e| Problem::invalid(e.to_string())));
                 out.push((f, meta));
             }
         }
@@ -489,7 +487,7 @@ pub fn personal_homes() -> (Option<PathBuf>, Option<PathBuf>) {
 /// Reads a Markdown agent definition: `name:`, `description:`, `model:` and `tools:` of its
 /// front matter (the name falls back to the file stem), and the body as its system prompt.
 fn agent_definition(path: &Path) -> Option<AgentType> {
-    let text = crate::limits::read_file(path, crate::limits::SMALL_FILE_BYTES, "agent definition")
+    let text = crate::reads::read_file(path, crate::reads::SMALL_FILE_BYTES, "agent definition")
         .map_err(|e| tracing::warn!("{e}"))
         .ok()?;
     let mut t = AgentType::builtin("");
@@ -616,10 +614,9 @@ impl DirResolver {
     /// `.env`), only where to see the parser's own error.
     pub fn read_script(&self, p: &str, called: &str) -> Result<FoundWorkflow, WorkflowError> {
         let path = self.confine_script(p, called)?;
-        let source =
-            crate::limits::read_file(&path, crate::limits::SCRIPT_BYTES, "workflow script")
-                .map_err(|p| WorkflowError::Unreadable(p.into()))?;
-        let meta = source::read_meta(&source).map_err(|e| {
+        let source = crate::reads::read_file(&path, crate::reads::SCRIPT_BYTES, "workflow script")
+            .map_err(|p| WorkflowError::Unreadable(p.into()))?;
+        let meta = text::read_meta(&source).map_err(|e| {
             let at = e.line.map(|l| format!(" (line {l})")).unwrap_or_default();
             WorkflowError::Unreadable(format!(
                 "{called} ({}) is not a workflow script: it must start with a literal `export const meta = {{ name, description }}`{at}; its text is not shown here (`flotilla run {}` names the parser's error)",
@@ -693,7 +690,7 @@ impl WorkflowResolver for DirResolver {
 }
 
 fn read_found(path: &Path, name: String) -> Result<FoundWorkflow, WorkflowError> {
-    let source = crate::limits::read_file(path, crate::limits::SCRIPT_BYTES, "workflow script")
+    let source = crate::reads::read_file(path, crate::reads::SCRIPT_BYTES, "workflow script")
         .map_err(|p| WorkflowError::Unreadable(p.into()))?;
     Ok(FoundWorkflow {
         name,

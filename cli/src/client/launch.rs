@@ -223,9 +223,9 @@ fn carried(
         .into_iter()
         .filter_map(|(path, meta)| {
             let meta = meta.ok()?;
-            let source = flotilla_coordinator::limits::read_file(
+            let source = flotilla_coordinator::reads::read_file(
                 &path,
-                flotilla_coordinator::limits::SCRIPT_BYTES,
+                flotilla_coordinator::reads::SCRIPT_BYTES,
                 "workflow",
             )
             .ok()?;
@@ -417,9 +417,9 @@ pub async fn resume(a: ResumeArgs) -> i32 {
     }
     let script = match &a.script {
         None => String::new(),
-        Some(p) => match flotilla_coordinator::limits::read_file(
+        Some(p) => match flotilla_coordinator::reads::read_file(
             p,
-            flotilla_coordinator::limits::SCRIPT_BYTES,
+            flotilla_coordinator::reads::SCRIPT_BYTES,
             "script",
         ) {
             Ok(s) => s,

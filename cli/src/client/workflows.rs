@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 use flotilla_coordinator::bundled;
 use flotilla_coordinator::saved;
-use flotilla_coordinator::script::source;
+use flotilla_coordinator::script::text;
 use flotilla_coordinator::workflows::{self, DirResolver};
 use flotilla_proto::v1;
 use serde_json::{Value, json};
@@ -103,7 +103,7 @@ struct Entry {
     origin: &'static str,
     location: String,
     /// Its meta, or why it is not offered.
-    meta: Result<source::Meta, Problem>,
+    meta: Result<text::Meta, Problem>,
     source: Option<String>,
     /// A pushed workflow's namespace (`*`: every namespace's).
     namespace: Option<String>,
@@ -149,7 +149,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Problem> {
     }
     for w in resolver.plugin_workflows() {
         out.push(Entry {
-            meta: source::read_meta(&w.source).map_err(|e| Problem::invalid(e.to_string())),
+            meta: text::read_meta(&w.source).map_err(|e| Problem::invalid(e.to_string())),
             name: w.name,
             origin: "plugin",
             location: w.origin,
@@ -176,7 +176,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Problem> {
                 listed.namespace.clone()
             };
             out.push(Entry {
-                meta: source::read_meta(&w.source).map_err(|e| Problem::invalid(e.to_string())),
+                meta: text::read_meta(&w.source).map_err(|e| Problem::invalid(e.to_string())),
                 name: w.name,
                 origin: "server",
                 location: w.origin,
@@ -191,7 +191,7 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Problem> {
                 name: name.to_owned(),
                 origin: "bundled",
                 location: bundled::origin(name),
-                meta: source::read_meta(text).map_err(|e| Problem::invalid(e.to_string())),
+                meta: text::read_meta(text).map_err(|e| Problem::invalid(e.to_string())),
                 source: Some(text.to_owned()),
                 namespace: None,
             });
@@ -316,9 +316,9 @@ async fn show(a: ShowArgs) -> i32 {
     };
     let text = match &e.source {
         Some(s) => s.clone(),
-        None => match flotilla_coordinator::limits::read_file(
+        None => match flotilla_coordinator::reads::read_file(
             std::path::Path::new(&e.location),
-            flotilla_coordinator::limits::SCRIPT_BYTES,
+            flotilla_coordinator::reads::SCRIPT_BYTES,
             "workflow",
         ) {
             Ok(s) => s,
@@ -356,15 +356,15 @@ fn project_target(cwd: &Path) -> PathBuf {
 }
 
 fn save(a: SaveArgs) -> i32 {
-    let text = match flotilla_coordinator::limits::read_file(
+    let text = match flotilla_coordinator::reads::read_file(
         &a.file,
-        flotilla_coordinator::limits::SCRIPT_BYTES,
+        flotilla_coordinator::reads::SCRIPT_BYTES,
         "workflow",
     ) {
         Ok(t) => t,
         Err(e) => return crate::refuse(e),
     };
-    let meta = match source::read_meta(&text) {
+    let meta = match text::read_meta(&text) {
         Ok(m) => m,
         Err(e) => {
             return fail_kind(
@@ -450,9 +450,9 @@ fn save(a: SaveArgs) -> i32 {
 }
 
 async fn push(a: PushArgs) -> i32 {
-    let text = match flotilla_coordinator::limits::read_file(
+    let text = match flotilla_coordinator::reads::read_file(
         &a.file,
-        flotilla_coordinator::limits::SCRIPT_BYTES,
+        flotilla_coordinator::reads::SCRIPT_BYTES,
         "workflow",
     ) {
         Ok(t) => t,

@@ -73,9 +73,9 @@ pub struct McpArgs {
     source: SourceFlags,
 }
 
-/// The coordinator a fleet-mode server launches on.
+/// The coordinator a fleet-mode server launches on, and how it reaches it.
 #[derive(Clone)]
-struct Fleet {
+struct RemoteFleet {
     client: ClientServiceClient<Channel>,
     /// Its address and this client's identity, the config file's filled in.
     remote: ClientArgs,
@@ -144,7 +144,7 @@ pub struct Flotilla {
     passed: Arc<Vec<std::ffi::OsString>>,
     runs: Arc<Mutex<HashMap<String, Started>>>,
     /// `Some`: runs go to this coordinator's fleet.
-    fleet: Option<Fleet>,
+    fleet: Option<RemoteFleet>,
     tool_router: ToolRouter<Self>,
 }
 
@@ -152,7 +152,7 @@ const WORKFLOW_TOOL: &str = "Start a workflow: a short JavaScript script that or
 
 #[tool_router]
 impl Flotilla {
-    fn new(args: McpArgs, passed: Vec<std::ffi::OsString>, fleet: Option<Fleet>) -> Flotilla {
+    fn new(args: McpArgs, passed: Vec<std::ffi::OsString>, fleet: Option<RemoteFleet>) -> Flotilla {
         Flotilla {
             args: Arc::new(args),
             passed: Arc::new(passed),
@@ -462,7 +462,7 @@ impl Flotilla {
     /// A launch on the fleet: as `flotilla launch` from the server's working directory.
     async fn launch_on(
         &self,
-        fleet: &Fleet,
+        fleet: &RemoteFleet,
         run_args: &crate::RunArgs,
         inline: Option<String>,
     ) -> Value {
@@ -841,12 +841,12 @@ async fn get_json(port: u16, path: &str) -> Option<Value> {
 /// local data directory, named by its content.
 fn save_inline(script: &str) -> Result<PathBuf, Problem> {
     use sha2::Digest;
-    let limit = flotilla_coordinator::limits::SCRIPT_BYTES;
+    let limit = flotilla_coordinator::reads::SCRIPT_BYTES;
     if script.len() > limit {
         return Err(Problem::invalid(format!(
             "the script is {} bytes, over the limit of {}; split the work into workflows called with workflow(name)",
             script.len(),
-            flotilla_coordinator::limits::human_bytes(limit)
+            flotilla_coordinator::reads::human_bytes(limit)
         )));
     }
     let dir = data_dir().join("scripts");
@@ -863,7 +863,7 @@ fn save_inline(script: &str) -> Result<PathBuf, Problem> {
 
 /// The coordinator the flags or the config file name, with a client for it; `None` when they
 /// name none (runs happen on this machine).
-fn fleet_of(args: &McpArgs) -> Result<Option<Fleet>, Problem> {
+fn fleet_of(args: &McpArgs) -> Result<Option<RemoteFleet>, Problem> {
     let file = config::load(args.config.as_deref())?;
     let mut remote = args.remote.clone();
     remote.tls.fill(&file);
@@ -883,7 +883,7 @@ fn fleet_of(args: &McpArgs) -> Result<Option<Fleet>, Problem> {
         return Ok(None);
     }
     let client = remote.client()?;
-    Ok(Some(Fleet { client, remote }))
+    Ok(Some(RemoteFleet { client, remote }))
 }
 
 /// `flotilla mcp`: serves the tools on stdin/stdout until the client goes. The runs it

@@ -133,8 +133,8 @@ pub struct CoordinatorArgs {
 fn listen_limits(
     a: &CoordinatorArgs,
     file: &config::ConfigFile,
-) -> Result<flotilla_coordinator::listen::Limits, Problem> {
-    let mut limits = flotilla_coordinator::listen::Limits::default();
+) -> Result<flotilla_coordinator::listen::ConnLimits, Problem> {
+    let mut limits = flotilla_coordinator::listen::ConnLimits::default();
     if let Some(s) = a
         .handshake_timeout
         .as_ref()
@@ -232,7 +232,7 @@ struct Settings {
     shadow_bundled: bool,
     saved_only: bool,
     file_sources: bool,
-    limits: flotilla_coordinator::listen::Limits,
+    limits: flotilla_coordinator::listen::ConnLimits,
     peer_name: Option<String>,
     /// The retention policy and how often it runs, if any.
     retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,

@@ -14,7 +14,7 @@
 pub mod lex;
 pub mod reject;
 pub mod runtime;
-pub mod source;
+pub mod text;
 
 pub use runtime::{
     FailureKind, HostError, HostReply, ScriptEnd, ScriptFailure, ScriptInput, ScriptLimits,
@@ -23,7 +23,7 @@ pub use runtime::{
 
 /// A prepared body ready for the runtime: a leading hashbang line is blanked too, since the
 /// body is wrapped in a function where `#!` is not allowed.
-pub fn runnable_body(prepared: &source::Prepared) -> String {
+pub fn runnable_body(prepared: &text::Prepared) -> String {
     let body = &prepared.body;
     if body.starts_with("#!") {
         let end = body.find('\n').unwrap_or(body.len());

@@ -56,7 +56,7 @@ impl Default for ScriptLimits {
 /// What the JS thread needs to run a script.
 #[derive(Debug, Clone)]
 pub struct ScriptInput {
-    /// The prepared body (`source::prepare`), `export` already blanked out.
+    /// The prepared body (`text::prepare`), `export` already blanked out.
     pub body: String,
     /// `args` as JSON, or `None` for `undefined`.
     pub args_json: Option<String>,

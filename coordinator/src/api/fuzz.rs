@@ -354,7 +354,7 @@ impl Server {
         let opts = ServerOptions {
             listen,
             tls: None,
-            limits: crate::listen::Limits::default(),
+            limits: crate::listen::ConnLimits::default(),
             session_base: "http://127.0.0.1:1".into(),
             keepalive: Duration::from_secs(10),
             tokens: None,

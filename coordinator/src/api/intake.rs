@@ -31,7 +31,7 @@ use tonic::codegen::http::{Request, Response};
 use tonic::codegen::{Bytes, Service};
 use tonic::server::NamedService;
 
-use crate::limits::{
+use crate::reads::{
     ARGS_BYTES, CARRIED_BYTES, LAUNCH_BYTES, REQUEST_BYTES, SCRIPT_BYTES, SETTINGS_BYTES,
     human_bytes, measured,
 };

@@ -87,7 +87,7 @@ pub async fn serve(
         // time, before tonic decodes anything (`intake`).
         .add_service(intake::Intake::new(
             ClientServiceServer::new(clients)
-                .max_decoding_message_size(crate::limits::LAUNCH_BYTES)
+                .max_decoding_message_size(crate::reads::LAUNCH_BYTES)
                 .max_encoding_message_size(frag::MAX_MESSAGE_BYTES),
         ));
     let listener = tokio::net::TcpListener::bind(opts.listen)

@@ -13,7 +13,7 @@ pub struct ServerOptions {
     /// `None`: plain text (development only).
     pub tls: Option<TlsFiles>,
     /// Handshake and idle timeouts, connection limit.
-    pub limits: crate::listen::Limits,
+    pub limits: crate::listen::ConnLimits,
     /// Base of session URLs (`http://host:port`).
     pub session_base: String,
     /// HTTP/2 keep-alive interval on every stream; the timeout is half again as long (a

@@ -8,7 +8,7 @@
 use flotilla_proto::Problem;
 use flotilla_proto::v1;
 
-use crate::limits::{
+use crate::reads::{
     ARGS_BYTES, CARRIED_BYTES, CARRIED_ITEMS, SCRIPT_BYTES, SETTINGS_BYTES, TEXT_BYTES,
     human_bytes, measured,
 };

@@ -39,7 +39,7 @@ use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus, Su
 use crate::sched::{
     CallEvent, CallFailure, CallResult, DispatchHandle, Retry, RunRegistration, Ticket,
 };
-use crate::script::{self, HostError, HostReply, ScriptEnd, ScriptOp, ScriptShared, source};
+use crate::script::{self, HostError, HostReply, ScriptEnd, ScriptOp, ScriptShared, text};
 use crate::settings::RunSettings;
 use crate::store::journal::{EventLog, Journal, JournalAck, TranscriptLine, TranscriptLog};
 use crate::store::records::{
@@ -646,7 +646,7 @@ impl RunEngine {
                     .and_then(|r| self.init.resolver.resolve(&r))
                     .map_err(|e| e.to_string())
                     .and_then(|found| {
-                        let prepared = source::prepare(&found.source)
+                        let prepared = text::prepare(&found.source)
                             .map_err(|e| format!("workflow {:?} cannot run: {e}", found.name))?;
                         Ok((found.name, script::runnable_body(&prepared)))
                     })

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::handle::{Msg, NameTaken, WorkerView};
-use super::keys::{KeyOp, LeaseCtl};
+use super::lease_writes::{KeyOp, LeaseCtl};
 use crate::lease::{LeaseId, Revision};
 use crate::listen::Throttled;
 
@@ -637,7 +637,7 @@ impl Fleet {
     /// counted; the link goes on). At most once a second per worker, with how many were held
     /// back.
     pub(super) fn stray(&self, wid: u64, what: &str, why: impl std::fmt::Display) {
-        crate::metrics::inc(&crate::metrics::WORKER_STRAYS);
+        crate::counters::inc(&crate::counters::WORKER_STRAYS);
         if let Some(w) = self.workers.get(&wid) {
             w.strays.say(|held| {
                 tracing::warn!(

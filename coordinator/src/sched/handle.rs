@@ -220,7 +220,7 @@ pub struct Stats {
     /// Attempts assigned since the dispatcher started.
     pub assigned: u64,
     /// The provider accounts' admission.
-    pub accounts: Vec<super::admission::AccountView>,
+    pub accounts: Vec<super::accounts::AccountView>,
     /// The namespaces with runs: what they run and queue, by name.
     pub namespaces: Vec<NamespaceView>,
 }

@@ -40,7 +40,7 @@
 //! prefix stagger (`stagger.rs`); what outcomes do (`outcomes.rs`) with the retry verdicts
 //! (`retry.rs`), what unfinished attempts left (`leftovers.rs`) and the ceilings of a worker's
 //! usage reports (`usage.rs`); the fleet (`fleet.rs`),
-//! the lease-store writes and watches (`keys.rs`), and worker links, leases and takeovers
+//! the lease-store writes and watches (`lease_writes.rs`), and worker links, leases and takeovers
 //! (`workers.rs`). A call's states are [`crate::call::State`].
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -61,12 +61,12 @@ pub use crate::call::{CallEvent, CallFailure, CallResult, Retry};
 use crate::call::{State, human};
 use crate::lease::{self, LeaseStore, Revision};
 
-mod admission;
+mod accounts;
 mod fair;
 mod fleet;
 mod gates;
 mod handle;
-mod keys;
+mod lease_writes;
 mod leftovers;
 mod outcomes;
 mod place;
@@ -75,7 +75,7 @@ mod stagger;
 mod usage;
 mod workers;
 
-pub use admission::AccountView;
+pub use accounts::AccountView;
 pub use fair::Share;
 use handle::Msg;
 pub use handle::{
@@ -85,7 +85,7 @@ pub use handle::{
 pub use usage::UsageBounds;
 
 use fleet::Fleet;
-use keys::KeyOp;
+use lease_writes::KeyOp;
 
 use handle::CallId;
 
@@ -116,7 +116,7 @@ struct CallState {
     /// The source commit the last assignment started from.
     sent_base: String,
     /// What the current attempt took of its provider account's admission.
-    admitted: Option<admission::Admitted>,
+    admitted: Option<accounts::Draw>,
     /// It waits for room in an account (counted once per wait).
     held_by_account: bool,
     /// When the provider first throttled it.
@@ -213,8 +213,8 @@ pub fn spawn_with(
 ) -> DispatchHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let handle = DispatchHandle { tx: tx.clone() };
-    let keys = keys::spawn_key_writer(leases.clone(), tx.clone(), cancel.clone());
-    keys::spawn_watches(leases.clone(), tx.clone(), cancel.clone());
+    let keys = lease_writes::spawn_key_writer(leases.clone(), tx.clone(), cancel.clone());
+    lease_writes::spawn_watches(leases.clone(), tx.clone(), cancel.clone());
     let d = Dispatcher {
         tx,
         opts,
@@ -226,7 +226,7 @@ pub fn spawn_with(
         fleet: Fleet::new(keys),
         stagger: stagger::Stagger::default(),
         gates: gates::Gates::default(),
-        admission: admission::Admission::default(),
+        admission: accounts::Accounts::default(),
         paced_wake: None,
         affinity: HashMap::new(),
         unplaceable: HashMap::new(),
@@ -257,7 +257,7 @@ struct Dispatcher {
     /// Usage-limit gates (W59).
     gates: gates::Gates,
     /// Admission per provider account: adaptive windows and pacing.
-    admission: admission::Admission,
+    admission: accounts::Accounts,
     /// When the pump is woken for a paced account (one timer at a time).
     paced_wake: Option<Instant>,
     /// Prefix affinity: the worker that first served each prefix group through a model

@@ -156,11 +156,11 @@ impl Dispatcher {
         }
         // The account's verdict on the attempt, before the call moves on.
         let end = match &o.result {
-            Some(outcome::Result::Completed(_)) => admission::End::Succeeded { input_tokens },
+            Some(outcome::Result::Completed(_)) => accounts::End::Succeeded { input_tokens },
             Some(outcome::Result::Failure(f)) if f.kind == FailureKind::Throttled as i32 => {
-                admission::End::Throttled
+                accounts::End::Throttled
             }
-            _ => admission::End::Other { input_tokens },
+            _ => accounts::End::Other { input_tokens },
         };
         let account = self.release_admission(&id, end);
         self.leave_running(&id);
@@ -241,7 +241,7 @@ impl Dispatcher {
         let Some(clipped) = self.opts.usage.clip(&usage, ran) else {
             return usage;
         };
-        crate::metrics::inc(&crate::metrics::USAGE_CLIPPED);
+        crate::counters::inc(&crate::counters::USAGE_CLIPPED);
         if let Some(w) = self.fleet.workers.get(&worker) {
             w.clipped.say(|held| {
                 tracing::warn!(
@@ -267,7 +267,7 @@ impl Dispatcher {
     pub(super) fn release_admission(
         &mut self,
         id: &CallId,
-        end: admission::End,
+        end: accounts::End,
     ) -> Option<Arc<str>> {
         let a = self.calls.get_mut(id)?.admitted.take()?;
         self.admission.ended(&a, end, Instant::now());
@@ -277,7 +277,7 @@ impl Dispatcher {
     /// Bookkeeping when a call's current attempt stops running.
     pub(super) fn leave_running(&mut self, id: &CallId) {
         // Whatever ended it (a stall, a cancel, a lost worker) says nothing of the account.
-        self.release_admission(id, admission::End::Other { input_tokens: 0 });
+        self.release_admission(id, accounts::End::Other { input_tokens: 0 });
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
@@ -385,7 +385,7 @@ impl Dispatcher {
             );
             return;
         }
-        crate::metrics::inc(&crate::metrics::THROTTLES);
+        crate::counters::inc(&crate::counters::THROTTLES);
         self.wait_until(id, until, attempt, Retry::Throttled { wait, account });
     }
 
@@ -446,7 +446,7 @@ impl Dispatcher {
             counted,
         });
         c.attempt_span.record("outcome", retry.span_outcome());
-        crate::metrics::inc(retry::restart_counter(&retry));
+        crate::counters::inc(retry::restart_counter(&retry));
         if retry.at_once() && salvageable {
             // What the interrupted attempt left comes with its outcome (W58): the retry
             // waits for it, a while.
@@ -612,7 +612,7 @@ impl Dispatcher {
                 }),
             );
         } else {
-            crate::metrics::inc(&crate::metrics::STALLS);
+            crate::counters::inc(&crate::counters::STALLS);
             self.retry_or_fail(id, Retry::Stalled { after: quiet });
         }
     }

@@ -245,7 +245,7 @@ impl Dispatcher {
                 Some(a) => match admission.room(a, prompt_tokens, now) {
                     Ok(()) => true,
                     Err(why) => {
-                        if let admission::Full::Paced(at) = why {
+                        if let accounts::Full::Paced(at) = why {
                             paced = Some(paced.map_or(at, |p| p.min(at)));
                         }
                         full.get_or_insert_with(|| a.clone());
@@ -326,7 +326,7 @@ impl Dispatcher {
                 reason: None,
             });
         }
-        crate::metrics::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
+        crate::counters::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
         c.set(State::Running);
         c.worker = Some(wid);
         c.fence = None;

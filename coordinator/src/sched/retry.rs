@@ -112,12 +112,13 @@ pub(super) fn backoff(counted: u32) -> Duration {
 
 /// The restart counter a retry adds to.
 pub(super) fn restart_counter(retry: &Retry) -> &'static AtomicU64 {
-    use crate::metrics;
     match retry {
-        Retry::Stalled { .. } => &metrics::RESTARTS_STALL,
-        Retry::User => &metrics::RESTARTS_USER,
-        Retry::Transient { message } if message.contains("lease") => &metrics::RESTARTS_LAPSE,
-        _ => &metrics::RESTARTS_TRANSIENT,
+        Retry::Stalled { .. } => &crate::counters::RESTARTS_STALL,
+        Retry::User => &crate::counters::RESTARTS_USER,
+        Retry::Transient { message } if message.contains("lease") => {
+            &crate::counters::RESTARTS_LAPSE
+        }
+        _ => &crate::counters::RESTARTS_TRANSIENT,
     }
 }
 
@@ -223,11 +224,11 @@ mod tests {
         };
         assert!(std::ptr::eq(
             restart_counter(&lapse),
-            &crate::metrics::RESTARTS_LAPSE
+            &crate::counters::RESTARTS_LAPSE
         ));
         assert!(std::ptr::eq(
             restart_counter(&Retry::User),
-            &crate::metrics::RESTARTS_USER
+            &crate::counters::RESTARTS_USER
         ));
     }
 }

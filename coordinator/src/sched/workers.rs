@@ -9,11 +9,11 @@
 //!   While the name's link is up, only the same process (`Hello.incarnation`) may take its
 //!   place; another process claiming the name is refused, naming both peers, and the attached
 //!   one keeps serving.
-//! - Each named worker has a lease task ([`worker_lease`](super::keys::worker_lease)) that grants its lease, writes its
+//! - Each named worker has a lease task ([`worker_lease`]) that grants its lease, writes its
 //!   registration key under it and renews it while the worker is attached. While the worker is
 //!   cut off, nobody renews it.
 //! - Every attempt is a key under its worker's lease, written by the key writer
-//!   ([`spawn_key_writer`](super::keys::spawn_key_writer)) in batches, in order, before the assignment is sent; the batch's
+//!   ([`spawn_key_writer`]) in batches, in order, before the assignment is sent; the batch's
 //!   revision is the attempt's fence.
 //! - A watch on attempt keys sees them vanish when a lease lapses; a vanished key of a current
 //!   attempt restarts its call. A watch on registrations retires workers that never came back.
@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::handle::{PendingPut, Refusal};
-use super::keys::{KeyOp, LeaseCtl, worker_lease};
+use super::lease_writes::{KeyOp, LeaseCtl, worker_lease};
 use super::{CallEvent, CallFailure, CallId, Dispatcher, Retry, State, Timer};
 use crate::lease::{self, LeaseId, Revision, WatchEvent};
 

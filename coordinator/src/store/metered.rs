@@ -46,7 +46,7 @@ impl ObjectStore for Metered {
     ) -> Result<PutResult> {
         let started = std::time::Instant::now();
         let out = self.inner.put_opts(location, payload, opts).await;
-        crate::metrics::STORAGE_WRITE_LATENCY.observe(started.elapsed());
+        crate::counters::STORAGE_WRITE_LATENCY.observe(started.elapsed());
         out
     }
 
@@ -93,7 +93,7 @@ impl ObjectStore for Metered {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::STORAGE_WRITE_LATENCY;
+    use crate::counters::STORAGE_WRITE_LATENCY;
     use object_store::ObjectStoreExt;
 
     #[tokio::test]

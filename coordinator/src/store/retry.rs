@@ -277,7 +277,7 @@ impl Retrying {
                         return Err(e);
                     }
                     if patience == Patience::Durable {
-                        crate::metrics::inc(&crate::metrics::STORAGE_WRITE_RETRIES);
+                        crate::counters::inc(&crate::counters::STORAGE_WRITE_RETRIES);
                         self.health.failed(&self.url, key, &e);
                     }
                     backoff(attempt).await;

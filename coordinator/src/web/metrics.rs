@@ -1,5 +1,5 @@
 //! `/metrics`: the Prometheus text exposition of this coordinator — its runs and their agents,
-//! the dispatcher and the fleet, and the process counters of [`crate::metrics`].
+//! the dispatcher and the fleet, and the process counters of [`crate::counters`].
 
 use std::collections::BTreeMap;
 
@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::auth::*;
 use super::state::Web;
-use crate::metrics as m;
+use crate::counters as m;
 use crate::report::Summary;
 use crate::sched::{Stats, WorkerView};
 

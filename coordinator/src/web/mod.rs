@@ -66,7 +66,7 @@ pub struct WebOptions {
     /// `None`: no sign-in (an `--insecure` coordinator on loopback).
     pub auth: Option<TokenKey>,
     /// Connection limits, idle and read timeouts of the listener.
-    pub limits: crate::listen::Limits,
+    pub limits: crate::listen::ConnLimits,
 }
 
 /// Serves the pages until `cancel` fires.

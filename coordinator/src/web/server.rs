@@ -1,7 +1,7 @@
 //! The page listener's server: HTTP/1 on a [`Limited`] listener, where a slow client costs
 //! one connection for a bounded time.
 //!
-//! A request's headers must arrive within [`Limits::read`] of its first byte (hyper's header
+//! A request's headers must arrive within [`ConnLimits::read`] of its first byte (hyper's header
 //! timeout), and then its body within as long again ([`ReadBy`]); a connection that trickles
 //! bytes is closed at the deadline even though it is never idle. Bodies of more than
 //! [`MAX_BODY_BYTES`] are refused. The same server carries the fleet's pages and the embedded
@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 use axum::Router;
 use tokio_util::sync::CancellationToken;
 
-use crate::listen::{Limited, Limits};
+use crate::listen::{ConnLimits, Limited};
 
 /// The largest request body a page takes (a control action is a few dozen bytes).
 pub const MAX_BODY_BYTES: usize = 64 << 10;
@@ -64,7 +64,7 @@ impl HttpBody for ReadBy {
 
 /// Serves `router` on `listener` until `cancel` fires, then lets open requests finish.
 pub async fn serve_router(listener: Limited, router: Router, cancel: CancellationToken) {
-    let limits: Limits = listener.limits();
+    let limits: ConnLimits = listener.limits();
     let read = limits.read;
     let router = router
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -488,7 +488,7 @@ fn cluster_bounds_several_maximal_launches_keep_memory_bounded() {
     // the handler stores its script, manifest and carried workflows), and what each started
     // run keeps (its script, args and carried workflows as text, a script heap of at most
     // 8 MiB); 64 MiB for the rest.
-    // `limits::LAUNCH_BYTES` and the intake's budget (`api::BUDGET_BYTES`), two of them.
+    // `reads::LAUNCH_BYTES` and the intake's budget (`api::BUDGET_BYTES`), two of them.
     let launch = 28 * MIB;
     let budget = 2 * launch;
     let bound = 3 * budget + MAXIMAL as u64 * (launch + 8 * MIB) + 64 * MIB;

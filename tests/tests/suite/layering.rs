@@ -639,3 +639,72 @@ fn layering_every_client_api_shape_is_defined_in_proto() {
     }
     assert!(report.is_empty(), "{}", report.join("\n"));
 }
+
+/// Names that meant two things (issue 30) mean one: each of these types is declared once in
+/// the workspace, and each of these module files exists once in the coordinator and the
+/// worker (a `source.rs` is a run's git source everywhere; a script's text is `text.rs`).
+#[test]
+fn layering_names_that_collided_mean_one_thing() {
+    let mut files = Vec::new();
+    for dir in [
+        "proto",
+        "coordinator/script",
+        "coordinator/lease",
+        "coordinator",
+        "worker",
+        "cli",
+    ] {
+        rust_files(&root().join(dir).join("src"), &mut files);
+    }
+    let mut report = Vec::new();
+    for name in [
+        "Admission",
+        "Admitted",
+        "Accounts",
+        "Fleet",
+        "SourceError",
+        "ScriptError",
+        "Limits",
+        "ConnLimits",
+    ] {
+        let declared: Vec<String> = files
+            .iter()
+            .filter(|f| {
+                let code = code_of(&std::fs::read_to_string(f).unwrap());
+                [
+                    format!("struct {name} "),
+                    format!("struct {name}<"),
+                    format!("enum {name} "),
+                    format!("trait {name} "),
+                ]
+                .iter()
+                .any(|d| code.contains(d))
+            })
+            .map(|f| f.strip_prefix(root()).unwrap().display().to_string())
+            .collect();
+        if declared.len() > 1 {
+            report.push(format!("{name} is declared in {declared:?}"));
+        }
+    }
+    for module in [
+        "keys.rs",
+        "limits.rs",
+        "metrics.rs",
+        "admission.rs",
+        "counters.rs",
+    ] {
+        let found: Vec<String> = files
+            .iter()
+            .filter(|f| f.file_name().is_some_and(|n| n == module))
+            .filter(|f| {
+                let rel = f.strip_prefix(root()).unwrap();
+                rel.starts_with("coordinator") || rel.starts_with("worker")
+            })
+            .map(|f| f.strip_prefix(root()).unwrap().display().to_string())
+            .collect();
+        if found.len() > 1 {
+            report.push(format!("{module} is {found:?}"));
+        }
+    }
+    assert!(report.is_empty(), "{}", report.join("\n"));
+}

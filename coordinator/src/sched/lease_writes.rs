@@ -270,7 +270,7 @@ pub(super) async fn worker_lease(
                         continue;
                     }
                     Err(e) => {
-                        crate::metrics::inc(&crate::metrics::LEASE_RENEWAL_FAILURES);
+                        crate::counters::inc(&crate::counters::LEASE_RENEWAL_FAILURES);
                         tracing::warn!(worker = %name, error = %e, "cannot renew the worker's lease; retrying");
                         wait = backoff;
                     }

@@ -1,4 +1,4 @@
-//! Admission per provider account (an account is a backend's endpoint and key, named by the
+//! Accounts per provider account (an account is a backend's endpoint and key, named by the
 //! workers that call through it): how many calls may be in flight through it at once, and
 //! how fast they may start.
 //!
@@ -42,7 +42,7 @@ const FIRST_ESTIMATE: u64 = 1_000;
 
 /// What a call took of an account when it started.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct Admitted {
+pub(super) struct Draw {
     pub account: Arc<str>,
     /// The window's epoch when it started.
     pub epoch: u64,
@@ -200,11 +200,11 @@ pub struct AccountView {
 
 /// Every account the attached workers named.
 #[derive(Debug, Default)]
-pub(super) struct Admission {
+pub(super) struct Accounts {
     accounts: HashMap<Arc<str>, Window>,
 }
 
-impl Admission {
+impl Accounts {
     /// A worker names account `id` with its declared limits (the largest declaration holds).
     pub fn declare(&mut self, id: &str, itpm: u64, cap: u32, now: Instant) {
         let w = self
@@ -255,8 +255,8 @@ impl Admission {
         }
     }
 
-    /// A call starts through `id` (after [`Admission::room`] said it may).
-    pub fn start(&mut self, id: &str, prompt_tokens: u64, now: Instant) -> Option<Admitted> {
+    /// A call starts through `id` (after [`Accounts::room`] said it may).
+    pub fn start(&mut self, id: &str, prompt_tokens: u64, now: Instant) -> Option<Draw> {
         let key = self.accounts.get_key_value(id)?.0.clone();
         let w = self.accounts.get_mut(&key)?;
         let estimate = w.estimate(prompt_tokens);
@@ -269,7 +269,7 @@ impl Admission {
         }
         w.in_flight += 1;
         w.started += 1;
-        Some(Admitted {
+        Some(Draw {
             account: key,
             epoch: w.epoch,
             estimate,
@@ -277,7 +277,7 @@ impl Admission {
     }
 
     /// An admitted attempt ended.
-    pub fn ended(&mut self, a: &Admitted, end: End, now: Instant) {
+    pub fn ended(&mut self, a: &Draw, end: End, now: Instant) {
         let Some(w) = self.accounts.get_mut(&a.account) else {
             return;
         };
@@ -334,8 +334,8 @@ mod tests {
 
     /// A provider that takes `limit` calls at once, each a round long, and throttles the
     /// rest: `rounds` rounds of a fan-out far wider than `limit`. Calls done and throttles.
-    fn against(limit: u32, rounds: usize) -> (u64, u64, Admission) {
-        let mut a = Admission::default();
+    fn against(limit: u32, rounds: usize) -> (u64, u64, Accounts) {
+        let mut a = Accounts::default();
         let now = Instant::now();
         a.declare("anthropic@api#1", 0, 0, now);
         let (mut done, mut refused) = (0, 0);
@@ -381,10 +381,10 @@ mod tests {
 
     #[test]
     fn a_burst_of_throttles_from_one_wave_shrinks_the_window_once() {
-        let mut a = Admission::default();
+        let mut a = Accounts::default();
         let now = Instant::now();
         a.declare("acct", 0, 0, now);
-        let wave: Vec<Admitted> = (0..16).map(|_| a.start("acct", 1, now).unwrap()).collect();
+        let wave: Vec<Draw> = (0..16).map(|_| a.start("acct", 1, now).unwrap()).collect();
         assert_eq!(a.room("acct", 1, now), Err(Full::Window), "16 at first");
         for t in &wave {
             a.ended(t, End::Throttled, now);
@@ -400,12 +400,12 @@ mod tests {
 
     #[test]
     fn after_a_storm_the_window_grows_back_to_what_the_provider_takes() {
-        let mut a = Admission::default();
+        let mut a = Accounts::default();
         let now = Instant::now();
         a.declare("acct", 0, 0, now);
         // Everything refused for a while: the window collapses.
         for _ in 0..40 {
-            let wave: Vec<Admitted> = std::iter::from_fn(|| {
+            let wave: Vec<Draw> = std::iter::from_fn(|| {
                 a.room("acct", 1, now).ok()?;
                 a.start("acct", 1, now)
             })
@@ -420,7 +420,7 @@ mod tests {
         while a.views()[0].window < 30 {
             rounds += 1;
             assert!(rounds < 400, "the window never grew back: {:?}", a.views());
-            let wave: Vec<Admitted> = std::iter::from_fn(|| {
+            let wave: Vec<Draw> = std::iter::from_fn(|| {
                 a.room("acct", 1, now).ok()?;
                 a.start("acct", 1, now)
             })
@@ -438,7 +438,7 @@ mod tests {
 
     #[test]
     fn a_declared_cap_bounds_the_window_and_unknown_accounts_are_not_held() {
-        let mut a = Admission::default();
+        let mut a = Accounts::default();
         let now = Instant::now();
         a.declare("acct", 0, 3, now);
         for _ in 0..3 {
@@ -452,7 +452,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn starts_are_paced_to_the_declared_tokens_per_minute() {
-        let mut a = Admission::default();
+        let mut a = Accounts::default();
         let t0 = Instant::now();
         // 6,000 tokens a minute: 100 a second; calls of 1,000.
         a.declare("acct", 6_000, 0, t0);
@@ -488,7 +488,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_that_took_more_than_its_estimate_draws_the_difference() {
-        let mut a = Admission::default();
+        let mut a = Accounts::default();
         let t0 = Instant::now();
         a.declare("acct", 6_000, 0, t0);
         let t = a.start("acct", 100, t0).unwrap();

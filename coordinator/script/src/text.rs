@@ -78,15 +78,15 @@ pub struct Prepared {
 /// "at line N"; `Display` prints `message` alone.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
-pub struct SourceError {
+pub struct ScriptError {
     pub line: Option<usize>,
     pub column: Option<usize>,
     pub message: String,
 }
 
-impl SourceError {
+impl ScriptError {
     fn at(line: usize, column: usize, message: String) -> Self {
-        SourceError {
+        ScriptError {
             line: Some(line),
             column: Some(column),
             message,
@@ -105,9 +105,9 @@ impl SourceError {
     }
 }
 
-impl From<LexError> for SourceError {
+impl From<LexError> for ScriptError {
     fn from(e: LexError) -> Self {
-        SourceError::at(
+        ScriptError::at(
             e.line,
             e.column,
             format!("syntax error at line {}: {}", e.line, e.message),
@@ -116,15 +116,15 @@ impl From<LexError> for SourceError {
 }
 
 /// Reads and checks `meta` only; the rest of the script is not lexed.
-pub fn read_meta(source: &str) -> Result<Meta, SourceError> {
+pub fn read_meta(source: &str) -> Result<Meta, ScriptError> {
     Ok(Parser::new(source).meta_statement()?.meta)
 }
 
 /// Checks a whole script and returns its meta and the body to run.
-pub fn prepare(source: &str) -> Result<Prepared, SourceError> {
+pub fn prepare(source: &str) -> Result<Prepared, ScriptError> {
     let chars = source.chars().count();
     if chars > MAX_SCRIPT_CHARS {
-        return Err(SourceError {
+        return Err(ScriptError {
             line: None,
             column: None,
             message: format!(
@@ -341,7 +341,7 @@ impl<'a> Parser<'a> {
     }
 
     /// Lexes until token `index` exists or the source ends.
-    fn fill(&mut self, index: usize) -> Result<(), SourceError> {
+    fn fill(&mut self, index: usize) -> Result<(), ScriptError> {
         while self.toks.len() <= index {
             match self.lexer.next() {
                 Some(token) => self.toks.push(token?),
@@ -351,18 +351,18 @@ impl<'a> Parser<'a> {
         Ok(())
     }
 
-    fn fill_all(&mut self) -> Result<(), SourceError> {
+    fn fill_all(&mut self) -> Result<(), ScriptError> {
         self.fill(usize::MAX)
     }
 
     /// The token `k` places ahead, cloned.
-    fn peek(&mut self, k: usize) -> Result<Option<Token<'a>>, SourceError> {
+    fn peek(&mut self, k: usize) -> Result<Option<Token<'a>>, ScriptError> {
         let index = self.pos + k;
         self.fill(index)?;
         Ok(self.toks.get(index).cloned())
     }
 
-    fn peek_punct(&mut self, k: usize, p: &str) -> Result<bool, SourceError> {
+    fn peek_punct(&mut self, k: usize, p: &str) -> Result<bool, ScriptError> {
         Ok(self.peek(k)?.is_some_and(|t| t.is_punct(p)))
     }
 
@@ -375,16 +375,16 @@ impl<'a> Parser<'a> {
     }
 
     /// The error for the end of the script in the middle of meta.
-    fn unexpected_end(&self) -> SourceError {
+    fn unexpected_end(&self) -> ScriptError {
         let (line, column) = self.toks.last().map_or((1, 1), |t| (t.line, t.column));
-        SourceError::at(
+        ScriptError::at(
             line,
             column,
             format!("{NOT_LITERAL}: the script ends at line {line} before meta is closed"),
         )
     }
 
-    fn next_or_end(&mut self) -> Result<Token<'a>, SourceError> {
+    fn next_or_end(&mut self) -> Result<Token<'a>, ScriptError> {
         match self.peek(0)? {
             Some(t) => Ok(t),
             None => Err(self.unexpected_end()),
@@ -393,9 +393,9 @@ impl<'a> Parser<'a> {
 
     /// Reads `export const meta = { … }` and an optional `;`, then checks
     /// the fields.
-    fn meta_statement(&mut self) -> Result<MetaStatement, SourceError> {
+    fn meta_statement(&mut self) -> Result<MetaStatement, ScriptError> {
         let Some(first) = self.peek(0)? else {
-            return Err(SourceError {
+            return Err(ScriptError {
                 line: None,
                 column: None,
                 message: format!("{MUST_START}: the script is empty"),
@@ -419,7 +419,7 @@ impl<'a> Parser<'a> {
             };
             self.fill(last)?;
             let last = last.min(self.toks.len().saturating_sub(1));
-            return Err(SourceError::at_token(
+            return Err(ScriptError::at_token(
                 &first,
                 format!(
                     "{MUST_START}: found `{}` at line {}",
@@ -432,7 +432,7 @@ impl<'a> Parser<'a> {
         let open = self.next_or_end()?;
         if !open.is_punct("{") {
             let found = self.describe_value_start(&open)?;
-            return Err(SourceError::not_literal(&open, &found));
+            return Err(ScriptError::not_literal(&open, &found));
         }
         let literal = self.value(0)?;
         let close_line = self.toks[self.pos - 1].line;
@@ -441,7 +441,7 @@ impl<'a> Parser<'a> {
             Some(t) if t.is_punct(";") => self.pos += 1,
             Some(t) if t.line > close_line && starts_statement(&t) => {}
             Some(t) => {
-                return Err(SourceError::not_literal(
+                return Err(ScriptError::not_literal(
                     &t,
                     &format!(
                         "`{}` right after its closing `}}`; end the statement with `;`",
@@ -460,10 +460,10 @@ impl<'a> Parser<'a> {
     }
 
     /// Reads one literal value starting at the current token.
-    fn value(&mut self, depth: usize) -> Result<Lit, SourceError> {
+    fn value(&mut self, depth: usize) -> Result<Lit, ScriptError> {
         let token = self.next_or_end()?;
         if depth > MAX_DEPTH {
-            return Err(SourceError::not_literal(
+            return Err(ScriptError::not_literal(
                 &token,
                 &format!("nesting deeper than {MAX_DEPTH} levels"),
             ));
@@ -484,7 +484,7 @@ impl<'a> Parser<'a> {
             TokenKind::Template(TemplatePart::NoSubstitution) => match &token.value {
                 Some(cooked) => LitValue::String(cooked.clone()),
                 None => {
-                    return Err(SourceError::not_literal(
+                    return Err(ScriptError::not_literal(
                         &token,
                         "a template literal with an invalid escape",
                     ));
@@ -496,7 +496,7 @@ impl<'a> Parser<'a> {
             TokenKind::Ident if token.text == "null" => LitValue::Null,
             _ => {
                 let found = self.describe_value_start(&token)?;
-                return Err(SourceError::not_literal(&token, &found));
+                return Err(ScriptError::not_literal(&token, &found));
             }
         };
         self.pos += 1;
@@ -507,11 +507,11 @@ impl<'a> Parser<'a> {
         })
     }
 
-    fn number(&self, token: &Token<'_>, negative: bool) -> Result<Number, SourceError> {
+    fn number(&self, token: &Token<'_>, negative: bool) -> Result<Number, ScriptError> {
         let parsed =
-            parse_number(token.text).map_err(|found| SourceError::not_literal(token, &found.0))?;
+            parse_number(token.text).map_err(|found| ScriptError::not_literal(token, &found.0))?;
         json_number(parsed, negative).ok_or_else(|| {
-            SourceError::not_literal(
+            ScriptError::not_literal(
                 token,
                 &format!("a number too large for JSON `{}`", token.text),
             )
@@ -519,7 +519,7 @@ impl<'a> Parser<'a> {
     }
 
     /// `-1`, `+2`, `- -3`: unary signs in front of a number.
-    fn signed_number(&mut self, first: &Token<'a>) -> Result<Lit, SourceError> {
+    fn signed_number(&mut self, first: &Token<'a>) -> Result<Lit, ScriptError> {
         let mut negative = false;
         let mut operand = self.next_or_end()?;
         while operand.is_punct("-") || operand.is_punct("+") {
@@ -546,14 +546,14 @@ impl<'a> Parser<'a> {
                 first.text
             )
         };
-        Err(SourceError::not_literal(
+        Err(ScriptError::not_literal(
             if is_name { &operand } else { first },
             &found,
         ))
     }
 
     /// Describes a token that cannot start a literal value.
-    fn describe_value_start(&mut self, token: &Token<'a>) -> Result<String, SourceError> {
+    fn describe_value_start(&mut self, token: &Token<'a>) -> Result<String, ScriptError> {
         let next = self.peek(1)?;
         let next_is = |p: &str| next.as_ref().is_some_and(|t| t.is_punct(p));
         let text = snippet(token.text);
@@ -590,7 +590,7 @@ impl<'a> Parser<'a> {
     }
 
     /// Whether the `(` at the current position opens an arrow's parameters.
-    fn arrow_after_paren(&mut self) -> Result<bool, SourceError> {
+    fn arrow_after_paren(&mut self) -> Result<bool, ScriptError> {
         let mut depth = 0usize;
         let mut k = 0;
         while let Some(t) = self.peek(k)? {
@@ -613,7 +613,7 @@ impl<'a> Parser<'a> {
         &mut self,
         value_start: usize,
         expected: &str,
-    ) -> Result<SourceError, SourceError> {
+    ) -> Result<ScriptError, ScriptError> {
         let token = self.next_or_end()?;
         let found = match token.kind {
             TokenKind::Punct if token.text == "(" => {
@@ -629,11 +629,11 @@ impl<'a> Parser<'a> {
             TokenKind::Punct => format!("an operator `{}`", token.text),
             _ => format!("`{}` where {expected} was expected", snippet(token.text)),
         };
-        Ok(SourceError::not_literal(&token, &found))
+        Ok(ScriptError::not_literal(&token, &found))
     }
 
     /// Reads an object; the `{` is consumed.
-    fn object(&mut self, open: &Token<'a>, depth: usize) -> Result<Lit, SourceError> {
+    fn object(&mut self, open: &Token<'a>, depth: usize) -> Result<Lit, ScriptError> {
         let mut entries = Vec::new();
         loop {
             let key_token = self.next_or_end()?;
@@ -646,22 +646,22 @@ impl<'a> Parser<'a> {
                 TokenKind::String => key_token.value.clone().unwrap_or_default(),
                 TokenKind::Number => number_key(
                     parse_number(key_token.text)
-                        .map_err(|found| SourceError::not_literal(&key_token, &found.0))?,
+                        .map_err(|found| ScriptError::not_literal(&key_token, &found.0))?,
                 ),
                 TokenKind::Punct if key_token.text == "..." => {
-                    return Err(SourceError::not_literal(&key_token, "a spread (`...`)"));
+                    return Err(ScriptError::not_literal(&key_token, "a spread (`...`)"));
                 }
                 TokenKind::Punct if key_token.text == "[" => {
-                    return Err(SourceError::not_literal(&key_token, "a computed key (`[`)"));
+                    return Err(ScriptError::not_literal(&key_token, "a computed key (`[`)"));
                 }
                 TokenKind::Punct if key_token.text == "*" => {
-                    return Err(SourceError::not_literal(
+                    return Err(ScriptError::not_literal(
                         &key_token,
                         "a generator method (`*`)",
                     ));
                 }
                 _ => {
-                    return Err(SourceError::not_literal(
+                    return Err(ScriptError::not_literal(
                         &key_token,
                         &format!("`{}` where a key was expected", snippet(key_token.text)),
                     ));
@@ -674,17 +674,17 @@ impl<'a> Parser<'a> {
             if after.is_punct(":") {
                 self.pos += 1;
             } else if after.is_punct("(") {
-                return Err(SourceError::not_literal(
+                return Err(ScriptError::not_literal(
                     &key_token,
                     &format!("a method `{text}(`"),
                 ));
             } else if is_name && (after.is_punct(",") || after.is_punct("}")) {
-                return Err(SourceError::not_literal(
+                return Err(ScriptError::not_literal(
                     &key_token,
                     &format!("a shorthand property `{text}`"),
                 ));
             } else if is_name && after.is_punct("=") {
-                return Err(SourceError::not_literal(
+                return Err(ScriptError::not_literal(
                     &key_token,
                     &format!("a shorthand property with a default `{text} =`"),
                 ));
@@ -696,12 +696,12 @@ impl<'a> Parser<'a> {
                 ) || after.is_punct("[")
                     || after.is_punct("*"))
             {
-                return Err(SourceError::not_literal(
+                return Err(ScriptError::not_literal(
                     &key_token,
                     &format!("a method `{text} {}`", snippet(after.text)),
                 ));
             } else {
-                return Err(SourceError::not_literal(
+                return Err(ScriptError::not_literal(
                     &after,
                     &format!("`{}` where `:` was expected", snippet(after.text)),
                 ));
@@ -727,7 +727,7 @@ impl<'a> Parser<'a> {
     }
 
     /// Reads an array; the `[` is consumed.
-    fn array(&mut self, open: &Token<'a>, depth: usize) -> Result<Lit, SourceError> {
+    fn array(&mut self, open: &Token<'a>, depth: usize) -> Result<Lit, ScriptError> {
         let mut items = Vec::new();
         loop {
             let token = self.next_or_end()?;
@@ -736,7 +736,7 @@ impl<'a> Parser<'a> {
                 break;
             }
             if token.is_punct(",") {
-                return Err(SourceError::not_literal(
+                return Err(ScriptError::not_literal(
                     &token,
                     "an empty array slot (`,,`)",
                 ));
@@ -773,11 +773,11 @@ fn starts_statement(token: &Token<'_>) -> bool {
 }
 
 /// Checks the fields of the meta literal. `export` locates missing fields.
-fn check_meta(literal: &Lit, export: &Token<'_>) -> Result<Meta, SourceError> {
-    let required = |key: &str| -> Result<String, SourceError> {
+fn check_meta(literal: &Lit, export: &Token<'_>) -> Result<Meta, ScriptError> {
+    let required = |key: &str| -> Result<String, ScriptError> {
         match literal.get(key) {
             Some(value) => value.non_empty_string().map(str::to_string).ok_or_else(|| {
-                SourceError::at(
+                ScriptError::at(
                     value.line,
                     value.column,
                     format!(
@@ -787,7 +787,7 @@ fn check_meta(literal: &Lit, export: &Token<'_>) -> Result<Meta, SourceError> {
                     ),
                 )
             }),
-            None => Err(SourceError::at_token(
+            None => Err(ScriptError::at_token(
                 export,
                 format!(
                     "meta.{key} is required and must be a non-empty string: meta at line {} has none",
@@ -805,7 +805,7 @@ fn check_meta(literal: &Lit, export: &Token<'_>) -> Result<Meta, SourceError> {
             ..
         }) => Some(s.clone()),
         Some(other) => {
-            return Err(SourceError::at(
+            return Err(ScriptError::at(
                 other.line,
                 other.column,
                 format!(
@@ -827,7 +827,7 @@ fn check_meta(literal: &Lit, export: &Token<'_>) -> Result<Meta, SourceError> {
             .map(|(i, item)| check_phase(i, item))
             .collect::<Result<_, _>>()?,
         Some(other) => {
-            return Err(SourceError::at(
+            return Err(ScriptError::at(
                 other.line,
                 other.column,
                 format!(
@@ -847,9 +847,9 @@ fn check_meta(literal: &Lit, export: &Token<'_>) -> Result<Meta, SourceError> {
     })
 }
 
-fn check_phase(index: usize, item: &Lit) -> Result<PhaseMeta, SourceError> {
+fn check_phase(index: usize, item: &Lit) -> Result<PhaseMeta, ScriptError> {
     let fail = |at: &Lit, what: String| {
-        SourceError::at(
+        ScriptError::at(
             at.line,
             at.column,
             format!("{PHASES_SHAPE}: phases[{index}]{what} at line {}", at.line),
@@ -882,7 +882,7 @@ fn check_phase(index: usize, item: &Lit) -> Result<PhaseMeta, SourceError> {
 
 /// Scans the code after the meta statement for module loading and
 /// non-deterministic calls.
-fn scan(toks: &[Token<'_>]) -> Result<(), SourceError> {
+fn scan(toks: &[Token<'_>]) -> Result<(), ScriptError> {
     let punct = |i: usize, p: &str| toks.get(i).is_some_and(|t| t.is_punct(p));
     let ident = |i: usize, name: &str| toks.get(i).is_some_and(|t| t.is_ident(name));
     // A call at `i`: `(` or `?.(`.
@@ -937,7 +937,7 @@ fn scan(toks: &[Token<'_>]) -> Result<(), SourceError> {
             }
             _ => continue,
         };
-        return Err(SourceError::at_token(token, message));
+        return Err(ScriptError::at_token(token, message));
     }
     Ok(())
 }
@@ -961,11 +961,11 @@ mod tests {
         meta_of(&src).raw["x"].clone()
     }
 
-    fn error(src: &str) -> SourceError {
+    fn error(src: &str) -> ScriptError {
         prepare(src).unwrap_err()
     }
 
-    fn body_error(code: &str) -> SourceError {
+    fn body_error(code: &str) -> ScriptError {
         prepare(&format!("{HEAD}{code}")).unwrap_err()
     }
 
