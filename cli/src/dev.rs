@@ -193,10 +193,13 @@ fn hold_dir(dir: &Path) -> Result<Flock<std::fs::File>, Problem> {
             let mut text = String::new();
             let _ = file.read_to_string(&mut text);
             let pid = text.split_whitespace().next().unwrap_or("unknown");
-            return Err(Problem::internal(format!(
-                "a fleet of `flotilla dev` already runs in {} (pid {pid}); stop it first (Ctrl-C where it runs, or `kill {pid}`: it stops every process it started), or give this one another --dir",
-                dir.display()
-            )));
+            return Err(Problem::new(
+                flotilla_proto::ErrorKind::Conflict,
+                format!(
+                    "a fleet of `flotilla dev` already runs in {} (pid {pid}); stop it first (Ctrl-C where it runs, or `kill {pid}`: it stops every process it started), or give this one another --dir",
+                    dir.display()
+                ),
+            ));
         }
         Err((_, e)) => {
             return Err(Problem::internal(format!(

@@ -377,6 +377,14 @@ impl Coordinator {
         self.cancel.cancel();
     }
 
+    /// [`Coordinator::shutdown`], then waits at most `within` for the dispatcher's tasks
+    /// (its key writer, watches, worker leases, links and source streams) to end; whether
+    /// they all did.
+    pub async fn shut_down(&self, within: std::time::Duration) -> bool {
+        self.shutdown();
+        self.dispatch.stopped(within).await
+    }
+
     /// Checks and starts a run.
     pub async fn launch(&self, mut req: LaunchRequest) -> Result<RunHandle, Rejected> {
         let Checked {
@@ -925,6 +933,39 @@ mod tests {
         c.dispatch.attach(end);
         tokio::spawn(async move { worker.run(link, CancellationToken::new()).await });
         workspace
+    }
+
+    /// Issue 30: the dispatcher's tasks are tracked — a worker's link, its lease, the key
+    /// writer, the watches — and a coordinator shut down waits for every one of them to end.
+    #[tokio::test]
+    async fn a_coordinator_shut_down_waits_for_every_task_of_its_dispatcher() {
+        let c = Coordinator::new(
+            crate::store::open("memory://").unwrap(),
+            crate::lease::memory::MemoryLeaseStore::new(),
+        );
+        let _w = echo_worker(&c, "w0");
+        let attached = std::time::Instant::now();
+        while !c.dispatch.workers().await.iter().any(|w| w.attached) {
+            assert!(
+                attached.elapsed() < std::time::Duration::from_secs(10),
+                "the worker never attached"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let run = c.launch(launch_with("echo", "default")).await.unwrap();
+        assert_eq!(run.wait().await.status, RunStatus::Completed);
+        // The key writer, two watches, the worker's link and its lease at least.
+        assert!(
+            c.dispatch.tasks_running() >= 5,
+            "{} tasks",
+            c.dispatch.tasks_running()
+        );
+        assert!(
+            c.shut_down(std::time::Duration::from_secs(10)).await,
+            "{} tasks still running",
+            c.dispatch.tasks_running()
+        );
+        assert_eq!(c.dispatch.tasks_running(), 0);
     }
 
     fn launch_with(backend: &str, namespace: &str) -> LaunchRequest {

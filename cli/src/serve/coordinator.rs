@@ -581,7 +581,9 @@ async fn serve_until_stopped(
     lost: CancellationToken,
 ) -> i32 {
     let cancel = CancellationToken::new();
-    let pages = tokio::spawn(flotilla_coordinator::web::serve(
+    // Every task of the process's own, waited for (a bounded while) before it exits.
+    let tasks = tokio_util::task::TaskTracker::new();
+    let pages = tasks.spawn(flotilla_coordinator::web::serve(
         coordinator.clone(),
         registry.clone(),
         flotilla_coordinator::web::WebOptions {
@@ -591,17 +593,17 @@ async fn serve_until_stopped(
         },
         cancel.clone(),
     ));
-    let serving = tokio::spawn(server::serve(
+    let serving = tasks.spawn(server::serve(
         coordinator.clone(),
         registry.clone(),
         opts,
         cancel.clone(),
     ));
     if let Some(n) = coordinator.notifier().cloned() {
-        tokio::spawn(send_outbox(coordinator.clone(), n, cancel.clone()));
+        tasks.spawn(send_outbox(coordinator.clone(), n, cancel.clone()));
     }
     if let Some((policy, every)) = s.retention.clone() {
-        tokio::spawn(retain(
+        tasks.spawn(retain(
             coordinator.clone(),
             registry.clone(),
             policy,
@@ -628,9 +630,23 @@ async fn serve_until_stopped(
         r = pages => ended(r),
     };
     cancel.cancel();
-    coordinator.shutdown();
+    tasks.close();
+    let (served, dispatched) = tokio::join!(
+        tokio::time::timeout(SHUTDOWN_DRAIN, tasks.wait()),
+        coordinator.shut_down(SHUTDOWN_DRAIN),
+    );
+    if served.is_err() || !dispatched {
+        tracing::warn!(
+            "some tasks were still running {} s after the coordinator was told to stop; it stops without them",
+            SHUTDOWN_DRAIN.as_secs()
+        );
+    }
     code
 }
+
+/// How long a stopping coordinator waits for its tasks (the listeners, the pages, the
+/// dispatcher's links, leases and key writes) to end.
+const SHUTDOWN_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A coordinator whose lease lapsed (a resignation ends otherwise). With another coordinator
 /// leading, it stops as it always has: that one has its runs and workers, and this one,

@@ -312,7 +312,7 @@ async fn sandbox(s: &Settings) -> Result<flotilla_worker::sandbox::Sandbox, Prob
             eprintln!("flotilla worker: {}", sb.describe());
             Ok(sb)
         }
-        Err(e) => Err(Problem::unavailable(format!(
+        Err(e) => Err(Problem::invalid(format!(
             "{e}\nagents run sandboxed by default: install bubblewrap (Debian: apt-get install bubblewrap) where unprivileged user namespaces are allowed, or start with --sandbox off to run them unconfined"
         ))),
     }

@@ -12,6 +12,7 @@ use flotilla_proto::v1::{self, CoordinatorMessage, coordinator_message};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::handle::{Msg, NameTaken, WorkerView};
 use super::lease_writes::{KeyOp, LeaseCtl};
@@ -239,10 +240,12 @@ pub(super) struct Fleet {
     pub(super) keys: mpsc::UnboundedSender<KeyOp>,
     /// Where the seconds of [`Given::since`] count from.
     epoch: Instant,
+    /// The dispatcher's tasks (a worker's link pump is one).
+    tasks: TaskTracker,
 }
 
 impl Fleet {
-    pub fn new(keys: mpsc::UnboundedSender<KeyOp>) -> Fleet {
+    pub fn new(keys: mpsc::UnboundedSender<KeyOp>, tasks: TaskTracker) -> Fleet {
         Fleet {
             workers: HashMap::new(),
             by_name: HashMap::new(),
@@ -250,6 +253,7 @@ impl Fleet {
             next_worker: 0,
             keys,
             epoch: Instant::now(),
+            tasks,
         }
     }
 
@@ -495,7 +499,7 @@ impl Fleet {
                 ctl: None,
             },
         );
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             loop {
                 tokio::select! {
                     _ = alive.cancelled() => break,
@@ -795,7 +799,7 @@ mod tests {
 
     #[test]
     fn a_call_goes_to_the_freest_worker_that_offers_its_backend() {
-        let mut f = Fleet::new(mpsc::unbounded_channel().0);
+        let mut f = Fleet::new(mpsc::unbounded_channel().0, TaskTracker::new());
         let busy = worker(&mut f, "busy", 4, 3, &["echo"]);
         let free = worker(&mut f, "free", 4, 1, &["echo"]);
         let other = worker(&mut f, "other", 8, 0, &["claude"]);
@@ -812,7 +816,7 @@ mod tests {
 
     #[test]
     fn a_worker_without_a_lease_takes_nothing_and_is_not_listed() {
-        let mut f = Fleet::new(mpsc::unbounded_channel().0);
+        let mut f = Fleet::new(mpsc::unbounded_channel().0, TaskTracker::new());
         let w = worker(&mut f, "w", 2, 0, &["echo"]);
         f.workers.get_mut(&w).unwrap().lease = None;
         assert_eq!(f.pick(&task("echo")), None);
@@ -822,7 +826,7 @@ mod tests {
 
     #[test]
     fn why_no_worker_runs_a_call_names_the_backend_and_the_fix() {
-        let mut f = Fleet::new(mpsc::unbounded_channel().0);
+        let mut f = Fleet::new(mpsc::unbounded_channel().0, TaskTracker::new());
         assert!(
             f.why_none_offers(&task("claude"))
                 .starts_with("no worker is attached")
@@ -840,7 +844,7 @@ mod tests {
     #[tokio::test]
     async fn a_worker_that_comes_back_keeps_its_slots_and_a_retired_one_is_forgotten() {
         let (inbox, mut got) = mpsc::unbounded_channel();
-        let mut f = Fleet::new(mpsc::unbounded_channel().0);
+        let mut f = Fleet::new(mpsc::unbounded_channel().0, TaskTracker::new());
         let hello = |slots| v1::Hello {
             name: "w1".into(),
             slots,

@@ -240,6 +240,8 @@ pub struct NamespaceView {
 #[derive(Clone)]
 pub struct DispatchHandle {
     pub(super) tx: mpsc::UnboundedSender<Msg>,
+    /// The dispatcher's tasks.
+    pub(super) tasks: tokio_util::task::TaskTracker,
 }
 
 impl std::fmt::Debug for DispatchHandle {
@@ -249,6 +251,20 @@ impl std::fmt::Debug for DispatchHandle {
 }
 
 impl DispatchHandle {
+    /// Waits, at most `within`, for every task of the dispatcher to end (once it is
+    /// cancelled); whether they all did.
+    pub async fn stopped(&self, within: std::time::Duration) -> bool {
+        self.tasks.close();
+        tokio::time::timeout(within, self.tasks.wait())
+            .await
+            .is_ok()
+    }
+
+    /// How many tasks of the dispatcher are running.
+    pub fn tasks_running(&self) -> usize {
+        self.tasks.len()
+    }
+
     pub fn register(&self, reg: RunRegistration) {
         let _ = self.tx.send(Msg::Register(reg));
     }

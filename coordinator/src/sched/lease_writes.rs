@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::handle::{CallId, Msg, PendingPut, Refusal};
 use crate::lease::{self, BatchOp, LeaseId, LeaseStore, Revision, WatchEvent};
@@ -97,10 +98,11 @@ impl LeaseCtl {
 pub(super) fn spawn_key_writer(
     leases: Arc<dyn LeaseStore>,
     inbox: mpsc::UnboundedSender<Msg>,
+    tasks: &TaskTracker,
     cancel: CancellationToken,
 ) -> mpsc::UnboundedSender<KeyOp> {
     let (tx, mut rx) = mpsc::unbounded_channel::<KeyOp>();
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         let mut buf = Vec::with_capacity(BATCH_MAX);
         loop {
             let n = tokio::select! {
@@ -177,13 +179,14 @@ async fn write_retrying(leases: &dyn LeaseStore, batch: Vec<BatchOp>) -> Result<
 pub(super) fn spawn_watches(
     leases: Arc<dyn LeaseStore>,
     inbox: mpsc::UnboundedSender<Msg>,
+    tasks: &TaskTracker,
     cancel: CancellationToken,
 ) {
     for prefix in [lease::keys::ATTEMPTS, lease::keys::WORKERS] {
         let leases = leases.clone();
         let inbox = inbox.clone();
         let cancel = cancel.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             let mut backoff = Duration::from_millis(100);
             let mut events = loop {
                 match leases.watch(prefix).await {

@@ -55,6 +55,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tokio_util::time::{DelayQueue, delay_queue};
 
 pub use crate::call::{CallEvent, CallFailure, CallResult, Retry};
@@ -212,9 +213,14 @@ pub fn spawn_with(
     cancel: CancellationToken,
 ) -> DispatchHandle {
     let (tx, rx) = mpsc::unbounded_channel();
-    let handle = DispatchHandle { tx: tx.clone() };
-    let keys = lease_writes::spawn_key_writer(leases.clone(), tx.clone(), cancel.clone());
-    lease_writes::spawn_watches(leases.clone(), tx.clone(), cancel.clone());
+    // Every task of the dispatcher's, so its owner can wait for them to end.
+    let tasks = TaskTracker::new();
+    let handle = DispatchHandle {
+        tx: tx.clone(),
+        tasks: tasks.clone(),
+    };
+    let keys = lease_writes::spawn_key_writer(leases.clone(), tx.clone(), &tasks, cancel.clone());
+    lease_writes::spawn_watches(leases.clone(), tx.clone(), &tasks, cancel.clone());
     let d = Dispatcher {
         tx,
         opts,
@@ -223,7 +229,7 @@ pub fn spawn_with(
         runs: HashMap::new(),
         shares: fair::Shares::default(),
         calls: HashMap::new(),
-        fleet: Fleet::new(keys),
+        fleet: Fleet::new(keys, tasks.clone()),
         stagger: stagger::Stagger::default(),
         gates: gates::Gates::default(),
         admission: accounts::Accounts::default(),
@@ -234,8 +240,9 @@ pub fn spawn_with(
         source_acks: HashMap::new(),
         leftovers: leftovers::Leftovers::default(),
         timers: DelayQueue::new(),
+        tasks: tasks.clone(),
     };
-    tokio::spawn(d.run(rx, cancel));
+    tasks.spawn(d.run(rx, cancel));
     handle
 }
 
@@ -275,6 +282,8 @@ struct Dispatcher {
     /// What unfinished attempts left, and retries that wait for it (W58).
     leftovers: leftovers::Leftovers,
     timers: DelayQueue<Timer>,
+    /// Every task it starts (the handle's owner waits for them: [`DispatchHandle::stopped`]).
+    tasks: TaskTracker,
 }
 
 impl Dispatcher {
@@ -515,7 +524,7 @@ impl Dispatcher {
                 };
                 let (acks, acked) = tokio::sync::watch::channel(0u64);
                 self.source_acks.insert((worker, req.id), acks);
-                tokio::spawn(crate::source::serve(
+                self.tasks.spawn(crate::source::serve(
                     store.clone(),
                     namespace,
                     req,

@@ -510,7 +510,7 @@ impl Dispatcher {
             return false;
         };
         let (tx, run, call) = (self.tx.clone(), id.0.clone(), id.1);
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             // An agent's objects are checked before they are kept, as its change's are.
             let stored = match crate::vet::pack_alone(&p.pack).await {
                 Ok(None) => {

@@ -120,7 +120,7 @@ impl Dispatcher {
                 .into_bytes();
                 let (attached, attached_rx) = watch::channel(true);
                 let stop = CancellationToken::new();
-                tokio::spawn(worker_lease(
+                self.tasks.spawn(worker_lease(
                     self.leases.clone(),
                     self.opts.worker_ttl,
                     name.clone(),
