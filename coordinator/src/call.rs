@@ -1,18 +1,22 @@
 //! One `agent()` call's lifecycle, in one vocabulary.
 //!
 //! A call is admitted by its run ([`crate::run::admit`]), placed and retried by the
-//! dispatcher ([`crate::sched`]), and ended by the run once its result is durable. Both actors
-//! keep the call's [`State`] and move it only along [`State::allows`]; what one tells the
-//! other travels as a [`CallEvent`]. The report and the event log spell a call's state one way
-//! each: [`Status`] (where the call stands) and [`Mark`] (what just happened to it).
+//! dispatcher ([`crate::sched`]), and ended by the run once its result is durable. Each part
+//! of its life has one owner. The dispatcher alone holds where a live call is ([`State`]:
+//! queued, held, waiting, running) and forgets the call once its outcome is sent. The run
+//! holds what the script and the report need ([`Stage`]: live, journaling, ended — with the
+//! result, the usage and the change), and keeps what its views show of a live call (running
+//! since, which attempt, on which worker) as data from the dispatcher's [`CallEvent`]s, never
+//! as a state of its own. Each moves only along its own `allows`. The report and the event
+//! log spell a call one way each: [`Status`] (where the call stands) and [`Mark`] (what just
+//! happened to it).
 //!
 //! ```text
-//!            ┌──────── hold / wait ────────┐
-//!            ▼                             │
-//!  Queued ◀─▶ Held, Waiting      Queued ──▶ Running ──▶ Journaling ──▶ Completed
-//!    │                              ▲         │ (retry)                    
-//!    └─▶ Journaling (served)        └─────────┘
-//!  any live state ──▶ Failed | Cancelled
+//!  dispatcher (State):  Queued ◀─▶ Held, Waiting      Queued ──▶ Running ──▶ (outcome sent)
+//!                                                        ▲          │ (retry)
+//!                                                        └──────────┘
+//!  run (Stage):         Live ──▶ Journaling ──▶ Completed
+//!                       Live, Journaling ──▶ Failed | Cancelled
 //! ```
 
 use std::time::Duration;
@@ -22,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::reject::RejectCode;
 
-/// Where a call is. The dispatcher uses the live states; the run engine also the ending ones.
+/// Where a live call is: the dispatcher's alone (the run never holds one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum State {
     /// In its run's queue, ready to run.
@@ -35,33 +39,18 @@ pub enum State {
     Waiting,
     /// An attempt holds a worker slot.
     Running,
-    /// Completed (or served by resume), its result on its way to the journal.
-    Journaling,
-    Completed,
-    Failed,
-    Cancelled,
 }
 
 impl State {
-    /// Not ended: it may still run.
-    pub fn is_live(self) -> bool {
-        matches!(
-            self,
-            State::Queued | State::Held | State::Waiting | State::Running
-        )
-    }
-
     /// Whether a call may move from `self` to `to`.
     pub fn allows(self, to: State) -> bool {
         use State::*;
-        match (self, to) {
-            (Queued, Queued | Held | Waiting | Running | Journaling) => true,
-            (Held | Waiting, Queued | Held | Waiting) => true,
-            (Running, Queued | Waiting | Journaling) => true,
-            (Journaling, Completed) => true,
-            (from, Failed | Cancelled) => from.is_live() || from == Journaling,
-            _ => false,
-        }
+        matches!(
+            (self, to),
+            (Queued, Queued | Held | Waiting | Running)
+                | (Held | Waiting, Queued | Held | Waiting)
+                | (Running, Queued | Waiting)
+        )
     }
 
     /// Moves to `to` if the lifecycle allows it; `false` (and nothing changes) otherwise.
@@ -75,16 +64,59 @@ impl State {
             false
         }
     }
+}
 
-    /// How the report shows it. `live`: a report of a run still going, where queued and
-    /// running calls are just that; in a final report they were cancelled.
-    pub fn status(self, live: bool) -> Status {
+/// What a run holds of one of its calls: still the dispatcher's (live), its result on its way
+/// to the journal, or how it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// The dispatcher has it (where it is, [`State`], is the dispatcher's).
+    Live,
+    /// Completed (or served by resume), its result on its way to the journal.
+    Journaling,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl Stage {
+    /// Not ended, and no result yet: it may still run.
+    pub fn is_live(self) -> bool {
+        self == Stage::Live
+    }
+
+    /// Whether a call may move from `self` to `to`: forward only, and to `Completed` only
+    /// through the journal.
+    pub fn allows(self, to: Stage) -> bool {
+        use Stage::*;
+        matches!(
+            (self, to),
+            (Live, Journaling) | (Journaling, Completed) | (Live | Journaling, Failed | Cancelled)
+        )
+    }
+
+    /// Moves to `to` if the lifecycle allows it; `false` (and nothing changes) otherwise.
+    #[must_use]
+    pub fn go(&mut self, to: Stage) -> bool {
+        if self.allows(to) {
+            *self = to;
+            true
+        } else {
+            tracing::debug!(from = ?self, to = ?to, "a call stage change the lifecycle does not allow");
+            false
+        }
+    }
+
+    /// How the report shows it. `running`: what the dispatcher's events last said of a live
+    /// call (an attempt of it holds a worker). `live`: a report of a run still going, where
+    /// queued and running calls are just that; in a final report they were cancelled.
+    pub fn status(self, running: bool, live: bool) -> Status {
         match self {
-            State::Completed => Status::Completed,
-            State::Failed => Status::Failed,
-            State::Journaling if live => Status::Completed,
-            State::Running if live => Status::Running,
-            State::Queued | State::Held | State::Waiting if live => Status::Queued,
+            Stage::Completed => Status::Completed,
+            Stage::Failed => Status::Failed,
+            Stage::Journaling if live => Status::Completed,
+            Stage::Live if live && running => Status::Running,
+            Stage::Live if live => Status::Queued,
             _ => Status::Cancelled,
         }
     }
@@ -333,83 +365,81 @@ pub fn human(d: Duration) -> String {
 mod tests {
     use super::*;
 
-    const ALL: [State; 8] = [
-        State::Queued,
-        State::Held,
-        State::Waiting,
-        State::Running,
-        State::Journaling,
-        State::Completed,
-        State::Failed,
-        State::Cancelled,
+    const STATES: [State; 4] = [State::Queued, State::Held, State::Waiting, State::Running];
+    const STAGES: [Stage; 5] = [
+        Stage::Live,
+        Stage::Journaling,
+        Stage::Completed,
+        Stage::Failed,
+        Stage::Cancelled,
     ];
 
     #[test]
     fn an_ended_call_never_moves_again() {
-        for from in [State::Completed, State::Failed, State::Cancelled] {
-            for to in ALL {
+        for from in [Stage::Completed, Stage::Failed, Stage::Cancelled] {
+            for to in STAGES {
                 let mut s = from;
                 assert!(!s.go(to), "{from:?} -> {to:?} must be refused");
                 assert_eq!(s, from);
             }
         }
+        // Nothing goes back to live: a call with a result is never run again.
+        for from in STAGES {
+            assert!(!from.allows(Stage::Live), "{from:?} -> Live");
+        }
     }
 
     #[test]
     fn a_result_is_completed_only_through_the_journal() {
-        for from in ALL {
+        for from in STAGES {
             assert_eq!(
-                from.allows(State::Completed),
-                from == State::Journaling,
+                from.allows(Stage::Completed),
+                from == Stage::Journaling,
                 "{from:?} -> Completed"
             );
         }
-        let mut s = State::Queued;
-        assert!(s.go(State::Running));
-        assert!(s.go(State::Journaling));
-        assert!(
-            !s.go(State::Running),
-            "a journaling result is not run again"
-        );
-        assert!(s.go(State::Completed));
+        let mut s = Stage::Live;
+        assert!(s.go(Stage::Journaling));
+        assert!(!s.go(Stage::Live), "a journaling result is not run again");
+        assert!(s.go(Stage::Completed));
     }
 
     #[test]
     fn only_a_queued_call_takes_a_slot() {
-        for from in ALL {
+        for from in STATES {
             assert_eq!(
                 from.allows(State::Running),
                 from == State::Queued,
                 "{from:?} -> Running"
             );
         }
+        // A held or waiting call goes back to the queue before it runs.
+        for from in [State::Held, State::Waiting] {
+            assert!(from.allows(State::Queued), "{from:?} -> Queued");
+        }
     }
 
     #[test]
-    fn every_live_state_can_fail_or_be_cancelled() {
-        for from in ALL {
-            let can_end = from.is_live() || from == State::Journaling;
-            assert_eq!(from.allows(State::Failed), can_end);
-            assert_eq!(from.allows(State::Cancelled), can_end);
+    fn every_live_call_can_fail_or_be_cancelled() {
+        for from in STAGES {
+            let can_end = matches!(from, Stage::Live | Stage::Journaling);
+            assert_eq!(from.allows(Stage::Failed), can_end);
+            assert_eq!(from.allows(Stage::Cancelled), can_end);
         }
     }
 
     #[test]
     fn the_report_spells_live_states_only_while_the_run_goes_on() {
-        assert_eq!(State::Held.status(true), Status::Queued);
-        assert_eq!(State::Waiting.status(true), Status::Queued);
-        assert_eq!(State::Running.status(true), Status::Running);
-        assert_eq!(State::Journaling.status(true), Status::Completed);
-        for s in [
-            State::Queued,
-            State::Held,
-            State::Waiting,
-            State::Running,
-            State::Journaling,
-        ] {
-            assert_eq!(s.status(false), Status::Cancelled, "{s:?}");
+        assert_eq!(Stage::Live.status(false, true), Status::Queued);
+        assert_eq!(Stage::Live.status(true, true), Status::Running);
+        assert_eq!(Stage::Journaling.status(false, true), Status::Completed);
+        for running in [false, true] {
+            for s in [Stage::Live, Stage::Journaling] {
+                assert_eq!(s.status(running, false), Status::Cancelled, "{s:?}");
+            }
+            assert_eq!(Stage::Failed.status(running, false), Status::Failed);
+            assert_eq!(Stage::Completed.status(running, true), Status::Completed);
         }
-        assert_eq!(State::Failed.status(false), Status::Failed);
         assert_eq!(
             serde_json::to_string(&Status::Cancelled).unwrap(),
             "\"cancelled\""

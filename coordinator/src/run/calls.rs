@@ -100,7 +100,8 @@ impl RunEngine {
             group: a.group.clone(),
             group_at,
             model: a.spec.model.clone(),
-            state: State::Queued,
+            stage: Stage::Live,
+            running: false,
             cached: false,
             cached_from: None,
             attempts: 0,
@@ -134,7 +135,7 @@ impl RunEngine {
                 .or_else(|| self.init.resume.as_ref().map(|s| s.run_id.clone()))
                 .unwrap_or_default(),
         );
-        call.set(State::Journaling);
+        call.set(Stage::Journaling);
         call.start_ms = Some(now);
         call.end_ms = Some(now);
         call.result = record.result;
@@ -227,8 +228,8 @@ impl RunEngine {
                 let Some(c) = self.calls.get_mut(call as usize) else {
                     return;
                 };
-                if c.state == State::Queued {
-                    c.set(State::Running);
+                if c.stage.is_live() {
+                    c.running = true;
                 }
                 c.attempts = c.attempts.max(attempt);
                 c.start_ms.get_or_insert(now);
@@ -316,10 +317,8 @@ impl RunEngine {
                     }
                     _ => {}
                 }
-                if let Some(c) = self.calls.get_mut(call as usize)
-                    && c.state == State::Running
-                {
-                    c.set(State::Queued);
+                if let Some(c) = self.calls.get_mut(call as usize) {
+                    c.running = false;
                 }
                 self.logs.push(line.clone());
                 self.event(RunEvent::Log { line });
@@ -358,7 +357,7 @@ impl RunEngine {
         let Some(c) = self.calls.get_mut(call as usize) else {
             return;
         };
-        if !c.state.is_live() {
+        if !c.stage.is_live() {
             return;
         }
         c.end_ms = Some(now);
@@ -379,7 +378,7 @@ impl RunEngine {
                     None => RawJson::string(&done.text),
                 };
                 c.result = Some(value);
-                c.set(State::Journaling);
+                c.set(Stage::Journaling);
                 match (done.change, &self.head) {
                     // Its change goes into the head (or onto its branch) before it is journaled.
                     (Some(ch), Some(head)) => {
@@ -416,7 +415,7 @@ impl RunEngine {
                 }
             }
             CallResult::Failed { failure, message } => {
-                c.set(State::Failed);
+                c.set(Stage::Failed);
                 c.error = Some(message.clone());
                 if matches!(failure, CallFailure::RetryBudget { .. }) {
                     self.budget_refused += 1;

@@ -34,7 +34,7 @@ impl RunEngine {
         action: AgentAction,
         agent: &str,
     ) -> Result<String, Problem> {
-        let live = |c: &Call| c.state.is_live();
+        let live = |c: &Call| c.stage.is_live();
         let index = match agent.parse::<usize>() {
             Ok(i) if i < self.calls.len() => i,
             Ok(i) => {
@@ -100,7 +100,7 @@ impl RunEngine {
                 ))
             }
             AgentAction::Restart => {
-                if c.state != State::Running {
+                if !(c.stage.is_live() && c.running) {
                     return Err(Problem::invalid(format!(
                         "agent #{index} ({label:?}) is queued, not running; nothing to restart"
                     )));
@@ -137,8 +137,8 @@ impl RunEngine {
         let now = self.now_ms();
         let mut cancelled = Vec::new();
         for (index, c) in self.calls.iter_mut().enumerate() {
-            if c.state.is_live() {
-                c.set(State::Cancelled);
+            if c.stage.is_live() {
+                c.set(Stage::Cancelled);
                 c.end_ms.get_or_insert(now);
                 cancelled.push(RunEvent::Call {
                     index: index as u64,
@@ -197,7 +197,7 @@ impl RunEngine {
     /// Stops every live call with `failure` (unless its outcome is in already).
     pub(super) fn stop_live(&self, failure: CallFailure, message: &str) {
         for (index, c) in self.calls.iter().enumerate() {
-            if c.state.is_live() {
+            if c.stage.is_live() {
                 self.init
                     .dispatch
                     .stop_call(&self.run, index as u64, failure, message);

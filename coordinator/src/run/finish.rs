@@ -38,10 +38,10 @@ impl RunEngine {
                     let Some(c) = self.calls.get_mut(index as usize) else {
                         continue;
                     };
-                    if c.state != State::Journaling {
+                    if c.stage != Stage::Journaling {
                         continue;
                     }
-                    c.set(State::Completed);
+                    c.set(Stage::Completed);
                     let json = c
                         .result
                         .as_ref()
@@ -131,16 +131,16 @@ impl RunEngine {
             if let JournalAck::Durable(indices) = ack {
                 for i in indices {
                     if let Some(c) = self.calls.get_mut(i as usize)
-                        && c.state == State::Journaling
+                        && c.stage == Stage::Journaling
                     {
-                        c.set(State::Completed);
+                        c.set(Stage::Completed);
                     }
                 }
             }
         }
         for c in &mut self.calls {
-            if c.state == State::Journaling {
-                c.set(State::Failed);
+            if c.stage == Stage::Journaling {
+                c.set(Stage::Failed);
                 c.error = Some("the result could not be stored".into());
             }
         }

@@ -23,7 +23,7 @@ mod view;
 
 pub use snapshot::{GroupProgress, Snapshot};
 
-use crate::call::{Mark, State, human};
+use crate::call::{Mark, Stage, human};
 use crate::reject::RejectCode;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -162,7 +162,11 @@ struct Call {
     /// Its group's place in the run's groups (views count by it without a lookup).
     group_at: usize,
     model: String,
-    state: State,
+    /// What the run holds of it: live (the dispatcher's), journaling, or how it ended.
+    stage: Stage,
+    /// View data from the dispatcher's events, not a state of the run's: an attempt of this
+    /// live call holds a worker now (its latest is `attempts`, on `worker`, since `start_ms`).
+    running: bool,
     cached: bool,
     cached_from: Option<String>,
     attempts: u32,
@@ -189,14 +193,17 @@ struct Call {
 }
 
 impl Call {
-    /// Moves along the call lifecycle ([`State::allows`]).
-    fn set(&mut self, to: State) {
-        let moved = self.state.go(to);
+    /// Moves along the run's part of the call lifecycle ([`Stage::allows`]).
+    fn set(&mut self, to: Stage) {
+        let moved = self.stage.go(to);
         debug_assert!(
             moved,
             "call {:?} cannot go from {:?} to {:?}",
-            self.label, self.state, to
+            self.label, self.stage, to
         );
+        if !to.is_live() {
+            self.running = false;
+        }
     }
 }
 

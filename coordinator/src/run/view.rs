@@ -35,12 +35,12 @@ impl RunEngine {
         };
         for c in &self.calls {
             summary.agents += 1;
-            match c.state {
-                State::Completed | State::Journaling => summary.done += 1,
-                State::Failed => summary.failed += 1,
-                State::Cancelled => summary.cancelled += 1,
-                State::Running => summary.running += 1,
-                State::Queued | State::Held | State::Waiting => summary.queued += 1,
+            match c.stage {
+                Stage::Completed | Stage::Journaling => summary.done += 1,
+                Stage::Failed => summary.failed += 1,
+                Stage::Cancelled => summary.cancelled += 1,
+                Stage::Live if c.running => summary.running += 1,
+                Stage::Live => summary.queued += 1,
             }
             if c.cached {
                 summary.cached += 1;
@@ -50,11 +50,11 @@ impl RunEngine {
             };
             g.total += 1;
             g.output_tokens += c.usage.output_tokens.max(c.live_tokens);
-            match c.state {
-                State::Completed | State::Journaling => g.done += 1,
-                State::Failed | State::Cancelled => g.failed += 1,
-                State::Running => g.running += 1,
-                State::Queued | State::Held | State::Waiting => {}
+            match c.stage {
+                Stage::Completed | Stage::Journaling => g.done += 1,
+                Stage::Failed | Stage::Cancelled => g.failed += 1,
+                Stage::Live if c.running => g.running += 1,
+                Stage::Live => {}
             }
         }
         let snap = Snapshot {
@@ -116,13 +116,13 @@ impl RunEngine {
             } else if c.attempts > 0 {
                 usage.dispatched += 1;
             }
-            if c.state == State::Failed {
+            if c.stage == Stage::Failed {
                 usage.errors += 1;
             }
             agents.push(AgentReport {
                 label: c.label.clone(),
                 group: c.group.clone(),
-                status: c.state.status(live),
+                status: c.stage.status(c.running, live),
                 attempts: c.attempts,
                 cached: c.cached,
                 start_ms: c.start_ms,

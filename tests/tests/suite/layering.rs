@@ -708,3 +708,44 @@ fn layering_names_that_collided_mean_one_thing() {
     }
     assert!(report.is_empty(), "{}", report.join("\n"));
 }
+
+/// A call is owned once (issue 30, 2): where a live call is (`call::State`: queued, held,
+/// waiting, running) is the dispatcher's alone; the run holds `call::Stage` and keeps what
+/// its views show of a live call as data from the dispatcher's events.
+#[test]
+fn layering_only_the_dispatcher_holds_a_call_s_live_state() {
+    let mut files = Vec::new();
+    rust_files(&root().join("coordinator/src/run"), &mut files);
+    let mut report = Vec::new();
+    for f in &files {
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        for (i, line) in code.lines().enumerate() {
+            let names_state = line.contains("State::Queued")
+                || line.contains("State::Held")
+                || line.contains("State::Waiting")
+                || line.contains("State::Running")
+                || line.contains("call::State")
+                || (line.contains("use crate::call::") && line.contains(" State"));
+            if names_state {
+                report.push(format!(
+                    "{}:{}: {}",
+                    f.strip_prefix(root()).unwrap().display(),
+                    i + 1,
+                    line.trim()
+                ));
+            }
+        }
+    }
+    assert!(
+        report.is_empty(),
+        "the run names a live call state (use call::Stage and the view data from CallEvents):\n{}",
+        report.join("\n")
+    );
+    // The dispatcher does hold it: the check reads what it means to.
+    let sched =
+        code_of(&std::fs::read_to_string(root().join("coordinator/src/sched/mod.rs")).unwrap());
+    assert!(
+        sched.contains("State::Queued"),
+        "the dispatcher's calls start queued"
+    );
+}
