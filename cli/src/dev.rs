@@ -323,24 +323,9 @@ pub async fn dev(a: DevArgs) -> i32 {
 
 async fn up(a: DevArgs) -> Result<i32, Problem> {
     if a.workers == 0 {
-        return Err(Problem::internal("--workers must be at least 1"));
+        return Err(Problem::invalid("--workers must be at least 1"));
     }
-    let dir = match &a.dir {
-        Some(d) => d.clone(),
-        None => dirs::data_local_dir()
-            .ok_or(Problem::internal(
-                "no local data directory here; pass --dir DIR",
-            ))?
-            .join("flotilla")
-            .join("dev"),
-    };
-    let logs = dir.join("logs");
-    std::fs::create_dir_all(&logs)
-        .map_err(|e| Problem::internal(format!("cannot create {}: {e}", logs.display())))?;
-    let dir = dir
-        .canonicalize()
-        .map_err(|e| Problem::internal(format!("cannot read {}: {e}", dir.display())))?;
-    let logs = dir.join("logs");
+    let (dir, logs) = fleet_dir(&a)?;
     // One fleet per directory: held until this process ends, however it ends.
     let _held = hold_dir(&dir)?;
     let pids_file = dir.join("dev.pids");
@@ -378,7 +363,6 @@ async fn up(a: DevArgs) -> Result<i32, Problem> {
         cmd.args(["--etcd", e]);
     }
     procs.spawn("coordinator", cmd, &logs)?;
-
     let remote = ClientArgs {
         coordinator: Some(url.clone()),
         tls: TlsArgs {
@@ -388,27 +372,7 @@ async fn up(a: DevArgs) -> Result<i32, Problem> {
         },
     };
     let mut client = remote.client()?;
-    // Up when it answers an authenticated call: a sign-in token for the pages.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let token = loop {
-        if let Some(why) = died_starting(&mut procs, &logs) {
-            return Err(why);
-        }
-        match client
-            .create_token(v1::CreateTokenRequest { ttl_secs: 0 })
-            .await
-        {
-            Ok(r) => break r.into_inner(),
-            Err(s) if Instant::now() > deadline => {
-                return Err(Problem::internal(format!(
-                    "the coordinator did not answer within a minute ({}); its log is {}/coordinator.log",
-                    s.message(),
-                    logs.display()
-                )));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    };
+    let token = signed_in(&mut client, &mut procs, &logs).await?;
 
     let backends = if a.backends.is_empty() {
         default_backends(a.exec_cmd.is_some())
@@ -443,50 +407,129 @@ async fn up(a: DevArgs) -> Result<i32, Problem> {
         }
     }
     wait_for_workers(&mut client, &mut procs, a.workers, &logs).await?;
+    say_up(&Up {
+        a: &a,
+        pages: format!("http://127.0.0.1:{http_port}/runs"),
+        login: format!("{}&next=/runs", token.login_url),
+        url,
+        pki,
+        store,
+        etcd,
+        backends,
+        logs: logs.clone(),
+        pids: procs.list.iter().map(|p| p.child.id()).collect(),
+    });
+    supervise(&mut procs, &logs).await
+}
 
-    let login = format!("{}&next=/runs", token.login_url);
-    let launch = vec![
-        "flotilla".to_owned(),
-        "launch".to_owned(),
-        "SCRIPT.js".to_owned(),
-        "--coordinator".to_owned(),
-        url.clone(),
-        "--tls-dir".to_owned(),
-        pki.display().to_string(),
-    ];
-    let pids: Vec<u32> = procs.list.iter().map(|p| p.child.id()).collect();
+/// The fleet's directory (`--dir`, else the user's local data directory) and its logs'.
+fn fleet_dir(a: &DevArgs) -> Result<(PathBuf, PathBuf), Problem> {
+    let dir = match &a.dir {
+        Some(d) => d.clone(),
+        None => dirs::data_local_dir()
+            .ok_or_else(|| Problem::invalid("no local data directory here; pass --dir DIR"))?
+            .join("flotilla")
+            .join("dev"),
+    };
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs)
+        .map_err(|e| Problem::internal(format!("cannot create {}: {e}", logs.display())))?;
+    let dir = dir
+        .canonicalize()
+        .map_err(|e| Problem::internal(format!("cannot read {}: {e}", dir.display())))?;
+    let logs = dir.join("logs");
+    Ok((dir, logs))
+}
+
+/// Waits (at most a minute) for the coordinator to answer an authenticated call: a sign-in
+/// token for the pages.
+async fn signed_in(
+    client: &mut flotilla_proto::v1::client_service_client::ClientServiceClient<
+        tonic::transport::Channel,
+    >,
+    procs: &mut Procs,
+    logs: &Path,
+) -> Result<v1::CreateTokenReply, Problem> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(why) = died_starting(procs, logs) {
+            return Err(why);
+        }
+        match client
+            .create_token(v1::CreateTokenRequest { ttl_secs: 0 })
+            .await
+        {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if Instant::now() > deadline => {
+                return Err(Problem::unavailable(format!(
+                    "the coordinator did not answer within a minute ({}); its log is {}/coordinator.log",
+                    s.message(),
+                    logs.display()
+                )));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// What `dev` brought up.
+struct Up<'a> {
+    a: &'a DevArgs,
+    url: String,
+    pages: String,
+    login: String,
+    pki: PathBuf,
+    store: String,
+    etcd: Option<String>,
+    backends: Vec<String>,
+    logs: PathBuf,
+    pids: Vec<u32>,
+}
+
+/// Says what is up and how to use it (one JSON object with `--json`).
+fn say_up(up: &Up) {
+    let (a, url, pki) = (up.a, &up.url, &up.pki);
     if a.json {
+        let launch = [
+            "flotilla".to_owned(),
+            "launch".to_owned(),
+            "SCRIPT.js".to_owned(),
+            "--coordinator".to_owned(),
+            url.clone(),
+            "--tls-dir".to_owned(),
+            pki.display().to_string(),
+        ];
         println!(
             "{}",
             serde_json::json!({
                 "coordinator": url,
-                "pages": format!("http://127.0.0.1:{http_port}/runs"),
-                "login_url": login,
+                "pages": up.pages,
+                "login_url": up.login,
                 "tls_dir": pki,
-                "store": store,
-                "etcd": etcd,
+                "store": up.store,
+                "etcd": up.etcd,
                 "workers": a.workers,
-                "backends": backends,
-                "logs": logs,
+                "backends": up.backends,
+                "logs": up.logs,
                 "launch": launch,
-                "pids": pids,
+                "pids": up.pids,
             })
         );
     } else {
-        let leases = etcd.as_ref().map_or("leases in memory".to_owned(), |e| {
+        let leases = up.etcd.as_ref().map_or("leases in memory".to_owned(), |e| {
             format!("leases in etcd at {e}")
         });
         println!(
             "a fleet is up: a coordinator and {} workers of {} slots each (backends {}), {leases}",
             a.workers,
             a.slots,
-            backends.join(", ")
+            up.backends.join(", ")
         );
         println!("  coordinator  {url}");
-        println!("  pages        http://127.0.0.1:{http_port}/runs");
-        println!("  sign in      {login}");
-        println!("  store        {store}");
-        println!("  logs         {}", logs.display());
+        println!("  pages        {}", up.pages);
+        println!("  sign in      {}", up.login);
+        println!("  store        {}", up.store);
+        println!("  logs         {}", up.logs.display());
         println!();
         println!("launch a run on it:");
         println!();
@@ -503,7 +546,6 @@ async fn up(a: DevArgs) -> Result<i32, Problem> {
     }
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    supervise(&mut procs, &logs).await
 }
 
 /// Starts etcd with TLS on two free ports; its client URL.

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus};
 use crate::store::journal::{read_calls, read_calls_checked, read_events};
-use crate::store::records::{Manifest, RunEvent};
+use crate::store::records::{CallRecord, Manifest, RunEvent};
 use crate::store::{Error, Store, keys};
 
 async fn manifest(store: &Store, run: &str) -> Result<Manifest, Error> {
@@ -93,138 +93,36 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
     let read = read_calls_checked(store, run).await?;
     let skipped = read.summary();
     let calls = read.calls;
-    let mut status = RunStatus::Running;
-    let mut error = None;
-    let mut groups: Vec<String> = Vec::new();
-    let mut logs: Vec<String> = skipped
-        .map(|s| format!("[history] {s}"))
-        .into_iter()
-        .collect();
-    let mut failures = Vec::new();
-    let mut agents: BTreeMap<u64, AgentReport> = BTreeMap::new();
+    let mut r = Replayed {
+        status: RunStatus::Running,
+        logs: skipped
+            .map(|s| format!("[history] {s}"))
+            .into_iter()
+            .collect(),
+        ..Replayed::default()
+    };
     for e in &events {
-        match &e.event {
-            RunEvent::Status {
-                status: s,
-                error: err,
-            } => {
-                status = match s.as_str() {
-                    "completed" => RunStatus::Completed,
-                    "failed" => RunStatus::Failed,
-                    "stopped" => RunStatus::Stopped,
-                    "paused" => RunStatus::Paused,
-                    "stopping" => RunStatus::Stopping,
-                    _ => RunStatus::Running,
-                };
-                error.clone_from(err);
-            }
-            RunEvent::Group { title } => {
-                if !groups.contains(title) {
-                    groups.push(title.clone());
-                }
-            }
-            RunEvent::Log { line } => logs.push(line.clone()),
-            RunEvent::Failure { line } => failures.push(line.clone()),
-            RunEvent::Prompt { .. } | RunEvent::Notified { .. } => {}
-            RunEvent::Call {
-                index,
-                label,
-                group,
-                state,
-                attempt,
-                detail,
-            } => {
-                let a = agents.entry(*index).or_insert_with(|| AgentReport {
-                    label: label.clone(),
-                    group: group.clone(),
-                    status: Status::Queued,
-                    attempts: 0,
-                    cached: false,
-                    start_ms: None,
-                    end_ms: None,
-                    error: None,
-                    index: *index,
-                    key: String::new(),
-                    model: String::new(),
-                    input_tokens: 0,
-                    output_tokens: 0,
-                    disk_bytes: 0,
-                    waiting: None,
-                });
-                // Until it ends, an agent is where its last mark left it.
-                let live = matches!(a.status, Status::Queued | Status::Running);
-                match state {
-                    Mark::Running => {
-                        a.start_ms.get_or_insert(e.t);
-                        if let Some(n) = attempt {
-                            a.attempts = a.attempts.max(*n);
-                        }
-                        if live {
-                            a.status = Status::Running;
-                        }
-                    }
-                    Mark::Cached => {
-                        a.cached = true;
-                        a.start_ms = Some(e.t);
-                    }
-                    Mark::Queued
-                    | Mark::Stalled
-                    | Mark::Waiting
-                    | Mark::Retrying
-                    | Mark::Restarted
-                    | Mark::Interrupted
-                        if live =>
-                    {
-                        a.status = Status::Queued;
-                    }
-                    Mark::Completed => {
-                        a.status = Status::Completed;
-                        a.end_ms.get_or_insert(e.t);
-                    }
-                    Mark::Failed => {
-                        a.status = Status::Failed;
-                        a.error.clone_from(detail);
-                        a.end_ms.get_or_insert(e.t);
-                    }
-                    Mark::Cancelled if live => {
-                        a.status = Status::Cancelled;
-                        a.end_ms.get_or_insert(e.t);
-                    }
-                    _ => {}
-                }
-            }
-        }
+        r.apply(e);
     }
     // The journal is the truth for completed calls, events or not (events are batched and
     // may never have been written).
     for c in &calls {
-        let a = agents.entry(c.index).or_insert_with(|| AgentReport {
-            label: c.label.clone(),
-            group: c.group.clone(),
-            status: Status::Completed,
-            attempts: c.attempts,
-            cached: c.cached_from.is_some(),
-            start_ms: None,
-            end_ms: None,
-            error: None,
-            index: c.index,
-            key: c.key.clone(),
-            model: String::new(),
-            input_tokens: 0,
-            output_tokens: 0,
-            disk_bytes: 0,
-            waiting: None,
+        let a = r.agents.entry(c.index).or_insert_with(|| {
+            let mut a = new_agent(c.index, &c.label, &c.group, Status::Completed);
+            a.attempts = c.attempts;
+            a.cached = c.cached_from.is_some();
+            a
         });
         a.status = Status::Completed;
         a.key.clone_from(&c.key);
         a.attempts = a.attempts.max(c.attempts);
         a.input_tokens = c.usage.input_tokens;
         a.output_tokens = c.usage.output_tokens;
-        if !groups.contains(&c.group) {
-            groups.push(c.group.clone());
+        if !r.groups.contains(&c.group) {
+            r.groups.push(c.group.clone());
         }
     }
-    let agents: Vec<AgentReport> = agents.into_values().collect();
+    let agents: Vec<AgentReport> = r.agents.into_values().collect();
     let usage = ReportUsage {
         agents: agents.len() as u64,
         cached: agents.iter().filter(|a| a.cached).count() as u64,
@@ -241,7 +139,8 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         // Waits are not events of their own: a report rebuilt from events does not know them.
         waits: 0,
     };
-    let groups = groups
+    let groups = r
+        .groups
         .into_iter()
         .map(|title| GroupReport {
             agents: agents
@@ -255,9 +154,9 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         .collect();
     Ok(Report {
         run_id: run.clone(),
-        status,
+        status: r.status,
         result: Value::Null,
-        error,
+        error: r.error,
         workflow: m.workflow.clone(),
         warnings: usage.large_workflow().into_iter().collect(),
         notify: None,
@@ -265,29 +164,153 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
         usage,
         agents,
         groups,
-        logs,
-        failures,
+        logs: r.logs,
+        failures: r.failures,
         script_path: Some(store.display_path(&keys::script(run))),
         parent_run_id: m.parent_run_id.clone(),
         store: Some(store.url.clone()),
         agents_omitted: 0,
-        changes: m.settings.source.as_ref().map(|src| {
-            let records: Vec<&crate::head::ChangeRecord> =
-                calls.iter().filter_map(|c| c.change.as_ref()).collect();
-            crate::report::ChangesSummary {
-                merged: records.iter().filter(|r| r.head_after.is_some()).count() as u64,
-                isolated: records.iter().filter(|r| r.isolated).count() as u64,
-                conflicted: records.iter().filter(|r| !r.conflicts.is_empty()).count() as u64,
-                refused: records.iter().filter(|r| r.refused.is_some()).count() as u64,
-                head: records
-                    .iter()
-                    .rev()
-                    .find_map(|r| r.head_after.clone())
-                    .unwrap_or_else(|| src.commit.clone()),
-                apply: format!("flotilla apply {run}"),
-            }
-        }),
+        changes: m
+            .settings
+            .source
+            .as_ref()
+            .map(|src| changes_summary(run, &src.commit, &calls)),
     })
+}
+
+/// What a run's event log says, replayed in order.
+#[derive(Default)]
+struct Replayed {
+    status: RunStatus,
+    error: Option<String>,
+    groups: Vec<String>,
+    logs: Vec<String>,
+    failures: Vec<String>,
+    agents: BTreeMap<u64, AgentReport>,
+}
+
+impl Replayed {
+    fn apply(&mut self, e: &crate::store::records::EventRecord) {
+        match &e.event {
+            RunEvent::Status { status, error } => {
+                self.status = match status.as_str() {
+                    "completed" => RunStatus::Completed,
+                    "failed" => RunStatus::Failed,
+                    "stopped" => RunStatus::Stopped,
+                    "paused" => RunStatus::Paused,
+                    "stopping" => RunStatus::Stopping,
+                    _ => RunStatus::Running,
+                };
+                self.error.clone_from(error);
+            }
+            RunEvent::Group { title } => {
+                if !self.groups.contains(title) {
+                    self.groups.push(title.clone());
+                }
+            }
+            RunEvent::Log { line } => self.logs.push(line.clone()),
+            RunEvent::Failure { line } => self.failures.push(line.clone()),
+            RunEvent::Prompt { .. } | RunEvent::Notified { .. } => {}
+            RunEvent::Call {
+                index,
+                label,
+                group,
+                state,
+                attempt,
+                detail,
+            } => {
+                let a = self
+                    .agents
+                    .entry(*index)
+                    .or_insert_with(|| new_agent(*index, label, group, Status::Queued));
+                marked(a, *state, e.t, *attempt, detail);
+            }
+        }
+    }
+}
+
+/// An agent the report has not met yet.
+fn new_agent(index: u64, label: &str, group: &str, status: Status) -> AgentReport {
+    AgentReport {
+        label: label.to_owned(),
+        group: group.to_owned(),
+        status,
+        attempts: 0,
+        cached: false,
+        start_ms: None,
+        end_ms: None,
+        error: None,
+        index,
+        key: String::new(),
+        model: String::new(),
+        input_tokens: 0,
+        output_tokens: 0,
+        disk_bytes: 0,
+        waiting: None,
+    }
+}
+
+/// Agent `a` after mark `state` at `t`: until it ends, an agent is where its last mark left
+/// it.
+fn marked(a: &mut AgentReport, state: Mark, t: u64, attempt: Option<u32>, detail: &Option<String>) {
+    let live = matches!(a.status, Status::Queued | Status::Running);
+    match state {
+        Mark::Running => {
+            a.start_ms.get_or_insert(t);
+            if let Some(n) = attempt {
+                a.attempts = a.attempts.max(n);
+            }
+            if live {
+                a.status = Status::Running;
+            }
+        }
+        Mark::Cached => {
+            a.cached = true;
+            a.start_ms = Some(t);
+        }
+        Mark::Queued
+        | Mark::Stalled
+        | Mark::Waiting
+        | Mark::Retrying
+        | Mark::Restarted
+        | Mark::Interrupted
+            if live =>
+        {
+            a.status = Status::Queued;
+        }
+        Mark::Completed => {
+            a.status = Status::Completed;
+            a.end_ms.get_or_insert(t);
+        }
+        Mark::Failed => {
+            a.status = Status::Failed;
+            a.error.clone_from(detail);
+            a.end_ms.get_or_insert(t);
+        }
+        Mark::Cancelled if live => {
+            a.status = Status::Cancelled;
+            a.end_ms.get_or_insert(t);
+        }
+        _ => {}
+    }
+}
+
+/// What a run's journaled changes add up to, over its source's `commit`.
+fn changes_summary(run: &str, commit: &str, calls: &[CallRecord]) -> crate::report::ChangesSummary {
+    let records: Vec<&crate::head::ChangeRecord> =
+        calls.iter().filter_map(|c| c.change.as_ref()).collect();
+    crate::report::ChangesSummary {
+        merged: records.iter().filter(|r| r.head_after.is_some()).count() as u64,
+        isolated: records.iter().filter(|r| r.isolated).count() as u64,
+        conflicted: records.iter().filter(|r| !r.conflicts.is_empty()).count() as u64,
+        refused: records.iter().filter(|r| r.refused.is_some()).count() as u64,
+        head: records
+            .iter()
+            .rev()
+            .find_map(|r| r.head_after.clone())
+            .unwrap_or_else(|| commit.to_owned()),
+        apply: format!("flotilla apply {run}"),
+    }
 }
 
 /// What the session page shows of one agent: its prompt, its result and the transcript of

@@ -425,10 +425,94 @@ impl AgentBackend for ClaudeCode {
                     format!("cannot make a config dir: {e}"),
                 )
             })?;
+        // The attempt's key to the gateway lives as long as this attempt, and no longer.
+        let (mut cmd, _token) = self.command(task, config.path())?;
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| {
+            Error::new(
+                FailureKind::Terminal,
+                format!(
+                    "cannot start {}: {e}; install Claude Code (npm install @anthropic-ai/claude-code) or set FLOTILLA_CLAUDE_BIN",
+                    self.bin.display()
+                ),
+            )
+        })?;
+        let pgid = child.id();
+        let _group = GroupGuard(pgid);
+        let stdin = child
+            .stdin
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stdin pipe"))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stdout pipe"))?;
+        let stderr = child
+            .stderr
+            .take()
+            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stderr pipe"))?;
+        let stderr_task = tokio::spawn(stderr_tail(stderr));
+        let seen = match self.converse(task, events, stdin, stdout, &cancel).await {
+            Ok(seen) => seen,
+            Err(e) => {
+                if e.kind == FailureKind::Cancelled {
+                    kill_group(pgid);
+                    let _ = child.wait().await;
+                }
+                return Err(e);
+            }
+        };
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+        kill_group(pgid);
+        let tail = tokio::time::timeout(Duration::from_secs(2), stderr_task)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let Some(result) = seen.result else {
+            let exit = match &status {
+                Ok(Ok(s)) => s.code(),
+                _ => None,
+            };
+            if let Some(e) = task
+                .sandbox
+                .setup_failure(exit, tail.last().map_or("", String::as_str))
+            {
+                return Err(e);
+            }
+            let code = match status {
+                Ok(Ok(s)) => s.to_string(),
+                _ => "no exit status".into(),
+            };
+            return Err(Error::new(
+                FailureKind::Retryable,
+                format!(
+                    "claude ended ({code}) without a result line; its last stderr lines: {}",
+                    tail.join(" | ")
+                ),
+            ));
+        };
+        self.output_of(task, events, &result, seen.tool_calls)
+    }
+}
+
+impl ClaudeCode {
+    /// The CLI's command for `task`, its config in `config_dir`: in a sandbox it reaches the
+    /// model through the worker's gateway, with a key of this attempt's (returned: it stops
+    /// working when dropped), and its config lives in its own home.
+    fn command(
+        &self,
+        task: &Task,
+        config_dir: &std::path::Path,
+    ) -> Result<(tokio::process::Command, Option<crate::gateway::Token>), Error> {
         let mut env = vec![
             (
                 "CLAUDE_CONFIG_DIR".to_owned(),
-                config.path().display().to_string(),
+                config_dir.display().to_string(),
             ),
             (
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".into(),
@@ -439,8 +523,6 @@ impl AgentBackend for ClaudeCode {
                 self.max_retries.to_string(),
             ),
         ];
-        // In a sandbox the CLI reaches the model through the worker's gateway, with a key of
-        // this attempt's that stops working when it ends; its config lives in its own home.
         let token = task.sandbox.api_token();
         let mut program = self.bin.clone().into_os_string();
         let mut jail = task.jail(Vec::new())?;
@@ -475,46 +557,20 @@ impl AgentBackend for ClaudeCode {
         }
         jail.env.extend(env);
         let args: Vec<std::ffi::OsString> = self.args(task).into_iter().map(Into::into).collect();
-        let mut cmd = task.command(&program, &args, &jail);
-        cmd.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(|e| {
-            Error::new(
-                FailureKind::Terminal,
-                format!(
-                    "cannot start {}: {e}; install Claude Code (npm install @anthropic-ai/claude-code) or set FLOTILLA_CLAUDE_BIN",
-                    self.bin.display()
-                ),
-            )
-        })?;
-        let pgid = child.id();
-        let _group = GroupGuard(pgid);
-        let mut stdin = child
-            .stdin
-            .take()
-            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stdin pipe"))?;
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stdout pipe"))?;
-        let stderr = child
-            .stderr
-            .take()
-            .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stderr pipe"))?;
-        let stderr_task = tokio::spawn(async move {
-            let mut lines = BoundedLines::new(stderr, lines::STDERR_LINE_BYTES);
-            let mut tail: Vec<String> = Vec::new();
-            while let Ok(Some(line)) = lines.next_line().await {
-                tail.push(line.text);
-                if tail.len() > 20 {
-                    tail.remove(0);
-                }
-            }
-            tail
-        });
+        Ok((task.command(&program, &args, &jail), token))
+    }
+
+    /// One turn with the CLI: the prompt in, its stream-json lines out (each answered when
+    /// it asks), until its result line or its end; closing stdin then ends it. A cancel is
+    /// [`FailureKind::Cancelled`] (the caller kills the process group).
+    async fn converse(
+        &self,
+        task: &Task,
+        events: &Events,
+        mut stdin: tokio::process::ChildStdin,
+        stdout: tokio::process::ChildStdout,
+        cancel: &CancellationToken,
+    ) -> Result<Seen, Error> {
         let first =
             json!({"type": "user", "message": {"role": "user", "content": task.spec.prompt}});
         let write = |v: &Value| format!("{v}\n").into_bytes();
@@ -525,7 +581,6 @@ impl AgentBackend for ClaudeCode {
             )
         };
         stdin.write_all(&write(&first)).await.map_err(io_err)?;
-
         let allowed: HashSet<String> = task
             .spec
             .tools
@@ -538,8 +593,6 @@ impl AgentBackend for ClaudeCode {
         loop {
             let next = tokio::select! {
                 _ = cancel.cancelled() => {
-                    kill_group(pgid);
-                    let _ = child.wait().await;
                     events.transcript(json!({"type": "result", "is_error": true, "error": "cancelled"}));
                     return Err(Error::cancelled("the claude process group was killed"));
                 }
@@ -564,39 +617,21 @@ impl AgentBackend for ClaudeCode {
         }
         // One turn: closing stdin ends the CLI.
         drop(stdin);
-        let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
-        kill_group(pgid);
-        let tail = tokio::time::timeout(Duration::from_secs(2), stderr_task)
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .unwrap_or_default();
-        let Some(result) = seen.result else {
-            let exit = match &status {
-                Ok(Ok(s)) => s.code(),
-                _ => None,
-            };
-            if let Some(e) = task
-                .sandbox
-                .setup_failure(exit, tail.last().map_or("", String::as_str))
-            {
-                return Err(e);
-            }
-            let code = match status {
-                Ok(Ok(s)) => s.to_string(),
-                _ => "no exit status".into(),
-            };
-            return Err(Error::new(
-                FailureKind::Retryable,
-                format!(
-                    "claude ended ({code}) without a result line; its last stderr lines: {}",
-                    tail.join(" | ")
-                ),
-            ));
-        };
-        let usage = usage_of(&result, seen.tool_calls);
+        Ok(seen)
+    }
+
+    /// The attempt's output from the CLI's result line: its text, its structured output
+    /// checked against the schema, its usage and model; or its failure.
+    fn output_of(
+        &self,
+        task: &Task,
+        events: &Events,
+        result: &Value,
+        tool_calls: u32,
+    ) -> Result<Output, Error> {
+        let usage = usage_of(result, tool_calls);
         if result.get("is_error").and_then(Value::as_bool) == Some(true) {
-            let mut e = failure_of(&result, self.limit_wait);
+            let mut e = failure_of(result, self.limit_wait);
             e.usage = usage;
             return Err(e);
         }
@@ -607,45 +642,62 @@ impl AgentBackend for ClaudeCode {
             .to_owned();
         let json = match &task.schema {
             None => None,
-            Some(schema) => {
-                let mut subs = Submissions::new(schema, task.spec.schema_attempts.max(1))?;
-                let Some(value) = result.get("structured_output").cloned() else {
-                    let mut e = subs.exhausted();
-                    e.message = format!(
-                        "claude finished without a structured output (it never called StructuredOutput): {}",
-                        e.message
-                    );
-                    e.usage = usage;
-                    return Err(e);
-                };
-                match subs.submit(value) {
-                    Ok(Submitted::Accepted(v)) => {
-                        events.structured_captured(&v);
-                        Some(v)
-                    }
-                    Ok(Submitted::Retry(problem))
-                    | Err(Error {
-                        message: problem, ..
-                    }) => {
-                        let mut e = Error::new(
-                            FailureKind::Schema,
-                            format!(
-                                "claude's structured output does not match the schema: {problem}"
-                            ),
-                        );
-                        e.usage = usage;
-                        return Err(e);
-                    }
-                }
-            }
+            Some(schema) => Some(structured(task, schema, result, events).map_err(|mut e| {
+                e.usage = usage;
+                e
+            })?),
         };
         Ok(Output {
             text,
             json,
             usage,
             change: None,
-            model: model_of(&result),
+            model: model_of(result),
         })
+    }
+}
+
+/// The last lines the CLI wrote on stderr (what a failure without a result line quotes).
+async fn stderr_tail(stderr: tokio::process::ChildStderr) -> Vec<String> {
+    let mut lines = BoundedLines::new(stderr, lines::STDERR_LINE_BYTES);
+    let mut tail: Vec<String> = Vec::new();
+    while let Ok(Some(line)) = lines.next_line().await {
+        tail.push(line.text);
+        if tail.len() > 20 {
+            tail.remove(0);
+        }
+    }
+    tail
+}
+
+/// The structured output of a result line, checked against the task's schema.
+fn structured(
+    task: &Task,
+    schema: &Value,
+    result: &Value,
+    events: &Events,
+) -> Result<Value, Error> {
+    let mut subs = Submissions::new(schema, task.spec.schema_attempts.max(1))?;
+    let Some(value) = result.get("structured_output").cloned() else {
+        let mut e = subs.exhausted();
+        e.message = format!(
+            "claude finished without a structured output (it never called StructuredOutput): {}",
+            e.message
+        );
+        return Err(e);
+    };
+    match subs.submit(value) {
+        Ok(Submitted::Accepted(v)) => {
+            events.structured_captured(&v);
+            Ok(v)
+        }
+        Ok(Submitted::Retry(problem))
+        | Err(Error {
+            message: problem, ..
+        }) => Err(Error::new(
+            FailureKind::Schema,
+            format!("claude's structured output does not match the schema: {problem}"),
+        )),
     }
 }
 

@@ -121,7 +121,7 @@ impl AgentBackend for Exec {
                 let _ = stdin.shutdown().await;
             });
         }
-        let mut stdout = child
+        let stdout = child
             .stdout
             .take()
             .ok_or_else(|| Error::new(FailureKind::Terminal, "exec command has no stdout pipe"))?;
@@ -130,44 +130,17 @@ impl AgentBackend for Exec {
             .take()
             .ok_or_else(|| Error::new(FailureKind::Terminal, "exec command has no stderr pipe"))?;
 
-        let out_events = events.clone();
-        let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let sink = collected.clone();
         // Its stdout is its result: at most EXEC_STDOUT_BYTES of it are kept; past that the
         // command is stopped (`overflow` fires).
+        let collected = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let overflow = CancellationToken::new();
-        let too_much = overflow.clone();
-        let stdout_task = tokio::spawn(async move {
-            let mut chunk = [0u8; 8192];
-            loop {
-                match stdout.read(&mut chunk).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        let mut out = sink
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner);
-                        if out.len() + n > lines::EXEC_STDOUT_BYTES {
-                            too_much.cancel();
-                            return;
-                        }
-                        out.extend_from_slice(&chunk[..n]);
-                        drop(out);
-                        out_events.progress(ProgressKind::Output, 0);
-                    }
-                }
-            }
-        });
-        let err_events = events.clone();
-        let stderr_task = tokio::spawn(async move {
-            let mut lines = BoundedLines::new(stderr, lines::STDERR_LINE_BYTES);
-            let mut last = String::new();
-            while let Ok(Some(line)) = lines.next_line().await {
-                err_events.progress(ProgressKind::Output, 0);
-                err_events.transcript(json!({"type": "stderr", "text": line.text}));
-                last = line.text;
-            }
-            last
-        });
+        let stdout_task = tokio::spawn(read_stdout(
+            stdout,
+            collected.clone(),
+            overflow.clone(),
+            events.clone(),
+        ));
+        let stderr_task = tokio::spawn(stderr_last(stderr, events.clone()));
 
         let status = tokio::select! {
             status = child.wait() => status,
@@ -226,75 +199,129 @@ impl AgentBackend for Exec {
         let text = String::from_utf8_lossy(&stdout).into_owned();
 
         if !status.success() {
-            if let Some(e) = task.sandbox.setup_failure(status.code(), &last_stderr) {
-                events.transcript(json!({"type": "result", "is_error": true, "error": e.message}));
-                return Err(e);
-            }
-            let code = status
-                .code()
-                .map_or_else(|| "a signal".to_owned(), |c| format!("status {c}"));
-            let detail = if last_stderr.is_empty() {
-                String::new()
-            } else {
-                format!(": {last_stderr}")
-            };
-            let kind = if status.code() == Some(EXIT_RETRY) {
-                FailureKind::Retryable
-            } else {
-                FailureKind::Terminal
-            };
-            events.transcript(json!({"type": "result", "is_error": true, "exit": status.code()}));
-            return Err(Error::new(
-                kind,
-                format!("exec command exited with {code}{detail}"),
-            ));
+            return Err(failed_exit(task, events, status, &last_stderr));
         }
+        output_of(task, events, &text)
+    }
+}
 
-        let text = text
-            .strip_suffix("\r\n")
-            .or_else(|| text.strip_suffix('\n'))
-            .unwrap_or(&text)
-            .to_owned();
-        let usage = Usage {
-            input_tokens: chars(&task.spec.prompt),
-            output_tokens: chars(&text),
-            ..Usage::default()
-        };
-        events.transcript(json!({"type": "assistant_text", "text": text}));
-        let Some(schema) = &task.schema else {
+/// Keeps what the command writes on stdout, at most [`lines::EXEC_STDOUT_BYTES`]: past that
+/// `overflow` fires (and the caller stops the command).
+async fn read_stdout(
+    mut stdout: tokio::process::ChildStdout,
+    sink: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    overflow: CancellationToken,
+    events: Events,
+) {
+    let mut chunk = [0u8; 8192];
+    loop {
+        match stdout.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                let mut out = sink
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if out.len() + n > lines::EXEC_STDOUT_BYTES {
+                    overflow.cancel();
+                    return;
+                }
+                out.extend_from_slice(&chunk[..n]);
+                drop(out);
+                events.progress(ProgressKind::Output, 0);
+            }
+        }
+    }
+}
+
+/// Each line the command writes on stderr goes to the transcript; the last one is kept (a
+/// failure quotes it).
+async fn stderr_last(stderr: tokio::process::ChildStderr, events: Events) -> String {
+    let mut lines = BoundedLines::new(stderr, lines::STDERR_LINE_BYTES);
+    let mut last = String::new();
+    while let Ok(Some(line)) = lines.next_line().await {
+        events.progress(ProgressKind::Output, 0);
+        events.transcript(json!({"type": "stderr", "text": line.text}));
+        last = line.text;
+    }
+    last
+}
+
+/// Why a command that exited unsuccessfully failed: its sandbox could not start, it asked
+/// for a retry ([`EXIT_RETRY`]), or it failed.
+fn failed_exit(
+    task: &Task,
+    events: &Events,
+    status: std::process::ExitStatus,
+    last_stderr: &str,
+) -> Error {
+    if let Some(e) = task.sandbox.setup_failure(status.code(), last_stderr) {
+        events.transcript(json!({"type": "result", "is_error": true, "error": e.message}));
+        return e;
+    }
+    let code = status
+        .code()
+        .map_or_else(|| "a signal".to_owned(), |c| format!("status {c}"));
+    let detail = if last_stderr.is_empty() {
+        String::new()
+    } else {
+        format!(": {last_stderr}")
+    };
+    let kind = if status.code() == Some(EXIT_RETRY) {
+        FailureKind::Retryable
+    } else {
+        FailureKind::Terminal
+    };
+    events.transcript(json!({"type": "result", "is_error": true, "exit": status.code()}));
+    Error::new(kind, format!("exec command exited with {code}{detail}"))
+}
+
+/// A successful command's output: its stdout less one trailing newline, checked against the
+/// schema when the call has one (one submission per attempt: a command cannot read
+/// validation feedback).
+fn output_of(task: &Task, events: &Events, text: &str) -> Result<Output, Error> {
+    let text = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .unwrap_or(text)
+        .to_owned();
+    let usage = Usage {
+        input_tokens: chars(&task.spec.prompt),
+        output_tokens: chars(&text),
+        ..Usage::default()
+    };
+    events.transcript(json!({"type": "assistant_text", "text": text}));
+    let Some(schema) = &task.schema else {
+        events.transcript(json!({"type": "result", "is_error": false, "exit": 0}));
+        return Ok(Output {
+            text,
+            json: None,
+            usage,
+            change: None,
+            model: String::new(),
+        });
+    };
+    let parsed: Value = serde_json::from_str(text.trim()).map_err(|e| {
+        Error::new(
+            FailureKind::Schema,
+            format!("exec output is not JSON, but the call has a schema: {e}"),
+        )
+    })?;
+    let mut submissions = Submissions::new(schema, 1)?;
+    match submissions.submit(parsed)? {
+        Submitted::Accepted(value) => {
+            events.structured_captured(&value);
             events.transcript(json!({"type": "result", "is_error": false, "exit": 0}));
-            return Ok(Output {
+            Ok(Output {
                 text,
-                json: None,
+                json: Some(value),
                 usage,
                 change: None,
                 model: String::new(),
-            });
-        };
-        let parsed: Value = serde_json::from_str(text.trim()).map_err(|e| {
-            Error::new(
-                FailureKind::Schema,
-                format!("exec output is not JSON, but the call has a schema: {e}"),
-            )
-        })?;
-        // One submission per attempt: a command cannot read validation feedback.
-        let mut submissions = Submissions::new(schema, 1)?;
-        match submissions.submit(parsed)? {
-            Submitted::Accepted(value) => {
-                events.structured_captured(&value);
-                events.transcript(json!({"type": "result", "is_error": false, "exit": 0}));
-                Ok(Output {
-                    text,
-                    json: Some(value),
-                    usage,
-                    change: None,
-                    model: String::new(),
-                })
-            }
-            Submitted::Retry(problem) => Err(Error::new(
-                FailureKind::Schema,
-                format!("exec output does not match the schema {problem}"),
-            )),
+            })
         }
+        Submitted::Retry(problem) => Err(Error::new(
+            FailureKind::Schema,
+            format!("exec output does not match the schema {problem}"),
+        )),
     }
 }
