@@ -208,23 +208,27 @@ impl Worker {
             // A workspace of the worker's own (never the user's directory, embedded).
             crate::source::Sources::remove_shared_caches(&self.opts.workspace);
         }
-        let sources = Arc::new(
-            crate::source::Sources::with_limit(
-                &self.opts.workspace,
-                self.opts.allow_file_sources,
-                self.opts.max_result_bytes,
-            )
-            .allowing_hosts(self.opts.allow_source_hosts.clone())
-            .with_credentials(self.opts.source_credentials),
-        );
-        let workspace = if self.opts.shared_workspace {
-            Workspace::shared(&self.opts.workspace)
-        } else {
-            Workspace::new(&self.opts.workspace)
-        };
-        let tracker = TaskTracker::new();
-        let running: Running = Arc::default();
         let (out_tx, mut out_rx) = mpsc::unbounded_channel::<WorkerMessage>();
+        let serving = Serving {
+            tracker: TaskTracker::new(),
+            running: Arc::default(),
+            out_tx,
+            workspace: if self.opts.shared_workspace {
+                Workspace::shared(&self.opts.workspace)
+            } else {
+                Workspace::new(&self.opts.workspace)
+            },
+            sources: Arc::new(
+                crate::source::Sources::with_limit(
+                    &self.opts.workspace,
+                    self.opts.allow_file_sources,
+                    self.opts.max_result_bytes,
+                )
+                .allowing_hosts(self.opts.allow_source_hosts.clone())
+                .with_credentials(self.opts.source_credentials),
+            ),
+        };
+        let (tracker, running, sources) = (&serving.tracker, &serving.running, &serving.sources);
         let mut link: Option<Link> = None;
         let mut links_open = true;
         let mut kept = Kept::default();
@@ -237,25 +241,13 @@ impl Worker {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = sweep.tick(), if !sweeping.load(std::sync::atomic::Ordering::Acquire) => {
-                    // Off this loop: removing large trees must not hold up the link.
-                    sweeping.store(true, std::sync::atomic::Ordering::Release);
-                    let (ws, running, done) = (workspace.clone(), running.clone(), sweeping.clone());
-                    let name = self.opts.name.clone();
-                    tracker.spawn_blocking(move || {
-                        let gone = ws.sweep(SWEEP_AFTER, |run, call| {
-                            lock(&running).keys().any(|(r, c, _)| r == run && *c == call)
-                        });
-                        if gone > 0 {
-                            tracing::info!(worker = %name, directories = gone, "removed call directories no attempt used for {}", humanize(SWEEP_AFTER));
-                        }
-                        done.store(false, std::sync::atomic::Ordering::Release);
-                    });
+                    self.sweep(&serving, &sweeping);
                 }
                 next = links.recv(), if links_open => match next {
                     Some(new) => {
                         // What runs now, then whatever the attempts already sent: an attempt
                         // sends its outcome before it leaves `running`, so none slips between.
-                        let mut held = running_refs(&running);
+                        let mut held = running_refs(running);
                         while let Ok(m) = out_rx.try_recv() {
                             kept.keep(m);
                         }
@@ -286,43 +278,10 @@ impl Worker {
                             cut_off_since = None;
                             tracing::debug!(worker = %self.opts.name, id = %w.worker_id, "attached");
                         }
-                        coordinator_message::Msg::Assign(a) => {
-                            let id: AttemptId = (a.run_id.clone(), a.call, a.attempt);
-                            if lock(&running).contains_key(&id) {
-                                continue;
-                            }
-                            let token = cancel.child_token();
-                            lock(&running).insert(
-                                id.clone(),
-                                (token.clone(), a.fence, a.call_key.clone()),
-                            );
-                            let backend = self.backend_for(&a);
-                            let tx = out_tx.clone();
-                            let running = running.clone();
-                            let parts = Parts {
-                                workspace: workspace.clone(),
-                                sandbox: self.opts.sandbox.clone(),
-                                limits: self.opts.limits.clone(),
-                                sources: sources.clone(),
-                                running: running.clone(),
-                            };
-                            let limit = self.opts.max_result_bytes;
-                            // The attempt's future (kilobytes) is boxed once here rather than
-                            // copied whole into and through the task's cell: the copies were a
-                            // tenth of a worker's time in the fleet's fan-out.
-                            tracker.spawn(async move {
-                                let outcome = Box::pin(run_attempt(a, backend, parts, tx.clone(), token)).await;
-                                let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
-                                // Into the outbox before leaving `running`, so it is always held.
-                                let _ = tx.send(WorkerMessage {
-                                    msg: Some(worker_message::Msg::Outcome(outcome)),
-                                });
-                                lock(&running).remove(&id);
-                            });
-                        }
+                        coordinator_message::Msg::Assign(a) => self.assign(&serving, a, &cancel),
                         coordinator_message::Msg::Cancel(c) => {
                             let id: AttemptId = (c.run_id, c.call, c.attempt);
-                            if let Some((token, ..)) = lock(&running).get(&id) {
+                            if let Some((token, ..)) = lock(running).get(&id) {
                                 tracing::debug!(run = %id.0, call = id.1, attempt = id.2, reason = %c.reason, "cancel");
                                 token.cancel();
                             }
@@ -338,7 +297,7 @@ impl Worker {
                             break;
                         }
                         if cut_off_since.is_none() {
-                            tracing::warn!(worker = %self.opts.name, attempts = lock(&running).len(), "cut off from the coordinator; keeping attempts for {}", humanize(grace));
+                            tracing::warn!(worker = %self.opts.name, attempts = lock(running).len(), "cut off from the coordinator; keeping attempts for {}", humanize(grace));
                             cut_off_since = Some(Instant::now());
                         }
                         kept.link_broke();
@@ -347,14 +306,14 @@ impl Worker {
                 Some(m) = out_rx.recv() => deliver(&mut link, &mut kept, m),
                 () = sleep_until_opt(give_up) => {
                     tracing::warn!(worker = %self.opts.name, "cut off for longer than the lease TTL; giving up the attempts (the coordinator has restarted them)");
-                    for (token, ..) in lock(&running).values() {
+                    for (token, ..) in lock(running).values() {
                         token.cancel();
                     }
                     cut_off_since = None;
                 }
             }
         }
-        for (token, ..) in lock(&running).values() {
+        for (token, ..) in lock(running).values() {
             token.cancel();
         }
         tracker.close();
@@ -363,6 +322,60 @@ impl Worker {
         while let Ok(m) = out_rx.try_recv() {
             deliver(&mut link, &mut kept, m);
         }
+    }
+
+    /// Starts attempt `a` (once: an assignment it already runs is a duplicate).
+    fn assign(&self, serving: &Serving, a: Assignment, cancel: &CancellationToken) {
+        let id: AttemptId = (a.run_id.clone(), a.call, a.attempt);
+        if lock(&serving.running).contains_key(&id) {
+            return;
+        }
+        let token = cancel.child_token();
+        lock(&serving.running).insert(id.clone(), (token.clone(), a.fence, a.call_key.clone()));
+        let backend = self.backend_for(&a);
+        let tx = serving.out_tx.clone();
+        let running = serving.running.clone();
+        let parts = Parts {
+            workspace: serving.workspace.clone(),
+            sandbox: self.opts.sandbox.clone(),
+            limits: self.opts.limits.clone(),
+            sources: serving.sources.clone(),
+            running: running.clone(),
+        };
+        let limit = self.opts.max_result_bytes;
+        // The attempt's future (kilobytes) is boxed once here rather than copied whole into
+        // and through the task's cell: the copies were a tenth of a worker's time in the
+        // fleet's fan-out.
+        serving.tracker.spawn(async move {
+            let outcome = Box::pin(run_attempt(a, backend, parts, tx.clone(), token)).await;
+            let outcome = flotilla_proto::frag::fit_outcome(outcome, limit);
+            // Into the outbox before leaving `running`, so it is always held.
+            let _ = tx.send(WorkerMessage {
+                msg: Some(worker_message::Msg::Outcome(outcome)),
+            });
+            lock(&running).remove(&id);
+        });
+    }
+
+    /// Removes call directories no attempt used for [`SWEEP_AFTER`], off the serving loop
+    /// (removing large trees must not hold up the link); `sweeping` while it runs.
+    fn sweep(&self, serving: &Serving, sweeping: &Arc<std::sync::atomic::AtomicBool>) {
+        sweeping.store(true, std::sync::atomic::Ordering::Release);
+        let (ws, running, done) = (
+            serving.workspace.clone(),
+            serving.running.clone(),
+            sweeping.clone(),
+        );
+        let name = self.opts.name.clone();
+        serving.tracker.spawn_blocking(move || {
+            let gone = ws.sweep(SWEEP_AFTER, |run, call| {
+                lock(&running).keys().any(|(r, c, _)| r == run && *c == call)
+            });
+            if gone > 0 {
+                tracing::info!(worker = %name, directories = gone, "removed call directories no attempt used for {}", humanize(SWEEP_AFTER));
+            }
+            done.store(false, std::sync::atomic::Ordering::Release);
+        });
     }
 
     fn backend_for(&self, a: &Assignment) -> Result<Arc<dyn AgentBackend>, Error> {
@@ -533,6 +546,16 @@ async fn sleep_until_opt(at: Option<Instant>) {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What the worker's serving loop holds for the attempts it starts: their tasks, what runs
+/// now, the outbox, the workspace and the source cache.
+struct Serving {
+    tracker: TaskTracker,
+    running: Running,
+    out_tx: mpsc::UnboundedSender<WorkerMessage>,
+    workspace: Workspace,
+    sources: Arc<crate::source::Sources>,
 }
 
 /// The worker's parts an attempt runs with.

@@ -224,27 +224,7 @@ impl RunEngine {
                 call,
                 attempt,
                 worker,
-            } => {
-                let Some(c) = self.calls.get_mut(call as usize) else {
-                    return;
-                };
-                if c.stage.is_live() {
-                    c.running = true;
-                }
-                c.attempts = c.attempts.max(attempt);
-                c.start_ms.get_or_insert(now);
-                c.worker = Some(worker.clone());
-                c.live_tokens = 0;
-                let (label, group) = (c.label.clone(), c.group.clone());
-                self.event(RunEvent::Call {
-                    index: call,
-                    label,
-                    group,
-                    state: Mark::Running,
-                    attempt: Some(attempt),
-                    detail: Some(worker.to_string()),
-                });
-            }
+            } => self.on_started(call, attempt, worker, now),
             CallEvent::Progress {
                 call,
                 output_tokens,
@@ -262,93 +242,127 @@ impl RunEngine {
                 attempt,
                 events,
             } => self.store_transcript(call, attempt, events),
-            CallEvent::Usage { call, usage, .. } => {
-                let mut u = UsageRecord::from(&usage);
-                // The namespace's price table costs the tokens of the models it prices.
-                if let Some(price) = self
-                    .calls
-                    .get(call as usize)
-                    .and_then(|c| crate::namespace::price_of(&self.init.settings.prices, &c.model))
-                {
-                    u.cost_usd = price.cost(&u);
-                }
-                if let Some(q) = &self.init.quotas {
-                    q.add(&self.init.settings.namespace, &u);
-                }
-                self.usage.add(&u);
-                self.init
-                    .shared
-                    .spent
-                    .fetch_add(u.output_tokens, Ordering::Relaxed);
-                self.check_money();
-                self.check_tokens();
-                if let Some(c) = self.calls.get_mut(call as usize) {
-                    c.usage.add(&u);
-                    c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);
-                } else {
-                    self.early_usage.entry(call).or_default().add(&u);
-                }
-            }
+            CallEvent::Usage { call, usage, .. } => self.on_usage(call, &usage),
             CallEvent::Retrying {
                 call,
                 attempt,
                 retry,
                 counted,
-            } => {
-                let Some(c) = self.calls.get(call as usize) else {
-                    return;
-                };
-                let (label, group) = (c.label.clone(), c.group.clone());
-                let line = retry.log_line(&label, attempt, counted, self.init.settings.attempts);
-                match &retry {
-                    Retry::RateLimited { wait } => {
-                        self.waits += 1;
-                        self.waiting = Some(format!(
-                            "usage limit: agent \"{label}\" waits {} before retrying",
-                            human(*wait)
-                        ));
-                    }
-                    Retry::Throttled { wait, account } => {
-                        self.waits += 1;
-                        self.waiting = Some(format!(
-                            "throttled by {account}: agent \"{label}\" waits {} (its admission window shrank)",
-                            human(*wait)
-                        ));
-                    }
-                    _ => {}
-                }
-                if let Some(c) = self.calls.get_mut(call as usize) {
-                    c.running = false;
-                }
-                self.logs.push(line.clone());
-                self.event(RunEvent::Log { line });
-                self.event(RunEvent::Call {
-                    index: call,
-                    label,
-                    group,
-                    state: retry.mark(),
-                    attempt: Some(attempt),
-                    detail: None,
-                });
-            }
-            CallEvent::Waiting { call, reason } => {
-                let Some(c) = self.calls.get_mut(call as usize) else {
-                    return;
-                };
-                c.waiting_for.clone_from(&reason);
-                if let Some(reason) = reason
-                    && self.waits_logged.insert(reason.clone())
-                {
-                    let line = format!(
-                        "[wait] agent \"{}\" waits: {reason}; it fails after {} unless such a worker attaches",
-                        c.label,
-                        human(Duration::from_millis(self.init.settings.worker_wait_ms))
-                    );
-                    self.logs.push(line.clone());
-                    self.event(RunEvent::Log { line });
-                }
-            }
+            } => self.on_retrying(call, attempt, &retry, counted),
+            CallEvent::Waiting { call, reason } => self.on_waiting(call, reason),
             CallEvent::Finished { call, result } => self.on_finished(call, result, now),
+        }
+    }
+
+    /// An attempt of `call` holds a worker now: what the views show of it.
+    fn on_started(&mut self, call: u64, attempt: u32, worker: Arc<str>, now: u64) {
+        let Some(c) = self.calls.get_mut(call as usize) else {
+            return;
+        };
+        if c.stage.is_live() {
+            c.running = true;
+        }
+        c.attempts = c.attempts.max(attempt);
+        c.start_ms.get_or_insert(now);
+        c.worker = Some(worker.clone());
+        c.live_tokens = 0;
+        let (label, group) = (c.label.clone(), c.group.clone());
+        self.event(RunEvent::Call {
+            index: call,
+            label,
+            group,
+            state: Mark::Running,
+            attempt: Some(attempt),
+            detail: Some(worker.to_string()),
+        });
+    }
+
+    /// What an attempt used: costed by the namespace's prices, counted against its quotas
+    /// and the run's budgets, added to the call's (or kept until the call is known here).
+    fn on_usage(&mut self, call: u64, usage: &flotilla_proto::v1::Usage) {
+        let mut u = UsageRecord::from(usage);
+        // The namespace's price table costs the tokens of the models it prices.
+        if let Some(price) = self
+            .calls
+            .get(call as usize)
+            .and_then(|c| crate::namespace::price_of(&self.init.settings.prices, &c.model))
+        {
+            u.cost_usd = price.cost(&u);
+        }
+        if let Some(q) = &self.init.quotas {
+            q.add(&self.init.settings.namespace, &u);
+        }
+        self.usage.add(&u);
+        self.init
+            .shared
+            .spent
+            .fetch_add(u.output_tokens, Ordering::Relaxed);
+        self.check_money();
+        self.check_tokens();
+        if let Some(c) = self.calls.get_mut(call as usize) {
+            c.usage.add(&u);
+            c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);
+        } else {
+            self.early_usage.entry(call).or_default().add(&u);
+        }
+    }
+
+    /// `call` goes again (or waits first): said in the run's log and its event log.
+    fn on_retrying(&mut self, call: u64, attempt: u32, retry: &Retry, counted: u32) {
+        let Some(c) = self.calls.get(call as usize) else {
+            return;
+        };
+        let (label, group) = (c.label.clone(), c.group.clone());
+        let line = retry.log_line(&label, attempt, counted, self.init.settings.attempts);
+        match retry {
+            Retry::RateLimited { wait } => {
+                self.waits += 1;
+                self.waiting = Some(format!(
+                    "usage limit: agent \"{label}\" waits {} before retrying",
+                    human(*wait)
+                ));
+            }
+            Retry::Throttled { wait, account } => {
+                self.waits += 1;
+                self.waiting = Some(format!(
+                    "throttled by {account}: agent \"{label}\" waits {} (its admission window shrank)",
+                    human(*wait)
+                ));
+            }
+            _ => {}
+        }
+        if let Some(c) = self.calls.get_mut(call as usize) {
+            c.running = false;
+        }
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+        self.event(RunEvent::Call {
+            index: call,
+            label,
+            group,
+            state: retry.mark(),
+            attempt: Some(attempt),
+            detail: None,
+        });
+    }
+
+    /// `call` waits for a worker that offers what it needs (`None`: no longer); said once
+    /// per reason.
+    fn on_waiting(&mut self, call: u64, reason: Option<String>) {
+        let Some(c) = self.calls.get_mut(call as usize) else {
+            return;
+        };
+        c.waiting_for.clone_from(&reason);
+        if let Some(reason) = reason
+            && self.waits_logged.insert(reason.clone())
+        {
+            let line = format!(
+                "[wait] agent \"{}\" waits: {reason}; it fails after {} unless such a worker attaches",
+                c.label,
+                human(Duration::from_millis(self.init.settings.worker_wait_ms))
+            );
+            self.logs.push(line.clone());
+            self.event(RunEvent::Log { line });
         }
     }
 
