@@ -386,103 +386,7 @@ impl Sources {
         // Only the worker writes here; whatever a repository can make git run is never in it.
         harden_cache(&bare).map_err(|e| worker_error("cannot keep the source cache", &e))?;
         if !task.source_url.is_empty() {
-            let rev = &task.source_commit;
-            if !plain(rev) {
-                return Err(Error::new(
-                    FailureKind::Invalid,
-                    format!("{rev:?} is not a ref to fetch"),
-                ));
-            }
-            let url = &task.source_url;
-            let local = is_local(url);
-            if local && !self.allow_file {
-                return Err(Error::new(
-                    FailureKind::Invalid,
-                    format!(
-                        "{url:?} is a path on the worker: workers fetch only https, http, ssh and git URLs unless started with --allow-file-sources"
-                    ),
-                ));
-            }
-            let checked = if local {
-                None
-            } else {
-                self.check_host(url).await?
-            };
-            // An http(s) fetch goes to the addresses checked above, whatever the name
-            // resolves to when git looks again.
-            let pinned = match &checked {
-                Some((host, port, ips))
-                    if !ips.is_empty() && url.to_ascii_lowercase().starts_with("http") =>
-                {
-                    let list: Vec<String> = ips
-                        .iter()
-                        .map(|ip| match ip {
-                            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
-                            std::net::IpAddr::V4(v4) => v4.to_string(),
-                        })
-                        .collect();
-                    format!("http.curloptResolve={host}:{port}:{}", list.join(","))
-                }
-                _ => "http.curloptResolve=".to_owned(),
-            };
-            let file = if self.allow_file { "always" } else { "never" };
-            let file_rule = format!("protocol.file.allow={file}");
-            let args = [
-                "-c",
-                "protocol.allow=never",
-                "-c",
-                "protocol.https.allow=always",
-                "-c",
-                "protocol.http.allow=always",
-                "-c",
-                "protocol.ssh.allow=always",
-                "-c",
-                "protocol.git.allow=always",
-                "-c",
-                &file_rule,
-                "-c",
-                &pinned,
-                // A redirect could lead where the host check did not look.
-                "-c",
-                "http.followRedirects=false",
-                "-c",
-                "http.lowSpeedLimit=1024",
-                "-c",
-                "http.lowSpeedTime=120",
-                "fetch",
-                "--quiet",
-                "--no-recurse-submodules",
-                "--",
-                url,
-                rev,
-            ];
-            let mut fetch = crate::worktree::git_command(&bare);
-            fetch.args(args);
-            if !self.credentials {
-                self.anonymous(&mut fetch)?;
-            }
-            let fetch = crate::worktree::run_git(&mut fetch);
-            match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    return Err(Error::new(
-                        FailureKind::Retryable,
-                        format!("cannot fetch {url}#{rev}: {e}"),
-                    ));
-                }
-                Err(_) => {
-                    return Err(Error::new(
-                        FailureKind::Retryable,
-                        format!(
-                            "fetching {url}#{rev} took more than {} minutes",
-                            FETCH_TIMEOUT.as_secs() / 60
-                        ),
-                    ));
-                }
-            }
-            let commit = git(&bare, &["rev-parse", "FETCH_HEAD^{commit}"])
-                .await
-                .map_err(|e| worker_error("cannot read what was fetched", &e))?;
+            let commit = self.fetch_url(&bare, task).await?;
             return Ok((bare, commit));
         }
         let hex = |id: &str| !id.is_empty() && id.chars().all(|c| c.is_ascii_hexdigit());
@@ -533,6 +437,109 @@ impl Sources {
                 )
             })?;
         Ok((bare, commit))
+    }
+
+    /// Fetches a URL source's ref into `bare` (the host checked, and its addresses pinned,
+    /// first); the commit it names.
+    async fn fetch_url(&self, bare: &Path, task: &v1::TaskSpec) -> Result<String, Error> {
+        let rev = &task.source_commit;
+        if !plain(rev) {
+            return Err(Error::new(
+                FailureKind::Invalid,
+                format!("{rev:?} is not a ref to fetch"),
+            ));
+        }
+        let url = &task.source_url;
+        let local = is_local(url);
+        if local && !self.allow_file {
+            return Err(Error::new(
+                FailureKind::Invalid,
+                format!(
+                    "{url:?} is a path on the worker: workers fetch only https, http, ssh and git URLs unless started with --allow-file-sources"
+                ),
+            ));
+        }
+        let checked = if local {
+            None
+        } else {
+            self.check_host(url).await?
+        };
+        // An http(s) fetch goes to the addresses checked above, whatever the name
+        // resolves to when git looks again.
+        let pinned = match &checked {
+            Some((host, port, ips))
+                if !ips.is_empty() && url.to_ascii_lowercase().starts_with("http") =>
+            {
+                let list: Vec<String> = ips
+                    .iter()
+                    .map(|ip| match ip {
+                        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+                        std::net::IpAddr::V4(v4) => v4.to_string(),
+                    })
+                    .collect();
+                format!("http.curloptResolve={host}:{port}:{}", list.join(","))
+            }
+            _ => "http.curloptResolve=".to_owned(),
+        };
+        let file = if self.allow_file { "always" } else { "never" };
+        let file_rule = format!("protocol.file.allow={file}");
+        let args = [
+            "-c",
+            "protocol.allow=never",
+            "-c",
+            "protocol.https.allow=always",
+            "-c",
+            "protocol.http.allow=always",
+            "-c",
+            "protocol.ssh.allow=always",
+            "-c",
+            "protocol.git.allow=always",
+            "-c",
+            &file_rule,
+            "-c",
+            &pinned,
+            // A redirect could lead where the host check did not look.
+            "-c",
+            "http.followRedirects=false",
+            "-c",
+            "http.lowSpeedLimit=1024",
+            "-c",
+            "http.lowSpeedTime=120",
+            "fetch",
+            "--quiet",
+            "--no-recurse-submodules",
+            "--",
+            url,
+            rev,
+        ];
+        let mut fetch = crate::worktree::git_command(bare);
+        fetch.args(args);
+        if !self.credentials {
+            self.anonymous(&mut fetch)?;
+        }
+        let fetch = crate::worktree::run_git(&mut fetch);
+        match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                return Err(Error::new(
+                    FailureKind::Retryable,
+                    format!("cannot fetch {url}#{rev}: {e}"),
+                ));
+            }
+            Err(_) => {
+                return Err(Error::new(
+                    FailureKind::Retryable,
+                    format!(
+                        "fetching {url}#{rev} took more than {} minutes",
+                        FETCH_TIMEOUT.as_secs() / 60
+                    ),
+                ));
+            }
+        }
+        let commit = git(bare, &["rev-parse", "FETCH_HEAD^{commit}"])
+            .await
+            .map_err(|e| worker_error("cannot read what was fetched", &e))?;
+        Ok(commit)
     }
 
     /// Asks the coordinator for what `bare` lacks of `commit` of the namespace's repository
