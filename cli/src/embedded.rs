@@ -196,57 +196,11 @@ pub async fn run(
         if let Some(h) = handle.take() {
             registry.track(h);
         }
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot serve the session page on {addr}: {e}"))?;
-        let at = listener.local_addr()?;
-        // Loopback alone is not enough (any web page can aim a browser at 127.0.0.1): the
-        // page checks Host and wants this run's random key, which only its URL carries.
-        let key = flotilla_coordinator::web::new_page_key();
-        eprintln!("session page: http://{at}/runs/{run_id}?key={key}");
-        let app = flotilla_coordinator::web::router(
-            embedded.coordinator.clone(),
-            registry.clone(),
-            flotilla_coordinator::web::Access::Keyed {
-                port: at.port(),
-                key,
-            },
-        );
-        // The fleet's listener limits and read timeouts: a slow client costs one
-        // connection for a bounded time here too.
-        let listener = flotilla_coordinator::listen::Limited::new(
-            listener,
-            flotilla_coordinator::listen::ConnLimits::default(),
-        );
-        served = Some(tokio::spawn(flotilla_coordinator::web::serve_router(
-            listener,
-            app,
-            pages.clone(),
-        )));
+        served = Some(serve_page(addr, &embedded, &registry, &run_id, &pages).await?);
     }
     // SIGINT (Ctrl-C) and SIGTERM (docker stop, systemd, Kubernetes) both stop the run the
     // same way: its report is stored and it can be resumed. A second one quits at once.
-    let interrupts = tokio::spawn(async move {
-        let Ok(mut term) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        else {
-            return;
-        };
-        let first = tokio::select! {
-            r = tokio::signal::ctrl_c() => r.is_ok().then_some(130),
-            r = term.recv() => r.map(|()| 143),
-        };
-        let Some(code) = first else { return };
-        eprintln!(
-            "stopping the run (its report is stored; resume it with --resume {run_for_signal}); signal again to quit at once"
-        );
-        let _ = stopper.send(flotilla_coordinator::run::Control::Stop);
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        std::process::exit(code);
-    });
+    let interrupts = tokio::spawn(stop_on_signal(stopper, run_for_signal));
     let report = if let Some(handle) = handle {
         handle.wait().await
     } else {
@@ -274,4 +228,68 @@ pub async fn run(
     }
     embedded.shutdown();
     Ok(report)
+}
+
+/// Serves the session page of `run` on loopback `addr` (no sign-in: local only) until
+/// `pages` is cancelled.
+async fn serve_page(
+    addr: std::net::SocketAddr,
+    embedded: &Embedded,
+    registry: &Arc<flotilla_coordinator::api::RunRegistry>,
+    run: &str,
+    pages: &CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot serve the session page on {addr}: {e}"))?;
+    let at = listener.local_addr()?;
+    // Loopback alone is not enough (any web page can aim a browser at 127.0.0.1): the page
+    // checks Host and wants this run's random key, which only its URL carries.
+    let key = flotilla_coordinator::web::new_page_key();
+    eprintln!("session page: http://{at}/runs/{run}?key={key}");
+    let app = flotilla_coordinator::web::router(
+        embedded.coordinator.clone(),
+        registry.clone(),
+        flotilla_coordinator::web::Access::Keyed {
+            port: at.port(),
+            key,
+        },
+    );
+    // The fleet's listener limits and read timeouts: a slow client costs one connection for
+    // a bounded time here too.
+    let listener = flotilla_coordinator::listen::Limited::new(
+        listener,
+        flotilla_coordinator::listen::ConnLimits::default(),
+    );
+    Ok(tokio::spawn(flotilla_coordinator::web::serve_router(
+        listener,
+        app,
+        pages.clone(),
+    )))
+}
+
+/// SIGINT (Ctrl-C) and SIGTERM (docker stop, systemd, Kubernetes) both stop the run the same
+/// way: its report is stored and it can be resumed. A second one quits at once.
+async fn stop_on_signal(
+    stopper: tokio::sync::mpsc::UnboundedSender<flotilla_coordinator::run::Control>,
+    run: String,
+) {
+    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    else {
+        return;
+    };
+    let first = tokio::select! {
+        r = tokio::signal::ctrl_c() => r.is_ok().then_some(130),
+        r = term.recv() => r.map(|()| 143),
+    };
+    let Some(code) = first else { return };
+    eprintln!(
+        "stopping the run (its report is stored; resume it with --resume {run}); signal again to quit at once"
+    );
+    let _ = stopper.send(flotilla_coordinator::run::Control::Stop);
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    std::process::exit(code);
 }

@@ -297,73 +297,77 @@ fn main() -> ExitCode {
     };
     let code = rt.block_on(async move {
         let telemetry = telemetry::init(service);
-        let code = match cli.command {
-            Command::Run(args) => run(*args).await,
-            Command::SandboxRelay(_) => 0,
-            Command::Runs(args) => match args.coordinator {
-                Some(coordinator) => {
-                    let remote = client::ClientArgs {
-                        coordinator: Some(coordinator),
-                        tls: args.tls,
-                    };
-                    client::list_remote(remote, &args.filter, args.json).await
-                }
-                None => stored::list(args.store, &args.filter, args.json).await,
-            },
-            Command::Gc(args) => stored::gc(args).await,
-            Command::Show(args) => match &args.from.coordinator {
-                Some(c) => match client::report_of(c, &args.from.tls, &args.run_id).await {
-                    Ok(report) => stored::print_show(report, args.json, args.full),
-                    Err(code) => code,
-                },
-                None => stored::show(args.from.store, &args.run_id, args.json, args.full).await,
-            },
-            Command::Agents(args) => client::agents::run(args).await,
-            Command::Logs(a) => match a.from.coordinator {
-                Some(coordinator) => {
-                    let remote = client::ClientArgs {
-                        coordinator: Some(coordinator),
-                        tls: a.from.tls,
-                    };
-                    client::logs_remote(remote, &a.run_id, a.agent.as_deref(), a.attempt, a.json)
-                        .await
-                }
-                None => {
-                    stored::logs(
-                        a.from.store,
-                        &a.run_id,
-                        a.agent.as_deref(),
-                        a.attempt,
-                        a.json,
-                    )
-                    .await
-                }
-            },
-            Command::Bench(args) => bench::run(args).await,
-            Command::Certs(args) => certs::run(args),
-            Command::Dev(args) => dev::dev(args).await,
-            Command::Coordinator(args) => serve::coordinator::coordinator(*args).await,
-            Command::Worker(args) => serve::worker::worker(*args).await,
-            Command::Launch(args) => client::launch(*args).await,
-            Command::Wait(args) => client::wait(args).await,
-            Command::Status(args) => client::status(args).await,
-            Command::Watch(args) => client::watch(args).await,
-            Command::Stop(args) => client::stop(args).await,
-            Command::Pause(args) => client::control(args, "pause").await,
-            Command::Resume(args) => client::resume(args).await,
-            Command::Restart(args) => client::restart(args).await,
-            Command::Changes(args) => client::changes::changes(args).await,
-            Command::Apply(args) => client::changes::apply(args).await,
-            Command::Workers(args) => client::workers(args).await,
-            Command::Token(client::TokenCommand::Create(args)) => client::token_create(args).await,
-            Command::Workflows(cmd) => client::workflows::run(cmd).await,
-            Command::Mcp(args) => mcp::serve(*args).await,
-        };
+        let code = dispatch(cli.command).await;
         telemetry.shutdown().await;
         code
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     ExitCode::from(code.clamp(0, 255) as u8)
+}
+
+/// Runs `command` (in the runtime, with telemetry on); its exit status.
+async fn dispatch(command: Command) -> i32 {
+    match command {
+        Command::Run(args) => run(*args).await,
+        Command::SandboxRelay(_) => 0,
+        Command::Runs(args) => match args.coordinator {
+            Some(coordinator) => {
+                let remote = client::ClientArgs {
+                    coordinator: Some(coordinator),
+                    tls: args.tls,
+                };
+                client::list_remote(remote, &args.filter, args.json).await
+            }
+            None => stored::list(args.store, &args.filter, args.json).await,
+        },
+        Command::Gc(args) => stored::gc(args).await,
+        Command::Show(args) => match &args.from.coordinator {
+            Some(c) => match client::report_of(c, &args.from.tls, &args.run_id).await {
+                Ok(report) => stored::print_show(report, args.json, args.full),
+                Err(code) => code,
+            },
+            None => stored::show(args.from.store, &args.run_id, args.json, args.full).await,
+        },
+        Command::Agents(args) => client::agents::run(args).await,
+        Command::Logs(a) => match a.from.coordinator {
+            Some(coordinator) => {
+                let remote = client::ClientArgs {
+                    coordinator: Some(coordinator),
+                    tls: a.from.tls,
+                };
+                client::logs_remote(remote, &a.run_id, a.agent.as_deref(), a.attempt, a.json).await
+            }
+            None => {
+                stored::logs(
+                    a.from.store,
+                    &a.run_id,
+                    a.agent.as_deref(),
+                    a.attempt,
+                    a.json,
+                )
+                .await
+            }
+        },
+        Command::Bench(args) => bench::run(args).await,
+        Command::Certs(args) => certs::run(args),
+        Command::Dev(args) => dev::dev(args).await,
+        Command::Coordinator(args) => serve::coordinator::coordinator(*args).await,
+        Command::Worker(args) => serve::worker::worker(*args).await,
+        Command::Launch(args) => client::launch(*args).await,
+        Command::Wait(args) => client::wait(args).await,
+        Command::Status(args) => client::status(args).await,
+        Command::Watch(args) => client::watch(args).await,
+        Command::Stop(args) => client::stop(args).await,
+        Command::Pause(args) => client::control(args, "pause").await,
+        Command::Resume(args) => client::resume(args).await,
+        Command::Restart(args) => client::restart(args).await,
+        Command::Changes(args) => client::changes::changes(args).await,
+        Command::Apply(args) => client::changes::apply(args).await,
+        Command::Workers(args) => client::workers(args).await,
+        Command::Token(client::TokenCommand::Create(args)) => client::token_create(args).await,
+        Command::Workflows(cmd) => client::workflows::run(cmd).await,
+        Command::Mcp(args) => mcp::serve(*args).await,
+    }
 }
 
 /// Says once, on stderr, which backend a run got when nothing named one.

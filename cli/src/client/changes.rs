@@ -412,16 +412,67 @@ pub async fn apply(a: ApplyArgs) -> i32 {
         Ok(p) => p,
         Err(e) => return crate::refuse(e),
     };
-    let mut fetched = 0u64;
     let head = c.head.clone().unwrap_or_else(|| src.commit.clone());
-    // (branch, commit, whose, base)
-    let mut wanted: Vec<(String, String, String, String)> = vec![(
-        format!("flotilla/{}/head", c.run_id),
-        head.clone(),
-        "the run's head".to_owned(),
-        src.commit.clone(),
-    )];
-    for ch in &picked {
+    let wanted = wanted_of(&c, &picked, &head, &src.commit);
+    let mut fetched = 0u64;
+    for w in &wanted {
+        match fetch(&mut client, &local, &c, &src.repo, &w.commit).await {
+            Ok(n) => fetched += n,
+            Err(e) => return crate::refuse(e),
+        }
+    }
+    // Nothing is pointed at, let alone merged, until every commit passes.
+    for w in &wanted {
+        if let Err(e) = vetted(&local, &w.whose, &w.commit, &w.base).await {
+            return crate::refuse(e);
+        }
+    }
+    for w in &wanted {
+        if let Err(e) = git(&local, &["branch", "-f", &w.branch, &w.commit]) {
+            return fail_kind(
+                flotilla_proto::ErrorKind::Unavailable,
+                format!("cannot set branch {}: {e}", w.branch),
+            );
+        }
+        println!("{} -> {}", w.branch, &w.commit[..w.commit.len().min(12)]);
+    }
+    eprintln!(
+        "fetched {} KiB from the coordinator",
+        fetched.div_ceil(1024)
+    );
+    if a.merge
+        && let Err(e) = merge_head(&local, &c, &src, &head)
+    {
+        return crate::refuse(e);
+    }
+    0
+}
+
+/// A branch `apply` points at a commit it fetched and vetted.
+struct Wanted {
+    branch: String,
+    commit: String,
+    /// Whose it is, as a refusal names it.
+    whose: String,
+    /// What it was made on (its new trees are those over this).
+    base: String,
+}
+
+/// The branches `apply` sets: the run's head, and each picked agent's change that the
+/// coordinator did not refuse (a refused one is said and skipped).
+fn wanted_of(
+    c: &RunChanges,
+    picked: &[&flotilla_proto::wire::AgentChange],
+    head: &str,
+    base: &str,
+) -> Vec<Wanted> {
+    let mut wanted = vec![Wanted {
+        branch: format!("flotilla/{}/head", c.run_id),
+        commit: head.to_owned(),
+        whose: "the run's head".to_owned(),
+        base: base.to_owned(),
+    }];
+    for ch in picked {
         if let Some(why) = &ch.change.refused {
             eprintln!(
                 "agent #{} {:?}: its change was refused by the coordinator ({}); nothing of it is applied",
@@ -431,87 +482,56 @@ pub async fn apply(a: ApplyArgs) -> i32 {
             );
             continue;
         }
-        wanted.push((
-            format!("flotilla/{}/{}", c.run_id, ch.index),
-            ch.change.commit.clone(),
-            format!("agent #{} {:?}", ch.index, crate::term::clean(&ch.label)),
-            ch.change.base.clone(),
-        ));
+        wanted.push(Wanted {
+            branch: format!("flotilla/{}/{}", c.run_id, ch.index),
+            commit: ch.change.commit.clone(),
+            whose: format!("agent #{} {:?}", ch.index, crate::term::clean(&ch.label)),
+            base: ch.change.base.clone(),
+        });
     }
-    for (_, commit, ..) in &wanted {
-        match fetch(&mut client, &local, &c, &src.repo, commit).await {
-            Ok(n) => fetched += n,
-            Err(e) => return crate::refuse(e),
-        }
+    wanted
+}
+
+/// `apply --merge`: the run's head merged into the current branch (refused with a dirty
+/// tree; with submodules, the head with the user's submodule links put back).
+fn merge_head(
+    local: &Path,
+    c: &RunChanges,
+    src: &flotilla_proto::settings::SourceRef,
+    head: &str,
+) -> Result<(), Problem> {
+    let dirty = git(local, &["status", "--porcelain", "--untracked-files=no"]).unwrap_or_default();
+    if !dirty.is_empty() {
+        return Err(Problem::invalid(format!(
+            "your working tree has uncommitted changes; commit or stash them (`git stash`), then `flotilla apply {} --merge` again (or `git merge flotilla/{}/head`)",
+            c.run_id, c.run_id
+        )));
     }
-    // Nothing is pointed at, let alone merged, until every commit passes.
-    for (_, commit, whose, base) in &wanted {
-        if let Err(e) = vetted(&local, whose, commit, base).await {
-            return crate::refuse(e);
-        }
-    }
-    for (branch, commit, ..) in &wanted {
-        if let Err(e) = git(&local, &["branch", "-f", branch, commit]) {
-            return fail_kind(
-                flotilla_proto::ErrorKind::Unavailable,
-                format!("cannot set branch {branch}: {e}"),
+    let mut branch = format!("flotilla/{}/head", c.run_id);
+    if !src.submodules.is_empty() {
+        // The head holds the submodules as plain files: what merges is the head with your
+        // branch's submodule links put back; edits inside them stay on the head branch.
+        let (commit, touched) = relinked(local, head, &src.commit, &src.submodules)?;
+        if !touched.is_empty() {
+            eprintln!(
+                "agents changed files inside submodules {}: not merged (a submodule is its own repository); see them with `git diff {} {branch} -- {}` and apply them inside each submodule",
+                touched.join(", "),
+                &src.commit[..src.commit.len().min(12)],
+                touched.join(" ")
             );
         }
-        println!("{branch} -> {}", &commit[..commit.len().min(12)]);
+        let linked = format!("flotilla/{}/head-linked", c.run_id);
+        git(local, &["branch", "-f", &linked, &commit])
+            .map_err(|e| Problem::unavailable(format!("cannot set branch {linked}: {e}")))?;
+        branch = linked;
     }
-    eprintln!(
-        "fetched {} KiB from the coordinator",
-        fetched.div_ceil(1024)
-    );
-    if a.merge {
-        let dirty =
-            git(&local, &["status", "--porcelain", "--untracked-files=no"]).unwrap_or_default();
-        if !dirty.is_empty() {
-            return fail_kind(
-                flotilla_proto::ErrorKind::Invalid,
-                format!(
-                    "your working tree has uncommitted changes; commit or stash them (`git stash`), then `flotilla apply {} --merge` again (or `git merge flotilla/{}/head`)",
-                    c.run_id, c.run_id
-                ),
-            );
-        }
-        let mut branch = format!("flotilla/{}/head", c.run_id);
-        if !src.submodules.is_empty() {
-            // The head holds the submodules as plain files: what merges is the head with your
-            // branch's submodule links put back; edits inside them stay on the head branch.
-            match relinked(&local, &head, &src.commit, &src.submodules) {
-                Ok((commit, touched)) => {
-                    if !touched.is_empty() {
-                        eprintln!(
-                            "agents changed files inside submodules {}: not merged (a submodule is its own repository); see them with `git diff {} {branch} -- {}` and apply them inside each submodule",
-                            touched.join(", "),
-                            &src.commit[..src.commit.len().min(12)],
-                            touched.join(" ")
-                        );
-                    }
-                    let linked = format!("flotilla/{}/head-linked", c.run_id);
-                    if let Err(e) = git(&local, &["branch", "-f", &linked, &commit]) {
-                        return fail_kind(
-                            flotilla_proto::ErrorKind::Unavailable,
-                            format!("cannot set branch {linked}: {e}"),
-                        );
-                    }
-                    branch = linked;
-                }
-                Err(e) => return crate::refuse(e),
-            }
-        }
-        let message = format!("Merge the changes of flotilla run {}", c.run_id);
-        if let Err(e) = git(&local, &["merge", "--no-edit", "-m", &message, &branch]) {
-            let _ = git(&local, &["merge", "--abort"]);
-            return fail_kind(
-                flotilla_proto::ErrorKind::Unavailable,
-                format!(
-                    "the run's head does not merge cleanly into your branch ({e}); merge it by hand: `git merge {branch}`"
-                ),
-            );
-        }
-        println!("merged {branch} into the current branch");
+    let message = format!("Merge the changes of flotilla run {}", c.run_id);
+    if let Err(e) = git(local, &["merge", "--no-edit", "-m", &message, &branch]) {
+        let _ = git(local, &["merge", "--abort"]);
+        return Err(Problem::unavailable(format!(
+            "the run's head does not merge cleanly into your branch ({e}); merge it by hand: `git merge {branch}`"
+        )));
     }
-    0
+    println!("merged {branch} into the current branch");
+    Ok(())
 }

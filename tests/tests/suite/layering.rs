@@ -886,9 +886,6 @@ fn layering_no_production_function_is_over_120_lines() {
         ("coordinator/script/src/runtime.rs", "drive", 126),
         ("worker/src/backend/claude.rs", "on_line", 125),
         ("worker/src/worktree.rs", "create", 128),
-        ("cli/src/embedded.rs", "run", 124),
-        ("cli/src/main.rs", "main", 121),
-        ("cli/src/client/changes.rs", "apply", 122),
         ("cli/src/bench/source.rs", "measure", 151),
         ("cli/src/bench/scale.rs", "fleet", 262),
     ];
