@@ -242,6 +242,41 @@ fn plain_name(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
+/// The top of the git repository `dir` is in.
+async fn repo_of(dir: &Path) -> Result<PathBuf, Problem> {
+    let repo = git(dir, &["rev-parse", "--show-toplevel"])
+        .await
+        .map(PathBuf::from)
+        .map_err(|_| {
+            Problem::invalid(format!(
+                "isolation: 'worktree' needs a git repository, and {} is not inside one; run from a git checkout (or pass --workspace DIR with one), or drop the isolation option",
+                dir.display()
+            ))
+        })?;
+    Ok(repo.canonicalize().unwrap_or(repo))
+}
+
+/// What a new worktree branches from: the default branch when the repository has a remote,
+/// else HEAD (W20).
+async fn base_commit(repo: &Path) -> Result<String, Problem> {
+    match git(
+        repo,
+        &["rev-parse", "--verify", "-q", "refs/remotes/origin/HEAD^{commit}"],
+    )
+    .await
+    {
+        Ok(c) if !c.is_empty() => Ok(c),
+        _ => git(repo, &["rev-parse", "--verify", "-q", "HEAD^{commit}"])
+            .await
+            .map_err(|_| {
+                Problem::invalid(format!(
+                    "isolation: 'worktree' needs a commit to branch from, and the repository at {} has none yet; commit something first",
+                    repo.display()
+                ))
+            }),
+    }
+}
+
 impl Worktree {
     /// The worktree of call `call` for an agent whose working directory would be `dir`
     /// (inside a git repository): made, or the one an earlier attempt left.
@@ -251,16 +286,7 @@ impl Worktree {
                 "run id {run_id:?} cannot name a branch"
             )));
         }
-        let repo = git(dir, &["rev-parse", "--show-toplevel"])
-            .await
-            .map(PathBuf::from)
-            .map_err(|_| {
-                Problem::invalid(format!(
-                    "isolation: 'worktree' needs a git repository, and {} is not inside one;                      run from a git checkout (or pass --workspace DIR with one), or drop the isolation option",
-                    dir.display()
-                ))
-            })?;
-        let repo = repo.canonicalize().unwrap_or(repo);
+        let repo = repo_of(dir).await?;
         let common = git(&repo, &["rev-parse", "--git-common-dir"]).await?;
         let common = repo.join(common);
         let common = common.canonicalize().unwrap_or(common);
@@ -310,23 +336,7 @@ impl Worktree {
                 admin,
             });
         }
-        // Branch from the default branch when the repository has a remote, else from HEAD (W20).
-        let base = match git(
-            &repo,
-            &["rev-parse", "--verify", "-q", "refs/remotes/origin/HEAD^{commit}"],
-        )
-        .await
-        {
-            Ok(c) if !c.is_empty() => c,
-            _ => git(&repo, &["rev-parse", "--verify", "-q", "HEAD^{commit}"])
-                .await
-                .map_err(|_| {
-                    Problem::invalid(format!(
-                        "isolation: 'worktree' needs a commit to branch from, and the repository at {} has none yet; commit something first",
-                        repo.display()
-                    ))
-                })?,
-        };
+        let base = base_commit(&repo).await?;
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(|e| {
                 Problem::invalid(format!("cannot create {}: {e}", parent.display()))

@@ -451,38 +451,8 @@ fn drive<'js>(
         if let Some(end) = tripped(meter, limits) {
             return end;
         }
-        match promise.state() {
-            rquickjs::promise::PromiseState::Resolved => {
-                let value: rquickjs::Result<Value> =
-                    promise.result().unwrap_or(Err(rquickjs::Error::Unknown));
-                return match value.catch(ctx) {
-                    Ok(v) => match ctx.json_stringify(v).catch(ctx) {
-                        Ok(s) => ScriptEnd::Returned(s.and_then(|s| s.to_string().ok())),
-                        Err(e) => fail(
-                            FailureKind::ResultNotJson,
-                            format!(
-                                "the script's return value cannot be turned into JSON ({}); return plain data",
-                                caught_message(&e)
-                            ),
-                            None,
-                        ),
-                    },
-                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits, &input.body)),
-                };
-            }
-            rquickjs::promise::PromiseState::Rejected => {
-                let value: rquickjs::Result<Value> =
-                    promise.result().unwrap_or(Err(rquickjs::Error::Unknown));
-                return match value.catch(ctx) {
-                    Ok(_) => fail(
-                        FailureKind::Internal,
-                        "the script's promise rejected without a reason".into(),
-                        None,
-                    ),
-                    Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits, &input.body)),
-                };
-            }
-            rquickjs::promise::PromiseState::Pending => {}
+        if let Some(end) = settled(ctx, &promise, meter, limits, &input.body) {
+            return end;
         }
         if host.borrow().pending.is_empty() {
             return fail(
@@ -514,6 +484,55 @@ fn drive<'js>(
             }
             next = replies.try_recv().ok();
         }
+    }
+}
+
+/// How the script ended once its main promise settled (`None` while it is pending): the
+/// JSON of what it returned, or why it failed.
+fn settled<'js>(
+    ctx: &Ctx<'js>,
+    promise: &Promise<'js>,
+    meter: &Meter,
+    limits: ScriptLimits,
+    body: &str,
+) -> Option<ScriptEnd> {
+    let fail = |kind, message: String| {
+        ScriptEnd::Failed(ScriptFailure {
+            kind,
+            message,
+            line: None,
+        })
+    };
+    match promise.state() {
+        rquickjs::promise::PromiseState::Resolved => {
+            let value: rquickjs::Result<Value> =
+                promise.result().unwrap_or(Err(rquickjs::Error::Unknown));
+            Some(match value.catch(ctx) {
+                Ok(v) => match ctx.json_stringify(v).catch(ctx) {
+                    Ok(s) => ScriptEnd::Returned(s.and_then(|s| s.to_string().ok())),
+                    Err(e) => fail(
+                        FailureKind::ResultNotJson,
+                        format!(
+                            "the script's return value cannot be turned into JSON ({}); return plain data",
+                            caught_message(&e)
+                        ),
+                    ),
+                },
+                Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits, body)),
+            })
+        }
+        rquickjs::promise::PromiseState::Rejected => {
+            let value: rquickjs::Result<Value> =
+                promise.result().unwrap_or(Err(rquickjs::Error::Unknown));
+            Some(match value.catch(ctx) {
+                Ok(_) => fail(
+                    FailureKind::Internal,
+                    "the script's promise rejected without a reason".into(),
+                ),
+                Err(e) => ScriptEnd::Failed(classify(ctx, e, meter, limits, body)),
+            })
+        }
+        rquickjs::promise::PromiseState::Pending => None,
     }
 }
 

@@ -146,6 +146,39 @@ struct Seen {
     output_tokens: u64,
 }
 
+/// The answer to a control request of the CLI's: a tool it asks to use is allowed when the
+/// call's `tools` or the worker's allow-list name it; any other request gets an error.
+fn answer_control(line: &Value, allowed: &HashSet<String>, events: &Events, seen: &Seen) -> Value {
+    let request_id = line.get("request_id").cloned().unwrap_or(Value::Null);
+    let req = line.get("request").cloned().unwrap_or(Value::Null);
+    if req.get("subtype").and_then(Value::as_str) != Some("can_use_tool") {
+        // Unknown control requests get an error answer rather than silence.
+        return json!({"type": "control_response", "response": {
+            "subtype": "error", "request_id": request_id,
+            "error": "not supported by this host"}});
+    }
+    let tool = req
+        .get("tool_name")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
+    let input = req.get("input").cloned().unwrap_or_else(|| json!({}));
+    let allow = allowed.contains(&tool);
+    events.transcript(json!({"type": "permission", "tool": tool, "allowed": allow}));
+    events.progress(ProgressKind::Keepalive, seen.output_tokens);
+    let response = if allow {
+        json!({"behavior": "allow", "updatedInput": input})
+    } else {
+        let mut list: Vec<&String> = allowed.iter().collect();
+        list.sort();
+        json!({"behavior": "deny", "message": format!(
+            "the tool {tool} is not allowed for this agent (allowed: {}); list it in the call's `tools` option or the worker's allow-list",
+            if list.is_empty() { "none".to_owned() } else { list.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ") })})
+    };
+    json!({"type": "control_response", "response": {
+        "subtype": "success", "request_id": request_id, "response": response}})
+}
+
 /// One stdout line: transcript event, progress, and a permission answer when asked.
 fn on_line(
     line: &Value,
@@ -229,36 +262,7 @@ fn on_line(
                 }
             }
         }
-        ("control_request", _) => {
-            let request_id = line.get("request_id").cloned().unwrap_or(Value::Null);
-            let req = line.get("request").cloned().unwrap_or(Value::Null);
-            if req.get("subtype").and_then(Value::as_str) != Some("can_use_tool") {
-                // Unknown control requests get an error answer rather than silence.
-                return Some(json!({"type": "control_response", "response": {
-                    "subtype": "error", "request_id": request_id,
-                    "error": "not supported by this host"}}));
-            }
-            let tool = req
-                .get("tool_name")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_owned();
-            let input = req.get("input").cloned().unwrap_or_else(|| json!({}));
-            let allow = allowed.contains(&tool);
-            events.transcript(json!({"type": "permission", "tool": tool, "allowed": allow}));
-            events.progress(ProgressKind::Keepalive, seen.output_tokens);
-            let response = if allow {
-                json!({"behavior": "allow", "updatedInput": input})
-            } else {
-                let mut list: Vec<&String> = allowed.iter().collect();
-                list.sort();
-                json!({"behavior": "deny", "message": format!(
-                    "the tool {tool} is not allowed for this agent (allowed: {}); list it in the call's `tools` option or the worker's allow-list",
-                    if list.is_empty() { "none".to_owned() } else { list.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ") })})
-            };
-            return Some(json!({"type": "control_response", "response": {
-                "subtype": "success", "request_id": request_id, "response": response}}));
-        }
+        ("control_request", _) => return Some(answer_control(line, allowed, events, seen)),
         ("result", _) => {
             events.transcript(json!({"type": "result", "is_error": line.get("is_error"),
                 "subtype": line.get("subtype"), "result": line.get("result"),
