@@ -506,6 +506,97 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     finished(&mut client, &run, warm).await?;
 
     // 1. All in flight at once.
+    let run = all_in_flight(&bed, leader, &mut client, a, hold, etcd_port, &mut report).await?;
+
+    // 2. The leader killed with everything in flight; the other one adopts the run.
+    let leader = adopted(&mut bed, leader, &run, a, ttl, &mut report).await?;
+    let mut client = bed.client(leader)?;
+
+    // 3. A big run, then the same run resumed with its last prompt changed.
+    let concurrency = u32::try_from(slots * workers).unwrap_or(u32::MAX);
+    big_and_resume(
+        &bed,
+        leader,
+        &mut client,
+        a,
+        concurrency,
+        &store_dir,
+        &mut report,
+    )
+    .await?;
+
+    // 4. Failover with a backlog.
+    failover(&mut bed, leader, &mut client, concurrency, ttl, &mut report).await?;
+    drop(bed);
+    drop(procs);
+    Ok(report)
+}
+
+/// Phase 4: failover with a backlog — the `leader` killed, the time to the first attempt
+/// the successor assigns. A tenth of the slots at a time, a second each: a steady stream of
+/// dispatches, not a saturated leader.
+async fn failover(
+    bed: &mut Bed,
+    leader: usize,
+    client: &mut Client,
+    concurrency: u32,
+    ttl: Duration,
+    report: &mut FleetReport,
+) -> Result<(), Problem> {
+    let concurrency = (concurrency / 10).max(1);
+    let n = u64::from(concurrency) * 4;
+    let run = launch(
+        client,
+        n,
+        "[[sleep:1000]] backlog",
+        "[[sleep:1000]] backlog last",
+        concurrency,
+        None,
+    )
+    .await?;
+    let limit = Duration::from_secs(300);
+    until_status("a quarter of the backlog done", limit, client, &run, |s| {
+        s.summary.done >= n / 4
+    })
+    .await?;
+    let successor = 1 - leader;
+    let before = assigned(&bed.metrics(successor).unwrap_or_default());
+    let killed = Instant::now();
+    bed.coords[leader].kill();
+    poll(
+        "the successor's first dispatch",
+        Duration::from_secs(60) + ttl * 4,
+        || {
+            let m = bed.metrics(successor);
+            async move { m.filter(|m| assigned(m) > before).map(|_| ()) }
+        },
+    )
+    .await?;
+    report.failover_ms = ms(killed.elapsed());
+    report.failover_over_ttl = report.failover_ms / ms(ttl);
+    let mut next = bed.client(successor)?;
+    finished(&mut next, &run, n).await?;
+    Ok(())
+}
+
+type Client = ClientServiceClient<Channel>;
+
+/// Attempts the coordinator whose `/metrics` text is `m` has assigned.
+fn assigned(m: &str) -> f64 {
+    gauge(m, "flotilla_attempts_assigned_total").unwrap_or(0.0)
+}
+
+/// Phase 1: `a.inflight` sleeping calls out at once on the `leader`: the leader's memory per
+/// call in flight, dispatch latency, etcd's writes per second. The run, still going.
+async fn all_in_flight(
+    bed: &Bed,
+    leader: usize,
+    client: &mut Client,
+    a: &FleetArgs,
+    hold: Duration,
+    etcd_port: u16,
+    report: &mut FleetReport,
+) -> Result<String, Problem> {
     let pid = bed.coords[leader]
         .pid()
         .ok_or(Problem::internal("the leader is not running"))?;
@@ -517,11 +608,12 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     );
     let sleep = format!("[[sleep:{}]] hold", hold.as_millis());
     let started = Instant::now();
-    let run = launch(&mut client, a.inflight, &sleep, &sleep, concurrency, None).await?;
+    let concurrency = u32::try_from(a.inflight).unwrap_or(u32::MAX);
+    let run = launch(client, a.inflight, &sleep, &sleep, concurrency, None).await?;
     let limit = hold
         .saturating_sub(Duration::from_secs(1))
         .max(Duration::from_secs(1));
-    until_status("all calls running", limit, &client, &run, |s| {
+    until_status("all calls running", limit, client, &run, |s| {
         s.summary.running >= a.inflight
     })
     .await
@@ -544,28 +636,48 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     report.dispatch_p99_ms = quantile(&b0, &b1, 0.99) * 1e3;
     report.etcd_txn_per_s = (txn1 - txn0) / out.as_secs_f64();
     report.etcd_put_per_s = (put1 - put0) / out.as_secs_f64();
+    Ok(run)
+}
 
-    // 2. The leader killed with everything in flight; the other one adopts the run.
+/// Phase 2: the `leader` killed with `run` in flight; the other coordinator adopts it
+/// (adoption time, attempts restarted). The leader comes back; the one that leads now.
+async fn adopted(
+    bed: &mut Bed,
+    leader: usize,
+    run: &str,
+    a: &FleetArgs,
+    ttl: Duration,
+    report: &mut FleetReport,
+) -> Result<usize, Problem> {
     let successor = 1 - leader;
-    let assigned = |m: &str| gauge(m, "flotilla_attempts_assigned_total").unwrap_or(0.0);
     let standby_assigned = assigned(&bed.metrics(successor).unwrap_or_default());
     let killed = Instant::now();
     bed.coords[leader].kill();
     let mut next = bed.client(successor)?;
     let limit = Duration::from_secs(60) + ttl * 4;
-    until_status("the adoption", limit, &next, &run, |s| {
+    until_status("the adoption", limit, &next, run, |s| {
         s.summary.agents >= a.inflight
     })
     .await?;
     report.adopt_ms = ms(killed.elapsed());
-    finished(&mut next, &run, a.inflight).await?;
+    finished(&mut next, run, a.inflight).await?;
     let restarts = assigned(&bed.metrics(successor).unwrap_or_default()) - standby_assigned;
     report.adopted_restarts = restarts.max(0.0) as u64;
     bed.start_coordinator(leader)?;
-    let leader = bed.wait_leader(workers).await?;
-    let mut client = bed.client(leader)?;
+    bed.wait_leader(u64::from(a.workers)).await
+}
 
-    // 3. A big run, then the same run resumed with its last prompt changed.
+/// Phase 3: a big run of `a.calls`, then the same run resumed with its last prompt changed
+/// (time to its first dispatch, against `cat` of its journal files).
+async fn big_and_resume(
+    bed: &Bed,
+    leader: usize,
+    client: &mut Client,
+    a: &FleetArgs,
+    concurrency: u32,
+    store_dir: &std::path::Path,
+    report: &mut FleetReport,
+) -> Result<(), Problem> {
     let pid = bed.coords[leader]
         .pid()
         .ok_or(Problem::internal("the leader is not running"))?;
@@ -584,9 +696,8 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
         }
     });
     let started = Instant::now();
-    let concurrency = u32::try_from(slots * workers).unwrap_or(u32::MAX);
-    let big = launch(&mut client, a.calls, "big", "big last", concurrency, None).await?;
-    let first = finished(&mut client, &big, a.calls).await;
+    let big = launch(client, a.calls, "big", "big last", concurrency, None).await?;
+    let first = finished(client, &big, a.calls).await;
     sampling.store(false, Ordering::Relaxed);
     let peak = sampler.join().unwrap_or(0);
     drop(first?);
@@ -597,7 +708,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     let before = assigned(&bed.metrics(leader).unwrap_or_default());
     let started = Instant::now();
     let resumed = launch(
-        &mut client,
+        client,
         a.calls,
         "big",
         "big last, edited",
@@ -615,7 +726,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     )
     .await?;
     report.resume_first_dispatch_ms = ms(started.elapsed());
-    let r = finished(&mut client, &resumed, a.calls).await?;
+    let r = finished(client, &resumed, a.calls).await?;
     report.resume_ms = ms(started.elapsed());
     if r.usage.dispatched != 1 {
         return Err(Problem::internal(format!(
@@ -623,7 +734,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
             r.usage.dispatched
         )));
     }
-    let files = journal_files(&store_dir, &big);
+    let files = journal_files(store_dir, &big);
     if files.is_empty() {
         return Err(Problem::internal(format!(
             "no journal files of run {big} in {}",
@@ -647,45 +758,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     }
     report.cat_journal_ms = ms(started.elapsed());
     report.resume_over_cat = report.resume_first_dispatch_ms / report.cat_journal_ms;
-
-    // 4. Failover with a backlog: the first attempt the successor assigns. A tenth of the
-    // slots at a time, a second each: a steady stream of dispatches, not a saturated leader.
-    let concurrency = (concurrency / 10).max(1);
-    let n = u64::from(concurrency) * 4;
-    let run = launch(
-        &mut client,
-        n,
-        "[[sleep:1000]] backlog",
-        "[[sleep:1000]] backlog last",
-        concurrency,
-        None,
-    )
-    .await?;
-    let limit = Duration::from_secs(300);
-    until_status("a quarter of the backlog done", limit, &client, &run, |s| {
-        s.summary.done >= n / 4
-    })
-    .await?;
-    let successor = 1 - leader;
-    let before = assigned(&bed.metrics(successor).unwrap_or_default());
-    let killed = Instant::now();
-    bed.coords[leader].kill();
-    poll(
-        "the successor's first dispatch",
-        Duration::from_secs(60) + ttl * 4,
-        || {
-            let m = bed.metrics(successor);
-            async move { m.filter(|m| assigned(m) > before).map(|_| ()) }
-        },
-    )
-    .await?;
-    report.failover_ms = ms(killed.elapsed());
-    report.failover_over_ttl = report.failover_ms / ms(ttl);
-    let mut next = bed.client(successor)?;
-    finished(&mut next, &run, n).await?;
-    drop(bed);
-    drop(procs);
-    Ok(report)
+    Ok(())
 }
 
 pub async fn run(a: FleetArgs) -> i32 {
