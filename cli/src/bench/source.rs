@@ -175,44 +175,8 @@ async fn measure(a: &SourceArgs) -> Result<Report, Problem> {
         &["init", "--bare", "-q", &bare.to_string_lossy()],
     )?;
     let (pack, _) = crate::source::build_pack(&snap, &[])?;
-    let indexed = Command::new("git")
-        .arg("-C")
-        .arg(&bare)
-        .args(["index-pack", "--stdin"])
-        .stdin(std::fs::File::open(pack.path()).map_err(|e| Problem::internal(e.to_string()))?)
-        .output()
-        .map_err(|e| Problem::internal(e.to_string()))?;
-    if !indexed.status.success() {
-        return Err(Problem::internal(
-            String::from_utf8_lossy(&indexed.stderr).into_owned(),
-        ));
-    }
-    let (mut warm, mut add) = (Vec::new(), Vec::new());
-    for r in 0..rounds {
-        let dir = tmp.path().join(format!("wt-{r}"));
-        let t = Instant::now();
-        let wt = flotilla_worker::worktree::Worktree::detached(&bare, &dir, &snap.commit).await?;
-        wt.discard().await;
-        warm.push(ms(t));
-        let dir = tmp.path().join(format!("plain-{r}"));
-        let t = Instant::now();
-        sh(
-            &bare,
-            &[
-                "worktree",
-                "add",
-                "-q",
-                "--detach",
-                &dir.to_string_lossy(),
-                &snap.commit,
-            ],
-        )?;
-        sh(
-            &bare,
-            &["worktree", "remove", "--force", &dir.to_string_lossy()],
-        )?;
-        add.push(ms(t));
-    }
+    index_pack(&bare, pack.path())?;
+    let (warm, add) = warm_rounds(tmp.path(), &bare, &snap.commit, rounds).await?;
 
     // A cold worker: a new cache from the pack, then the checkout; against a clone.
     let (mut cold, mut clone) = (Vec::new(), Vec::new());
@@ -223,18 +187,7 @@ async fn measure(a: &SourceArgs) -> Result<Report, Problem> {
             tmp.path(),
             &["init", "--bare", "-q", &cache.to_string_lossy()],
         )?;
-        let out = Command::new("git")
-            .arg("-C")
-            .arg(&cache)
-            .args(["index-pack", "--stdin"])
-            .stdin(std::fs::File::open(pack.path()).map_err(|e| Problem::internal(e.to_string()))?)
-            .output()
-            .map_err(|e| Problem::internal(e.to_string()))?;
-        if !out.status.success() {
-            return Err(Problem::internal(
-                String::from_utf8_lossy(&out.stderr).into_owned(),
-            ));
-        }
+        index_pack(&cache, pack.path())?;
         let dir = tmp.path().join(format!("cold-wt-{r}"));
         flotilla_worker::worktree::Worktree::detached(&cache, &dir, &snap.commit).await?;
         cold.push(ms(t));
@@ -254,7 +207,6 @@ async fn measure(a: &SourceArgs) -> Result<Report, Problem> {
         clone.push(ms(t));
     }
     let (up, bundle) = (median(up), median(bundle));
-    let (warm, add) = (median(warm), median(add));
     let (cold, clone) = (median(cold), median(clone));
     Ok(Report {
         files: a.files,
@@ -302,4 +254,58 @@ pub async fn run(a: SourceArgs) -> i32 {
         }
         Err(e) => crate::refuse(e),
     }
+}
+
+/// Indexes `pack` into the bare repository `cache` (what a worker does with a pack it got).
+fn index_pack(cache: &Path, pack: &Path) -> Result<(), Problem> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(cache)
+        .args(["index-pack", "--stdin"])
+        .stdin(std::fs::File::open(pack).map_err(|e| Problem::internal(e.to_string()))?)
+        .output()
+        .map_err(|e| Problem::internal(e.to_string()))?;
+    if !out.status.success() {
+        return Err(Problem::internal(
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// A warm worker's checkout of `commit` from `bare`, against `git worktree add` alone:
+/// the medians over `rounds`, in milliseconds.
+async fn warm_rounds(
+    tmp: &Path,
+    bare: &Path,
+    commit: &str,
+    rounds: usize,
+) -> Result<(f64, f64), Problem> {
+    let (mut warm, mut add) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let dir = tmp.join(format!("wt-{r}"));
+        let t = Instant::now();
+        let wt = flotilla_worker::worktree::Worktree::detached(bare, &dir, commit).await?;
+        wt.discard().await;
+        warm.push(ms(t));
+        let dir = tmp.join(format!("plain-{r}"));
+        let t = Instant::now();
+        sh(
+            bare,
+            &[
+                "worktree",
+                "add",
+                "-q",
+                "--detach",
+                &dir.to_string_lossy(),
+                commit,
+            ],
+        )?;
+        sh(
+            bare,
+            &["worktree", "remove", "--force", &dir.to_string_lossy()],
+        )?;
+        add.push(ms(t));
+    }
+    Ok((median(warm), median(add)))
 }
