@@ -428,12 +428,6 @@ impl Said for &str {
     }
 }
 
-impl Said for &String {
-    fn said(self) -> String {
-        self.clone()
-    }
-}
-
 /// A refusal as a [`Problem`](flotilla_proto::Problem): [`fail_kind`] of its kind and message.
 pub fn refuse(p: flotilla_proto::Problem) -> i32 {
     fail_kind(p.kind, p.message)

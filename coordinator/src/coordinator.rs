@@ -380,7 +380,7 @@ impl Coordinator {
     /// [`Coordinator::shutdown`], then waits at most `within` for the dispatcher's tasks
     /// (its key writer, watches, worker leases, links and source streams) to end; whether
     /// they all did.
-    pub async fn shut_down(&self, within: std::time::Duration) -> bool {
+    pub async fn shutdown_and_wait(&self, within: std::time::Duration) -> bool {
         self.shutdown();
         self.dispatch.stopped(within).await
     }
@@ -961,7 +961,8 @@ mod tests {
             c.dispatch.tasks_running()
         );
         assert!(
-            c.shut_down(std::time::Duration::from_secs(10)).await,
+            c.shutdown_and_wait(std::time::Duration::from_secs(10))
+                .await,
             "{} tasks still running",
             c.dispatch.tasks_running()
         );

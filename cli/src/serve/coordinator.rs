@@ -633,7 +633,7 @@ async fn serve_until_stopped(
     tasks.close();
     let (served, dispatched) = tokio::join!(
         tokio::time::timeout(SHUTDOWN_DRAIN, tasks.wait()),
-        coordinator.shut_down(SHUTDOWN_DRAIN),
+        coordinator.shutdown_and_wait(SHUTDOWN_DRAIN),
     );
     if served.is_err() || !dispatched {
         tracing::warn!(

@@ -477,25 +477,13 @@ fn string_errors(code: &str) -> Vec<String> {
 #[test]
 fn layering_no_crate_returns_a_bare_string_error() {
     let mut report = Vec::new();
-    for dir in [
-        "proto",
-        "coordinator/script",
-        "coordinator/lease",
-        "coordinator",
-        "worker",
-        "cli",
-    ] {
-        let src = root().join(dir).join("src");
-        let mut files = Vec::new();
-        rust_files(&src, &mut files);
-        for f in files {
-            let code = code_of(&std::fs::read_to_string(&f).unwrap());
-            for r in string_errors(&code) {
-                report.push(format!(
-                    "{}: {r}",
-                    f.strip_prefix(root()).unwrap().display()
-                ));
-            }
+    for f in workspace_sources() {
+        let code = code_of(&std::fs::read_to_string(&f).unwrap());
+        for r in string_errors(&code) {
+            report.push(format!(
+                "{}: {r}",
+                f.strip_prefix(root()).unwrap().display()
+            ));
         }
     }
     assert!(
@@ -640,11 +628,8 @@ fn layering_every_client_api_shape_is_defined_in_proto() {
     assert!(report.is_empty(), "{}", report.join("\n"));
 }
 
-/// Names that meant two things (issue 30) mean one: each of these types is declared once in
-/// the workspace, and each of these module files exists once in the coordinator and the
-/// worker (a `source.rs` is a run's git source everywhere; a script's text is `text.rs`).
-#[test]
-fn layering_names_that_collided_mean_one_thing() {
+/// Every Rust source file of the workspace's crates (their `src/`).
+fn workspace_sources() -> Vec<PathBuf> {
     let mut files = Vec::new();
     for dir in [
         "proto",
@@ -656,6 +641,15 @@ fn layering_names_that_collided_mean_one_thing() {
     ] {
         rust_files(&root().join(dir).join("src"), &mut files);
     }
+    files
+}
+
+/// Names that meant two things (issue 30) mean one: each of these types is declared once in
+/// the workspace, and each of these module files exists once in the coordinator and the
+/// worker (a `source.rs` is a run's git source everywhere; a script's text is `text.rs`).
+#[test]
+fn layering_names_that_collided_mean_one_thing() {
+    let files = workspace_sources();
     let mut report = Vec::new();
     for name in [
         "Admission",
@@ -882,17 +876,7 @@ fn function_lengths(code: &str) -> Vec<(String, usize)> {
 fn layering_no_production_function_is_over_120_lines() {
     const LIMIT: usize = 120;
     const KNOWN_LONG: &[(&str, &str, usize)] = &[];
-    let mut files = Vec::new();
-    for dir in [
-        "proto",
-        "coordinator/script",
-        "coordinator/lease",
-        "coordinator",
-        "worker",
-        "cli",
-    ] {
-        rust_files(&root().join(dir).join("src"), &mut files);
-    }
+    let files = workspace_sources();
     let mut report = Vec::new();
     for f in files {
         let rel = f.strip_prefix(root()).unwrap().display().to_string();
