@@ -11,8 +11,8 @@ use flotilla_proto::Problem;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
-use flotilla_coordinator::script::text::{self, Meta};
-use flotilla_coordinator::workflows;
+use flotilla_local::workflows;
+use flotilla_script::text::{self, Meta};
 use serde_json::{Value, json};
 
 use crate::config::ResolvedRun;

@@ -193,8 +193,8 @@ pub fn issue_in(
     namespaces: &[String],
 ) -> Result<String, Problem> {
     for ns in namespaces {
-        if ns != flotilla_coordinator::namespace::ALL
-            && !flotilla_coordinator::namespace::valid_name(ns)
+        if ns != flotilla_proto::names::ALL_NAMESPACES
+            && !flotilla_proto::names::valid_namespace(ns)
         {
             return Err(Problem::invalid(format!(
                 "--namespace {ns:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and . (or * for all)"
@@ -204,7 +204,7 @@ pub fn issue_in(
     if namespaces.len() > 1
         && namespaces
             .iter()
-            .any(|n| n == flotilla_coordinator::namespace::ALL)
+            .any(|n| n == flotilla_proto::names::ALL_NAMESPACES)
     {
         return Err(Problem::invalid(
             "--namespace '*' already means every namespace: give it alone",

@@ -432,9 +432,9 @@ fn read_config(path: Option<&Path>) -> Result<ConfigFile, Problem> {
     let Some(path) = path else {
         return Ok(ConfigFile::default());
     };
-    let text = flotilla_coordinator::reads::read_file(
+    let text = flotilla_local::reads::read_file(
         path,
-        flotilla_coordinator::reads::SMALL_FILE_BYTES,
+        flotilla_local::reads::SMALL_FILE_BYTES,
         "config file",
     )?;
     parse_config(&text, &path.display().to_string())
@@ -697,7 +697,7 @@ pub fn resolve_run(args: &crate::RunArgs) -> Result<ResolvedRun, Problem> {
 /// process (a fleet's workers bring their own `--exec-cmd`).
 pub fn resolve_run_with(
     args: &crate::RunArgs,
-    server: &[flotilla_coordinator::workflows::FoundWorkflow],
+    server: &[flotilla_local::workflows::FoundWorkflow],
     local: bool,
 ) -> Result<ResolvedRun, Problem> {
     let file = read_config(args.config.as_deref())?;
@@ -723,9 +723,9 @@ pub fn resolve_run_with(
             ))
         })?),
         (None, Some(path)) => {
-            let text = flotilla_coordinator::reads::read_file(
+            let text = flotilla_local::reads::read_file(
                 path,
-                flotilla_coordinator::reads::ARGS_BYTES,
+                flotilla_local::reads::ARGS_BYTES,
                 "--args-file",
             )?;
             Some(serde_json::from_str(&text).map_err(|e| {
@@ -750,17 +750,13 @@ pub fn resolve_run_with(
             || (args.script.contains('/') && !slash_name));
     let saved_name = (!by_path).then(|| args.script.trim_start_matches('/').to_owned());
     let (source, origin) = if by_path {
-        let source = flotilla_coordinator::reads::read_file(
-            &path,
-            flotilla_coordinator::reads::SCRIPT_BYTES,
-            "script",
-        )?;
+        let source =
+            flotilla_local::reads::read_file(&path, flotilla_local::reads::SCRIPT_BYTES, "script")?;
         (source, path.display().to_string())
     } else {
         // A saved workflow's name: project and personal first, then the coordinator's,
         // then the bundled ones.
-        let resolver =
-            flotilla_coordinator::workflows::DirResolver::standard(&cwd, &workflows_dirs);
+        let resolver = flotilla_local::workflows::DirResolver::standard(&cwd, &workflows_dirs);
         let name = args.script.trim_start_matches('/');
         let found = match resolver
             .find_saved(name)
@@ -769,9 +765,9 @@ pub fn resolve_run_with(
             Some(f) => f,
             None => match server.iter().find(|w| w.name == name) {
                 Some(f) => f.clone(),
-                None => flotilla_coordinator::workflows::WorkflowResolver::resolve(
+                None => flotilla_local::workflows::WorkflowResolver::resolve(
                     &resolver,
-                    &flotilla_coordinator::workflows::WorkflowRef::Name(name.to_owned()),
+                    &flotilla_local::workflows::WorkflowRef::Name(name.to_owned()),
                 )
                 .map_err(|e| Problem::new(e.kind(), e.to_string()))?,
             },
@@ -780,7 +776,7 @@ pub fn resolve_run_with(
     };
     let mut settings = settings;
     let mut meta_backend = false;
-    if let Ok(meta) = flotilla_coordinator::script::text::read_meta(&source) {
+    if let Ok(meta) = flotilla_script::text::read_meta(&source) {
         meta_defaults(&mut settings, &meta.raw, &args.settings, &file)?;
         meta_backend = meta.raw.get("backend").is_some();
     }
@@ -800,7 +796,7 @@ pub fn resolve_run_with(
     // Agents work where the run was started, as Claude Code's do: the repository root when
     // inside one, else this directory; --workspace DIR says otherwise.
     let workspace = workspace.unwrap_or_else(|| {
-        flotilla_coordinator::workflows::repo_root(&cwd).unwrap_or_else(|| cwd.clone())
+        flotilla_local::workflows::repo_root(&cwd).unwrap_or_else(|| cwd.clone())
     });
     Ok(ResolvedRun {
         source,

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use flotilla_coordinator::lease::memory::MemoryLeaseStore;
 use flotilla_coordinator::store;
-use flotilla_coordinator::workflows::DirResolver;
 use flotilla_coordinator::{Coordinator, LaunchRequest, Report};
+use flotilla_local::workflows::DirResolver;
 use flotilla_worker::{AgentBackend, Worker, WorkerOptions, link_pair};
 use tokio_util::sync::CancellationToken;
 

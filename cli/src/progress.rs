@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_coordinator::Report;
-use flotilla_coordinator::run::Snapshot;
+use flotilla_proto::wire::Report;
+use flotilla_proto::wire::Snapshot;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;

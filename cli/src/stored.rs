@@ -40,7 +40,7 @@ impl FilterArgs {
         let status = match &self.status {
             None => None,
             Some(s) => Some(
-                serde_json::from_value::<flotilla_coordinator::RunStatus>(
+                serde_json::from_value::<flotilla_proto::wire::RunStatus>(
                     serde_json::Value::String(s.clone()),
                 )
                 .map_err(|_| {
@@ -160,21 +160,24 @@ pub async fn list(store_flag: Option<String>, filter: &FilterArgs, json: bool) -
 }
 
 pub async fn show(store_flag: Option<String>, run: &str, json: bool, full: bool) -> i32 {
-    let url = config::store_url(store_flag);
-    let store = match store::open(&url) {
-        Ok(s) => s,
-        Err(e) => return crate::refuse(e.into()),
-    };
-    let report = match history::load_report(&store, run).await {
-        Ok(r) => r,
-        Err(e) => return crate::refuse(e.into()),
-    };
-    print_show(report, json, full)
+    match report(store_flag, run).await {
+        Ok(report) => print_show(report, json, full),
+        Err(p) => crate::refuse(p),
+    }
+}
+
+/// The report of run `run` in the store `store_flag` names (or the default one).
+pub async fn report(
+    store_flag: Option<String>,
+    run: &str,
+) -> Result<flotilla_proto::wire::Report, Problem> {
+    let store = store::open(&config::store_url(store_flag))?;
+    Ok(history::load_report(&store, run).await?)
 }
 
 /// Prints a run's report as `show` does: the JSON report, or its summary, agents, logs and
 /// result.
-pub fn print_show(report: flotilla_coordinator::Report, json: bool, full: bool) -> i32 {
+pub fn print_show(report: flotilla_proto::wire::Report, json: bool, full: bool) -> i32 {
     let report = if full {
         report
     } else {
@@ -399,7 +402,7 @@ pub fn swept_line(s: &flotilla_coordinator::gc::Swept) -> String {
         s.objects,
         s.payloads,
         s.source_objects,
-        flotilla_coordinator::reads::human_bytes(s.bytes as usize),
+        flotilla_local::reads::human_bytes(s.bytes as usize),
         s.kept.len()
     )
 }

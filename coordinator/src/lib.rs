@@ -13,7 +13,6 @@
 //! Start reading at [`coordinator::Coordinator::launch`], then [`run::RunEngine::run`].
 
 pub mod api;
-pub mod bundled;
 pub mod call;
 pub mod coordinator;
 pub mod counters;
@@ -25,12 +24,12 @@ pub mod ids;
 pub mod index;
 pub mod leader;
 pub use flotilla_lease as lease;
+pub use flotilla_local::{bundled, reads, vet, workflows};
 pub mod listen;
 pub mod namespace;
 pub mod notify;
 pub mod owner;
 pub use flotilla_script::reject;
-pub mod reads;
 pub mod registry;
 pub mod report;
 pub mod run;
@@ -43,9 +42,7 @@ pub mod spec;
 pub mod store;
 pub mod tokens;
 pub use flotilla_proto::usage;
-pub mod vet;
 pub mod web;
-pub mod workflows;
 
 pub use coordinator::{Coordinator, CoordinatorOptions, LaunchRequest, Rejected};
 pub use report::{Report, RunStatus};

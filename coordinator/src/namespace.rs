@@ -33,7 +33,7 @@ use crate::store::records::UsageRecord;
 
 pub use crate::ids::DEFAULT_NAMESPACE as DEFAULT;
 /// In a certificate's organisation: every namespace.
-pub const ALL: &str = "*";
+pub const ALL: &str = flotilla_proto::names::ALL_NAMESPACES;
 /// How often daily use that changed is written to the store.
 pub const FLUSH: Duration = Duration::from_secs(2);
 

@@ -37,16 +37,7 @@ fn valid_place(ns: &str) -> bool {
     ns == FLEET || namespace::valid_name(namespace::effective(ns))
 }
 
-/// Whether `name` can name a saved workflow: letters, digits, `-`, `_` and `.`, not starting
-/// with a dot, at most 100 characters (so it can never leave its directory).
-pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 100
-        && !name.starts_with('.')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-}
+pub use flotilla_proto::names::{pushed_to_fleet, valid_workflow_name as valid_name};
 
 /// The origin shown for a workflow pushed to `ns`: `server:NAME`, or `fleet:NAME` for one
 /// pushed to the whole fleet.
@@ -56,11 +47,6 @@ pub fn origin(ns: &str, name: &str) -> String {
     } else {
         format!("server:{name}")
     }
-}
-
-/// Whether `origin` (as [`origin`] made it) is that of a workflow pushed to the whole fleet.
-pub fn pushed_to_fleet(origin: &str) -> bool {
-    origin.starts_with("fleet:")
 }
 
 /// One push, as recorded.

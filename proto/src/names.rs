@@ -11,6 +11,27 @@ pub fn valid_source_id(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
 }
 
+/// What an operator names for every namespace at once (`--namespace '*'`): a certificate
+/// good in all of them, a workflow pushed to the whole fleet.
+pub const ALL_NAMESPACES: &str = "*";
+
+/// Whether `name` can name a saved workflow: letters, digits, `-`, `_` and `.`, not starting
+/// with a dot, at most 100 characters (so it can never leave its directory).
+pub fn valid_workflow_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 100
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// Whether a saved workflow's origin (`server:NAME`, `fleet:NAME`) is that of one pushed to
+/// the whole fleet.
+pub fn pushed_to_fleet(origin: &str) -> bool {
+    origin.starts_with("fleet:")
+}
+
 /// The namespace of runs whose caller names none.
 pub const DEFAULT_NAMESPACE: &str = "default";
 

@@ -510,6 +510,73 @@ pub struct SnapshotView {
     pub groups: Vec<GroupView>,
 }
 
+/// A run's live view in one process: what the engine publishes and the terminal's progress
+/// display draws. A client watching a coordinator makes one from each [`SnapshotView`] it
+/// reads; the engine's keeps its logs shared and its start time, so `elapsed` grows between
+/// publications.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub run_id: String,
+    pub workflow: WorkflowInfo,
+    /// Status, agents by state, why they wait, tokens, cost and elapsed time as of when it
+    /// was published ([`Snapshot::summary_now`] has the elapsed time of now).
+    pub summary: Summary,
+    pub groups: Vec<GroupView>,
+    pub logs: std::sync::Arc<Vec<String>>,
+    /// When the run started here (so `elapsed` keeps growing between snapshots).
+    pub since: Option<tokio::time::Instant>,
+}
+
+impl Snapshot {
+    /// Milliseconds since the run started: growing while it runs, fixed once it ended.
+    pub fn elapsed_now_ms(&self) -> u64 {
+        match self.since {
+            Some(since) if !self.summary.status.is_final() => {
+                (since.elapsed().as_millis() as u64).max(self.summary.elapsed_ms)
+            }
+            _ => self.summary.elapsed_ms,
+        }
+    }
+
+    /// The summary with the elapsed time of now.
+    pub fn summary_now(&self) -> Summary {
+        Summary {
+            elapsed_ms: self.elapsed_now_ms(),
+            ..self.summary.clone()
+        }
+    }
+}
+
+impl From<&Snapshot> for SnapshotView {
+    fn from(s: &Snapshot) -> Self {
+        SnapshotView {
+            run_id: s.run_id.clone(),
+            workflow: s.workflow.name.clone(),
+            description: s.workflow.description.clone(),
+            summary: s.summary_now(),
+            logs: s.logs.iter().cloned().collect(),
+            groups: s.groups.clone(),
+        }
+    }
+}
+
+/// The live snapshot again (what a watching client's progress display draws).
+impl From<&SnapshotView> for Snapshot {
+    fn from(v: &SnapshotView) -> Snapshot {
+        Snapshot {
+            run_id: v.run_id.clone(),
+            workflow: WorkflowInfo {
+                name: v.workflow.clone(),
+                description: v.description.clone(),
+            },
+            summary: v.summary.clone(),
+            groups: v.groups.clone(),
+            logs: std::sync::Arc::new(v.logs.clone()),
+            since: None,
+        }
+    }
+}
+
 /// One group's progress.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GroupView {

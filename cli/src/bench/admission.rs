@@ -21,8 +21,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use clap::Args;
-use flotilla_coordinator::workflows::NoWorkflows;
 use flotilla_coordinator::{LaunchRequest, RunSettings, RunStatus};
+use flotilla_local::workflows::NoWorkflows;
 use serde::Serialize;
 
 use crate::embedded::Embedded;

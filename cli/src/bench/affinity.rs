@@ -24,8 +24,8 @@ use axum::extract::State;
 use axum::response::IntoResponse;
 use clap::Args;
 use flotilla_coordinator::lease::memory::MemoryLeaseStore;
-use flotilla_coordinator::workflows::NoWorkflows;
 use flotilla_coordinator::{Coordinator, LaunchRequest, RunSettings, RunStatus};
+use flotilla_local::workflows::NoWorkflows;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 

@@ -224,12 +224,12 @@ pub(crate) async fn launch_echo(
     concurrency: u32,
     resume_from: Option<&str>,
 ) -> Result<String, Problem> {
-    let settings = flotilla_coordinator::RunSettings {
+    let settings = flotilla_proto::settings::RunSettings {
         backend: "echo".into(),
         concurrency,
         max_agents: agents,
         stagger_ms: 0,
-        ..flotilla_coordinator::RunSettings::default()
+        ..flotilla_proto::settings::RunSettings::default()
     };
     let launched = client
         .launch(v1::LaunchRequest {
@@ -279,9 +279,9 @@ async fn fan_out(
         .map_err(|e| crate::client::call_problem(&e))?
         .into_inner();
     let took = started.elapsed();
-    let r: flotilla_coordinator::Report =
+    let r: flotilla_proto::wire::Report =
         serde_json::from_str(&report.report_json).map_err(|e| Problem::internal(e.to_string()))?;
-    if r.status != flotilla_coordinator::RunStatus::Completed
+    if r.status != flotilla_proto::wire::RunStatus::Completed
         || r.result != serde_json::json!(calls)
     {
         return Err(Problem::internal(format!(

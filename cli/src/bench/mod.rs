@@ -16,8 +16,8 @@ use clap::{Args, Subcommand};
 use flotilla_coordinator::run::{self, EngineInit};
 use flotilla_coordinator::script::{HostReply, ScriptEnd, ScriptOp, ScriptShared};
 use flotilla_coordinator::store::records::WorkflowInfo;
-use flotilla_coordinator::workflows::NoWorkflows;
 use flotilla_coordinator::{LaunchRequest, RunSettings, RunStatus};
+use flotilla_local::workflows::NoWorkflows;
 use serde::Serialize;
 use tokio::sync::mpsc;
 

@@ -15,8 +15,8 @@ use flotilla_proto::Problem;
 use std::sync::Arc;
 
 use clap::Args;
-use flotilla_coordinator::workflows::NoWorkflows;
 use flotilla_coordinator::{LaunchRequest, RunSettings, RunStatus};
+use flotilla_local::workflows::NoWorkflows;
 use serde::Serialize;
 
 use crate::embedded::Embedded;

@@ -363,15 +363,15 @@ async fn finished(
     client: &mut ClientServiceClient<Channel>,
     run: &str,
     n: u64,
-) -> Result<flotilla_coordinator::Report, Problem> {
+) -> Result<flotilla_proto::wire::Report, Problem> {
     let report = client
         .wait(v1::RunRef { run_id: run.into() })
         .await
         .map_err(|e| crate::client::call_problem(&e))?
         .into_inner();
-    let r: flotilla_coordinator::Report =
+    let r: flotilla_proto::wire::Report =
         serde_json::from_str(&report.report_json).map_err(|e| Problem::internal(e.to_string()))?;
-    if r.status != flotilla_coordinator::RunStatus::Completed || r.result != serde_json::json!(n) {
+    if r.status != flotilla_proto::wire::RunStatus::Completed || r.result != serde_json::json!(n) {
         return Err(Problem::internal(format!(
             "bench run {run} ended {} with result {} ({:?})",
             r.status.as_str(),

@@ -5,11 +5,10 @@
 use std::io::Write;
 
 use clap::Args;
-use flotilla_coordinator::{history, store};
 use flotilla_proto::wire::AgentReport;
 use serde::Serialize;
 
-use crate::{client, config, fail_kind, term};
+use crate::{client, fail_kind, term};
 
 #[derive(Debug, Args)]
 pub struct AgentsArgs {
@@ -76,17 +75,10 @@ pub async fn run(a: AgentsArgs) -> i32 {
             Ok(r) => r,
             Err(code) => return code,
         },
-        None => {
-            let url = config::store_url(a.from.store.clone());
-            let store = match store::open(&url) {
-                Ok(s) => s,
-                Err(e) => return crate::refuse(e.into()),
-            };
-            match history::load_report(&store, &a.run_id).await {
-                Ok(r) => r,
-                Err(e) => return crate::refuse(e.into()),
-            }
-        }
+        None => match crate::stored::report(a.from.store.clone(), &a.run_id).await {
+            Ok(r) => r,
+            Err(p) => return crate::refuse(p),
+        },
     };
     let matching: Vec<&AgentReport> = report
         .agents

@@ -5,7 +5,7 @@
 //! change and the run head; `FetchSource` streams the packs of a commit's chain from the
 //! run's namespace, which are indexed into the local repository (`git index-pack` with git's
 //! fsck) before branches `flotilla/RUN/head` and `flotilla/RUN/INDEX` point at them. Every
-//! tree a commit adds over its base is read first ([`flotilla_coordinator::vet`]): a name that
+//! tree a commit adds over its base is read first ([`flotilla_local::vet`]): a name that
 //! leaves the tree or reaches `.git` refuses it, whatever the coordinator's store holds. A
 //! change the coordinator refused is shown with its reason and never fetched. `--merge`
 //! merges the head into the current branch, refusing a dirty tree or a conflict with the
@@ -257,11 +257,7 @@ async fn fetch(
             let out = Command::new("git")
                 .arg("-C")
                 .arg(local)
-                .args([
-                    "index-pack",
-                    flotilla_coordinator::vet::SOURCE_FSCK,
-                    "--stdin",
-                ])
+                .args(["index-pack", flotilla_local::vet::SOURCE_FSCK, "--stdin"])
                 .stdin(std::fs::File::open(&path).map_err(|e| Problem::unavailable(e.to_string()))?)
                 .output()
                 .map_err(|e| Problem::unavailable(e.to_string()))?;
@@ -289,7 +285,7 @@ async fn vetted(local: &Path, whose: &str, commit: &str, base: &str) -> Result<(
         .into_iter()
         .filter(|b| git(local, &["cat-file", "-e", &format!("{b}^{{commit}}")]).is_ok())
         .collect();
-    match flotilla_coordinator::vet::new_trees(local, &[], commit, &bases).await {
+    match flotilla_local::vet::new_trees(local, &[], commit, &bases).await {
         Ok(None) => Ok(()),
         Ok(Some(why)) => Err(Problem::denied(format!(
             "{whose} (commit {}) adds {why}: refused, nothing was applied; tell the run's owner, and do not check it out",

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use flotilla_coordinator::workflows::{DirResolver, FoundWorkflow, WorkflowResolver};
+use flotilla_local::workflows::{DirResolver, FoundWorkflow, WorkflowResolver};
 use flotilla_proto::v1::client_service_client::ClientServiceClient;
 use flotilla_proto::v1::{self};
 
@@ -145,7 +145,7 @@ pub(crate) async fn send(
             saved_name: resolved.saved_name.clone().unwrap_or_default(),
         };
         // The coordinator's limits, checked here first, with the same words.
-        flotilla_coordinator::api::check_launch(&req)?;
+        flotilla_local::sizes::check_launch(&req)?;
         let reply = client
             .launch(req)
             .await
@@ -223,9 +223,9 @@ fn carried(
         .into_iter()
         .filter_map(|(path, meta)| {
             let meta = meta.ok()?;
-            let source = flotilla_coordinator::reads::read_file(
+            let source = flotilla_local::reads::read_file(
                 &path,
-                flotilla_coordinator::reads::SCRIPT_BYTES,
+                flotilla_local::reads::SCRIPT_BYTES,
                 "workflow",
             )
             .ok()?;
@@ -417,14 +417,13 @@ pub async fn resume(a: ResumeArgs) -> i32 {
     }
     let script = match &a.script {
         None => String::new(),
-        Some(p) => match flotilla_coordinator::reads::read_file(
-            p,
-            flotilla_coordinator::reads::SCRIPT_BYTES,
-            "script",
-        ) {
-            Ok(s) => s,
-            Err(e) => return crate::refuse(e),
-        },
+        Some(p) => {
+            match flotilla_local::reads::read_file(p, flotilla_local::reads::SCRIPT_BYTES, "script")
+            {
+                Ok(s) => s,
+                Err(e) => return crate::refuse(e),
+            }
+        }
     };
     if let Some(args) = &a.args
         && let Err(e) = serde_json::from_str::<serde_json::Value>(args)
@@ -438,7 +437,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
         Ok(m) => m,
         Err(e) => return fail_kind(flotilla_proto::ErrorKind::Invalid, e.to_string()),
     };
-    let settings = flotilla_coordinator::RunSettings {
+    let settings = flotilla_proto::settings::RunSettings {
         replay,
         ..Default::default()
     };
@@ -463,7 +462,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
         saved_name: String::new(),
         inherit: true,
     };
-    if let Err(e) = flotilla_coordinator::api::check_launch(&req) {
+    if let Err(e) = flotilla_local::sizes::check_launch(&req) {
         return crate::refuse(e);
     }
     match client.launch(req).await {

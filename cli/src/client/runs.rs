@@ -4,9 +4,9 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use flotilla_coordinator::Report;
-use flotilla_coordinator::api::SnapshotView;
 use flotilla_proto::v1::{self};
+use flotilla_proto::wire::Report;
+use flotilla_proto::wire::SnapshotView;
 
 use crate::client::*;
 use crate::{fail_kind, print_report};
@@ -81,8 +81,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
     };
     let bars = !a.json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
     let mode = crate::progress::Mode::pick(bars, !bars && !a.json);
-    let (tx, rx) =
-        tokio::sync::watch::channel(Arc::new(flotilla_coordinator::run::Snapshot::default()));
+    let (tx, rx) = tokio::sync::watch::channel(Arc::new(flotilla_proto::wire::Snapshot::default()));
     let view = crate::progress::start(mode, rx);
     let run = v1::RunRef {
         run_id: a.run_id.clone(),
@@ -92,7 +91,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
             Ok(r) => match serde_json::from_str::<SnapshotView>(&r.into_inner().snapshot_json) {
                 Ok(s) => {
                     let ended = s.summary.status.is_final();
-                    let _ = tx.send(Arc::new(flotilla_coordinator::run::Snapshot::from(&s)));
+                    let _ = tx.send(Arc::new(flotilla_proto::wire::Snapshot::from(&s)));
                     if ended {
                         break;
                     }

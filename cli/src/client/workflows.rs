@@ -5,11 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
-use flotilla_coordinator::bundled;
-use flotilla_coordinator::saved;
-use flotilla_coordinator::script::text;
-use flotilla_coordinator::workflows::{self, DirResolver};
+use flotilla_local::bundled;
+use flotilla_local::workflows::{self, DirResolver};
+use flotilla_proto::names;
 use flotilla_proto::v1;
+use flotilla_script::text;
 use serde_json::{Value, json};
 
 use crate::client::{ClientArgs, call_problem};
@@ -170,8 +170,8 @@ async fn entries(at: &Where) -> Result<Vec<Entry>, Problem> {
             .into_inner();
         for w in listed.workflows {
             // Pushed to the namespace itself, or by an operator to every namespace.
-            let namespace = if saved::pushed_to_fleet(&w.origin) {
-                saved::FLEET.to_owned()
+            let namespace = if names::pushed_to_fleet(&w.origin) {
+                names::ALL_NAMESPACES.to_owned()
             } else {
                 listed.namespace.clone()
             };
@@ -276,7 +276,7 @@ async fn list(a: ListArgs) -> i32 {
                     None => String::new(),
                 };
                 let pushed_to = match e.namespace.as_deref() {
-                    Some(saved::FLEET) => "  (pushed to every namespace)".to_owned(),
+                    Some(names::ALL_NAMESPACES) => "  (pushed to every namespace)".to_owned(),
                     Some(ns) => format!("  (namespace {})", clean(ns)),
                     None => String::new(),
                 };
@@ -316,9 +316,9 @@ async fn show(a: ShowArgs) -> i32 {
     };
     let text = match &e.source {
         Some(s) => s.clone(),
-        None => match flotilla_coordinator::reads::read_file(
+        None => match flotilla_local::reads::read_file(
             std::path::Path::new(&e.location),
-            flotilla_coordinator::reads::SCRIPT_BYTES,
+            flotilla_local::reads::SCRIPT_BYTES,
             "workflow",
         ) {
             Ok(s) => s,
@@ -356,9 +356,9 @@ fn project_target(cwd: &Path) -> PathBuf {
 }
 
 fn save(a: SaveArgs) -> i32 {
-    let text = match flotilla_coordinator::reads::read_file(
+    let text = match flotilla_local::reads::read_file(
         &a.file,
-        flotilla_coordinator::reads::SCRIPT_BYTES,
+        flotilla_local::reads::SCRIPT_BYTES,
         "workflow",
     ) {
         Ok(t) => t,
@@ -376,7 +376,7 @@ fn save(a: SaveArgs) -> i32 {
             );
         }
     };
-    if !saved::valid_name(&meta.name) {
+    if !names::valid_workflow_name(&meta.name) {
         return fail_kind(
             flotilla_proto::ErrorKind::Invalid,
             format!(
@@ -450,9 +450,9 @@ fn save(a: SaveArgs) -> i32 {
 }
 
 async fn push(a: PushArgs) -> i32 {
-    let text = match flotilla_coordinator::reads::read_file(
+    let text = match flotilla_local::reads::read_file(
         &a.file,
-        flotilla_coordinator::reads::SCRIPT_BYTES,
+        flotilla_local::reads::SCRIPT_BYTES,
         "workflow",
     ) {
         Ok(t) => t,
@@ -472,7 +472,7 @@ async fn push(a: PushArgs) -> i32 {
     {
         Ok(r) => {
             let r = r.into_inner();
-            let (to, whose) = if r.namespace == saved::FLEET {
+            let (to, whose) = if r.namespace == names::ALL_NAMESPACES {
                 (
                     "for every namespace".to_owned(),
                     "any namespace's runs (after a push of the same name to their own)",

@@ -43,7 +43,7 @@ mod refs;
 
 use clap::Args;
 use flotilla_coordinator::history;
-use flotilla_coordinator::workflows::DirResolver;
+use flotilla_local::workflows::DirResolver;
 use flotilla_proto::wire::Report;
 use flotilla_proto::wire::SnapshotView;
 use rmcp::handler::server::router::tool::ToolRouter;
@@ -209,8 +209,8 @@ impl Flotilla {
         &self,
         Parameters(input): Parameters<RunInput>,
     ) -> Result<CallToolResult, ErrorData> {
-        if let Err(s) = flotilla_coordinator::api::check_run_id(&input.run_id) {
-            return Ok(refused(s.message()));
+        if let Err(p) = flotilla_local::sizes::check_run_id(&input.run_id) {
+            return Ok(refused(&p.message));
         }
         if let Some(fleet) = &self.fleet {
             let mut client = fleet.client.clone();
@@ -360,9 +360,9 @@ impl Flotilla {
     async fn launch(&self, input: WorkflowInput) -> Value {
         let refused = |error: String| json!({ "status": "remote_launched", "error": error });
         if let Some(r) = &input.resume_from_run_id
-            && let Err(s) = flotilla_coordinator::api::check_run_id(r)
+            && let Err(p) = flotilla_local::sizes::check_run_id(r)
         {
-            return refused(format!("resumeFromRunId: {}", s.message()));
+            return refused(format!("resumeFromRunId: {}", p.message));
         }
         // What the call names is held where `flotilla run` holds a script's own references:
         // a path to the project and the workflow directories, a name to the saved workflows.
@@ -521,7 +521,7 @@ impl Flotilla {
 
     /// A running run's view, or its report once it has ended (on the fleet or here).
     async fn progress(&self, run: &str) -> Result<Progress, Problem> {
-        flotilla_coordinator::api::check_run_id(run).map_err(|s| Problem::invalid(s.message()))?;
+        flotilla_local::sizes::check_run_id(run)?;
         let Some(fleet) = &self.fleet else {
             if let Some(v) = self.live(run).await {
                 return Ok(Progress::Running(v));
@@ -739,7 +739,7 @@ impl Flotilla {
 
     /// A run's report from the store the settings name (this session's or any earlier one's).
     async fn stored(&self, run: &str) -> Result<Report, Problem> {
-        flotilla_coordinator::api::check_run_id(run).map_err(|s| Problem::invalid(s.message()))?;
+        flotilla_local::sizes::check_run_id(run)?;
         // A run of this session whose process is still storing its report: a moment more.
         let ended = self.runs.lock().await.get(run).map(|s| s.ended.clone());
         let file = config::load(self.args.config.as_deref())?;
@@ -841,12 +841,12 @@ async fn get_json(port: u16, path: &str) -> Option<Value> {
 /// local data directory, named by its content.
 fn save_inline(script: &str) -> Result<PathBuf, Problem> {
     use sha2::Digest;
-    let limit = flotilla_coordinator::reads::SCRIPT_BYTES;
+    let limit = flotilla_local::reads::SCRIPT_BYTES;
     if script.len() > limit {
         return Err(Problem::invalid(format!(
             "the script is {} bytes, over the limit of {}; split the work into workflows called with workflow(name)",
             script.len(),
-            flotilla_coordinator::reads::human_bytes(limit)
+            flotilla_local::reads::human_bytes(limit)
         )));
     }
     let dir = data_dir().join("scripts");

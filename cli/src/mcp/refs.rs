@@ -3,7 +3,7 @@
 //! path may then lead is [`DirResolver::confine_script`]'s rule (the project and the workflow
 //! directories), the same `workflow({ scriptPath })` follows in a run.
 //!
-//! [`DirResolver::confine_script`]: flotilla_coordinator::workflows::DirResolver::confine_script
+//! [`DirResolver::confine_script`]: flotilla_local::workflows::DirResolver::confine_script
 
 use flotilla_proto::Problem;
 

@@ -13,7 +13,6 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::options::LaunchPolicy;
-use super::sizes;
 use super::worker_bridge::{StreamOf, check_version};
 use crate::coordinator::Coordinator;
 use crate::namespace::Scope;
@@ -23,6 +22,7 @@ use crate::run::Control;
 use crate::settings::{FetchFrom, RunSettings, SourceRef};
 use crate::workflows::{AgentType, CarriedWorkflows, FoundWorkflow};
 use crate::{LaunchRequest, history};
+use flotilla_local::sizes;
 use flotilla_proto::wire::SnapshotView;
 
 pub(super) struct ClientSvc {
@@ -362,21 +362,7 @@ impl ClientSvc {
 /// `wf_1a2b3c4d-5e6`). Anything else is refused before it reaches the store, where it could
 /// only fail slowly or name some other path.
 pub fn check_run_id(run: &str) -> Result<(), Status> {
-    let plain = !run.is_empty()
-        && run.len() <= 128
-        && run != "."
-        && run != ".."
-        && run
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
-    if plain {
-        return Ok(());
-    }
-    let shown: String = run.chars().take(40).collect();
-    let more = if shown.len() < run.len() { "…" } else { "" };
-    Err(ErrorKind::Invalid.status(format!(
-        "{shown:?}{more} is not a run id (run ids look like wf_1a2b3c4d-5e6; `flotilla runs` lists them)"
-    )))
+    flotilla_local::sizes::check_run_id(run).map_err(|p| ErrorKind::Invalid.status(p))
 }
 
 /// A failure of the connection rather than an answer.

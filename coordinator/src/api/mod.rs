@@ -35,16 +35,15 @@ mod intake;
 #[cfg(test)]
 mod links;
 mod options;
-mod sizes;
 mod snapshot;
 mod worker_bridge;
 
 pub use crate::registry::RunRegistry;
 pub use client::check_run_id;
 use client::*;
+pub use flotilla_local::sizes::check_launch;
 pub use intake::{ARRIVAL, BUDGET_BYTES, limit_of};
 pub use options::{LaunchPolicy, ServerOptions};
-pub use sizes::check_launch;
 pub use snapshot::SnapshotView;
 use worker_bridge::*;
 pub use worker_bridge::{StreamOf, bridge};

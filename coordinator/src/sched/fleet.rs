@@ -230,14 +230,14 @@ impl WorkerState {
 
 /// Every worker with a link or a lease, and the key writer.
 pub(super) struct Fleet {
-    pub(super) workers: HashMap<u64, WorkerState>,
-    pub(super) by_name: HashMap<Arc<str>, u64>,
+    workers: HashMap<u64, WorkerState>,
+    by_name: HashMap<Arc<str>, u64>,
     /// Links that a known worker took over on reattaching: link id → worker id. Messages a
     /// link's reader tagged with the link id before the takeover are resolved through it.
-    pub(super) adopted: HashMap<u64, u64>,
-    pub(super) next_worker: u64,
+    adopted: HashMap<u64, u64>,
+    next_worker: u64,
     /// Attempt-key writes, applied in order by the key writer.
-    pub(super) keys: mpsc::UnboundedSender<KeyOp>,
+    keys: mpsc::UnboundedSender<KeyOp>,
     /// Where the seconds of [`Given::since`] count from.
     epoch: Instant,
     /// The dispatcher's tasks (a worker's link pump is one).
@@ -255,6 +255,47 @@ impl Fleet {
             epoch: Instant::now(),
             tasks,
         }
+    }
+
+    /// The worker with id `wid`, if it is known.
+    pub(super) fn worker(&self, wid: u64) -> Option<&WorkerState> {
+        self.workers.get(&wid)
+    }
+
+    /// The worker with id `wid`, to change, if it is known.
+    pub(super) fn worker_mut(&mut self, wid: u64) -> Option<&mut WorkerState> {
+        self.workers.get_mut(&wid)
+    }
+
+    /// Every known worker.
+    pub(super) fn all(&self) -> impl Iterator<Item = &WorkerState> {
+        self.workers.values()
+    }
+
+    /// Every known worker with its id, to change.
+    pub(super) fn all_mut(&mut self) -> impl Iterator<Item = (&u64, &mut WorkerState)> {
+        self.workers.iter_mut()
+    }
+
+    /// Forgets worker `wid` without retiring its calls (a link refused before it served).
+    pub(super) fn forget(&mut self, wid: u64) {
+        self.workers.remove(&wid);
+    }
+
+    /// The id of the worker known by `name`, if one is.
+    pub(super) fn named(&self, name: &str) -> Option<u64> {
+        self.by_name.get(name).copied()
+    }
+
+    /// Ends the takeover of `link` (its link is gone): the worker its messages belonged to.
+    pub(super) fn release_link(&mut self, link: u64) -> Option<u64> {
+        self.adopted.remove(&link)
+    }
+
+    /// Queues an attempt-key write for the key writer (its receiver is gone only at
+    /// shutdown, when nothing more is written).
+    pub(super) fn queue_key(&self, op: KeyOp) {
+        let _ = self.keys.send(op);
     }
 
     /// Whole seconds since the fleet's epoch.

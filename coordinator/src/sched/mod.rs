@@ -301,7 +301,7 @@ impl Dispatcher {
             }
             self.pump();
         }
-        for w in self.fleet.workers.values() {
+        for w in self.fleet.all() {
             w.link_alive.cancel();
             if let Some(ctl) = &w.ctl {
                 ctl.stop();
@@ -540,7 +540,7 @@ impl Dispatcher {
     /// the leftovers it starts from), preferring the namespace the request names when
     /// several do. `None`: no attempt of the worker's wants it, so nothing is sent.
     fn source_namespace(&self, worker: u64, req: &v1::SourceRequest) -> Option<String> {
-        let w = self.fleet.workers.get(&worker)?;
+        let w = self.fleet.worker(worker)?;
         let asked = crate::namespace::effective(&req.namespace);
         let mut found = None;
         for (run, call, _) in w.running.keys() {

@@ -87,8 +87,7 @@ impl Dispatcher {
             .is_some();
         let held = self
             .fleet
-            .workers
-            .get(&worker)
+            .worker(worker)
             .is_some_and(|w| w.orphans.lists(&id, t.attempt));
         if !given && !held {
             self.fleet
@@ -210,7 +209,7 @@ impl Dispatcher {
     /// for the run that takes the call over; anything else is not its to send.
     fn not_given(&mut self, worker: u64, id: &CallId, o: v1::Outcome) {
         let claimable = self.calls.get(id).is_none_or(|c| c.state == State::Queued);
-        let Some(w) = self.fleet.workers.get_mut(&worker) else {
+        let Some(w) = self.fleet.worker_mut(worker) else {
             return;
         };
         if w.orphans.ended(id, o.attempt, o.fence, &o.call_key) {
@@ -242,7 +241,7 @@ impl Dispatcher {
             return usage;
         };
         crate::counters::inc(&crate::counters::USAGE_CLIPPED);
-        if let Some(w) = self.fleet.workers.get(&worker) {
+        if let Some(w) = self.fleet.worker(worker) {
             w.clipped.say(|held| {
                 tracing::warn!(
                     worker = %w.name,

@@ -295,8 +295,7 @@ impl Dispatcher {
         };
         let Some((lease, name)) = self
             .fleet
-            .workers
-            .get(&wid)
+            .worker(wid)
             .and_then(|w| Some((w.lease?, w.name.clone())))
         else {
             return;
@@ -310,7 +309,7 @@ impl Dispatcher {
             let kept = self
                 .affinity
                 .get(&group)
-                .is_some_and(|w| self.fleet.workers.get(w).is_some_and(|w| w.ready()));
+                .is_some_and(|w| self.fleet.worker(*w).is_some_and(|w| w.ready()));
             if !kept {
                 if self.affinity.len() >= AFFINITY_GROUPS {
                     self.affinity.clear();
@@ -372,7 +371,7 @@ impl Dispatcher {
             self.fleet
                 .sent(wid, &(id.0.clone(), id.1, c.attempt), fence);
         }
-        let Some(w) = self.fleet.workers.get(&wid) else {
+        let Some(w) = self.fleet.worker(wid) else {
             return;
         };
         c.fence = Some(fence);

@@ -37,7 +37,7 @@ impl Dispatcher {
     /// writer. A put's assignment goes out once its key is written.
     pub(super) fn write_key(&mut self, op: KeyOp) {
         let Some(res) = self.leases.write_batch_now(&[op.batch_op()]) else {
-            let _ = self.fleet.keys.send(op);
+            self.fleet.queue_key(op);
             return;
         };
         let Some(put) = op.into_put() else { return };
@@ -58,13 +58,13 @@ impl Dispatcher {
     }
 
     pub(super) fn hello(&mut self, link_id: u64, h: v1::Hello) {
-        if self.opts.admission && self.fleet.workers.contains_key(&link_id) {
+        if self.opts.admission && self.fleet.worker(link_id).is_some() {
             for a in &h.accounts {
                 self.admission
                     .declare(&a.id, a.itpm, a.max_concurrent, Instant::now());
             }
         }
-        let Some(w) = self.fleet.workers.get_mut(&link_id) else {
+        let Some(w) = self.fleet.worker_mut(link_id) else {
             return;
         };
         if w.named {
@@ -76,7 +76,7 @@ impl Dispatcher {
                 "refusing a worker that speaks protocol {} (this coordinator speaks {})",
                 h.protocol_version, flotilla_proto::PROTOCOL_VERSION);
             w.link_alive.cancel();
-            self.fleet.workers.remove(&link_id);
+            self.fleet.forget(link_id);
             return;
         }
         let name: Arc<str> = if h.name.is_empty() {
@@ -89,8 +89,8 @@ impl Dispatcher {
             .iter()
             .map(|a| (Arc::from(a.run_id.as_str()), a.call, a.attempt))
             .collect();
-        let wid = match self.fleet.by_name.get(&name).copied() {
-            Some(old) if old != link_id && self.fleet.workers.contains_key(&old) => {
+        let wid = match self.fleet.named(&name) {
+            Some(old) if old != link_id && self.fleet.worker(old).is_some() => {
                 if let Some(taken) = self.fleet.clash(old, link_id, &h.incarnation) {
                     // Two processes with one name would take the name from each other on
                     // every reconnect, for ever: the one attached keeps it.
@@ -109,7 +109,7 @@ impl Dispatcher {
             }
             _ => {
                 self.fleet.register(link_id, name.clone(), &h);
-                let w = self.fleet.workers.get_mut(&link_id).expect("checked above");
+                let w = self.fleet.worker_mut(link_id).expect("checked above");
                 let info = serde_json::json!({
                     "slots": h.slots,
                     "backends": h.backends,
@@ -156,7 +156,7 @@ impl Dispatcher {
         if !self.fleet.take_over(wid, link_id, h) {
             return wid;
         }
-        let Some(w) = self.fleet.workers.get(&wid) else {
+        let Some(w) = self.fleet.worker(wid) else {
             return wid;
         };
         // Slots of attempts it no longer holds come back, and the current ones among them
@@ -209,7 +209,7 @@ impl Dispatcher {
 
     /// Cancels the held attempts no run claimed.
     pub(super) fn drop_orphans(&mut self, wid: u64, link: u64) {
-        let Some(w) = self.fleet.workers.get_mut(&wid) else {
+        let Some(w) = self.fleet.worker_mut(wid) else {
             return;
         };
         if w.link != link {
@@ -241,8 +241,7 @@ impl Dispatcher {
         };
         let found = self
             .fleet
-            .workers
-            .iter_mut()
+            .all_mut()
             .filter(|(_, w)| w.ready())
             .find_map(|(wid, w)| w.orphans.take(id, &key).map(|a| (*wid, a)));
         if let Some((wid, a)) = found {
@@ -260,7 +259,7 @@ impl Dispatcher {
         if c.state != State::Queued {
             return;
         }
-        let Some(w) = self.fleet.workers.get(&wid) else {
+        let Some(w) = self.fleet.worker(wid) else {
             return;
         };
         let Some(lease) = w.lease else {
@@ -287,8 +286,7 @@ impl Dispatcher {
         tracing::info!(run = %id.0, call = id.1, attempt, worker = %name, "re-attached an attempt that outlived its coordinator");
         let finished = self
             .fleet
-            .workers
-            .get_mut(&wid)
+            .worker_mut(wid)
             .and_then(|w| w.orphan_outcomes.remove(&(id.0.clone(), id.1, attempt)));
         if let Some(o) = finished {
             // It ended while nobody owned it: take its outcome now.
@@ -315,7 +313,7 @@ impl Dispatcher {
     /// Sends `Welcome` once the worker is named and has a lease.
     fn welcome(&mut self, wid: u64) {
         let ttl = self.opts.worker_ttl;
-        let Some(w) = self.fleet.workers.get_mut(&wid) else {
+        let Some(w) = self.fleet.worker_mut(wid) else {
             return;
         };
         if w.welcomed || !w.ready() {
@@ -349,7 +347,7 @@ impl Dispatcher {
     }
 
     pub(super) fn link_closed(&mut self, wid: u64, link: u64) {
-        let wid = self.fleet.adopted.remove(&link).unwrap_or(wid);
+        let wid = self.fleet.release_link(link).unwrap_or(wid);
         if self.fleet.cut_off(wid, link) {
             let at = Instant::now() + self.opts.worker_ttl * 3;
             self.timers.insert_at(Timer::Lapse(wid, link), at);
@@ -361,8 +359,7 @@ impl Dispatcher {
     pub(super) fn lapse_backstop(&mut self, wid: u64, link: u64) {
         let lapsed = self
             .fleet
-            .workers
-            .get(&wid)
+            .worker(wid)
             .is_some_and(|w| w.link == link && w.tx.is_none());
         if lapsed {
             self.worker_lapsed(wid);
@@ -382,13 +379,12 @@ impl Dispatcher {
             if let Some((Some(wid), attempt)) = lapsed {
                 let name = self
                     .fleet
-                    .workers
-                    .get(&wid)
+                    .worker(wid)
                     .map_or_else(|| "?".to_owned(), |w| w.name.to_string());
                 tracing::info!(run = %id.0, call, attempt, worker = %name, "attempt key vanished (the worker's lease lapsed); restarting the call");
                 // A worker still attached (its lease lapsed while the store was out of reach)
                 // is told to stop; its slot comes back with that attempt's outcome.
-                let attached = self.fleet.workers.get(&wid).is_some_and(|w| w.tx.is_some());
+                let attached = self.fleet.worker(wid).is_some_and(|w| w.tx.is_some());
                 let message = format!("worker {name}'s lease lapsed");
                 if attached {
                     self.send_cancel(&id, "its lease lapsed; restarted elsewhere");
@@ -399,13 +395,12 @@ impl Dispatcher {
                 }
             }
         } else if let Some(name) = lease::keys::parse_worker(&key) {
-            let Some(wid) = self.fleet.by_name.get(name).copied() else {
+            let Some(wid) = self.fleet.named(name) else {
                 return;
             };
             let lapsed = self
                 .fleet
-                .workers
-                .get(&wid)
+                .worker(wid)
                 .is_some_and(|w| w.tx.is_none() && revision > w.reg_revision);
             if lapsed {
                 self.worker_lapsed(wid);
@@ -477,7 +472,7 @@ impl Dispatcher {
             let id: CallId = (p.run.clone(), p.call);
             self.fleet.free_slot(p.worker, &p.run, p.call, p.attempt);
             if why == Refusal::LeaseGone
-                && let Some(w) = self.fleet.workers.get_mut(&p.worker)
+                && let Some(w) = self.fleet.worker_mut(p.worker)
                 && w.lease == Some(p.lease)
             {
                 w.lease = None;

@@ -23,9 +23,10 @@ const CRATE_LAYERS: &[(&str, &str, u32)] = &[
     ("flotilla-proto", "proto", 0),
     ("flotilla-script", "coordinator/script", 1),
     ("flotilla-lease", "coordinator/lease", 1),
-    ("flotilla-coordinator", "coordinator", 2),
-    ("flotilla-worker", "worker", 2),
-    ("flotilla", "cli", 3),
+    ("flotilla-local", "coordinator/local", 2),
+    ("flotilla-coordinator", "coordinator", 3),
+    ("flotilla-worker", "worker", 3),
+    ("flotilla", "cli", 4),
 ];
 
 fn root() -> PathBuf {
@@ -85,6 +86,10 @@ fn layering_every_crate_depends_only_on_lower_layers() {
         flotilla_deps(&root().join("coordinator/lease/Cargo.toml")),
         ["flotilla-proto"]
     );
+    // What a client shares with the coordinator knows the wire and scripts, not runs.
+    let mut local = flotilla_deps(&root().join("coordinator/local/Cargo.toml"));
+    local.sort();
+    assert_eq!(local, ["flotilla-proto", "flotilla-script"]);
 }
 
 /// A source file's module path: `run/calls.rs` → `run::calls`, `run/mod.rs` → `run`.
@@ -635,6 +640,7 @@ fn workspace_sources() -> Vec<PathBuf> {
         "proto",
         "coordinator/script",
         "coordinator/lease",
+        "coordinator/local",
         "coordinator",
         "worker",
         "cli",
@@ -908,5 +914,108 @@ fn layering_no_production_function_is_over_120_lines() {
     assert_eq!(
         function_lengths(&blank_literals(sample)),
         [("a".to_owned(), 4)]
+    );
+}
+
+/// The field lines of `struct name { … }` in `code` (attributes and comments left out).
+fn struct_fields(code: &str, name: &str) -> Option<Vec<String>> {
+    let start = code
+        .find(&format!("struct {name} {{"))
+        .or_else(|| code.find(&format!("struct {name}<")))?;
+    let body = &code[start..];
+    let open = body.find('{')?;
+    let mut depth = 0usize;
+    let mut end = open;
+    for (i, c) in body[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    end = open + i;
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(
+        body[open + 1..end]
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with("#[") && !l.starts_with("//"))
+            .map(str::to_owned)
+            .collect(),
+    )
+}
+
+/// Types that own state keep it (issue 30, 2): no field of these is visible outside the file
+/// that declares it, so other files change them through methods that keep their invariants
+/// (the fleet's name index and its workers, a link's takeover).
+#[test]
+fn layering_types_that_own_state_keep_their_fields_private() {
+    let mut report = Vec::new();
+    for (file, name) in [("coordinator/src/sched/fleet.rs", "Fleet")] {
+        let code = code_of(&std::fs::read_to_string(root().join(file)).unwrap());
+        let Some(fields) = struct_fields(&code, name) else {
+            report.push(format!("{file} declares no struct {name}"));
+            continue;
+        };
+        assert!(fields.len() > 2, "{name} has fields: {fields:?}");
+        for f in fields.iter().filter(|f| f.starts_with("pub")) {
+            report.push(format!("{file}: {name}.{f}"));
+        }
+    }
+    assert!(
+        report.is_empty(),
+        "fields another file can reach:\n{}",
+        report.join("\n")
+    );
+}
+
+/// The CLI on the wire contract (issue 30, 3): the client commands (`cli/src/client/`) and
+/// every other CLI file outside the few that run a coordinator in the process (embedded
+/// mode, `serve`, the MCP server, reading a store, the config that builds them, and the
+/// benchmarks) name neither the coordinator nor the worker crate: they speak `flotilla-proto`
+/// and use the crates below the coordinator (`flotilla-local`, `flotilla-script`).
+#[test]
+fn layering_client_commands_depend_only_on_the_wire_contract() {
+    const RUN_A_COORDINATOR: &[&str] = &[
+        "cli/src/main.rs",
+        "cli/src/embedded.rs",
+        "cli/src/stored.rs",
+        "cli/src/config.rs",
+        "cli/src/telemetry.rs",
+        "cli/src/serve/",
+        "cli/src/mcp/",
+        "cli/src/bench/",
+    ];
+    let mut files = Vec::new();
+    rust_files(&root().join("cli/src"), &mut files);
+    let mut report = Vec::new();
+    let mut client_files = 0;
+    for f in &files {
+        let rel = f.strip_prefix(root()).unwrap().display().to_string();
+        if RUN_A_COORDINATOR.iter().any(|p| rel.starts_with(p)) {
+            continue;
+        }
+        if rel.starts_with("cli/src/client/") {
+            client_files += 1;
+        }
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        for (i, line) in code.lines().enumerate() {
+            if line.contains("flotilla_coordinator") || line.contains("flotilla_worker") {
+                report.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        client_files >= 5,
+        "the client commands are in cli/src/client/ ({client_files} files found)"
+    );
+    assert!(
+        report.is_empty(),
+        "a client file reaches past the wire contract (put what it needs in flotilla-proto or flotilla-local):\n{}",
+        report.join("\n")
     );
 }

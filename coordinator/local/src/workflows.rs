@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::script::text;
+use flotilla_script::text;
 
 /// A reference from a script: a saved workflow's name, or a path.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,12 +6,15 @@
 pub const BUNDLED: [(&str, &str); 5] = [
     (
         "deep-research",
-        include_str!("../workflows/deep-research.js"),
+        include_str!("../../workflows/deep-research.js"),
     ),
-    ("code-review", include_str!("../workflows/code-review.js")),
-    ("reflect", include_str!("../workflows/reflect.js")),
-    ("ingest", include_str!("../workflows/ingest.js")),
-    ("lint", include_str!("../workflows/lint.js")),
+    (
+        "code-review",
+        include_str!("../../workflows/code-review.js"),
+    ),
+    ("reflect", include_str!("../../workflows/reflect.js")),
+    ("ingest", include_str!("../../workflows/ingest.js")),
+    ("lint", include_str!("../../workflows/lint.js")),
 ];
 
 /// The origin shown for a bundled workflow.
@@ -67,7 +70,7 @@ pub fn find(name: &str) -> Option<FoundWorkflow> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::script::text;
+    use flotilla_script::text;
 
     #[test]
     fn every_bundled_workflow_has_a_literal_meta_named_like_its_file() {

@@ -1,9 +1,9 @@
 //! How large each field a client sends may be, checked on the server (a hostile client skips
 //! the CLI's own checks) and by the CLI before it sends, with the same limits
-//! ([`crate::limits`]): a refusal names the field, its size, the limit and what to do.
+//! ([`crate::reads`]): a refusal names the field, its size, the limit and what to do.
 //!
-//! A whole request past its method's limit never gets this far: [`super::intake`] refuses it
-//! before it is read.
+//! A whole request past its method's limit never gets this far: the coordinator's intake
+//! refuses it before it is read.
 
 use flotilla_proto::Problem;
 use flotilla_proto::v1;
@@ -109,6 +109,27 @@ pub fn check_launch(r: &v1::LaunchRequest) -> Result<(), Problem> {
         CARRIED_BYTES,
         "keep fewer or smaller workflows in the workflow directories and .claude/agents the launch reads",
     )
+}
+
+/// A run id as a client names it: a plain name no longer than 128 characters (ids look like
+/// `wf_1a2b3c4d-5e6`). Anything else is refused before it reaches the store, where it could
+/// only fail slowly or name some other path.
+pub fn check_run_id(run: &str) -> Result<(), Problem> {
+    let plain = !run.is_empty()
+        && run.len() <= 128
+        && run != "."
+        && run != ".."
+        && run
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if plain {
+        return Ok(());
+    }
+    let shown: String = run.chars().take(40).collect();
+    let more = if shown.len() < run.len() { "…" } else { "" };
+    Err(Problem::invalid(format!(
+        "{shown:?}{more} is not a run id (run ids look like wf_1a2b3c4d-5e6; `flotilla runs` lists them)"
+    )))
 }
 
 /// At most 40 characters of `name`, for an error.

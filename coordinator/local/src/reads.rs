@@ -11,7 +11,7 @@ use std::path::Path;
 
 /// A script, in bytes (W01 limits it to 524,288 characters; UTF-8 is at most 4 bytes each,
 /// and the character count is checked again when it is prepared).
-pub const SCRIPT_BYTES: usize = 4 * crate::script::text::MAX_SCRIPT_CHARS;
+pub const SCRIPT_BYTES: usize = 4 * flotilla_script::text::MAX_SCRIPT_CHARS;
 /// `args` given as a file.
 pub const ARGS_BYTES: usize = 16 << 20;
 /// A config file or an agent definition (`.claude/agents/*.md`).
