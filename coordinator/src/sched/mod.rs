@@ -14,7 +14,7 @@
 //!   (a call whose outcome is in already is not stopped);
 //! - **prefix affinity**: where a worker's model server keeps a prefix cache of its own, the
 //!   calls of a prefix group go back to the worker that served the group first when it has
-//!   a free slot (`place.rs`);
+//!   a free slot (`affinity.rs`, a policy the placer asks);
 //! - **prefix stagger** (W60): the first call of a prefix group goes alone; the others of the
 //!   group wait until its response begins or the hold cap passes;
 //! - **usage-limit waits** (W59): a rate-limited attempt makes its call wait `retry_after`
@@ -37,7 +37,8 @@
 //!
 //! Where each part lives: the face runs and the server use (`handle.rs`); placement
 //! (`place.rs`) with its policies — fair share (`fair.rs`), usage-limit gates (`gates.rs`),
-//! prefix stagger (`stagger.rs`); what outcomes do (`outcomes.rs`) with the retry verdicts
+//! prefix stagger (`stagger.rs`), prefix affinity (`affinity.rs`); the source server
+//! (`transfers.rs`), which answers workers' source requests; what outcomes do (`outcomes.rs`) with the retry verdicts
 //! (`retry.rs`), what unfinished attempts left (`leftovers.rs`) and the ceilings of a worker's
 //! usage reports (`usage.rs`); the fleet (`fleet.rs`),
 //! the lease-store writes and watches (`lease_writes.rs`), and worker links, leases and takeovers
@@ -63,6 +64,7 @@ use crate::call::{State, human};
 use crate::lease::{self, LeaseStore, Revision};
 
 mod accounts;
+mod affinity;
 mod fair;
 mod fleet;
 mod gates;
@@ -73,6 +75,7 @@ mod outcomes;
 mod place;
 mod retry;
 mod stagger;
+mod transfers;
 mod usage;
 mod workers;
 
@@ -223,6 +226,7 @@ pub fn spawn_with(
     lease_writes::spawn_watches(leases.clone(), tx.clone(), &tasks, cancel.clone());
     let d = Dispatcher {
         tx,
+        affinity: affinity::Affinity::new(opts.affinity),
         opts,
         assigned: 0,
         leases,
@@ -234,10 +238,8 @@ pub fn spawn_with(
         gates: gates::Gates::default(),
         admission: accounts::Accounts::default(),
         paced_wake: None,
-        affinity: HashMap::new(),
         unplaceable: HashMap::new(),
-        sources,
-        source_acks: HashMap::new(),
+        sources: transfers::SourceServer::new(sources, tasks.clone()),
         leftovers: leftovers::Leftovers::default(),
         timers: DelayQueue::new(),
         tasks: tasks.clone(),
@@ -267,18 +269,14 @@ struct Dispatcher {
     admission: accounts::Accounts,
     /// When the pump is woken for a paced account (one timer at a time).
     paced_wake: Option<Instant>,
-    /// Prefix affinity: the worker that first served each prefix group through a model
-    /// server with a local prefix cache.
-    affinity: HashMap<u64, u64>,
+    /// Prefix affinity: each prefix group's home worker.
+    affinity: affinity::Affinity,
     /// Calls set aside because no attached worker offers their backend and model: since when,
     /// why, and when they give up. They go back to their queues whenever a worker becomes
     /// ready.
     unplaceable: HashMap<CallId, (Instant, String, Instant)>,
-    /// Where runs' sources are (answers to workers' `SourceRequest`s).
-    sources: Option<crate::store::Store>,
-    /// Source transfers under way, by worker and request: where the worker's acknowledgments
-    /// go (see [`crate::source::serve`]).
-    source_acks: HashMap<(u64, u64), tokio::sync::watch::Sender<u64>>,
+    /// Answers workers' `SourceRequest`s from where runs' sources are.
+    sources: transfers::SourceServer,
     /// What unfinished attempts left, and retries that wait for it (W58).
     leftovers: leftovers::Leftovers,
     timers: DelayQueue<Timer>,
@@ -476,63 +474,31 @@ impl Dispatcher {
             // Put back together by the gRPC bridge; a stray one means nothing.
             worker_message::Msg::Fragment(_) => {}
             // The store is read off the actor; the answer goes straight to the worker's link.
-            worker_message::Msg::SourceRequest(req) => {
-                if let Some(acks) = self.source_acks.get(&(worker, req.id))
-                    && !acks.is_closed()
-                {
-                    if req.acked > 0 {
-                        acks.send_replace(req.acked);
-                    }
-                    return;
-                }
-                // Transfers that ended leave their entries; they go as new ones come.
-                self.source_acks.retain(|_, a| !a.is_closed());
-                if req.acked > 0 {
-                    return;
-                }
-                let Some(tx) = self.fleet.link(worker).cloned() else {
-                    return;
-                };
-                let refuse = |error: String| {
-                    let _ = tx.send(CoordinatorMessage {
-                        msg: Some(coordinator_message::Msg::SourceData(v1::SourceData {
-                            request: req.id,
-                            done: true,
-                            error,
-                            ..v1::SourceData::default()
-                        })),
-                    });
-                };
-                let Some(namespace) = self.source_namespace(worker, &req) else {
-                    self.fleet.stray(
-                        worker,
-                        "a source request",
-                        format_args!(
-                            "commit {} of {} is not the source of an attempt it runs",
-                            req.commit, req.repo
-                        ),
-                    );
-                    refuse(format!(
-                        "commit {} of {} is not the source of an attempt this worker runs: the coordinator sends a source only to the attempts it gave",
-                        req.commit, req.repo
-                    ));
-                    return;
-                };
-                let Some(store) = &self.sources else {
-                    refuse("this coordinator keeps no sources".into());
-                    return;
-                };
-                let (acks, acked) = tokio::sync::watch::channel(0u64);
-                self.source_acks.insert((worker, req.id), acks);
-                self.tasks.spawn(crate::source::serve(
-                    store.clone(),
-                    namespace,
-                    req,
-                    tx,
-                    acked,
-                ));
-            }
+            worker_message::Msg::SourceRequest(req) => self.source_request(worker, req),
         }
+    }
+
+    /// A worker's source request: an acknowledgment goes to its transfer; a new one is
+    /// answered for the namespace of the attempt that wants it, or refused.
+    fn source_request(&mut self, worker: u64, req: v1::SourceRequest) {
+        if self.sources.acknowledged(worker, &req) {
+            return;
+        }
+        let Some(tx) = self.fleet.link(worker).cloned() else {
+            return;
+        };
+        let namespace = self.source_namespace(worker, &req);
+        if namespace.is_none() {
+            self.fleet.stray(
+                worker,
+                "a source request",
+                format_args!(
+                    "commit {} of {} is not the source of an attempt it runs",
+                    req.commit, req.repo
+                ),
+            );
+        }
+        self.sources.serve(worker, req, tx, namespace);
     }
 
     /// The namespace whose sources answer `worker`'s request: that of an attempt the worker

@@ -473,7 +473,7 @@ impl Dispatcher {
     /// has a stored source and the attempt's worker is attached.
     pub(super) fn salvageable(&self, id: &CallId) -> bool {
         let stored =
-            self.sources.is_some() && self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
+            self.sources.store().is_some() && self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
         stored
             && self
                 .calls
@@ -485,7 +485,7 @@ impl Dispatcher {
     /// Stores what attempt `attempt` of a call left (off the actor; `PartialStored` comes
     /// back). `false`: nothing to store, or it is not this call's.
     pub(super) fn keep_partial(&mut self, id: &CallId, attempt: u32, p: v1::Change) -> bool {
-        let Some(store) = self.sources.clone() else {
+        let Some(store) = self.sources.store().cloned() else {
             return false;
         };
         let Some(c) = self.calls.get(id) else {

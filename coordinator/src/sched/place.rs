@@ -59,32 +59,25 @@ impl Dispatcher {
         }
     }
 
-    /// The call of `run` to place next: the first in its queue, unless prefix affinity says
-    /// otherwise — then the first of the next [`AFFINITY_SCAN`] whose group's worker has a
-    /// free slot, or that has no worker (none yet, or it is gone). A call whose worker is
-    /// busy lets others go first, [`AFFINITY_PATIENCE`] times at most.
+    /// The call of `run` to place next: the first in its queue, unless prefix affinity picks
+    /// another ([`affinity::Affinity::pick`]). A call whose worker is busy lets others go first,
+    /// [`affinity::PATIENCE`] times at most.
     fn next_call(&mut self, run: &Arc<str>) -> Option<u64> {
-        if self.opts.affinity && !self.affinity.is_empty() {
+        if self.affinity.reorders() {
             let r = self.runs.get(run)?;
             let front_waited = r
                 .queue
                 .front()
                 .and_then(|call| self.calls.get(&(run.clone(), *call)))
-                .is_some_and(|c| c.passed_over >= AFFINITY_PATIENCE);
+                .is_some_and(|c| c.passed_over >= affinity::PATIENCE);
             let pick = (!front_waited)
                 .then(|| {
-                    r.queue.iter().take(AFFINITY_SCAN).position(|call| {
-                        let Some(c) = self.calls.get(&(run.clone(), *call)) else {
-                            return true;
-                        };
-                        match self.affinity.get(&c.ticket.prefix_group) {
-                            None => true,
-                            Some(&wid) => {
-                                !self.fleet.is_ready(wid)
-                                    || self.fleet.has_room_for(wid, &c.ticket.task)
-                            }
-                        }
-                    })
+                    let queue = r.queue.iter().map(|call| {
+                        self.calls
+                            .get(&(run.clone(), *call))
+                            .map(|c| (c.ticket.prefix_group, &c.ticket.task))
+                    });
+                    self.affinity.pick(queue, &self.fleet)
                 })
                 .flatten();
             if let Some(i) = pick.filter(|&i| i > 0) {
@@ -232,11 +225,7 @@ impl Dispatcher {
         // in the provider account it calls through.
         let prompt_tokens = prompt_tokens(&c.ticket.task);
         let (mut full, mut paced): (Option<Arc<str>>, Option<Instant>) = (None, None);
-        let prefer = self
-            .opts
-            .affinity
-            .then(|| self.affinity.get(&group).copied())
-            .flatten();
+        let prefer = self.affinity.home(group);
         let admission = &mut self.admission;
         let picked = self
             .fleet
@@ -304,19 +293,12 @@ impl Dispatcher {
         self.assigned += 1;
         // The first worker to serve a prefix group through a local prefix cache keeps it
         // (unless it is gone).
-        let group = c.ticket.prefix_group;
-        if self.opts.affinity && self.fleet.caches_locally(wid, &c.ticket.task.backend) {
-            let kept = self
-                .affinity
-                .get(&group)
-                .is_some_and(|w| self.fleet.worker(*w).is_some_and(|w| w.ready()));
-            if !kept {
-                if self.affinity.len() >= AFFINITY_GROUPS {
-                    self.affinity.clear();
-                }
-                self.affinity.insert(group, wid);
-            }
-        }
+        self.affinity.served(
+            c.ticket.prefix_group,
+            wid,
+            &c.ticket.task.backend,
+            &self.fleet,
+        );
         if self.unplaceable.remove(id).is_some()
             && let Some(r) = self.runs.get(&id.0)
         {
@@ -448,13 +430,6 @@ fn trace_context(span: &tracing::Span) -> HashMap<String, String> {
     opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut out));
     out
 }
-
-/// Queued calls of a run looked at for one whose prefix's worker has room (prefix affinity).
-const AFFINITY_SCAN: usize = 32;
-/// Times a queued call lets others go first because its prefix's worker is busy, at most.
-const AFFINITY_PATIENCE: u32 = 64;
-/// Prefix groups remembered at most; past it the map starts over.
-const AFFINITY_GROUPS: usize = 65_536;
 
 /// About how many input tokens a task's prompt is (four bytes a token), for pacing.
 fn prompt_tokens(task: &v1::TaskSpec) -> u64 {
