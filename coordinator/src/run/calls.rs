@@ -11,8 +11,8 @@ impl RunEngine {
         }
         let spent = admit::Spent {
             calls: self.calls.len() as u64,
-            cost_usd: self.usage.cost_usd,
-            output_tokens: self.init.shared.spent.load(Ordering::Relaxed),
+            cost_usd: self.budgets.used().cost_usd,
+            output_tokens: self.budgets.output_tokens(),
         };
         let (types, resolver) = (&mut self.agent_types, &self.init.resolver);
         let mut known = || types.get_or_insert_with(|| resolver.agent_types()).clone();
@@ -150,14 +150,10 @@ impl RunEngine {
             // failover is this run's too (its attempts, its tokens and cost, its budget).
             call.attempts = record.attempts;
             call.usage = record.usage;
-            self.usage.add(&record.usage);
-            if let Some(early) = self.early_usage.remove(&index) {
+            self.budgets.carry(&record.usage);
+            if let Some(early) = self.budgets.take_early(index) {
                 call.usage.add(&early);
             }
-            self.init
-                .shared
-                .spent
-                .fetch_add(record.usage.output_tokens, Ordering::Relaxed);
         }
         self.calls.push(Box::new(call));
         if let (Some(head), Some(mut ch)) = (&self.head, record.change) {
@@ -188,7 +184,7 @@ impl RunEngine {
     pub(super) fn dispatch(&mut self, id: u64, a: admit::Admitted) {
         let mut call = self.new_call(id, &a);
         let index = self.calls.len() as u64;
-        if let Some(early) = self.early_usage.remove(&index) {
+        if let Some(early) = self.budgets.take_early(index) {
             call.usage.add(&early);
         }
         let span = call.span.clone();
@@ -292,18 +288,13 @@ impl RunEngine {
         if let Some(q) = &self.init.quotas {
             q.add(&self.init.settings.namespace, &u);
         }
-        self.usage.add(&u);
-        self.init
-            .shared
-            .spent
-            .fetch_add(u.output_tokens, Ordering::Relaxed);
-        self.check_money();
-        self.check_tokens();
+        let crossed = self.budgets.add(&u);
+        self.over_budget(crossed);
         if let Some(c) = self.calls.get_mut(call as usize) {
             c.usage.add(&u);
             c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);
         } else {
-            self.early_usage.entry(call).or_default().add(&u);
+            self.budgets.keep_early(call, &u);
         }
     }
 
@@ -432,7 +423,7 @@ impl RunEngine {
                 c.set(Stage::Failed);
                 c.error = Some(message.clone());
                 if matches!(failure, CallFailure::RetryBudget { .. }) {
-                    self.budget_refused += 1;
+                    self.budgets.refused_retry();
                 }
                 let (id, label, group) = (c.script_id, c.label.clone(), c.group.clone());
                 if !stopping {

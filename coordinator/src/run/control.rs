@@ -155,41 +155,17 @@ impl RunEngine {
         }
     }
 
-    /// The money ceiling: once crossed, every live call stops with `BUDGET_EXCEEDED`.
-    pub(super) fn check_money(&mut self) {
-        let Some(limit) = self.init.settings.budget_usd else {
-            return;
-        };
-        if self.usage.cost_usd < limit || self.money_spent {
-            return;
+    /// Acts on the ceilings usage crossed. The money ceiling: every live call stops with
+    /// `BUDGET_EXCEEDED`. The token budget (W35) is checked at dispatch: once it is spent,
+    /// the dispatcher ends every call that has not started with `BUDGET_EXCEEDED`; running
+    /// ones complete.
+    pub(super) fn over_budget(&mut self, crossed: budgets::Crossed) {
+        if let Some((line, message)) = crossed.money {
+            self.logs.push(line.clone());
+            self.event(RunEvent::Log { line });
+            self.stop_live(CallFailure::Budget, &message);
         }
-        self.money_spent = true;
-        let line = format!(
-            "[budget] the run has cost ${:.4} of its ${limit} budget: running agents are stopped and no new agent starts",
-            self.usage.cost_usd
-        );
-        self.logs.push(line.clone());
-        self.event(RunEvent::Log { line });
-        let message = format!(
-            "money budget exceeded (${:.4} / ${limit}); completed results are kept",
-            self.usage.cost_usd
-        );
-        self.stop_live(CallFailure::Budget, &message);
-    }
-
-    /// The token budget (W35) is checked at dispatch: once it is spent, the dispatcher ends
-    /// every call that has not started with `BUDGET_EXCEEDED`; running ones complete.
-    pub(super) fn check_tokens(&mut self) {
-        let Some(total) = self.init.settings.budget_tokens else {
-            return;
-        };
-        let spent = self.init.shared.spent.load(Ordering::Relaxed);
-        if spent < total {
-            return;
-        }
-        if !self.tokens_spent {
-            self.tokens_spent = true;
-            let message = admit::token_budget_exceeded(spent, total);
+        if let Some(message) = crossed.tokens {
             self.init.dispatch.budget_spent(&self.run, &message);
         }
     }

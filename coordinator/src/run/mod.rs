@@ -14,6 +14,7 @@
 //! Start at [`RunEngine::run`].
 
 pub mod admit;
+mod budgets;
 mod calls;
 mod control;
 mod finish;
@@ -225,12 +226,8 @@ pub struct RunEngine {
     /// The logs as last published (cloned only when they change).
     published_logs: Arc<Vec<String>>,
     failures: Vec<String>,
-    usage: UsageRecord,
-    /// Usage reported for calls the script has not made (yet): an attempt that outlived a
-    /// failed-over coordinator reports before the replaying script reaches its call. It is
-    /// in `usage` already, and goes to its call when the call is made, so the run's usage
-    /// stays the sum of its agents'.
-    early_usage: HashMap<u64, UsageRecord>,
+    /// What the run has used, against its ceilings.
+    budgets: budgets::Budgets,
     agent_types: Option<Vec<crate::workflows::AgentType>>,
     journal: Option<Journal>,
     journal_task: Option<tokio::task::JoinHandle<()>>,
@@ -241,15 +238,9 @@ pub struct RunEngine {
     stopping: bool,
     /// Once stopped: its agents still on workers (the run is `stopping` until none is).
     stopping_left: u64,
-    /// The money ceiling was crossed.
-    money_spent: bool,
-    /// The token budget is spent (the dispatcher was told).
-    tokens_spent: bool,
     waiting: Option<String>,
     /// Throttle and usage-limit waits of its calls (not counted as attempts).
     waits: u64,
-    /// Calls that failed instead of retrying: the retry budget was spent.
-    budget_refused: u64,
     /// Agents that run on a substitute model: (asked, used) → how many (W18).
     substitutions: std::collections::BTreeMap<(String, String), u64>,
     /// Storage writes were failing when the snapshot was last published.
@@ -332,8 +323,11 @@ impl RunEngine {
             logs: Vec::new(),
             published_logs: Arc::new(Vec::new()),
             failures: Vec::new(),
-            usage: UsageRecord::default(),
-            early_usage: HashMap::new(),
+            budgets: budgets::Budgets::new(
+                init.shared.clone(),
+                init.settings.budget_usd,
+                init.settings.budget_tokens,
+            ),
             agent_types: None,
             journal: None,
             journal_task: None,
@@ -343,11 +337,8 @@ impl RunEngine {
             result: Value::Null,
             stopping: false,
             stopping_left: 0,
-            money_spent: false,
-            tokens_spent: false,
             waiting: None,
             waits: 0,
-            budget_refused: 0,
             substitutions: std::collections::BTreeMap::new(),
             waits_logged: std::collections::HashSet::new(),
             storage_failing: false,

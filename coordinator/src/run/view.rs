@@ -20,9 +20,9 @@ impl RunEngine {
         let mut summary = Summary {
             status: self.status,
             elapsed_ms: self.now_ms(),
-            input_tokens: self.usage.input_tokens,
-            output_tokens: self.usage.output_tokens,
-            cost_usd: self.usage.cost_usd,
+            input_tokens: self.budgets.used().input_tokens,
+            output_tokens: self.budgets.used().output_tokens,
+            cost_usd: self.budgets.used().cost_usd,
             waiting: self
                 .init
                 .store
@@ -102,9 +102,9 @@ impl RunEngine {
             // across a failover (an attempt taken over keeps its number, and calls served
             // from the run's own journal bring theirs).
             attempts: self.calls.iter().map(|c| u64::from(c.attempts)).sum(),
-            input_tokens: self.usage.input_tokens,
-            output_tokens: self.usage.output_tokens,
-            cost_usd: self.usage.cost_usd,
+            input_tokens: self.budgets.used().input_tokens,
+            output_tokens: self.budgets.used().output_tokens,
+            cost_usd: self.budgets.used().cost_usd,
             duration_ms: self.now_ms(),
             waits: self.waits,
             ..ReportUsage::default()
@@ -160,11 +160,11 @@ impl RunEngine {
             warnings: usage
                 .large_workflow()
                 .into_iter()
-                .chain((self.budget_refused > 0).then(|| {
+                .chain((self.budgets.retries_refused() > 0).then(|| {
                     let budget = self.init.settings.retry_budget.unwrap_or(0);
                     format!(
                         "Retry budget spent: {} agents failed instead of trying again (the run's budget is {budget} retries; raise it with --retry-budget)",
-                        self.budget_refused
+                        self.budgets.retries_refused()
                     )
                 }))
                 .chain(self.substitutions.iter().map(|((asked, used), n)| {

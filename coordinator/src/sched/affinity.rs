@@ -69,10 +69,7 @@ impl Affinity {
         if !self.on || !fleet.caches_locally(wid, backend) {
             return;
         }
-        let kept = self
-            .home
-            .get(&group)
-            .is_some_and(|w| fleet.is_ready(*w));
+        let kept = self.home.get(&group).is_some_and(|w| fleet.is_ready(*w));
         if !kept {
             if self.home.len() >= GROUPS {
                 self.home.clear();

@@ -472,8 +472,8 @@ impl Dispatcher {
     /// Whether a restarted call's interrupted attempt can still send what it left: the run
     /// has a stored source and the attempt's worker is attached.
     pub(super) fn salvageable(&self, id: &CallId) -> bool {
-        let stored =
-            self.sources.store().is_some() && self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
+        let stored = self.sources.store().is_some()
+            && self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
         stored
             && self
                 .calls

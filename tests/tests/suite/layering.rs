@@ -959,6 +959,7 @@ fn layering_types_that_own_state_keep_their_fields_private() {
         ("coordinator/src/sched/fleet.rs", "Fleet"),
         ("coordinator/src/sched/affinity.rs", "Affinity"),
         ("coordinator/src/sched/transfers.rs", "SourceServer"),
+        ("coordinator/src/run/budgets.rs", "Budgets"),
     ] {
         let code = code_of(&std::fs::read_to_string(root().join(file)).unwrap());
         let Some(fields) = struct_fields(&code, name) else {
