@@ -123,9 +123,8 @@ impl RunEngine {
         }
         // Let the journal finish what it has: results completed after the script ended are
         // still worth keeping for a resume.
-        self.journal = None;
-        if let Some(task) = self.journal_task.take() {
-            let _ = task.await;
+        if let Some(mut journal) = self.journal.take() {
+            journal.close().await;
         }
         while let Ok(ack) = ack_rx.try_recv() {
             if let JournalAck::Durable(indices) = ack {

@@ -230,7 +230,6 @@ pub struct RunEngine {
     budgets: budgets::Budgets,
     agent_types: Option<Vec<crate::workflows::AgentType>>,
     journal: Option<Journal>,
-    journal_task: Option<tokio::task::JoinHandle<()>>,
     events: EventLog,
     status: RunStatus,
     error: Option<String>,
@@ -330,7 +329,6 @@ impl RunEngine {
             ),
             agent_types: None,
             journal: None,
-            journal_task: None,
             events,
             status: RunStatus::Running,
             error: None,
@@ -394,14 +392,12 @@ impl RunEngine {
     ) {
         let (call_tx, call_rx) = mpsc::unbounded_channel();
         let (ack_tx, ack_rx) = mpsc::unbounded_channel();
-        let (journal, journal_task) = Journal::spawn(
+        self.journal = Some(Journal::spawn(
             self.init.store.clone(),
             self.init.run_id.clone(),
             self.init.generation,
             ack_tx,
-        );
-        self.journal = Some(journal);
-        self.journal_task = Some(journal_task);
+        ));
         let (applied_tx, applied_rx) = mpsc::unbounded_channel();
         // The run's own namespace and repository: its changes are filed there, whatever a
         // worker's message names (settings were validated, so both are well formed).

@@ -48,10 +48,12 @@ pub enum JournalAck {
     Failed { indices: Vec<u64>, error: String },
 }
 
-/// Handle of a run's call journal writer.
-#[derive(Debug, Clone)]
+/// A run's call journal: its writer task and the queue to it. The run owns it, appends to
+/// it, and closes it at its end, which waits for what was queued to be written.
+#[derive(Debug)]
 pub struct Journal {
-    tx: mpsc::UnboundedSender<CallRecord>,
+    tx: Option<mpsc::UnboundedSender<CallRecord>>,
+    task: Option<JoinHandle<()>>,
 }
 
 impl Journal {
@@ -61,15 +63,27 @@ impl Journal {
         run: String,
         generation: u64,
         acks: mpsc::UnboundedSender<JournalAck>,
-    ) -> (Journal, JoinHandle<()>) {
+    ) -> Journal {
         let (tx, rx) = mpsc::unbounded_channel();
         let task = tokio::spawn(journal_loop(store, run, generation, rx, acks));
-        (Journal { tx }, task)
+        Journal {
+            tx: Some(tx),
+            task: Some(task),
+        }
     }
 
-    /// Queues a completed call; its acknowledgement follows once it is durable.
+    /// Queues a completed call; its acknowledgement follows once it is durable. `false`: the
+    /// writer is gone (or the journal closed), and the call will never be.
     pub fn append(&self, record: CallRecord) -> bool {
-        self.tx.send(record).is_ok()
+        self.tx.as_ref().is_some_and(|tx| tx.send(record).is_ok())
+    }
+
+    /// Takes no more, and waits until the writer has written (or given up on) what it had.
+    pub async fn close(&mut self) {
+        self.tx = None;
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
     }
 }
 
