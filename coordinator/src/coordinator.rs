@@ -100,6 +100,8 @@ pub struct Coordinator {
     dispatch: DispatchHandle,
     leases: Arc<dyn LeaseStore>,
     cancel: CancellationToken,
+    /// Its runs' tasks: stopped and waited for on shutdown.
+    runs: crate::tasks::Tasks,
     generation: u64,
     /// With coordinators sharing etcd: every run is recorded and owned before it starts.
     leadership: Option<Arc<dyn crate::group::RunClaims>>,
@@ -145,6 +147,7 @@ impl Coordinator {
             store,
             dispatch,
             leases,
+            runs: crate::tasks::Tasks::new(cancel.child_token()),
             cancel,
             generation: 1,
             leadership: opts.claims,
@@ -378,11 +381,19 @@ impl Coordinator {
     }
 
     /// [`Coordinator::shutdown`], then waits at most `within` for the dispatcher's tasks
-    /// (its key writer, watches, worker leases, links and source streams) to end; whether
-    /// they all did.
+    /// (its key writer, watches, worker leases, links and source streams) and its runs'
+    /// (engines, dropped where they stand, then their journals, logs and head keepers, which
+    /// write what they were given) to end; whether they all did.
     pub async fn shutdown_and_wait(&self, within: std::time::Duration) -> bool {
         self.shutdown();
-        self.dispatch.stopped(within).await
+        let (dispatched, ran) =
+            tokio::join!(self.dispatch.stopped(within), self.runs.stopped(within));
+        dispatched && ran
+    }
+
+    /// How many tasks of its runs are running (engines, journals, logs, head keepers).
+    pub fn run_tasks_running(&self) -> usize {
+        self.runs.running()
     }
 
     /// Checks and starts a run.
@@ -856,6 +867,7 @@ impl Coordinator {
             indexed: Some(s.indexed),
             notifier: self.notifier.as_ref().cloned(),
             quotas: self.quotas.clone(),
+            tasks: self.runs.clone(),
         };
         Ok(run::start(
             init,
@@ -967,6 +979,56 @@ mod tests {
             c.dispatch.tasks_running()
         );
         assert_eq!(c.dispatch.tasks_running(), 0);
+    }
+
+    /// Issue 30, 4: a coordinator that stops stops its runs too, as a crash would leave them
+    /// (nothing more is written for them, their end is not announced), and waits until the
+    /// writers they started are done: the run reads back as interrupted, to be resumed.
+    #[tokio::test]
+    async fn a_coordinator_shut_down_stops_its_runs_and_waits_for_their_tasks() {
+        let store = crate::store::open("memory://").unwrap();
+        let c = Coordinator::new(store.clone(), crate::lease::memory::MemoryLeaseStore::new());
+        // No worker: its agent waits for one for ever.
+        let mut req = launch_with("echo", "default");
+        req.source =
+            "export const meta = { name: 'n', description: 'd' };\nreturn await agent('x');".into();
+        let run = c.launch(req).await.unwrap();
+        let run_id = run.run_id.clone();
+        let mut snapshot = run.snapshot.clone();
+        let registry = crate::registry::RunRegistry::default();
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        registry.on_end(Arc::new({
+            let ended = ended.clone();
+            move |_| ended.store(true, std::sync::atomic::Ordering::SeqCst)
+        }));
+        registry.track(run);
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            snapshot.wait_for(|s| s.summary.queued == 1),
+        )
+        .await
+        .expect("the agent was never queued")
+        .unwrap();
+        // The engine, its journal, event and transcript logs, and the registry's wait.
+        assert!(
+            c.run_tasks_running() >= 5,
+            "{} run tasks",
+            c.run_tasks_running()
+        );
+        assert!(
+            c.shutdown_and_wait(std::time::Duration::from_secs(10))
+                .await,
+            "{} run tasks still running",
+            c.run_tasks_running()
+        );
+        assert_eq!(c.run_tasks_running(), 0);
+        assert!(registry.wait_report(&run_id).await.is_none());
+        assert!(
+            !ended.load(std::sync::atomic::Ordering::SeqCst),
+            "a run its coordinator stopped was announced as ended"
+        );
+        let report = crate::history::load_report(&store, &run_id).await.unwrap();
+        assert_eq!(report.status, RunStatus::Interrupted);
     }
 
     fn launch_with(backend: &str, namespace: &str) -> LaunchRequest {

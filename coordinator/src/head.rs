@@ -51,17 +51,19 @@ pub struct Applied {
 }
 
 /// Starts the keeper of a run whose source is `repo` at `start`. Changes go in on the returned
-/// sender; results come out on `done`; the watch follows the head.
+/// sender; results come out on `done`; the watch follows the head. It runs among `tasks`
+/// until the sender is dropped.
 pub fn spawn(
     store: Store,
     repo: Repo,
     start: String,
     cache: PathBuf,
     done: mpsc::UnboundedSender<Applied>,
+    tasks: &tokio_util::task::TaskTracker,
 ) -> (mpsc::UnboundedSender<Apply>, watch::Receiver<String>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Apply>();
     let (head_tx, head_rx) = watch::channel(start);
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         let keeper = Keeper::new(store, repo, &cache);
         while let Some(a) = rx.recv().await {
             let head = head_tx.borrow().clone();
@@ -647,7 +649,14 @@ mod tests {
             .unwrap();
         let cache = tmp.path().join("cache");
         let (done_tx, mut done) = mpsc::unbounded_channel();
-        let (tx, head) = spawn(store.clone(), repo.clone(), base.clone(), cache, done_tx);
+        let (tx, head) = spawn(
+            store.clone(),
+            repo.clone(),
+            base.clone(),
+            cache,
+            done_tx,
+            &tokio_util::task::TaskTracker::new(),
+        );
         let mut hostile: Vec<(String, Vec<u8>, &str)> = Vec::new();
         for (path, why) in [
             (".git/hooks/pre-commit", "fsck"),

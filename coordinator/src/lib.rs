@@ -40,6 +40,7 @@ pub use flotilla_script as script;
 pub mod source;
 pub mod spec;
 pub mod store;
+pub mod tasks;
 pub mod tokens;
 pub use flotilla_proto::usage;
 pub mod web;

@@ -243,8 +243,12 @@ impl RunRegistry {
         let run_id = handle.run_id.clone();
         self.lock().insert(run_id.clone(), entry);
         let on_end = self.on_end.get().cloned();
-        tokio::spawn(async move {
-            let report = handle.wait().await;
+        let tasks = handle.tasks().clone();
+        tasks.spawn(async move {
+            // A run whose coordinator stopped first did not end: nothing is said of it.
+            let Some(report) = handle.ended().await else {
+                return;
+            };
             let _ = report_tx.send(Some(Arc::new(report)));
             if let Some(f) = on_end {
                 f(run_id);

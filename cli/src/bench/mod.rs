@@ -359,6 +359,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         indexed: None,
         notifier: None,
         quotas: None,
+        tasks: Default::default(),
     };
     let handle = run::start(
         init,

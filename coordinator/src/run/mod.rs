@@ -98,6 +98,8 @@ pub struct RunHandle {
     pub notes: Vec<String>,
     control: mpsc::UnboundedSender<Control>,
     report: oneshot::Receiver<Report>,
+    /// Its owner's run tasks (what waits for its end runs there too).
+    tasks: crate::tasks::Tasks,
 }
 
 impl RunHandle {
@@ -112,14 +114,26 @@ impl RunHandle {
 
     /// Waits for the run to end.
     pub async fn wait(self) -> Report {
-        match self.report.await {
-            Ok(r) => r,
-            Err(_) => Report::rejected(
-                &self.run_id,
+        let run_id = self.run_id.clone();
+        match self.ended().await {
+            Some(r) => r,
+            None => Report::rejected(
+                &run_id,
                 WorkflowInfo::default(),
-                "the run engine ended without a report (a bug)".into(),
+                "the run engine ended without a report: its coordinator was stopped".into(),
             ),
         }
+    }
+
+    /// Waits for the run to end: its report, or `None` when its coordinator stopped first
+    /// (the run is left as a crash would leave it, for a successor to adopt or a resume).
+    pub async fn ended(self) -> Option<Report> {
+        self.report.await.ok()
+    }
+
+    /// The tasks of its owner's runs.
+    pub fn tasks(&self) -> &crate::tasks::Tasks {
+        &self.tasks
     }
 }
 
@@ -153,6 +167,9 @@ pub struct EngineInit {
     pub notifier: Option<Arc<crate::notify::Notifier>>,
     /// The namespaces' policies and daily quotas (`None`: no quotas, weight 1).
     pub quotas: Option<Arc<crate::namespace::Quotas>>,
+    /// The tasks of its owner's runs: the engine and what it starts run there, and are
+    /// stopped with them (`Tasks::default()`: an owner that never stops them).
+    pub tasks: crate::tasks::Tasks,
 }
 
 struct Call {
@@ -276,8 +293,10 @@ pub fn start(
     }));
     let (control_tx, control_rx) = mpsc::unbounded_channel();
     let (report_tx, report_rx) = oneshot::channel();
+    let tasks = init.tasks.clone();
     let engine = RunEngine::new(init, reply, snap_tx);
-    tokio::spawn(async move {
+    // Stopped with its coordinator: dropped where it stands, its report never written.
+    tasks.spawn_until_stopped(async move {
         let report = engine.run(ops, control_rx).await;
         let _ = report_tx.send(report);
     });
@@ -288,13 +307,19 @@ pub fn start(
         notes: Vec::new(),
         control: control_tx,
         report: report_rx,
+        tasks,
     }
 }
 
 impl RunEngine {
     fn new(init: EngineInit, reply: ReplySink, snapshot: watch::Sender<Arc<Snapshot>>) -> Self {
         let run: Arc<str> = Arc::from(init.run_id.as_str());
-        let events = EventLog::spawn(init.store.clone(), init.run_id.clone(), init.generation);
+        let events = EventLog::spawn(
+            init.store.clone(),
+            init.run_id.clone(),
+            init.generation,
+            init.tasks.tracker(),
+        );
         let mut groups: Vec<String> = Vec::new();
         let mut group_index = HashMap::new();
         for p in &init.phases {
@@ -348,6 +373,7 @@ impl RunEngine {
                 init.store.clone(),
                 init.run_id.clone(),
                 init.generation,
+                init.tasks.tracker(),
             ),
             init,
         }
@@ -397,6 +423,7 @@ impl RunEngine {
             self.init.run_id.clone(),
             self.init.generation,
             ack_tx,
+            self.init.tasks.tracker(),
         ));
         let (applied_tx, applied_rx) = mpsc::unbounded_channel();
         // The run's own namespace and repository: its changes are filed there, whatever a
@@ -417,8 +444,14 @@ impl RunEngine {
                 .cache_dir
                 .clone()
                 .unwrap_or_else(|| std::env::temp_dir().join("flotilla-coordinator-cache"));
-            let (tx, watch) =
-                crate::head::spawn(self.init.store.clone(), repo, src.commit, cache, applied_tx);
+            let (tx, watch) = crate::head::spawn(
+                self.init.store.clone(),
+                repo,
+                src.commit,
+                cache,
+                applied_tx,
+                self.init.tasks.tracker(),
+            );
             self.head = Some(tx);
             self.head_watch = Some(watch);
         }

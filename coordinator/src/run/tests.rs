@@ -66,6 +66,7 @@ fn engine(
         indexed: None,
         notifier: None,
         quotas: None,
+        tasks: Default::default(),
     };
     let handle = start(
         init,

@@ -23,6 +23,7 @@
 //! on the result path.
 
 use std::time::Duration;
+use tokio_util::task::TaskTracker;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
@@ -57,15 +58,16 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Starts the writer; acknowledgements arrive on `acks`.
+    /// Starts the writer among `tasks`; acknowledgements arrive on `acks`.
     pub fn spawn(
         store: Store,
         run: String,
         generation: u64,
         acks: mpsc::UnboundedSender<JournalAck>,
+        tasks: &TaskTracker,
     ) -> Journal {
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(journal_loop(store, run, generation, rx, acks));
+        let task = tasks.spawn(journal_loop(store, run, generation, rx, acks));
         Journal {
             tx: Some(tx),
             task: Some(task),
@@ -383,7 +385,7 @@ pub struct BatchWriter<T> {
 }
 
 impl<T: Send + 'static> BatchWriter<T> {
-    fn start<F, Fut>(writer: F) -> Self
+    fn start<F, Fut>(tasks: &TaskTracker, writer: F) -> Self
     where
         F: FnOnce(mpsc::UnboundedReceiver<T>) -> Fut,
         Fut: std::future::Future<Output = ()> + Send + 'static,
@@ -391,7 +393,7 @@ impl<T: Send + 'static> BatchWriter<T> {
         let (tx, rx) = mpsc::unbounded_channel();
         BatchWriter {
             tx: Some(tx),
-            task: Some(tokio::spawn(writer(rx))),
+            task: Some(tasks.spawn(writer(rx))),
         }
     }
 
@@ -414,8 +416,8 @@ impl<T: Send + 'static> BatchWriter<T> {
 pub type EventLog = BatchWriter<EventRecord>;
 
 impl BatchWriter<EventRecord> {
-    pub fn spawn(store: Store, run: String, generation: u64) -> EventLog {
-        BatchWriter::start(move |rx| event_loop(store, run, generation, rx))
+    pub fn spawn(store: Store, run: String, generation: u64, tasks: &TaskTracker) -> EventLog {
+        BatchWriter::start(tasks, move |rx| event_loop(store, run, generation, rx))
     }
 }
 
@@ -510,8 +512,8 @@ pub struct TranscriptLine {
 pub type TranscriptLog = BatchWriter<TranscriptLine>;
 
 impl BatchWriter<TranscriptLine> {
-    pub fn spawn(store: Store, run: String, generation: u64) -> TranscriptLog {
-        BatchWriter::start(move |rx| transcript_loop(store, run, generation, rx))
+    pub fn spawn(store: Store, run: String, generation: u64, tasks: &TaskTracker) -> TranscriptLog {
+        BatchWriter::start(tasks, move |rx| transcript_loop(store, run, generation, rx))
     }
 }
 
