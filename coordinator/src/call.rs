@@ -22,7 +22,6 @@
 use std::time::Duration;
 
 use flotilla_proto::v1;
-use serde::{Deserialize, Serialize};
 
 use crate::reject::RejectCode;
 
@@ -126,29 +125,9 @@ impl Stage {
 /// crosses the wire, so it lives in [`flotilla_proto::wire`]).
 pub use flotilla_proto::wire::CallStatus as Status;
 
-/// What just happened to a call, as its run's event log spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mark {
-    Queued,
-    /// Served from the run it resumes.
-    Cached,
-    Running,
-    Stalled,
-    /// Rate limited: waits for the limit's reset.
-    Waiting,
-    Retrying,
-    Restarted,
-    /// Interrupted by a pause.
-    Interrupted,
-    Completed,
-    Failed,
-    /// Cut short by the run's stop or end (not a failure, W55).
-    Cancelled,
-    /// A mark written by a newer version.
-    #[serde(other)]
-    Other,
-}
+/// What just happened to a call, as its run's event log spells it (a stored shape, so it
+/// lives with the records).
+pub use crate::store::records::Mark;
 
 /// Why a call is being tried again.
 #[derive(Debug, Clone, PartialEq)]

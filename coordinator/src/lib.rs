@@ -4,7 +4,8 @@
 //!   `flotilla-script` crate, below this one, so nothing in it can import the coordinator.
 //! - [`run`]: one engine per run: calls, keys, resume, journal, report.
 //! - [`sched`]: the dispatcher: queues, limits, stagger, stalls, usage-limit waits, fencing.
-//! - [`store`]: object storage layout and the group-committed journal.
+//! - [`store`]: object storage layout and the group-committed journal: the `flotilla-store`
+//!   crate, below this one.
 //! - [`lease`]: the `LeaseStore` seam (memory; etcd with the fleet): the `flotilla-lease`
 //!   crate, below this one.
 //! - [`coordinator`]: launching runs.
@@ -25,6 +26,7 @@ pub mod index;
 pub mod leader;
 pub use flotilla_lease as lease;
 pub use flotilla_local::{bundled, reads, vet, workflows};
+pub use flotilla_store as store;
 pub mod listen;
 pub mod namespace;
 pub mod notify;
@@ -39,7 +41,6 @@ pub use flotilla_proto::settings;
 pub use flotilla_script as script;
 pub mod source;
 pub mod spec;
-pub mod store;
 pub mod tasks;
 pub mod tokens;
 pub use flotilla_proto::usage;

@@ -15,6 +15,7 @@
 
 pub mod clock;
 pub mod frag;
+pub mod histogram;
 pub mod link;
 pub mod names;
 mod problem;

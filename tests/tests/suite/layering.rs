@@ -24,6 +24,7 @@ const CRATE_LAYERS: &[(&str, &str, u32)] = &[
     ("flotilla-script", "coordinator/script", 1),
     ("flotilla-lease", "coordinator/lease", 1),
     ("flotilla-local", "coordinator/local", 2),
+    ("flotilla-store", "coordinator/store", 2),
     ("flotilla-coordinator", "coordinator", 3),
     ("flotilla-worker", "worker", 3),
     ("flotilla", "cli", 4),
@@ -90,6 +91,28 @@ fn layering_every_crate_depends_only_on_lower_layers() {
     let mut local = flotilla_deps(&root().join("coordinator/local/Cargo.toml"));
     local.sort();
     assert_eq!(local, ["flotilla-proto", "flotilla-script"]);
+    // Storage and the journal stand on the wire and the lease store (a leader's fence) only.
+    let mut store = flotilla_deps(&root().join("coordinator/store/Cargo.toml"));
+    store.sort();
+    assert_eq!(store, ["flotilla-lease", "flotilla-proto"]);
+    // The fault-injecting store is only in test builds: behind `cfg(test)` or the `faults`
+    // feature, which no crate turns on outside its dev-dependencies.
+    let lib = std::fs::read_to_string(root().join("coordinator/store/src/lib.rs")).unwrap();
+    assert!(
+        lib.contains("#[cfg(any(test, feature = \"faults\"))]\npub mod faulty;"),
+        "the fault store is reachable outside tests"
+    );
+    for (_, dir, _) in CRATE_LAYERS {
+        let manifest = std::fs::read_to_string(root().join(dir).join("Cargo.toml")).unwrap();
+        let normal = manifest
+            .split("[dev-dependencies]")
+            .next()
+            .unwrap_or_default();
+        assert!(
+            !normal.contains("\"faults\"]"),
+            "{dir} turns the fault store on outside its dev-dependencies"
+        );
+    }
 }
 
 /// A source file's module path: `run/calls.rs` → `run::calls`, `run/mod.rs` → `run`.
@@ -641,6 +664,7 @@ fn workspace_sources() -> Vec<PathBuf> {
         "coordinator/script",
         "coordinator/lease",
         "coordinator/local",
+        "coordinator/store",
         "coordinator",
         "worker",
         "cli",

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::settings::RunSettings;
+use flotilla_proto::settings::RunSettings;
 
 /// `runs/{run}/run.json`: everything needed to reopen or resume a run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -31,7 +31,7 @@ pub struct Manifest {
 
 pub use flotilla_proto::wire::WorkflowInfo;
 
-pub use crate::usage::UsageRecord;
+pub use flotilla_proto::usage::UsageRecord;
 
 /// JSON kept as its text: checked to be JSON when it comes in, parsed only where something
 /// looks into it (schema validation, the script's edge, a page). Results and transcript
@@ -152,7 +152,7 @@ pub enum RunEvent {
         index: u64,
         label: String,
         group: String,
-        state: crate::call::Mark,
+        state: Mark,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         attempt: Option<u32>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -190,4 +190,28 @@ mod raw_tests {
         let back: RawJson = serde_json::from_str(&line).unwrap();
         assert_eq!(back, RawJson::of(&serde_json::json!({"x": 1})));
     }
+}
+
+/// What just happened to a call, as its run's event log spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mark {
+    Queued,
+    /// Served from the run it resumes.
+    Cached,
+    Running,
+    Stalled,
+    /// Rate limited: waits for the limit's reset.
+    Waiting,
+    Retrying,
+    Restarted,
+    /// Interrupted by a pause.
+    Interrupted,
+    Completed,
+    Failed,
+    /// Cut short by the run's stop or end (not a failure, W55).
+    Cancelled,
+    /// A mark written by a newer version.
+    #[serde(other)]
+    Other,
 }

@@ -5,13 +5,21 @@
 use std::fmt;
 use std::sync::Arc;
 
+use std::sync::atomic::AtomicU64;
+
 use async_trait::async_trait;
+use flotilla_proto::histogram::{Histogram, LATENCY_SECONDS};
 use futures::stream::BoxStream;
 use object_store::path::Path;
 use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
     PutMultipartOptions, PutOptions, PutPayload, PutResult, Result,
 };
+
+/// One object-store write, retries included (`/metrics`: the storage write latency).
+pub static WRITE_LATENCY: Histogram = Histogram::new(LATENCY_SECONDS);
+/// Failed object-store writes that were retried ([`super::retry::Retrying`] counts them).
+pub static WRITE_RETRIES: AtomicU64 = AtomicU64::new(0);
 
 /// Wraps a store; see the module doc.
 pub struct Metered {
@@ -46,7 +54,7 @@ impl ObjectStore for Metered {
     ) -> Result<PutResult> {
         let started = std::time::Instant::now();
         let out = self.inner.put_opts(location, payload, opts).await;
-        crate::counters::STORAGE_WRITE_LATENCY.observe(started.elapsed());
+        WRITE_LATENCY.observe(started.elapsed());
         out
     }
 
@@ -93,13 +101,12 @@ impl ObjectStore for Metered {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::counters::STORAGE_WRITE_LATENCY;
     use object_store::ObjectStoreExt;
 
     #[tokio::test]
     async fn every_write_is_observed_once_and_reads_are_not() {
-        let store = crate::store::open("memory://").unwrap();
-        let before = STORAGE_WRITE_LATENCY.count();
+        let store = crate::open("memory://").unwrap();
+        let before = WRITE_LATENCY.count();
         let key = Path::from("runs/r/a");
         store
             .put_create(&key, bytes::Bytes::from_static(b"x"))
@@ -112,12 +119,12 @@ mod tests {
         store.inner.get(&key).await.unwrap();
         store.list_objects(&Path::from("runs/r")).await.unwrap();
         // Other tests of this process may write too: at least ours, counted once each.
-        let after = STORAGE_WRITE_LATENCY.count();
+        let after = WRITE_LATENCY.count();
         assert!(after >= before + 2, "{before} -> {after}");
         let raw = Metered::new(Arc::new(object_store::memory::InMemory::new()));
-        let before = STORAGE_WRITE_LATENCY.count();
+        let before = WRITE_LATENCY.count();
         raw.get(&key).await.unwrap_err();
         raw.list_with_delimiter(None).await.unwrap();
-        assert_eq!(STORAGE_WRITE_LATENCY.count(), before);
+        assert_eq!(WRITE_LATENCY.count(), before);
     }
 }

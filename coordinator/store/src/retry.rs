@@ -277,7 +277,8 @@ impl Retrying {
                         return Err(e);
                     }
                     if patience == Patience::Durable {
-                        crate::counters::inc(&crate::counters::STORAGE_WRITE_RETRIES);
+                        crate::metered::WRITE_RETRIES
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         self.health.failed(&self.url, key, &e);
                     }
                     backoff(attempt).await;

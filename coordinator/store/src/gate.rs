@@ -21,7 +21,7 @@ use object_store::{
     PutMultipartOptions, PutOptions, PutPayload, PutResult, Result,
 };
 
-use crate::lease::Tenure;
+use flotilla_lease::Tenure;
 
 /// Why a write was refused: this coordinator's tenure is over.
 #[derive(Debug, thiserror::Error)]
@@ -182,16 +182,14 @@ mod tests {
     #[tokio::test]
     async fn a_deposed_coordinator_writes_nothing_and_still_reads() {
         let tenure = Arc::new(Tenure::open());
-        let store = crate::store::open("memory://")
-            .unwrap()
-            .gated(tenure.clone());
-        let key = crate::store::keys::calls_segment("wf_gate-001", 1, 0);
+        let store = crate::open("memory://").unwrap().gated(tenure.clone());
+        let key = crate::keys::calls_segment("wf_gate-001", 1, 0);
         store
             .put_create(&key, Bytes::from_static(b"{}\n"))
             .await
             .unwrap();
         tenure.renewed(Instant::now(), Duration::from_secs(10));
-        let other = crate::store::keys::calls_segment("wf_gate-001", 1, 1);
+        let other = crate::keys::calls_segment("wf_gate-001", 1, 1);
         store
             .put_create(&other, Bytes::from_static(b"{}\n"))
             .await
@@ -202,9 +200,7 @@ mod tests {
             Instant::now() - Duration::from_secs(9),
             Duration::from_secs(10),
         );
-        let waiting = crate::store::open("memory://")
-            .unwrap()
-            .gated(suspended.clone());
+        let waiting = crate::open("memory://").unwrap().gated(suspended.clone());
         let write = {
             let waiting = waiting.clone();
             let key = key.clone();
@@ -232,7 +228,7 @@ mod tests {
             Some(Bytes::from_static(b"late"))
         );
         tenure.end();
-        let late = crate::store::keys::calls_segment("wf_gate-001", 1, 2);
+        let late = crate::keys::calls_segment("wf_gate-001", 1, 2);
         let e = store
             .put_create(&late, Bytes::from_static(b"{}\n"))
             .await
@@ -242,7 +238,7 @@ mod tests {
                 .contains("another coordinator may own its runs"),
             "{e}"
         );
-        assert!(matches!(e, crate::store::Error::Refused { .. }), "{e:?}");
+        assert!(matches!(e, crate::Error::Refused { .. }), "{e:?}");
         assert!(store.put_overwrite(&key, Bytes::new()).await.is_err());
         assert_eq!(
             store.get(&key).await.unwrap(),

@@ -14,7 +14,7 @@
 //! there counts as done (a retried write is idempotent).
 
 pub mod explain;
-#[cfg(test)]
+#[cfg(any(test, feature = "faults"))]
 pub mod faulty;
 pub mod gate;
 pub mod journal;
@@ -292,7 +292,7 @@ impl Store {
 
     /// This store with a [`gate::Gate`] under its retries: once `tenure` is over, no write
     /// goes through, not even one that was being retried (each try asks the gate).
-    pub fn gated(&self, tenure: Arc<crate::lease::Tenure>) -> Store {
+    pub fn gated(&self, tenure: Arc<flotilla_lease::Tenure>) -> Store {
         let gate = Arc::new(gate::Gate::new(self.raw.clone(), tenure));
         let mut store = Store::layered(
             &self.url,

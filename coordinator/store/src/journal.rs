@@ -611,7 +611,7 @@ mod tests {
     /// seals.
     #[tokio::test]
     async fn late_segments_of_sealed_generations_are_not_read() {
-        let store = crate::store::open("memory://").unwrap();
+        let store = crate::open("memory://").unwrap();
         let run = "wf_seal-001";
         let put = |g: u64, seq: u64, idx: &'static [u64]| {
             let store = store.clone();
@@ -644,7 +644,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_seal_that_does_not_parse_is_an_error_naming_it() {
-        let store = crate::store::open("memory://").unwrap();
+        let store = crate::open("memory://").unwrap();
         let run = "wf_seal-002";
         store
             .put_create(&keys::calls_segment(run, 1, 0), segment(&[0]))
@@ -685,7 +685,7 @@ mod fuzz {
         #[test]
         fn any_bytes_in_a_segment_are_read_without_a_panic(segments in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..600), 1..4)) {
             let rt = runtime();
-            let store = crate::store::open("memory://").expect("store");
+            let store = crate::open("memory://").expect("store");
             rt.block_on(async {
                 for (seq, bytes) in segments.into_iter().enumerate() {
                     store
@@ -707,7 +707,7 @@ mod fuzz {
             ], 0..40),
         ) {
             let rt = runtime();
-            let store = crate::store::open("memory://").expect("store");
+            let store = crate::open("memory://").expect("store");
             let mut text = Vec::new();
             let mut valid = std::collections::BTreeSet::new();
             let mut garbage = 0usize;
