@@ -100,8 +100,8 @@ pub struct Coordinator {
     dispatch: DispatchHandle,
     leases: Arc<dyn LeaseStore>,
     cancel: CancellationToken,
-    /// Its runs' tasks: stopped and waited for on shutdown.
-    runs: crate::tasks::Tasks,
+    /// Its runs' tasks and its quotas': stopped and waited for on shutdown.
+    tasks: crate::tasks::Tasks,
     generation: u64,
     /// With coordinators sharing etcd: every run is recorded and owned before it starts.
     leadership: Option<Arc<dyn crate::group::RunClaims>>,
@@ -140,14 +140,15 @@ impl Coordinator {
             Some(store.clone()),
             cancel.child_token(),
         );
+        let tasks = crate::tasks::Tasks::new(cancel.child_token());
         let quotas = opts
             .namespaces
-            .map(|n| crate::namespace::Quotas::new(n, Some(store.clone())));
+            .map(|n| crate::namespace::Quotas::new(n, Some(store.clone()), tasks.clone()));
         Coordinator {
             store,
             dispatch,
             leases,
-            runs: crate::tasks::Tasks::new(cancel.child_token()),
+            tasks,
             cancel,
             generation: 1,
             leadership: opts.claims,
@@ -355,7 +356,7 @@ impl Coordinator {
             None => false,
         };
         if let Some(parent) = parent.filter(|_| stored) {
-            match crate::owner::take(&self.store, parent, run).await {
+            match crate::owner::take(&self.store, parent, run, &self.tasks).await {
                 Ok(h) => held.push(h),
                 Err(crate::owner::TakeError::Held(m)) => {
                     return Err(refused(m, ErrorKind::Conflict));
@@ -363,7 +364,7 @@ impl Coordinator {
                 Err(e) => return Err(refused(e.to_string(), ErrorKind::Unavailable)),
             }
         }
-        match crate::owner::take(&self.store, run, run).await {
+        match crate::owner::take(&self.store, run, run, &self.tasks).await {
             Ok(h) => held.push(h),
             Err(e) => {
                 for h in held {
@@ -387,13 +388,14 @@ impl Coordinator {
     pub async fn shutdown_and_wait(&self, within: std::time::Duration) -> bool {
         self.shutdown();
         let (dispatched, ran) =
-            tokio::join!(self.dispatch.stopped(within), self.runs.stopped(within));
+            tokio::join!(self.dispatch.stopped(within), self.tasks.stopped(within));
         dispatched && ran
     }
 
-    /// How many tasks of its runs are running (engines, journals, logs, head keepers).
+    /// How many tasks of its runs (engines, journals, logs, head keepers) and its quotas are
+    /// running.
     pub fn run_tasks_running(&self) -> usize {
-        self.runs.running()
+        self.tasks.running()
     }
 
     /// Checks and starts a run.
@@ -867,7 +869,7 @@ impl Coordinator {
             indexed: Some(s.indexed),
             notifier: self.notifier.as_ref().cloned(),
             quotas: self.quotas.clone(),
-            tasks: self.runs.clone(),
+            tasks: self.tasks.clone(),
         };
         Ok(run::start(
             init,

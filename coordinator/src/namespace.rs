@@ -341,6 +341,8 @@ pub struct Quotas {
     epoch: std::sync::atomic::AtomicU64,
     /// Refusals since start, by namespace and quota (a counter for `/metrics`).
     refusals: Mutex<BTreeMap<(String, &'static str), u64>>,
+    /// Where its writer and its readers run.
+    tasks: crate::tasks::Tasks,
 }
 
 impl std::fmt::Debug for Quotas {
@@ -361,18 +363,24 @@ fn today() -> (String, Duration) {
 }
 
 impl Quotas {
-    /// Policies `namespaces`; daily use kept in `store` (none: in memory only).
-    pub fn new(namespaces: Namespaces, store: Option<Store>) -> Arc<Quotas> {
+    /// Policies `namespaces`; daily use kept in `store` (none: in memory only), written and
+    /// read back by tasks among `tasks` (stopped with them).
+    pub fn new(
+        namespaces: Namespaces,
+        store: Option<Store>,
+        tasks: crate::tasks::Tasks,
+    ) -> Arc<Quotas> {
         let q = Arc::new(Quotas {
             policies: std::sync::RwLock::new(namespaces),
             store,
             counts: Mutex::new(HashMap::new()),
             epoch: std::sync::atomic::AtomicU64::new(0),
             refusals: Mutex::new(BTreeMap::new()),
+            tasks,
         });
         if q.store.is_some() {
             let weak = Arc::downgrade(&q);
-            tokio::spawn(async move {
+            q.tasks.spawn_until_stopped(async move {
                 loop {
                     tokio::time::sleep(FLUSH).await;
                     let Some(q) = weak.upgrade() else { return };
@@ -424,7 +432,8 @@ impl Quotas {
                     c.loading = true;
                     let (me, store, ns, day) =
                         (self.clone(), store.clone(), ns.to_owned(), day.clone());
-                    tokio::spawn(async move { me.load(store, ns, day, epoch).await });
+                    self.tasks
+                        .spawn_until_stopped(async move { me.load(store, ns, day, epoch).await });
                 }
             }
         }
@@ -781,7 +790,7 @@ mod tests {
             )
             .await
             .unwrap();
-        let q = Quotas::new(Namespaces::default(), Some(store));
+        let q = Quotas::new(Namespaces::default(), Some(store), Default::default());
         q.take_agent("team-r").unwrap(); // starts a read of the stored count
         q.reset();
         q.ready("team-r").await;
@@ -810,6 +819,7 @@ mod tests {
         let q = Quotas::new(
             Namespaces::new(tables.clone()).unwrap(),
             Some(store.clone()),
+            Default::default(),
         );
         q.take_agent("team-a").unwrap();
         q.add(
@@ -853,7 +863,11 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "never stored");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let next = Quotas::new(Namespaces::new(tables).unwrap(), Some(store));
+        let next = Quotas::new(
+            Namespaces::new(tables).unwrap(),
+            Some(store),
+            Default::default(),
+        );
         let e = next.check("team-a").await.unwrap_err();
         assert_eq!(
             e.quota, "tokens per day",

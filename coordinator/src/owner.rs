@@ -214,7 +214,12 @@ pub struct Held {
 }
 
 /// Takes `run` for `holder` (the run itself, or a run resuming it).
-pub async fn take(store: &Store, run: &str, holder: &str) -> Result<Held, TakeError> {
+pub async fn take(
+    store: &Store,
+    run: &str,
+    holder: &str,
+    tasks: &crate::tasks::Tasks,
+) -> Result<Held, TakeError> {
     let store_err = |e: Error| TakeError::Store(e.to_string());
     let seq = match current(store, run).await.map_err(store_err)? {
         None => 1,
@@ -241,7 +246,8 @@ pub async fn take(store: &Store, run: &str, holder: &str) -> Result<Held, TakeEr
     }
     held_here().insert((run.to_owned(), seq));
     let beat = CancellationToken::new();
-    tokio::spawn(heartbeat(store.clone(), run.to_owned(), seq, beat.clone()));
+    // Ends when the hold does (released or dropped), or with its owner's tasks.
+    tasks.spawn_until_stopped(heartbeat(store.clone(), run.to_owned(), seq, beat.clone()));
     Ok(Held {
         store: store.clone(),
         run: run.to_owned(),
@@ -314,7 +320,9 @@ mod tests {
     #[tokio::test]
     async fn a_hold_dropped_without_letting_go_frees_the_run_in_a_process_that_lives_on() {
         let store = crate::store::open("memory://").unwrap();
-        let held = take(&store, "wf_dropped", "wf_dropped").await.unwrap();
+        let held = take(&store, "wf_dropped", "wf_dropped", &Default::default())
+            .await
+            .unwrap();
         assert_eq!(
             current(&store, "wf_dropped").await.unwrap().unwrap().2,
             Liveness::Live
@@ -325,16 +333,22 @@ mod tests {
             Liveness::Gone,
             "interrupted, though this process is alive"
         );
-        let again = take(&store, "wf_dropped", "wf_resume").await.unwrap();
+        let again = take(&store, "wf_dropped", "wf_resume", &Default::default())
+            .await
+            .unwrap();
         again.release().await;
     }
 
     #[tokio::test]
     async fn one_process_holds_a_run_until_it_lets_go() {
         let store = crate::store::open("memory://").unwrap();
-        let held = take(&store, "wf_a", "wf_a").await.unwrap();
+        let held = take(&store, "wf_a", "wf_a", &Default::default())
+            .await
+            .unwrap();
         // This process is alive, so its record holds: a resume is refused, with who holds it.
-        let e = take(&store, "wf_a", "wf_b").await.unwrap_err();
+        let e = take(&store, "wf_a", "wf_b", &Default::default())
+            .await
+            .unwrap_err();
         assert!(e.to_string().contains("still running"), "{e}");
         let (_, r, live) = current(&store, "wf_a").await.unwrap().unwrap();
         assert_eq!((r.holder.as_str(), live), ("wf_a", Liveness::Live));
@@ -344,8 +358,12 @@ mod tests {
             Liveness::Released
         );
         // Now a resume takes it, and a second resume at the same time is refused.
-        let resume = take(&store, "wf_a", "wf_b").await.unwrap();
-        let e = take(&store, "wf_a", "wf_c").await.unwrap_err();
+        let resume = take(&store, "wf_a", "wf_b", &Default::default())
+            .await
+            .unwrap();
+        let e = take(&store, "wf_a", "wf_c", &Default::default())
+            .await
+            .unwrap_err();
         assert!(
             e.to_string().contains("being resumed already, by run wf_b"),
             "{e}"
@@ -384,7 +402,9 @@ mod tests {
             current(&store, "wf_e").await.unwrap().unwrap().2,
             Liveness::Gone
         );
-        let held = take(&store, "wf_d", "wf_f").await.unwrap();
+        let held = take(&store, "wf_d", "wf_f", &Default::default())
+            .await
+            .unwrap();
         assert_eq!(held.seq, 2);
         held.release().await;
     }

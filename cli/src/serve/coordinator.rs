@@ -1,6 +1,6 @@
 //! `flotilla coordinator`: the gRPC face, the session pages, the store and the leases.
 
-use super::*;
+use super::shutdown_signal;
 use flotilla_proto::Problem;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -427,13 +427,29 @@ fn serve_group(
     registry: &Arc<RunRegistry>,
     ttl: std::time::Duration,
     lost: CancellationToken,
+    process: &Process,
 ) {
     let releaser = l.clone();
+    let releases = process.tasks.clone();
     registry.on_end(Arc::new(move |run: String| {
         let l = releaser.clone();
-        tokio::spawn(async move { l.release(&run).await });
+        releases.spawn(async move { l.release(&run).await });
     }));
-    l.serve(coordinator.clone(), registry.clone(), ttl, lost);
+    l.serve(
+        coordinator.clone(),
+        registry.clone(),
+        ttl,
+        lost,
+        &process.tasks,
+        &process.cancel,
+    );
+}
+
+/// The serving process's own tasks, waited for (a bounded while) before it exits, and the
+/// token that tells them to stop.
+struct Process {
+    tasks: tokio_util::task::TaskTracker,
+    cancel: CancellationToken,
 }
 
 /// Who may push, and whether launches are allowed: the disable switch is read again on every
@@ -528,8 +544,19 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     ));
     let registry = Arc::new(RunRegistry::default());
     let lost = CancellationToken::new();
+    let process = Process {
+        tasks: tokio_util::task::TaskTracker::new(),
+        cancel: CancellationToken::new(),
+    };
     if let Some(l) = &group {
-        serve_group(l, &coordinator, &registry, s.worker_ttl, lost.clone());
+        serve_group(
+            l,
+            &coordinator,
+            &registry,
+            s.worker_ttl,
+            lost.clone(),
+            &process,
+        );
     }
     let opts = ServerOptions {
         listen: s.listen,
@@ -542,7 +569,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         peer_name: s.peer_name.clone(),
     };
     announce(&s, &opts);
-    serve_until_stopped(coordinator, registry, &s, opts, lost).await
+    serve_until_stopped(coordinator, registry, &s, opts, lost, process).await
 }
 
 fn announce(s: &Settings, opts: &ServerOptions) {
@@ -579,10 +606,9 @@ async fn serve_until_stopped(
     s: &Settings,
     opts: ServerOptions,
     lost: CancellationToken,
+    process: Process,
 ) -> i32 {
-    let cancel = CancellationToken::new();
-    // Every task of the process's own, waited for (a bounded while) before it exits.
-    let tasks = tokio_util::task::TaskTracker::new();
+    let Process { tasks, cancel } = process;
     let pages = tasks.spawn(flotilla_coordinator::web::serve(
         coordinator.clone(),
         registry.clone(),

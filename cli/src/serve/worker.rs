@@ -1,6 +1,6 @@
 //! `flotilla worker`: attach to a coordinator and run its assignments.
 
-use super::*;
+use super::{hostname, shutdown_signal};
 use flotilla_proto::Problem;
 use std::path::PathBuf;
 use std::sync::Arc;

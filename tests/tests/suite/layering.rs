@@ -1048,3 +1048,137 @@ fn layering_client_commands_depend_only_on_the_wire_contract() {
         report.join("\n")
     );
 }
+
+/// The files that are compiled only for tests: declared `#[cfg(test)] mod name;` by their
+/// parent, or inside a directory so declared.
+fn test_only_files(sources: &[PathBuf]) -> BTreeSet<PathBuf> {
+    let mut dirs = Vec::new();
+    let mut files = BTreeSet::new();
+    for f in sources {
+        let text = std::fs::read_to_string(f).unwrap();
+        let here = match f.file_name().and_then(|n| n.to_str()) {
+            Some("mod.rs" | "lib.rs" | "main.rs") => f.parent().unwrap().to_path_buf(),
+            _ => f.with_extension(""),
+        };
+        let mut lines = text.lines().map(str::trim).peekable();
+        while let Some(line) = lines.next() {
+            if line != "#[cfg(test)]" {
+                continue;
+            }
+            let Some(name) = lines
+                .peek()
+                .and_then(|n| {
+                    n.strip_prefix("mod ")
+                        .or_else(|| n.strip_prefix("pub mod "))
+                })
+                .and_then(|n| n.strip_suffix(';'))
+            else {
+                continue;
+            };
+            files.insert(here.join(format!("{name}.rs")));
+            dirs.push(here.join(name));
+        }
+    }
+    for f in sources {
+        // A `tests/` directory under a source tree holds test modules only.
+        let in_tests = f
+            .strip_prefix(root())
+            .is_ok_and(|rel| rel.components().skip(1).any(|c| c.as_os_str() == "tests"));
+        if in_tests || dirs.iter().any(|d| f.starts_with(d)) {
+            files.insert(f.clone());
+        }
+    }
+    files
+}
+
+/// Spawned tasks are tracked (issue 30, 4): a task is started by an owner that keeps it —
+/// through a `TaskTracker` (the dispatcher's, the coordinator's runs and quotas in
+/// `coordinator/src/tasks.rs`, a serving process's) or through its `JoinHandle` — so shutdown
+/// waits for it. A bare `tokio::spawn` whose handle is dropped is allowed only in these files,
+/// each for tasks that end with the connection or stream they serve; the list only shrinks.
+#[test]
+fn layering_spawned_tasks_have_an_owner_that_waits_for_them() {
+    const DETACHED: &[&str] = &[
+        "coordinator/src/api/client.rs",
+        "coordinator/src/api/worker_bridge.rs",
+        "coordinator/src/listen.rs",
+        "coordinator/lease/src/etcd.rs",
+        "coordinator/lease/src/memory.rs",
+        "worker/src/gateway.rs",
+        "worker/src/backend/exec.rs",
+        "cli/src/embedded.rs",
+        "cli/src/mcp/lines.rs",
+        "cli/src/bench/affinity.rs",
+    ];
+    let mut report = Vec::new();
+    let mut kept = 0;
+    let sources = workspace_sources();
+    let tests_only = test_only_files(&sources);
+    for f in sources.iter().filter(|f| !tests_only.contains(*f)) {
+        let rel = f.strip_prefix(root()).unwrap().display().to_string();
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        for (i, line) in code.lines().enumerate() {
+            if !line.contains("tokio::spawn(") && !line.contains("tokio::task::spawn(") {
+                continue;
+            }
+            let handled = [
+                "= tokio::spawn(",
+                "push(tokio::spawn(",
+                "Some(tokio::spawn(",
+                "Ok(tokio::spawn(",
+            ]
+            .iter()
+            .any(|h| line.contains(h));
+            if handled {
+                kept += 1;
+            } else if !DETACHED.contains(&rel.as_str()) {
+                report.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        kept > 3,
+        "the reader found the spawns that keep their handle ({kept})"
+    );
+    assert!(
+        report.is_empty(),
+        "a task nobody waits for (spawn it on its owner's TaskTracker or keep its JoinHandle):\n{}",
+        report.join("\n")
+    );
+}
+
+/// A file imports its parent's `*` only where one type's `impl` is still split over files
+/// (issue 30, 2: `RunEngine`'s and `Dispatcher`'s): the list only shrinks, and test modules
+/// are not counted.
+#[test]
+fn layering_only_the_split_impls_import_their_parent_s_star() {
+    const SPLIT_IMPLS: &[&str] = &[
+        "coordinator/src/run/calls.rs",
+        "coordinator/src/run/control.rs",
+        "coordinator/src/run/finish.rs",
+        "coordinator/src/run/view.rs",
+        "coordinator/src/sched/outcomes.rs",
+        "coordinator/src/sched/place.rs",
+    ];
+    let sources = workspace_sources();
+    let tests_only = test_only_files(&sources);
+    let mut found = Vec::new();
+    for f in sources.iter().filter(|f| !tests_only.contains(*f)) {
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        if code.lines().any(|l| l.trim() == "use super::*;") {
+            found.push(f.strip_prefix(root()).unwrap().display().to_string());
+        }
+    }
+    let stray: Vec<&String> = found
+        .iter()
+        .filter(|f| !SPLIT_IMPLS.contains(&f.as_str()))
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "these import their parent's `*` (name what they use, or make the part a type of its own): {stray:?}"
+    );
+    assert!(
+        !found.is_empty(),
+        "no split impl is left: empty SPLIT_IMPLS and say so in ARCHITECTURE.md"
+    );
+}
