@@ -36,8 +36,10 @@
 //! returned when its worker reports the outcome (or the worker goes away).
 //!
 //! Where each part lives: the face runs and the server use (`handle.rs`); placement
-//! (`place.rs`) with its policies — fair share (`fair.rs`), usage-limit gates (`gates.rs`),
-//! prefix stagger (`stagger.rs`), prefix affinity (`affinity.rs`); the source server
+//! (`place.rs`: which call, which worker) with its policies — fair share (`fair.rs`), usage-limit gates (`gates.rs`),
+//! prefix stagger (`stagger.rs`), prefix affinity (`affinity.rs`); the assignment path, from a
+//! slot taken to the attempt key written and the assignment sent with its fence (`assign.rs`);
+//! the source server
 //! (`transfers.rs`), which answers workers' source requests; what outcomes do (`outcomes.rs`) with the retry verdicts
 //! (`retry.rs`), what unfinished attempts left (`leftovers.rs`) and the ceilings of a worker's
 //! usage reports (`usage.rs`); the fleet (`fleet.rs`),
@@ -48,10 +50,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_proto::v1::{
-    self, CoordinatorMessage, FailureKind, ProgressKind, WorkerMessage, coordinator_message,
-    outcome, worker_message,
-};
+use flotilla_proto::v1::{self, FailureKind, ProgressKind, WorkerMessage, outcome, worker_message};
 use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -65,6 +64,7 @@ use crate::lease::{self, LeaseStore, Revision};
 
 mod accounts;
 mod affinity;
+mod assign;
 mod fair;
 mod fleet;
 mod gates;

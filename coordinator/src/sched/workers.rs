@@ -1,7 +1,7 @@
 //! What happens to calls when workers come and go. The workers themselves — their links,
 //! slots, leases and names — are the [`Fleet`](super::fleet::Fleet)'s; this file moves the
-//! calls those events touch (takeovers, lapses, orphaned attempts, attempt keys written or
-//! refused).
+//! calls those events touch (takeovers, lapses, orphaned attempts). Attempt keys written or
+//! refused are the assignment path's (`assign.rs`).
 //!
 //! - A link attaches and says `Hello`. The worker is known by its name (a remote worker's
 //!   certificate CN). A name seen before, whose lease has not lapsed, is the same worker coming
@@ -27,27 +27,11 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::handle::{PendingPut, Refusal};
 use super::lease_writes::{KeyOp, LeaseCtl, worker_lease};
-use super::{CallEvent, CallFailure, CallId, Dispatcher, Retry, State, Timer};
+use super::{CallEvent, CallId, Dispatcher, Retry, State, Timer};
 use crate::lease::{self, LeaseId, Revision, WatchEvent};
 
 impl Dispatcher {
-    /// Writes an attempt key: at once when the store can (in memory), else through the key
-    /// writer. A put's assignment goes out once its key is written.
-    pub(super) fn write_key(&mut self, op: KeyOp) {
-        let Some(res) = self.leases.write_batch_now(&[op.batch_op()]) else {
-            self.fleet.queue_key(op);
-            return;
-        };
-        let Some(put) = op.into_put() else { return };
-        match res {
-            Ok(revision) => self.written(vec![put], revision),
-            Err(lease::Error::Refused(e)) => self.refused(vec![put], Refusal::Refused(e)),
-            Err(_) => self.refused(vec![put], Refusal::LeaseGone),
-        }
-    }
-
     pub(super) fn attach(
         &mut self,
         end: CoordinatorEnd,
@@ -434,71 +418,6 @@ impl Dispatcher {
         if current {
             self.leave_running(id);
             self.retry_or_fail(id, Retry::Transient { message });
-        }
-    }
-
-    pub(super) fn written(&mut self, puts: Vec<PendingPut>, revision: Revision) {
-        for p in puts {
-            let id: CallId = (p.run.clone(), p.call);
-            let state = self
-                .calls
-                .get(&id)
-                .map(|c| (c.state, c.attempt, c.worker, c.fence));
-            match state {
-                Some((State::Running, attempt, Some(w), None))
-                    if attempt == p.attempt && w == p.worker =>
-                {
-                    self.send_assignment(&id, revision);
-                }
-                other => {
-                    // Cancelled or lost before it was sent: give the slot back, and take the
-                    // key away unless a newer attempt's key (written after it) replaces it.
-                    self.fleet.free_slot(p.worker, &p.run, p.call, p.attempt);
-                    if !matches!(other, Some((State::Running, ..))) {
-                        self.write_key(KeyOp::Delete {
-                            key: lease::keys::attempt(&p.run, p.call),
-                        });
-                    }
-                }
-            }
-        }
-    }
-
-    /// Attempt keys the store would not write. Because the worker's lease is gone: the calls
-    /// go back to the front of their queues (not counted as attempts; nothing ran). Refused
-    /// by the store itself: the calls fail with its reason (it would refuse them again).
-    pub(super) fn refused(&mut self, puts: Vec<PendingPut>, why: Refusal) {
-        for p in puts {
-            let id: CallId = (p.run.clone(), p.call);
-            self.fleet.free_slot(p.worker, &p.run, p.call, p.attempt);
-            if why == Refusal::LeaseGone
-                && let Some(w) = self.fleet.worker_mut(p.worker)
-                && w.lease == Some(p.lease)
-            {
-                w.lease = None;
-            }
-            let current = self.calls.get(&id).is_some_and(|c| {
-                c.state == State::Running
-                    && c.attempt == p.attempt
-                    && c.worker == Some(p.worker)
-                    && c.fence.is_none()
-            });
-            if !current {
-                continue;
-            }
-            self.leave_running(&id);
-            match &why {
-                Refusal::LeaseGone => {
-                    if let Some(r) = self.runs.get_mut(&id.0) {
-                        r.queue.push_front(id.1);
-                    }
-                }
-                Refusal::Refused(e) => self.fail(
-                    &id,
-                    CallFailure::Terminal,
-                    format!("the lease store refused this agent's attempt key ({e}); the call cannot be tracked, so it was not started"),
-                ),
-            }
         }
     }
 }
