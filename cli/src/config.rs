@@ -113,10 +113,10 @@ pub struct SettingFlags {
 
 /// The webhook signer of `FLOTILLA_NOTIFY_SECRET`, if it is set.
 pub fn notifier_from_env()
--> anyhow::Result<Option<std::sync::Arc<flotilla_coordinator::notify::Notifier>>> {
+-> anyhow::Result<Option<std::sync::Arc<flotilla_coordinator::host::Notifier>>> {
     match std::env::var("FLOTILLA_NOTIFY_SECRET") {
         Ok(secret) if !secret.is_empty() => {
-            let n = flotilla_coordinator::notify::Notifier::new(secret.as_bytes())
+            let n = flotilla_coordinator::host::Notifier::new(secret.as_bytes())
                 .map_err(|e| anyhow::anyhow!("FLOTILLA_NOTIFY_SECRET: {e}"))?;
             Ok(Some(std::sync::Arc::new(n)))
         }
@@ -321,13 +321,13 @@ pub struct ConfigFile {
     /// Coordinator: each namespace's weight, quotas and model policy (`[namespaces.NAME]`;
     /// `[namespaces."*"]` for the ones not named).
     #[serde(default)]
-    pub namespaces: std::collections::BTreeMap<String, flotilla_coordinator::namespace::Policy>,
+    pub namespaces: std::collections::BTreeMap<String, flotilla_coordinator::host::NamespacePolicy>,
     /// Coordinator: what one attempt can use (`[attempt_usage]`: the largest context window,
     /// output per request, requests at once and per second, the dearest prices, disk). A
     /// worker's usage report above it is clipped (and logged), and only the clipped figures
     /// count against runs' budgets and namespaces' quotas.
     #[serde(default)]
-    pub attempt_usage: flotilla_coordinator::sched::UsageBounds,
+    pub attempt_usage: flotilla_coordinator::host::UsageBounds,
 }
 
 /// Reads a config file (`--config`), or an empty one.
@@ -538,7 +538,7 @@ pub fn settings_from(
     }
     s.notify = pick_s(&flags.notify, &file.notify);
     if let Some(url) = &s.notify {
-        flotilla_coordinator::notify::check_url(url)?;
+        flotilla_proto::names::check_notify_url(url)?;
     }
     if let Some(v) = pick_s(&flags.stall_timeout, &file.stall_timeout) {
         s.stall_timeout_ms = parse_duration("--stall-timeout", &v)?.as_millis() as u64;

@@ -5,10 +5,11 @@
 
 use std::sync::Arc;
 
-use flotilla_coordinator::lease::memory::MemoryLeaseStore;
-use flotilla_coordinator::store;
-use flotilla_coordinator::{Coordinator, LaunchRequest, Report};
+use flotilla_coordinator::host;
+use flotilla_coordinator::host::MemoryLeaseStore;
+use flotilla_coordinator::host::{Coordinator, LaunchRequest};
 use flotilla_local::workflows::DirResolver;
+use flotilla_proto::wire::Report;
 use flotilla_worker::{AgentBackend, Worker, WorkerOptions, link_pair};
 use tokio_util::sync::CancellationToken;
 
@@ -86,12 +87,12 @@ impl Embedded {
         admission: bool,
         shape: impl FnOnce(&mut WorkerOptions),
     ) -> anyhow::Result<Embedded> {
-        let store = store::open(store_url)?;
+        let store = host::open_store(store_url)?;
         let coordinator = Arc::new(Coordinator::build(
             store,
             MemoryLeaseStore::new(),
-            flotilla_coordinator::CoordinatorOptions {
-                dispatch: flotilla_coordinator::sched::DispatchOptions {
+            flotilla_coordinator::host::CoordinatorOptions {
+                dispatch: flotilla_coordinator::host::DispatchOptions {
                     fixed_fleet: true,
                     admission,
                     ..Default::default()
@@ -187,7 +188,7 @@ pub async fn run(
     let run_id = handle.run_id.clone();
     let run_for_signal = run_id.clone();
     // With --serve, the session page of this run on loopback (no sign-in: local only).
-    let registry = Arc::new(flotilla_coordinator::api::RunRegistry::default());
+    let registry = Arc::new(flotilla_coordinator::host::RunRegistry::default());
     let pages = CancellationToken::new();
     let mut served = None;
     let mut handle = Some(handle);
@@ -224,7 +225,7 @@ pub async fn run(
         // The webhook goes out before this process ends (its retries included).
         n.drain(std::time::Duration::from_secs(120)).await;
         report.notify =
-            flotilla_coordinator::notify::stored(embedded.coordinator.store(), &run_id).await;
+            flotilla_coordinator::host::delivery_of(embedded.coordinator.store(), &run_id).await;
     }
     embedded.shutdown();
     Ok(report)
@@ -235,7 +236,7 @@ pub async fn run(
 async fn serve_page(
     addr: std::net::SocketAddr,
     embedded: &Embedded,
-    registry: &Arc<flotilla_coordinator::api::RunRegistry>,
+    registry: &Arc<flotilla_coordinator::host::RunRegistry>,
     run: &str,
     pages: &CancellationToken,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
@@ -245,33 +246,31 @@ async fn serve_page(
     let at = listener.local_addr()?;
     // Loopback alone is not enough (any web page can aim a browser at 127.0.0.1): the page
     // checks Host and wants this run's random key, which only its URL carries.
-    let key = flotilla_coordinator::web::new_page_key();
+    let key = flotilla_coordinator::host::new_page_key();
     eprintln!("session page: http://{at}/runs/{run}?key={key}");
-    let app = flotilla_coordinator::web::router(
+    let app = flotilla_coordinator::host::pages_router(
         embedded.coordinator.clone(),
         registry.clone(),
-        flotilla_coordinator::web::Access::Keyed {
+        flotilla_coordinator::host::Access::Keyed {
             port: at.port(),
             key,
         },
     );
     // The fleet's listener limits and read timeouts: a slow client costs one connection for
     // a bounded time here too.
-    let listener = flotilla_coordinator::listen::Limited::new(
+    let listener = flotilla_coordinator::host::Limited::new(
         listener,
-        flotilla_coordinator::listen::ConnLimits::default(),
+        flotilla_coordinator::host::ConnLimits::default(),
     );
-    Ok(tokio::spawn(flotilla_coordinator::web::serve_router(
-        listener,
-        app,
-        pages.clone(),
-    )))
+    Ok(tokio::spawn(
+        flotilla_coordinator::host::serve_pages_router(listener, app, pages.clone()),
+    ))
 }
 
 /// SIGINT (Ctrl-C) and SIGTERM (docker stop, systemd, Kubernetes) both stop the run the same
 /// way: its report is stored and it can be resumed. A second one quits at once.
 async fn stop_on_signal(
-    stopper: tokio::sync::mpsc::UnboundedSender<flotilla_coordinator::run::Control>,
+    stopper: tokio::sync::mpsc::UnboundedSender<flotilla_coordinator::host::Control>,
     run: String,
 ) {
     let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -286,7 +285,7 @@ async fn stop_on_signal(
     eprintln!(
         "stopping the run (its report is stored; resume it with --resume {run}); signal again to quit at once"
     );
-    let _ = stopper.send(flotilla_coordinator::run::Control::Stop);
+    let _ = stopper.send(flotilla_coordinator::host::Control::Stop);
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}

@@ -482,7 +482,7 @@ async fn run(args: RunArgs) -> i32 {
         Err(e) => {
             // A store that cannot be used as given is a refused request (exit 2).
             let kind = e
-                .downcast_ref::<flotilla_coordinator::store::Error>()
+                .downcast_ref::<flotilla_coordinator::host::StoreError>()
                 .map_or(flotilla_proto::ErrorKind::Unavailable, |s| s.kind());
             return fail_kind(kind, format!("{e:#}"));
         }

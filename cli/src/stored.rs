@@ -3,7 +3,7 @@
 use flotilla_proto::Problem;
 use std::io::Write;
 
-use flotilla_coordinator::{history, index, store};
+use flotilla_coordinator::host;
 
 use crate::{config, fail_kind};
 
@@ -36,7 +36,7 @@ pub struct FilterArgs {
 
 impl FilterArgs {
     /// The index filter; an error names the bad flag and its form.
-    pub fn filter(&self) -> Result<index::Filter, Problem> {
+    pub fn filter(&self) -> Result<host::Filter, Problem> {
         let status = match &self.status {
             None => None,
             Some(s) => Some(
@@ -54,14 +54,14 @@ impl FilterArgs {
             None => None,
             Some(t) => Some(since(t)?),
         };
-        Ok(index::Filter {
+        Ok(host::Filter {
             workflow: self.workflow.clone(),
             status,
             since_unix,
             before_unix: None,
             labels: config::parse_labels(&self.labels)?,
             namespace: match &self.namespace {
-                Some(ns) if !flotilla_coordinator::namespace::valid_name(ns) => {
+                Some(ns) if !flotilla_proto::names::valid_namespace(ns) => {
                     return Err(Problem::invalid(format!(
                         "--namespace {ns:?} is not a namespace name: 1 to 63 lower-case letters, digits, - _ and ."
                     )));
@@ -126,7 +126,7 @@ pub fn print_runs(
                 s.queued,
                 r.created,
                 crate::term::clean(&r.workflow),
-                flotilla_coordinator::namespace::effective(&r.namespace),
+                flotilla_proto::names::effective_namespace(&r.namespace),
                 crate::term::clean(&labels.join(","))
             );
             if let Some(w) = &s.waiting {
@@ -146,11 +146,11 @@ pub async fn list(store_flag: Option<String>, filter: &FilterArgs, json: bool) -
         Err(e) => return crate::refuse(e),
     };
     let url = config::store_url(store_flag);
-    let store = match store::open(&url) {
+    let store = match host::open_store(&url) {
         Ok(s) => s,
         Err(e) => return crate::refuse(e.into()),
     };
-    match index::page(&store, &filter).await {
+    match host::runs_page(&store, &filter).await {
         Ok(page) => print_runs(&page.runs, page.next.as_deref(), json, &url),
         Err(e) => fail_kind(
             flotilla_proto::ErrorKind::Unavailable,
@@ -171,8 +171,8 @@ pub async fn report(
     store_flag: Option<String>,
     run: &str,
 ) -> Result<flotilla_proto::wire::Report, Problem> {
-    let store = store::open(&config::store_url(store_flag))?;
-    Ok(history::load_report(&store, run).await?)
+    let store = host::open_store(&config::store_url(store_flag))?;
+    Ok(host::load_report(&store, run).await?)
 }
 
 /// Prints a run's report as `show` does: the JSON report, or its summary, agents, logs and
@@ -275,20 +275,18 @@ pub async fn logs(
     json: bool,
 ) -> i32 {
     let url = config::store_url(store_flag);
-    let store = match store::open(&url) {
+    let store = match host::open_store(&url) {
         Ok(s) => s,
         Err(e) => return crate::refuse(e.into()),
     };
-    let report = match history::load_report(&store, run).await {
+    let report = match host::load_report(&store, run).await {
         Ok(r) => r,
         Err(e) => return crate::refuse(e.into()),
     };
-    match history::transcripts(&store, &report, agent, attempt).await {
+    match host::transcripts(&store, &report, agent, attempt).await {
         Ok(found) => print_transcripts(&found, json),
-        Err(history::TranscriptError::NoAgent(m)) => {
-            fail_kind(flotilla_proto::ErrorKind::Invalid, m)
-        }
-        Err(history::TranscriptError::Store(e)) => fail_kind(
+        Err(host::TranscriptError::NoAgent(m)) => fail_kind(flotilla_proto::ErrorKind::Invalid, m),
+        Err(host::TranscriptError::Store(e)) => fail_kind(
             flotilla_proto::ErrorKind::Unavailable,
             format!("cannot read the transcript: {e}"),
         ),
@@ -297,7 +295,7 @@ pub async fn logs(
 
 /// Prints transcripts: `== #INDEX LABEL (attempt N of M)` and one line per event, or one JSON
 /// object per event with `--json`.
-pub fn print_transcripts(found: &[history::AgentTranscript], json: bool) -> i32 {
+pub fn print_transcripts(found: &[host::AgentTranscript], json: bool) -> i32 {
     let mut out = std::io::stdout().lock();
     for a in found {
         if a.cached {
@@ -326,7 +324,7 @@ pub fn print_transcripts(found: &[history::AgentTranscript], json: bool) -> i32 
             a.index, a.label, a.attempt, a.attempts
         );
         for e in &a.events {
-            let _ = writeln!(out, "{}", history::transcript_line(e));
+            let _ = writeln!(out, "{}", host::transcript_line(e));
         }
     }
     0
@@ -365,16 +363,16 @@ pub async fn gc(a: GcArgs) -> i32 {
         Err(e) => return crate::refuse(e),
     };
     let url = config::store_url(a.store);
-    let store = match store::open(&url) {
+    let store = match host::open_store(&url) {
         Ok(s) => s,
         Err(e) => return crate::refuse(e.into()),
     };
-    let policy = flotilla_coordinator::gc::Policy {
+    let policy = flotilla_coordinator::host::RetentionPolicy {
         older_than,
         keep_failed: a.keep_failed,
         dry_run: a.dry_run,
     };
-    match flotilla_coordinator::gc::sweep(&store, &policy, &Default::default()).await {
+    match flotilla_coordinator::host::sweep(&store, &policy, &Default::default()).await {
         Ok(swept) => {
             if a.json {
                 println!(
@@ -394,7 +392,7 @@ pub async fn gc(a: GcArgs) -> i32 {
 }
 
 /// One line of what a sweep did.
-pub fn swept_line(s: &flotilla_coordinator::gc::Swept) -> String {
+pub fn swept_line(s: &flotilla_coordinator::host::Swept) -> String {
     format!(
         "{} {} runs ({} objects), {} payloads and {} source objects, {}; kept {} old runs",
         if s.dry_run { "would delete" } else { "deleted" },

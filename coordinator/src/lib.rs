@@ -21,6 +21,7 @@ pub mod gc;
 pub mod group;
 pub mod head;
 pub mod history;
+pub mod host;
 pub mod ids;
 pub mod index;
 pub mod leader;

@@ -42,7 +42,7 @@ mod lines;
 mod refs;
 
 use clap::Args;
-use flotilla_coordinator::history;
+use flotilla_coordinator::host;
 use flotilla_local::workflows::DirResolver;
 use flotilla_proto::wire::Report;
 use flotilla_proto::wire::SnapshotView;
@@ -744,7 +744,7 @@ impl Flotilla {
         let ended = self.runs.lock().await.get(run).map(|s| s.ended.clone());
         let file = config::load(self.args.config.as_deref())?;
         let merged = config::settings_from(&self.args.settings, &file, true)?;
-        let store = flotilla_coordinator::store::open(&config::store_url(merged.store))
+        let store = flotilla_coordinator::host::open_store(&config::store_url(merged.store))
             .map_err(|e| Problem::not_found(e.to_string()))?;
         if let Some(ended) = ended {
             for _ in 0..200 {
@@ -754,7 +754,7 @@ impl Flotilla {
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
         }
-        history::load_report(&store, run)
+        host::load_report(&store, run)
             .await
             .map_err(|e| Problem::not_found(format!("{}: {e}", not_here(run))))
     }

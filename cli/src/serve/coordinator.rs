@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
-use flotilla_coordinator::api::{self as server, RunRegistry, ServerOptions};
-use flotilla_coordinator::lease::LeaseStore;
-use flotilla_coordinator::lease::etcd::EtcdLeaseStore;
-use flotilla_coordinator::lease::memory::MemoryLeaseStore;
-use flotilla_coordinator::{Coordinator, store};
+use flotilla_coordinator::host::Coordinator;
+use flotilla_coordinator::host::EtcdLeaseStore;
+use flotilla_coordinator::host::LeaseStore;
+use flotilla_coordinator::host::MemoryLeaseStore;
+use flotilla_coordinator::host::{self, RunRegistry, ServerOptions};
 use flotilla_proto::tls::TlsFiles;
 use tokio_util::sync::CancellationToken;
 
@@ -133,8 +133,8 @@ pub struct CoordinatorArgs {
 fn listen_limits(
     a: &CoordinatorArgs,
     file: &config::ConfigFile,
-) -> Result<flotilla_coordinator::listen::ConnLimits, Problem> {
-    let mut limits = flotilla_coordinator::listen::ConnLimits::default();
+) -> Result<flotilla_coordinator::host::ConnLimits, Problem> {
+    let mut limits = flotilla_coordinator::host::ConnLimits::default();
     if let Some(s) = a
         .handshake_timeout
         .as_ref()
@@ -232,21 +232,24 @@ struct Settings {
     shadow_bundled: bool,
     saved_only: bool,
     file_sources: bool,
-    limits: flotilla_coordinator::listen::ConnLimits,
+    limits: flotilla_coordinator::host::ConnLimits,
     peer_name: Option<String>,
     /// The retention policy and how often it runs, if any.
-    retention: Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>,
+    retention: Option<(
+        flotilla_coordinator::host::RetentionPolicy,
+        std::time::Duration,
+    )>,
     /// The namespaces' policies (`[namespaces.*]` in the config file).
-    namespaces: flotilla_coordinator::namespace::Namespaces,
+    namespaces: flotilla_coordinator::host::Namespaces,
     /// What one attempt can use (`[attempt_usage]` in the config file).
-    attempt_usage: flotilla_coordinator::sched::UsageBounds,
+    attempt_usage: flotilla_coordinator::host::UsageBounds,
 }
 
 /// The webhook signer: `--notify-secret-file`, else `FLOTILLA_NOTIFY_SECRET`.
 fn notifier(
     a: &CoordinatorArgs,
     file: &config::ConfigFile,
-) -> Result<Option<Arc<flotilla_coordinator::notify::Notifier>>, Problem> {
+) -> Result<Option<Arc<flotilla_coordinator::host::Notifier>>, Problem> {
     let Some(path) = a
         .notify_secret_file
         .as_ref()
@@ -261,7 +264,7 @@ fn notifier(
         ))
     })?;
     let secret = secret.trim_ascii();
-    flotilla_coordinator::notify::Notifier::new(secret)
+    flotilla_coordinator::host::Notifier::new(secret)
         .map(|n| Some(Arc::new(n)))
         .map_err(|e| Problem::invalid(format!("--notify-secret-file {}: {e}", path.display())))
 }
@@ -270,7 +273,13 @@ fn notifier(
 fn retention(
     a: &CoordinatorArgs,
     file: &config::ConfigFile,
-) -> Result<Option<(flotilla_coordinator::gc::Policy, std::time::Duration)>, Problem> {
+) -> Result<
+    Option<(
+        flotilla_coordinator::host::RetentionPolicy,
+        std::time::Duration,
+    )>,
+    Problem,
+> {
     let Some(older) = a.retention.as_ref().or(file.retention.as_ref()) else {
         return Ok(None);
     };
@@ -290,7 +299,7 @@ fn retention(
         ));
     }
     Ok(Some((
-        flotilla_coordinator::gc::Policy {
+        flotilla_coordinator::host::RetentionPolicy {
             older_than,
             keep_failed: a.retention_keep_failed || file.retention_keep_failed.unwrap_or(false),
             dry_run: false,
@@ -348,10 +357,8 @@ impl Settings {
             limits: listen_limits(a, file)?,
             retention: retention(a, file)?,
             peer_name: a.peer_name.clone().or_else(|| file.peer_name.clone()),
-            namespaces: flotilla_coordinator::namespace::Namespaces::new(file.namespaces.clone())
-                .map_err(|e| {
-                Problem::invalid(format!("the config file's [namespaces]: {e}"))
-            })?,
+            namespaces: flotilla_coordinator::host::Namespaces::new(file.namespaces.clone())
+                .map_err(|e| Problem::invalid(format!("the config file's [namespaces]: {e}")))?,
             attempt_usage: {
                 let bounds = file.attempt_usage.clone();
                 bounds.check().map_err(|e| {
@@ -366,7 +373,7 @@ impl Settings {
 /// `--worker-ttl`: at least etcd's shortest lease.
 fn worker_ttl(given: Option<&String>) -> Result<std::time::Duration, Problem> {
     let Some(s) = given else {
-        return Ok(flotilla_coordinator::sched::WORKER_LEASE_TTL);
+        return Ok(flotilla_coordinator::host::WORKER_LEASE_TTL);
     };
     let d = config::parse_duration("--worker-ttl", s)?;
     if d < std::time::Duration::from_secs(2) {
@@ -383,10 +390,10 @@ fn worker_ttl(given: Option<&String>) -> Result<std::time::Duration, Problem> {
 fn token_key(
     tls: Option<&TlsFiles>,
     http: SocketAddr,
-) -> Result<Option<flotilla_coordinator::web::TokenKey>, Problem> {
+) -> Result<Option<flotilla_coordinator::host::TokenKey>, Problem> {
     match tls {
         Some(files) => std::fs::read(&files.key)
-            .map(|secret| Some(flotilla_coordinator::web::TokenKey::derive(&secret)))
+            .map(|secret| Some(flotilla_coordinator::host::TokenKey::derive(&secret)))
             .map_err(|e| Problem::invalid(format!("cannot read {}: {e}", files.key.display()))),
         None if http.ip().is_loopback() => Ok(None),
         None => Err(Problem::invalid(format!(
@@ -399,16 +406,16 @@ fn token_key(
 /// With etcd, coordinators form a group: one leads, the others stand by and take over. `lost`
 /// fires when this one's lease lapses.
 async fn join_group(
-    leases: &Arc<dyn flotilla_coordinator::lease::LeaseStore>,
+    leases: &Arc<dyn flotilla_coordinator::host::LeaseStore>,
     s: &Settings,
     tls: bool,
-    tenure: Arc<flotilla_coordinator::lease::Tenure>,
-) -> Result<Arc<flotilla_coordinator::leader::Leadership>, Problem> {
+    tenure: Arc<flotilla_coordinator::host::Tenure>,
+) -> Result<Arc<flotilla_coordinator::host::Leadership>, Problem> {
     let advertise = s.advertise.clone().unwrap_or_else(|| {
         let scheme = if tls { "https" } else { "http" };
         format!("{scheme}://{}", s.listen)
     });
-    let l = flotilla_coordinator::leader::Leadership::join(
+    let l = flotilla_coordinator::host::Leadership::join(
         leases.clone(),
         advertise.clone(),
         s.worker_ttl,
@@ -422,7 +429,7 @@ async fn join_group(
 /// Serves the group `l` for `coordinator` (built with `l` as its claims): its runs' owner
 /// keys are released as they end.
 fn serve_group(
-    l: &Arc<flotilla_coordinator::leader::Leadership>,
+    l: &Arc<flotilla_coordinator::host::Leadership>,
     coordinator: &Arc<Coordinator>,
     registry: &Arc<RunRegistry>,
     ttl: std::time::Duration,
@@ -454,8 +461,8 @@ struct Process {
 
 /// Who may push, and whether launches are allowed: the disable switch is read again on every
 /// launch (the environment, then the config file).
-fn launch_policy(s: &Settings, config_path: Option<PathBuf>) -> server::LaunchPolicy {
-    server::LaunchPolicy {
+fn launch_policy(s: &Settings, config_path: Option<PathBuf>) -> host::LaunchPolicy {
+    host::LaunchPolicy {
         publishers: s.publishers.clone(),
         shadow_bundled: s.shadow_bundled,
         saved_only: s.saved_only,
@@ -485,7 +492,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         Ok(t) => t,
         Err(e) => return crate::refuse(e),
     };
-    let store = match store::open(&s.store_url) {
+    let store = match host::open_store(&s.store_url) {
         Ok(st) => st,
         Err(e) => return crate::refuse(e.into()),
     };
@@ -495,7 +502,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         return crate::fail_kind(e.kind(), e.to_string());
     }
     // In a group, the store writes only while this coordinator's lease is sure to be held.
-    let tenure = Arc::new(flotilla_coordinator::lease::Tenure::open());
+    let tenure = Arc::new(flotilla_coordinator::host::Tenure::open());
     let store = if s.etcd.is_empty() {
         store
     } else {
@@ -505,10 +512,10 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
         Ok(l) => l,
         Err(e) => return crate::refuse(e),
     };
-    let leases: Arc<dyn flotilla_coordinator::lease::LeaseStore> = if s.etcd.is_empty() {
+    let leases: Arc<dyn flotilla_coordinator::host::LeaseStore> = if s.etcd.is_empty() {
         leases
     } else {
-        flotilla_coordinator::lease::tenure::GatedLeases::new(leases, tenure.clone())
+        flotilla_coordinator::host::GatedLeases::new(leases, tenure.clone())
     };
     let notifier = match notifier(&a, &file) {
         Ok(n) => n,
@@ -525,8 +532,8 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
     let coordinator = Arc::new(Coordinator::build(
         store,
         leases,
-        flotilla_coordinator::CoordinatorOptions {
-            dispatch: flotilla_coordinator::sched::DispatchOptions {
+        flotilla_coordinator::host::CoordinatorOptions {
+            dispatch: flotilla_coordinator::host::DispatchOptions {
                 worker_ttl: s.worker_ttl,
                 admission: s.admission,
                 affinity: s.affinity,
@@ -535,7 +542,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             },
             claims: group
                 .clone()
-                .map(|l| l as Arc<dyn flotilla_coordinator::group::RunClaims>),
+                .map(|l| l as Arc<dyn flotilla_coordinator::host::RunClaims>),
             cache_dir: Some(s.cache_dir.clone()),
             notifier,
             allowed_models: s.allowed_models.clone(),
@@ -609,17 +616,17 @@ async fn serve_until_stopped(
     process: Process,
 ) -> i32 {
     let Process { tasks, cancel } = process;
-    let pages = tasks.spawn(flotilla_coordinator::web::serve(
+    let pages = tasks.spawn(flotilla_coordinator::host::serve_pages(
         coordinator.clone(),
         registry.clone(),
-        flotilla_coordinator::web::WebOptions {
+        flotilla_coordinator::host::WebOptions {
             listen: s.http,
             auth: opts.tokens.clone(),
             limits: s.limits,
         },
         cancel.clone(),
     ));
-    let serving = tasks.spawn(server::serve(
+    let serving = tasks.spawn(host::serve_grpc(
         coordinator.clone(),
         registry.clone(),
         opts,
@@ -733,7 +740,7 @@ fn start_again_in_place() -> std::io::Error {
 /// then every few seconds: the outbox is one listing).
 async fn send_outbox(
     coordinator: Arc<Coordinator>,
-    notifier: Arc<flotilla_coordinator::notify::Notifier>,
+    notifier: Arc<flotilla_coordinator::host::Notifier>,
     cancel: CancellationToken,
 ) {
     loop {
@@ -755,7 +762,7 @@ async fn send_outbox(
 async fn retain(
     coordinator: Arc<Coordinator>,
     registry: Arc<RunRegistry>,
-    policy: flotilla_coordinator::gc::Policy,
+    policy: flotilla_coordinator::host::RetentionPolicy,
     every: std::time::Duration,
     cancel: CancellationToken,
 ) {
@@ -770,8 +777,12 @@ async fn retain(
         {
             continue;
         }
-        match flotilla_coordinator::gc::sweep(coordinator.store(), &policy, &registry.running_ids())
-            .await
+        match flotilla_coordinator::host::sweep(
+            coordinator.store(),
+            &policy,
+            &registry.running_ids(),
+        )
+        .await
         {
             Ok(swept) => tracing::info!(
                 runs = swept.runs.len(),
@@ -826,7 +837,7 @@ mod tests {
         let d = Settings::layered(&args(&[]), &file("")).unwrap();
         assert_eq!(d.listen, "127.0.0.1:7443".parse().unwrap());
         assert_eq!(d.http, "127.0.0.1:7080".parse().unwrap());
-        assert_eq!(d.worker_ttl, flotilla_coordinator::sched::WORKER_LEASE_TTL);
+        assert_eq!(d.worker_ttl, flotilla_coordinator::host::WORKER_LEASE_TTL);
         assert!(d.etcd.is_empty() && !d.saved_only && d.publishers.is_empty());
     }
 
@@ -877,7 +888,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             s.attempt_usage,
-            flotilla_coordinator::sched::UsageBounds {
+            flotilla_coordinator::host::UsageBounds {
                 context_tokens: 2_000_000,
                 requests_per_second: 0,
                 ..Default::default()

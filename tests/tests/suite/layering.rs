@@ -1182,3 +1182,45 @@ fn layering_only_the_split_impls_import_their_parent_s_star() {
         "no split impl is left: empty SPLIT_IMPLS and say so in ARCHITECTURE.md"
     );
 }
+
+/// The processes that host a coordinator (embedded mode, `flotilla coordinator`, the MCP
+/// server, the commands that read a store) reach it through one facade, `host` (issue 30,
+/// 3): nothing in the CLI names another module of the coordinator, except the benchmarks,
+/// which measure its parts alone (a run engine without the coordinator, the dispatcher).
+#[test]
+fn layering_the_cli_reaches_the_coordinator_through_one_facade() {
+    let mut files = Vec::new();
+    rust_files(&root().join("cli/src"), &mut files);
+    let mut report = Vec::new();
+    let mut through_host = 0;
+    for f in &files {
+        let rel = f.strip_prefix(root()).unwrap().display().to_string();
+        if rel.starts_with("cli/src/bench/") {
+            continue;
+        }
+        let code = blank_literals(&code_of(&std::fs::read_to_string(f).unwrap()));
+        for (i, line) in code.lines().enumerate() {
+            let mut rest = line;
+            while let Some(at) = rest.find("flotilla_coordinator") {
+                rest = &rest[at + "flotilla_coordinator".len()..];
+                if rest.starts_with("::host::")
+                    || rest.starts_with("::host;")
+                    || rest.starts_with("::host::{")
+                {
+                    through_host += 1;
+                } else {
+                    report.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        through_host > 10,
+        "the reader found the facade's uses ({through_host})"
+    );
+    assert!(
+        report.is_empty(),
+        "the CLI names the coordinator past its facade (add what it needs to coordinator/src/host.rs):\n{}",
+        report.join("\n")
+    );
+}
