@@ -57,7 +57,8 @@ impl Dispatcher {
         // A worker makes a workspace first (a checkout of the run's source, a worktree):
         // the stall timer is held from the start, until it says the agent started.
         let task = &c.ticket.task;
-        c.stall_held = !task.source_repo.is_empty() || task.isolation == "worktree";
+        c.watchdog
+            .hold(!task.source_repo.is_empty() || task.isolation == "worktree");
         self.fleet.take_slot(
             wid,
             (id.0.clone(), id.1, c.attempt),
@@ -143,13 +144,14 @@ impl Dispatcher {
             return;
         };
         c.fence = Some(fence);
-        c.last_progress = Instant::now();
+
         // A new attempt: no earlier one holds it back any more.
         self.leftovers.sent(id);
-        c.stall_key = Some(self.timers.insert_at(
+        c.watchdog.arm(
+            &mut self.timers,
             Timer::Stall(id.0.clone(), id.1, c.attempt),
-            Instant::now() + stall,
-        ));
+            stall,
+        );
         c.attempt_span = tracing::info_span!(
             parent: &c.ticket.span,
             "attempt",

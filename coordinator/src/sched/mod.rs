@@ -56,7 +56,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tokio_util::time::{DelayQueue, delay_queue};
+use tokio_util::time::DelayQueue;
 
 pub use crate::call::{CallEvent, CallFailure, CallResult, Retry};
 use crate::call::{State, human};
@@ -77,6 +77,7 @@ mod retry;
 mod stagger;
 mod transfers;
 mod usage;
+mod watchdog;
 mod workers;
 
 pub use accounts::AccountView;
@@ -106,11 +107,9 @@ struct CallState {
     /// An attempt taken over from a coordinator that went away: the fence it was started
     /// with (its outcome carries that one), and no assignment is sent for it.
     adopted_fence: Option<Revision>,
-    last_progress: Instant,
-    /// A tool call in flight, or the workspace being made: the stall timer is held.
-    stall_held: bool,
+    /// The current attempt's stall watchdog (W58).
+    watchdog: watchdog::Watchdog,
     captured: Option<String>,
-    stall_key: Option<delay_queue::Key>,
     /// Usage-limit waits so far (not counted as attempts).
     limit_waits: u32,
     /// When the call last became ready to run (dispatch latency counts from here).
@@ -139,10 +138,8 @@ impl CallState {
             worker: None,
             fence: None,
             adopted_fence: None,
-            last_progress: Instant::now(),
-            stall_held: false,
+            watchdog: watchdog::Watchdog::new(),
             captured: None,
-            stall_key: None,
             limit_waits: 0,
             ready_at: Instant::now(),
             attempt_span: tracing::Span::none(),
@@ -563,10 +560,8 @@ impl Dispatcher {
             self.leave_running(id);
         }
         self.leftovers.forget(id);
-        if let Some(c) = self.calls.remove(id)
-            && let Some(key) = c.stall_key
-        {
-            self.timers.remove(&key);
+        if let Some(mut c) = self.calls.remove(id) {
+            c.watchdog.disarm(&mut self.timers);
         }
     }
 

@@ -51,14 +51,11 @@ impl Dispatcher {
         let output_tokens = p
             .output_tokens
             .min(self.opts.usage.output_ceiling(self.fleet.ran(&given)));
-        c.last_progress = Instant::now();
         let kind = ProgressKind::try_from(p.kind).unwrap_or(ProgressKind::Unspecified);
-        match kind {
-            // A tool call in flight, or the workspace being made, holds the stall timer.
-            ProgressKind::ToolStarted | ProgressKind::Preparing => c.stall_held = true,
-            ProgressKind::ToolFinished | ProgressKind::AgentStarted => c.stall_held = false,
-            ProgressKind::StructuredCaptured => c.captured = Some(p.detail),
-            _ => {}
+        // A tool call in flight, or the workspace being made, holds the stall timer.
+        c.watchdog.heard(kind);
+        if kind == ProgressKind::StructuredCaptured {
+            c.captured = Some(p.detail);
         }
         let began = matches!(
             kind,
@@ -283,13 +280,10 @@ impl Dispatcher {
         if c.state != State::Running {
             return;
         }
-        if let Some(key) = c.stall_key.take() {
-            self.timers.remove(&key);
-        }
+        c.watchdog.disarm(&mut self.timers);
         let sent = c.fence.take().is_some();
         c.adopted_fence = None;
         c.make_ready();
-        c.stall_held = false;
         let group = c.ticket.prefix_group;
         if let Some(r) = self.runs.get_mut(&id.0) {
             r.running = r.running.saturating_sub(1);
@@ -306,11 +300,9 @@ impl Dispatcher {
 
     pub(super) fn finish(&mut self, id: &CallId, result: CallResult) {
         self.leftovers.forget(id);
-        if let Some(c) = self.calls.remove(id) {
+        if let Some(mut c) = self.calls.remove(id) {
             c.attempt_span.record("outcome", result.span_outcome());
-            if let Some(key) = c.stall_key {
-                self.timers.remove(&key);
-            }
+            c.watchdog.disarm(&mut self.timers);
         }
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r
@@ -572,30 +564,23 @@ impl Dispatcher {
     /// cancelled and the call goes again (W58), or completes with the structured output it
     /// captured; otherwise the timer is set again.
     pub(super) fn stall_due(&mut self, id: &CallId, attempt: u32) {
-        let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
-            return;
-        };
         let Some(c) = self.calls.get_mut(id) else {
             return;
         };
-        c.stall_key = None;
+        if c.attempt == attempt {
+            // The queue gave its timer back (a call has one at a time, its current attempt's).
+            c.watchdog.fired();
+        }
         if c.state != State::Running || c.attempt != attempt {
             return;
         }
-        let now = Instant::now();
-        let quiet = now.saturating_duration_since(c.last_progress);
-        if c.stall_held || quiet < stall {
-            let at = if c.stall_held {
-                now + stall
-            } else {
-                c.last_progress + stall
-            };
-            c.stall_key = Some(
-                self.timers
-                    .insert_at(Timer::Stall(id.0.clone(), id.1, attempt), at),
-            );
+        let Some(stall) = self.runs.get(&id.0).map(|r| r.reg.stall_timeout) else {
             return;
-        }
+        };
+        let item = Timer::Stall(id.0.clone(), id.1, attempt);
+        let Some(quiet) = c.watchdog.due(&mut self.timers, item, stall) else {
+            return;
+        };
         let captured = c.captured.take();
         self.send_cancel(id, "stalled");
         self.leave_running(id);

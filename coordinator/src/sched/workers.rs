@@ -256,7 +256,7 @@ impl Dispatcher {
         c.fence = None;
         c.adopted_fence = Some(a.fence);
         c.captured = None;
-        c.stall_held = false;
+        c.watchdog.hold(false);
         let attempt = c.attempt;
         // It started before this coordinator knew of it: at most its timeout ago.
         let ran_before = super::usage::adopted_ran_before(&c.ticket.task);

@@ -984,6 +984,8 @@ fn layering_types_that_own_state_keep_their_fields_private() {
         ("coordinator/src/sched/affinity.rs", "Affinity"),
         ("coordinator/src/sched/transfers.rs", "SourceServer"),
         ("coordinator/src/run/budgets.rs", "Budgets"),
+        ("coordinator/src/sched/watchdog.rs", "Watchdog"),
+        ("coordinator/src/tasks.rs", "Tasks"),
     ] {
         let code = code_of(&std::fs::read_to_string(root().join(file)).unwrap());
         let Some(fields) = struct_fields(&code, name) else {
