@@ -36,15 +36,15 @@
 //! returned when its worker reports the outcome (or the worker goes away).
 //!
 //! Where each part lives: the face runs and the server use (`handle.rs`); placement
-//! (`place.rs`: which call, which worker) with its policies — fair share (`fair.rs`), usage-limit gates (`gates.rs`),
-//! prefix stagger (`stagger.rs`), prefix affinity (`affinity.rs`); the assignment path, from a
-//! slot taken to the attempt key written and the assignment sent with its fence (`assign.rs`);
-//! the source server
-//! (`transfers.rs`), which answers workers' source requests; what outcomes do (`outcomes.rs`) with the retry verdicts
-//! (`retry.rs`), what unfinished attempts left (`leftovers.rs`) and the ceilings of a worker's
-//! usage reports (`usage.rs`); the fleet (`fleet.rs`),
-//! the lease-store writes and watches (`lease_writes.rs`), and worker links, leases and takeovers
-//! (`workers.rs`). A call's states are [`crate::call::State`].
+//! (`place.rs`: which call, which worker) with its policies — fair share (`fair.rs`),
+//! usage-limit gates (`gates.rs`), prefix stagger (`stagger.rs`), prefix affinity
+//! (`affinity.rs`); the assignment path, from a slot taken to the attempt key written and the
+//! assignment sent with its fence (`assign.rs`); the source server (`transfers.rs`), which
+//! answers workers' source requests; each attempt's stall watchdog (`watchdog.rs`); what
+//! outcomes do (`outcomes.rs`) with the retry verdicts (`retry.rs`), what unfinished attempts
+//! left (`leftovers.rs`) and the ceilings of a worker's usage reports (`usage.rs`); the fleet
+//! (`fleet.rs`), the lease-store writes and watches (`lease_writes.rs`), and worker links,
+//! leases and takeovers (`workers.rs`). A call's states are [`crate::call::State`].
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
