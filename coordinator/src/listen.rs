@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio_util::task::TaskTracker;
 
 use futures::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -445,18 +446,20 @@ pub fn tls(
     listener: TcpListener,
     config: Arc<tokio_rustls::rustls::ServerConfig>,
     limits: ConnLimits,
-    cancel: CancellationToken,
+    (cancel, tasks): (CancellationToken, &TaskTracker),
 ) -> UnboundedReceiverStream<io::Result<tokio_rustls::server::TlsStream<Guarded<TcpStream>>>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let gate = Gate::new("grpc", limits);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    tokio::spawn(accept_loop(listener, gate.clone(), cancel, move |conn| {
+    let handshakes = tasks.clone();
+    tasks.spawn(accept_loop(listener, gate.clone(), cancel, move |conn| {
         if tx.is_closed() {
             return false;
         }
         let (tx, acceptor, gate) = (tx.clone(), acceptor.clone(), gate.clone());
         let peer = conn.peer;
-        tokio::spawn(async move {
+        // Ends with the handshake, which has a timeout.
+        handshakes.spawn(async move {
             match tokio::time::timeout(limits.handshake, acceptor.accept(conn)).await {
                 Ok(Ok(tls)) => {
                     // The client's certificate checked out: this connection is no longer
@@ -484,11 +487,11 @@ pub fn tls(
 pub fn plain(
     listener: TcpListener,
     limits: ConnLimits,
-    cancel: CancellationToken,
+    (cancel, tasks): (CancellationToken, &TaskTracker),
 ) -> UnboundedReceiverStream<io::Result<Guarded<TcpStream>>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let gate = Gate::new("grpc", limits);
-    tokio::spawn(accept_loop(listener, gate, cancel, move |conn| {
+    tasks.spawn(accept_loop(listener, gate, cancel, move |conn| {
         tx.send(Ok(conn)).is_ok()
     }));
     UnboundedReceiverStream::new(rx)
@@ -560,7 +563,7 @@ mod tests {
             ..ConnLimits::default()
         };
         let cancel = CancellationToken::new();
-        let mut incoming = plain(listener, limits, cancel.clone());
+        let mut incoming = plain(listener, limits, (cancel.clone(), &TaskTracker::new()));
         // An echo server on the accepted connections.
         tokio::spawn(async move {
             use tokio_stream::StreamExt;
@@ -601,7 +604,7 @@ mod tests {
     async fn echo(limits: ConnLimits, cancel: &CancellationToken) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut incoming = plain(listener, limits, cancel.clone());
+        let mut incoming = plain(listener, limits, (cancel.clone(), &TaskTracker::new()));
         tokio::spawn(async move {
             use tokio_stream::StreamExt;
             while let Some(Ok(mut conn)) = incoming.next().await {

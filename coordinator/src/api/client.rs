@@ -38,6 +38,8 @@ pub(super) struct ClientSvc {
     pub(super) policy: LaunchPolicy,
     /// The name the leader's certificate is checked for (`--peer-name`).
     pub(super) peer_name: Option<String>,
+    /// The server's tasks: a source stream's sender is one.
+    pub(super) tasks: tokio_util::task::TaskTracker,
 }
 
 /// Life of a session token when the caller does not say.
@@ -737,7 +739,8 @@ impl ClientService for ClientSvc {
         // A few chunks ahead of the client at most: the stream's own pace is the flow control.
         let (tx, rx) = mpsc::channel(8);
         let store = self.coordinator.store().clone();
-        tokio::spawn(async move {
+        // Ends with the transfer, or when the client stops reading.
+        self.tasks.spawn(async move {
             let req = v1::SourceRequest {
                 id: 0,
                 repo: r.repo,

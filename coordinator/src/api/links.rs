@@ -40,7 +40,7 @@ impl WorkerService for Bridged {
         else {
             return Err(Status::invalid_argument("Hello first"));
         };
-        let (end, out) = bridge(hello, inbound);
+        let (end, out) = bridge(hello, inbound, &tokio_util::task::TaskTracker::new());
         let _ = self.ends.send(end);
         Ok(Response::new(out))
     }

@@ -56,9 +56,13 @@ pub async fn serve(
     cancel: CancellationToken,
 ) -> Result<(), Problem> {
     let secure = opts.tls.is_some();
+    // The server's own tasks (listeners, handshakes, worker streams' readers, source
+    // streams), waited for once it stops serving.
+    let tasks = tokio_util::task::TaskTracker::new();
     let workers = WorkerSvc {
         coordinator: coordinator.clone(),
         secure,
+        tasks: tasks.clone(),
     };
     let tls_files = opts.tls.clone();
     let clients = ClientSvc {
@@ -71,6 +75,7 @@ pub async fn serve(
         to_leader: tokio::sync::Mutex::new(None),
         policy: opts.policy.clone(),
         peer_name: opts.peer_name.clone(),
+        tasks: tasks.clone(),
     };
     // HTTP/2 pings find a frozen or cut-off worker's stream within two intervals.
     let mut builder = tonic::transport::Server::builder()
@@ -98,17 +103,33 @@ pub async fn serve(
             let config = files
                 .rustls_server_config()
                 .map_err(|e| Problem::unavailable(e.to_string()))?;
-            let incoming = crate::listen::tls(listener, config, opts.limits, cancel.clone());
+            let incoming =
+                crate::listen::tls(listener, config, opts.limits, (cancel.clone(), &tasks));
             router
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                 .await
         }
         None => {
-            let incoming = crate::listen::plain(listener, opts.limits, cancel.clone());
+            let incoming = crate::listen::plain(listener, opts.limits, (cancel.clone(), &tasks));
             router
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                 .await
         }
     };
+    // Its connections are closed: what they started ends with them (a bounded while).
+    tasks.close();
+    if tokio::time::timeout(SERVER_DRAIN, tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            running = tasks.len(),
+            "some of the gRPC server's tasks were still running {} s after it stopped serving",
+            SERVER_DRAIN.as_secs()
+        );
+    }
     served.map_err(|e| Problem::unavailable(format!("cannot serve on {}: {e}", opts.listen)))
 }
+
+/// How long a server that stopped serving waits for its tasks.
+const SERVER_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);

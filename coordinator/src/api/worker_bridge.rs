@@ -5,6 +5,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use tokio_util::task::TaskTracker;
 
 use flotilla_proto::ErrorKind;
 use flotilla_proto::frag;
@@ -36,6 +37,8 @@ const HELLO_VERDICT: std::time::Duration = std::time::Duration::from_secs(30);
 pub(super) struct WorkerSvc {
     pub(super) coordinator: Arc<Coordinator>,
     pub(super) secure: bool,
+    /// The server's tasks: each worker stream's reader is one.
+    pub(super) tasks: TaskTracker,
 }
 
 pub type StreamOf<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -126,7 +129,7 @@ impl WorkerService for WorkerSvc {
             hello.name = instance_name(&name, &hello.name);
         }
         let (worker, slots) = (hello.name.clone(), hello.slots);
-        let (end, out) = bridge(hello, inbound);
+        let (end, out) = bridge(hello, inbound, &self.tasks);
         let out = match self.coordinator.leadership() {
             Some(l) => hand_back_out_of_office(out, l.office()),
             None => out,
@@ -183,6 +186,7 @@ fn hand_back_out_of_office(
 pub fn bridge(
     hello: v1::Hello,
     mut inbound: Streaming<WorkerMessage>,
+    tasks: &TaskTracker,
 ) -> (CoordinatorEnd, StreamOf<CoordinatorMessage>) {
     let worker = hello.name.clone();
     let (to_worker_tx, to_worker_rx) = mpsc::unbounded_channel();
@@ -190,7 +194,8 @@ pub fn bridge(
     let _ = from_worker_tx.send(WorkerMessage {
         msg: Some(worker_message::Msg::Hello(hello)),
     });
-    tokio::spawn(async move {
+    // Ends with the worker's stream (or once the dispatcher has gone).
+    tasks.spawn(async move {
         let mut pieces = frag::Reassembler::default();
         loop {
             match inbound.message().await {

@@ -1101,9 +1101,6 @@ fn test_only_files(sources: &[PathBuf]) -> BTreeSet<PathBuf> {
 #[test]
 fn layering_spawned_tasks_have_an_owner_that_waits_for_them() {
     const DETACHED: &[&str] = &[
-        "coordinator/src/api/client.rs",
-        "coordinator/src/api/worker_bridge.rs",
-        "coordinator/src/listen.rs",
         "coordinator/lease/src/etcd.rs",
         "coordinator/lease/src/memory.rs",
         "worker/src/gateway.rs",
