@@ -120,7 +120,8 @@ impl RunHandle {
             None => Report::rejected(
                 &run_id,
                 WorkflowInfo::default(),
-                "the run engine ended without a report: its coordinator was stopped".into(),
+                "the run engine ended without a report (its coordinator stopped, or the engine failed)"
+                    .into(),
             ),
         }
     }
