@@ -52,7 +52,7 @@ impl Dispatcher {
         crate::counters::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
         c.set(State::Running);
         c.worker = Some(wid);
-        c.fence = None;
+        c.fence.unwritten();
         c.captured = None;
         // A worker makes a workspace first (a checkout of the run's source, a worktree):
         // the stall timer is held from the start, until it says the agent started.
@@ -104,7 +104,7 @@ impl Dispatcher {
             let state = self
                 .calls
                 .get(&id)
-                .map(|c| (c.state, c.attempt, c.worker, c.fence));
+                .map(|c| (c.state, c.attempt, c.worker, c.fence.written()));
             match state {
                 Some((State::Running, attempt, Some(w), None))
                     if attempt == p.attempt && w == p.worker =>
@@ -136,14 +136,14 @@ impl Dispatcher {
         let Some(wid) = c.worker else { return };
         // What comes back for this attempt must carry this fence (an adopted attempt's own
         // carries the one it was started with, kept since it was claimed).
-        if c.adopted_fence.is_none() {
+        if !c.fence.is_adopted() {
             self.fleet
                 .sent(wid, &(id.0.clone(), id.1, c.attempt), fence);
         }
         let Some(w) = self.fleet.worker(wid) else {
             return;
         };
-        c.fence = Some(fence);
+        c.fence.written_at(fence);
 
         // A new attempt: no earlier one holds it back any more.
         self.leftovers.sent(id);
@@ -183,7 +183,7 @@ impl Dispatcher {
         // A worker cut off right now misses this; it does not list the attempt when it comes
         // back, so the attempt is restarted then (or when its lease lapses). An adopted
         // attempt runs already: nothing to send.
-        if let (None, Some(tx)) = (c.adopted_fence, &w.tx) {
+        if let (false, Some(tx)) = (c.fence.is_adopted(), &w.tx) {
             let _ = tx.send(CoordinatorMessage {
                 msg: Some(coordinator_message::Msg::Assign(assignment)),
             });
@@ -214,7 +214,7 @@ impl Dispatcher {
                 c.state == State::Running
                     && c.attempt == p.attempt
                     && c.worker == Some(p.worker)
-                    && c.fence.is_none()
+                    && !c.fence.is_written()
             });
             if !current {
                 continue;

@@ -40,8 +40,8 @@
 //! usage-limit gates (`gates.rs`), prefix stagger (`stagger.rs`), prefix affinity
 //! (`affinity.rs`); the assignment path, from a slot taken to the attempt key written and the
 //! assignment sent with its fence (`assign.rs`); the source server (`transfers.rs`), which
-//! answers workers' source requests; each attempt's stall watchdog (`watchdog.rs`); what
-//! outcomes do (`outcomes.rs`) with the retry verdicts (`retry.rs`), what unfinished attempts
+//! answers workers' source requests; each attempt's stall watchdog (`watchdog.rs`) and each
+//! call's fence (`fencing.rs`: which attempt may speak for it); what outcomes do (`outcomes.rs`) with the retry verdicts (`retry.rs`), what unfinished attempts
 //! left (`leftovers.rs`) and the ceilings of a worker's usage reports (`usage.rs`); the fleet
 //! (`fleet.rs`), the lease-store writes and watches (`lease_writes.rs`), and worker links,
 //! leases and takeovers (`workers.rs`). A call's states are [`crate::call::State`].
@@ -60,12 +60,13 @@ use tokio_util::time::DelayQueue;
 
 pub use crate::call::{CallEvent, CallFailure, CallResult, Retry};
 use crate::call::{State, human};
-use crate::lease::{self, LeaseStore, Revision};
+use crate::lease::{self, LeaseStore};
 
 mod accounts;
 mod affinity;
 mod assign;
 mod fair;
+mod fencing;
 mod fleet;
 mod gates;
 mod handle;
@@ -101,12 +102,9 @@ struct CallState {
     attempt: u32,
     counted: u32,
     worker: Option<u64>,
-    /// Revision of the current attempt's key; `None` until it is written (the assignment is
-    /// sent only then).
-    fence: Option<Revision>,
-    /// An attempt taken over from a coordinator that went away: the fence it was started
-    /// with (its outcome carries that one), and no assignment is sent for it.
-    adopted_fence: Option<Revision>,
+    /// Which attempt may speak for it: its key's revision, or the fence an adopted attempt
+    /// was started with.
+    fence: fencing::Fence,
     /// The current attempt's stall watchdog (W58).
     watchdog: watchdog::Watchdog,
     captured: Option<String>,
@@ -136,8 +134,7 @@ impl CallState {
             attempt: 0,
             counted: 0,
             worker: None,
-            fence: None,
-            adopted_fence: None,
+            fence: fencing::Fence::default(),
             watchdog: watchdog::Watchdog::new(),
             captured: None,
             limit_waits: 0,

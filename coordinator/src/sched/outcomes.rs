@@ -44,7 +44,7 @@ impl Dispatcher {
         if c.state != State::Running
             || c.attempt != p.attempt
             || c.worker != Some(worker)
-            || c.fence.is_none()
+            || !c.fence.is_written()
         {
             return;
         }
@@ -127,7 +127,7 @@ impl Dispatcher {
             c.state == State::Running
                 && c.attempt == o.attempt
                 && c.worker == Some(worker)
-                && (c.fence == Some(o.fence) || c.adopted_fence == Some(o.fence))
+                && c.fence.accepts(o.fence)
         });
         let awaited = self.leftovers.awaits(&id, o.attempt)
             && self
@@ -281,8 +281,7 @@ impl Dispatcher {
             return;
         }
         c.watchdog.disarm(&mut self.timers);
-        let sent = c.fence.take().is_some();
-        c.adopted_fence = None;
+        let sent = c.fence.end();
         c.make_ready();
         let group = c.ticket.prefix_group;
         if let Some(r) = self.runs.get_mut(&id.0) {

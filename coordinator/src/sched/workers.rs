@@ -155,7 +155,7 @@ impl Dispatcher {
                     c.state == State::Running
                         && c.attempt == *attempt
                         && c.worker == Some(wid)
-                        && c.fence.is_none()
+                        && !c.fence.is_written()
                 })
             })
             .cloned()
@@ -178,7 +178,7 @@ impl Dispatcher {
                     c.state == State::Running
                         && c.attempt == a.attempt
                         && c.worker == Some(wid)
-                        && c.fence == Some(a.fence)
+                        && c.fence.written() == Some(a.fence)
                 });
             if !current {
                 self.cancel_stray(wid, a, "no longer current");
@@ -253,8 +253,7 @@ impl Dispatcher {
         c.attempt = c.attempt.max(a.attempt);
         c.set(State::Running);
         c.worker = Some(wid);
-        c.fence = None;
-        c.adopted_fence = Some(a.fence);
+        c.fence.adopt(a.fence);
         c.captured = None;
         c.watchdog.hold(false);
         let attempt = c.attempt;
@@ -357,7 +356,8 @@ impl Dispatcher {
         if let Some((run, call)) = lease::keys::parse_attempt(&key) {
             let id: CallId = (Arc::from(run), call);
             let lapsed = self.calls.get(&id).and_then(|c| {
-                let current = c.state == State::Running && c.fence.is_some_and(|f| revision > f);
+                let current =
+                    c.state == State::Running && c.fence.written().is_some_and(|f| revision > f);
                 current.then_some((c.worker, c.attempt))
             });
             if let Some((Some(wid), attempt)) = lapsed {

@@ -985,6 +985,7 @@ fn layering_types_that_own_state_keep_their_fields_private() {
         ("coordinator/src/sched/transfers.rs", "SourceServer"),
         ("coordinator/src/run/budgets.rs", "Budgets"),
         ("coordinator/src/sched/watchdog.rs", "Watchdog"),
+        ("coordinator/src/sched/fencing.rs", "Fence"),
         ("coordinator/src/tasks.rs", "Tasks"),
     ] {
         let code = code_of(&std::fs::read_to_string(root().join(file)).unwrap());

@@ -1,6 +1,6 @@
 use super::*;
 use crate::lease::memory::MemoryLeaseStore;
-use crate::lease::{LeaseId, WatchEvent};
+use crate::lease::{LeaseId, Revision, WatchEvent};
 use flotilla_proto::link::{Link, link_pair};
 use flotilla_proto::v1::{CoordinatorMessage, coordinator_message};
 use std::sync::atomic::Ordering;
