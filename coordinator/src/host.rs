@@ -16,6 +16,7 @@ pub use crate::lease::{LeaseStore, Tenure};
 pub use crate::registry::RunRegistry;
 pub use crate::run::Control;
 pub use crate::sched::{DispatchOptions, UsageBounds, WORKER_LEASE_TTL};
+pub use crate::tasks::Tasks;
 
 // Its policy.
 pub use crate::namespace::{Namespaces, Policy as NamespacePolicy};

@@ -116,32 +116,17 @@ impl Leadership {
 
     /// Starts serving the group for `coordinator` (built with this membership as its
     /// claims): renews the lease and campaigns for the leader's seat until `lost`, or until
-    /// its process stops (`stop`), as tasks of the process's `tasks`.
+    /// its process stops them, as tasks of the process's `tasks`.
     pub fn serve(
         self: &Arc<Self>,
         coordinator: Arc<Coordinator>,
         registry: Arc<RunRegistry>,
         ttl: Duration,
         lost: CancellationToken,
-        tasks: &tokio_util::task::TaskTracker,
-        stop: &CancellationToken,
+        tasks: &crate::tasks::Tasks,
     ) {
-        let renew = keep_alive(self.clone(), ttl, lost.clone());
-        let seat = campaign(self.clone(), coordinator, registry, ttl, lost);
-        let stop_renewing = stop.clone();
-        tasks.spawn(async move {
-            tokio::select! {
-                () = renew => {}
-                () = stop_renewing.cancelled() => {}
-            }
-        });
-        let stop_campaigning = stop.clone();
-        tasks.spawn(async move {
-            tokio::select! {
-                () = seat => {}
-                () = stop_campaigning.cancelled() => {}
-            }
-        });
+        tasks.spawn_until_stopped(keep_alive(self.clone(), ttl, lost.clone()));
+        tasks.spawn_until_stopped(campaign(self.clone(), coordinator, registry, ttl, lost));
     }
 
     /// Its role now, for a readiness probe: `leader`, `standby` (its lease renewed, so etcd

@@ -446,7 +446,8 @@ pub fn tls(
     listener: TcpListener,
     config: Arc<tokio_rustls::rustls::ServerConfig>,
     limits: ConnLimits,
-    (cancel, tasks): (CancellationToken, &TaskTracker),
+    cancel: CancellationToken,
+    tasks: &TaskTracker,
 ) -> UnboundedReceiverStream<io::Result<tokio_rustls::server::TlsStream<Guarded<TcpStream>>>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let gate = Gate::new("grpc", limits);
@@ -487,7 +488,8 @@ pub fn tls(
 pub fn plain(
     listener: TcpListener,
     limits: ConnLimits,
-    (cancel, tasks): (CancellationToken, &TaskTracker),
+    cancel: CancellationToken,
+    tasks: &TaskTracker,
 ) -> UnboundedReceiverStream<io::Result<Guarded<TcpStream>>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let gate = Gate::new("grpc", limits);
@@ -563,7 +565,7 @@ mod tests {
             ..ConnLimits::default()
         };
         let cancel = CancellationToken::new();
-        let mut incoming = plain(listener, limits, (cancel.clone(), &TaskTracker::new()));
+        let mut incoming = plain(listener, limits, cancel.clone(), &TaskTracker::new());
         // An echo server on the accepted connections.
         tokio::spawn(async move {
             use tokio_stream::StreamExt;
@@ -604,7 +606,7 @@ mod tests {
     async fn echo(limits: ConnLimits, cancel: &CancellationToken) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut incoming = plain(listener, limits, (cancel.clone(), &TaskTracker::new()));
+        let mut incoming = plain(listener, limits, cancel.clone(), &TaskTracker::new());
         tokio::spawn(async move {
             use tokio_stream::StreamExt;
             while let Some(Ok(mut conn)) = incoming.next().await {

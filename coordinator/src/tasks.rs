@@ -24,6 +24,12 @@ impl Tasks {
         }
     }
 
+    /// Tasks tracked by `tracker`, an owner's that others spawn on too (a serving process's),
+    /// told to stop when `stop` is cancelled.
+    pub fn over(tracker: TaskTracker, stop: CancellationToken) -> Tasks {
+        Tasks { tracker, stop }
+    }
+
     /// Starts `task`, tracked; it ends on its own (a writer whose queue was closed).
     pub fn spawn<F>(&self, task: F)
     where

@@ -447,8 +447,7 @@ fn serve_group(
         registry.clone(),
         ttl,
         lost,
-        &process.tasks,
-        &process.cancel,
+        &host::Tasks::over(process.tasks.clone(), process.cancel.clone()),
     );
 }
 

@@ -104,13 +104,13 @@ pub async fn serve(
                 .rustls_server_config()
                 .map_err(|e| Problem::unavailable(e.to_string()))?;
             let incoming =
-                crate::listen::tls(listener, config, opts.limits, (cancel.clone(), &tasks));
+                crate::listen::tls(listener, config, opts.limits, cancel.clone(), &tasks);
             router
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                 .await
         }
         None => {
-            let incoming = crate::listen::plain(listener, opts.limits, (cancel.clone(), &tasks));
+            let incoming = crate::listen::plain(listener, opts.limits, cancel.clone(), &tasks);
             router
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                 .await
