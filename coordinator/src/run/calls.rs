@@ -10,7 +10,7 @@ impl RunEngine {
             return;
         }
         let spent = admit::Spent {
-            calls: self.calls.len() as u64,
+            calls: self.book.len() as u64,
             cost_usd: self.budgets.used().cost_usd,
             output_tokens: self.budgets.output_tokens(),
         };
@@ -66,7 +66,7 @@ impl RunEngine {
     /// The record of a new call, with its trace span (under its phase's).
     pub(super) fn new_call(&mut self, id: u64, a: &admit::Admitted) -> Call {
         let group_at = self.ensure_group(&a.group);
-        let index = self.calls.len() as u64;
+        let index = self.book.next_index();
         let phase = self
             .phase_spans
             .entry(a.group.clone())
@@ -124,7 +124,7 @@ impl RunEngine {
     /// re-run, design.md), then its result to the journal.
     pub(super) fn serve(&mut self, id: u64, a: admit::Admitted, record: CallRecord) {
         let mut call = self.new_call(id, &a);
-        let (index, now) = (self.calls.len() as u64, self.now_ms());
+        let (index, now) = (self.book.next_index(), self.now_ms());
         call.span.record("outcome", "cached");
         call.span = tracing::Span::none();
         call.cached = true;
@@ -155,7 +155,7 @@ impl RunEngine {
                 call.usage.add(&early);
             }
         }
-        self.calls.push(Box::new(call));
+        self.book.push(call);
         if let (Some(head), Some(mut ch)) = (&self.head, record.change) {
             ch.head_after = None;
             let _ = head.send(crate::head::Apply {
@@ -183,12 +183,12 @@ impl RunEngine {
     /// Sends an admitted call to the dispatcher.
     pub(super) fn dispatch(&mut self, id: u64, a: admit::Admitted) {
         let mut call = self.new_call(id, &a);
-        let index = self.calls.len() as u64;
+        let index = self.book.next_index();
         if let Some(early) = self.budgets.take_early(index) {
             call.usage.add(&early);
         }
         let span = call.span.clone();
-        self.calls.push(Box::new(call));
+        self.book.push(call);
         // Served calls are not: the page finds their prompt in the run they came from.
         self.event(RunEvent::Prompt {
             index,
@@ -226,7 +226,7 @@ impl RunEngine {
                 output_tokens,
                 ..
             } => {
-                if let Some(c) = self.calls.get_mut(call as usize) {
+                if let Some(c) = self.book.get_mut(call) {
                     c.live_tokens = c.live_tokens.max(output_tokens);
                 }
                 if self.waiting.is_some() {
@@ -252,7 +252,7 @@ impl RunEngine {
 
     /// An attempt of `call` holds a worker now: what the views show of it.
     fn on_started(&mut self, call: u64, attempt: u32, worker: Arc<str>, now: u64) {
-        let Some(c) = self.calls.get_mut(call as usize) else {
+        let Some(c) = self.book.get_mut(call) else {
             return;
         };
         if c.stage.is_live() {
@@ -279,8 +279,8 @@ impl RunEngine {
         let mut u = UsageRecord::from(usage);
         // The namespace's price table costs the tokens of the models it prices.
         if let Some(price) = self
-            .calls
-            .get(call as usize)
+            .book
+            .get(call)
             .and_then(|c| crate::namespace::price_of(&self.init.settings.prices, &c.model))
         {
             u.cost_usd = price.cost(&u);
@@ -290,7 +290,7 @@ impl RunEngine {
         }
         let crossed = self.budgets.add(&u);
         self.over_budget(crossed);
-        if let Some(c) = self.calls.get_mut(call as usize) {
+        if let Some(c) = self.book.get_mut(call) {
             c.usage.add(&u);
             c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);
         } else {
@@ -300,7 +300,7 @@ impl RunEngine {
 
     /// `call` goes again (or waits first): said in the run's log and its event log.
     fn on_retrying(&mut self, call: u64, attempt: u32, retry: &Retry, counted: u32) {
-        let Some(c) = self.calls.get(call as usize) else {
+        let Some(c) = self.book.get(call) else {
             return;
         };
         let (label, group) = (c.label.clone(), c.group.clone());
@@ -322,7 +322,7 @@ impl RunEngine {
             }
             _ => {}
         }
-        if let Some(c) = self.calls.get_mut(call as usize) {
+        if let Some(c) = self.book.get_mut(call) {
             c.running = false;
         }
         self.logs.push(line.clone());
@@ -340,7 +340,7 @@ impl RunEngine {
     /// `call` waits for a worker that offers what it needs (`None`: no longer); said once
     /// per reason.
     fn on_waiting(&mut self, call: u64, reason: Option<String>) {
-        let Some(c) = self.calls.get_mut(call as usize) else {
+        let Some(c) = self.book.get_mut(call) else {
             return;
         };
         c.waiting_for.clone_from(&reason);
@@ -359,7 +359,7 @@ impl RunEngine {
 
     pub(super) fn on_finished(&mut self, call: u64, result: CallResult, now: u64) {
         let stopping = self.stopping;
-        let Some(c) = self.calls.get_mut(call as usize) else {
+        let Some(c) = self.book.get_mut(call) else {
             return;
         };
         if !c.stage.is_live() {
@@ -455,7 +455,7 @@ impl RunEngine {
     /// A change applied to the head (or kept on its branch): said, then journaled with its call.
     pub(super) fn on_applied(&mut self, a: crate::head::Applied) {
         self.dirty = true;
-        let Some(c) = self.calls.get_mut(a.call as usize) else {
+        let Some(c) = self.book.get_mut(a.call) else {
             return;
         };
         let label = c.label.clone();

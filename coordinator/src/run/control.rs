@@ -34,64 +34,13 @@ impl RunEngine {
         action: AgentAction,
         agent: &str,
     ) -> Result<String, Problem> {
-        let live = |c: &Call| c.stage.is_live();
-        let index = match agent.parse::<usize>() {
-            Ok(i) if i < self.calls.len() => i,
-            Ok(i) => {
-                return Err(Problem::invalid(format!(
-                    "no agent #{i}: this run has {} agents",
-                    self.calls.len()
-                )));
-            }
-            Err(_) => {
-                let found: Vec<usize> = self
-                    .calls
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, c)| c.label == agent)
-                    .map(|(i, _)| i)
-                    .collect();
-                let alive: Vec<usize> = found
-                    .iter()
-                    .copied()
-                    .filter(|i| live(&self.calls[*i]))
-                    .collect();
-                match (found.len(), alive.as_slice()) {
-                    (0, _) => {
-                        return Err(Problem::invalid(format!(
-                            "no agent labeled {agent:?} in this run"
-                        )));
-                    }
-                    (_, [one]) => *one,
-                    (_, []) => {
-                        return Err(Problem::invalid(format!("agent {agent:?} is not running")));
-                    }
-                    (_, many) => {
-                        return Err(Problem::invalid(format!(
-                            "{} running agents are labeled {agent:?}; name one by its index ({})",
-                            many.len(),
-                            many.iter()
-                                .map(|i| format!("#{i}"))
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        )));
-                    }
-                }
-            }
-        };
-        let c = &self.calls[index];
-        if !live(c) {
-            return Err(Problem::invalid(format!(
-                "agent #{index} ({:?}) is not running",
-                c.label
-            )));
-        }
+        let (index, c) = self.book.find_live(agent)?;
         let label = c.label.clone();
         match action {
             AgentAction::Stop => {
                 self.init.dispatch.stop_call(
                     &self.run,
-                    index as u64,
+                    index,
                     CallFailure::Terminal,
                     "stopped by the user",
                 );
@@ -105,7 +54,7 @@ impl RunEngine {
                         "agent #{index} ({label:?}) is queued, not running; nothing to restart"
                     )));
                 }
-                self.init.dispatch.restart_call(&self.run, index as u64);
+                self.init.dispatch.restart_call(&self.run, index);
                 Ok(format!(
                     "restarted agent #{index} ({label:?}) as a new attempt"
                 ))
@@ -135,22 +84,7 @@ impl RunEngine {
     /// Each says so in the run's events, so a report rebuilt from them agrees.
     pub(super) fn cancel_live(&mut self) {
         let now = self.now_ms();
-        let mut cancelled = Vec::new();
-        for (index, c) in self.calls.iter_mut().enumerate() {
-            if c.stage.is_live() {
-                c.set(Stage::Cancelled);
-                c.end_ms.get_or_insert(now);
-                cancelled.push(RunEvent::Call {
-                    index: index as u64,
-                    label: c.label.clone(),
-                    group: c.group.clone(),
-                    state: Mark::Cancelled,
-                    attempt: None,
-                    detail: None,
-                });
-            }
-        }
-        for e in cancelled {
+        for e in self.book.cancel_live(now) {
             self.event(e);
         }
     }
@@ -172,12 +106,10 @@ impl RunEngine {
 
     /// Stops every live call with `failure` (unless its outcome is in already).
     pub(super) fn stop_live(&self, failure: CallFailure, message: &str) {
-        for (index, c) in self.calls.iter().enumerate() {
-            if c.stage.is_live() {
-                self.init
-                    .dispatch
-                    .stop_call(&self.run, index as u64, failure, message);
-            }
+        for index in self.book.live() {
+            self.init
+                .dispatch
+                .stop_call(&self.run, index, failure, message);
         }
     }
 }

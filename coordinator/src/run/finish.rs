@@ -6,7 +6,7 @@ use super::*;
 
 impl RunEngine {
     pub(super) fn journal_call(&mut self, index: u64) {
-        let Some(c) = self.calls.get(index as usize) else {
+        let Some(c) = self.book.get(index) else {
             return;
         };
         let record = CallRecord {
@@ -35,7 +35,7 @@ impl RunEngine {
         match ack {
             JournalAck::Durable(indices) => {
                 for index in indices {
-                    let Some(c) = self.calls.get_mut(index as usize) else {
+                    let Some(c) = self.book.get_mut(index) else {
                         continue;
                     };
                     if c.stage != Stage::Journaling {
@@ -126,23 +126,13 @@ impl RunEngine {
         if let Some(mut journal) = self.journal.take() {
             journal.close().await;
         }
+        let mut durable = Vec::new();
         while let Ok(ack) = ack_rx.try_recv() {
             if let JournalAck::Durable(indices) = ack {
-                for i in indices {
-                    if let Some(c) = self.calls.get_mut(i as usize)
-                        && c.stage == Stage::Journaling
-                    {
-                        c.set(Stage::Completed);
-                    }
-                }
+                durable.extend(indices);
             }
         }
-        for c in &mut self.calls {
-            if c.stage == Stage::Journaling {
-                c.set(Stage::Failed);
-                c.error = Some("the result could not be stored".into());
-            }
-        }
+        self.book.settle_journaling(durable);
         self.transcripts.close().await;
         let status = self.status;
         let error = self.error.clone();

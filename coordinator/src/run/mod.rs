@@ -14,6 +14,7 @@
 //! Start at [`RunEngine::run`].
 
 pub mod admit;
+mod book;
 mod budgets;
 mod calls;
 mod control;
@@ -36,7 +37,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus, Summary};
+use crate::report::{Report, ReportUsage, RunStatus, Summary};
 use crate::sched::{
     CallEvent, CallFailure, CallResult, DispatchHandle, Retry, RunRegistration, Ticket,
 };
@@ -48,6 +49,7 @@ use crate::store::records::{
 };
 use crate::store::{Store, keys};
 use crate::workflows::{WorkflowRef, WorkflowResolver};
+use book::{Call, CallBook};
 use resume::ResumeSource;
 
 /// How often the live snapshot is refreshed while something changes.
@@ -173,73 +175,15 @@ pub struct EngineInit {
     pub tasks: crate::tasks::Tasks,
 }
 
-struct Call {
-    script_id: u64,
-    key: String,
-    label: String,
-    group: String,
-    /// Its group's place in the run's groups (views count by it without a lookup).
-    group_at: usize,
-    model: String,
-    /// What the run holds of it: live (the dispatcher's), journaling, or how it ended.
-    stage: Stage,
-    /// View data from the dispatcher's events, not a state of the run's: an attempt of this
-    /// live call holds a worker now (its latest is `attempts`, on `worker`, since `start_ms`).
-    running: bool,
-    cached: bool,
-    cached_from: Option<String>,
-    attempts: u32,
-    start_ms: Option<u64>,
-    end_ms: Option<u64>,
-    error: Option<String>,
-    usage: UsageRecord,
-    live_tokens: u64,
-    /// The most its attempts' checkouts held.
-    disk_bytes: u64,
-    worker: Option<Arc<str>>,
-    /// Its result as JSON text: parsed again only by the script.
-    result: Option<RawJson>,
-    /// Why it waits although the run has room: no attached worker offers its backend.
-    waiting_for: Option<String>,
-    /// `isolation: 'worktree'`: its change stays on its branch, out of the head.
-    isolated: bool,
-    /// What it changed in the run's source, once applied to the head.
-    change: Option<crate::head::ChangeRecord>,
-    /// Served from this run's own journal (adopted): applied to the head, not journaled again.
-    own_journal: bool,
-    /// The call's trace span (`agent`), open until the call ends.
-    span: tracing::Span,
-}
-
-impl Call {
-    /// Moves along the run's part of the call lifecycle ([`Stage::allows`]).
-    fn set(&mut self, to: Stage) {
-        let moved = self.stage.go(to);
-        debug_assert!(
-            moved,
-            "call {:?} cannot go from {:?} to {:?}",
-            self.label, self.stage, to
-        );
-        if !to.is_live() {
-            self.running = false;
-        }
-    }
-}
-
 /// The engine of one run.
 pub struct RunEngine {
     init: EngineInit,
     run: Arc<str>,
     started: Instant,
     reply: ReplySink,
-    /// Boxed: a run of many calls grows this by doubling, and moving small pointers costs
-    /// far less than moving (and touching fresh pages for) whole calls.
-    #[allow(clippy::vec_box)]
-    calls: Vec<Box<Call>>,
+    /// Its calls and their groups.
+    book: CallBook,
     admitter: admit::Admitter,
-    groups: Vec<String>,
-    /// Position of each group title in `groups`.
-    group_index: HashMap<String, usize>,
     logs: Vec<String>,
     /// The logs as last published (cloned only when they change).
     published_logs: Arc<Vec<String>>,
@@ -321,14 +265,6 @@ impl RunEngine {
             init.generation,
             init.tasks.tracker(),
         );
-        let mut groups: Vec<String> = Vec::new();
-        let mut group_index = HashMap::new();
-        for p in &init.phases {
-            if !group_index.contains_key(p) {
-                group_index.insert(p.clone(), groups.len());
-                groups.push(p.clone());
-            }
-        }
         let span = tracing::info_span!(
             "run",
             workflow.run_id = %init.run_id,
@@ -341,10 +277,8 @@ impl RunEngine {
             run,
             started: Instant::now(),
             reply,
-            calls: Vec::new(),
+            book: CallBook::with_phases(&init.phases),
             admitter: admit::Admitter::default(),
-            groups,
-            group_index,
             logs: Vec::new(),
             published_logs: Arc::new(Vec::new()),
             failures: Vec::new(),
@@ -473,7 +407,7 @@ impl RunEngine {
             status: "running".into(),
             error: None,
         });
-        for g in self.groups.clone() {
+        for g in self.book.groups().to_vec() {
             self.event(RunEvent::Group { title: g });
         }
         let warnings = self
@@ -630,15 +564,12 @@ impl RunEngine {
 
     /// The place of group `title`, added (and told) when it is new.
     fn ensure_group(&mut self, title: &str) -> usize {
-        if let Some(&at) = self.group_index.get(title) {
-            return at;
+        let (at, new) = self.book.group(title);
+        if new {
+            self.event(RunEvent::Group {
+                title: title.to_owned(),
+            });
         }
-        let at = self.groups.len();
-        self.group_index.insert(title.to_owned(), at);
-        self.groups.push(title.to_owned());
-        self.event(RunEvent::Group {
-            title: title.to_owned(),
-        });
         at
     }
 

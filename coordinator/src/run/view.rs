@@ -9,14 +9,6 @@ impl RunEngine {
             return;
         }
         self.dirty = false;
-        let mut groups: Vec<GroupProgress> = self
-            .groups
-            .iter()
-            .map(|t| GroupProgress {
-                title: t.clone(),
-                ..GroupProgress::default()
-            })
-            .collect();
         let mut summary = Summary {
             status: self.status,
             elapsed_ms: self.now_ms(),
@@ -30,33 +22,10 @@ impl RunEngine {
                 .problem()
                 .or_else(|| self.still_stopping())
                 .or_else(|| self.waiting.clone())
-                .or_else(|| self.no_worker_summary()),
+                .or_else(|| self.book.no_worker_summary()),
             ..Summary::default()
         };
-        for c in &self.calls {
-            summary.agents += 1;
-            match c.stage {
-                Stage::Completed | Stage::Journaling => summary.done += 1,
-                Stage::Failed => summary.failed += 1,
-                Stage::Cancelled => summary.cancelled += 1,
-                Stage::Live if c.running => summary.running += 1,
-                Stage::Live => summary.queued += 1,
-            }
-            if c.cached {
-                summary.cached += 1;
-            }
-            let Some(g) = groups.get_mut(c.group_at) else {
-                continue;
-            };
-            g.total += 1;
-            g.output_tokens += c.usage.output_tokens.max(c.live_tokens);
-            match c.stage {
-                Stage::Completed | Stage::Journaling => g.done += 1,
-                Stage::Failed | Stage::Cancelled => g.failed += 1,
-                Stage::Live if c.running => g.running += 1,
-                Stage::Live => {}
-            }
-        }
+        let groups = self.book.progress(&mut summary);
         let snap = Snapshot {
             run_id: self.init.run_id.clone(),
             workflow: self.init.workflow.clone(),
@@ -71,13 +40,6 @@ impl RunEngine {
             since: Some(self.started),
         };
         let _ = self.snapshot.send(Arc::new(snap));
-    }
-
-    /// What the calls that no attached worker can run wait for, in one line.
-    pub(super) fn no_worker_summary(&self) -> Option<String> {
-        let mut waiting = self.calls.iter().filter_map(|c| c.waiting_for.as_ref());
-        let first = waiting.next()?;
-        Some(Summary::agents_wait(first, 1 + waiting.count() as u64))
     }
 
     /// While a stopped run waits for its agents to leave their workers: how many are left.
@@ -97,11 +59,6 @@ impl RunEngine {
     /// them cancelled.
     pub(super) fn report_with(&self, live: bool) -> Report {
         let mut usage = ReportUsage {
-            agents: self.calls.len() as u64,
-            // Each call's attempts are numbered from 1: the highest is how many it took, also
-            // across a failover (an attempt taken over keeps its number, and calls served
-            // from the run's own journal bring theirs).
-            attempts: self.calls.iter().map(|c| u64::from(c.attempts)).sum(),
             input_tokens: self.budgets.used().input_tokens,
             output_tokens: self.budgets.used().output_tokens,
             cost_usd: self.budgets.used().cost_usd,
@@ -109,48 +66,8 @@ impl RunEngine {
             waits: self.waits,
             ..ReportUsage::default()
         };
-        let mut agents = Vec::with_capacity(self.calls.len());
-        for (i, c) in self.calls.iter().enumerate() {
-            if c.cached {
-                usage.cached += 1;
-            } else if c.attempts > 0 {
-                usage.dispatched += 1;
-            }
-            if c.stage == Stage::Failed {
-                usage.errors += 1;
-            }
-            agents.push(AgentReport {
-                label: c.label.clone(),
-                group: c.group.clone(),
-                status: c.stage.status(c.running, live),
-                attempts: c.attempts,
-                cached: c.cached,
-                start_ms: c.start_ms,
-                end_ms: c.end_ms,
-                error: c.error.clone(),
-                index: i as u64,
-                key: c.key.clone(),
-                model: c.model.clone(),
-                input_tokens: c.usage.input_tokens,
-                output_tokens: c.usage.output_tokens,
-                disk_bytes: c.disk_bytes,
-                waiting: if live { c.waiting_for.clone() } else { None },
-            });
-        }
-        let mut groups: Vec<GroupReport> = self
-            .groups
-            .iter()
-            .map(|t| GroupReport {
-                title: t.clone(),
-                agents: Vec::new(),
-                agents_omitted: 0,
-            })
-            .collect();
-        for c in &self.calls {
-            if let Some(g) = groups.get_mut(c.group_at) {
-                g.agents.push(c.label.clone());
-            }
-        }
+        let agents = self.book.agent_reports(live, &mut usage);
+        let groups = self.book.group_reports();
         Report {
             run_id: self.init.run_id.clone(),
             status: self.status,
@@ -188,18 +105,12 @@ impl RunEngine {
             store: Some(self.init.store.url.clone()),
             agents_omitted: 0,
             changes: self.head_watch.as_ref().map(|head| {
-                let of = |f: &dyn Fn(&crate::head::ChangeRecord) -> bool| {
-                    self.calls
-                        .iter()
-                        .filter_map(|c| c.change.as_ref())
-                        .filter(|r| f(r))
-                        .count() as u64
-                };
+                let of = |f: fn(&crate::head::ChangeRecord) -> bool| self.book.changes_where(f);
                 crate::report::ChangesSummary {
-                    merged: of(&|r| r.head_after.is_some()),
-                    isolated: of(&|r| r.isolated),
-                    conflicted: of(&|r| !r.conflicts.is_empty()),
-                    refused: of(&|r| r.refused.is_some()),
+                    merged: of(|r| r.head_after.is_some()),
+                    isolated: of(|r| r.isolated),
+                    conflicted: of(|r| !r.conflicts.is_empty()),
+                    refused: of(|r| r.refused.is_some()),
                     head: head.borrow().clone(),
                     apply: format!("flotilla apply {}", self.init.run_id),
                 }

@@ -984,6 +984,7 @@ fn layering_types_that_own_state_keep_their_fields_private() {
         ("coordinator/src/sched/affinity.rs", "Affinity"),
         ("coordinator/src/sched/transfers.rs", "SourceServer"),
         ("coordinator/src/run/budgets.rs", "Budgets"),
+        ("coordinator/src/run/book.rs", "CallBook"),
         ("coordinator/src/sched/watchdog.rs", "Watchdog"),
         ("coordinator/src/sched/fencing.rs", "Fence"),
         ("coordinator/src/tasks.rs", "Tasks"),
