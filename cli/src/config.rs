@@ -230,6 +230,8 @@ pub struct ConfigFile {
     pub listen: Option<std::net::SocketAddr>,
     /// Coordinator: session page address.
     pub http: Option<std::net::SocketAddr>,
+    /// Coordinator: the operator listener's address (`/metrics`, no sign-in).
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Coordinator: etcd endpoints.
     #[serde(default)]
     pub etcd: Vec<String>,

@@ -26,8 +26,8 @@ pub use crate::notify::{Notifier, stored as delivery_of};
 pub use crate::api::{LaunchPolicy, ServerOptions, serve as serve_grpc};
 pub use crate::listen::{ConnLimits, Limited};
 pub use crate::web::{
-    Access, TokenKey, WebOptions, new_page_key, router as pages_router, serve as serve_pages,
-    serve_router as serve_pages_router,
+    Access, TokenKey, WebOptions, metrics_router, new_page_key, router as pages_router,
+    serve as serve_pages, serve_metrics, serve_router as serve_pages_router,
 };
 
 // Stored runs: reading them back, listing them, and retention.

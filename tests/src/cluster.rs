@@ -819,7 +819,7 @@ pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> V
 }
 
 /// `text` with everything but unreserved characters percent-encoded (for a query value).
-fn percent_encode(text: &str) -> String {
+pub fn percent_encode(text: &str) -> String {
     text.bytes()
         .map(|b| {
             if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {

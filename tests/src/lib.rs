@@ -341,6 +341,18 @@ impl HttpResponse {
     }
 }
 
+/// Polls `what` every 50 ms for at most `secs` seconds; whether it came true.
+pub fn eventually(secs: u64, mut what: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < deadline {
+        if what() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    what()
+}
+
 /// `GET path` on 127.0.0.1:`port` with extra header lines; no redirects followed.
 pub fn http_get(port: u16, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
     http_request(port, "GET", path, headers, None)

@@ -391,3 +391,96 @@ impl Drop for S3 {
         }
     }
 }
+
+/// A Prometheus server (Debian `prometheus`) on a free loopback port, scraping loopback
+/// targets every second.
+pub struct Prometheus {
+    _dir: tempfile::TempDir,
+    pub port: u16,
+    child: Child,
+}
+
+impl Prometheus {
+    /// Starts Prometheus scraping `targets` (job name, `/metrics` port on 127.0.0.1) and
+    /// waits until it answers.
+    pub fn start(targets: &[(&str, u16)]) -> Prometheus {
+        let bin = find("prometheus", "apt-get install prometheus");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut config =
+            String::from("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n");
+        for (job, port) in targets {
+            config.push_str(&format!(
+                "  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
+            ));
+        }
+        let config_path = dir.path().join("prometheus.yml");
+        std::fs::write(&config_path, config).expect("write prometheus.yml");
+        let port = free_port();
+        let child = Command::new(bin)
+            .arg(format!("--config.file={}", config_path.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--log.level=warn")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("prometheus.log")).expect("log"))
+            .spawn()
+            .expect("start prometheus");
+        let p = Prometheus {
+            _dir: dir,
+            port,
+            child,
+        };
+        assert!(
+            crate::eventually(30, || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    && crate::http_get(port, "/-/ready", &[]).status == 200
+            }),
+            "prometheus never became ready; its log:\n{}",
+            p.log()
+        );
+        p
+    }
+
+    /// What Prometheus logged.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("prometheus.log")).unwrap_or_default()
+    }
+
+    /// The result vector of an instant query (empty when nothing matches yet).
+    pub fn query(&self, promql: &str) -> Vec<serde_json::Value> {
+        let path = format!(
+            "/api/v1/query?query={}",
+            crate::cluster::percent_encode(promql)
+        );
+        let r = crate::http_get(self.port, &path, &[]);
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+        assert_ne!(v["status"], "error", "query {promql}: {}", r.body);
+        v["data"]["result"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Waits until `promql` returns something (Prometheus scraped it), and returns it.
+    pub fn wait_for(&self, promql: &str) -> Vec<serde_json::Value> {
+        let mut last = Vec::new();
+        let found = crate::eventually(60, || {
+            last = self.query(promql);
+            !last.is_empty()
+        });
+        assert!(
+            found,
+            "Prometheus has no data for {promql}; its targets: {}\nits log:\n{}",
+            crate::http_get(self.port, "/api/v1/targets", &[]).body,
+            self.log()
+        );
+        last
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

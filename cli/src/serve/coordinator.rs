@@ -26,6 +26,11 @@ pub struct CoordinatorArgs {
     /// Address of the session pages (session URLs point here) [default: 127.0.0.1:7080].
     #[arg(long, env = "FLOTILLA_HTTP")]
     http: Option<SocketAddr>,
+    /// Operator listener: `GET /metrics` of every namespace with no session token, for
+    /// Prometheus and the autoscaler. Bind it to a private address only your scraper reaches
+    /// (it serves nothing else: no run, page or control). Off unless given.
+    #[arg(long, env = "FLOTILLA_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -214,6 +219,8 @@ async fn lease_store(a: &Settings, own: Option<&TlsFiles>) -> Result<Arc<dyn Lea
 struct Settings {
     listen: SocketAddr,
     http: SocketAddr,
+    /// The operator listener's address (`--metrics-listen`), if any.
+    metrics_listen: Option<SocketAddr>,
     store_url: String,
     etcd: Vec<String>,
     /// CA, certificate and key for an https:// etcd (the coordinator's own files if unset).
@@ -322,6 +329,7 @@ impl Settings {
                 .http
                 .or(file.http)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7080))),
+            metrics_listen: a.metrics_listen.or(file.metrics_listen),
             store_url: config::store_url(a.store.clone().or_else(|| file.store.clone())),
             etcd: if a.etcd.is_empty() {
                 file.etcd.clone()
@@ -603,6 +611,11 @@ fn announce(s: &Settings, opts: &ServerOptions) {
             "no sign-in: --insecure"
         }
     );
+    if let Some(at) = s.metrics_listen {
+        eprintln!(
+            "operator metrics on http://{at}/metrics (every namespace, no sign-in: only your scraper should reach this address)"
+        );
+    }
 }
 
 /// Serves gRPC and the pages until a signal, a lost lease or a failed listener ends it.
@@ -625,6 +638,21 @@ async fn serve_until_stopped(
         },
         cancel.clone(),
     ));
+    let metrics = s.metrics_listen.map(|at| {
+        tasks.spawn(flotilla_coordinator::host::serve_metrics(
+            coordinator.clone(),
+            registry.clone(),
+            at,
+            s.limits,
+            cancel.clone(),
+        ))
+    });
+    let metrics = async move {
+        match metrics {
+            Some(m) => m.await,
+            None => std::future::pending().await,
+        }
+    };
     let serving = tasks.spawn(host::serve_grpc(
         coordinator.clone(),
         registry.clone(),
@@ -660,6 +688,7 @@ async fn serve_until_stopped(
         _ = lost.cancelled() => after_lapse(&coordinator).await,
         r = serving => ended(r),
         r = pages => ended(r),
+        r = metrics => ended(r),
     };
     cancel.cancel();
     tasks.close();

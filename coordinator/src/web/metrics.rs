@@ -20,6 +20,17 @@ pub(super) async fn metrics(State(web): State<Web>, headers: HeaderMap) -> Respo
         Ok(s) => s,
         Err(why) => return refuse(why, true),
     };
+    exposition(&web, &scope).await
+}
+
+/// The operator listener's `/metrics` (`--metrics-listen`): every namespace, no sign-in; who
+/// can reach it is the listener's address.
+pub(super) async fn operator_metrics(State(web): State<Web>) -> Response {
+    exposition(&web, &crate::namespace::Scope::All).await
+}
+
+/// The exposition of the figures `scope` may see.
+async fn exposition(web: &Web, scope: &crate::namespace::Scope) -> Response {
     let tracked = Tracked::of(
         web.registry
             .all()

@@ -97,6 +97,39 @@ pub async fn serve(
     Ok(())
 }
 
+/// Serves the operator listener (`--metrics-listen`) until `cancel` fires: `GET /metrics`
+/// with every namespace's figures and no sign-in, and nothing else — no run, page or control
+/// is reachable on it. Who may scrape it is decided by the address it is bound to.
+pub async fn serve_metrics(
+    coordinator: Arc<Coordinator>,
+    registry: Arc<RunRegistry>,
+    listen: SocketAddr,
+    limits: crate::listen::ConnLimits,
+    cancel: CancellationToken,
+) -> Result<(), Problem> {
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+        Problem::unavailable(format!(
+            "cannot serve operator metrics on {listen}: {e} (choose another --metrics-listen address)"
+        ))
+    })?;
+    let listener = crate::listen::Limited::new(listener, limits);
+    serve_router(listener, metrics_router(coordinator, registry), cancel).await;
+    Ok(())
+}
+
+/// The operator listener's one route (public for tests).
+pub fn metrics_router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>) -> Router {
+    let web = Web {
+        coordinator,
+        registry,
+        // Never consulted: the one route takes no sign-in.
+        access: Access::Loopback { port: 0 },
+    };
+    Router::new()
+        .route("/metrics", get(metrics::operator_metrics))
+        .with_state(web)
+}
+
 /// Readiness (for a load balancer or Kubernetes): its role and its store, 503 unless both
 /// are well. Says nothing about runs, so it needs no sign-in.
 async fn healthz(State(web): State<Web>) -> Response {

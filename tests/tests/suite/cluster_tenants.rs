@@ -36,17 +36,7 @@ fn repo(dir: &Path) {
     commit_all(dir, "code");
 }
 
-/// Polls `what` every 50 ms for at most `secs` seconds.
-fn eventually(secs: u64, mut what: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    while std::time::Instant::now() < deadline {
-        if what() {
-            return true;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    what()
-}
+use flotilla_tests::eventually;
 
 /// The script of a run whose agents each run `probe` with one of `cwds`, as JSON: every
 /// agent's text, or `REJECTED code message` when its call is refused.

@@ -216,6 +216,18 @@ fn the_manifests_run_the_binary_with_flags_it_takes() {
             })
             .collect();
         assert_eq!(args[0], role, "{file}: {args:?}");
+        // What Prometheus is told to scrape is the operator listener, which needs no token.
+        if let Some(port) = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("prometheus.io/port: "))
+        {
+            let port = port.trim_matches('"');
+            assert!(
+                args.iter()
+                    .any(|a| a.starts_with("--metrics-listen=") && a.ends_with(&format!(":{port}"))),
+                "{file}: prometheus.io/port {port} is not the --metrics-listen port: {args:?}"
+            );
+        }
         let mut cmd = Command::new(flotilla_tests::binary());
         cmd.args(&args).env("FLOTILLA_STORE", "memory://");
         let out = run_with_timeout(cmd, Duration::from_secs(30));

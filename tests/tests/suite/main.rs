@@ -35,6 +35,7 @@ mod mcp;
 mod models;
 mod namespaces;
 mod openai;
+mod operators;
 mod resume;
 mod script;
 mod sources;
