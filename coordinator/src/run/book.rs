@@ -58,6 +58,38 @@ pub(super) struct Call {
 }
 
 impl Call {
+    /// A live call of the script's `script_id`, named `label`, that has not started: no
+    /// attempt, usage, result or change yet. Its key, group, model and isolation are the
+    /// caller's to fill in.
+    pub(super) fn new(script_id: u64, label: String, span: tracing::Span) -> Call {
+        Call {
+            span,
+            script_id,
+            key: String::new(),
+            label,
+            group: String::new(),
+            group_at: 0,
+            model: String::new(),
+            stage: Stage::Live,
+            running: false,
+            cached: false,
+            cached_from: None,
+            attempts: 0,
+            start_ms: None,
+            end_ms: None,
+            error: None,
+            usage: UsageRecord::default(),
+            live_tokens: 0,
+            disk_bytes: 0,
+            worker: None,
+            result: None,
+            waiting_for: None,
+            isolated: false,
+            change: None,
+            own_journal: false,
+        }
+    }
+
     /// Moves along the run's part of the call lifecycle ([`Stage::allows`]).
     pub(super) fn set(&mut self, to: Stage) {
         let moved = self.stage.go(to);
@@ -364,30 +396,8 @@ mod tests {
 
     fn call(label: &str, group_at: usize) -> Call {
         Call {
-            script_id: 0,
-            key: String::new(),
-            label: label.into(),
-            group: String::new(),
             group_at,
-            model: String::new(),
-            stage: Stage::Live,
-            running: false,
-            cached: false,
-            cached_from: None,
-            attempts: 0,
-            start_ms: None,
-            end_ms: None,
-            error: None,
-            usage: UsageRecord::default(),
-            live_tokens: 0,
-            disk_bytes: 0,
-            worker: None,
-            result: None,
-            waiting_for: None,
-            isolated: false,
-            change: None,
-            own_journal: false,
-            span: tracing::Span::none(),
+            ..Call::new(0, label.into(), tracing::Span::none())
         }
     }
 

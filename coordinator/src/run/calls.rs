@@ -93,30 +93,12 @@ impl RunEngine {
             outcome = tracing::field::Empty,
         );
         Call {
-            span,
-            script_id: id,
             key: a.key.clone(),
-            label: a.spec.label.clone(),
             group: a.group.clone(),
             group_at,
             model: a.spec.model.clone(),
-            stage: Stage::Live,
-            running: false,
-            cached: false,
-            cached_from: None,
-            attempts: 0,
-            start_ms: None,
-            end_ms: None,
-            error: None,
-            usage: UsageRecord::default(),
-            live_tokens: 0,
-            disk_bytes: 0,
-            worker: None,
-            result: None,
-            waiting_for: None,
             isolated: a.spec.isolation == "worktree",
-            change: None,
-            own_journal: false,
+            ..Call::new(id, a.spec.label.clone(), span)
         }
     }
 
