@@ -230,7 +230,7 @@ pub struct ConfigFile {
     pub listen: Option<std::net::SocketAddr>,
     /// Coordinator: session page address.
     pub http: Option<std::net::SocketAddr>,
-    /// Coordinator: the operator listener's address (`/metrics`, no sign-in).
+    /// Coordinator and worker: the operator listener's address (`/metrics`, no sign-in).
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Coordinator: etcd endpoints.
     #[serde(default)]

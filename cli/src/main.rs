@@ -37,9 +37,18 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use flotilla_proto::wire::{Report, RunStatus};
 
+/// `0.1.0 (commit 1a2b3c4d5e6f)`: the version and the commit it was built from.
+static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{} (commit {})",
+        env!("CARGO_PKG_VERSION"),
+        flotilla_proto::build::commit()
+    )
+});
+
 /// Run dynamic workflows (Claude Code `Workflow` scripts) locally or on a fleet.
 #[derive(Debug, Parser)]
-#[command(name = "flotilla", version, about, long_about = None)]
+#[command(name = "flotilla", version = VERSION.as_str(), about, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -244,6 +253,7 @@ impl Command {
 fn main() -> ExitCode {
     // A coordinator or worker that `flotilla dev` started ends with it.
     dev::exit_with_parent();
+    flotilla_proto::build::set_commit(env!("FLOTILLA_COMMIT"));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // A bad flag of a command asked for JSON is a refusal like any other.

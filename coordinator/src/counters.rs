@@ -1,8 +1,16 @@
 //! Process-wide counters and histograms for `/metrics` (Prometheus text format), fed by the
-//! dispatcher, the worker leases and the object store. Plain atomics: recording is a few
-//! relaxed adds on hot paths, and nothing here locks.
+//! dispatcher, the worker leases, the runs and the object store. Those on hot paths are plain
+//! atomics (a few relaxed adds, no lock); the labeled families (attempts by outcome, durations,
+//! usage by namespace, workflow and model) are touched once per attempt or run.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+use flotilla_proto::usage::UsageRecord;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 
 pub use flotilla_proto::histogram::Histogram;
 use flotilla_proto::histogram::LATENCY_SECONDS as LATENCY;
@@ -36,4 +44,130 @@ pub fn inc(c: &AtomicU64) {
 
 pub fn get(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
+}
+
+/// Times this coordinator won the leader's seat (a standby taking over counts one).
+pub static LEADER_WINS: AtomicU64 = AtomicU64::new(0);
+
+type Labels = flotilla_proto::exposition::Labels;
+type Seconds = prometheus_client::metrics::histogram::Histogram;
+type SecondsFamily = Family<Labels, Seconds, fn() -> Seconds>;
+
+/// Attempts that ended, by outcome (`completed`, `failed`, `stalled`, `lost`) and failure
+/// class (the worker's failure kind; empty when it completed).
+pub static ATTEMPTS: LazyLock<Family<Labels, Counter>> = LazyLock::new(Family::default);
+/// How long ended attempts held their worker slot, by outcome.
+pub static ATTEMPT_SECONDS: LazyLock<SecondsFamily> =
+    LazyLock::new(|| Family::new_with_constructor(|| Seconds::new(LONG.iter().copied())));
+/// How long finished runs took, launch to end, by status.
+pub static RUN_SECONDS: LazyLock<SecondsFamily> =
+    LazyLock::new(|| Family::new_with_constructor(|| Seconds::new(LONGER.iter().copied())));
+/// Tokens and cost by namespace, workflow and model, since the coordinator started.
+pub static USAGE: LazyLock<Mutex<Usage>> = LazyLock::new(Default::default);
+
+/// Attempts last seconds to an hour.
+const LONG: &[f64] = &[
+    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+];
+/// Runs last seconds to a day.
+const LONGER: &[f64] = &[
+    1.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0,
+];
+
+/// An attempt ended: `class` names its failure (`""` when it completed).
+pub fn attempt_ended(outcome: &'static str, class: &'static str, held: Duration) {
+    ATTEMPTS
+        .get_or_create(&vec![("outcome", outcome.into()), ("class", class.into())])
+        .inc();
+    ATTEMPT_SECONDS
+        .get_or_create(&vec![("outcome", outcome.into())])
+        .observe(held.as_secs_f64());
+}
+
+/// A run ended with `status` after `took`.
+pub fn run_ended(status: &'static str, took: Duration) {
+    RUN_SECONDS
+        .get_or_create(&vec![("status", status.into())])
+        .observe(took.as_secs_f64());
+}
+
+/// The usage counters' rows: one per namespace, workflow and model, up to [`Usage::MAX_ROWS`];
+/// past that a namespace's new workflows count under `(other)`, so a tenant that names a
+/// workflow per run cannot grow the coordinator's memory or the scrape without end.
+#[derive(Debug, Default)]
+pub struct Usage {
+    rows: BTreeMap<(String, String, String), UsageRecord>,
+}
+
+impl Usage {
+    pub const MAX_ROWS: usize = 2000;
+    pub const OTHER: &str = "(other)";
+
+    /// Counts what an attempt of a run of `workflow` in `namespace` used of `model`.
+    pub fn add(&mut self, namespace: &str, workflow: &str, model: &str, u: &UsageRecord) {
+        let model = if model.is_empty() { "default" } else { model };
+        let mut key = (namespace.to_owned(), workflow.to_owned(), model.to_owned());
+        if !self.rows.contains_key(&key) && self.rows.len() >= Self::MAX_ROWS {
+            key.1 = Self::OTHER.to_owned();
+        }
+        self.rows.entry(key).or_default().add(u);
+    }
+
+    /// The rows `shown` lets through: (namespace, workflow, model) and their totals.
+    pub fn rows(
+        &self,
+        shown: impl Fn(&str) -> bool,
+    ) -> Vec<(&(String, String, String), &UsageRecord)> {
+        self.rows
+            .iter()
+            .filter(|((ns, _, _), _)| shown(ns))
+            .collect()
+    }
+}
+
+/// Counts an attempt's usage (see [`Usage`]).
+pub fn used(namespace: &str, workflow: &str, model: &str, u: &UsageRecord) {
+    USAGE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .add(namespace, workflow, model, u);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_rows_add_up_and_stop_growing_at_the_cap() {
+        let mut u = Usage::default();
+        let one = UsageRecord {
+            input_tokens: 10,
+            output_tokens: 1,
+            cost_usd: 0.5,
+            ..UsageRecord::default()
+        };
+        u.add("a", "w", "", &one);
+        u.add("a", "w", "", &one);
+        let rows = u.rows(|_| true);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].0.2, "default");
+        assert_eq!(rows[0].1.input_tokens, 20);
+        for i in 0..Usage::MAX_ROWS + 50 {
+            u.add("b", &format!("w{i}"), "m", &one);
+        }
+        assert_eq!(u.rows(|_| true).len(), Usage::MAX_ROWS + 1);
+        let other = u
+            .rows(|ns| ns == "b")
+            .into_iter()
+            .find(|(k, _)| k.1 == Usage::OTHER)
+            .expect("workflows past the cap count under (other)");
+        assert_eq!(other.1.input_tokens, 10 * 51);
+        assert!(
+            u.rows(|ns| ns == "a").len() == 1,
+            "namespace a keeps its own row"
+        );
+        // A known row still counts where it is.
+        u.add("a", "w", "", &one);
+        assert_eq!(u.rows(|ns| ns == "a")[0].1.input_tokens, 30);
+    }
 }

@@ -475,6 +475,7 @@ async fn campaign(
         match won {
             Ok(Some(_)) => {
                 tracing::info!(address = %me.advertise, "this coordinator leads");
+                crate::counters::inc(&crate::counters::LEADER_WINS);
                 // Namespaces' daily use is counted afresh from the store: what this one
                 // counted when it led before may be stale.
                 if let Some(q) = coordinator.quotas() {

@@ -1,5 +1,5 @@
 //! A Prometheus histogram of durations in plain atomics: recording is a few relaxed adds on
-//! hot paths and never locks; [`Histogram::render`] writes the text exposition format. The
+//! hot paths and never locks; [`Histogram::snapshot`] is what an exposition encoder writes out. The
 //! coordinator's counters and its object store's write meter both keep theirs in one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,21 +42,21 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
-    /// The histogram's lines: cumulative buckets, sum and count.
-    pub fn render(&self, name: &str, help: &str) -> String {
-        let mut out = format!("# HELP {name} {help}\n# TYPE {name} histogram\n");
-        let mut total = 0;
-        for (i, b) in self.bounds.iter().enumerate() {
-            total += self.buckets[i].load(Ordering::Relaxed);
-            out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {total}\n"));
-        }
-        total += self.buckets[self.bounds.len()].load(Ordering::Relaxed);
-        out.push_str(&format!("{name}_bucket{{le=\"+Inf\"}} {total}\n"));
-        out.push_str(&format!(
-            "{name}_sum {}\n{name}_count {total}\n",
-            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
-        ));
-        out
+    /// What it holds now: each bucket's own count (not cumulative) by upper bound, the last
+    /// one `+Inf`; the sum of observations in seconds; their count. An exposition encoder
+    /// (`prometheus-client`'s) writes them out.
+    pub fn snapshot(&self) -> (Vec<(f64, u64)>, f64, u64) {
+        let buckets: Vec<(f64, u64)> = self
+            .bounds
+            .iter()
+            .copied()
+            .chain([f64::INFINITY])
+            .zip(&self.buckets)
+            .map(|(b, n)| (b, n.load(Ordering::Relaxed)))
+            .collect();
+        let count = buckets.iter().map(|(_, n)| n).sum();
+        let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+        (buckets, sum, count)
     }
 }
 
@@ -70,16 +70,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_are_cumulative_and_sum_in_seconds() {
+    fn each_bucket_keeps_its_own_count_and_the_sum_is_in_seconds() {
         static H: Histogram = Histogram::new(&[0.01, 0.1]);
         H.observe(Duration::from_millis(5));
         H.observe(Duration::from_millis(50));
         H.observe(Duration::from_secs(2));
-        let text = H.render("x", "help");
-        assert!(text.contains("x_bucket{le=\"0.01\"} 1\n"), "{text}");
-        assert!(text.contains("x_bucket{le=\"0.1\"} 2\n"), "{text}");
-        assert!(text.contains("x_bucket{le=\"+Inf\"} 3\n"), "{text}");
-        assert!(text.contains("x_sum 2.055\n"), "{text}");
-        assert!(text.contains("x_count 3\n"), "{text}");
+        let (buckets, sum, count) = H.snapshot();
+        assert_eq!(
+            buckets,
+            vec![(0.01, 1), (0.1, 1), (f64::INFINITY, 1)],
+            "each bucket its own count"
+        );
+        assert!((sum - 2.055).abs() < 1e-9, "{sum}");
+        assert_eq!(count, 3);
     }
 }

@@ -14,6 +14,7 @@
 //! Start with `proto/flotilla.proto`.
 
 pub mod clock;
+pub mod exposition;
 pub mod frag;
 pub mod histogram;
 pub mod link;
@@ -25,6 +26,27 @@ pub mod tls;
 pub mod usage;
 pub mod wire;
 pub use problem::Problem;
+
+/// Which build this process runs, for `--version` and the `build_info` metrics.
+pub mod build {
+    use std::sync::OnceLock;
+
+    static COMMIT: OnceLock<&'static str> = OnceLock::new();
+
+    /// The binary records its commit at startup (its build script reads it from git).
+    pub fn set_commit(commit: &'static str) {
+        let _ = COMMIT.set(commit);
+    }
+
+    /// The commit, or `unknown` (built outside a git checkout, or a library's tests).
+    pub fn commit() -> &'static str {
+        COMMIT
+            .get()
+            .copied()
+            .filter(|c| !c.is_empty())
+            .unwrap_or("unknown")
+    }
+}
 
 /// Generated protocol types, version 1.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]

@@ -5,6 +5,7 @@
 //!   free slots, progress and transcript events, one outcome per assignment, cancels.
 //! - [`workspace`]: per-call working directories confined to the workspace root.
 //! - [`source`]: run sources fetched through the link into a cache, a checkout per call.
+//! - [`metrics`]: the worker's figures on its operator listener (`--metrics-listen`).
 //!
 //! **Architecture invariant:** a worker talks only to its coordinator link — never to etcd or
 //! object storage. Start reading at [`worker::Worker::run`].
@@ -13,6 +14,7 @@ pub mod backend;
 pub mod failure;
 pub mod gateway;
 pub mod limits;
+pub mod metrics;
 pub mod remote;
 pub mod sandbox;
 pub mod seccomp;

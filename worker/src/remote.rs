@@ -33,6 +33,9 @@ pub struct RemoteOptions {
     pub endpoint: String,
     /// `None`: plain text.
     pub tls: Option<TlsFiles>,
+    /// The operator listener's address (`--metrics-listen`), served once the worker's
+    /// certificates are read.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// Errors that end the worker instead of a retry.
@@ -70,6 +73,12 @@ pub async fn serve(
                 .map_err(|p| Error::Connect(p.message))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(at) = opts.metrics_listen {
+        crate::metrics::serve(at, cancel.clone())
+            .await
+            .map_err(|p| Error::Connect(p.message))?;
+        tracing::info!("operator metrics on http://{at}/metrics");
+    }
     let (links_tx, links_rx) = mpsc::unbounded_channel();
     // `cancel` stops the worker: it interrupts what it runs and sends those outcomes (with
     // what each attempt left, W58) on the link it has; the link goes only then, or after
@@ -139,6 +148,7 @@ async fn connect_loop(
             }
             Err(status) => {
                 at += 1;
+                crate::metrics::LINK_FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // A conflict (`FailedPrecondition`) is also how the coordinator says another
                 // worker process is attached under this name. That one keeps serving; this one
                 // stops with the reason rather than retry, so its supervisor shows it failed (a
@@ -195,6 +205,22 @@ pub async fn link_over(
     Some((link, carried))
 }
 
+/// `flotilla_worker_attached` is 1 while one of these lives.
+struct Attached;
+
+impl Attached {
+    fn now() -> Attached {
+        crate::metrics::ATTACHED.store(1, std::sync::atomic::Ordering::Relaxed);
+        Attached
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        crate::metrics::ATTACHED.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// One connection: hands the worker a link and carries it until the stream ends.
 async fn attach_once(
     channel: Channel,
@@ -222,6 +248,8 @@ async fn attach_once(
     let call = async move {
         let mut inbound = client.attach(frames_rx).await?.into_inner();
         tracing::info!("attached to the coordinator");
+        crate::metrics::LINKS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let _up = Attached::now();
         let mut pieces = frag::Reassembler::default();
         while let Some(msg) = inbound.next().await {
             match pieces.push(msg?) {

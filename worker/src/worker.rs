@@ -128,6 +128,11 @@ impl Worker {
         // Without entropy every worker of this name is one incarnation, as before the field
         // existed: they take each other's place instead of being refused.
         let _ = getrandom::fill(&mut bytes);
+        crate::metrics::SLOTS.store(i64::from(opts.slots), std::sync::atomic::Ordering::Relaxed);
+        crate::metrics::SANDBOXED.store(
+            i64::from(!matches!(opts.sandbox, crate::sandbox::Sandbox::Off)),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Worker {
             opts,
             incarnation: hex::encode(bytes),
@@ -622,9 +627,15 @@ async fn run_attempt(
         link,
         events,
     };
+    let mut counted = crate::metrics::Running::start();
     let outcome = run_attempt_in(at, backend, sink, cancel)
         .instrument(span.clone())
         .await;
+    counted.ended = match &outcome.result {
+        Some(outcome::Result::Completed(_)) => ("completed", ""),
+        Some(outcome::Result::Failure(f)) => ("failed", crate::metrics::failure_class(f.kind)),
+        None => ("failed", "transient"),
+    };
     span.record(
         "outcome",
         match &outcome.result {
@@ -1032,34 +1043,41 @@ fn preparing(spec: &v1::TaskSpec) -> bool {
 async fn prepare(at: &Attempt, most: Duration) -> Result<Option<crate::worktree::Worktree>, Error> {
     let (a, spec, events, link) = (&at.a, &at.spec, &at.events, &at.link);
     let (workspace, sources) = (&at.parts.workspace, &*at.parts.sources);
-    if preparing(spec) {
+    let made = preparing(spec);
+    if made {
         events.progress(ProgressKind::Preparing, 0);
     }
-    match tokio::time::timeout(
-        most,
-        checkout_for(a, spec, workspace, sources, link, events),
-    )
-    .await
-    {
-        Ok(Err(e)) if e.kind == FailureKind::Retryable => Err(Error {
-            kind: FailureKind::Setup,
-            ..e
-        }),
-        Ok(r) => r,
+    let started = std::time::Instant::now();
+    let checkout = checkout_for(a, spec, workspace, sources, link, events);
+    let (r, result) = match tokio::time::timeout(most, checkout).await {
+        Ok(Err(e)) if e.kind == FailureKind::Retryable => (
+            Err(Error {
+                kind: FailureKind::Setup,
+                ..e
+            }),
+            "failed",
+        ),
+        Ok(Err(e)) => (Err(e), "failed"),
+        Ok(Ok(w)) => (Ok(w), "made"),
         Err(_) => {
             // Nothing half made stays.
             if let Some(dir) = workspace.call_dir(&a.run_id, a.call) {
                 crate::workspace::remove_tree(&dir);
             }
-            Err(Error::new(
+            let e = Error::new(
                 FailureKind::Setup,
                 format!(
                     "making the attempt's workspace took more than {} (the worker's --max-prepare-time); the call goes again",
                     humanize(most)
                 ),
-            ))
+            );
+            (Err(e), "timed_out")
         }
+    };
+    if made {
+        crate::metrics::workspace(result, started.elapsed());
     }
+    r
 }
 
 /// The call's checkout: of the run's source when it has one (every call its own), else a

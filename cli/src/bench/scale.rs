@@ -629,8 +629,8 @@ async fn all_in_flight(
         (report.rss_inflight_kib as f64 - report.rss_base_kib as f64) * 1024.0 / a.inflight as f64;
     let m1 = bed.metrics(leader).unwrap_or_default();
     let (b0, b1) = (
-        buckets(&m0, "flotilla_dispatch_latency_seconds"),
-        buckets(&m1, "flotilla_dispatch_latency_seconds"),
+        buckets(&m0, "flotilla_queue_wait_seconds"),
+        buckets(&m1, "flotilla_queue_wait_seconds"),
     );
     report.dispatch_p50_ms = quantile(&b0, &b1, 0.5) * 1e3;
     report.dispatch_p99_ms = quantile(&b0, &b1, 0.99) * 1e3;

@@ -119,6 +119,11 @@ pub struct WorkerArgs {
         value_name = "BACKEND"
     )]
     local_prefix_cache: Vec<String>,
+    /// Operator listener: `GET /metrics` of this worker (slots, attempts, workspaces, its
+    /// link) with no sign-in, for Prometheus. Bind it to a private address only your scraper
+    /// reaches (it serves nothing else); sandboxed agents cannot reach it. Off unless given.
+    #[arg(long, env = "FLOTILLA_METRICS_LISTEN")]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -149,6 +154,8 @@ struct Settings {
     accounts: flotilla_worker::AccountLimits,
     /// `--label`s.
     labels: std::collections::BTreeMap<String, String>,
+    /// `--metrics-listen`.
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// The first layer that has a list.
@@ -226,6 +233,7 @@ impl Settings {
             limits: Self::attempt_limits(a, file)?,
             rlimits,
             labels: config::parse_labels(&list(&a.labels, &file.worker_labels))?,
+            metrics_listen: a.metrics_listen.or(file.metrics_listen),
             accounts: flotilla_worker::AccountLimits {
                 itpm: a.account_itpm.or(file.account_itpm).unwrap_or(0),
                 max_concurrent: a
@@ -380,6 +388,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     let opts = flotilla_worker::remote::RemoteOptions {
         endpoint: s.coordinator.clone(),
         tls,
+        metrics_listen: s.metrics_listen,
     };
     let serving = flotilla_worker::remote::serve(worker, opts, cancel.clone());
     tokio::pin!(serving);

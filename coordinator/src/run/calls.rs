@@ -272,6 +272,12 @@ impl RunEngine {
         }
         let crossed = self.budgets.add(&u);
         self.over_budget(crossed);
+        crate::counters::used(
+            &self.init.settings.namespace,
+            &self.init.workflow.name,
+            self.book.get(call).map_or("", |c| c.model.as_str()),
+            &u,
+        );
         if let Some(c) = self.book.get_mut(call) {
             c.usage.add(&u);
             c.disk_bytes = c.disk_bytes.max(usage.disk_bytes);

@@ -142,6 +142,10 @@ impl RunEngine {
         });
         self.events.close().await;
         let report = self.report();
+        crate::counters::run_ended(
+            status.as_str(),
+            std::time::Duration::from_millis(report.usage.duration_ms),
+        );
         if self.init.write_result {
             match serde_json::to_vec_pretty(&report) {
                 Ok(body) => {

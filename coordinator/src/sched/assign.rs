@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::handle::{PendingPut, Refusal};
 use super::lease_writes::KeyOp;
 use super::place::prompt_tokens;
-use super::{CallEvent, CallFailure, CallId, Dispatcher, State, Timer};
+use super::{CallEvent, CallFailure, CallId, Dispatcher, Ended, State, Timer};
 use crate::lease::{self, Revision};
 
 impl Dispatcher {
@@ -49,7 +49,8 @@ impl Dispatcher {
                 reason: None,
             });
         }
-        crate::counters::DISPATCH_LATENCY.observe(c.ready_at.elapsed());
+        c.assigned_at = Instant::now();
+        crate::counters::DISPATCH_LATENCY.observe(c.assigned_at - c.ready_at);
         c.set(State::Running);
         c.worker = Some(wid);
         c.fence.unwritten();
@@ -219,7 +220,7 @@ impl Dispatcher {
             if !current {
                 continue;
             }
-            self.leave_running(&id);
+            self.leave_running(&id, Ended::Unstarted);
             match &why {
                 Refusal::LeaseGone => {
                     if let Some(r) = self.runs.get_mut(&id.0) {

@@ -94,6 +94,7 @@ use fleet::Fleet;
 use lease_writes::KeyOp;
 
 use handle::CallId;
+use outcomes::Ended;
 
 struct CallState {
     ticket: Ticket,
@@ -112,6 +113,8 @@ struct CallState {
     limit_waits: u32,
     /// When the call last became ready to run (dispatch latency counts from here).
     ready_at: Instant,
+    /// When its current attempt was assigned a slot (its held time counts from here).
+    assigned_at: Instant,
     /// The current attempt's trace span (`attempt`, a child of the call's).
     attempt_span: tracing::Span,
     /// The source commit the last assignment started from.
@@ -139,6 +142,7 @@ impl CallState {
             captured: None,
             limit_waits: 0,
             ready_at: Instant::now(),
+            assigned_at: Instant::now(),
             attempt_span: tracing::Span::none(),
             sent_base: String::new(),
             admitted: None,
@@ -435,7 +439,7 @@ impl Dispatcher {
             .is_some_and(|c| c.state == State::Running);
         if running {
             self.send_cancel(id, "restarted by the user");
-            self.leave_running(id);
+            self.leave_running(id, Ended::Cancelled("restarted"));
             self.retry_or_fail(id, Retry::User);
         }
     }
@@ -554,7 +558,7 @@ impl Dispatcher {
         };
         if c.state == State::Running {
             self.send_cancel(id, reason);
-            self.leave_running(id);
+            self.leave_running(id, Ended::Cancelled("stopped"));
         }
         self.leftovers.forget(id);
         if let Some(mut c) = self.calls.remove(id) {
@@ -601,7 +605,7 @@ impl Dispatcher {
         for id in running.into_iter().rev() {
             let salvageable = self.salvageable(&id);
             self.send_cancel(&id, "the run was paused");
-            self.leave_running(&id);
+            self.leave_running(&id, Ended::Cancelled("paused"));
             if salvageable && let Some(c) = self.calls.get(&id) {
                 self.leftovers.wait_for(&id, c.attempt, false);
             }

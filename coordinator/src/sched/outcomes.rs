@@ -13,6 +13,62 @@ use super::fleet::key_hash;
 use super::*;
 
 /// Why a message for attempt `.1` of call `.0` was not the worker's to send.
+/// How an attempt stopped running, as `flotilla_attempts_total` counts it.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Ended {
+    Completed,
+    /// The worker said it failed, of this kind.
+    Failed(FailureKind),
+    /// The stall watchdog ended it (W58).
+    Stalled,
+    /// Its worker went away or its lease lapsed.
+    Lost,
+    /// Ended here: `restarted`, `stopped` or `paused`.
+    Cancelled(&'static str),
+    /// Its assignment was refused before it started.
+    Unstarted,
+}
+
+impl Ended {
+    /// What a worker's outcome says.
+    fn of(result: Option<&outcome::Result>) -> Ended {
+        match result {
+            Some(outcome::Result::Completed(_)) => Ended::Completed,
+            Some(outcome::Result::Failure(f)) => {
+                Ended::Failed(FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal))
+            }
+            None => Ended::Failed(FailureKind::Retryable),
+        }
+    }
+
+    /// Its `outcome` and `class` labels.
+    fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Ended::Completed => ("completed", ""),
+            Ended::Failed(kind) => ("failed", failure_class(kind)),
+            Ended::Stalled => ("stalled", ""),
+            Ended::Lost => ("lost", ""),
+            Ended::Cancelled(why) => ("cancelled", why),
+            Ended::Unstarted => ("unstarted", ""),
+        }
+    }
+}
+
+/// A failure kind as a label value.
+fn failure_class(kind: FailureKind) -> &'static str {
+    match kind {
+        FailureKind::Unspecified | FailureKind::Terminal => "terminal",
+        FailureKind::Retryable => "transient",
+        FailureKind::RateLimited => "rate_limited",
+        FailureKind::Schema => "schema",
+        FailureKind::Invalid => "invalid",
+        FailureKind::Cancelled => "cancelled",
+        FailureKind::Timeout => "timeout",
+        FailureKind::Throttled => "throttled",
+        FailureKind::Setup => "setup",
+    }
+}
+
 struct NotGiven<'a>(&'a CallId, u32);
 
 impl std::fmt::Display for NotGiven<'_> {
@@ -159,7 +215,7 @@ impl Dispatcher {
             _ => accounts::End::Other { input_tokens },
         };
         let account = self.release_admission(&id, end);
-        self.leave_running(&id);
+        self.leave_running(&id, Ended::of(o.result.as_ref()));
         match o.result {
             Some(outcome::Result::Completed(done)) => {
                 self.finish(&id, CallResult::Completed(done));
@@ -270,8 +326,9 @@ impl Dispatcher {
         Some(a.account)
     }
 
-    /// Bookkeeping when a call's current attempt stops running.
-    pub(super) fn leave_running(&mut self, id: &CallId) {
+    /// Bookkeeping when a call's current attempt stops running, `why` as the attempt counters
+    /// have it.
+    pub(super) fn leave_running(&mut self, id: &CallId, why: Ended) {
         // Whatever ended it (a stall, a cancel, a lost worker) says nothing of the account.
         self.release_admission(id, accounts::End::Other { input_tokens: 0 });
         let Some(c) = self.calls.get_mut(id) else {
@@ -281,6 +338,8 @@ impl Dispatcher {
             return;
         }
         c.watchdog.disarm(&mut self.timers);
+        let (outcome, class) = why.labels();
+        crate::counters::attempt_ended(outcome, class, c.assigned_at.elapsed());
         let sent = c.fence.end();
         c.make_ready();
         let group = c.ticket.prefix_group;
@@ -582,7 +641,7 @@ impl Dispatcher {
         };
         let captured = c.captured.take();
         self.send_cancel(id, "stalled");
-        self.leave_running(id);
+        self.leave_running(id, Ended::Stalled);
         if let Some(json) = captured {
             // W58: a stall after a valid structured output counts as success.
             self.finish(

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::lease_writes::{KeyOp, LeaseCtl, worker_lease};
-use super::{CallEvent, CallId, Dispatcher, Retry, State, Timer};
+use super::{CallEvent, CallId, Dispatcher, Ended, Retry, State, Timer};
 use crate::lease::{self, LeaseId, Revision, WatchEvent};
 
 impl Dispatcher {
@@ -372,7 +372,7 @@ impl Dispatcher {
                 let message = format!("worker {name}'s lease lapsed");
                 if attached {
                     self.send_cancel(&id, "its lease lapsed; restarted elsewhere");
-                    self.leave_running(&id);
+                    self.leave_running(&id, Ended::Lost);
                     self.retry_or_fail(&id, Retry::Transient { message });
                 } else {
                     self.lose_attempt(wid, &id, attempt, message);
@@ -416,7 +416,7 @@ impl Dispatcher {
             c.state == State::Running && c.attempt == attempt && c.worker == Some(wid)
         });
         if current {
-            self.leave_running(id);
+            self.leave_running(id, Ended::Lost);
             self.retry_or_fail(id, Retry::Transient { message });
         }
     }

@@ -7,6 +7,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 
+use flotilla_proto::exposition::{CONTENT_TYPE, Exposition, Labels, label};
+
 use super::auth::*;
 use super::state::Web;
 use crate::counters as m;
@@ -41,15 +43,21 @@ async fn exposition(web: &Web, scope: &crate::namespace::Scope) -> Response {
     let mut stats = web.coordinator.dispatch().stats().await.unwrap_or_default();
     stats.namespaces.retain(|n| scope.may(&n.name));
     let workers = web.coordinator.dispatch().workers().await;
-    let mut body = render(&tracked, &stats, &workers);
+    let mut e = Exposition::default();
+    build(
+        &mut e,
+        web.coordinator.leadership().map_or("single", |l| l.role()),
+    );
+    render(&mut e, &tracked, &stats, &workers);
+    usage(&mut e, scope);
     if let Some(q) = web.coordinator.quotas() {
         let mut views = q.views();
         views.retain(|v| scope.may(&v.namespace));
         let mut refusals = q.refusals();
         refusals.retain(|(ns, _), _| scope.may(ns));
-        body.push_str(&quotas(&views, &refusals));
+        quotas(&mut e, &views, &refusals);
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], e.finish()).into_response()
 }
 
 /// What the tracked runs add up to.
@@ -87,46 +95,52 @@ impl Tracked {
     }
 }
 
-/// One exposition, family by family.
-#[derive(Default)]
-struct Exposition(String);
-
-impl Exposition {
-    fn family(&mut self, name: &str, kind: &str, help: &str, rows: &[(String, u64)]) {
-        self.0
-            .push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
-        for (labels, value) in rows {
-            self.0.push_str(&format!("{name}{labels} {value}\n"));
-        }
-    }
-
-    fn gauge(&mut self, name: &str, help: &str, value: u64) {
-        self.family(name, "gauge", help, &[(String::new(), value)]);
-    }
-
-    fn counter(&mut self, name: &str, help: &str, value: u64) {
-        self.family(name, "counter", help, &[(String::new(), value)]);
-    }
-}
-
-/// `{key="value"}`, the value escaped.
-fn label(key: &str, value: &str) -> String {
-    format!(
-        "{{{key}=\"{}\"}}",
-        value.replace('\\', "\\\\").replace('"', "\\\"")
-    )
+/// A count as a gauge's value.
+fn g(n: impl TryInto<i64>) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
 }
 
 /// One row per name of `names`, labeled `key`, counted in `counts` (0 when absent).
-fn by(key: &str, names: &[&str], counts: &BTreeMap<&'static str, u64>) -> Vec<(String, u64)> {
+fn by(
+    key: &'static str,
+    names: &[&str],
+    counts: &BTreeMap<&'static str, u64>,
+) -> Vec<(Labels, i64)> {
     names
         .iter()
-        .map(|n| (label(key, n), counts.get(n).copied().unwrap_or(0)))
+        .map(|n| (label(key, *n), g(counts.get(n).copied().unwrap_or(0))))
         .collect()
 }
 
-fn render(t: &Tracked, stats: &Stats, workers: &[WorkerView]) -> String {
-    let mut e = Exposition::default();
+/// Which build this is and what this coordinator is now: leader, standby, suspended, or the
+/// only one (`single`, no election).
+fn build(e: &mut Exposition, role: &str) {
+    e.gauges(
+        "flotilla_build_info",
+        "The build this process runs: its version and commit (always 1).",
+        [(
+            vec![
+                ("version", env!("CARGO_PKG_VERSION").into()),
+                ("commit", flotilla_proto::build::commit().into()),
+            ],
+            1,
+        )],
+    );
+    e.gauges(
+        "flotilla_coordinator_role",
+        "This coordinator's role now (1 for the one it has): leader, standby, suspended (could not renew its lease in time), or single (no election).",
+        ["leader", "standby", "suspended", "single"]
+            .into_iter()
+            .map(|r| (label("role", r), i64::from(r == role))),
+    );
+    e.counter(
+        "flotilla_leader_elections_won_total",
+        "Times this coordinator won the leader's seat (a standby taking over counts one).",
+        m::get(&m::LEADER_WINS),
+    );
+}
+
+fn render(e: &mut Exposition, t: &Tracked, stats: &Stats, workers: &[WorkerView]) {
     let statuses = [
         "running",
         "paused",
@@ -136,22 +150,20 @@ fn render(t: &Tracked, stats: &Stats, workers: &[WorkerView]) -> String {
         "stopped",
         "rejected",
     ];
-    e.family(
+    e.gauges(
         "flotilla_runs",
-        "gauge",
         "Runs tracked by this coordinator, by status.",
-        &by("status", &statuses, &t.runs),
+        by("status", &statuses, &t.runs),
     );
     e.gauge(
         "flotilla_runs_completed_with_failures",
         "Tracked runs whose script returned although agents of them failed (also counted as completed).",
-        t.with_failures,
+        g(t.with_failures),
     );
-    e.family(
+    e.gauges(
         "flotilla_agents",
-        "gauge",
         "agent() calls of the tracked runs, by status (done counts cached ones too).",
-        &by(
+        by(
             "status",
             &["queued", "running", "done", "failed", "cancelled", "cached"],
             &t.agents,
@@ -159,46 +171,80 @@ fn render(t: &Tracked, stats: &Stats, workers: &[WorkerView]) -> String {
     );
     e.gauge(
         "flotilla_output_tokens",
-        "Output tokens of the tracked runs.",
-        t.output_tokens,
+        "Output tokens of the tracked runs (a gauge over the runs in memory; flotilla_tokens_total counts them for good).",
+        g(t.output_tokens),
     );
-    fleet(&mut e, stats, workers);
-    process(&mut e);
-    e.0
+    fleet(e, stats, workers);
+    process(e);
+}
+
+/// Tokens and cost by namespace, workflow and model since this coordinator started, as
+/// counters (a rate over them survives runs leaving memory).
+fn usage(e: &mut Exposition, scope: &crate::namespace::Scope) {
+    let table = m::USAGE.lock().unwrap_or_else(|p| p.into_inner());
+    let rows = table.rows(|ns| scope.may(ns));
+    let key = |(ns, wf, model): &(String, String, String)| -> Labels {
+        vec![
+            ("namespace", ns.clone()),
+            ("workflow", wf.clone()),
+            ("model", model.clone()),
+        ]
+    };
+    let mut tokens = Vec::with_capacity(rows.len() * 4);
+    for (k, u) in &rows {
+        for (kind, n) in [
+            ("input", u.input_tokens),
+            ("output", u.output_tokens),
+            ("cache_read", u.cache_read_tokens),
+            ("cache_write", u.cache_write_tokens),
+        ] {
+            let mut l = key(k);
+            l.push(("type", kind.into()));
+            tokens.push((l, n));
+        }
+    }
+    e.counters(
+        "flotilla_tokens_total",
+        "Tokens agents used, by namespace, workflow, model and type (input, output, cache_read, cache_write); workflows past the coordinator's row cap count under (other).",
+        tokens,
+    );
+    e.float_counters(
+        "flotilla_cost_usd_total",
+        "What agents cost in US dollars, by namespace, workflow and model (as priced by the backend or the namespace's price table).",
+        rows.iter().map(|(k, u)| (key(k), u.cost_usd)),
+    );
 }
 
 /// The dispatcher and the workers.
 fn fleet(e: &mut Exposition, stats: &Stats, workers: &[WorkerView]) {
-    let attached = workers.iter().filter(|w| w.attached).count() as u64;
+    let attached = workers.iter().filter(|w| w.attached).count();
     e.gauge(
         "flotilla_queue_depth",
         "Calls waiting for a worker slot.",
-        stats.queued as u64,
+        g(stats.queued),
     );
     e.counter(
         "flotilla_attempts_assigned_total",
         "Attempts assigned to workers since the coordinator started.",
         stats.assigned,
     );
-    e.family(
+    e.gauges(
         "flotilla_worker_slots",
-        "gauge",
         "Worker slots, busy and free.",
-        &[
-            (label("state", "busy"), u64::from(stats.busy)),
+        [
+            (label("state", "busy"), g(stats.busy)),
             (
                 label("state", "free"),
-                u64::from(stats.slots.saturating_sub(stats.busy)),
+                g(stats.slots.saturating_sub(stats.busy)),
             ),
         ],
     );
-    e.family(
+    e.gauges(
         "flotilla_workers",
-        "gauge",
         "Workers with a lease, attached or cut off.",
-        &[
-            (label("state", "attached"), attached),
-            (label("state", "cut_off"), workers.len() as u64 - attached),
+        [
+            (label("state", "attached"), g(attached)),
+            (label("state", "cut_off"), g(workers.len() - attached)),
         ],
     );
     accounts(e, stats);
@@ -207,127 +253,98 @@ fn fleet(e: &mut Exposition, stats: &Stats, workers: &[WorkerView]) {
 
 /// The namespaces: what they run and queue (from `stats`, in `render`).
 fn namespaces(e: &mut Exposition, stats: &Stats) {
-    let rows = |f: &dyn Fn(&crate::sched::NamespaceView) -> u64| -> Vec<(String, u64)> {
+    let rows = |f: &dyn Fn(&crate::sched::NamespaceView) -> i64| -> Vec<(Labels, i64)> {
         stats
             .namespaces
             .iter()
-            .map(|n| (label("namespace", &n.name), f(n)))
+            .map(|n| (label("namespace", n.name.as_str()), f(n)))
             .collect()
     };
-    e.family(
+    e.gauges(
         "flotilla_namespace_running",
-        "gauge",
         "Agents of a namespace's runs on worker slots.",
-        &rows(&|n| n.running as u64),
+        rows(&|n| g(n.running)),
     );
-    e.family(
+    e.gauges(
         "flotilla_namespace_queued",
-        "gauge",
         "Agents of a namespace's runs waiting for a slot.",
-        &rows(&|n| n.queued as u64),
+        rows(&|n| g(n.queued)),
     );
-    e.family(
+    e.gauges(
         "flotilla_namespace_weight",
-        "gauge",
         "A namespace's weight: its share of the slots against the others'.",
-        &rows(&|n| u64::from(n.weight)),
+        rows(&|n| g(n.weight)),
     );
 }
 
 /// The namespaces' daily use and their quota refusals.
 fn quotas(
+    e: &mut Exposition,
     views: &[crate::namespace::QuotaView],
-    refusals: &std::collections::BTreeMap<(String, &'static str), u64>,
-) -> String {
-    let mut e = Exposition::default();
-    let rows = |f: &dyn Fn(&crate::namespace::QuotaView) -> u64| -> Vec<(String, u64)> {
-        views
-            .iter()
-            .map(|v| (label("namespace", &v.namespace), f(v)))
-            .collect()
-    };
-    e.family(
+    refusals: &BTreeMap<(String, &'static str), u64>,
+) {
+    let ns = |v: &crate::namespace::QuotaView| label("namespace", v.namespace.as_str());
+    e.gauges(
         "flotilla_namespace_agents_today",
-        "gauge",
         "Agents a namespace started today (UTC).",
-        &rows(&|v| v.used.agents),
+        views.iter().map(|v| (ns(v), g(v.used.agents))),
     );
-    e.family(
+    e.gauges(
         "flotilla_namespace_tokens_today",
-        "gauge",
         "Input and output tokens a namespace's agents used today (UTC).",
-        &rows(&|v| v.used.tokens),
+        views.iter().map(|v| (ns(v), g(v.used.tokens))),
     );
-    e.0.push_str(
-        "# HELP flotilla_namespace_cost_usd_today What a namespace's agents cost today (UTC), in US dollars.\n# TYPE flotilla_namespace_cost_usd_today gauge\n",
+    e.float_gauges(
+        "flotilla_namespace_cost_usd_today",
+        "What a namespace's agents cost today (UTC), in US dollars.",
+        views.iter().map(|v| (ns(v), v.used.cost_usd)),
     );
-    for v in views {
-        e.0.push_str(&format!(
-            "flotilla_namespace_cost_usd_today{} {}\n",
-            label("namespace", &v.namespace),
-            v.used.cost_usd
-        ));
-    }
-    let refused: Vec<(String, u64)> = refusals
-        .iter()
-        .map(|((ns, quota), n)| {
+    e.counters(
+        "flotilla_quota_refusals_total",
+        "Launches and agents refused because their namespace used up a daily quota (QUOTA_EXCEEDED).",
+        refusals.iter().map(|((ns, quota), n)| {
             (
-                format!(
-                    "{{namespace=\"{}\",quota=\"{}\"}}",
-                    ns.replace('\\', "\\\\").replace('"', "\\\""),
-                    quota.replace(' ', "_")
-                ),
+                vec![("namespace", ns.clone()), ("quota", quota.replace(' ', "_"))],
                 *n,
             )
-        })
-        .collect();
-    e.family(
-        "flotilla_quota_refusals_total",
-        "counter",
-        "Launches and agents refused because their namespace used up a daily quota (QUOTA_EXCEEDED).",
-        &refused,
+        }),
     );
-    e.0
 }
 
 /// Admission per provider account.
 fn accounts(e: &mut Exposition, stats: &Stats) {
-    let rows = |f: &dyn Fn(&crate::sched::AccountView) -> u64| -> Vec<(String, u64)> {
+    let rows = |f: &dyn Fn(&crate::sched::AccountView) -> u64| -> Vec<(Labels, u64)> {
         stats
             .accounts
             .iter()
-            .map(|a| (label("account", &a.id), f(a)))
+            .map(|a| (label("account", a.id.as_str()), f(a)))
             .collect()
     };
-    e.family(
+    let gauges = |rows: Vec<(Labels, u64)>| rows.into_iter().map(|(l, v)| (l, g(v)));
+    e.gauges(
         "flotilla_account_window",
-        "gauge",
         "Calls a provider account's adaptive window lets in at once.",
-        &rows(&|a| u64::from(a.window)),
+        gauges(rows(&|a| u64::from(a.window))),
     );
-    e.family(
+    e.gauges(
         "flotilla_account_in_flight",
-        "gauge",
         "Calls in flight through a provider account.",
-        &rows(&|a| u64::from(a.in_flight)),
+        gauges(rows(&|a| u64::from(a.in_flight))),
     );
-    e.family(
+    e.counters(
         "flotilla_account_throttled_total",
-        "counter",
         "Attempts a provider account refused for rate or load (429, 529), each waited out.",
-        &rows(&|a| a.throttled),
+        rows(&|a| a.throttled),
     );
-    e.family(
+    e.counters(
         "flotilla_account_waits_total",
-        "counter",
         "Calls that waited for room in a provider account (its window or its pacing).",
-        &rows(&|a| a.held),
+        rows(&|a| a.held),
     );
-    e.family(
+    e.counters(
         "flotilla_account_started_total",
-        "counter",
         "Attempts started through a provider account.",
-        &rows(&|a| a.started),
+        rows(&|a| a.started),
     );
 }
 
@@ -338,16 +355,30 @@ fn process(e: &mut Exposition) {
         "Attempts ended by the stall watchdog (no progress for the stall timeout).",
         m::get(&m::STALLS),
     );
-    e.family(
+    e.counters(
         "flotilla_restarts_total",
-        "counter",
         "Calls started again, by reason.",
-        &[
+        [
             (label("reason", "stall"), m::get(&m::RESTARTS_STALL)),
             (label("reason", "lease_lapsed"), m::get(&m::RESTARTS_LAPSE)),
             (label("reason", "user"), m::get(&m::RESTARTS_USER)),
             (label("reason", "transient"), m::get(&m::RESTARTS_TRANSIENT)),
         ],
+    );
+    e.metric(
+        "flotilla_attempts_total",
+        "Attempts that ended, by outcome (completed, failed, stalled, lost) and failure class (empty when completed).",
+        m::ATTEMPTS.clone(),
+    );
+    e.metric(
+        "flotilla_attempt_duration_seconds",
+        "How long ended attempts held their worker slot, by outcome.",
+        m::ATTEMPT_SECONDS.clone(),
+    );
+    e.metric(
+        "flotilla_run_duration_seconds",
+        "How long runs took from launch to their end, by status.",
+        m::RUN_SECONDS.clone(),
     );
     e.counter(
         "flotilla_lease_renewal_failures_total",
@@ -369,14 +400,16 @@ fn process(e: &mut Exposition) {
         "Usage reports from workers above what one attempt can use, clipped to it before they were counted.",
         m::get(&m::USAGE_CLIPPED),
     );
-    e.0.push_str(&m::DISPATCH_LATENCY.render(
-        "flotilla_dispatch_latency_seconds",
-        "From a call being ready to run to its attempt being assigned to a worker.",
-    ));
-    e.0.push_str(&m::STORAGE_WRITE_LATENCY.render(
+    e.histogram(
+        "flotilla_queue_wait_seconds",
+        "From a call being ready to run to its attempt being assigned to a worker: the wait for a slot (the dispatcher's own latency when one is free).",
+        &m::DISPATCH_LATENCY,
+    );
+    e.histogram(
         "flotilla_storage_write_seconds",
         "One object-store write, retries included.",
-    ));
+        &m::STORAGE_WRITE_LATENCY,
+    );
 }
 
 #[cfg(test)]
@@ -444,7 +477,10 @@ mod tests {
             models: vec![],
             labels: Default::default(),
         }];
-        let text = render(&t, &stats, &workers);
+        let mut e = Exposition::default();
+        build(&mut e, "standby");
+        render(&mut e, &t, &stats, &workers);
+        let text = e.finish();
         let mut types = std::collections::HashSet::new();
         for line in text.lines() {
             if let Some(rest) = line.strip_prefix("# TYPE ") {
@@ -467,6 +503,15 @@ mod tests {
             text.contains("flotilla_agents{status=\"running\"} 1\n"),
             "{text}"
         );
-        assert_eq!(label("k", "a\"b\\c"), "{k=\"a\\\"b\\\\c\"}");
+        assert!(
+            text.contains("flotilla_coordinator_role{role=\"standby\"} 1\n")
+                && text.contains("flotilla_coordinator_role{role=\"leader\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE flotilla_stalls_total counter\n"),
+            "{text}"
+        );
+        assert!(text.contains("flotilla_build_info{version=\""), "{text}");
     }
 }

@@ -582,9 +582,9 @@ fn session_pages_need_a_token_from_a_client_certificate() {
     assert_eq!(value("flotilla_agents{status=\"done\"}"), 7.0);
     let attempts = report["usage"]["attempts"].as_f64().unwrap() + 2.0;
     assert_eq!(value("flotilla_attempts_assigned_total"), attempts);
-    assert_eq!(value("flotilla_dispatch_latency_seconds_count"), attempts);
+    assert_eq!(value("flotilla_queue_wait_seconds_count"), attempts);
     assert_eq!(
-        value("flotilla_dispatch_latency_seconds_bucket{le=\"+Inf\"}"),
+        value("flotilla_queue_wait_seconds_bucket{le=\"+Inf\"}"),
         attempts
     );
     assert_eq!(value("flotilla_stalls_total"), 1.0);

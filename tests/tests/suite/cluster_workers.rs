@@ -340,6 +340,20 @@ fn a_hostile_worker_speaks_only_for_its_own_attempts_and_its_usage_is_clipped() 
         15.0
     );
     assert_eq!(value("flotilla_worker_usage_clipped_total"), 1.0);
+    // The counters by workflow and model add up to the same clipped figures.
+    let sum = |prefix: &str, kinds: &[&str]| -> f64 {
+        body.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter(|l| {
+                kinds.is_empty() || kinds.iter().any(|k| l.contains(&format!("type=\"{k}\"")))
+            })
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    };
+    let team_a = "flotilla_tokens_total{namespace=\"team-a\",";
+    assert_eq!(sum(team_a, &["input", "output"]), 2_230.0, "{body}");
+    let dollars = sum("flotilla_cost_usd_total{namespace=\"team-a\",", &[]);
+    assert!((dollars - (0.42 + 0.002)).abs() < 1e-9, "{dollars}\n{body}");
     // Two forged outcomes for B, one for T, one for a run not here, the transcript, the
     // source request, and A sent again.
     assert_eq!(value("flotilla_worker_messages_dropped_total"), 7.0);

@@ -16,11 +16,20 @@ fn connect_probe(port: u16) -> String {
 fn prometheus_scrapes_the_operator_listener_which_serves_nothing_but_metrics() {
     let metrics_port = free_port();
     let metrics_at = format!("127.0.0.1:{metrics_port}");
+    let worker_port = free_port();
+    let worker_at = format!("127.0.0.1:{worker_port}");
     let c = Cluster::start_configured(
         1,
         4,
         &["--metrics-listen", &metrics_at],
-        &["--backend", "exec", "--exec-cmd", "sh"],
+        &[
+            "--backend",
+            "echo,exec",
+            "--exec-cmd",
+            "sh",
+            "--metrics-listen",
+            &worker_at,
+        ],
     );
     c.issue_client("alpha", &["alpha"]);
     c.issue_client("beta", &["beta"]);
@@ -30,11 +39,28 @@ fn prometheus_scrapes_the_operator_listener_which_serves_nothing_but_metrics() {
         "return await agent('sleep 40; echo slept');",
         &["--backend", "exec"],
     );
-    // A hostile agent of the other team tries the operator listener from its sandbox.
+    // Alpha's tokens, counted by namespace, workflow and model: the echo backend's input
+    // tokens are the prompt's characters.
+    let tally = c.launch_as(
+        "alpha",
+        "tally",
+        "return await parallel([() => agent('abc'), () => agent('defgh')]);",
+        &["--backend", "echo"],
+    );
+    let tallied = c.client_as("alpha", &["wait", &tally, "--json"]);
+    assert_eq!(tallied.code, 0, "{tallied:?}");
+    // A hostile agent of the other team tries both operator listeners from its sandbox.
     let probe = c.launch_as(
         "beta",
         "probe",
-        &format!("return await agent({:?});", connect_probe(metrics_port)),
+        &format!(
+            "return await agent({:?});",
+            format!(
+                "{}; {}",
+                connect_probe(metrics_port),
+                connect_probe(worker_port)
+            )
+        ),
         &["--backend", "exec"],
     );
     let waited = c.client_as("beta", &["wait", &probe, "--json"]);
@@ -43,9 +69,10 @@ fn prometheus_scrapes_the_operator_listener_which_serves_nothing_but_metrics() {
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    assert!(
-        result.contains("PROBE-CLOSED"),
-        "the sandboxed agent's probe of the operator listener: {result:?}"
+    assert_eq!(
+        result.matches("PROBE-CLOSED").count(),
+        2,
+        "the sandboxed agent's probes of the operator listeners: {result:?}"
     );
 
     // Without a token, every namespace's figures, while alpha's agent runs.
@@ -60,11 +87,43 @@ fn prometheus_scrapes_the_operator_listener_which_serves_nothing_but_metrics() {
     );
     assert!(scraped.contains("flotilla_queue_depth "), "{scraped}");
     assert!(!scraped.contains(&long), "no run ids on it: {scraped}");
+    let mut worker_scraped = String::new();
+    assert!(
+        eventually(30, || {
+            let r = http_get(worker_port, "/metrics", &[]);
+            worker_scraped = r.body;
+            r.status == 200 && worker_scraped.contains("flotilla_worker_slots{state=\"busy\"} 1\n")
+        }),
+        "alpha's long agent holds one of the worker's slots: {worker_scraped}"
+    );
+    for path in ["/", "/runs", "/healthz", "/metrics/x"] {
+        assert_eq!(http_get(worker_port, path, &[]).status, 404, "{path}");
+    }
 
-    // A real Prometheus scrapes it: the families the dashboard and the autoscaler use.
-    let prometheus = Prometheus::start(&[("coordinator", metrics_port)]);
-    let up = prometheus.wait_for("up{job=\"coordinator\"} == 1");
-    assert_eq!(up.len(), 1, "{up:?}");
+    // A real Prometheus scrapes both: the families the dashboard and the autoscaler use.
+    let prometheus = Prometheus::start(&[("coordinator", metrics_port), ("worker", worker_port)]);
+    let up = prometheus.wait_for("count(up == 1) == 2");
+    assert_eq!(up[0]["value"][1], "2", "{up:?}");
+    let input = prometheus.wait_for(
+        "sum(flotilla_tokens_total{namespace=\"alpha\",workflow=\"tally\",type=\"input\"})",
+    );
+    assert_eq!(input[0]["value"][1], "8", "abc and defgh: {input:?}");
+    let completed = prometheus.wait_for(
+        "flotilla_run_duration_seconds_count{job=\"coordinator\",status=\"completed\"} >= 2",
+    );
+    assert!(!completed.is_empty(), "{completed:?}");
+    prometheus.wait_for("flotilla_attempts_total{outcome=\"completed\",class=\"\"} >= 3");
+    prometheus.wait_for("flotilla_coordinator_role{role=\"single\"} == 1");
+    let build = prometheus.wait_for("flotilla_build_info{commit!=\"unknown\"}");
+    assert_eq!(
+        build.len(),
+        2,
+        "coordinator and worker say their commit: {build:?}"
+    );
+    prometheus.wait_for("flotilla_worker_attached{job=\"worker\"} == 1");
+    prometheus
+        .wait_for("flotilla_worker_attempts_total{job=\"worker\",outcome=\"completed\"} >= 3");
+    prometheus.wait_for("flotilla_worker_slots{job=\"worker\",state=\"free\"} == 3");
     prometheus.wait_for("flotilla_queue_depth{job=\"coordinator\"}");
     let running = prometheus.wait_for("flotilla_namespace_running{namespace=\"alpha\"} == 1");
     assert_eq!(running[0]["value"][1], "1", "{running:?}");
@@ -117,4 +176,29 @@ fn prometheus_scrapes_the_operator_listener_which_serves_nothing_but_metrics() {
 
     let stopped = c.client_as("alpha", &["stop", &long]);
     assert_eq!(stopped.code, 0, "{stopped:?}");
+}
+
+/// `flotilla --version` (and `flotilla_build_info`) name the commit the binary was built from.
+#[test]
+fn the_version_names_the_commit_the_binary_was_built_from() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(&repo)
+        .output()
+        .expect("git");
+    assert!(head.status.success(), "this suite runs in a git checkout");
+    let head = String::from_utf8(head.stdout).unwrap().trim().to_owned();
+    let mut cmd = std::process::Command::new(flotilla_tests::binary());
+    cmd.arg("--version");
+    let out = flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(30));
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(
+        out.stdout.trim(),
+        format!("flotilla {} (commit {head})", env!("CARGO_PKG_VERSION")),
+        "{out:?}"
+    );
 }
