@@ -49,13 +49,14 @@ pub fn get(c: &AtomicU64) -> u64 {
 /// Times this coordinator won the leader's seat (a standby taking over counts one).
 pub static LEADER_WINS: AtomicU64 = AtomicU64::new(0);
 
-type Labels = flotilla_proto::exposition::Labels;
+/// Labels whose values are all known in advance: recorded without an allocation.
+type Fixed<const N: usize> = [(&'static str, &'static str); N];
 type Seconds = prometheus_client::metrics::histogram::Histogram;
-type SecondsFamily = Family<Labels, Seconds, fn() -> Seconds>;
+type SecondsFamily = Family<Fixed<1>, Seconds, fn() -> Seconds>;
 
 /// Attempts that ended, by outcome (`completed`, `failed`, `stalled`, `lost`) and failure
 /// class (the worker's failure kind; empty when it completed).
-pub static ATTEMPTS: LazyLock<Family<Labels, Counter>> = LazyLock::new(Family::default);
+pub static ATTEMPTS: LazyLock<Family<Fixed<2>, Counter>> = LazyLock::new(Family::default);
 /// How long ended attempts held their worker slot, by outcome.
 pub static ATTEMPT_SECONDS: LazyLock<SecondsFamily> =
     LazyLock::new(|| Family::new_with_constructor(|| Seconds::new(LONG.iter().copied())));
@@ -77,17 +78,17 @@ const LONGER: &[f64] = &[
 /// An attempt ended: `class` names its failure (`""` when it completed).
 pub fn attempt_ended(outcome: &'static str, class: &'static str, held: Duration) {
     ATTEMPTS
-        .get_or_create(&vec![("outcome", outcome.into()), ("class", class.into())])
+        .get_or_create(&[("outcome", outcome), ("class", class)])
         .inc();
     ATTEMPT_SECONDS
-        .get_or_create(&vec![("outcome", outcome.into())])
+        .get_or_create(&[("outcome", outcome)])
         .observe(held.as_secs_f64());
 }
 
 /// A run ended with `status` after `took`.
 pub fn run_ended(status: &'static str, took: Duration) {
     RUN_SECONDS
-        .get_or_create(&vec![("status", status.into())])
+        .get_or_create(&[("status", status)])
         .observe(took.as_secs_f64());
 }
 
@@ -96,7 +97,9 @@ pub fn run_ended(status: &'static str, took: Duration) {
 /// workflow per run cannot grow the coordinator's memory or the scrape without end.
 #[derive(Debug, Default)]
 pub struct Usage {
-    rows: BTreeMap<(String, String, String), UsageRecord>,
+    /// Namespace → workflow → model: a row that exists is found without an allocation.
+    rows: BTreeMap<String, BTreeMap<String, BTreeMap<String, UsageRecord>>>,
+    len: usize,
 }
 
 impl Usage {
@@ -106,21 +109,43 @@ impl Usage {
     /// Counts what an attempt of a run of `workflow` in `namespace` used of `model`.
     pub fn add(&mut self, namespace: &str, workflow: &str, model: &str, u: &UsageRecord) {
         let model = if model.is_empty() { "default" } else { model };
-        let mut key = (namespace.to_owned(), workflow.to_owned(), model.to_owned());
-        if !self.rows.contains_key(&key) && self.rows.len() >= Self::MAX_ROWS {
-            key.1 = Self::OTHER.to_owned();
+        if let Some(row) = self
+            .rows
+            .get_mut(namespace)
+            .and_then(|w| w.get_mut(workflow))
+            .and_then(|m| m.get_mut(model))
+        {
+            row.add(u);
+            return;
         }
-        self.rows.entry(key).or_default().add(u);
+        let workflow = if self.len >= Self::MAX_ROWS {
+            Self::OTHER
+        } else {
+            workflow
+        };
+        let models = self
+            .rows
+            .entry(namespace.to_owned())
+            .or_default()
+            .entry(workflow.to_owned())
+            .or_default();
+        if !models.contains_key(model) {
+            self.len += 1;
+        }
+        models.entry(model.to_owned()).or_default().add(u);
     }
 
     /// The rows `shown` lets through: (namespace, workflow, model) and their totals.
-    pub fn rows(
-        &self,
-        shown: impl Fn(&str) -> bool,
-    ) -> Vec<(&(String, String, String), &UsageRecord)> {
+    pub fn rows(&self, shown: impl Fn(&str) -> bool) -> Vec<([&str; 3], &UsageRecord)> {
         self.rows
             .iter()
-            .filter(|((ns, _, _), _)| shown(ns))
+            .filter(|(ns, _)| shown(ns))
+            .flat_map(|(ns, w)| {
+                w.iter().flat_map(move |(wf, m)| {
+                    m.iter()
+                        .map(move |(model, u)| ([ns.as_str(), wf.as_str(), model.as_str()], u))
+                })
+            })
             .collect()
     }
 }
@@ -150,7 +175,7 @@ mod tests {
         u.add("a", "w", "", &one);
         let rows = u.rows(|_| true);
         assert_eq!(rows.len(), 1);
-        assert_eq!(rows[0].0.2, "default");
+        assert_eq!(rows[0].0[2], "default");
         assert_eq!(rows[0].1.input_tokens, 20);
         for i in 0..Usage::MAX_ROWS + 50 {
             u.add("b", &format!("w{i}"), "m", &one);
@@ -159,7 +184,7 @@ mod tests {
         let other = u
             .rows(|ns| ns == "b")
             .into_iter()
-            .find(|(k, _)| k.1 == Usage::OTHER)
+            .find(|(k, _)| k[1] == Usage::OTHER)
             .expect("workflows past the cap count under (other)");
         assert_eq!(other.1.input_tokens, 10 * 51);
         assert!(

@@ -54,6 +54,24 @@ pub mod v1 {
     tonic::include_proto!("flotilla.v1");
 }
 
+impl v1::FailureKind {
+    /// The kind as the `class` label of the attempt counters (coordinator and worker).
+    pub fn class(self) -> &'static str {
+        use v1::FailureKind as K;
+        match self {
+            K::Unspecified | K::Terminal => "terminal",
+            K::Retryable => "transient",
+            K::RateLimited => "rate_limited",
+            K::Schema => "schema",
+            K::Invalid => "invalid",
+            K::Cancelled => "cancelled",
+            K::Timeout => "timeout",
+            K::Throttled => "throttled",
+            K::Setup => "setup",
+        }
+    }
+}
+
 /// Version of the worker protocol spoken by this build. The coordinator refuses a worker
 /// whose major version differs.
 pub const PROTOCOL_VERSION: &str = "1.3";

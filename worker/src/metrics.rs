@@ -9,12 +9,14 @@ use std::sync::LazyLock;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
-use flotilla_proto::exposition::{CONTENT_TYPE, Exposition, Labels, label};
+use flotilla_proto::exposition::{CONTENT_TYPE, Exposition, label};
 use flotilla_proto::histogram::Histogram;
-use flotilla_proto::v1::FailureKind;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tokio_util::sync::CancellationToken;
+
+/// Labels whose values are all known in advance: recorded without an allocation.
+type Fixed<const N: usize> = [(&'static str, &'static str); N];
 
 /// Slots this worker offers (the last worker made in this process).
 pub static SLOTS: AtomicI64 = AtomicI64::new(0);
@@ -28,11 +30,11 @@ pub static LINK_FAILURES: AtomicU64 = AtomicU64::new(0);
 /// Whether agents run sandboxed (bubblewrap) here.
 pub static SANDBOXED: AtomicI64 = AtomicI64::new(0);
 /// Attempts that ended here, by outcome and failure class.
-pub static ATTEMPTS: LazyLock<Family<Labels, Counter>> = LazyLock::new(Family::default);
+pub static ATTEMPTS: LazyLock<Family<Fixed<2>, Counter>> = LazyLock::new(Family::default);
 /// From an assignment arriving to its outcome.
 pub static ATTEMPT_SECONDS: Histogram = Histogram::new(LONG);
 /// Making an attempt's workspace (its checkout or worktree), by how it went.
-pub static WORKSPACES: LazyLock<Family<Labels, Counter>> = LazyLock::new(Family::default);
+pub static WORKSPACES: LazyLock<Family<Fixed<1>, Counter>> = LazyLock::new(Family::default);
 pub static WORKSPACE_SECONDS: Histogram =
     Histogram::new(flotilla_proto::histogram::LATENCY_SECONDS);
 
@@ -63,30 +65,15 @@ impl Drop for Running {
         BUSY.fetch_sub(1, Ordering::Relaxed);
         let (outcome, class) = self.ended;
         ATTEMPTS
-            .get_or_create(&vec![("outcome", outcome.into()), ("class", class.into())])
+            .get_or_create(&[("outcome", outcome), ("class", class)])
             .inc();
         ATTEMPT_SECONDS.observe(self.since.elapsed());
     }
 }
 
-/// A failure kind as a label value (the coordinator's `flotilla_attempts_total` uses the same).
-pub fn failure_class(kind: i32) -> &'static str {
-    match FailureKind::try_from(kind).unwrap_or(FailureKind::Terminal) {
-        FailureKind::Unspecified | FailureKind::Terminal => "terminal",
-        FailureKind::Retryable => "transient",
-        FailureKind::RateLimited => "rate_limited",
-        FailureKind::Schema => "schema",
-        FailureKind::Invalid => "invalid",
-        FailureKind::Cancelled => "cancelled",
-        FailureKind::Timeout => "timeout",
-        FailureKind::Throttled => "throttled",
-        FailureKind::Setup => "setup",
-    }
-}
-
 /// A workspace was made (`made`), failed (`failed`) or took too long (`timed_out`).
 pub fn workspace(result: &'static str, took: Duration) {
-    WORKSPACES.get_or_create(&label("result", result)).inc();
+    WORKSPACES.get_or_create(&[("result", result)]).inc();
     WORKSPACE_SECONDS.observe(took);
 }
 
@@ -197,25 +184,20 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flotilla_proto::v1::FailureKind;
 
     #[test]
     fn an_attempt_counts_as_busy_while_it_runs_and_by_its_outcome_after() {
         SLOTS.store(3, Ordering::Relaxed);
         let before = ATTEMPTS
-            .get_or_create(&vec![
-                ("outcome", "failed".into()),
-                ("class", "setup".into()),
-            ])
+            .get_or_create(&[("outcome", "failed"), ("class", "setup")])
             .get();
         let mut r = Running::start();
         assert!(exposition().contains("flotilla_worker_slots{state=\"busy\"} "));
-        r.ended = ("failed", failure_class(FailureKind::Setup as i32));
+        r.ended = ("failed", FailureKind::Setup.class());
         drop(r);
         let after = ATTEMPTS
-            .get_or_create(&vec![
-                ("outcome", "failed".into()),
-                ("class", "setup".into()),
-            ])
+            .get_or_create(&[("outcome", "failed"), ("class", "setup")])
             .get();
         assert_eq!(after, before + 1);
         let text = exposition();

@@ -633,7 +633,12 @@ async fn run_attempt(
         .await;
     counted.ended = match &outcome.result {
         Some(outcome::Result::Completed(_)) => ("completed", ""),
-        Some(outcome::Result::Failure(f)) => ("failed", crate::metrics::failure_class(f.kind)),
+        Some(outcome::Result::Failure(f)) => (
+            "failed",
+            FailureKind::try_from(f.kind)
+                .unwrap_or(FailureKind::Terminal)
+                .class(),
+        ),
         None => ("failed", "transient"),
     };
     span.record(

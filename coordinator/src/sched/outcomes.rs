@@ -12,7 +12,6 @@
 use super::fleet::key_hash;
 use super::*;
 
-/// Why a message for attempt `.1` of call `.0` was not the worker's to send.
 /// How an attempt stopped running, as `flotilla_attempts_total` counts it.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Ended {
@@ -45,7 +44,7 @@ impl Ended {
     fn labels(self) -> (&'static str, &'static str) {
         match self {
             Ended::Completed => ("completed", ""),
-            Ended::Failed(kind) => ("failed", failure_class(kind)),
+            Ended::Failed(kind) => ("failed", kind.class()),
             Ended::Stalled => ("stalled", ""),
             Ended::Lost => ("lost", ""),
             Ended::Cancelled(why) => ("cancelled", why),
@@ -54,21 +53,7 @@ impl Ended {
     }
 }
 
-/// A failure kind as a label value.
-fn failure_class(kind: FailureKind) -> &'static str {
-    match kind {
-        FailureKind::Unspecified | FailureKind::Terminal => "terminal",
-        FailureKind::Retryable => "transient",
-        FailureKind::RateLimited => "rate_limited",
-        FailureKind::Schema => "schema",
-        FailureKind::Invalid => "invalid",
-        FailureKind::Cancelled => "cancelled",
-        FailureKind::Timeout => "timeout",
-        FailureKind::Throttled => "throttled",
-        FailureKind::Setup => "setup",
-    }
-}
-
+/// Why a message for attempt `.1` of call `.0` was not the worker's to send.
 struct NotGiven<'a>(&'a CallId, u32);
 
 impl std::fmt::Display for NotGiven<'_> {

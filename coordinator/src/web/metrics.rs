@@ -183,11 +183,11 @@ fn render(e: &mut Exposition, t: &Tracked, stats: &Stats, workers: &[WorkerView]
 fn usage(e: &mut Exposition, scope: &crate::namespace::Scope) {
     let table = m::USAGE.lock().unwrap_or_else(|p| p.into_inner());
     let rows = table.rows(|ns| scope.may(ns));
-    let key = |(ns, wf, model): &(String, String, String)| -> Labels {
+    let key = |[ns, wf, model]: &[&str; 3]| -> Labels {
         vec![
-            ("namespace", ns.clone()),
-            ("workflow", wf.clone()),
-            ("model", model.clone()),
+            ("namespace", (*ns).to_owned()),
+            ("workflow", (*wf).to_owned()),
+            ("model", (*model).to_owned()),
         ]
     };
     let mut tokens = Vec::with_capacity(rows.len() * 4);
