@@ -404,10 +404,23 @@ impl Prometheus {
     /// Starts Prometheus scraping `targets` (job name, `/metrics` port on 127.0.0.1) and
     /// waits until it answers.
     pub fn start(targets: &[(&str, u16)]) -> Prometheus {
+        Prometheus::start_with_rules(targets, None)
+    }
+
+    /// Like [`Prometheus::start`], evaluating the alerting rules `rules` (a rule file's text)
+    /// every second.
+    pub fn start_with_rules(targets: &[(&str, u16)], rules: Option<&str>) -> Prometheus {
         let bin = find("prometheus", "apt-get install prometheus");
         let dir = tempfile::tempdir().expect("temp dir");
-        let mut config =
-            String::from("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n");
+        let mut config = String::from(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n",
+        );
+        if let Some(rules) = rules {
+            let path = dir.path().join("rules.yaml");
+            std::fs::write(&path, rules).expect("write the rules");
+            config.push_str(&format!("rule_files:\n  - {}\n", path.display()));
+        }
+        config.push_str("scrape_configs:\n");
         for (job, port) in targets {
             config.push_str(&format!(
                 "  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"

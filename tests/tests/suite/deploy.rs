@@ -245,6 +245,37 @@ fn the_manifests_run_the_binary_with_flags_it_takes() {
     }
 }
 
+/// `promtool` passes the shipped alerting rules and their unit test, and every alert has a
+/// case there in which it fires.
+#[test]
+fn the_alerting_rules_pass_promtool_and_each_fires_in_its_unit_test() {
+    let dir = repo().join("deploy/prometheus");
+    for args in [
+        ["check", "rules", "flotilla-alerts.yaml"],
+        ["test", "rules", "flotilla-alerts.test.yaml"],
+    ] {
+        let mut cmd = Command::new("promtool");
+        cmd.args(args).current_dir(&dir);
+        let out = run_with_timeout(cmd, Duration::from_secs(60));
+        assert_eq!(out.code, 0, "promtool {args:?}: {out:?}");
+    }
+    let rules = std::fs::read_to_string(dir.join("flotilla-alerts.yaml")).unwrap();
+    let tests = std::fs::read_to_string(dir.join("flotilla-alerts.test.yaml")).unwrap();
+    let alerts: Vec<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .collect();
+    assert!(alerts.len() >= 10, "{alerts:?}");
+    for alert in alerts {
+        // A case that expects it to fire: its name, then an expected alert before the next case.
+        let fires = tests
+            .split("alertname: ")
+            .skip(1)
+            .any(|case| case.starts_with(&format!("{alert}\n")) && case.contains("exp_labels:"));
+        assert!(fires, "{alert} has no unit test in which it fires");
+    }
+}
+
 #[test]
 fn certs_ensure_makes_what_is_missing_and_nothing_twice() {
     let dir = tempfile::tempdir().unwrap();

@@ -202,3 +202,56 @@ fn the_version_names_the_commit_the_binary_was_built_from() {
         "{out:?}"
     );
 }
+
+/// The alerting rules `deploy/prometheus` ships, each `for:` cut to nothing (the expressions
+/// are what is tested here; their unit test times the `for:`s).
+fn shipped_rules_without_waits() -> String {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let rules =
+        std::fs::read_to_string(repo.join("deploy/prometheus/flotilla-alerts.yaml")).unwrap();
+    rules
+        .lines()
+        .map(|l| match l.trim_start().strip_prefix("for: ") {
+            Some(_) => format!("{}for: 0s", &l[..l.len() - l.trim_start().len()]),
+            None => l.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A real Prometheus with the shipped rules watches a fleet of two workers; one is killed
+/// (SIGKILL) and FlotillaWorkersLost fires, while FlotillaNoLeader does not.
+#[test]
+fn the_shipped_alert_for_a_lost_worker_fires_when_one_is_killed() {
+    let metrics_port = free_port();
+    let metrics_at = format!("127.0.0.1:{metrics_port}");
+    let mut c = Cluster::start_configured(2, 2, &["--metrics-listen", &metrics_at], &[]);
+    let rules = shipped_rules_without_waits();
+    let prometheus = Prometheus::start_with_rules(&[("coordinator", metrics_port)], Some(&rules));
+    // Both attached, long enough for the rule's 15 s subquery to have seen it.
+    prometheus.wait_for("max_over_time(sum(flotilla_workers{state=\"attached\"})[15m:15s]) == 2");
+    let loaded = http_get(prometheus.port, "/api/v1/rules", &[]).body;
+    assert!(
+        loaded.contains("\"FlotillaWorkersLost\"") && loaded.contains("\"health\":\"ok\""),
+        "Prometheus evaluates the shipped rules: {loaded}"
+    );
+    assert!(!loaded.contains("\"health\":\"err\""), "{loaded}");
+    assert!(
+        prometheus.query("ALERTS{alertstate=\"firing\"}").is_empty(),
+        "nothing fires on a healthy fleet: {:?}",
+        prometheus.query("ALERTS")
+    );
+    c.signal_worker(1, "-9");
+    let firing =
+        prometheus.wait_for("ALERTS{alertname=\"FlotillaWorkersLost\",alertstate=\"firing\"}");
+    assert_eq!(firing[0]["metric"]["severity"], "warning", "{firing:?}");
+    assert!(
+        prometheus
+            .query("ALERTS{alertname=\"FlotillaNoLeader\"}")
+            .is_empty(),
+        "the coordinator still leads"
+    );
+}
