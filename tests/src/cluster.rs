@@ -280,6 +280,23 @@ impl Cluster {
         c
     }
 
+    /// Like [`Cluster::start_configured`], with an environment for coordinator and workers.
+    pub fn start_configured_env(
+        workers: usize,
+        slots: u32,
+        coordinator_args: &[&str],
+        worker_args: &[&str],
+        env: Vec<(String, String)>,
+    ) -> Cluster {
+        let mut c = Self::prepare(workers, None, None);
+        c.coordinator_args = coordinator_args.iter().map(|a| (*a).to_owned()).collect();
+        c.worker_args = worker_args.iter().map(|a| (*a).to_owned()).collect();
+        c.coordinator_env = env.clone();
+        c.worker_env = env;
+        c.start_all(workers, slots);
+        c
+    }
+
     /// Two coordinators sharing etcd and a store; workers know both and attach to the one
     /// that leads (the first, once it does).
     pub fn start_group(

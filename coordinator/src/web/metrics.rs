@@ -299,6 +299,25 @@ fn quotas(
         "What a namespace's agents cost today (UTC), in US dollars.",
         views.iter().map(|v| (ns(v), v.used.cost_usd)),
     );
+    e.float_gauges(
+        "flotilla_namespace_quota",
+        "A namespace's daily quotas (UTC), by quota: agents_per_day, tokens_per_day, usd_per_day (none: no row).",
+        views.iter().flat_map(|v| {
+            let p = &v.policy;
+            [
+                ("agents_per_day", p.agents_per_day.map(|n| n as f64)),
+                ("tokens_per_day", p.tokens_per_day.map(|n| n as f64)),
+                ("usd_per_day", p.usd_per_day),
+            ]
+            .into_iter()
+            .filter_map(|(quota, limit)| {
+                Some((
+                    vec![("namespace", v.namespace.clone()), ("quota", quota.to_owned())],
+                    limit?,
+                ))
+            })
+        }),
+    );
     e.counters(
         "flotilla_quota_refusals_total",
         "Launches and agents refused because their namespace used up a daily quota (QUOTA_EXCEEDED).",

@@ -592,37 +592,6 @@ fn session_pages_need_a_token_from_a_client_certificate() {
     assert_eq!(value("flotilla_restarts_total{reason=\"user\"}"), 0.0);
     assert_eq!(value("flotilla_lease_renewal_failures_total"), 0.0);
     assert!(value("flotilla_storage_write_seconds_count") > 0.0);
-    // Every series the Grafana dashboard in deploy/ queries is one /metrics exposes.
-    let dash: Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../deploy/grafana/flotilla-dashboard.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let mut queried = 0;
-    for p in dash["panels"].as_array().unwrap() {
-        for t in p["targets"].as_array().unwrap() {
-            let expr = t["expr"].as_str().unwrap();
-            for (at, _) in expr.match_indices("flotilla_") {
-                let name: String = expr[at..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                let base = ["_bucket", "_count", "_sum"]
-                    .iter()
-                    .find_map(|s| name.strip_suffix(s))
-                    .unwrap_or(&name);
-                assert!(
-                    m.body.contains(&format!("# TYPE {base} ")),
-                    "the dashboard queries {name}, which /metrics does not have"
-                );
-                queried += 1;
-            }
-        }
-    }
-    assert!(queried >= 10, "{queried}");
     assert_eq!(value("flotilla_workers{state=\"attached\"}"), 1.0);
 }
 

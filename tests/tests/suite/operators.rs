@@ -255,3 +255,111 @@ fn the_shipped_alert_for_a_lost_worker_fires_when_one_is_killed() {
         "the coordinator still leads"
     );
 }
+
+/// Every query of every panel of `deploy/grafana/flotilla-dashboard.json` returns data from a
+/// real Prometheus scraping a real fleet — a coordinator and a worker on their operator
+/// listeners — while runs go on: an API backend's account (a local fake of the API), a
+/// namespace with daily quotas that refuses an agent, runs that complete and one that fails.
+#[test]
+fn every_dashboard_panel_has_data_from_a_real_fleet() {
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    let cfg = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::fs::write(
+        cfg.path(),
+        "[namespaces.team-q]\nagents_per_day = 2\ntokens_per_day = 100000\nusd_per_day = 50.0\n",
+    )
+    .unwrap();
+    let (coordinator_port, worker_port) = (free_port(), free_port());
+    let coordinator_at = format!("127.0.0.1:{coordinator_port}");
+    let worker_at = format!("127.0.0.1:{worker_port}");
+    let c = Cluster::start_configured_env(
+        1,
+        8,
+        &[
+            "--metrics-listen",
+            &coordinator_at,
+            "--config",
+            cfg.path().to_str().unwrap(),
+        ],
+        &[
+            "--backend",
+            "echo,anthropic,exec",
+            "--exec-cmd",
+            "sh",
+            "--metrics-listen",
+            &worker_at,
+        ],
+        fake.env(),
+    );
+    c.issue_client("quinn", &["team-q"]);
+    let prometheus =
+        Prometheus::start(&[("coordinator", coordinator_port), ("worker", worker_port)]);
+    prometheus.wait_for("count(up == 1) == 2");
+    // Through the API backend: an account, tokens, cost.
+    let api = c.launch(
+        "through-the-api",
+        "return (await parallel(Array.from({ length: 12 }, (_, i) => () => agent('item ' + i)))).length;",
+        &["--backend", "anthropic", "--stagger", "0"],
+    );
+    // A namespace's quota refuses its third agent; the script catches it and goes on.
+    let quota = c.launch_as(
+        "quinn",
+        "quota",
+        "const out = [];\nfor (let i = 0; i < 3; i++) { try { out.push(await agent('q ' + i)); } catch (e) { out.push(e.code); } }\nreturn out;",
+        &["--backend", "echo", "--stagger", "0"],
+    );
+    let failing = c.launch("failing", "throw new Error('on purpose');", &[]);
+    // And one that goes on while the panels are read.
+    let long = c.launch(
+        "long",
+        "return await agent('sleep 300; echo slept');",
+        &["--backend", "exec"],
+    );
+    let (code, report) = c.wait(&api);
+    assert_eq!(code, 0, "{report}");
+    let refused = c.client_as("quinn", &["wait", &quota, "--json"]);
+    assert_eq!(refused.code, 0, "{refused:?}");
+    assert_eq!(refused.json()["result"][2], "QUOTA_EXCEEDED", "{refused:?}");
+    let (code, _) = c.wait(&failing);
+    assert_ne!(code, 0);
+
+    let dash: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../deploy/grafana/flotilla-dashboard.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let variables: Vec<&str> = dash["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert!(
+        variables.contains(&"instance") && variables.contains(&"worker"),
+        "the dashboard selects coordinators and workers: {variables:?}"
+    );
+    let mut queried = 0;
+    for p in dash["panels"].as_array().unwrap() {
+        let Some(targets) = p["targets"].as_array() else {
+            assert_eq!(p["type"], "row", "{p}");
+            continue;
+        };
+        for t in targets {
+            // "All" of each selector, as the dashboard opens.
+            let expr = t["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$instance", ".*")
+                .replace("$worker", ".*");
+            let found = prometheus.wait_for(&expr);
+            assert!(!found.is_empty(), "{}: {expr}", p["title"]);
+            queried += 1;
+        }
+    }
+    assert!(queried >= 30, "{queried}");
+    let stopped = c.client(&["stop", &long]);
+    assert_eq!(stopped.code, 0, "{stopped:?}");
+}
