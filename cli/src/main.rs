@@ -80,8 +80,10 @@ enum Command {
     /// store, memory leases or `--etcd`) and print how to launch on it; Ctrl-C stops it all.
     Dev(dev::DevArgs),
     /// Run a coordinator: workers attach to it, clients launch runs on it.
+    #[command(after_help = telemetry::HELP)]
     Coordinator(Box<serve::coordinator::CoordinatorArgs>),
     /// Run a worker attached to a coordinator.
+    #[command(after_help = telemetry::HELP)]
     Worker(Box<serve::worker::WorkerArgs>),
     /// Start a run on a coordinator and return at once with its id and session URL.
     Launch(Box<client::LaunchArgs>),

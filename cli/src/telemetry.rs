@@ -1,18 +1,34 @@
 //! Where tracing goes: log lines on stderr (filtered by `FLOTILLA_LOG`, default `warn`), and
-//! OpenTelemetry traces over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+//! OpenTelemetry traces over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set. Nothing is exported otherwise, and
-//! `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn export off. The exporter reads
-//! the standard `OTEL_*` variables (endpoint, headers, timeout, batch settings,
-//! `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`).
+//! `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn export off. The exporter follows
+//! the standard `OTEL_*` variables: `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` (`grpc`, the
+//! default, or `http/protobuf`), endpoints, `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, timeout,
+//! batch settings, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`. A batch it cannot deliver
+//! is counted (`flotilla_trace_spans_dropped_total`) and said once on stderr, then again at
+//! most every ten minutes while it goes on.
 //!
-//! Spans: `run` → `phase` → `agent` (one per call) → `attempt` on the coordinator, and
-//! `attempt.run` on the worker, whose parent comes with the assignment.
+//! Spans: `run {workflow}` → `phase` → `agent` (one per call) → `invoke_agent {label}` (one
+//! per attempt, in the GenAI conventions) on the coordinator, and `attempt.run` on the worker,
+//! whose parent comes with the assignment.
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
+
+/// What `--help` of the coordinator and the worker says of logs, traces and metrics.
+pub const HELP: &str = "\
+Logs, traces and metrics:
+  FLOTILLA_LOG                     what goes to stderr (a tracing filter: warn, info, flotilla_coordinator=debug...) [default: warn]
+  OTEL_EXPORTER_OTLP_ENDPOINT      export OpenTelemetry traces over OTLP to this collector (…_TRACES_ENDPOINT: traces only); none is sent without it
+  OTEL_EXPORTER_OTLP_PROTOCOL      grpc (port 4317) or http/protobuf (port 4318) [default: grpc]
+  OTEL_EXPORTER_OTLP_HEADERS       key=value,... sent with each export (an API key of a hosted backend)
+  OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES   name and attributes of this process in traces
+  OTEL_SDK_DISABLED=true           no export even with an endpoint
+Spans follow the OpenTelemetry GenAI conventions (invoke_agent per attempt, gen_ai.* attributes).
+--metrics-listen ADDR serves Prometheus metrics with no sign-in; bind it to a private address.";
 
 /// The installed exporter, if any; flush it before the process ends.
 pub struct Telemetry {
@@ -45,14 +61,11 @@ pub fn init(service: &str) -> Telemetry {
     opentelemetry::global::set_text_map_propagator(
         opentelemetry_sdk::propagation::TraceContextPropagator::new(),
     );
-    let exporter = match opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .build()
-    {
+    let exporter = match exporter() {
         Ok(e) => e,
         Err(e) => {
             tracing_subscriber::registry().with(logs).init();
-            eprintln!("warning: OpenTelemetry export is off: cannot build the OTLP exporter: {e}");
+            eprintln!("warning: OpenTelemetry export is off: {e}");
             return Telemetry { provider: None };
         }
     };
@@ -76,6 +89,113 @@ pub fn init(service: &str) -> Telemetry {
     tracing_subscriber::registry().with(logs).with(spans).init();
     Telemetry {
         provider: Some(provider),
+    }
+}
+
+/// The protocol the OTel variables ask for: the traces' own, else the general one.
+fn protocol() -> String {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok().filter(|v| !v.trim().is_empty()))
+    .map_or_else(|| "grpc".to_owned(), |v| v.trim().to_ascii_lowercase())
+}
+
+/// The OTLP exporter of the protocol asked for, watched ([`Watched`]).
+fn exporter() -> Result<Watched, String> {
+    use opentelemetry_otlp::{Protocol, WithExportConfig};
+    let built = match protocol().as_str() {
+        "grpc" => opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .build(),
+        "http/protobuf" => opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .build(),
+        other => {
+            return Err(format!(
+                "OTEL_EXPORTER_OTLP_PROTOCOL={other:?} is not one this build speaks; set it to grpc or http/protobuf"
+            ));
+        }
+    };
+    built
+        .map(|inner| Watched {
+            inner: std::sync::Arc::new(inner),
+            runtime: tokio::runtime::Handle::current(),
+            warned: std::sync::Mutex::new(None),
+        })
+        .map_err(|e| format!("cannot build the OTLP exporter: {e}"))
+}
+
+/// The OTLP exporter, counting what it delivers and what it loses: a failed batch is counted
+/// and said on stderr, once and then at most every ten minutes while failures go on. Exports
+/// run on the process's runtime (the batch processor calls from a thread of its own, and the
+/// HTTP client needs the runtime's reactor).
+#[derive(Debug)]
+struct Watched {
+    inner: std::sync::Arc<opentelemetry_otlp::SpanExporter>,
+    runtime: tokio::runtime::Handle,
+    warned: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl opentelemetry_sdk::trace::SpanExporter for Watched {
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        use std::sync::atomic::Ordering::Relaxed;
+        let spans = batch.len() as u64;
+        let inner = self.inner.clone();
+        let result = match self
+            .runtime
+            .spawn(async move { inner.export(batch).await })
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => Err(opentelemetry_sdk::error::OTelSdkError::InternalFailure(
+                format!("the export task ended: {e}"),
+            )),
+        };
+        match &result {
+            Ok(()) => {
+                flotilla_proto::traces::SPANS_EXPORTED.fetch_add(spans, Relaxed);
+            }
+            Err(e) => {
+                flotilla_proto::traces::EXPORT_FAILURES.fetch_add(1, Relaxed);
+                let dropped =
+                    flotilla_proto::traces::SPANS_DROPPED.fetch_add(spans, Relaxed) + spans;
+                let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+                let due =
+                    warned.is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(600));
+                if due {
+                    *warned = Some(std::time::Instant::now());
+                    eprintln!(
+                        "warning: cannot export traces to the OpenTelemetry collector ({e}); {dropped} spans dropped so far (flotilla_trace_spans_dropped_total); check OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL"
+                    );
+                }
+            }
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(
+        &self,
+        timeout: std::time::Duration,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        // Called once, before the first export: nothing else holds the exporter yet.
+        if let Some(inner) = std::sync::Arc::get_mut(&mut self.inner) {
+            inner.set_resource(resource);
+        }
     }
 }
 

@@ -123,6 +123,39 @@ impl Exposition {
         self.0.register(name, help(text), m);
     }
 
+    /// What every Flotilla process says of itself: its build (version and commit) and what
+    /// became of its trace export.
+    pub fn process(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.gauges(
+            "flotilla_build_info",
+            "The build this process runs: its version and commit (always 1).",
+            [(
+                vec![
+                    ("version", env!("CARGO_PKG_VERSION").into()),
+                    ("commit", crate::build::commit().into()),
+                ],
+                1,
+            )],
+        );
+        let t = &crate::traces::SPANS_EXPORTED;
+        self.counter(
+            "flotilla_trace_spans_exported_total",
+            "Spans delivered to the OpenTelemetry collector (OTLP).",
+            t.load(Relaxed),
+        );
+        self.counter(
+            "flotilla_trace_spans_dropped_total",
+            "Spans lost because the OTLP exporter could not deliver their batch.",
+            crate::traces::SPANS_DROPPED.load(Relaxed),
+        );
+        self.counter(
+            "flotilla_trace_export_failures_total",
+            "Batches of spans the OTLP exporter could not deliver.",
+            crate::traces::EXPORT_FAILURES.load(Relaxed),
+        );
+    }
+
     /// The text Prometheus reads.
     pub fn finish(self) -> String {
         let mut out = String::new();

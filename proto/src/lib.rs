@@ -27,6 +27,17 @@ pub mod usage;
 pub mod wire;
 pub use problem::Problem;
 
+/// What became of the process's trace export (`flotilla_trace_*` in its metrics).
+pub mod traces {
+    use std::sync::atomic::AtomicU64;
+
+    /// Batches of spans the OTLP exporter could not deliver, and the spans in them.
+    pub static EXPORT_FAILURES: AtomicU64 = AtomicU64::new(0);
+    pub static SPANS_DROPPED: AtomicU64 = AtomicU64::new(0);
+    /// Spans delivered.
+    pub static SPANS_EXPORTED: AtomicU64 = AtomicU64::new(0);
+}
+
 /// Which build this process runs, for `--version` and the `build_info` metrics.
 pub mod build {
     use std::sync::OnceLock;

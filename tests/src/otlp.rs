@@ -1,5 +1,6 @@
-//! An in-process OTLP/gRPC trace receiver (`TraceService` from `opentelemetry-proto`) on
-//! loopback: it keeps every span it is sent, flattened for assertions.
+//! An in-process OTLP trace receiver on loopback, over gRPC (`TraceService` from
+//! `opentelemetry-proto`) or HTTP (`http/protobuf`): it keeps every span it is sent, flattened for
+//! assertions.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -39,14 +40,11 @@ fn text(v: Option<&opentelemetry_proto::tonic::common::v1::AnyValue>) -> String 
     }
 }
 
-#[tonic::async_trait]
-impl TraceService for Svc {
-    async fn export(
-        &self,
-        req: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+impl Svc {
+    /// Keeps the spans of one export request.
+    fn keep(&self, req: ExportTraceServiceRequest) {
         let mut got = Vec::new();
-        for rs in req.into_inner().resource_spans {
+        for rs in req.resource_spans {
             let service = rs
                 .resource
                 .iter()
@@ -75,9 +73,45 @@ impl TraceService for Svc {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend(got);
+    }
+}
+
+#[tonic::async_trait]
+impl TraceService for Svc {
+    async fn export(
+        &self,
+        req: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.keep(req.into_inner());
         Ok(tonic::Response::new(ExportTraceServiceResponse {
             partial_success: None,
         }))
+    }
+}
+
+/// OTLP over HTTP: `POST /v1/traces` with a protobuf body (`http/protobuf`); anything else is
+/// refused, so a test sees which encoding came.
+async fn http_export(
+    axum::extract::State(svc): axum::extract::State<Svc>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> (axum::http::StatusCode, Vec<u8>) {
+    use prost::Message;
+    let protobuf = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes() == b"application/x-protobuf");
+    if !protobuf {
+        return (axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE, Vec::new());
+    }
+    match ExportTraceServiceRequest::decode(body) {
+        Ok(req) => {
+            svc.keep(req);
+            let reply = ExportTraceServiceResponse {
+                partial_success: None,
+            };
+            (axum::http::StatusCode::OK, reply.encode_to_vec())
+        }
+        Err(_) => (axum::http::StatusCode::BAD_REQUEST, Vec::new()),
     }
 }
 
@@ -107,6 +141,32 @@ impl Receiver {
                 .add_service(TraceServiceServer::new(svc))
                 .serve_with_incoming(incoming)
                 .await;
+        });
+        Receiver {
+            port,
+            spans,
+            _rt: rt,
+        }
+    }
+
+    /// A receiver of OTLP over HTTP (`http/protobuf`, `POST /v1/traces`).
+    pub fn start_http() -> Receiver {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime for the receiver");
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind the OTLP receiver");
+        let port = listener.local_addr().expect("address").port();
+        let svc = Svc::default();
+        let spans = svc.spans.clone();
+        let app = axum::Router::new()
+            .route("/v1/traces", axum::routing::post(http_export))
+            .with_state(svc);
+        rt.spawn(async move {
+            let _ = axum::serve(listener, app).await;
         });
         Receiver {
             port,

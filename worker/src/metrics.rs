@@ -84,17 +84,7 @@ fn get(a: &AtomicI64) -> i64 {
 /// The exposition of this worker process.
 pub fn exposition() -> String {
     let mut e = Exposition::default();
-    e.gauges(
-        "flotilla_build_info",
-        "The build this process runs: its version and commit (always 1).",
-        [(
-            vec![
-                ("version", env!("CARGO_PKG_VERSION").into()),
-                ("commit", flotilla_proto::build::commit().into()),
-            ],
-            1,
-        )],
-    );
+    e.process();
     let (slots, busy) = (get(&SLOTS), get(&BUSY));
     e.gauges(
         "flotilla_worker_slots",

@@ -606,13 +606,13 @@ async fn run_attempt(
     // This attempt's span joins the run's trace: its parent is the coordinator's attempt span.
     let span = tracing::info_span!(
         "attempt.run",
-        workflow.run_id = %a.run_id,
-        index = a.call,
-        attempt = a.attempt,
-        backend = %spec.backend,
-        model = %spec.model,
-        label = %spec.label,
-        outcome = tracing::field::Empty,
+        flotilla.run_id = %a.run_id,
+        flotilla.call = a.call,
+        flotilla.attempt = a.attempt,
+        flotilla.backend = %spec.backend,
+        flotilla.label = %spec.label,
+        gen_ai.request.model = %spec.model,
+        flotilla.outcome = tracing::field::Empty,
     );
     {
         use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -642,7 +642,7 @@ async fn run_attempt(
         None => ("failed", "transient"),
     };
     span.record(
-        "outcome",
+        "flotilla.outcome",
         match &outcome.result {
             Some(outcome::Result::Completed(_)) => "completed",
             Some(outcome::Result::Failure(_)) => "failed",
@@ -650,6 +650,22 @@ async fn run_attempt(
         },
     );
     outcome
+}
+
+/// `span`'s W3C `traceparent`, when it is traced (none otherwise).
+fn trace_parent(span: &tracing::Span) -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    sc.is_valid().then(|| {
+        format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8()
+        )
+    })
 }
 
 /// One attempt as it runs on this worker: its assignment and task, the worker's parts it
@@ -732,6 +748,7 @@ impl Attempt {
             sandbox: self.parts.sandbox.clone(),
             limits: attempt_limits.clone(),
             tmp_size: limits.settings.tmp,
+            trace_parent: trace_parent(&tracing::Span::current()),
         };
         // On a timeout or over the disk quota the attempt is cancelled the normal way, so the
         // backend kills what it started before the outcome is sent.

@@ -74,23 +74,23 @@ impl RunEngine {
                 tracing::info_span!(
                     parent: &self.span,
                     "phase",
-                    workflow.run_id = %self.init.run_id,
-                    phase = %a.group,
+                    flotilla.run_id = %self.init.run_id,
+                    flotilla.phase = %a.group,
                 )
             })
             .clone();
         let span = tracing::info_span!(
             parent: &phase,
             "agent",
-            workflow.run_id = %self.init.run_id,
-            workflow.name = %self.init.workflow.name,
-            index,
-            label = %a.spec.label,
-            model = %a.spec.model,
-            attempts = tracing::field::Empty,
-            input_tokens = tracing::field::Empty,
-            output_tokens = tracing::field::Empty,
-            outcome = tracing::field::Empty,
+            flotilla.run_id = %self.init.run_id,
+            flotilla.workflow = %self.init.workflow.name,
+            flotilla.call = index,
+            flotilla.label = %a.spec.label,
+            gen_ai.request.model = %a.spec.model,
+            flotilla.attempts = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            flotilla.outcome = tracing::field::Empty,
         );
         Call {
             key: a.key.clone(),
@@ -107,7 +107,7 @@ impl RunEngine {
     pub(super) fn serve(&mut self, id: u64, a: admit::Admitted, record: CallRecord) {
         let mut call = self.new_call(id, &a);
         let (index, now) = (self.book.next_index(), self.now_ms());
-        call.span.record("outcome", "cached");
+        call.span.record("flotilla.outcome", "cached");
         call.span = tracing::Span::none();
         call.cached = true;
         call.cached_from = Some(
@@ -355,10 +355,12 @@ impl RunEngine {
         }
         c.end_ms = Some(now);
         c.waiting_for = None;
-        c.span.record("attempts", c.attempts);
-        c.span.record("input_tokens", c.usage.input_tokens);
-        c.span.record("output_tokens", c.usage.output_tokens);
-        c.span.record("outcome", result.span_outcome());
+        c.span.record("flotilla.attempts", c.attempts);
+        c.span
+            .record("gen_ai.usage.input_tokens", c.usage.input_tokens);
+        c.span
+            .record("gen_ai.usage.output_tokens", c.usage.output_tokens);
+        c.span.record("flotilla.outcome", result.span_outcome());
         c.span = tracing::Span::none();
         match result {
             CallResult::Completed(done) => {

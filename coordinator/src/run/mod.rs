@@ -267,9 +267,11 @@ impl RunEngine {
         );
         let span = tracing::info_span!(
             "run",
-            workflow.run_id = %init.run_id,
-            workflow.name = %init.workflow.name,
-            generation = init.generation,
+            otel.name = %format_args!("run {}", init.workflow.name),
+            flotilla.run_id = %init.run_id,
+            flotilla.workflow = %init.workflow.name,
+            flotilla.namespace = %init.settings.namespace,
+            flotilla.generation = init.generation,
         );
         RunEngine {
             span,

@@ -157,6 +157,7 @@ impl Dispatcher {
         // any more.
         let usage = self.bounded(worker, &id, o.attempt, o.usage.unwrap_or_default(), given);
         let input_tokens = usage.input_tokens;
+        let counted = usage;
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r.reg.events.send(CallEvent::Usage {
                 call: o.call,
@@ -190,6 +191,9 @@ impl Dispatcher {
         if !current {
             tracing::info!(run = %id.0, call = id.1, attempt = o.attempt, fence = o.fence, "dropping the outcome of an attempt that is no longer current (fenced)");
             return;
+        }
+        if let Some(c) = self.calls.get(&id) {
+            super::assign::record_outcome(&c.attempt_span, &counted, &o);
         }
         // The account's verdict on the attempt, before the call moves on.
         let end = match &o.result {
@@ -344,7 +348,8 @@ impl Dispatcher {
     pub(super) fn finish(&mut self, id: &CallId, result: CallResult) {
         self.leftovers.forget(id);
         if let Some(mut c) = self.calls.remove(id) {
-            c.attempt_span.record("outcome", result.span_outcome());
+            c.attempt_span
+                .record("flotilla.outcome", result.span_outcome());
             c.watchdog.disarm(&mut self.timers);
         }
         if let Some(r) = self.runs.get(&id.0) {
@@ -479,7 +484,8 @@ impl Dispatcher {
             retry: retry.clone(),
             counted,
         });
-        c.attempt_span.record("outcome", retry.span_outcome());
+        c.attempt_span
+            .record("flotilla.outcome", retry.span_outcome());
         crate::counters::inc(retry::restart_counter(&retry));
         if retry.at_once() && salvageable {
             // What the interrupted attempt left comes with its outcome (W58): the retry

@@ -115,17 +115,7 @@ fn by(
 /// Which build this is and what this coordinator is now: leader, standby, suspended, or the
 /// only one (`single`, no election).
 fn build(e: &mut Exposition, role: &str) {
-    e.gauges(
-        "flotilla_build_info",
-        "The build this process runs: its version and commit (always 1).",
-        [(
-            vec![
-                ("version", env!("CARGO_PKG_VERSION").into()),
-                ("commit", flotilla_proto::build::commit().into()),
-            ],
-            1,
-        )],
-    );
+    e.process();
     e.gauges(
         "flotilla_coordinator_role",
         "This coordinator's role now (1 for the one it has): leader, standby, suspended (could not renew its lease in time), or single (no election).",

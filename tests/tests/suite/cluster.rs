@@ -1144,37 +1144,21 @@ fn watch_follows_a_fleet_run_with_plain_lines_and_ends_with_its_report() {
     assert!(nobody.stderr.contains("no agent \"nobody\""), "{nobody:?}");
 }
 
-#[test]
-fn one_trace_per_run_reaches_an_otlp_receiver_with_worker_spans_under_their_attempts() {
-    let receiver = flotilla_tests::otlp::Receiver::start();
-    let c = Cluster::start_with_env(
-        1,
-        4,
-        vec![
-            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), receiver.endpoint()),
-            ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
-        ],
-    );
-    let run = c.launch(
-        "traced",
-        "phase('Look');\nconst r = await parallel([1, 2, 3].map(i => () => agent('t' + i, { label: 'a' + i })));\nreturn r.length;",
-        &["--stagger", "0"],
-    );
-    let (code, r) = c.wait(&run);
-    assert_eq!(code, 0, "{r}");
-    let of_run = |s: &flotilla_tests::otlp::SpanRecord| {
-        s.attributes.get("workflow.run_id").map(String::as_str) == Some(run.as_str())
-    };
+/// The spans of run `run` the receiver has, once `ready` says they are all there.
+fn spans_of_run(
+    receiver: &flotilla_tests::otlp::Receiver,
+    run: &str,
+    ready: impl Fn(&[flotilla_tests::otlp::SpanRecord]) -> bool,
+) -> Vec<flotilla_tests::otlp::SpanRecord> {
     let deadline = Instant::now() + Duration::from_secs(20);
-    let spans = loop {
-        let spans: Vec<_> = receiver.spans().into_iter().filter(|s| of_run(s)).collect();
-        let count = |name: &str| spans.iter().filter(|s| s.name == name).count();
-        if count("run") == 1
-            && count("attempt.run") == 3
-            && count("attempt") == 3
-            && count("agent") == 3
-        {
-            break spans;
+    loop {
+        let spans: Vec<_> = receiver
+            .spans()
+            .into_iter()
+            .filter(|s| s.attributes.get("flotilla.run_id").map(String::as_str) == Some(run))
+            .collect();
+        if ready(&spans) {
+            return spans;
         }
         assert!(
             Instant::now() < deadline,
@@ -1182,35 +1166,147 @@ fn one_trace_per_run_reaches_an_otlp_receiver_with_worker_spans_under_their_atte
             spans.iter().map(|s| &s.name).collect::<Vec<_>>()
         );
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// One trace per run, across coordinator and worker, in the OpenTelemetry GenAI conventions:
+/// each attempt an `invoke_agent {label}` span with the `gen_ai.*` attributes (usage, models,
+/// `error.type` of a failure), Flotilla's own under `flotilla.`; the agent's process gets the
+/// attempt's `TRACEPARENT`.
+#[test]
+fn one_trace_per_run_reaches_an_otlp_receiver_with_worker_spans_under_their_attempts() {
+    traces_reach(flotilla_tests::otlp::Receiver::start(), "grpc");
+}
+
+/// The same over OTLP/HTTP (`OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf`), which many hosted
+/// backends take only.
+#[test]
+fn traces_go_over_http_protobuf_when_the_otel_protocol_says_so() {
+    traces_reach(
+        flotilla_tests::otlp::Receiver::start_http(),
+        "http/protobuf",
+    );
+}
+
+fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
+    let c = Cluster::start_configured_env(
+        1,
+        4,
+        &[],
+        &["--backend", "echo,exec", "--exec-cmd", "sh"],
+        vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), receiver.endpoint()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL".into(), protocol.into()),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+        ],
+    );
+    let run = c.launch(
+        "traced",
+        "phase('Look');\nconst r = await parallel([1, 2, 3].map(i => () => agent('t' + i, { label: 'a' + i })));\nreturn r.length;",
+        &["--stagger", "0", "--backend", "echo"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let count = |spans: &[flotilla_tests::otlp::SpanRecord], prefix: &str| {
+        spans.iter().filter(|s| s.name.starts_with(prefix)).count()
     };
-    let find = |name: &'static str| spans.iter().filter(move |s| s.name == name);
-    let root = find("run").next().unwrap();
-    assert_eq!(root.attributes["workflow.name"], "traced");
+    let spans = spans_of_run(&receiver, &run, |spans| {
+        count(spans, "run ") == 1
+            && count(spans, "attempt.run") == 3
+            && count(spans, "invoke_agent ") == 3
+            && count(spans, "agent") == 3
+    });
+    let find = |prefix: &'static str| spans.iter().filter(move |s| s.name.starts_with(prefix));
+    let root = find("run ").next().unwrap();
+    assert_eq!(root.name, "run traced");
+    assert_eq!(root.attributes["flotilla.workflow"], "traced");
     assert!(root.parent_span_id.is_empty(), "the run span is the root");
     // One trace for the whole run, across both processes.
     assert!(spans.iter().all(|s| s.trace_id == root.trace_id));
     let phase = find("phase").next().expect("a phase span");
-    assert_eq!(phase.attributes["phase"], "Look");
+    assert_eq!(phase.attributes["flotilla.phase"], "Look");
     assert_eq!(phase.parent_span_id, root.span_id);
-    for agent in find("agent") {
+    for agent in spans.iter().filter(|s| s.name == "agent") {
         assert_eq!(agent.parent_span_id, phase.span_id);
-        assert_eq!(agent.attributes["outcome"], "completed");
-        assert!(agent.attributes["label"].starts_with('a'));
-        assert_eq!(agent.attributes["attempts"], "1");
+        assert_eq!(agent.attributes["flotilla.outcome"], "completed");
+        assert!(agent.attributes["flotilla.label"].starts_with('a'));
+        assert_eq!(agent.attributes["flotilla.attempts"], "1");
+        assert_eq!(agent.attributes["gen_ai.usage.input_tokens"], "2");
     }
     for worker_span in find("attempt.run") {
         assert_eq!(worker_span.service, "flotilla-worker");
-        let parent = find("attempt")
+        let attempt = find("invoke_agent ")
             .find(|a| a.span_id == worker_span.parent_span_id)
             .expect("the worker's span hangs under the coordinator's attempt span");
-        assert_eq!(parent.service, "flotilla-coordinator");
-        assert_eq!(parent.attributes["worker"], "worker-0");
-        assert_eq!(parent.attributes["outcome"], "completed");
+        assert_eq!(attempt.service, "flotilla-coordinator");
+        let label = &attempt.attributes["gen_ai.agent.name"];
+        assert_eq!(attempt.name, format!("invoke_agent {label}"));
+        assert_eq!(attempt.attributes["gen_ai.operation.name"], "invoke_agent");
+        assert_eq!(attempt.attributes["gen_ai.provider.name"], "flotilla.echo");
+        assert!(
+            attempt.attributes.contains_key("gen_ai.request.model"),
+            "{attempt:?}"
+        );
+        // The echo backend counts a prompt's characters: 't1' is two.
+        assert_eq!(
+            attempt.attributes["gen_ai.usage.input_tokens"], "2",
+            "{attempt:?}"
+        );
+        assert!(
+            attempt
+                .attributes
+                .contains_key("gen_ai.usage.output_tokens")
+        );
+        assert!(
+            !attempt.attributes.contains_key("error.type"),
+            "{attempt:?}"
+        );
+        assert_eq!(attempt.attributes["flotilla.worker"], "worker-0");
+        assert_eq!(attempt.attributes["flotilla.outcome"], "completed");
         let agent = find("agent")
-            .find(|a| a.span_id == parent.parent_span_id)
+            .find(|a| a.span_id == attempt.parent_span_id)
             .expect("the attempt hangs under its agent span");
-        assert_eq!(agent.attributes["index"], worker_span.attributes["index"]);
+        assert_eq!(
+            agent.attributes["flotilla.call"],
+            worker_span.attributes["flotilla.call"]
+        );
+        assert_eq!(agent.attributes["flotilla.label"], *label);
     }
+
+    // The agent's process sees its attempt's trace context; a failed attempt says its class.
+    let run = c.launch(
+        "traced-exec",
+        "return await parallel([() => agent('echo \"$TRACEPARENT\"', { label: 'tp' }), () => agent('exit 3', { label: 'bad' })]);",
+        &["--stagger", "0", "--backend", "exec"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let spans = spans_of_run(&receiver, &run, |spans| count(spans, "attempt.run") == 2);
+    let traceparent = r["result"][0]
+        .as_str()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    let worker_span = spans
+        .iter()
+        .find(|s| s.name == "attempt.run" && s.attributes["flotilla.label"] == "tp")
+        .expect("the tp attempt's worker span");
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    assert_eq!(
+        traceparent,
+        format!(
+            "00-{}-{}-01",
+            hex(&worker_span.trace_id),
+            hex(&worker_span.span_id)
+        ),
+        "{r}"
+    );
+    let bad = spans
+        .iter()
+        .find(|s| s.name == "invoke_agent bad")
+        .expect("the failed attempt's span");
+    assert_eq!(bad.attributes["error.type"], "terminal", "{bad:?}");
+    assert_eq!(bad.attributes["gen_ai.provider.name"], "flotilla.exec");
 }
 
 #[test]

@@ -363,3 +363,78 @@ fn every_dashboard_panel_has_data_from_a_real_fleet() {
     let stopped = c.client(&["stop", &long]);
     assert_eq!(stopped.code, 0, "{stopped:?}");
 }
+
+/// A collector that is not there: the spans are counted as dropped on the operator listener
+/// and the coordinator says so once on stderr, naming the variables to check; the run is
+/// not held up.
+#[test]
+fn spans_an_unreachable_collector_loses_are_counted_and_said_once() {
+    let (metrics_port, nowhere) = (free_port(), free_port());
+    let metrics_at = format!("127.0.0.1:{metrics_port}");
+    let c = flotilla_tests::cluster::Cluster::start_configured_env(
+        1,
+        4,
+        &["--metrics-listen", &metrics_at],
+        &[],
+        vec![
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT".into(),
+                format!("http://127.0.0.1:{nowhere}"),
+            ),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL".into(), "http/protobuf".into()),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT".into(), "500".into()),
+        ],
+    );
+    for i in 0..2 {
+        let run = c.launch(&format!("lost-{i}"), "return await agent('x');", &[]);
+        let (code, r) = c.wait(&run);
+        assert_eq!(code, 0, "{r}");
+    }
+    let mut scraped = String::new();
+    assert!(
+        eventually(30, || {
+            scraped = http_get(metrics_port, "/metrics", &[]).body;
+            scraped
+                .lines()
+                .find_map(|l| l.strip_prefix("flotilla_trace_spans_dropped_total "))
+                .and_then(|v| v.parse::<f64>().ok())
+                .is_some_and(|v| v > 0.0)
+                && scraped.contains("flotilla_trace_export_failures_total ")
+        }),
+        "{scraped}"
+    );
+    let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap();
+    assert_eq!(
+        log.matches("cannot export traces to the OpenTelemetry collector")
+            .count(),
+        1,
+        "said once: {log}"
+    );
+    assert!(log.contains("OTEL_EXPORTER_OTLP_ENDPOINT"), "{log}");
+}
+
+/// `--help` of the coordinator and the worker says how to get logs, traces and metrics.
+#[test]
+fn coordinator_and_worker_help_name_the_log_trace_and_metrics_settings() {
+    for role in ["coordinator", "worker"] {
+        let mut cmd = std::process::Command::new(flotilla_tests::binary());
+        cmd.args([role, "--help"]);
+        let out = flotilla_tests::run_with_timeout(cmd, std::time::Duration::from_secs(30));
+        assert_eq!(out.code, 0, "{out:?}");
+        for needed in [
+            "FLOTILLA_LOG",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "http/protobuf",
+            "OTEL_EXPORTER_OTLP_HEADERS",
+            "--metrics-listen",
+        ] {
+            assert!(
+                out.stdout.contains(needed),
+                "{role} --help lacks {needed}: {}",
+                out.stdout
+            );
+        }
+    }
+}

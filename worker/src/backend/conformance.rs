@@ -75,6 +75,7 @@ impl Case {
             sandbox: crate::sandbox::Sandbox::Off,
             limits: Arc::new(limits.attempt("conformance")),
             tmp_size: limits.settings.tmp,
+            trace_parent: None,
         }
     }
 

@@ -32,6 +32,9 @@ pub struct Task {
     pub limits: std::sync::Arc<crate::limits::Attempt>,
     /// Size of the sandbox's `/tmp`.
     pub tmp_size: u64,
+    /// The attempt's W3C trace context (`TRACEPARENT`), when the run is traced: what the
+    /// agent's processes emit of their own telemetry nests under the attempt.
+    pub trace_parent: Option<String>,
 }
 
 impl Task {
@@ -57,6 +60,9 @@ impl Task {
             tmp_size: self.tmp_size,
             ..Default::default()
         };
+        if let Some(tp) = &self.trace_parent {
+            jail.env.push(("TRACEPARENT".into(), tp.clone()));
+        }
         match &self.worktree {
             Some(wt) if wt.own_repo() => {
                 use crate::sandbox::Mount;
