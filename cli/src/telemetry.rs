@@ -65,7 +65,7 @@ pub fn init(service: &str) -> Telemetry {
         Ok(e) => e,
         Err(e) => {
             tracing_subscriber::registry().with(logs).init();
-            eprintln!("warning: OpenTelemetry export is off: {e}");
+            eprintln!("warning: OpenTelemetry export is off: {}", e.message);
             return Telemetry { provider: None };
         }
     };
@@ -104,7 +104,7 @@ fn protocol() -> String {
 }
 
 /// The OTLP exporter of the protocol asked for, watched ([`Watched`]).
-fn exporter() -> Result<Watched, String> {
+fn exporter() -> Result<Watched, flotilla_proto::Problem> {
     use opentelemetry_otlp::{Protocol, WithExportConfig};
     let built = match protocol().as_str() {
         "grpc" => opentelemetry_otlp::SpanExporter::builder()
@@ -115,9 +115,9 @@ fn exporter() -> Result<Watched, String> {
             .with_protocol(Protocol::HttpBinary)
             .build(),
         other => {
-            return Err(format!(
+            return Err(flotilla_proto::Problem::invalid(format!(
                 "OTEL_EXPORTER_OTLP_PROTOCOL={other:?} is not one this build speaks; set it to grpc or http/protobuf"
-            ));
+            )));
         }
     };
     built
@@ -126,7 +126,9 @@ fn exporter() -> Result<Watched, String> {
             runtime: tokio::runtime::Handle::current(),
             warned: std::sync::Mutex::new(None),
         })
-        .map_err(|e| format!("cannot build the OTLP exporter: {e}"))
+        .map_err(|e| {
+            flotilla_proto::Problem::invalid(format!("cannot build the OTLP exporter: {e}"))
+        })
 }
 
 /// The OTLP exporter, counting what it delivers and what it loses: a failed batch is counted

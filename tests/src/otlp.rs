@@ -183,4 +183,46 @@ impl Receiver {
     pub fn spans(&self) -> Vec<SpanRecord> {
         self.spans.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    /// The spans of run `run` (their `flotilla.run_id`), and the spans under them, once
+    /// `ready` says all it waits for are there (within 20 s).
+    pub fn spans_of_run(
+        &self,
+        run: &str,
+        ready: impl Fn(&[SpanRecord]) -> bool,
+    ) -> Vec<SpanRecord> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let all = self.spans();
+            let mut of_run: Vec<SpanRecord> = all
+                .iter()
+                .filter(|s| s.attributes.get("flotilla.run_id").map(String::as_str) == Some(run))
+                .cloned()
+                .collect();
+            // Spans without the run's id (a tool call's) belong to it through their parents.
+            loop {
+                let more: Vec<SpanRecord> = all
+                    .iter()
+                    .filter(|s| {
+                        !of_run.iter().any(|o| o.span_id == s.span_id)
+                            && of_run.iter().any(|o| o.span_id == s.parent_span_id)
+                    })
+                    .cloned()
+                    .collect();
+                if more.is_empty() {
+                    break;
+                }
+                of_run.extend(more);
+            }
+            if ready(&of_run) {
+                return of_run;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "spans never arrived; have {:?}",
+                of_run.iter().map(|s| &s.name).collect::<Vec<_>>()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
 }

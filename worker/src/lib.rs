@@ -5,7 +5,7 @@
 //!   free slots, progress and transcript events, one outcome per assignment, cancels.
 //! - [`workspace`]: per-call working directories confined to the workspace root.
 //! - [`source`]: run sources fetched through the link into a cache, a checkout per call.
-//! - [`metrics`]: the worker's figures on its operator listener (`--metrics-listen`).
+//! - [`meters`]: the worker's figures on its operator listener (`--metrics-listen`).
 //!
 //! **Architecture invariant:** a worker talks only to its coordinator link — never to etcd or
 //! object storage. Start reading at [`worker::Worker::run`].
@@ -14,11 +14,12 @@ pub mod backend;
 pub mod failure;
 pub mod gateway;
 pub mod limits;
-pub mod metrics;
+pub mod meters;
 pub mod remote;
 pub mod sandbox;
 pub mod seccomp;
 pub mod source;
+pub mod tool_spans;
 pub mod worker;
 pub mod workspace;
 pub mod worktree;

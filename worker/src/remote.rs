@@ -73,12 +73,16 @@ pub async fn serve(
                 .map_err(|p| Error::Connect(p.message))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    if let Some(at) = opts.metrics_listen {
-        crate::metrics::serve(at, cancel.clone())
-            .await
-            .map_err(|p| Error::Connect(p.message))?;
-        tracing::info!("operator metrics on http://{at}/metrics");
-    }
+    let meters = match opts.metrics_listen {
+        Some(at) => {
+            let listener = crate::meters::bind(at)
+                .await
+                .map_err(|p| Error::Connect(p.message))?;
+            tracing::info!("operator metrics on http://{at}/metrics");
+            Some(listener)
+        }
+        None => None,
+    };
     let (links_tx, links_rx) = mpsc::unbounded_channel();
     // `cancel` stops the worker: it interrupts what it runs and sends those outcomes (with
     // what each attempt left, W58) on the link it has; the link goes only then, or after
@@ -96,6 +100,7 @@ pub async fn serve(
             }
         }
     };
+    let served_until = connected.clone();
     let connect = async move {
         let res = connect_loop(channels, &opts, &links_tx, &link_stop, &stop).await;
         drop(links_tx);
@@ -104,7 +109,13 @@ pub async fn serve(
         connected.cancel();
         res
     };
-    let (res, ()) = tokio::join!(connect, run);
+    // The operator listener serves until the worker has stopped.
+    let meters = async move {
+        if let Some(listener) = meters {
+            crate::meters::serve(listener, served_until).await;
+        }
+    };
+    let (res, (), ()) = tokio::join!(connect, run, meters);
     res
 }
 
@@ -148,7 +159,7 @@ async fn connect_loop(
             }
             Err(status) => {
                 at += 1;
-                crate::metrics::LINK_FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                crate::meters::LINK_FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // A conflict (`FailedPrecondition`) is also how the coordinator says another
                 // worker process is attached under this name. That one keeps serving; this one
                 // stops with the reason rather than retry, so its supervisor shows it failed (a
@@ -210,14 +221,14 @@ struct Attached;
 
 impl Attached {
     fn now() -> Attached {
-        crate::metrics::ATTACHED.store(1, std::sync::atomic::Ordering::Relaxed);
+        crate::meters::ATTACHED.store(1, std::sync::atomic::Ordering::Relaxed);
         Attached
     }
 }
 
 impl Drop for Attached {
     fn drop(&mut self) {
-        crate::metrics::ATTACHED.store(0, std::sync::atomic::Ordering::Relaxed);
+        crate::meters::ATTACHED.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -248,7 +259,7 @@ async fn attach_once(
     let call = async move {
         let mut inbound = client.attach(frames_rx).await?.into_inner();
         tracing::info!("attached to the coordinator");
-        crate::metrics::LINKS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        crate::meters::LINKS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let _up = Attached::now();
         let mut pieces = frag::Reassembler::default();
         while let Some(msg) = inbound.next().await {

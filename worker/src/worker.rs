@@ -128,8 +128,8 @@ impl Worker {
         // Without entropy every worker of this name is one incarnation, as before the field
         // existed: they take each other's place instead of being refused.
         let _ = getrandom::fill(&mut bytes);
-        crate::metrics::SLOTS.store(i64::from(opts.slots), std::sync::atomic::Ordering::Relaxed);
-        crate::metrics::SANDBOXED.store(
+        crate::meters::SLOTS.store(i64::from(opts.slots), std::sync::atomic::Ordering::Relaxed);
+        crate::meters::SANDBOXED.store(
             i64::from(!matches!(opts.sandbox, crate::sandbox::Sandbox::Off)),
             std::sync::atomic::Ordering::Relaxed,
         );
@@ -592,16 +592,6 @@ async fn run_attempt(
     cancel: CancellationToken,
 ) -> v1::Outcome {
     let link = tx.clone();
-    let sink = Arc::new(LinkSink {
-        tx,
-        run_id: a.run_id.clone(),
-        call: a.call,
-        attempt: a.attempt,
-        buffer: Mutex::new(Vec::new()),
-        keepalive_every: keepalive_every(a.stall_timeout_ms),
-        last_sent: Mutex::new(None),
-    });
-    let events = Events::new(sink.clone());
     let spec = a.task.clone().unwrap_or_default();
     // This attempt's span joins the run's trace: its parent is the coordinator's attempt span.
     let span = tracing::info_span!(
@@ -620,6 +610,18 @@ async fn run_attempt(
             opentelemetry::global::get_text_map_propagator(|p| p.extract(&a.trace_context));
         let _ = span.set_parent(parent);
     }
+    let sink = Arc::new(LinkSink {
+        tx,
+        run_id: a.run_id.clone(),
+        call: a.call,
+        attempt: a.attempt,
+        buffer: Mutex::new(Vec::new()),
+        keepalive_every: keepalive_every(a.stall_timeout_ms),
+        last_sent: Mutex::new(None),
+        span: span.clone(),
+        tools: crate::tool_spans::ToolSpans::default(),
+    });
+    let events = Events::new(sink.clone());
     let at = Attempt {
         a,
         spec,
@@ -627,7 +629,7 @@ async fn run_attempt(
         link,
         events,
     };
-    let mut counted = crate::metrics::Running::start();
+    let mut counted = crate::meters::Running::start();
     let outcome = run_attempt_in(at, backend, sink, cancel)
         .instrument(span.clone())
         .await;
@@ -1097,7 +1099,7 @@ async fn prepare(at: &Attempt, most: Duration) -> Result<Option<crate::worktree:
         }
     };
     if made {
-        crate::metrics::workspace(result, started.elapsed());
+        crate::meters::workspace(result, started.elapsed());
     }
     r
 }
@@ -1209,6 +1211,9 @@ struct LinkSink {
     /// Keep-alives closer together than this after the last progress sent are not sent.
     keepalive_every: Duration,
     last_sent: Mutex<Option<Instant>>,
+    /// The attempt's span, and its tool calls' spans under it.
+    span: tracing::Span,
+    tools: crate::tool_spans::ToolSpans,
 }
 
 /// How often an attempt's keep-alive goes to the coordinator: five times per stall timeout,
@@ -1264,6 +1269,7 @@ impl EventSink for LinkSink {
     }
 
     fn transcript(&self, event: Value) {
+        self.tools.note(&self.span, &event);
         let full = {
             let mut buffer = lock(&self.buffer);
             buffer.push(flotilla_proto::frag::fit_event(event.to_string()));
@@ -1305,6 +1311,8 @@ mod tests {
             buffer: Mutex::new(Vec::new()),
             keepalive_every: keepalive_every(1000),
             last_sent: Mutex::new(None),
+            span: tracing::Span::none(),
+            tools: crate::tool_spans::ToolSpans::default(),
         };
         let kinds = |rx: &mut mpsc::UnboundedReceiver<WorkerMessage>| {
             let mut out = Vec::new();

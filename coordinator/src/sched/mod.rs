@@ -65,6 +65,7 @@ use crate::lease::{self, LeaseStore};
 mod accounts;
 mod affinity;
 mod assign;
+mod ended;
 mod fair;
 mod fencing;
 mod fleet;
@@ -75,6 +76,7 @@ mod leftovers;
 mod outcomes;
 mod place;
 mod retry;
+mod spans;
 mod stagger;
 mod transfers;
 mod usage;
@@ -93,8 +95,8 @@ pub use usage::UsageBounds;
 use fleet::Fleet;
 use lease_writes::KeyOp;
 
+use ended::Ended;
 use handle::CallId;
-use outcomes::Ended;
 
 struct CallState {
     ticket: Ticket,

@@ -12,47 +12,6 @@
 use super::fleet::key_hash;
 use super::*;
 
-/// How an attempt stopped running, as `flotilla_attempts_total` counts it.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Ended {
-    Completed,
-    /// The worker said it failed, of this kind.
-    Failed(FailureKind),
-    /// The stall watchdog ended it (W58).
-    Stalled,
-    /// Its worker went away or its lease lapsed.
-    Lost,
-    /// Ended here: `restarted`, `stopped` or `paused`.
-    Cancelled(&'static str),
-    /// Its assignment was refused before it started.
-    Unstarted,
-}
-
-impl Ended {
-    /// What a worker's outcome says.
-    fn of(result: Option<&outcome::Result>) -> Ended {
-        match result {
-            Some(outcome::Result::Completed(_)) => Ended::Completed,
-            Some(outcome::Result::Failure(f)) => {
-                Ended::Failed(FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal))
-            }
-            None => Ended::Failed(FailureKind::Retryable),
-        }
-    }
-
-    /// Its `outcome` and `class` labels.
-    fn labels(self) -> (&'static str, &'static str) {
-        match self {
-            Ended::Completed => ("completed", ""),
-            Ended::Failed(kind) => ("failed", kind.class()),
-            Ended::Stalled => ("stalled", ""),
-            Ended::Lost => ("lost", ""),
-            Ended::Cancelled(why) => ("cancelled", why),
-            Ended::Unstarted => ("unstarted", ""),
-        }
-    }
-}
-
 /// Why a message for attempt `.1` of call `.0` was not the worker's to send.
 struct NotGiven<'a>(&'a CallId, u32);
 
@@ -193,7 +152,7 @@ impl Dispatcher {
             return;
         }
         if let Some(c) = self.calls.get(&id) {
-            super::assign::record_outcome(&c.attempt_span, &counted, &o);
+            super::spans::record_outcome(&c.attempt_span, &counted, &o);
         }
         // The account's verdict on the attempt, before the call moves on.
         let end = match &o.result {

@@ -450,3 +450,74 @@ fn a_custom_agent_type_runs_with_its_definition() {
         "the custom type's prompt is the agent's system prompt: {system}"
     );
 }
+
+/// The real CLI's tool calls become `execute_tool {name}` spans under its attempt's worker
+/// span (GenAI conventions), and the attempt's `invoke_agent` span says the provider and the
+/// tokens, in a trace exported to an OTLP receiver.
+#[test]
+fn the_real_cli_s_tool_calls_are_execute_tool_spans_in_the_run_s_trace() {
+    let receiver = flotilla_tests::otlp::Receiver::start();
+    let fake = FakeAnthropic::start();
+    let mut env = fake.env();
+    env.push((
+        "FLOTILLA_CLAUDE_BIN".into(),
+        claude_bin().to_str().unwrap().to_owned(),
+    ));
+    env.push(("OTEL_EXPORTER_OTLP_ENDPOINT".into(), receiver.endpoint()));
+    env.push(("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()));
+    let c = flotilla_tests::cluster::Cluster::start_configured_env(
+        1,
+        2,
+        &[],
+        &["--backend", "claude-code"],
+        env,
+    );
+    let run = c.launch(
+        "tool-trace",
+        "return await agent('run it [[bash:echo traced-tool]]', { tools: ['Bash'], label: 'tooly' });",
+        &["--stagger", "0", "--backend", "claude-code"],
+    );
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "tool said: traced-tool", "{r}");
+    let spans = receiver.spans_of_run(&run, |spans| {
+        spans.iter().any(|s| s.name.starts_with("execute_tool"))
+            && spans.iter().any(|s| s.name == "invoke_agent tooly")
+    });
+    let named = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no {name} span: {spans:?}"))
+    };
+    let (attempt, worker_span, tool) = (
+        named("invoke_agent tooly"),
+        named("attempt.run"),
+        named("execute_tool Bash"),
+    );
+    assert_eq!(tool.parent_span_id, worker_span.span_id);
+    assert_eq!(tool.name, "execute_tool Bash");
+    assert_eq!(tool.trace_id, worker_span.trace_id);
+    assert_eq!(tool.attributes["gen_ai.operation.name"], "execute_tool");
+    assert_eq!(tool.attributes["gen_ai.tool.name"], "Bash");
+    assert!(
+        tool.attributes["gen_ai.tool.call.id"].starts_with("toolu_"),
+        "{tool:?}"
+    );
+    assert_eq!(tool.attributes["flotilla.outcome"], "ok", "{tool:?}");
+    assert_eq!(worker_span.parent_span_id, attempt.span_id);
+    assert_eq!(attempt.attributes["gen_ai.provider.name"], "anthropic");
+    assert_eq!(
+        attempt.attributes["gen_ai.response.model"], "claude-opus-5-5",
+        "{attempt:?}"
+    );
+    let tokens: u64 = [
+        "gen_ai.usage.input_tokens",
+        "gen_ai.usage.cache_read.input_tokens",
+        "gen_ai.usage.cache_creation.input_tokens",
+    ]
+    .iter()
+    .map(|k| attempt.attributes[*k].parse::<u64>().unwrap())
+    .sum();
+    assert!(tokens > 0, "{attempt:?}");
+}

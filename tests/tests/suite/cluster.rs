@@ -1144,31 +1144,6 @@ fn watch_follows_a_fleet_run_with_plain_lines_and_ends_with_its_report() {
     assert!(nobody.stderr.contains("no agent \"nobody\""), "{nobody:?}");
 }
 
-/// The spans of run `run` the receiver has, once `ready` says they are all there.
-fn spans_of_run(
-    receiver: &flotilla_tests::otlp::Receiver,
-    run: &str,
-    ready: impl Fn(&[flotilla_tests::otlp::SpanRecord]) -> bool,
-) -> Vec<flotilla_tests::otlp::SpanRecord> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let spans: Vec<_> = receiver
-            .spans()
-            .into_iter()
-            .filter(|s| s.attributes.get("flotilla.run_id").map(String::as_str) == Some(run))
-            .collect();
-        if ready(&spans) {
-            return spans;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "spans never arrived; have {:?}",
-            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// One trace per run, across coordinator and worker, in the OpenTelemetry GenAI conventions:
 /// each attempt an `invoke_agent {label}` span with the `gen_ai.*` attributes (usage, models,
 /// `error.type` of a failure), Flotilla's own under `flotilla.`; the agent's process gets the
@@ -1202,7 +1177,7 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
     );
     let run = c.launch(
         "traced",
-        "phase('Look');\nconst r = await parallel([1, 2, 3].map(i => () => agent('t' + i, { label: 'a' + i })));\nreturn r.length;",
+        "phase('Look');\nconst r = await parallel([1, 2, 3].map(i => () => agent('t' + i, { label: 'a' + i, model: 'echo-model' })));\nreturn r.length;",
         &["--stagger", "0", "--backend", "echo"],
     );
     let (code, r) = c.wait(&run);
@@ -1210,7 +1185,7 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
     let count = |spans: &[flotilla_tests::otlp::SpanRecord], prefix: &str| {
         spans.iter().filter(|s| s.name.starts_with(prefix)).count()
     };
-    let spans = spans_of_run(&receiver, &run, |spans| {
+    let spans = receiver.spans_of_run(&run, |spans| {
         count(spans, "run ") == 1
             && count(spans, "attempt.run") == 3
             && count(spans, "invoke_agent ") == 3
@@ -1243,8 +1218,8 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
         assert_eq!(attempt.name, format!("invoke_agent {label}"));
         assert_eq!(attempt.attributes["gen_ai.operation.name"], "invoke_agent");
         assert_eq!(attempt.attributes["gen_ai.provider.name"], "flotilla.echo");
-        assert!(
-            attempt.attributes.contains_key("gen_ai.request.model"),
+        assert_eq!(
+            attempt.attributes["gen_ai.request.model"], "echo-model",
             "{attempt:?}"
         );
         // The echo backend counts a prompt's characters: 't1' is two.
@@ -1281,7 +1256,7 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
     );
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
-    let spans = spans_of_run(&receiver, &run, |spans| count(spans, "attempt.run") == 2);
+    let spans = receiver.spans_of_run(&run, |spans| count(spans, "attempt.run") == 2);
     let traceparent = r["result"][0]
         .as_str()
         .unwrap_or_default()

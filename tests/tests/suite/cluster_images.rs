@@ -504,11 +504,17 @@ fn the_compose_stack_says_why_s3_failed_comes_up_beside_taken_ports_and_outlives
 /// Deployments and the ConfigMap (it ignores Services and budgets), on the host's loopback
 /// (no pod network may be used), a file store and one coordinator (no etcd), the secrets as
 /// host paths (podman 4.3 crashes on secret volumes), the workers unsandboxed (the image
-/// has no bubblewrap), no container ports (nothing to map on the host network), and the
-/// pod IP given (podman has none).
+/// has no bubblewrap), no container ports (nothing to map on the host network), the pod IP
+/// given (podman has none), the coordinator's operator listener on a free loopback port and
+/// the workers' off (both replicas share the host network).
 /// Everything else — args, env, probes, security contexts, volumes — is
 /// as written.
-fn for_kube_play(image: &str, pki: &Path, port: u16, http: u16, suffix: &str) -> String {
+fn for_kube_play(
+    image: &str,
+    pki: &Path,
+    (port, http, metrics): (u16, u16, u16),
+    suffix: &str,
+) -> String {
     let dir = repo().join("deploy/kubernetes");
     let mut docs = Vec::new();
     for file in ["settings.yaml", "coordinator.yaml", "worker.yaml"] {
@@ -550,6 +556,14 @@ fn for_kube_play(image: &str, pki: &Path, port: u16, http: u16, suffix: &str) ->
             format!("--listen=127.0.0.1:{port}"),
         ),
         ("--http=0.0.0.0:7080", format!("--http=127.0.0.1:{http}")),
+        (
+            "--metrics-listen=0.0.0.0:9464",
+            format!("--metrics-listen=127.0.0.1:{metrics}"),
+        ),
+        (
+            "            - --metrics-listen=$(POD_IP):9465\n",
+            String::new(),
+        ),
         ("port: http\n", format!("port: {http}\n")),
         // podman does not know the pod's IP; on the host network it is loopback.
         (
@@ -558,7 +572,11 @@ fn for_kube_play(image: &str, pki: &Path, port: u16, http: u16, suffix: &str) ->
         ),
         // On the host network there is nothing to map (podman refuses port mappings there).
         (
-            "          ports:\n            - name: grpc\n              containerPort: 7443\n            - name: http\n              containerPort: 7080\n",
+            "          ports:\n            - name: grpc\n              containerPort: 7443\n            - name: http\n              containerPort: 7080\n            - name: metrics\n              containerPort: 9464\n",
+            String::new(),
+        ),
+        (
+            "          ports:\n            - name: metrics\n              containerPort: 9465\n",
             String::new(),
         ),
         (
@@ -604,11 +622,16 @@ fn the_kubernetes_deployments_come_up_as_real_pods_and_serve_a_run() {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(pki.join(key), std::fs::Permissions::from_mode(0o644)).unwrap();
     }
-    let (port, http) = (free_port(), free_port());
+    let (port, http, metrics) = (free_port(), free_port(), free_port());
     let played = dir.path().join("played.yaml");
     std::fs::write(
         &played,
-        for_kube_play(&image, &pki, port, http, &std::process::id().to_string()),
+        for_kube_play(
+            &image,
+            &pki,
+            (port, http, metrics),
+            &std::process::id().to_string(),
+        ),
     )
     .unwrap();
     struct Down(PathBuf, String);
@@ -659,6 +682,16 @@ fn the_kubernetes_deployments_come_up_as_real_pods_and_serve_a_run() {
     let out = client(&["wait", &run, "--json"]);
     assert_eq!(out.code, 0, "{out:?}");
     assert_eq!(out.json()["result"], 6);
+    // The operator listener the manifests annotate for scraping: no token, both workers.
+    let scraped = http_get(metrics, "/metrics", &[]);
+    assert_eq!(scraped.status, 200, "{scraped:?}");
+    assert!(
+        scraped
+            .body
+            .contains("flotilla_workers{state=\"attached\"} 2\n"),
+        "{}",
+        scraped.body
+    );
 }
 
 #[test]

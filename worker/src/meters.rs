@@ -141,16 +141,18 @@ pub fn exposition() -> String {
     e.finish()
 }
 
-/// Serves `GET /metrics` on `listen` until `cancel` fires; any other path is 404.
-pub async fn serve(
-    listen: SocketAddr,
-    cancel: CancellationToken,
-) -> Result<(), flotilla_proto::Problem> {
-    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+/// The operator listener's socket, bound before the worker attaches (so a bad address stops
+/// it with the reason).
+pub async fn bind(listen: SocketAddr) -> Result<tokio::net::TcpListener, flotilla_proto::Problem> {
+    tokio::net::TcpListener::bind(listen).await.map_err(|e| {
         flotilla_proto::Problem::unavailable(format!(
             "cannot serve worker metrics on {listen}: {e} (choose another --metrics-listen address)"
         ))
-    })?;
+    })
+}
+
+/// Serves `GET /metrics` on `listener` until `stop` fires; any other path is 404.
+pub async fn serve(listener: tokio::net::TcpListener, stop: CancellationToken) {
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(|| async {
@@ -160,15 +162,12 @@ pub async fn serve(
             )
         }),
     );
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { cancel.cancelled().await })
-            .await;
-        if let Err(e) = served {
-            tracing::warn!(error = %e, "the worker's metrics listener stopped");
-        }
-    });
-    Ok(())
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(async move { stop.cancelled().await })
+        .await;
+    if let Err(e) = served {
+        tracing::warn!(error = %e, "the worker's metrics listener stopped");
+    }
 }
 
 #[cfg(test)]
