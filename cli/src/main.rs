@@ -88,7 +88,7 @@ enum Command {
     /// Start a run on a coordinator and return at once with its id and session URL.
     Launch(Box<client::LaunchArgs>),
     /// Wait for a run on a coordinator to end and print its report.
-    Wait(client::RunRefArgs),
+    Wait(client::WaitArgs),
     /// Show a running run's progress.
     Status(client::RunRefArgs),
     /// Follow a run on a coordinator until it ends: progress bars on a terminal, plain lines
@@ -234,9 +234,8 @@ impl Command {
             Command::Run(a) => a.json,
             Command::Launch(a) => a.json(),
             Command::Resume(a) => a.json(),
-            Command::Wait(a) | Command::Status(a) | Command::Watch(a) | Command::Pause(a) => {
-                a.json()
-            }
+            Command::Wait(a) => a.run.json(),
+            Command::Status(a) | Command::Watch(a) | Command::Pause(a) => a.json(),
             Command::Stop(a) | Command::Restart(a) => a.json(),
             Command::Runs(a) => a.json,
             Command::Show(a) => a.json,

@@ -110,6 +110,11 @@ impl RunStatus {
 /// script handles (W23), and every view says how many failed.
 pub const EXIT_ALL_AGENTS_FAILED: i32 = 4;
 
+/// The exit status of `wait --exit-status` (and `launch --wait --exit-status`) for a run that
+/// completed although some of its agents failed, for a CI job that wants every agent to
+/// succeed. Without the flag such a run exits 0, as above.
+pub const EXIT_SOME_AGENTS_FAILED: i32 = 5;
+
 /// A run's state in brief, as every view of it shows it: `status`, `watch`, `wait`, `agents`,
 /// `runs`, `show`, the session pages and their JSON, the MCP tools and `/metrics`. It is made
 /// in one place for each source: from the engine while the run runs on this coordinator (the
@@ -225,6 +230,15 @@ impl Summary {
             RunStatus::Completed => 0,
             RunStatus::Rejected => 2,
             _ => 1,
+        }
+    }
+
+    /// [`Summary::exit_code`], except that a run that completed with any failed agent exits
+    /// [`EXIT_SOME_AGENTS_FAILED`] (all of them failed: still [`EXIT_ALL_AGENTS_FAILED`]).
+    pub fn strict_exit_code(&self) -> i32 {
+        match self.exit_code() {
+            0 if self.completed_with_failures() => EXIT_SOME_AGENTS_FAILED,
+            code => code,
         }
     }
 
@@ -768,6 +782,11 @@ mod tests {
         assert!(s.completed_with_failures() && !s.all_agents_failed());
         assert_eq!(s.headline(), "completed, 1 failed");
         assert_eq!(s.exit_code(), 0);
+        assert_eq!(
+            s.strict_exit_code(),
+            EXIT_SOME_AGENTS_FAILED,
+            "wait --exit-status"
+        );
         // None completed: the run did nothing, and says so in its exit status too.
         r.agents[0].status = CallStatus::Failed;
         r.usage.errors = 2;
@@ -775,6 +794,7 @@ mod tests {
         assert!(s.all_agents_failed());
         assert_eq!(s.headline(), "completed, 2 failed");
         assert_eq!(s.exit_code(), EXIT_ALL_AGENTS_FAILED);
+        assert_eq!(s.strict_exit_code(), EXIT_ALL_AGENTS_FAILED);
         r.agents[0].status = CallStatus::Completed;
         r.usage.errors = 0;
         assert_eq!(Summary::of_report(&r).exit_code(), 0);

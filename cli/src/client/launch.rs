@@ -15,6 +15,13 @@ use flotilla_proto::Problem;
 pub struct LaunchArgs {
     #[command(flatten)]
     run: crate::RunArgs,
+    /// Wait for the run to end and print its report, as `flotilla wait` would (the session URL
+    /// is printed at once; with --json only the report is).
+    #[arg(long)]
+    wait: bool,
+    /// With --wait: exit 5 when the run completed but some of its agents failed.
+    #[arg(long, requires = "wait")]
+    exit_status: bool,
     #[command(flatten)]
     remote: ClientArgs,
     #[command(flatten)]
@@ -191,6 +198,15 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         Ok(s) => s,
         Err(e) => return crate::refuse(e),
     };
+    if a.wait && reply.status != "rejected" {
+        let run_id = reply.run_id.clone();
+        if !a.run.json {
+            print_launched(reply, false, None);
+        } else {
+            say_notes(&reply.notes);
+        }
+        return wait_and_report(&mut client, run_id, a.run.json, false, a.exit_status).await;
+    }
     if a.run.json && reply.status != "rejected" {
         say_notes(&reply.notes);
         let mut v = serde_json::json!({"run_id": reply.run_id, "session_url": reply.session_url, "status": reply.status, "notes": reply.notes});

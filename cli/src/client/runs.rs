@@ -11,14 +11,46 @@ use flotilla_proto::wire::SnapshotView;
 use crate::client::*;
 use crate::{fail_kind, print_report};
 
-pub async fn wait(a: RunRefArgs) -> i32 {
-    let mut client = match a.client() {
+/// `flotilla wait RUN`.
+#[derive(Debug, clap::Args)]
+pub struct WaitArgs {
+    #[command(flatten)]
+    pub run: RunRefArgs,
+    /// Exit 5 when the run completed but some of its agents failed (without it such a run
+    /// exits 0, its script having handled the failures; 4 when every agent failed either way).
+    #[arg(long)]
+    pub exit_status: bool,
+}
+
+pub async fn wait(a: WaitArgs) -> i32 {
+    let mut client = match a.run.client() {
         Ok(c) => c,
         Err(e) => return crate::refuse(e),
     };
-    match client.wait(v1::RunRef { run_id: a.run_id }).await {
+    let (json, full) = (a.run.json, a.run.full);
+    wait_and_report(&mut client, a.run.run_id, json, full, a.exit_status).await
+}
+
+/// Waits for run `run_id` to end and prints its report; the exit status says how it ended
+/// (strictly, with `exit_status`: any failed agent is a failure).
+pub(crate) async fn wait_and_report(
+    client: &mut ClientServiceClient<Channel>,
+    run_id: String,
+    json: bool,
+    full: bool,
+    exit_status: bool,
+) -> i32 {
+    match client.wait(v1::RunRef { run_id }).await {
         Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
-            Ok(report) => print_report(&report, a.json, a.full),
+            Ok(report) => {
+                let code = print_report(&report, json, full);
+                let summary = flotilla_proto::wire::Summary::of_report(&report);
+                if exit_status && code == summary.exit_code() {
+                    summary.strict_exit_code()
+                } else {
+                    code
+                }
+            }
             Err(e) => fail_kind(
                 flotilla_proto::ErrorKind::Unavailable,
                 format!("the coordinator sent a report this client cannot read: {e}"),

@@ -438,3 +438,70 @@ fn coordinator_and_worker_help_name_the_log_trace_and_metrics_settings() {
         }
     }
 }
+
+/// `launch --wait` prints the session at once and then the report, exiting as `wait` does;
+/// `--exit-status` (on `launch --wait` and on `wait`) makes a run that completed with failed
+/// agents exit 5, where by default it exits 0 (its script handled them).
+#[test]
+fn launch_wait_reports_and_exit_status_fails_a_run_whose_agents_failed() {
+    let c = Cluster::start_configured(1, 2, &[], &["--backend", "echo,exec", "--exec-cmd", "sh"]);
+    let script = |name: &str, body: &str| {
+        flotilla_tests::write_workflow(c.path(), name, "client test", body)
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let mixed = script(
+        "mixed",
+        "return await parallel([() => agent('echo fine'), () => agent('exit 3')]);",
+    );
+    let fine = script("fine", "return await agent('echo fine');");
+    let exec = ["--backend", "exec", "--stagger", "0"];
+    let launch = |file: &str, extra: &[&str]| {
+        let mut args = vec!["launch", file];
+        args.extend_from_slice(&exec);
+        args.extend_from_slice(extra);
+        c.client(&args)
+    };
+
+    let waited = launch(&mixed, &["--wait"]);
+    assert_eq!(
+        waited.code, 0,
+        "failed agents are the script's to handle: {waited:?}"
+    );
+    assert!(
+        waited.stdout.contains("session "),
+        "the session URL first: {waited:?}"
+    );
+    assert!(
+        waited.stdout.contains("\"fine\"") && waited.stderr.contains("completed, 1 failed"),
+        "then the result and the report: {waited:?}"
+    );
+
+    let strict = launch(&mixed, &["--wait", "--exit-status", "--json"]);
+    assert_eq!(
+        strict.code,
+        flotilla_proto::wire::EXIT_SOME_AGENTS_FAILED,
+        "{strict:?}"
+    );
+    let report = strict.json();
+    assert_eq!(
+        report["status"], "completed",
+        "only the report on stdout: {strict:?}"
+    );
+    let run = report["run_id"].as_str().unwrap().to_owned();
+    let again = c.client(&["wait", &run, "--exit-status"]);
+    assert_eq!(
+        again.code,
+        flotilla_proto::wire::EXIT_SOME_AGENTS_FAILED,
+        "{again:?}"
+    );
+    assert_eq!(c.client(&["wait", &run]).code, 0);
+
+    let all_fine = launch(&fine, &["--wait", "--exit-status"]);
+    assert_eq!(all_fine.code, 0, "{all_fine:?}");
+
+    let unpaired = launch(&fine, &["--exit-status"]);
+    assert_eq!(unpaired.code, 2, "{unpaired:?}");
+    assert!(unpaired.stderr.contains("--wait"), "{unpaired:?}");
+}
