@@ -123,34 +123,32 @@ pub struct Receiver {
 }
 
 impl Receiver {
+    /// A receiver of OTLP over gRPC (`TraceService`).
     pub fn start() -> Receiver {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("a runtime for the receiver");
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .expect("bind the OTLP receiver");
-        let port = listener.local_addr().expect("address").port();
-        let svc = Svc::default();
-        let spans = svc.spans.clone();
-        rt.spawn(async move {
+        Receiver::serving(|listener, svc| async move {
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
             let _ = tonic::transport::Server::builder()
                 .add_service(TraceServiceServer::new(svc))
                 .serve_with_incoming(incoming)
                 .await;
-        });
-        Receiver {
-            port,
-            spans,
-            _rt: rt,
-        }
+        })
     }
 
     /// A receiver of OTLP over HTTP (`http/protobuf`, `POST /v1/traces`).
     pub fn start_http() -> Receiver {
+        Receiver::serving(|listener, svc| async move {
+            let app = axum::Router::new()
+                .route("/v1/traces", axum::routing::post(http_export))
+                .with_state(svc);
+            let _ = axum::serve(listener, app).await;
+        })
+    }
+
+    /// A loopback listener on a runtime of its own, served by what `serve` makes of it.
+    fn serving<F>(serve: impl FnOnce(tokio::net::TcpListener, Svc) -> F) -> Receiver
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -162,12 +160,7 @@ impl Receiver {
         let port = listener.local_addr().expect("address").port();
         let svc = Svc::default();
         let spans = svc.spans.clone();
-        let app = axum::Router::new()
-            .route("/v1/traces", axum::routing::post(http_export))
-            .with_state(svc);
-        rt.spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        rt.spawn(serve(listener, svc));
         Receiver {
             port,
             spans,

@@ -116,7 +116,6 @@ impl Dispatcher {
         // any more.
         let usage = self.bounded(worker, &id, o.attempt, o.usage.unwrap_or_default(), given);
         let input_tokens = usage.input_tokens;
-        let counted = usage;
         if let Some(r) = self.runs.get(&id.0) {
             let _ = r.reg.events.send(CallEvent::Usage {
                 call: o.call,
@@ -152,7 +151,7 @@ impl Dispatcher {
             return;
         }
         if let Some(c) = self.calls.get(&id) {
-            super::spans::record_outcome(&c.attempt_span, &counted, &o);
+            super::spans::record_outcome(&c.attempt_span, &usage, &o);
         }
         // The account's verdict on the attempt, before the call moves on.
         let end = match &o.result {
