@@ -106,6 +106,9 @@ impl Workspace {
             {
                 continue;
             }
+            // Judged before its old call directories go (their removal touches it): a run
+            // directory made just now, empty or not, is a call's that is about to use it.
+            let run_old = old(&run.path());
             let Ok(calls) = std::fs::read_dir(run.path()) else {
                 continue;
             };
@@ -129,7 +132,9 @@ impl Workspace {
                     let _ = std::fs::remove_file(entry.path());
                 }
             }
-            let _ = std::fs::remove_dir(run.path());
+            if run_old {
+                let _ = std::fs::remove_dir(run.path());
+            }
         }
         removed
     }
@@ -474,10 +479,23 @@ mod tests {
                 .set_modified(long_ago)
                 .unwrap();
         }
+        // Empty run directories: one left long ago, one a call has just made.
+        let (old_run, new_run) = (tmp.path().join("wf_old"), tmp.path().join("wf_new"));
+        std::fs::create_dir(&old_run).unwrap();
+        std::fs::create_dir(&new_run).unwrap();
+        std::fs::File::open(&old_run)
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
         let gone = ws.sweep(std::time::Duration::from_secs(3600), |run, call| {
             run == "wf_s" && call == 2
         });
         assert_eq!(gone, 1);
+        assert!(
+            !old_run.exists(),
+            "an empty run directory left long ago goes"
+        );
+        assert!(new_run.is_dir(), "one a call has just made stays for it");
         assert!(!stale.exists());
         assert!(!tmp.path().join("wf_s").join("1.base").exists());
         assert!(busy.exists(), "a running attempt's directory stays");
