@@ -1256,7 +1256,11 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
     );
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
-    let spans = receiver.spans_of_run(&run, |spans| count(spans, "attempt.run") == 2);
+    // Worker and coordinator export in batches of their own: wait for both attempts' spans
+    // from each.
+    let spans = receiver.spans_of_run(&run, |spans| {
+        count(spans, "attempt.run") == 2 && count(spans, "invoke_agent ") == 2
+    });
     let traceparent = r["result"][0]
         .as_str()
         .unwrap_or_default()
