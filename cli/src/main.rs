@@ -97,7 +97,7 @@ enum Command {
     /// Stop a run on a coordinator, or one of its agents (`--agent`).
     Stop(client::AgentRefArgs),
     /// Pause a run: running agents are interrupted, nothing new starts.
-    Pause(client::RunRefArgs),
+    Pause(client::PauseArgs),
     /// Resume a run: a paused one goes on; any other starts again from its completed calls.
     Resume(client::ResumeArgs),
     /// Restart one running agent of a run as a new attempt.
@@ -235,7 +235,8 @@ impl Command {
             Command::Launch(a) => a.json(),
             Command::Resume(a) => a.json(),
             Command::Wait(a) => a.run.json(),
-            Command::Status(a) | Command::Watch(a) | Command::Pause(a) => a.json(),
+            Command::Status(a) | Command::Watch(a) => a.json(),
+            Command::Pause(a) => a.json(),
             Command::Stop(a) | Command::Restart(a) => a.json(),
             Command::Runs(a) => a.json,
             Command::Show(a) => a.json,
@@ -369,7 +370,7 @@ async fn dispatch(command: Command) -> i32 {
         Command::Status(args) => client::status(args).await,
         Command::Watch(args) => client::watch(args).await,
         Command::Stop(args) => client::stop(args).await,
-        Command::Pause(args) => client::control(args, "pause").await,
+        Command::Pause(args) => client::pause(args).await,
         Command::Resume(args) => client::resume(args).await,
         Command::Restart(args) => client::restart(args).await,
         Command::Changes(args) => client::changes::changes(args).await,

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::report::{AgentReport, GroupReport, Report, ReportUsage, RunStatus};
+use crate::report::{AgentReport, AttemptSegment, GroupReport, Report, ReportUsage, RunStatus};
 use crate::store::journal::{read_calls, read_calls_checked, read_events};
 use crate::store::records::{CallRecord, Manifest, RunEvent};
 use crate::store::{Error, Store, keys};
@@ -247,6 +247,8 @@ fn new_agent(index: u64, label: &str, group: &str, status: Status) -> AgentRepor
         output_tokens: 0,
         disk_bytes: 0,
         waiting: None,
+        cost_usd: 0.0,
+        segments: Vec::new(),
     }
 }
 
@@ -259,6 +261,10 @@ fn marked(a: &mut AgentReport, state: Mark, t: u64, attempt: Option<u32>, detail
             a.start_ms.get_or_insert(t);
             if let Some(n) = attempt {
                 a.attempts = a.attempts.max(n);
+            }
+            if live {
+                let worker = detail.as_deref().unwrap_or("");
+                AttemptSegment::open(&mut a.segments, attempt.unwrap_or(a.attempts), t, worker);
             }
             if live {
                 a.status = Status::Running;
@@ -277,19 +283,23 @@ fn marked(a: &mut AgentReport, state: Mark, t: u64, attempt: Option<u32>, detail
             if live =>
         {
             a.status = Status::Queued;
+            AttemptSegment::close(&mut a.segments, t, state.as_str());
         }
         Mark::Completed => {
             a.status = Status::Completed;
             a.end_ms.get_or_insert(t);
+            AttemptSegment::close(&mut a.segments, t, "completed");
         }
         Mark::Failed => {
             a.status = Status::Failed;
             a.error.clone_from(detail);
             a.end_ms.get_or_insert(t);
+            AttemptSegment::close(&mut a.segments, t, "failed");
         }
         Mark::Cancelled if live => {
             a.status = Status::Cancelled;
             a.end_ms.get_or_insert(t);
+            AttemptSegment::close(&mut a.segments, t, "cancelled");
         }
         _ => {}
     }

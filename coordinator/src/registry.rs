@@ -59,6 +59,44 @@ fn summary_of(e: &RunEntry) -> Summary {
     e.snapshot.borrow().summary_now()
 }
 
+/// The longest reason a control request may carry, in bytes.
+pub const MAX_REASON: usize = 1000;
+
+/// Who asked for a control action, and why: kept in the run's log and events as one line.
+#[derive(Debug, Clone, Copy)]
+pub struct Asked<'a> {
+    /// Who asked: a client certificate's name, a session token's subject, the page.
+    pub by: &'a str,
+    /// Their reason (may be empty).
+    pub reason: &'a str,
+}
+
+impl Asked<'_> {
+    /// The log line for `action` (on `agent`), for the actions that change what runs.
+    fn line(&self, action: &str, agent: &str) -> Option<String> {
+        let what = match action {
+            "stop" => "stop the run".to_owned(),
+            "pause" => "pause the run".to_owned(),
+            "resume" => "resume the run".to_owned(),
+            "stop_agent" => format!("stop agent {agent}"),
+            "restart_agent" => format!("restart agent {agent}"),
+            _ => return None,
+        };
+        let verb = action.split('_').next().unwrap_or(action);
+        let reason: String = self
+            .reason
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .collect();
+        let reason = reason.trim();
+        Some(if reason.is_empty() {
+            format!("[{verb}] {} asked to {what} (no reason given)", self.by)
+        } else {
+            format!("[{verb}] {} asked to {what}: {reason}", self.by)
+        })
+    }
+}
+
 impl RunRegistry {
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunEntry>> {
         self.runs
@@ -135,7 +173,13 @@ impl RunRegistry {
     /// Pauses or resumes a run, stops it, or stops or restarts one of its agents (W54–W56):
     /// the one path the client API and the session page share. `action` is `pause`,
     /// `resume`, `stop`, `stop_agent` or `restart_agent`.
-    pub async fn control(&self, run_id: &str, action: &str, agent: &str) -> Result<String, Status> {
+    pub async fn control(
+        &self,
+        run_id: &str,
+        action: &str,
+        agent: &str,
+        asked: Asked<'_>,
+    ) -> Result<String, Status> {
         let stopper = self.lock().get(run_id).map(|e| {
             let finished = e.report.borrow().is_some();
             let status = e.snapshot.borrow().summary.status;
@@ -156,6 +200,10 @@ impl RunRegistry {
             )));
         }
         let paused = status == RunStatus::Paused;
+        if let Some(line) = asked.line(action, agent) {
+            // Said before the action, so the log reads in order.
+            let _ = stopper.send(Control::Note(line));
+        }
         match action {
             "stop" => {
                 stopper.send(Control::Stop).map_err(|_| gone())?;

@@ -2,6 +2,6 @@
 //! is where the coordinator's code finds it.
 
 pub use flotilla_proto::wire::{
-    AgentReport, ChangesSummary, Delivery, GroupReport, REPORT_AGENTS, Report, ReportUsage,
-    RunStatus, Summary,
+    AgentReport, AttemptSegment, ChangesSummary, Delivery, GroupReport, REPORT_AGENTS, Report,
+    ReportUsage, RunStatus, Summary,
 };

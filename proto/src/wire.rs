@@ -408,6 +408,77 @@ pub struct AgentReport {
     /// backend and model); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<String>,
+    /// What its attempts cost, in US dollars (0 when nothing priced them).
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub cost_usd: f64,
+    /// Its attempts on the timeline, oldest first (at most [`MAX_SEGMENTS`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<AttemptSegment>,
+}
+
+/// Segments an agent's timeline keeps: past this, its latest segment stands for the rest.
+pub const MAX_SEGMENTS: usize = 40;
+
+/// One attempt of an agent on the run's timeline: when it held a worker, which worker, and
+/// how it ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AttemptSegment {
+    pub attempt: u32,
+    /// When it took the worker's slot, ms since the run started.
+    pub start_ms: u64,
+    /// When it left it (absent while it runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_ms: Option<u64>,
+    #[serde(default)]
+    pub worker: String,
+    /// How it ended: `completed`, `failed`, `cancelled`, or the retry that ended it
+    /// (`retrying`, `stalled`, `restarted`, `interrupted`, `waiting`); absent while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+}
+
+impl AttemptSegment {
+    /// Attempt `attempt` took a slot on `worker` at `t`. A segment still open is ended as
+    /// `restarted` first; the same attempt met again (taken over after a failover) keeps its
+    /// segment and moves to `worker`. Past [`MAX_SEGMENTS`] the latest one is reused.
+    pub fn open(segments: &mut Vec<AttemptSegment>, attempt: u32, t: u64, worker: &str) {
+        if let Some(last) = segments.last_mut() {
+            if last.end_ms.is_none() && last.attempt == attempt {
+                if last.worker != worker {
+                    worker.clone_into(&mut last.worker);
+                }
+                return;
+            }
+            if last.end_ms.is_none() {
+                last.end_ms = Some(t);
+                last.outcome = Some("restarted".into());
+            }
+        }
+        let seg = AttemptSegment {
+            attempt,
+            start_ms: t,
+            end_ms: None,
+            worker: worker.to_owned(),
+            outcome: None,
+        };
+        if segments.len() >= MAX_SEGMENTS {
+            if let Some(last) = segments.last_mut() {
+                *last = seg;
+            }
+        } else {
+            segments.push(seg);
+        }
+    }
+
+    /// The open segment, if any, ended at `t` with `outcome`.
+    pub fn close(segments: &mut [AttemptSegment], t: u64, outcome: &str) {
+        if let Some(last) = segments.last_mut()
+            && last.end_ms.is_none()
+        {
+            last.end_ms = Some(t.max(last.start_ms));
+            last.outcome = Some(outcome.to_owned());
+        }
+    }
 }
 
 /// A progress group, in display order (declared `meta.phases` first).
@@ -503,6 +574,10 @@ impl Report {
             namespace: self.namespace.clone(),
         }
     }
+}
+
+fn is_zero_f64(n: &f64) -> bool {
+    *n == 0.0
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -652,6 +727,8 @@ mod tests {
             output_tokens: tokens,
             disk_bytes: 0,
             waiting: None,
+            cost_usd: 0.0,
+            segments: Vec::new(),
         }
     }
 

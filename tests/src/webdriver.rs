@@ -155,6 +155,32 @@ impl Browser {
         panic!("click {css}: the element kept going stale ({last})");
     }
 
+    /// Types `text` into the first element matching `css` (a real WebDriver send-keys).
+    pub fn type_into(&self, css: &str, text: &str) {
+        let e = self.call(
+            "POST",
+            &self.s("/element"),
+            Some(json!({"using": "css selector", "value": css})),
+        );
+        let id = e[ELEMENT]
+            .as_str()
+            .unwrap_or_else(|| panic!("no element {css}: {e}"))
+            .to_owned();
+        self.call(
+            "POST",
+            &self.s(&format!("/element/{id}/value")),
+            Some(json!({ "text": text })),
+        );
+    }
+
+    /// The page's address.
+    pub fn url(&self) -> String {
+        self.call("GET", &self.s("/url"), None)
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
     /// Waits until `check` returns `Some`, polling every 100 ms.
     pub fn wait_for<T>(
         &self,

@@ -420,6 +420,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
                 run_id: a.run.run_id.clone(),
                 action: "resume".into(),
                 agent: String::new(),
+                reason: String::new(),
             })
             .await
         {

@@ -255,4 +255,22 @@ pub struct AgentRefArgs {
     /// One agent of the run: its index (as `flotilla show` lists them) or its label.
     #[arg(long)]
     agent: Option<String>,
+    /// Why: kept, with who asked, in the run's log and events.
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PauseArgs {
+    #[command(flatten)]
+    run: RunRefArgs,
+    /// Why: kept, with who asked, in the run's log and events.
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+impl PauseArgs {
+    pub fn json(&self) -> bool {
+        self.run.json
+    }
 }

@@ -219,12 +219,12 @@ pub(crate) fn status_lines(s: &SnapshotView) -> Vec<String> {
     lines
 }
 
-/// `pause` / `resume` a run.
-pub async fn control(a: RunRefArgs, action: &str) -> i32 {
-    control_call(&a, action, "").await
+/// `pause` a run.
+pub async fn pause(a: PauseArgs) -> i32 {
+    control_call(&a.run, "pause", "", a.reason.as_deref().unwrap_or("")).await
 }
 
-pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str) -> i32 {
+pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str, reason: &str) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
         Err(e) => return crate::refuse(e),
@@ -234,6 +234,7 @@ pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str) -> i
             run_id: a.run_id.clone(),
             action: action.to_owned(),
             agent: agent.to_owned(),
+            reason: reason.to_owned(),
         })
         .await
     {
@@ -257,12 +258,22 @@ pub async fn restart(a: AgentRefArgs) -> i32 {
             "name the agent to restart: --agent INDEX or --agent LABEL",
         );
     };
-    control_call(&a.run, "restart_agent", agent).await
+    control_call(
+        &a.run,
+        "restart_agent",
+        agent,
+        a.reason.as_deref().unwrap_or(""),
+    )
+    .await
 }
 
 pub async fn stop(a: AgentRefArgs) -> i32 {
+    let reason = a.reason.as_deref().unwrap_or("");
     if let Some(agent) = a.agent.as_deref() {
-        return control_call(&a.run, "stop_agent", agent).await;
+        return control_call(&a.run, "stop_agent", agent, reason).await;
+    }
+    if !reason.is_empty() {
+        return control_call(&a.run, "stop", "", reason).await;
     }
     let a = a.run;
     let mut client = match a.client() {

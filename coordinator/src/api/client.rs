@@ -591,10 +591,16 @@ impl ClientService for ClientSvc {
         if let Some(mut leader) = self.leader_client().await? {
             return leader.stop(forwarded(&scope, req.into_inner())).await;
         }
+        let who = asker(&req);
         let run = req.into_inner().run_id;
         self.visible(&scope, &run).await?;
         let stopper = self.registry.lock().get(&run).map(|e| e.stopper.clone());
-        let stopped = stopper.is_some_and(|s| s.send(Control::Stop).is_ok());
+        let stopped = stopper.is_some_and(|s| {
+            let _ = s.send(Control::Note(format!(
+                "[stop] {who} asked to stop the run (no reason given)"
+            )));
+            s.send(Control::Stop).is_ok()
+        });
         if !stopped {
             return Err(
                 ErrorKind::NotFound.status(format!("run {run} is not running on this coordinator"))
@@ -693,16 +699,32 @@ impl ClientService for ClientSvc {
         if let Some(mut leader) = self.leader_client().await? {
             return leader.control(forwarded(&scope, req.into_inner())).await;
         }
+        let who = asker(&req);
         let v1::ControlRequest {
             run_id,
             action,
             agent,
+            reason,
         } = req.into_inner();
         sizes::text("the action", &action)
             .and_then(|()| sizes::text("the agent", &agent))
             .map_err(|e| ErrorKind::Invalid.status(e))?;
+        if reason.len() > crate::registry::MAX_REASON {
+            return Err(ErrorKind::Invalid.status(format!(
+                "the reason is {} bytes; keep it under {}",
+                reason.len(),
+                crate::registry::MAX_REASON
+            )));
+        }
         self.visible(&scope, &run_id).await?;
-        let message = self.registry.control(&run_id, &action, &agent).await?;
+        let asked = crate::registry::Asked {
+            by: &who,
+            reason: &reason,
+        };
+        let message = self
+            .registry
+            .control(&run_id, &action, &agent, asked)
+            .await?;
         Ok(Response::new(v1::ControlReply { message }))
     }
 
@@ -942,6 +964,15 @@ pub(super) const LEADER_WAIT: std::time::Duration = std::time::Duration::from_se
 pub(super) const ON_BEHALF: &str = "x-flotilla-scope";
 
 /// `msg` as forwarded for a caller of `scope`.
+/// Who sent a request, for a run's log: its client certificate's name (a coordinator's,
+/// when one forwarded it), or "a client" without TLS.
+fn asker<T>(req: &Request<T>) -> String {
+    tls::peer_of(req).map_or_else(
+        |_| "a client".to_owned(),
+        |p| format!("{} (client)", p.name),
+    )
+}
+
 pub(super) fn forwarded<T>(scope: &Scope, msg: T) -> Request<T> {
     let mut req = Request::new(msg);
     if let Ok(v) = scope.encode().parse() {

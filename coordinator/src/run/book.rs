@@ -12,7 +12,7 @@ use std::sync::Arc;
 use flotilla_proto::Problem;
 
 use crate::call::{Mark, Stage};
-use crate::report::{AgentReport, GroupReport, ReportUsage, Summary};
+use crate::report::{AgentReport, AttemptSegment, GroupReport, ReportUsage, Summary};
 use crate::store::records::{RawJson, RunEvent, UsageRecord};
 
 use super::snapshot::GroupProgress;
@@ -43,6 +43,8 @@ pub(super) struct Call {
     /// The most its attempts' checkouts held.
     pub(super) disk_bytes: u64,
     pub(super) worker: Option<Arc<str>>,
+    /// Its attempts on the run's timeline.
+    pub(super) segments: Vec<AttemptSegment>,
     /// Its result as JSON text: parsed again only by the script.
     pub(super) result: Option<RawJson>,
     /// Why it waits although the run has room: no attached worker offers its backend.
@@ -82,6 +84,7 @@ impl Call {
             live_tokens: 0,
             disk_bytes: 0,
             worker: None,
+            segments: Vec::new(),
             result: None,
             waiting_for: None,
             isolated: false,
@@ -254,6 +257,7 @@ impl CallBook {
             if c.stage.is_live() {
                 c.set(Stage::Cancelled);
                 c.end_ms.get_or_insert(now);
+                AttemptSegment::close(&mut c.segments, now, "cancelled");
                 cancelled.push(c.mark(index as u64, Mark::Cancelled, None));
             }
         }
@@ -356,6 +360,8 @@ impl CallBook {
                 output_tokens: c.usage.output_tokens,
                 disk_bytes: c.disk_bytes,
                 waiting: if live { c.waiting_for.clone() } else { None },
+                cost_usd: c.usage.cost_usd,
+                segments: c.segments.clone(),
             });
         }
         agents

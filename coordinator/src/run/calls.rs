@@ -242,6 +242,7 @@ impl RunEngine {
         }
         c.attempts = c.attempts.max(attempt);
         c.start_ms.get_or_insert(now);
+        crate::report::AttemptSegment::open(&mut c.segments, attempt, now, &worker);
         c.worker = Some(worker.clone());
         c.live_tokens = 0;
         let (label, group) = (c.label.clone(), c.group.clone());
@@ -310,8 +311,10 @@ impl RunEngine {
             }
             _ => {}
         }
+        let now = self.now_ms();
         if let Some(c) = self.book.get_mut(call) {
             c.running = false;
+            crate::report::AttemptSegment::close(&mut c.segments, now, retry.mark().as_str());
         }
         self.logs.push(line.clone());
         self.event(RunEvent::Log { line });
@@ -355,6 +358,12 @@ impl RunEngine {
         }
         c.end_ms = Some(now);
         c.waiting_for = None;
+        let outcome = match (&result, stopping) {
+            (CallResult::Completed(_), _) => "completed",
+            (CallResult::Failed { .. }, true) => "cancelled",
+            (CallResult::Failed { .. }, false) => "failed",
+        };
+        crate::report::AttemptSegment::close(&mut c.segments, now, outcome);
         c.span.record("flotilla.attempts", c.attempts);
         c.span
             .record("gen_ai.usage.input_tokens", c.usage.input_tokens);

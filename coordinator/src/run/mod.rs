@@ -76,6 +76,8 @@ pub enum Control {
     /// The report as it stands now, with live states (`queued`, `running`) for calls that
     /// have not ended (the session page).
     Report(oneshot::Sender<Report>),
+    /// A line for the run's log and events: who asked for the control that follows, and why.
+    Note(String),
 }
 
 /// What to do to one agent.
@@ -336,6 +338,12 @@ impl RunEngine {
         self.started.elapsed().as_millis() as u64
     }
 
+    /// A line in the run's log, kept in its events.
+    fn note(&mut self, line: String) {
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+    }
+
     fn event(&mut self, event: RunEvent) {
         self.dirty = true;
         self.events.push(EventRecord {
@@ -470,6 +478,7 @@ impl RunEngine {
                         stop_deadline = Some(Instant::now() + STOP_GRACE);
                     }
                     Some(Control::Pause(paused)) => self.pause(paused),
+                    Some(Control::Note(line)) => self.note(line),
                     Some(Control::Agent { action, agent, reply }) => {
                         let _ = reply.send(self.act_on_agent(action, &agent));
                     }
@@ -533,6 +542,7 @@ impl RunEngine {
                             "the run is stopping",
                         )));
                     }
+                    Some(Control::Note(line)) => self.note(line),
                     Some(Control::Stop | Control::Pause(_)) => {}
                     None => control_open = false,
                 },

@@ -51,6 +51,46 @@ impl RunEngine {
         }
     }
 
+    /// Each queued agent of a live report says why it has not started (unless it already
+    /// says which worker it waits for): a paused run, a usage limit or throttle, the run's
+    /// concurrency, its stagger, or the fleet's slots.
+    fn say_why_queued(&self, agents: &mut [crate::report::AgentReport]) {
+        let running = agents
+            .iter()
+            .filter(|a| a.status == crate::call::Status::Running)
+            .count() as u64;
+        let s = &self.init.settings;
+        let why = if self.status == RunStatus::Paused {
+            "the run is paused (resume it to start more agents)".to_owned()
+        } else if let Some(w) = self
+            .init
+            .store
+            .health
+            .problem()
+            .or_else(|| self.waiting.clone())
+        {
+            w
+        } else if s.concurrency > 0 && running >= u64::from(s.concurrency) {
+            format!(
+                "waits for a slot: the run's {running} agents in flight fill its concurrency ({}, --concurrency)",
+                s.concurrency
+            )
+        } else if s.stagger_ms > 0 {
+            format!(
+                "waits for its turn: the run starts agents {} apart (--stagger)",
+                human(Duration::from_millis(s.stagger_ms))
+            )
+        } else {
+            "waits for a free worker slot (every attached worker's slots are taken)".to_owned()
+        };
+        for a in agents
+            .iter_mut()
+            .filter(|a| a.status == crate::call::Status::Queued && a.waiting.is_none())
+        {
+            a.waiting = Some(why.clone());
+        }
+    }
+
     pub(super) fn report(&self) -> Report {
         self.report_with(false)
     }
@@ -66,7 +106,10 @@ impl RunEngine {
             waits: self.waits,
             ..ReportUsage::default()
         };
-        let agents = self.book.agent_reports(live, &mut usage);
+        let mut agents = self.book.agent_reports(live, &mut usage);
+        if live {
+            self.say_why_queued(&mut agents);
+        }
         let groups = self.book.group_reports();
         Report {
             run_id: self.init.run_id.clone(),

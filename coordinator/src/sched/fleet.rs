@@ -83,6 +83,10 @@ pub(super) struct WorkerState {
     pub(super) orphans: Orphans,
     /// Outcomes of orphans that arrived before a run claimed them.
     pub(super) orphan_outcomes: HashMap<(Arc<str>, u64, u32), v1::Outcome>,
+    /// Attempts given to it since it first attached here.
+    pub(super) attempts: u64,
+    /// When it last said hello, took an attempt or sent an outcome ([`Fleet::seconds`]).
+    pub(super) heard: i64,
     /// Its liveness lease, once granted, and the revision of its registration key.
     pub(super) lease: Option<LeaseId>,
     pub(super) reg_revision: Revision,
@@ -458,6 +462,7 @@ impl Fleet {
 
     /// The workers with a lease, by name (`flotilla workers`).
     pub fn views(&self) -> Vec<WorkerView> {
+        let now = self.seconds();
         let sorted = |set: &HashSet<String>| {
             let mut v: Vec<String> = set.iter().cloned().collect();
             v.sort();
@@ -475,6 +480,8 @@ impl Fleet {
                 backends: sorted(&w.backends),
                 models: sorted(&w.models),
                 labels: w.labels.clone(),
+                attempts: w.attempts,
+                heard_secs_ago: u64::try_from(now.saturating_sub(w.heard)).unwrap_or(0),
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -535,6 +542,8 @@ impl Fleet {
                 orphans: Orphans::default(),
                 orphan_outcomes: Default::default(),
                 running: HashMap::new(),
+                attempts: 0,
+                heard: self.seconds(),
                 lease: None,
                 reg_revision: 0,
                 ctl: None,
@@ -562,7 +571,9 @@ impl Fleet {
 
     /// Names the worker on link `link_id` from its `Hello`: a worker seen for the first time.
     pub(super) fn register(&mut self, link_id: u64, name: Arc<str>, h: &v1::Hello) {
+        let now = self.seconds();
         if let Some(w) = self.workers.get_mut(&link_id) {
+            w.heard = now;
             w.name = name.clone();
             w.named = true;
             w.describe(h);
@@ -647,9 +658,8 @@ impl Fleet {
         fence: Revision,
         ran_before: std::time::Duration,
     ) {
-        let since = self
-            .seconds()
-            .saturating_sub(i64::try_from(ran_before.as_secs()).unwrap_or(i64::MAX));
+        let now = self.seconds();
+        let since = now.saturating_sub(i64::try_from(ran_before.as_secs()).unwrap_or(i64::MAX));
         if let Some(w) = self.workers.get_mut(&wid)
             && let std::collections::hash_map::Entry::Vacant(e) = w.running.entry(slot)
         {
@@ -659,6 +669,8 @@ impl Fleet {
                 since,
             });
             w.busy += 1;
+            w.attempts += 1;
+            w.heard = now;
         }
     }
 
@@ -698,10 +710,12 @@ impl Fleet {
 
     /// Gives back the slot an attempt held on `wid`, if it held one.
     pub(super) fn free_slot(&mut self, wid: u64, run: &Arc<str>, call: u64, attempt: u32) {
+        let now = self.seconds();
         if let Some(w) = self.workers.get_mut(&wid)
             && w.running.remove(&(run.clone(), call, attempt)).is_some()
         {
             w.busy = w.busy.saturating_sub(1);
+            w.heard = now;
         }
     }
 
@@ -823,6 +837,8 @@ mod tests {
                 running: HashMap::new(),
                 orphans: Orphans::default(),
                 orphan_outcomes: HashMap::new(),
+                attempts: 0,
+                heard: 0,
                 lease: Some(wid as LeaseId + 1),
                 reg_revision: 0,
                 ctl: None,

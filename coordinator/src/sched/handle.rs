@@ -207,6 +207,10 @@ pub struct WorkerView {
     pub backends: Vec<String>,
     pub models: Vec<String>,
     pub labels: std::collections::BTreeMap<String, String>,
+    /// Attempts given to it since it first attached to this coordinator.
+    pub attempts: u64,
+    /// Seconds since it last said hello, took an attempt or sent an outcome here.
+    pub heard_secs_ago: u64,
 }
 
 /// Counters for tests and metrics.

@@ -130,6 +130,18 @@ pub(super) fn check(
     key.verify(&token).map(|c| c.scope())
 }
 
+/// Who a request comes from, for the run's log: the name its session token was issued to, or
+/// the page itself where no sign-in is asked (loopback).
+pub(super) fn who_signed_in(web: &Web, headers: &HeaderMap) -> String {
+    web.access
+        .tokens()
+        .and_then(|key| key.verify(&token_of(headers)?).ok())
+        .map_or_else(
+            || "the session page".to_owned(),
+            |c| format!("{} (session page)", c.sub),
+        )
+}
+
 pub(super) fn refuse(why: &str, json: bool) -> Response {
     let body = if json {
         serde_json::json!({ "error": why })

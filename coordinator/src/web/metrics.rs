@@ -478,6 +478,8 @@ mod tests {
             ..Stats::default()
         };
         let workers = [WorkerView {
+            attempts: 0,
+            heard_secs_ago: 0,
             name: "w\"1".into(),
             attached: false,
             slots: 4,

@@ -4,11 +4,14 @@
 //!   arrives as HTML over server-sent events from `/runs/{run}/events`; read from storage when
 //!   it ran elsewhere or earlier).
 //! - `GET /runs/{run}/status.json`, `GET /runs.json`: the same data as JSON.
-//! - `GET /runs/{run}/agents/{index}`: one agent, its transcript and its change's diff;
+//! - `GET /runs/{run}/agents/{index}`: one agent's page (where and when it ran, what it cost,
+//!   its transcript as turns, its change as a coloured diff);
 //!   `GET /runs/{run}/diff`: the run's whole diff.
-//! - `POST /runs/{run}/control`: pause, resume, stop or restart (W54–W56).
+//! - `POST /runs/{run}/control`: pause, resume, stop or restart (W54–W56), with the reader's
+//!   reason, which the run's log and events keep.
 //! - `GET /metrics`: Prometheus exposition of the coordinator's metrics.
-//! - `GET /runs`: the runs in the store.
+//! - `GET /runs` (`/runs.json`): the runs in the store, newest first, filtered and paged.
+//! - `GET /fleet`: workers, provider accounts, and the reader's namespaces against their quotas.
 //! - `GET /login?token=T[&next=/runs/…]`: checks a session token and keeps it in a cookie.
 //! - `GET /healthz` (no sign-in): 200 when this coordinator can serve — it leads, or stands
 //!   by with its lease renewed (etcd answers), and its store takes writes — else 503 with
@@ -26,7 +29,8 @@
 //! (`server.rs`), so `/healthz` and `/livez` answer while others trickle bytes.
 //!
 //! Files: `auth.rs` (tokens, sign-in and the guard), `routes.rs` (the handlers), `render.rs`
-//! (the HTML), `metrics.rs` (the Prometheus exposition), `server.rs` (HTTP on the listener).
+//! (the HTML), `timeline.rs` (a run's agents over time), `turns.rs` (transcripts and diffs),
+//! `metrics.rs` (the Prometheus exposition), `server.rs` (HTTP on the listener).
 
 use flotilla_proto::Problem;
 use std::net::SocketAddr;
@@ -44,16 +48,22 @@ use crate::registry::RunRegistry;
 use crate::coordinator::Coordinator;
 
 mod auth;
+mod escape;
+mod fleet_page;
+mod listing;
 mod metrics;
 mod render;
 mod routes;
 mod server;
 mod state;
+mod timeline;
+mod turns;
 
 pub use crate::tokens::TokenKey;
 use auth::*;
 pub use auth::{COOKIE, Claims, KEY_COOKIE, MAX_TOKEN_TTL, new_page_key};
-pub use render::esc;
+pub use escape::esc;
+use listing::{runs_json, runs_page};
 use routes::*;
 pub use server::{MAX_BODY_BYTES, serve_router};
 pub use state::Access;
@@ -156,6 +166,7 @@ pub fn router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>, access:
         .route("/", get(|| async { Redirect::to("/runs") }))
         .route("/login", get(login))
         .route("/runs", get(runs_page))
+        .route("/fleet", get(fleet_page::fleet_page))
         .route("/runs.json", get(runs_json))
         .route("/runs/{run}", get(run_page))
         .route("/runs/{run}/status.json", get(run_json))

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 use crate::history;
+
+pub(super) use super::escape::{esc, fmt_ms};
 use crate::report::{Report, RunStatus, Summary};
 
 /// Rows a phase lists unless the reader asks for all of them (`?all=1`): a big fan-out
@@ -58,6 +60,10 @@ pub(super) fn rows_to_show<'a>(
 /// lists every agent of every phase.
 pub(super) fn render_live(d: &PageData, all: bool) -> String {
     let mut out = counters(d);
+    out.push_str(&super::timeline::timeline(
+        &d.report,
+        d.report.usage.duration_ms,
+    ));
     out.push_str("<div id=phases>");
     for g in &d.report.groups {
         out.push_str(&phase_table(d, &g.title, all));
@@ -159,9 +165,14 @@ fn counters(d: &PageData) -> String {
         } else {
             ("pause", "Pause")
         };
+        let ask = if action == "pause" {
+            " data-ask=\"Pause the run? Its running agents are interrupted (their work is kept) and nothing new starts until it resumes.\""
+        } else {
+            ""
+        };
         out.push_str(&format!(
-            "<p class=buttons><button data-action={action}>{label}</button> \
-             <button data-action=stop class=danger>Stop run</button></p>"
+            "<p class=buttons><button data-action={action}{ask}>{label}</button> \
+             <button data-action=stop class=danger data-ask=\"Stop the run? Its agents are cancelled and it cannot be resumed here.\">Stop run</button></p>"
         ));
     }
     if !r.logs.is_empty() {
@@ -189,7 +200,7 @@ fn phase_table(d: &PageData, title: &str, all: bool) -> String {
     let elapsed = span_ms(agents.iter().map(|a| (a.start_ms, a.end_ms)), u.duration_ms);
     out.push_str(&format!(
         "<section class=phase><h3>{} <small>{done}/{} agents · {tokens} tokens · {}</small></h3>\
-         <table><thead><tr><th>#</th><th>agent</th><th>status</th><th>model</th><th>tokens</th><th>attempts</th><th>elapsed</th><th></th></tr></thead><tbody>",
+         <table><thead><tr><th>#</th><th>agent</th><th>status</th><th>model</th><th>tokens</th><th>cost</th><th>attempts</th><th>started</th><th>elapsed</th><th></th></tr></thead><tbody>",
         esc(title),
         agents.len(),
         fmt_ms(elapsed),
@@ -208,31 +219,44 @@ fn phase_table(d: &PageData, title: &str, all: bool) -> String {
         };
         let buttons = match a.status.as_str() {
             "running" if d.here && d.live() => format!(
-                "<button data-action=stop_agent data-target={i}>stop</button> \
+                "<button data-action=stop_agent data-target={i} data-ask=\"Stop agent #{i}? Its agent() resolves null.\">stop</button> \
                  <button data-action=restart_agent data-target={i}>restart</button>",
                 i = a.index
             ),
             "queued" if d.here && d.live() => format!(
-                "<button data-action=stop_agent data-target={i}>stop</button>",
+                "<button data-action=stop_agent data-target={i} data-ask=\"Stop agent #{i}? Its agent() resolves null.\">stop</button>",
                 i = a.index
             ),
             _ => String::new(),
         };
         let cached = if a.cached { " (cached)" } else { "" };
+        let why = match &a.waiting {
+            Some(w) if a.status == "queued" => {
+                format!("<div class=why>{}</div>", esc(w))
+            }
+            _ => String::new(),
+        };
         out.push_str(&format!(
-            "<tr id=agent-{i}><td>{i}</td><td><a href=\"#agent-{i}\" data-agent={i}>{label}</a></td>\
-             <td class=\"st {st}\">{st}{cached}</td><td>{model}</td><td>{tokens}</td><td>{attempts}</td><td>{elapsed}</td><td>{buttons}</td></tr>",
+            "<tr id=agent-{i}><td>{i}</td><td><a href=\"/runs/{run}/agents/{i}\" data-agent={i}>{label}</a></td>\
+             <td class=\"st {st}\">{st}{cached}{why}</td><td>{model}</td><td>{tokens}</td><td>{cost}</td><td>{attempts}</td><td>{started}</td><td>{elapsed}</td><td>{buttons}</td></tr>",
             i = a.index,
+            run = esc(&r.run_id),
             label = esc(&a.label),
             st = a.status.as_str(),
             model = esc(&a.model),
             tokens = a.input_tokens + a.output_tokens,
+            cost = if a.cost_usd > 0.0 {
+                format!("${:.4}", a.cost_usd)
+            } else {
+                String::new()
+            },
             attempts = a.attempts,
+            started = a.start_ms.map(fmt_ms).unwrap_or_default(),
         ));
     }
     if hidden > 0 {
         out.push_str(&format!(
-            "<tr class=more><td colspan=8>{hidden} more agents of this phase are not listed \
+            "<tr class=more><td colspan=10>{hidden} more agents of this phase are not listed \
              (running and failed ones always are) · <a href=\"?all=1\">show all</a></td></tr>"
         ));
     }
@@ -285,8 +309,8 @@ pub(super) fn render_run(d: &PageData, all: bool) -> String {
         &r.workflow.name
     };
     let body = format!(
-        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>\
-         <div id=live>{}</div><div id=detail></div>",
+        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>{CONFIRM}\
+         <div id=live>{}</div>",
         esc(name),
         esc(&r.run_id),
         esc(&r.workflow.description),
@@ -302,14 +326,70 @@ pub(super) fn render_run(d: &PageData, all: bool) -> String {
     )
 }
 
-/// One agent's prompt, result and transcripts, as a fragment for the page.
-pub(super) fn render_agent(a: &crate::report::AgentReport, d: &history::AgentDetail) -> String {
+/// One agent's page (a URL of its own): where it ran and what it cost, its prompt, error and
+/// result, each attempt's transcript as turns; the caller adds its change.
+pub(super) fn render_agent(
+    run: &str,
+    a: &crate::report::AgentReport,
+    d: &history::AgentDetail,
+) -> String {
     let mut out = format!(
-        "<section class=agent><h2>#{} {} <small class=\"st {st}\">{st}</small></h2>",
-        a.index,
-        esc(&a.label),
+        "<p class=crumbs><a href=\"/runs/{r}\">run {r}</a> › agent #{i}</p>\
+         <section class=agent><h1>#{i} {label} <small class=\"st {st}\" id=agent-status>{st}</small></h1>",
+        r = esc(run),
+        i = a.index,
+        label = esc(&a.label),
         st = a.status.as_str()
     );
+    let elapsed = match (a.start_ms, a.end_ms) {
+        (Some(s), Some(e)) => fmt_ms(e.saturating_sub(s)),
+        _ => String::new(),
+    };
+    let workers: Vec<&str> = a
+        .segments
+        .iter()
+        .map(|s| s.worker.as_str())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let mut facts = vec![
+        ("phase", esc(&a.group)),
+        ("model", esc(&a.model)),
+        ("attempts", a.attempts.to_string()),
+        ("started", a.start_ms.map(fmt_ms).unwrap_or_default()),
+        ("elapsed", elapsed),
+        (
+            "tokens",
+            format!("{} in / {} out", a.input_tokens, a.output_tokens),
+        ),
+        ("cost", format!("${:.4}", a.cost_usd)),
+    ];
+    if !workers.is_empty() {
+        let mut seen = workers.clone();
+        seen.dedup();
+        facts.push(("workers", esc(&seen.join(", "))));
+    }
+    if let Some(w) = &a.waiting {
+        facts.push(("waits", esc(w)));
+    }
+    out.push_str("<table class=facts>");
+    for (k, v) in facts {
+        out.push_str(&format!("<tr><th>{k}</th><td>{v}</td></tr>"));
+    }
+    out.push_str("</table>");
+    if !a.segments.is_empty() {
+        out.push_str("<h3>Attempts</h3><table class=attempts><thead><tr><th>attempt</th><th>worker</th><th>from</th><th>to</th><th>ended</th></tr></thead><tbody>");
+        for s in &a.segments {
+            out.push_str(&format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"st {o}\">{o}</td></tr>",
+                s.attempt,
+                esc(&s.worker),
+                fmt_ms(s.start_ms),
+                s.end_ms.map(fmt_ms).unwrap_or_else(|| "now".into()),
+                o = esc(s.outcome.as_deref().unwrap_or("running")),
+            ));
+        }
+        out.push_str("</tbody></table>");
+    }
     out.push_str(&format!(
         "<h3>Prompt</h3><pre class=prompt>{}</pre>",
         esc(d.prompt.as_deref().unwrap_or("(not stored)"))
@@ -340,13 +420,9 @@ pub(super) fn render_agent(a: &crate::report::AgentReport, d: &history::AgentDet
     }
     for (n, events) in &d.attempts {
         out.push_str(&format!(
-            "<h3>Transcript, attempt {n}</h3><pre class=transcript>"
+            "<h3>Transcript, attempt {n}</h3><div class=transcript>{}</div>",
+            super::turns::transcript(events)
         ));
-        for e in events {
-            out.push_str(&esc(&history::transcript_line(e)));
-            out.push('\n');
-        }
-        out.push_str("</pre>");
     }
     out.push_str("</section>");
     out
@@ -381,31 +457,10 @@ pub(super) fn accounts_table(accounts: &[crate::sched::AccountView]) -> String {
     out
 }
 
-pub(super) fn fmt_ms(ms: u64) -> String {
-    if ms < 1000 {
-        format!("{ms}ms")
-    } else if ms < 120_000 {
-        format!("{:.1}s", ms as f64 / 1000.0)
-    } else {
-        format!("{}m{:02}s", ms / 60_000, (ms / 1000) % 60)
-    }
-}
-
-/// Escapes text for HTML.
-pub fn esc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
+/// What a stop or pause asks first: confirmation and a reason (kept in the run's events).
+const CONFIRM: &str = "<form id=confirm hidden><p id=confirm-what></p>\
+<label>Reason <input id=reason name=reason maxlength=500 required placeholder=\"why (kept in the run's log)\"></label> \
+<button type=submit id=confirm-go class=danger>Confirm</button> <button type=button id=confirm-cancel>Cancel</button></form>";
 
 pub(super) const STYLE: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}\
 h1 small,h3 small{color:#888;font-weight:normal;font-size:70%}table{border-collapse:collapse}\
@@ -413,21 +468,37 @@ td,th{padding:2px 10px;border-bottom:1px solid #eee;text-align:left}\
 pre{background:#f6f6f6;padding:8px;max-height:30em;overflow:auto;white-space:pre-wrap}.err{color:#b00}\
 .warn{color:#a60;font-weight:bold}.danger{color:#b00}#notice{color:#06c}\
 .st.completed{color:#070}.st.failed,.st.rejected{color:#b00}.st.running{color:#06c}.st.paused,.st.stopping{color:#a60}\
-.st.completed.failures{color:#a60;font-weight:bold}";
+.st.completed.failures{color:#a60;font-weight:bold}\
+svg.tl{width:100%;height:auto;background:#fcfcfc;border:1px solid #eee}svg.tl rect{cursor:pointer}\
+svg.tl .ok,.k.ok{fill:#4a4;background:#4a4}svg.tl .run,.k.run{fill:#39f;background:#39f}svg.tl .fail,.k.fail{fill:#d33;background:#d33}\
+svg.tl .retry,.k.retry{fill:#e90;background:#e90}svg.tl .cancel,.k.cancel{fill:#aaa;background:#aaa}svg.tl .cached,.k.cached{fill:#9c9;background:#9c9}\
+svg.tl g:hover rect{stroke:#000;stroke-width:.6}svg.tl .tick{stroke:#eee}svg.tl text{font-size:10px;fill:#666}svg.tl .ph{fill:#222;font-weight:bold}\
+.k{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}.legend{color:#666;font-size:12px}\
+.why{color:#a60;font-size:12px}#confirm{border:1px solid #d99;background:#fff6f6;padding:8px;margin:8px 0}#confirm input{width:30em}\
+.turns{display:flex;flex-direction:column;gap:6px}.turn{border-left:3px solid #ccc;padding:4px 8px}.turn.said{border-color:#39f}\
+.turn .who{font-size:11px;color:#888}.turn .body{white-space:pre-wrap}.turn.tool{border-color:#999}.turn.tool.error{border-color:#d33}\
+.turn.end{border-color:#4a4}.turn.end.failed{border-color:#d33}.turn.note{color:#888;font-size:12px}.turn summary{cursor:pointer}\
+.turn .label{font-size:11px;color:#888}.turn .state{font-size:11px;color:#888}.facts th{color:#888;font-weight:normal}\
+pre.diff{max-height:none}.diff .da{color:#060;background:#e6ffe6}.diff .dr{color:#a00;background:#ffecec}\
+.diff .dk{color:#06c}.diff .dh{font-weight:bold}.diff .df{font-weight:bold;color:#444}\
+.crumbs{color:#888}.filters input,.filters select{margin-right:6px}.pager{margin:8px 0}";
 
 /// The page's script: follows the run over server-sent events (the server sends the changing
-/// part of the page as HTML), opens an agent's detail on click, and sends the buttons' actions
-/// to the same control path the CLI uses.
+/// part of the page as HTML), opens an agent's page from its bar on the timeline, and sends the
+/// buttons' actions to the same control path the CLI uses — stop and pause only once the
+/// reader confirmed and gave a reason.
 pub(super) const SCRIPT: &str = r#"const run=document.body.dataset.run;
-async function openAgent(i){const r=await fetch('/runs/'+run+'/agents/'+i,{credentials:'same-origin'});
-const d=document.getElementById('detail');d.innerHTML=await r.text();d.dataset.agent=i;}
-async function act(action,agent){const r=await fetch('/runs/'+run+'/control',{method:'POST',credentials:'same-origin',
-headers:{'content-type':'application/json','x-flotilla':'1'},body:JSON.stringify({action:action,agent:agent||''})});
+async function act(action,agent,reason){const r=await fetch('/runs/'+run+'/control',{method:'POST',credentials:'same-origin',
+headers:{'content-type':'application/json','x-flotilla':'1'},body:JSON.stringify({action:action,agent:agent||'',reason:reason||''})});
 const v=await r.json();document.getElementById('notice').textContent=v.message||v.error;}
-function bind(){document.querySelectorAll('[data-agent]').forEach(a=>a.onclick=e=>{e.preventDefault();openAgent(a.dataset.agent);});
-document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>act(b.dataset.action,b.dataset.target));}
-function show(html){document.getElementById('live').innerHTML=html;bind();
-const d=document.getElementById('detail');if(d.dataset.agent)openAgent(d.dataset.agent);}
+function ask(b){const f=document.getElementById('confirm'),r=document.getElementById('reason');
+document.getElementById('confirm-what').textContent=b.dataset.ask;r.value='';f.hidden=false;r.focus();
+f.onsubmit=e=>{e.preventDefault();f.hidden=true;act(b.dataset.action,b.dataset.target,r.value);};}
+function bind(){document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>b.dataset.ask?ask(b):act(b.dataset.action,b.dataset.target,''));}
+function show(html){document.getElementById('live').innerHTML=html;bind();}
+const live=document.getElementById('live');
+if(live)live.addEventListener('click',e=>{const g=e.target.closest('svg [data-a]');if(g)location.href='/runs/'+run+'/agents/'+g.dataset.a;});
+const cancel=document.getElementById('confirm-cancel');if(cancel)cancel.onclick=()=>{document.getElementById('confirm').hidden=true;};
 if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+'/events'+location.search);
 es.addEventListener('update',e=>show(e.data));es.addEventListener('end',e=>{show(e.data);es.close();});}
 bind();"#;
@@ -443,7 +514,7 @@ pub(super) fn page_with(title: &str, body: &str, data: &[(&str, &str)]) -> Strin
         .collect();
     format!(
         "<!doctype html><html><head><meta charset=utf-8><title>{}</title><style>{STYLE}</style></head>\
-         <body{attrs}><nav><a href=\"/runs\">runs</a></nav>{body}<script>{SCRIPT}</script></body></html>",
+         <body{attrs}><nav><a href=\"/runs\">runs</a> · <a href=\"/fleet\">fleet</a></nav>{body}<script>{SCRIPT}</script></body></html>",
         esc(title)
     )
 }
@@ -489,6 +560,8 @@ mod tests {
             output_tokens: 0,
             disk_bytes: 0,
             waiting: None,
+            cost_usd: 0.0,
+            segments: Vec::new(),
         }
     }
 
@@ -575,7 +648,12 @@ mod tests {
         // Restart only where an agent runs; a queued one can only be stopped.
         assert!(full.contains("data-action=restart_agent data-target=600>"));
         assert!(!full.contains("data-action=restart_agent data-target=700>"));
-        assert!(full.contains("data-action=stop_agent data-target=700>"));
+        assert!(full.contains("data-action=stop_agent data-target=700 data-ask="));
+        // Stopping asks first; restarting does not.
+        assert!(full.contains("data-action=restart_agent data-target=600>"));
+        // The timeline draws every started agent, and the rows open each agent's own page.
+        assert_eq!(full.matches("<g data-a=").count(), 1000, "each has a start");
+        assert!(full.contains("<a href=\"/runs/wf_x/agents/615\""));
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::api::SnapshotView;
 use flotilla_proto::ErrorKind;
 
 use super::auth::*;
-use super::render::{self, *};
+use super::render::*;
 use super::state::{Web, http};
 use crate::history;
 use crate::report::{Report, Summary};
@@ -225,7 +225,7 @@ pub(super) async fn run_events(
         .into_response()
 }
 
-/// One agent's prompt, result and transcripts (an HTML fragment for the page).
+/// One agent's page: where and when it ran, its prompt, result and transcripts, its change.
 pub(super) async fn agent_page(
     State(web): State<Web>,
     Path((run, index)): Path<(String, u64)>,
@@ -237,32 +237,43 @@ pub(super) async fn agent_page(
     let d = match page_data(&web, &run).await {
         Ok(d) => d,
         Err((code, msg)) => {
-            return (code, Html(format!("<p class=err>{}</p>", esc(&msg)))).into_response();
+            return (
+                code,
+                Html(page(
+                    "Not found",
+                    &format!("<p class=err>{}</p>", esc(&msg)),
+                )),
+            )
+                .into_response();
         }
     };
     let Some(a) = d.report.agents.iter().find(|a| a.index == index) else {
         return (
             http(ErrorKind::NotFound),
-            Html(format!(
-                "<p class=err>run {} has no agent #{index}</p>",
-                esc(&run)
+            Html(page(
+                "Not found",
+                &format!("<p class=err>run {} has no agent #{index}</p>", esc(&run)),
             )),
         )
             .into_response();
     };
+    let title = format!("#{index} {} · {run}", a.label);
     match history::agent_detail(web.coordinator.store(), &run, index, a.attempts).await {
         Ok(detail) => {
-            let mut html = render_agent(a, &detail);
+            let mut html = render_agent(&run, a, &detail);
             if let Some(ch) = &detail.change {
                 html.push_str(&render_change(&web, &run, index, ch).await);
             }
-            Html(html).into_response()
+            Html(page(&title, &html)).into_response()
         }
         Err(e) => (
             http(ErrorKind::Unavailable),
-            Html(format!(
-                "<p class=err>cannot read agent #{index}: {}</p>",
-                esc(&e.to_string())
+            Html(page(
+                &title,
+                &format!(
+                    "<p class=err>cannot read agent #{index}: {}</p>",
+                    esc(&e.to_string())
+                ),
             )),
         )
             .into_response(),
@@ -313,7 +324,7 @@ pub(super) async fn render_change(
         )
         .await
         {
-            Ok(d) => out.push_str(&format!("<pre class=diff>{}</pre>", esc(&d))),
+            Ok(d) => out.push_str(&super::turns::diff(&d)),
             Err(e) => out.push_str(&format!(
                 "<p class=err>cannot show the diff: {}</p>",
                 esc(&e.to_string())
@@ -361,11 +372,11 @@ pub(super) async fn run_diff(
     };
     let body = match diffed {
         Ok(d) => format!(
-            "<h2>Run {} — its head against its source</h2><p>{} agents changed files; <code>flotilla apply {}</code> brings them home</p><pre class=diff>{}</pre>",
+            "<h2>Run {} — its head against its source</h2><p>{} agents changed files; <code>flotilla apply {}</code> brings them home</p>{}",
             esc(&run),
             c.changes.len(),
             esc(&run),
-            esc(&d)
+            super::turns::diff(&d)
         ),
         Err(e) => format!(
             "<p class=err>cannot show the diff: {}</p>",
@@ -380,6 +391,9 @@ pub(super) struct ControlBody {
     pub(super) action: String,
     #[serde(default)]
     pub(super) agent: String,
+    /// Why (the page asks for it before a stop or pause); kept in the run's log and events.
+    #[serde(default)]
+    pub(super) reason: String,
 }
 
 /// The page's buttons: pause, resume or stop the run, stop or restart one agent. Needs the
@@ -400,7 +414,23 @@ pub(super) async fn control(
         )
             .into_response();
     }
-    match web.registry.control(&run, &body.action, &body.agent).await {
+    if body.reason.len() > crate::registry::MAX_REASON {
+        return (
+            http(ErrorKind::Invalid),
+            axum::Json(serde_json::json!({"error": format!("the reason is {} bytes; keep it under {}", body.reason.len(), crate::registry::MAX_REASON)})),
+        )
+            .into_response();
+    }
+    let who = who_signed_in(&web, &headers);
+    let asked = crate::registry::Asked {
+        by: &who,
+        reason: &body.reason,
+    };
+    match web
+        .registry
+        .control(&run, &body.action, &body.agent, asked)
+        .await
+    {
         Ok(message) => axum::Json(serde_json::json!({ "message": message })).into_response(),
         Err(s) => (
             http(ErrorKind::from_grpc(s.code())),
@@ -408,78 +438,6 @@ pub(super) async fn control(
         )
             .into_response(),
     }
-}
-
-pub(super) async fn runs_json(State(web): State<Web>, headers: HeaderMap) -> Response {
-    let scope = match check(&web, &headers) {
-        Ok(s) => s,
-        Err(why) => return refuse(why, true),
-    };
-    match crate::index::list_runs(
-        web.coordinator.store(),
-        scope.names().map(<[String]>::to_vec),
-        &*web.registry,
-    )
-    .await
-    {
-        Ok(runs) => axum::Json(runs).into_response(),
-        Err(e) => (
-            http(ErrorKind::Unavailable),
-            axum::Json(serde_json::json!({ "error": format!("cannot list runs: {e}") })),
-        )
-            .into_response(),
-    }
-}
-
-pub(super) async fn runs_page(State(web): State<Web>, headers: HeaderMap) -> Response {
-    let scope = match check(&web, &headers) {
-        Ok(s) => s,
-        Err(why) => return refuse(why, false),
-    };
-    let runs = match crate::index::list_runs(
-        web.coordinator.store(),
-        scope.names().map(<[String]>::to_vec),
-        &*web.registry,
-    )
-    .await
-    {
-        Ok(r) => r,
-        Err(e) => {
-            return (
-                http(ErrorKind::Unavailable),
-                Html(page(
-                    "Runs",
-                    &format!("<p class=err>cannot list runs: {}</p>", esc(&e.to_string())),
-                )),
-            )
-                .into_response();
-        }
-    };
-    let mut rows = String::new();
-    for r in runs.iter().rev() {
-        let s = &r.summary;
-        rows.push_str(&format!(
-            "<tr id=\"run-{id}\"><td><a href=\"/runs/{id}\">{id}</a></td><td>{wf}</td>{status}<td class=agents>{agents}</td><td>${cost:.4}</td><td>{created}</td></tr>",
-            id = esc(&r.run_id),
-            wf = esc(&r.workflow),
-            status = status_cell(s),
-            agents = esc(&s.agents_line()),
-            cost = s.cost_usd,
-            created = esc(&r.created),
-        ));
-    }
-    let mut body = format!(
-        "<table id=runs><thead><tr><th>run</th><th>workflow</th><th>status</th><th>agents</th><th>cost</th><th>created</th></tr></thead><tbody>{rows}</tbody></table>"
-    );
-    let accounts = web
-        .coordinator
-        .dispatch()
-        .stats()
-        .await
-        .map(|s| s.accounts)
-        .unwrap_or_default();
-    body.push_str(&render::accounts_table(&accounts));
-    Html(page("Runs", &body)).into_response()
 }
 
 pub(super) async fn page_data(web: &Web, run: &str) -> Result<PageData, (StatusCode, String)> {

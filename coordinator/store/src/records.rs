@@ -215,3 +215,23 @@ pub enum Mark {
     #[serde(other)]
     Other,
 }
+
+impl Mark {
+    /// Its name as written in the events.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mark::Queued => "queued",
+            Mark::Cached => "cached",
+            Mark::Running => "running",
+            Mark::Stalled => "stalled",
+            Mark::Waiting => "waiting",
+            Mark::Retrying => "retrying",
+            Mark::Restarted => "restarted",
+            Mark::Interrupted => "interrupted",
+            Mark::Completed => "completed",
+            Mark::Failed => "failed",
+            Mark::Cancelled => "cancelled",
+            Mark::Other => "other",
+        }
+    }
+}

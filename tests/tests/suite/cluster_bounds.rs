@@ -371,6 +371,7 @@ fn cluster_bounds_oversized_fields_are_refused_by_name() {
                 run_id: "wf_00000000-000".into(),
                 action: "pause".into(),
                 agent: "a".repeat(5000),
+                reason: String::new(),
             })
             .await
             .expect_err("a long agent name");
@@ -384,6 +385,7 @@ fn cluster_bounds_oversized_fields_are_refused_by_name() {
                 run_id: "wf_00000000-000".into(),
                 action: "a".repeat(5 * MIB),
                 agent: String::new(),
+                reason: String::new(),
             })
             .await
             .expect_err("a 5 MiB control request");

@@ -285,6 +285,8 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
         vec!["changes", a.as_str(), "--json"],
         vec!["logs", a.as_str()],
         vec!["pause", a.as_str()],
+        vec!["pause", a.as_str(), "--reason", "mine now"],
+        vec!["stop", a.as_str(), "--reason", "mine now"],
     ] {
         let out = c.client_as("bob", &args);
         let text = format!("{}{}", out.stdout, out.stderr);
@@ -356,6 +358,39 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
         .map(|r| r["run_id"].as_str().unwrap_or("").to_owned())
         .collect();
     assert!(ids.contains(&b) && !ids.contains(&a), "{ids:?}");
+    // Filters never widen a sign-in: asking for another namespace's runs lists none.
+    let list = get("/runs.json?namespace=team-a", &tb);
+    assert_eq!(list.status, 200, "{list:?}");
+    assert_eq!(list.body.trim(), "[]", "{}", list.body);
+    let page = get("/runs?namespace=team-a&status=running", &tb);
+    assert!(
+        page.status == 200 && page.body.contains("no run matches") && !page.body.contains(&a),
+        "{page:?}"
+    );
+    assert_eq!(get("/runs.json?within=team-a", &tb).status, 400);
+    // An agent's page of another namespace's run is not there; the fleet page shows the
+    // namespaces of the sign-in only.
+    assert_eq!(get(&format!("/runs/{a}/agents/0"), &tb).status, 404);
+    assert_eq!(get(&format!("/runs/{a}/agents/0"), &ta).status, 200);
+    let fleet = get("/fleet", &tb);
+    assert_eq!(fleet.status, 200, "{fleet:?}");
+    assert!(!fleet.body.contains("team-a"), "{}", fleet.body);
+    let fleet = get("/fleet", &ta);
+    assert!(fleet.body.contains("id=\"ns-team-a\""), "{}", fleet.body);
+    assert!(!fleet.body.contains("team-b"), "{}", fleet.body);
+    // A control with a reason from another namespace's token does nothing.
+    let r = flotilla_tests::http_request(
+        c.http_port,
+        "POST",
+        &format!("/runs/{a}/control"),
+        &[
+            ("Authorization", &format!("Bearer {tb}")),
+            ("Content-Type", "application/json"),
+            ("x-flotilla", "1"),
+        ],
+        Some(r#"{"action":"stop","reason":"not yours"}"#),
+    );
+    assert_eq!(r.status, 404, "{r:?}");
     // `/metrics` counts the runs of the token's namespaces only: bob's two ended, alice's
     // running one.
     let metric = |t: &str, name: &str| -> Option<f64> {
@@ -375,11 +410,21 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
         metric(&ta, "flotilla_runs{status=\"completed\"}"),
         Some(0.0)
     );
-    // Alice's own stop works; the report names her namespace.
-    let out = c.client_as("alice", &["stop", &a]);
+    // Alice's own stop works, with her reason in the run's log; the report names her
+    // namespace. A reason too long is refused by its size.
+    let long = "x".repeat(2000);
+    let out = c.client_as("alice", &["stop", &a, "--reason", &long]);
+    assert!(out.code != 0 && out.stderr.contains("keep it under 1000"), "{out:?}");
+    let out = c.client_as("alice", &["stop", &a, "--reason", "done\nwith it"]);
     assert_eq!(out.code, 0, "{out:?}");
     let out = c.client_as("alice", &["wait", &a, "--json"]);
     assert_eq!(out.json()["namespace"], "team-a", "{out:?}");
+    let logs = out.json()["logs"].to_string();
+    assert!(
+        logs.contains("[stop] alice (client) asked to stop the run: done with it"),
+        "{logs}"
+    );
+    assert!(!logs.contains("not yours") && !logs.contains("mine now"), "{logs}");
     // A resume of another namespace's run is refused like the rest, and a resume stays in
     // its run's namespace.
     let out = c.client_as("bob", &["resume", &a, "--json"]);

@@ -107,25 +107,50 @@ fn the_session_page_follows_a_run_live_and_its_stop_button_stops_it() {
         "updated without a reload"
     );
 
-    // One agent's prompt and transcript.
-    b.click("[data-agent=\"0\"]");
-    let detail = b.wait_for("the agent's detail", 20, |b| {
-        b.text("#detail .transcript")
-            .map(|_| b.text("#detail").unwrap())
+    // The timeline draws the agents that started, live.
+    b.wait_for("bars on the timeline", 20, |b| {
+        let n = b.eval("return document.querySelectorAll('#timeline svg g[data-a]').length;");
+        (n.as_u64()? > 0).then_some(())
     });
-    assert!(
-        detail.contains("job 0 [[sleep:400]]"),
-        "the prompt: {detail}"
-    );
-    assert!(detail.contains("Transcript, attempt 1"), "{detail}");
-
     let shot = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../target/test-artifacts/session-page.png");
     b.screenshot(&shot);
     assert!(std::fs::metadata(&shot).unwrap().len() > 1000, "a real PNG");
 
-    // Stop, as a user would.
+    // One agent's page of its own: its prompt and transcript.
+    b.click("[data-agent=\"0\"]");
+    let detail = b.wait_for("the agent's page", 20, |b| {
+        b.text(".transcript").map(|_| b.text("body").unwrap())
+    });
+    assert!(
+        b.url().ends_with(&format!("/runs/{run}/agents/0")),
+        "{}",
+        b.url()
+    );
+    assert!(
+        detail.contains("job 0 [[sleep:400]]"),
+        "the prompt: {detail}"
+    );
+    assert!(detail.contains("Transcript, attempt 1"), "{detail}");
+    b.screenshot(&shot.with_file_name("agent-page.png"));
+
+    // Stop, as a user would: the page asks to confirm and for a reason.
+    let base = login.split("/login").next().unwrap().to_owned();
+    b.goto(&format!("{base}/runs/{run}"));
+    b.wait_for("the session page again", 20, |b| {
+        b.text("#status").filter(|s| s == "running")
+    });
     b.click("button[data-action=stop]");
+    b.wait_for("the confirmation", 10, |b| {
+        (b.eval("return document.getElementById('confirm').hidden;") == false).then_some(())
+    });
+    assert_eq!(
+        b.text("#status").as_deref(),
+        Some("running"),
+        "nothing stops before the confirmation"
+    );
+    b.type_into("#reason", "wrong input data");
+    b.click("#confirm-go");
     b.wait_for("the run to show stopped", 30, |b| {
         b.text("#status").filter(|s| s == "stopped")
     });
@@ -133,6 +158,17 @@ fn the_session_page_follows_a_run_live_and_its_stop_button_stops_it() {
     assert_eq!(code, 1, "{r}");
     assert_eq!(r["status"], "stopped", "{r}");
     assert!(r["usage"]["agents"].as_u64().unwrap() < 17);
+    let said = r["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str())
+        .find(|l| l.starts_with("[stop]"));
+    let said = said.unwrap_or_else(|| panic!("the stop in the run's log: {r}"));
+    assert!(
+        said.contains("asked to stop the run: wrong input data"),
+        "{said}"
+    );
 }
 
 #[test]
@@ -331,4 +367,167 @@ fn run_serve_cuts_off_a_client_that_trickles_its_headers() {
             break;
         }
     }
+}
+
+/// The pages on a run of 1,000 agents in two phases, some failing and some retried, in a real
+/// browser: the timeline draws every started agent live and to the end, a bar opens its
+/// agent's page, and `/runs`'s filters narrow the list. Screenshots are kept under
+/// `target/test-artifacts/`.
+#[test]
+fn a_thousand_agent_run_has_a_timeline_agent_pages_and_filtered_runs() {
+    let c = Cluster::start(2, 128);
+    // Signed in before the big run starts, so the page meets it live.
+    let t = c.client(&["token", "create", "--json"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    let login = t.json()["login_url"].as_str().unwrap().to_owned();
+    let base = login.split("/login").next().unwrap().to_owned();
+    let shots = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-artifacts");
+    let b = Browser::start();
+    b.goto(&format!("{login}&next=/runs"));
+    let other = c.launch(
+        "small",
+        "return await agent('tiny');",
+        &["--label", "team=beta", "--stagger", "0"],
+    );
+    let run = c.launch(
+        "thousand",
+        "phase('Survey');\n\
+         await parallel(Array.from({ length: 600 }, (_, i) => () =>\n\
+           agent('survey ' + i + (i % 97 == 5 ? ' [[fail]]' : '') + (i % 50 == 7 ? ' [[ratelimit:1]]' : '') +\n\
+                 ' [[sleep:' + (800 + (i % 7) * 200) + ']]', { label: 'survey ' + i })));\n\
+         phase('Fix');\n\
+         const r = await parallel(Array.from({ length: 400 }, (_, i) => () =>\n\
+           agent('fix ' + i + ' [[sleep:' + (200 + (i % 5) * 100) + ']]', { label: 'fix ' + i })));\n\
+         return r.length;",
+        &[
+            "--label",
+            "team=alpha",
+            "--stagger",
+            "0",
+            "--concurrency",
+            "256",
+        ],
+    );
+    b.goto(&format!("{base}/runs/{run}"));
+    let bars = |b: &Browser, css: &str| {
+        b.eval(&format!(
+            "return document.querySelectorAll('#timeline svg {css}').length;"
+        ))
+        .as_u64()
+        .unwrap_or(0)
+    };
+    // Live: running bars while the run goes on.
+    b.wait_for("running agents on the timeline", 60, |b| {
+        (bars(b, "rect.run") > 0 && b.text("#status").as_deref() == Some("running")).then_some(())
+    });
+    b.screenshot(&shots.join("timeline-live.png"));
+    b.wait_for("the run to end", 180, |b| {
+        b.text("#status").filter(|s| s.starts_with("completed"))
+    });
+    let (code, r) = c.wait(&run);
+    assert_eq!(r["usage"]["agents"], 1000, "{code} {}", r["usage"]);
+    let failed = r["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["status"] == "failed")
+        .count() as u64;
+    assert!(failed > 0, "some agents fail");
+    // Every agent is on the timeline (an agent is one group of bars), in both phases.
+    assert_eq!(bars(&b, "g[data-a]"), 1000);
+    assert!(
+        bars(&b, "rect.fail") as usize >= failed as usize,
+        "failed attempts are red"
+    );
+    assert!(
+        bars(&b, "rect.retry") > 0,
+        "a rate-limited attempt ends and goes again"
+    );
+    let phases = b.eval(
+        "return Array.from(document.querySelectorAll('#timeline svg text.ph')).map(t => t.textContent).join('|');",
+    );
+    let phases = phases.as_str().unwrap();
+    assert!(
+        phases.contains("Survey · 600 agents") && phases.contains("Fix · 400 agents"),
+        "{phases}"
+    );
+    b.screenshot(&shots.join("timeline-1000.png"));
+    let bytes = std::fs::metadata(shots.join("timeline-1000.png"))
+        .unwrap()
+        .len();
+    assert!(bytes > 10_000, "a real picture: {bytes} bytes");
+
+    // A bar opens its agent's page: a rate-limited one, with both attempts and their worker.
+    let retried = r["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["label"] == "survey 7")
+        .unwrap()["index"]
+        .as_u64()
+        .unwrap();
+    b.click(&format!("#timeline svg g[data-a=\"{retried}\"] rect"));
+    b.wait_for("the agent's page", 20, |b| {
+        b.url()
+            .ends_with(&format!("/runs/{run}/agents/{retried}"))
+            .then_some(())?;
+        b.text(".attempts")
+    });
+    let page = b.text("body").unwrap();
+    assert!(page.contains("survey 7"), "{page}");
+    let rows = b.eval("return document.querySelectorAll('table.attempts tbody tr').length;");
+    assert_eq!(rows.as_u64(), Some(2), "two attempts: {page}");
+    assert!(
+        page.contains("worker-"),
+        "the worker of each attempt: {page}"
+    );
+    b.screenshot(&shots.join("agent-from-timeline.png"));
+
+    // /runs: newest first, and the filters narrow it.
+    b.goto(&format!("{base}/runs"));
+    let listed = |b: &Browser| {
+        b.eval("return Array.from(document.querySelectorAll('#runs tbody tr')).map(r => r.id).join(',');")
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let all = b.wait_for("the runs", 20, |b| {
+        Some(listed(b)).filter(|l| !l.is_empty())
+    });
+    let (at_run, at_other) = (
+        all.find(&format!("run-{run}")).expect("the big run"),
+        all.find(&format!("run-{other}")).expect("the small run"),
+    );
+    assert!(at_run < at_other, "newest first: {all}");
+    b.type_into("#f-label", "team=beta");
+    b.click("#f-go");
+    b.wait_for("the label filter", 20, |b| {
+        (listed(b) == format!("run-{other}")).then_some(())
+    });
+    b.goto(&format!("{base}/runs?workflow=thousand&status=completed"));
+    b.wait_for("the workflow and status filters", 20, |b| {
+        (listed(b) == format!("run-{run}")).then_some(())
+    });
+    let row = b.text(&format!("#run-{run}")).unwrap();
+    assert!(
+        row.contains(&format!("{failed}")),
+        "the failed column: {row}"
+    );
+    b.screenshot(&shots.join("runs-filtered.png"));
+    b.goto(&format!("{base}/runs?status=failed&workflow=thousand"));
+    b.wait_for("no run", 20, |b| b.text("#no-runs"));
+
+    // The fleet page: both workers and the attempts they ran.
+    b.goto(&format!("{base}/fleet"));
+    let fleet = b.wait_for("the fleet page", 20, |b| b.text("#workers"));
+    assert!(fleet.contains("attached"), "{fleet}");
+    let attempts: u64 = b
+        .eval("return Array.from(document.querySelectorAll('#workers tbody tr')).map(r => +r.children[3].textContent).reduce((a, b) => a + b, 0);")
+        .as_u64()
+        .unwrap();
+    assert!(
+        attempts >= 1001,
+        "the workers ran every attempt: {attempts}"
+    );
+    b.screenshot(&shots.join("fleet.png"));
 }
