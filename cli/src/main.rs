@@ -79,6 +79,9 @@ enum Command {
     /// Start a real fleet on this machine (a CA, a coordinator, workers as processes, a file
     /// store, memory leases or `--etcd`) and print how to launch on it; Ctrl-C stops it all.
     Dev(dev::DevArgs),
+    /// Serve the session pages of a store's runs (the local one by default) on loopback:
+    /// every run there, live for the ones going on; Ctrl-C stops it.
+    Ui(serve::ui::UiArgs),
     /// Run a coordinator: workers attach to it, clients launch runs on it.
     #[command(after_help = telemetry::HELP)]
     Coordinator(Box<serve::coordinator::CoordinatorArgs>),
@@ -363,6 +366,7 @@ async fn dispatch(command: Command) -> i32 {
         Command::Bench(args) => bench::run(args).await,
         Command::Certs(args) => certs::run(args),
         Command::Dev(args) => dev::dev(args).await,
+        Command::Ui(args) => serve::ui::ui(args).await,
         Command::Coordinator(args) => serve::coordinator::coordinator(*args).await,
         Command::Worker(args) => serve::worker::worker(*args).await,
         Command::Launch(args) => client::launch(*args).await,

@@ -1,8 +1,10 @@
-//! The server roles of the `flotilla` binary: `flotilla coordinator` and `flotilla worker`.
-//! Each takes its settings in layers — the config file, then the environment, then flags — into
+//! The server roles of the `flotilla` binary: `flotilla coordinator`, `flotilla worker` and
+//! `flotilla ui` (the pages over a store, on loopback).
+//! The first two take their settings in layers — the config file, then the environment, then flags — into
 //! one settings type that is checked before anything starts.
 
 pub mod coordinator;
+pub mod ui;
 pub mod worker;
 
 pub(crate) fn hostname() -> String {

@@ -42,6 +42,8 @@ impl RunsQuery {
                 "label" => q.label = v,
                 "since" => q.since = v,
                 "after" => q.after = v,
+                // A `run --serve` or `flotilla ui` page's key: the guard's, not a filter.
+                "key" => {}
                 "limit" if v.is_empty() => {}
                 "limit" => {
                     q.limit = Some(v.parse().map_err(|_| {

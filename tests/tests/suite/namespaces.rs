@@ -414,7 +414,10 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
     // namespace. A reason too long is refused by its size.
     let long = "x".repeat(2000);
     let out = c.client_as("alice", &["stop", &a, "--reason", &long]);
-    assert!(out.code != 0 && out.stderr.contains("keep it under 1000"), "{out:?}");
+    assert!(
+        out.code != 0 && out.stderr.contains("keep it under 1000"),
+        "{out:?}"
+    );
     let out = c.client_as("alice", &["stop", &a, "--reason", "done\nwith it"]);
     assert_eq!(out.code, 0, "{out:?}");
     let out = c.client_as("alice", &["wait", &a, "--json"]);
@@ -424,7 +427,10 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
         logs.contains("[stop] alice (client) asked to stop the run: done with it"),
         "{logs}"
     );
-    assert!(!logs.contains("not yours") && !logs.contains("mine now"), "{logs}");
+    assert!(
+        !logs.contains("not yours") && !logs.contains("mine now"),
+        "{logs}"
+    );
     // A resume of another namespace's run is refused like the rest, and a resume stays in
     // its run's namespace.
     let out = c.client_as("bob", &["resume", &a, "--json"]);

@@ -531,3 +531,92 @@ fn a_thousand_agent_run_has_a_timeline_agent_pages_and_filtered_runs() {
     );
     b.screenshot(&shots.join("fleet.png"));
 }
+
+/// `flotilla ui` serves the pages of the local store's runs on loopback: a finished run, and
+/// one going on in another `flotilla run` process, followed live; without its key, nothing.
+#[test]
+fn flotilla_ui_shows_every_local_run_and_follows_one_running_elsewhere() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let env = flotilla_tests::Env::new();
+    let done = env.script("finished", "return await agent('one');");
+    let (code, r) = env.run(&done, &["--stagger", "0"]);
+    assert_eq!(code, 0, "{r}");
+    let finished = r["run_id"].as_str().unwrap().to_owned();
+
+    let bad = env.flotilla(&["ui", "--listen", "0.0.0.0:0"]);
+    assert_eq!(bad.code, 2, "{bad:?}");
+    assert!(bad.stderr.contains("loopback"), "{bad:?}");
+
+    let mut ui = Command::new(&env.bin)
+        .args(["ui", "--listen", "127.0.0.1:0"])
+        .current_dir(env.path())
+        .env("FLOTILLA_STORE", env.store_url())
+        .env("HOME", env.path())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(ui.stderr.take().unwrap());
+    let ui = Reaper(Some(ui));
+    let mut line = String::new();
+    let url = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "no URL line");
+        if let Some(u) = line.trim().strip_prefix("flotilla ui: ") {
+            break u.to_owned();
+        }
+    };
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    let rest = url.strip_prefix("http://127.0.0.1:").expect("loopback");
+    let (port, path) = rest.split_once('/').unwrap();
+    let port: u16 = port.parse().unwrap();
+    let key = path.split_once("?key=").unwrap().1.to_owned();
+    assert_eq!(
+        flotilla_tests::http_get(port, "/runs", &[]).status,
+        401,
+        "no key, nothing"
+    );
+
+    // A run going on in another process.
+    let slow = env.script(
+        "going-on",
+        "phase('Slow'); return (await parallel([1, 2, 3].map(i => () => agent('s' + i + ' [[sleep:' + i * 2500 + ']]')))).length;",
+    );
+    let (other, _, _, _) = serve(&env, &["--serve", slow.to_str().unwrap(), "--stagger", "0"]);
+
+    let b = Browser::start();
+    b.goto(&format!("http://127.0.0.1:{port}/runs?key={key}"));
+    let rows = b.wait_for("both runs listed", 30, |b| {
+        let ids = b
+            .eval("return Array.from(document.querySelectorAll('#runs tbody tr')).map(r => r.id).join(',');")
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        (ids.contains(&finished) && ids.split(',').count() >= 2).then_some(ids)
+    });
+    let live = rows
+        .split(',')
+        .map(|id| id.trim_start_matches("run-").to_owned())
+        .find(|id| *id != finished)
+        .unwrap();
+    b.goto(&format!("http://127.0.0.1:{port}/runs/{live}"));
+    b.wait_for("the other process's run, running", 30, |b| {
+        b.text("#status").filter(|s| s == "running")
+    });
+    b.wait_for("its bars on the timeline", 30, |b| {
+        let n = b.eval("return document.querySelectorAll('#timeline svg g[data-a]').length;");
+        (n.as_u64()? == 3).then_some(())
+    });
+    // Followed live until it ends, without a reload.
+    b.eval("window.__stayed = true; return null;");
+    b.wait_for("the run to end on the page", 60, |b| {
+        b.text("#status").filter(|s| s.starts_with("completed"))
+    });
+    assert_eq!(b.eval("return window.__stayed === true;"), true);
+    let shot = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/test-artifacts/flotilla-ui.png");
+    b.screenshot(&shot);
+    let out = other.wait();
+    assert_eq!(out.status.code(), Some(0));
+    drop(ui);
+}
