@@ -127,21 +127,26 @@ impl Browser {
         v.as_str().map(str::to_owned)
     }
 
+    /// The WebDriver id of the first element matching `css` (panics when there is none).
+    fn find(&self, css: &str) -> String {
+        let e = self.call(
+            "POST",
+            &self.s("/element"),
+            Some(json!({"using": "css selector", "value": css})),
+        );
+        e[ELEMENT]
+            .as_str()
+            .unwrap_or_else(|| panic!("no element {css}: {e}"))
+            .to_owned()
+    }
+
     /// Clicks the first element matching `css` (a real WebDriver click). The page replaces
     /// its live part as the run goes on, so an element found a moment ago can be gone: find it
     /// again then.
     pub fn click(&self, css: &str) {
         let mut last = String::new();
         for _ in 0..10 {
-            let e = self.call(
-                "POST",
-                &self.s("/element"),
-                Some(json!({"using": "css selector", "value": css})),
-            );
-            let id = e[ELEMENT]
-                .as_str()
-                .unwrap_or_else(|| panic!("no element {css}: {e}"))
-                .to_owned();
+            let id = self.find(css);
             match self.try_call(
                 "POST",
                 &self.s(&format!("/element/{id}/click")),
@@ -157,15 +162,7 @@ impl Browser {
 
     /// Types `text` into the first element matching `css` (a real WebDriver send-keys).
     pub fn type_into(&self, css: &str, text: &str) {
-        let e = self.call(
-            "POST",
-            &self.s("/element"),
-            Some(json!({"using": "css selector", "value": css})),
-        );
-        let id = e[ELEMENT]
-            .as_str()
-            .unwrap_or_else(|| panic!("no element {css}: {e}"))
-            .to_owned();
+        let id = self.find(css);
         self.call(
             "POST",
             &self.s(&format!("/element/{id}/value")),
