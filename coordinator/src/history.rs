@@ -249,6 +249,7 @@ fn new_agent(index: u64, label: &str, group: &str, status: Status) -> AgentRepor
         waiting: None,
         cost_usd: 0.0,
         segments: Vec::new(),
+        worker: String::new(),
     }
 }
 

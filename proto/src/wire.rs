@@ -411,9 +411,52 @@ pub struct AgentReport {
     /// What its attempts cost, in US dollars (0 when nothing priced them).
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub cost_usd: f64,
-    /// Its attempts on the timeline, oldest first (at most [`MAX_SEGMENTS`]).
+    /// Its attempts on the timeline, oldest first (at most [`MAX_SEGMENTS`]); read them with
+    /// [`AgentReport::attempt_segments`]. A final report leaves out a lone first attempt that
+    /// ended as the agent did (its times and status say it) and keeps its `worker`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub segments: Vec<AttemptSegment>,
+    /// The worker of that lone attempt, when `segments` leaves it out.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub worker: String,
+}
+
+impl AgentReport {
+    /// Its attempts: `segments`, or the lone attempt a final report leaves out of them.
+    pub fn attempt_segments(&self) -> std::borrow::Cow<'_, [AttemptSegment]> {
+        match (self.segments.is_empty(), self.start_ms) {
+            (true, Some(start_ms)) if !self.worker.is_empty() => {
+                std::borrow::Cow::Owned(vec![AttemptSegment {
+                    attempt: 1,
+                    start_ms,
+                    end_ms: self.end_ms,
+                    worker: self.worker.clone(),
+                    outcome: Some(std::borrow::Cow::Borrowed(self.status.as_str())),
+                }])
+            }
+            _ => std::borrow::Cow::Borrowed(&self.segments),
+        }
+    }
+
+    /// Sets the agent's attempts from `segments`, leaving out a lone first attempt that
+    /// [`AgentReport::attempt_segments`] can tell again from the agent's times and status.
+    pub fn set_segments(&mut self, segments: &[AttemptSegment]) {
+        match segments {
+            [s] if s.attempt == 1
+                && Some(s.start_ms) == self.start_ms
+                && s.end_ms == self.end_ms
+                && s.end_ms.is_some()
+                && s.outcome.as_deref() == Some(self.status.as_str()) =>
+            {
+                self.segments.clear();
+                self.worker.clone_from(&s.worker);
+            }
+            _ => {
+                self.segments = segments.to_vec();
+                self.worker.clear();
+            }
+        }
+    }
 }
 
 /// Segments an agent's timeline keeps: past this, its latest segment stands for the rest.
@@ -434,7 +477,7 @@ pub struct AttemptSegment {
     /// How it ended: `completed`, `failed`, `cancelled`, or the retry that ended it
     /// (`retrying`, `stalled`, `restarted`, `interrupted`, `waiting`); absent while it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub outcome: Option<String>,
+    pub outcome: Option<std::borrow::Cow<'static, str>>,
 }
 
 impl AttemptSegment {
@@ -451,7 +494,7 @@ impl AttemptSegment {
             }
             if last.end_ms.is_none() {
                 last.end_ms = Some(t);
-                last.outcome = Some("restarted".into());
+                last.outcome = Some(std::borrow::Cow::Borrowed("restarted"));
             }
         }
         let seg = AttemptSegment {
@@ -466,17 +509,19 @@ impl AttemptSegment {
                 *last = seg;
             }
         } else {
+            // Most agents take one attempt: room for one, not the vector's default four.
+            segments.reserve_exact(1);
             segments.push(seg);
         }
     }
 
     /// The open segment, if any, ended at `t` with `outcome`.
-    pub fn close(segments: &mut [AttemptSegment], t: u64, outcome: &str) {
+    pub fn close(segments: &mut [AttemptSegment], t: u64, outcome: &'static str) {
         if let Some(last) = segments.last_mut()
             && last.end_ms.is_none()
         {
             last.end_ms = Some(t.max(last.start_ms));
-            last.outcome = Some(outcome.to_owned());
+            last.outcome = Some(std::borrow::Cow::Borrowed(outcome));
         }
     }
 }
@@ -729,7 +774,43 @@ mod tests {
             waiting: None,
             cost_usd: 0.0,
             segments: Vec::new(),
+            worker: String::new(),
         }
+    }
+
+    #[test]
+    fn a_lone_attempt_that_ended_as_its_agent_did_is_kept_as_its_worker_alone() {
+        let mut a = agent("G", CallStatus::Completed, 1);
+        (a.start_ms, a.end_ms) = (Some(10), Some(50));
+        let mut one = Vec::new();
+        AttemptSegment::open(&mut one, 1, 10, "w-1");
+        AttemptSegment::close(&mut one, 50, "completed");
+        a.set_segments(&one);
+        assert!(a.segments.is_empty());
+        assert_eq!(a.worker, "w-1");
+        assert_eq!(
+            a.attempt_segments().as_ref(),
+            one.as_slice(),
+            "told again exactly"
+        );
+        let back: AgentReport = serde_json::from_str(&serde_json::to_string(&a).unwrap()).unwrap();
+        assert_eq!(back.attempt_segments().as_ref(), one.as_slice());
+        // Anything else is kept whole: a retry, a run still going, an end unlike the agent's.
+        let mut two = one.clone();
+        AttemptSegment::open(&mut two, 2, 60, "w-2");
+        AttemptSegment::close(&mut two, 90, "completed");
+        a.end_ms = Some(90);
+        a.set_segments(&two);
+        assert_eq!((a.segments.len(), a.worker.as_str()), (2, ""));
+        let mut open = Vec::new();
+        AttemptSegment::open(&mut open, 1, 10, "w-1");
+        a.end_ms = None;
+        a.set_segments(&open);
+        assert_eq!(a.attempt_segments().as_ref(), open.as_slice());
+        a.status = CallStatus::Failed;
+        (a.start_ms, a.end_ms) = (Some(10), Some(50));
+        a.set_segments(&one);
+        assert_eq!(a.segments, one, "it completed, the agent failed");
     }
 
     #[test]

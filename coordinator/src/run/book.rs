@@ -361,8 +361,12 @@ impl CallBook {
                 disk_bytes: c.disk_bytes,
                 waiting: if live { c.waiting_for.clone() } else { None },
                 cost_usd: c.usage.cost_usd,
-                segments: c.segments.clone(),
+                segments: Vec::new(),
+                worker: String::new(),
             });
+            if let Some(a) = agents.last_mut() {
+                a.set_segments(&c.segments);
+            }
         }
         agents
     }

@@ -345,8 +345,8 @@ pub(super) fn render_agent(
         (Some(s), Some(e)) => fmt_ms(e.saturating_sub(s)),
         _ => String::new(),
     };
-    let workers: Vec<&str> = a
-        .segments
+    let segments = a.attempt_segments();
+    let workers: Vec<&str> = segments
         .iter()
         .map(|s| s.worker.as_str())
         .filter(|w| !w.is_empty())
@@ -376,9 +376,9 @@ pub(super) fn render_agent(
         out.push_str(&format!("<tr><th>{k}</th><td>{v}</td></tr>"));
     }
     out.push_str("</table>");
-    if !a.segments.is_empty() {
+    if !segments.is_empty() {
         out.push_str("<h3>Attempts</h3><table class=attempts><thead><tr><th>attempt</th><th>worker</th><th>from</th><th>to</th><th>ended</th></tr></thead><tbody>");
-        for s in &a.segments {
+        for s in segments.iter() {
             out.push_str(&format!(
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"st {o}\">{o}</td></tr>",
                 s.attempt,
@@ -562,6 +562,7 @@ mod tests {
             waiting: None,
             cost_usd: 0.0,
             segments: Vec::new(),
+            worker: String::new(),
         }
     }
 

@@ -268,7 +268,7 @@ fn tooltip(a: &AgentReport, now: u64) -> String {
     if a.cost_usd > 0.0 {
         let _ = write!(t, " · ${:.4}", a.cost_usd);
     }
-    for s in &a.segments {
+    for s in a.attempt_segments().iter() {
         let _ = write!(
             t,
             "\nattempt {} on {}: {} to {}, {}",
@@ -321,6 +321,7 @@ mod tests {
             waiting: None,
             cost_usd: 0.25,
             segments,
+            worker: String::new(),
         }
     }
 
