@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 mod admission;
 mod affinity;
 mod fleet;
+mod pages;
 mod sandbox;
 mod scale;
 mod source;
@@ -59,6 +60,9 @@ enum BenchKind {
     /// Prompt-prefix cache hits of self-hosted model servers (one per worker), with prefix
     /// affinity and without it.
     Affinity(crate::bench::affinity::AffinityArgs),
+    /// The session pages: time to first byte and to a complete run page with and without the
+    /// timeline at 100, 1,000 and 10,000 agents, and the CPU each reader of a live page costs.
+    Pages(crate::bench::pages::PagesArgs),
 }
 
 #[derive(Debug, Args)]
@@ -231,6 +235,7 @@ pub async fn run(args: BenchArgs) -> i32 {
         BenchKind::Fleet(a) => crate::bench::scale::run(a).await,
         BenchKind::Admission(a) => crate::bench::admission::run(a).await,
         BenchKind::Affinity(a) => crate::bench::affinity::run(a).await,
+        BenchKind::Pages(a) => crate::bench::pages::run(a).await,
         BenchKind::Resume(a) => match resume_bench(&a).await {
             Ok(r) => {
                 if a.json {

@@ -51,6 +51,7 @@ mod auth;
 mod escape;
 mod fleet_page;
 mod listing;
+mod live_cache;
 mod metrics;
 mod render;
 mod routes;
@@ -134,6 +135,7 @@ pub fn metrics_router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>)
         registry,
         // Never consulted: the one route takes no sign-in.
         access: Access::Loopback { port: 0 },
+        live: Default::default(),
     };
     Router::new()
         .route("/metrics", get(metrics::operator_metrics))
@@ -161,6 +163,7 @@ pub fn router(coordinator: Arc<Coordinator>, registry: Arc<RunRegistry>, access:
         coordinator,
         registry,
         access,
+        live: Default::default(),
     };
     Router::new()
         .route("/", get(|| async { Redirect::to("/runs") }))

@@ -56,17 +56,33 @@ pub(super) fn rows_to_show<'a>(
         .collect()
 }
 
-/// The part of the page that changes while the run goes on (sent again over SSE); `all`
-/// lists every agent of every phase.
-pub(super) fn render_live(d: &PageData, all: bool) -> String {
+/// What a reader asked of a run's page: every agent of every phase (`?all=1`), and the
+/// timeline (unless `?timeline=0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct View {
+    pub(super) all: bool,
+    pub(super) timeline: bool,
+}
+
+impl View {
+    /// The view as one byte (the live cache's key).
+    pub(super) fn key(self) -> u8 {
+        u8::from(self.all) | (u8::from(self.timeline) << 1)
+    }
+}
+
+/// The part of the page that changes while the run goes on (sent again over SSE).
+pub(super) fn render_live(d: &PageData, view: View) -> String {
     let mut out = counters(d);
-    out.push_str(&super::timeline::timeline(
-        &d.report,
-        d.report.usage.duration_ms,
-    ));
+    if view.timeline {
+        out.push_str(&super::timeline::timeline(
+            &d.report,
+            d.report.usage.duration_ms,
+        ));
+    }
     out.push_str("<div id=phases>");
     for g in &d.report.groups {
-        out.push_str(&phase_table(d, &g.title, all));
+        out.push_str(&phase_table(d, &g.title, view.all));
     }
     out.push_str("</div>");
     out.push_str(&outcome(&d.report));
@@ -301,7 +317,7 @@ pub(super) fn span_ms(spans: impl Iterator<Item = (Option<u64>, Option<u64>)>, n
     first.map_or(0, |f| last.saturating_sub(f))
 }
 
-pub(super) fn render_run(d: &PageData, all: bool) -> String {
+pub(super) fn render_run(d: &PageData, view: View) -> String {
     let r = &*d.report;
     let name = if r.workflow.name.is_empty() {
         "workflow"
@@ -314,7 +330,7 @@ pub(super) fn render_run(d: &PageData, all: bool) -> String {
         esc(name),
         esc(&r.run_id),
         esc(&r.workflow.description),
-        render_live(d, all),
+        render_live(d, view),
     );
     page_with(
         &format!("{name} · flotilla"),
@@ -637,13 +653,25 @@ mod tests {
             report: Arc::new(report),
             here: true,
         };
-        let page = render_live(&d, false);
+        let page = render_live(
+            &d,
+            View {
+                all: false,
+                timeline: true,
+            },
+        );
         assert!(
             page.contains("900 more agents of this phase are not listed"),
             "{page}"
         );
         assert_eq!(page.matches("<tr id=agent-").count(), PHASE_ROWS);
-        let full = render_live(&d, true);
+        let full = render_live(
+            &d,
+            View {
+                all: true,
+                timeline: true,
+            },
+        );
         assert_eq!(full.matches("<tr id=agent-").count(), 1000);
         assert!(!full.contains("more agents of this phase"));
         // Restart only where an agent runs; a queued one can only be stopped.

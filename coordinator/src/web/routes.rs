@@ -13,6 +13,7 @@ use crate::api::SnapshotView;
 use flotilla_proto::ErrorKind;
 
 use super::auth::*;
+use super::live_cache::Rendered;
 use super::render::*;
 use super::state::{Web, http};
 use crate::history;
@@ -122,16 +123,25 @@ pub(super) async fn run_json(
     }
 }
 
-/// `?all=1` on a run's page and event stream: list every agent of every phase.
+/// `?all=1` on a run's page and event stream: list every agent of every phase;
+/// `?timeline=0`: leave the timeline out.
 #[derive(Deserialize, Default)]
 pub(super) struct AllQuery {
     #[serde(default)]
     pub(super) all: Option<String>,
+    #[serde(default)]
+    pub(super) timeline: Option<String>,
 }
 
 impl AllQuery {
-    fn all(&self) -> bool {
-        self.all.as_deref().is_some_and(|v| v == "1" || v == "true")
+    fn view(&self) -> View {
+        View {
+            all: self.all.as_deref().is_some_and(|v| v == "1" || v == "true"),
+            timeline: !self
+                .timeline
+                .as_deref()
+                .is_some_and(|v| v == "0" || v == "false"),
+        }
     }
 }
 
@@ -145,7 +155,7 @@ pub(super) async fn run_page(
         return refused;
     }
     match page_data(&web, &run).await {
-        Ok(d) => Html(render_run(&d, q.all())).into_response(),
+        Ok(d) => Html(render_run(&d, q.view())).into_response(),
         Err((code, msg)) => (
             code,
             Html(page(
@@ -170,16 +180,23 @@ pub(super) async fn run_events(
     if let Err(refused) = allowed(&web, &headers, &run, true).await {
         return refused;
     }
-    let all = q.all();
+    let view = q.view();
     let stream = futures::stream::unfold(
-        (web, run, None::<String>, false),
+        (web, run, None::<Arc<str>>, false),
         move |(web, run, last, done)| async move {
             if done {
                 return None;
             }
             let mut last = last;
             loop {
-                let data = page_data(&web, &run).await;
+                // One rendering per tick for every reader of this run and view.
+                let data = web
+                    .live
+                    .get(&run, view.key(), async {
+                        let d = page_data(&web, &run).await?;
+                        Ok(Rendered::new(render_live(&d, view), d.live(), d.here))
+                    })
+                    .await;
                 let d = match data {
                     Ok(d) => d,
                     Err((_, msg)) => {
@@ -192,13 +209,16 @@ pub(super) async fn run_events(
                         ));
                     }
                 };
-                let html = render_live(&d, all);
-                if !d.live() {
-                    let ev = Event::default().event("end").data(html);
+                let html = d.html;
+                if !d.live {
+                    let ev = Event::default().event("end").data(&*html);
                     return Some((Ok(ev), (web, run, None, true)));
                 }
-                if last.as_deref() != Some(html.as_str()) {
-                    let ev = Event::default().event("update").data(html.clone());
+                let same = last
+                    .as_ref()
+                    .is_some_and(|l| Arc::ptr_eq(l, &html) || **l == *html);
+                if !same {
+                    let ev = Event::default().event("update").data(&*html);
                     return Some((Ok(ev), (web, run, Some(html), false)));
                 }
                 last = Some(html);

@@ -1,5 +1,6 @@
 //! What every page handler shares: the pages' state ([`Web`]), who they answer ([`Access`])
-//! and the one map from an error's kind to its HTTP status. It names nothing else of `web`.
+//! and the one map from an error's kind to its HTTP status. Of `web` it names only the live
+//! parts' cache, which names nothing of it.
 
 use std::sync::Arc;
 
@@ -38,6 +39,8 @@ pub(super) struct Web {
     pub(super) coordinator: Arc<Coordinator>,
     pub(super) registry: Arc<RunRegistry>,
     pub(super) access: Access,
+    /// Run pages' live parts, rendered once per tick for all their readers.
+    pub(super) live: Arc<super::live_cache::LiveCache>,
 }
 
 /// The HTTP status of an error of `kind` (the one map is [`ErrorKind`]).

@@ -620,3 +620,53 @@ fn flotilla_ui_shows_every_local_run_and_follows_one_running_elsewhere() {
     assert_eq!(out.status.code(), Some(0));
     drop(ui);
 }
+
+/// `flotilla bench pages` serves real pages and reports its figures: page times for each
+/// size, with and without the timeline, and what readers of a live run's events cost.
+#[test]
+fn the_pages_benchmark_reports_its_figures() {
+    let env = flotilla_tests::Env::new();
+    let out = env.flotilla(&[
+        "bench",
+        "pages",
+        "--agents",
+        "20,60",
+        "--rounds",
+        "1",
+        "--viewers",
+        "3",
+        "--window",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    let pages = r["pages"].as_array().expect("pages");
+    assert_eq!(pages.len(), 2, "{r}");
+    assert_eq!(pages[1]["agents"], 60, "{r}");
+    for p in pages {
+        for f in [
+            "stored_complete_ms",
+            "live_complete_ms",
+            "stored_no_timeline_ms",
+        ] {
+            assert!(p[f].as_f64().is_some_and(|v| v > 0.0), "{f} in {p}");
+        }
+        assert!(p["page_bytes"].as_u64().unwrap() > 5_000, "{p}");
+    }
+    // The bigger page is bigger: each agent is on it.
+    assert!(
+        pages[1]["page_bytes"].as_u64() > pages[0]["page_bytes"].as_u64(),
+        "{r}"
+    );
+    let v = &r["viewers"];
+    assert_eq!(
+        (v["agents"].as_u64(), v["viewers"].as_u64()),
+        (Some(60), Some(3)),
+        "{r}"
+    );
+    assert!(
+        v["updates"].as_u64().unwrap() > 0,
+        "the readers were sent updates: {r}"
+    );
+}
