@@ -58,6 +58,8 @@ pub struct PageFigures {
     /// The complete page against the same page without the timeline.
     stored_ratio: f64,
     live_ratio: f64,
+    /// Agents of the live run on slots while it was timed (the rest queued).
+    live_running: u64,
     page_bytes: usize,
 }
 
@@ -81,15 +83,15 @@ pub struct PagesReport {
     viewers: Option<ViewerFigures>,
 }
 
-/// Two phases of N echo agents; with `sleep`, each sleeps that long.
+/// N echo agents in two phases, all started at once; with `sleep`, each sleeps that long.
 const SCRIPT: &str = "export const meta = { name: 'bench-pages', description: 'a run to look at' };\n\
 const half = Math.floor(args.n / 2);\n\
 const say = (p, i) => p + ' ' + i + (args.sleep ? ' [[sleep:' + args.sleep + ']]' : '');\n\
 phase('First');\n\
-const a = await parallel(Array.from({ length: half }, (_, i) => () => agent(say('first', i), { label: 'first ' + i })));\n\
+const a = Promise.all(Array.from({ length: half }, (_, i) => agent(say('first', i), { label: 'first ' + i })));\n\
 phase('Second');\n\
-const b = await parallel(Array.from({ length: args.n - half }, (_, i) => () => agent(say('second', i), { label: 'second ' + i })));\n\
-return a.length + b.length;\n";
+const b = Promise.all(Array.from({ length: args.n - half }, (_, i) => agent(say('second', i), { label: 'second ' + i })));\n\
+return (await a).length + (await b).length;\n";
 
 fn launch(n: u64, sleep_ms: u64) -> LaunchRequest {
     LaunchRequest {
@@ -325,8 +327,10 @@ pub async fn measure(a: &PagesArgs) -> Result<PagesReport, Problem> {
         let r = done.wait().await;
         if r.usage.agents != n {
             return Err(fail(format!(
-                "the finished run has {} agents, not {n}",
-                r.usage.agents
+                "the finished run has {} agents, not {n}: {} {}",
+                r.usage.agents,
+                r.status.as_str(),
+                r.error.unwrap_or_default()
             )));
         }
         // Agents that sleep ten minutes: running for as long as the bench looks at them.
@@ -338,12 +342,21 @@ pub async fn measure(a: &PagesArgs) -> Result<PagesReport, Problem> {
         let live_id = live.run_id.clone();
         let stopper = live.stopper();
         registry.track(live);
-        // Wait until the first phase's agents run (the second waits for them).
+        // Wait until all its agents are made and as many run as will (a second without change).
         let t0 = Instant::now();
-        while registry.summary(&live_id).is_none_or(|s| s.running < n / 2) {
+        let (mut running, mut steady) = (0, Instant::now());
+        loop {
+            let s = registry.summary(&live_id).unwrap_or_default();
+            if s.running != running {
+                (running, steady) = (s.running, Instant::now());
+            }
+            if s.agents == n && running > 0 && steady.elapsed() > Duration::from_secs(1) {
+                break;
+            }
             if t0.elapsed() > Duration::from_secs(120) {
                 return Err(fail(format!(
-                    "the live run of {n} agents never got its agents running"
+                    "the live run of {n} agents never settled ({} made, {running} running)",
+                    s.agents
                 )));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -363,6 +376,7 @@ pub async fn measure(a: &PagesArgs) -> Result<PagesReport, Problem> {
             live_no_timeline_ms: ln,
             stored_ratio: sc / sn.max(0.001),
             live_ratio: lc / ln.max(0.001),
+            live_running: running,
             page_bytes: bytes,
         });
         if n <= 1000 && a.viewers > 0 {
@@ -400,7 +414,7 @@ pub async fn run(a: PagesArgs) -> i32 {
             }
             println!("run page, median of {} requests (ms):", a.rounds);
             println!(
-                "  {:>7} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9}",
+                "  {:>7} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7} {:>9} {:>8}",
                 "agents",
                 "stored 1st",
                 "complete",
@@ -410,11 +424,12 @@ pub async fn run(a: PagesArgs) -> i32 {
                 "complete",
                 "no tl",
                 "ratio",
-                "bytes"
+                "bytes",
+                "running"
             );
             for p in &r.pages {
                 println!(
-                    "  {:>7} {:>10.1} {:>10.1} {:>10.1} {:>6.2}× {:>10.1} {:>10.1} {:>10.1} {:>6.2}× {:>9}",
+                    "  {:>7} {:>10.1} {:>10.1} {:>10.1} {:>6.2}× {:>10.1} {:>10.1} {:>10.1} {:>6.2}× {:>9} {:>8}",
                     p.agents,
                     p.stored_first_byte_ms,
                     p.stored_complete_ms,
@@ -424,7 +439,8 @@ pub async fn run(a: PagesArgs) -> i32 {
                     p.live_complete_ms,
                     p.live_no_timeline_ms,
                     p.live_ratio,
-                    p.page_bytes
+                    p.page_bytes,
+                    p.live_running
                 );
             }
             if let Some(v) = &r.viewers {

@@ -18,11 +18,13 @@ pub(super) const FRESH: Duration = Duration::from_millis(400);
 const MAX_SLOTS: usize = 512;
 const IDLE: Duration = Duration::from_secs(10);
 
-/// One rendering of a run's live part.
+/// One rendering of a run's live part, and the server-sent event that carries it.
 #[derive(Debug, Clone)]
 pub(super) struct Rendered {
     at: Instant,
     pub(super) html: Arc<str>,
+    /// `update` while the run can change, else `end`, framed once for every reader.
+    pub(super) frame: bytes::Bytes,
     /// The run can still change.
     pub(super) live: bool,
     /// It runs on this coordinator (updates every half second, else every two).
@@ -33,11 +35,28 @@ impl Rendered {
     pub(super) fn new(html: String, live: bool, here: bool) -> Rendered {
         Rendered {
             at: Instant::now(),
+            frame: sse_frame(if live { "update" } else { "end" }, &html),
             html: html.into(),
             live,
             here,
         }
     }
+}
+
+/// `data` as one server-sent event named `event`: a `data:` line per line of it (a carriage
+/// return, which would end a line too, is left out).
+pub(super) fn sse_frame(event: &str, data: &str) -> bytes::Bytes {
+    let mut out = String::with_capacity(data.len() + data.len() / 40 + 32);
+    out.push_str("event: ");
+    out.push_str(event);
+    out.push('\n');
+    for line in data.split('\n') {
+        out.push_str("data: ");
+        out.extend(line.chars().filter(|&c| c != '\r'));
+        out.push('\n');
+    }
+    out.push('\n');
+    out.into()
 }
 
 type Slot = Arc<tokio::sync::Mutex<Option<Rendered>>>;
@@ -139,6 +158,15 @@ mod tests {
         assert_eq!(cache.len(), 3);
     }
 
+    #[test]
+    fn an_event_has_a_data_line_per_line_and_no_carriage_return() {
+        assert_eq!(
+            &sse_frame("update", "<p>a\r\nb</p>\n")[..],
+            b"event: update\ndata: <p>a\ndata: b</p>\ndata: \n\n"
+        );
+        assert_eq!(&sse_frame("end", "x")[..], b"event: end\ndata: x\n\n");
+    }
+
     #[tokio::test]
     async fn idle_slots_go_once_there_are_many() {
         let cache = LiveCache::default();
@@ -147,6 +175,7 @@ mod tests {
                 .get(&format!("wf_{i}"), 0, async {
                     Ok::<_, ()>(Rendered {
                         at: Instant::now() - IDLE - Duration::from_secs(1),
+                        frame: bytes::Bytes::new(),
                         html: "".into(),
                         live: false,
                         here: false,

@@ -2,7 +2,7 @@
 //! the list of runs — each as HTML and JSON.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -13,7 +13,7 @@ use crate::api::SnapshotView;
 use flotilla_proto::ErrorKind;
 
 use super::auth::*;
-use super::live_cache::Rendered;
+use super::live_cache::{Rendered, sse_frame};
 use super::render::*;
 use super::state::{Web, http};
 use crate::history;
@@ -176,20 +176,23 @@ pub(super) async fn run_events(
     Query(q): Query<AllQuery>,
     headers: HeaderMap,
 ) -> Response {
-    use axum::response::sse::{Event, KeepAlive, Sse};
+    use bytes::Bytes;
     if let Err(refused) = allowed(&web, &headers, &run, true).await {
         return refused;
     }
     let view = q.view();
+    // A comment line now and then keeps proxies from closing a quiet stream.
+    const QUIET: Duration = Duration::from_secs(15);
     let stream = futures::stream::unfold(
-        (web, run, None::<Arc<str>>, false),
-        move |(web, run, last, done)| async move {
+        (web, run, None::<Arc<str>>, false, Instant::now()),
+        move |(web, run, last, done, sent)| async move {
             if done {
                 return None;
             }
             let mut last = last;
             loop {
-                // One rendering per tick for every reader of this run and view.
+                // One rendering (and its framed event) per tick for every reader of this run
+                // and view: a reader costs a write of shared bytes.
                 let data = web
                     .live
                     .get(&run, view.key(), async {
@@ -200,28 +203,27 @@ pub(super) async fn run_events(
                 let d = match data {
                     Ok(d) => d,
                     Err((_, msg)) => {
-                        let ev = Event::default()
-                            .event("end")
-                            .data(format!("<p class=err>{}</p>", esc(&msg)));
+                        let ev = sse_frame("end", &format!("<p class=err>{}</p>", esc(&msg)));
                         return Some((
                             Ok::<_, std::convert::Infallible>(ev),
-                            (web, run, last, true),
+                            (web, run, last, true, sent),
                         ));
                     }
                 };
-                let html = d.html;
                 if !d.live {
-                    let ev = Event::default().event("end").data(&*html);
-                    return Some((Ok(ev), (web, run, None, true)));
+                    return Some((Ok(d.frame), (web, run, None, true, sent)));
                 }
                 let same = last
                     .as_ref()
-                    .is_some_and(|l| Arc::ptr_eq(l, &html) || **l == *html);
+                    .is_some_and(|l| Arc::ptr_eq(l, &d.html) || **l == *d.html);
                 if !same {
-                    let ev = Event::default().event("update").data(&*html);
-                    return Some((Ok(ev), (web, run, Some(html), false)));
+                    return Some((Ok(d.frame), (web, run, Some(d.html), false, Instant::now())));
                 }
-                last = Some(html);
+                last = Some(d.html);
+                if sent.elapsed() > QUIET {
+                    let ping = Bytes::from_static(b": still here\n\n");
+                    return Some((Ok(ping), (web, run, last, false, Instant::now())));
+                }
                 let pause = if d.here { 500 } else { 2000 };
                 tokio::time::sleep(Duration::from_millis(pause)).await;
             }
@@ -240,8 +242,13 @@ pub(super) async fn run_events(
             }
         }
     });
-    Sse::new(paced)
-        .keep_alive(KeepAlive::default())
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(paced),
+    )
         .into_response()
 }
 
