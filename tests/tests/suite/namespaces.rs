@@ -371,6 +371,10 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
     // An agent's page of another namespace's run is not there; the fleet page shows the
     // namespaces of the sign-in only.
     assert_eq!(get(&format!("/runs/{a}/agents/0"), &tb).status, 404);
+    // Its live stream (whose renderings are shared by every reader) is not there either.
+    let events = get(&format!("/runs/{a}/events"), &tb);
+    assert_eq!(events.status, 404, "{events:?}");
+    assert!(!events.body.contains("event:"), "{}", events.body);
     assert_eq!(get(&format!("/runs/{a}/agents/0"), &ta).status, 200);
     let fleet = get("/fleet", &tb);
     assert_eq!(fleet.status, 200, "{fleet:?}");
