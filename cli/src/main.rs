@@ -82,6 +82,14 @@ enum Command {
     /// Serve the session pages of a store's runs (the local one by default) on loopback:
     /// every run there, live for the ones going on; Ctrl-C stops it.
     Ui(serve::ui::UiArgs),
+    /// Print a completion script for a shell: `flotilla completions bash >
+    /// ~/.local/share/bash-completion/completions/flotilla`, `flotilla completions zsh >
+    /// "${fpath[1]}/_flotilla"`, `flotilla completions fish >
+    /// ~/.config/fish/completions/flotilla.fish`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Run a coordinator: workers attach to it, clients launch runs on it.
     #[command(after_help = telemetry::HELP)]
     Coordinator(Box<serve::coordinator::CoordinatorArgs>),
@@ -367,6 +375,15 @@ async fn dispatch(command: Command) -> i32 {
         Command::Certs(args) => certs::run(args),
         Command::Dev(args) => dev::dev(args).await,
         Command::Ui(args) => serve::ui::ui(args).await,
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            use std::io::Write;
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "flotilla", &mut script);
+            // A reader that stops early (`| head`) is not an error.
+            let _ = std::io::stdout().write_all(&script);
+            0
+        }
         Command::Coordinator(args) => serve::coordinator::coordinator(*args).await,
         Command::Worker(args) => serve::worker::worker(*args).await,
         Command::Launch(args) => client::launch(*args).await,

@@ -481,3 +481,47 @@ fn the_config_file_takes_allowed_models_and_label_as_the_flags_name_them() {
     assert_eq!(listed.code, 0, "{listed:?}");
     assert_eq!(listed.json()[0]["run_id"], r["run_id"], "{listed:?}");
 }
+
+/// `flotilla completions SHELL` prints a script the shell takes: bash, sourced, completes
+/// `flotilla` and offers its commands; an unknown shell is a usage error naming the choices.
+#[test]
+fn completion_scripts_load_in_the_shell_and_offer_the_commands() {
+    let env = Env::new();
+    let out = env.flotilla(&["completions", "bash"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    for cmd in ["launch", "ui", "runs", "completions"] {
+        assert!(out.stdout.contains(cmd), "{cmd} in the script");
+    }
+    let script = env.path().join("flotilla.bash");
+    std::fs::write(&script, &out.stdout).unwrap();
+    // Loaded by a real bash, asked what follows `flotilla la`.
+    let probe = format!(
+        "source {}; COMP_WORDS=(flotilla la); COMP_CWORD=1; COMP_LINE='flotilla la'; COMP_POINT=11; \
+         _flotilla flotilla la flotilla; complete -p flotilla; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+        script.display()
+    );
+    let b = std::process::Command::new("bash")
+        .args(["--norc", "-c", &probe])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&b.stdout);
+    assert!(b.status.success(), "{b:?}");
+    assert!(said.contains("-F _flotilla flotilla"), "{said}");
+    assert!(
+        said.lines().any(|l| l == "launch"),
+        "launch offered for `la`: {said}"
+    );
+    for shell in ["zsh", "fish"] {
+        let out = env.flotilla(&["completions", shell]);
+        assert!(
+            out.code == 0 && out.stdout.contains("flotilla"),
+            "{shell}: {out:?}"
+        );
+    }
+    let bad = env.flotilla(&["completions", "nosh"]);
+    assert_eq!(bad.code, 2, "{bad:?}");
+    assert!(
+        bad.stderr.contains("bash") && bad.stderr.contains("zsh"),
+        "{bad:?}"
+    );
+}
