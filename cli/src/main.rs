@@ -210,6 +210,10 @@ struct LogsArgs {
     /// Which attempt [default: the last].
     #[arg(long)]
     attempt: Option<u32>,
+    /// Keep printing new events as the agents go on (a new attempt with its heading), until
+    /// the run ends. With --agent, one agent's.
+    #[arg(long, short = 'f')]
+    follow: bool,
     #[command(flatten)]
     from: client::ReadFrom,
     /// One JSON event per line.
@@ -358,17 +362,24 @@ async fn dispatch(command: Command) -> i32 {
                     coordinator: Some(coordinator),
                     tls: a.from.tls,
                 };
-                client::logs_remote(remote, &a.run_id, a.agent.as_deref(), a.attempt, a.json).await
+                let ask = client::LogsAsk {
+                    run: &a.run_id,
+                    agent: a.agent.as_deref(),
+                    attempt: a.attempt,
+                    json: a.json,
+                    follow: a.follow,
+                };
+                client::logs_remote(remote, ask).await
             }
             None => {
-                stored::logs(
-                    a.from.store,
-                    &a.run_id,
-                    a.agent.as_deref(),
-                    a.attempt,
-                    a.json,
-                )
-                .await
+                let ask = client::LogsAsk {
+                    run: &a.run_id,
+                    agent: a.agent.as_deref(),
+                    attempt: a.attempt,
+                    json: a.json,
+                    follow: a.follow,
+                };
+                stored::logs(a.from.store, ask).await
             }
         },
         Command::Bench(args) => bench::run(args).await,

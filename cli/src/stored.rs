@@ -266,68 +266,107 @@ pub fn print_show(report: flotilla_proto::wire::Report, json: bool, full: bool) 
     0
 }
 
-/// `flotilla logs RUN [--agent A] [--attempt N]`: transcripts from the store.
-pub async fn logs(
-    store_flag: Option<String>,
-    run: &str,
-    agent: Option<&str>,
-    attempt: Option<u32>,
-    json: bool,
-) -> i32 {
+/// `flotilla logs RUN [--agent A] [--attempt N] [--follow]`: transcripts from the store;
+/// with `follow`, again every second until the run has ended (as its stored state says).
+pub async fn logs(store_flag: Option<String>, ask: crate::client::LogsAsk<'_>) -> i32 {
     let url = config::store_url(store_flag);
     let store = match host::open_store(&url) {
         Ok(s) => s,
         Err(e) => return crate::refuse(e.into()),
     };
-    let report = match host::load_report(&store, run).await {
-        Ok(r) => r,
-        Err(e) => return crate::refuse(e.into()),
+    let mut printed = if ask.follow {
+        Printed::following()
+    } else {
+        Printed::default()
     };
-    match host::transcripts(&store, &report, agent, attempt).await {
-        Ok(found) => print_transcripts(&found, json),
-        Err(host::TranscriptError::NoAgent(m)) => fail_kind(flotilla_proto::ErrorKind::Invalid, m),
-        Err(host::TranscriptError::Store(e)) => fail_kind(
-            flotilla_proto::ErrorKind::Unavailable,
-            format!("cannot read the transcript: {e}"),
-        ),
+    loop {
+        let report = match host::load_report(&store, ask.run).await {
+            Ok(r) => r,
+            Err(e) => return crate::refuse(e.into()),
+        };
+        let ended = !ask.follow || report.status.is_final();
+        match host::transcripts(&store, &report, ask.agent, ask.attempt).await {
+            Ok(found) => printed.print(&found, ask.json),
+            Err(host::TranscriptError::NoAgent(m)) if !ask.follow || ended => {
+                return fail_kind(flotilla_proto::ErrorKind::Invalid, m);
+            }
+            // Followed from the start, the agent asked for may not have been called yet.
+            Err(host::TranscriptError::NoAgent(_)) => {}
+            Err(host::TranscriptError::Store(e)) => {
+                return fail_kind(
+                    flotilla_proto::ErrorKind::Unavailable,
+                    format!("cannot read the transcript: {e}"),
+                );
+            }
+        }
+        if ended {
+            return 0;
+        }
+        tokio::time::sleep(crate::client::FOLLOW_EVERY).await;
     }
 }
 
-/// Prints transcripts: `== #INDEX LABEL (attempt N of M)` and one line per event, or one JSON
-/// object per event with `--json`.
-pub fn print_transcripts(found: &[host::AgentTranscript], json: bool) -> i32 {
-    let mut out = std::io::stdout().lock();
-    for a in found {
-        if a.cached {
-            if !json {
-                let _ = writeln!(
-                    out,
-                    "== #{} {} (served from the journal: no transcript)",
-                    a.index, a.label
-                );
-            }
-            continue;
-        }
-        if json {
-            for e in &a.events {
-                let _ = writeln!(
-                    out,
-                    "{}",
-                    serde_json::json!({"agent": a.index, "attempt": a.attempt, "event": e})
-                );
-            }
-            continue;
-        }
-        let _ = writeln!(
-            out,
-            "== #{} {} (attempt {} of {})",
-            a.index, a.label, a.attempt, a.attempts
-        );
-        for e in &a.events {
-            let _ = writeln!(out, "{}", host::transcript_line(e));
+/// Prints transcripts (`== #INDEX LABEL (attempt N of M)` and one line per event, or one JSON
+/// object per event with `--json`) and keeps what it printed, so `logs --follow` prints each
+/// event once: per agent and attempt, how many of its events.
+#[derive(Default)]
+pub struct Printed {
+    events: std::collections::HashMap<(u64, u32), usize>,
+    /// Following a run: an attempt with no event yet gets its heading with its first one.
+    follow: bool,
+}
+
+impl Printed {
+    pub fn following() -> Printed {
+        Printed {
+            follow: true,
+            ..Printed::default()
         }
     }
-    0
+
+    /// Prints what of `found` was not printed yet: an attempt's heading (a served agent's
+    /// once), then its new events.
+    pub fn print(&mut self, found: &[host::AgentTranscript], json: bool) {
+        let mut out = std::io::stdout().lock();
+        for a in found {
+            let key = (a.index, a.attempt);
+            let shown = self.events.get(&key).copied();
+            if a.cached {
+                if shown.is_none() && !json {
+                    let _ = writeln!(
+                        out,
+                        "== #{} {} (served from the journal: no transcript)",
+                        a.index, a.label
+                    );
+                }
+                self.events.insert(key, 0);
+                continue;
+            }
+            let new = a.events.get(shown.unwrap_or(0)..).unwrap_or_default();
+            if shown.is_none() && !json && (!self.follow || !new.is_empty()) {
+                let _ = writeln!(
+                    out,
+                    "== #{} {} (attempt {} of {})",
+                    a.index, a.label, a.attempt, a.attempts
+                );
+            }
+            for e in new {
+                if json {
+                    let _ = writeln!(
+                        out,
+                        "{}",
+                        serde_json::json!({"agent": a.index, "attempt": a.attempt, "event": e})
+                    );
+                } else {
+                    let _ = writeln!(out, "{}", host::transcript_line(e));
+                }
+            }
+            if shown.is_some() || !self.follow || !new.is_empty() {
+                self.events.insert(key, a.events.len());
+            }
+        }
+        let _ = out.flush();
+    }
 }
 
 /// `flotilla gc`: retention on a store.

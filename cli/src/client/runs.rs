@@ -60,47 +60,80 @@ pub(crate) async fn wait_and_report(
     }
 }
 
+/// What `flotilla logs` asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct LogsAsk<'a> {
+    pub run: &'a str,
+    pub agent: Option<&'a str>,
+    pub attempt: Option<u32>,
+    pub json: bool,
+    /// Print new events as they come until the run ends.
+    pub follow: bool,
+}
+
+/// How often `logs --follow` looks for new events.
+pub const FOLLOW_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// `flotilla logs RUN --coordinator URL`: transcripts through the coordinator, which reads
-/// its own store.
-pub async fn logs_remote(
-    remote: ClientArgs,
-    run: &str,
-    agent: Option<&str>,
-    attempt: Option<u32>,
-    json: bool,
-) -> i32 {
+/// its own store; with `follow`, again every second until the run has ended.
+pub async fn logs_remote(remote: ClientArgs, ask: LogsAsk<'_>) -> i32 {
     let mut client = match remote.client() {
         Ok(c) => c,
         Err(e) => return crate::refuse(e),
     };
-    let reply = client
-        .transcripts(v1::TranscriptsRequest {
-            protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
-            run_id: run.to_owned(),
-            agent: agent.unwrap_or_default().to_owned(),
-            attempt: attempt.unwrap_or(0),
-        })
-        .await;
-    let reply = match reply {
-        Ok(r) => r.into_inner(),
-        Err(s) if s.code() == tonic::Code::NotFound => {
-            return crate::fail_kind(flotilla_proto::ErrorKind::NotFound, s.message());
-        }
-        Err(s) => return rpc_fail(&s),
+    let mut printed = if ask.follow {
+        crate::stored::Printed::following()
+    } else {
+        crate::stored::Printed::default()
     };
-    let mut found = Vec::with_capacity(reply.agents_json.len());
-    for a in &reply.agents_json {
-        match serde_json::from_str::<flotilla_proto::wire::AgentTranscript>(a) {
-            Ok(t) => found.push(t),
-            Err(e) => {
-                return fail_kind(
-                    flotilla_proto::ErrorKind::Unavailable,
-                    format!("the coordinator sent a transcript this client cannot read: {e}"),
-                );
+    loop {
+        // Whether it had ended before this read: then this read is its last.
+        let ended = !ask.follow
+            || match client
+                .status(v1::RunRef {
+                    run_id: ask.run.to_owned(),
+                })
+                .await
+            {
+                Ok(r) => serde_json::from_str::<SnapshotView>(&r.into_inner().snapshot_json)
+                    .map_or(true, |s| s.summary.status.is_final()),
+                // Not running there: it has ended (or the transcripts' answer says why not).
+                Err(s) if s.code() == tonic::Code::NotFound => true,
+                Err(s) => return rpc_fail(&s),
+            };
+        let reply = client
+            .transcripts(v1::TranscriptsRequest {
+                protocol_version: flotilla_proto::PROTOCOL_VERSION.into(),
+                run_id: ask.run.to_owned(),
+                agent: ask.agent.unwrap_or_default().to_owned(),
+                attempt: ask.attempt.unwrap_or(0),
+            })
+            .await;
+        let reply = match reply {
+            Ok(r) => r.into_inner(),
+            Err(s) if s.code() == tonic::Code::NotFound => {
+                return crate::fail_kind(flotilla_proto::ErrorKind::NotFound, s.message());
+            }
+            Err(s) => return rpc_fail(&s),
+        };
+        let mut found = Vec::with_capacity(reply.agents_json.len());
+        for a in &reply.agents_json {
+            match serde_json::from_str::<flotilla_proto::wire::AgentTranscript>(a) {
+                Ok(t) => found.push(t),
+                Err(e) => {
+                    return fail_kind(
+                        flotilla_proto::ErrorKind::Unavailable,
+                        format!("the coordinator sent a transcript this client cannot read: {e}"),
+                    );
+                }
             }
         }
+        printed.print(&found, ask.json);
+        if ended {
+            return 0;
+        }
+        tokio::time::sleep(FOLLOW_EVERY).await;
     }
-    crate::stored::print_transcripts(&found, json)
 }
 
 /// Follows a run on a coordinator: progress bars on a terminal, plain lines otherwise, then

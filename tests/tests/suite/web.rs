@@ -670,3 +670,90 @@ fn the_pages_benchmark_reports_its_figures() {
         "the readers were sent updates: {r}"
     );
 }
+
+/// `flotilla logs RUN --follow`, started while the run goes on, prints every event of every
+/// agent once, as they come, and ends with the run: what it printed is what a plain `logs`
+/// prints afterwards.
+#[test]
+fn logs_follow_prints_each_event_once_as_it_comes_and_ends_with_the_run() {
+    let env = flotilla_tests::Env::new();
+    let script = env.script(
+        "followed",
+        "const a = await agent('first [[sleep:1500]]', { label: 'first' });\n\
+         const b = await agent('second [[sleep:1500]]', { label: 'second' });\n\
+         return [a, b];",
+    );
+    let (run_proc, _, path, _) = serve(
+        &env,
+        &["--serve", script.to_str().unwrap(), "--stagger", "0"],
+    );
+    let run = path.trim_start_matches("/runs/").to_owned();
+    let follow = std::process::Command::new(&env.bin)
+        .args(["logs", &run, "--follow"])
+        .current_dir(env.path())
+        .env("FLOTILLA_STORE", env.store_url())
+        .env("HOME", env.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut follow = Reaper(Some(follow));
+    // The first agent's lines come while the run still goes on (its second agent sleeps).
+    let out = follow.0.as_mut().unwrap().stdout.take().unwrap();
+    let mut followed = String::new();
+    let mut early = None;
+    for line in std::io::BufRead::lines(std::io::BufReader::new(out)) {
+        let line = line.unwrap();
+        if line.starts_with("== #0 first") {
+            let shown = env.flotilla(&["show", &run, "--json"]);
+            early = Some(shown.json()["status"].clone());
+        }
+        followed.push_str(&line);
+        followed.push('\n');
+    }
+    assert_eq!(
+        early,
+        Some(serde_json::json!("running")),
+        "the first agent's heading before the run ended: {followed}"
+    );
+    assert_eq!(run_proc.wait().status.code(), Some(0));
+    let ended = follow.wait();
+    assert_eq!(ended.status.code(), Some(0), "{ended:?}");
+    let plain = env.flotilla(&["logs", &run]);
+    assert_eq!(plain.code, 0, "{plain:?}");
+    assert!(plain.stdout.contains("== #1 second"), "{}", plain.stdout);
+    assert_eq!(followed, plain.stdout, "followed and plain logs differ");
+    // With --json, one object per event, each once.
+    let json = env.flotilla(&["logs", &run, "--follow", "--json"]);
+    assert_eq!(
+        json.code, 0,
+        "an ended run: the follow ends at once: {json:?}"
+    );
+    let lines: Vec<&str> = json.stdout.lines().collect();
+    let unique: std::collections::HashSet<&&str> = lines.iter().collect();
+    assert!(
+        !lines.is_empty() && unique.len() == lines.len(),
+        "{}",
+        json.stdout
+    );
+}
+
+/// The same through a coordinator: `logs --follow --coordinator` ends with the run and prints
+/// what a plain `logs` prints afterwards.
+#[test]
+fn logs_follow_through_a_coordinator_ends_with_the_run() {
+    let c = Cluster::start(1, 2);
+    let run = c.launch(
+        "followed",
+        "const a = await agent('first [[sleep:1200]]', { label: 'first' });\n\
+         return [a, await agent('second [[sleep:1200]]', { label: 'second' })];",
+        &["--stagger", "0"],
+    );
+    let followed = c.client(&["logs", &run, "--follow"]);
+    assert_eq!(followed.code, 0, "{followed:?}");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    let plain = c.client(&["logs", &run]);
+    assert!(plain.stdout.contains("== #1 second"), "{plain:?}");
+    assert_eq!(followed.stdout, plain.stdout);
+}
