@@ -12,6 +12,7 @@ use crate::{config, fail_kind};
 use flotilla_proto::Problem;
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("follows").args(["wait", "watch"]).multiple(false)))]
 pub struct LaunchArgs {
     #[command(flatten)]
     run: crate::RunArgs,
@@ -19,8 +20,12 @@ pub struct LaunchArgs {
     /// is printed at once; with --json only the report is).
     #[arg(long)]
     wait: bool,
-    /// With --wait: exit 5 when the run completed but some of its agents failed.
-    #[arg(long, requires = "wait")]
+    /// Follow the run as `flotilla watch` does (progress bars on a terminal, lines
+    /// otherwise), then print its report.
+    #[arg(long)]
+    watch: bool,
+    /// With --wait or --watch: exit 5 when the run completed but some of its agents failed.
+    #[arg(long, requires = "follows")]
     exit_status: bool,
     #[command(flatten)]
     remote: ClientArgs,
@@ -198,12 +203,15 @@ pub async fn launch(a: LaunchArgs) -> i32 {
         Ok(s) => s,
         Err(e) => return crate::refuse(e),
     };
-    if a.wait && reply.status != "rejected" {
+    if (a.wait || a.watch) && reply.status != "rejected" {
         let run_id = reply.run_id.clone();
         if !a.run.json {
             print_launched(reply, false, None);
         } else {
             say_notes(&reply.notes);
+        }
+        if a.watch {
+            return watch_on(&mut client, run_id, a.run.json, false, a.exit_status).await;
         }
         return wait_and_report(&mut client, run_id, a.run.json, false, a.exit_status).await;
     }

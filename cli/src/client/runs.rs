@@ -139,18 +139,28 @@ pub async fn logs_remote(remote: ClientArgs, ask: LogsAsk<'_>) -> i32 {
 /// Follows a run on a coordinator: progress bars on a terminal, plain lines otherwise, then
 /// the report (as `run` prints it).
 pub async fn watch(a: RunRefArgs) -> i32 {
-    use std::io::IsTerminal;
     let mut client = match a.client() {
         Ok(c) => c,
         Err(e) => return crate::refuse(e),
     };
-    let bars = !a.json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
-    let mode = crate::progress::Mode::pick(bars, !bars && !a.json);
+    watch_on(&mut client, a.run_id.clone(), a.json, a.full, false).await
+}
+
+/// Follows run `run_id` (`watch`, `launch --watch`), then prints its report as
+/// [`wait_and_report`] does (`exit_status`: 5 when agents failed).
+pub(crate) async fn watch_on(
+    client: &mut ClientServiceClient<Channel>,
+    run_id: String,
+    json: bool,
+    full: bool,
+    exit_status: bool,
+) -> i32 {
+    use std::io::IsTerminal;
+    let bars = !json && std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    let mode = crate::progress::Mode::pick(bars, !bars && !json);
     let (tx, rx) = tokio::sync::watch::channel(Arc::new(flotilla_proto::wire::Snapshot::default()));
     let view = crate::progress::start(mode, rx);
-    let run = v1::RunRef {
-        run_id: a.run_id.clone(),
-    };
+    let run = v1::RunRef { run_id };
     loop {
         match client.status(run.clone()).await {
             Ok(r) => match serde_json::from_str::<SnapshotView>(&r.into_inner().snapshot_json) {
@@ -179,16 +189,7 @@ pub async fn watch(a: RunRefArgs) -> i32 {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
     view.finish().await;
-    match client.wait(run).await {
-        Ok(r) => match serde_json::from_str::<Report>(&r.into_inner().report_json) {
-            Ok(report) => print_report(&report, a.json, a.full),
-            Err(e) => fail_kind(
-                flotilla_proto::ErrorKind::Unavailable,
-                format!("the coordinator sent a report this client cannot read: {e}"),
-            ),
-        },
-        Err(s) => rpc_fail(&s),
-    }
+    wait_and_report(client, run.run_id, json, full, exit_status).await
 }
 
 pub async fn status(a: RunRefArgs) -> i32 {

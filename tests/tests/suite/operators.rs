@@ -508,4 +508,22 @@ fn launch_wait_reports_and_exit_status_fails_a_run_whose_agents_failed() {
     let unpaired = launch(&fine, &["--exit-status"]);
     assert_eq!(unpaired.code, 2, "{unpaired:?}");
     assert!(unpaired.stderr.contains("--wait"), "{unpaired:?}");
+
+    // `--watch` follows the run as `watch` does (plain lines off a terminal), then reports
+    // and exits as `--wait` does.
+    let watched = launch(&mixed, &["--watch"]);
+    assert_eq!(watched.code, 0, "{watched:?}");
+    assert!(watched.stdout.contains("session "), "{watched:?}");
+    assert!(
+        watched.stderr.contains("completed, 1 failed") && watched.stdout.contains("\"fine\""),
+        "{watched:?}"
+    );
+    let strict = launch(&mixed, &["--watch", "--exit-status"]);
+    assert_eq!(
+        strict.code,
+        flotilla_proto::wire::EXIT_SOME_AGENTS_FAILED,
+        "{strict:?}"
+    );
+    let both = launch(&fine, &["--wait", "--watch"]);
+    assert_eq!(both.code, 2, "one or the other: {both:?}");
 }
