@@ -373,6 +373,16 @@ async fn up(a: DevArgs) -> Result<i32, Problem> {
     };
     let mut client = remote.client()?;
     let token = signed_in(&mut client, &mut procs, &logs).await?;
+    // Later client commands reach this fleet with no flags: it is the current context.
+    let dev_context = crate::client::context::Context {
+        coordinator: url.clone(),
+        tls_dir: Some(pki.clone()),
+        name: Some("client".into()),
+        insecure: false,
+    };
+    if let Err(e) = crate::client::context::add("dev", dev_context, true) {
+        eprintln!("warning: the dev context was not saved: {}", e.message);
+    }
 
     let backends = if a.backends.is_empty() {
         default_backends(a.exec_cmd.is_some())
@@ -539,8 +549,7 @@ fn say_up(up: &Up) {
         );
         println!();
         println!(
-            "or `export FLOTILLA_COORDINATOR={url} FLOTILLA_TLS_DIR={}` once, for every client command (launch, wait, runs, show, workers ...).",
-            pki.display()
+            "It is the current context (`dev`), so client commands need neither flag: `flotilla launch SCRIPT.js`, `flotilla status RUN`, `flotilla workers` (`flotilla context` lists contexts)."
         );
         println!("Ctrl-C stops it all.");
     }

@@ -82,6 +82,10 @@ enum Command {
     /// Serve the session pages of a store's runs (the local one by default) on loopback:
     /// every run there, live for the ones going on; Ctrl-C stops it.
     Ui(serve::ui::UiArgs),
+    /// Named coordinators and the identity that reaches each: `list`, `use NAME`,
+    /// `add NAME --coordinator URL --tls-dir DIR [--use]`, `remove NAME`, `current`. Client
+    /// commands given no coordinator use the current one (`flotilla dev` adds `dev`).
+    Context(client::context::ContextArgs),
     /// Print a completion script for a shell: `flotilla completions bash >
     /// ~/.local/share/bash-completion/completions/flotilla`, `flotilla completions zsh >
     /// "${fpath[1]}/_flotilla"`, `flotilla completions fish >
@@ -386,6 +390,7 @@ async fn dispatch(command: Command) -> i32 {
         Command::Certs(args) => certs::run(args),
         Command::Dev(args) => dev::dev(args).await,
         Command::Ui(args) => serve::ui::ui(args).await,
+        Command::Context(args) => client::context::run(args),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             use std::io::Write;

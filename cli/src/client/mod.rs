@@ -19,6 +19,7 @@ use crate::config;
 
 pub mod agents;
 pub mod changes;
+pub mod context;
 mod fleet;
 mod launch;
 mod runs;
@@ -70,6 +71,17 @@ impl TlsArgs {
             self.ca.clone_from(&file.ca);
         }
         self.insecure |= file.insecure.unwrap_or(false);
+    }
+
+    /// Fills what flags, environment and config left unset from a context.
+    pub fn fill_from(&mut self, ctx: &context::Context) {
+        if self.tls_dir.is_none() && self.cert.is_none() {
+            self.tls_dir.clone_from(&ctx.tls_dir);
+        }
+        if self.name.is_none() {
+            self.name.clone_from(&ctx.name);
+        }
+        self.insecure |= ctx.insecure;
     }
 
     /// The identity files, or `None` with --insecure on a loopback address.
@@ -156,11 +168,25 @@ impl ClientArgs {
     ) -> Result<ClientServiceClient<Channel>, Problem> {
         let mut tls = self.tls.clone();
         tls.fill(file);
-        let coordinator = self
+        let coordinator = match self
             .coordinator
             .clone()
             .or_else(|| file.coordinator.clone())
-            .ok_or_else(|| Problem::invalid("no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config)"))?;
+        {
+            Some(c) => c,
+            // Nothing names one: the current context does, with its identity.
+            None => match context::Contexts::load()?.chosen()? {
+                Some((_, ctx)) => {
+                    tls.fill_from(&ctx);
+                    ctx.coordinator
+                }
+                None => {
+                    return Err(Problem::invalid(
+                        "no coordinator: pass --coordinator https://host:port (or FLOTILLA_COORDINATOR, or `coordinator` in --config), or make a context current (`flotilla context use NAME`; `flotilla dev` makes one)",
+                    ));
+                }
+            },
+        };
         let files = tls.files("client", loopback_host(&host_of(&coordinator)))?;
         // Named by whatever this process's calls to it say when they fail.
         let _ = COORDINATOR.set(coordinator.clone());

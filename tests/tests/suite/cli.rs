@@ -525,3 +525,100 @@ fn completion_scripts_load_in_the_shell_and_offer_the_commands() {
         "{bad:?}"
     );
 }
+
+/// `flotilla context`: contexts are added, listed, chosen and removed; bad names, bad
+/// addresses and a damaged file are refused with what to do; with none current a command
+/// that needs a coordinator says how to name one.
+#[test]
+fn contexts_are_kept_chosen_and_refused_when_wrong() {
+    let env = Env::new();
+    let none = env.flotilla(&["status", "wf_00000000-000"]);
+    assert_eq!(none.code, 2, "{none:?}");
+    assert!(
+        none.stderr.contains("flotilla context use NAME"),
+        "{none:?}"
+    );
+    let cur = env.flotilla(&["context", "current"]);
+    assert!(
+        cur.code != 0 && cur.stderr.contains("no current context"),
+        "{cur:?}"
+    );
+    for (args, says) in [
+        (
+            vec![
+                "context",
+                "add",
+                "a/b",
+                "--coordinator",
+                "https://h:1",
+                "--insecure",
+            ],
+            "context name",
+        ),
+        (
+            vec!["context", "add", "a", "--coordinator", "h:1", "--insecure"],
+            "https://host:port",
+        ),
+        (
+            vec!["context", "add", "a", "--coordinator", "https://h:1"],
+            "--tls-dir",
+        ),
+    ] {
+        let out = env.flotilla(&args);
+        assert!(
+            out.code != 0 && out.stderr.contains(says),
+            "{args:?}: {out:?}"
+        );
+    }
+    let pki = env.path().join("pki");
+    let add = env.flotilla(&[
+        "context",
+        "add",
+        "prod",
+        "--coordinator",
+        "https://10.0.0.1:7443",
+        "--tls-dir",
+        pki.to_str().unwrap(),
+    ]);
+    assert_eq!(add.code, 0, "{add:?}");
+    let add = env.flotilla(&[
+        "context",
+        "add",
+        "local",
+        "--coordinator",
+        "http://127.0.0.1:9",
+        "--insecure",
+        "--use",
+    ]);
+    assert_eq!(add.code, 0, "{add:?}");
+    let list = env.flotilla(&["context"]);
+    assert_eq!(list.stdout.lines().count(), 2, "{list:?}");
+    assert!(
+        list.stdout
+            .contains("* local\thttp://127.0.0.1:9\tinsecure"),
+        "{list:?}"
+    );
+    assert!(
+        list.stdout.contains(&format!(
+            "  prod\thttps://10.0.0.1:7443\tclient in {}",
+            pki.display()
+        )),
+        "{list:?}"
+    );
+    let file = env.path().join(".config/flotilla/contexts.toml");
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions());
+    assert_eq!(mode & 0o077, 0, "readable by its owner only: {mode:o}");
+    assert_eq!(env.flotilla(&["context", "current"]).stdout.trim(), "local");
+    assert_eq!(env.flotilla(&["context", "remove", "local"]).code, 0);
+    assert!(
+        env.flotilla(&["context", "current"]).code != 0,
+        "the current one removed"
+    );
+    std::fs::write(&file, "current = [").unwrap();
+    let bad = env.flotilla(&["context", "list"]);
+    assert!(
+        bad.code != 0 && bad.stderr.contains("contexts file") && bad.stderr.contains("invalid"),
+        "{bad:?}"
+    );
+}

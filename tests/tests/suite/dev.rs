@@ -34,6 +34,7 @@ fn start_dev(dir: &Path, extra: &[&str]) -> Dev {
         .args(["--http-port", &free_port().to_string()])
         .args(extra)
         .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env("FLOTILLA_CONTEXTS", dir.join("contexts.toml"))
         .env_remove("FLOTILLA_CONFIG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -188,6 +189,50 @@ fn a_dev_fleet_runs_what_its_launch_line_sends_and_ctrl_c_leaves_nothing_running
         .unwrap_or_else(|| panic!("no cookie: {} {:?}", signed.status, signed.headers));
     let page = http_get(port, &format!("/runs/{run}"), &[("Cookie", &cookie)]);
     assert_eq!(page.status, 200, "{}", page.body);
+
+    // It is the current context: client commands need neither --coordinator nor --tls-dir.
+    let bare = |args: &[&str]| {
+        let mut cmd = Command::new(binary());
+        cmd.args(args)
+            .env("FLOTILLA_CONTEXTS", dir.path().join("contexts.toml"))
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            .env_remove("FLOTILLA_COORDINATOR")
+            .env_remove("FLOTILLA_TLS_DIR")
+            .env_remove("FLOTILLA_CONFIG")
+            .env_remove("FLOTILLA_CONTEXT");
+        run_with_timeout(cmd, Duration::from_secs(60))
+    };
+    let listed = bare(&["context", "list"]);
+    assert!(
+        listed.code == 0 && listed.stdout.starts_with("* dev\t"),
+        "{listed:?}"
+    );
+    let out = bare(&["status", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(out.json()["status"], "completed", "{out:?}");
+    let out = bare(&["workers", "--json"]);
+    assert_eq!(out.json().as_array().map(Vec::len), Some(2), "{out:?}");
+    // Another context, made current, is what they reach; a missing one is named.
+    let add = bare(&[
+        "context",
+        "add",
+        "gone",
+        "--coordinator",
+        "http://127.0.0.1:9",
+        "--insecure",
+        "--use",
+    ]);
+    assert_eq!(add.code, 0, "{add:?}");
+    let out = bare(&["workers", "--json"]);
+    assert_eq!(out.code, 3, "unreachable, as it says: {out:?}");
+    assert!(out.stderr.contains("127.0.0.1:9"), "{out:?}");
+    assert_eq!(bare(&["context", "use", "dev"]).code, 0);
+    assert_eq!(bare(&["workers", "--json"]).code, 0);
+    let nope = bare(&["context", "use", "nope"]);
+    assert!(
+        nope.code != 0 && nope.stderr.contains("no context \"nope\""),
+        "{nope:?}"
+    );
 
     // Ctrl-C: it stops every process it started, and ends well.
     let mut dev = dev;
