@@ -9,6 +9,7 @@ use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 use flotilla_proto::usage::UsageRecord;
+use opentelemetry::KeyValue;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
@@ -76,14 +77,115 @@ const LONGER: &[f64] = &[
 ];
 
 /// An attempt ended: `class` names its failure (`""` when it completed).
-pub fn attempt_ended(outcome: &'static str, class: &'static str, held: Duration) {
+pub fn attempt_ended(outcome: &'static str, class: &'static str, held: Duration, of: Operation) {
     ATTEMPTS
         .get_or_create(&[("outcome", outcome), ("class", class)])
         .inc();
     ATTEMPT_SECONDS
         .get_or_create(&[("outcome", outcome)])
         .observe(held.as_secs_f64());
+    if otel_on() {
+        let i = &*INSTRUMENTS;
+        let mut attrs = of.attributes();
+        if outcome != "completed" {
+            attrs.push(KeyValue::new("error.type", class));
+        }
+        i.duration.record(held.as_secs_f64(), &attrs);
+        i.attempts.add(
+            1,
+            &[
+                KeyValue::new("flotilla.outcome", outcome),
+                KeyValue::new("flotilla.class", class),
+            ],
+        );
+    }
 }
+
+/// What an attempt was, for the OpenTelemetry instruments' attributes.
+#[derive(Debug, Clone, Copy)]
+pub struct Operation<'a> {
+    /// `gen_ai.provider.name`.
+    pub provider: &'static str,
+    /// The model asked for, and the one that answered (empty: not known).
+    pub request_model: &'a str,
+    pub response_model: &'a str,
+}
+
+impl Operation<'_> {
+    fn attributes(&self) -> Vec<KeyValue> {
+        let mut a = vec![
+            KeyValue::new("gen_ai.operation.name", "invoke_agent"),
+            KeyValue::new("gen_ai.provider.name", self.provider),
+        ];
+        if !self.request_model.is_empty() {
+            a.push(KeyValue::new(
+                "gen_ai.request.model",
+                self.request_model.to_owned(),
+            ));
+        }
+        if !self.response_model.is_empty() {
+            a.push(KeyValue::new(
+                "gen_ai.response.model",
+                self.response_model.to_owned(),
+            ));
+        }
+        a
+    }
+}
+
+/// The tokens an attempt used, on `gen_ai.client.token.usage` (input and output).
+pub fn tokens_used(of: Operation, input: u64, output: u64) {
+    if !otel_on() {
+        return;
+    }
+    let mut attrs = of.attributes();
+    for (kind, n) in [("input", input), ("output", output)] {
+        attrs.push(KeyValue::new("gen_ai.token.type", kind));
+        INSTRUMENTS.tokens.record(n, &attrs);
+        attrs.pop();
+    }
+}
+
+fn otel_on() -> bool {
+    flotilla_proto::traces::METRICS_ON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The OpenTelemetry instruments, made on the global meter once the process installed its
+/// meter provider ([`flotilla_proto::traces::METRICS_ON`]): the GenAI client conventions'
+/// token usage and operation duration (one operation per attempt), and attempts by outcome.
+struct Instruments {
+    tokens: opentelemetry::metrics::Histogram<u64>,
+    duration: opentelemetry::metrics::Histogram<f64>,
+    attempts: opentelemetry::metrics::Counter<u64>,
+}
+
+static INSTRUMENTS: LazyLock<Instruments> = LazyLock::new(|| {
+    let m = opentelemetry::global::meter("flotilla");
+    Instruments {
+        tokens: m
+            .u64_histogram("gen_ai.client.token.usage")
+            .with_unit("{token}")
+            .with_description("Tokens an agent's attempt used, by type (input, output).")
+            .with_boundaries(vec![
+                1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
+                4194304.0, 16777216.0, 67108864.0,
+            ])
+            .build(),
+        duration: m
+            .f64_histogram("gen_ai.client.operation.duration")
+            .with_unit("s")
+            .with_description("How long an agent's attempt held its worker's slot.")
+            .with_boundaries(vec![
+                0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96,
+                81.92, 163.84, 327.68, 655.36, 1310.72,
+            ])
+            .build(),
+        attempts: m
+            .u64_counter("flotilla.attempts")
+            .with_description("Agents' attempts that ended, by outcome and failure class.")
+            .build(),
+    }
+});
 
 /// A run ended with `status` after `took`.
 pub fn run_ended(status: &'static str, took: Duration) {

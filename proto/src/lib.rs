@@ -36,6 +36,10 @@ pub mod traces {
     pub static SPANS_DROPPED: AtomicU64 = AtomicU64::new(0);
     /// Spans delivered.
     pub static SPANS_EXPORTED: AtomicU64 = AtomicU64::new(0);
+    /// An OTLP meter provider is installed: the OpenTelemetry instruments are worth recording
+    /// (otherwise their attributes are not even made).
+    pub static METRICS_ON: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }
 
 /// Which build this process runs, for `--version` and the `build_info` metrics.

@@ -151,7 +151,7 @@ impl Dispatcher {
             return;
         }
         if let Some(c) = self.calls.get(&id) {
-            super::spans::record_outcome(&c.attempt_span, &usage, &o);
+            super::spans::record_outcome(&c.attempt_span, &c.ticket.task, &usage, &o);
         }
         // The account's verdict on the attempt, before the call moves on.
         let end = match &o.result {
@@ -286,7 +286,12 @@ impl Dispatcher {
         }
         c.watchdog.disarm(&mut self.timers);
         let (outcome, class) = why.labels();
-        crate::counters::attempt_ended(outcome, class, c.assigned_at.elapsed());
+        crate::counters::attempt_ended(
+            outcome,
+            class,
+            c.assigned_at.elapsed(),
+            super::spans::operation(&c.ticket.task, ""),
+        );
         let sent = c.fence.end();
         c.make_ready();
         let group = c.ticket.prefix_group;

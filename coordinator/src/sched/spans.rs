@@ -63,9 +63,36 @@ pub(super) fn provider(backend: &str) -> &'static str {
     }
 }
 
-/// What an attempt's outcome adds to its span: the tokens it used, the model that answered,
-/// and for a failure its class (`error.type`) and an error status.
-pub(super) fn record_outcome(span: &tracing::Span, usage: &v1::Usage, o: &v1::Outcome) {
+/// What an attempt of `task` is, for the OpenTelemetry instruments.
+pub(super) fn operation<'a>(
+    task: &'a v1::TaskSpec,
+    response_model: &'a str,
+) -> crate::counters::Operation<'a> {
+    crate::counters::Operation {
+        provider: provider(&task.backend),
+        request_model: &task.model,
+        response_model,
+    }
+}
+
+/// What an attempt's outcome adds to its span (the tokens it used, the model that answered,
+/// and for a failure its class, `error.type`, and an error status) and to the token usage
+/// instrument.
+pub(super) fn record_outcome(
+    span: &tracing::Span,
+    task: &v1::TaskSpec,
+    usage: &v1::Usage,
+    o: &v1::Outcome,
+) {
+    let answered = match &o.result {
+        Some(v1::outcome::Result::Completed(done)) => done.model.as_str(),
+        _ => "",
+    };
+    crate::counters::tokens_used(
+        operation(task, answered),
+        usage.input_tokens,
+        usage.output_tokens,
+    );
     span.record("gen_ai.usage.input_tokens", usage.input_tokens);
     span.record("gen_ai.usage.output_tokens", usage.output_tokens);
     span.record(

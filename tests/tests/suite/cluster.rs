@@ -1173,6 +1173,7 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
             ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), receiver.endpoint()),
             ("OTEL_EXPORTER_OTLP_PROTOCOL".into(), protocol.into()),
             ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+            ("OTEL_METRIC_EXPORT_INTERVAL".into(), "200".into()),
         ],
     );
     let run = c.launch(
@@ -1247,6 +1248,48 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
         );
         assert_eq!(agent.attributes["flotilla.label"], *label);
     }
+    // OTLP metrics the same way: the GenAI client conventions' token usage (three attempts of
+    // two input tokens each) and operation duration, with their attributes.
+    let is = |p: &flotilla_tests::otlp::MetricPoint, name: &str, kv: &[(&str, &str)]| {
+        p.name == name
+            && p.service == "flotilla-coordinator"
+            && kv
+                .iter()
+                .all(|(k, v)| p.attributes.get(*k).map(String::as_str) == Some(*v))
+    };
+    let common = [
+        ("gen_ai.operation.name", "invoke_agent"),
+        ("gen_ai.provider.name", "flotilla.echo"),
+        ("gen_ai.request.model", "echo-model"),
+    ];
+    let input = [common.as_slice(), &[("gen_ai.token.type", "input")]].concat();
+    let points = receiver.points_when(|ps| {
+        ps.iter()
+            .any(|p| is(p, "gen_ai.client.token.usage", &input) && p.count == 3 && p.value == 6.0)
+            && ps
+                .iter()
+                .any(|p| is(p, "gen_ai.client.operation.duration", &common) && p.count == 3)
+    });
+    let usage = points
+        .iter()
+        .find(|p| is(p, "gen_ai.client.token.usage", &input))
+        .unwrap();
+    assert_eq!(usage.unit, "{token}");
+    let duration = points
+        .iter()
+        .find(|p| is(p, "gen_ai.client.operation.duration", &common))
+        .unwrap();
+    assert_eq!(duration.unit, "s");
+    assert!(
+        !duration.attributes.contains_key("error.type"),
+        "{duration:?}"
+    );
+    assert!(
+        points.iter().any(
+            |p| is(p, "flotilla.attempts", &[("flotilla.outcome", "completed")]) && p.value >= 3.0
+        ),
+        "{points:?}"
+    );
 
     // The agent's process sees its attempt's trace context; a failed attempt says its class.
     let run = c.launch(
@@ -1286,6 +1329,15 @@ fn traces_reach(receiver: flotilla_tests::otlp::Receiver, protocol: &str) {
         .expect("the failed attempt's span");
     assert_eq!(bad.attributes["error.type"], "terminal", "{bad:?}");
     assert_eq!(bad.attributes["gen_ai.provider.name"], "flotilla.exec");
+    // Its operation's duration says the same class.
+    receiver.points_when(|ps| {
+        ps.iter().any(|p| {
+            p.name == "gen_ai.client.operation.duration"
+                && p.attributes.get("gen_ai.provider.name").map(String::as_str)
+                    == Some("flotilla.exec")
+                && p.attributes.get("error.type").map(String::as_str) == Some("terminal")
+        })
+    });
 }
 
 #[test]
