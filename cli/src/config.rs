@@ -232,6 +232,8 @@ pub struct ConfigFile {
     pub http: Option<std::net::SocketAddr>,
     /// Coordinator and worker: the operator listener's address (`/metrics`, no sign-in).
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Coordinator: serve the operator listener over mutual TLS.
+    pub metrics_tls: Option<bool>,
     /// Coordinator: etcd endpoints.
     #[serde(default)]
     pub etcd: Vec<String>,

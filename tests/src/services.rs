@@ -410,6 +410,24 @@ impl Prometheus {
     /// Like [`Prometheus::start`], evaluating the alerting rules `rules` (a rule file's text)
     /// every second.
     pub fn start_with_rules(targets: &[(&str, u16)], rules: Option<&str>) -> Prometheus {
+        Prometheus::start_configured(targets, rules, None)
+    }
+
+    /// Like [`Prometheus::start`], scraping over https with the CA of `pki` and, when `client`
+    /// names one, that identity's certificate and key from it (mutual TLS).
+    pub fn start_tls(
+        targets: &[(&str, u16)],
+        pki: &std::path::Path,
+        client: Option<&str>,
+    ) -> Prometheus {
+        Prometheus::start_configured(targets, None, Some((pki, client)))
+    }
+
+    fn start_configured(
+        targets: &[(&str, u16)],
+        rules: Option<&str>,
+        tls: Option<(&std::path::Path, Option<&str>)>,
+    ) -> Prometheus {
         let bin = find("prometheus", "apt-get install prometheus");
         let dir = tempfile::tempdir().expect("temp dir");
         let mut config = String::from(
@@ -425,6 +443,19 @@ impl Prometheus {
             config.push_str(&format!(
                 "  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
             ));
+            if let Some((pki, client)) = tls {
+                config.push_str(&format!(
+                    "    scheme: https\n    tls_config:\n      ca_file: {}\n",
+                    pki.join("ca.crt").display()
+                ));
+                if let Some(name) = client {
+                    config.push_str(&format!(
+                        "      cert_file: {}\n      key_file: {}\n",
+                        pki.join(format!("{name}.crt")).display(),
+                        pki.join(format!("{name}.key")).display()
+                    ));
+                }
+            }
         }
         let config_path = dir.path().join("prometheus.yml");
         std::fs::write(&config_path, config).expect("write prometheus.yml");

@@ -31,6 +31,11 @@ pub struct CoordinatorArgs {
     /// (it serves nothing else: no run, page or control). Off unless given.
     #[arg(long, env = "FLOTILLA_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    /// Serve the operator listener over mutual TLS with this coordinator's certificate: a
+    /// scraper shows a certificate of the fleet's CA (Prometheus: `scheme: https` and a
+    /// `tls_config` with its ca, cert and key).
+    #[arg(long, env = "FLOTILLA_METRICS_TLS")]
+    metrics_tls: bool,
     /// TOML file with the same keys as the flags (snake_case).
     #[arg(long, env = "FLOTILLA_CONFIG")]
     config: Option<PathBuf>,
@@ -221,6 +226,8 @@ struct Settings {
     http: SocketAddr,
     /// The operator listener's address (`--metrics-listen`), if any.
     metrics_listen: Option<SocketAddr>,
+    /// It asks for client certificates (`--metrics-tls`).
+    metrics_tls: bool,
     store_url: String,
     etcd: Vec<String>,
     /// CA, certificate and key for an https:// etcd (the coordinator's own files if unset).
@@ -330,6 +337,7 @@ impl Settings {
                 .or(file.http)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7080))),
             metrics_listen: a.metrics_listen.or(file.metrics_listen),
+            metrics_tls: a.metrics_tls || file.metrics_tls.unwrap_or(false),
             store_url: config::store_url(a.store.clone().or_else(|| file.store.clone())),
             etcd: if a.etcd.is_empty() {
                 file.etcd.clone()
@@ -612,9 +620,15 @@ fn announce(s: &Settings, opts: &ServerOptions) {
         }
     );
     if let Some(at) = s.metrics_listen {
-        eprintln!(
-            "operator metrics on http://{at}/metrics (every namespace, no sign-in: only your scraper should reach this address)"
-        );
+        if s.metrics_tls {
+            eprintln!(
+                "operator metrics on https://{at}/metrics (every namespace; a client certificate of the fleet's CA is asked)"
+            );
+        } else {
+            eprintln!(
+                "operator metrics on http://{at}/metrics (every namespace, no sign-in: only your scraper should reach this address)"
+            );
+        }
     }
 }
 
@@ -628,6 +642,22 @@ async fn serve_until_stopped(
     process: Process,
 ) -> i32 {
     let Process { tasks, cancel } = process;
+    let metrics_tls = match (s.metrics_tls, &opts.tls) {
+        (false, _) => None,
+        (true, Some(files)) => match files.rustls_server_config() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                return crate::refuse(Problem::invalid(format!(
+                    "--metrics-tls: cannot use this coordinator's certificate: {e}"
+                )));
+            }
+        },
+        (true, None) => {
+            return crate::refuse(Problem::invalid(
+                "--metrics-tls serves with this coordinator's certificate: give --tls-dir (there is none with --insecure)",
+            ));
+        }
+    };
     let pages = tasks.spawn(flotilla_coordinator::host::serve_pages(
         coordinator.clone(),
         registry.clone(),
@@ -644,6 +674,7 @@ async fn serve_until_stopped(
             registry.clone(),
             at,
             s.limits,
+            metrics_tls.clone(),
             cancel.clone(),
         ))
     });

@@ -66,7 +66,7 @@ pub use auth::{COOKIE, Claims, KEY_COOKIE, MAX_TOKEN_TTL, new_page_key};
 pub use escape::esc;
 use listing::{runs_json, runs_page};
 use routes::*;
-pub use server::{MAX_BODY_BYTES, serve_router};
+pub use server::{MAX_BODY_BYTES, serve_router, serve_router_tls};
 pub use state::Access;
 use state::Web;
 
@@ -110,12 +110,14 @@ pub async fn serve(
 
 /// Serves the operator listener (`--metrics-listen`) until `cancel` fires: `GET /metrics`
 /// with every namespace's figures and no sign-in, and nothing else — no run, page or control
-/// is reachable on it. Who may scrape it is decided by the address it is bound to.
+/// is reachable on it. Who may scrape it is decided by the address it is bound to, and with
+/// `tls` (`--metrics-tls`) by a client certificate of the fleet's CA as well.
 pub async fn serve_metrics(
     coordinator: Arc<Coordinator>,
     registry: Arc<RunRegistry>,
     listen: SocketAddr,
     limits: crate::listen::ConnLimits,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     cancel: CancellationToken,
 ) -> Result<(), Problem> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
@@ -123,8 +125,18 @@ pub async fn serve_metrics(
             "cannot serve operator metrics on {listen}: {e} (choose another --metrics-listen address)"
         ))
     })?;
-    let listener = crate::listen::Limited::new(listener, limits);
-    serve_router(listener, metrics_router(coordinator, registry), cancel).await;
+    let router = metrics_router(coordinator, registry);
+    match tls {
+        Some(config) => serve_router_tls(listener, config, limits, router, cancel).await,
+        None => {
+            serve_router(
+                crate::listen::Limited::new(listener, limits),
+                router,
+                cancel,
+            )
+            .await
+        }
+    }
     Ok(())
 }
 

@@ -65,8 +65,65 @@ impl HttpBody for ReadBy {
 /// Serves `router` on `listener` until `cancel` fires, then lets open requests finish.
 pub async fn serve_router(listener: Limited, router: Router, cancel: CancellationToken) {
     let limits: ConnLimits = listener.limits();
-    let read = limits.read;
-    let router = router
+    let router = bounded(router, limits.read);
+    let tracker = TaskTracker::new();
+    loop {
+        let conn = tokio::select! {
+            _ = cancel.cancelled() => break,
+            c = listener.accept() => c,
+        };
+        tracker.spawn(serve_conn(
+            conn,
+            router.clone(),
+            limits.read,
+            cancel.clone(),
+        ));
+    }
+    tracker.close();
+    tracker.wait().await;
+}
+
+/// Serves `router` over mutual TLS on `listener` (`config` asks every client for a
+/// certificate of its CA) until `cancel` fires, then lets open requests finish. The
+/// listener's limits hold as for [`serve_router`], the handshake's timeout too.
+pub async fn serve_router_tls(
+    listener: tokio::net::TcpListener,
+    config: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
+    limits: ConnLimits,
+    router: Router,
+    cancel: CancellationToken,
+) {
+    use futures::StreamExt;
+    // This server speaks HTTP/1.1: say so, whatever the config offered (gRPC's is h2).
+    let mut config = (*config).clone();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let config = std::sync::Arc::new(config);
+    let router = bounded(router, limits.read);
+    let tracker = TaskTracker::new();
+    let mut incoming = crate::listen::tls(listener, config, limits, cancel.clone(), &tracker);
+    loop {
+        let conn = tokio::select! {
+            _ = cancel.cancelled() => break,
+            c = incoming.next() => match c {
+                Some(Ok(conn)) => conn,
+                Some(Err(_)) => continue,
+                None => break,
+            },
+        };
+        tracker.spawn(serve_conn(
+            conn,
+            router.clone(),
+            limits.read,
+            cancel.clone(),
+        ));
+    }
+    tracker.close();
+    tracker.wait().await;
+}
+
+/// `router` with the request bounds: a body of at most [`MAX_BODY_BYTES`], whole within `read`.
+fn bounded(router: Router, read: Duration) -> Router {
+    router
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_request(
             move |req: axum::extract::Request| async move {
@@ -78,29 +135,25 @@ pub async fn serve_router(listener: Limited, router: Router, cancel: Cancellatio
                     })
                 })
             },
-        ));
-    let tracker = TaskTracker::new();
-    loop {
-        let conn = tokio::select! {
-            _ = cancel.cancelled() => break,
-            c = listener.accept() => c,
-        };
-        let service = TowerToHyperService::new(router.clone());
-        let cancel = cancel.clone();
-        tracker.spawn(async move {
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(TokioTimer::new()).header_read_timeout(read);
-            let served = http.serve_connection(TokioIo::new(conn), service);
-            tokio::pin!(served);
-            tokio::select! {
-                _ = served.as_mut() => {}
-                _ = cancel.cancelled() => {
-                    served.as_mut().graceful_shutdown();
-                    let _ = served.await;
-                }
-            }
-        });
+        ))
+}
+
+/// One connection's HTTP/1, its headers within `read`, until it ends or `cancel` fires (then
+/// its open request finishes).
+async fn serve_conn<C>(conn: C, router: Router, read: Duration, cancel: CancellationToken)
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = TowerToHyperService::new(router);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(read);
+    let served = http.serve_connection(TokioIo::new(conn), service);
+    tokio::pin!(served);
+    tokio::select! {
+        _ = served.as_mut() => {}
+        _ = cancel.cancelled() => {
+            served.as_mut().graceful_shutdown();
+            let _ = served.await;
+        }
     }
-    tracker.close();
-    tracker.wait().await;
 }

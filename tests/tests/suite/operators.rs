@@ -527,3 +527,42 @@ fn launch_wait_reports_and_exit_status_fails_a_run_whose_agents_failed() {
     let both = launch(&fine, &["--wait", "--watch"]);
     assert_eq!(both.code, 2, "one or the other: {both:?}");
 }
+
+/// `--metrics-tls`: the coordinator's operator listener asks every scraper for a certificate
+/// of the fleet's CA. A real Prometheus with one scrapes it; one without (or over plain http)
+/// gets nothing.
+#[test]
+fn an_operator_listener_over_mutual_tls_is_scraped_only_with_a_certificate_of_the_fleet() {
+    let metrics_port = free_port();
+    let metrics_at = format!("127.0.0.1:{metrics_port}");
+    let c = Cluster::start_configured(
+        1,
+        2,
+        &["--metrics-listen", &metrics_at, "--metrics-tls"],
+        &[],
+    );
+    let run = c.launch(
+        "measured",
+        "return await agent('one');",
+        &["--stagger", "0"],
+    );
+    assert_eq!(c.wait(&run).0, 0);
+    let with_cert =
+        Prometheus::start_tls(&[("coordinator", metrics_port)], &c.pki(), Some("client"));
+    with_cert.wait_for("up{job=\"coordinator\"} == 1");
+    with_cert.wait_for("flotilla_runs{status=\"completed\"} >= 1");
+    let without = Prometheus::start_tls(&[("coordinator", metrics_port)], &c.pki(), None);
+    let down = without.wait_for("up{job=\"coordinator\"} == 0");
+    assert_eq!(down.len(), 1, "{down:?}");
+    let plain = Prometheus::start(&[("coordinator", metrics_port)]);
+    plain.wait_for("up{job=\"coordinator\"} == 0");
+    // Nothing of the figures leaks to a plain request either.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", metrics_port)).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    std::io::Write::write_all(&mut s, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut got = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut got);
+    let got = String::from_utf8_lossy(&got);
+    assert!(!got.contains("flotilla_"), "{got}");
+}
