@@ -292,6 +292,8 @@ pub struct ConfigFile {
     pub source_credentials: Option<bool>,
     /// Worker: `on` (bubblewrap, the default) or `off`.
     pub sandbox: Option<String>,
+    /// Worker: how source checkouts are made: `auto`, `overlay` or `checkout`.
+    pub workspaces: Option<String>,
     /// Worker: hosts sandboxed agents may reach (HOST or HOST:PORT).
     #[serde(default)]
     pub allow_net: Vec<String>,

@@ -118,6 +118,8 @@ impl Embedded {
             sandbox,
             limits: flotilla_worker::limits::Limits::default(),
             account_limits: Default::default(),
+            // The user's own directory: no source checkouts to make.
+            layers: None,
         };
         shape(&mut opts);
         let worker = Worker::new(opts, backends);

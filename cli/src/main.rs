@@ -61,6 +61,10 @@ enum Command {
     /// Inside an agent's sandbox: relays the model API to its loopback while PROGRAM runs.
     #[command(name = "sandbox-relay", hide = true)]
     SandboxRelay(SandboxRelayArgs),
+    /// Run PROGRAM in a copy-on-write view of a checkout (the worker starts agents and its
+    /// own git on a checkout this way).
+    #[command(name = "workspace-mount", hide = true)]
+    WorkspaceMount(WorkspaceMountArgs),
     /// List stored runs.
     Runs(ListArgs),
     /// Print the report of a stored run.
@@ -235,6 +239,30 @@ struct SandboxRelayArgs {
 }
 
 #[derive(Debug, Args)]
+struct WorkspaceMountArgs {
+    /// The shared tree.
+    #[arg(long)]
+    lower: PathBuf,
+    /// The call's writes.
+    #[arg(long)]
+    upper: PathBuf,
+    /// overlayfs' scratch, beside the writes.
+    #[arg(long)]
+    work: PathBuf,
+    /// Where the view is mounted (the checkout's path).
+    #[arg(long)]
+    at: PathBuf,
+    /// Where PROGRAM starts, relative to the view.
+    #[arg(long)]
+    cwd: Option<String>,
+    /// Only check that a view can be written through.
+    #[arg(long)]
+    probe: bool,
+    #[arg(last = true)]
+    program: Vec<std::ffi::OsString>,
+}
+
+#[derive(Debug, Args)]
 struct ShowArgs {
     run_id: String,
     #[command(flatten)]
@@ -272,8 +300,6 @@ impl Command {
 }
 
 fn main() -> ExitCode {
-    // A coordinator or worker that `flotilla dev` started ends with it.
-    dev::exit_with_parent();
     flotilla_proto::build::set_commit(env!("FLOTILLA_COMMIT"));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -294,6 +320,24 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     JSON_REFUSALS.store(cli.command.json(), std::sync::atomic::Ordering::Relaxed);
+    // A coordinator or worker that `flotilla dev` started ends with it (a view's mount, which
+    // a worker starts with its environment, is the worker's child, not dev's).
+    if !matches!(cli.command, Command::WorkspaceMount(_)) {
+        dev::exit_with_parent();
+    }
+    if let Command::WorkspaceMount(a) = cli.command {
+        // Before any thread starts: a process with threads cannot enter a user namespace.
+        let code = flotilla_worker::layers::mount_and_exec(&flotilla_worker::layers::MountArgs {
+            lower: a.lower,
+            upper: a.upper,
+            work: a.work,
+            at: a.at,
+            cwd: a.cwd,
+            probe: a.probe,
+            program: a.program,
+        });
+        return ExitCode::from(code.clamp(0, 255) as u8);
+    }
     flotilla_proto::tls::install_crypto_provider();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -340,7 +384,7 @@ fn main() -> ExitCode {
 async fn dispatch(command: Command) -> i32 {
     match command {
         Command::Run(args) => run(*args).await,
-        Command::SandboxRelay(_) => 0,
+        Command::SandboxRelay(_) | Command::WorkspaceMount(_) => 0,
         Command::Runs(args) => match args.coordinator {
             Some(coordinator) => {
                 let remote = client::ClientArgs {

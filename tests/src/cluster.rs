@@ -64,6 +64,9 @@ pub struct Cluster {
     /// Extra flags and environment of every worker started from now on.
     pub worker_args: Vec<String>,
     pub worker_env: Vec<(String, String)>,
+    /// A command workers start through (`unshare …`, say), with the binary and its flags
+    /// after it; empty: none.
+    pub worker_wrap: Vec<String>,
     /// Extra flags and environment of the coordinator.
     pub coordinator_args: Vec<String>,
     pub coordinator_env: Vec<(String, String)>,
@@ -226,6 +229,7 @@ impl Cluster {
             standby_http_port: 0,
             worker_args: Vec::new(),
             worker_env: Vec::new(),
+            worker_wrap: Vec::new(),
             coordinator_args: Vec::new(),
             coordinator_env: Vec::new(),
             advertise_host: None,
@@ -497,7 +501,15 @@ impl Cluster {
     pub fn start_worker(&mut self, i: usize, slots: u32) {
         let log = self.log(&format!("worker-{i}"));
         let ws = self.path().join(format!("ws-{i}"));
-        let child = Command::new(&self.bin)
+        let mut cmd = match self.worker_wrap.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&self.bin);
+                c
+            }
+            None => Command::new(&self.bin),
+        };
+        let child = cmd
             .args([
                 "worker",
                 "--coordinator",

@@ -5,6 +5,7 @@
 //!   free slots, progress and transcript events, one outcome per assignment, cancels.
 //! - [`workspace`]: per-call working directories confined to the workspace root.
 //! - [`source`]: run sources fetched through the link into a cache, a checkout per call.
+//! - [`layers`]: copy-on-write checkouts: overlayfs views of one shared tree per commit.
 //! - [`meters`]: the worker's figures on its operator listener (`--metrics-listen`).
 //!
 //! **Architecture invariant:** a worker talks only to its coordinator link — never to etcd or
@@ -13,6 +14,7 @@
 pub mod backend;
 pub mod failure;
 pub mod gateway;
+pub mod layers;
 pub mod limits;
 pub mod meters;
 pub mod remote;

@@ -78,6 +78,20 @@ pub struct Jail {
     pub tmp_size: u64,
     /// A command that starts first, outside, and runs the rest (the attempt's limits).
     pub prefix: Vec<OsString>,
+    /// A copy-on-write checkout: the command that mounts it and runs the rest (after
+    /// `prefix`, before the sandbox), and its mount point (see [`crate::layers`]).
+    pub view: Option<(Vec<OsString>, PathBuf)>,
+}
+
+impl Jail {
+    /// The command prefix: the attempt's limits, then the view's mount.
+    fn full_prefix(&self) -> Vec<OsString> {
+        let mut p = self.prefix.clone();
+        if let Some((view, _)) = &self.view {
+            p.extend(view.iter().cloned());
+        }
+        p
+    }
 }
 
 /// One path a sandbox shows, at its own path.
@@ -243,17 +257,24 @@ impl Sandbox {
     /// [`FailureKind::Setup`](flotilla_proto::v1::FailureKind::Setup), which the call
     /// goes again for. (An agent printing such a line itself only spends its own attempts.)
     pub fn setup_failure(&self, code: Option<i32>, last: &str) -> Option<crate::failure::Error> {
-        if !self.is_on() {
+        let last = last.trim();
+        let view =
+            matches!(code, Some(125 | 127)) && last.starts_with(crate::layers::MOUNT_FAILED_PREFIX);
+        if !self.is_on() && !view {
             return None;
         }
-        let last = last.trim();
         let bwrap = code == Some(1) && last.starts_with("bwrap: ");
         let relay = matches!(code, Some(125 | 127)) && last.starts_with("flotilla sandbox relay: ");
-        (bwrap || relay).then(|| {
+        (bwrap || relay || view).then(|| {
+            let (what, check) = if view {
+                ("mount the agent's checkout", "how it makes workspaces")
+            } else {
+                ("make the agent's sandbox", "how agents run")
+            };
             crate::failure::Error::new(
                 flotilla_proto::v1::FailureKind::Setup,
                 format!(
-                    "the worker could not make the agent's sandbox ({last}); the agent never ran, and the call goes again; check the worker's bubblewrap (its log says how agents run)"
+                    "the worker could not {what} ({last}); the agent never ran, and the call goes again; its log at start says {check}"
                 ),
             )
         })
@@ -278,10 +299,13 @@ impl Sandbox {
     pub fn command(&self, program: &std::ffi::OsStr, args: &[OsString], jail: &Jail) -> Command {
         match self {
             Sandbox::Off => {
-                let mut c = prefixed(&jail.prefix, program);
+                let mut c = prefixed(&jail.full_prefix(), program);
+                // A view's mount point is all there is of it before it is mounted: the
+                // mount starts the program in its working directory.
+                let start = jail.view.as_ref().map_or(&jail.workdir, |(_, at)| at);
                 c.args(args)
                     .envs(jail.env.iter().map(|(k, v)| (k, v)))
-                    .current_dir(&jail.workdir);
+                    .current_dir(start);
                 c
             }
             Sandbox::Bwrap(b) => {
@@ -463,7 +487,7 @@ impl Bwrap {
         }
         a.push(program.to_owned());
         a.extend(args.iter().cloned());
-        let mut c = self.launch(&jail.prefix);
+        let mut c = self.launch(&jail.full_prefix());
         c.args(a).env_clear();
         c
     }
@@ -503,17 +527,27 @@ pub fn jail_git(s: &Sandbox, limits: &crate::limits::Limits) {
 /// `git` for the worker on a checkout: in a sandbox that shows `mounts` (read-write the
 /// common directory but its config, hooks and info; the checkout), with no network and none
 /// of the worker's environment but what the caller sets, when agents are sandboxed; else
-/// plain. The command's arguments follow `git`.
-pub fn worker_git(mounts: &[Mount]) -> Command {
+/// plain. `view`: the command that mounts a copy-on-write checkout and runs the rest (empty
+/// for a checkout on disk). The command's arguments follow `git`.
+pub fn worker_git(mounts: &[Mount], view: &[OsString]) -> Command {
     let Some((Sandbox::Bwrap(b), limits)) = GIT_JAIL.get() else {
-        return Command::new("git");
+        return match view.split_first() {
+            Some((mount, rest)) => {
+                let mut c = Command::new(mount);
+                c.args(rest).arg("git");
+                c
+            }
+            None => Command::new("git"),
+        };
     };
     let mut a: Vec<OsString> = Vec::new();
     b.base(&mut a, 64 << 20);
     Bwrap::mounts(&mut a, mounts);
     Bwrap::seal(&mut a);
     a.extend(["--".into(), "git".into()]);
-    let mut c = b.launch(&limits.prefix());
+    let mut prefix = limits.prefix();
+    prefix.extend(view.iter().cloned());
+    let mut c = b.launch(&prefix);
     c.args(a)
         .env_clear()
         .env("PATH", PATH)

@@ -51,6 +51,8 @@ pub struct Sources {
     credentials: bool,
     /// The largest result this worker sends (a change travels in it).
     max_result: usize,
+    /// Checkouts are copy-on-write views of one tree per commit (else full checkouts).
+    layers: Option<crate::layers::Layers>,
 }
 
 impl Sources {
@@ -207,7 +209,117 @@ impl Sources {
             allow_hosts: Vec::new(),
             credentials: false,
             max_result,
+            layers: None,
         }
+    }
+
+    /// Checkouts are views made by `layers` (see [`crate::layers`]).
+    pub fn with_layers(mut self, layers: Option<crate::layers::Layers>) -> Sources {
+        self.layers = layers;
+        self
+    }
+
+    /// Whether checkouts are copy-on-write views.
+    pub fn layered(&self) -> bool {
+        self.layers.is_some()
+    }
+
+    /// The shared tree of `commit` of `repo` for namespace `ns` (made from the cache `bare`
+    /// the first time: a checkout of its own, swapped into place whole): the lower layer of
+    /// every view of that commit on this worker.
+    async fn tree(
+        &self,
+        bare: &Path,
+        (ns, repo): (&str, &str),
+        commit: &str,
+    ) -> Result<PathBuf, Problem> {
+        let dir = self
+            .root
+            .with_file_name("trees")
+            .join(namespace_dir(ns))
+            .join(repo)
+            .join(commit);
+        let _held = self.repo_lock(&dir).lock_owned().await;
+        if std::fs::symlink_metadata(dir.join(".git")).is_ok_and(|m| m.is_dir()) {
+            // In use now: the sweep leaves it.
+            if let Ok(f) = std::fs::File::open(&dir) {
+                let _ = f.set_modified(flotilla_proto::clock::now());
+            }
+            return Ok(dir);
+        }
+        let made = dir.with_extension(format!("tmp-{}", std::process::id()));
+        crate::workspace::remove_tree(&made);
+        let _ = std::fs::remove_file(made.with_extension("base"));
+        let wt = crate::worktree::Worktree::detached(bare, &made, commit).await?;
+        let _ = std::fs::remove_file(made.with_extension("base"));
+        wt.sanitize();
+        crate::workspace::remove_tree(&dir);
+        std::fs::rename(&made, &dir).map_err(|e| {
+            crate::workspace::remove_tree(&made);
+            Problem::internal(format!("cannot keep the tree {}: {e}", dir.display()))
+        })?;
+        Ok(dir)
+    }
+
+    /// A call's copy-on-write checkout at `dir` (see [`Sources::checkout`]).
+    async fn view_checkout(
+        &self,
+        layers: &crate::layers::Layers,
+        task: &v1::TaskSpec,
+        dir: &Path,
+        link: &mpsc::UnboundedSender<WorkerMessage>,
+    ) -> Result<crate::worktree::Worktree, Error> {
+        let failed = |e: &dyn std::fmt::Display| worker_error("cannot check out the source", &e);
+        let partial = &task.source_partial;
+        for round in 0..2 {
+            let (bare, commit) = self.ensure(task, link, round > 0).await?;
+            // The call's base: what a retry elsewhere starts from is the partial commit's
+            // files over it.
+            let base = if partial.is_empty() {
+                commit.clone()
+            } else {
+                task.source_commit.clone()
+            };
+            let tree = match self
+                .tree(&bare, (&task.namespace, &task.source_repo), &base)
+                .await
+            {
+                Ok(t) => t,
+                Err(e) if round == 0 => {
+                    tracing::warn!(repo = %task.source_repo, error = %e, "the cached source is unusable; fetching it again");
+                    let _ = std::fs::remove_file(bare.join("flotilla-packs"));
+                    continue;
+                }
+                Err(e) => return Err(failed(&e)),
+            };
+            let view = layers.view(&tree, dir);
+            let mut wt =
+                crate::worktree::Worktree::over(&bare, view, &base).map_err(|e| failed(&e))?;
+            if wt.reused && (partial.is_empty() || wt.partial() == *partial) {
+                return Ok(wt);
+            }
+            if partial.is_empty() {
+                return Ok(wt);
+            }
+            // The call's latest leftovers came from an attempt elsewhere: its writes here
+            // (if any) are behind them, and go.
+            if wt.reused {
+                wt.discard().await;
+                wt = crate::worktree::Worktree::over(&bare, layers.view(&tree, dir), &base)
+                    .map_err(|e| failed(&e))?;
+            }
+            let unpacked = async {
+                wt.git(&["checkout", "-q", "--detach", partial]).await?;
+                wt.unpack_partial(partial, &base).await
+            };
+            if let Err(e) = unpacked.await {
+                wt.discard().await;
+                return Err(failed(&e));
+            }
+            wt.reused = true;
+            return Ok(wt);
+        }
+        Err(failed(&"giving up"))
     }
 
     /// Removes the caches of the layout before namespaces (`.flotilla/sources/REPO.git`,
@@ -409,8 +521,10 @@ impl Sources {
         } else {
             task.source_partial.clone()
         };
+        // The commit and its root tree: a view's tree of files may be made already, but git
+        // in it (and the change it sends) needs the objects.
         if !again
-            && git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+            && git(&bare, &["cat-file", "-e", &format!("{commit}^{{tree}}")])
                 .await
                 .is_ok()
         {
@@ -418,7 +532,7 @@ impl Sources {
         }
         self.fetch(&bare, (&task.namespace, repo), &commit, link)
             .await?;
-        if git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+        if git(&bare, &["cat-file", "-e", &format!("{commit}^{{tree}}")])
             .await
             .is_err()
         {
@@ -428,7 +542,7 @@ impl Sources {
             self.fetch(&bare, (&task.namespace, repo), &commit, link)
                 .await?;
         }
-        git(&bare, &["cat-file", "-e", &format!("{commit}^{{commit}}")])
+        git(&bare, &["cat-file", "-e", &format!("{commit}^{{tree}}")])
             .await
             .map_err(|_| {
                 Error::new(
@@ -671,6 +785,9 @@ impl Sources {
         dir: &Path,
         link: &mpsc::UnboundedSender<WorkerMessage>,
     ) -> Result<crate::worktree::Worktree, Error> {
+        if let Some(layers) = &self.layers {
+            return self.view_checkout(layers, task, dir, link).await;
+        }
         for round in 0..2 {
             let (bare, commit) = self.ensure(task, link, round > 0).await?;
             let partial = &task.source_partial;
@@ -890,7 +1007,7 @@ async fn packed(
     };
     // Objects a sandboxed agent's commits made live in the checkout's git directory, which
     // goes with it: into the cache with them (index-pack checks each).
-    let own = wt.admin().join("objects");
+    let own = wt.host_admin().join("objects");
     if std::fs::read_dir(&own).is_ok_and(|mut d| d.next().is_some()) {
         let mut index = crate::worktree::git_command(wt.repo())
             .args(["index-pack", "--stdin"])

@@ -64,6 +64,8 @@ pub struct WorkerOptions {
     /// The provider accounts' limits this worker declares (input tokens per minute, requests
     /// at once; 0: not configured), for the coordinator's admission.
     pub account_limits: AccountLimits,
+    /// Source checkouts are copy-on-write views made by these (else full checkouts).
+    pub layers: Option<crate::layers::Layers>,
 }
 
 impl WorkerOptions {
@@ -84,6 +86,7 @@ impl WorkerOptions {
             sandbox: crate::sandbox::Sandbox::Off,
             limits: crate::limits::Limits::default(),
             account_limits: AccountLimits::default(),
+            layers: None,
         }
     }
 }
@@ -230,7 +233,8 @@ impl Worker {
                     self.opts.max_result_bytes,
                 )
                 .allowing_hosts(self.opts.allow_source_hosts.clone())
-                .with_credentials(self.opts.source_credentials),
+                .with_credentials(self.opts.source_credentials)
+                .with_layers(self.opts.layers.clone()),
             ),
         };
         let (tracker, running, sources) = (&serving.tracker, &serving.running, &serving.sources);
@@ -715,7 +719,7 @@ impl Attempt {
         let schema = parse_schema(&self.spec)?;
         let most = self.parts.limits.settings.prepare;
         let worktree = tokio::select! {
-            r = Box::pin(prepare(self, most)) => r?,
+            r = Box::pin(prepare(self, most, backend.uses_directory())) => r?,
             () = cancel.cancelled() => {
                 return Err(Error::new(FailureKind::Cancelled, "cancelled while its checkout was made"));
             }
@@ -760,7 +764,7 @@ impl Attempt {
         // below): its attempt touches no file.
         let dir_used = backend.uses_directory();
         let watched = match &worktree {
-            Some(wt) => Some(wt.path.clone()),
+            Some(wt) => Some(wt.writes().to_owned()),
             None if dir_used => scratch.call_dir(&a.run_id, a.call),
             None => None,
         };
@@ -788,7 +792,7 @@ impl Attempt {
         }
         // What its checkout holds now, in its usage.
         let disk = match &worktree {
-            Some(wt) => crate::workspace::usage_of(&wt.path, true),
+            Some(wt) => crate::workspace::usage_of(wt.writes(), true),
             None if dir_used => task_dir_use(scratch, a),
             None => crate::workspace::Usage::default(),
         };
@@ -959,8 +963,8 @@ async fn settle(
                         *result = Err(Error::new(
                             FailureKind::Terminal,
                             format!(
-                                "{e}; its checkout stays at {} on this worker for an hour; have the agent commit less (generated files, build output) or raise --max-result-mib",
-                                wt.path.display()
+                                "{e}; what it wrote stays at {} on this worker for an hour; have the agent commit less (generated files, build output) or raise --max-result-mib",
+                                wt.writes().display()
                             ),
                         ));
                     }
@@ -1064,9 +1068,19 @@ fn preparing(spec: &v1::TaskSpec) -> bool {
 /// The call's checkout ([`checkout_for`]) within `most` (the worker's `--max-prepare-time`),
 /// the stall timer held meanwhile. What the worker fails at here is its own failure, not the
 /// agent's: `FailureKind::Setup`, which the call goes again for.
-async fn prepare(at: &Attempt, most: Duration) -> Result<Option<crate::worktree::Worktree>, Error> {
+///
+/// An agent that works in no directory (`dir_used` false) gets no checkout of the run's
+/// source: the source costs its attempts nothing.
+async fn prepare(
+    at: &Attempt,
+    most: Duration,
+    dir_used: bool,
+) -> Result<Option<crate::worktree::Worktree>, Error> {
     let (a, spec, events, link) = (&at.a, &at.spec, &at.events, &at.link);
     let (workspace, sources) = (&at.parts.workspace, &*at.parts.sources);
+    if !dir_used && spec.isolation != "worktree" {
+        return Ok(None);
+    }
     let made = preparing(spec);
     if made {
         events.progress(ProgressKind::Preparing, 0);
@@ -1085,9 +1099,7 @@ async fn prepare(at: &Attempt, most: Duration) -> Result<Option<crate::worktree:
         Ok(Ok(w)) => (Ok(w), "made"),
         Err(_) => {
             // Nothing half made stays.
-            if let Some(dir) = workspace.call_dir(&a.run_id, a.call) {
-                crate::workspace::remove_tree(&dir);
-            }
+            workspace.remove(&a.run_id, a.call);
             let e = Error::new(
                 FailureKind::Setup,
                 format!(
@@ -1125,7 +1137,13 @@ async fn checkout_for(
         )));
     };
     let mut wt = sources.checkout(spec, &dir, link).await?;
-    if !spec.cwd.is_empty() {
+    if !spec.cwd.is_empty() && wt.view().is_some() {
+        // A view exists only for the processes that work in it: they start there, and the
+        // mount makes (and confines) the directory.
+        wt.workdir = wt
+            .path
+            .join(crate::workspace::relative(&spec.cwd).map_err(|p| invalid(p.into()))?);
+    } else if !spec.cwd.is_empty() {
         wt.workdir =
             crate::workspace::confine(&wt.path, &spec.cwd).map_err(|p| invalid(p.into()))?;
     }

@@ -59,6 +59,13 @@ impl Workspace {
             return;
         };
         remove_tree(&dir);
+        // A copy-on-write checkout's writes and scratch, and what records its base.
+        for beside in ["upper", "work"] {
+            remove_tree(&dir.with_extension(beside));
+        }
+        for beside in ["base", "partial"] {
+            let _ = std::fs::remove_file(dir.with_extension(beside));
+        }
         if let Some(run_dir) = dir.parent() {
             let _ = std::fs::remove_dir(run_dir);
         }
@@ -346,6 +353,12 @@ fn is_plain_name(s: &str) -> bool {
         && !s.starts_with('.')
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// `cwd` normalized, refused when it is absolute or climbs out of its base (whether a link
+/// leads out is for [`confine`], on the directory itself).
+pub fn relative(cwd: &str) -> Result<PathBuf, Problem> {
+    confined(cwd)
 }
 
 /// Normalizes a relative `cwd` and refuses anything that leaves its base.

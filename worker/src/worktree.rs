@@ -39,7 +39,12 @@ pub(crate) async fn git_locked(dir: &Path, args: &[&str]) -> Result<String, Prob
 }
 
 /// What a source checkout's `.git/config` says once its agent is gone: what `git init` writes.
-const CHECKOUT_CONFIG: &str = "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n\tlogallrefupdates = true\n";
+///
+/// Stat data is compared as `core.checkStat = minimal` (mtime seconds, size, mode): inside a
+/// sandbox the agent's uid is not the worker's that checked the files out, and a shared tree's
+/// files have another device number through a view; a full comparison would make the first
+/// `git status` read every file.
+const CHECKOUT_CONFIG: &str = "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n\tlogallrefupdates = true\n\tcheckStat = minimal\n\ttrustctime = false\n";
 
 /// One call's worktree.
 #[derive(Debug, Clone)]
@@ -59,6 +64,9 @@ pub struct Worktree {
     /// repository's side: every git command on the checkout names it, so a `.git` file the
     /// agent rewrote (to a directory with hooks or filters of its choosing) is never read.
     admin: PathBuf,
+    /// A copy-on-write checkout (a view of a shared tree mounted at `path` only for the
+    /// processes that work in it): `None` for a checkout on disk.
+    view: Option<crate::layers::View>,
 }
 
 /// What happened to a worktree after its attempt.
@@ -164,8 +172,14 @@ async fn admin_dir(repo: &Path, path: &Path) -> Option<PathBuf> {
 /// git on the checkout at `path` whose git directory is `admin`: never the one its `.git`
 /// file names, with the common directory named too (an agent may rewrite `admin/commondir`),
 /// and the objects an agent's commits made in a sandbox (`admin/objects`) in view.
-fn command_in(admin: &Path, path: &Path, mounts: &[crate::sandbox::Mount]) -> Command {
-    let mut c = hardened(crate::sandbox::worker_git(mounts), path);
+fn command_in(
+    admin: &Path,
+    path: &Path,
+    mounts: &[crate::sandbox::Mount],
+    view: Option<&crate::layers::View>,
+) -> Command {
+    let view = view.map(|v| v.prefix(None)).unwrap_or_default();
+    let mut c = hardened(crate::sandbox::worker_git(mounts, &view), path);
     c.arg(format!("--git-dir={}", admin.display()))
         .arg(format!("--work-tree={}", path.display()));
     pin_common(&mut c, admin);
@@ -221,9 +235,10 @@ async fn git_in(
     admin: &Path,
     path: &Path,
     mounts: &[crate::sandbox::Mount],
+    view: Option<&crate::layers::View>,
     args: &[&str],
 ) -> Result<String, Problem> {
-    let mut c = command_in(admin, path, mounts);
+    let mut c = command_in(admin, path, mounts, view);
     tokio::time::timeout(GIT_TIMEOUT, run(c.args(args)))
         .await
         .map_err(|_| {
@@ -312,6 +327,7 @@ impl Worktree {
                 &admin,
                 &path,
                 &jailed(&admin, &path),
+                None,
                 &["rev-parse", "--abbrev-ref", "HEAD"],
             )
             .await
@@ -334,6 +350,7 @@ impl Worktree {
                 reused: true,
                 repo,
                 admin,
+                view: None,
             });
         }
         let base = base_commit(&repo).await?;
@@ -385,12 +402,15 @@ impl Worktree {
             reused: false,
             repo,
             admin,
+            view: None,
         })
     }
 
     /// Removes the worktree whatever it holds (its commits stay in the repository).
     pub async fn discard(&self) {
-        if self.own_repo() {
+        if let Some(view) = &self.view {
+            view.remove();
+        } else if self.own_repo() {
             let _ = std::fs::remove_dir_all(&self.path);
         } else {
             let _git = GIT.lock().await;
@@ -473,7 +493,58 @@ impl Worktree {
             base: commit.to_owned(),
             reused: false,
             repo: repo.to_owned(),
+            view: None,
         })
+    }
+
+    /// A copy-on-write checkout of `base` of the (bare) repository `repo`: `view`, over the
+    /// shared tree of `base`, with what an earlier attempt of the call wrote when it is there
+    /// (`reused`) and was of the same base.
+    pub fn over(repo: &Path, view: crate::layers::View, base: &str) -> Result<Worktree, Problem> {
+        let earlier = std::fs::read_to_string(base_file(&view.at)).is_ok_and(|b| b.trim() == base);
+        if !earlier {
+            // Writes over another base (or half made) are not this call's to keep.
+            view.remove();
+            let _ = std::fs::remove_file(partial_file(&view.at));
+        }
+        let reused = view.make()? && earlier;
+        std::fs::write(base_file(&view.at), base).map_err(|e| {
+            Problem::internal(format!(
+                "cannot write {}: {e}",
+                base_file(&view.at).display()
+            ))
+        })?;
+        let path = view.at.clone();
+        Ok(Worktree {
+            workdir: path.clone(),
+            admin: path.join(".git"),
+            path,
+            branch: String::new(),
+            base: base.to_owned(),
+            reused,
+            repo: repo.to_owned(),
+            view: Some(view),
+        })
+    }
+
+    /// The copy-on-write view this checkout is, if it is one.
+    pub fn view(&self) -> Option<&crate::layers::View> {
+        self.view.as_ref()
+    }
+
+    /// Where what the attempts wrote is on the worker's disk: a view's upper directory, or
+    /// the checkout itself.
+    pub fn writes(&self) -> &Path {
+        self.view.as_ref().map_or(&self.path, |v| &v.upper)
+    }
+
+    /// The checkout's git directory as the worker's own file operations reach it: in a
+    /// view's upper directory (made if missing, so what is written there shows in the view).
+    pub(crate) fn host_admin(&self) -> PathBuf {
+        match &self.view {
+            Some(v) => v.upper.join(".git"),
+            None => self.admin.clone(),
+        }
     }
 
     /// The checkout an earlier attempt of the call made at `dir`, if it is there (a
@@ -495,17 +566,25 @@ impl Worktree {
             base,
             reused: true,
             repo: repo.to_owned(),
+            view: None,
         })
     }
 
     /// Runs git on this checkout (its own git directory named, see [`Worktree::admin`]).
     pub async fn git(&self, args: &[&str]) -> Result<String, Problem> {
-        git_in(&self.admin, &self.path, &self.mounts(), args).await
+        git_in(
+            &self.admin,
+            &self.path,
+            &self.mounts(),
+            self.view.as_ref(),
+            args,
+        )
+        .await
     }
 
     /// A git command on this checkout, to add arguments, input or environment to.
     pub fn command(&self) -> Command {
-        command_in(&self.admin, &self.path, &self.mounts())
+        command_in(&self.admin, &self.path, &self.mounts(), self.view.as_ref())
     }
 
     /// What the worker's git on this checkout sees when it runs sandboxed.
@@ -523,7 +602,7 @@ impl Worktree {
             return self.command();
         }
         let mut c = hardened(
-            crate::sandbox::worker_git(&jailed(&self.admin, &self.path)),
+            crate::sandbox::worker_git(&jailed(&self.admin, &self.path), &[]),
             &self.repo,
         );
         pin_common(&mut c, &self.admin);
@@ -539,13 +618,20 @@ impl Worktree {
     /// it that is not a regular file or a directory (a link to a file of the worker's, a
     /// FIFO that would hang git) goes, and so does worktree-only config.
     pub fn sanitize(&self) {
-        // Never a link to somewhere else: then there is nothing here to clean (and the
-        // worker's git on it fails).
-        if !std::fs::symlink_metadata(&self.admin).is_ok_and(|m| m.is_dir()) {
-            let _ = std::fs::remove_file(&self.admin);
+        let admin = self.host_admin();
+        // A view's git directory is the worker's shared tree's where the agent wrote
+        // nothing; what it wrote goes (a deletion too: the tree's shows again) or is made
+        // plain.
+        if self.view.is_some() && std::fs::symlink_metadata(&admin).is_err() {
             return;
         }
-        let mut todo = vec![self.admin.clone()];
+        // Never a link to somewhere else: then there is nothing here to clean (and the
+        // worker's git on it fails).
+        if !std::fs::symlink_metadata(&admin).is_ok_and(|m| m.is_dir()) {
+            let _ = std::fs::remove_file(&admin);
+            return;
+        }
+        let mut todo = vec![admin.clone()];
         while let Some(dir) = todo.pop() {
             let Ok(entries) = std::fs::read_dir(&dir) else {
                 continue;
@@ -559,24 +645,29 @@ impl Worktree {
                 }
             }
         }
-        let _ = std::fs::remove_file(self.admin.join("config.worktree"));
+        let _ = std::fs::remove_file(admin.join("config.worktree"));
         if self.own_repo() {
             // A repository of its own has no business naming another git directory, and it
             // borrows the cache's objects, nothing else. Its config and attributes are the
             // agent's to write, so they go back to what the worker made: no filter, diff or
             // merge driver, fsmonitor, proxy, signing program or include an agent put there
             // runs in the worker's own git on the checkout.
-            let _ = std::fs::remove_file(self.admin.join("commondir"));
-            let _ = std::fs::remove_file(self.admin.join("gitdir"));
-            let config = self.admin.join("config");
-            if std::fs::symlink_metadata(&config).is_ok_and(|m| m.is_dir()) {
+            let _ = std::fs::remove_file(admin.join("commondir"));
+            let _ = std::fs::remove_file(admin.join("gitdir"));
+            let config = admin.join("config");
+            let written = std::fs::symlink_metadata(&config);
+            if written.as_ref().is_ok_and(|m| m.is_dir()) {
                 crate::workspace::remove_tree(&config);
             }
-            let _ = std::fs::write(&config, CHECKOUT_CONFIG);
-            for dir in ["info", "hooks", "modules"] {
-                crate::workspace::remove_tree(&self.admin.join(dir));
+            // In a view, the shared tree's config stands where the agent wrote none.
+            if self.view.is_none() || written.is_ok() {
+                let _ = std::fs::remove_file(&config);
+                let _ = std::fs::write(&config, CHECKOUT_CONFIG);
             }
-            let info = self.admin.join("objects").join("info");
+            for dir in ["info", "hooks", "modules"] {
+                crate::workspace::remove_tree(&admin.join(dir));
+            }
+            let info = admin.join("objects").join("info");
             if std::fs::symlink_metadata(&info).is_ok_and(|m| m.is_dir()) {
                 let _ = std::fs::write(
                     info.join("alternates"),
@@ -598,6 +689,13 @@ impl Worktree {
 
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.
     pub async fn changed(&self) -> bool {
+        // A view whose agent wrote no file and moved no HEAD changed nothing: no git runs.
+        if let Some(v) = &self.view
+            && !v.wrote_files()
+            && std::fs::symlink_metadata(v.upper.join(".git").join("HEAD")).is_err()
+        {
+            return false;
+        }
         let dirty = self
             .git(&["status", "--porcelain"])
             .await
@@ -616,23 +714,35 @@ impl Worktree {
     /// as they are. Its parent is HEAD, so a checkout of it can be put back as uncommitted
     /// changes (`git reset HEAD^`).
     pub async fn snapshot(&self, message: &str) -> Result<String, Problem> {
+        let host_admin = self.host_admin();
+        std::fs::create_dir_all(&host_admin)
+            .map_err(|e| Problem::internal(format!("cannot make a scratch index: {e}")))?;
         let index = tempfile::Builder::new()
             .prefix("flotilla-index-")
-            .tempfile_in(&self.admin)
+            .tempfile_in(&host_admin)
             .map_err(|e| Problem::internal(format!("cannot make a scratch index: {e}")))?;
-        match std::fs::copy(self.admin.join("index"), index.path()) {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
+        let current = match &self.view {
+            Some(v) => v.host_file(Path::new(".git/index")),
+            None => Some(self.admin.join("index")),
+        };
+        match current.map(|i| std::fs::copy(i, index.path())) {
+            Some(Ok(_)) | None => {}
+            Some(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Some(Err(e)) => {
                 return Err(Problem::internal(format!(
                     "cannot copy the checkout's index: {e}"
                 )));
             }
         }
+        // Where git sees it: in a view, through the view.
+        let index_at = match index.path().file_name() {
+            Some(name) if self.view.is_some() => self.admin.join(name),
+            _ => index.path().to_owned(),
+        };
         let run = |args: Vec<&str>| {
             let mut c = self.command();
             c.args(&args)
-                .env("GIT_INDEX_FILE", index.path())
+                .env("GIT_INDEX_FILE", &index_at)
                 .env("GIT_AUTHOR_NAME", "flotilla")
                 .env("GIT_AUTHOR_EMAIL", "flotilla@localhost")
                 .env("GIT_COMMITTER_NAME", "flotilla")

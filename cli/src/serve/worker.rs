@@ -57,6 +57,16 @@ pub struct WorkerArgs {
     /// does not start without one) or not (`off`: agents can reach all this worker can).
     #[arg(long, env = "FLOTILLA_SANDBOX", value_name = "on|off")]
     sandbox: Option<String>,
+    /// How an attempt's checkout of the run's source is made: `overlay` (a copy-on-write view
+    /// of one tree per commit: made in constant time, its disk what the agent writes; the
+    /// worker does not start if overlayfs is refused), `checkout` (a full checkout each) or
+    /// `auto` (overlay where it works, said at start) [default: auto].
+    #[arg(
+        long,
+        env = "FLOTILLA_WORKSPACES",
+        value_name = "auto|overlay|checkout"
+    )]
+    workspaces: Option<String>,
     /// Hosts sandboxed agents may reach besides the model API, through the worker's proxy:
     /// HOST (any port) or HOST:PORT, comma-separated. Everything else is refused.
     #[arg(
@@ -146,6 +156,8 @@ struct Settings {
     source_credentials: bool,
     /// `false`: `--sandbox off`.
     sandbox: bool,
+    /// `--workspaces`: `auto`, `overlay` or `checkout`.
+    workspaces: &'static str,
     allow_net: Vec<String>,
     limits: flotilla_worker::limits::Settings,
     /// `--limits-via rlimits`.
@@ -200,6 +212,21 @@ impl Settings {
                 )));
             }
         };
+        let workspaces = match a
+            .workspaces
+            .as_deref()
+            .or(file.workspaces.as_deref())
+            .unwrap_or("auto")
+        {
+            "auto" => "auto",
+            "overlay" => "overlay",
+            "checkout" => "checkout",
+            other => {
+                return Err(Problem::invalid(format!(
+                    "--workspaces takes auto, overlay or checkout (got {other:?})"
+                )));
+            }
+        };
         let rlimits = match a.limits_via.as_deref().unwrap_or("auto") {
             "auto" => false,
             "rlimits" => true,
@@ -229,6 +256,7 @@ impl Settings {
             allow_source_hosts: list(&a.allow_source_host, &file.allow_source_hosts),
             source_credentials: a.source_credentials || file.source_credentials == Some(true),
             sandbox,
+            workspaces,
             allow_net: list(&a.allow_net, &file.allow_net),
             limits: Self::attempt_limits(a, file)?,
             rlimits,
@@ -326,6 +354,39 @@ async fn sandbox(s: &Settings) -> Result<flotilla_worker::sandbox::Sandbox, Prob
     }
 }
 
+/// How source checkouts are made, said at start: copy-on-write views where overlayfs works
+/// (refused outright with `--workspaces overlay`), else full checkouts.
+fn layers(s: &Settings) -> Result<Option<flotilla_worker::layers::Layers>, Problem> {
+    if s.workspaces == "checkout" {
+        eprintln!(
+            "flotilla worker: workspaces: a full checkout of the run's source per call (--workspaces checkout)"
+        );
+        return Ok(None);
+    }
+    let probed = std::env::current_exe()
+        .map_err(|e| Problem::unavailable(format!("cannot find this binary: {e}")))
+        .and_then(|bin| flotilla_worker::layers::Layers::probe(&bin, &s.workspace));
+    match probed {
+        Ok(l) => {
+            eprintln!(
+                "flotilla worker: workspaces: copy-on-write views (overlayfs) of one tree per commit under {}",
+                s.workspace.display()
+            );
+            Ok(Some(l))
+        }
+        Err(e) if s.workspaces == "overlay" => Err(Problem::invalid(format!(
+            "{e}
+--workspaces overlay needs overlayfs in a user namespace (Linux 5.11 or later, user namespaces allowed, a workspace on a filesystem that holds user xattrs); start with --workspaces checkout to make full checkouts"
+        ))),
+        Err(e) => {
+            eprintln!(
+                "flotilla worker: workspaces: {e}; each call gets a full checkout of the run's source instead (slower to make, a whole copy on disk each)"
+            );
+            Ok(None)
+        }
+    }
+}
+
 pub async fn worker(mut a: WorkerArgs) -> i32 {
     let file = match config::load(a.config.as_deref()) {
         Ok(f) => f,
@@ -348,6 +409,10 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     }
     let sandbox = match sandbox(&s).await {
         Ok(sb) => sb,
+        Err(e) => return crate::refuse(e),
+    };
+    let layers = match layers(&s) {
+        Ok(l) => l,
         Err(e) => return crate::refuse(e),
     };
     let limits = flotilla_worker::limits::Limits::detect_with(s.limits.clone(), s.rlimits);
@@ -377,6 +442,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
             sandbox,
             limits,
             account_limits: s.accounts,
+            layers,
         },
         backends,
     );

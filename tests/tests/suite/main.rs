@@ -22,6 +22,7 @@ mod cluster_tenant_workflows;
 mod cluster_tenants;
 mod cluster_views;
 mod cluster_workers;
+mod cluster_workspaces;
 mod combinators;
 mod day2;
 mod defects;

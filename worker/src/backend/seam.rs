@@ -2,7 +2,7 @@
 //! ([`AgentBackend`]), where its events go ([`Events`]) and what it returns ([`Output`]), with
 //! the structured-output submissions every backend counts the same way. It names no backend.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use flotilla_proto::schema::Validator;
@@ -72,6 +72,17 @@ impl Task {
                     Mount::Ro(wt.repo().join("objects")),
                     Mount::Rw(wt.path.clone()),
                 ]);
+                // A copy-on-write checkout is mounted for the agent's processes alone, and
+                // they start where `cwd` is in it (made there if missing).
+                if let Some(view) = wt.view() {
+                    let cwd = wt
+                        .workdir
+                        .strip_prefix(&wt.path)
+                        .ok()
+                        .and_then(Path::to_str)
+                        .filter(|c| !c.is_empty());
+                    jail.view = Some((view.prefix(cwd), wt.path.clone()));
+                }
             }
             Some(wt) => {
                 let common = wt.common_dir();
