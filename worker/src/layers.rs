@@ -43,6 +43,8 @@ pub struct View {
     pub work: PathBuf,
     pub at: PathBuf,
     bin: PathBuf,
+    /// Holds the shared tree while the view is in use (see `Sources::sweep_trees`).
+    hold: Option<std::sync::Arc<()>>,
 }
 
 /// What `flotilla workspace-mount` is told.
@@ -135,11 +137,18 @@ impl Layers {
             work: at.with_extension("work"),
             at: at.to_owned(),
             bin: self.bin.clone(),
+            hold: None,
         }
     }
 }
 
 impl View {
+    /// This view, holding its tree with `hold` (no sweep removes a tree held).
+    pub fn holding(mut self, hold: std::sync::Arc<()>) -> View {
+        self.hold = Some(hold);
+        self
+    }
+
     /// The arguments of `flotilla workspace-mount` for this view (what follows the binary).
     fn args(&self, cwd: Option<&str>) -> Vec<OsString> {
         let mut a: Vec<OsString> = vec!["workspace-mount".into()];

@@ -53,6 +53,10 @@ pub struct Sources {
     max_result: usize,
     /// Checkouts are copy-on-write views of one tree per commit (else full checkouts).
     layers: Option<crate::layers::Layers>,
+    /// Caches made the worker's own since it started.
+    hardened: Mutex<std::collections::HashSet<PathBuf>>,
+    /// Shared trees views use now (each view holds its tree's `Arc`).
+    held: Mutex<HashMap<PathBuf, std::sync::Weak<()>>>,
 }
 
 impl Sources {
@@ -210,7 +214,65 @@ impl Sources {
             credentials: false,
             max_result,
             layers: None,
+            hardened: Mutex::default(),
+            held: Mutex::default(),
         }
+    }
+
+    /// Holds the shared tree at `dir` for a view: the sweep leaves it while any view holds it.
+    fn hold_tree(&self, dir: &Path) -> Arc<()> {
+        let mut held = lock(&self.held);
+        if let Some(h) = held.get(dir).and_then(std::sync::Weak::upgrade) {
+            return h;
+        }
+        let h = Arc::new(());
+        held.insert(dir.to_owned(), Arc::downgrade(&h));
+        h
+    }
+
+    /// Removes the shared trees no view has used for `older_than` and none holds now (and
+    /// what a worker that died left half made or half removed); how many went.
+    pub fn sweep_trees(&self, older_than: Duration) -> usize {
+        let now = flotilla_proto::clock::now();
+        let old = |p: &Path| {
+            std::fs::symlink_metadata(p)
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| now.duration_since(t).is_ok_and(|age| age > older_than))
+        };
+        let mut gone = 0;
+        for ns in subdirs(&self.root.with_file_name("trees")) {
+            for repo in subdirs(&ns) {
+                for tree in subdirs(&repo) {
+                    if !old(&tree) {
+                        continue;
+                    }
+                    // Half made or half removed by a worker that died: only this one's.
+                    let half = tree.extension().is_some();
+                    // Taken out of the way while no view can take hold of it: a view made
+                    // after finds no tree and makes it again.
+                    let out = {
+                        let mut held = lock(&self.held);
+                        if held.get(&tree).is_some_and(|h| h.strong_count() > 0) {
+                            continue;
+                        }
+                        held.remove(&tree);
+                        let to = tree.with_extension(format!("gone-{}", std::process::id()));
+                        if half {
+                            Some(tree.clone())
+                        } else {
+                            std::fs::rename(&tree, &to).is_ok().then_some(to)
+                        }
+                    };
+                    if let Some(dir) = out {
+                        crate::workspace::remove_tree(&dir);
+                        gone += 1;
+                    }
+                }
+                let _ = std::fs::remove_dir(&repo);
+            }
+            let _ = std::fs::remove_dir(&ns);
+        }
+        gone
     }
 
     /// Checkouts are views made by `layers` (see [`crate::layers`]).
@@ -233,32 +295,34 @@ impl Sources {
         (ns, repo): (&str, &str),
         commit: &str,
     ) -> Result<PathBuf, Problem> {
-        let dir = self
-            .root
+        let dir = self.tree_dir((ns, repo), commit);
+        let there = || {
+            let made = std::fs::symlink_metadata(dir.join(".git")).is_ok_and(|m| m.is_dir());
+            if made && let Ok(f) = std::fs::File::open(&dir) {
+                // In use now: the sweep leaves it.
+                let _ = f.set_modified(flotilla_proto::clock::now());
+            }
+            made
+        };
+        // Made already (it only ever appears whole): no lock.
+        if there() {
+            return Ok(dir);
+        }
+        let _held = self.repo_lock(&dir).lock_owned().await;
+        if there() {
+            return Ok(dir);
+        }
+        make_tree(bare, &dir, commit).await?;
+        Ok(dir)
+    }
+
+    /// Where the shared tree of `commit` of `repo` for namespace `ns` is.
+    fn tree_dir(&self, (ns, repo): (&str, &str), commit: &str) -> PathBuf {
+        self.root
             .with_file_name("trees")
             .join(namespace_dir(ns))
             .join(repo)
-            .join(commit);
-        let _held = self.repo_lock(&dir).lock_owned().await;
-        if std::fs::symlink_metadata(dir.join(".git")).is_ok_and(|m| m.is_dir()) {
-            // In use now: the sweep leaves it.
-            if let Ok(f) = std::fs::File::open(&dir) {
-                let _ = f.set_modified(flotilla_proto::clock::now());
-            }
-            return Ok(dir);
-        }
-        let made = dir.with_extension(format!("tmp-{}", std::process::id()));
-        crate::workspace::remove_tree(&made);
-        let _ = std::fs::remove_file(made.with_extension("base"));
-        let wt = crate::worktree::Worktree::detached(bare, &made, commit).await?;
-        let _ = std::fs::remove_file(made.with_extension("base"));
-        wt.sanitize();
-        crate::workspace::remove_tree(&dir);
-        std::fs::rename(&made, &dir).map_err(|e| {
-            crate::workspace::remove_tree(&made);
-            Problem::internal(format!("cannot keep the tree {}: {e}", dir.display()))
-        })?;
-        Ok(dir)
+            .join(commit)
     }
 
     /// A call's copy-on-write checkout at `dir` (see [`Sources::checkout`]).
@@ -280,6 +344,8 @@ impl Sources {
             } else {
                 task.source_commit.clone()
             };
+            // Held before it is looked for: no sweep takes it between.
+            let hold = self.hold_tree(&self.tree_dir((&task.namespace, &task.source_repo), &base));
             let tree = match self
                 .tree(&bare, (&task.namespace, &task.source_repo), &base)
                 .await
@@ -292,7 +358,7 @@ impl Sources {
                 }
                 Err(e) => return Err(failed(&e)),
             };
-            let view = layers.view(&tree, dir);
+            let view = layers.view(&tree, dir).holding(hold.clone());
             let mut wt =
                 crate::worktree::Worktree::over(&bare, view, &base).map_err(|e| failed(&e))?;
             if wt.reused && (partial.is_empty() || wt.partial() == *partial) {
@@ -305,8 +371,8 @@ impl Sources {
             // (if any) are behind them, and go.
             if wt.reused {
                 wt.discard().await;
-                wt = crate::worktree::Worktree::over(&bare, layers.view(&tree, dir), &base)
-                    .map_err(|e| failed(&e))?;
+                let view = layers.view(&tree, dir).holding(hold.clone());
+                wt = crate::worktree::Worktree::over(&bare, view, &base).map_err(|e| failed(&e))?;
             }
             let unpacked = async {
                 wt.git(&["checkout", "-q", "--detach", partial]).await?;
@@ -487,6 +553,18 @@ impl Sources {
             ));
         }
         let bare = self.bare(&task.namespace, repo);
+        // A cache this worker made its own already, holding the commit: no lock (every
+        // attempt of a commit checks it, a thousand at once among them).
+        if !again
+            && task.source_url.is_empty()
+            && lock(&self.hardened).contains(&bare)
+            && let Some(commit) = call_commit(task)
+            && git(&bare, &["cat-file", "-e", &format!("{commit}^{{tree}}")])
+                .await
+                .is_ok()
+        {
+            return Ok((bare, commit));
+        }
         let _held = self.repo_lock(&bare).lock_owned().await;
         if !bare.join("HEAD").exists() {
             std::fs::create_dir_all(&bare)
@@ -497,6 +575,7 @@ impl Sources {
         }
         // Only the worker writes here; whatever a repository can make git run is never in it.
         harden_cache(&bare).map_err(|e| worker_error("cannot keep the source cache", &e))?;
+        lock(&self.hardened).insert(bare.clone());
         if !task.source_url.is_empty() {
             let commit = self.fetch_url(&bare, task).await?;
             return Ok((bare, commit));
@@ -828,6 +907,47 @@ impl Sources {
         }
         Err(worker_error("cannot check out the source", &"giving up"))
     }
+}
+
+/// The directories in `dir`.
+fn subdirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The commit a task's checkout starts from (an earlier attempt's leftovers hold it), when
+/// both ids are ids.
+fn call_commit(task: &v1::TaskSpec) -> Option<String> {
+    let hex = |id: &str| !id.is_empty() && id.chars().all(|c| c.is_ascii_hexdigit());
+    let partial = &task.source_partial;
+    match (hex(&task.source_commit), partial.is_empty()) {
+        (true, true) => Some(task.source_commit.clone()),
+        (true, false) if hex(partial) => Some(partial.clone()),
+        _ => None,
+    }
+}
+
+/// Makes the shared tree of `commit` of the (bare) repository `bare` at `dir`: a checkout of
+/// its own that borrows the cache's objects, its git directory as plain as the worker makes a
+/// checkout's, made beside and swapped into place whole (nothing half made is ever a tree).
+pub async fn make_tree(bare: &Path, dir: &Path, commit: &str) -> Result<(), Problem> {
+    let made = dir.with_extension(format!("tmp-{}", std::process::id()));
+    crate::workspace::remove_tree(&made);
+    let _ = std::fs::remove_file(made.with_extension("base"));
+    let wt = crate::worktree::Worktree::detached(bare, &made, commit).await?;
+    let _ = std::fs::remove_file(made.with_extension("base"));
+    wt.sanitize();
+    crate::workspace::remove_tree(dir);
+    std::fs::rename(&made, dir).map_err(|e| {
+        crate::workspace::remove_tree(&made);
+        Problem::internal(format!("cannot keep the tree {}: {e}", dir.display()))
+    })
 }
 
 /// Indexes one received pack into `bare`.
@@ -1311,5 +1431,42 @@ mod tests {
         ] {
             assert!(!is_local(url), "{url}");
         }
+    }
+
+    #[test]
+    fn the_sweep_takes_old_unheld_trees_and_half_made_ones_and_leaves_the_rest() {
+        let root = tempfile::tempdir().unwrap();
+        let sources = Sources::new(root.path(), false);
+        let tree = |name: &str| sources.tree_dir(("default", "r"), name);
+        let long_ago = flotilla_proto::clock::now() - Duration::from_secs(7200);
+        for name in ["old", "new", "held", "half.tmp-1"] {
+            std::fs::create_dir_all(tree(name).join(".git")).unwrap();
+            std::fs::write(tree(name).join("f"), "x").unwrap();
+            if name != "new" {
+                std::fs::File::open(tree(name))
+                    .unwrap()
+                    .set_modified(long_ago)
+                    .unwrap();
+            }
+        }
+        let hold = sources.hold_tree(&tree("held"));
+        assert_eq!(sources.sweep_trees(Duration::from_secs(3600)), 2);
+        for (name, kept) in [
+            ("old", false),
+            ("half.tmp-1", false),
+            ("new", true),
+            ("held", true),
+        ] {
+            assert_eq!(tree(name).exists(), kept, "{name}");
+        }
+        // Once no view holds it, it goes too; nothing of the swept is left beside.
+        drop(hold);
+        assert_eq!(sources.sweep_trees(Duration::from_secs(3600)), 1);
+        let left: Vec<_> = std::fs::read_dir(tree("new").parent().unwrap())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("new")]);
     }
 }

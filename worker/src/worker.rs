@@ -375,6 +375,7 @@ impl Worker {
             serving.running.clone(),
             sweeping.clone(),
         );
+        let sources = serving.sources.clone();
         let name = self.opts.name.clone();
         serving.tracker.spawn_blocking(move || {
             let gone = ws.sweep(SWEEP_AFTER, |run, call| {
@@ -382,6 +383,11 @@ impl Worker {
             });
             if gone > 0 {
                 tracing::info!(worker = %name, directories = gone, "removed call directories no attempt used for {}", humanize(SWEEP_AFTER));
+            }
+            // After the call directories: a tree outlives the writes kept over it.
+            let trees = sources.sweep_trees(SWEEP_AFTER);
+            if trees > 0 {
+                tracing::info!(worker = %name, trees, "removed shared trees no checkout used for {}", humanize(SWEEP_AFTER));
             }
             done.store(false, std::sync::atomic::Ordering::Release);
         });

@@ -8,7 +8,14 @@
 //! - **warm checkout**: a call's checkout from a worker's cache (`Worktree::detached`, then
 //!   discarded), against a plain `git worktree add` and remove;
 //! - **cold first attempt**: a new cache from the pack plus the checkout, against
-//!   `git clone --no-local`.
+//!   `git clone --no-local`;
+//! - **view ready**: a call's copy-on-write checkout (`Worktree::over` on the commit's shared
+//!   tree) until a process started in it has read a file, against `git worktree add` (the
+//!   shared tree itself is made once per commit, and reported);
+//! - **one-file edit**: the disk (blocks) an attempt that appends to one file takes beyond the
+//!   shared tree;
+//! - **at once**: `--attempts` views made together, each with a process that edits one file
+//!   and stays: until all are ready, and the disk they take in all.
 //!
 //! Times are medians over `--rounds`; ratios are this over the baseline.
 
@@ -33,6 +40,9 @@ pub struct SourceArgs {
     /// Measured rounds of each (the median is reported).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Views made and held at once for the last figure (0: not measured).
+    #[arg(long, default_value_t = 1000)]
+    attempts: usize,
     #[arg(long)]
     json: bool,
 }
@@ -53,6 +63,23 @@ struct Report {
     cold_attempt_ms: f64,
     clone_ms: f64,
     cold_attempt_ratio: f64,
+    #[serde(flatten)]
+    views: Option<Views>,
+}
+
+/// The copy-on-write checkout's figures (none where overlayfs is refused).
+#[derive(Debug, Serialize)]
+struct Views {
+    /// The shared tree of the commit, made once per worker.
+    tree_ms: f64,
+    tree_bytes: u64,
+    view_ready_ms: f64,
+    /// `git worktree add` over view ready.
+    view_speedup: f64,
+    edit_disk_bytes: u64,
+    at_once: usize,
+    at_once_ms: f64,
+    at_once_disk_bytes: u64,
 }
 
 fn sh(dir: &Path, args: &[&str]) -> Result<String, Problem> {
@@ -208,6 +235,16 @@ async fn measure(a: &SourceArgs) -> Result<Report, Problem> {
     }
     let (up, bundle) = (median(up), median(bundle));
     let (cold, clone) = (median(cold), median(clone));
+    let views = match std::env::current_exe()
+        .map_err(|e| Problem::internal(e.to_string()))
+        .and_then(|bin| flotilla_worker::layers::Layers::probe(&bin, tmp.path()))
+    {
+        Ok(layers) => Some(views(a, &layers, tmp.path(), &bare, &snap.commit, add).await?),
+        Err(e) => {
+            eprintln!("no view figures: {e}");
+            None
+        }
+    };
     Ok(Report {
         files: a.files,
         history_bytes: history,
@@ -223,6 +260,144 @@ async fn measure(a: &SourceArgs) -> Result<Report, Problem> {
         cold_attempt_ms: cold,
         clone_ms: clone,
         cold_attempt_ratio: cold / clone,
+        views,
+    })
+}
+
+/// Bytes the files and directories under `dir` take on disk (their blocks), never through a
+/// link.
+fn blocks(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    let mut todo = vec![dir.to_owned()];
+    while let Some(p) = todo.pop() {
+        let Ok(m) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        total += m.blocks() * 512;
+        if m.is_dir()
+            && let Ok(d) = std::fs::read_dir(&p)
+        {
+            todo.extend(d.flatten().map(|e| e.path()));
+        }
+    }
+    total
+}
+
+/// A process in `wt`'s view running `sh -c script` (standard output piped).
+fn in_view(wt: &flotilla_worker::worktree::Worktree, script: &str) -> tokio::process::Command {
+    let view = wt.view().map(|v| v.prefix(None)).unwrap_or_default();
+    let mut c = tokio::process::Command::new(&view[0]);
+    c.args(&view[1..])
+        .args(["sh", "-c", script])
+        .current_dir(&wt.path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    c
+}
+
+/// The view figures (see the module's head): `add` is `git worktree add`'s median.
+async fn views(
+    a: &SourceArgs,
+    layers: &flotilla_worker::layers::Layers,
+    tmp: &Path,
+    bare: &Path,
+    commit: &str,
+    add: f64,
+) -> Result<Views, Problem> {
+    use flotilla_worker::worktree::Worktree;
+    let failed = |e: std::io::Error| Problem::internal(e.to_string());
+    let tree = tmp.join("trees").join(commit);
+    std::fs::create_dir_all(tmp.join("trees")).map_err(failed)?;
+    let t = Instant::now();
+    flotilla_worker::source::make_tree(bare, &tree, commit).await?;
+    let tree_ms = ms(t);
+    let file = "d000/f00000.txt";
+    let views = tmp.join("views");
+    let mut ready = Vec::new();
+    for r in 0..a.rounds.max(1) {
+        let t = Instant::now();
+        let wt = Worktree::over(
+            bare,
+            layers.view(&tree, &views.join(format!("r{r}"))),
+            commit,
+        )?;
+        let out = in_view(&wt, &format!("cat {file} > /dev/null"))
+            .output()
+            .await
+            .map_err(failed)?;
+        ready.push(ms(t));
+        if !out.status.success() {
+            return Err(Problem::internal(format!(
+                "a view could not be read: {out:?}"
+            )));
+        }
+        wt.discard().await;
+    }
+    let view_ready_ms = median(ready);
+    // One attempt that edits one file.
+    let wt = Worktree::over(bare, layers.view(&tree, &views.join("edit")), commit)?;
+    in_view(&wt, &format!("echo edited >> {file}"))
+        .output()
+        .await
+        .map_err(failed)?;
+    let v = wt.view().ok_or(Problem::internal("not a view"))?;
+    let edit_disk_bytes = blocks(&v.upper) + blocks(&v.work) + blocks(&v.at);
+    wt.discard().await;
+    // Many at once, each holding its edit.
+    let t = Instant::now();
+    let mut held = Vec::new();
+    let mut made = Vec::new();
+    for i in 0..a.attempts {
+        let wt = Worktree::over(
+            bare,
+            layers.view(&tree, &views.join(format!("many-{i}"))),
+            commit,
+        )?;
+        let child = in_view(
+            &wt,
+            &format!("echo edited >> {file} && echo ready && exec sleep 3600"),
+        )
+        .spawn()
+        .map_err(failed)?;
+        held.push(child);
+        made.push(wt);
+    }
+    for child in &mut held {
+        use tokio::io::AsyncBufReadExt;
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            tokio::io::BufReader::new(out)
+                .read_line(&mut line)
+                .await
+                .map_err(failed)?;
+        }
+        if line.trim() != "ready" {
+            return Err(Problem::internal("a view held at once never got ready"));
+        }
+    }
+    let at_once_ms = ms(t);
+    let at_once_disk_bytes = made
+        .iter()
+        .filter_map(|wt| wt.view())
+        .map(|v| blocks(&v.upper) + blocks(&v.work) + blocks(&v.at))
+        .sum();
+    for mut child in held {
+        let _ = child.kill().await;
+    }
+    for wt in made {
+        wt.discard().await;
+    }
+    Ok(Views {
+        tree_ms,
+        tree_bytes: blocks(&tree),
+        view_ready_ms,
+        view_speedup: add / view_ready_ms,
+        edit_disk_bytes,
+        at_once: a.attempts,
+        at_once_ms,
+        at_once_disk_bytes,
     })
 }
 
@@ -250,6 +425,20 @@ pub async fn run(a: SourceArgs) -> i32 {
                 r.clone_ms,
                 r.cold_attempt_ratio
             );
+            if let Some(v) = &r.views {
+                println!(
+                    "  view ready          {:>8.1} ms vs git worktree add        {:>8.1} ms  ({:.0}x faster; the commit's shared tree: {:.0} ms once, {} MB)\n  one-file edit       {:>8} bytes of disk beyond the shared tree\n  {} at once          {:>8.0} ms until all ready, {} MB of disk beyond the shared tree",
+                    v.view_ready_ms,
+                    r.worktree_add_ms,
+                    v.view_speedup,
+                    v.tree_ms,
+                    v.tree_bytes >> 20,
+                    v.edit_disk_bytes,
+                    v.at_once,
+                    v.at_once_ms,
+                    v.at_once_disk_bytes >> 20
+                );
+            }
             0
         }
         Err(e) => crate::refuse(e),
