@@ -382,3 +382,54 @@ fn enter(m: &MountArgs) -> Result<(), Problem> {
     )
     .map_err(|e| Problem::unavailable(format!("overlayfs at {}: {e}", m.at.display())))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_layer_must_be_an_absolute_path_overlayfs_can_name() {
+        assert!(plain_path(Path::new("/srv/ws/.flotilla/trees/default/r/abc")).is_ok());
+        for bad in ["ws/trees", "/srv/a,b", "/srv/a:b", "/srv/a\\b", "/srv/a=b"] {
+            let e = plain_path(Path::new(bad)).unwrap_err();
+            assert!(
+                e.to_string().contains("move the workspace root"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_view_s_files_are_found_in_its_writes_first_then_in_its_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let layers = Layers {
+            bin: "/usr/bin/flotilla".into(),
+        };
+        let view = layers.view(&dir.path().join("tree"), &dir.path().join("run/7"));
+        assert_eq!(view.upper, dir.path().join("run/7.upper"));
+        assert_eq!(view.work, dir.path().join("run/7.work"));
+        assert!(!view.make().unwrap(), "a new view has no writes");
+        assert!(view.make().unwrap(), "a second attempt finds the first's");
+        std::fs::create_dir_all(view.lower.join(".git")).unwrap();
+        std::fs::write(view.lower.join(".git/index"), "tree's").unwrap();
+        let index = Path::new(".git/index");
+        assert_eq!(view.host_file(index), Some(view.lower.join(index)));
+        assert!(!view.wrote_files());
+        std::fs::create_dir_all(view.upper.join(".git")).unwrap();
+        std::fs::write(view.upper.join(".git/index"), "agent's").unwrap();
+        assert_eq!(view.host_file(index), Some(view.upper.join(index)));
+        assert!(!view.wrote_files(), "git's own files are no change");
+        std::fs::write(view.upper.join("new.txt"), "x").unwrap();
+        assert!(view.wrote_files());
+        assert_eq!(view.host_file(Path::new("missing")), None);
+        // The command names the view, then the program follows `--`.
+        let p = view.prefix(Some("sub"));
+        assert_eq!(p[0], "/usr/bin/flotilla");
+        assert_eq!(p[1], "workspace-mount");
+        assert_eq!(p.last().unwrap(), "--");
+        assert!(p.windows(2).any(|w| w[0] == "--cwd" && w[1] == "sub"));
+        view.remove();
+        assert!(!view.upper.exists() && !view.at.exists() && !view.work.exists());
+    }
+}

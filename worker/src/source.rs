@@ -943,6 +943,17 @@ pub async fn make_tree(bare: &Path, dir: &Path, commit: &str) -> Result<(), Prob
     let wt = crate::worktree::Worktree::detached(bare, &made, commit).await?;
     let _ = std::fs::remove_file(made.with_extension("base"));
     wt.sanitize();
+    // Files written in the second the index was are "racily clean" to git: every view's
+    // first `git status` would read them all again and write the index into the view. Once
+    // that second is over, the index is written again, and none is.
+    let into = flotilla_proto::clock::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    tokio::time::sleep(Duration::from_nanos(u64::from(
+        1_000_000_000 - into.min(999_999_999),
+    )))
+    .await;
+    git(&made, &["update-index", "-q", "--refresh"]).await?;
     crate::workspace::remove_tree(dir);
     std::fs::rename(&made, dir).map_err(|e| {
         crate::workspace::remove_tree(&made);

@@ -350,6 +350,7 @@ impl Worker {
             limits: self.opts.limits.clone(),
             sources: serving.sources.clone(),
             running: running.clone(),
+            tracker: serving.tracker.clone(),
         };
         let limit = self.opts.max_result_bytes;
         // The attempt's future (kilobytes) is boxed once here rather than copied whole into
@@ -582,9 +583,30 @@ struct Parts {
     sources: Arc<crate::source::Sources>,
     /// Every attempt running here (another attempt of this call may be among them).
     running: Running,
+    /// The worker's tasks: a checkout's files are removed on it, off the attempt's path.
+    tracker: TaskTracker,
 }
 
 impl Parts {
+    /// Removes the checkout `wt`: a view's directories are set aside at once and removed
+    /// on the worker's tasks (whatever the agent wrote, its outcome does not wait for it);
+    /// a checkout on disk, now.
+    async fn discard(&self, wt: &crate::worktree::Worktree) {
+        match wt.set_aside() {
+            Some(gone) => {
+                self.tracker.spawn_blocking(move || {
+                    for dir in &gone {
+                        crate::workspace::remove_tree(dir);
+                    }
+                    if let Some(run_dir) = gone.first().and_then(|d| d.parent()) {
+                        let _ = std::fs::remove_dir(run_dir);
+                    }
+                });
+            }
+            None => wt.discard().await,
+        }
+    }
+
     /// Whether an attempt of `run`'s call `call` other than `attempt` runs here now: its
     /// directory is that attempt's too, and must stay.
     fn another_attempt(&self, (run, call, attempt): (&str, u64, u32)) -> bool {
@@ -983,14 +1005,14 @@ async fn settle(
                         }
                         out.change = change;
                         if !shared {
-                            wt.discard().await;
+                            parts.discard(wt).await;
                         }
                     }
                     Err(e) => *result = Err(e),
                 }
             } else if ends_call(result) && !shared {
                 // The call ends here: no later attempt will want its checkout.
-                wt.discard().await;
+                parts.discard(wt).await;
             } else if result.is_err() && spec.source_url.is_empty() {
                 // Another attempt may follow, on any worker: what this one
                 // left goes with its failure (W58). The checkout stays too.

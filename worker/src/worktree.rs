@@ -527,6 +527,29 @@ impl Worktree {
         })
     }
 
+    /// A view's directories moved out of the way at once (`{call}.gone-…`, beside them;
+    /// the workspace sweep takes any a worker left), for the caller to remove; its base and
+    /// partial records removed. `None` for a checkout on disk (see [`Worktree::discard`]).
+    pub fn set_aside(&self) -> Option<Vec<PathBuf>> {
+        let view = self.view.as_ref()?;
+        let stamp = flotilla_proto::clock::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let mut gone = Vec::new();
+        for (i, dir) in [&view.upper, &view.work, &view.at].into_iter().enumerate() {
+            let to = view.at.with_extension(format!("gone-{stamp}-{i}"));
+            match std::fs::rename(dir, &to) {
+                Ok(()) => gone.push(to),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // Where it cannot move, it goes where it is.
+                Err(_) => gone.push(dir.clone()),
+            }
+        }
+        let _ = std::fs::remove_file(base_file(&self.path));
+        let _ = std::fs::remove_file(partial_file(&self.path));
+        Some(gone)
+    }
+
     /// The copy-on-write view this checkout is, if it is one.
     pub fn view(&self) -> Option<&crate::layers::View> {
         self.view.as_ref()
@@ -539,7 +562,8 @@ impl Worktree {
     }
 
     /// The checkout's git directory as the worker's own file operations reach it: in a
-    /// view's upper directory (made if missing, so what is written there shows in the view).
+    /// view, in its upper directory (what is written there shows in the view; it may not be
+    /// there yet).
     pub(crate) fn host_admin(&self) -> PathBuf {
         match &self.view {
             Some(v) => v.upper.join(".git"),

@@ -224,11 +224,32 @@ pub(crate) async fn launch_echo(
     concurrency: u32,
     resume_from: Option<&str>,
 ) -> Result<String, Problem> {
+    launch_echo_from(
+        client,
+        script,
+        args,
+        (agents, concurrency),
+        resume_from,
+        None,
+    )
+    .await
+}
+
+/// [`launch_echo`], its run's source `source` (sent already) when there is one.
+pub(crate) async fn launch_echo_from(
+    client: &mut ClientServiceClient<Channel>,
+    script: &str,
+    args: serde_json::Value,
+    (agents, concurrency): (u64, u32),
+    resume_from: Option<&str>,
+    source: Option<&flotilla_proto::settings::SourceRef>,
+) -> Result<String, Problem> {
     let settings = flotilla_proto::settings::RunSettings {
         backend: "echo".into(),
         concurrency,
         max_agents: agents,
         stagger_ms: 0,
+        source: source.cloned(),
         ..flotilla_proto::settings::RunSettings::default()
     };
     let launched = client

@@ -54,6 +54,11 @@ pub struct FleetArgs {
     /// Lease TTL of the coordinators and workers.
     #[arg(long, default_value = "5s")]
     ttl: String,
+    /// Launch every run from a generated repository of this many files (0: no source): its
+    /// snapshot sent as a launch sends it, and first a fan-out of echo calls with it against
+    /// the same without it.
+    #[arg(long, default_value_t = 0)]
+    source_files: usize,
     /// Keep the processes' logs and the store here instead of a temporary directory.
     #[arg(long)]
     keep: Option<PathBuf>,
@@ -69,6 +74,15 @@ pub struct FleetReport {
     pub inflight: u64,
     pub calls: u64,
     pub ttl_ms: u64,
+    /// Files of the repository every run is launched from (0: none).
+    pub source_files: usize,
+    /// A fan-out of echo calls (`min(calls, 10000)`) launched from that repository (its
+    /// snapshot and upload included, as a launch does them), and without a source: medians.
+    pub fanout_calls: u64,
+    pub fanout_source_ms: f64,
+    pub fanout_none_ms: f64,
+    /// Without over with: 1 when the source costs nothing.
+    pub fanout_source_ratio: f64,
     /// From the launch to all N calls running.
     pub all_out_ms: f64,
     pub rss_base_kib: u64,
@@ -139,6 +153,9 @@ struct Bed {
     ttl: String,
     coords: Vec<Coord>,
     token: Option<String>,
+    /// The repository runs are launched from, and its source as last sent.
+    repo: Option<PathBuf>,
+    source: Option<flotilla_proto::settings::SourceRef>,
 }
 
 const SCRIPT: &str = "export const meta = { name: 'bench-fleet', description: 'N echo agents at once' };\n\
@@ -219,20 +236,82 @@ impl Bed {
 async fn launch(
     client: &mut ClientServiceClient<Channel>,
     n: u64,
-    prompt: &str,
-    last: &str,
+    (prompt, last): (&str, &str),
     concurrency: u32,
     resume_from: Option<&str>,
+    source: Option<&flotilla_proto::settings::SourceRef>,
 ) -> Result<String, Problem> {
-    crate::bench::fleet::launch_echo(
+    crate::bench::fleet::launch_echo_from(
         client,
         SCRIPT,
         serde_json::json!({ "n": n, "prompt": prompt, "last": last }),
-        n,
-        concurrency,
+        (n, concurrency),
         resume_from,
+        source,
     )
     .await
+}
+
+/// What a launch from `repo` sends: its snapshot, and what the coordinator lacks of it.
+async fn send_source(
+    client: &mut ClientServiceClient<Channel>,
+    repo: &std::path::Path,
+) -> Result<flotilla_proto::settings::SourceRef, Problem> {
+    let snap = crate::source::snapshot(repo)?
+        .ok_or(Problem::internal("the generated repository is not one"))?;
+    crate::source::upload(client, &snap, u64::MAX, "").await?;
+    Ok(flotilla_proto::settings::SourceRef {
+        repo: snap.repo,
+        commit: snap.commit,
+        url: None,
+        origin: snap.origin,
+        submodules: snap.submodules,
+    })
+}
+
+/// Phase 0 (with `--source-files`): a fan-out of echo calls launched from the repository
+/// (snapshot and upload included) against the same launched with no source, in turns.
+async fn source_fanout(
+    bed: &mut Bed,
+    client: &mut Client,
+    a: &FleetArgs,
+    concurrency: u32,
+    report: &mut FleetReport,
+) -> Result<(), Problem> {
+    let Some(repo) = bed.repo.clone() else {
+        return Ok(());
+    };
+    let n = a.calls.min(10_000);
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let t = Instant::now();
+        let source = send_source(client, &repo).await?;
+        let run = launch(
+            client,
+            n,
+            ("fan", "fan last"),
+            concurrency,
+            None,
+            Some(&source),
+        )
+        .await?;
+        finished(client, &run, n).await?;
+        with.push(ms(t.elapsed()));
+        bed.source = Some(source);
+        let t = Instant::now();
+        let run = launch(client, n, ("fan", "fan last"), concurrency, None, None).await?;
+        finished(client, &run, n).await?;
+        without.push(ms(t.elapsed()));
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    report.fanout_calls = n;
+    report.fanout_source_ms = median(with);
+    report.fanout_none_ms = median(without);
+    report.fanout_source_ratio = report.fanout_none_ms / report.fanout_source_ms;
+    Ok(())
 }
 
 /// A plain HTTP GET on loopback; the body of a 200, or None.
@@ -417,6 +496,28 @@ fn journal_files(store_dir: &Path, run: &str) -> Vec<PathBuf> {
     out
 }
 
+/// `workers` worker processes of `slots` slots each, attached to the coordinators at `urls`.
+fn start_workers(
+    bed: &Bed,
+    urls: &str,
+    (workers, slots): (u32, u64),
+    procs: &mut Procs,
+) -> Result<(), Problem> {
+    for i in 0..workers {
+        let mut w = Command::new(&bed.exe);
+        w.args(["worker", "--coordinator", urls])
+            .args(["--name", &format!("bench-worker-{i}")])
+            .args(["--slots", &slots.to_string(), "--tls-dir"])
+            .arg(&bed.pki)
+            .arg("--workspace")
+            .arg(bed.dir.join(format!("ws-{i}")));
+        procs
+            .0
+            .push(spawn(&mut w, &bed.dir.join(format!("worker-{i}.log")))?);
+    }
+    Ok(())
+}
+
 pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     if a.workers == 0 || a.inflight == 0 || a.calls < 2 {
         return Err(Problem::internal(
@@ -449,7 +550,15 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
         ttl: a.ttl.clone(),
         coords: Vec::new(),
         token: None,
+        repo: None,
+        source: None,
     };
+    if a.source_files > 0 {
+        let repo = dir.join("repo");
+        std::fs::create_dir_all(&repo).map_err(|e| Problem::internal(e.to_string()))?;
+        crate::bench::source::generate(&repo, a.source_files, 20, 2)?;
+        bed.repo = Some(repo);
+    }
     bed.start_coordinator(0)?;
     bed.start_coordinator(1)?;
     let urls = bed
@@ -459,18 +568,7 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
         .collect::<Vec<_>>()
         .join(",");
     let slots = a.inflight.div_ceil(u64::from(a.workers));
-    for i in 0..a.workers {
-        let mut w = Command::new(&bed.exe);
-        w.args(["worker", "--coordinator", &urls])
-            .args(["--name", &format!("bench-worker-{i}")])
-            .args(["--slots", &slots.to_string(), "--tls-dir"])
-            .arg(&pki)
-            .arg("--workspace")
-            .arg(dir.join(format!("ws-{i}")));
-        procs
-            .0
-            .push(spawn(&mut w, &dir.join(format!("worker-{i}.log")))?);
-    }
+    start_workers(&bed, &urls, (a.workers, slots), &mut procs)?;
     // A token for /metrics, from whichever coordinator answers first.
     bed.token = Some(
         poll("a sign-in token", Duration::from_secs(60), || {
@@ -502,8 +600,18 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
 
     // Warm up: connections, the script engine, the workers' slots.
     let warm = a.inflight.min(1000);
-    let run = launch(&mut client, warm, "warm", "warm last", concurrency, None).await?;
+    let run = launch(
+        &mut client,
+        warm,
+        ("warm", "warm last"),
+        concurrency,
+        None,
+        None,
+    )
+    .await?;
     finished(&mut client, &run, warm).await?;
+    report.source_files = a.source_files;
+    source_fanout(&mut bed, &mut client, a, concurrency, &mut report).await?;
 
     // 1. All in flight at once.
     let run = all_in_flight(&bed, leader, &mut client, a, hold, etcd_port, &mut report).await?;
@@ -548,10 +656,10 @@ async fn failover(
     let run = launch(
         client,
         n,
-        "[[sleep:1000]] backlog",
-        "[[sleep:1000]] backlog last",
+        ("[[sleep:1000]] backlog", "[[sleep:1000]] backlog last"),
         concurrency,
         None,
+        bed.source.as_ref(),
     )
     .await?;
     let limit = Duration::from_secs(300);
@@ -609,7 +717,15 @@ async fn all_in_flight(
     let sleep = format!("[[sleep:{}]] hold", hold.as_millis());
     let started = Instant::now();
     let concurrency = u32::try_from(a.inflight).unwrap_or(u32::MAX);
-    let run = launch(client, a.inflight, &sleep, &sleep, concurrency, None).await?;
+    let run = launch(
+        client,
+        a.inflight,
+        (&sleep, &sleep),
+        concurrency,
+        None,
+        bed.source.as_ref(),
+    )
+    .await?;
     let limit = hold
         .saturating_sub(Duration::from_secs(1))
         .max(Duration::from_secs(1));
@@ -696,7 +812,15 @@ async fn big_and_resume(
         }
     });
     let started = Instant::now();
-    let big = launch(client, a.calls, "big", "big last", concurrency, None).await?;
+    let big = launch(
+        client,
+        a.calls,
+        ("big", "big last"),
+        concurrency,
+        None,
+        bed.source.as_ref(),
+    )
+    .await?;
     let first = finished(client, &big, a.calls).await;
     sampling.store(false, Ordering::Relaxed);
     let peak = sampler.join().unwrap_or(0);
@@ -710,10 +834,10 @@ async fn big_and_resume(
     let resumed = launch(
         client,
         a.calls,
-        "big",
-        "big last, edited",
+        ("big", "big last, edited"),
         concurrency,
         Some(&big),
+        bed.source.as_ref(),
     )
     .await?;
     poll(

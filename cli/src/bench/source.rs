@@ -114,7 +114,12 @@ fn ms(t: Instant) -> f64 {
 }
 
 /// Files of pseudo-random text, changed in part by each later commit.
-fn generate(dir: &Path, files: usize, mb: usize, commits: usize) -> Result<u64, Problem> {
+pub(crate) fn generate(
+    dir: &Path,
+    files: usize,
+    mb: usize,
+    commits: usize,
+) -> Result<u64, Problem> {
     sh(dir, &["init", "-q", "-b", "main"])?;
     // The first commit writes every file, each later one a fifth of them: about `mb` in all.
     let writes = files.max(1) + (commits.max(1) - 1) * (files / 5);

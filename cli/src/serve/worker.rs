@@ -393,7 +393,7 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
         Err(e) => return crate::refuse(e),
     };
     a.tls.fill(&file);
-    let s = match Settings::layered(&a, &file) {
+    let mut s = match Settings::layered(&a, &file) {
         Ok(s) => s,
         Err(e) => return crate::refuse(e),
     };
@@ -406,6 +406,10 @@ pub async fn worker(mut a: WorkerArgs) -> i32 {
     if std::fs::create_dir_all(&s.workspace).is_ok() {
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&s.workspace, std::fs::Permissions::from_mode(0o700));
+    }
+    // Absolute: views are mounted at, and name their layers by, paths under it.
+    if let Ok(abs) = s.workspace.canonicalize() {
+        s.workspace = abs;
     }
     let sandbox = match sandbox(&s).await {
         Ok(sb) => sb,

@@ -206,6 +206,10 @@ fn a_hostile_agent_cannot_write_the_shared_tree_nor_see_another_call_s_writes() 
         cat ../0/secret.txt ../0.upper/secret.txt 2>/dev/null && echo "SEEN secret"
         umount "$me" 2>/dev/null && echo "UNMOUNTED"
         mount -t overlay overlay -o lowerdir=/ /mnt 2>/dev/null && echo "MOUNTED"
+        mkdir -p /tmp/u /tmp/w /tmp/m
+        for bin in /run/flotilla/flotilla flotilla; do
+          "$bin" workspace-mount --lower "$lower" --upper /tmp/u --work /tmp/w --at /tmp/m -- ls /tmp/m 2>/dev/null && echo "MOUNTED a view"
+        done
         echo hostile > victim.txt; cat victim.txt"#;
     let script = c.path().join("hostile.js");
     std::fs::write(
