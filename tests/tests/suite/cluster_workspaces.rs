@@ -321,3 +321,45 @@ fn where_overlayfs_is_refused_the_worker_says_so_and_makes_full_checkouts() {
     );
     assert_eq!(r["changes"]["merged"], 1, "{r}");
 }
+
+#[test]
+fn agents_that_work_in_no_directory_cost_the_worker_no_checkout_and_no_fetch() {
+    let c = Cluster::start_workers_with(1, 4, &[], Vec::new());
+    let repo = c.path().join("repo");
+    repo_of_every_kind(&repo);
+    let script = c.path().join("echo.js");
+    std::fs::write(
+        &script,
+        "export const meta = { name: 'echo', description: 'echo agents from a repository' };\n\
+         return (await parallel(Array.from({ length: 8 }, (_, i) => () => agent('hi ' + i)))).length;",
+    )
+    .unwrap();
+    let out = c.client_in(
+        &repo,
+        &[
+            "launch",
+            script.to_str().unwrap(),
+            "--json",
+            "--stagger",
+            "0",
+            "--backend",
+            "echo",
+        ],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr.contains("source:"),
+        "the launch sent its source: {out:?}"
+    );
+    let run = out.json()["run_id"].as_str().unwrap().to_owned();
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], 8, "{r}");
+    // No directory of the run, no tree, not even the source's objects: nothing asked for.
+    let ws = c.path().join("ws-0");
+    assert!(!ws.join(&run).exists(), "{run} made a directory");
+    assert!(!ws.join(".flotilla/trees").exists());
+    assert!(!ws.join(".flotilla/caches/default").exists());
+    let log = std::fs::read_to_string(c.path().join("coordinator.log")).unwrap_or_default();
+    assert!(!log.contains("sent a source"), "{log}");
+}
