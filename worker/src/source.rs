@@ -281,11 +281,6 @@ impl Sources {
         self
     }
 
-    /// Whether checkouts are copy-on-write views.
-    pub fn layered(&self) -> bool {
-        self.layers.is_some()
-    }
-
     /// The shared tree of `commit` of `repo` for namespace `ns` (made from the cache `bare`
     /// the first time: a checkout of its own, swapped into place whole): the lower layer of
     /// every view of that commit on this worker.

@@ -269,7 +269,7 @@ async fn send_source(
     })
 }
 
-/// Phase 0 (with `--source-files`): a fan-out of echo calls launched from the repository
+/// After phase 3 (with `--source-files`): a fan-out of echo calls launched from the repository
 /// (snapshot and upload included) against the same launched with no source, in turns.
 async fn source_fanout(
     bed: &mut Bed,
@@ -610,8 +610,12 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
     )
     .await?;
     finished(&mut client, &run, warm).await?;
+    // Every run from here on is launched from the repository, if there is one: its first
+    // upload happens before any figure is taken.
     report.source_files = a.source_files;
-    source_fanout(&mut bed, &mut client, a, concurrency, &mut report).await?;
+    if let Some(repo) = bed.repo.clone() {
+        bed.source = Some(send_source(&mut client, &repo).await?);
+    }
 
     // 1. All in flight at once.
     let run = all_in_flight(&bed, leader, &mut client, a, hold, etcd_port, &mut report).await?;
@@ -632,6 +636,9 @@ pub async fn fleet(a: &FleetArgs) -> Result<FleetReport, Problem> {
         &mut report,
     )
     .await?;
+
+    // With a source: a fan-out from the repository against one with none, in turns.
+    source_fanout(&mut bed, &mut client, a, concurrency, &mut report).await?;
 
     // 4. Failover with a backlog.
     failover(&mut bed, leader, &mut client, concurrency, ttl, &mut report).await?;
