@@ -188,6 +188,20 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A clone of the repository `from` at `to`, with a committer identity (where a test applies
+/// a run's changes).
+pub fn fresh_clone(from: &Path, to: &Path) {
+    let cloned = Command::new("git")
+        .args(["clone", "-q"])
+        .arg(from)
+        .arg(to)
+        .output()
+        .expect("run git clone");
+    assert!(cloned.status.success(), "{cloned:?}");
+    git(to, &["config", "user.name", "t"]);
+    git(to, &["config", "user.email", "t@t"]);
+}
+
 /// Commits everything in `dir` (tracked and untracked, not ignored) as `message`.
 pub fn commit_all(dir: &Path, message: &str) {
     git(dir, &["add", "."]);

@@ -133,8 +133,8 @@ impl Layers {
     pub fn view(&self, lower: &Path, at: &Path) -> View {
         View {
             lower: lower.to_owned(),
-            upper: at.with_extension("upper"),
-            work: at.with_extension("work"),
+            upper: at.with_extension(crate::workspace::VIEW_BESIDE[0]),
+            work: at.with_extension(crate::workspace::VIEW_BESIDE[1]),
             at: at.to_owned(),
             bin: self.bin.clone(),
             hold: None,

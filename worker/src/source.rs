@@ -553,7 +553,7 @@ impl Sources {
         if !again
             && task.source_url.is_empty()
             && lock(&self.hardened).contains(&bare)
-            && let Some(commit) = call_commit(task)
+            && let Ok(commit) = call_commit(task)
             && git(&bare, &["cat-file", "-e", &format!("{commit}^{{tree}}")])
                 .await
                 .is_ok()
@@ -575,26 +575,7 @@ impl Sources {
             let commit = self.fetch_url(&bare, task).await?;
             return Ok((bare, commit));
         }
-        let hex = |id: &str| !id.is_empty() && id.chars().all(|c| c.is_ascii_hexdigit());
-        let bad = if !hex(&task.source_commit) {
-            Some(&task.source_commit)
-        } else if !task.source_partial.is_empty() && !hex(&task.source_partial) {
-            Some(&task.source_partial)
-        } else {
-            None
-        };
-        if let Some(id) = bad {
-            return Err(Error::new(
-                FailureKind::Invalid,
-                format!("{id:?} is not a commit id"),
-            ));
-        }
-        // An earlier attempt's leftovers hold the call's base.
-        let commit = if task.source_partial.is_empty() {
-            task.source_commit.clone()
-        } else {
-            task.source_partial.clone()
-        };
+        let commit = call_commit(task)?;
         // The commit and its root tree: a view's tree of files may be made already, but git
         // in it (and the change it sends) needs the objects.
         if !again
@@ -916,16 +897,29 @@ fn subdirs(dir: &Path) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
-/// The commit a task's checkout starts from (an earlier attempt's leftovers hold it), when
-/// both ids are ids.
-fn call_commit(task: &v1::TaskSpec) -> Option<String> {
+/// The commit a task's checkout starts from: the run's, or an earlier attempt's leftovers
+/// (which hold the call's base). `Err` names an id that is not one.
+fn call_commit(task: &v1::TaskSpec) -> Result<String, Error> {
     let hex = |id: &str| !id.is_empty() && id.chars().all(|c| c.is_ascii_hexdigit());
     let partial = &task.source_partial;
-    match (hex(&task.source_commit), partial.is_empty()) {
-        (true, true) => Some(task.source_commit.clone()),
-        (true, false) if hex(partial) => Some(partial.clone()),
-        _ => None,
+    let bad = if !hex(&task.source_commit) {
+        Some(&task.source_commit)
+    } else if !partial.is_empty() && !hex(partial) {
+        Some(partial)
+    } else {
+        None
+    };
+    if let Some(id) = bad {
+        return Err(Error::new(
+            FailureKind::Invalid,
+            format!("{id:?} is not a commit id"),
+        ));
     }
+    Ok(if partial.is_empty() {
+        task.source_commit.clone()
+    } else {
+        partial.clone()
+    })
 }
 
 /// Makes the shared tree of `commit` of the (bare) repository `bare` at `dir`: a checkout of

@@ -12,6 +12,11 @@
 use flotilla_proto::Problem;
 use std::path::{Component, Path, PathBuf};
 
+/// Beside a call's directory `{call}` when its checkout is a copy-on-write view
+/// ([`crate::layers`]): the call's writes (`{call}.upper`) and overlayfs' scratch
+/// (`{call}.work`).
+pub const VIEW_BESIDE: [&str; 2] = ["upper", "work"];
+
 /// The root under which all agent working directories live.
 #[derive(Debug, Clone)]
 pub struct Workspace {
@@ -60,7 +65,7 @@ impl Workspace {
         };
         remove_tree(&dir);
         // A copy-on-write checkout's writes and scratch, and what records its base.
-        for beside in ["upper", "work"] {
+        for beside in VIEW_BESIDE {
             remove_tree(&dir.with_extension(beside));
         }
         for beside in ["base", "partial"] {

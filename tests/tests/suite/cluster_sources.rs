@@ -307,15 +307,7 @@ fn later_agents_see_earlier_agents_edits_and_apply_brings_them_home() {
     }
     // A fresh clone of the user's repository gets exactly the run's files.
     let fresh = c.path().join("fresh");
-    let cloned = Command::new("git")
-        .args(["clone", "-q"])
-        .arg(&repo)
-        .arg(&fresh)
-        .output()
-        .unwrap();
-    assert!(cloned.status.success(), "{cloned:?}");
-    git(&fresh, &["config", "user.name", "t"]);
-    git(&fresh, &["config", "user.email", "t@t"]);
+    flotilla_tests::fresh_clone(&repo, &fresh);
     let applied = c.client_in(&fresh, &["apply", &run, "--merge"]);
     assert_eq!(applied.code, 0, "{applied:?}");
     for (f, want) in [
@@ -585,15 +577,7 @@ fn a_run_adopted_after_its_coordinator_is_killed_ends_with_every_change_once() {
     );
     // The head has exactly the files an uninterrupted run leaves.
     let fresh = c.path().join("fresh");
-    let cloned = Command::new("git")
-        .args(["clone", "-q"])
-        .arg(&repo)
-        .arg(&fresh)
-        .output()
-        .unwrap();
-    assert!(cloned.status.success(), "{cloned:?}");
-    git(&fresh, &["config", "user.name", "t"]);
-    git(&fresh, &["config", "user.email", "t@t"]);
+    flotilla_tests::fresh_clone(&repo, &fresh);
     let applied = c.client_at_in(&standby, &fresh, &["apply", &run, "--merge"]);
     assert_eq!(applied.code, 0, "{applied:?}");
     for i in 0..12 {
@@ -1118,15 +1102,7 @@ fn a_retry_on_another_worker_starts_from_what_the_interrupted_attempt_left() {
     );
     // The call's change is the whole work, both attempts', and comes home as such.
     let fresh = c.path().join("fresh");
-    let cloned = Command::new("git")
-        .args(["clone", "-q"])
-        .arg(&repo)
-        .arg(&fresh)
-        .output()
-        .unwrap();
-    assert!(cloned.status.success(), "{cloned:?}");
-    git(&fresh, &["config", "user.name", "t"]);
-    git(&fresh, &["config", "user.email", "t@t"]);
+    flotilla_tests::fresh_clone(&repo, &fresh);
     let applied = c.client_in(&fresh, &["apply", &run, "--merge"]);
     assert_eq!(applied.code, 0, "{applied:?}");
     for (f, want) in [

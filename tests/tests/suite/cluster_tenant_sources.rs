@@ -259,15 +259,7 @@ fn another_namespace_s_sources_are_never_confirmed_sent_built_on_or_launched() {
     assert_eq!(code, 0, "{r}");
     // Alice's changes come home through her namespace; bob cannot apply her run.
     let fresh = c.path().join("alice-fresh");
-    let cloned = Command::new("git")
-        .args(["clone", "-q"])
-        .arg(&repo)
-        .arg(&fresh)
-        .output()
-        .unwrap();
-    assert!(cloned.status.success(), "{cloned:?}");
-    git(&fresh, &["config", "user.name", "t"]);
-    git(&fresh, &["config", "user.email", "t@t"]);
+    flotilla_tests::fresh_clone(&repo, &fresh);
     let applied = c.client_as_in(&fresh, "alice", &["apply", &run, "--merge"]);
     assert_eq!(applied.code, 0, "{applied:?}");
     assert_eq!(
@@ -413,15 +405,7 @@ fn an_agent_s_commit_that_reaches_git_or_leaves_the_tree_is_refused_and_named() 
     }
     // `apply --merge` brings the plain change and nothing of the others.
     let fresh = c.path().join("fresh");
-    let cloned = Command::new("git")
-        .args(["clone", "-q"])
-        .arg(&repo)
-        .arg(&fresh)
-        .output()
-        .unwrap();
-    assert!(cloned.status.success(), "{cloned:?}");
-    git(&fresh, &["config", "user.name", "t"]);
-    git(&fresh, &["config", "user.email", "t@t"]);
+    flotilla_tests::fresh_clone(&repo, &fresh);
     let applied = c.client_in(&fresh, &["apply", &run, "--merge"]);
     assert_eq!(applied.code, 0, "{applied:?}");
     assert_eq!(

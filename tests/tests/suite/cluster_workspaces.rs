@@ -78,15 +78,7 @@ fn edit_and_apply(worker_args: &[&str]) -> (String, String, Cluster) {
     assert_eq!(r["changes"]["merged"], 1, "{r}");
     let printed = r["result"].as_str().unwrap_or_default().trim().to_owned();
     let fresh = c.path().join("fresh");
-    let cloned = Command::new("git")
-        .args(["clone", "-q"])
-        .arg(&repo)
-        .arg(&fresh)
-        .output()
-        .unwrap();
-    assert!(cloned.status.success(), "{cloned:?}");
-    git(&fresh, &["config", "user.name", "t"]);
-    git(&fresh, &["config", "user.email", "t@t"]);
+    flotilla_tests::fresh_clone(&repo, &fresh);
     let applied = c.client_in(&fresh, &["apply", &run, "--merge"]);
     assert_eq!(applied.code, 0, "{applied:?}");
     (git(&fresh, &["ls-tree", "-r", "HEAD"]), printed, c)
