@@ -399,6 +399,19 @@ fn spawn_client(c: &Cluster, args: &[&str], log: &std::path::Path) -> Child {
         .expect("start a client command")
 }
 
+/// Waits until `watch` (writing to `log`) has printed a line that starts with `line`: it polls
+/// the run every half second, so a state the test walks through quickly is only seen when the
+/// test waits for it before going on.
+fn watch_says(log: &std::path::Path, line: &str) {
+    eventually(&format!("watch prints {line:?}"), || {
+        let said = std::fs::read_to_string(log).unwrap_or_default();
+        said.lines()
+            .any(|l| l.starts_with(line))
+            .then_some(())
+            .ok_or(said)
+    });
+}
+
 fn ok(out: flotilla_tests::Output) {
     assert_eq!(out.code, 0, "{out:?}");
 }
@@ -521,10 +534,12 @@ async fn every_view_of_a_run_says_the_same_at_each_step_of_its_life() {
         ..Expect::new("paused", 1)
     };
     views.agree("paused", &run, paused).await;
+    watch_says(&watch_log, "walked · paused · 0/1 agents done · 1 queued");
 
     // Resumed: it runs again.
     ok(views.c.client(&["resume", &run]));
     views.agree("resumed", &run, running).await;
+    watch_says(&watch_log, "walked · running · ");
 
     // Waiting: `first` is stopped (it counts as failed, W55); `placed` asks for a label no
     // attached worker carries.
