@@ -188,6 +188,14 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Where a worker whose workspace root is `ws` keeps call `call` of run `run`
+/// (`{ws}/{run}/sXX/{call}`, `XX` the call's number modulo 256 in hex).
+pub fn call_dir(ws: &Path, run: &str, call: u64) -> PathBuf {
+    ws.join(run)
+        .join(format!("s{:02x}", call % 256))
+        .join(call.to_string())
+}
+
 /// A clone of the repository `from` at `to`, with a committer identity (where a test applies
 /// a run's changes).
 pub fn fresh_clone(from: &Path, to: &Path) {

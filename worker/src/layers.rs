@@ -181,7 +181,7 @@ impl View {
     pub fn make(&self) -> Result<bool, Problem> {
         let had = std::fs::symlink_metadata(&self.upper).is_ok_and(|m| m.is_dir());
         for d in [&self.upper, &self.work, &self.at] {
-            std::fs::create_dir_all(d)
+            crate::workspace::make_dirs(d)
                 .map_err(|e| Problem::internal(format!("cannot make {}: {e}", d.display())))?;
         }
         Ok(had)

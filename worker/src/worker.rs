@@ -598,8 +598,8 @@ impl Parts {
                     for dir in &gone {
                         crate::workspace::remove_tree(dir);
                     }
-                    if let Some(run_dir) = gone.first().and_then(|d| d.parent()) {
-                        let _ = std::fs::remove_dir(run_dir);
+                    if let Some(first) = gone.first() {
+                        crate::workspace::prune_above(first);
                     }
                 });
             }
@@ -1480,7 +1480,7 @@ mod tests {
             run_dir.is_dir(),
             "an echo attempt at the end of its call removed the run's directory"
         );
-        assert!(!run_dir.join("7").exists());
+        assert_eq!(std::fs::read_dir(&run_dir).unwrap().count(), 0);
         cancel.cancel();
         serving.await.unwrap();
     }

@@ -2,8 +2,10 @@
 //!
 //! A *shared* workspace (the embedded mode: the user's repository or directory) is where
 //! every agent works, as Claude Code's agents work in the session's directory, and `cwd` is
-//! relative to it. Otherwise every call gets a scratch directory `{root}/{run}/{call}` of its
-//! own, and `cwd` is relative to *that*: an agent's directory is always inside its own call's
+//! relative to it. Otherwise every call gets a scratch directory `{root}/{run}/sXX/{call}` of
+//! its own (`XX`: the call's number modulo 256 in hex, so the calls of a big run are made and
+//! removed in 256 directories, not all in one whose lock every call takes), and `cwd` is
+//! relative to *that*: an agent's directory is always inside its own call's
 //! directory, never the workspace root, another call's directory or a cache. A `cwd` must be
 //! a relative path that stays inside its base (no absolute paths, no `..` that climbs out, no
 //! symlink that leads out). Attempts of one call share the directory: files an earlier attempt
@@ -16,6 +18,48 @@ use std::path::{Component, Path, PathBuf};
 /// ([`crate::layers`]): the call's writes (`{call}.upper`) and overlayfs' scratch
 /// (`{call}.work`).
 pub const VIEW_BESIDE: [&str; 2] = ["upper", "work"];
+
+/// How many directories the calls of one run are spread over on a worker.
+const SHARDS: u64 = 256;
+
+/// The directory of a run's directory that call `call`'s entries are in (`sXX`).
+fn shard(call: u64) -> String {
+    format!("s{:02x}", call % SHARDS)
+}
+
+/// Whether `name` (in a run's directory) is one of its shards.
+fn is_shard(name: &str) -> bool {
+    name.len() == 3
+        && name.starts_with('s')
+        && name[1..]
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// `create_dir_all`, again when a directory on the way went meanwhile: a call of the same run
+/// that ended here removes its shard's and its run's directories once empty, and may do so
+/// between the making of a parent and of its child.
+pub fn make_dirs(dir: &Path) -> std::io::Result<()> {
+    let mut tries = 0;
+    loop {
+        match std::fs::create_dir_all(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 8 => tries += 1,
+            r => return r,
+        }
+    }
+}
+
+/// After a call's `dir` went: the directories above it go too once empty, its shard's and
+/// then its run's (an entry made in one meanwhile keeps it).
+pub fn prune_above(dir: &Path) {
+    let mut up = dir.parent();
+    for _ in 0..2 {
+        match up {
+            Some(d) if std::fs::remove_dir(d).is_ok() => up = d.parent(),
+            _ => return,
+        }
+    }
+}
 
 /// The root under which all agent working directories live.
 #[derive(Debug, Clone)]
@@ -49,11 +93,15 @@ impl Workspace {
         &self.root
     }
 
-    /// The directory of one call (`{root}/{run}/{call}`), not created; `None` for a shared
-    /// workspace (the user's own) or a run id that cannot name a directory.
+    /// The directory of one call (`{root}/{run}/sXX/{call}`), not created; `None` for a
+    /// shared workspace (the user's own) or a run id that cannot name a directory.
     pub fn call_dir(&self, run_id: &str, call: u64) -> Option<PathBuf> {
-        (!self.shared && is_plain_name(run_id))
-            .then(|| self.root.join(run_id).join(call.to_string()))
+        (!self.shared && is_plain_name(run_id)).then(|| {
+            self.root
+                .join(run_id)
+                .join(shard(call))
+                .join(call.to_string())
+        })
     }
 
     /// After a call's last attempt here: its directory goes with whatever the agent left in it
@@ -71,9 +119,7 @@ impl Workspace {
         for beside in ["base", "partial"] {
             let _ = std::fs::remove_file(dir.with_extension(beside));
         }
-        if let Some(run_dir) = dir.parent() {
-            let _ = std::fs::remove_dir(run_dir);
-        }
+        prune_above(&dir);
     }
 
     /// Marks the call's directory as used now (an attempt that keeps it for a retry).
@@ -85,9 +131,10 @@ impl Workspace {
         }
     }
 
-    /// Removes the call directories of runs (`wf_…/N`, and what sits beside them) that no
-    /// attempt has used for `older_than` and that `busy` does not name: a call retried on another worker, stopped
-    /// or never run again leaves its directory here. Returns how many went.
+    /// Removes the call directories of runs (`wf_…/sXX/N`, and what sits beside them) that no
+    /// attempt has used for `older_than` and that `busy` does not name: a call retried on
+    /// another worker, stopped or never run again leaves its directory here. Shards and runs'
+    /// directories left empty go too. Returns how many call directories went.
     pub fn sweep(
         &self,
         older_than: std::time::Duration,
@@ -121,29 +168,23 @@ impl Workspace {
             // Judged before its old call directories go (their removal touches it): a run
             // directory made just now, empty or not, is a call's that is about to use it.
             let run_old = old(&run.path());
-            let Ok(calls) = std::fs::read_dir(run.path()) else {
+            let Ok(entries) = std::fs::read_dir(run.path()) else {
                 continue;
             };
-            for entry in calls.flatten() {
-                let name = entry.file_name();
-                let Some(call) = name
-                    .to_str()
-                    .and_then(|n| n.split('.').next())
-                    .and_then(|n| n.parse::<u64>().ok())
-                else {
-                    continue;
-                };
-                let dir = run.path().join(call.to_string());
-                if busy(&run_id, call) || !old(&entry.path()) || (dir.exists() && !old(&dir)) {
-                    continue;
-                }
-                if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                    remove_tree(&entry.path());
-                    removed += 1;
-                } else {
-                    let _ = std::fs::remove_file(entry.path());
+            for entry in entries.flatten() {
+                let shard = entry.path();
+                if entry.file_name().to_str().is_some_and(is_shard)
+                    && entry.file_type().is_ok_and(|t| t.is_dir())
+                {
+                    let shard_old = old(&shard);
+                    removed += sweep_calls(&shard, &run_id, &old, &busy);
+                    if shard_old {
+                        let _ = std::fs::remove_dir(&shard);
+                    }
                 }
             }
+            // A run's directory as workers before shards left it: its call entries in it.
+            removed += sweep_calls(&run.path(), &run_id, &old, &busy);
             if run_old {
                 let _ = std::fs::remove_dir(run.path());
             }
@@ -167,7 +208,7 @@ impl Workspace {
                 self.root.display()
             ))
         })?;
-        std::fs::create_dir_all(&base).map_err(|e| {
+        make_dirs(&base).map_err(|e| {
             Problem::internal(format!(
                 "cannot create working directory {}: {e}",
                 base.display()
@@ -175,6 +216,42 @@ impl Workspace {
         })?;
         confine(&base, cwd)
     }
+}
+
+/// The sweep of `holder`, a directory with the entries of run `run_id`'s calls (`N`, and
+/// `N.upper`, `N.base`, … beside it): those of calls `busy` does not name that were not used
+/// for a while (`old`) go. Returns how many call directories went.
+fn sweep_calls(
+    holder: &Path,
+    run_id: &str,
+    old: &impl Fn(&Path) -> bool,
+    busy: &impl Fn(&str, u64) -> bool,
+) -> usize {
+    let Ok(calls) = std::fs::read_dir(holder) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in calls.flatten() {
+        let name = entry.file_name();
+        let Some(call) = name
+            .to_str()
+            .and_then(|n| n.split('.').next())
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let dir = holder.join(call.to_string());
+        if busy(run_id, call) || !old(&entry.path()) || (dir.exists() && !old(&dir)) {
+            continue;
+        }
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_tree(&entry.path());
+            removed += 1;
+        } else {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    removed
 }
 
 /// What a tree holds: bytes of its files (apparent sizes) and how many entries.
@@ -401,7 +478,9 @@ mod tests {
         let ws = Workspace::new(tmp.path());
         let d = ws.dir_for("wf_1", 7, "").unwrap();
         assert!(d.is_dir());
-        assert!(d.ends_with("wf_1/7"));
+        assert!(d.ends_with("wf_1/s07/7"));
+        let far = ws.dir_for("wf_1", 300, "").unwrap();
+        assert!(far.ends_with("wf_1/s2c/300"), "{}", far.display());
     }
 
     #[test]
@@ -440,7 +519,7 @@ mod tests {
     fn cwd_is_inside_the_call_s_own_directory_and_never_leaves_it() {
         let tmp = tempfile::tempdir().unwrap();
         let ws = Workspace::new(tmp.path());
-        let own = tmp.path().canonicalize().unwrap().join("r").join("1");
+        let own = tmp.path().canonicalize().unwrap().join("r/s01/1");
         assert_eq!(ws.dir_for("r", 1, "a/b/../c").unwrap(), own.join("a/c"));
         // What named the workspace root itself before (issue 28): now the call's directory.
         for cwd in [".", "./", "x/..", "a/./..", ""] {
@@ -477,9 +556,12 @@ mod tests {
         let ws = Workspace::new(tmp.path());
         let stale = ws.dir_for("wf_s", 1, "").unwrap();
         std::fs::write(stale.join("left.txt"), "x").unwrap();
-        std::fs::write(tmp.path().join("wf_s").join("1.base"), "abc").unwrap();
+        std::fs::write(stale.with_extension("base"), "abc").unwrap();
         let busy = ws.dir_for("wf_s", 2, "").unwrap();
         let fresh = ws.dir_for("wf_t", 3, "").unwrap();
+        // A call's directory as workers before shards left it, in its run's directory.
+        let legacy = tmp.path().join("wf_s").join("5");
+        std::fs::create_dir_all(legacy.join("src")).unwrap();
         std::fs::create_dir_all(tmp.path().join(".flotilla/caches")).unwrap();
         // Not a run's: a file of someone's, as old as the rest.
         let photos = tmp.path().join("photos");
@@ -488,8 +570,9 @@ mod tests {
         let long_ago = flotilla_proto::clock::now() - std::time::Duration::from_secs(7200);
         for p in [
             stale.clone(),
-            tmp.path().join("wf_s").join("1.base"),
+            stale.with_extension("base"),
             busy.clone(),
+            legacy.clone(),
             photos.join("2023.jpg"),
         ] {
             std::fs::File::open(&p)
@@ -497,25 +580,32 @@ mod tests {
                 .set_modified(long_ago)
                 .unwrap();
         }
-        // Empty run directories: one left long ago, one a call has just made.
+        // Empty run directories: one left long ago with an empty shard, one a call has just
+        // made.
         let (old_run, new_run) = (tmp.path().join("wf_old"), tmp.path().join("wf_new"));
-        std::fs::create_dir(&old_run).unwrap();
+        std::fs::create_dir_all(old_run.join("s05")).unwrap();
         std::fs::create_dir(&new_run).unwrap();
-        std::fs::File::open(&old_run)
-            .unwrap()
-            .set_modified(long_ago)
-            .unwrap();
+        for p in [old_run.join("s05"), old_run.clone()] {
+            std::fs::File::open(&p)
+                .unwrap()
+                .set_modified(long_ago)
+                .unwrap();
+        }
         let gone = ws.sweep(std::time::Duration::from_secs(3600), |run, call| {
             run == "wf_s" && call == 2
         });
-        assert_eq!(gone, 1);
+        assert_eq!(gone, 2);
+        assert!(
+            !legacy.exists(),
+            "an old call directory of the old layout goes"
+        );
         assert!(
             !old_run.exists(),
             "an empty run directory left long ago goes"
         );
         assert!(new_run.is_dir(), "one a call has just made stays for it");
         assert!(!stale.exists());
-        assert!(!tmp.path().join("wf_s").join("1.base").exists());
+        assert!(!stale.with_extension("base").exists());
         assert!(busy.exists(), "a running attempt's directory stays");
         assert!(fresh.exists(), "a recently used one stays");
         assert!(

@@ -432,9 +432,7 @@ impl Worktree {
         }
         let _ = std::fs::remove_file(base_file(&self.path));
         let _ = std::fs::remove_file(partial_file(&self.path));
-        if let Some(run_dir) = self.path.parent() {
-            let _ = std::fs::remove_dir(run_dir);
-        }
+        crate::workspace::prune_above(&self.path);
     }
 
     /// The repository the worktree belongs to.
@@ -453,7 +451,7 @@ impl Worktree {
     /// (config, hooks, objects of its commits) is its own, and never touches the cache.
     pub async fn detached(repo: &Path, dir: &Path, commit: &str) -> Result<Worktree, Problem> {
         if let Some(parent) = dir.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| {
+            crate::workspace::make_dirs(parent).map_err(|e| {
                 Problem::internal(format!("cannot create {}: {e}", parent.display()))
             })?;
         }
@@ -864,10 +862,8 @@ impl Worktree {
             let _ = git(&self.repo, &["branch", "-D", &self.branch]).await;
         }
         let _ = std::fs::remove_file(base_file(&self.path));
-        // Its run's directory goes once empty.
-        if let Some(run_dir) = self.path.parent() {
-            let _ = std::fs::remove_dir(run_dir);
-        }
+        // The directories above it go once empty (its run's).
+        crate::workspace::prune_above(&self.path);
         Finished::Removed
     }
 }

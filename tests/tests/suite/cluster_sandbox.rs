@@ -59,7 +59,7 @@ fn an_agent_in_the_sandbox_reaches_nothing_of_the_worker() {
         ),
         (
             "other-checkout",
-            format!("ls {}/$FLOTILLA_RUN_ID/0/code.txt", ws.display()),
+            format!("ls {}/$FLOTILLA_RUN_ID/s00/0/code.txt", ws.display()),
         ),
         ("worker-environ", format!("cat /proc/{wpid}/environ")),
         ("env-secret", format!("env | grep {secret}")),

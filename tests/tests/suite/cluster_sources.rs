@@ -823,8 +823,8 @@ fn a_call_that_fails_for_good_leaves_no_checkout_and_one_that_succeeds_none_eith
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"][1], "ok", "{r}");
     assert!(r["result"][0].is_null(), "{r}");
-    for call in ["0", "1"] {
-        let dir = c.path().join("ws-0").join(&run).join(call);
+    for call in [0, 1] {
+        let dir = flotilla_tests::call_dir(&c.path().join("ws-0"), &run, call);
         assert!(!dir.exists(), "{} is left on the worker", dir.display());
     }
 }
@@ -1031,17 +1031,23 @@ fn with_submodules_their_files_travel_and_apply_keeps_the_links() {
     assert_eq!(inside, "library\nlocal edit\nsub\n");
 }
 
-/// The checkout directories of `run` on worker `i` that hold `file`.
+/// The checkout directories of `run` on worker `i` that hold `file` (in any of the run's
+/// shards).
 fn checkouts_with(c: &Cluster, i: usize, run: &str, file: &str) -> Vec<std::path::PathBuf> {
     let dir = c.path().join(format!("ws-{i}")).join(run);
-    std::fs::read_dir(&dir)
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.path())
-                .filter(|p| p.join(file).exists())
-                .collect()
-        })
-        .unwrap_or_default()
+    let entries = |d: &std::path::Path| {
+        std::fs::read_dir(d)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect::<Vec<_>>()
+    };
+    entries(&dir)
+        .iter()
+        .flat_map(|shard| entries(shard))
+        .filter(|p| p.join(file).exists())
+        .collect()
 }
 
 #[test]

@@ -128,7 +128,7 @@ fn a_hostile_agent_of_one_namespace_reaches_nothing_of_another_or_of_the_worker(
         "return await agent('echo SCRATCH-OF-TEAM-A > note.txt; sleep 120; echo slept');",
         &["--backend", "exec", "--source", "none"],
     );
-    let a_note = ws.join(&scratch_a).join("0").join("note.txt");
+    let a_note = flotilla_tests::call_dir(&ws, &scratch_a, 0).join("note.txt");
     assert!(
         eventually(60, || a_note.exists()),
         "alice's agent writes its note at {}",
@@ -202,7 +202,6 @@ fn a_hostile_agent_of_one_namespace_reaches_nothing_of_another_or_of_the_worker(
         assert_eq!(code, 0, "{r}");
         let results = r["result"].as_array().unwrap_or_else(|| panic!("{r}"));
         assert_eq!(results.len(), cwds.len(), "{r}");
-        let own_run = ws.canonicalize().unwrap().join(&run_b);
         let mut ran = 0;
         for text in results {
             let text = text.as_str().unwrap_or_else(|| panic!("{r}"));
@@ -227,7 +226,8 @@ fn a_hostile_agent_of_one_namespace_reaches_nothing_of_another_or_of_the_worker(
                 .lines()
                 .find_map(|l| l.strip_prefix("CALL "))
                 .unwrap_or_else(|| panic!("{text}"));
-            let own = own_run.join(call);
+            let call: u64 = call.trim().parse().unwrap_or_else(|_| panic!("{text}"));
+            let own = flotilla_tests::call_dir(&ws.canonicalize().unwrap(), &run_b, call);
             assert!(
                 Path::new(pwd).starts_with(&own),
                 "an agent of call {call} worked in {pwd}, outside {}: {text}",

@@ -195,7 +195,8 @@ fn a_hostile_agent_cannot_write_the_shared_tree_nor_see_another_call_s_writes() 
         [ -n "$lower" ] && { ls "$lower" >/dev/null 2>&1 && echo "SEEN lower"; echo x > "$lower/victim.txt" 2>/dev/null && echo "WROTE lower"; }
         [ -n "$upper" ] && { ls "$upper" >/dev/null 2>&1 && echo "SEEN upper"; ls "$(dirname "$upper")" 2>/dev/null | grep -q upper && echo "SEEN uppers"; }
         ls "$(dirname "$me")" | grep -v "^$(basename "$me")$" && echo "SEEN siblings"
-        cat ../0/secret.txt ../0.upper/secret.txt 2>/dev/null && echo "SEEN secret"
+        shard=$(dirname "$me"); ls "$(dirname "$shard")" 2>/dev/null | grep -qv "^$(basename "$shard")$" && echo "SEEN shards"
+        cat ../0/secret.txt ../0.upper/secret.txt ../../s00/0/secret.txt ../../s00/0.upper/secret.txt 2>/dev/null && echo "SEEN secret"
         umount "$me" 2>/dev/null && echo "UNMOUNTED"
         mount -t overlay overlay -o lowerdir=/ /mnt 2>/dev/null && echo "MOUNTED"
         mkdir -p /tmp/u /tmp/w /tmp/m
