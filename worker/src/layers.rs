@@ -209,6 +209,41 @@ impl View {
         }
     }
 
+    /// The paths the agent wrote through the view, for the worker's git to look at those
+    /// only: files, links, deletions, and directories that replaced the tree's (whatever is
+    /// beneath them); not the checkout's own `.git`. `None` past `most` paths, for a name
+    /// that is not UTF-8, for what cannot be read, or when the agent made a repository
+    /// inside the checkout: git looks at the whole checkout then.
+    pub fn touched(&self, most: usize) -> Option<Vec<String>> {
+        let mut out = Vec::new();
+        let mut todo = vec![(self.upper.clone(), String::new())];
+        while let Some((dir, rel)) = todo.pop() {
+            for e in std::fs::read_dir(&dir).ok()? {
+                let e = e.ok()?;
+                let name = e.file_name().into_string().ok()?;
+                if name == ".git" {
+                    if rel.is_empty() {
+                        continue;
+                    }
+                    return None;
+                }
+                let path = if rel.is_empty() {
+                    name
+                } else {
+                    format!("{rel}/{name}")
+                };
+                if e.file_type().ok()?.is_dir() && !is_opaque(&e.path()) {
+                    todo.push((e.path(), path));
+                } else if out.len() == most {
+                    return None;
+                } else {
+                    out.push(path);
+                }
+            }
+        }
+        Some(out)
+    }
+
     /// Removes the view's directories (the mount point, the writes, overlayfs' scratch).
     pub fn remove(&self) {
         for d in [&self.at, &self.upper, &self.work] {
@@ -431,5 +466,45 @@ mod tests {
         assert!(p.windows(2).any(|w| w[0] == "--cwd" && w[1] == "sub"));
         view.remove();
         assert!(!view.upper.exists() && !view.at.exists() && !view.work.exists());
+    }
+
+    #[test]
+    fn what_an_agent_touched_is_read_from_its_writes_and_the_whole_checkout_when_unsure() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let layers = Layers {
+            bin: "/usr/bin/flotilla".into(),
+        };
+        let view = layers.view(&dir.path().join("tree"), &dir.path().join("run/7"));
+        view.make().unwrap();
+        let up = &view.upper;
+        assert_eq!(view.touched(10), Some(Vec::new()));
+        std::fs::create_dir_all(up.join(".git")).unwrap();
+        std::fs::write(up.join(".git/index"), "git's").unwrap();
+        std::fs::create_dir_all(up.join("src/deep")).unwrap();
+        std::fs::write(up.join("src/deep/a.rs"), "a").unwrap();
+        std::os::unix::fs::symlink("a.rs", up.join("src/link")).unwrap();
+        // A directory that replaced the tree's stands for all beneath it.
+        std::fs::create_dir_all(up.join("redone/inner")).unwrap();
+        std::fs::write(up.join("redone/inner/x"), "x").unwrap();
+        rustix::fs::lsetxattr(
+            up.join("redone"),
+            "user.overlay.opaque",
+            b"y",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .unwrap();
+        let mut touched = view.touched(10).unwrap();
+        touched.sort();
+        assert_eq!(touched, ["redone", "src/deep/a.rs", "src/link"]);
+        assert_eq!(view.touched(2), None, "past the most, the whole checkout");
+        // A repository the agent made inside: the whole checkout.
+        std::fs::create_dir_all(up.join("src/.git")).unwrap();
+        assert_eq!(view.touched(10), None);
+        std::fs::remove_dir(up.join("src/.git")).unwrap();
+        // A name git would be given mangled: the whole checkout.
+        let odd = std::ffi::OsStr::from_bytes(b"bad\xff");
+        std::fs::write(up.join(odd), "?").unwrap();
+        assert_eq!(view.touched(10), None);
     }
 }

@@ -977,15 +977,28 @@ pub async fn change_of(
     limit: usize,
 ) -> Result<Option<v1::Change>, Error> {
     let failed = |e: String| worker_error("cannot record the agent's change", &e);
-    if !wt.changed().await {
+    if wt.surely_unchanged() {
         return Ok(None);
     }
-    let dirty = wt
-        .git(&["status", "--porcelain"])
+    // Each git here is a process (in a view, one that mounts it): as few as can be.
+    let dirty = wt.stage(None).await.map_err(|p| failed(p.into()))?;
+    let head = wt
+        .git(&["rev-parse", "HEAD", "HEAD^{tree}"])
         .await
         .map_err(|p| failed(p.into()))?;
-    if !dirty.is_empty() {
-        wt.git(&["add", "-A"]).await.map_err(|p| failed(p.into()))?;
+    let (mut commit, head_tree) = head
+        .split_once('\n')
+        .map(|(c, t)| (c.to_owned(), t.to_owned()))
+        .ok_or_else(|| failed(format!("git rev-parse said {head:?}")))?;
+    let tree = match dirty {
+        true => wt
+            .git(&["write-tree"])
+            .await
+            .map_err(|p| failed(p.into()))?,
+        false => head_tree.clone(),
+    };
+    // What differed may be back as HEAD has it once staged: then there is nothing to commit.
+    if tree != head_tree {
         // The agent is the author: its label, and an address naming the run and call.
         let name: String = spec
             .label
@@ -1000,9 +1013,11 @@ pub async fn change_of(
         };
         let email = format!("agent-{call}@{run}.flotilla");
         let message = format!("flotilla: agent {:?} (#{call}) of run {run}", spec.label);
+        // A commit of the index's tree (`git commit` would look at every file of the
+        // checkout again); HEAD moves to it as a commit would move it.
         let out = wt
             .command()
-            .args(["commit", "-q", "--no-verify", "-m", &message])
+            .args(["commit-tree", &tree, "-p", &commit, "-m", &message])
             .env("GIT_AUTHOR_NAME", &name)
             .env("GIT_AUTHOR_EMAIL", &email)
             .env("GIT_COMMITTER_NAME", "flotilla")
@@ -1015,11 +1030,11 @@ pub async fn change_of(
                 String::from_utf8_lossy(&out.stderr).trim().to_owned(),
             ));
         }
+        commit = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        wt.git(&["update-ref", "HEAD", &commit])
+            .await
+            .map_err(|p| failed(p.into()))?;
     }
-    let commit = wt
-        .git(&["rev-parse", "HEAD"])
-        .await
-        .map_err(|p| failed(p.into()))?;
     if commit == wt.base {
         return Ok(None);
     }

@@ -19,6 +19,10 @@ use tokio::sync::Mutex;
 /// Serializes `git worktree add/remove` (they take repository-wide locks).
 static GIT: Mutex<()> = Mutex::const_new(());
 
+/// At most this many paths an agent wrote in a view are named to the worker's git; past
+/// that it looks at the whole checkout.
+const TOUCHED_MOST: usize = 2000;
+
 /// Longest the worker's git on a checkout may take.
 const GIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 /// Longest `git worktree add/remove/prune` may hold [`GIT`] (what another checkout's git
@@ -711,17 +715,13 @@ impl Worktree {
 
     /// Whether the agent left anything: a change to a tracked or untracked file, or a commit.
     pub async fn changed(&self) -> bool {
-        // A view whose agent wrote no file and moved no HEAD changed nothing: no git runs.
-        if let Some(v) = &self.view
-            && !v.wrote_files()
-            && std::fs::symlink_metadata(v.upper.join(".git").join("HEAD")).is_err()
-        {
+        if self.surely_unchanged() {
             return false;
         }
         let dirty = self
-            .git(&["status", "--porcelain"])
+            .differs(None)
             .await
-            .map(|s| !s.is_empty())
+            .map(|d| !d.is_empty())
             .unwrap_or(true);
         let moved = self
             .git(&["rev-parse", "HEAD"])
@@ -729,6 +729,135 @@ impl Worktree {
             .map(|head| head != self.base)
             .unwrap_or(true);
         dirty || moved
+    }
+
+    /// A view whose agent wrote no file and moved no HEAD: it changed nothing, and no git
+    /// needs to run to know it.
+    pub fn surely_unchanged(&self) -> bool {
+        self.view.as_ref().is_some_and(|v| {
+            !v.wrote_files()
+                && std::fs::symlink_metadata(v.upper.join(".git").join("HEAD")).is_err()
+        })
+    }
+
+    /// What git must look at for what the agent changed: in a view, the paths it wrote
+    /// ([`crate::layers::View::touched`]) and those its index (`index`, or the checkout's)
+    /// stages against HEAD; `None` for all of the checkout.
+    async fn touched(&self, index: Option<&Path>) -> Option<Vec<String>> {
+        let view = self.view.as_ref()?;
+        let mut paths = view.touched(TOUCHED_MOST)?;
+        // The index is the shared tree's (the commit's) until the agent's git wrote one.
+        if std::fs::symlink_metadata(view.upper.join(".git").join("index")).is_ok() {
+            let staged = [
+                "diff-index",
+                "--cached",
+                "--name-only",
+                "-z",
+                "--no-renames",
+                "HEAD",
+            ];
+            paths.extend(self.git_z(&staged, index, None).await.ok()?);
+        }
+        (paths.len() <= TOUCHED_MOST).then_some(paths)
+    }
+
+    /// git on the checkout with `-z` output, split at its NULs: with the index `index` (or
+    /// the checkout's), pathspecs taken literally, `input` on its stdin, and no index
+    /// refreshed on the way (a view's would be copied up for nothing).
+    async fn git_z(
+        &self,
+        args: &[&str],
+        index: Option<&Path>,
+        input: Option<Vec<u8>>,
+    ) -> Result<Vec<String>, Problem> {
+        use tokio::io::AsyncWriteExt;
+        let mut c = self.command();
+        c.args(args)
+            .env("GIT_LITERAL_PATHSPECS", "1")
+            .env("GIT_OPTIONAL_LOCKS", "0")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if let Some(i) = index {
+            c.env("GIT_INDEX_FILE", i);
+        }
+        let run = async {
+            let mut child = c.spawn().map_err(|e| {
+                Problem::internal(format!("cannot run git: {e}; install git on the worker"))
+            })?;
+            // Its stdin closes once written (a git that exits early closes its end: its
+            // status says why).
+            if let Some(mut stdin) = child.stdin.take()
+                && let Some(bytes) = input
+            {
+                let _ = stdin.write_all(&bytes).await;
+            }
+            child
+                .wait_with_output()
+                .await
+                .map_err(|e| Problem::internal(format!("cannot run git: {e}")))
+        };
+        let out = tokio::time::timeout(GIT_TIMEOUT, run).await.map_err(|_| {
+            Problem::internal(format!(
+                "git {} took more than {} minutes",
+                args.first().unwrap_or(&""),
+                GIT_TIMEOUT.as_secs() / 60
+            ))
+        })??;
+        if !out.status.success() {
+            return Err(Problem::internal(
+                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            ));
+        }
+        Ok(out
+            .stdout
+            .split(|b| *b == 0)
+            .filter(|r| !r.is_empty())
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .collect())
+    }
+
+    /// `git status` of the checkout against the index `index` (or its own), one `XY path`
+    /// per entry (every untracked file named, no renames), looking only at what the agent
+    /// touched when that is known ([`Worktree::touched`]).
+    async fn differs(&self, index: Option<&Path>) -> Result<Vec<String>, Problem> {
+        let mut args = vec![
+            "status",
+            "--porcelain=v1",
+            "-z",
+            "--untracked-files=all",
+            "--no-renames",
+        ];
+        let touched = self.touched(index).await;
+        match &touched {
+            Some(paths) if paths.is_empty() => return Ok(Vec::new()),
+            Some(paths) => {
+                args.push("--");
+                args.extend(paths.iter().map(String::as_str));
+            }
+            None => {}
+        }
+        self.git_z(&args, index, None).await
+    }
+
+    /// `git add -A` into the index `index` (or the checkout's own), of exactly the paths
+    /// whose files differ from it ([`Worktree::differs`]); whether anything differs from
+    /// HEAD at all.
+    pub async fn stage(&self, index: Option<&Path>) -> Result<bool, Problem> {
+        let differs = self.differs(index).await?;
+        // `XY path`: Y is the file against the index (`?` untracked); a path only staged
+        // (Y blank) is in the index as it should be already.
+        let add: Vec<&str> = differs
+            .iter()
+            .filter(|r| r.len() > 3 && r.as_bytes()[1] != b' ')
+            .map(|r| &r[3..])
+            .collect();
+        if !add.is_empty() {
+            let list = add.join("\0").into_bytes();
+            let args = ["add", "-A", "--pathspec-from-file=-", "--pathspec-file-nul"];
+            self.git_z(&args, index, Some(list)).await?;
+        }
+        Ok(!differs.is_empty())
     }
 
     /// A commit of everything in the checkout now (tracked, untracked, and what the agent
@@ -783,7 +912,7 @@ impl Worktree {
                 }
             }
         };
-        run(vec!["add", "-A"]).await?;
+        self.stage(Some(&index_at)).await?;
         let tree = run(vec!["write-tree"]).await?;
         run(vec!["commit-tree", &tree, "-p", "HEAD", "-m", message]).await
     }

@@ -15,7 +15,10 @@
 //! - **one-file edit**: the disk (blocks) an attempt that appends to one file takes beyond the
 //!   shared tree;
 //! - **at once**: `--attempts` views made together, each with a process that edits one file
-//!   and stays: until all are ready, and the disk they take in all.
+//!   and stays: until all are ready, and the disk they take in all;
+//! - **change read**: the worker reading a one-file edit as a change once the agent is done
+//!   (`source::change_of`: commit and pack) in a view, where git looks only at what the agent
+//!   wrote, against a full checkout of the same commit (its index fresh).
 //!
 //! Times are medians over `--rounds`; ratios are this over the baseline.
 
@@ -77,6 +80,11 @@ struct Views {
     /// `git worktree add` over view ready.
     view_speedup: f64,
     edit_disk_bytes: u64,
+    /// A one-file edit read as a change, in a view and in a full checkout.
+    change_ms: f64,
+    change_checkout_ms: f64,
+    /// The full checkout's over the view's.
+    change_speedup: f64,
     at_once: usize,
     at_once_ms: f64,
     at_once_disk_bytes: u64,
@@ -350,6 +358,7 @@ async fn views(
     let v = wt.view().ok_or(Problem::internal("not a view"))?;
     let edit_disk_bytes = blocks(&v.upper) + blocks(&v.work) + blocks(&v.at);
     wt.discard().await;
+    let (change_ms, change_checkout_ms) = change_rounds(a, layers, tmp, bare, commit).await?;
     // Many at once, each holding its edit.
     let t = Instant::now();
     let mut held = Vec::new();
@@ -400,10 +409,72 @@ async fn views(
         view_ready_ms,
         view_speedup: add / view_ready_ms,
         edit_disk_bytes,
+        change_ms,
+        change_checkout_ms,
+        change_speedup: change_checkout_ms / change_ms,
         at_once: a.attempts,
         at_once_ms,
         at_once_disk_bytes,
     })
+}
+
+/// Medians of the time the worker takes to read a one-file edit as a change: in a view of the
+/// commit's shared tree (at `tmp/trees/COMMIT`), and in a full checkout of it.
+async fn change_rounds(
+    a: &SourceArgs,
+    layers: &flotilla_worker::layers::Layers,
+    tmp: &Path,
+    bare: &Path,
+    commit: &str,
+) -> Result<(f64, f64), Problem> {
+    use flotilla_worker::worktree::Worktree;
+    let failed = |e: std::io::Error| Problem::internal(e.to_string());
+    let file = "d000/f00000.txt";
+    let tree = tmp.join("trees").join(commit);
+    let spec = flotilla_proto::v1::TaskSpec::default();
+    let (mut viewed, mut checked_out) = (Vec::new(), Vec::new());
+    for r in 0..a.rounds.max(1) {
+        let wt = Worktree::over(
+            bare,
+            layers.view(&tree, &tmp.join("views").join(format!("change-{r}"))),
+            commit,
+        )?;
+        in_view(&wt, &format!("echo edited >> {file}"))
+            .output()
+            .await
+            .map_err(failed)?;
+        let t = Instant::now();
+        let change = flotilla_worker::source::change_of(&wt, &spec, ("wf_bench", 0), 1 << 30)
+            .await
+            .map_err(|e| Problem::internal(e.message))?;
+        viewed.push(ms(t));
+        wt.discard().await;
+        let full = Worktree::detached(bare, &tmp.join(format!("change-wt-{r}")), commit).await?;
+        // Its index written once the second of the checkout is over, as the worker's trees
+        // are: git trusts what it recorded of every file.
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        full.git(&["update-index", "-q", "--refresh"]).await?;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(full.path.join(file))
+            .map_err(failed)?;
+        std::io::Write::write_all(&mut f, b"edited\n").map_err(failed)?;
+        let t = Instant::now();
+        let baseline = flotilla_worker::source::change_of(&full, &spec, ("wf_bench", 0), 1 << 30)
+            .await
+            .map_err(|e| Problem::internal(e.message))?;
+        checked_out.push(ms(t));
+        full.discard().await;
+        let files = |c: &Option<flotilla_proto::v1::Change>| c.as_ref().map(|c| c.files.clone());
+        if files(&change) != Some(vec![file.to_owned()]) || files(&change) != files(&baseline) {
+            return Err(Problem::internal(format!(
+                "the one-file edit was read as {:?} in a view and {:?} in a checkout",
+                files(&change),
+                files(&baseline)
+            )));
+        }
+    }
+    Ok((median(viewed), median(checked_out)))
 }
 
 pub async fn run(a: SourceArgs) -> i32 {
@@ -432,13 +503,16 @@ pub async fn run(a: SourceArgs) -> i32 {
             );
             if let Some(v) = &r.views {
                 println!(
-                    "  view ready          {:>8.1} ms vs git worktree add        {:>8.1} ms  ({:.0}x faster; the commit's shared tree: {:.0} ms once, {} MB)\n  one-file edit       {:>8} bytes of disk beyond the shared tree\n  {} at once          {:>8.0} ms until all ready, {} MB of disk beyond the shared tree",
+                    "  view ready          {:>8.1} ms vs git worktree add        {:>8.1} ms  ({:.0}x faster; the commit's shared tree: {:.0} ms once, {} MB)\n  one-file edit       {:>8} bytes of disk beyond the shared tree\n  change read         {:>8.1} ms vs in a full checkout       {:>8.1} ms  ({:.1}x faster)\n  {} at once          {:>8.0} ms until all ready, {} MB of disk beyond the shared tree",
                     v.view_ready_ms,
                     r.worktree_add_ms,
                     v.view_speedup,
                     v.tree_ms,
                     v.tree_bytes >> 20,
                     v.edit_disk_bytes,
+                    v.change_ms,
+                    v.change_checkout_ms,
+                    v.change_speedup,
                     v.at_once,
                     v.at_once_ms,
                     v.at_once_disk_bytes >> 20

@@ -1065,7 +1065,7 @@ fn a_retry_on_another_worker_starts_from_what_the_interrupted_attempt_left() {
         &script,
         "export const meta = { name: 'resume', description: 'incremental retries' };\n\
          return await agent('if [ -e progress.txt ]; then echo second >> progress.txt; echo resumed in $(pwd); \
-         cat progress.txt draft.txt; git status --porcelain; else echo first > progress.txt; echo draft > draft.txt; \
+         echo on $(stat -f -c %T .); cat progress.txt draft.txt; git status --porcelain; else echo first > progress.txt; echo draft > draft.txt; \
          echo tracked >> base.txt; sleep 600; fi', { label: 'worker' });\n",
     )
     .unwrap();
@@ -1074,6 +1074,14 @@ fn a_retry_on_another_worker_starts_from_what_the_interrupted_attempt_left() {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let first = loop {
         if let Some(i) = (0..2).find(|&i| !checkouts_with(&c, i, &run, "draft.txt").is_empty()) {
+            // Written through a copy-on-write view: the draft is in the call's writes.
+            let found = checkouts_with(&c, i, &run, "draft.txt");
+            assert!(
+                found
+                    .iter()
+                    .all(|p| p.extension().is_some_and(|e| e == "upper")),
+                "the first attempt worked in a view: {found:?}"
+            );
             break i;
         }
         assert!(
@@ -1096,6 +1104,10 @@ fn a_retry_on_another_worker_starts_from_what_the_interrupted_attempt_left() {
     assert!(
         text.contains("first\nsecond\ndraft\n"),
         "it found the first attempt's files: {text}"
+    );
+    assert!(
+        text.contains("on overlayfs"),
+        "the retry worked in a view: {text}"
     );
     // As on Claude Code's disk: what the first attempt wrote is there uncommitted.
     for line in [" M base.txt", "?? draft.txt", "?? progress.txt"] {

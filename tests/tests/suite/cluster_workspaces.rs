@@ -28,7 +28,8 @@ fn launch(c: &Cluster, repo: &Path, script: &Path) -> String {
 }
 
 /// Every kind of file a change can touch: edited, deleted, renamed, made executable, a
-/// directory deleted whole, one replaced, and an ignore rule.
+/// directory deleted whole, one replaced, a file and a directory that swap kinds, one taken
+/// out of the index only, and an ignore rule.
 fn repo_of_every_kind(dir: &Path) {
     flotilla_tests::git_repo(dir);
     for (f, body) in [
@@ -40,6 +41,9 @@ fn repo_of_every_kind(dir: &Path) {
         ("dir/a.txt", "a\n"),
         ("dir/deeper/b.txt", "b\n"),
         ("keep/x.txt", "x\n"),
+        ("swap.txt", "swap\n"),
+        ("swapdir/s.txt", "s\n"),
+        ("uncached.txt", "u\n"),
         (".gitignore", "*.log\n"),
     ] {
         let p = dir.join(f);
@@ -52,7 +56,10 @@ fn repo_of_every_kind(dir: &Path) {
 /// What the agent does to it (and what kind of filesystem it works on, printed).
 const EDITS: &str = "echo two >> edit.txt; rm gone.txt; mv moved.txt renamed.txt; chmod +x run.sh; \
     ln -s target.txt link; mkdir -p new/deeper && echo fresh > new/deeper/file.txt; rm -rf dir; \
-    rm -rf keep && mkdir keep && echo y > keep/y.txt; echo noise > build.log; stat -f -c %T .";
+    rm -rf keep && mkdir keep && echo y > keep/y.txt; echo noise > build.log; \
+    rm swap.txt && mkdir swap.txt && echo inner > swap.txt/inner.txt; \
+    rm -rf swapdir && echo now-a-file > swapdir; git rm -q --cached uncached.txt; \
+    stat -f -c %T .";
 
 /// Runs [`EDITS`] on a cluster of one worker started with `worker_args`, applies the run's
 /// change to a fresh clone of the repository, and returns the clone's tree (`git ls-tree -r`:
@@ -127,7 +134,20 @@ fn a_change_made_in_a_copy_on_write_checkout_arrives_exactly_as_a_full_checkout_
     assert_eq!(mode("link"), Some("120000"), "a symlink travels as one");
     assert_eq!(mode("new/deeper/file.txt"), Some("100644"));
     assert_eq!(mode("keep/y.txt"), Some("100644"));
+    assert_eq!(
+        mode("swap.txt/inner.txt"),
+        Some("100644"),
+        "a file became a directory"
+    );
+    assert_eq!(mode("swapdir"), Some("100644"), "a directory became a file");
+    assert_eq!(
+        mode("uncached.txt"),
+        Some("100644"),
+        "a file still there is in the change, whatever the index says"
+    );
     for gone in [
+        "swap.txt",
+        "swapdir/s.txt",
         "gone.txt",
         "moved.txt",
         "dir/a.txt",
