@@ -588,9 +588,9 @@ struct Parts {
 }
 
 impl Parts {
-    /// Removes the checkout `wt`: a view's directories are set aside at once and removed
-    /// on the worker's tasks (whatever the agent wrote, its outcome does not wait for it);
-    /// a checkout on disk, now.
+    /// Removes the checkout `wt`: a source checkout's directories (a view's, or a full
+    /// checkout's) are set aside at once and removed on the worker's tasks (whatever the
+    /// agent wrote, its outcome does not wait for it); a worktree of the user's, now.
     async fn discard(&self, wt: &crate::worktree::Worktree) {
         match wt.set_aside() {
             Some(gone) => {

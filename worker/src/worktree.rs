@@ -529,17 +529,22 @@ impl Worktree {
         })
     }
 
-    /// A view's directories moved out of the way at once (`{call}.gone-…`, beside them;
-    /// the workspace sweep takes any a worker left), for the caller to remove; its base and
-    /// partial records removed. `None` for a checkout on disk (see [`Worktree::discard`]).
+    /// A source checkout's directories (a view's three, or the checkout on disk) moved out
+    /// of the way at once (`{call}.gone-…`, beside them; the workspace sweep takes any a
+    /// worker left), for the caller to remove; its base and partial records removed. `None`
+    /// for a worktree of the user's repository (see [`Worktree::discard`]).
     pub fn set_aside(&self) -> Option<Vec<PathBuf>> {
-        let view = self.view.as_ref()?;
+        let dirs = match &self.view {
+            Some(view) => vec![&view.upper, &view.work, &view.at],
+            None if self.own_repo() => vec![&self.path],
+            None => return None,
+        };
         let stamp = flotilla_proto::clock::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let mut gone = Vec::new();
-        for (i, dir) in [&view.upper, &view.work, &view.at].into_iter().enumerate() {
-            let to = view.at.with_extension(format!("gone-{stamp}-{i}"));
+        for (i, dir) in dirs.into_iter().enumerate() {
+            let to = self.path.with_extension(format!("gone-{stamp}-{i}"));
             match std::fs::rename(dir, &to) {
                 Ok(()) => gone.push(to),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
