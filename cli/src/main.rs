@@ -119,6 +119,8 @@ enum Command {
     Pause(client::PauseArgs),
     /// Resume a run: a paused one goes on; any other starts again from its completed calls.
     Resume(client::ResumeArgs),
+    /// Set a run's money budget (`--usd`): a run paused at its budget goes on once under it.
+    Budget(client::BudgetArgs),
     /// Restart one running agent of a run as a new attempt.
     Restart(client::AgentRefArgs),
     /// What a fleet run's agents changed in its source: each agent's change and the run head.
@@ -284,6 +286,7 @@ impl Command {
             Command::Wait(a) => a.run.json(),
             Command::Status(a) | Command::Watch(a) => a.json(),
             Command::Pause(a) => a.json(),
+            Command::Budget(a) => a.json(),
             Command::Stop(a) | Command::Restart(a) => a.json(),
             Command::Runs(a) => a.json,
             Command::Show(a) => a.json,
@@ -452,6 +455,7 @@ async fn dispatch(command: Command) -> i32 {
         Command::Watch(args) => client::watch(args).await,
         Command::Stop(args) => client::stop(args).await,
         Command::Pause(args) => client::pause(args).await,
+        Command::Budget(args) => client::budget(args).await,
         Command::Resume(args) => client::resume(args).await,
         Command::Restart(args) => client::restart(args).await,
         Command::Changes(args) => client::changes::changes(args).await,

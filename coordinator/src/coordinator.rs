@@ -83,6 +83,9 @@ pub struct CoordinatorOptions {
     /// The namespaces' policies (`[namespaces.*]`); their daily use is kept in the store.
     /// `None`: every run weighs the same and nothing is counted.
     pub namespaces: Option<crate::namespace::Namespaces>,
+    /// A run at its money budget is held until `flotilla budget` raises it (a served
+    /// coordinator), instead of stopping its agents (`flotilla run`, where nobody can).
+    pub budget_pauses: bool,
 }
 
 /// A launch that passed its checks: its script prepared, its workflow, the body the
@@ -115,6 +118,8 @@ pub struct Coordinator {
     /// The namespaces' policies and daily use (`[namespaces.*]`); `None`: every run weighs
     /// the same and nothing is counted.
     quotas: Option<Arc<crate::namespace::Quotas>>,
+    /// See [`CoordinatorOptions::budget_pauses`].
+    budget_pauses: bool,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -158,6 +163,7 @@ impl Coordinator {
             notifier: opts.notifier,
             model_policy: opts.allowed_models,
             quotas,
+            budget_pauses: opts.budget_pauses,
         }
     }
 
@@ -278,6 +284,10 @@ impl Coordinator {
         req.settings = manifest.settings.clone();
         req.settings.replay = replay;
         req.settings.namespace = namespace;
+        // The money budget it was last given, if raised after its launch.
+        if let Some(usd) = self.raised_budget(parent).await {
+            req.settings.budget_usd = Some(usd);
+        }
         if req
             .resolver
             .carried()
@@ -713,6 +723,13 @@ impl Coordinator {
         ))
     }
 
+    /// The money budget run `run_id` was given after its launch (`flotilla budget`), if any.
+    async fn raised_budget(&self, run_id: &str) -> Option<f64> {
+        let body = self.store.get(&keys::budget(run_id)).await.ok()??;
+        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        v["usd"].as_f64().filter(|u| u.is_finite() && *u > 0.0)
+    }
+
     /// Takes over a run whose owner is gone (failover): replays its stored script from the
     /// top as the same run, under a new generation; every call in its journal is served from
     /// there, the rest are dispatched again.
@@ -734,12 +751,16 @@ impl Coordinator {
                 workflow: WorkflowInfo::default(),
                 resend_source: false,
             })?;
-        let manifest: Manifest = serde_json::from_slice(&manifest).map_err(|e| {
+        let mut manifest: Manifest = serde_json::from_slice(&manifest).map_err(|e| {
             Rejected::invalid(
                 format!("run {run_id} has an unreadable manifest: {e}"),
                 WorkflowInfo::default(),
             )
         })?;
+        // A money budget given after the launch holds the adopted run as it held the first.
+        if let Some(usd) = self.raised_budget(run_id).await {
+            manifest.settings.budget_usd = Some(usd);
+        }
         let source = self
             .store
             .get(&keys::script(run_id))
@@ -870,6 +891,7 @@ impl Coordinator {
             notifier: self.notifier.as_ref().cloned(),
             quotas: self.quotas.clone(),
             tasks: self.tasks.clone(),
+            budget_pauses: self.budget_pauses,
         };
         Ok(run::start(
             init,

@@ -80,6 +80,7 @@ impl Asked<'_> {
             "resume" => "resume the run".to_owned(),
             "stop_agent" => format!("stop agent {agent}"),
             "restart_agent" => format!("restart agent {agent}"),
+            "budget" => "set the run's money budget".to_owned(),
             _ => return None,
         };
         let verb = action.split('_').next().unwrap_or(action);
@@ -178,6 +179,7 @@ impl RunRegistry {
         run_id: &str,
         action: &str,
         agent: &str,
+        usd: Option<f64>,
         asked: Asked<'_>,
     ) -> Result<String, Status> {
         let stopper = self.lock().get(run_id).map(|e| {
@@ -200,6 +202,22 @@ impl RunRegistry {
             )));
         }
         let paused = status == RunStatus::Paused;
+        let held = snapshot
+            .borrow()
+            .summary
+            .waiting
+            .as_deref()
+            .is_some_and(|w| w.starts_with(crate::run::HELD_AT_BUDGET));
+        if action == "resume" && held {
+            return Err(ErrorKind::Conflict.status(format!(
+                "run {run_id} is paused at its money budget; raise it to go on: `flotilla budget {run_id} --usd DOLLARS`"
+            )));
+        }
+        if action == "budget" && !usd.is_some_and(|u| u.is_finite() && u > 0.0) {
+            return Err(ErrorKind::Invalid.status(
+                "give the run's money budget as a positive number of dollars (`flotilla budget RUN --usd 5`)",
+            ));
+        }
         if let Some(line) = asked.line(action, agent) {
             // Said before the action, so the log reads in order.
             let _ = stopper.send(Control::Note(line));
@@ -256,8 +274,20 @@ impl RunRegistry {
                     .map_err(|_| gone())?
                     .map_err(|e| ErrorKind::Conflict.status(e))
             }
+            "budget" => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                stopper
+                    .send(Control::Budget {
+                        usd: usd.unwrap_or_default(),
+                        reply: tx,
+                    })
+                    .map_err(|_| gone())?;
+                rx.await
+                    .map_err(|_| gone())?
+                    .map_err(|e| ErrorKind::Conflict.status(e))
+            }
             other => Err(ErrorKind::Invalid.status(format!(
-                "unknown action {other:?}: use pause, resume, stop, stop_agent or restart_agent"
+                "unknown action {other:?}: use pause, resume, stop, stop_agent, restart_agent or budget"
             ))),
         }
     }

@@ -365,6 +365,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         notifier: None,
         quotas: None,
         tasks: Default::default(),
+        budget_pauses: false,
     };
     let handle = run::start(
         init,

@@ -429,6 +429,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
                 action: "resume".into(),
                 agent: String::new(),
                 reason: String::new(),
+                budget_usd: 0.0,
             })
             .await
         {

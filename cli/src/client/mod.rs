@@ -300,3 +300,30 @@ impl PauseArgs {
         self.run.json
     }
 }
+
+#[derive(clap::Args, Debug)]
+pub struct BudgetArgs {
+    #[command(flatten)]
+    run: RunRefArgs,
+    /// The run's money budget from now on, in dollars (what its attempts may cost in all).
+    #[arg(long, value_parser = positive_dollars)]
+    usd: f64,
+    /// Why: kept, with who asked, in the run's log and events.
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+impl BudgetArgs {
+    pub fn json(&self) -> bool {
+        self.run.json
+    }
+}
+
+fn positive_dollars(s: &str) -> Result<f64, Problem> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(Problem::invalid(format!(
+            "{s:?} is not a money budget: give a positive number of dollars, e.g. --usd 5"
+        ))),
+    }
+}

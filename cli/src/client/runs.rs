@@ -259,6 +259,22 @@ pub async fn pause(a: PauseArgs) -> i32 {
 }
 
 pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str, reason: &str) -> i32 {
+    control_with(a, action, agent, reason, 0.0).await
+}
+
+/// `budget`: a run's money budget set anew; a run held at its budget goes on once under it.
+pub async fn budget(a: BudgetArgs) -> i32 {
+    control_with(
+        &a.run,
+        "budget",
+        "",
+        a.reason.as_deref().unwrap_or(""),
+        a.usd,
+    )
+    .await
+}
+
+async fn control_with(a: &RunRefArgs, action: &str, agent: &str, reason: &str, usd: f64) -> i32 {
     let mut client = match a.client() {
         Ok(c) => c,
         Err(e) => return crate::refuse(e),
@@ -269,6 +285,7 @@ pub(crate) async fn control_call(a: &RunRefArgs, action: &str, agent: &str, reas
             action: action.to_owned(),
             agent: agent.to_owned(),
             reason: reason.to_owned(),
+            budget_usd: usd,
         })
         .await
     {

@@ -562,6 +562,7 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             notifier,
             allowed_models: s.allowed_models.clone(),
             namespaces: Some(s.namespaces.clone()),
+            budget_pauses: true,
         },
     ));
     let registry = Arc::new(RunRegistry::default());

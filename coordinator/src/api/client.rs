@@ -705,6 +705,7 @@ impl ClientService for ClientSvc {
             action,
             agent,
             reason,
+            budget_usd,
         } = req.into_inner();
         sizes::text("the action", &action)
             .and_then(|()| sizes::text("the agent", &agent))
@@ -723,7 +724,7 @@ impl ClientService for ClientSvc {
         };
         let message = self
             .registry
-            .control(&run_id, &action, &agent, asked)
+            .control(&run_id, &action, &agent, Some(budget_usd), asked)
             .await?;
         Ok(Response::new(v1::ControlReply { message }))
     }

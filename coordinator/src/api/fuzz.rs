@@ -175,7 +175,7 @@ fn call() -> impl Strategy<Value = Call> {
             prop_oneof![Just("pause".to_owned()), Just("resume".to_owned()), Just("restart".to_owned()), "\\PC{0,8}"],
             name_like()
         )
-            .prop_map(|(run_id, action, agent)| Call::Control(v1::ControlRequest { run_id, action, agent, reason: String::new() })),
+            .prop_map(|(run_id, action, agent)| Call::Control(v1::ControlRequest { run_id, action, agent, reason: String::new(), budget_usd: 0.0 })),
         1 => (version(), script(), name_like()).prop_map(|(protocol_version, source, namespace)| Call::Push(v1::PushWorkflowRequest { protocol_version, source, namespace })),
         1 => (version(), name_like(), name_like(), any::<u32>()).prop_map(|(protocol_version, run_id, agent, attempt)| {
             Call::Transcripts(v1::TranscriptsRequest { protocol_version, run_id, agent, attempt })

@@ -36,6 +36,9 @@ pub struct Spent {
     pub cost_usd: f64,
     /// Output tokens, shared with nested workflows and the script's `budget.spent()`.
     pub output_tokens: u64,
+    /// Past the money budget the run is held, not refused (on a coordinator, where the
+    /// budget can be raised): its new agents are admitted and wait.
+    pub money_holds: bool,
 }
 
 /// How admission ended.
@@ -228,6 +231,7 @@ impl Admitter {
     ) -> Result<(CallSpec, Option<String>), (RejectCode, String)> {
         if let Some(limit) = settings.budget_usd
             && spent.cost_usd >= limit
+            && !spent.money_holds
         {
             return Err((
                 RejectCode::BudgetExceeded,
@@ -395,6 +399,7 @@ mod tests {
             calls,
             cost_usd,
             output_tokens,
+            money_holds: false,
         };
         let (code, m) = rejected(admit(&mut a, &s, at(2, 0.0, 0), req("p", "{}")));
         assert_eq!(code, RejectCode::AgentCap);
@@ -406,6 +411,12 @@ mod tests {
         assert_eq!(code, RejectCode::BudgetExceeded);
         assert!(m.contains("money budget"), "{m}");
         dispatched(admit(&mut a, &s, at(1, 0.5, 99), req("p", "{}")));
+        // Where the run is held at its money budget, its new agents wait instead.
+        let held = Spent {
+            money_holds: true,
+            ..at(1, 1.5, 0)
+        };
+        dispatched(admit(&mut a, &s, held, req("p", "{}")));
     }
 
     #[test]

@@ -84,6 +84,19 @@ impl Budgets {
             .fetch_add(u.output_tokens, Ordering::Relaxed);
     }
 
+    /// Whether what was carried over has reached the money budget, said once (as [`Budgets::add`]
+    /// says a crossing): a run adopted over its budget is held before it starts anything.
+    pub(super) fn carried_over_money(&mut self) -> bool {
+        let over = self
+            .budget_usd
+            .is_some_and(|limit| self.used.cost_usd >= limit);
+        if !over || self.money_spent {
+            return false;
+        }
+        self.money_spent = true;
+        true
+    }
+
     /// Keeps usage of call `call`, not made yet, for when it is.
     pub(super) fn keep_early(&mut self, call: u64, u: &UsageRecord) {
         self.early.entry(call).or_default().add(u);
@@ -92,6 +105,20 @@ impl Budgets {
     /// The usage kept for call `call` before it was made, if any.
     pub(super) fn take_early(&mut self, call: u64) -> Option<UsageRecord> {
         self.early.remove(&call)
+    }
+
+    /// The money budget, if the run has one.
+    pub(super) fn usd(&self) -> Option<f64> {
+        self.budget_usd
+    }
+
+    /// The money budget set anew (`flotilla budget`): whether the run is under it. Once
+    /// under, crossing it again is said again.
+    pub(super) fn set_usd(&mut self, usd: f64) -> bool {
+        self.budget_usd = Some(usd);
+        let under = self.used.cost_usd < usd;
+        self.money_spent = !under;
+        under
     }
 
     /// A call failed instead of retrying: the retry budget was spent.
@@ -167,6 +194,18 @@ mod tests {
     }
 
     #[test]
+    fn a_money_budget_set_anew_is_crossed_again_once_under_it() {
+        let mut b = Budgets::new(Arc::new(ScriptShared::default()), Some(1.0), None);
+        assert!(b.add(&usage(0, 1.2)).money.is_some());
+        assert!(!b.set_usd(1.1), "still over");
+        assert_eq!(b.add(&usage(0, 0.1)), Crossed::default(), "said once");
+        assert!(b.set_usd(2.0));
+        assert_eq!(b.usd(), Some(2.0));
+        assert_eq!(b.add(&usage(0, 0.5)), Crossed::default());
+        assert!(b.add(&usage(0, 0.3)).money.is_some(), "crossed again");
+    }
+
+    #[test]
     fn without_ceilings_nothing_crosses_and_early_usage_waits_for_its_call() {
         let mut b = Budgets::new(Arc::new(ScriptShared::default()), None, None);
         assert_eq!(b.add(&usage(1_000_000, 1e6)), Crossed::default());
@@ -175,6 +214,14 @@ mod tests {
         assert_eq!(b.take_early(7).unwrap().output_tokens, 7);
         assert!(b.take_early(7).is_none());
         b.carry(&usage(10, 0.0));
+        assert!(!b.carried_over_money(), "no money budget");
+        let mut m = Budgets::new(Arc::new(ScriptShared::default()), Some(1.0), None);
+        m.carry(&usage(0, 0.4));
+        assert!(!m.carried_over_money());
+        m.carry(&usage(0, 0.7));
+        assert!(m.carried_over_money());
+        assert!(!m.carried_over_money(), "said once");
+        assert_eq!(m.add(&usage(0, 0.1)), Crossed::default());
         assert_eq!(b.used().output_tokens, 1_000_010);
         b.refused_retry();
         assert_eq!(b.retries_refused(), 1);

@@ -13,6 +13,7 @@ impl RunEngine {
             calls: self.book.len() as u64,
             cost_usd: self.budgets.used().cost_usd,
             output_tokens: self.budgets.output_tokens(),
+            money_holds: self.init.budget_pauses,
         };
         let (types, resolver) = (&mut self.agent_types, &self.init.resolver);
         let mut known = || types.get_or_insert_with(|| resolver.agent_types()).clone();
@@ -135,6 +136,10 @@ impl RunEngine {
             self.budgets.carry(&record.usage);
             if let Some(early) = self.budgets.take_early(index) {
                 call.usage.add(&early);
+            }
+            // Adopted over its money budget: held before it starts anything new.
+            if self.init.budget_pauses && self.budgets.carried_over_money() {
+                self.hold_at_budget();
             }
         }
         self.book.push(call);

@@ -9,6 +9,13 @@ impl RunEngine {
         if self.stopping || (self.status == RunStatus::Paused) == paused {
             return;
         }
+        if !paused && let Some(why) = &self.held {
+            // Only a budget that is not reached lets it go on.
+            let line = format!("[budget] the run stays {why}");
+            self.logs.push(line.clone());
+            self.event(RunEvent::Log { line });
+            return;
+        }
         self.status = if paused {
             RunStatus::Paused
         } else {
@@ -94,7 +101,9 @@ impl RunEngine {
     /// the dispatcher ends every call that has not started with `BUDGET_EXCEEDED`; running
     /// ones complete.
     pub(super) fn over_budget(&mut self, crossed: budgets::Crossed) {
-        if let Some((line, message)) = crossed.money {
+        if crossed.money.is_some() && self.init.budget_pauses {
+            self.hold_at_budget();
+        } else if let Some((line, message)) = crossed.money {
             self.logs.push(line.clone());
             self.event(RunEvent::Log { line });
             self.stop_live(CallFailure::Budget, &message);
@@ -102,6 +111,95 @@ impl RunEngine {
         if let Some(message) = crossed.tokens {
             self.init.dispatch.budget_spent(&self.run, &message);
         }
+    }
+
+    /// The run at its money budget where someone can raise it (a coordinator's run): held,
+    /// as [`HELD_AT_BUDGET`] says: nothing new starts, running agents finish, and
+    /// `flotilla budget` lets it go on. Its status says by how much it is over.
+    pub(super) fn hold_at_budget(&mut self) {
+        if self.stopping {
+            return;
+        }
+        let limit = self.budgets.usd().unwrap_or_default();
+        let cost = self.budgets.used().cost_usd;
+        let why = format!(
+            "{HELD_AT_BUDGET}: it has cost ${cost:.4} of ${limit} (${:.4} over); running agents finish and nothing new starts until it is raised (`flotilla budget {} --usd DOLLARS`)",
+            (cost - limit).max(0.0),
+            self.run
+        );
+        let line = format!("[budget] the run is {why}");
+        self.held = Some(why);
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+        if self.status != RunStatus::Paused {
+            self.status = RunStatus::Paused;
+            self.event(RunEvent::Status {
+                status: self.status.as_str().into(),
+                error: None,
+            });
+        }
+        self.init.dispatch.hold_run(&self.run, true);
+        self.dirty = true;
+    }
+
+    /// The money budget set anew (`flotilla budget RUN --usd N`): kept in the store, so a
+    /// coordinator that adopts the run holds it to this one; a held run under it goes on, a
+    /// run over it is held.
+    pub(super) fn set_budget(&mut self, usd: f64) -> Result<String, Problem> {
+        if !(usd.is_finite() && usd > 0.0) {
+            return Err(Problem::invalid(format!(
+                "a money budget is a positive number of dollars, not {usd}"
+            )));
+        }
+        if !self.init.budget_pauses {
+            return Err(Problem::invalid(
+                "this run stops its agents at its money budget; a budget can be raised only on a coordinator's runs",
+            ));
+        }
+        let under = self.budgets.set_usd(usd);
+        self.init.settings.budget_usd = Some(usd);
+        let (store, key) = (
+            self.init.store.clone(),
+            crate::store::keys::budget(&self.init.run_id),
+        );
+        let body = bytes::Bytes::from(serde_json::json!({ "usd": usd }).to_string());
+        self.init.tasks.spawn(async move {
+            if let Err(e) = store.put_overwrite(&key, body).await {
+                tracing::warn!(error = %e, "cannot keep the run's new money budget; a coordinator that adopts the run holds it to the one it was launched with");
+            }
+        });
+        let cost = self.budgets.used().cost_usd;
+        let line =
+            format!("[budget] the run's money budget is now ${usd} (it has cost ${cost:.4})");
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+        self.dirty = true;
+        if !under {
+            self.hold_at_budget();
+            return Ok(format!(
+                "the money budget of {} is now ${usd}, and it has cost ${cost:.4} already: it stays paused",
+                self.run
+            ));
+        }
+        if self.held.take().is_some() && !self.stopping {
+            self.status = RunStatus::Running;
+            self.init.dispatch.hold_run(&self.run, false);
+            self.event(RunEvent::Status {
+                status: self.status.as_str().into(),
+                error: None,
+            });
+            let line = "[budget] the run goes on".to_owned();
+            self.logs.push(line.clone());
+            self.event(RunEvent::Log { line });
+            return Ok(format!(
+                "the money budget of {} is now ${usd} (it has cost ${cost:.4}); the run goes on",
+                self.run
+            ));
+        }
+        Ok(format!(
+            "the money budget of {} is now ${usd} (it has cost ${cost:.4})",
+            self.run
+        ))
     }
 
     /// Stops every live call with `failure` (unless its outcome is in already).

@@ -78,6 +78,11 @@ pub enum Control {
     Report(oneshot::Sender<Report>),
     /// A line for the run's log and events: who asked for the control that follows, and why.
     Note(String),
+    /// The run's money budget set anew, in dollars; the reply says where the run stands.
+    Budget {
+        usd: f64,
+        reply: oneshot::Sender<Result<String, flotilla_proto::Problem>>,
+    },
 }
 
 /// What to do to one agent.
@@ -175,7 +180,13 @@ pub struct EngineInit {
     /// The tasks of its owner's runs: the engine and what it starts run there, and are
     /// stopped with them (`Tasks::default()`: an owner that never stops them).
     pub tasks: crate::tasks::Tasks,
+    /// At its money budget the run is held until the budget is raised (a coordinator's runs:
+    /// `flotilla budget` reaches them), instead of stopping its agents (`flotilla run`).
+    pub budget_pauses: bool,
 }
+
+/// How the status of a run held at its money budget begins (`waiting`).
+pub const HELD_AT_BUDGET: &str = "paused at its money budget";
 
 /// The engine of one run.
 pub struct RunEngine {
@@ -202,6 +213,8 @@ pub struct RunEngine {
     /// Once stopped: its agents still on workers (the run is `stopping` until none is).
     stopping_left: u64,
     waiting: Option<String>,
+    /// Held at its money budget: why (see [`HELD_AT_BUDGET`]).
+    held: Option<String>,
     /// Throttle and usage-limit waits of its calls (not counted as attempts).
     waits: u64,
     /// Agents that run on a substitute model: (asked, used) → how many (W18).
@@ -300,6 +313,7 @@ impl RunEngine {
             stopping: false,
             stopping_left: 0,
             waiting: None,
+            held: None,
             waits: 0,
             substitutions: std::collections::BTreeMap::new(),
             waits_logged: std::collections::HashSet::new(),
@@ -485,6 +499,9 @@ impl RunEngine {
                     Some(Control::Report(reply)) => {
                         let _ = reply.send(self.report_with(true));
                     }
+                    Some(Control::Budget { usd, reply }) => {
+                        let _ = reply.send(self.set_budget(usd));
+                    }
                     // Nobody can stop the run any more; it goes on to its end.
                     None => control_open = false,
                 },
@@ -536,7 +553,7 @@ impl RunEngine {
                     Some(Control::Report(reply)) => {
                         let _ = reply.send(self.report_with(true));
                     }
-                    Some(Control::Agent { reply, .. }) => {
+                    Some(Control::Agent { reply, .. } | Control::Budget { reply, .. }) => {
                         let _ = reply.send(Err(flotilla_proto::Problem::new(
                             flotilla_proto::ErrorKind::Conflict,
                             "the run is stopping",

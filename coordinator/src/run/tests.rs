@@ -67,6 +67,7 @@ fn engine(
         notifier: None,
         quotas: None,
         tasks: Default::default(),
+        budget_pauses: false,
     };
     let handle = start(
         init,

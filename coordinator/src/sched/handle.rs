@@ -102,10 +102,12 @@ pub(super) enum Msg {
         run: Arc<str>,
     },
     /// W54: a paused run starts nothing; its running attempts are interrupted and go back to
-    /// the front of its queue (not counted as attempts).
+    /// the front of its queue (not counted as attempts) — unless `interrupt` is off (a run
+    /// held at its money budget): then they finish.
     PauseRun {
         run: Arc<str>,
         paused: bool,
+        interrupt: bool,
     },
     /// W55: one call stops; it ends failed (why: `failure`, `message`).
     StopCall {
@@ -291,6 +293,15 @@ impl DispatchHandle {
         let _ = self.tx.send(Msg::PauseRun {
             run: run.clone(),
             paused,
+            interrupt: true,
+        });
+    }
+    /// Holds a run (`true`: nothing of it starts, what runs finishes) or lets it go on.
+    pub fn hold_run(&self, run: &Arc<str>, held: bool) {
+        let _ = self.tx.send(Msg::PauseRun {
+            run: run.clone(),
+            paused: held,
+            interrupt: false,
         });
     }
     /// Stops one call: unless its outcome is in already, it ends `Failed` with `failure` and

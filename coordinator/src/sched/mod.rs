@@ -312,7 +312,11 @@ impl Dispatcher {
             Msg::Register(reg) => self.register(reg),
             Msg::Submit { run, ticket } => self.submit(run, *ticket),
             Msg::Cancel { run, call, reason } => self.cancel_call(&(run, call), &reason),
-            Msg::PauseRun { run, paused } => self.pause_run(&run, paused),
+            Msg::PauseRun {
+                run,
+                paused,
+                interrupt,
+            } => self.pause_run(&run, paused, interrupt),
             Msg::StopCall {
                 run,
                 call,
@@ -585,7 +589,7 @@ impl Dispatcher {
         }
     }
 
-    fn pause_run(&mut self, run: &Arc<str>, paused: bool) {
+    fn pause_run(&mut self, run: &Arc<str>, paused: bool, interrupt: bool) {
         let Some(r) = self.runs.get_mut(run) else {
             return;
         };
@@ -593,7 +597,7 @@ impl Dispatcher {
             return;
         }
         r.paused = paused;
-        if !paused {
+        if !paused || !interrupt {
             return;
         }
         // Interrupt what runs and put it back in front; what each attempt left comes with

@@ -421,6 +421,9 @@ pub(super) struct ControlBody {
     /// Why (the page asks for it before a stop or pause); kept in the run's log and events.
     #[serde(default)]
     pub(super) reason: String,
+    /// For `budget`: the run's money budget, in dollars.
+    #[serde(default)]
+    pub(super) usd: Option<f64>,
 }
 
 /// The page's buttons: pause, resume or stop the run, stop or restart one agent. Needs the
@@ -455,7 +458,7 @@ pub(super) async fn control(
     };
     match web
         .registry
-        .control(&run, &body.action, &body.agent, asked)
+        .control(&run, &body.action, &body.agent, body.usd, asked)
         .await
     {
         Ok(message) => axum::Json(serde_json::json!({ "message": message })).into_response(),

@@ -92,6 +92,12 @@ pub fn result(run: &str) -> Path {
     Path::from(format!("runs/{run}/result.json"))
 }
 
+/// The money budget a run was given after its launch (`flotilla budget RUN --usd N`): what a
+/// coordinator that adopts the run holds it to instead of its manifest's.
+pub fn budget(run: &str) -> Path {
+    Path::from(format!("runs/{run}/budget.json"))
+}
+
 /// How the run's end webhook was delivered (`--notify`).
 pub fn notify(run: &str) -> Path {
     Path::from(format!("runs/{run}/notify.json"))

@@ -372,6 +372,7 @@ fn cluster_bounds_oversized_fields_are_refused_by_name() {
                 action: "pause".into(),
                 agent: "a".repeat(5000),
                 reason: String::new(),
+                budget_usd: 0.0,
             })
             .await
             .expect_err("a long agent name");
@@ -386,6 +387,7 @@ fn cluster_bounds_oversized_fields_are_refused_by_name() {
                 action: "a".repeat(5 * MIB),
                 agent: String::new(),
                 reason: String::new(),
+                budget_usd: 0.0,
             })
             .await
             .expect_err("a 5 MiB control request");

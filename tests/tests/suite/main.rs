@@ -12,6 +12,7 @@ mod claude;
 mod cli;
 mod cluster;
 mod cluster_bounds;
+mod cluster_budgets;
 mod cluster_defects;
 mod cluster_hosts;
 mod cluster_images;

@@ -287,6 +287,7 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
         vec!["pause", a.as_str()],
         vec!["pause", a.as_str(), "--reason", "mine now"],
         vec!["stop", a.as_str(), "--reason", "mine now"],
+        vec!["budget", a.as_str(), "--usd", "1000"],
     ] {
         let out = c.client_as("bob", &args);
         let text = format!("{}{}", out.stdout, out.stderr);
@@ -395,6 +396,18 @@ fn a_client_sees_and_controls_only_its_namespaces_runs() {
         Some(r#"{"action":"stop","reason":"not yours"}"#),
     );
     assert_eq!(r.status, 404, "{r:?}");
+    let r = flotilla_tests::http_request(
+        c.http_port,
+        "POST",
+        &format!("/runs/{a}/control"),
+        &[
+            ("Authorization", &format!("Bearer {tb}")),
+            ("Content-Type", "application/json"),
+            ("x-flotilla", "1"),
+        ],
+        Some(r#"{"action":"budget","usd":1000}"#),
+    );
+    assert_eq!(r.status, 404, "a budget from another namespace: {r:?}");
     // `/metrics` counts the runs of the token's namespaces only: bob's two ended, alice's
     // running one.
     let metric = |t: &str, name: &str| -> Option<f64> {
