@@ -71,9 +71,14 @@ pub struct SettingFlags {
     /// Output-token budget of the run (`budget.total`).
     #[arg(long, env = "FLOTILLA_BUDGET", value_name = "TOKENS")]
     pub budget: Option<u64>,
-    /// Money ceiling of the run in US dollars (new agents refused, running ones stopped).
+    /// Money ceiling of the run in US dollars: on a coordinator the run pauses there until
+    /// `flotilla budget` raises it; `flotilla run` refuses new agents and stops running ones.
     #[arg(long, env = "FLOTILLA_BUDGET_USD", value_name = "DOLLARS")]
     pub budget_usd: Option<f64>,
+    /// At the money ceiling, interrupt the running agents too (their work is kept for when
+    /// the run goes on) instead of letting them finish.
+    #[arg(long)]
+    pub budget_interrupt: bool,
     /// Prefix-cache stagger cap (default 5000ms; 0 turns it off).
     #[arg(long, env = "FLOTILLA_STAGGER", value_name = "DUR")]
     pub stagger: Option<String>,
@@ -192,6 +197,8 @@ pub struct ConfigFile {
     pub budget: Option<u64>,
     /// Money ceiling per run, in US dollars.
     pub budget_usd: Option<f64>,
+    /// At the money ceiling, interrupt running agents too.
+    pub budget_interrupt: Option<bool>,
     /// Prefix-cache stagger cap.
     pub stagger: Option<String>,
     /// Script memory limit in MiB.
@@ -571,6 +578,7 @@ pub fn settings_from(
     if let Some(v) = flags.budget_usd.or(file.budget_usd) {
         s.budget_usd = Some(v);
     }
+    s.budget_interrupts = flags.budget_interrupt || file.budget_interrupt.unwrap_or(false);
     if let Some(v) = pick_s(&flags.stagger, &file.stagger) {
         s.stagger_ms = parse_duration("--stagger", &v)?.as_millis() as u64;
     }

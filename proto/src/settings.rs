@@ -144,9 +144,13 @@ pub struct RunSettings {
     pub max_agents: u64,
     /// Output-token budget of the run (`budget.total`, W35); `None`: no budget.
     pub budget_tokens: Option<u64>,
-    /// Money ceiling of the run in US dollars: once its attempts have cost this much, new
-    /// agents are refused and running ones stopped (`BUDGET_EXCEEDED`).
+    /// Money ceiling of the run in US dollars: once its attempts have cost this much, a run
+    /// on a coordinator is paused until the ceiling is raised (`flotilla budget`); a
+    /// `flotilla run` refuses new agents and stops running ones (`BUDGET_EXCEEDED`).
     pub budget_usd: Option<f64>,
+    /// At the money ceiling, a coordinator's run interrupts its running agents too (what
+    /// they wrote is kept for when it goes on, W58) instead of letting them finish.
+    pub budget_interrupts: bool,
     /// Longest hold of the prefix-cache stagger (W60); 0 turns it off.
     pub stagger_ms: u64,
     /// Replay rule when the run resumes another.
@@ -261,6 +265,7 @@ impl Default for RunSettings {
             max_agents: 1000,
             budget_tokens: None,
             budget_usd: None,
+            budget_interrupts: false,
             stagger_ms: 5000,
             replay: ReplayMode::Content,
             script_memory_mb: 512,

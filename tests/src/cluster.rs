@@ -649,6 +649,18 @@ impl Cluster {
         must(&mut cmd);
     }
 
+    /// Issues worker `i`'s certificate (`worker-{i}`), for a worker started after a cluster
+    /// made with fewer.
+    pub fn issue_worker(&self, i: usize) {
+        must(
+            Command::new(&self.bin)
+                .args(["certs", "issue", "--role", "worker", "--name"])
+                .arg(format!("worker-{i}"))
+                .arg("--dir")
+                .arg(self.pki()),
+        );
+    }
+
     /// Launches workflow `name` with `body` as certificate `who`; its run id.
     pub fn launch_as(&self, who: &str, name: &str, body: &str, extra: &[&str]) -> String {
         let script = crate::write_workflow(self.path(), name, "cluster test", body);

@@ -122,8 +122,13 @@ impl RunEngine {
         }
         let limit = self.budgets.usd().unwrap_or_default();
         let cost = self.budgets.used().cost_usd;
+        let running = if self.init.settings.budget_interrupts {
+            "running agents were interrupted (their work is kept)"
+        } else {
+            "running agents finish"
+        };
         let why = format!(
-            "{HELD_AT_BUDGET}: it has cost ${cost:.4} of ${limit} (${:.4} over); running agents finish and nothing new starts until it is raised (`flotilla budget {} --usd DOLLARS`)",
+            "{HELD_AT_BUDGET}: it has cost ${cost:.4} of ${limit} (${:.4} over); {running} and nothing new starts until it is raised (`flotilla budget {} --usd DOLLARS`)",
             (cost - limit).max(0.0),
             self.run
         );
@@ -138,7 +143,12 @@ impl RunEngine {
                 error: None,
             });
         }
-        self.init.dispatch.hold_run(&self.run, true);
+        // By the run's setting, what runs is interrupted too (and goes on from what it left).
+        if self.init.settings.budget_interrupts {
+            self.init.dispatch.pause_run(&self.run, true);
+        } else {
+            self.init.dispatch.hold_run(&self.run, true);
+        }
         self.dirty = true;
     }
 

@@ -17,16 +17,30 @@ fn asked(fake: &FakeAnthropic) -> Vec<Value> {
 }
 
 fn status(c: &Cluster, run: &str) -> Value {
-    let out = c.client(&["status", run, "--json"]);
+    status_at(c, &c.url(), run)
+}
+
+fn status_at(c: &Cluster, url: &str, run: &str) -> Value {
+    let out = c.client_at(url, &["status", run, "--json"]);
     assert_eq!(out.code, 0, "{out:?}");
     out.json()
 }
 
 /// Waits until `run`'s status satisfies `ok`; the status it ended with.
 fn until(c: &Cluster, run: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    until_at(c, &c.url(), run, what, ok)
+}
+
+/// [`until`] through the coordinator at `url` (a status it cannot give yet is waited out).
+fn until_at(c: &Cluster, url: &str, run: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        let s = status(c, run);
+        let out = c.client_at(url, &["status", run, "--json"]);
+        let s = if out.code == 0 {
+            out.json()
+        } else {
+            Value::Null
+        };
         if ok(&s) {
             return s;
         }
@@ -121,4 +135,128 @@ fn a_run_at_its_money_budget_pauses_and_goes_on_once_raised_with_every_call_once
     ] {
         assert!(log.contains(line), "{line:?} in {log}");
     }
+}
+
+/// The budget a run was given after its launch holds it on the coordinator that adopts it: a
+/// run held at its budget, given one still too low, is adopted after its leader's SIGKILL and
+/// held there at that one (not at the launch's); raised there, it completes with every call
+/// once (those done before the kill served from the journal).
+#[test]
+fn a_raised_budget_holds_the_run_on_the_coordinator_that_adopts_it() {
+    let fake = FakeAnthropic::start();
+    let etcd = flotilla_tests::services::Etcd::start();
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/budgets", s3.bucket);
+    let mut c = Cluster::start_group_ttl(
+        0,
+        4,
+        etcd.endpoint(),
+        (url, s3.env()),
+        &[],
+        Some(std::time::Duration::from_secs(3)),
+    );
+    c.worker_env = fake.env();
+    c.worker_args = vec!["--backend".into(), "anthropic".into()];
+    c.issue_worker(0);
+    c.start_worker(0, 4);
+    c.wait_for_workers(1);
+    let run = c.launch(
+        "adopted",
+        "return await parallel(Array.from({ length: 5 }, (_, i) => () => agent('item ' + i)));",
+        &[
+            "--stagger",
+            "0",
+            "--concurrency",
+            "1",
+            "--backend",
+            "anthropic",
+            "--budget-usd",
+            "0.0001",
+        ],
+    );
+    until(&c, &run, "the run is held at its budget", |s| {
+        s["status"] == "paused" && s["running"] == 0
+    });
+    let low = c.client(&["budget", &run, "--usd", "0.0002"]);
+    assert_eq!(low.code, 0, "{low:?}");
+    let done = asked(&fake).len();
+    let mut leader = c.take_coordinator().unwrap();
+    leader.kill().unwrap();
+    leader.wait().unwrap();
+    let standby = c.standby_url();
+    let held = until_at(&c, &standby, &run, "the adopted run is held", |s| {
+        s["status"] == "paused"
+            && s["waiting"]
+                .as_str()
+                .is_some_and(|w| w.starts_with("paused at its money budget"))
+    });
+    let why = held["waiting"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("of $0.0002"),
+        "the raised budget, not the launch's: {held}"
+    );
+    assert_eq!(asked(&fake).len(), done, "nothing new started: {held}");
+    let raised = c.client_at(&standby, &["budget", &run, "--usd", "100"]);
+    assert_eq!(raised.code, 0, "{raised:?}");
+    let out = c.client_at(&standby, &["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(r["result"].as_array().map(Vec::len), Some(5), "{r}");
+    assert!(
+        r["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v.is_string()),
+        "{r}"
+    );
+    assert_eq!(asked(&fake).len(), 5, "every call once");
+}
+
+/// With `--budget-interrupt`, what runs at the budget is interrupted too, and goes on from
+/// where it was once the budget is raised: an agent stalled in its model call is cut off at
+/// once instead of holding its slot, and runs again (one more request) after the raise.
+#[test]
+fn with_budget_interrupt_running_agents_are_interrupted_and_go_on_after_the_raise() {
+    let fake = FakeAnthropic::start();
+    let c = Cluster::start_workers_with(1, 4, &["--backend", "anthropic"], fake.env());
+    let run = c.launch(
+        "interrupted",
+        "const slow = agent('slow [[stall-first:1]]', { label: 'slow' });\n\
+         const quick = await agent('quick', { label: 'quick' });\n\
+         return { quick, slow: await slow };",
+        &[
+            "--stagger",
+            "0",
+            "--backend",
+            "anthropic",
+            "--budget-usd",
+            "0.0001",
+            "--budget-interrupt",
+        ],
+    );
+    let held = until(
+        &c,
+        &run,
+        "the run is held, its stalled agent interrupted",
+        |s| s["status"] == "paused" && s["running"] == 0 && s["queued"] == 1,
+    );
+    assert!(
+        held["waiting"]
+            .as_str()
+            .is_some_and(|w| w.contains("running agents were interrupted")),
+        "{held}"
+    );
+    assert_eq!(held["done"], 1, "{held}");
+    let raised = c.client(&["budget", &run, "--usd", "100"]);
+    assert_eq!(raised.code, 0, "{raised:?}");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"]["quick"], "fake reply to: quick", "{r}");
+    assert_eq!(
+        r["result"]["slow"], "fake reply to: slow [[stall-first:1]]",
+        "{r}"
+    );
+    // The stalled request, its retry after the raise, and the quick one.
+    assert_eq!(asked(&fake).len(), 3);
 }

@@ -300,14 +300,7 @@ fn where_overlayfs_is_refused_the_worker_says_so_and_makes_full_checkouts() {
         "{said}"
     );
     c.worker_wrap = wrap;
-    let issued = Command::new(&c.bin)
-        .args([
-            "certs", "issue", "--role", "worker", "--name", "worker-0", "--dir",
-        ])
-        .arg(c.pki())
-        .output()
-        .unwrap();
-    assert!(issued.status.success(), "{issued:?}");
+    c.issue_worker(0);
     c.start_worker(0, 1);
     c.wait_for_workers(1);
     let log = worker_log(&c);
