@@ -114,6 +114,19 @@ pub struct RunInput {
     run_id: String,
 }
 
+/// A run's money budget set anew.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BudgetInput {
+    /// The run id a `Workflow` call returned (`wf_…`).
+    run_id: String,
+    /// The run's money budget from now on, in US dollars.
+    usd: f64,
+    /// Why: kept, with who asked, in the run's log.
+    #[serde(default)]
+    reason: Option<String>,
+}
+
 /// A page of a run's result.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -247,6 +260,44 @@ impl Flotilla {
         Ok(CallToolResult::structured(
             json!({ "runId": input.run_id, "stopping": true }),
         ))
+    }
+
+    #[tool(
+        name = "WorkflowBudget",
+        description = "Sets the money budget (US dollars) of a run started on a fleet with Workflow: a run paused at its budget (WorkflowStatus says `paused at its money budget` and by how much) goes on once under the new one, and nothing it completed runs again. A run on this machine stops its agents at its budget instead; its budget cannot be raised."
+    )]
+    async fn workflow_budget(
+        &self,
+        Parameters(input): Parameters<BudgetInput>,
+    ) -> Result<CallToolResult, ErrorData> {
+        if let Err(p) = flotilla_local::sizes::check_run_id(&input.run_id) {
+            return Ok(refused(&p.message));
+        }
+        if !(input.usd.is_finite() && input.usd > 0.0) {
+            return Ok(refused(
+                "usd: give the run's money budget as a positive number of dollars",
+            ));
+        }
+        let Some(fleet) = &self.fleet else {
+            return Ok(refused(
+                "a run on this machine stops its agents at its money budget; a budget can be raised only for a run on a fleet (`flotilla mcp --coordinator URL`)",
+            ));
+        };
+        let mut client = fleet.client.clone();
+        let set = rpc(client.control(v1::ControlRequest {
+            run_id: input.run_id.clone(),
+            action: "budget".into(),
+            agent: String::new(),
+            reason: input.reason.unwrap_or_default(),
+            budget_usd: input.usd,
+        }))
+        .await;
+        Ok(match set {
+            Ok(r) => {
+                CallToolResult::structured(json!({ "runId": input.run_id, "message": r.message }))
+            }
+            Err(s) => refused(&said(&s)),
+        })
     }
 
     #[tool(

@@ -5,7 +5,28 @@
 
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::fake_anthropic::FakeAnthropic;
-use serde_json::Value;
+use rmcp::ServiceExt;
+use serde_json::{Value, json};
+
+/// An MCP session (`flotilla mcp`) on the cluster's coordinator, as the client certificate.
+async fn mcp_of(c: &Cluster) -> rmcp::service::RunningService<rmcp::service::RoleClient, ()> {
+    let mut cmd = tokio::process::Command::new(&c.bin);
+    cmd.args([
+        "mcp",
+        "--coordinator",
+        &c.url(),
+        "--name",
+        "client",
+        "--tls-dir",
+    ])
+    .arg(c.pki())
+    .current_dir(c.path())
+    .env("HOME", c.path())
+    .env("AWS_EC2_METADATA_DISABLED", "true");
+    ().serve(rmcp::transport::TokioChildProcess::new(cmd).expect("spawn flotilla mcp"))
+        .await
+        .expect("an MCP session")
+}
 
 /// The Messages API requests the fake has seen.
 fn asked(fake: &FakeAnthropic) -> Vec<Value> {
@@ -214,10 +235,11 @@ fn a_raised_budget_holds_the_run_on_the_coordinator_that_adopts_it() {
 }
 
 /// With `--budget-interrupt`, what runs at the budget is interrupted too, and goes on from
-/// where it was once the budget is raised: an agent stalled in its model call is cut off at
-/// once instead of holding its slot, and runs again (one more request) after the raise.
-#[test]
-fn with_budget_interrupt_running_agents_are_interrupted_and_go_on_after_the_raise() {
+/// where it was once the budget is raised (here through the MCP tool `WorkflowBudget`): an
+/// agent stalled in its model call is cut off at once instead of holding its slot, and runs
+/// again (one more request) after the raise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_budget_interrupt_running_agents_are_interrupted_and_go_on_after_the_raise() {
     let fake = FakeAnthropic::start();
     let c = Cluster::start_workers_with(1, 4, &["--backend", "anthropic"], fake.env());
     let run = c.launch(
@@ -248,8 +270,31 @@ fn with_budget_interrupt_running_agents_are_interrupted_and_go_on_after_the_rais
         "{held}"
     );
     assert_eq!(held["done"], 1, "{held}");
-    let raised = c.client(&["budget", &run, "--usd", "100"]);
-    assert_eq!(raised.code, 0, "{raised:?}");
+    let mcp = mcp_of(&c).await;
+    let call = |args: Value| {
+        rmcp::model::CallToolRequestParams::new("WorkflowBudget")
+            .with_arguments(args.as_object().unwrap().clone())
+    };
+    let bad = mcp
+        .call_tool(call(json!({ "runId": run, "usd": -3 })))
+        .await
+        .expect("an answer");
+    assert_eq!(bad.is_error, Some(true), "{bad:?}");
+    let raised = mcp
+        .call_tool(call(
+            json!({ "runId": run, "usd": 100, "reason": "from the session" }),
+        ))
+        .await
+        .expect("an answer");
+    assert_ne!(raised.is_error, Some(true), "{raised:?}");
+    let said = raised.structured_content.clone().unwrap_or_default();
+    assert!(
+        said["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("the run goes on")),
+        "{said}"
+    );
+    let _ = mcp.cancel().await;
     let (code, r) = c.wait(&run);
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["result"]["quick"], "fake reply to: quick", "{r}");

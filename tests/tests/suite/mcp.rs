@@ -78,6 +78,7 @@ async fn the_workflow_tool_launches_at_once_and_its_companions_follow_read_and_s
         names,
         [
             "Workflow",
+            "WorkflowBudget",
             "WorkflowList",
             "WorkflowResult",
             "WorkflowStatus",
@@ -190,6 +191,18 @@ async fn the_workflow_tool_launches_at_once_and_its_companions_follow_read_and_s
     let long = long["runId"].as_str().unwrap().to_owned();
     let running = ok(&client, "WorkflowResult", json!({ "runId": long })).await;
     assert_eq!(running["finished"], false, "{running}");
+    // A run on this machine stops at its money budget: there is none to raise.
+    let r = call(
+        &client,
+        "WorkflowBudget",
+        json!({ "runId": long, "usd": 5 }),
+    )
+    .await;
+    assert_eq!(r.is_error, Some(true), "{r:?}");
+    assert!(
+        format!("{r:?}").contains("only for a run on a fleet"),
+        "{r:?}"
+    );
     ok(&client, "WorkflowStop", json!({ "runId": long })).await;
     let stopped = finished(&client, &long).await;
     assert_eq!(stopped["status"], "stopped", "{stopped}");
@@ -902,10 +915,15 @@ fn a_hostile_caller_reads_nothing_outside_the_project_through_script_path_or_nam
         let a = mcp.workflow(json!({ "name": "ok", "resumeFromRunId": resume }));
         refused(&a, resume);
     }
-    for tool in ["WorkflowStatus", "WorkflowResult", "WorkflowStop"] {
+    for tool in [
+        "WorkflowStatus",
+        "WorkflowResult",
+        "WorkflowStop",
+        "WorkflowBudget",
+    ] {
         let a = mcp.request(
             "tools/call",
-            json!({ "name": tool, "arguments": { "runId": "../../secret.env" } }),
+            json!({ "name": tool, "arguments": { "runId": "../../secret.env", "usd": 1 } }),
         );
         assert_eq!(a["result"]["isError"], true, "{tool}: {a}");
     }
