@@ -1,7 +1,9 @@
-//! Webhooks: a run launched with `--notify URL` has its end POSTed there, signed.
+//! Webhooks: a run launched with `--notify URL` has its end POSTed there, signed, and so is
+//! a pause at its money budget.
 //!
 //! The body is one JSON object (`event: "run.ended"`, the run, its status, error, usage,
-//! labels and times). The signature is `X-Flotilla-Signature: t=UNIX,v1=HEX`, where HEX is
+//! labels and times; or `event: "run.paused"`, with why and the budget).
+//! `X-Flotilla-Event` names the event. The signature is `X-Flotilla-Signature: t=UNIX,v1=HEX`, where HEX is
 //! the HMAC-SHA256 of `UNIX.BODY` under the notifier's secret, so a receiver checks both the
 //! body and its age. Each delivery has an id (`X-Flotilla-Delivery`) a receiver can use to
 //! drop a repeat.
@@ -37,7 +39,7 @@ pub struct Notifier {
     key: ring::hmac::Key,
     client: reqwest::Client,
     pending: std::sync::Mutex<JoinSet<()>>,
-    /// The runs whose deliveries this process is making now.
+    /// The outbox keys of the deliveries this process is making now.
     in_flight: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// The first backoff; doubled after each retry.
     backoff: Duration,
@@ -126,6 +128,44 @@ impl Notifier {
         self.send(store, letter, true);
     }
 
+    /// Announces that run `run_id` is paused at its money budget (`why`, as its status says
+    /// it), in the background; kept in the outbox until delivered, like the end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn spawn_paused(
+        self: &Arc<Self>,
+        store: Store,
+        (generation, elapsed_ms): (u64, u64),
+        url: String,
+        (run_id, workflow): (&str, &str),
+        why: &str,
+        (cost_usd, budget_usd): (f64, f64),
+        labels: &std::collections::BTreeMap<String, String>,
+    ) {
+        let body = json!({
+            "event": "run.paused",
+            "run_id": run_id,
+            "workflow": workflow,
+            "status": "paused",
+            "reason": "money_budget",
+            "waiting": why,
+            "usage": { "cost_usd": cost_usd },
+            "budget_usd": budget_usd,
+            "labels": labels,
+        });
+        let letter = Letter {
+            delivery: format!(
+                "{run_id}-{}",
+                crate::ids::new_run_id().trim_start_matches("wf_")
+            ),
+            run_id: run_id.to_owned(),
+            url,
+            generation,
+            elapsed_ms,
+            body,
+        };
+        self.send(store, letter, true);
+    }
+
     /// Delivers `letter` in the background; `new`: it is kept in the outbox first, so a
     /// coordinator that restarts before it is done sends it then ([`Notifier::resume`]).
     fn send(self: &Arc<Self>, store: Store, letter: Letter, new: bool) {
@@ -134,7 +174,7 @@ impl Notifier {
                 .in_flight
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if !flying.insert(letter.run_id.clone()) {
+            if !flying.insert(letter.outbox().to_string()) {
                 return;
             }
         }
@@ -146,7 +186,7 @@ impl Notifier {
         // Finished deliveries are reaped here, so the set holds only those still going.
         while pending.try_join_next().is_some() {}
         pending.spawn(async move {
-            let key = keys::notify_outbox(&letter.run_id);
+            let key = letter.outbox();
             if new {
                 let body = serde_json::to_vec(&letter).unwrap_or_default();
                 if let Err(e) = store.put_overwrite(&key, Bytes::from(body)).await {
@@ -154,15 +194,21 @@ impl Notifier {
                 }
             }
             let body = serde_json::to_vec(&letter.body).unwrap_or_default();
-            let delivery = me.deliver(&letter.url, &letter.delivery, &body).await;
-            record(&store, &letter.run_id, letter.generation, letter.elapsed_ms, &delivery).await;
+            let delivery = me
+                .deliver(&letter.url, (&letter.delivery, letter.event()), &body)
+                .await;
+            if letter.ends() {
+                record(&store, &letter.run_id, letter.generation, letter.elapsed_ms, &delivery).await;
+            } else if !delivery.delivered {
+                tracing::warn!(run = %letter.run_id, event = letter.event(), url = %delivery.url, error = ?delivery.error, "webhook not delivered");
+            }
             if let Err(e) = store.delete(&key).await {
                 tracing::warn!(run = %letter.run_id, error = %e, "cannot take the webhook out of the outbox");
             }
             me.in_flight
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&letter.run_id);
+                .remove(key.as_ref());
         });
     }
 
@@ -198,7 +244,7 @@ impl Notifier {
             tokio::time::timeout(limit, async { while set.join_next().await.is_some() {} }).await;
     }
 
-    async fn deliver(&self, url: &str, id: &str, body: &[u8]) -> Delivery {
+    async fn deliver(&self, url: &str, (id, event): (&str, &str), body: &[u8]) -> Delivery {
         let mut out = Delivery {
             url: url.to_owned(),
             delivered: false,
@@ -226,7 +272,7 @@ impl Notifier {
                     "user-agent",
                     concat!("flotilla/", env!("CARGO_PKG_VERSION")),
                 )
-                .header("x-flotilla-event", "run.ended")
+                .header("x-flotilla-event", event)
                 .header("x-flotilla-delivery", id)
                 .header("x-flotilla-signature", self.sign(unix, body))
                 .body(body.to_vec())
@@ -272,6 +318,27 @@ struct Letter {
     generation: u64,
     elapsed_ms: u64,
     body: serde_json::Value,
+}
+
+impl Letter {
+    /// What it announces (`run.ended`, `run.paused`).
+    fn event(&self) -> &str {
+        self.body["event"].as_str().unwrap_or("run.ended")
+    }
+
+    /// Whether it is the run's end (recorded with the run, one per run).
+    fn ends(&self) -> bool {
+        self.event() == "run.ended"
+    }
+
+    /// Where it waits until delivered.
+    fn outbox(&self) -> object_store::path::Path {
+        if self.ends() {
+            keys::notify_outbox(&self.run_id)
+        } else {
+            keys::notify_outbox_delivery(&self.delivery)
+        }
+    }
 }
 
 /// Refuses a URL whose host is, or resolves to, a link-local address (169.254.0.0/16,

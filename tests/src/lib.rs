@@ -10,6 +10,7 @@
 
 pub mod cluster;
 pub mod fake_anthropic;
+pub mod hook;
 pub mod hostfleet;
 pub mod latency;
 pub mod netbed;

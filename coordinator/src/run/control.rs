@@ -133,6 +133,20 @@ impl RunEngine {
             self.run
         );
         let line = format!("[budget] the run is {why}");
+        // Its `--notify` receiver hears of it, once each time it is held.
+        if self.held.is_none()
+            && let (Some(url), Some(n)) = (&self.init.settings.notify, &self.init.notifier)
+        {
+            n.spawn_paused(
+                self.init.store.clone(),
+                (self.init.generation, self.now_ms()),
+                url.clone(),
+                (&self.init.run_id, &self.init.workflow.name),
+                &why,
+                (cost, limit),
+                &self.init.settings.labels,
+            );
+        }
         self.held = Some(why);
         self.logs.push(line.clone());
         self.event(RunEvent::Log { line });

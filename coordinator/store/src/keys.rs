@@ -112,6 +112,11 @@ pub fn notify_outbox(run: &str) -> Path {
     Path::from(format!("notify/outbox/{run}.json"))
 }
 
+/// A webhook of a run's life before its end (`run.paused`), under its delivery id.
+pub fn notify_outbox_delivery(delivery: &str) -> Path {
+    Path::from(format!("notify/outbox/{delivery}.json"))
+}
+
 /// What namespace `ns` used on UTC day `day` (`YYYY-MM-DD`).
 pub fn namespace_usage(ns: &str, day: &str) -> Path {
     Path::from(format!("namespaces/{ns}/usage/{day}.json"))

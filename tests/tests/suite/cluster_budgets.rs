@@ -5,6 +5,7 @@
 
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::fake_anthropic::FakeAnthropic;
+use flotilla_tests::hook::Hook;
 use rmcp::ServiceExt;
 use serde_json::{Value, json};
 
@@ -73,7 +74,16 @@ fn until_at(c: &Cluster, url: &str, run: &str, what: &str, ok: impl Fn(&Value) -
 #[test]
 fn a_run_at_its_money_budget_pauses_and_goes_on_once_raised_with_every_call_once() {
     let fake = FakeAnthropic::start();
-    let c = Cluster::start_workers_with(1, 4, &["--backend", "anthropic"], fake.env());
+    let secret = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(secret.path(), "a webhook secret of the test\n").unwrap();
+    let c = Cluster::start_configured_env(
+        1,
+        4,
+        &["--notify-secret-file", secret.path().to_str().unwrap()],
+        &["--backend", "anthropic"],
+        fake.env(),
+    );
+    let hook = Hook::start(vec![]);
     // One agent's cost is over the budget: the run is held after its first agent (or the
     // second, if it started before the first one's cost came in).
     let run = c.launch(
@@ -88,12 +98,39 @@ fn a_run_at_its_money_budget_pauses_and_goes_on_once_raised_with_every_call_once
             "anthropic",
             "--budget-usd",
             "0.0001",
+            "--notify",
+            &hook.url(),
         ],
     );
     let held = until(&c, &run, "the run is held at its budget", |s| {
         s["status"] == "paused" && s["running"] == 0
     });
     let why = held["waiting"].as_str().unwrap_or_default();
+    // Its webhook receiver hears of it, with why and the budget.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while hook.requests().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no webhook of the pause"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (headers, body) = hook.requests()[0].clone();
+    assert!(
+        headers.contains(&("x-flotilla-event".to_owned(), "run.paused".to_owned())),
+        "{headers:?}"
+    );
+    let paused: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(paused["event"], "run.paused", "{paused}");
+    assert_eq!(paused["run_id"], run.as_str(), "{paused}");
+    assert_eq!(paused["reason"], "money_budget", "{paused}");
+    assert_eq!(paused["budget_usd"], 0.0001, "{paused}");
+    assert!(
+        paused["waiting"]
+            .as_str()
+            .is_some_and(|w| w.contains("flotilla budget")),
+        "{paused}"
+    );
     assert!(
         why.starts_with("paused at its money budget: it has cost $")
             && why.contains("of $0.0001")
@@ -145,6 +182,18 @@ fn a_run_at_its_money_budget_pauses_and_goes_on_once_raised_with_every_call_once
     prompts.sort();
     prompts.dedup();
     assert_eq!(prompts.len(), 6, "no agent asked twice");
+    // Two webhooks: the pause (once, though it stayed paused at the low budget too) and the
+    // end.
+    let events: Vec<String> = hook
+        .requests()
+        .iter()
+        .map(|(h, _)| {
+            h.iter()
+                .find(|(k, _)| k == "x-flotilla-event")
+                .map_or(String::new(), |(_, v)| v.clone())
+        })
+        .collect();
+    assert_eq!(events, ["run.paused", "run.ended"], "{events:?}");
     let log = r["logs"]
         .as_array()
         .map(|l| format!("{l:?}"))
