@@ -182,16 +182,7 @@ impl RunEngine {
         }
         let under = self.budgets.set_usd(usd);
         self.init.settings.budget_usd = Some(usd);
-        let (store, key) = (
-            self.init.store.clone(),
-            crate::store::keys::budget(&self.init.run_id),
-        );
-        let body = bytes::Bytes::from(serde_json::json!({ "usd": usd }).to_string());
-        self.init.tasks.spawn(async move {
-            if let Err(e) = store.put_overwrite(&key, body).await {
-                tracing::warn!(error = %e, "cannot keep the run's new money budget; a coordinator that adopts the run holds it to the one it was launched with");
-            }
-        });
+        self.keep_budget(usd);
         let cost = self.budgets.used().cost_usd;
         let line =
             format!("[budget] the run's money budget is now ${usd} (it has cost ${cost:.4})");
@@ -199,9 +190,10 @@ impl RunEngine {
         self.event(RunEvent::Log { line });
         self.dirty = true;
         if !under {
+            let was = if self.held.is_some() { "stays" } else { "is" };
             self.hold_at_budget();
             return Ok(format!(
-                "the money budget of {} is now ${usd}, and it has cost ${cost:.4} already: it stays paused",
+                "the money budget of {} is now ${usd}, and it has cost ${cost:.4} already: it {was} paused",
                 self.run
             ));
         }
@@ -224,6 +216,32 @@ impl RunEngine {
             "the money budget of {} is now ${usd} (it has cost ${cost:.4})",
             self.run
         ))
+    }
+
+    /// Keeps the run's new money budget in the store (`budget.json`), for a coordinator that
+    /// adopts or resumes it. Writes may finish out of order: each writes the latest budget.
+    fn keep_budget(&mut self, usd: f64) {
+        let latest = self
+            .latest_budget
+            .get_or_insert_with(|| Arc::new(std::sync::Mutex::new(usd)))
+            .clone();
+        *latest
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = usd;
+        let (store, key) = (
+            self.init.store.clone(),
+            crate::store::keys::budget(&self.init.run_id),
+        );
+        self.init.tasks.spawn(async move {
+            // One write at a time, each of the latest value: the last to finish has it.
+            static WRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+            let _one = WRITES.lock().await;
+            let usd = *latest.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let body = bytes::Bytes::from(serde_json::json!({ "usd": usd }).to_string());
+            if let Err(e) = store.put_overwrite(&key, body).await {
+                tracing::warn!(error = %e, "cannot keep the run's new money budget; a coordinator that adopts the run holds it to the one it was launched with");
+            }
+        });
     }
 
     /// Stops every live call with `failure` (unless its outcome is in already).

@@ -215,6 +215,8 @@ pub struct RunEngine {
     waiting: Option<String>,
     /// Held at its money budget: why (see [`HELD_AT_BUDGET`]).
     held: Option<String>,
+    /// The money budget last given with `flotilla budget`, for the write that keeps it.
+    latest_budget: Option<Arc<std::sync::Mutex<f64>>>,
     /// Throttle and usage-limit waits of its calls (not counted as attempts).
     waits: u64,
     /// Agents that run on a substitute model: (asked, used) → how many (W18).
@@ -314,6 +316,7 @@ impl RunEngine {
             stopping_left: 0,
             waiting: None,
             held: None,
+            latest_budget: None,
             waits: 0,
             substitutions: std::collections::BTreeMap::new(),
             waits_logged: std::collections::HashSet::new(),
