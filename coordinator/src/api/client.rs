@@ -483,17 +483,31 @@ impl ClientService for ClientSvc {
         // Across a failover the run moves: wait where it runs, and follow it.
         let mut adopting = 0u32;
         let report = loop {
-            let rx = self.registry.lock().get(&run).map(|e| e.report.clone());
+            // An engine here that stopped without a report (this coordinator stepped down
+            // while the run goes on elsewhere) is not waited on: the run is followed below.
+            let rx = self
+                .registry
+                .lock()
+                .get(&run)
+                .map(|e| e.report.clone())
+                .filter(|rx| rx.borrow().is_some() || rx.has_changed().is_ok());
             if let Some(mut rx) = rx {
-                break loop {
+                let shared = loop {
                     // The report as the engine shared it: serialized from there, not copied.
                     if let Some(r) = rx.borrow_and_update().clone() {
-                        break r;
+                        break Some(r);
                     }
                     if rx.changed().await.is_err() {
-                        return Err(ErrorKind::Internal.status("the run ended without a report"));
+                        break None;
                     }
                 };
+                if let Some(r) = shared {
+                    break r;
+                }
+                tracing::info!(
+                    run,
+                    "the run's engine here stopped without a report; following the run"
+                );
             }
             if let Some(mut leader) = self.leader_client().await? {
                 match leader
