@@ -176,15 +176,24 @@ fn counters(d: &PageData) -> String {
         }
     }
     if d.here && d.live() && s.status != RunStatus::Stopping {
-        let (action, label) = if s.status == RunStatus::Paused {
+        let at_budget = s
+            .waiting
+            .as_deref()
+            .is_some_and(|w| w.starts_with(crate::run::HELD_AT_BUDGET));
+        let (action, label) = if at_budget {
+            // Paused at its money budget: only a new budget lets it go on.
+            ("budget", "Raise budget")
+        } else if s.status == RunStatus::Paused {
             ("resume", "Resume")
         } else {
             ("pause", "Pause")
         };
-        let ask = if action == "pause" {
-            " data-ask=\"Pause the run? Its running agents are interrupted (their work is kept) and nothing new starts until it resumes.\""
-        } else {
-            ""
+        let ask = match action {
+            "pause" => {
+                " data-ask=\"Pause the run? Its running agents are interrupted (their work is kept) and nothing new starts until it resumes.\""
+            }
+            "budget" => " data-budget=1",
+            _ => "",
         };
         out.push_str(&format!(
             "<p class=buttons><button data-action={action}{ask}>{label}</button> \
@@ -325,7 +334,7 @@ pub(super) fn render_run(d: &PageData, view: View) -> String {
         &r.workflow.name
     };
     let body = format!(
-        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>{CONFIRM}\
+        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>{CONFIRM}{BUDGET}\
          <div id=live>{}</div>",
         esc(name),
         esc(&r.run_id),
@@ -473,6 +482,10 @@ pub(super) fn accounts_table(accounts: &[crate::sched::AccountView]) -> String {
     out
 }
 
+/// What raising a run's money budget asks: the new budget, in dollars.
+const BUDGET: &str = "<form id=budget-form hidden><label>Money budget, $ <input id=budget-usd type=number step=any min=0 required></label> \
+<button type=submit id=budget-go>Raise and go on</button> <button type=button id=budget-cancel>Cancel</button></form>";
+
 /// What a stop or pause asks first: confirmation and a reason (kept in the run's events).
 const CONFIRM: &str = "<form id=confirm hidden><p id=confirm-what></p>\
 <label>Reason <input id=reason name=reason maxlength=500 required placeholder=\"why (kept in the run's log)\"></label> \
@@ -504,17 +517,20 @@ pre.diff{max-height:none}.diff .da{color:#060;background:#e6ffe6}.diff .dr{color
 /// buttons' actions to the same control path the CLI uses — stop and pause only once the
 /// reader confirmed and gave a reason.
 pub(super) const SCRIPT: &str = r#"const run=document.body.dataset.run;
-async function act(action,agent,reason){const r=await fetch('/runs/'+run+'/control',{method:'POST',credentials:'same-origin',
-headers:{'content-type':'application/json','x-flotilla':'1'},body:JSON.stringify({action:action,agent:agent||'',reason:reason||''})});
+async function act(action,agent,reason,usd){const r=await fetch('/runs/'+run+'/control',{method:'POST',credentials:'same-origin',
+headers:{'content-type':'application/json','x-flotilla':'1'},body:JSON.stringify({action:action,agent:agent||'',reason:reason||'',usd:usd})});
 const v=await r.json();document.getElementById('notice').textContent=v.message||v.error;}
 function ask(b){const f=document.getElementById('confirm'),r=document.getElementById('reason');
 document.getElementById('confirm-what').textContent=b.dataset.ask;r.value='';f.hidden=false;r.focus();
 f.onsubmit=e=>{e.preventDefault();f.hidden=true;act(b.dataset.action,b.dataset.target,r.value);};}
-function bind(){document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>b.dataset.ask?ask(b):act(b.dataset.action,b.dataset.target,''));}
+function raise(){const f=document.getElementById('budget-form'),u=document.getElementById('budget-usd');
+u.value='';f.hidden=false;u.focus();f.onsubmit=e=>{e.preventDefault();f.hidden=true;act('budget','','',Number(u.value));};}
+function bind(){document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>b.dataset.budget?raise():b.dataset.ask?ask(b):act(b.dataset.action,b.dataset.target,''));}
 function show(html){document.getElementById('live').innerHTML=html;bind();}
 const live=document.getElementById('live');
 if(live)live.addEventListener('click',e=>{const g=e.target.closest('svg [data-a]');if(g)location.href='/runs/'+run+'/agents/'+g.dataset.a;});
 const cancel=document.getElementById('confirm-cancel');if(cancel)cancel.onclick=()=>{document.getElementById('confirm').hidden=true;};
+const keep=document.getElementById('budget-cancel');if(keep)keep.onclick=()=>{document.getElementById('budget-form').hidden=true;};
 if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+'/events'+location.search);
 es.addEventListener('update',e=>show(e.data));es.addEventListener('end',e=>{show(e.data);es.close();});}
 bind();"#;

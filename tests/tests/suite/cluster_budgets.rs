@@ -354,3 +354,56 @@ async fn with_budget_interrupt_running_agents_are_interrupted_and_go_on_after_th
     // The stalled request, its retry after the raise, and the quick one.
     assert_eq!(asked(&fake).len(), 3);
 }
+
+/// The session page of a run paused at its budget offers "Raise budget" instead of Resume;
+/// the reader gives a new budget there, and the run goes on to its end.
+#[test]
+fn the_session_page_raises_the_budget_of_a_paused_run() {
+    let fake = FakeAnthropic::start();
+    let c = Cluster::start_workers_with(1, 4, &["--backend", "anthropic"], fake.env());
+    let run = c.launch(
+        "paged",
+        "return await parallel(Array.from({ length: 3 }, (_, i) => () => agent('item ' + i)));",
+        &[
+            "--stagger",
+            "0",
+            "--concurrency",
+            "1",
+            "--backend",
+            "anthropic",
+            "--budget-usd",
+            "0.0001",
+        ],
+    );
+    until(&c, &run, "the run is held at its budget", |s| {
+        s["status"] == "paused" && s["running"] == 0
+    });
+    let t = c.client(&["token", "create", "--json"]);
+    assert_eq!(t.code, 0, "{t:?}");
+    let login = t.json()["login_url"].as_str().unwrap().to_owned();
+    let b = flotilla_tests::webdriver::Browser::start();
+    b.goto(&format!("{login}&next=/runs/{run}"));
+    b.wait_for("the paused page with its raise button", 20, |b| {
+        b.text("button[data-action=budget]")
+            .filter(|t| t == "Raise budget")
+    });
+    assert!(
+        b.text("button[data-action=resume]").is_none(),
+        "no Resume at the budget"
+    );
+    b.click("button[data-action=budget]");
+    b.wait_for("the budget form", 10, |b| {
+        (b.eval("return document.getElementById('budget-form').hidden;") == false).then_some(())
+    });
+    b.type_into("#budget-usd", "50");
+    b.click("#budget-go");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"].as_array().map(Vec::len), Some(3), "{r}");
+    let log = r["logs"]
+        .as_array()
+        .map(|l| format!("{l:?}"))
+        .unwrap_or_default();
+    assert!(log.contains("the run's money budget is now $50"), "{log}");
+    assert_eq!(asked(&fake).len(), 3, "every call once");
+}
