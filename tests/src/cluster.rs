@@ -649,6 +649,25 @@ impl Cluster {
         must(&mut cmd);
     }
 
+    /// `flotilla mcp` on the coordinator as the client certificate, in the cluster's directory
+    /// (its `HOME`): for an MCP client to serve over its stdio.
+    pub fn mcp_command(&self) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.args([
+            "mcp",
+            "--coordinator",
+            &self.url(),
+            "--name",
+            "client",
+            "--tls-dir",
+        ])
+        .arg(self.pki())
+        .current_dir(self.path())
+        .env("HOME", self.path())
+        .env("AWS_EC2_METADATA_DISABLED", "true");
+        cmd
+    }
+
     /// Issues worker `i`'s certificate (`worker-{i}`), for a worker started after a cluster
     /// made with fewer.
     pub fn issue_worker(&self, i: usize) {

@@ -11,20 +11,7 @@ use serde_json::{Value, json};
 
 /// An MCP session (`flotilla mcp`) on the cluster's coordinator, as the client certificate.
 async fn mcp_of(c: &Cluster) -> rmcp::service::RunningService<rmcp::service::RoleClient, ()> {
-    let mut cmd = tokio::process::Command::new(&c.bin);
-    cmd.args([
-        "mcp",
-        "--coordinator",
-        &c.url(),
-        "--name",
-        "client",
-        "--tls-dir",
-    ])
-    .arg(c.pki())
-    .current_dir(c.path())
-    .env("HOME", c.path())
-    .env("AWS_EC2_METADATA_DISABLED", "true");
-    ().serve(rmcp::transport::TokioChildProcess::new(cmd).expect("spawn flotilla mcp"))
+    ().serve(rmcp::transport::TokioChildProcess::new(c.mcp_command()).expect("spawn flotilla mcp"))
         .await
         .expect("an MCP session")
 }
@@ -39,13 +26,37 @@ fn asked(fake: &FakeAnthropic) -> Vec<Value> {
 }
 
 fn status(c: &Cluster, run: &str) -> Value {
-    status_at(c, &c.url(), run)
-}
-
-fn status_at(c: &Cluster, url: &str, run: &str) -> Value {
-    let out = c.client_at(url, &["status", run, "--json"]);
+    let out = c.client(&["status", run, "--json"]);
     assert_eq!(out.code, 0, "{out:?}");
     out.json()
+}
+
+/// Launches `n` agents (`item 0`, ...), one at a time, against a money budget one agent's cost
+/// is over (with `extra` flags), and waits until the run is held there with nothing running:
+/// its id and that status.
+fn launch_held(c: &Cluster, name: &str, n: usize, extra: &[&str]) -> (String, Value) {
+    let mut args = vec![
+        "--stagger",
+        "0",
+        "--concurrency",
+        "1",
+        "--backend",
+        "anthropic",
+        "--budget-usd",
+        "0.0001",
+    ];
+    args.extend_from_slice(extra);
+    let run = c.launch(
+        name,
+        &format!(
+            "return await parallel(Array.from({{ length: {n} }}, (_, i) => () => agent('item ' + i)));"
+        ),
+        &args,
+    );
+    let held = until(c, &run, "the run is held at its budget", |s| {
+        s["status"] == "paused" && s["running"] == 0
+    });
+    (run, held)
 }
 
 /// Waits until `run`'s status satisfies `ok`; the status it ended with.
@@ -86,25 +97,7 @@ fn a_run_at_its_money_budget_pauses_and_goes_on_once_raised_with_every_call_once
     let hook = Hook::start(vec![]);
     // One agent's cost is over the budget: the run is held after its first agent (or the
     // second, if it started before the first one's cost came in).
-    let run = c.launch(
-        "capped",
-        "return await parallel(Array.from({ length: 6 }, (_, i) => () => agent('item ' + i)));",
-        &[
-            "--stagger",
-            "0",
-            "--concurrency",
-            "1",
-            "--backend",
-            "anthropic",
-            "--budget-usd",
-            "0.0001",
-            "--notify",
-            &hook.url(),
-        ],
-    );
-    let held = until(&c, &run, "the run is held at its budget", |s| {
-        s["status"] == "paused" && s["running"] == 0
-    });
+    let (run, held) = launch_held(&c, "capped", 6, &["--notify", &hook.url()]);
     let why = held["waiting"].as_str().unwrap_or_default();
     // Its webhook receiver hears of it, with why and the budget.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -230,23 +223,7 @@ fn a_raised_budget_holds_the_run_on_the_coordinator_that_adopts_it() {
     c.issue_worker(0);
     c.start_worker(0, 4);
     c.wait_for_workers(1);
-    let run = c.launch(
-        "adopted",
-        "return await parallel(Array.from({ length: 5 }, (_, i) => () => agent('item ' + i)));",
-        &[
-            "--stagger",
-            "0",
-            "--concurrency",
-            "1",
-            "--backend",
-            "anthropic",
-            "--budget-usd",
-            "0.0001",
-        ],
-    );
-    until(&c, &run, "the run is held at its budget", |s| {
-        s["status"] == "paused" && s["running"] == 0
-    });
+    let (run, _) = launch_held(&c, "adopted", 5, &[]);
     let low = c.client(&["budget", &run, "--usd", "0.0002"]);
     assert_eq!(low.code, 0, "{low:?}");
     let done = asked(&fake).len();
@@ -361,23 +338,7 @@ async fn with_budget_interrupt_running_agents_are_interrupted_and_go_on_after_th
 fn the_session_page_raises_the_budget_of_a_paused_run() {
     let fake = FakeAnthropic::start();
     let c = Cluster::start_workers_with(1, 4, &["--backend", "anthropic"], fake.env());
-    let run = c.launch(
-        "paged",
-        "return await parallel(Array.from({ length: 3 }, (_, i) => () => agent('item ' + i)));",
-        &[
-            "--stagger",
-            "0",
-            "--concurrency",
-            "1",
-            "--backend",
-            "anthropic",
-            "--budget-usd",
-            "0.0001",
-        ],
-    );
-    until(&c, &run, "the run is held at its budget", |s| {
-        s["status"] == "paused" && s["running"] == 0
-    });
+    let (run, _) = launch_held(&c, "paged", 3, &[]);
     let t = c.client(&["token", "create", "--json"]);
     assert_eq!(t.code, 0, "{t:?}");
     let login = t.json()["login_url"].as_str().unwrap().to_owned();

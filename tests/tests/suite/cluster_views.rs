@@ -424,22 +424,8 @@ async fn every_view_of_a_run_says_the_same_at_each_step_of_its_life() {
         .as_str()
         .expect("a session token")
         .to_owned();
-    let mut mcp_cmd = tokio::process::Command::new(&c.bin);
-    mcp_cmd
-        .args([
-            "mcp",
-            "--coordinator",
-            &c.url(),
-            "--name",
-            "client",
-            "--tls-dir",
-        ])
-        .arg(c.pki())
-        .current_dir(c.path())
-        .env("HOME", c.path())
-        .env("AWS_EC2_METADATA_DISABLED", "true");
     let mcp: Mcp =
-        ().serve(TokioChildProcess::new(mcp_cmd).expect("spawn flotilla mcp"))
+        ().serve(TokioChildProcess::new(c.mcp_command()).expect("spawn flotilla mcp"))
             .await
             .expect("an MCP session");
     // A run that holds the only slot.
