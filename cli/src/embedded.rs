@@ -99,6 +99,8 @@ impl Embedded {
                 },
                 // Runs' end webhooks are signed with the user's secret, if they set one.
                 notifier: crate::config::notifier_from_env()?,
+                // `flotilla answer` from another terminal writes into the store.
+                answers_from_store: true,
                 ..Default::default()
             },
         ));

@@ -121,6 +121,9 @@ enum Command {
     Resume(client::ResumeArgs),
     /// Set a run's money budget (`--usd`): a run paused at its budget goes on once under it.
     Budget(client::BudgetArgs),
+    /// Answer a question a run's script asked with `ask()` (`--json VALUE`), on a
+    /// coordinator or in the local store; without `--json`, list its open questions.
+    Answer(client::AnswerArgs),
     /// Restart one running agent of a run as a new attempt.
     Restart(client::AgentRefArgs),
     /// What a fleet run's agents changed in its source: each agent's change and the run head.
@@ -456,6 +459,7 @@ async fn dispatch(command: Command) -> i32 {
         Command::Stop(args) => client::stop(args).await,
         Command::Pause(args) => client::pause(args).await,
         Command::Budget(args) => client::budget(args).await,
+        Command::Answer(args) => client::answer(args).await,
         Command::Resume(args) => client::resume(args).await,
         Command::Restart(args) => client::restart(args).await,
         Command::Changes(args) => client::changes::changes(args).await,

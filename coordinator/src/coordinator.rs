@@ -86,6 +86,11 @@ pub struct CoordinatorOptions {
     /// A run at its money budget is held until `flotilla budget` raises it (a served
     /// coordinator), instead of stopping its agents (`flotilla run`, where nobody can).
     pub budget_pauses: bool,
+    /// Its runs also take answers to their questions (`ask()`) from the store, where
+    /// `flotilla answer` without a coordinator writes them (embedded).
+    pub answers_from_store: bool,
+    /// Where its pages are served (`http://host:port`), for the links webhooks carry.
+    pub page_base: Option<String>,
 }
 
 /// A launch that passed its checks: its script prepared, its workflow, the body the
@@ -120,6 +125,8 @@ pub struct Coordinator {
     quotas: Option<Arc<crate::namespace::Quotas>>,
     /// See [`CoordinatorOptions::budget_pauses`].
     budget_pauses: bool,
+    answers_from_store: bool,
+    page_base: Option<String>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -164,6 +171,8 @@ impl Coordinator {
             model_policy: opts.allowed_models,
             quotas,
             budget_pauses: opts.budget_pauses,
+            answers_from_store: opts.answers_from_store,
+            page_base: opts.page_base,
         }
     }
 
@@ -892,6 +901,8 @@ impl Coordinator {
             quotas: self.quotas.clone(),
             tasks: self.tasks.clone(),
             budget_pauses: self.budget_pauses,
+            answers_from_store: self.answers_from_store,
+            page_base: self.page_base.clone(),
         };
         Ok(run::start(
             init,

@@ -175,6 +175,10 @@ async fn rebuild(store: &Store, m: &Manifest) -> Result<Report, Error> {
             .source
             .as_ref()
             .map(|src| changes_summary(run, &src.commit, &calls)),
+        // What it asks (`ask()`) is in the store, answered or not.
+        questions: crate::run::ask::stored_questions(store, run)
+            .await
+            .unwrap_or_default(),
     })
 }
 

@@ -36,4 +36,6 @@ pub use crate::history::{
     AgentTranscript, TranscriptError, load_report, transcript_line, transcripts,
 };
 pub use crate::index::{Filter, page as runs_page};
+// Questions of runs (`ask()`): answering an embedded run's through its store.
+pub use crate::run::ask::{answer_in_store, stored_questions};
 pub use crate::store::{Error as StoreError, Store, open as open_store};

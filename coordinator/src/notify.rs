@@ -152,6 +152,50 @@ impl Notifier {
             "budget_usd": budget_usd,
             "labels": labels,
         });
+        self.send_during(store, (generation, elapsed_ms), url, run_id, body);
+    }
+
+    /// Announces that run `run_id` asks a question (`ask()`): its id, text, schema and
+    /// deadline, the run's page (`page`) and the command that answers it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn spawn_question(
+        self: &Arc<Self>,
+        store: Store,
+        (generation, elapsed_ms): (u64, u64),
+        url: String,
+        (run_id, workflow): (&str, &str),
+        q: &crate::store::records::QuestionRecord,
+        page: Option<String>,
+        labels: &std::collections::BTreeMap<String, String>,
+    ) {
+        let body = json!({
+            "event": "run.question",
+            "run_id": run_id,
+            "workflow": workflow,
+            "question": {
+                "id": q.id,
+                "question": q.question,
+                "label": q.label,
+                "schema": q.schema,
+                "asked_at": q.asked_at,
+                "deadline": q.deadline,
+            },
+            "url": page,
+            "answer": format!("flotilla answer {run_id} --question {} --json VALUE", q.id),
+            "labels": labels,
+        });
+        self.send_during(store, (generation, elapsed_ms), url, run_id, body);
+    }
+
+    /// Sends a webhook of a run's life before its end, under a delivery id of its own.
+    fn send_during(
+        self: &Arc<Self>,
+        store: Store,
+        (generation, elapsed_ms): (u64, u64),
+        url: String,
+        run_id: &str,
+        body: serde_json::Value,
+    ) {
         let letter = Letter {
             delivery: format!(
                 "{run_id}-{}",

@@ -292,6 +292,37 @@ impl RunRegistry {
         }
     }
 
+    /// Answers a question of a live run (`ask()`): the one named, or its only open one; `by`
+    /// is who answers. The reply comes once the answer is stored, or says why it was refused
+    /// (a value its schema refuses, a question answered already), the question left open.
+    pub async fn answer(
+        &self,
+        run_id: &str,
+        question: Option<String>,
+        value: serde_json::Value,
+        by: &str,
+    ) -> Result<String, Status> {
+        let stopper = self.lock().get(run_id).and_then(|e| {
+            let finished = e.report.borrow().is_some();
+            (!finished).then(|| e.stopper.clone())
+        });
+        let Some(stopper) = stopper else {
+            return Err(ErrorKind::NotFound
+                .status(format!("run {run_id} is not running on this coordinator")));
+        };
+        let gone = || ErrorKind::NotFound.status(format!("run {run_id} has ended"));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        stopper
+            .send(Control::Answer {
+                question,
+                value,
+                by: by.to_owned(),
+                reply: tx,
+            })
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?.map_err(|e| e.status())
+    }
+
     /// Waits for a tracked run's final report (`None` for a run this process does not track).
     pub async fn wait_report(&self, run: &str) -> Option<Arc<Report>> {
         let mut rx = self.lock().get(run)?.report.clone();

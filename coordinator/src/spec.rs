@@ -279,7 +279,7 @@ pub fn default_label(prompt: &str) -> String {
 }
 
 /// JSON with object keys sorted at every level, so equal schemas hash equally.
-fn canonical(v: &Value) -> Value {
+pub(crate) fn canonical(v: &Value) -> Value {
     match v {
         Value::Object(m) => {
             let mut keys: Vec<_> = m.keys().collect();

@@ -295,6 +295,59 @@ pub struct Report {
     /// The namespace the run belongs to (empty: `default`, and runs from before namespaces).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub namespace: String,
+    /// The questions its script asked with `ask()` (an extension), open or answered.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub questions: Vec<Question>,
+}
+
+/// `runs/{run}/questions/{id}.json`: a question a run's script asked with `ask()`, as it was
+/// first asked (a replay that asks it again keeps its time and deadline).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct QuestionRecord {
+    /// `q_` and 12 hex digits of the hash of its key: the same each time the run asks it.
+    pub id: String,
+    /// Content key: the question, its schema and its occurrence in the run.
+    pub key: String,
+    pub question: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub label: String,
+    /// The JSON Schema an answer must match, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<Value>,
+    /// RFC 3339.
+    pub asked_at: String,
+    /// RFC 3339: when it ends unanswered (its `timeout`), if it does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
+}
+
+/// `runs/{run}/answers/{id}.json`: the answer a question got, written once (the first answer
+/// wins); the script sees `value` only once this is stored.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AnswerRecord {
+    /// The question's id and key.
+    pub id: String,
+    pub key: String,
+    /// What `ask()` resolves with: the answer, or `null` when the question timed out.
+    pub value: Value,
+    /// Who answered (a certificate's or a session's name, `local user NAME`), or `timeout`.
+    pub by: String,
+    /// RFC 3339.
+    pub at: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
+    /// The run it was first answered in, when a resume served it from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answered_in: Option<String>,
+}
+
+/// A question with its answer once it has one (what reports, status and pages show).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Question {
+    #[serde(flatten)]
+    pub asked: QuestionRecord,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<AnswerRecord>,
 }
 
 /// How a run's end was delivered to its webhook.
@@ -558,6 +611,7 @@ impl Report {
             warnings: Vec::new(),
             notify: None,
             namespace: String::new(),
+            questions: Vec::new(),
         }
     }
 
@@ -617,6 +671,7 @@ impl Report {
             warnings: self.warnings.clone(),
             notify: self.notify.clone(),
             namespace: self.namespace.clone(),
+            questions: self.questions.clone(),
         }
     }
 }
@@ -642,6 +697,9 @@ pub struct SnapshotView {
     pub logs: Vec<String>,
     /// Progress by group, in display order.
     pub groups: Vec<GroupView>,
+    /// Questions its script asked with `ask()` that wait for an answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub questions: Vec<QuestionRecord>,
 }
 
 /// A run's live view in one process: what the engine publishes and the terminal's progress
@@ -657,6 +715,8 @@ pub struct Snapshot {
     pub summary: Summary,
     pub groups: Vec<GroupView>,
     pub logs: std::sync::Arc<Vec<String>>,
+    /// Questions that wait for an answer (`ask()`).
+    pub questions: std::sync::Arc<Vec<QuestionRecord>>,
     /// When the run started here (so `elapsed` keeps growing between snapshots).
     pub since: Option<tokio::time::Instant>,
 }
@@ -690,6 +750,7 @@ impl From<&Snapshot> for SnapshotView {
             summary: s.summary_now(),
             logs: s.logs.iter().cloned().collect(),
             groups: s.groups.clone(),
+            questions: s.questions.as_ref().clone(),
         }
     }
 }
@@ -706,6 +767,7 @@ impl From<&SnapshotView> for Snapshot {
             summary: v.summary.clone(),
             groups: v.groups.clone(),
             logs: std::sync::Arc::new(v.logs.clone()),
+            questions: std::sync::Arc::new(v.questions.clone()),
             since: None,
         }
     }
@@ -747,6 +809,12 @@ impl SnapshotView {
             summary: Summary::of_report(r),
             logs: r.logs.clone(),
             groups,
+            questions: r
+                .questions
+                .iter()
+                .filter(|q| q.answer.is_none())
+                .map(|q| q.asked.clone())
+                .collect(),
         }
     }
 }

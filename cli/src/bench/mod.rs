@@ -366,6 +366,8 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         quotas: None,
         tasks: Default::default(),
         budget_pauses: false,
+        answers_from_store: false,
+        page_base: None,
     };
     let handle = run::start(
         init,

@@ -428,8 +428,7 @@ pub async fn resume(a: ResumeArgs) -> i32 {
                 run_id: a.run.run_id.clone(),
                 action: "resume".into(),
                 agent: String::new(),
-                reason: String::new(),
-                budget_usd: 0.0,
+                ..Default::default()
             })
             .await
         {

@@ -18,6 +18,7 @@ use tonic::transport::Channel;
 use crate::config;
 
 pub mod agents;
+mod answer;
 pub mod changes;
 pub mod context;
 mod fleet;
@@ -25,6 +26,7 @@ mod launch;
 mod runs;
 pub mod workflows;
 
+pub use answer::*;
 pub use fleet::*;
 pub use launch::*;
 pub use runs::*;

@@ -286,6 +286,7 @@ async fn control_with(a: &RunRefArgs, action: &str, agent: &str, reason: &str, u
             agent: agent.to_owned(),
             reason: reason.to_owned(),
             budget_usd: usd,
+            ..Default::default()
         })
         .await
     {

@@ -290,6 +290,7 @@ impl Flotilla {
             agent: String::new(),
             reason: input.reason.unwrap_or_default(),
             budget_usd: input.usd,
+            ..Default::default()
         }))
         .await;
         Ok(match set {

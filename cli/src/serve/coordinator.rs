@@ -563,6 +563,8 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             allowed_models: s.allowed_models.clone(),
             namespaces: Some(s.namespaces.clone()),
             budget_pauses: true,
+            answers_from_store: false,
+            page_base: Some(format!("http://{}", s.http)),
         },
     ));
     let registry = Arc::new(RunRegistry::default());

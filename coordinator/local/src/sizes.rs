@@ -35,6 +35,24 @@ pub fn text(what: &str, value: &str) -> Result<(), Problem> {
     )
 }
 
+/// The most an answer to a run's question (`ask()`) may hold, as JSON.
+pub const ANSWER_BYTES: usize = 1 << 20;
+
+/// An answer to a run's question, as JSON: at most [`ANSWER_BYTES`], and JSON.
+pub fn answer(json: &str) -> Result<serde_json::Value, Problem> {
+    within(
+        "the answer",
+        json.len(),
+        ANSWER_BYTES,
+        "answer with less, or point to where the rest is",
+    )?;
+    serde_json::from_str(json).map_err(|e| {
+        Problem::invalid(format!(
+            "the answer is not JSON ({e}): give it as JSON, e.g. --json true, --json '\"text\"' or --json '{{\"approve\": true}}'"
+        ))
+    })
+}
+
 /// A workflow pushed to the coordinator: at most [`SCRIPT_BYTES`], as any script.
 pub fn pushed(source: &str) -> Result<(), Problem> {
     within(

@@ -199,6 +199,53 @@
     });
   }
 
+  // --- ask() (an extension: a person's answer, awaited durably) ---------------------------
+
+  const MAX_QUESTION = 16384;
+  // A timeout: milliseconds as a number, or a duration such as '90s', '30m', '2h', '1d'.
+  function timeoutMs(t) {
+    if (typeof t === 'number' && isFinite(t) && t > 0) return Math.ceil(t);
+    if (typeof t === 'string') {
+      const m = /^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$/.exec(t);
+      if (m) {
+        const unit = { ms: 1, s: 1000, m: 60000, h: 3600000, d: 86400000 }[m[2]];
+        const ms = Math.ceil(Number(m[1]) * unit);
+        if (ms > 0) return ms;
+      }
+    }
+    throw typeError('ask() timeout must be a positive number of milliseconds or a duration such as "30m", "2h" or "1d"; got ' + describe(t), CODES.INVALID_OPTION);
+  }
+
+  function ask(question, opts) {
+    if (typeof question !== 'string' || question.trim() === '') {
+      return Promise.reject(typeError('ask() needs the question as a non-empty string, got ' + (question === null ? 'null' : typeof question), CODES.INVALID_PROMPT));
+    }
+    if (question.length > MAX_QUESTION) {
+      return Promise.reject(typeError('ask() takes a question of at most ' + MAX_QUESTION + ' characters, got ' + question.length + '; link to the details instead', CODES.TOO_LARGE));
+    }
+    const o = {};
+    if (opts !== undefined && opts !== null) {
+      if (typeof opts !== 'object' || Array.isArray(opts)) {
+        return Promise.reject(typeError('ask() options must be an object ({ schema, timeout, label }), got ' + (Array.isArray(opts) ? 'an array' : typeof opts), CODES.INVALID_OPTION));
+      }
+      try {
+        if (opts.schema !== undefined && opts.schema !== null) {
+          if (typeof opts.schema !== 'object' || Array.isArray(opts.schema)) throw typeError('ask() schema must be a JSON Schema object', CODES.INVALID_OPTION);
+          o.schema = JSONparse(JSONstringify(opts.schema));
+        }
+        if (opts.timeout !== undefined && opts.timeout !== null) o.timeoutMs = timeoutMs(opts.timeout);
+        if (opts.label !== undefined && opts.label !== null) {
+          if (typeof opts.label !== 'string') throw typeError('ask() label must be a string', CODES.INVALID_OPTION);
+          o.label = opts.label;
+        }
+      } catch (e) {
+        if (e && e.code) return Promise.reject(e);
+        return Promise.reject(typeError('ask() options must be plain data (JSON): ' + shortDescribe(e), CODES.INVALID_OPTION));
+      }
+    }
+    return host.ask(question, JSONstringify(o));
+  }
+
   // --- determinism guard (W07) -------------------------------------------------------------
 
   function refuse(what, hint) {
@@ -243,6 +290,7 @@
     workflow: workflow,
     args: argsJson == null ? undefined : JSONparse(argsJson),
     budget: budget,
+    ask: ask,
   };
   for (const name in globals) {
     Object.defineProperty(globalThis, name, { value: globals[name], writable: true, configurable: true, enumerable: false });

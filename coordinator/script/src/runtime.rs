@@ -90,6 +90,13 @@ pub enum ScriptOp {
     Log(String),
     /// A failure line from `parallel()` / `pipeline()`.
     Failure(String),
+    /// `ask(question, opts)` (an extension): a person's answer, awaited durably. `opts_json`
+    /// is `{ schema, timeout, label }` as JSON, already checked for shape by the prelude.
+    Ask {
+        id: u64,
+        question: String,
+        opts_json: String,
+    },
     /// `workflow(ref)`: `reference` is a JSON string (a name) or `{ "scriptPath": ... }`.
     ResolveWorkflow {
         id: u64,
@@ -702,6 +709,31 @@ fn install_host<'js>(
         )?,
     )?;
 
+    let (hs, tx) = (host.clone(), ops.clone());
+    h.set(
+        "ask",
+        Function::new(
+            ctx.clone(),
+            move |ctx: Ctx<'js>,
+                  question: String,
+                  opts_json: String|
+                  -> rquickjs::Result<Promise<'js>> {
+                let (id, promise) = new_pending(&ctx, &hs)?;
+                if tx
+                    .send(ScriptOp::Ask {
+                        id,
+                        question,
+                        opts_json,
+                    })
+                    .is_err()
+                {
+                    hs.borrow_mut().pending.remove(&id);
+                }
+                Ok(promise)
+            },
+        )?,
+    )?;
+
     let tx = ops.clone();
     h.set(
         "phase",
@@ -1003,6 +1035,16 @@ mod tests {
                     };
                     reply.send(HostReply::Agent { id, result }).unwrap();
                 }
+                ScriptOp::Ask {
+                    id,
+                    question,
+                    opts_json,
+                } => {
+                    seen.push(format!("ask:{question}:{opts_json}"));
+                    let answer = serde_json::json!({ "answered": question });
+                    let result = Ok(answer.to_string());
+                    reply.send(HostReply::Agent { id, result }).unwrap();
+                }
                 ScriptOp::Log(l) => seen.push(format!("log:{l}")),
                 ScriptOp::Phase(p) => seen.push(format!("phase:{p}")),
                 ScriptOp::Failure(f) => seen.push(format!("failure:{f}")),
@@ -1130,6 +1172,7 @@ mod tests {
         "undefined",
         "unescape",
         "workflow",
+        "ask",
     ];
 
     #[test]
@@ -1280,6 +1323,46 @@ mod tests {
         assert_eq!(
             end,
             ScriptEnd::Returned(Some("[100,100,\"NONDETERMINISTIC\",5]".into()))
+        );
+    }
+
+    #[test]
+    fn ask_sends_its_question_with_checked_options_and_refuses_bad_ones() {
+        let body = r#"
+const a = await ask('Ship it?', { schema: { type: 'boolean' }, timeout: '2h', label: 'ship' });
+const codes = [];
+for (const bad of [() => ask(''), () => ask('q', []), () => ask('q', { timeout: -1 }),
+                   () => ask('q', { timeout: '3 weeks' }), () => ask('q', { schema: 5 }),
+                   () => ask('q', { label: 7 }), () => ask('x'.repeat(20000))]) {
+  try { await bad(); codes.push('none'); } catch (e) { codes.push(e.code); }
+}
+const b = await ask('plain', { timeout: 1500 });
+return [a, codes, b];"#;
+        let (end, seen) = run_script(body, ScriptLimits::default());
+        let ScriptEnd::Returned(Some(json)) = end else {
+            panic!("{end:?}")
+        };
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v[0], serde_json::json!({ "answered": "Ship it?" }));
+        assert_eq!(
+            v[1],
+            serde_json::json!([
+                "INVALID_PROMPT",
+                "INVALID_OPTION",
+                "INVALID_OPTION",
+                "INVALID_OPTION",
+                "INVALID_OPTION",
+                "INVALID_OPTION",
+                "TOO_LARGE"
+            ])
+        );
+        assert_eq!(
+            seen,
+            vec![
+                r#"ask:Ship it?:{"schema":{"type":"boolean"},"timeoutMs":7200000,"label":"ship"}"#
+                    .to_owned(),
+                r#"ask:plain:{"timeoutMs":1500}"#.to_owned(),
+            ]
         );
     }
 }

@@ -720,6 +720,8 @@ impl ClientService for ClientSvc {
             agent,
             reason,
             budget_usd,
+            question,
+            answer_json,
         } = req.into_inner();
         sizes::text("the action", &action)
             .and_then(|()| sizes::text("the agent", &agent))
@@ -731,7 +733,21 @@ impl ClientService for ClientSvc {
                 crate::registry::MAX_REASON
             )));
         }
+        let answer = (action == "answer")
+            .then(|| {
+                sizes::text("the question", &question)?;
+                sizes::answer(&answer_json)
+            })
+            .transpose()
+            .map_err(|e| e.status())?;
         self.visible(&scope, &run_id).await?;
+        if let Some(value) = answer {
+            let message = self
+                .registry
+                .answer(&run_id, Some(question), value, &who)
+                .await?;
+            return Ok(Response::new(v1::ControlReply { message }));
+        }
         let asked = crate::registry::Asked {
             by: &who,
             reason: &reason,

@@ -172,10 +172,11 @@ fn call() -> impl Strategy<Value = Call> {
         1 => name_like().prop_map(Call::Changes),
         1 => (
             name_like(),
-            prop_oneof![Just("pause".to_owned()), Just("resume".to_owned()), Just("restart".to_owned()), "\\PC{0,8}"],
-            name_like()
+            prop_oneof![Just("pause".to_owned()), Just("resume".to_owned()), Just("restart".to_owned()), Just("answer".to_owned()), "\\PC{0,8}"],
+            name_like(),
+            "\\PC{0,24}"
         )
-            .prop_map(|(run_id, action, agent)| Call::Control(v1::ControlRequest { run_id, action, agent, reason: String::new(), budget_usd: 0.0 })),
+            .prop_map(|(run_id, action, agent, answer_json)| Call::Control(v1::ControlRequest { run_id, action, question: agent.clone(), agent, answer_json, ..Default::default() })),
         1 => (version(), script(), name_like()).prop_map(|(protocol_version, source, namespace)| Call::Push(v1::PushWorkflowRequest { protocol_version, source, namespace })),
         1 => (version(), name_like(), name_like(), any::<u32>()).prop_map(|(protocol_version, run_id, agent, attempt)| {
             Call::Transcripts(v1::TranscriptsRequest { protocol_version, run_id, agent, attempt })

@@ -14,6 +14,7 @@
 //! Start at [`RunEngine::run`].
 
 pub mod admit;
+pub mod ask;
 mod book;
 mod budgets;
 mod calls;
@@ -81,6 +82,14 @@ pub enum Control {
     /// The run's money budget set anew, in dollars; the reply says where the run stands.
     Budget {
         usd: f64,
+        reply: oneshot::Sender<Result<String, flotilla_proto::Problem>>,
+    },
+    /// An answer to a question of the script (`ask()`): the one named (`question`), or the
+    /// run's only open one; `by` is who answered. The reply comes once it is stored.
+    Answer {
+        question: Option<String>,
+        value: Value,
+        by: String,
         reply: oneshot::Sender<Result<String, flotilla_proto::Problem>>,
     },
 }
@@ -183,6 +192,11 @@ pub struct EngineInit {
     /// At its money budget the run is held until the budget is raised (a coordinator's runs:
     /// `flotilla budget` reaches them), instead of stopping its agents (`flotilla run`).
     pub budget_pauses: bool,
+    /// Answers to its questions may come through the store as well as through controls
+    /// (an embedded run: `flotilla answer` writes them there): it looks while one is open.
+    pub answers_from_store: bool,
+    /// The coordinator's pages (`http://host:port`), for the links its webhooks carry.
+    pub page_base: Option<String>,
 }
 
 /// How the status of a run held at its money budget begins (`waiting`).
@@ -231,6 +245,8 @@ pub struct RunEngine {
     snapshot: watch::Sender<Arc<Snapshot>>,
     dirty: bool,
     transcripts: TranscriptLog,
+    /// Its questions (`ask()`).
+    asks: ask::Asks,
     /// Trace spans: the run, and one per phase (group) under it.
     span: tracing::Span,
     phase_spans: HashMap<String, tracing::Span>,
@@ -256,10 +272,11 @@ pub fn start(
     let (control_tx, control_rx) = mpsc::unbounded_channel();
     let (report_tx, report_rx) = oneshot::channel();
     let tasks = init.tasks.clone();
-    let engine = RunEngine::new(init, reply, snap_tx);
+    let (asks, ask_rx) = ask::Asks::new();
+    let engine = RunEngine::new(init, reply, snap_tx, asks);
     // Stopped with its coordinator: dropped where it stands, its report never written.
     tasks.spawn_until_stopped(async move {
-        let report = engine.run(ops, control_rx).await;
+        let report = engine.run(ops, control_rx, ask_rx).await;
         let _ = report_tx.send(report);
     });
     RunHandle {
@@ -274,7 +291,12 @@ pub fn start(
 }
 
 impl RunEngine {
-    fn new(init: EngineInit, reply: ReplySink, snapshot: watch::Sender<Arc<Snapshot>>) -> Self {
+    fn new(
+        init: EngineInit,
+        reply: ReplySink,
+        snapshot: watch::Sender<Arc<Snapshot>>,
+        asks: ask::Asks,
+    ) -> Self {
         let run: Arc<str> = Arc::from(init.run_id.as_str());
         let events = EventLog::spawn(
             init.store.clone(),
@@ -291,6 +313,7 @@ impl RunEngine {
             flotilla.generation = init.generation,
         );
         RunEngine {
+            asks,
             span,
             phase_spans: HashMap::new(),
             run,
@@ -456,6 +479,7 @@ impl RunEngine {
         mut self,
         mut ops: mpsc::UnboundedReceiver<ScriptOp>,
         mut control: mpsc::UnboundedReceiver<Control>,
+        mut ask_rx: mpsc::UnboundedReceiver<ask::AskEvent>,
     ) -> Report {
         let (mut call_rx, mut ack_rx, mut applied_rx) = self.open();
         let mut tick = tokio::time::interval(SNAPSHOT_EVERY);
@@ -480,6 +504,7 @@ impl RunEngine {
                     None => calls_open = false,
                 },
                 Some(applied) = applied_rx.recv() => self.on_applied(applied),
+                Some(ev) = ask_rx.recv() => self.on_ask_event(ev),
                 op = ops.recv() => match op {
                     Some(ScriptOp::Finished(end)) => break end,
                     Some(op) => self.on_op(op),
@@ -505,6 +530,9 @@ impl RunEngine {
                     Some(Control::Budget { usd, reply }) => {
                         let _ = reply.send(self.set_budget(usd));
                     }
+                    Some(Control::Answer { question, value, by, reply }) => {
+                        self.answer(question, value, by, reply);
+                    }
                     // Nobody can stop the run any more; it goes on to its end.
                     None => control_open = false,
                 },
@@ -515,6 +543,7 @@ impl RunEngine {
                         self.storage_failing = failing;
                         self.dirty = true;
                     }
+                    self.ask_tick();
                     if stop_deadline.is_some_and(|d| Instant::now() >= d) {
                         break ScriptEnd::Failed(script::ScriptFailure {
                             kind: script::FailureKind::Stopped,
@@ -556,7 +585,11 @@ impl RunEngine {
                     Some(Control::Report(reply)) => {
                         let _ = reply.send(self.report_with(true));
                     }
-                    Some(Control::Agent { reply, .. } | Control::Budget { reply, .. }) => {
+                    Some(
+                        Control::Agent { reply, .. }
+                        | Control::Budget { reply, .. }
+                        | Control::Answer { reply, .. },
+                    ) => {
                         let _ = reply.send(Err(flotilla_proto::Problem::new(
                             flotilla_proto::ErrorKind::Conflict,
                             "the run is stopping",
@@ -621,6 +654,11 @@ impl RunEngine {
                     group,
                 },
             ),
+            ScriptOp::Ask {
+                id,
+                question,
+                opts_json,
+            } => self.on_ask(id, question, &opts_json),
             ScriptOp::Phase(title) => {
                 self.ensure_group(&title);
             }

@@ -12,6 +12,8 @@ pub struct ResumeSource {
     /// Each record once; the map points into it (a big run's journal is not copied twice).
     records: Vec<CallRecord>,
     by_key: HashMap<String, usize>,
+    /// The answers its questions got (`ask()`), by question key.
+    answers: HashMap<String, crate::store::records::AnswerRecord>,
     /// What could not be read back (those calls run again), for the run's log.
     pub warnings: Vec<String>,
 }
@@ -59,13 +61,15 @@ impl ResumeSource {
             "read the journal of the run resumed"
         );
         let warning = read.summary();
-        if read.calls.is_empty() {
+        let answers = crate::run::ask::read_answers(store, run).await?;
+        if read.calls.is_empty() && answers.is_empty() {
             return Err(ResumeError::NoResults {
                 run: run.to_owned(),
                 why: warning.map(|w| format!(" ({w})")).unwrap_or_default(),
             });
         }
         let mut src = ResumeSource::from_records(run, read.calls);
+        src.answers = answers.into_iter().map(|a| (a.key.clone(), a)).collect();
         src.warnings
             .extend(warning.map(|w| format!("[resume] {w}")));
         Ok((manifest, src))
@@ -80,6 +84,7 @@ impl ResumeSource {
             run_id: run.to_owned(),
             records,
             by_key,
+            answers: HashMap::new(),
             warnings: Vec::new(),
         }
     }
@@ -87,6 +92,11 @@ impl ResumeSource {
     /// Content-keyed lookup.
     pub fn by_key(&self, key: &str) -> Option<&CallRecord> {
         self.by_key.get(key).map(|&i| &self.records[i])
+    }
+
+    /// The answer a question got (`ask()`), by its key.
+    pub fn answer(&self, key: &str) -> Option<&crate::store::records::AnswerRecord> {
+        self.answers.get(key)
     }
 
     pub fn len(&self) -> usize {

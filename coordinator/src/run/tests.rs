@@ -68,6 +68,8 @@ fn engine(
         quotas: None,
         tasks: Default::default(),
         budget_pauses: false,
+        answers_from_store: false,
+        page_base: None,
     };
     let handle = start(
         init,

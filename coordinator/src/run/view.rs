@@ -27,11 +27,15 @@ impl RunEngine {
             ..Summary::default()
         };
         let groups = self.book.progress(&mut summary);
+        if summary.waiting.is_none() && summary.running == 0 && summary.queued == 0 {
+            summary.waiting = self.asks.waiting(&self.init.run_id);
+        }
         let snap = Snapshot {
             run_id: self.init.run_id.clone(),
             workflow: self.init.workflow.clone(),
             summary,
             groups,
+            questions: Arc::new(self.asks.open()),
             logs: {
                 if self.published_logs.len() != self.logs.len() {
                     self.published_logs = Arc::new(self.logs.clone());
@@ -139,6 +143,7 @@ impl RunEngine {
                 .collect(),
             notify: None,
             namespace: self.init.settings.namespace.clone(),
+            questions: self.asks.all(),
             usage,
             agents,
             groups,

@@ -663,6 +663,7 @@ mod tests {
             warnings: Vec::new(),
             notify: None,
             namespace: String::new(),
+            questions: Vec::new(),
         };
         let d = PageData {
             summary: Summary::of_report(&report),

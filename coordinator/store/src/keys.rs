@@ -98,6 +98,24 @@ pub fn budget(run: &str) -> Path {
     Path::from(format!("runs/{run}/budget.json"))
 }
 
+/// A question the run's script asked with `ask()` (`id`: `q_` and 12 hex digits).
+pub fn question(run: &str, id: &str) -> Path {
+    Path::from(format!("runs/{run}/questions/{id}.json"))
+}
+
+pub fn questions_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/questions"))
+}
+
+pub fn answers_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/answers"))
+}
+
+/// The answer question `id` of the run got: written once, the first answer wins.
+pub fn answer(run: &str, id: &str) -> Path {
+    Path::from(format!("runs/{run}/answers/{id}.json"))
+}
+
 /// How the run's end webhook was delivered (`--notify`).
 pub fn notify(run: &str) -> Path {
     Path::from(format!("runs/{run}/notify.json"))

@@ -172,6 +172,8 @@ pub enum RunEvent {
 
 pub use flotilla_proto::wire::ChangeRecord;
 
+pub use flotilla_proto::wire::{AnswerRecord, Question, QuestionRecord};
+
 #[cfg(test)]
 mod raw_tests {
     use super::*;

@@ -371,8 +371,7 @@ fn cluster_bounds_oversized_fields_are_refused_by_name() {
                 run_id: "wf_00000000-000".into(),
                 action: "pause".into(),
                 agent: "a".repeat(5000),
-                reason: String::new(),
-                budget_usd: 0.0,
+                ..Default::default()
             })
             .await
             .expect_err("a long agent name");
@@ -384,10 +383,22 @@ fn cluster_bounds_oversized_fields_are_refused_by_name() {
         let e = client
             .control(v1::ControlRequest {
                 run_id: "wf_00000000-000".into(),
+                action: "answer".into(),
+                answer_json: format!("\"{}\"", "a".repeat(2 * MIB)),
+                ..Default::default()
+            })
+            .await
+            .expect_err("a 2 MiB answer");
+        assert!(
+            e.message().contains("the answer: 2097154 bytes (2.0 MiB)"),
+            "{}",
+            e.message()
+        );
+        let e = client
+            .control(v1::ControlRequest {
+                run_id: "wf_00000000-000".into(),
                 action: "a".repeat(5 * MIB),
-                agent: String::new(),
-                reason: String::new(),
-                budget_usd: 0.0,
+                ..Default::default()
             })
             .await
             .expect_err("a 5 MiB control request");

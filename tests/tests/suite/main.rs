@@ -7,6 +7,7 @@
 mod admission;
 mod agent;
 mod anthropic;
+mod asks;
 mod bundled;
 mod claude;
 mod cli;
