@@ -127,6 +127,20 @@ pub struct BudgetInput {
     reason: Option<String>,
 }
 
+/// An answer to a question a run's script asked with `ask()`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AnswerInput {
+    /// The run id a `Workflow` call returned (`wf_…`).
+    run_id: String,
+    /// The question's id (`q_…`, as WorkflowStatus lists it under `questions`); leave it
+    /// out when the run has one open question.
+    #[serde(default)]
+    question_id: Option<String>,
+    /// The answer: any JSON value that matches the question's `schema`, if it has one.
+    answer: Value,
+}
+
 /// A page of a run's result.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -298,6 +312,45 @@ impl Flotilla {
                 CallToolResult::structured(json!({ "runId": input.run_id, "message": r.message }))
             }
             Err(s) => refused(&said(&s)),
+        })
+    }
+
+    #[tool(
+        name = "WorkflowAnswer",
+        description = "Answers a question a run's script asked with ask() (WorkflowStatus lists the open ones under `questions`, each with its id, text and the JSON Schema an answer must match). The run goes on once the answer is stored. A wrong answer is refused with the reason and the question stays open; a question answered already says by whom."
+    )]
+    async fn workflow_answer(
+        &self,
+        Parameters(input): Parameters<AnswerInput>,
+    ) -> Result<CallToolResult, ErrorData> {
+        if let Err(p) = flotilla_local::sizes::check_run_id(&input.run_id) {
+            return Ok(refused(&p.message));
+        }
+        let text = input.answer.to_string();
+        if let Err(p) = flotilla_local::sizes::answer(&text) {
+            return Ok(refused(&p.message));
+        }
+        let said_back = match &self.fleet {
+            Some(fleet) => {
+                let mut client = fleet.client.clone();
+                rpc(client.control(v1::ControlRequest {
+                    run_id: input.run_id.clone(),
+                    action: "answer".into(),
+                    question: input.question_id.clone().unwrap_or_default(),
+                    answer_json: text,
+                    ..Default::default()
+                }))
+                .await
+                .map(|r| r.message)
+                .map_err(|s| said(&s))
+            }
+            None => self.answer_here(&input).await.map_err(|p| p.message),
+        };
+        Ok(match said_back {
+            Ok(message) => {
+                CallToolResult::structured(json!({ "runId": input.run_id, "message": message }))
+            }
+            Err(why) => refused(&why),
         })
     }
 
@@ -787,6 +840,24 @@ impl Flotilla {
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
+    }
+
+    /// Answers a question of a run on this machine, in the store the settings name (the run
+    /// looks there while a question is open).
+    async fn answer_here(&self, input: &AnswerInput) -> Result<String, Problem> {
+        let file = config::load(self.args.config.as_deref())?;
+        let merged = config::settings_from(&self.args.settings, &file, true)?;
+        let store = flotilla_coordinator::host::open_store(&config::store_url(merged.store))
+            .map_err(|e| Problem::not_found(e.to_string()))?;
+        let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+        host::answer_in_store(
+            &store,
+            &input.run_id,
+            input.question_id.as_deref(),
+            input.answer.clone(),
+            &format!("local user {user} (MCP)"),
+        )
+        .await
     }
 
     /// A run's report from the store the settings name (this session's or any earlier one's).

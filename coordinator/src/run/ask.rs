@@ -473,10 +473,12 @@ impl RunEngine {
                 );
             }
         };
-        let validator = match opts.schema.as_ref().map(|s| {
-            flotilla_proto::schema::preflight(s)
-                .and_then(|()| flotilla_proto::schema::Validator::new(s))
-        }) {
+        // Any JSON Schema: an answer need not be an object, as an agent's result must.
+        let validator = match opts
+            .schema
+            .as_ref()
+            .map(flotilla_proto::schema::Validator::new)
+        {
             Some(Err(e)) => {
                 return self.reject(
                     promise,

@@ -200,6 +200,7 @@ fn counters(d: &PageData) -> String {
              <button data-action=stop class=danger data-ask=\"Stop the run? Its agents are cancelled and it cannot be resumed here.\">Stop run</button></p>"
         ));
     }
+    out.push_str(&questions(d));
     if !r.logs.is_empty() {
         out.push_str("<pre id=logs>");
         for line in &r.logs {
@@ -208,6 +209,63 @@ fn counters(d: &PageData) -> String {
         }
         out.push_str("</pre>");
     }
+    out
+}
+
+/// The questions the run's script asked (`ask()`): the open ones, each with an *Answer*
+/// button where the run runs (its form, made from the question's schema, is outside the live
+/// part), then those answered, with who answered and what.
+fn questions(d: &PageData) -> String {
+    let qs = &d.report.questions;
+    if qs.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("<section class=questions><h3>Questions</h3>");
+    for q in qs.iter().filter(|q| q.answer.is_none()) {
+        let a = &q.asked;
+        let schema = a.schema.as_ref().map(|s| s.to_string()).unwrap_or_default();
+        let until = a
+            .deadline
+            .as_deref()
+            .map(|t| {
+                format!(
+                    " <small>unanswered by {}, it ends with null</small>",
+                    esc(t)
+                )
+            })
+            .unwrap_or_default();
+        let button = if d.here && d.live() {
+            format!(
+                " <button data-answer=\"{}\" data-schema=\"{}\" data-text=\"{}\">Answer</button>",
+                esc(&a.id),
+                esc(&schema),
+                esc(&a.question)
+            )
+        } else {
+            String::new()
+        };
+        out.push_str(&format!(
+            "<div class=\"question open\" id=\"{}\"><b>{}</b> {}{until}{button}</div>",
+            esc(&a.id),
+            esc(&a.id),
+            esc(&a.question)
+        ));
+    }
+    for q in qs.iter() {
+        let Some(ans) = &q.answer else { continue };
+        let said = if ans.timed_out {
+            "timed out: null".to_owned()
+        } else {
+            format!("answered by {}: {}", ans.by, ans.value)
+        };
+        out.push_str(&format!(
+            "<div class=\"question answered\"><b>{}</b> {} <small>{}</small></div>",
+            esc(&q.asked.id),
+            esc(&q.asked.question),
+            esc(&said)
+        ));
+    }
+    out.push_str("</section>");
     out
 }
 
@@ -334,7 +392,7 @@ pub(super) fn render_run(d: &PageData, view: View) -> String {
         &r.workflow.name
     };
     let body = format!(
-        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>{CONFIRM}{BUDGET}\
+        "<h1>{} <small>{}</small></h1><p class=desc>{}</p><p id=notice></p>{CONFIRM}{BUDGET}{ANSWER}\
          <div id=live>{}</div>",
         esc(name),
         esc(&r.run_id),
@@ -486,6 +544,11 @@ pub(super) fn accounts_table(accounts: &[crate::sched::AccountView]) -> String {
 const BUDGET: &str = "<form id=budget-form hidden><label>Money budget, $ <input id=budget-usd type=number step=any min=0 required></label> \
 <button type=submit id=budget-go>Raise and go on</button> <button type=button id=budget-cancel>Cancel</button></form>";
 
+/// The answer to a question: its fields are made from the question's schema when its Answer
+/// button is pressed.
+const ANSWER: &str = "<form id=answer-form hidden><p id=answer-what></p><div id=answer-fields></div>\
+<button type=submit id=answer-go>Send answer</button> <button type=button id=answer-cancel>Cancel</button></form>";
+
 /// What a stop or pause asks first: confirmation and a reason (kept in the run's events).
 const CONFIRM: &str = "<form id=confirm hidden><p id=confirm-what></p>\
 <label>Reason <input id=reason name=reason maxlength=500 required placeholder=\"why (kept in the run's log)\"></label> \
@@ -525,11 +588,32 @@ document.getElementById('confirm-what').textContent=b.dataset.ask;r.value='';f.h
 f.onsubmit=e=>{e.preventDefault();f.hidden=true;act(b.dataset.action,b.dataset.target,r.value);};}
 function raise(){const f=document.getElementById('budget-form'),u=document.getElementById('budget-usd');
 u.value='';f.hidden=false;u.focus();f.onsubmit=e=>{e.preventDefault();f.hidden=true;act('budget','','',Number(u.value));};}
-function bind(){document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>b.dataset.budget?raise():b.dataset.ask?ask(b):act(b.dataset.action,b.dataset.target,''));}
+function opt(e,v,t){const o=document.createElement('option');o.value=v;o.textContent=t;e.appendChild(o);}
+function field(s){const t=s&&s.type;let e;
+if(s&&Array.isArray(s.enum)){e=document.createElement('select');s.enum.forEach(v=>opt(e,JSON.stringify(v),typeof v==='string'?v:JSON.stringify(v)));e.get=()=>JSON.parse(e.value);}
+else if(t==='boolean'){e=document.createElement('select');opt(e,'true','yes');opt(e,'false','no');e.get=()=>e.value==='true';}
+else if(t==='number'||t==='integer'){e=document.createElement('input');e.type='number';e.step=t==='integer'?'1':'any';e.get=()=>e.value===''?undefined:Number(e.value);}
+else if(!s||t==='string'){e=document.createElement('textarea');e.rows=2;e.get=()=>e.value;}
+else{e=document.createElement('textarea');e.rows=4;e.placeholder='JSON';e.get=()=>JSON.parse(e.value);}
+return e;}
+function answer(b){const f=document.getElementById('answer-form'),box=document.getElementById('answer-fields');
+const s=b.dataset.schema?JSON.parse(b.dataset.schema):null;document.getElementById('answer-what').textContent=b.dataset.answer+': '+b.dataset.text;
+box.innerHTML='';let get;
+if(s&&s.type==='object'&&s.properties){const fs={},req=s.required||[];Object.keys(s.properties).forEach(k=>{const l=document.createElement('label');
+l.textContent=k+(req.includes(k)?' * ':' ');const e=field(s.properties[k]);e.name=k;l.appendChild(e);box.appendChild(l);box.appendChild(document.createElement('br'));fs[k]=e;});
+get=()=>{const o={};for(const k in fs){const v=fs[k].get();if(req.includes(k)||(v!==undefined&&v!==''))o[k]=v;}return o;};}
+else{const e=field(s);e.name='answer';box.appendChild(e);get=()=>e.get();}
+f.hidden=false;f.onsubmit=async e=>{e.preventDefault();let v;try{v=get();}catch(x){document.getElementById('notice').textContent='the answer is not JSON: '+x.message;return;}
+const r=await fetch('/runs/'+run+'/control',{method:'POST',credentials:'same-origin',headers:{'content-type':'application/json','x-flotilla':'1'},
+body:JSON.stringify({action:'answer',question:b.dataset.answer,answer:v===undefined?null:v})});
+const j=await r.json();document.getElementById('notice').textContent=j.message||j.error;if(r.ok)f.hidden=true;};}
+function bind(){document.querySelectorAll('[data-action]').forEach(b=>b.onclick=()=>b.dataset.budget?raise():b.dataset.ask?ask(b):act(b.dataset.action,b.dataset.target,''));
+document.querySelectorAll('[data-answer]').forEach(b=>b.onclick=()=>answer(b));}
 function show(html){document.getElementById('live').innerHTML=html;bind();}
 const live=document.getElementById('live');
 if(live)live.addEventListener('click',e=>{const g=e.target.closest('svg [data-a]');if(g)location.href='/runs/'+run+'/agents/'+g.dataset.a;});
 const cancel=document.getElementById('confirm-cancel');if(cancel)cancel.onclick=()=>{document.getElementById('confirm').hidden=true;};
+const drop=document.getElementById('answer-cancel');if(drop)drop.onclick=()=>{document.getElementById('answer-form').hidden=true;};
 const keep=document.getElementById('budget-cancel');if(keep)keep.onclick=()=>{document.getElementById('budget-form').hidden=true;};
 if(run&&document.body.dataset.live==='1'){const es=new EventSource('/runs/'+run+'/events'+location.search);
 es.addEventListener('update',e=>show(e.data));es.addEventListener('end',e=>{show(e.data);es.close();});}

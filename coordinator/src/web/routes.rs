@@ -424,6 +424,11 @@ pub(super) struct ControlBody {
     /// For `budget`: the run's money budget, in dollars.
     #[serde(default)]
     pub(super) usd: Option<f64>,
+    /// For `answer`: the question (`q_…`; empty: the run's only open one) and the answer.
+    #[serde(default)]
+    pub(super) question: String,
+    #[serde(default)]
+    pub(super) answer: Option<serde_json::Value>,
 }
 
 /// The page's buttons: pause, resume or stop the run, stop or restart one agent. Needs the
@@ -452,6 +457,9 @@ pub(super) async fn control(
             .into_response();
     }
     let who = who_signed_in(&web, &headers);
+    if body.action == "answer" {
+        return answer_from_page(&web, &run, body, &who).await;
+    }
     let asked = crate::registry::Asked {
         by: &who,
         reason: &body.reason,
@@ -467,6 +475,37 @@ pub(super) async fn control(
             axum::Json(serde_json::json!({ "error": s.message() })),
         )
             .into_response(),
+    }
+}
+
+/// The page's answer to a question of the run: checked for size, then what `flotilla answer`
+/// does.
+async fn answer_from_page(web: &Web, run: &str, body: ControlBody, who: &str) -> Response {
+    let refused = |kind: ErrorKind, message: String| {
+        (
+            http(kind),
+            axum::Json(serde_json::json!({ "error": message })),
+        )
+            .into_response()
+    };
+    let value = body.answer.unwrap_or(serde_json::Value::Null);
+    if let Err(p) = flotilla_local::sizes::text("the question", &body.question)
+        .and_then(|()| flotilla_local::sizes::answer(&value.to_string()).map(|_| ()))
+    {
+        return refused(p.kind, p.message);
+    }
+    match web
+        .registry
+        .answer(
+            run,
+            Some(body.question),
+            value,
+            &format!("{who} (the page)"),
+        )
+        .await
+    {
+        Ok(message) => axum::Json(serde_json::json!({ "message": message })).into_response(),
+        Err(s) => refused(ErrorKind::from_grpc(s.code()), s.message().to_owned()),
     }
 }
 

@@ -12,6 +12,7 @@ mod bundled;
 mod claude;
 mod cli;
 mod cluster;
+mod cluster_asks;
 mod cluster_bounds;
 mod cluster_budgets;
 mod cluster_defects;
