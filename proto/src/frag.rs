@@ -25,6 +25,10 @@ pub const FRAGMENT_BYTES: usize = 1 << 20;
 pub const MAX_FRAME_BYTES: usize = 4 << 20;
 /// The largest message either end sends or accepts, whole: a prompt, a result, a report.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// The largest conversation an interrupted attempt hands its call's next attempt
+/// (`Failure.session`, `TaskSpec.session`); a larger one is not kept, and the next attempt
+/// starts over.
+pub const MAX_SESSION_BYTES: usize = 32 << 20;
 /// The largest transcript event a worker sends; a bigger one is cut (the transcript is for
 /// reading, the result travels whole).
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
@@ -261,7 +265,13 @@ pub fn fit_outcome(mut o: v1::Outcome, limit: usize) -> v1::Outcome {
     if o.encoded_len() > limit
         && let Some(v1::outcome::Result::Failure(f)) = o.result.as_mut()
     {
-        // An unfinished attempt's leftovers are a nicety: the failure goes without them.
+        // An unfinished attempt's conversation and leftovers are niceties: the failure goes
+        // without them (the conversation first).
+        f.session = None;
+    }
+    if o.encoded_len() > limit
+        && let Some(v1::outcome::Result::Failure(f)) = o.result.as_mut()
+    {
         f.partial = None;
     }
     let len = o.encoded_len();
@@ -277,6 +287,7 @@ pub fn fit_outcome(mut o: v1::Outcome, limit: usize) -> v1::Outcome {
         ),
         retry_after_ms: 0,
         partial: None,
+        session: None,
     }));
     o
 }

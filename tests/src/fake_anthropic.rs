@@ -15,6 +15,10 @@
 //!   are answered;
 //! - `[[stall-first:N]]`: the first N requests of that prompt get `message_start` (the first
 //!   chunk, for chat completions) and then nothing, on a connection held open;
+//! - `[[turns:N]]`: an agent of N turns: while the conversation holds fewer than N tool
+//!   results, a Bash `tool_use` running `echo turn K`; then the text `done after N turns`;
+//! - `[[stall-at:K]]`: the first request whose conversation holds K tool results stalls as
+//!   `stall-first` does (an agent interrupted after K turns);
 //! - otherwise the text `fake reply to: PROMPT`.
 //!
 //! Prompt caching is simulated (§2.5): the prefix tools → system → messages is hashed up to each
@@ -421,6 +425,19 @@ fn last_user(body: &Value) -> (String, Option<String>) {
     }
 }
 
+/// How many tool results the conversation holds (the turns an agent has taken).
+pub fn tool_results(body: &Value) -> usize {
+    body.get("messages")
+        .and_then(Value::as_array)
+        .map_or(0, |ms| {
+            ms.iter()
+                .filter_map(|m| m.get("content").and_then(Value::as_array))
+                .flatten()
+                .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
+                .count()
+        })
+}
+
 /// The first user prompt of the conversation (markers live there).
 /// The name of the last tool the assistant called in this conversation.
 fn last_tool(body: &Value) -> Option<String> {
@@ -595,7 +612,11 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
     let stall = marker(&prompt, "stall-first")
         .and_then(|n| n.parse::<u32>().ok())
         .is_some_and(|n| cache.count(&format!("stall:{prompt}")) <= n);
-    if stall {
+    let at = tool_results(body);
+    let stall_at = marker(&prompt, "stall-at")
+        .and_then(|k| k.parse::<usize>().ok())
+        .is_some_and(|k| k == at && cache.count(&format!("stall-at:{prompt}:{k}")) == 1);
+    if stall || stall_at {
         return (stall_stream(conn, body, id), 0);
     }
     let status = forced.or_else(|| marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()));
@@ -704,9 +725,24 @@ fn answer_with(
         .find(|t| t.get("name").and_then(Value::as_str) == Some("StructuredOutput"));
     // The blocks of the reply and why it stops.
     let after_structured = last_tool(body).as_deref() == Some("StructuredOutput");
-    let (blocks, stop) = if let (Some(_), Some(tool), false) =
-        (&tool_output, structured, after_structured)
-    {
+    let turns = marker(prompt, "turns").and_then(|n| n.parse::<usize>().ok());
+    let (blocks, stop) = if let Some(n) = turns.filter(|_| structured.is_none()) {
+        let k = tool_results(body);
+        if k < n {
+            (
+                vec![
+                    json!({"type": "tool_use", "id": format!("toolu_fake_{id}"), "name": "Bash",
+                    "input": {"command": format!("echo turn {}", k + 1), "description": "one more turn"}}),
+                ],
+                "tool_use",
+            )
+        } else {
+            (
+                vec![json!({"type": "text", "text": format!("done after {n} turns")})],
+                "end_turn",
+            )
+        }
+    } else if let (Some(_), Some(tool), false) = (&tool_output, structured, after_structured) {
         // A tool ran and a structured result is still due: submit it now.
         let value = marker(prompt, "json")
             .and_then(|j| serde_json::from_str(j).ok())

@@ -16,6 +16,8 @@ pub struct Error {
     pub message: String,
     pub retry_after: Option<Duration>,
     pub usage: v1::Usage,
+    /// The agent's conversation so far, for the call's next attempt to continue.
+    pub session: Option<Box<v1::Session>>,
 }
 
 impl Error {
@@ -25,6 +27,7 @@ impl Error {
             message: message.into(),
             retry_after: None,
             usage: v1::Usage::default(),
+            session: None,
         }
     }
 

@@ -871,15 +871,18 @@ impl Attempt {
             r = &mut run => r,
             _ = tokio::time::sleep(limit) => {
                 token.cancel();
-                let _ = run.await;
-                Err(Error::new(
+                // Its conversation goes on with the timeout, for the call's next attempt.
+                let session = run.await.err().and_then(|e| e.session);
+                Err(Error {
+                    session,
+                    ..Error::new(
                     FailureKind::Timeout,
                     if by_worker {
                         format!("agent timed out after {}, the worker's longest attempt (--max-attempt-time)", humanize(limit))
                     } else {
                         format!("agent timed out after {}", humanize(limit))
                     },
-                ))
+                )})
             }
         }
     }
@@ -940,6 +943,7 @@ fn outcome_of(
                 message: e.message,
                 retry_after_ms: e.retry_after.map_or(0, |d| d.as_millis() as u64),
                 partial,
+                session: e.session.map(|s| *s),
             }),
             e.usage,
         ),

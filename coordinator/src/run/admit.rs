@@ -97,6 +97,7 @@ impl Admitted {
             source_url: source.and_then(|s| s.url.clone()).unwrap_or_default(),
             source_partial: String::new(),
             namespace: crate::namespace::effective(&settings.namespace).to_owned(),
+            session: None,
         }
     }
 

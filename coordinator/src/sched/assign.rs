@@ -162,6 +162,7 @@ impl Dispatcher {
             task.source_commit = head.borrow().clone();
         }
         c.sent_base = task.source_commit.clone();
+        task.session = self.leftovers.session_of(id).cloned();
         let assignment = v1::Assignment {
             run_id: id.0.to_string(),
             call: id.1,

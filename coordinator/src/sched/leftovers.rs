@@ -15,6 +15,9 @@ use super::handle::CallId;
 
 /// Longest a restarted call waits for what its interrupted attempt leaves.
 pub(super) const WAIT: Duration = Duration::from_secs(30);
+use flotilla_proto::frag::MAX_SESSION_BYTES;
+/// What the coordinator holds of conversations in all; past it, the oldest kept go.
+pub(super) const SESSIONS_BYTES: usize = 1 << 30;
 
 #[derive(Debug, Default)]
 struct Entry {
@@ -24,12 +27,19 @@ struct Entry {
     awaiting: Option<u32>,
     /// The retry would go now, but for the wait.
     due: bool,
+    /// The conversation its latest interrupted attempt left, for the next to continue.
+    session: Option<flotilla_proto::v1::Session>,
+    /// When it was kept (which go first past [`SESSIONS_BYTES`]).
+    session_seq: u64,
 }
 
 /// Leftovers of the calls of every run.
 #[derive(Debug, Default)]
 pub(super) struct Leftovers {
     calls: HashMap<CallId, Entry>,
+    /// Bytes of the conversations kept, and a counter that orders them.
+    session_bytes: usize,
+    kept: u64,
 }
 
 impl Leftovers {
@@ -104,9 +114,61 @@ impl Leftovers {
         }
     }
 
-    /// `id` is gone.
+    /// `id` is gone: its conversation too.
     pub(super) fn forget(&mut self, id: &CallId) {
-        self.calls.remove(id);
+        if let Some(e) = self.calls.remove(id) {
+            self.session_bytes -= e.session.map_or(0, |s| s.state.len());
+        }
+    }
+
+    /// Keeps the conversation attempt `attempt` of `id` left, for its next attempt; `false`
+    /// (and nothing kept) when a newer one is there, or it is over [`MAX_SESSION_BYTES`].
+    pub(super) fn keep_session(
+        &mut self,
+        id: &CallId,
+        attempt: u32,
+        mut s: flotilla_proto::v1::Session,
+    ) -> bool {
+        if s.state.len() > MAX_SESSION_BYTES {
+            tracing::info!(run = %id.0, call = id.1, attempt, bytes = s.state.len(), "an interrupted agent's conversation is too big to keep; its next attempt starts over");
+            return false;
+        }
+        s.attempt = attempt;
+        self.kept += 1;
+        let seq = self.kept;
+        let e = self.calls.entry(id.clone()).or_default();
+        if e.session.as_ref().is_some_and(|old| old.attempt > attempt) {
+            return false;
+        }
+        let len = s.state.len();
+        let old = e.session.replace(s).map_or(0, |o| o.state.len());
+        e.session_seq = seq;
+        self.session_bytes = self.session_bytes + len - old;
+        while self.session_bytes > SESSIONS_BYTES {
+            let Some(oldest) = self
+                .calls
+                .iter()
+                .filter(|(_, e)| e.session.is_some())
+                .min_by_key(|(_, e)| e.session_seq)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            self.drop_session(&oldest);
+        }
+        true
+    }
+
+    /// The conversation `id`'s next attempt continues, if one is kept.
+    pub(super) fn session_of(&self, id: &CallId) -> Option<&flotilla_proto::v1::Session> {
+        self.calls.get(id).and_then(|e| e.session.as_ref())
+    }
+
+    /// `id`'s next attempt starts over (`flotilla restart --fresh`).
+    pub(super) fn drop_session(&mut self, id: &CallId) {
+        if let Some(s) = self.calls.get_mut(id).and_then(|e| e.session.take()) {
+            self.session_bytes -= s.state.len();
+        }
     }
 }
 

@@ -136,10 +136,13 @@ impl Dispatcher {
                 .is_some_and(|c| c.worker == Some(worker));
         if !current && awaited {
             // The interrupted attempt of a restarted call: what it left is all we want.
-            let partial = match o.result {
-                Some(outcome::Result::Failure(f)) => f.partial,
-                _ => None,
+            let (partial, session) = match o.result {
+                Some(outcome::Result::Failure(f)) => (f.partial, f.session),
+                _ => (None, None),
             };
+            if let Some(s) = session {
+                self.leftovers.keep_session(&id, o.attempt, s);
+            }
             let storing = partial.is_some_and(|p| self.keep_partial(&id, o.attempt, p));
             if !storing {
                 self.salvaged(&id, o.attempt);
@@ -169,6 +172,11 @@ impl Dispatcher {
             }
             Some(outcome::Result::Failure(mut f)) => {
                 let kind = FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal);
+                if retry::goes_again(kind)
+                    && let Some(s) = f.session.take()
+                {
+                    self.leftovers.keep_session(&id, o.attempt, s);
+                }
                 if retry::goes_again(kind)
                     && let Some(p) = f.partial.take()
                     && self.keep_partial(&id, o.attempt, p)
@@ -474,11 +482,17 @@ impl Dispatcher {
     }
 
     /// Whether a restarted call's interrupted attempt can still send what it left: the run
-    /// has a stored source and the attempt's worker is attached.
+    /// has a stored source, or its backend keeps a conversation, and the attempt's worker is
+    /// attached.
     pub(super) fn salvageable(&self, id: &CallId) -> bool {
         let stored = self.sources.store().is_some()
             && self.runs.get(&id.0).is_some_and(|r| r.reg.head.is_some());
-        stored
+        // An agent whose backend keeps its conversation leaves that too (issue 33, 3).
+        let talks = self
+            .calls
+            .get(id)
+            .is_some_and(|c| !matches!(c.ticket.task.backend.as_str(), "echo" | "exec"));
+        (stored || talks)
             && self
                 .calls
                 .get(id)

@@ -325,6 +325,69 @@ fn a_stalled_stream_is_restarted_by_the_watchdog_and_the_retry_succeeds() {
     assert_eq!(asked, 2, "one stalled request and one answered");
 }
 
+/// Issue 33, 3: an agent interrupted mid-session continues its own conversation. The real
+/// CLI takes two turns, stalls on its third model call and is cut off by the watchdog; the
+/// next attempt resumes the CLI's session: its first request to the model carries the two
+/// earlier turns and the note that it was interrupted, and it asks only for the rest (three
+/// requests, not the five of a start over).
+#[test]
+fn a_stalled_agent_continues_its_own_session_with_its_earlier_turns() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let prompt = "four steps [[turns:4]] [[stall-at:2]]";
+    let (code, r) = run_with(
+        &env,
+        &fake,
+        &format!("return await agent('{prompt}', {{ label: 'steps' }});"),
+        &["--stall-timeout", "3s"],
+    );
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["result"], "done after 4 turns", "{r}");
+    assert_eq!(flotilla_tests::agent(&r, "steps")["attempts"], 2, "{r}");
+    let asked: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|s| s.path.starts_with("/v1/messages") && s.body.to_string().contains("four steps"))
+        .collect();
+    let turns: Vec<usize> = asked
+        .iter()
+        .map(|s| flotilla_tests::fake_anthropic::tool_results(&s.body))
+        .collect();
+    let out = env.flotilla(&[
+        "logs",
+        r["run_id"].as_str().unwrap(),
+        "--agent",
+        "steps",
+        "--attempt",
+        "2",
+    ]);
+    assert_eq!(
+        turns,
+        [0, 1, 2, 2, 3, 4],
+        "three requests, then three more that go on: {}",
+        out.stdout
+    );
+    let resumed = asked[3].body["messages"].to_string();
+    for said in ["turn 1", "turn 2", "was interrupted before it finished"] {
+        assert!(resumed.contains(said), "{said:?} in {resumed}");
+    }
+    // Its transcript says it went on.
+    let out = env.flotilla(&[
+        "logs",
+        r["run_id"].as_str().unwrap(),
+        "--agent",
+        "steps",
+        "--attempt",
+        "2",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        out.stdout.contains("continued the session attempt 1 left"),
+        "{}",
+        out.stdout
+    );
+}
+
 /// Makes `dir` a git repository with one commit.
 
 #[test]

@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::procs::{GroupGuard, kill_group};
 use super::seam::{AgentBackend, Events, Output, Submissions, Submitted, Task};
+use super::session;
 use crate::failure::Error;
 
 /// The Claude Code CLI backend.
@@ -86,7 +87,7 @@ impl ClaudeCode {
         }
     }
 
-    fn args(&self, task: &Task) -> Vec<String> {
+    fn args(&self, task: &Task, start: &session::Start) -> Vec<String> {
         let mut args: Vec<String> = [
             "-p",
             "--input-format",
@@ -96,11 +97,15 @@ impl ClaudeCode {
             "--verbose",
             "--permission-prompt-tool",
             "stdio",
-            "--no-session-persistence",
         ]
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
+        // The session is kept in the attempt's config, for a next attempt to continue it.
+        match start {
+            session::Start::Fresh { id, .. } => args.extend(["--session-id".into(), id.clone()]),
+            session::Start::Continue { id, .. } => args.extend(["--resume".into(), id.clone()]),
+        }
         let s = &task.spec;
         if !s.model.is_empty() {
             args.extend(["--model".into(), s.model.clone()]);
@@ -429,8 +434,35 @@ impl AgentBackend for ClaudeCode {
                     format!("cannot make a config dir: {e}"),
                 )
             })?;
+        let workdir = task.workdir()?;
+        let start = session::start(&task.spec, config.path(), &workdir);
+        if let Some(line) = start.line() {
+            events.transcript(json!({"type": "session", "text": line}));
+        }
+        let ran = self
+            .run_with(task, events, cancel, config.path(), &start)
+            .await;
+        // What it said and heard so far goes with a failure, for the next attempt to go on.
+        ran.map_err(|mut e| {
+            e.session = session::capture(config.path(), &workdir, start.id(), &task.spec.prompt)
+                .map(Box::new);
+            e
+        })
+    }
+}
+
+impl ClaudeCode {
+    /// One attempt of the CLI with its config in `config`, started as `start` says.
+    async fn run_with(
+        &self,
+        task: &Task,
+        events: &Events,
+        cancel: CancellationToken,
+        config: &std::path::Path,
+        start: &session::Start,
+    ) -> Result<Output, Error> {
         // The attempt's key to the gateway lives as long as this attempt, and no longer.
-        let (mut cmd, _token) = self.command(task, config.path())?;
+        let (mut cmd, _token) = self.command(task, config, start)?;
         cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -460,7 +492,10 @@ impl AgentBackend for ClaudeCode {
             .take()
             .ok_or_else(|| Error::new(FailureKind::Terminal, "claude has no stderr pipe"))?;
         let stderr_task = tokio::spawn(stderr_tail(stderr));
-        let seen = match self.converse(task, events, stdin, stdout, &cancel).await {
+        let seen = match self
+            .converse(task, events, (stdin, stdout), start, &cancel)
+            .await
+        {
             Ok(seen) => seen,
             Err(e) => {
                 if e.kind == FailureKind::Cancelled {
@@ -512,6 +547,7 @@ impl ClaudeCode {
         &self,
         task: &Task,
         config_dir: &std::path::Path,
+        start: &session::Start,
     ) -> Result<(tokio::process::Command, Option<crate::gateway::Token>), Error> {
         let mut env = vec![
             (
@@ -545,7 +581,9 @@ impl ClaudeCode {
             jail.mounts
                 .push(crate::sandbox::Mount::Ro(package_root(&bin)));
             program = bin.into_os_string();
-            env[0].1 = format!("{}/.claude", crate::sandbox::HOME);
+            // Its config (and its session) where the worker reads it after the sandbox ends.
+            jail.mounts
+                .push(crate::sandbox::Mount::Rw(config_dir.to_path_buf()));
             env.push(("ANTHROPIC_BASE_URL".into(), crate::sandbox::API_URL.into()));
             if let Some(t) = &token {
                 env.push(("ANTHROPIC_API_KEY".into(), t.value.clone()));
@@ -560,7 +598,8 @@ impl ClaudeCode {
             env.extend(self.api_env.iter().cloned());
         }
         jail.env.extend(env);
-        let args: Vec<std::ffi::OsString> = self.args(task).into_iter().map(Into::into).collect();
+        let args: Vec<std::ffi::OsString> =
+            self.args(task, start).into_iter().map(Into::into).collect();
         Ok((task.command(&program, &args, &jail), token))
     }
 
@@ -571,12 +610,16 @@ impl ClaudeCode {
         &self,
         task: &Task,
         events: &Events,
-        mut stdin: tokio::process::ChildStdin,
-        stdout: tokio::process::ChildStdout,
+        (mut stdin, stdout): (tokio::process::ChildStdin, tokio::process::ChildStdout),
+        start: &session::Start,
         cancel: &CancellationToken,
     ) -> Result<Seen, Error> {
-        let first =
-            json!({"type": "user", "message": {"role": "user", "content": task.spec.prompt}});
+        // A continued session is told it was interrupted; its task is in the turns above.
+        let said = match start {
+            session::Start::Continue { .. } => session::CONTINUE_NOTE,
+            session::Start::Fresh { .. } => task.spec.prompt.as_str(),
+        };
+        let first = json!({"type": "user", "message": {"role": "user", "content": said}});
         let write = |v: &Value| format!("{v}\n").into_bytes();
         let io_err = |e: std::io::Error| {
             Error::new(

@@ -24,6 +24,7 @@ pub mod lines;
 pub mod openai;
 mod procs;
 mod seam;
+pub mod session;
 
 use flotilla_proto::Problem;
 use std::sync::Arc;

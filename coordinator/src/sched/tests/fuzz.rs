@@ -30,6 +30,7 @@ fn hostile() -> impl Strategy<Value = WorkerMessage> {
                     message: m,
                     retry_after_ms,
                     partial: None,
+                    session: None,
                 })
             }),
         ],

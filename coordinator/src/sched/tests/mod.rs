@@ -422,6 +422,7 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
                 pack: left,
                 ..v1::Change::default()
             }),
+            session: None,
         })),
         usage: None,
         fence: first.fence,
@@ -484,6 +485,7 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
                 pack: b"objects".to_vec(),
                 ..v1::Change::default()
             }),
+            session: None,
         })),
         usage: None,
         fence: third.fence,
@@ -894,4 +896,79 @@ async fn a_closed_run_s_attempts_are_in_flight_until_their_worker_answers_the_ca
     settle().await;
     assert_eq!(d.in_flight(&run).await, 0);
     assert_eq!(d.in_flight(&other).await, 0);
+}
+
+/// Issue 33, 3: the conversation an interrupted attempt hands back goes to the call's next
+/// attempt, whichever worker takes it; a later attempt's replaces it; one over the size
+/// limit is not kept; and the call's end drops it.
+#[tokio::test(start_paused = true)]
+async fn an_interrupted_attempt_s_conversation_goes_to_the_call_s_next_attempt() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach_offering(&d, "w1", 1, &[], &["claude-code"]);
+    let (run, mut events) = register(&d, "wf_talk", 1, Duration::from_secs(300));
+    let mut t = ticket(0);
+    t.task.backend = "claude-code".into();
+    d.submit(&run, t);
+    let session = |attempt_said: &str, bytes: usize| v1::Session {
+        backend: "claude-code".into(),
+        id: "6f1c2d3e-4a5b-4c6d-8e7f-0123456789ab".into(),
+        state: vec![b'x'; bytes.max(1)],
+        prompt_sha256: attempt_said.into(),
+        turns: 2,
+        attempt: 0,
+    };
+    let failed = |a: &v1::Assignment, s: Option<v1::Session>| {
+        worker_message::Msg::Outcome(v1::Outcome {
+            run_id: a.run_id.clone(),
+            call: a.call,
+            attempt: a.attempt,
+            result: Some(outcome::Result::Failure(v1::Failure {
+                kind: v1::FailureKind::Retryable as i32,
+                message: "the connection dropped".into(),
+                session: s,
+                ..v1::Failure::default()
+            })),
+            usage: None,
+            fence: a.fence,
+            call_key: a.call_key.clone(),
+        })
+    };
+    let first = w.assignment().await;
+    assert_eq!(first.task.as_ref().unwrap().session, None);
+    w.send(failed(&first, Some(session("one", 10))));
+    let second = w.assignment().await;
+    let given = second
+        .task
+        .as_ref()
+        .unwrap()
+        .session
+        .clone()
+        .expect("a session");
+    assert_eq!(
+        (given.prompt_sha256.as_str(), given.attempt),
+        ("one", first.attempt)
+    );
+    // Too big to keep: the next attempt continues the one before.
+    w.send(failed(
+        &second,
+        Some(session("two", flotilla_proto::frag::MAX_SESSION_BYTES + 1)),
+    ));
+    let third = w.assignment().await;
+    let given = third
+        .task
+        .as_ref()
+        .unwrap()
+        .session
+        .clone()
+        .expect("a session");
+    assert_eq!(given.prompt_sha256, "one");
+    w.complete(&third, "done");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let done = finished(&mut events).await;
+    assert_eq!(done.len(), 1, "{done:?}");
+    // A new call of the same run starts with nothing of the last one's.
+    let mut t = ticket(1);
+    t.task.backend = "claude-code".into();
+    d.submit(&run, t);
+    assert_eq!(w.assignment().await.task.as_ref().unwrap().session, None);
 }
