@@ -19,6 +19,7 @@ mod cluster_defects;
 mod cluster_hosts;
 mod cluster_images;
 mod cluster_sandbox;
+mod cluster_sessions;
 mod cluster_sources;
 mod cluster_tenant_sources;
 mod cluster_tenant_workflows;
