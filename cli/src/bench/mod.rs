@@ -27,6 +27,7 @@ mod fleet;
 mod pages;
 mod sandbox;
 mod scale;
+mod sessions;
 mod source;
 
 use crate::config;
@@ -48,6 +49,9 @@ enum BenchKind {
     /// Send a generated repository as a run's source, relaunch after a one-file change, check
     /// it out warm and cold: each against git doing the same alone.
     Source(crate::bench::source::SourceArgs),
+    /// What the restart of an agent interrupted after N turns sends the model when it
+    /// continues its session and when it starts over (the real CLI against the test fake API).
+    Continue(crate::bench::sessions::ContinueArgs),
     /// Time no-op exec attempts and real-CLI "say hi" attempts without and with the agents'
     /// sandbox.
     Sandbox(crate::bench::sandbox::SandboxArgs),
@@ -232,6 +236,7 @@ pub async fn run(args: BenchArgs) -> i32 {
     match args.what {
         BenchKind::Source(a) => crate::bench::source::run(a).await,
         BenchKind::Sandbox(a) => crate::bench::sandbox::run(a).await,
+        BenchKind::Continue(a) => crate::bench::sessions::run(a).await,
         BenchKind::Fleet(a) => crate::bench::scale::run(a).await,
         BenchKind::Admission(a) => crate::bench::admission::run(a).await,
         BenchKind::Affinity(a) => crate::bench::affinity::run(a).await,

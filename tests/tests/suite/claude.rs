@@ -388,6 +388,44 @@ fn a_stalled_agent_continues_its_own_session_with_its_earlier_turns() {
     );
 }
 
+/// `flotilla bench continue` measures what a continued restart sends the model against a
+/// restart that starts over; here at N = 2 (the figures for 2, 8 and 32 are in the closing
+/// notes): the continued one makes fewer model calls and sends fewer uncached tokens.
+#[test]
+fn bench_continue_compares_a_continued_restart_with_one_that_starts_over() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let bin = claude_bin().to_str().unwrap().to_owned();
+    let mut vars: Vec<(String, String)> = fake.env();
+    vars.push(("FLOTILLA_CLAUDE_BIN".into(), bin));
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let out = env.flotilla_with_env(
+        &[
+            "bench",
+            "continue",
+            "--turns",
+            "2",
+            "--after",
+            "1",
+            "--stall-ms",
+            "1500",
+            "--json",
+        ],
+        &vars,
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    let row = &r["rows"][0];
+    assert_eq!(row["turns"], 2, "{r}");
+    // Continued: the call after the stall and the one left; over: all four again.
+    assert_eq!(row["continued"]["model_calls"], 2, "{r}");
+    assert_eq!(row["fresh"]["model_calls"], 4, "{r}");
+    for ratio in ["cost_ratio", "uncached_ratio"] {
+        let x = row[ratio].as_f64().unwrap();
+        assert!(x > 0.0 && x < 1.0, "{ratio}: {r}");
+    }
+}
+
 /// Makes `dir` a git repository with one commit.
 
 #[test]

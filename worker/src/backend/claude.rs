@@ -46,6 +46,9 @@ pub struct ClaudeCode {
     /// `ANTHROPIC_API_KEY`, `ANTHROPIC_AUTH_TOKEN`), as the worker was given them; a sandboxed
     /// one reaches the API through the worker's gateway instead.
     pub api_env: Vec<(String, String)>,
+    /// An interrupted attempt's session is continued by the next (issue 33, 3); `false`
+    /// (`FLOTILLA_SESSIONS=fresh`): every attempt starts over, as Claude Code's restarts do.
+    pub sessions: bool,
 }
 
 impl ClaudeCode {
@@ -84,6 +87,7 @@ impl ClaudeCode {
             max_retries: 2,
             limit_wait,
             api_env,
+            sessions: get("FLOTILLA_SESSIONS").as_deref() != Some("fresh"),
         }
     }
 
@@ -435,7 +439,16 @@ impl AgentBackend for ClaudeCode {
                 )
             })?;
         let workdir = task.workdir()?;
-        let start = session::start(&task.spec, config.path(), &workdir);
+        let start = if self.sessions {
+            session::start(&task.spec, config.path(), &workdir)
+        } else {
+            session::Start::Fresh {
+                id: session::new_id(),
+                why: task.spec.session.as_ref().map(|_| {
+                    "this worker starts every attempt over (FLOTILLA_SESSIONS=fresh)".into()
+                }),
+            }
+        };
         if let Some(line) = start.line() {
             events.transcript(json!({"type": "session", "text": line}));
         }
