@@ -124,8 +124,9 @@ enum Command {
     /// Answer a question a run's script asked with `ask()` (`--json VALUE`), on a
     /// coordinator or in the local store; without `--json`, list its open questions.
     Answer(client::AnswerArgs),
-    /// Restart one running agent of a run as a new attempt.
-    Restart(client::AgentRefArgs),
+    /// Restart one running agent of a run as a new attempt (it continues the conversation the
+    /// interrupted one leaves, unless --fresh).
+    Restart(client::RestartArgs),
     /// What a fleet run's agents changed in its source: each agent's change and the run head.
     Changes(client::changes::ChangesArgs),
     /// Bring a fleet run's changes into this repository as branches (`--merge`: and merge).
@@ -290,7 +291,8 @@ impl Command {
             Command::Status(a) | Command::Watch(a) => a.json(),
             Command::Pause(a) => a.json(),
             Command::Budget(a) => a.json(),
-            Command::Stop(a) | Command::Restart(a) => a.json(),
+            Command::Stop(a) => a.json(),
+            Command::Restart(a) => a.agent.json(),
             Command::Runs(a) => a.json,
             Command::Show(a) => a.json,
             Command::Logs(a) => a.json,

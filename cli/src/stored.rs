@@ -443,3 +443,35 @@ pub fn swept_line(s: &flotilla_coordinator::host::Swept) -> String {
         s.kept.len()
     )
 }
+
+/// The questions run `run` asked (`ask()`), as the store `store_flag` names keeps them.
+pub async fn questions(
+    store_flag: Option<String>,
+    run: &str,
+) -> Result<Vec<flotilla_proto::wire::Question>, Problem> {
+    let store = host::open_store(&config::store_url(store_flag))?;
+    Ok(host::stored_questions(&store, run).await?)
+}
+
+/// Answers a question of an embedded run in the store `store_flag` names (the run looks
+/// there while a question is open), as the local user (`via`: how, e.g. ` (MCP)`).
+pub async fn answer(
+    store_flag: Option<String>,
+    run: &str,
+    question: Option<&str>,
+    value: serde_json::Value,
+    via: &str,
+) -> Result<String, Problem> {
+    let store = host::open_store(&config::store_url(store_flag))?;
+    let name = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    host::answer_in_store(
+        &store,
+        run,
+        question,
+        value,
+        &format!("local user {name}{via}"),
+    )
+    .await
+}

@@ -598,6 +598,28 @@ impl Quotas {
         })
     }
 
+    /// The daily tokens or dollars quota of `ns` that is used up, if one is: a coordinator's
+    /// run pauses at it (until it resets) instead of failing its agents. Not a refusal.
+    pub fn spent(self: &Arc<Self>, ns: &str) -> Option<Box<Exceeded>> {
+        let ns = effective(ns);
+        let policy = Policy {
+            agents_per_day: None,
+            ..self.policy(ns)
+        };
+        self.with(ns, |c, day| {
+            Self::over(ns, &policy, &c.total, day).map(Box::new)
+        })
+    }
+
+    /// Counts an agent of `ns` that waits in a run held at its namespace's quota: it is
+    /// admitted, and starts once the quota resets.
+    pub fn count_agent(self: &Arc<Self>, ns: &str) {
+        self.with(effective(ns), |c, _| {
+            c.total.agents += 1;
+            c.dirty = true;
+        });
+    }
+
     /// Counts what an attempt of an agent of `ns` used.
     pub fn add(self: &Arc<Self>, ns: &str, u: &UsageRecord) {
         if u.input_tokens == 0 && u.output_tokens == 0 && u.cost_usd == 0.0 {

@@ -128,8 +128,9 @@ impl Notifier {
         self.send(store, letter, true);
     }
 
-    /// Announces that run `run_id` is paused at its money budget (`why`, as its status says
-    /// it), in the background; kept in the outbox until delivered, like the end.
+    /// Announces that run `run_id` is paused at its money budget or its namespace's daily
+    /// quota (`why`, as its status says it; `reason`: `money_budget` or `namespace_quota`), in
+    /// the background; kept in the outbox until delivered, like the end.
     #[allow(clippy::too_many_arguments)]
     pub fn spawn_paused(
         self: &Arc<Self>,
@@ -137,8 +138,8 @@ impl Notifier {
         (generation, elapsed_ms): (u64, u64),
         url: String,
         (run_id, workflow): (&str, &str),
-        why: &str,
-        (cost_usd, budget_usd): (f64, f64),
+        (why, reason): (&str, &str),
+        (cost_usd, budget_usd): (f64, Option<f64>),
         labels: &std::collections::BTreeMap<String, String>,
     ) {
         let body = json!({
@@ -146,7 +147,7 @@ impl Notifier {
             "run_id": run_id,
             "workflow": workflow,
             "status": "paused",
-            "reason": "money_budget",
+            "reason": reason,
             "waiting": why,
             "usage": { "cost_usd": cost_usd },
             "budget_usd": budget_usd,

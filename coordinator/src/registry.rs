@@ -59,6 +59,22 @@ fn summary_of(e: &RunEntry) -> Summary {
     e.snapshot.borrow().summary_now()
 }
 
+/// Refuses to resume a run held at its money budget (only a raised budget lets it go on) or at
+/// its namespace's quota (it goes on by itself once the quota resets); `waiting` is its status.
+fn resumable(run_id: &str, waiting: &str) -> Result<(), Status> {
+    if waiting.starts_with(crate::run::HELD_AT_BUDGET) {
+        return Err(ErrorKind::Conflict.status(format!(
+            "run {run_id} is paused at its money budget; raise it to go on: `flotilla budget {run_id} --usd DOLLARS`"
+        )));
+    }
+    if waiting.starts_with(crate::run::HELD_AT_QUOTA) {
+        return Err(ErrorKind::Conflict.status(format!(
+            "run {run_id} is {waiting}; it goes on by itself then"
+        )));
+    }
+    Ok(())
+}
+
 /// The longest reason a control request may carry, in bytes.
 pub const MAX_REASON: usize = 1000;
 
@@ -80,6 +96,7 @@ impl Asked<'_> {
             "resume" => "resume the run".to_owned(),
             "stop_agent" => format!("stop agent {agent}"),
             "restart_agent" => format!("restart agent {agent}"),
+            "restart_agent_fresh" => format!("restart agent {agent} from scratch"),
             "budget" => "set the run's money budget".to_owned(),
             _ => return None,
         };
@@ -202,16 +219,9 @@ impl RunRegistry {
             )));
         }
         let paused = status == RunStatus::Paused;
-        let held = snapshot
-            .borrow()
-            .summary
-            .waiting
-            .as_deref()
-            .is_some_and(|w| w.starts_with(crate::run::HELD_AT_BUDGET));
-        if action == "resume" && held {
-            return Err(ErrorKind::Conflict.status(format!(
-                "run {run_id} is paused at its money budget; raise it to go on: `flotilla budget {run_id} --usd DOLLARS`"
-            )));
+        if action == "resume" {
+            let waiting = snapshot.borrow().summary.waiting.clone();
+            resumable(run_id, waiting.as_deref().unwrap_or_default())?;
         }
         if action == "budget" && !usd.is_some_and(|u| u.is_finite() && u > 0.0) {
             return Err(ErrorKind::Invalid.status(
@@ -251,7 +261,7 @@ impl RunRegistry {
                     if pause { "paused" } else { "resumed" }
                 ))
             }
-            "stop_agent" | "restart_agent" => {
+            "stop_agent" | "restart_agent" | "restart_agent_fresh" => {
                 if agent.is_empty() {
                     return Err(ErrorKind::Invalid.status(
                         "name the agent: its index (as `flotilla status` shows) or its label",
@@ -260,7 +270,9 @@ impl RunRegistry {
                 let action = if action == "stop_agent" {
                     AgentAction::Stop
                 } else {
-                    AgentAction::Restart
+                    AgentAction::Restart {
+                        fresh: action == "restart_agent_fresh",
+                    }
                 };
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 stopper
@@ -287,7 +299,7 @@ impl RunRegistry {
                     .map_err(|e| ErrorKind::Conflict.status(e))
             }
             other => Err(ErrorKind::Invalid.status(format!(
-                "unknown action {other:?}: use pause, resume, stop, stop_agent, restart_agent or budget"
+                "unknown action {other:?}: use pause, resume, stop, stop_agent, restart_agent (restart_agent_fresh), budget or answer"
             ))),
         }
     }

@@ -5,12 +5,10 @@
 
 use std::io::Write;
 
-use flotilla_coordinator::host;
 use flotilla_proto::v1;
 use flotilla_proto::wire::{Question, QuestionRecord};
 
 use crate::client::*;
-use crate::config;
 
 #[derive(clap::Args, Debug)]
 pub struct AnswerArgs {
@@ -25,14 +23,6 @@ pub struct AnswerArgs {
     value: Option<String>,
     #[command(flatten)]
     from: ReadFrom,
-}
-
-/// Who answers from this machine's own store: the local user.
-fn local_user() -> String {
-    let name = std::env::var("USER")
-        .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| "unknown".into());
-    format!("local user {name}")
 }
 
 pub async fn answer(a: AnswerArgs) -> i32 {
@@ -66,24 +56,18 @@ pub async fn answer(a: AnswerArgs) -> i32 {
                 Err(s) => return rpc_fail(&s),
             }
         }
-        None => {
-            let store = match host::open_store(&config::store_url(a.from.store.clone())) {
-                Ok(s) => s,
-                Err(e) => return crate::refuse(e.into()),
-            };
-            match host::answer_in_store(
-                &store,
-                &a.run_id,
-                a.question.as_deref(),
-                value,
-                &local_user(),
-            )
-            .await
-            {
-                Ok(m) => m,
-                Err(p) => return crate::refuse(p),
-            }
-        }
+        None => match crate::stored::answer(
+            a.from.store.clone(),
+            &a.run_id,
+            a.question.as_deref(),
+            value,
+            "",
+        )
+        .await
+        {
+            Ok(m) => m,
+            Err(p) => return crate::refuse(p),
+        },
     };
     eprintln!("{said}");
     0
@@ -96,16 +80,10 @@ async fn list(a: &AnswerArgs) -> i32 {
             Ok(r) => open_of(r.questions),
             Err(code) => return code,
         },
-        None => {
-            let store = match host::open_store(&config::store_url(a.from.store.clone())) {
-                Ok(s) => s,
-                Err(e) => return crate::refuse(e.into()),
-            };
-            match host::stored_questions(&store, &a.run_id).await {
-                Ok(q) => open_of(q),
-                Err(e) => return crate::refuse(e.into()),
-            }
-        }
+        None => match crate::stored::questions(a.from.store.clone(), &a.run_id).await {
+            Ok(q) => open_of(q),
+            Err(p) => return crate::refuse(p),
+        },
     };
     let mut out = std::io::stdout().lock();
     if open.is_empty() {

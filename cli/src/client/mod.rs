@@ -289,6 +289,16 @@ pub struct AgentRefArgs {
 }
 
 #[derive(clap::Args, Debug)]
+pub struct RestartArgs {
+    #[command(flatten)]
+    pub agent: AgentRefArgs,
+    /// The new attempt starts over, instead of continuing the conversation the interrupted
+    /// one leaves (claude-code, anthropic and openai agents continue by default).
+    #[arg(long)]
+    pub fresh: bool,
+}
+
+#[derive(clap::Args, Debug)]
 pub struct PauseArgs {
     #[command(flatten)]
     run: RunRefArgs,

@@ -303,20 +303,20 @@ async fn control_with(a: &RunRefArgs, action: &str, agent: &str, reason: &str, u
     }
 }
 
-pub async fn restart(a: AgentRefArgs) -> i32 {
+pub async fn restart(r: RestartArgs) -> i32 {
+    let a = &r.agent;
     let Some(agent) = a.agent.as_deref() else {
         return fail_kind(
             flotilla_proto::ErrorKind::Invalid,
             "name the agent to restart: --agent INDEX or --agent LABEL",
         );
     };
-    control_call(
-        &a.run,
-        "restart_agent",
-        agent,
-        a.reason.as_deref().unwrap_or(""),
-    )
-    .await
+    let action = if r.fresh {
+        "restart_agent_fresh"
+    } else {
+        "restart_agent"
+    };
+    control_call(&a.run, action, agent, a.reason.as_deref().unwrap_or("")).await
 }
 
 pub async fn stop(a: AgentRefArgs) -> i32 {

@@ -640,28 +640,14 @@ fn new_pending<'js>(
     Ok((id, promise))
 }
 
-fn install_host<'js>(
+/// The host functions that return a promise the run settles: `agent`, `ask`,
+/// `resolveWorkflow`.
+fn install_calls<'js>(
     ctx: &Ctx<'js>,
-    input: &ScriptInput,
+    h: &Object<'js>,
     ops: &mpsc::UnboundedSender<ScriptOp>,
-    shared: &Arc<ScriptShared>,
     host: &Rc<RefCell<Host<'js>>>,
 ) -> rquickjs::Result<()> {
-    let h = Object::new(ctx.clone())?;
-    let codes = Object::new(ctx.clone())?;
-    for c in crate::reject::RejectCode::ALL {
-        codes.set(c.as_str(), c.as_str())?;
-    }
-    h.set("codes", codes)?;
-
-    let hs = host.clone();
-    h.set(
-        "setErrorFactory",
-        Function::new(ctx.clone(), move |f: Function<'js>| {
-            hs.borrow_mut().error_factory = Some(f);
-        })?,
-    )?;
-
     let (hs, tx) = (host.clone(), ops.clone());
     h.set(
         "agent",
@@ -733,6 +719,32 @@ fn install_host<'js>(
             },
         )?,
     )?;
+    Ok(())
+}
+
+fn install_host<'js>(
+    ctx: &Ctx<'js>,
+    input: &ScriptInput,
+    ops: &mpsc::UnboundedSender<ScriptOp>,
+    shared: &Arc<ScriptShared>,
+    host: &Rc<RefCell<Host<'js>>>,
+) -> rquickjs::Result<()> {
+    let h = Object::new(ctx.clone())?;
+    let codes = Object::new(ctx.clone())?;
+    for c in crate::reject::RejectCode::ALL {
+        codes.set(c.as_str(), c.as_str())?;
+    }
+    h.set("codes", codes)?;
+
+    let hs = host.clone();
+    h.set(
+        "setErrorFactory",
+        Function::new(ctx.clone(), move |f: Function<'js>| {
+            hs.borrow_mut().error_factory = Some(f);
+        })?,
+    )?;
+
+    install_calls(ctx, &h, ops, host)?;
 
     let tx = ops.clone();
     h.set(

@@ -722,7 +722,13 @@ impl ClientService for ClientSvc {
             budget_usd,
             question,
             answer_json,
+            fresh,
         } = req.into_inner();
+        let action = if action == "restart_agent" && fresh {
+            "restart_agent_fresh".to_owned()
+        } else {
+            action
+        };
         sizes::text("the action", &action)
             .and_then(|()| sizes::text("the agent", &agent))
             .map_err(|e| ErrorKind::Invalid.status(e))?;

@@ -8,15 +8,23 @@
 //! `flotilla run` and a resume find the stored answer and do not ask again, and a replay keeps
 //! the first ask's time and deadline. The script sees an answer only once it is stored.
 //!
-//! Answers come through [`Control::Answer`] (the `Control` RPC, the page, `WorkflowAnswer`),
+//! This file is the questions' state and their store; the run's half (`asking.rs`) settles
+//! the script's promises. Answers come through `Control::Answer` (the `Control` RPC, the page, `WorkflowAnswer`),
 //! checked against the schema (a wrong one is refused with the reason, and the question stays
 //! open); an embedded run also picks up answers `flotilla answer` writes into its store. A
 //! question past its deadline is answered `null` (by `timeout`), the same way on every path.
 
-use super::*;
-use crate::store::records::{AnswerRecord, Question, QuestionRecord};
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
 use flotilla_proto::{ErrorKind, Problem};
-use std::time::SystemTime;
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::store::records::{AnswerRecord, Question, QuestionRecord};
+use crate::store::{Store, keys};
 
 /// How often a run that takes answers from its store looks there while a question is open.
 const POLL_EVERY: Duration = Duration::from_secs(1);
@@ -122,10 +130,223 @@ impl Asks {
     fn entry(&mut self, id: &str) -> Option<&mut Question> {
         self.asked.iter_mut().find(|q| q.asked.id == id)
     }
+
+    /// Where the questions' store tasks report back.
+    pub(super) fn events(&self) -> mpsc::UnboundedSender<AskEvent> {
+        self.events.clone()
+    }
+
+    /// The key and id of a question asked now: its `occurrence` counts the same question
+    /// (text and schema) asked before in the run.
+    pub(super) fn next_key(&mut self, question: &str, schema: Option<&Value>) -> (String, String) {
+        let content = question_key(question, schema, 0).0;
+        let occ = self.occurrences.entry(content).or_insert(0);
+        let key = question_key(question, schema, *occ);
+        *occ += 1;
+        key
+    }
+
+    /// Question `record` is open, its answer settling the script's `promise`; `storing`: an
+    /// answer is on its way to the store already (one a resume serves).
+    pub(super) fn open_question(
+        &mut self,
+        promise: u64,
+        record: QuestionRecord,
+        validator: Option<flotilla_proto::schema::Validator>,
+        storing: bool,
+    ) {
+        let deadline = record
+            .deadline
+            .as_deref()
+            .and_then(|d| humantime::parse_rfc3339_weak(d).ok());
+        self.open.insert(
+            record.id.clone(),
+            Open {
+                promise,
+                deadline,
+                validator,
+                writing: storing,
+            },
+        );
+        self.asked.push(Question {
+            asked: record,
+            answer: None,
+        });
+    }
+
+    /// The record of the question's first ask stands (its time and deadline).
+    pub(super) fn asked_first(&mut self, record: QuestionRecord) {
+        if let Some(open) = self.open.get_mut(&record.id) {
+            open.deadline = record
+                .deadline
+                .as_deref()
+                .and_then(|d| humantime::parse_rfc3339_weak(d).ok());
+        }
+        if let Some(q) = self.entry(&record.id) {
+            q.asked = record;
+        }
+    }
+
+    /// Storing an answer to `id` failed: another may be given.
+    pub(super) fn not_stored(&mut self, id: &str) {
+        if let Some(open) = self.open.get_mut(id) {
+            open.writing = false;
+        }
+    }
+
+    /// A look into the store ended.
+    pub(super) fn looked(&mut self) {
+        self.polling = false;
+    }
+
+    /// Question `record.id` has its answer: closed, and the promise it settles (`None`: it
+    /// was not open).
+    pub(super) fn close(&mut self, record: &AnswerRecord) -> Option<u64> {
+        let open = self.open.remove(&record.id)?;
+        if let Some(q) = self.entry(&record.id) {
+            q.answer = Some(record.clone());
+        }
+        Some(open.promise)
+    }
+
+    /// An answer from outside to the question named (or the only open one) of `run`, checked
+    /// against its schema: the record to store, or why it is refused (the question stays open).
+    pub(super) fn answering(
+        &mut self,
+        run: &str,
+        question: Option<String>,
+        value: Value,
+        by: String,
+    ) -> Result<AnswerRecord, Problem> {
+        let id = self.pick(run, question)?;
+        let key = self
+            .asked
+            .iter()
+            .find(|q| q.asked.id == id)
+            .map(|q| q.asked.key.clone())
+            .unwrap_or_default();
+        let Some(open) = self.open.get_mut(&id) else {
+            return Err(Problem::not_found(format!(
+                "run {run} has no open question {id}"
+            )));
+        };
+        if let Some(v) = &open.validator
+            && let Err(e) = v.validate(&value)
+        {
+            return Err(Problem::invalid(format!(
+                "the answer does not match the schema of {id}: {e}; the question stays open"
+            )));
+        }
+        if open.writing {
+            return Err(Problem::new(
+                ErrorKind::Conflict,
+                format!("an answer to {id} is being stored already"),
+            ));
+        }
+        open.writing = true;
+        Ok(AnswerRecord {
+            id,
+            key,
+            value,
+            by,
+            at: rfc3339(flotilla_proto::clock::now()),
+            timed_out: false,
+            answered_in: None,
+        })
+    }
+
+    /// The open question an answer is for: the one named, or the only one.
+    fn pick(&self, run: &str, question: Option<String>) -> Result<String, Problem> {
+        let open = self.open();
+        let ids = || {
+            open.iter()
+                .map(|q| q.id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match question.filter(|q| !q.is_empty()) {
+            Some(q) if self.open.contains_key(&q) => Ok(q),
+            Some(q) => match self.asked.iter().find(|a| a.asked.id == q) {
+                Some(Question {
+                    answer: Some(a), ..
+                }) => Err(Problem::new(
+                    ErrorKind::Conflict,
+                    format!("{q} of {run} was answered already, by {} at {}", a.by, a.at),
+                )),
+                _ if open.is_empty() => Err(Problem::not_found(format!(
+                    "run {run} has no question {q}, and none is open"
+                ))),
+                _ => Err(Problem::not_found(format!(
+                    "run {run} has no open question {q}; open: {}",
+                    ids()
+                ))),
+            },
+            None => match open.len() {
+                0 => Err(Problem::not_found(format!(
+                    "run {run} has no open question"
+                ))),
+                1 => Ok(open[0].id.clone()),
+                n => Err(Problem::invalid(format!(
+                    "run {run} has {n} open questions ({}): name one with --question",
+                    ids()
+                ))),
+            },
+        }
+    }
+
+    /// The questions past their deadline at `now`, each being answered `null` now (by
+    /// `timeout`): their answers to store.
+    pub(super) fn due(&mut self, now: SystemTime) -> Vec<AnswerRecord> {
+        let mut out = Vec::new();
+        for q in &self.asked {
+            let Some(open) = self.open.get_mut(&q.asked.id) else {
+                continue;
+            };
+            if open.writing || open.deadline.is_none_or(|d| d > now) {
+                continue;
+            }
+            open.writing = true;
+            out.push(AnswerRecord {
+                id: q.asked.id.clone(),
+                key: q.asked.key.clone(),
+                value: Value::Null,
+                by: "timeout".into(),
+                at: rfc3339(now),
+                timed_out: true,
+                answered_in: None,
+            });
+        }
+        out
+    }
+
+    /// The open questions to look for in the store, when it is time to look (one look at a
+    /// time, at most every [`POLL_EVERY`]).
+    pub(super) fn look_for(&mut self) -> Option<Vec<String>> {
+        let waiting: Vec<String> = self
+            .open
+            .iter()
+            .filter(|(_, o)| !o.writing)
+            .map(|(id, _)| id.clone())
+            .collect();
+        if self.polling
+            || waiting.is_empty()
+            || self.last_poll.is_some_and(|t| t.elapsed() < POLL_EVERY)
+        {
+            return None;
+        }
+        self.polling = true;
+        self.last_poll = Some(Instant::now());
+        Some(waiting)
+    }
+
+    /// Whether any question is open.
+    pub(super) fn any_open(&self) -> bool {
+        !self.open.is_empty()
+    }
 }
 
 /// The question shortened for a log line, quoted.
-fn quote(q: &str) -> String {
+pub(super) fn quote(q: &str) -> String {
     let one: String = q.split_whitespace().collect::<Vec<_>>().join(" ");
     let cut: String = one.chars().take(QUOTED).collect();
     if cut.len() < one.len() {
@@ -135,19 +356,19 @@ fn quote(q: &str) -> String {
     }
 }
 
-fn rfc3339(t: SystemTime) -> String {
-    humantime::format_rfc3339_seconds(t).to_string()
+pub(super) fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
 }
 
 /// `ask()`'s options as the prelude sends them.
 #[derive(serde::Deserialize)]
-struct AskOpts {
+pub(super) struct AskOpts {
     #[serde(default)]
-    schema: Option<Value>,
+    pub(super) schema: Option<Value>,
     #[serde(default, rename = "timeoutMs")]
-    timeout_ms: Option<u64>,
+    pub(super) timeout_ms: Option<u64>,
     #[serde(default)]
-    label: Option<String>,
+    pub(super) label: Option<String>,
 }
 
 /// The content key of a question (its text and schema; not its label or timeout, so
@@ -164,7 +385,7 @@ pub fn question_key(question: &str, schema: Option<&Value>, occurrence: u32) -> 
 
 /// Stores `record` as the answer to its question unless one is there; says what happened
 /// to the one who answered (`reply`), and tells the engine the answer that stands.
-async fn store_answer(
+pub(super) async fn store_answer(
     store: Store,
     run: String,
     record: AnswerRecord,
@@ -391,7 +612,7 @@ pub async fn answer_in_store(
 
 /// Keeps a question just asked: an answer already stored comes back at once; else the first
 /// ask's record stands (a replay keeps its time and deadline), or this one is stored.
-async fn store_question(
+pub(super) async fn store_question(
     store: Store,
     run: String,
     record: QuestionRecord,
@@ -437,7 +658,7 @@ async fn store_question(
 }
 
 /// The answers in `run`'s store to the questions `open`.
-async fn look_for_answers(
+pub(super) async fn look_for_answers(
     store: Store,
     run: String,
     open: Vec<String>,
@@ -458,347 +679,6 @@ async fn look_for_answers(
         }
     }
     let _ = events.send(AskEvent::Found(found));
-}
-
-impl RunEngine {
-    /// `ask(question, opts)` from the script.
-    pub(super) fn on_ask(&mut self, promise: u64, question: String, opts_json: &str) {
-        let opts: AskOpts = match serde_json::from_str(opts_json) {
-            Ok(o) => o,
-            Err(e) => {
-                return self.reject(
-                    promise,
-                    RejectCode::InvalidOption,
-                    format!("ask() options: {e}"),
-                );
-            }
-        };
-        // Any JSON Schema: an answer need not be an object, as an agent's result must.
-        let validator = match opts
-            .schema
-            .as_ref()
-            .map(flotilla_proto::schema::Validator::new)
-        {
-            Some(Err(e)) => {
-                return self.reject(
-                    promise,
-                    RejectCode::SchemaInvalid,
-                    format!("ask() schema: {e}"),
-                );
-            }
-            Some(Ok(v)) => Some(v),
-            None => None,
-        };
-        let content = question_key(&question, opts.schema.as_ref(), 0).0;
-        let occ = self.asks.occurrences.entry(content).or_insert(0);
-        let (key, id) = question_key(&question, opts.schema.as_ref(), *occ);
-        *occ += 1;
-        let now = flotilla_proto::clock::now();
-        let deadline = opts.timeout_ms.map(|ms| now + Duration::from_millis(ms));
-        let record = QuestionRecord {
-            id: id.clone(),
-            key: key.clone(),
-            question,
-            label: opts.label.unwrap_or_default(),
-            schema: opts.schema,
-            asked_at: rfc3339(now),
-            deadline: deadline.map(rfc3339),
-        };
-        self.asks.asked.push(Question {
-            asked: record.clone(),
-            answer: None,
-        });
-        let served = self.init.resume.as_ref().and_then(|r| {
-            r.answer(&key).map(|a| AnswerRecord {
-                answered_in: a.answered_in.clone().or_else(|| Some(r.run_id.clone())),
-                ..a.clone()
-            })
-        });
-        self.asks.open.insert(
-            id.clone(),
-            Open {
-                promise,
-                deadline,
-                validator,
-                writing: served.is_some(),
-            },
-        );
-        let (store, run, events) = (
-            self.init.store.clone(),
-            self.init.run_id.clone(),
-            self.asks.events.clone(),
-        );
-        if let Some(answer) = served {
-            // Kept in this run too, so its own resume or adopter finds it here.
-            self.init
-                .tasks
-                .spawn_until_stopped(store_answer(store, run, answer, None, events));
-            return;
-        }
-        self.note(format!(
-            "[ask] {id} {}: answer with `flotilla answer {} --question {id} --json VALUE`",
-            quote(&record.question),
-            self.init.run_id
-        ));
-        self.init
-            .tasks
-            .spawn_until_stopped(store_question(store, run, record, events));
-    }
-
-    pub(super) fn on_ask_event(&mut self, ev: AskEvent) {
-        self.dirty = true;
-        match ev {
-            AskEvent::Asked { record, created } => {
-                if let Some(open) = self.asks.open.get_mut(&record.id) {
-                    open.deadline = record
-                        .deadline
-                        .as_deref()
-                        .and_then(|d| humantime::parse_rfc3339(d).ok());
-                }
-                if created {
-                    self.announce(&record);
-                }
-                if let Some(q) = self.asks.entry(&record.id) {
-                    q.asked = record;
-                }
-            }
-            AskEvent::Answered { record, reply } => self.answered(record, reply),
-            AskEvent::NotStored { id, problem, reply } => {
-                if let Some(open) = self.asks.open.get_mut(&id) {
-                    open.writing = false;
-                }
-                tracing::warn!(run = %self.run, question = %id, error = %problem, "an answer was not stored");
-                if let Some(r) = reply {
-                    let _ = r.send(Err(problem));
-                }
-            }
-            AskEvent::Found(records) => {
-                self.asks.polling = false;
-                for r in records {
-                    self.answered(r, None);
-                }
-            }
-        }
-    }
-
-    /// An answer stands: the script gets it, and the question is closed.
-    fn answered(&mut self, record: AnswerRecord, reply: Option<(Reply, Result<String, Problem>)>) {
-        let Some(open) = self.asks.open.remove(&record.id) else {
-            if let Some((r, _)) = reply {
-                let _ = r.send(Err(Problem::new(
-                    ErrorKind::Conflict,
-                    format!("{} of {} was answered already", record.id, self.run),
-                )));
-            }
-            return;
-        };
-        let line = if record.timed_out {
-            format!("[ask] {} timed out unanswered: ask() gives null", record.id)
-        } else if let Some(from) = &record.answered_in {
-            format!("[ask] {} answered in {from} by {}", record.id, record.by)
-        } else {
-            format!("[ask] {} answered by {}", record.id, record.by)
-        };
-        self.note(line);
-        (self.reply)(HostReply::Agent {
-            id: open.promise,
-            result: Ok(record.value.to_string()),
-        });
-        if let Some((r, said)) = reply {
-            let _ = r.send(said);
-        }
-        if let Some(q) = self.asks.entry(&record.id) {
-            q.answer = Some(record);
-        }
-    }
-
-    /// An answer from outside (`flotilla answer`, the page, `WorkflowAnswer`).
-    pub(super) fn answer(
-        &mut self,
-        question: Option<String>,
-        value: Value,
-        by: String,
-        reply: Reply,
-    ) {
-        let id = match self.pick_question(question) {
-            Ok(id) => id,
-            Err(p) => {
-                let _ = reply.send(Err(p));
-                return;
-            }
-        };
-        let Some(open) = self.asks.open.get_mut(&id) else {
-            return;
-        };
-        if let Some(v) = &open.validator
-            && let Err(e) = v.validate(&value)
-        {
-            let _ = reply.send(Err(Problem::invalid(format!(
-                "the answer does not match the schema of {id}: {e}; the question stays open"
-            ))));
-            return;
-        }
-        if open.writing {
-            let _ = reply.send(Err(Problem::new(
-                ErrorKind::Conflict,
-                format!("an answer to {id} is being stored already"),
-            )));
-            return;
-        }
-        open.writing = true;
-        let key = self
-            .asks
-            .entry(&id)
-            .map(|q| q.asked.key.clone())
-            .unwrap_or_default();
-        let record = AnswerRecord {
-            id,
-            key,
-            value,
-            by,
-            at: rfc3339(flotilla_proto::clock::now()),
-            timed_out: false,
-            answered_in: None,
-        };
-        let (store, run, events) = (
-            self.init.store.clone(),
-            self.init.run_id.clone(),
-            self.asks.events.clone(),
-        );
-        self.init
-            .tasks
-            .spawn_until_stopped(store_answer(store, run, record, Some(reply), events));
-    }
-
-    /// The open question an answer is for: the one named, or the only one.
-    fn pick_question(&self, question: Option<String>) -> Result<String, Problem> {
-        let run = &self.run;
-        let open = self.asks.open();
-        let ids = || {
-            open.iter()
-                .map(|q| q.id.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        match question.filter(|q| !q.is_empty()) {
-            Some(q) if self.asks.open.contains_key(&q) => Ok(q),
-            Some(q) => match self.asks.asked.iter().find(|a| a.asked.id == q) {
-                Some(Question {
-                    answer: Some(a), ..
-                }) => Err(Problem::new(
-                    ErrorKind::Conflict,
-                    format!("{q} of {run} was answered already, by {} at {}", a.by, a.at),
-                )),
-                _ if open.is_empty() => Err(Problem::not_found(format!(
-                    "run {run} has no question {q}, and none is open"
-                ))),
-                _ => Err(Problem::not_found(format!(
-                    "run {run} has no open question {q}; open: {}",
-                    ids()
-                ))),
-            },
-            None => match open.len() {
-                0 => Err(Problem::not_found(format!(
-                    "run {run} has no open question"
-                ))),
-                1 => Ok(open[0].id.clone()),
-                n => Err(Problem::invalid(format!(
-                    "run {run} has {n} open questions ({}): name one with --question",
-                    ids()
-                ))),
-            },
-        }
-    }
-
-    /// Each tick: questions past their deadline end `null`; a run that takes answers from its
-    /// store looks there.
-    pub(super) fn ask_tick(&mut self) {
-        if self.asks.open.is_empty() {
-            return;
-        }
-        let now = flotilla_proto::clock::now();
-        let due: Vec<String> = self
-            .asks
-            .open
-            .iter()
-            .filter(|(_, o)| !o.writing && o.deadline.is_some_and(|d| d <= now))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in due {
-            let key = self
-                .asks
-                .entry(&id)
-                .map(|q| q.asked.key.clone())
-                .unwrap_or_default();
-            if let Some(o) = self.asks.open.get_mut(&id) {
-                o.writing = true;
-            }
-            let record = AnswerRecord {
-                id,
-                key,
-                value: Value::Null,
-                by: "timeout".into(),
-                at: rfc3339(now),
-                timed_out: true,
-                answered_in: None,
-            };
-            let (store, run, events) = (
-                self.init.store.clone(),
-                self.init.run_id.clone(),
-                self.asks.events.clone(),
-            );
-            self.init
-                .tasks
-                .spawn_until_stopped(store_answer(store, run, record, None, events));
-        }
-        let waiting: Vec<String> = self
-            .asks
-            .open
-            .iter()
-            .filter(|(_, o)| !o.writing)
-            .map(|(id, _)| id.clone())
-            .collect();
-        if self.init.answers_from_store
-            && !self.asks.polling
-            && !waiting.is_empty()
-            && self
-                .asks
-                .last_poll
-                .is_none_or(|t| t.elapsed() >= POLL_EVERY)
-        {
-            self.asks.polling = true;
-            self.asks.last_poll = Some(Instant::now());
-            let (store, run, events) = (
-                self.init.store.clone(),
-                self.init.run_id.clone(),
-                self.asks.events.clone(),
-            );
-            self.init
-                .tasks
-                .spawn_until_stopped(look_for_answers(store, run, waiting, events));
-        }
-    }
-
-    /// Tells the run's webhook that it asks something.
-    fn announce(&self, q: &QuestionRecord) {
-        let (Some(url), Some(n)) = (&self.init.settings.notify, &self.init.notifier) else {
-            return;
-        };
-        let page = self
-            .init
-            .page_base
-            .as_deref()
-            .map(|b| format!("{}/runs/{}", b.trim_end_matches('/'), self.init.run_id));
-        n.spawn_question(
-            self.init.store.clone(),
-            (self.init.generation, self.now_ms()),
-            url.clone(),
-            (&self.init.run_id, &self.init.workflow.name),
-            q,
-            page,
-            &self.init.settings.labels,
-        );
-    }
 }
 
 #[cfg(test)]

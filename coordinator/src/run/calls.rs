@@ -34,12 +34,22 @@ impl RunEngine {
             admit::Admission::Cached(admitted, record) => self.serve(id, admitted, *record),
             admit::Admission::Dispatch(admitted) => {
                 // A new agent counts against its namespace's daily quotas; one served from
-                // the run it resumes does not.
-                if let Some(q) = &self.init.quotas
-                    && let Err(e) = q.take_agent(&self.init.settings.namespace)
-                {
-                    self.reject(id, RejectCode::QuotaExceeded, e.to_string());
-                    return;
+                // the run it resumes does not. Past the tokens or dollars of the day, a
+                // coordinator's run is held until they reset, this agent waiting in it.
+                let ns = self.init.settings.namespace.clone();
+                if let Some(q) = self.init.quotas.clone() {
+                    match q.spent(&ns).filter(|_| self.init.budget_pauses) {
+                        Some(e) => {
+                            q.count_agent(&ns);
+                            self.hold_at_quota(&e);
+                        }
+                        None => {
+                            if let Err(e) = q.take_agent(&ns) {
+                                self.reject(id, RejectCode::QuotaExceeded, e.to_string());
+                                return;
+                            }
+                        }
+                    }
                 }
                 self.dispatch(id, admitted)
             }
@@ -273,8 +283,13 @@ impl RunEngine {
         {
             u.cost_usd = price.cost(&u);
         }
-        if let Some(q) = &self.init.quotas {
+        if let Some(q) = self.init.quotas.clone() {
             q.add(&self.init.settings.namespace, &u);
+            if self.init.budget_pauses
+                && let Some(e) = q.spent(&self.init.settings.namespace)
+            {
+                self.hold_at_quota(&e);
+            }
         }
         let crossed = self.budgets.add(&u);
         self.over_budget(crossed);

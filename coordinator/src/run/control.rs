@@ -9,8 +9,8 @@ impl RunEngine {
         if self.stopping || (self.status == RunStatus::Paused) == paused {
             return;
         }
-        if !paused && let Some(why) = &self.held {
-            // Only a budget that is not reached lets it go on.
+        if !paused && let Some(why) = self.held.as_ref().or(self.quota_held.as_ref()) {
+            // Only a budget that is not reached, a quota reset, lets it go on.
             let line = format!("[budget] the run stays {why}");
             self.logs.push(line.clone());
             self.event(RunEvent::Log { line });
@@ -55,16 +55,22 @@ impl RunEngine {
                     "stopped agent #{index} ({label:?}); its agent() resolves null"
                 ))
             }
-            AgentAction::Restart => {
+            AgentAction::Restart { fresh } => {
                 if !(c.stage.is_live() && c.running) {
                     return Err(Problem::invalid(format!(
                         "agent #{index} ({label:?}) is queued, not running; nothing to restart"
                     )));
                 }
-                self.init.dispatch.restart_call(&self.run, index);
-                Ok(format!(
-                    "restarted agent #{index} ({label:?}) as a new attempt"
-                ))
+                self.init.dispatch.restart_call(&self.run, index, fresh);
+                Ok(if fresh {
+                    format!(
+                        "restarted agent #{index} ({label:?}) as a new attempt that starts over"
+                    )
+                } else {
+                    format!(
+                        "restarted agent #{index} ({label:?}) as a new attempt; it continues the session the interrupted one leaves, where its backend keeps one (--fresh starts over)"
+                    )
+                })
             }
         }
     }
@@ -142,14 +148,55 @@ impl RunEngine {
                 (self.init.generation, self.now_ms()),
                 url.clone(),
                 (&self.init.run_id, &self.init.workflow.name),
-                &why,
-                (cost, limit),
+                (&why, "money_budget"),
+                (cost, Some(limit)),
                 &self.init.settings.labels,
             );
         }
         self.held = Some(why);
         self.logs.push(line.clone());
         self.event(RunEvent::Log { line });
+        self.held_now();
+    }
+
+    /// The run past its namespace's daily tokens or dollars where it can wait (a coordinator's
+    /// run): held as at its money budget, until the quota resets ([`Self::quota_tick`]).
+    pub(super) fn hold_at_quota(&mut self, e: &crate::namespace::Exceeded) {
+        if self.stopping || self.quota_held.is_some() {
+            return;
+        }
+        let running = if self.init.settings.budget_interrupts {
+            "running agents were interrupted (their work is kept)"
+        } else {
+            "running agents finish"
+        };
+        let why = format!(
+            "{HELD_AT_QUOTA}: namespace {} has used its {} ({} of {}); {running} and nothing new starts until it resets at {} (in {})",
+            e.namespace, e.quota, e.used, e.limit, e.resets, e.left
+        );
+        if self.held.is_none()
+            && let (Some(url), Some(n)) = (&self.init.settings.notify, &self.init.notifier)
+        {
+            n.spawn_paused(
+                self.init.store.clone(),
+                (self.init.generation, self.now_ms()),
+                url.clone(),
+                (&self.init.run_id, &self.init.workflow.name),
+                (&why, "namespace_quota"),
+                (self.budgets.used().cost_usd, self.budgets.usd()),
+                &self.init.settings.labels,
+            );
+        }
+        let line = format!("[quota] the run is {why}");
+        self.quota_held = Some(why);
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+        self.held_now();
+    }
+
+    /// The run is held (at its budget or its namespace's quota): paused, and nothing of it
+    /// starts (or, by its setting, what runs is interrupted too).
+    fn held_now(&mut self) {
         if self.status != RunStatus::Paused {
             self.status = RunStatus::Paused;
             self.event(RunEvent::Status {
@@ -157,11 +204,40 @@ impl RunEngine {
                 error: None,
             });
         }
-        // By the run's setting, what runs is interrupted too (and goes on from what it left).
         if self.init.settings.budget_interrupts {
             self.init.dispatch.pause_run(&self.run, true);
         } else {
             self.init.dispatch.hold_run(&self.run, true);
+        }
+        self.dirty = true;
+    }
+
+    /// Each tick: a run held at its namespace's quota goes on once the quota has reset (a new
+    /// day), unless its money budget holds it too.
+    pub(super) fn quota_tick(&mut self) {
+        if self.quota_held.is_none() || self.stopping {
+            return;
+        }
+        let Some(q) = self.init.quotas.clone() else {
+            return;
+        };
+        if q.spent(&self.init.settings.namespace).is_some() {
+            return;
+        }
+        self.quota_held = None;
+        let line = "[quota] the namespace's daily quota reset".to_owned();
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+        if self.held.is_none() {
+            self.status = RunStatus::Running;
+            self.init.dispatch.hold_run(&self.run, false);
+            self.event(RunEvent::Status {
+                status: self.status.as_str().into(),
+                error: None,
+            });
+            let line = "[quota] the run goes on".to_owned();
+            self.logs.push(line.clone());
+            self.event(RunEvent::Log { line });
         }
         self.dirty = true;
     }
@@ -194,6 +270,16 @@ impl RunEngine {
             self.hold_at_budget();
             return Ok(format!(
                 "the money budget of {} is now ${usd}, and it has cost ${cost:.4} already: it {was} paused",
+                self.run
+            ));
+        }
+        if let Some(why) = self
+            .quota_held
+            .clone()
+            .filter(|_| self.held.take().is_some())
+        {
+            return Ok(format!(
+                "the money budget of {} is now ${usd} (it has cost ${cost:.4}); it stays {why}",
                 self.run
             ));
         }

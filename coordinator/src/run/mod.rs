@@ -15,6 +15,7 @@
 
 pub mod admit;
 pub mod ask;
+mod asking;
 mod book;
 mod budgets;
 mod calls;
@@ -99,8 +100,9 @@ pub enum Control {
 pub enum AgentAction {
     /// W55: its `agent()` resolves `null`, and it counts as failed.
     Stop,
-    /// W56: abandon the running attempt and start a new one.
-    Restart,
+    /// W56: abandon the running attempt and start a new one, which continues the abandoned
+    /// one's session (issue 33, 3) unless `fresh`.
+    Restart { fresh: bool },
 }
 
 /// Handle of a launched run.
@@ -201,6 +203,8 @@ pub struct EngineInit {
 
 /// How the status of a run held at its money budget begins (`waiting`).
 pub const HELD_AT_BUDGET: &str = "paused at its money budget";
+/// How the status of a run held at its namespace's daily tokens or dollars begins.
+pub const HELD_AT_QUOTA: &str = "paused at its namespace's daily quota";
 
 /// The engine of one run.
 pub struct RunEngine {
@@ -229,6 +233,9 @@ pub struct RunEngine {
     waiting: Option<String>,
     /// Held at its money budget: why (see [`HELD_AT_BUDGET`]).
     held: Option<String>,
+    /// Held at its namespace's daily tokens or dollars until they reset: why
+    /// ([`HELD_AT_QUOTA`]).
+    quota_held: Option<String>,
     /// The money budget last given with `flotilla budget`, for the write that keeps it.
     latest_budget: Option<Arc<std::sync::Mutex<f64>>>,
     /// Throttle and usage-limit waits of its calls (not counted as attempts).
@@ -339,6 +346,7 @@ impl RunEngine {
             stopping_left: 0,
             waiting: None,
             held: None,
+            quota_held: None,
             latest_budget: None,
             waits: 0,
             substitutions: std::collections::BTreeMap::new(),
@@ -544,6 +552,7 @@ impl RunEngine {
                         self.dirty = true;
                     }
                     self.ask_tick();
+                    self.quota_tick();
                     if stop_deadline.is_some_and(|d| Instant::now() >= d) {
                         break ScriptEnd::Failed(script::ScriptFailure {
                             kind: script::FailureKind::Stopped,

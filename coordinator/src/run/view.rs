@@ -22,6 +22,7 @@ impl RunEngine {
                 .problem()
                 .or_else(|| self.still_stopping())
                 .or_else(|| self.held.clone())
+                .or_else(|| self.quota_held.clone())
                 .or_else(|| self.waiting.clone())
                 .or_else(|| self.book.no_worker_summary()),
             ..Summary::default()

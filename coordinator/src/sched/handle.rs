@@ -125,6 +125,8 @@ pub(super) enum Msg {
     RestartCall {
         run: Arc<str>,
         call: u64,
+        /// The new attempt starts over, whatever session the abandoned one leaves.
+        fresh: bool,
     },
     Attach {
         end: CoordinatorEnd,
@@ -322,11 +324,13 @@ impl DispatchHandle {
             message: message.to_owned(),
         });
     }
-    /// Restarts one running call as a new attempt.
-    pub fn restart_call(&self, run: &Arc<str>, call: u64) {
+    /// Restarts one running call as a new attempt: it continues the interrupted one's
+    /// session, or starts over (`fresh`).
+    pub fn restart_call(&self, run: &Arc<str>, call: u64, fresh: bool) {
         let _ = self.tx.send(Msg::RestartCall {
             run: run.clone(),
             call,
+            fresh,
         });
     }
     /// Cancels everything of a run and forgets it.

@@ -31,6 +31,8 @@ struct Entry {
     session: Option<flotilla_proto::v1::Session>,
     /// When it was kept (which go first past [`SESSIONS_BYTES`]).
     session_seq: u64,
+    /// Sessions of attempts up to this one are not kept (a restart asked to start over).
+    fresh_upto: u32,
 }
 
 /// Leftovers of the calls of every run.
@@ -137,7 +139,7 @@ impl Leftovers {
         self.kept += 1;
         let seq = self.kept;
         let e = self.calls.entry(id.clone()).or_default();
-        if e.session.as_ref().is_some_and(|old| old.attempt > attempt) {
+        if e.session.as_ref().is_some_and(|old| old.attempt > attempt) || attempt <= e.fresh_upto {
             return false;
         }
         let len = s.state.len();
@@ -164,8 +166,16 @@ impl Leftovers {
         self.calls.get(id).and_then(|e| e.session.as_ref())
     }
 
-    /// `id`'s next attempt starts over (`flotilla restart --fresh`).
-    pub(super) fn drop_session(&mut self, id: &CallId) {
+    /// `id`'s next attempt starts over (`flotilla restart --fresh`): no session of attempt
+    /// `attempt` or before is kept.
+    pub(super) fn start_over(&mut self, id: &CallId, attempt: u32) {
+        self.drop_session(id);
+        let e = self.calls.entry(id.clone()).or_default();
+        e.fresh_upto = e.fresh_upto.max(attempt);
+    }
+
+    /// Lets go of `id`'s session.
+    fn drop_session(&mut self, id: &CallId) {
         if let Some(s) = self.calls.get_mut(id).and_then(|e| e.session.take()) {
             self.session_bytes -= s.state.len();
         }

@@ -324,7 +324,7 @@ impl Dispatcher {
                 message,
             } => self.stop_call(&(run, call), failure, message),
             Msg::BudgetSpent { run, message } => self.budget_spent(&run, message),
-            Msg::RestartCall { run, call } => self.restart_call(&(run, call)),
+            Msg::RestartCall { run, call, fresh } => self.restart_call(&(run, call), fresh),
             Msg::CloseRun { run } => self.close_run(&run),
             Msg::PartialStored {
                 run,
@@ -437,13 +437,16 @@ impl Dispatcher {
         }
     }
 
-    /// W56: a running call's attempt is abandoned and a new one starts.
-    fn restart_call(&mut self, id: &CallId) {
-        let running = self
-            .calls
-            .get(id)
-            .is_some_and(|c| c.state == State::Running);
-        if running {
+    /// W56: a running call's attempt is abandoned and a new one starts: it continues the
+    /// abandoned one's session, or starts over (`fresh`: none of it is kept).
+    fn restart_call(&mut self, id: &CallId, fresh: bool) {
+        let running = self.calls.get(id).filter(|c| c.state == State::Running);
+        if let Some(c) = running
+            && fresh
+        {
+            self.leftovers.start_over(id, c.attempt);
+        }
+        if running.is_some() {
             self.send_cancel(id, "restarted by the user");
             self.leave_running(id, Ended::Cancelled("restarted"));
             self.retry_or_fail(id, Retry::User);

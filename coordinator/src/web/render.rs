@@ -175,7 +175,14 @@ fn counters(d: &PageData) -> String {
             ));
         }
     }
-    if d.here && d.live() && s.status != RunStatus::Stopping {
+    let at_quota = s
+        .waiting
+        .as_deref()
+        .is_some_and(|w| w.starts_with(crate::run::HELD_AT_QUOTA));
+    if d.here && d.live() && s.status != RunStatus::Stopping && at_quota {
+        // Held until its namespace's quota resets: it goes on by itself; it can be stopped.
+        out.push_str("<p class=buttons><button data-action=stop class=danger data-ask=\"Stop the run? Its agents are cancelled and it cannot be resumed here.\">Stop run</button></p>");
+    } else if d.here && d.live() && s.status != RunStatus::Stopping {
         let at_budget = s
             .waiting
             .as_deref()

@@ -78,6 +78,7 @@ async fn the_workflow_tool_launches_at_once_and_its_companions_follow_read_and_s
         names,
         [
             "Workflow",
+            "WorkflowAnswer",
             "WorkflowBudget",
             "WorkflowList",
             "WorkflowResult",

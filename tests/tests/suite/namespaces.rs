@@ -163,7 +163,7 @@ max_agents = 2
 /// A namespace's daily agent quota: agents past it are refused with QUOTA_EXCEEDED (the
 /// script catches the code), then launches are refused naming the quota and when it resets;
 /// the count is in the store, so a restarted coordinator refuses too; refusals are counted.
-/// The token quota of another namespace refuses once its agents' tokens pass it.
+/// Another namespace's run that passes its token quota is paused until the quota resets.
 #[test]
 fn used_up_daily_quotas_refuse_agents_and_launches_and_say_when_they_reset() {
     let cfg = config(
@@ -249,19 +249,47 @@ tokens_per_day = 100
         out.code != 0 && text.contains("agents per day (3 of 3"),
         "after a restart: {out:?}"
     );
-    // Tokens: each echo agent uses its prompt's and result's characters (2 × 30 here);
-    // the second passes 100, the third is refused.
+    // Tokens: each echo agent uses its prompt's and result's characters (2 × 30 here); the
+    // second passes 100. A coordinator's run is then paused at its namespace's quota (issue
+    // 33, 2) instead of failing its agents: the third waits in it for the day's reset, and
+    // the status says which quota, by how much and when it resets.
     let prompt = "x".repeat(30);
     let body = format!(
         "const out = [];\nfor (let i = 0; i < 3; i++) {{ try {{ await agent('{prompt}' + i); out.push('ok'); }} catch (e) {{ out.push(e.code); }} }}\nreturn out;"
     );
     let run = c.launch_as("tess", "tokens", &body, &["--stagger", "0"]);
-    let out = c.client_as("tess", &["wait", &run, "--json"]);
-    assert_eq!(out.code, 0, "{out:?}");
-    assert_eq!(
-        out.json()["result"],
-        serde_json::json!(["ok", "ok", "QUOTA_EXCEEDED"])
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let held = loop {
+        let out = c.client_as("tess", &["status", &run, "--json"]);
+        let s = if out.code == 0 {
+            out.json()
+        } else {
+            serde_json::Value::Null
+        };
+        if s["status"] == "paused" && s["queued"] == 1 {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "never held at the quota: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let why = held["waiting"].as_str().unwrap_or_default();
+    assert!(
+        why.starts_with(
+            "paused at its namespace's daily quota: namespace team-t has used its tokens per day ("
+        ) && why.contains("of 100)")
+            && why.contains("it resets at")
+            && why.contains("T00:00:00Z"),
+        "{held}"
     );
+    assert_eq!(held["done"], 2, "{held}");
+    assert_eq!(held["failed"], 0, "nothing failed: {held}");
+    let resumed = c.client_as("tess", &["resume", &run]);
+    assert_ne!(resumed.code, 0, "{resumed:?}");
+    assert!(resumed.stderr.contains("goes on by itself"), "{resumed:?}");
+    let stopped = c.client_as("tess", &["stop", &run]);
+    assert_eq!(stopped.code, 0, "{stopped:?}");
+    let out = c.client_as("tess", &["wait", &run, "--json"]);
+    assert_eq!(out.json()["status"], "stopped", "{out:?}");
 }
 
 /// A client sees and controls only its namespaces' runs: status, wait, stop, runs and the

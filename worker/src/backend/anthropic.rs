@@ -357,22 +357,37 @@ impl AgentBackend for Anthropic {
             Some(s) => Some(Submissions::new(s, task.spec.schema_attempts.max(1))?),
             None => None,
         };
-        let mut messages = vec![json!({"role": "user", "content": [
-            {"type": "text", "text": task.spec.prompt, "cache_control": self.cache()}]})];
+        let (continued, line) = super::session::messages_to_continue(&task.spec, "anthropic");
+        if let Some(line) = line {
+            events.transcript(json!({"type": "session", "text": line}));
+        }
+        let mut messages = continued.unwrap_or_else(|| {
+            vec![json!({"role": "user", "content": [
+                {"type": "text", "text": task.spec.prompt, "cache_control": self.cache()}]})]
+        });
+        // What it said and heard goes with a failure, for the next attempt to go on.
+        let kept = |messages: &[Value], mut e: Error| {
+            e.session = super::session::of_messages("anthropic", messages, &task.spec.prompt);
+            e
+        };
         let mut total = v1::Usage::default();
         let mut sent = 0u64;
         events.transcript(json!({"type": "init", "backend": "anthropic", "model": model}));
         loop {
             let body = self.body(task, &messages);
             let reply = tokio::select! {
-                _ = cancel.cancelled() => return Err(Error::cancelled("the request was dropped")),
+                _ = cancel.cancelled() => {
+                    let mut e = Error::cancelled("the request was dropped");
+                    e.usage = total;
+                    return Err(kept(&messages, e));
+                }
                 r = self.turn(&body, beta, events, &mut sent) => r,
             };
             let mut reply = match reply {
                 Ok(r) => r,
                 Err(mut e) => {
                     e.usage = total;
-                    return Err(e);
+                    return Err(kept(&messages, e));
                 }
             };
             reply.usage.cost_usd = cost(&model, &reply.usage, self.cache_ttl.is_some());

@@ -160,10 +160,21 @@ impl AgentBackend for OpenAi {
             Some(s) => Some(Submissions::new(s, task.spec.schema_attempts.max(1))?),
             None => None,
         };
-        let mut messages = vec![
-            json!({"role": "system", "content": SYSTEM}),
-            json!({"role": "user", "content": task.spec.prompt}),
-        ];
+        let (continued, line) = super::session::messages_to_continue(&task.spec, "openai");
+        if let Some(line) = line {
+            events.transcript(json!({"type": "session", "text": line}));
+        }
+        let mut messages = continued.unwrap_or_else(|| {
+            vec![
+                json!({"role": "system", "content": SYSTEM}),
+                json!({"role": "user", "content": task.spec.prompt}),
+            ]
+        });
+        // What it said and heard goes with a failure, for the next attempt to go on.
+        let kept = |messages: &[Value], mut e: Error| {
+            e.session = super::session::of_messages("openai", messages, &task.spec.prompt);
+            e
+        };
         events.transcript(json!({"type": "init", "backend": "openai", "model": model}));
         let mut total = v1::Usage::default();
         let mut sent = 0u64;
@@ -175,14 +186,18 @@ impl AgentBackend for OpenAi {
                     "json_schema": {"name": "result", "schema": schema}});
             }
             let reply = tokio::select! {
-                _ = cancel.cancelled() => return Err(Error::cancelled("the request was dropped")),
+                _ = cancel.cancelled() => {
+                    let mut e = Error::cancelled("the request was dropped");
+                    e.usage = total;
+                    return Err(kept(&messages, e));
+                }
                 r = self.turn(&body, events, &mut sent) => r,
             };
             let (text, usage) = match reply {
                 Ok(r) => r,
                 Err(mut e) => {
                     e.usage = total;
-                    return Err(e);
+                    return Err(kept(&messages, e));
                 }
             };
             total.input_tokens += usage.input_tokens;

@@ -176,6 +176,60 @@ pub fn capture(config: &Path, workdir: &Path, id: &str, prompt: &str) -> Option<
     })
 }
 
+/// An API backend's conversation (`anthropic`, `openai`): its messages as JSON, when the model
+/// has said something yet.
+pub fn of_messages(
+    backend: &str,
+    messages: &[serde_json::Value],
+    prompt: &str,
+) -> Option<Box<v1::Session>> {
+    let turns = messages.iter().filter(|m| m["role"] == "assistant").count() as u32;
+    let state = serde_json::to_vec(messages).ok()?;
+    (turns > 0 && state.len() <= MAX_SESSION_BYTES).then(|| {
+        Box::new(v1::Session {
+            backend: backend.to_owned(),
+            id: String::new(),
+            state,
+            prompt_sha256: prompt_sha256(prompt),
+            turns,
+            attempt: 0,
+        })
+    })
+}
+
+/// The messages an API backend's attempt starts from: the interrupted attempt's, with the note
+/// that it was interrupted, when it is this backend's conversation about this prompt (else
+/// `None`); and the line its transcript starts with (none when there was nothing to continue).
+pub fn messages_to_continue(
+    spec: &v1::TaskSpec,
+    backend: &str,
+) -> (Option<Vec<serde_json::Value>>, Option<String>) {
+    let Some(s) = spec.session.as_ref() else {
+        return (None, None);
+    };
+    let why = if s.backend != backend {
+        format!(
+            "the interrupted attempt ran on {}, whose conversation {backend} cannot continue",
+            s.backend
+        )
+    } else if s.prompt_sha256 != prompt_sha256(&spec.prompt) {
+        "the prompt changed since the interrupted attempt".to_owned()
+    } else {
+        match serde_json::from_slice::<Vec<serde_json::Value>>(&s.state) {
+            Ok(mut messages) if !messages.is_empty() => {
+                messages.push(serde_json::json!({"role": "user", "content": CONTINUE_NOTE}));
+                let line = format!(
+                    "continued the conversation attempt {} left ({} model turns): only the rest is asked of the model",
+                    s.attempt, s.turns
+                );
+                return (Some(messages), Some(line));
+            }
+            _ => "the interrupted attempt's conversation cannot be read back".to_owned(),
+        }
+    };
+    (None, Some(format!("started fresh: {why}")))
+}
+
 /// A regular file's bytes, never through a link in its last component; at most
 /// [`MAX_SESSION_BYTES`].
 fn read_nofollow(path: &Path) -> Option<Vec<u8>> {
@@ -291,5 +345,40 @@ mod tests {
         )
         .unwrap();
         assert_eq!(capture(config2.path(), work.path(), &id, "p"), None);
+    }
+
+    #[test]
+    fn an_api_backend_s_history_goes_on_with_the_note_for_its_own_backend_and_prompt() {
+        use serde_json::json;
+        let first = vec![json!({"role": "user", "content": "p"})];
+        assert_eq!(
+            of_messages("anthropic", &first, "p"),
+            None,
+            "no model turn yet"
+        );
+        let history = vec![
+            json!({"role": "user", "content": "p"}),
+            json!({"role": "assistant", "content": "a wrong answer"}),
+            json!({"role": "user", "content": "it does not match the schema"}),
+        ];
+        let mut s = *of_messages("anthropic", &history, "p").expect("a session");
+        assert_eq!((s.turns, s.backend.as_str()), (1, "anthropic"));
+        s.attempt = 1;
+        let (go_on, line) = messages_to_continue(&spec("p", Some(s.clone())), "anthropic");
+        let go_on = go_on.expect("continued");
+        assert_eq!(&go_on[..3], &history[..]);
+        assert_eq!(go_on[3]["content"], CONTINUE_NOTE);
+        assert!(
+            line.unwrap()
+                .starts_with("continued the conversation attempt 1 left (1 model turns)")
+        );
+        let (none, line) = messages_to_continue(&spec("q", Some(s.clone())), "anthropic");
+        assert!(none.is_none() && line.unwrap().contains("the prompt changed"));
+        let (none, line) = messages_to_continue(&spec("p", Some(s)), "openai");
+        assert!(none.is_none() && line.unwrap().contains("ran on anthropic"));
+        assert_eq!(
+            messages_to_continue(&spec("p", None), "openai"),
+            (None, None)
+        );
     }
 }

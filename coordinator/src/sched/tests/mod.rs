@@ -972,3 +972,69 @@ async fn an_interrupted_attempt_s_conversation_goes_to_the_call_s_next_attempt()
     d.submit(&run, t);
     assert_eq!(w.assignment().await.task.as_ref().unwrap().session, None);
 }
+
+/// `flotilla restart --fresh`: the new attempt gets nothing of the session the abandoned one
+/// hands back; a plain restart continues it.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_restart_keeps_nothing_of_the_abandoned_attempt_s_session() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let mut w = FakeWorker::attach_offering(&d, "w1", 1, &[], &["claude-code"]);
+    let (run, _events) = register(&d, "wf_fresh", 1, Duration::from_secs(300));
+    let mut t = ticket(0);
+    t.task.backend = "claude-code".into();
+    d.submit(&run, t);
+    let cancelled_with_session = |a: &v1::Assignment| {
+        worker_message::Msg::Outcome(v1::Outcome {
+            run_id: a.run_id.clone(),
+            call: a.call,
+            attempt: a.attempt,
+            result: Some(outcome::Result::Failure(v1::Failure {
+                kind: v1::FailureKind::Cancelled as i32,
+                message: "cancelled".into(),
+                session: Some(v1::Session {
+                    backend: "claude-code".into(),
+                    state: b"turns".to_vec(),
+                    turns: 3,
+                    ..v1::Session::default()
+                }),
+                ..v1::Failure::default()
+            })),
+            usage: None,
+            fence: a.fence,
+            call_key: a.call_key.clone(),
+        })
+    };
+    let first = w.assignment().await;
+    w.started(&first);
+    d.restart_call(&run, 0, false);
+    assert!(matches!(
+        w.next().await,
+        coordinator_message::Msg::Cancel(_)
+    ));
+    w.send(cancelled_with_session(&first));
+    let second = w.assignment().await;
+    assert_eq!(
+        second
+            .task
+            .as_ref()
+            .unwrap()
+            .session
+            .as_ref()
+            .map(|s| s.turns),
+        Some(3),
+        "a plain restart continues"
+    );
+    w.started(&second);
+    d.restart_call(&run, 0, true);
+    assert!(matches!(
+        w.next().await,
+        coordinator_message::Msg::Cancel(_)
+    ));
+    w.send(cancelled_with_session(&second));
+    let third = w.assignment().await;
+    assert_eq!(
+        third.task.as_ref().unwrap().session,
+        None,
+        "a fresh one starts over"
+    );
+}
