@@ -250,6 +250,8 @@ pub struct ConfigFile {
     pub etcd_key: Option<PathBuf>,
     /// Coordinator: TTL of each worker's liveness lease (`10s`).
     pub worker_ttl: Option<String>,
+    /// Coordinator: a run waiting on its questions alone this long is parked (`30s`, `off`).
+    pub park_after: Option<String>,
     /// Coordinator: the address other coordinators and clients reach it at.
     pub advertise: Option<String>,
     /// Coordinator: where runs' changes are merged (a git cache of run sources).

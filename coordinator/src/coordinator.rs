@@ -91,6 +91,8 @@ pub struct CoordinatorOptions {
     pub answers_from_store: bool,
     /// Where its pages are served (`http://host:port`), for the links webhooks carry.
     pub page_base: Option<String>,
+    /// A run waiting on questions alone this long is parked ([`crate::run::EngineInit::park_after`]).
+    pub park_after: Option<std::time::Duration>,
 }
 
 /// A launch that passed its checks: its script prepared, its workflow, the body the
@@ -127,6 +129,7 @@ pub struct Coordinator {
     budget_pauses: bool,
     answers_from_store: bool,
     page_base: Option<String>,
+    park_after: Option<std::time::Duration>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -173,6 +176,7 @@ impl Coordinator {
             budget_pauses: opts.budget_pauses,
             answers_from_store: opts.answers_from_store,
             page_base: opts.page_base,
+            park_after: opts.park_after,
         }
     }
 
@@ -480,6 +484,7 @@ impl Coordinator {
             parent_run_id: req.resume_from,
             owners,
             indexed: crate::index::created(&manifest),
+            logs_before: Vec::new(),
         })?;
         handle.notes = notes;
         Ok(handle)
@@ -743,6 +748,25 @@ impl Coordinator {
     /// top as the same run, under a new generation; every call in its journal is served from
     /// there, the rest are dispatched again.
     pub async fn adopt(&self, run_id: &str) -> Result<RunHandle, Rejected> {
+        self.adopt_holding(run_id, None).await
+    }
+
+    /// Wakes a run this coordinator parked: adopts it, the engine holding `owners` (the
+    /// records the parked run held) and its log so far heading its log.
+    pub async fn wake(
+        &self,
+        run_id: &str,
+        owners: Vec<crate::owner::Held>,
+    ) -> Result<RunHandle, Rejected> {
+        self.adopt_holding(run_id, Some(owners)).await
+    }
+
+    /// [`Coordinator::adopt`]; `woken`: the owners of a parked run being woken.
+    async fn adopt_holding(
+        &self,
+        run_id: &str,
+        woken: Option<Vec<crate::owner::Held>>,
+    ) -> Result<RunHandle, Rejected> {
         let unavailable = |what: &str, e: crate::store::Error| Rejected {
             message: format!("cannot read {what} of run {run_id}: {e}"),
             kind: e.kind(),
@@ -843,6 +867,12 @@ impl Coordinator {
             cached = resume.as_ref().map_or(0, ResumeSource::len),
             "adopting a run whose owner is gone"
         );
+        // A woken run's log so far heads its log (a failover's adoption does not read it: a big
+        // run's events are many).
+        let logs_before = match &woken {
+            Some(_) => logs_of(&self.store, run_id).await,
+            None => Vec::new(),
+        };
         self.start_engine(StartEngine {
             run_id: run_id.to_owned(),
             workflow: manifest.workflow.clone(),
@@ -854,8 +884,9 @@ impl Coordinator {
             resolver: Arc::new(self.load_carried(run_id).await.unwrap_or_default()),
             resume,
             parent_run_id: manifest.parent_run_id.clone(),
-            owners: Vec::new(),
+            owners: woken.unwrap_or_default(),
             indexed: crate::index::created(&manifest),
+            logs_before,
         })
     }
 
@@ -903,6 +934,8 @@ impl Coordinator {
             budget_pauses: self.budget_pauses,
             answers_from_store: self.answers_from_store,
             page_base: self.page_base.clone(),
+            park_after: self.park_after,
+            logs_before: s.logs_before,
         };
         Ok(run::start(
             init,
@@ -929,6 +962,22 @@ struct StartEngine {
     owners: Vec<crate::owner::Held>,
     /// The run's index entry, rewritten when it ends.
     indexed: crate::index::Entry,
+    /// Its log before this engine (an adopted run's earlier generations').
+    logs_before: Vec<String>,
+}
+
+/// The log of run `run` so far, from its stored events (an adopted run's earlier generations'
+/// lines, which head its log on the coordinator that adopts it).
+async fn logs_of(store: &Store, run: &str) -> Vec<String> {
+    journal::read_events(store, run)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|e| match e.event {
+            crate::store::records::RunEvent::Log { line } => Some(line),
+            _ => None,
+        })
+        .collect()
 }
 
 /// A task as the run's agents that name no model or labels of their own ask for it: `backend`,
@@ -1030,7 +1079,7 @@ mod tests {
         let run = c.launch(req).await.unwrap();
         let run_id = run.run_id.clone();
         let mut snapshot = run.snapshot.clone();
-        let registry = crate::registry::RunRegistry::default();
+        let registry = Arc::new(crate::registry::RunRegistry::default());
         let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
         registry.on_end(Arc::new({
             let ended = ended.clone();

@@ -10,7 +10,21 @@ use flotilla_proto::ErrorKind;
 use tonic::Status;
 
 use crate::report::{Report, RunStatus, Summary};
-use crate::run::{AgentAction, Control, RunHandle, Snapshot};
+use crate::run::{AgentAction, Control, Ending, Parked, RunHandle, Snapshot};
+
+/// Wakes a parked run: adopts it again (its script replayed from its journal to where it
+/// waits), giving it the owner records it held.
+pub type Waker = Arc<
+    dyn Fn(
+            String,
+            Vec<crate::owner::Held>,
+        ) -> std::pin::Pin<
+            Box<
+                dyn std::future::Future<Output = Result<RunHandle, flotilla_proto::Problem>> + Send,
+            >,
+        > + Send
+        + Sync,
+>;
 
 /// The runs this coordinator is running (or has finished since it started).
 #[derive(Default)]
@@ -18,6 +32,9 @@ pub struct RunRegistry {
     pub(crate) runs: Mutex<HashMap<String, RunEntry>>,
     /// Called with a run's id once its report is stored.
     pub(crate) on_end: std::sync::OnceLock<Arc<dyn Fn(String) + Send + Sync>>,
+    /// What wakes a parked run, and the store its answers are kept in (a coordinator that
+    /// parks runs sets it).
+    pub(crate) waker: std::sync::OnceLock<(Waker, crate::store::Store)>,
 }
 
 impl std::fmt::Debug for RunRegistry {
@@ -352,8 +369,18 @@ impl RunRegistry {
     }
 
     /// Tracks a launched run until it ends.
-    pub fn track(&self, handle: RunHandle) {
-        let (report_tx, report_rx) = watch::channel(None);
+    pub fn track(self: &Arc<Self>, handle: RunHandle) {
+        self.track_with(handle, watch::channel(None).0);
+    }
+
+    /// [`RunRegistry::track`], its report sent on `report_tx` (a woken run's: whoever waited
+    /// for the parked run gets it).
+    fn track_with(
+        self: &Arc<Self>,
+        handle: RunHandle,
+        report_tx: watch::Sender<Option<Arc<Report>>>,
+    ) {
+        let report_rx = report_tx.subscribe();
         let entry = RunEntry {
             namespace: handle.namespace.clone(),
             snapshot: handle.snapshot.clone(),
@@ -365,14 +392,114 @@ impl RunRegistry {
         self.lock().insert(run_id.clone(), entry);
         let on_end = self.on_end.get().cloned();
         let tasks = handle.tasks().clone();
+        let me = self.clone();
+        let keeper = tasks.clone();
         tasks.spawn(async move {
             // A run whose coordinator stopped first did not end: nothing is said of it.
-            let Some(report) = handle.ended().await else {
-                return;
-            };
-            let _ = report_tx.send(Some(Arc::new(report)));
-            if let Some(f) = on_end {
-                f(run_id);
+            match handle.ending().await {
+                None => {}
+                Some(Ending::Parked(p)) => me.keep_parked(p, &keeper, report_tx),
+                Some(Ending::Ended(report)) => {
+                    let _ = report_tx.send(Some(Arc::new(*report)));
+                    if let Some(f) = on_end {
+                        f(run_id);
+                    }
+                }
+            }
+        });
+    }
+
+    /// Sets what wakes this coordinator's parked runs, and the store their answers go to.
+    pub fn wake_with(&self, store: crate::store::Store, waker: Waker) {
+        let _ = self.waker.set((waker, store));
+    }
+
+    /// Keeps a parked run: a small task holds its controls in place of its engine. An answer
+    /// is checked and stored, then wakes it; a question's deadline wakes it; any other
+    /// control wakes it first and goes to it then. Its last snapshot stays for its views.
+    fn keep_parked(
+        self: &Arc<Self>,
+        p: Parked,
+        tasks: &crate::tasks::Tasks,
+        report_tx: watch::Sender<Option<Arc<Report>>>,
+    ) {
+        let Some((waker, store)) = self.waker.get().cloned() else {
+            tracing::error!(run = %p.run_id, "a run was parked where nothing can wake it");
+            return;
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        if let Some(e) = self.lock().get_mut(&p.run_id) {
+            e.stopper = tx;
+        }
+        let me = self.clone();
+        tasks.spawn_until_stopped(async move {
+            let Parked {
+                run_id,
+                deadline,
+                owners,
+            } = p;
+            let until = deadline.map(|d| {
+                let left = d
+                    .duration_since(flotilla_proto::clock::now())
+                    .unwrap_or_default();
+                tokio::time::Instant::now() + left
+            });
+            let mut pending = Vec::new();
+            loop {
+                let c = tokio::select! {
+                    c = rx.recv() => match c {
+                        Some(c) => Some(c),
+                        // Nobody can reach it any more (its coordinator goes): left as it is.
+                        None => return,
+                    },
+                    () = async {
+                        match until {
+                            Some(at) => tokio::time::sleep_until(at).await,
+                            None => std::future::pending().await,
+                        }
+                    } => None,
+                };
+                match c {
+                    // Who asked for what follows: said once it is awake.
+                    Some(Control::Note(line)) => pending.push(Control::Note(line)),
+                    Some(Control::Answer { question, value, by, reply }) => {
+                        let said = crate::run::ask::answer_in_store(
+                            &store, &run_id, question.as_deref(), value, &by,
+                        )
+                        .await;
+                        let ok = said.is_ok();
+                        let _ = reply.send(said);
+                        if ok {
+                            break;
+                        }
+                    }
+                    Some(Control::Report(reply)) => {
+                        if let Ok(r) = crate::history::load_report(&store, &run_id).await {
+                            let _ = reply.send(r);
+                        }
+                    }
+                    Some(other) => {
+                        pending.push(other);
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            // What came meanwhile goes to it too, in order.
+            while let Ok(c) = rx.try_recv() {
+                pending.push(c);
+            }
+            match waker(run_id.clone(), owners).await {
+                Ok(handle) => {
+                    let stopper = handle.stopper();
+                    me.track_with(handle, report_tx);
+                    for c in pending {
+                        let _ = stopper.send(c);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(run = %run_id, error = %e, "a parked run could not be woken; a successor or a resume goes on from its journal");
+                }
             }
         });
     }

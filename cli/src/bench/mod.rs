@@ -373,6 +373,8 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         budget_pauses: false,
         answers_from_store: false,
         page_base: None,
+        park_after: None,
+        logs_before: Vec::new(),
     };
     let handle = run::start(
         init,

@@ -57,6 +57,11 @@ pub struct CoordinatorArgs {
     /// other workers; one that comes back sooner keeps them [default: 10s].
     #[arg(long, env = "FLOTILLA_WORKER_TTL")]
     worker_ttl: Option<String>,
+    /// A run that has waited this long on its questions alone (`ask()`, no agent running) is
+    /// parked: its script is set aside and it holds no thread until an answer or a question's
+    /// deadline wakes it (`off`: never) [default: 30s].
+    #[arg(long, env = "FLOTILLA_PARK_AFTER")]
+    park_after: Option<String>,
     /// With --etcd: the address other coordinators forward requests to
     /// [default: https://LISTEN].
     #[arg(long, env = "FLOTILLA_ADVERTISE")]
@@ -235,6 +240,8 @@ struct Settings {
     etcd_cert: Option<PathBuf>,
     etcd_key: Option<PathBuf>,
     worker_ttl: std::time::Duration,
+    /// `--park-after` (`None`: off).
+    park_after: Option<std::time::Duration>,
     /// `FLOTILLA_ADMISSION` (on unless `off`).
     admission: bool,
     /// `FLOTILLA_AFFINITY` (on unless `off`).
@@ -348,6 +355,11 @@ impl Settings {
             etcd_cert: pick(&a.etcd_cert, &file.etcd_cert),
             etcd_key: pick(&a.etcd_key, &file.etcd_key),
             worker_ttl: worker_ttl(a.worker_ttl.as_ref().or(file.worker_ttl.as_ref()))?,
+            park_after: match a.park_after.as_ref().or(file.park_after.as_ref()) {
+                None => Some(std::time::Duration::from_secs(30)),
+                Some(off) if off == "off" => None,
+                Some(d) => Some(config::parse_duration("--park-after", d)?),
+            },
             admission: config::admission_from_env()?,
             affinity: config::affinity_from_env()?,
             advertise: a.advertise.clone().or_else(|| file.advertise.clone()),
@@ -565,9 +577,23 @@ pub async fn coordinator(mut a: CoordinatorArgs) -> i32 {
             budget_pauses: true,
             answers_from_store: false,
             page_base: Some(format!("http://{}", s.http)),
+            park_after: s.park_after,
         },
     ));
     let registry = Arc::new(RunRegistry::default());
+    // A parked run is woken by adopting it again, here.
+    registry.wake_with(coordinator.store().clone(), {
+        let coordinator = coordinator.clone();
+        Arc::new(move |run: String, owners| {
+            let coordinator = coordinator.clone();
+            Box::pin(async move {
+                coordinator
+                    .wake(&run, owners)
+                    .await
+                    .map_err(|r| flotilla_proto::Problem::new(r.kind, r.message))
+            })
+        })
+    });
     let lost = CancellationToken::new();
     let process = Process {
         tasks: tokio_util::task::TaskTracker::new(),

@@ -72,6 +72,9 @@ pub struct ScriptShared {
     pub spent: AtomicU64,
     /// Set to interrupt running JS (stop).
     pub stop: AtomicBool,
+    /// The script waits for the host (every op it sent is sent; it runs nothing until a
+    /// reply comes).
+    pub waiting: AtomicBool,
 }
 
 /// A request from the script to the run engine.
@@ -426,6 +429,10 @@ fn drive<'js>(
         o
     });
     if let Err(e) = prelude.catch(ctx) {
+        // A stop that came while the prelude ran interrupted it: the run was stopped.
+        if let Some(end) = tripped(meter, limits) {
+            return end;
+        }
         return fail(
             FailureKind::Internal,
             format!("the workflow prelude failed: {e}"),
@@ -437,6 +444,7 @@ fn drive<'js>(
     let main: rquickjs::Result<Function> = ctx.eval_with_options(wrap(&input.body), eval_opts());
     let main = match main.catch(ctx) {
         Ok(f) => f,
+        Err(_) if let Some(end) = tripped(meter, limits) => return end,
         Err(e) => return ScriptEnd::Failed(failure_from(ctx, FailureKind::Syntax, e, Some(meter))),
     };
     let called: rquickjs::Result<Promise> = main.call(());
@@ -468,8 +476,12 @@ fn drive<'js>(
                 None,
             );
         }
-        // Wait for the host, then apply everything that has arrived.
-        let Ok(first) = replies.recv() else {
+        // Wait for the host, then apply everything that has arrived. Meanwhile the script
+        // runs nothing: the run may set it aside (`waiting`) and replay it later.
+        shared.waiting.store(true, Ordering::Release);
+        let got = replies.recv();
+        shared.waiting.store(false, Ordering::Release);
+        let Ok(first) = got else {
             return fail(
                 FailureKind::Stopped,
                 "the run engine went away".into(),

@@ -65,6 +65,8 @@ struct Open {
     validator: Option<flotilla_proto::schema::Validator>,
     /// An answer (or its timeout) is being written.
     writing: bool,
+    /// Its record is in the store (what a parked run's answers are checked against).
+    stored: bool,
 }
 
 /// The run's questions.
@@ -166,6 +168,7 @@ impl Asks {
                 deadline,
                 validator,
                 writing: storing,
+                stored: false,
             },
         );
         self.asked.push(Question {
@@ -181,6 +184,7 @@ impl Asks {
                 .deadline
                 .as_deref()
                 .and_then(|d| humantime::parse_rfc3339_weak(d).ok());
+            open.stored = true;
         }
         if let Some(q) = self.entry(&record.id) {
             q.asked = record;
@@ -342,6 +346,16 @@ impl Asks {
     /// Whether any question is open.
     pub(super) fn any_open(&self) -> bool {
         !self.open.is_empty()
+    }
+
+    /// Whether questions are open, each stored, none with an answer on its way.
+    pub(super) fn only_waiting(&self) -> bool {
+        !self.open.is_empty() && self.open.values().all(|o| !o.writing && o.stored)
+    }
+
+    /// The earliest deadline of the open questions.
+    pub(super) fn earliest_deadline(&self) -> Option<SystemTime> {
+        self.open.values().filter_map(|o| o.deadline).min()
     }
 }
 
@@ -647,8 +661,10 @@ pub(super) async fn store_question(
             let created = match store.put_create_exclusive(&key, body).await {
                 Ok(created) => created,
                 Err(e) => {
+                    // Open all the same (answered through its run's controls), but never
+                    // parked: a parked run's answers are checked against the stored record.
                     tracing::warn!(run, question = %id, error = %e, "cannot store a question; it is open, but a successor would ask it anew");
-                    false
+                    return;
                 }
             };
             AskEvent::Asked { record, created }

@@ -3,16 +3,22 @@
 //! or from this run's own store (a replay) —, an answer from outside is checked and stored,
 //! and only a stored answer settles the script's promise.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use flotilla_proto::Problem;
 use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
 
-use super::RunEngine;
 use super::ask::{self, AskEvent, AskOpts, Reply};
+use super::{Parked, RunEngine};
 use crate::reject::RejectCode;
-use crate::script::HostReply;
-use crate::store::records::{AnswerRecord, QuestionRecord};
+use crate::script::{HostReply, ScriptOp};
+use crate::store::records::{AnswerRecord, QuestionRecord, RunEvent};
+
+/// How long a parked run's script is given to end.
+const PARK_GRACE: Duration = Duration::from_secs(5);
 
 impl RunEngine {
     /// `ask(question, opts)` from the script.
@@ -75,11 +81,6 @@ impl RunEngine {
                 .spawn_until_stopped(ask::store_answer(store, run, answer, None, events));
             return;
         }
-        self.note(format!(
-            "[ask] {id} {}: answer with `flotilla answer {} --question {id} --json VALUE`",
-            ask::quote(&record.question),
-            self.init.run_id
-        ));
         self.init
             .tasks
             .spawn_until_stopped(ask::store_question(store, run, record, events));
@@ -89,7 +90,15 @@ impl RunEngine {
         self.dirty = true;
         match ev {
             AskEvent::Asked { record, created } => {
+                // Said when it is asked first (a replay that finds it open says nothing new).
                 if created {
+                    self.note(format!(
+                        "[ask] {} {}: answer with `flotilla answer {} --question {} --json VALUE`",
+                        record.id,
+                        ask::quote(&record.question),
+                        self.init.run_id,
+                        record.id
+                    ));
                     self.announce(&record);
                 }
                 self.asks.asked_first(record);
@@ -195,6 +204,72 @@ impl RunEngine {
             self.init
                 .tasks
                 .spawn_until_stopped(ask::look_for_answers(store, run, open, events));
+        }
+    }
+
+    /// Whether the run has waited on its questions alone long enough to be parked: questions
+    /// open with no answer on its way, every agent ended and journaled, not held or stopping,
+    /// and its script waiting with every op it sent read.
+    pub(super) fn park_due(&mut self, ops: &mpsc::UnboundedReceiver<ScriptOp>) -> bool {
+        let Some(after) = self.init.park_after else {
+            return false;
+        };
+        let idle = self.asks.only_waiting()
+            && self.book.all_settled()
+            && !self.stopping
+            && self.held.is_none()
+            && self.quota_held.is_none()
+            && self.init.shared.waiting.load(Ordering::Acquire)
+            && ops.is_empty();
+        if !idle {
+            self.idle_since = None;
+            return false;
+        }
+        let since = *self.idle_since.get_or_insert_with(Instant::now);
+        since.elapsed() >= after
+    }
+
+    /// Parks the run: its script goes (a replay brings it back to where it waits), its
+    /// writers finish, and what wakes it is handed back with the owner records it holds.
+    pub(super) async fn park(
+        mut self,
+        mut ops: mpsc::UnboundedReceiver<ScriptOp>,
+        applied_rx: &mut mpsc::UnboundedReceiver<crate::head::Applied>,
+    ) -> Parked {
+        (self.reply)(HostReply::Stop);
+        let _ = tokio::time::timeout(PARK_GRACE, async {
+            while let Some(op) = ops.recv().await {
+                if matches!(op, ScriptOp::Finished(_)) {
+                    break;
+                }
+            }
+        })
+        .await;
+        self.init.dispatch.close_run(&self.run);
+        if self.head.take().is_some() {
+            while let Some(a) = applied_rx.recv().await {
+                self.on_applied(a);
+            }
+        }
+        if let Some(mut journal) = self.journal.take() {
+            journal.close().await;
+        }
+        self.transcripts.close().await;
+        let line = "[ask] the run waits on its questions alone: parked (its script set aside, no agent running) until an answer or a question's deadline wakes it".to_owned();
+        self.logs.push(line.clone());
+        self.event(RunEvent::Log { line });
+        self.events.close().await;
+        self.waiting = self
+            .asks
+            .waiting(&self.init.run_id)
+            .map(|w| format!("parked, {w}"));
+        self.dirty = true;
+        self.publish();
+        tracing::info!(run = %self.run, "parked while it waits for answers");
+        Parked {
+            run_id: self.init.run_id.clone(),
+            deadline: self.asks.earliest_deadline(),
+            owners: std::mem::take(&mut self.init.owners),
         }
     }
 

@@ -241,6 +241,13 @@ impl CallBook {
         Ok((index as u64, c))
     }
 
+    /// Whether every call has ended and is journaled (none live, none journaling).
+    pub(super) fn all_settled(&self) -> bool {
+        self.calls
+            .iter()
+            .all(|c| !c.stage.is_live() && c.stage != crate::call::Stage::Journaling)
+    }
+
     /// The indices of the calls that have not ended.
     pub(super) fn live(&self) -> impl Iterator<Item = u64> + '_ {
         self.calls

@@ -117,7 +117,7 @@ pub struct RunHandle {
     /// ([`crate::Coordinator::launch`]).
     pub notes: Vec<String>,
     control: mpsc::UnboundedSender<Control>,
-    report: oneshot::Receiver<Report>,
+    report: oneshot::Receiver<Ending>,
     /// Its owner's run tasks (what waits for its end runs there too).
     tasks: crate::tasks::Tasks,
 }
@@ -147,8 +147,17 @@ impl RunHandle {
     }
 
     /// Waits for the run to end: its report, or `None` when its coordinator stopped first
-    /// (the run is left as a crash would leave it, for a successor to adopt or a resume).
+    /// (the run is left as a crash would leave it, for a successor to adopt or a resume) or
+    /// it was parked.
     pub async fn ended(self) -> Option<Report> {
+        match self.report.await.ok()? {
+            Ending::Ended(r) => Some(*r),
+            Ending::Parked(_) => None,
+        }
+    }
+
+    /// How the engine ended: its report or parked; `None` when its coordinator stopped first.
+    pub async fn ending(self) -> Option<Ending> {
         self.report.await.ok()
     }
 
@@ -199,6 +208,31 @@ pub struct EngineInit {
     pub answers_from_store: bool,
     /// The coordinator's pages (`http://host:port`), for the links its webhooks carry.
     pub page_base: Option<String>,
+    /// A run that has waited this long on questions alone (no agent live, its script
+    /// waiting) is parked: its script and engine go, a small record stays, and an answer or a
+    /// question's deadline adopts it again (`None`: never; `flotilla run` keeps its run).
+    pub park_after: Option<Duration>,
+    /// Its log so far, from the generations before this engine (an adopted run's).
+    pub logs_before: Vec<String>,
+}
+
+/// How a run engine ended: with its report, or parked while it waits on questions alone
+/// (what an owner keeps of it to wake it: [`Parked`]).
+#[derive(Debug)]
+pub enum Ending {
+    Ended(Box<Report>),
+    Parked(Parked),
+}
+
+/// A run parked while it waits for answers: what wakes it, and the records it owns.
+#[derive(Debug)]
+pub struct Parked {
+    pub run_id: String,
+    /// The earliest deadline of its open questions, if one has any.
+    pub deadline: Option<std::time::SystemTime>,
+    /// Owner records it held (kept by whoever keeps it parked, given to the engine that
+    /// wakes it).
+    pub owners: Vec<crate::owner::Held>,
 }
 
 /// How the status of a run held at its money budget begins (`waiting`).
@@ -254,6 +288,8 @@ pub struct RunEngine {
     transcripts: TranscriptLog,
     /// Its questions (`ask()`).
     asks: ask::Asks,
+    /// Since when it waits on questions alone (see [`EngineInit::park_after`]).
+    idle_since: Option<Instant>,
     /// Trace spans: the run, and one per phase (group) under it.
     span: tracing::Span,
     phase_spans: HashMap<String, tracing::Span>,
@@ -321,6 +357,7 @@ impl RunEngine {
         );
         RunEngine {
             asks,
+            idle_since: None,
             span,
             phase_spans: HashMap::new(),
             run,
@@ -328,7 +365,7 @@ impl RunEngine {
             reply,
             book: CallBook::with_phases(&init.phases),
             admitter: admit::Admitter::default(),
-            logs: Vec::new(),
+            logs: init.logs_before.clone(),
             published_logs: Arc::new(Vec::new()),
             failures: Vec::new(),
             budgets: budgets::Budgets::new(
@@ -488,7 +525,7 @@ impl RunEngine {
         mut ops: mpsc::UnboundedReceiver<ScriptOp>,
         mut control: mpsc::UnboundedReceiver<Control>,
         mut ask_rx: mpsc::UnboundedReceiver<ask::AskEvent>,
-    ) -> Report {
+    ) -> Ending {
         let (mut call_rx, mut ack_rx, mut applied_rx) = self.open();
         let mut tick = tokio::time::interval(SNAPSHOT_EVERY);
         // The first tick publishes at once.
@@ -500,7 +537,7 @@ impl RunEngine {
         let mut stop_deadline: Option<Instant> = None;
         // A closed channel stays ready forever; stop polling it once it has closed.
         let (mut acks_open, mut calls_open, mut control_open) = (true, true, true);
-        let end: ScriptEnd = loop {
+        let end: Option<ScriptEnd> = 'engine: loop {
             tokio::select! {
                 biased;
                 ack = ack_rx.recv(), if acks_open => match ack {
@@ -514,13 +551,13 @@ impl RunEngine {
                 Some(applied) = applied_rx.recv() => self.on_applied(applied),
                 Some(ev) = ask_rx.recv() => self.on_ask_event(ev),
                 op = ops.recv() => match op {
-                    Some(ScriptOp::Finished(end)) => break end,
+                    Some(ScriptOp::Finished(end)) => break Some(end),
                     Some(op) => self.on_op(op),
-                    None => break ScriptEnd::Failed(script::ScriptFailure {
+                    None => break Some(ScriptEnd::Failed(script::ScriptFailure {
                         kind: script::FailureKind::Internal,
                         message: "the script thread ended without a result".into(),
                         line: None,
-                    }),
+                    })),
                 },
                 c = control.recv(), if control_open && stop_deadline.is_none() => match c {
                     Some(Control::Stop) => {
@@ -553,12 +590,15 @@ impl RunEngine {
                     }
                     self.ask_tick();
                     self.quota_tick();
+                    if self.park_due(&ops) {
+                        break 'engine None;
+                    }
                     if stop_deadline.is_some_and(|d| Instant::now() >= d) {
-                        break ScriptEnd::Failed(script::ScriptFailure {
+                        break Some(ScriptEnd::Failed(script::ScriptFailure {
                             kind: script::FailureKind::Stopped,
                             message: "the run was stopped".into(),
                             line: None,
-                        });
+                        }));
                     }
                     // A snapshot walks every call: a run of many calls is published less
                     // often, so at most a twentieth of the engine's time goes to it.
@@ -571,10 +611,15 @@ impl RunEngine {
                 }
             }
         };
+        let Some(end) = end else {
+            return Ending::Parked(self.park(ops, &mut applied_rx).await);
+        };
         if self.stopping {
             self.drain(&mut control, control_open).await;
         }
-        self.finish(end, &mut ack_rx, &mut applied_rx).await
+        Ending::Ended(Box::new(
+            self.finish(end, &mut ack_rx, &mut applied_rx).await,
+        ))
     }
 
     /// A stopped run, its script ended: `stopping` until none of its agents runs on a worker

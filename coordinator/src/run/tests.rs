@@ -70,6 +70,8 @@ fn engine(
         budget_pauses: false,
         answers_from_store: false,
         page_base: None,
+        park_after: None,
+        logs_before: Vec::new(),
     };
     let handle = start(
         init,

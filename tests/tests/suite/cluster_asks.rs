@@ -262,3 +262,101 @@ fn a_question_outlives_its_coordinator_s_sigkill_and_is_answered_on_the_successo
         "{r2}"
     );
 }
+
+/// The coordinator's threads that run a script.
+fn script_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.trim() == "flotilla-js")
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A run that waits on its questions alone is parked (`--park-after`): its script thread
+/// goes — the coordinator runs none — and a small record answers for it. The answer wakes it:
+/// it is adopted again, replays to where it waited (no agent asked twice) and goes on. A
+/// question's deadline wakes a parked run too, its `ask()` giving null; a parked run stops.
+#[test]
+fn a_run_waiting_on_questions_is_parked_without_its_script_and_woken_by_an_answer_or_a_deadline() {
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    let c = Cluster::start_configured_env(
+        1,
+        4,
+        &["--park-after", "1s"],
+        &["--backend", "anthropic"],
+        fake.env(),
+    );
+    let run = c.launch(
+        "parked",
+        "const before = await agent('before');\n\
+         const go = await ask('Go on?', { schema: { type: 'boolean' } });\n\
+         const more = await ask('Anything to add?', { timeout: '4s' });\n\
+         return { before, go, more, after: await agent('after ' + go) };",
+        &["--stagger", "0", "--backend", "anthropic"],
+    );
+    let url = c.url();
+    let parked = |what: &'static str| {
+        until_at(&c, &url, &run, what, |s| {
+            s["waiting"]
+                .as_str()
+                .is_some_and(|w| w.starts_with("parked, waiting for an answer"))
+                && s["questions"][0]["question"] == what
+        })
+    };
+    parked("Go on?");
+    assert_eq!(
+        script_threads(c.coordinator_pid()),
+        0,
+        "no script thread while parked"
+    );
+    let answered = c.client(&["answer", &run, "--json", "true"]);
+    assert_eq!(answered.code, 0, "{answered:?}");
+    // Woken, it asks the next question, parks again, and its deadline wakes it.
+    parked("Anything to add?");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        json!({
+            "before": "fake reply to: before",
+            "go": true,
+            "more": null,
+            "after": "fake reply to: after true"
+        }),
+        "{r}"
+    );
+    let asked: Vec<String> = fake
+        .requests()
+        .into_iter()
+        .filter(|s| s.path.ends_with("/messages"))
+        .map(|s| s.body["messages"].to_string())
+        .collect();
+    assert_eq!(asked.len(), 2, "every agent once: {asked:?}");
+    let logs = r["logs"].to_string();
+    assert!(
+        logs.matches("parked (its script set aside").count() >= 2,
+        "{logs}"
+    );
+    assert!(logs.contains("timed out unanswered"), "{logs}");
+    // A parked run stops.
+    let other = c.launch(
+        "stopped",
+        "return await ask('Never answered?');",
+        &["--stagger", "0"],
+    );
+    until_at(&c, &url, &other, "parked", |s| {
+        s["waiting"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("parked"))
+    });
+    let stopped = c.client(&["stop", &other, "--reason", "nobody answers"]);
+    assert_eq!(stopped.code, 0, "{stopped:?}");
+    let out = c.client(&["wait", &other, "--json"]);
+    assert_eq!(out.json()["status"], "stopped", "{out:?}");
+}
