@@ -993,3 +993,58 @@ fn a_line_that_is_not_json_or_is_too_long_gets_a_parse_error_and_the_server_goes
     let last = mcp.heard.iter().rev().nth(1).unwrap();
     assert!(last.contains("16 MiB"), "{last}");
 }
+
+/// A run the MCP server started on this machine asks with `ask()`: WorkflowStatus lists the
+/// question, WorkflowAnswer answers it through the local store (a wrong answer refused with
+/// the reason), and the run goes on to its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workflow_answer_answers_a_local_run_s_question_through_its_store() {
+    let env = Env::new();
+    let cmd = env.command(&["mcp", "--backend", "echo", "--stagger", "0"], &[]);
+    let client: Client =
+        ().serve(TokioChildProcess::new(tokio::process::Command::from(cmd)).expect("spawn"))
+            .await
+            .expect("an MCP session");
+    let script = "export const meta = { name: 'asking', description: 'asks a person' };\n\
+        const n = await ask('How many?', { schema: { type: 'integer', minimum: 1 } });\n\
+        return await agent('make ' + n);";
+    let launched = ok(&client, "Workflow", json!({ "script": script })).await;
+    let run = launched["runId"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let id = loop {
+        let s = ok(&client, "WorkflowStatus", json!({ "runId": run })).await;
+        if let Some(id) = s["questions"][0]["id"].as_str() {
+            assert_eq!(s["questions"][0]["question"], "How many?", "{s}");
+            break id.to_owned();
+        }
+        assert!(Instant::now() < deadline, "the question never showed: {s}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let wrong = call(
+        &client,
+        "WorkflowAnswer",
+        json!({ "runId": run, "questionId": id, "answer": 0 }),
+    )
+    .await;
+    assert_eq!(wrong.is_error, Some(true), "{wrong:?}");
+    assert!(
+        format!("{wrong:?}").contains("does not match the schema"),
+        "{wrong:?}"
+    );
+    let right = ok(
+        &client,
+        "WorkflowAnswer",
+        json!({ "runId": run, "questionId": id, "answer": 3 }),
+    )
+    .await;
+    assert!(
+        right["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("answered")),
+        "{right}"
+    );
+    let done = finished(&client, &run).await;
+    let result = ok(&client, "WorkflowResult", json!({ "runId": run })).await;
+    assert!(result.to_string().contains("make 3"), "{result} {done}");
+    client.cancel().await.ok();
+}
