@@ -353,11 +353,9 @@ impl std::fmt::Debug for Quotas {
 
 /// Today (UTC) as `YYYY-MM-DD`, and how long until it ends.
 fn today() -> (String, Duration) {
-    let now = flotilla_proto::clock::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let day = humantime::format_rfc3339_seconds(flotilla_proto::clock::now()).to_string()[..10]
-        .to_owned();
+    let at = flotilla_proto::clock::now() + tests_shift();
+    let now = at.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let day = humantime::format_rfc3339_seconds(at).to_string()[..10].to_owned();
     let left = 86_400 - now.as_secs() % 86_400;
     (day, Duration::from_secs(left))
 }
@@ -676,9 +674,67 @@ impl Quotas {
     }
 }
 
+/// How far this thread's tests moved the quotas' day (none outside tests).
+#[cfg(not(test))]
+fn tests_shift() -> Duration {
+    Duration::ZERO
+}
+
+#[cfg(test)]
+thread_local! {
+    static SHIFT: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
+}
+
+#[cfg(test)]
+fn tests_shift() -> Duration {
+    SHIFT.with(std::cell::Cell::get)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A namespace past its daily tokens or dollars is `spent` (what holds a coordinator's run,
+    /// issue 33, 2) until its day turns, when the quota resets and the run goes on; agents
+    /// counted while it waited count against the day they were admitted in.
+    #[test]
+    fn a_spent_daily_quota_holds_until_the_day_turns() {
+        let q = Quotas::new(
+            Namespaces::new(BTreeMap::from([(
+                "team-t".to_owned(),
+                Policy {
+                    tokens_per_day: Some(100),
+                    ..Policy::default()
+                },
+            )]))
+            .unwrap(),
+            None,
+            crate::tasks::Tasks::default(),
+        );
+        assert!(q.spent("team-t").is_none());
+        q.add(
+            "team-t",
+            &UsageRecord {
+                input_tokens: 90,
+                output_tokens: 30,
+                ..UsageRecord::default()
+            },
+        );
+        let e = q.spent("team-t").expect("spent");
+        assert_eq!(
+            (e.quota, e.used.as_str(), e.limit.as_str()),
+            ("tokens per day", "120", "100")
+        );
+        assert!(e.resets.ends_with("T00:00:00Z"), "{}", e.resets);
+        q.count_agent("team-t");
+        // Another namespace is not held by it.
+        assert!(q.spent("team-x").is_none());
+        // The next UTC day: reset.
+        SHIFT.with(|s| s.set(Duration::from_secs(86_400)));
+        assert!(q.spent("team-t").is_none(), "a new day, a new quota");
+        SHIFT.with(|s| s.set(Duration::ZERO));
+        assert!(q.spent("team-t").is_some(), "today's use is still today's");
+    }
 
     #[test]
     fn a_certificate_s_organisation_is_its_scope() {
