@@ -635,6 +635,32 @@ impl Cluster {
         run_with_timeout(cmd, crate::COMMAND_TIMEOUT)
     }
 
+    /// Waits (a minute at most) until `run`'s status through the coordinator at `url`
+    /// satisfies `ok` (a status it cannot give yet is waited out); that status. `what` names
+    /// the state in the failure.
+    pub fn status_until(
+        &self,
+        url: &str,
+        run: &str,
+        what: &str,
+        ok: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let out = self.client_at(url, &["status", run, "--json"]);
+            let s = if out.code == 0 {
+                out.json()
+            } else {
+                serde_json::Value::Null
+            };
+            if ok(&s) {
+                return s;
+            }
+            assert!(std::time::Instant::now() < deadline, "{what}: {s}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Issues a client certificate `name` for `namespaces` (`flotilla certs issue
     /// --namespace ...`).
     pub fn issue_client(&self, name: &str, namespaces: &[&str]) {

@@ -128,11 +128,7 @@ impl RunEngine {
         }
         let limit = self.budgets.usd().unwrap_or_default();
         let cost = self.budgets.used().cost_usd;
-        let running = if self.init.settings.budget_interrupts {
-            "running agents were interrupted (their work is kept)"
-        } else {
-            "running agents finish"
-        };
+        let running = self.what_runs_when_held();
         let why = format!(
             "{HELD_AT_BUDGET}: it has cost ${cost:.4} of ${limit} (${:.4} over); {running} and nothing new starts until it is raised (`flotilla budget {} --usd DOLLARS`)",
             (cost - limit).max(0.0),
@@ -140,18 +136,8 @@ impl RunEngine {
         );
         let line = format!("[budget] the run is {why}");
         // Its `--notify` receiver hears of it, once each time it is held.
-        if self.held.is_none()
-            && let (Some(url), Some(n)) = (&self.init.settings.notify, &self.init.notifier)
-        {
-            n.spawn_paused(
-                self.init.store.clone(),
-                (self.init.generation, self.now_ms()),
-                url.clone(),
-                (&self.init.run_id, &self.init.workflow.name),
-                (&why, "money_budget"),
-                (cost, Some(limit)),
-                &self.init.settings.labels,
-            );
+        if self.held.is_none() {
+            self.announce_paused(&why, "money_budget");
         }
         self.held = Some(why);
         self.logs.push(line.clone());
@@ -165,33 +151,45 @@ impl RunEngine {
         if self.stopping || self.quota_held.is_some() {
             return;
         }
-        let running = if self.init.settings.budget_interrupts {
-            "running agents were interrupted (their work is kept)"
-        } else {
-            "running agents finish"
-        };
+        let running = self.what_runs_when_held();
         let why = format!(
             "{HELD_AT_QUOTA}: namespace {} has used its {} ({} of {}); {running} and nothing new starts until it resets at {} (in {})",
             e.namespace, e.quota, e.used, e.limit, e.resets, e.left
         );
-        if self.held.is_none()
-            && let (Some(url), Some(n)) = (&self.init.settings.notify, &self.init.notifier)
-        {
-            n.spawn_paused(
-                self.init.store.clone(),
-                (self.init.generation, self.now_ms()),
-                url.clone(),
-                (&self.init.run_id, &self.init.workflow.name),
-                (&why, "namespace_quota"),
-                (self.budgets.used().cost_usd, self.budgets.usd()),
-                &self.init.settings.labels,
-            );
+        if self.held.is_none() {
+            self.announce_paused(&why, "namespace_quota");
         }
         let line = format!("[quota] the run is {why}");
         self.quota_held = Some(why);
         self.logs.push(line.clone());
         self.event(RunEvent::Log { line });
         self.held_now();
+    }
+
+    /// What a held run does with its running agents, as its status says it.
+    fn what_runs_when_held(&self) -> &'static str {
+        if self.init.settings.budget_interrupts {
+            "running agents were interrupted (their work is kept)"
+        } else {
+            "running agents finish"
+        }
+    }
+
+    /// Tells the run's `--notify` receiver it is paused (`why`, as its status says; `reason`:
+    /// `money_budget` or `namespace_quota`), with its cost and money budget.
+    fn announce_paused(&self, why: &str, reason: &str) {
+        let (Some(url), Some(n)) = (&self.init.settings.notify, &self.init.notifier) else {
+            return;
+        };
+        n.spawn_paused(
+            self.init.store.clone(),
+            (self.init.generation, self.now_ms()),
+            url.clone(),
+            (&self.init.run_id, &self.init.workflow.name),
+            (why, reason),
+            (self.budgets.used().cost_usd, self.budgets.usd()),
+            &self.init.settings.labels,
+        );
     }
 
     /// The run is held (at its budget or its namespace's quota): paused, and nothing of it

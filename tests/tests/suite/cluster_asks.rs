@@ -11,20 +11,7 @@ use serde_json::{Value, json};
 
 /// Waits until `run`'s status (through the coordinator at `url`) satisfies `ok`.
 fn until_at(c: &Cluster, url: &str, run: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let out = c.client_at(url, &["status", run, "--json"]);
-        let s = if out.code == 0 {
-            out.json()
-        } else {
-            Value::Null
-        };
-        if ok(&s) {
-            return s;
-        }
-        assert!(std::time::Instant::now() < deadline, "{what}: {s}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    c.status_until(url, run, what, ok)
 }
 
 /// Waits until the run's one open question is `text`; that question.

@@ -64,22 +64,9 @@ fn until(c: &Cluster, run: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Val
     until_at(c, &c.url(), run, what, ok)
 }
 
-/// [`until`] through the coordinator at `url` (a status it cannot give yet is waited out).
+/// [`until`] through the coordinator at `url`.
 fn until_at(c: &Cluster, url: &str, run: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let out = c.client_at(url, &["status", run, "--json"]);
-        let s = if out.code == 0 {
-            out.json()
-        } else {
-            Value::Null
-        };
-        if ok(&s) {
-            return s;
-        }
-        assert!(std::time::Instant::now() < deadline, "{what}: {s}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    c.status_until(url, run, what, ok)
 }
 
 #[test]
