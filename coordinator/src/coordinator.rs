@@ -485,6 +485,7 @@ impl Coordinator {
             owners,
             indexed: crate::index::created(&manifest),
             logs_before: Vec::new(),
+            kept: Default::default(),
         })?;
         handle.notes = notes;
         Ok(handle)
@@ -761,23 +762,19 @@ impl Coordinator {
         self.adopt_holding(run_id, Some(owners)).await
     }
 
-    /// [`Coordinator::adopt`]; `woken`: the owners of a parked run being woken.
-    async fn adopt_holding(
-        &self,
-        run_id: &str,
-        woken: Option<Vec<crate::owner::Held>>,
-    ) -> Result<RunHandle, Rejected> {
-        let unavailable = |what: &str, e: crate::store::Error| Rejected {
-            message: format!("cannot read {what} of run {run_id}: {e}"),
-            kind: e.kind(),
-            workflow: WorkflowInfo::default(),
-            resend_source: false,
-        };
+    /// The manifest of run `run_id`, which this coordinator adopts, with the money budget it
+    /// was given after its launch.
+    async fn adopted_manifest(&self, run_id: &str) -> Result<Manifest, Rejected> {
         let manifest = self
             .store
             .get(&keys::manifest(run_id))
             .await
-            .map_err(|e| unavailable("the manifest", e))?
+            .map_err(|e| Rejected {
+                message: format!("cannot read the manifest of run {run_id}: {e}"),
+                kind: e.kind(),
+                workflow: WorkflowInfo::default(),
+                resend_source: false,
+            })?
             .ok_or_else(|| Rejected {
                 message: format!("no run {run_id} in {}", self.store.url),
                 kind: ErrorKind::NotFound,
@@ -794,6 +791,22 @@ impl Coordinator {
         if let Some(usd) = self.raised_budget(run_id).await {
             manifest.settings.budget_usd = Some(usd);
         }
+        Ok(manifest)
+    }
+
+    /// [`Coordinator::adopt`]; `woken`: the owners of a parked run being woken.
+    async fn adopt_holding(
+        &self,
+        run_id: &str,
+        woken: Option<Vec<crate::owner::Held>>,
+    ) -> Result<RunHandle, Rejected> {
+        let unavailable = |what: &str, e: crate::store::Error| Rejected {
+            message: format!("cannot read {what} of run {run_id}: {e}"),
+            kind: e.kind(),
+            workflow: WorkflowInfo::default(),
+            resend_source: false,
+        };
+        let manifest = self.adopted_manifest(run_id).await?;
         let source = self
             .store
             .get(&keys::script(run_id))
@@ -887,6 +900,7 @@ impl Coordinator {
             owners: woken.unwrap_or_default(),
             indexed: crate::index::created(&manifest),
             logs_before,
+            kept: sched::kept::load(&self.store, run_id).await,
         })
     }
 
@@ -936,6 +950,7 @@ impl Coordinator {
             page_base: self.page_base.clone(),
             park_after: self.park_after,
             logs_before: s.logs_before,
+            kept: s.kept,
         };
         Ok(run::start(
             init,
@@ -964,6 +979,8 @@ struct StartEngine {
     indexed: crate::index::Entry,
     /// Its log before this engine (an adopted run's earlier generations').
     logs_before: Vec<String>,
+    /// What its interrupted calls left their next attempts (an adopted run's).
+    kept: std::collections::HashMap<String, flotilla_proto::v1::KeptLeftovers>,
 }
 
 /// The log of run `run` so far, from its stored events (an adopted run's earlier generations'

@@ -774,6 +774,36 @@ impl Cluster {
     }
 
     /// Every completed-call record of a run in the coordinator's store.
+    /// The keys of the objects under `under` (`runs/RUN/leftovers/`) in the cluster's store,
+    /// relative to the store's root, sorted.
+    pub fn stored_keys(&self, under: &str) -> Vec<String> {
+        if let Some((url, env)) = &self.store
+            && let Some(rest) = url.strip_prefix("s3://")
+        {
+            let (host, port) = s3_at(env);
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            let root = if prefix.is_empty() {
+                String::new()
+            } else {
+                format!("{prefix}/")
+            };
+            return s3_list((&host, port), bucket, &format!("{root}{under}"))
+                .into_iter()
+                .map(|k| k.strip_prefix(&root).unwrap_or(&k).to_owned())
+                .collect();
+        }
+        let root = self.path().join("store");
+        let mut keys: Vec<String> = std::fs::read_dir(root.join(under))
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| format!("{under}{}", e.file_name().to_string_lossy()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        keys.sort_unstable();
+        keys
+    }
+
     pub fn journal(&self, run: &str) -> Vec<Value> {
         if let Some((url, env)) = &self.store
             && let Some(rest) = url.strip_prefix("s3://")
@@ -798,29 +828,24 @@ impl Cluster {
     }
 }
 
-/// The journal of `run` in an S3 store (`bucket/prefix`), read over plain HTTP from the
-/// test's S3 server (moto takes unsigned requests).
-pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> Vec<Value> {
+/// Where the test's S3 server listens, from the store's environment.
+fn s3_at(env: &[(String, String)]) -> (String, u16) {
     let endpoint = env
         .iter()
         .find(|(k, _)| k == "AWS_ENDPOINT_URL")
         .map(|(_, v)| v.clone())
         .expect("AWS_ENDPOINT_URL for the S3 store");
-    let (host, port) = endpoint
+    endpoint
         .trim_start_matches("http://")
         .trim_end_matches('/')
         .rsplit_once(':')
         .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
-        .expect("endpoint host:port");
-    let get = |path: &str, headers: &[(&str, &str)]| {
-        crate::http_request_to(&host, port, "GET", path, headers, None)
-    };
-    let (bucket, prefix) = bucket_prefix.split_once('/').unwrap_or((bucket_prefix, ""));
-    let dir = if prefix.is_empty() {
-        format!("runs/{run}/calls/")
-    } else {
-        format!("{prefix}/runs/{run}/calls/")
-    };
+        .expect("endpoint host:port")
+}
+
+/// The keys under `dir` in `bucket` of the test's S3 server at `at`, sorted.
+fn s3_list(at: (&str, u16), bucket: &str, dir: &str) -> Vec<String> {
+    let get = |path: &str| crate::http_request_to(at.0, at.1, "GET", path, &[], None);
     // A listing answers at most 1,000 keys a page; a long run has more segments than that.
     let mut keys: Vec<String> = Vec::new();
     let mut token: Option<String> = None;
@@ -830,7 +855,7 @@ pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> V
             path.push_str("&continuation-token=");
             path.push_str(&percent_encode(t));
         }
-        let listing = get(&path, &[]);
+        let listing = get(&path);
         assert_eq!(listing.status, 200, "{listing:?}");
         keys.extend(
             listing
@@ -851,6 +876,23 @@ pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> V
         }
     }
     keys.sort_unstable();
+    keys
+}
+
+/// The journal of `run` in an S3 store (`bucket/prefix`), read over plain HTTP from the
+/// test's S3 server (moto takes unsigned requests).
+pub fn s3_journal(bucket_prefix: &str, env: &[(String, String)], run: &str) -> Vec<Value> {
+    let (host, port) = s3_at(env);
+    let get = |path: &str, headers: &[(&str, &str)]| {
+        crate::http_request_to(&host, port, "GET", path, headers, None)
+    };
+    let (bucket, prefix) = bucket_prefix.split_once('/').unwrap_or((bucket_prefix, ""));
+    let dir = if prefix.is_empty() {
+        format!("runs/{run}/calls/")
+    } else {
+        format!("{prefix}/runs/{run}/calls/")
+    };
+    let mut keys = s3_list((&host, port), bucket, &dir);
     // moto checks that a GET of an object is signed, not how.
     let auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00";
     // A run taken over (failover) has seals: its history is the newest seal's segments and

@@ -375,6 +375,7 @@ async fn baseline_round(e: &Embedded, calls: u64, concurrency: u32) -> Result<Du
         page_base: None,
         park_after: None,
         logs_before: Vec::new(),
+        kept: Default::default(),
     };
     let handle = run::start(
         init,

@@ -214,6 +214,9 @@ pub struct EngineInit {
     pub park_after: Option<Duration>,
     /// Its log so far, from the generations before this engine (an adopted run's).
     pub logs_before: Vec<String>,
+    /// What its interrupted calls left their next attempts, by call key (an adopted run's,
+    /// from the store: `sched::kept::load`).
+    pub kept: HashMap<String, flotilla_proto::v1::KeptLeftovers>,
 }
 
 /// How a run engine ended: with its report, or parked while it waits on questions alone
@@ -497,6 +500,7 @@ impl RunEngine {
             head: self.head_watch.clone(),
             events: call_tx,
             share: self.share(),
+            kept: std::mem::take(&mut self.init.kept),
         });
         self.event(RunEvent::Status {
             status: "running".into(),

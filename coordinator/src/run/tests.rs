@@ -72,6 +72,7 @@ fn engine(
         page_base: None,
         park_after: None,
         logs_before: Vec::new(),
+        kept: Default::default(),
     };
     let handle = start(
         init,

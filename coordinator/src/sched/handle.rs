@@ -73,6 +73,9 @@ pub struct RunRegistration {
     pub events: mpsc::UnboundedSender<CallEvent>,
     /// Its namespace, with the namespace's weight and cap.
     pub share: Share,
+    /// What interrupted calls left their next attempts, by call key, as a coordinator before
+    /// this one kept it in the store (a run adopted: [`super::kept::load`]).
+    pub kept: std::collections::HashMap<String, v1::KeptLeftovers>,
 }
 
 /// One call to run.

@@ -11,6 +11,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use flotilla_proto::v1::KeptLeftovers;
+
 use super::handle::CallId;
 
 /// Longest a restarted call waits for what its interrupted attempt leaves.
@@ -33,6 +35,16 @@ struct Entry {
     session_seq: u64,
     /// Sessions of attempts up to this one are not kept (a restart asked to start over).
     fresh_upto: u32,
+    /// What it keeps is in the store too (`kept.rs`).
+    in_store: bool,
+}
+
+/// What to do with the store's copy of a call's leftovers.
+#[derive(Debug, PartialEq)]
+pub(super) enum Keep {
+    Put(KeptLeftovers),
+    Delete,
+    Nothing,
 }
 
 /// Leftovers of the calls of every run.
@@ -116,10 +128,54 @@ impl Leftovers {
         }
     }
 
-    /// `id` is gone: its conversation too.
-    pub(super) fn forget(&mut self, id: &CallId) {
-        if let Some(e) = self.calls.remove(id) {
+    /// `id` is gone: its conversation too. Whether the store holds a copy of what it kept.
+    pub(super) fn forget(&mut self, id: &CallId) -> bool {
+        self.calls.remove(id).is_some_and(|e| {
             self.session_bytes -= e.session.map_or(0, |s| s.state.len());
+            e.in_store
+        })
+    }
+
+    /// What the store should hold for `id` (key `call_key`) now that what it keeps changed.
+    pub(super) fn store_copy(&mut self, id: &CallId, call_key: &str) -> Keep {
+        let Some(e) = self.calls.get_mut(id) else {
+            return Keep::Nothing;
+        };
+        if e.stored.is_none() && e.session.is_none() {
+            return match std::mem::take(&mut e.in_store) {
+                true => Keep::Delete,
+                false => Keep::Nothing,
+            };
+        }
+        e.in_store = true;
+        let (base, commit) = e
+            .stored
+            .as_ref()
+            .map(|(_, b, c)| (b.clone(), c.clone()))
+            .unwrap_or_default();
+        Keep::Put(KeptLeftovers {
+            call_key: call_key.to_owned(),
+            base,
+            commit,
+            session: e.session.clone(),
+        })
+    }
+
+    /// `id` starts from what a coordinator before this one kept of it (a run adopted): as
+    /// attempt 0's, so that any attempt here supersedes it.
+    pub(super) fn adopt(&mut self, id: &CallId, k: KeptLeftovers) {
+        let e = self.calls.entry(id.clone()).or_default();
+        e.in_store = true;
+        if !k.commit.is_empty() {
+            e.stored = Some((0, k.base, k.commit));
+        }
+        if let Some(mut s) = k.session {
+            s.attempt = 0;
+            self.kept += 1;
+            e.session_seq = self.kept;
+            self.session_bytes += s.state.len();
+            let old = e.session.replace(s);
+            self.session_bytes -= old.map_or(0, |o| o.state.len());
         }
     }
 
@@ -224,5 +280,39 @@ mod tests {
         assert_eq!(l.start_of(&id(0)), Some(("b", "p3")));
         l.forget(&id(0));
         assert_eq!(l.start_of(&id(0)), None);
+    }
+
+    #[test]
+    fn the_store_holds_what_is_kept_and_an_adopted_call_s_first_attempt_supersedes_it() {
+        let mut l = Leftovers::default();
+        let session = |turns| flotilla_proto::v1::Session {
+            state: vec![1; 10],
+            turns,
+            ..Default::default()
+        };
+        assert_eq!(l.store_copy(&id(0), "k0"), Keep::Nothing);
+        assert!(l.keep_session(&id(0), 1, session(2)));
+        let Keep::Put(k) = l.store_copy(&id(0), "k0") else {
+            panic!("a conversation kept is put")
+        };
+        assert_eq!((k.call_key.as_str(), k.commit.as_str()), ("k0", ""));
+        // A restart that starts over: the store's copy goes, once.
+        l.start_over(&id(0), 1);
+        assert_eq!(l.store_copy(&id(0), "k0"), Keep::Delete);
+        assert_eq!(l.store_copy(&id(0), "k0"), Keep::Nothing);
+        // Adopted from the store: the files and the conversation, which any attempt here
+        // replaces.
+        let mut kept = k.clone();
+        kept.base = "b".into();
+        kept.commit = "c".into();
+        l.adopt(&id(1), kept);
+        assert_eq!(l.start_of(&id(1)), Some(("b", "c")));
+        assert_eq!(l.session_of(&id(1)).map(|s| s.turns), Some(2));
+        assert!(l.keep_session(&id(1), 1, session(5)));
+        assert!(l.stored(&id(1), 1, "b".into(), "c1".into()));
+        assert_eq!(l.session_of(&id(1)).map(|s| s.turns), Some(5));
+        assert!(l.forget(&id(1)), "its end deletes the store's copy");
+        assert!(!l.forget(&id(0)), "nothing of it is in the store");
+        assert_eq!(l.session_bytes, 0);
     }
 }

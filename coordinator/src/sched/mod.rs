@@ -71,6 +71,7 @@ mod fencing;
 mod fleet;
 mod gates;
 mod handle;
+pub mod kept;
 mod lease_writes;
 mod leftovers;
 mod outcomes;
@@ -222,6 +223,9 @@ pub fn spawn_with(
         tx: tx.clone(),
         tasks: tasks.clone(),
     };
+    let kept = sources
+        .clone()
+        .map(|s| kept::Writer::spawn(s, &tasks, cancel.clone()));
     let keys = lease_writes::spawn_key_writer(leases.clone(), tx.clone(), &tasks, cancel.clone());
     lease_writes::spawn_watches(leases.clone(), tx.clone(), &tasks, cancel.clone());
     let d = Dispatcher {
@@ -241,6 +245,7 @@ pub fn spawn_with(
         unplaceable: HashMap::new(),
         sources: transfers::SourceServer::new(sources, tasks.clone()),
         leftovers: leftovers::Leftovers::default(),
+        kept,
         timers: DelayQueue::new(),
         tasks: tasks.clone(),
     };
@@ -279,6 +284,8 @@ struct Dispatcher {
     sources: transfers::SourceServer,
     /// What unfinished attempts left, and retries that wait for it (W58).
     leftovers: leftovers::Leftovers,
+    /// Writes what it keeps to the store, for a coordinator that adopts a run.
+    kept: Option<kept::Writer>,
     timers: DelayQueue<Timer>,
     /// Every task it starts (the handle's owner waits for them: [`DispatchHandle::stopped`]).
     tasks: TaskTracker,
@@ -417,7 +424,16 @@ impl Dispatcher {
         };
         r.queue.push_back(ticket.call);
         r.submitted += 1;
+        // Empty but for a run adopted with interrupted calls: no hashing on the hot path.
+        let adopted = match r.reg.kept.is_empty() {
+            true => None,
+            false => r.reg.kept.remove(&ticket.key),
+        };
         let id = (run, ticket.call);
+        if let Some(k) = adopted {
+            tracing::info!(run = %id.0, call = id.1, conversation = k.session.is_some(), files = !k.commit.is_empty(), "the call starts from what its interrupted attempt left before this coordinator adopted the run");
+            self.leftovers.adopt(&id, k);
+        }
         self.calls
             .insert(id.clone(), Box::new(CallState::new(ticket)));
         self.claim_orphans(&id);
@@ -440,11 +456,16 @@ impl Dispatcher {
     /// W56: a running call's attempt is abandoned and a new one starts: it continues the
     /// abandoned one's session, or starts over (`fresh`: none of it is kept).
     fn restart_call(&mut self, id: &CallId, fresh: bool) {
-        let running = self.calls.get(id).filter(|c| c.state == State::Running);
-        if let Some(c) = running
+        let running = self
+            .calls
+            .get(id)
+            .filter(|c| c.state == State::Running)
+            .map(|c| c.attempt);
+        if let Some(attempt) = running
             && fresh
         {
-            self.leftovers.start_over(id, c.attempt);
+            self.leftovers.start_over(id, attempt);
+            self.keep_in_store(id);
         }
         if running.is_some() {
             self.send_cancel(id, "restarted by the user");

@@ -140,8 +140,10 @@ impl Dispatcher {
                 Some(outcome::Result::Failure(f)) => (f.partial, f.session),
                 _ => (None, None),
             };
-            if let Some(s) = session {
-                self.leftovers.keep_session(&id, o.attempt, s);
+            if let Some(s) = session
+                && self.leftovers.keep_session(&id, o.attempt, s)
+            {
+                self.keep_in_store(&id);
             }
             let storing = partial.is_some_and(|p| self.keep_partial(&id, o.attempt, p));
             if !storing {
@@ -174,8 +176,9 @@ impl Dispatcher {
                 let kind = FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal);
                 if retry::goes_again(kind)
                     && let Some(s) = f.session.take()
+                    && self.leftovers.keep_session(&id, o.attempt, s)
                 {
-                    self.leftovers.keep_session(&id, o.attempt, s);
+                    self.keep_in_store(&id);
                 }
                 if retry::goes_again(kind)
                     && let Some(p) = f.partial.take()
@@ -317,8 +320,11 @@ impl Dispatcher {
     }
 
     pub(super) fn finish(&mut self, id: &CallId, result: CallResult) {
-        self.leftovers.forget(id);
+        let in_store = self.leftovers.forget(id);
         if let Some(mut c) = self.calls.remove(id) {
+            if let (true, Some(w)) = (in_store, &self.kept) {
+                w.delete(&id.0, &c.ticket.key);
+            }
             c.attempt_span
                 .record("flotilla.outcome", result.span_outcome());
             c.watchdog.disarm(&mut self.timers);
@@ -563,6 +569,7 @@ impl Dispatcher {
                 let shown = commit.clone();
                 if self.leftovers.stored(id, attempt, base, commit) {
                     tracing::info!(run = %id.0, call = id.1, attempt, commit = %shown, "the next attempt starts from what this one left");
+                    self.keep_in_store(id);
                 }
             }
             Err(e) => {
@@ -570,6 +577,22 @@ impl Dispatcher {
             }
         }
         self.salvaged(id, attempt);
+    }
+
+    /// Writes what `id`'s next attempt starts from to the store, where a coordinator that
+    /// adopts the run finds it (or deletes it there, once nothing is kept).
+    pub(super) fn keep_in_store(&mut self, id: &CallId) {
+        let (Some(w), Some(c)) = (&self.kept, self.calls.get(id)) else {
+            return;
+        };
+        match self.leftovers.store_copy(id, &c.ticket.key) {
+            leftovers::Keep::Put(k) => {
+                tracing::debug!(run = %id.0, call = id.1, conversation = k.session.is_some(), "keeping what the interrupted attempt left in the store");
+                w.put(&id.0, &k);
+            }
+            leftovers::Keep::Delete => w.delete(&id.0, &c.ticket.key),
+            leftovers::Keep::Nothing => {}
+        }
     }
 
     /// The wait for what attempt `attempt` left is over: a retry that is due goes.

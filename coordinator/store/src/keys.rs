@@ -116,6 +116,16 @@ pub fn answer(run: &str, id: &str) -> Path {
     Path::from(format!("runs/{run}/answers/{id}.json"))
 }
 
+/// What an interrupted attempt of one of the run's calls left its next attempt (`id`: 24 hex
+/// digits of the call key's sha256); deleted when the call ends.
+pub fn leftovers(run: &str, id: &str) -> Path {
+    Path::from(format!("runs/{run}/leftovers/{id}.pb"))
+}
+
+pub fn leftovers_dir(run: &str) -> Path {
+    Path::from(format!("runs/{run}/leftovers"))
+}
+
 /// How the run's end webhook was delivered (`--notify`).
 pub fn notify(run: &str) -> Path {
     Path::from(format!("runs/{run}/notify.json"))

@@ -74,3 +74,80 @@ fn an_agent_cut_off_by_its_worker_s_stop_continues_its_session_on_another_worker
         assert!(resumed.contains(said), "{said:?} in {resumed}");
     }
 }
+
+/// The conversation an interrupted attempt hands back is kept in the store: a coordinator
+/// SIGKILLed while the call waits for its next attempt (the run is paused) loses nothing of
+/// it, and the successor that adopts the run continues the agent's session from there. The
+/// call's end deletes what was kept.
+#[test]
+fn a_paused_agent_s_conversation_outlives_its_coordinator_s_sigkill() {
+    let fake = FakeAnthropic::start();
+    let etcd = flotilla_tests::services::Etcd::start();
+    let s3 = flotilla_tests::services::S3::start();
+    let url = format!("s3://{}/sessions", s3.bucket);
+    let mut c = Cluster::start_group_ttl(
+        0,
+        1,
+        etcd.endpoint(),
+        (url, s3.env()),
+        &["--backend", "claude-code"],
+        Some(std::time::Duration::from_secs(3)),
+    );
+    c.worker_env = fake.env();
+    c.worker_env.push((
+        "FLOTILLA_CLAUDE_BIN".into(),
+        crate::claude::claude_bin().to_str().unwrap().to_owned(),
+    ));
+    c.issue_worker(0);
+    c.start_worker(0, 1);
+    c.wait_for_workers(1);
+    let run = c.launch(
+        "steps",
+        "return await agent('five steps [[turns:5]] [[stall-at:2]]', { label: 'steps' });",
+        &[
+            "--stagger",
+            "0",
+            "--backend",
+            "claude-code",
+            "--stall-timeout",
+            "10m",
+        ],
+    );
+    assert!(
+        flotilla_tests::eventually(60, || asked(&fake, "five steps").len() == 3),
+        "the agent never reached its third model call"
+    );
+    let paused = c.client(&["pause", &run]);
+    assert_eq!(paused.code, 0, "{paused:?}");
+    let kept = format!("runs/{run}/leftovers/");
+    assert!(
+        flotilla_tests::eventually(60, || c.stored_keys(&kept).len() == 1),
+        "the interrupted attempt's conversation never reached the store: {:?}",
+        c.stored_keys(&kept)
+    );
+    let mut coordinator = c.take_coordinator().unwrap();
+    coordinator.kill().unwrap();
+    coordinator.wait().unwrap();
+    // The successor adopts the run (a pause is not carried over) and runs the call again.
+    let out = c.client_at(&c.standby_url(), &["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(r["result"], "done after 5 turns", "{r}");
+    // The CLI writes its session file a little after it asks the model, so the conversation
+    // the pause caught holds one turn or both; never none.
+    let turns: Vec<usize> = asked(&fake, "five steps")
+        .iter()
+        .map(tool_results)
+        .collect();
+    let from = turns.get(3).copied().unwrap_or_default();
+    assert!(
+        (1..=2).contains(&from) && turns[..3] == [0, 1, 2],
+        "the adopted call went on from {from} turns: {turns:?}"
+    );
+    assert_eq!(turns[3..], (from..=5).collect::<Vec<_>>(), "{turns:?}");
+    assert!(
+        flotilla_tests::eventually(30, || c.stored_keys(&kept).is_empty()),
+        "the call ended, and what it kept is still there: {:?}",
+        c.stored_keys(&kept)
+    );
+}

@@ -148,6 +148,7 @@ impl FakeWorker {
 mod fleet;
 mod fuzz;
 mod hostile;
+mod kept;
 
 fn register(
     d: &DispatchHandle,
@@ -169,6 +170,7 @@ fn register(
         head: None,
         events: tx,
         share: crate::sched::Share::default(),
+        kept: Default::default(),
     });
     (id, rx)
 }
@@ -271,6 +273,7 @@ async fn a_worker_gets_sources_only_from_the_namespace_of_an_attempt_it_holds() 
         head: Some(head),
         events: tx,
         share: crate::sched::Share::default(),
+        kept: Default::default(),
     });
     let mut t = ticket(0);
     t.task.source_repo = "r1".into();
@@ -393,6 +396,7 @@ async fn a_stall_restart_waits_for_what_the_interrupted_attempt_left_and_starts_
         head: Some(head),
         events: tx,
         share: crate::sched::Share::default(),
+        kept: Default::default(),
     });
     let mut t = ticket(0);
     t.task.source_repo = "r1".into();
@@ -560,6 +564,7 @@ async fn the_stagger_cap_holds_for_the_current_leader_however_long_it_runs() {
         head: None,
         events: tx,
         share: crate::sched::Share::default(),
+        kept: Default::default(),
     });
     d.submit(&run, ticket(0));
     let leader = w.assignment().await;
