@@ -548,9 +548,34 @@ fn fill(schema: &Value) -> Value {
     }
 }
 
-/// The cache breakpoints of a request: (hash of the prefix through it, tokens through it),
-/// in order; tokens are counted as characters / 4.
-fn breakpoints(body: &Value) -> (Vec<(u64, u64)>, u64) {
+/// How many block boundaries before a breakpoint the cache looks back for a prefix it holds,
+/// as the Messages API does (about 20).
+const LOOKBACK: usize = 20;
+
+/// A request's prefixes: (hash of the prefix through the block, tokens through it, whether the
+/// block is a cache breakpoint), one per block in order, and its tokens in all; tokens are
+/// counted as characters / 4.
+type Prefixes = (Vec<(u64, u64, bool)>, u64);
+
+/// The cache tokens a request with `prefixes` reads: the longest prefix the cache holds that
+/// ends at one of its breakpoints or at most [`LOOKBACK`] blocks before one.
+fn cached(prefixes: &[(u64, u64, bool)], known: &std::collections::HashSet<u64>) -> u64 {
+    let mut read = 0;
+    for (i, _) in prefixes.iter().enumerate().filter(|(_, p)| p.2) {
+        let from = i.saturating_sub(LOOKBACK);
+        if let Some((_, t, _)) = prefixes[from..=i]
+            .iter()
+            .rev()
+            .find(|p| known.contains(&p.0))
+        {
+            read = read.max(*t);
+        }
+    }
+    read
+}
+
+/// Every block boundary of a request and its tokens in all ([`Prefixes`]).
+fn breakpoints(body: &Value) -> Prefixes {
     use std::hash::{Hash, Hasher};
     let mut blocks: Vec<Value> = Vec::new();
     for t in body
@@ -590,9 +615,7 @@ fn breakpoints(body: &Value) -> (Vec<(u64, u64)>, u64) {
         let text = plain.to_string();
         text.hash(&mut hasher);
         chars += text.len() as u64;
-        if marked {
-            out.push((hasher.finish(), chars / 4));
-        }
+        out.push((hasher.finish(), chars / 4, marked));
     }
     (out, chars / 4)
 }
@@ -617,17 +640,20 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
         .and_then(|k| k.parse::<usize>().ok())
         .is_some_and(|k| k == at && cache.count(&format!("stall-at:{prompt}:{k}")) == 1);
     if stall || stall_at {
+        // Its response began: what it cached is there for the next request, as on the API.
+        cache
+            .prefixes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(points.iter().filter(|p| p.2).map(|(h, _, _)| *h));
         return (stall_stream(conn, body, id), 0);
     }
     let status = forced.or_else(|| marker(&prompt, "status").and_then(|c| c.parse::<u16>().ok()));
+    // What the cache reads and writes: up to the last breakpoint.
+    let last = points.iter().rev().find(|p| p.2).map_or(0, |(_, t, _)| *t);
     let (read, written) = {
         let known = cache.prefixes.lock().unwrap_or_else(|e| e.into_inner());
-        let read = points
-            .iter()
-            .rev()
-            .find(|(h, _)| known.contains(h))
-            .map_or(0, |(_, t)| *t);
-        let last = points.last().map_or(0, |(_, t)| *t);
+        let read = cached(&points, &known);
         (read, last.saturating_sub(read))
     };
     // The model thinks; only then does the response (and its cache entry) begin.
@@ -637,9 +663,8 @@ fn answer(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> (bool, 
             .prefixes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .extend(points.iter().map(|(h, _)| *h));
+            .extend(points.iter().filter(|p| p.2).map(|(h, _, _)| *h));
     }
-    let last = points.last().map_or(0, |(_, t)| *t);
     let ok = answer_with(
         conn,
         body,
