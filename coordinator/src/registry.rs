@@ -414,9 +414,10 @@ impl RunRegistry {
         let _ = self.waker.set((waker, store));
     }
 
-    /// Keeps a parked run: a small task holds its controls in place of its engine. An answer
-    /// is checked and stored, then wakes it; a question's deadline wakes it; any other
-    /// control wakes it first and goes to it then. Its last snapshot stays for its views.
+    /// Keeps a parked run: a small task reads its controls (the engine's channel, so nothing
+    /// sent while it parked is lost) in place of its engine. An answer is checked and stored,
+    /// then wakes it; a question's deadline wakes it; any other control wakes it first and goes
+    /// to it then. Its last snapshot stays for its views.
     fn keep_parked(
         self: &Arc<Self>,
         p: Parked,
@@ -427,16 +428,13 @@ impl RunRegistry {
             tracing::error!(run = %p.run_id, "a run was parked where nothing can wake it");
             return;
         };
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        if let Some(e) = self.lock().get_mut(&p.run_id) {
-            e.stopper = tx;
-        }
         let me = self.clone();
         tasks.spawn_until_stopped(async move {
             let Parked {
                 run_id,
                 deadline,
                 owners,
+                controls: mut rx,
             } = p;
             let until = deadline.map(|d| {
                 let left = d
@@ -493,6 +491,10 @@ impl RunRegistry {
                 Ok(handle) => {
                     let stopper = handle.stopper();
                     me.track_with(handle, report_tx);
+                    // And what came while it woke, before its controls went to the new engine.
+                    while let Ok(c) = rx.try_recv() {
+                        pending.push(c);
+                    }
                     for c in pending {
                         let _ = stopper.send(c);
                     }

@@ -235,6 +235,7 @@ impl RunEngine {
         mut self,
         mut ops: mpsc::UnboundedReceiver<ScriptOp>,
         applied_rx: &mut mpsc::UnboundedReceiver<crate::head::Applied>,
+        controls: mpsc::UnboundedReceiver<super::Control>,
     ) -> Parked {
         (self.reply)(HostReply::Stop);
         let _ = tokio::time::timeout(PARK_GRACE, async {
@@ -270,6 +271,7 @@ impl RunEngine {
             run_id: self.init.run_id.clone(),
             deadline: self.asks.earliest_deadline(),
             owners: std::mem::take(&mut self.init.owners),
+            controls,
         }
     }
 

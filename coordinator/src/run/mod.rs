@@ -236,6 +236,8 @@ pub struct Parked {
     /// Owner records it held (kept by whoever keeps it parked, given to the engine that
     /// wakes it).
     pub owners: Vec<crate::owner::Held>,
+    /// Its controls: the engine's own channel, so that one sent while it parked is not lost.
+    pub controls: mpsc::UnboundedReceiver<Control>,
 }
 
 /// How the status of a run held at its money budget begins (`waiting`).
@@ -616,7 +618,7 @@ impl RunEngine {
             }
         };
         let Some(end) = end else {
-            return Ending::Parked(self.park(ops, &mut applied_rx).await);
+            return Ending::Parked(self.park(ops, &mut applied_rx, control).await);
         };
         if self.stopping {
             self.drain(&mut control, control_open).await;
