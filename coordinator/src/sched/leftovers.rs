@@ -20,6 +20,9 @@ pub(super) const WAIT: Duration = Duration::from_secs(30);
 use flotilla_proto::frag::MAX_SESSION_BYTES;
 /// What the coordinator holds of conversations in all; past it, the oldest kept go.
 pub(super) const SESSIONS_BYTES: usize = 1 << 30;
+/// What it holds of one namespace's; past it, that namespace's oldest go (one tenant's
+/// agents cannot push out everyone else's).
+pub(super) const NAMESPACE_SESSIONS_BYTES: usize = 256 << 20;
 
 #[derive(Debug, Default)]
 struct Entry {
@@ -33,6 +36,8 @@ struct Entry {
     session: Option<flotilla_proto::v1::Session>,
     /// When it was kept (which go first past [`SESSIONS_BYTES`]).
     session_seq: u64,
+    /// The namespace of the call's run, whose share the conversation counts against.
+    namespace: String,
     /// Sessions of attempts up to this one are not kept (a restart asked to start over).
     fresh_upto: u32,
     /// What it keeps is in the store too (`kept.rs`).
@@ -51,8 +56,10 @@ pub(super) enum Keep {
 #[derive(Debug, Default)]
 pub(super) struct Leftovers {
     calls: HashMap<CallId, Entry>,
-    /// Bytes of the conversations kept, and a counter that orders them.
+    /// Bytes of the conversations kept, in all and per namespace, and a counter that orders
+    /// them.
     session_bytes: usize,
+    namespace_bytes: HashMap<String, usize>,
     kept: u64,
 }
 
@@ -130,10 +137,8 @@ impl Leftovers {
 
     /// `id` is gone: its conversation too. Whether the store holds a copy of what it kept.
     pub(super) fn forget(&mut self, id: &CallId) -> bool {
-        self.calls.remove(id).is_some_and(|e| {
-            self.session_bytes -= e.session.map_or(0, |s| s.state.len());
-            e.in_store
-        })
+        self.drop_session(id);
+        self.calls.remove(id).is_some_and(|e| e.in_store)
     }
 
     /// What the store should hold for `id` (key `call_key`) now that what it keeps changed.
@@ -163,7 +168,7 @@ impl Leftovers {
 
     /// `id` starts from what a coordinator before this one kept of it (a run adopted): as
     /// attempt 0's, so that any attempt here supersedes it.
-    pub(super) fn adopt(&mut self, id: &CallId, k: KeptLeftovers) {
+    pub(super) fn adopt(&mut self, id: &CallId, namespace: &str, k: KeptLeftovers) {
         let e = self.calls.entry(id.clone()).or_default();
         e.in_store = true;
         if !k.commit.is_empty() {
@@ -171,19 +176,17 @@ impl Leftovers {
         }
         if let Some(mut s) = k.session {
             s.attempt = 0;
-            self.kept += 1;
-            e.session_seq = self.kept;
-            self.session_bytes += s.state.len();
-            let old = e.session.replace(s);
-            self.session_bytes -= old.map_or(0, |o| o.state.len());
+            self.put_session(id, namespace, s);
         }
     }
 
-    /// Keeps the conversation attempt `attempt` of `id` left, for its next attempt; `false`
-    /// (and nothing kept) when a newer one is there, or it is over [`MAX_SESSION_BYTES`].
+    /// Keeps the conversation attempt `attempt` of `id` (a call of namespace `namespace`'s)
+    /// left, for its next attempt; `false` (and nothing kept) when a newer one is there, or it
+    /// is over [`MAX_SESSION_BYTES`].
     pub(super) fn keep_session(
         &mut self,
         id: &CallId,
+        namespace: &str,
         attempt: u32,
         mut s: flotilla_proto::v1::Session,
     ) -> bool {
@@ -192,29 +195,50 @@ impl Leftovers {
             return false;
         }
         s.attempt = attempt;
-        self.kept += 1;
-        let seq = self.kept;
         let e = self.calls.entry(id.clone()).or_default();
         if e.session.as_ref().is_some_and(|old| old.attempt > attempt) || attempt <= e.fresh_upto {
             return false;
         }
+        self.put_session(id, namespace, s);
+        true
+    }
+
+    /// Holds `s` as `id`'s conversation; past the namespace's share or the whole bound, the
+    /// oldest conversations (of that namespace first) go.
+    fn put_session(&mut self, id: &CallId, namespace: &str, s: flotilla_proto::v1::Session) {
+        self.drop_session(id);
+        self.kept += 1;
         let len = s.state.len();
-        let old = e.session.replace(s).map_or(0, |o| o.state.len());
-        e.session_seq = seq;
-        self.session_bytes = self.session_bytes + len - old;
-        while self.session_bytes > SESSIONS_BYTES {
-            let Some(oldest) = self
-                .calls
-                .iter()
-                .filter(|(_, e)| e.session.is_some())
-                .min_by_key(|(_, e)| e.session_seq)
-                .map(|(k, _)| k.clone())
-            else {
+        let e = self.calls.entry(id.clone()).or_default();
+        e.session = Some(s);
+        e.session_seq = self.kept;
+        e.namespace = namespace.to_owned();
+        self.session_bytes += len;
+        *self
+            .namespace_bytes
+            .entry(namespace.to_owned())
+            .or_default() += len;
+        while self.namespace_bytes.get(namespace).copied().unwrap_or(0) > NAMESPACE_SESSIONS_BYTES {
+            let Some(oldest) = self.oldest(Some(namespace)) else {
                 break;
             };
             self.drop_session(&oldest);
         }
-        true
+        while self.session_bytes > SESSIONS_BYTES {
+            let Some(oldest) = self.oldest(None) else {
+                break;
+            };
+            self.drop_session(&oldest);
+        }
+    }
+
+    /// The call whose conversation was kept first (of `namespace`, if given).
+    fn oldest(&self, namespace: Option<&str>) -> Option<CallId> {
+        self.calls
+            .iter()
+            .filter(|(_, e)| e.session.is_some() && namespace.is_none_or(|n| e.namespace == n))
+            .min_by_key(|(_, e)| e.session_seq)
+            .map(|(k, _)| k.clone())
     }
 
     /// The conversation `id`'s next attempt continues, if one is kept.
@@ -232,8 +256,18 @@ impl Leftovers {
 
     /// Lets go of `id`'s session.
     fn drop_session(&mut self, id: &CallId) {
-        if let Some(s) = self.calls.get_mut(id).and_then(|e| e.session.take()) {
-            self.session_bytes -= s.state.len();
+        let Some(e) = self.calls.get_mut(id) else {
+            return;
+        };
+        if let Some(s) = e.session.take() {
+            let len = s.state.len();
+            self.session_bytes -= len;
+            if let Some(n) = self.namespace_bytes.get_mut(&e.namespace) {
+                *n -= len;
+                if *n == 0 {
+                    self.namespace_bytes.remove(&e.namespace);
+                }
+            }
         }
     }
 }
@@ -291,7 +325,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(l.store_copy(&id(0), "k0"), Keep::Nothing);
-        assert!(l.keep_session(&id(0), 1, session(2)));
+        assert!(l.keep_session(&id(0), "n", 1, session(2)));
         let Keep::Put(k) = l.store_copy(&id(0), "k0") else {
             panic!("a conversation kept is put")
         };
@@ -305,14 +339,46 @@ mod tests {
         let mut kept = k.clone();
         kept.base = "b".into();
         kept.commit = "c".into();
-        l.adopt(&id(1), kept);
+        l.adopt(&id(1), "n", kept);
         assert_eq!(l.start_of(&id(1)), Some(("b", "c")));
         assert_eq!(l.session_of(&id(1)).map(|s| s.turns), Some(2));
-        assert!(l.keep_session(&id(1), 1, session(5)));
+        assert!(l.keep_session(&id(1), "n", 1, session(5)));
         assert!(l.stored(&id(1), 1, "b".into(), "c1".into()));
         assert_eq!(l.session_of(&id(1)).map(|s| s.turns), Some(5));
         assert!(l.forget(&id(1)), "its end deletes the store's copy");
         assert!(!l.forget(&id(0)), "nothing of it is in the store");
         assert_eq!(l.session_bytes, 0);
+        assert!(l.namespace_bytes.is_empty());
+    }
+
+    #[test]
+    fn one_namespace_s_conversations_push_out_only_its_own_past_its_share() {
+        let mut l = Leftovers::default();
+        let big = |fill| flotilla_proto::v1::Session {
+            state: vec![fill; MAX_SESSION_BYTES],
+            ..Default::default()
+        };
+        assert!(l.keep_session(&id(0), "quiet", 1, big(0)));
+        let share = NAMESPACE_SESSIONS_BYTES / MAX_SESSION_BYTES;
+        for n in 1..=(share as u64 + 3) {
+            assert!(l.keep_session(&id(n), "loud", 1, big(1)));
+        }
+        assert!(
+            l.session_of(&id(0)).is_some(),
+            "another namespace's is kept"
+        );
+        let loud = (1..=share as u64 + 3)
+            .filter(|n| l.session_of(&id(*n)).is_some())
+            .collect::<Vec<_>>();
+        assert_eq!(
+            loud,
+            (4..=share as u64 + 3).collect::<Vec<_>>(),
+            "its oldest went"
+        );
+        assert_eq!(l.namespace_bytes["loud"], NAMESPACE_SESSIONS_BYTES);
+        assert_eq!(
+            l.session_bytes,
+            NAMESPACE_SESSIONS_BYTES + MAX_SESSION_BYTES
+        );
     }
 }

@@ -432,7 +432,8 @@ impl Dispatcher {
         let id = (run, ticket.call);
         if let Some(k) = adopted {
             tracing::info!(run = %id.0, call = id.1, conversation = k.session.is_some(), files = !k.commit.is_empty(), "the call starts from what its interrupted attempt left before this coordinator adopted the run");
-            self.leftovers.adopt(&id, k);
+            let namespace = self.runs[&id.0].reg.share.namespace.clone();
+            self.leftovers.adopt(&id, &namespace, k);
         }
         self.calls
             .insert(id.clone(), Box::new(CallState::new(ticket)));

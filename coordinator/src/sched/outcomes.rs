@@ -140,10 +140,8 @@ impl Dispatcher {
                 Some(outcome::Result::Failure(f)) => (f.partial, f.session),
                 _ => (None, None),
             };
-            if let Some(s) = session
-                && self.leftovers.keep_session(&id, o.attempt, s)
-            {
-                self.keep_in_store(&id);
+            if let Some(s) = session {
+                self.keep_session(&id, o.attempt, s);
             }
             let storing = partial.is_some_and(|p| self.keep_partial(&id, o.attempt, p));
             if !storing {
@@ -176,9 +174,8 @@ impl Dispatcher {
                 let kind = FailureKind::try_from(f.kind).unwrap_or(FailureKind::Terminal);
                 if retry::goes_again(kind)
                     && let Some(s) = f.session.take()
-                    && self.leftovers.keep_session(&id, o.attempt, s)
                 {
-                    self.keep_in_store(&id);
+                    self.keep_session(&id, o.attempt, s);
                 }
                 if retry::goes_again(kind)
                     && let Some(p) = f.partial.take()
@@ -577,6 +574,18 @@ impl Dispatcher {
             }
         }
         self.salvaged(id, attempt);
+    }
+
+    /// Keeps the conversation attempt `attempt` of `id` left, for its next attempt, within
+    /// the bounds (per call, per namespace, in all), here and in the store.
+    fn keep_session(&mut self, id: &CallId, attempt: u32, s: v1::Session) {
+        let Some(c) = self.calls.get(id) else {
+            return;
+        };
+        let namespace = c.ticket.task.namespace.clone();
+        if self.leftovers.keep_session(id, &namespace, attempt, s) {
+            self.keep_in_store(id);
+        }
     }
 
     /// Writes what `id`'s next attempt starts from to the store, where a coordinator that
