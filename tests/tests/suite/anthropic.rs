@@ -152,3 +152,30 @@ fn the_prefix_stagger_turns_a_fan_out_into_cache_reads() {
         "without it, most start before the prefix is cached ({off}/19)"
     );
 }
+
+/// Issue 33, 3, for the Messages API backend: an attempt that stalls mid-conversation hands
+/// back its message history, and the next attempt continues it: its first request carries the
+/// feedback the stalled one had been given, not the bare prompt again.
+#[test]
+fn a_stalled_attempt_s_message_history_is_continued_by_the_next() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (_code, r) = run(
+        &env,
+        &fake,
+        "try { return await agent('count [[json:{\"n\":\"three\"}]] [[stall-at:1]]', \
+           { label: 'count', schema: { type: 'object', properties: { n: { type: 'number' } }, required: ['n'] } }); } \
+         catch (e) { return e.code; }",
+        &["--schema-attempts", "3", "--stall-timeout", "2s"],
+    );
+    let turns: Vec<usize> = posts(&fake)
+        .iter()
+        .map(|s| flotilla_tests::fake_anthropic::tool_results(&s.body))
+        .collect();
+    // The bare prompt, its feedback (the request that stalls), then the next attempt from
+    // that feedback on: started over, it would send none.
+    assert_eq!(turns.get(..3), Some(&[0, 1, 1][..]), "{turns:?}: {r}");
+    let agent = flotilla_tests::agent(&r, "count");
+    assert_eq!(agent["segments"][0]["outcome"], "stalled", "{r}");
+    assert_eq!(agent["attempts"], 2, "{r}");
+}
