@@ -241,6 +241,17 @@ tokens_per_day = 100
         old.kill().expect("kill");
         old.wait().expect("reap");
     }
+    // The next coordinator reads the wall clock through libfaketime, from a file this test
+    // writes: at first no shift; later the next UTC day, when its quotas reset. Its monotonic
+    // clock (timers, leases' renewals) is left alone.
+    let shift = c.path().join("clock-shift");
+    std::fs::write(&shift, "+0\n").unwrap();
+    c.coordinator_env = vec![
+        ("LD_PRELOAD".into(), FAKETIME.into()),
+        ("FAKETIME_TIMESTAMP_FILE".into(), shift.display().to_string()),
+        ("FAKETIME_NO_CACHE".into(), "1".into()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+    ];
     c.start_coordinator();
     c.wait_for_workers(1);
     let out = refused(&c);
@@ -286,11 +297,25 @@ tokens_per_day = 100
     let resumed = c.client_as("tess", &["resume", &run]);
     assert_ne!(resumed.code, 0, "{resumed:?}");
     assert!(resumed.stderr.contains("goes on by itself"), "{resumed:?}");
-    let stopped = c.client_as("tess", &["stop", &run]);
-    assert_eq!(stopped.code, 0, "{stopped:?}");
+    // The coordinator's day turns: the quota resets and the run goes on where it stopped,
+    // its third agent run once, nothing before it again.
+    std::fs::write(&shift, "+1d\n").unwrap();
     let out = c.client_as("tess", &["wait", &run, "--json"]);
-    assert_eq!(out.json()["status"], "stopped", "{out:?}");
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["result"], serde_json::json!(["ok", "ok", "ok"]), "{r}");
+    assert_eq!(r["usage"]["dispatched"], 3, "every agent once: {r}");
+    let logs = r["logs"].to_string();
+    assert!(
+        logs.contains("[quota] the namespace's daily quota reset")
+            && logs.contains("[quota] the run goes on"),
+        "{r}"
+    );
 }
+
+/// libfaketime, which `tools/test` installs (Debian `faketime`).
+const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 /// A client sees and controls only its namespaces' runs: status, wait, stop, runs and the
 /// session pages all answer as if another namespace's run were not there; a launch into a
