@@ -466,6 +466,8 @@ impl Cluster {
             cmd.arg("--advertise").arg(format!("https://{host}:{port}"));
         }
         cmd.args(&self.coordinator_args);
+        // A test's own environment may set the log filter too (`FLOTILLA_LOG`).
+        cmd.env("FLOTILLA_LOG", "info");
         cmd.envs(
             self.coordinator_env
                 .iter()
@@ -474,8 +476,7 @@ impl Cluster {
         if let Some((_, env)) = &self.store {
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
-        cmd.env("FLOTILLA_LOG", "info")
-            .env("AWS_EC2_METADATA_DISABLED", "true")
+        cmd.env("AWS_EC2_METADATA_DISABLED", "true")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)

@@ -1314,6 +1314,24 @@ impl EventSink for LinkSink {
                 kind: kind as i32,
                 output_tokens,
                 detail,
+                session: None,
+            })),
+        });
+    }
+
+    fn checkpoint(&self, session: v1::Session) {
+        if session.state.len() > flotilla_proto::frag::MAX_SESSION_BYTES {
+            return;
+        }
+        let _ = self.tx.send(WorkerMessage {
+            msg: Some(worker_message::Msg::Progress(v1::Progress {
+                run_id: self.run_id.clone(),
+                call: self.call,
+                attempt: self.attempt,
+                kind: ProgressKind::SessionCheckpoint as i32,
+                output_tokens: 0,
+                detail: String::new(),
+                session: Some(session),
             })),
         });
     }

@@ -52,6 +52,17 @@ impl Dispatcher {
             .output_tokens
             .min(self.opts.usage.output_ceiling(self.fleet.ran(&given)));
         let kind = ProgressKind::try_from(p.kind).unwrap_or(ProgressKind::Unspecified);
+        if kind == ProgressKind::SessionCheckpoint {
+            // Kept for the next attempt should this one be lost with its worker (in memory: a
+            // running attempt goes on across a coordinator's failover). It says only what the
+            // agent did before: not heard as progress.
+            if let Some(s) = p.session {
+                tracing::debug!(run = %id.0, call = id.1, attempt = p.attempt, turns = s.turns, "a checkpoint of a running agent's conversation");
+                let namespace = c.ticket.task.namespace.clone();
+                self.leftovers.keep_session(&id, &namespace, p.attempt, s);
+            }
+            return;
+        }
         // A tool call in flight, or the workspace being made, holds the stall timer.
         c.watchdog.heard(kind);
         if kind == ProgressKind::StructuredCaptured {

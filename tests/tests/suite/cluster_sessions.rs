@@ -10,6 +10,19 @@ use flotilla_tests::cluster::Cluster;
 use flotilla_tests::fake_anthropic::{FakeAnthropic, tool_results};
 use serde_json::Value;
 
+/// `text` without its terminal colours.
+fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('\x1b') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        rest = rest.find('m').map_or("", |m| &rest[m + 1..]);
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The Messages API requests of the agent whose prompt holds `mark`.
 fn asked(fake: &FakeAnthropic, mark: &str) -> Vec<Value> {
     fake.requests()
@@ -150,4 +163,75 @@ fn a_paused_agent_s_conversation_outlives_its_coordinator_s_sigkill() {
         "the call ended, and what it kept is still there: {:?}",
         c.stored_keys(&kept)
     );
+}
+
+/// A worker SIGKILLed mid-conversation hands nothing back, but its agent's conversation was
+/// checkpointed while it ran (`FLOTILLA_SESSION_CHECKPOINT`): the attempt, lost with its
+/// worker, is restarted on another one, which continues the session from that checkpoint.
+#[test]
+fn an_agent_whose_worker_is_sigkilled_continues_from_its_last_checkpoint() {
+    let fake = FakeAnthropic::start();
+    let mut c = Cluster::start_with_ttl(0, 1, std::time::Duration::from_secs(3));
+    c.coordinator_env.push((
+        "FLOTILLA_LOG".into(),
+        "info,flotilla_coordinator::sched::outcomes=debug".into(),
+    ));
+    // The coordinator started already: its log filter comes with its restart below.
+    let mut first = c.take_coordinator().unwrap();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    c.start_coordinator();
+    c.worker_args = vec!["--backend".into(), "claude-code".into()];
+    c.worker_env = fake.env();
+    c.worker_env.extend([
+        (
+            "FLOTILLA_CLAUDE_BIN".into(),
+            crate::claude::claude_bin().to_str().unwrap().to_owned(),
+        ),
+        ("FLOTILLA_SESSION_CHECKPOINT".into(), "300ms".into()),
+    ]);
+    c.issue_worker(0);
+    c.start_worker(0, 1);
+    c.wait_for_workers(1);
+    let run = c.launch(
+        "steps",
+        "return await agent('four steps [[turns:4]] [[stall-at:2]]', { label: 'steps' });",
+        &[
+            "--stagger",
+            "0",
+            "--backend",
+            "claude-code",
+            "--stall-timeout",
+            "10m",
+        ],
+    );
+    let log =
+        || plain(&std::fs::read_to_string(c.path().join("coordinator.log")).unwrap_or_default());
+    assert!(
+        flotilla_tests::eventually(60, || asked(&fake, "four steps").len() == 3
+            && log().lines().any(|l| l
+                .contains("a checkpoint of a running agent's conversation")
+                && l.contains("turns=2"))),
+        "no checkpoint of two turns: {} requests; the coordinator's log:\n{}",
+        asked(&fake, "four steps").len(),
+        log()
+    );
+    c.signal_worker(0, "-9");
+    c.issue_worker(1);
+    c.start_worker(1, 1);
+    let out = c.client(&["wait", &run, "--json"]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let r = out.json();
+    assert_eq!(r["result"], "done after 4 turns", "{r}");
+    let turns: Vec<usize> = asked(&fake, "four steps")
+        .iter()
+        .map(tool_results)
+        .collect();
+    assert_eq!(
+        turns,
+        [0, 1, 2, 2, 3, 4],
+        "went on from the checkpoint's two turns"
+    );
+    let agent = flotilla_tests::agent(&r, "steps");
+    assert_eq!(agent["segments"][1]["worker"], "worker-1", "{r}");
 }

@@ -248,7 +248,10 @@ tokens_per_day = 100
     std::fs::write(&shift, "+0\n").unwrap();
     c.coordinator_env = vec![
         ("LD_PRELOAD".into(), FAKETIME.into()),
-        ("FAKETIME_TIMESTAMP_FILE".into(), shift.display().to_string()),
+        (
+            "FAKETIME_TIMESTAMP_FILE".into(),
+            shift.display().to_string(),
+        ),
         ("FAKETIME_NO_CACHE".into(), "1".into()),
         ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
     ];

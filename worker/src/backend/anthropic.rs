@@ -441,6 +441,12 @@ impl AgentBackend for Anthropic {
                     messages.push(json!({"role": "user", "content": [
                         {"type": "tool_result", "tool_use_id": id, "is_error": true,
                          "content": format!("Output does not match the required schema: {problem}")}]}));
+                    // What the next attempt continues should this worker be lost.
+                    if let Some(s) =
+                        super::session::of_messages("anthropic", &messages, &task.spec.prompt)
+                    {
+                        events.checkpoint(*s);
+                    }
                 }
                 Err(mut e) => {
                     e.usage = total;

@@ -49,6 +49,10 @@ pub struct ClaudeCode {
     /// An interrupted attempt's session is continued by the next (issue 33, 3); `false`
     /// (`FLOTILLA_SESSIONS=fresh`): every attempt starts over, as Claude Code's restarts do.
     pub sessions: bool,
+    /// How often a running attempt's conversation is checkpointed to the coordinator, when
+    /// the model took a turn since the last (`FLOTILLA_SESSION_CHECKPOINT`, 30 s by default,
+    /// `off`): what the call's next attempt continues should this worker be lost.
+    pub checkpoint_every: Option<Duration>,
 }
 
 impl ClaudeCode {
@@ -88,6 +92,11 @@ impl ClaudeCode {
             limit_wait,
             api_env,
             sessions: get("FLOTILLA_SESSIONS").as_deref() != Some("fresh"),
+            checkpoint_every: match get("FLOTILLA_SESSION_CHECKPOINT").as_deref() {
+                Some("off") => None,
+                Some(v) => parse_wait(v).filter(|d| !d.is_zero()),
+                None => Some(Duration::from_secs(30)),
+            },
         }
     }
 
@@ -452,9 +461,19 @@ impl AgentBackend for ClaudeCode {
         if let Some(line) = start.line() {
             events.transcript(json!({"type": "session", "text": line}));
         }
-        let ran = self
-            .run_with(task, events, cancel, config.path(), &start)
-            .await;
+        let run = self.run_with(task, events, cancel, config.path(), &start);
+        let ran = match self.checkpoint_every.filter(|_| self.sessions) {
+            Some(every) => {
+                let at = (config.path(), workdir.as_path());
+                let keep =
+                    session::keep_checkpoints(every, at, start.id(), &task.spec.prompt, events);
+                tokio::select! {
+                    r = run => r,
+                    never = keep => match never {},
+                }
+            }
+            None => run.await,
+        };
         // What it said and heard so far goes with a failure, for the next attempt to go on.
         ran.map_err(|mut e| {
             e.session = session::capture(config.path(), &workdir, start.id(), &task.spec.prompt)

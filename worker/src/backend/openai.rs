@@ -235,6 +235,12 @@ impl AgentBackend for OpenAi {
                     messages.push(json!({"role": "assistant", "content": text}));
                     messages.push(json!({"role": "user", "content": format!(
                         "Your answer does not match the required JSON schema: {problem}. Answer again with JSON only.")}));
+                    // What the next attempt continues should this worker be lost.
+                    if let Some(s) =
+                        super::session::of_messages("openai", &messages, &task.spec.prompt)
+                    {
+                        events.checkpoint(*s);
+                    }
                 }
                 Err(mut e) => {
                     e.usage = total;

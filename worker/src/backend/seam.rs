@@ -242,6 +242,10 @@ impl EventSink for Tail {
         self.inner.progress(kind, output_tokens, detail);
     }
 
+    fn checkpoint(&self, session: v1::Session) {
+        self.inner.checkpoint(session);
+    }
+
     fn transcript(&self, event: Value) {
         let result = (event.get("type").and_then(Value::as_str) == Some("result")).then(|| {
             event
@@ -270,6 +274,9 @@ impl std::fmt::Debug for Events {
 pub trait EventSink: Send + Sync {
     fn progress(&self, kind: ProgressKind, output_tokens: u64, detail: String);
     fn transcript(&self, event: Value);
+    /// A checkpoint of the agent's conversation so far (issue 33, 3); a sink that does not
+    /// keep them drops it.
+    fn checkpoint(&self, _session: v1::Session) {}
 }
 
 impl Events {
@@ -280,6 +287,12 @@ impl Events {
     /// Reports progress; any progress resets the coordinator's stall timer.
     pub fn progress(&self, kind: ProgressKind, output_tokens: u64) {
         self.inner.progress(kind, output_tokens, String::new());
+    }
+
+    /// Sends a checkpoint of the agent's conversation so far, for the call's next attempt
+    /// should this one be lost with its worker.
+    pub fn checkpoint(&self, session: v1::Session) {
+        self.inner.checkpoint(session);
     }
 
     /// Reports that a valid structured output was captured.

@@ -176,6 +176,39 @@ pub fn capture(config: &Path, workdir: &Path, id: &str, prompt: &str) -> Option<
     })
 }
 
+/// Sends `events` a checkpoint of session `id` (in `config`, for `workdir`) every `every`
+/// while the model has taken a turn since the last one sent; never returns (it goes with the
+/// attempt it runs beside).
+pub async fn keep_checkpoints(
+    every: std::time::Duration,
+    (config, workdir): (&Path, &Path),
+    id: &str,
+    prompt: &str,
+    events: &super::seam::Events,
+) -> std::convert::Infallible {
+    let mut sent = 0u32;
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let (c, w, i, p) = (
+            config.to_owned(),
+            workdir.to_owned(),
+            id.to_owned(),
+            prompt.to_owned(),
+        );
+        // A file of up to 32 MiB, read off the runtime's threads.
+        let taken = tokio::task::spawn_blocking(move || capture(&c, &w, &i, &p))
+            .await
+            .ok()
+            .flatten();
+        if let Some(s) = taken.filter(|s| s.turns > sent) {
+            sent = s.turns;
+            events.checkpoint(s);
+        }
+    }
+}
+
 /// An API backend's conversation (`anthropic`, `openai`): its messages as JSON, when the model
 /// has said something yet.
 pub fn of_messages(

@@ -138,6 +138,7 @@ async fn an_outcome_counts_only_for_the_attempt_it_was_given_with_its_key_and_fe
         kind: ProgressKind::Output as i32,
         output_tokens: u64::MAX,
         detail: String::new(),
+        session: None,
     }));
     tokio::time::sleep(Duration::from_millis(10)).await;
     let (done, usage) = results_and_usage(&heard(&mut events));
@@ -206,6 +207,7 @@ async fn an_implausible_usage_report_is_clipped_to_what_one_attempt_can_use() {
         kind: ProgressKind::Output as i32,
         output_tokens: u64::MAX,
         detail: String::new(),
+        session: None,
     }));
     tokio::time::sleep(Duration::from_millis(10)).await;
     let progress: Vec<u64> = heard(&mut events)

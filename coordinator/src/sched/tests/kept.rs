@@ -111,3 +111,49 @@ async fn a_coordinator_that_adopts_a_run_continues_the_conversation_the_last_one
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(finished(&mut events).await.len(), 2);
 }
+
+/// A running attempt's checkpoints (issue 33, 3): the newest one from the worker that holds the
+/// attempt is what the call's next attempt continues when that worker is lost; one sent by
+/// another worker for an attempt it does not hold is dropped.
+#[tokio::test(start_paused = true)]
+async fn a_lost_worker_s_agent_continues_from_its_last_checkpoint_and_no_one_else_s() {
+    let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
+    let first = FakeWorker::attach_offering(&d, "w1", 1, &[], &["claude-code"]);
+    let (run, mut events) = register(&d, "wf_lost_talk", 1, Duration::from_secs(600));
+    d.submit(&run, talking(0));
+    let mut first = first;
+    let a = first.assignment().await;
+    let mut second = FakeWorker::attach_offering(&d, "w2", 1, &[], &["claude-code"]);
+    let checkpoint = |turns: u32| {
+        worker_message::Msg::Progress(v1::Progress {
+            run_id: a.run_id.clone(),
+            call: a.call,
+            attempt: a.attempt,
+            kind: ProgressKind::SessionCheckpoint as i32,
+            session: Some(v1::Session {
+                backend: "claude-code".into(),
+                state: format!("{turns} turns").into_bytes(),
+                turns,
+                ..v1::Session::default()
+            }),
+            ..v1::Progress::default()
+        })
+    };
+    first.send(checkpoint(2));
+    first.send(checkpoint(3));
+    // The other worker forges one for the attempt it was never given.
+    second.send(checkpoint(9));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    drop(first);
+    let b = second.assignment().await;
+    assert_eq!((b.call, b.attempt), (0, 2));
+    let given = b.task.as_ref().unwrap().session.clone();
+    assert_eq!(
+        given.map(|s| (s.turns, s.state)),
+        Some((3, b"3 turns".to_vec())),
+        "the holder's newest checkpoint, not the forged one"
+    );
+    second.complete(&b, "done");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(finished(&mut events).await.len(), 1);
+}
