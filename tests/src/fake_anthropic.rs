@@ -21,15 +21,17 @@
 //!   `stall-first` does (an agent interrupted after K turns);
 //! - otherwise the text `fake reply to: PROMPT`.
 //!
-//! Prompt caching is simulated (§2.5): the prefix tools → system → messages is hashed up to each
-//! `cache_control` block; the longest breakpoint prefix seen before is read from the cache, the
-//! rest up to the last breakpoint is written. A prefix becomes readable only once the response
-//! that wrote it begins (after a 150 ms think), so requests that start together all miss, as
-//! with the real API.
+//! Prompt caching is simulated (§2.5): the prefix tools → system → messages is hashed at every
+//! block; a `cache_control` block writes its prefix; a request reads the longest prefix written
+//! before that ends at one of its breakpoints or up to 20 blocks before one (the API's
+//! lookback), and writes the rest up to its last breakpoint. A prefix becomes readable only
+//! once the response that wrote it begins (after a 150 ms think), so requests that start
+//! together all miss, as with the real API.
 //!
 //! It also answers OpenAI-style `POST /v1/chat/completions` (streamed chunks with
 //! `stream_options.include_usage`, or one JSON object), scripted by the same markers: with a
-//! `json_schema` response format the content is the `[[json:...]]` text or a made-up value.
+//! `json_schema` response format the content is the `[[json:...]]` text or a made-up value;
+//! `[[stall-at:K]]` counts the model's answers in the conversation instead of tool results.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -910,7 +912,20 @@ fn answer_chat(conn: &mut TcpStream, body: &Value, id: u64, cache: &Cache) -> bo
     let stall = marker(&prompt, "stall-first")
         .and_then(|n| n.parse::<u32>().ok())
         .is_some_and(|n| cache.count(&format!("chat-stall:{prompt}")) <= n);
-    if stall {
+    // `[[stall-at:K]]`: the first request whose conversation holds K answers of the model
+    // stalls so (an agent interrupted after K turns).
+    let said = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .map_or(0, |m| {
+            m.iter()
+                .filter(|x| x.get("role").and_then(Value::as_str) == Some("assistant"))
+                .count()
+        });
+    let stall_at = marker(&prompt, "stall-at")
+        .and_then(|k| k.parse::<usize>().ok())
+        .is_some_and(|k| k == said && cache.count(&format!("chat-stall-at:{prompt}:{k}")) == 1);
+    if stall || stall_at {
         let first = json!({"id": format!("chatcmpl-fake-{id}"), "object": "chat.completion.chunk",
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
         let head = format!(

@@ -74,3 +74,34 @@ fn a_schema_result_uses_the_json_schema_response_format_and_feedback() {
     let last = chats(&fake).last().unwrap().body["messages"].to_string();
     assert!(last.contains("does not match"), "{last}");
 }
+
+/// Issue 33, 3, for the Chat Completions backend: an attempt that stalls mid-conversation
+/// hands back its messages, and the next attempt continues them: its first request carries the
+/// model's earlier answer and the feedback on it, not the bare prompt again.
+#[test]
+fn a_stalled_attempt_s_messages_are_continued_by_the_next() {
+    let env = Env::new();
+    let fake = FakeAnthropic::start();
+    let (_code, r) = run(
+        &env,
+        &fake,
+        "try { return await agent('count [[json:{\"n\":\"three\"}]] [[stall-at:1]]', \
+           { label: 'count', model: 'gpt-test', schema: { type: 'object', properties: { n: { type: 'number' } }, required: ['n'] } }); } \
+         catch (e) { return e.code; }",
+        &["--schema-attempts", "3", "--stall-timeout", "2s"],
+    );
+    let said: Vec<usize> = chats(&fake)
+        .iter()
+        .map(|s| {
+            s.body["messages"]
+                .as_array()
+                .map_or(0, |m| m.iter().filter(|x| x["role"] == "assistant").count())
+        })
+        .collect();
+    // The bare prompt, the feedback on its answer (the request that stalls), then the next
+    // attempt from that feedback on: started over, it would hold no answer.
+    assert_eq!(said.get(..3), Some(&[0, 1, 1][..]), "{said:?}: {r}");
+    let agent = flotilla_tests::agent(&r, "count");
+    assert_eq!(agent["segments"][0]["outcome"], "stalled", "{r}");
+    assert_eq!(agent["attempts"], 2, "{r}");
+}
