@@ -3,6 +3,7 @@
 //! `WorkflowAnswer` and the session page (Chromium) — a wrong answer refused with the reason,
 //! a client of another namespace refused as if the run were not there. A question outlives
 //! its coordinator's SIGKILL and is answered on the successor, and a resume does not ask again.
+//! A parked question survives a pause and is answered while the run is paused.
 
 use flotilla_tests::cluster::Cluster;
 use flotilla_tests::hook::Hook;
@@ -346,4 +347,63 @@ fn a_run_waiting_on_questions_is_parked_without_its_script_and_woken_by_an_answe
     assert_eq!(stopped.code, 0, "{stopped:?}");
     let out = c.client(&["wait", &other, "--json"]);
     assert_eq!(out.json()["status"], "stopped", "{out:?}");
+}
+
+/// A question survives `pause`/`resume`: a pause wakes the parked run and pauses it, the
+/// question stays open and is answered while the run is paused, the agent the answer lets go
+/// waits for `resume`, and then runs once.
+#[test]
+fn a_question_is_answered_while_its_run_is_paused_and_the_run_goes_on_at_resume() {
+    let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
+    let c = Cluster::start_configured_env(
+        1,
+        4,
+        &["--park-after", "1s"],
+        &["--backend", "anthropic"],
+        fake.env(),
+    );
+    let run = c.launch(
+        "paused",
+        "const go = await ask('Go on?', { schema: { type: 'boolean' } });\n\
+         return { go, after: await agent('after ' + go) };",
+        &["--stagger", "0", "--backend", "anthropic"],
+    );
+    let url = c.url();
+    until_at(&c, &url, &run, "parked", |s| {
+        s["waiting"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("parked, waiting for an answer"))
+    });
+    let paused = c.client(&["pause", &run]);
+    assert_eq!(paused.code, 0, "{paused:?}");
+    until_at(&c, &url, &run, "paused, its question open", |s| {
+        s["status"] == "paused" && s["questions"][0]["question"] == "Go on?"
+    });
+    let answered = c.client(&["answer", &run, "--json", "true"]);
+    assert_eq!(answered.code, 0, "{answered:?}");
+    // The answer lets the script go on to its agent, which waits for the run's resume.
+    let held = until_at(&c, &url, &run, "the agent queued", |s| {
+        s["status"] == "paused" && s["queued"] == 1
+    });
+    assert!(
+        held["questions"].as_array().is_none_or(Vec::is_empty),
+        "{held}"
+    );
+    let messages = || {
+        fake.requests()
+            .into_iter()
+            .filter(|s| s.path.ends_with("/messages"))
+            .count()
+    };
+    assert_eq!(messages(), 0, "no agent ran while paused");
+    let resumed = c.client(&["resume", &run]);
+    assert_eq!(resumed.code, 0, "{resumed:?}");
+    let (code, r) = c.wait(&run);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        r["result"],
+        json!({ "go": true, "after": "fake reply to: after true" }),
+        "{r}"
+    );
+    assert_eq!(messages(), 1, "the agent ran once: {r}");
 }
