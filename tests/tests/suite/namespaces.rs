@@ -244,6 +244,10 @@ tokens_per_day = 100
     // The next coordinator reads the wall clock through libfaketime, from a file this test
     // writes: at first no shift; later the next UTC day, when its quotas reset. Its monotonic
     // clock (timers, leases' renewals) is left alone.
+    assert!(
+        std::path::Path::new(FAKETIME).exists(),
+        "no libfaketime at {FAKETIME}: tools/test installs it (apt-get install faketime)"
+    );
     let shift = c.path().join("clock-shift");
     std::fs::write(&shift, "+0\n").unwrap();
     c.coordinator_env = vec![
