@@ -96,7 +96,11 @@ impl Browser {
         let v: Value = serde_json::from_str(&r.body)
             .map_err(|e| format!("chromedriver said {} ({e}): {}", r.status, r.body))?;
         if r.status >= 400 {
-            return Err(format!("{} {}", r.status, v["value"]["error"]));
+            // The message says more (which element would receive a click instead, say); its
+            // first line is enough.
+            let said = v["value"]["message"].as_str().unwrap_or_default();
+            let said = said.lines().next().unwrap_or_default();
+            return Err(format!("{} {}: {said}", r.status, v["value"]["error"]));
         }
         Ok(v["value"].clone())
     }
@@ -158,6 +162,21 @@ impl Browser {
             }
         }
         panic!("click {css}: the element kept going stale ({last})");
+    }
+
+    /// Clicks at point (`x`, `y`) of the viewport (CSS pixels): a real pointer's press and
+    /// release there, on whatever is on top.
+    pub fn click_at(&self, x: u64, y: u64) {
+        self.call(
+            "POST",
+            &self.s("/actions"),
+            Some(json!({"actions": [{"type": "pointer", "id": "mouse",
+                "parameters": {"pointerType": "mouse"},
+                "actions": [
+                    {"type": "pointerMove", "duration": 0, "origin": "viewport", "x": x, "y": y},
+                    {"type": "pointerDown", "button": 0},
+                    {"type": "pointerUp", "button": 0}]}]})),
+        );
     }
 
     /// Types `text` into the first element matching `css` (a real WebDriver send-keys).

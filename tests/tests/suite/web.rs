@@ -458,15 +458,49 @@ fn a_thousand_agent_run_has_a_timeline_agent_pages_and_filtered_runs() {
     assert!(bytes > 10_000, "a real picture: {bytes} bytes");
 
     // A bar opens its agent's page: a rate-limited one, with both attempts and their worker.
-    let retried = r["agents"]
+    // Past the lanes' cap agents share lanes and later bars cover earlier ones, so the click
+    // goes to a point where one of these agents' bars is on top (a real click, at that point).
+    let limited: Vec<(u64, String)> = r["agents"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|a| a["label"] == "survey 7")
-        .unwrap()["index"]
-        .as_u64()
-        .unwrap();
-    b.click(&format!("#timeline svg g[data-a=\"{retried}\"] rect"));
+        .filter(|a| {
+            a["label"]
+                .as_str()
+                .and_then(|l| l.strip_prefix("survey "))
+                .and_then(|n| n.parse::<u64>().ok())
+                .is_some_and(|n| n % 50 == 7)
+        })
+        .map(|a| {
+            (
+                a["index"].as_u64().unwrap(),
+                a["label"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let indices: Vec<u64> = limited.iter().map(|(i, _)| *i).collect();
+    let spot = b.eval(&format!(
+        "for (const i of {indices:?}) {{\n\
+           for (const r of document.querySelectorAll('#timeline svg g[data-a=\"' + i + '\"] rect')) {{\n\
+             r.scrollIntoView({{ block: 'center' }});\n\
+             const box = r.getBoundingClientRect();\n\
+             const y = Math.round(box.top + box.height / 2);\n\
+             for (let x = Math.ceil(box.left); x < box.right; x++) {{\n\
+               if (document.elementFromPoint(x, y) === r) return [i, x, y];\n\
+             }}\n\
+           }}\n\
+         }}\n\
+         return null;"
+    ));
+    let spot: Vec<u64> = spot
+        .as_array()
+        .unwrap_or_else(|| panic!("every rate-limited agent's bar is covered: {spot}"))
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let retried = spot[0];
+    let label = &limited.iter().find(|(i, _)| *i == retried).unwrap().1;
+    b.click_at(spot[1], spot[2]);
     b.wait_for("the agent's page", 20, |b| {
         b.url()
             .ends_with(&format!("/runs/{run}/agents/{retried}"))
@@ -474,7 +508,7 @@ fn a_thousand_agent_run_has_a_timeline_agent_pages_and_filtered_runs() {
         b.text(".attempts")
     });
     let page = b.text("body").unwrap();
-    assert!(page.contains("survey 7"), "{page}");
+    assert!(page.contains(label.as_str()), "{label}: {page}");
     let rows = b.eval("return document.querySelectorAll('table.attempts tbody tr').length;");
     assert_eq!(rows.as_u64(), Some(2), "two attempts: {page}");
     assert!(

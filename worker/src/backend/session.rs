@@ -150,7 +150,10 @@ pub fn capture(config: &Path, workdir: &Path, id: &str, prompt: &str) -> Option<
     if !meta.file_type().is_file() || meta.len() as usize > MAX_SESSION_BYTES || meta.len() == 0 {
         return None;
     }
-    let state = read_nofollow(&file)?;
+    let mut state = read_nofollow(&file)?;
+    // Read while the CLI may be writing (a checkpoint): only whole lines are its session.
+    let whole = state.iter().rposition(|b| *b == b'\n')? + 1;
+    state.truncate(whole);
     let turns = state
         .split(|b| *b == b'\n')
         .filter(|l| {
@@ -293,6 +296,23 @@ mod tests {
             session,
             ..Default::default()
         }
+    }
+
+    /// A checkpoint reads the file while the CLI writes it: a line half written is left out.
+    #[test]
+    fn a_capture_keeps_only_whole_lines() {
+        let (config, work) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let id = new_id();
+        let dir = project_dir(config.path(), work.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        let whole = "{\"type\":\"user\"}\n{\"type\":\"assistant\"}\n";
+        std::fs::write(
+            dir.join(format!("{id}.jsonl")),
+            format!("{whole}{{\"type\":\"assis"),
+        )
+        .unwrap();
+        let s = capture(config.path(), work.path(), &id, "p").expect("captured");
+        assert_eq!((s.state.as_slice(), s.turns), (whole.as_bytes(), 1));
     }
 
     #[test]
