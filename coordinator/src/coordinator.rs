@@ -769,12 +769,7 @@ impl Coordinator {
             .store
             .get(&keys::manifest(run_id))
             .await
-            .map_err(|e| Rejected {
-                message: format!("cannot read the manifest of run {run_id}: {e}"),
-                kind: e.kind(),
-                workflow: WorkflowInfo::default(),
-                resend_source: false,
-            })?
+            .map_err(|e| unreadable(run_id, "the manifest", e))?
             .ok_or_else(|| Rejected {
                 message: format!("no run {run_id} in {}", self.store.url),
                 kind: ErrorKind::NotFound,
@@ -800,12 +795,7 @@ impl Coordinator {
         run_id: &str,
         woken: Option<Vec<crate::owner::Held>>,
     ) -> Result<RunHandle, Rejected> {
-        let unavailable = |what: &str, e: crate::store::Error| Rejected {
-            message: format!("cannot read {what} of run {run_id}: {e}"),
-            kind: e.kind(),
-            workflow: WorkflowInfo::default(),
-            resend_source: false,
-        };
+        let unavailable = |what: &str, e| unreadable(run_id, what, e);
         let manifest = self.adopted_manifest(run_id).await?;
         let source = self
             .store
@@ -981,6 +971,16 @@ struct StartEngine {
     logs_before: Vec<String>,
     /// What its interrupted calls left their next attempts (an adopted run's).
     kept: std::collections::HashMap<String, flotilla_proto::v1::KeptLeftovers>,
+}
+
+/// Why run `run_id` cannot be adopted: `what` of it cannot be read from the store.
+fn unreadable(run_id: &str, what: &str, e: crate::store::Error) -> Rejected {
+    Rejected {
+        message: format!("cannot read {what} of run {run_id}: {e}"),
+        kind: e.kind(),
+        workflow: WorkflowInfo::default(),
+        resend_source: false,
+    }
 }
 
 /// The log of run `run` so far, from its stored events (an adopted run's earlier generations'

@@ -1278,6 +1278,18 @@ fn keepalive_every(stall_timeout_ms: u64) -> Duration {
 }
 
 impl LinkSink {
+    /// Sends `p` as this attempt's progress.
+    fn send_progress(&self, p: v1::Progress) {
+        let _ = self.tx.send(WorkerMessage {
+            msg: Some(worker_message::Msg::Progress(v1::Progress {
+                run_id: self.run_id.clone(),
+                call: self.call,
+                attempt: self.attempt,
+                ..p
+            })),
+        });
+    }
+
     fn flush(&self) {
         let events = std::mem::take(&mut *lock(&self.buffer));
         if events.is_empty() {
@@ -1306,16 +1318,11 @@ impl EventSink for LinkSink {
             }
             *last = Some(now);
         }
-        let _ = self.tx.send(WorkerMessage {
-            msg: Some(worker_message::Msg::Progress(v1::Progress {
-                run_id: self.run_id.clone(),
-                call: self.call,
-                attempt: self.attempt,
-                kind: kind as i32,
-                output_tokens,
-                detail,
-                session: None,
-            })),
+        self.send_progress(v1::Progress {
+            kind: kind as i32,
+            output_tokens,
+            detail,
+            ..v1::Progress::default()
         });
     }
 
@@ -1323,16 +1330,10 @@ impl EventSink for LinkSink {
         if session.state.len() > flotilla_proto::frag::MAX_SESSION_BYTES {
             return;
         }
-        let _ = self.tx.send(WorkerMessage {
-            msg: Some(worker_message::Msg::Progress(v1::Progress {
-                run_id: self.run_id.clone(),
-                call: self.call,
-                attempt: self.attempt,
-                kind: ProgressKind::SessionCheckpoint as i32,
-                output_tokens: 0,
-                detail: String::new(),
-                session: Some(session),
-            })),
+        self.send_progress(v1::Progress {
+            kind: ProgressKind::SessionCheckpoint as i32,
+            session: Some(session),
+            ..v1::Progress::default()
         });
     }
 

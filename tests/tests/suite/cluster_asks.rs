@@ -251,6 +251,28 @@ fn a_question_outlives_its_coordinator_s_sigkill_and_is_answered_on_the_successo
     );
 }
 
+/// A coordinator that parks a run after a second of waiting on its questions alone, with a
+/// worker of the anthropic backend against `fake`.
+fn parking(fake: &flotilla_tests::fake_anthropic::FakeAnthropic) -> Cluster {
+    Cluster::start_configured_env(
+        1,
+        4,
+        &["--park-after", "1s"],
+        &["--backend", "anthropic"],
+        fake.env(),
+    )
+}
+
+/// Waits until `run` is parked waiting on its question `what`; its status.
+fn parked(c: &Cluster, url: &str, run: &str, what: &str) -> Value {
+    until_at(c, url, run, what, |s| {
+        s["waiting"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("parked, waiting for an answer"))
+            && s["questions"][0]["question"] == what
+    })
+}
+
 /// The coordinator's threads that run a script.
 fn script_threads(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -273,13 +295,7 @@ fn script_threads(pid: u32) -> usize {
 #[test]
 fn a_run_waiting_on_questions_is_parked_without_its_script_and_woken_by_an_answer_or_a_deadline() {
     let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
-    let c = Cluster::start_configured_env(
-        1,
-        4,
-        &["--park-after", "1s"],
-        &["--backend", "anthropic"],
-        fake.env(),
-    );
+    let c = parking(&fake);
     let run = c.launch(
         "parked",
         "const before = await agent('before');\n\
@@ -289,14 +305,7 @@ fn a_run_waiting_on_questions_is_parked_without_its_script_and_woken_by_an_answe
         &["--stagger", "0", "--backend", "anthropic"],
     );
     let url = c.url();
-    let parked = |what: &'static str| {
-        until_at(&c, &url, &run, what, |s| {
-            s["waiting"]
-                .as_str()
-                .is_some_and(|w| w.starts_with("parked, waiting for an answer"))
-                && s["questions"][0]["question"] == what
-        })
-    };
+    let parked = |what: &str| parked(&c, &url, &run, what);
     parked("Go on?");
     assert_eq!(
         script_threads(c.coordinator_pid()),
@@ -355,13 +364,7 @@ fn a_run_waiting_on_questions_is_parked_without_its_script_and_woken_by_an_answe
 #[test]
 fn a_question_is_answered_while_its_run_is_paused_and_the_run_goes_on_at_resume() {
     let fake = flotilla_tests::fake_anthropic::FakeAnthropic::start();
-    let c = Cluster::start_configured_env(
-        1,
-        4,
-        &["--park-after", "1s"],
-        &["--backend", "anthropic"],
-        fake.env(),
-    );
+    let c = parking(&fake);
     let run = c.launch(
         "paused",
         "const go = await ask('Go on?', { schema: { type: 'boolean' } });\n\
@@ -369,11 +372,7 @@ fn a_question_is_answered_while_its_run_is_paused_and_the_run_goes_on_at_resume(
         &["--stagger", "0", "--backend", "anthropic"],
     );
     let url = c.url();
-    until_at(&c, &url, &run, "parked", |s| {
-        s["waiting"]
-            .as_str()
-            .is_some_and(|w| w.starts_with("parked, waiting for an answer"))
-    });
+    parked(&c, &url, &run, "Go on?");
     let paused = c.client(&["pause", &run]);
     assert_eq!(paused.code, 0, "{paused:?}");
     until_at(&c, &url, &run, "paused, its question open", |s| {

@@ -10,6 +10,35 @@ use flotilla_tests::cluster::Cluster;
 use flotilla_tests::fake_anthropic::{FakeAnthropic, tool_results};
 use serde_json::Value;
 
+/// The workers' environment: the fake API's, and the pinned Claude Code CLI.
+fn cli_env(fake: &FakeAnthropic) -> Vec<(String, String)> {
+    let mut env = fake.env();
+    env.push((
+        "FLOTILLA_CLAUDE_BIN".into(),
+        crate::claude::claude_bin().to_str().unwrap().to_owned(),
+    ));
+    env
+}
+
+/// Launches an agent of `turns` model turns whose third model call stalls; its run id.
+/// `words` ("six steps") is how the fake's requests of it are told apart.
+fn launch_steps(c: &Cluster, words: &str, turns: u32) -> String {
+    c.launch(
+        "steps",
+        &format!(
+            "return await agent('{words} [[turns:{turns}]] [[stall-at:2]]', {{ label: 'steps' }});"
+        ),
+        &[
+            "--stagger",
+            "0",
+            "--backend",
+            "claude-code",
+            "--stall-timeout",
+            "10m",
+        ],
+    )
+}
+
 /// `text` without its terminal colours.
 fn plain(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -35,24 +64,8 @@ fn asked(fake: &FakeAnthropic, mark: &str) -> Vec<Value> {
 #[test]
 fn an_agent_cut_off_by_its_worker_s_stop_continues_its_session_on_another_worker() {
     let fake = FakeAnthropic::start();
-    let mut env = fake.env();
-    env.push((
-        "FLOTILLA_CLAUDE_BIN".into(),
-        crate::claude::claude_bin().to_str().unwrap().to_owned(),
-    ));
-    let mut c = Cluster::start_workers_with(1, 1, &["--backend", "claude-code"], env);
-    let run = c.launch(
-        "steps",
-        "return await agent('six steps [[turns:6]] [[stall-at:2]]', { label: 'steps' });",
-        &[
-            "--stagger",
-            "0",
-            "--backend",
-            "claude-code",
-            "--stall-timeout",
-            "10m",
-        ],
-    );
+    let mut c = Cluster::start_workers_with(1, 1, &["--backend", "claude-code"], cli_env(&fake));
+    let run = launch_steps(&c, "six steps", 6);
     // Two turns done; the third model call hangs.
     assert!(
         flotilla_tests::eventually(60, || asked(&fake, "six steps").len() == 3),
@@ -106,26 +119,11 @@ fn a_paused_agent_s_conversation_outlives_its_coordinator_s_sigkill() {
         &["--backend", "claude-code"],
         Some(std::time::Duration::from_secs(3)),
     );
-    c.worker_env = fake.env();
-    c.worker_env.push((
-        "FLOTILLA_CLAUDE_BIN".into(),
-        crate::claude::claude_bin().to_str().unwrap().to_owned(),
-    ));
+    c.worker_env = cli_env(&fake);
     c.issue_worker(0);
     c.start_worker(0, 1);
     c.wait_for_workers(1);
-    let run = c.launch(
-        "steps",
-        "return await agent('five steps [[turns:5]] [[stall-at:2]]', { label: 'steps' });",
-        &[
-            "--stagger",
-            "0",
-            "--backend",
-            "claude-code",
-            "--stall-timeout",
-            "10m",
-        ],
-    );
+    let run = launch_steps(&c, "five steps", 5);
     assert!(
         flotilla_tests::eventually(60, || asked(&fake, "five steps").len() == 3),
         "the agent never reached its third model call"
@@ -171,40 +169,23 @@ fn a_paused_agent_s_conversation_outlives_its_coordinator_s_sigkill() {
 #[test]
 fn an_agent_whose_worker_is_sigkilled_continues_from_its_last_checkpoint() {
     let fake = FakeAnthropic::start();
-    let mut c = Cluster::start_with_ttl(0, 1, std::time::Duration::from_secs(3));
-    c.coordinator_env.push((
-        "FLOTILLA_LOG".into(),
-        "info,flotilla_coordinator::sched::outcomes=debug".into(),
-    ));
-    // The coordinator started already: its log filter comes with its restart below.
-    let mut first = c.take_coordinator().unwrap();
-    first.kill().unwrap();
-    first.wait().unwrap();
-    c.start_coordinator();
+    // The coordinator logs each checkpoint it takes (at debug).
+    let mut c = Cluster::start_with_env(
+        0,
+        1,
+        vec![(
+            "FLOTILLA_LOG".into(),
+            "info,flotilla_coordinator::sched::outcomes=debug".into(),
+        )],
+    );
     c.worker_args = vec!["--backend".into(), "claude-code".into()];
-    c.worker_env = fake.env();
-    c.worker_env.extend([
-        (
-            "FLOTILLA_CLAUDE_BIN".into(),
-            crate::claude::claude_bin().to_str().unwrap().to_owned(),
-        ),
-        ("FLOTILLA_SESSION_CHECKPOINT".into(), "300ms".into()),
-    ]);
+    c.worker_env = cli_env(&fake);
+    c.worker_env
+        .push(("FLOTILLA_SESSION_CHECKPOINT".into(), "300ms".into()));
     c.issue_worker(0);
     c.start_worker(0, 1);
     c.wait_for_workers(1);
-    let run = c.launch(
-        "steps",
-        "return await agent('four steps [[turns:4]] [[stall-at:2]]', { label: 'steps' });",
-        &[
-            "--stagger",
-            "0",
-            "--backend",
-            "claude-code",
-            "--stall-timeout",
-            "10m",
-        ],
-    );
+    let run = launch_steps(&c, "four steps", 4);
     let log =
         || plain(&std::fs::read_to_string(c.path().join("coordinator.log")).unwrap_or_default());
     assert!(

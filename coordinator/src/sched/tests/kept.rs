@@ -40,11 +40,10 @@ async fn a_coordinator_that_adopts_a_run_continues_the_conversation_the_last_one
         Some(store.clone()),
         first_one.clone(),
     );
-    let w = FakeWorker::attach_offering(&d, "w1", 1, &[], &["claude-code"]);
+    let mut w = FakeWorker::attach_offering(&d, "w1", 1, &[], &["claude-code"]);
     let (run, _events) = register(&d, "wf_kept", 1, Duration::from_secs(300));
     d.submit(&run, talking(0));
     d.submit(&run, talking(1));
-    let mut w = w;
     let first = w.assignment().await;
     w.send(worker_message::Msg::Outcome(v1::Outcome {
         run_id: first.run_id.clone(),
@@ -77,22 +76,8 @@ async fn a_coordinator_that_adopts_a_run_continues_the_conversation_the_last_one
         CancellationToken::new(),
     );
     let mut w2 = FakeWorker::attach_offering(&d2, "w2", 1, &[], &["claude-code"]);
-    let (tx, mut events) = mpsc::unbounded_channel();
     let kept = super::super::kept::load(&store, "wf_kept").await;
-    d2.register(RunRegistration {
-        run_id: run.clone(),
-        concurrency: 1,
-        stall_timeout: Duration::from_secs(300),
-        max_attempts: 3,
-        stagger: Duration::ZERO,
-        worker_wait: Duration::from_secs(600),
-        retry_budget: None,
-        throttle_wait: Duration::from_secs(900),
-        head: None,
-        events: tx,
-        share: crate::sched::Share::default(),
-        kept,
-    });
+    let (run, mut events) = register_kept(&d2, "wf_kept", 1, Duration::from_secs(300), kept);
     d2.submit(&run, talking(0));
     let next = w2.assignment().await;
     let given = next.task.as_ref().unwrap().session.clone();
@@ -118,10 +103,9 @@ async fn a_coordinator_that_adopts_a_run_continues_the_conversation_the_last_one
 #[tokio::test(start_paused = true)]
 async fn a_lost_worker_s_agent_continues_from_its_last_checkpoint_and_no_one_else_s() {
     let d = spawn(MemoryLeaseStore::new(), CancellationToken::new());
-    let first = FakeWorker::attach_offering(&d, "w1", 1, &[], &["claude-code"]);
+    let mut first = FakeWorker::attach_offering(&d, "w1", 1, &[], &["claude-code"]);
     let (run, mut events) = register(&d, "wf_lost_talk", 1, Duration::from_secs(600));
     d.submit(&run, talking(0));
-    let mut first = first;
     let a = first.assignment().await;
     let mut second = FakeWorker::attach_offering(&d, "w2", 1, &[], &["claude-code"]);
     let checkpoint = |turns: u32| {

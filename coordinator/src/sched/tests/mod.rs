@@ -156,6 +156,17 @@ fn register(
     concurrency: usize,
     stall: Duration,
 ) -> (Arc<str>, mpsc::UnboundedReceiver<CallEvent>) {
+    register_kept(d, run, concurrency, stall, Default::default())
+}
+
+/// [`register`], the run adopted with what `kept` says its interrupted calls left.
+fn register_kept(
+    d: &DispatchHandle,
+    run: &str,
+    concurrency: usize,
+    stall: Duration,
+    kept: std::collections::HashMap<String, v1::KeptLeftovers>,
+) -> (Arc<str>, mpsc::UnboundedReceiver<CallEvent>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let id: Arc<str> = Arc::from(run);
     d.register(RunRegistration {
@@ -170,7 +181,7 @@ fn register(
         head: None,
         events: tx,
         share: crate::sched::Share::default(),
-        kept: Default::default(),
+        kept,
     });
     (id, rx)
 }
